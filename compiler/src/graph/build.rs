@@ -1,0 +1,368 @@
+//! Graph building: a validated spec -> the unoptimized graph.
+//!
+//! The builder is one recipe with branches for every knob of the spec language: embeddings,
+//! blocks (pre/post/DeepNorm, parallel residual, cross-attention), attention (MHA/GQA/MQA, RoPE,
+//! ALiBi, masks), feed-forward (plain, gated, experts) and outputs. Parameter names are the
+//! canonical ones listed in [`crate::spec::weightmap::TEMPLATES`].
+
+use super::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
+use crate::spec::{BlockKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, Resolved};
+use petgraph::graph::NodeIndex;
+
+type R<T> = Result<T, GraphError>;
+
+/// Builds the graph of a validated spec.
+pub fn build(r: &Resolved) -> R<Graph> {
+    let spec = &r.spec;
+    let mut b = Builder { g: Graph::new(&spec.model.name), r };
+    let (hidden, pool_mask) = match spec.model.kind {
+        BlockKind::Encoder | BlockKind::Decoder => {
+            let ids = b.input("input_ids", InputRole::Ids, Sym::Seq)?;
+            let key_mask = if spec.attention.padding_mask || spec.outputs.pooling != Pooling::None {
+                Some(b.input("attention_mask", InputRole::KeyMask { pad_is_one: false }, Sym::Seq)?)
+            } else {
+                None
+            };
+            let attn_mask = if spec.attention.padding_mask { key_mask } else { None };
+            let token_types = if spec.embedding.token_types > 0 {
+                Some(b.input("token_type_ids", InputRole::TokenTypes, Sym::Seq)?)
+            } else {
+                None
+            };
+            let x = b.embed("", ids, token_types, Sym::Seq)?;
+            let h = b.stack("", x, r.layers(), r.mask, Sym::Seq, attn_mask, None)?;
+            (h, key_mask)
+        }
+        BlockKind::EncoderDecoder => {
+            let src = b.input("src_ids", InputRole::Ids, Sym::SrcSeq)?;
+            let tgt = b.input("tgt_ids", InputRole::Ids, Sym::Seq)?;
+            let src_mask = if spec.attention.padding_mask {
+                Some(b.input("src_padding", InputRole::KeyMask { pad_is_one: true }, Sym::SrcSeq)?)
+            } else {
+                None
+            };
+            let xs = b.embed("encoder.", src, None, Sym::SrcSeq)?;
+            let memory = b.stack("encoder.", xs, r.encoder_layers, MaskKind::Bidirectional, Sym::SrcSeq, src_mask, None)?;
+            let xt = b.embed("decoder.", tgt, None, Sym::Seq)?;
+            let h = b.stack("decoder.", xt, r.decoder_layers, r.mask, Sym::Seq, None, Some((memory, src_mask)))?;
+            (h, None)
+        }
+    };
+
+    if r.logits {
+        b.g.scope = "head".into();
+        let table = if spec.head.tied {
+            b.token_table(if spec.model.kind == BlockKind::EncoderDecoder { "decoder." } else { "" })
+        } else {
+            b.g.param("head.weight", &[spec.model.vocab as usize, spec.model.d_model as usize])
+        };
+        let mut logits = b.g.add(Op::MatMul { transpose_b: true }, &[hidden, table])?;
+        if spec.head.bias {
+            let bias = b.g.param("head.bias", &[spec.model.vocab as usize]);
+            logits = b.g.add(Op::Add, &[logits, bias])?;
+        }
+        b.g.outputs.push(("logits".into(), logits));
+    }
+    if spec.outputs.hidden_states {
+        b.g.outputs.push(("last_hidden_state".into(), hidden));
+    }
+    if spec.outputs.pooling == Pooling::Mean {
+        b.g.scope = "pool".into();
+        let mask = pool_mask.ok_or_else(|| GraphError {
+            op: "mean_pool".into(),
+            scope: "pool".into(),
+            message: "pooling needs the attention_mask input of an encoder or decoder".into(),
+        })?;
+        let pooled = b.g.add(Op::MeanPool, &[hidden, mask])?;
+        b.g.outputs.push(("sentence_embedding".into(), pooled));
+    }
+    b.g.scope.clear();
+    Ok(b.g)
+}
+
+/// The number of parameters the spec's graph has (sum over parameter elements).
+pub fn parameter_count(r: &Resolved) -> u64 {
+    build(r).map(|g| param_elements(&g)).unwrap_or(0)
+}
+
+/// Sum of the elements of every parameter of `g`.
+pub fn param_elements(g: &Graph) -> u64 {
+    g.params()
+        .iter()
+        .map(|(n, _)| {
+            g.g[*n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k as u64 } else { 0 }).product::<u64>()
+        })
+        .sum()
+}
+
+struct Builder<'a> {
+    g: Graph,
+    r: &'a Resolved,
+}
+
+/// Where a block's attention looks: its own input, or an encoder's memory.
+struct Kv {
+    x: NodeIndex,
+    seq: Sym,
+}
+
+impl Builder<'_> {
+    fn d(&self) -> usize {
+        self.r.spec.model.d_model as usize
+    }
+
+    fn input(&mut self, name: &str, role: InputRole, seq: Sym) -> R<NodeIndex> {
+        self.g.scope = "inputs".into();
+        self.g.add(Op::Input { name: name.into(), role, seq }, &[])
+    }
+
+    fn token_table(&mut self, stack: &str) -> NodeIndex {
+        let name = if self.r.spec.embedding.shared { "embed.tokens".to_string() } else { format!("{stack}embed.tokens") };
+        // The same parameter may be requested twice (shared or tied tables): reuse the node.
+        if let Some((n, _)) = self.g.params().into_iter().find(|(_, p)| *p == name) {
+            return n;
+        }
+        let shape = [self.r.spec.model.vocab as usize, self.d()];
+        self.g.param(&name, &shape)
+    }
+
+    /// Token (+ position, + token type) embeddings, scaled and normalised as the spec says.
+    fn embed(&mut self, stack: &str, ids: NodeIndex, token_types: Option<NodeIndex>, seq: Sym) -> R<NodeIndex> {
+        let spec = &self.r.spec;
+        self.g.scope = format!("{stack}embed");
+        let table = self.token_table(stack);
+        let mut x = self.g.add(Op::Gather, &[table, ids])?;
+        if self.r.embed_scale != 1.0 {
+            x = self.g.add(Op::Scale { factor: Scalar(self.r.embed_scale as f32) }, &[x])?;
+        }
+        match spec.positions.kind {
+            PositionKind::Learned => {
+                let table = self.g.param(&format!("{stack}embed.positions"), &[spec.model.max_positions as usize, self.d()]);
+                let pos = self.g.add(Op::Positions { len: Dim::Sym(seq) }, &[])?;
+                let p = self.g.add(Op::Gather, &[table, pos])?;
+                x = self.g.add(Op::Add, &[x, p])?;
+            }
+            PositionKind::Sinusoidal => {
+                let pos = self.g.add(Op::Positions { len: Dim::Sym(seq) }, &[])?;
+                let style = spec.positions.style.unwrap_or(PairStyle::Interleaved);
+                let p = self.g.add(Op::Sinusoid { dim: self.d(), style }, &[pos])?;
+                x = self.g.add(Op::Add, &[x, p])?;
+            }
+            PositionKind::None | PositionKind::Rope | PositionKind::Alibi => {}
+        }
+        if let Some(tt) = token_types {
+            let table = self.g.param(&format!("{stack}embed.token_types"), &[spec.embedding.token_types as usize, self.d()]);
+            let t = self.g.add(Op::Gather, &[table, tt])?;
+            x = self.g.add(Op::Add, &[x, t])?;
+        }
+        if spec.embedding.norm {
+            x = self.norm(x, &format!("{stack}embed.norm"))?;
+        }
+        Ok(x)
+    }
+
+    /// `layers` blocks, then the final norm if any.
+    #[allow(clippy::too_many_arguments)]
+    fn stack(
+        &mut self,
+        stack: &str,
+        mut x: NodeIndex,
+        layers: u64,
+        mask: MaskKind,
+        seq: Sym,
+        key_mask: Option<NodeIndex>,
+        cross: Option<(NodeIndex, Option<NodeIndex>)>,
+    ) -> R<NodeIndex> {
+        for i in 0..layers {
+            x = self.block(&format!("{stack}layers.{i}"), x, mask, seq, key_mask, cross)?;
+        }
+        if self.r.final_norm {
+            self.g.scope = format!("{stack}final_norm");
+            x = self.norm(x, &format!("{stack}final_norm"))?;
+        }
+        Ok(x)
+    }
+
+    fn block(
+        &mut self,
+        name: &str,
+        x: NodeIndex,
+        mask: MaskKind,
+        seq: Sym,
+        key_mask: Option<NodeIndex>,
+        cross: Option<(NodeIndex, Option<NodeIndex>)>,
+    ) -> R<NodeIndex> {
+        let norm = &self.r.spec.norm;
+        if norm.parallel_residual {
+            self.g.scope = format!("{name}.attn");
+            let a_in = self.norm(x, &format!("{name}.attn_norm"))?;
+            let a = self.attention(&format!("{name}.attn"), a_in, Kv { x: a_in, seq }, seq, mask, key_mask)?;
+            self.g.scope = format!("{name}.ffn");
+            let f_in = self.norm(x, &format!("{name}.ffn_norm"))?;
+            let f = self.ffn_or_moe(name, f_in)?;
+            let sum = self.g.add(Op::Add, &[a, f])?;
+            return self.g.add(Op::Add, &[x, sum]);
+        }
+        self.g.scope = format!("{name}.attn");
+        let mut h = self.sublayer(x, &format!("{name}.attn_norm"), |b, y| {
+            b.attention(&format!("{name}.attn"), y, Kv { x: y, seq }, seq, mask, key_mask)
+        })?;
+        if let Some((memory, memory_mask)) = cross {
+            self.g.scope = format!("{name}.cross");
+            h = self.sublayer(h, &format!("{name}.cross_norm"), |b, y| {
+                b.attention(&format!("{name}.cross"), y, Kv { x: memory, seq: Sym::SrcSeq }, seq, MaskKind::Bidirectional, memory_mask)
+            })?;
+        }
+        self.g.scope = format!("{name}.ffn");
+        self.sublayer(h, &format!("{name}.ffn_norm"), |b, y| b.ffn_or_moe(name, y))
+    }
+
+    /// A residual sublayer with the spec's norm placement.
+    fn sublayer(&mut self, x: NodeIndex, norm: &str, f: impl FnOnce(&mut Self, NodeIndex) -> R<NodeIndex>) -> R<NodeIndex> {
+        match self.r.spec.norm.placement {
+            Placement::Pre => {
+                let y = self.norm(x, norm)?;
+                let fy = f(self, y)?;
+                self.g.add(Op::Add, &[x, fy])
+            }
+            Placement::Post | Placement::Deepnorm => {
+                let fx = f(self, x)?;
+                let skip = if self.r.residual_alpha != 1.0 {
+                    self.g.add(Op::Scale { factor: Scalar(self.r.residual_alpha as f32) }, &[x])?
+                } else {
+                    x
+                };
+                let sum = self.g.add(Op::Add, &[skip, fx])?;
+                self.norm(sum, norm)
+            }
+        }
+    }
+
+    fn norm(&mut self, x: NodeIndex, name: &str) -> R<NodeIndex> {
+        let n = &self.r.spec.norm;
+        let d = self.d();
+        let eps = Scalar(n.eps as f32);
+        let gain = self.g.param(&format!("{name}.weight"), &[d]);
+        match n.kind {
+            NormKind::Layernorm => {
+                let bias = self.g.param(&format!("{name}.bias"), &[d]);
+                self.g.add(Op::LayerNorm { eps }, &[x, gain, bias])
+            }
+            NormKind::LayernormNoBias => self.g.add(Op::LayerNorm { eps }, &[x, gain]),
+            NormKind::Rmsnorm => self.g.add(Op::RmsNorm { eps }, &[x, gain]),
+        }
+    }
+
+    /// `x @ W^T (+ b)` with `W: [out, in]`.
+    fn linear(&mut self, x: NodeIndex, name: &str, out: usize, inp: usize, bias: bool) -> R<NodeIndex> {
+        let w = self.g.param(&format!("{name}.weight"), &[out, inp]);
+        let y = self.g.add(Op::MatMul { transpose_b: true }, &[x, w])?;
+        if bias {
+            let b = self.g.param(&format!("{name}.bias"), &[out]);
+            self.g.add(Op::Add, &[y, b])
+        } else {
+            Ok(y)
+        }
+    }
+
+    /// `[b, s, heads * hd] -> [b, heads, s, hd]`.
+    fn split_heads(&mut self, x: NodeIndex, seq: Sym, heads: usize) -> R<NodeIndex> {
+        let hd = self.r.head_dim as usize;
+        let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(seq), Dim::Fixed(heads), Dim::Fixed(hd)];
+        let x = self.g.add(Op::Reshape { shape }, &[x])?;
+        self.g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[x])
+    }
+
+    fn attention(&mut self, name: &str, xq: NodeIndex, kv: Kv, seq: Sym, mask: MaskKind, key_mask: Option<NodeIndex>) -> R<NodeIndex> {
+        let r = self.r;
+        let a = &r.spec.attention;
+        let (d, hd, heads, kv_heads) = (self.d(), r.head_dim as usize, a.heads as usize, r.kv_heads as usize);
+        let is_cross = name.ends_with(".cross");
+        let bias = |b: Option<bool>| b.unwrap_or(a.bias);
+        let q = self.linear(xq, &format!("{name}.q"), heads * hd, d, bias(a.q_bias))?;
+        let k = self.linear(kv.x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
+        let v = self.linear(kv.x, &format!("{name}.v"), kv_heads * hd, d, bias(a.v_bias))?;
+        let mut q = self.split_heads(q, seq, heads)?;
+        let mut k = self.split_heads(k, kv.seq, kv_heads)?;
+        let mut v = self.split_heads(v, kv.seq, kv_heads)?;
+        let positions = &r.spec.positions;
+        if positions.kind == PositionKind::Rope && !is_cross {
+            let rope = Op::Rope {
+                theta: Scalar(positions.theta as f32),
+                rotary_dim: r.rotary_dim as usize,
+                style: positions.style.unwrap_or(PairStyle::RotateHalf),
+            };
+            q = self.g.add(rope.clone(), &[q])?;
+            k = self.g.add(rope, &[k])?;
+        }
+        if kv_heads < heads {
+            let times = heads / kv_heads;
+            k = self.g.add(Op::RepeatHeads { times }, &[k])?;
+            v = self.g.add(Op::RepeatHeads { times }, &[v])?;
+        }
+        let mut s = self.g.add(Op::MatMul { transpose_b: true }, &[q, k])?;
+        s = self.g.add(Op::Scale { factor: Scalar(r.attn_scale as f32) }, &[s])?;
+        if positions.kind == PositionKind::Alibi && !is_cross {
+            s = self.g.add(Op::Alibi, &[s])?;
+        }
+        let (causal, window) = match mask {
+            MaskKind::Bidirectional => (false, None),
+            MaskKind::Causal => (true, None),
+            MaskKind::SlidingWindow => (true, a.window.map(|w| w as usize)),
+        };
+        if causal || key_mask.is_some() {
+            let operands: Vec<NodeIndex> = std::iter::once(s).chain(key_mask).collect();
+            s = self.g.add(Op::Mask { causal, window }, &operands)?;
+        }
+        let p = self.g.add(Op::Softmax, &[s])?;
+        let ctx = self.g.add(Op::MatMul { transpose_b: false }, &[p, v])?;
+        let ctx = self.g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[ctx])?;
+        let ctx = self.g.add(
+            Op::Reshape { shape: vec![Dim::Sym(Sym::Batch), Dim::Sym(seq), Dim::Fixed(heads * hd)] },
+            &[ctx],
+        )?;
+        self.linear(ctx, &format!("{name}.o"), d, heads * hd, bias(a.o_bias))
+    }
+
+    fn ffn_or_moe(&mut self, block: &str, x: NodeIndex) -> R<NodeIndex> {
+        let Some(moe) = &self.r.spec.moe else {
+            return self.ffn(&format!("{block}.ffn"), x);
+        };
+        let (experts, top_k, renormalize) = (moe.experts as usize, moe.top_k as usize, moe.renormalize);
+        self.g.scope = format!("{block}.moe");
+        let logits = self.linear(x, &format!("{block}.moe.router"), experts, self.d(), false)?;
+        let probs = self.g.add(Op::Softmax, &[logits])?;
+        let weights = self.g.add(Op::TopK { k: top_k, renormalize }, &[probs])?;
+        let mut acc: Option<NodeIndex> = None;
+        for e in 0..experts {
+            self.g.scope = format!("{block}.moe.experts.{e}");
+            let y = self.ffn(&format!("{block}.moe.experts.{e}"), x)?;
+            let axis = self.g.g[weights].shape.len() - 1;
+            let w = self.g.add(Op::Slice { axis, start: e, len: 1 }, &[weights])?;
+            let wy = self.g.add(Op::Mul, &[y, w])?;
+            acc = Some(match acc {
+                None => wy,
+                Some(a) => self.g.add(Op::Add, &[a, wy])?,
+            });
+        }
+        acc.ok_or_else(|| GraphError {
+            op: "moe".into(),
+            scope: block.into(),
+            message: "a mixture of experts needs at least one expert".into(),
+        })
+    }
+
+    fn ffn(&mut self, name: &str, x: NodeIndex) -> R<NodeIndex> {
+        let f = &self.r.spec.ffn;
+        let (d, d_ff) = (self.d(), self.r.d_ff as usize);
+        let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
+        let h = if f.gated {
+            let gate = self.linear(x, &format!("{name}.gate"), d_ff, d, f.bias)?;
+            let act = self.g.add(Op::Act(f.activation), &[gate])?;
+            self.g.add(Op::Mul, &[act, up])?
+        } else {
+            self.g.add(Op::Act(f.activation), &[up])?
+        };
+        self.linear(h, &format!("{name}.down"), d, d_ff, f.bias)
+    }
+}

@@ -1,0 +1,661 @@
+//! The graph IR: a dataflow graph of tensor-level ops on petgraph.
+//!
+//! A node is an [`Op`] applied to its operands (incoming edges, ordered by the edge weight, which is
+//! the operand position). Every node carries its inferred [`Shape`] and [`DType`]; model dimensions
+//! are concrete, while batch and sequence lengths stay symbolic ([`Sym`]) until run time. Parameters
+//! are [`Op::Param`] nodes named after the canonical parameter names the weight map resolves.
+//!
+//! The ops are deliberately small and unfused (matmul, add, softmax, norm, rope, ...): fusion is the
+//! optimizer's business. Each op's meaning is defined once, by the CPU reference interpreter
+//! ([`crate::interp`]); shape rules are defined here, in [`Graph::add`].
+//!
+//! **Invariant**: the graph is acyclic and every node's shape is what [`infer`] gives for its op and
+//! operands; [`Graph::check`] verifies both.
+
+pub mod build;
+pub mod print;
+
+use crate::spec::{Activation, PairStyle};
+use crate::tensor::DType;
+use petgraph::Direction;
+use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::visit::EdgeRef;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::fmt;
+
+/// A symbolic dimension, bound when inputs are given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Sym {
+    /// Sequences per batch.
+    Batch,
+    /// Tokens per sequence (the target side of an encoder-decoder).
+    Seq,
+    /// Source tokens per sequence of an encoder-decoder.
+    SrcSeq,
+}
+
+impl Sym {
+    /// The name used in dumps.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sym::Batch => "batch",
+            Sym::Seq => "seq",
+            Sym::SrcSeq => "src_seq",
+        }
+    }
+}
+
+/// One axis extent: a number, or a symbol bound at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dim {
+    /// Known at compile time.
+    Fixed(usize),
+    /// Bound at run time.
+    Sym(Sym),
+}
+
+impl fmt::Display for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dim::Fixed(n) => write!(f, "{n}"),
+            Dim::Sym(s) => f.write_str(s.name()),
+        }
+    }
+}
+
+/// A shape with possibly symbolic axes.
+pub type Shape = Vec<Dim>;
+
+/// Writes `[a, b, c]`.
+pub fn fmt_shape(shape: &[Dim]) -> String {
+    let dims: Vec<String> = shape.iter().map(Dim::to_string).collect();
+    format!("[{}]", dims.join(", "))
+}
+
+/// A float attribute, compared and hashed by its bits so ops can be keys (e-graph nodes).
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub struct Scalar(pub f32);
+
+impl Eq for Scalar {}
+impl std::hash::Hash for Scalar {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state);
+    }
+}
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// What an input tensor is, which decides how the runtime binds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputRole {
+    /// Token ids, `i64[batch, seq]`.
+    Ids,
+    /// Segment ids, `i64[batch, seq]`; zeros when not given.
+    TokenTypes,
+    /// Key padding mask, `f32[batch, seq]` with 1 = attend, 0 = padding; all ones when not given.
+    /// `pad_is_one` says the tensor as given uses the opposite convention (torch's
+    /// `src_key_padding_mask`), and the runtime flips it when binding.
+    KeyMask {
+        /// The given tensor marks padding with 1.
+        pad_is_one: bool,
+    },
+}
+
+/// A tensor-level operation. Operand order is documented per op.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// A model input (no operands).
+    Input {
+        /// The name inputs are given under (`input_ids`, ...).
+        name: String,
+        /// How it is bound.
+        role: InputRole,
+        /// The symbol of its sequence axis (`seq`, or `src_seq` for an encoder-decoder's source).
+        seq: Sym,
+    },
+    /// A weight (no operands), resolved through the weight map.
+    Param {
+        /// Canonical parameter name.
+        name: String,
+    },
+    /// `i64[len]` holding `0, 1, ..., len - 1` (no operands).
+    Positions {
+        /// The length.
+        len: Dim,
+    },
+    /// Fixed sinusoidal table for positions `p`: `(positions i64[n]) -> f32[n, dim]`.
+    Sinusoid {
+        /// Table width.
+        dim: usize,
+        /// Interleaved (sin, cos) pairs or a sin block then a cos block.
+        style: PairStyle,
+    },
+    /// Row lookup: `(table f32[rows, d], ids i64[...]) -> f32[..., d]`.
+    Gather,
+    /// Batched matrix product `(a [..., m, k], b [..., k, n]) -> [..., m, n]`; with `transpose_b`, b is
+    /// `[..., n, k]`. `b` has either a's batch axes or none (a weight shared over the batch).
+    MatMul {
+        /// b is stored with its last two axes swapped.
+        transpose_b: bool,
+    },
+    /// Elementwise sum with numpy broadcasting.
+    Add,
+    /// Elementwise product with numpy broadcasting.
+    Mul,
+    /// `x * factor`.
+    Scale {
+        /// The constant.
+        factor: Scalar,
+    },
+    /// Elementwise activation.
+    Act(Activation),
+    /// LayerNorm over the last axis: `(x, gain[, bias])`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: Scalar,
+    },
+    /// RMSNorm over the last axis: `(x, gain)`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: Scalar,
+    },
+    /// Softmax over the last axis.
+    Softmax,
+    /// Same elements, new shape (may name symbols, which must match the operand's).
+    Reshape {
+        /// The new shape.
+        shape: Shape,
+    },
+    /// Axis permutation: output axis `i` is input axis `perm[i]`.
+    Permute {
+        /// The permutation.
+        perm: Vec<usize>,
+    },
+    /// Rotary embedding of `x [batch, heads, seq, head_dim]` at positions `0..seq`.
+    Rope {
+        /// Base of the frequencies.
+        theta: Scalar,
+        /// Leading dimensions rotated; the rest pass through.
+        rotary_dim: usize,
+        /// Pair layout.
+        style: PairStyle,
+    },
+    /// `[b, kv, s, d] -> [b, kv * times, s, d]`, each head repeated `times` times in a row
+    /// (grouped-query attention).
+    RepeatHeads {
+        /// Copies of each head.
+        times: usize,
+    },
+    /// Adds ALiBi biases to scores `[b, heads, q, k]`: `slope[h] * (k - q)`.
+    Alibi,
+    /// Masks scores `[b, h, q, k]` (masked entries become the most negative float): `(scores[,
+    /// key_mask f32[b, k]])`. Causal keeps `k <= q + (keys - queries)`; a window keeps the last
+    /// `window` of those.
+    Mask {
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// Keeps the `k` largest entries of the last axis (others become 0), renormalised to sum 1 if asked.
+    TopK {
+        /// Entries kept.
+        k: usize,
+        /// Rescale the kept entries to sum to one.
+        renormalize: bool,
+    },
+    /// A contiguous range of one axis.
+    Slice {
+        /// The axis.
+        axis: usize,
+        /// First index.
+        start: usize,
+        /// Extent.
+        len: usize,
+    },
+    /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
+    MeanPool,
+}
+
+impl Op {
+    /// Short name used by printers.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Input { .. } => "input".into(),
+            Op::Param { .. } => "param".into(),
+            Op::Positions { .. } => "positions".into(),
+            Op::Sinusoid { .. } => "sinusoid".into(),
+            Op::Gather => "gather".into(),
+            Op::MatMul { transpose_b: false } => "matmul".into(),
+            Op::MatMul { transpose_b: true } => "matmul_t".into(),
+            Op::Add => "add".into(),
+            Op::Mul => "mul".into(),
+            Op::Scale { .. } => "scale".into(),
+            Op::Act(a) => a.name().into(),
+            Op::LayerNorm { .. } => "layer_norm".into(),
+            Op::RmsNorm { .. } => "rms_norm".into(),
+            Op::Softmax => "softmax".into(),
+            Op::Reshape { .. } => "reshape".into(),
+            Op::Permute { .. } => "permute".into(),
+            Op::Rope { .. } => "rope".into(),
+            Op::RepeatHeads { .. } => "repeat_heads".into(),
+            Op::Alibi => "alibi".into(),
+            Op::Mask { .. } => "mask".into(),
+            Op::TopK { .. } => "top_k".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::MeanPool => "mean_pool".into(),
+        }
+    }
+
+    /// Attributes as `key=value` text (empty when none), deterministic.
+    pub fn attrs(&self) -> String {
+        let style = |s: &PairStyle| match s {
+            PairStyle::RotateHalf => "rotate-half",
+            PairStyle::Interleaved => "interleaved",
+        };
+        match self {
+            Op::Input { name, role, .. } => {
+                let role = match role {
+                    InputRole::Ids => "ids".to_string(),
+                    InputRole::TokenTypes => "token-types".to_string(),
+                    InputRole::KeyMask { pad_is_one: false } => "key-mask".to_string(),
+                    InputRole::KeyMask { pad_is_one: true } => "key-mask pad-is-one".to_string(),
+                };
+                format!("\"{name}\" {role}")
+            }
+            Op::Param { name } => format!("\"{name}\""),
+            Op::Positions { len } => format!("len={len}"),
+            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
+            Op::Scale { factor } => format!("factor={factor}"),
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
+            Op::Reshape { shape } => fmt_shape(shape),
+            Op::Permute { perm } => format!("{perm:?}"),
+            Op::Rope { theta, rotary_dim, style: s } => {
+                format!("theta={theta} rotary_dim={rotary_dim} style={}", style(s))
+            }
+            Op::RepeatHeads { times } => format!("times={times}"),
+            Op::Mask { causal, window } => match window {
+                Some(w) => format!("causal={causal} window={w}"),
+                None => format!("causal={causal}"),
+            },
+            Op::TopK { k, renormalize } => format!("k={k} renormalize={renormalize}"),
+            Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            _ => String::new(),
+        }
+    }
+}
+
+/// A node: an op, its inferred type, and the model scope it was built in (`layers.3.attn`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// The operation.
+    pub op: Op,
+    /// Inferred shape.
+    pub shape: Shape,
+    /// Inferred element type.
+    pub dtype: DType,
+    /// Where in the model this node belongs (for dumps, clusters and errors).
+    pub scope: String,
+}
+
+/// A shape or type error while building or checking a graph.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{op} in `{scope}`: {message}")]
+pub struct GraphError {
+    /// The op that could not be typed.
+    pub op: String,
+    /// Its scope.
+    pub scope: String,
+    /// What is wrong, with the operand shapes.
+    pub message: String,
+}
+
+/// A dataflow graph with named outputs.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    /// A name for dumps.
+    pub name: String,
+    /// Nodes and operand edges (edge weight = operand position).
+    pub g: DiGraph<Node, usize>,
+    /// Named results.
+    pub outputs: Vec<(String, NodeIndex)>,
+    /// Scope given to nodes added from now on.
+    pub scope: String,
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new(name: &str) -> Self {
+        Graph { name: name.to_string(), ..Default::default() }
+    }
+
+    /// Adds `op` applied to `operands`, inferring its shape and dtype.
+    pub fn add(&mut self, op: Op, operands: &[NodeIndex]) -> Result<NodeIndex, GraphError> {
+        let types: Vec<(&Shape, DType)> = operands.iter().map(|&i| (&self.g[i].shape, self.g[i].dtype)).collect();
+        let (shape, dtype) = infer(&op, &types).map_err(|message| GraphError {
+            op: op.name(),
+            scope: self.scope.clone(),
+            message,
+        })?;
+        let node = self.g.add_node(Node { op, shape, dtype, scope: self.scope.clone() });
+        for (pos, &operand) in operands.iter().enumerate() {
+            self.g.add_edge(operand, node, pos);
+        }
+        Ok(node)
+    }
+
+    /// The operands of `node`, in operand order.
+    pub fn operands(&self, node: NodeIndex) -> Vec<NodeIndex> {
+        let mut edges: Vec<(usize, NodeIndex)> =
+            self.g.edges_directed(node, Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
+        edges.sort();
+        edges.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// A deterministic topological order: among ready nodes, the lowest index first.
+    pub fn order(&self) -> Vec<NodeIndex> {
+        let mut indegree: Vec<usize> =
+            self.g.node_indices().map(|n| self.g.edges_directed(n, Direction::Incoming).count()).collect();
+        let mut ready: BinaryHeap<Reverse<usize>> =
+            indegree.iter().enumerate().filter(|(_, d)| **d == 0).map(|(i, _)| Reverse(i)).collect();
+        let mut order = Vec::with_capacity(indegree.len());
+        while let Some(Reverse(i)) = ready.pop() {
+            let n = NodeIndex::new(i);
+            order.push(n);
+            for e in self.g.edges_directed(n, Direction::Outgoing) {
+                let t = e.target().index();
+                indegree[t] -= 1;
+                if indegree[t] == 0 {
+                    ready.push(Reverse(t));
+                }
+            }
+        }
+        order
+    }
+
+    /// Parameter nodes with their names, in node order.
+    pub fn params(&self) -> Vec<(NodeIndex, &str)> {
+        self.g
+            .node_indices()
+            .filter_map(|n| match &self.g[n].op {
+                Op::Param { name } => Some((n, name.as_str())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Input nodes, in node order.
+    pub fn inputs(&self) -> Vec<(NodeIndex, &str, InputRole)> {
+        self.g
+            .node_indices()
+            .filter_map(|n| match &self.g[n].op {
+                Op::Input { name, role, .. } => Some((n, name.as_str(), *role)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Verifies the IR invariants: acyclic, and every node typed as [`infer`] says.
+    pub fn check(&self) -> Result<(), GraphError> {
+        if self.order().len() != self.g.node_count() {
+            return Err(GraphError { op: "graph".into(), scope: String::new(), message: "the graph has a cycle".into() });
+        }
+        for n in self.g.node_indices() {
+            let node = &self.g[n];
+            if let Op::Param { .. } = node.op {
+                if node.shape.iter().any(|d| matches!(d, Dim::Sym(_))) || self.operands(n).len() != 0 {
+                    return Err(GraphError { op: "param".into(), scope: node.scope.clone(), message: "parameters have fixed shapes and no operands".into() });
+                }
+                continue;
+            }
+            let operands = self.operands(n);
+            let types: Vec<(&Shape, DType)> = operands.iter().map(|&i| (&self.g[i].shape, self.g[i].dtype)).collect();
+            let err = |message: String| GraphError { op: node.op.name(), scope: node.scope.clone(), message };
+            let (shape, dtype) = infer(&node.op, &types).map_err(err)?;
+            if shape != node.shape || dtype != node.dtype {
+                return Err(err(format!(
+                    "recorded type {}{} differs from inferred {dtype}{}",
+                    node.dtype,
+                    fmt_shape(&node.shape),
+                    fmt_shape(&shape)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Shape and dtype rules of every op.
+pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    let arity = |n: usize| -> Result<(), String> {
+        if operands.len() == n {
+            Ok(())
+        } else {
+            Err(format!("expects {n} operand(s), got {}", operands.len()))
+        }
+    };
+    let float = |i: usize| -> Result<&Shape, String> {
+        let (s, t) = operands[i];
+        if t == DType::F32 { Ok(s) } else { Err(format!("operand {i} must be f32, is {t}{}", fmt_shape(s))) }
+    };
+    let rank_at_least = |s: &Shape, r: usize, what: &str| -> Result<(), String> {
+        if s.len() >= r { Ok(()) } else { Err(format!("{what} must have rank >= {r}, is {}", fmt_shape(s))) }
+    };
+    match op {
+        Op::Input { role, seq, .. } => {
+            arity(0)?;
+            let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(*seq)];
+            let dtype = match role {
+                InputRole::KeyMask { .. } => DType::F32,
+                _ => DType::I64,
+            };
+            Ok((shape, dtype))
+        }
+        Op::Param { .. } => Err("parameters are added with Graph::param".into()),
+        Op::Positions { len } => {
+            arity(0)?;
+            Ok((vec![*len], DType::I64))
+        }
+        Op::Sinusoid { dim, .. } => {
+            arity(1)?;
+            let (s, t) = operands[0];
+            if t != DType::I64 || s.len() != 1 {
+                return Err(format!("positions must be i64[n], are {t}{}", fmt_shape(s)));
+            }
+            Ok((vec![s[0], Dim::Fixed(*dim)], DType::F32))
+        }
+        Op::Gather => {
+            arity(2)?;
+            let table = float(0)?;
+            let (ids, t) = operands[1];
+            if table.len() != 2 {
+                return Err(format!("table must be 2-D, is {}", fmt_shape(table)));
+            }
+            if t != DType::I64 {
+                return Err(format!("ids must be i64, are {t}"));
+            }
+            let mut shape = ids.clone();
+            shape.push(table[1]);
+            Ok((shape, DType::F32))
+        }
+        Op::MatMul { transpose_b } => {
+            arity(2)?;
+            let a = float(0)?;
+            let b = float(1)?;
+            rank_at_least(a, 2, "a")?;
+            rank_at_least(b, 2, "b")?;
+            let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+            let (bk, n) = if *transpose_b { (b[b.len() - 1], b[b.len() - 2]) } else { (b[b.len() - 2], b[b.len() - 1]) };
+            if k != bk {
+                return Err(format!("inner dimensions differ: {} x {}{}", fmt_shape(a), fmt_shape(b), if *transpose_b { "^T" } else { "" }));
+            }
+            let a_batch = &a[..a.len() - 2];
+            let b_batch = &b[..b.len() - 2];
+            if !b_batch.is_empty() && b_batch != a_batch {
+                return Err(format!("batch axes differ: {} vs {}", fmt_shape(a), fmt_shape(b)));
+            }
+            let mut shape = a_batch.to_vec();
+            shape.extend([m, n]);
+            Ok((shape, DType::F32))
+        }
+        Op::Add | Op::Mul => {
+            arity(2)?;
+            Ok((broadcast(float(0)?, float(1)?)?, DType::F32))
+        }
+        Op::Scale { .. } | Op::Act(_) | Op::Softmax => {
+            arity(1)?;
+            Ok((float(0)?.clone(), DType::F32))
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+            let max = if matches!(op, Op::LayerNorm { .. }) { 3 } else { 2 };
+            if operands.len() < 2 || operands.len() > max {
+                return Err(format!("expects 2..={max} operands, got {}", operands.len()));
+            }
+            let x = float(0)?;
+            rank_at_least(x, 1, "x")?;
+            let d = x[x.len() - 1];
+            for i in 1..operands.len() {
+                let p = float(i)?;
+                if p.as_slice() != [d] {
+                    return Err(format!("gain/bias must be [{d}], is {}", fmt_shape(p)));
+                }
+            }
+            Ok((x.clone(), DType::F32))
+        }
+        Op::Reshape { shape } => {
+            arity(1)?;
+            let x = float(0)?;
+            if numel(x)? != numel(shape)? {
+                return Err(format!("cannot reshape {} into {}", fmt_shape(x), fmt_shape(shape)));
+            }
+            Ok((shape.clone(), DType::F32))
+        }
+        Op::Permute { perm } => {
+            arity(1)?;
+            let x = float(0)?;
+            let mut seen = vec![false; x.len()];
+            if perm.len() != x.len() || perm.iter().any(|&p| p >= x.len() || std::mem::replace(&mut seen[p], true)) {
+                return Err(format!("{perm:?} is not a permutation of the axes of {}", fmt_shape(x)));
+            }
+            Ok((perm.iter().map(|&p| x[p]).collect(), DType::F32))
+        }
+        Op::Rope { rotary_dim, .. } => {
+            arity(1)?;
+            let x = float(0)?;
+            if x.len() != 4 {
+                return Err(format!("x must be [batch, heads, seq, head_dim], is {}", fmt_shape(x)));
+            }
+            match x[3] {
+                Dim::Fixed(d) if *rotary_dim <= d && rotary_dim % 2 == 0 => Ok((x.clone(), DType::F32)),
+                _ => Err(format!("rotary_dim {rotary_dim} must be even and fit head_dim of {}", fmt_shape(x))),
+            }
+        }
+        Op::RepeatHeads { times } => {
+            arity(1)?;
+            let x = float(0)?;
+            match x.as_slice() {
+                [b, Dim::Fixed(h), s, d] => Ok((vec![*b, Dim::Fixed(h * times), *s, *d], DType::F32)),
+                _ => Err(format!("x must be [batch, heads, seq, head_dim] with fixed heads, is {}", fmt_shape(x))),
+            }
+        }
+        Op::Alibi => {
+            arity(1)?;
+            let x = float(0)?;
+            match x.as_slice() {
+                [_, Dim::Fixed(_), _, _] => Ok((x.clone(), DType::F32)),
+                _ => Err(format!("scores must be [batch, heads, q, k], is {}", fmt_shape(x))),
+            }
+        }
+        Op::Mask { .. } => {
+            if operands.is_empty() || operands.len() > 2 {
+                return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
+            }
+            let x = float(0)?;
+            if x.len() != 4 {
+                return Err(format!("scores must be [batch, heads, q, k], is {}", fmt_shape(x)));
+            }
+            if operands.len() == 2 {
+                let m = float(1)?;
+                if m.as_slice() != [x[0], x[3]] {
+                    return Err(format!("key mask must be [{}, {}], is {}", x[0], x[3], fmt_shape(m)));
+                }
+            }
+            Ok((x.clone(), DType::F32))
+        }
+        Op::TopK { k, .. } => {
+            arity(1)?;
+            let x = float(0)?;
+            match x.last() {
+                Some(Dim::Fixed(n)) if k <= n && *k > 0 => Ok((x.clone(), DType::F32)),
+                _ => Err(format!("k = {k} must be in 1..=last axis of {}", fmt_shape(x))),
+            }
+        }
+        Op::Slice { axis, start, len } => {
+            arity(1)?;
+            let x = float(0)?;
+            match x.get(*axis) {
+                Some(Dim::Fixed(n)) if start + len <= *n && *len > 0 => {
+                    let mut s = x.clone();
+                    s[*axis] = Dim::Fixed(*len);
+                    Ok((s, DType::F32))
+                }
+                _ => Err(format!("slice {start}..{} of axis {axis} is out of {}", start + len, fmt_shape(x))),
+            }
+        }
+        Op::MeanPool => {
+            arity(2)?;
+            let x = float(0)?;
+            let m = float(1)?;
+            if x.len() != 3 || m.as_slice() != [x[0], x[1]] {
+                return Err(format!("expects x [b, s, d] and mask [b, s], got {} and {}", fmt_shape(x), fmt_shape(m)));
+            }
+            Ok((vec![x[0], x[2]], DType::F32))
+        }
+    }
+}
+
+/// Numpy broadcasting of two shapes (right-aligned; equal axes or a fixed 1).
+pub fn broadcast(a: &Shape, b: &Shape) -> Result<Shape, String> {
+    let rank = a.len().max(b.len());
+    let mut out = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { Dim::Fixed(1) };
+        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { Dim::Fixed(1) };
+        out.push(match (da, db) {
+            _ if da == db => da,
+            (Dim::Fixed(1), d) | (d, Dim::Fixed(1)) => d,
+            _ => return Err(format!("shapes {} and {} do not broadcast", fmt_shape(a), fmt_shape(b))),
+        });
+    }
+    Ok(out)
+}
+
+/// Element count of a shape as (fixed product, symbols sorted) so shapes with symbols can be compared.
+fn numel(shape: &Shape) -> Result<(usize, Vec<Sym>), String> {
+    let mut n: usize = 1;
+    let mut syms = Vec::new();
+    for d in shape {
+        match d {
+            Dim::Fixed(k) => n = n.checked_mul(*k).ok_or("shape overflows")?,
+            Dim::Sym(s) => syms.push(*s),
+        }
+    }
+    syms.sort();
+    Ok((n, syms))
+}
+
+impl Graph {
+    /// Adds a parameter with a concrete shape.
+    pub fn param(&mut self, name: &str, shape: &[usize]) -> NodeIndex {
+        self.g.add_node(Node {
+            op: Op::Param { name: name.to_string() },
+            shape: shape.iter().map(|&d| Dim::Fixed(d)).collect(),
+            dtype: DType::F32,
+            scope: self.scope.clone(),
+        })
+    }
+}

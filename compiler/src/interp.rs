@@ -1,0 +1,589 @@
+//! The CPU reference interpreter: executes any [`Graph`] in f32.
+//!
+//! This is kiln's in-house oracle. It is written for clarity, not speed: every op is a plain loop
+//! over row-major data that states the op's meaning. The optimizer's rewrites and the GPU kernels
+//! are tested against it, and it is tested against the golden outputs of independent
+//! implementations.
+//!
+//! Inputs are bound by name through [`bind_inputs`], which also fills defaults (an all-ones mask,
+//! zero token types), flips torch-style padding masks and binds the symbolic dimensions.
+
+use crate::graph::{Dim, Graph, InputRole, Op, Sym};
+use crate::spec::{Activation, PairStyle};
+use crate::tensor::{DType, Tensor};
+use petgraph::graph::NodeIndex;
+use std::collections::HashMap;
+
+/// A run-time error: bad inputs or weights (the graph itself is assumed checked).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum InterpError {
+    /// A required input was not given.
+    #[error("missing input `{0}`")]
+    MissingInput(String),
+    /// An input has the wrong rank or disagrees with another about a dimension.
+    #[error("input `{name}`: {message}")]
+    BadInput {
+        /// The input.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A parameter was not supplied.
+    #[error("missing parameter `{0}`")]
+    MissingParam(String),
+    /// A parameter has the wrong shape.
+    #[error("parameter `{name}`: expected shape {expected:?}, found {found:?}")]
+    ParamShape {
+        /// The parameter.
+        name: String,
+        /// The graph's shape.
+        expected: Vec<usize>,
+        /// The supplied shape.
+        found: Vec<usize>,
+    },
+    /// An index (token id, position) is outside its table.
+    #[error("{what} {index} is out of range for `{table}` ({rows} rows)")]
+    IndexOutOfRange {
+        /// What was looked up.
+        what: &'static str,
+        /// The index.
+        index: i64,
+        /// The table (a parameter name).
+        table: String,
+        /// Its rows.
+        rows: usize,
+    },
+    /// A tensor would be too large to allocate.
+    #[error("`{scope}`: a {op} result of {elements} elements is over the limit of {limit}")]
+    TooLarge {
+        /// The op.
+        op: String,
+        /// Its scope.
+        scope: String,
+        /// Elements asked for.
+        elements: u128,
+        /// The limit.
+        limit: u128,
+    },
+}
+
+type R<T> = Result<T, InterpError>;
+
+/// The largest tensor the interpreter will allocate (elements).
+pub const MAX_ELEMENTS: u128 = 1 << 32;
+
+/// Inputs bound to a graph: tensors by input node, and the values of the symbolic dimensions.
+#[derive(Clone, Debug, Default)]
+pub struct Bound {
+    /// Tensors by input node.
+    pub tensors: HashMap<NodeIndex, Tensor>,
+    /// Values of the symbols.
+    pub syms: HashMap<Sym, usize>,
+}
+
+/// Binds named tensors to the graph's inputs. Extra tensors are ignored; ids and token types must
+/// be integers `[batch, seq]`; masks may be any numeric type and are converted to f32 "1 = attend".
+pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
+    let mut bound = Bound::default();
+    let mut inputs = g.inputs();
+    // Ids first: they fix batch and sequence lengths, masks and token types default from them.
+    inputs.sort_by_key(|(_, _, role)| !matches!(role, InputRole::Ids));
+    for (n, name, role) in inputs {
+        let seq_sym = match &g.g[n].op {
+            Op::Input { seq, .. } => *seq,
+            _ => Sym::Seq,
+        };
+        let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
+        let tensor = match (given.get(name), role) {
+            (Some(t), _) => t.clone(),
+            (None, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
+            (None, _) => {
+                let (b, s) = match (bound.syms.get(&Sym::Batch), bound.syms.get(&seq_sym)) {
+                    (Some(b), Some(s)) => (*b, *s),
+                    _ => return Err(InterpError::MissingInput(name.to_string())),
+                };
+                match role {
+                    InputRole::TokenTypes => Tensor::i64(vec![b, s], vec![0; b * s]),
+                    _ => Tensor::f32(vec![b, s], vec![1.0; b * s]),
+                }
+            }
+        };
+        if tensor.shape.len() != 2 {
+            return Err(bad(format!("expected [batch, {}], got shape {:?}", seq_sym.name(), tensor.shape)));
+        }
+        if tensor.shape[0] == 0 || tensor.shape[1] == 0 {
+            return Err(bad(format!("empty input of shape {:?}", tensor.shape)));
+        }
+        for (sym, value) in [(Sym::Batch, tensor.shape[0]), (seq_sym, tensor.shape[1])] {
+            match bound.syms.insert(sym, value) {
+                Some(prev) if prev != value => {
+                    return Err(bad(format!("{} is {value} here but {prev} in another input", sym.name())));
+                }
+                _ => {}
+            }
+        }
+        let tensor = match role {
+            InputRole::Ids | InputRole::TokenTypes => match tensor.dtype() {
+                DType::I64 => tensor,
+                DType::F32 => return Err(bad("expected integer ids, got f32".into())),
+            },
+            InputRole::KeyMask { pad_is_one } => {
+                let v = tensor.to_f32_vec();
+                let v = v.iter().map(|&x| if (x != 0.0) != pad_is_one { 1.0 } else { 0.0 }).collect();
+                Tensor::f32(tensor.shape.clone(), v)
+            }
+        };
+        bound.tensors.insert(n, tensor);
+    }
+    Ok(bound)
+}
+
+/// Runs the graph: parameters by canonical name, inputs by input name. Returns the named outputs.
+pub fn run(g: &Graph, params: &HashMap<String, Tensor>, inputs: &HashMap<String, Tensor>) -> R<Vec<(String, Tensor)>> {
+    let bound = bind_inputs(g, inputs)?;
+    run_bound(g, params, bound)
+}
+
+/// Runs the graph on already bound inputs.
+pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) -> R<Vec<(String, Tensor)>> {
+    let order = g.order();
+    // Remaining uses of each value, so intermediates are dropped as soon as they are dead.
+    let mut uses: HashMap<NodeIndex, usize> = HashMap::new();
+    for &n in &order {
+        for o in g.operands(n) {
+            *uses.entry(o).or_default() += 1;
+        }
+    }
+    for (_, n) in &g.outputs {
+        *uses.entry(*n).or_default() += 1;
+    }
+    let mut values: HashMap<NodeIndex, Tensor> = HashMap::new();
+    for &n in &order {
+        let node = &g.g[n];
+        let shape = resolve(&node.shape, &bound.syms);
+        let elements: u128 = shape.iter().map(|&d| d as u128).product();
+        if elements > MAX_ELEMENTS {
+            return Err(InterpError::TooLarge { op: node.op.name(), scope: node.scope.clone(), elements, limit: MAX_ELEMENTS });
+        }
+        let operands = g.operands(n);
+        let out = match &node.op {
+            Op::Input { .. } => bound.tensors.remove(&n).ok_or_else(|| InterpError::MissingInput(node.op.attrs()))?,
+            Op::Param { name } => {
+                let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
+                if t.shape != shape || t.dtype() != DType::F32 {
+                    return Err(InterpError::ParamShape { name: name.clone(), expected: shape, found: t.shape.clone() });
+                }
+                t.clone()
+            }
+            op => {
+                let args: Vec<&Tensor> = operands.iter().map(|o| &values[o]).collect();
+                eval(g, &operands, op, &args, shape)?
+            }
+        };
+        for o in &operands {
+            let u = uses.get_mut(o).expect("operand use counted");
+            *u -= 1;
+            if *u == 0 {
+                values.remove(o);
+            }
+        }
+        values.insert(n, out);
+    }
+    Ok(g.outputs.iter().map(|(name, n)| (name.clone(), values[n].clone())).collect())
+}
+
+fn resolve(shape: &[Dim], syms: &HashMap<Sym, usize>) -> Vec<usize> {
+    shape
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(k) => *k,
+            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
+        })
+        .collect()
+}
+
+fn f(t: &Tensor) -> &[f32] {
+    t.as_f32().expect("graph typing guarantees f32 here")
+}
+
+/// Evaluates one op. `shape` is the node's resolved output shape.
+fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+    Ok(match op {
+        Op::Input { .. } | Op::Param { .. } => unreachable!("bound before eval"),
+        Op::Positions { .. } => Tensor::i64(shape.clone(), (0..shape[0] as i64).collect()),
+        Op::Sinusoid { dim, style } => {
+            let pos = a[0].as_i64().expect("positions are i64");
+            let mut out = vec![0.0; pos.len() * dim];
+            let half = dim / 2;
+            for (p, &position) in pos.iter().enumerate() {
+                for i in 0..half {
+                    let angle = position as f64 / 10000f64.powf(2.0 * i as f64 / *dim as f64);
+                    let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+                    let (is, ic) = match style {
+                        PairStyle::Interleaved => (2 * i, 2 * i + 1),
+                        PairStyle::RotateHalf => (i, half + i),
+                    };
+                    out[p * dim + is] = s;
+                    out[p * dim + ic] = c;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Gather => {
+            let (table, ids) = (a[0], a[1].as_i64().expect("ids are i64"));
+            let (rows, d) = (table.shape[0], table.shape[1]);
+            let t = f(table);
+            let mut out = Vec::with_capacity(ids.len() * d);
+            for &id in ids {
+                if id < 0 || id as usize >= rows {
+                    let what = if matches!(g.g[operands[1]].op, Op::Positions { .. }) { "position" } else { "token id" };
+                    let table = match &g.g[operands[0]].op {
+                        Op::Param { name } => name.clone(),
+                        _ => "table".into(),
+                    };
+                    return Err(InterpError::IndexOutOfRange { what, index: id, table, rows });
+                }
+                out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]);
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::MatMul { transpose_b } => Tensor::f32(shape, matmul(a[0], a[1], *transpose_b)),
+        Op::Add => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x + y)),
+        Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
+        Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
+        Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
+        Op::LayerNorm { eps } => {
+            let x = f(a[0]);
+            let gain = f(a[1]);
+            let bias = a.get(2).map(|t| f(t));
+            let d = gain.len();
+            let mut out = vec![0.0; x.len()];
+            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
+                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+                let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+                let inv = 1.0 / (var + eps.0 as f64).sqrt();
+                for j in 0..d {
+                    let y = ((row[j] as f64 - mean) * inv) as f32 * gain[j];
+                    o[j] = y + bias.map_or(0.0, |b| b[j]);
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::RmsNorm { eps } => {
+            let x = f(a[0]);
+            let gain = f(a[1]);
+            let d = gain.len();
+            let mut out = vec![0.0; x.len()];
+            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+                let inv = (1.0 / (ms + eps.0 as f64).sqrt()) as f32;
+                for j in 0..d {
+                    o[j] = row[j] * inv * gain[j];
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Softmax => {
+            let x = f(a[0]);
+            let d = *shape.last().expect("softmax has an axis");
+            let mut out = vec![0.0; x.len()];
+            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f64;
+                for j in 0..d {
+                    let e = (row[j] - max).exp();
+                    o[j] = e;
+                    sum += e as f64;
+                }
+                for v in o.iter_mut() {
+                    *v = (*v as f64 / sum) as f32;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Reshape { .. } => Tensor::f32(shape, f(a[0]).to_vec()),
+        Op::Permute { perm } => Tensor::f32(shape, permute(a[0], perm)),
+        Op::Rope { theta, rotary_dim, style } => {
+            let x = f(a[0]);
+            let (s, d) = (a[0].shape[2], a[0].shape[3]);
+            let half = rotary_dim / 2;
+            let mut out = x.to_vec();
+            // Frequencies as HF computes them: inv_freq[i] = 1 / theta^(2i / rotary_dim), all in f32.
+            let inv: Vec<f32> = (0..half).map(|i| 1.0 / theta.0.powf((2 * i) as f32 / *rotary_dim as f32)).collect();
+            for (r, row) in out.chunks_mut(d).enumerate() {
+                let pos = (r % s) as f32;
+                for i in 0..half {
+                    let angle = pos * inv[i];
+                    let (sin, cos) = (angle.sin(), angle.cos());
+                    let (i1, i2) = match style {
+                        PairStyle::RotateHalf => (i, i + half),
+                        PairStyle::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x1, x2) = (row[i1], row[i2]);
+                    row[i1] = x1 * cos - x2 * sin;
+                    row[i2] = x2 * cos + x1 * sin;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::RepeatHeads { times } => {
+            let x = f(a[0]);
+            let (b, kv, s, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2], a[0].shape[3]);
+            let block = s * d;
+            let mut out = Vec::with_capacity(x.len() * times);
+            for bi in 0..b {
+                for h in 0..kv {
+                    let start = (bi * kv + h) * block;
+                    for _ in 0..*times {
+                        out.extend_from_slice(&x[start..start + block]);
+                    }
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Alibi => {
+            let mut x = f(a[0]).to_vec();
+            let (heads, q, k) = (shape[1], shape[2], shape[3]);
+            let slopes = alibi_slopes(heads);
+            for (row_index, row) in x.chunks_mut(k).enumerate() {
+                let h = (row_index / q) % heads;
+                let qi = row_index % q + (k - q.min(k));
+                for (ki, v) in row.iter_mut().enumerate() {
+                    *v += slopes[h] * (ki as f32 - qi as f32);
+                }
+            }
+            Tensor::f32(shape, x)
+        }
+        Op::Mask { causal, window } => {
+            let mut x = f(a[0]).to_vec();
+            let key_mask = a.get(1).map(|t| f(t));
+            let (heads, q, k) = (shape[1], shape[2], shape[3]);
+            let offset = k.saturating_sub(q);
+            for (row_index, row) in x.chunks_mut(k).enumerate() {
+                let b = row_index / (heads * q);
+                let qi = row_index % q + offset;
+                for (ki, v) in row.iter_mut().enumerate() {
+                    let keep = (!causal || ki <= qi)
+                        && window.is_none_or(|w| ki + w > qi)
+                        && key_mask.is_none_or(|m| m[b * k + ki] != 0.0);
+                    if !keep {
+                        *v = f32::MIN;
+                    }
+                }
+            }
+            Tensor::f32(shape, x)
+        }
+        Op::TopK { k, renormalize } => {
+            let x = f(a[0]);
+            let e = *shape.last().expect("top_k has an axis");
+            let mut out = vec![0.0; x.len()];
+            for (row, o) in x.chunks(e).zip(out.chunks_mut(e)) {
+                let mut idx: Vec<usize> = (0..e).collect();
+                // Largest first; ties keep the lower index (stable sort).
+                idx.sort_by(|&i, &j| row[j].partial_cmp(&row[i]).unwrap_or(std::cmp::Ordering::Equal));
+                let kept = &idx[..*k];
+                let sum: f32 = kept.iter().map(|&i| row[i]).sum();
+                for &i in kept {
+                    o[i] = if *renormalize { row[i] / sum } else { row[i] };
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Slice { axis, start, len } => {
+            let x = f(a[0]);
+            let in_shape = &a[0].shape;
+            let outer: usize = in_shape[..*axis].iter().product();
+            let inner: usize = in_shape[axis + 1..].iter().product();
+            let n = in_shape[*axis];
+            let mut out = Vec::with_capacity(outer * len * inner);
+            for o in 0..outer {
+                let base = o * n * inner;
+                out.extend_from_slice(&x[base + start * inner..base + (start + len) * inner]);
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::MeanPool => {
+            let (x, m) = (f(a[0]), f(a[1]));
+            let (b, s, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
+            let mut out = vec![0.0; b * d];
+            for bi in 0..b {
+                let mut count = 0.0f64;
+                let mut acc = vec![0.0f64; d];
+                for si in 0..s {
+                    let w = m[bi * s + si] as f64;
+                    count += w;
+                    for j in 0..d {
+                        acc[j] += w * x[(bi * s + si) * d + j] as f64;
+                    }
+                }
+                for j in 0..d {
+                    out[bi * d + j] = (acc[j] / count.max(1e-9)) as f32;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+    })
+}
+
+/// The activation functions, as their reference implementations define them.
+pub fn activation(act: Activation, x: f32) -> f32 {
+    match act {
+        Activation::Relu => x.max(0.0),
+        Activation::Gelu => 0.5 * x * (1.0 + libm::erff(x / std::f32::consts::SQRT_2)),
+        Activation::GeluTanh => {
+            let c = (2.0 / std::f32::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+        Activation::Silu => x / (1.0 + (-x).exp()),
+    }
+}
+
+/// ALiBi slopes for `heads` heads (Press et al.): a geometric sequence from `2^(-8/n)` for the
+/// largest power of two `n <= heads`, then the odd terms of the sequence for `2n` for the rest.
+pub fn alibi_slopes(heads: usize) -> Vec<f32> {
+    let pow2 = 1usize << (usize::BITS - 1 - heads.max(1).leading_zeros());
+    let base = 2f64.powf(-8.0 / pow2 as f64);
+    let mut slopes: Vec<f32> = (1..=pow2).map(|i| base.powi(i as i32) as f32).collect();
+    if pow2 < heads {
+        let extra = 2f64.powf(-8.0 / (2 * pow2) as f64);
+        slopes.extend((0..heads - pow2).map(|i| extra.powi((2 * i + 1) as i32) as f32));
+    }
+    slopes
+}
+
+fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
+    let (x, w) = (f(a), f(b));
+    let (ar, br) = (a.shape.len(), b.shape.len());
+    let (m, k) = (a.shape[ar - 2], a.shape[ar - 1]);
+    let n = if transpose_b { b.shape[br - 2] } else { b.shape[br - 1] };
+    let batch: usize = a.shape[..ar - 2].iter().product();
+    let b_batched = br > 2;
+    let mut out = vec![0.0f32; batch * m * n];
+    for bi in 0..batch {
+        let xa = &x[bi * m * k..(bi + 1) * m * k];
+        let wb = if b_batched { &w[bi * k * n..(bi + 1) * k * n] } else { w };
+        let o = &mut out[bi * m * n..(bi + 1) * m * n];
+        for i in 0..m {
+            let row = &xa[i * k..(i + 1) * k];
+            let orow = &mut o[i * n..(i + 1) * n];
+            if transpose_b {
+                for (j, oj) in orow.iter_mut().enumerate() {
+                    let col = &wb[j * k..(j + 1) * k];
+                    *oj = row.iter().zip(col).map(|(p, q)| p * q).sum();
+                }
+            } else {
+                for (kk, &av) in row.iter().enumerate() {
+                    let wrow = &wb[kk * n..(kk + 1) * n];
+                    for (oj, &wv) in orow.iter_mut().zip(wrow) {
+                        *oj += av * wv;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Elementwise op with numpy broadcasting into `shape`.
+fn broadcast_binary(a: &Tensor, b: &Tensor, shape: &[usize], op: impl Fn(f32, f32) -> f32) -> Vec<f32> {
+    let (x, y) = (f(a), f(b));
+    if a.shape == b.shape {
+        return x.iter().zip(y).map(|(&p, &q)| op(p, q)).collect();
+    }
+    let strides = |s: &[usize]| -> Vec<usize> {
+        // Strides of `s` aligned to `shape`, 0 on broadcast axes.
+        let mut st = vec![0; shape.len()];
+        let mut acc = 1;
+        for i in (0..s.len()).rev() {
+            let axis = shape.len() - s.len() + i;
+            st[axis] = if s[i] == 1 { 0 } else { acc };
+            acc *= s[i];
+        }
+        st
+    };
+    let (sa, sb) = (strides(&a.shape), strides(&b.shape));
+    let total: usize = shape.iter().product();
+    let mut out = Vec::with_capacity(total);
+    let mut idx = vec![0usize; shape.len()];
+    let (mut ia, mut ib) = (0usize, 0usize);
+    for _ in 0..total {
+        out.push(op(x[ia], y[ib]));
+        for axis in (0..shape.len()).rev() {
+            idx[axis] += 1;
+            ia += sa[axis];
+            ib += sb[axis];
+            if idx[axis] < shape[axis] {
+                break;
+            }
+            ia -= sa[axis] * shape[axis];
+            ib -= sb[axis] * shape[axis];
+            idx[axis] = 0;
+        }
+    }
+    out
+}
+
+fn permute(t: &Tensor, perm: &[usize]) -> Vec<f32> {
+    let x = f(t);
+    let rank = t.shape.len();
+    let mut in_strides = vec![1usize; rank];
+    for i in (0..rank.saturating_sub(1)).rev() {
+        in_strides[i] = in_strides[i + 1] * t.shape[i + 1];
+    }
+    let out_shape: Vec<usize> = perm.iter().map(|&p| t.shape[p]).collect();
+    let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+    let total = x.len();
+    let mut out = Vec::with_capacity(total);
+    let mut idx = vec![0usize; rank];
+    let mut src = 0usize;
+    for _ in 0..total {
+        out.push(x[src]);
+        for axis in (0..rank).rev() {
+            idx[axis] += 1;
+            src += strides[axis];
+            if idx[axis] < out_shape[axis] {
+                break;
+            }
+            src -= strides[axis] * out_shape[axis];
+            idx[axis] = 0;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alibi_slopes_match_the_paper() {
+        assert_eq!(alibi_slopes(4), vec![0.25, 0.0625, 0.015625, 0.00390625]);
+        let s = alibi_slopes(6);
+        assert_eq!(s.len(), 6);
+        assert!((s[4] - 2f32.powf(-1.0)).abs() < 1e-7, "{s:?}");
+    }
+
+    #[test]
+    fn broadcasting_adds_a_bias_row() {
+        let a = Tensor::f32(vec![2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let b = Tensor::f32(vec![3], vec![10.0, 20.0, 30.0]);
+        assert_eq!(broadcast_binary(&a, &b, &[2, 3], |x, y| x + y), vec![10.0, 21.0, 32.0, 13.0, 24.0, 35.0]);
+        let c = Tensor::f32(vec![2, 1], vec![1.0, 2.0]);
+        assert_eq!(broadcast_binary(&a, &c, &[2, 3], |x, y| x * y), vec![0.0, 1.0, 2.0, 6.0, 8.0, 10.0]);
+    }
+
+    #[test]
+    fn permute_swaps_axes() {
+        let a = Tensor::f32(vec![2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(permute(&a, &[1, 0]), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    }
+
+    #[test]
+    fn matmul_transposed_equals_plain() {
+        let a = Tensor::f32(vec![1, 2, 2], vec![1.0, 2.0, 3.0, 4.0]);
+        let b = Tensor::f32(vec![2, 2], vec![5.0, 6.0, 7.0, 8.0]);
+        let bt = Tensor::f32(vec![2, 2], vec![5.0, 7.0, 6.0, 8.0]);
+        assert_eq!(matmul(&a, &b, false), vec![19.0, 22.0, 43.0, 50.0]);
+        assert_eq!(matmul(&a, &bt, true), vec![19.0, 22.0, 43.0, 50.0]);
+    }
+}

@@ -1,0 +1,507 @@
+//! The spec language: a Transformer architecture written as TOML.
+//!
+//! A spec is parsed with serde into [`Spec`] (unknown keys are refused), then [`validate`] checks
+//! the rules that serde cannot (heads divide `d_model`, every dimension bounded, ...). Both stages
+//! report [`Diagnostic`]s located at `line:column` in the source, looked up through a
+//! [`SpanIndex`] built from the same text.
+//!
+//! Every section but `[model]` and `[attention]` may be left out; the defaults are those of a
+//! plain GPT-style block (pre-norm LayerNorm, learned positions, GELU feed-forward of `4 * d_model`,
+//! tied head). The full reference of keys lives in the README's spec reference.
+
+mod parse;
+mod validate;
+pub mod weightmap;
+
+pub use parse::{SpanIndex, parse_spec};
+pub use validate::{Limits, validate};
+pub use weightmap::{Pack, PackPart, Source, WeightMap};
+
+use crate::diag::Diagnostic;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// A whole model spec.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    /// Sizes and the block type.
+    pub model: Model,
+    /// Token embedding options.
+    #[serde(default)]
+    pub embedding: Embedding,
+    /// Positional scheme.
+    #[serde(default)]
+    pub positions: Positions,
+    /// Normalisation kind and placement.
+    #[serde(default)]
+    pub norm: Norm,
+    /// Attention.
+    pub attention: Attention,
+    /// Feed-forward.
+    #[serde(default)]
+    pub ffn: Ffn,
+    /// Mixture of experts; when present every feed-forward is a routed set of experts.
+    #[serde(default)]
+    pub moe: Option<Moe>,
+    /// Output head.
+    #[serde(default)]
+    pub head: Head,
+    /// What the model returns.
+    #[serde(default)]
+    pub outputs: Outputs,
+    /// Where the parameters come from in a checkpoint.
+    #[serde(default)]
+    pub weights: Weights,
+}
+
+/// `[model]`: the block type and the sizes.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    /// A name used in dumps and errors.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// Encoder, decoder or encoder-decoder.
+    pub kind: BlockKind,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Model width.
+    pub d_model: u64,
+    /// Number of blocks (of each stack, for encoder-decoder unless overridden).
+    pub layers: u64,
+    /// Encoder blocks of an encoder-decoder (defaults to `layers`).
+    #[serde(default)]
+    pub encoder_layers: Option<u64>,
+    /// Decoder blocks of an encoder-decoder (defaults to `layers`).
+    #[serde(default)]
+    pub decoder_layers: Option<u64>,
+    /// Longest sequence the model accepts (the size of a learned position table).
+    #[serde(default = "default_max_positions")]
+    pub max_positions: u64,
+}
+
+fn default_name() -> String {
+    "model".into()
+}
+fn default_max_positions() -> u64 {
+    2048
+}
+
+/// The block type.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum BlockKind {
+    /// Bidirectional self-attention stack (BERT).
+    Encoder,
+    /// Causal self-attention stack (GPT, LLaMA).
+    Decoder,
+    /// An encoder, and a decoder with cross-attention to its output (the original Transformer, T5).
+    EncoderDecoder,
+}
+
+/// `[embedding]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Embedding {
+    /// Multiplier of the token embedding: a number or `"sqrt-d-model"`.
+    #[serde(default)]
+    pub scale: EmbeddingScale,
+    /// A norm applied to the summed embeddings (BERT, BLOOM).
+    #[serde(default)]
+    pub norm: bool,
+    /// Size of the token-type (segment) table; 0 for none.
+    #[serde(default)]
+    pub token_types: u64,
+    /// Encoder-decoder only: one token table for source and target.
+    #[serde(default = "yes")]
+    pub shared: bool,
+}
+
+impl Default for Embedding {
+    fn default() -> Self {
+        Embedding { scale: EmbeddingScale::default(), norm: false, token_types: 0, shared: true }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The embedding multiplier.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EmbeddingScale {
+    /// A constant.
+    Value(f64),
+    /// A named rule.
+    Named(ScaleRule),
+}
+
+impl Default for EmbeddingScale {
+    fn default() -> Self {
+        EmbeddingScale::Value(1.0)
+    }
+}
+
+/// Named embedding scales.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScaleRule {
+    /// `sqrt(d_model)` (the original Transformer, Gemma).
+    SqrtDModel,
+}
+
+/// `[positions]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Positions {
+    /// The scheme.
+    #[serde(default)]
+    pub kind: PositionKind,
+    /// RoPE base (theta).
+    #[serde(default = "default_theta")]
+    pub theta: f64,
+    /// RoPE pair layout, or sinusoid layout.
+    #[serde(default)]
+    pub style: Option<PairStyle>,
+    /// RoPE: the fraction of each head's dimensions that is rotated.
+    #[serde(default = "one")]
+    pub fraction: f64,
+}
+
+impl Default for Positions {
+    fn default() -> Self {
+        Positions { kind: PositionKind::default(), theta: default_theta(), style: None, fraction: 1.0 }
+    }
+}
+
+fn default_theta() -> f64 {
+    10000.0
+}
+fn one() -> f64 {
+    1.0
+}
+
+/// Positional schemes.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum PositionKind {
+    /// No positional information (or only what attention biases add).
+    None,
+    /// A learned table of `max_positions` rows added to the embedding.
+    #[default]
+    Learned,
+    /// Fixed sin/cos table added to the embedding.
+    Sinusoidal,
+    /// Rotary embedding of queries and keys.
+    Rope,
+    /// Attention with linear biases.
+    Alibi,
+}
+
+/// How the two halves of a rotation (or of a sinusoid) are laid out over the dimensions.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "kebab-case")]
+pub enum PairStyle {
+    /// First half / second half (HF's `rotate_half`; sin block then cos block).
+    RotateHalf,
+    /// Adjacent pairs (2i, 2i+1) (GPT-J, llama.cpp; sin, cos interleaved).
+    Interleaved,
+}
+
+/// `[norm]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Norm {
+    /// Which normalisation.
+    #[serde(default)]
+    pub kind: NormKind,
+    /// Epsilon added to the variance.
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    /// Where the norms sit relative to the residual.
+    #[serde(default)]
+    pub placement: Placement,
+    /// DeepNorm's residual scale `alpha` (default `(2 * layers)^(1/4)`).
+    #[serde(default)]
+    pub alpha: Option<f64>,
+    /// A norm after the last block (default: on for pre-norm, off otherwise).
+    #[serde(default, rename = "final")]
+    pub final_norm: Option<bool>,
+    /// Attention and feed-forward side by side on the same input (GPT-J, GPT-NeoX).
+    #[serde(default)]
+    pub parallel_residual: bool,
+}
+
+impl Default for Norm {
+    fn default() -> Self {
+        Norm {
+            kind: NormKind::default(),
+            eps: default_eps(),
+            placement: Placement::default(),
+            alpha: None,
+            final_norm: None,
+            parallel_residual: false,
+        }
+    }
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+/// Normalisations.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum NormKind {
+    /// LayerNorm with gain and bias.
+    #[default]
+    Layernorm,
+    /// LayerNorm with a gain only.
+    LayernormNoBias,
+    /// Root-mean-square norm with a gain.
+    Rmsnorm,
+}
+
+/// Norm placement.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// `x + f(norm(x))`.
+    #[default]
+    Pre,
+    /// `norm(x + f(x))`.
+    Post,
+    /// `norm(alpha * x + f(x))`.
+    Deepnorm,
+}
+
+/// `[attention]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Attention {
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads (default `heads`; fewer is grouped-query, 1 is multi-query).
+    #[serde(default)]
+    pub kv_heads: Option<u64>,
+    /// Per-head width (default `d_model / heads`).
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    /// Which keys a query sees (default: causal for decoders, bidirectional for encoders).
+    #[serde(default)]
+    pub mask: Option<MaskKind>,
+    /// Sliding-window size (keys within `window` positions before the query, itself included).
+    #[serde(default)]
+    pub window: Option<u64>,
+    /// Whether the model takes a key padding mask input.
+    #[serde(default)]
+    pub padding_mask: bool,
+    /// Biases on all four projections (overridden per projection by `q_bias` ... `o_bias`).
+    #[serde(default)]
+    pub bias: bool,
+    /// Bias on the query projection.
+    #[serde(default)]
+    pub q_bias: Option<bool>,
+    /// Bias on the key projection.
+    #[serde(default)]
+    pub k_bias: Option<bool>,
+    /// Bias on the value projection.
+    #[serde(default)]
+    pub v_bias: Option<bool>,
+    /// Bias on the output projection.
+    #[serde(default)]
+    pub o_bias: Option<bool>,
+    /// The logit scale (default `1 / sqrt(head_dim)`).
+    #[serde(default)]
+    pub scale: Option<f64>,
+}
+
+/// Attention masks.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum MaskKind {
+    /// Every query sees every key.
+    Bidirectional,
+    /// A query sees itself and earlier keys.
+    Causal,
+    /// Causal, limited to the last `window` keys.
+    SlidingWindow,
+}
+
+/// `[ffn]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Ffn {
+    /// The activation.
+    #[serde(default)]
+    pub activation: Activation,
+    /// Gated (`down(act(gate(x)) * up(x))`): SwiGLU with SiLU, GeGLU with GELU.
+    #[serde(default)]
+    pub gated: bool,
+    /// Hidden width (default `4 * d_model`).
+    #[serde(default)]
+    pub d_ff: Option<u64>,
+    /// Biases on the feed-forward projections.
+    #[serde(default)]
+    pub bias: bool,
+}
+
+impl Default for Ffn {
+    fn default() -> Self {
+        Ffn { activation: Activation::default(), gated: false, d_ff: None, bias: false }
+    }
+}
+
+/// Activations.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum Activation {
+    /// `max(0, x)`.
+    Relu,
+    /// Exact GELU, `x * Phi(x)` with the error function.
+    #[default]
+    Gelu,
+    /// GELU's tanh approximation.
+    GeluTanh,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// The name used in specs and dumps.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu-tanh",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+/// `[moe]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Moe {
+    /// Number of experts (each one a feed-forward as described by `[ffn]`).
+    pub experts: u64,
+    /// Experts used per token.
+    pub top_k: u64,
+    /// Rescale the kept router probabilities to sum to one.
+    #[serde(default = "yes")]
+    pub renormalize: bool,
+}
+
+/// `[head]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Head {
+    /// Share the token embedding as the output projection.
+    #[serde(default = "yes")]
+    pub tied: bool,
+    /// A bias on the output projection.
+    #[serde(default)]
+    pub bias: bool,
+}
+
+impl Default for Head {
+    fn default() -> Self {
+        Head { tied: true, bias: false }
+    }
+}
+
+/// `[outputs]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Outputs {
+    /// `logits`: scores over the vocabulary (needs the head).
+    #[serde(default)]
+    pub logits: Option<bool>,
+    /// `last_hidden_state`: the final hidden states.
+    #[serde(default)]
+    pub hidden_states: bool,
+    /// `sentence_embedding`: pooled hidden states.
+    #[serde(default)]
+    pub pooling: Pooling,
+}
+
+impl Default for Outputs {
+    fn default() -> Self {
+        Outputs { logits: None, hidden_states: false, pooling: Pooling::None }
+    }
+}
+
+/// Pooling of the final hidden states into one vector per sequence.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pooling {
+    /// No pooled output.
+    #[default]
+    None,
+    /// Mean over the unpadded tokens.
+    Mean,
+}
+
+/// `[weights]`.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    /// A named map of a model family (`gpt2`, `bert`, `llama`, ...).
+    #[serde(default)]
+    pub preset: Option<String>,
+    /// Entries added to, or replacing, the preset's: graph parameter template -> checkpoint tensor.
+    #[serde(default)]
+    pub tensors: BTreeMap<String, weightmap::SourceSpec>,
+}
+
+/// A parsed, validated spec with its defaults resolved: what the graph builder reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resolved {
+    /// The spec as written.
+    pub spec: Spec,
+    /// Per-head width.
+    pub head_dim: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Feed-forward width.
+    pub d_ff: u64,
+    /// The attention mask of self-attention in the main stack (decoder stack for encoder-decoder).
+    pub mask: MaskKind,
+    /// Whether a final norm is applied.
+    pub final_norm: bool,
+    /// The logit scale.
+    pub attn_scale: f64,
+    /// Embedding multiplier.
+    pub embed_scale: f64,
+    /// DeepNorm alpha (1 for other placements).
+    pub residual_alpha: f64,
+    /// Number of rotated dimensions per head (RoPE only).
+    pub rotary_dim: u64,
+    /// Whether logits are produced.
+    pub logits: bool,
+    /// Encoder blocks (0 for decoder-only).
+    pub encoder_layers: u64,
+    /// Decoder blocks (0 for encoder-only).
+    pub decoder_layers: u64,
+    /// The weight map, preset plus overrides.
+    pub weights: WeightMap,
+}
+
+impl Resolved {
+    /// Number of blocks of the stack that produces the outputs.
+    pub fn layers(&self) -> u64 {
+        self.encoder_layers + self.decoder_layers
+    }
+}
+
+/// Parses and validates a spec: the front end in one call.
+pub fn load(file: &str, source: &str) -> Result<Resolved, crate::diag::SpecError> {
+    let fail = |diagnostics: Vec<Diagnostic>| crate::diag::SpecError {
+        file: file.to_string(),
+        source: source.to_string(),
+        diagnostics,
+    };
+    let (spec, index) = parse_spec(source).map_err(|d| fail(vec![d]))?;
+    validate(spec, &index, &Limits::default()).map_err(fail)
+}
