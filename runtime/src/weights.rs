@@ -1,0 +1,393 @@
+//! Checkpoint loading: safetensors files -> graph parameters, through the spec's weight map.
+//!
+//! For every parameter of the graph the weight map names a checkpoint tensor; the tensor is
+//! converted to f32, transposed if stored `[in, out]`, cut out of a packed tensor if it is one part
+//! of one, put back in rotate-half row order if it comes from llama.cpp, and checked against the
+//! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
+
+use kiln_compiler::graph::Graph;
+use kiln_compiler::spec::{Pack, PackPart, Resolved, Source};
+use kiln_compiler::tensor::Tensor;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// An error loading weights or tensors from a file.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    /// The file could not be read.
+    #[error("cannot read `{path}`: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a valid safetensors file.
+    #[error("`{path}` is not a valid safetensors file: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A tensor the weight map names is not in the file.
+    #[error("tensor `{tensor}` (for parameter `{param}`) is not in `{path}`{}", nearest_hint(.nearest))]
+    MissingTensor {
+        /// The graph parameter.
+        param: String,
+        /// The tensor name looked for.
+        tensor: String,
+        /// The file.
+        path: PathBuf,
+        /// The closest names in the file.
+        nearest: Vec<String>,
+    },
+    /// The tensor's shape does not give the parameter's shape.
+    #[error("tensor `{tensor}` (for parameter `{param}`): expected shape {expected:?}{how}, found {found:?}")]
+    Shape {
+        /// The graph parameter.
+        param: String,
+        /// The checkpoint tensor.
+        tensor: String,
+        /// The shape the graph needs (or the packed shape implied by it).
+        expected: Vec<usize>,
+        /// What the file holds.
+        found: Vec<usize>,
+        /// How the tensor is read (` after transpose`, ...), for the message.
+        how: String,
+    },
+    /// The tensor's element type cannot be converted to f32.
+    #[error("tensor `{tensor}` has dtype {dtype}, expected a float type (F32, F16, BF16, F64)")]
+    DType {
+        /// The checkpoint tensor.
+        tensor: String,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// The tensor holds NaN or infinite values.
+    #[error("tensor `{tensor}` holds a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        /// The checkpoint tensor.
+        tensor: String,
+        /// The first bad element.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
+}
+
+fn nearest_hint(nearest: &[String]) -> String {
+    if nearest.is_empty() { String::new() } else { format!("; nearest names in the file: {}", nearest.join(", ")) }
+}
+
+/// A safetensors file read into memory.
+pub struct Checkpoint {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl Checkpoint {
+    /// Reads and validates the file's header.
+    pub fn open(path: &Path) -> Result<Self, WeightError> {
+        let bytes = std::fs::read(path).map_err(|source| WeightError::Io { path: path.into(), source })?;
+        SafeTensors::deserialize(&bytes).map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
+        Ok(Checkpoint { path: path.into(), bytes })
+    }
+
+    fn tensors(&self) -> SafeTensors<'_> {
+        SafeTensors::deserialize(&self.bytes).expect("validated in open")
+    }
+
+    /// Names of every tensor in the file, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors().names().into_iter().map(str::to_string).collect();
+        names.sort();
+        names
+    }
+
+    /// A tensor converted to f32 (floats) or i64 (integers and booleans).
+    pub fn get(&self, name: &str) -> Option<Result<Tensor, WeightError>> {
+        let st = self.tensors();
+        let view = st.tensor(name).ok()?;
+        Some(convert(name, view.dtype(), view.shape(), view.data()))
+    }
+
+    /// Every tensor of the file, converted.
+    pub fn all(&self) -> Result<HashMap<String, Tensor>, WeightError> {
+        self.names()
+            .into_iter()
+            .map(|n| {
+                let t = self.get(&n).expect("listed name exists")?;
+                Ok((n, t))
+            })
+            .collect()
+    }
+
+    /// The checkpoint's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Tensor, WeightError> {
+    let shape = shape.to_vec();
+    macro_rules! ints {
+        ($t:ty) => {
+            Tensor::i64(
+                shape,
+                data.chunks_exact(std::mem::size_of::<$t>())
+                    .map(|c| <$t>::from_le_bytes(c.try_into().expect("exact chunk")) as i64)
+                    .collect(),
+            )
+        };
+    }
+    Ok(match dtype {
+        Dtype::F32 => Tensor::f32(shape, data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        Dtype::F64 => Tensor::f32(
+            shape,
+            data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("exact chunk")) as f32).collect(),
+        ),
+        Dtype::F16 => {
+            Tensor::f32(shape, data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+        }
+        Dtype::BF16 => {
+            Tensor::f32(shape, data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+        }
+        Dtype::I64 => ints!(i64),
+        Dtype::I32 => ints!(i32),
+        Dtype::I16 => ints!(i16),
+        Dtype::I8 => ints!(i8),
+        Dtype::U8 | Dtype::BOOL => Tensor::i64(shape, data.iter().map(|&b| b as i64).collect()),
+        Dtype::U16 => ints!(u16),
+        Dtype::U32 => ints!(u32),
+        other => return Err(WeightError::DType { tensor: name.into(), dtype: format!("{other:?}") }),
+    })
+}
+
+/// Loads every parameter of `graph` from the checkpoint at `path`.
+pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMap<String, Tensor>, WeightError> {
+    let ckpt = Checkpoint::open(path)?;
+    load_params_from(spec, graph, &ckpt)
+}
+
+/// Loads every parameter of `graph` from an opened checkpoint.
+pub fn load_params_from(spec: &Resolved, graph: &Graph, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>, WeightError> {
+    let mut params = HashMap::new();
+    for (node, name) in graph.params() {
+        let expected: Vec<usize> = graph.g[node]
+            .shape
+            .iter()
+            .map(|d| match d {
+                kiln_compiler::graph::Dim::Fixed(k) => *k,
+                kiln_compiler::graph::Dim::Sym(_) => 0,
+            })
+            .collect();
+        let source = match spec.weights.resolve(name) {
+            Some(r) => Source { tensor: r.tensor, ..r.source },
+            None => Source::named(name),
+        };
+        let t = load_one(spec, ckpt, name, &source, &expected)?;
+        params.insert(name.to_string(), t);
+    }
+    Ok(params)
+}
+
+fn load_one(spec: &Resolved, ckpt: &Checkpoint, param: &str, source: &Source, expected: &[usize]) -> Result<Tensor, WeightError> {
+    let tensor_name = &source.tensor;
+    let raw = match ckpt.get(tensor_name) {
+        Some(t) => t?,
+        None => {
+            let names = ckpt.names();
+            let mut scored: Vec<(usize, &String)> =
+                names.iter().map(|n| (strsim::levenshtein(n, tensor_name), n)).collect();
+            scored.sort();
+            return Err(WeightError::MissingTensor {
+                param: param.into(),
+                tensor: tensor_name.clone(),
+                path: ckpt.path().into(),
+                nearest: scored.into_iter().take(3).map(|(_, n)| n.clone()).collect(),
+            });
+        }
+    };
+    let Some(values) = raw.as_f32() else {
+        return Err(WeightError::DType { tensor: tensor_name.clone(), dtype: "integer".into() });
+    };
+    if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+        return Err(WeightError::NonFinite { tensor: tensor_name.clone(), index, value: values[index] });
+    }
+    // Shape errors report the graph's shape ([out, in] for projections) against the file's, with
+    // how the file's tensor is read.
+    let mut how: Vec<String> = Vec::new();
+    if source.transpose {
+        how.push("stored transposed, [in, out]".into());
+    }
+    if let (Some(pack), Some(part)) = (source.pack, source.part) {
+        how.push(format!("part {part:?} of a {pack:?} pack"));
+    }
+    let shape_error = |found: Vec<usize>, extra: Option<String>| {
+        let mut notes = how.clone();
+        notes.extend(extra);
+        WeightError::Shape {
+            param: param.into(),
+            tensor: tensor_name.clone(),
+            expected: expected.to_vec(),
+            found,
+            how: if notes.is_empty() { String::new() } else { format!(" ({})", notes.join("; ")) },
+        }
+    };
+    let mut t = raw.clone();
+    if source.transpose {
+        if t.shape.len() != 2 {
+            return Err(shape_error(raw.shape.clone(), None));
+        }
+        t = transpose(&t);
+    }
+    if let (Some(pack), Some(part)) = (source.pack, source.part) {
+        t = unpack(spec, &t, pack, part)
+            .map_err(|(total, what)| shape_error(raw.shape.clone(), Some(format!("the pack should have {total} rows {what}"))))?;
+    }
+    if source.rope_unpermute {
+        t = unpermute_rope(&t, spec.head_dim as usize)
+            .ok_or_else(|| shape_error(raw.shape.clone(), Some("rows must be a multiple of head_dim".into())))?;
+    }
+    if t.shape != expected {
+        return Err(shape_error(raw.shape.clone(), None));
+    }
+    Ok(t)
+}
+
+fn transpose(t: &Tensor) -> Tensor {
+    let (r, c) = (t.shape[0], t.shape[1]);
+    let x = t.as_f32().expect("float tensor");
+    let mut out = vec![0.0; x.len()];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = x[i * c + j];
+        }
+    }
+    Tensor::f32(vec![c, r], out)
+}
+
+/// Cuts one part out of a packed tensor (rows of a 2-D tensor, or elements of a bias). On a size
+/// mismatch returns the row count the spec implies and a description of the packing.
+fn unpack(spec: &Resolved, t: &Tensor, pack: Pack, part: PackPart) -> Result<Tensor, (usize, String)> {
+    let hd = spec.head_dim as usize;
+    let (q, kv) = (spec.spec.attention.heads as usize * hd, spec.kv_heads as usize * hd);
+    let ff = spec.d_ff as usize;
+    let rows = t.shape[0];
+    let width: usize = t.shape[1..].iter().product();
+    let x = t.as_f32().expect("float tensor");
+    let take = |ranges: &[(usize, usize)]| {
+        let mut out = Vec::new();
+        let mut n = 0;
+        for &(start, len) in ranges {
+            out.extend_from_slice(&x[start * width..(start + len) * width]);
+            n += len;
+        }
+        let mut shape = t.shape.clone();
+        shape[0] = n;
+        Tensor::f32(shape, out)
+    };
+    let blocks = |sizes: &[usize], index: usize, what: &str| {
+        let total: usize = sizes.iter().sum();
+        if rows != total {
+            return Err((total, what.to_string()));
+        }
+        let start: usize = sizes[..index].iter().sum();
+        Ok(take(&[(start, sizes[index])]))
+    };
+    match (pack, part) {
+        (Pack::QkvBlocks, p @ (PackPart::Q | PackPart::K | PackPart::V)) => {
+            let index = [PackPart::Q, PackPart::K, PackPart::V].iter().position(|&x| x == p).unwrap_or(0);
+            blocks(&[q, kv, kv], index, "as Q, K, V blocks")
+        }
+        (Pack::QkvPerHead, p @ (PackPart::Q | PackPart::K | PackPart::V)) => {
+            let heads = spec.spec.attention.heads as usize;
+            if rows != 3 * heads * hd {
+                return Err((3 * heads * hd, "per head as [head][q|k|v][head_dim]".into()));
+            }
+            let index = [PackPart::Q, PackPart::K, PackPart::V].iter().position(|&x| x == p).unwrap_or(0);
+            let ranges: Vec<(usize, usize)> = (0..heads).map(|h| (h * 3 * hd + index * hd, hd)).collect();
+            Ok(take(&ranges))
+        }
+        (Pack::GateUpBlocks, PackPart::Gate) => blocks(&[ff, ff], 0, "as gate, up blocks"),
+        (Pack::GateUpBlocks, PackPart::Up) => blocks(&[ff, ff], 1, "as gate, up blocks"),
+        (pack, part) => Err((rows, format!("{pack:?} has no part {part:?}"))),
+    }
+}
+
+/// llama.cpp stores Q/K rows of each head as interleaved pairs; HF's rotate-half layout wants the
+/// even rows of a head first, then the odd ones: `hf[h, j * hd/2 + i] = gguf[h, 2i + j]`.
+fn unpermute_rope(t: &Tensor, hd: usize) -> Option<Tensor> {
+    let rows = t.shape[0];
+    if hd == 0 || hd % 2 != 0 || rows % hd != 0 {
+        return None;
+    }
+    let width: usize = t.shape[1..].iter().product();
+    let x = t.as_f32()?;
+    let mut out = vec![0.0; x.len()];
+    let half = hd / 2;
+    for h in 0..rows / hd {
+        for j in 0..2 {
+            for i in 0..half {
+                let dst = h * hd + j * half + i;
+                let src = h * hd + 2 * i + j;
+                out[dst * width..(dst + 1) * width].copy_from_slice(&x[src * width..(src + 1) * width]);
+            }
+        }
+    }
+    Some(Tensor::f32(t.shape.clone(), out))
+}
+
+/// Reads every tensor of a safetensors file (inputs for `kiln run`).
+pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>, WeightError> {
+    Checkpoint::open(path)?.all()
+}
+
+/// Writes f32/i64 tensors to a safetensors file, atomically (a temporary file renamed into place).
+pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), WeightError> {
+    let io = |source| WeightError::Io { path: path.into(), source };
+    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, t)| match &t.data {
+            kiln_compiler::tensor::Data::F32(v) => {
+                (name.clone(), Dtype::F32, t.shape.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            kiln_compiler::tensor::Data::I64(v) => {
+                (name.clone(), Dtype::I64, t.shape.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("sizes agree by construction");
+            (n.clone(), view)
+        })
+        .collect();
+    let data = safetensors::serialize(views, None)
+        .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
+    let tmp = path.with_extension("safetensors.tmp");
+    std::fs::write(&tmp, data).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_the_llama_cpp_permutation() {
+        // One head of 4 rows: HF order r0 r1 r2 r3 is stored by llama.cpp as r0 r2 r1 r3.
+        let gguf = Tensor::f32(vec![4, 1], vec![0.0, 2.0, 1.0, 3.0]);
+        let hf = unpermute_rope(&gguf, 4).unwrap();
+        assert_eq!(hf.as_f32().unwrap(), &[0.0, 1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn transpose_swaps_rows_and_columns() {
+        let t = Tensor::f32(vec![2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(transpose(&t), Tensor::f32(vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]));
+    }
+}
