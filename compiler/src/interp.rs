@@ -402,6 +402,18 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             }
             Tensor::f32(shape, out)
         }
+        Op::L2Normalize => {
+            let x = f(a[0]);
+            let d = *shape.last().expect("l2_normalize has an axis");
+            let mut out = vec![0.0; x.len()];
+            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
+                let norm = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt().max(1e-12);
+                for (y, &v) in o.iter_mut().zip(row) {
+                    *y = (v as f64 / norm) as f32;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
         Op::MeanPool => {
             let (x, m) = (f(a[0]), f(a[1]));
             let (b, s, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);

@@ -73,7 +73,10 @@ pub fn build(r: &Resolved) -> R<Graph> {
             scope: "pool".into(),
             message: "pooling needs the attention_mask input of an encoder or decoder".into(),
         })?;
-        let pooled = b.g.add(Op::MeanPool, &[hidden, mask])?;
+        let mut pooled = b.g.add(Op::MeanPool, &[hidden, mask])?;
+        if spec.outputs.normalize {
+            pooled = b.g.add(Op::L2Normalize, &[pooled])?;
+        }
         b.g.outputs.push(("sentence_embedding".into(), pooled));
     }
     b.g.scope.clear();

@@ -219,6 +219,8 @@ pub enum Op {
     },
     /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
     MeanPool,
+    /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
+    L2Normalize,
 }
 
 impl Op {
@@ -248,6 +250,7 @@ impl Op {
             Op::TopK { .. } => "top_k".into(),
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
+            Op::L2Normalize => "l2_normalize".into(),
         }
     }
 
@@ -506,7 +509,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(2)?;
             Ok((broadcast(float(0)?, float(1)?)?, DType::F32))
         }
-        Op::Scale { .. } | Op::Act(_) | Op::Softmax => {
+        Op::Scale { .. } | Op::Act(_) | Op::Softmax | Op::L2Normalize => {
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }

@@ -424,11 +424,14 @@ pub struct Outputs {
     /// `sentence_embedding`: pooled hidden states.
     #[serde(default)]
     pub pooling: Pooling,
+    /// Scale the pooled vector to unit L2 norm (sentence-transformers' `Normalize` module).
+    #[serde(default)]
+    pub normalize: bool,
 }
 
 impl Default for Outputs {
     fn default() -> Self {
-        Outputs { logits: None, hidden_states: false, pooling: Pooling::None }
+        Outputs { logits: None, hidden_states: false, pooling: Pooling::None, normalize: false }
     }
 }
 

@@ -310,6 +310,13 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "the model would produce no output: enable `outputs.logits`, `outputs.hidden_states` or `outputs.pooling`".into(),
         );
     }
+    if o.normalize && o.pooling == Pooling::None {
+        c.error(
+            "outputs.normalize",
+            "normalize applies to a pooled output",
+            "`outputs.normalize` is set but `outputs.pooling` is \"none\"".into(),
+        );
+    }
     if spec.head.bias && !logits {
         c.error("head.bias", "a head bias needs logits", "`head.bias` is set but the model produces no logits".into());
     }

@@ -1,0 +1,170 @@
+//! Golden numerics: kiln's reference interpreter against the outputs of independent
+//! implementations (HF transformers, torch.nn), stored under `tests/fixtures/` (see its README).
+
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::{FrontEnd, front_end, interp};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The largest absolute error allowed against a golden output.
+const TOLERANCE: f32 = 1e-4;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn spec(name: &str) -> FrontEnd {
+    let path = format!("models/{name}.toml");
+    let source = std::fs::read_to_string(root().join(&path)).expect("spec exists");
+    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    kiln_runtime::read_tensors(path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Runs a synthetic fixture and checks every expected output it stores. Returns the max errors.
+fn check_fixture(name: &str) -> Vec<(String, f32)> {
+    let fe = spec(name);
+    let dir = root().join("tests/fixtures").join(name);
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{e}"));
+    let io = tensors(&dir.join("io.safetensors"));
+    let outputs = interp::run(&fe.graph, &params, &io).unwrap_or_else(|e| panic!("{e}"));
+    let mut errors = Vec::new();
+    for (out_name, got) in outputs {
+        let Some(expected) = io.get(&out_name) else { continue };
+        let err = got.max_abs_diff(expected);
+        println!("{name}: {out_name} max abs error {err:e}");
+        assert!(err <= TOLERANCE, "{name}: `{out_name}` differs by {err} (> {TOLERANCE})");
+        errors.push((out_name, err));
+    }
+    assert!(!errors.is_empty(), "{name}: no output was compared");
+    errors
+}
+
+/// Greedy decoding by re-running the whole sequence at each step (no cache): the continuation of
+/// `prompt_ids` must equal `greedy_ids`.
+fn check_greedy(name: &str) {
+    let fe = spec(name);
+    let dir = root().join("tests/fixtures").join(name);
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{e}"));
+    let io = tensors(&dir.join("io.safetensors"));
+    let mut ids = io["prompt_ids"].as_i64().expect("ids are integers").to_vec();
+    let expected = io["greedy_ids"].as_i64().expect("ids are integers").to_vec();
+    let mut generated = Vec::new();
+    for _ in 0..expected.len() {
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, ids.len()], ids.clone()))]);
+        let outputs = interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}"));
+        let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("decoder has logits").1;
+        let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
+        let last = &logits.as_f32().expect("f32 logits")[(ids.len() - 1) * vocab..ids.len() * vocab];
+        let next = argmax(last);
+        generated.push(next);
+        ids.push(next);
+    }
+    assert_eq!(generated, expected, "{name}: greedy continuation");
+}
+
+fn argmax(v: &[f32]) -> i64 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as i64
+}
+
+#[test]
+fn gpt2_logits() {
+    check_fixture("gpt2");
+}
+
+#[test]
+fn gpt2_greedy() {
+    check_greedy("gpt2");
+}
+
+#[test]
+fn llama_logits() {
+    check_fixture("llama");
+}
+
+#[test]
+fn llama_greedy() {
+    check_greedy("llama");
+}
+
+#[test]
+fn bloom_logits() {
+    check_fixture("bloom");
+}
+
+#[test]
+fn bloom_greedy() {
+    check_greedy("bloom");
+}
+
+#[test]
+fn mixtral_logits() {
+    check_fixture("mixtral");
+}
+
+#[test]
+fn mixtral_greedy() {
+    check_greedy("mixtral");
+}
+
+#[test]
+fn bert_last_hidden_state_with_padding() {
+    check_fixture("bert");
+}
+
+#[test]
+fn vaswani_encoder_decoder_logits() {
+    check_fixture("vaswani");
+}
+
+/// Where `scripts/fetch-models` caches real models.
+fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KILN_DATA") {
+        return dir.into();
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache"));
+    cache.join("kiln")
+}
+
+/// Fetches a real model with the project script if it is not cached yet (the one network access
+/// of the test suite, documented in the README).
+fn fetched(model: &str, dir: &str, file: &str) -> PathBuf {
+    let path = data_dir().join(dir).join(file);
+    if !path.exists() {
+        let status = std::process::Command::new("bash")
+            .arg(root().join("scripts/fetch-models"))
+            .arg(model)
+            .status()
+            .expect("bash runs");
+        assert!(status.success(), "scripts/fetch-models {model} failed");
+    }
+    path
+}
+
+#[test]
+fn minilm_matches_sentence_transformers() {
+    let weights = fetched("minilm", "minilm-l6", "model.safetensors");
+    let fe = spec("minilm-l6");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
+    let reference = tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors"));
+    let outputs = interp::run(&fe.graph, &params, &reference).unwrap_or_else(|e| panic!("{e}"));
+    let mut compared = 0;
+    for (name, got) in &outputs {
+        let expected = &reference[name];
+        let err = got.max_abs_diff(expected);
+        println!("minilm-l6: {name} max abs error {err:e}");
+        assert!(err <= TOLERANCE, "minilm-l6: `{name}` differs by {err}");
+        compared += 1;
+    }
+    assert_eq!(compared, 2, "last_hidden_state and sentence_embedding are both compared");
+}
