@@ -1,0 +1,56 @@
+//! Snapshots of every IR stage for every spec in `models/`, driven by a glob: a new spec gets its
+//! snapshots without new test code. Invariants are asserted before anything is snapshotted.
+
+use kiln_compiler::front_end;
+use kiln_compiler::graph::print;
+
+#[test]
+fn graph_of_every_model() {
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path("../snapshots");
+    settings.set_prepend_module_to_snapshot(false);
+    settings.bind(|| {
+        insta::glob!("../models", "*.toml", |path| {
+            let name = format!("models/{}", path.file_name().unwrap().to_string_lossy());
+            let source = std::fs::read_to_string(path).unwrap();
+            let fe = front_end(&name, &source).unwrap_or_else(|e| panic!("{}", e.render()));
+
+            // Invariants first: a well-typed acyclic graph, every parameter mapped to a tensor,
+            // and a printer that gives the same text twice.
+            fe.graph.check().unwrap_or_else(|e| panic!("{name}: {e}"));
+            for (_, param) in fe.graph.params() {
+                assert!(
+                    fe.spec.weights.entries.is_empty() || fe.spec.weights.resolve(param).is_some(),
+                    "{name}: `{param}` has no weight-map entry"
+                );
+            }
+            let text = print::text(&fe.graph);
+            assert_eq!(text, print::text(&fe.graph), "{name}: printer is not deterministic");
+
+            let s = print::summary(&fe.graph, 128);
+            let mut weights = String::new();
+            for (_, param) in fe.graph.params() {
+                if let Some(r) = fe.spec.weights.resolve(param) {
+                    weights += &format!("{param} <- {}\n", r.tensor);
+                }
+            }
+            let snapshot = format!(
+                "## Summary\nparameters: {}\nmatmul FLOPs/token at seq 128: {}\nnodes: {} ({} compute), edges: {}\n\n## Weights\n{weights}\n## Graph\n{text}",
+                s.parameters, s.flops_per_token, s.nodes, s.compute_nodes, s.edges
+            );
+            insta::assert_snapshot!("graph", snapshot);
+        });
+    });
+}
+
+#[test]
+fn dot_output_is_well_formed() {
+    let source = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/models/llama.toml")).unwrap();
+    let fe = front_end("models/llama.toml", &source).unwrap();
+    let dot = print::dot(&fe.graph);
+    assert!(dot.starts_with("digraph \"llama\" {"));
+    assert!(dot.trim_end().ends_with('}'));
+    assert_eq!(dot.matches('{').count(), dot.matches('}').count());
+    assert!(dot.contains("label=\"layers.0.attn\""), "blocks are drawn as clusters");
+    assert!(dot.contains("out_logits"));
+}
