@@ -236,7 +236,11 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
                 if id < 0 || id as usize >= rows {
-                    let what = if matches!(g.g[operands[1]].op, Op::Positions { .. }) { "position" } else { "token id" };
+                    let what = match g.g[operands[1]].op {
+                        Op::Positions { .. } => "position",
+                        Op::Input { role: InputRole::TokenTypes, .. } => "token type id",
+                        _ => "token id",
+                    };
                     let table = match &g.g[operands[0]].op {
                         Op::Param { name } => name.clone(),
                         _ => "table".into(),
@@ -435,6 +439,31 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             Tensor::f32(shape, out)
         }
     })
+}
+
+/// Deterministic pseudo-random parameters for every parameter of `g` (uniform in
+/// `[-scale, scale]`, norm gains around 1), for differential tests without a checkpoint.
+pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
+    let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        // splitmix64
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    g.params()
+        .into_iter()
+        .map(|(n, name)| {
+            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
+            let len = shape.iter().product();
+            let is_gain = name.ends_with("norm.weight");
+            let data = (0..len).map(|_| if is_gain { 1.0 + 0.1 * next() as f32 } else { 0.3 * next() as f32 }).collect();
+            (name.to_string(), Tensor::f32(shape, data))
+        })
+        .collect()
 }
 
 /// The activation functions, as their reference implementations define them.
