@@ -1,0 +1,193 @@
+//! The `kiln` command line, end to end: what each command prints, and that bad input gives a
+//! specific message and a non-zero exit code, never a panic.
+
+use kiln_compiler::tensor::Tensor;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs kiln and expects failure with a message containing every `needle`.
+fn fails_with(args: &[&str], needles: &[&str]) {
+    let o = kiln(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "kiln {args:?} should fail cleanly; stderr:\n{err}");
+    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "kiln {args:?}: stderr lacks {needle:?}:\n{err}");
+    }
+}
+
+/// A scratch directory unique to one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn check_summarises_every_model() {
+    for entry in std::fs::read_dir(root().join("models")).unwrap() {
+        let path = entry.unwrap().path();
+        let o = kiln(&["check", s(&path)]);
+        assert!(o.status.success(), "{}: {}", path.display(), stderr(&o));
+        let out = stdout(&o);
+        for field in ["parameters", "FLOPs/token", "graph", "inputs", "outputs"] {
+            assert!(out.contains(field), "{}: no {field} in\n{out}", path.display());
+        }
+    }
+    let o = kiln(&["check", "models/smollm2-135m.toml"]);
+    assert!(stdout(&o).contains("parameters   134515008 (134.52M)"), "{}", stdout(&o));
+}
+
+#[test]
+fn inspect_prints_text_and_dot() {
+    let text = stdout(&kiln(&["inspect", "models/gpt2.toml", "--stage", "graph", "--format", "text"]));
+    assert!(text.starts_with("graph \"gpt2\" {"), "{text}");
+    assert!(text.contains("gelu-tanh"));
+    let dot = stdout(&kiln(&["inspect", "models/gpt2.toml", "--format", "dot"]));
+    assert!(dot.starts_with("digraph \"gpt2\" {"), "{dot}");
+}
+
+#[test]
+fn run_writes_outputs_under_the_fixture_names() {
+    let dir = scratch("run");
+    let out = dir.join("out.safetensors");
+    let o = kiln(&[
+        "run",
+        "models/bert.toml",
+        "--weights",
+        "tests/fixtures/bert/model.safetensors",
+        "--inputs",
+        "tests/fixtures/bert/io.safetensors",
+        "--output",
+        s(&out),
+        "--backend",
+        "interp",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kiln_runtime::read_tensors(&out).unwrap();
+    let expected = kiln_runtime::read_tensors(&root().join("tests/fixtures/bert/io.safetensors")).unwrap();
+    let err = got["last_hidden_state"].max_abs_diff(&expected["last_hidden_state"]);
+    assert!(err <= 1e-4, "{err}");
+    assert!(!dir.join("out.safetensors.tmp").exists(), "no temporary file is left behind");
+}
+
+#[test]
+fn invalid_spec_is_rendered_with_its_location() {
+    fails_with(
+        &["check", "tests/invalid/kv-heads-not-dividing.toml"],
+        &["tests/invalid/kv-heads-not-dividing.toml:", "kv_heads", "rule:"],
+    );
+    fails_with(&["check", "no/such/spec.toml"], &["cannot read spec `no/such/spec.toml`"]);
+}
+
+#[test]
+fn wrong_weights_name_the_tensor() {
+    // BERT's checkpoint for GPT-2's spec: the first tensor GPT-2 needs is not there.
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/bert/model.safetensors", "--inputs",
+          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"],
+        &["tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in", "nearest names in the file"],
+    );
+}
+
+/// Writes the GPT-2 fixture's weights with one tensor replaced.
+fn tampered(name: &str, tensor: &str, replace: impl Fn(&Tensor) -> Tensor) -> PathBuf {
+    let mut all: Vec<(String, Tensor)> =
+        kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/model.safetensors")).unwrap().into_iter().collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    for (n, t) in all.iter_mut() {
+        if n == tensor {
+            *t = replace(t);
+        }
+    }
+    let path = scratch(name).join("model.safetensors");
+    kiln_runtime::write_tensors(&path, &all).unwrap();
+    path
+}
+
+fn run_gpt2_with(weights: &Path, needles: &[&str]) {
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", s(weights), "--inputs", "tests/fixtures/gpt2/io.safetensors",
+          "--output", "/dev/null"],
+        needles,
+    );
+}
+
+#[test]
+fn wrong_shape_names_expected_and_found() {
+    let w = tampered("shape", "transformer.h.1.mlp.c_fc.weight", |_| Tensor::f32(vec![64, 255], vec![0.0; 64 * 255]));
+    run_gpt2_with(&w, &["tensor `transformer.h.1.mlp.c_fc.weight` (for parameter `layers.1.ffn.up.weight`)", "expected shape [256, 64]", "found [64, 255]", "stored transposed"]);
+    let w = tampered("pack", "transformer.h.0.attn.c_attn.weight", |_| Tensor::f32(vec![64, 190], vec![0.0; 64 * 190]));
+    run_gpt2_with(&w, &["c_attn.weight", "the pack should have 192 rows"]);
+}
+
+#[test]
+fn non_finite_and_integer_weights_are_reported() {
+    let w = tampered("nan", "transformer.ln_f.weight", |t| {
+        let mut v = t.as_f32().unwrap().to_vec();
+        v[3] = f32::NAN;
+        Tensor::f32(t.shape.clone(), v)
+    });
+    run_gpt2_with(&w, &["tensor `transformer.ln_f.weight` holds a non-finite value (NaN) at element 3"]);
+    let w = tampered("int", "transformer.ln_f.bias", |t| Tensor::i64(t.shape.clone(), vec![0; t.len()]));
+    run_gpt2_with(&w, &["transformer.ln_f.bias", "expected a float type"]);
+}
+
+#[test]
+fn corrupt_weight_files_are_reported() {
+    let dir = scratch("corrupt");
+    let bytes = std::fs::read(root().join("tests/fixtures/gpt2/model.safetensors")).unwrap();
+    let truncated = dir.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    run_gpt2_with(&truncated, &["is not a valid safetensors file"]);
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
+    run_gpt2_with(&garbage, &["is not a valid safetensors file"]);
+    run_gpt2_with(&dir.join("missing.safetensors"), &["cannot read"]);
+}
+
+#[test]
+fn bad_inputs_are_reported() {
+    let dir = scratch("inputs");
+    let inputs = dir.join("in.safetensors");
+    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), Tensor::i64(vec![1, 3], vec![1, 500, 2]))]).unwrap();
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&inputs),
+          "--output", "/dev/null"],
+        &["token id 500 is out of range for `embed.tokens` (128 rows)"],
+    );
+    let long = dir.join("long.safetensors");
+    kiln_runtime::write_tensors(&long, &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))]).unwrap();
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&long),
+          "--output", "/dev/null"],
+        &["position 32 is out of range for `embed.positions` (32 rows)"],
+    );
+    let none = dir.join("none.safetensors");
+    kiln_runtime::write_tensors(&none, &[("tgt_ids".into(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]).unwrap();
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&none),
+          "--output", "/dev/null"],
+        &["missing input `input_ids`"],
+    );
+}
