@@ -95,7 +95,11 @@ fn main() -> ExitCode {
 fn load_spec(path: &Path) -> Result<FrontEnd> {
     let source = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
     let source = String::from_utf8(source).map_err(|e| {
-        anyhow::anyhow!("spec `{}` is not UTF-8 text (invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to())
+        anyhow::anyhow!(
+            "spec `{}` is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
     })?;
     Ok(kiln_compiler::front_end(&path.display().to_string(), &source)?)
 }
@@ -107,7 +111,14 @@ fn run(cli: Cli) -> Result<()> {
             let s = print::summary(&fe.graph, seq);
             let m = &fe.spec.spec.model;
             println!("{}: ok", spec.display());
-            println!("  model        {} ({:?}, {} layers, d_model {}, vocab {})", m.name, m.kind, fe.spec.layers(), m.d_model, m.vocab);
+            println!(
+                "  model        {} ({:?}, {} layers, d_model {}, vocab {})",
+                m.name,
+                m.kind,
+                fe.spec.layers(),
+                m.d_model,
+                m.vocab
+            );
             println!("  parameters   {} ({})", s.parameters, human(s.parameters as f64));
             println!("  FLOPs/token  {} (matmuls, forward at seq {})", human(s.flops_per_token), s.seq);
             println!("  graph        {} nodes ({} compute), {} edges", s.nodes, s.compute_nodes, s.edges);

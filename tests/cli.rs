@@ -104,8 +104,16 @@ fn invalid_spec_is_rendered_with_its_location() {
 fn wrong_weights_name_the_tensor() {
     // BERT's checkpoint for GPT-2's spec: the first tensor GPT-2 needs is not there.
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/bert/model.safetensors", "--inputs",
-          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            "tests/fixtures/bert/model.safetensors",
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            "/dev/null",
+        ],
         &["tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in", "nearest names in the file"],
     );
 }
@@ -113,7 +121,10 @@ fn wrong_weights_name_the_tensor() {
 /// Writes the GPT-2 fixture's weights with one tensor replaced.
 fn tampered(name: &str, tensor: &str, replace: impl Fn(&Tensor) -> Tensor) -> PathBuf {
     let mut all: Vec<(String, Tensor)> =
-        kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/model.safetensors")).unwrap().into_iter().collect();
+        kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
     all.sort_by(|a, b| a.0.cmp(&b.0));
     for (n, t) in all.iter_mut() {
         if n == tensor {
@@ -127,8 +138,16 @@ fn tampered(name: &str, tensor: &str, replace: impl Fn(&Tensor) -> Tensor) -> Pa
 
 fn run_gpt2_with(weights: &Path, needles: &[&str]) {
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", s(weights), "--inputs", "tests/fixtures/gpt2/io.safetensors",
-          "--output", "/dev/null"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            s(weights),
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            "/dev/null",
+        ],
         needles,
     );
 }
@@ -136,7 +155,15 @@ fn run_gpt2_with(weights: &Path, needles: &[&str]) {
 #[test]
 fn wrong_shape_names_expected_and_found() {
     let w = tampered("shape", "transformer.h.1.mlp.c_fc.weight", |_| Tensor::f32(vec![64, 255], vec![0.0; 64 * 255]));
-    run_gpt2_with(&w, &["tensor `transformer.h.1.mlp.c_fc.weight` (for parameter `layers.1.ffn.up.weight`)", "expected shape [256, 64]", "found [64, 255]", "stored transposed"]);
+    run_gpt2_with(
+        &w,
+        &[
+            "tensor `transformer.h.1.mlp.c_fc.weight` (for parameter `layers.1.ffn.up.weight`)",
+            "expected shape [256, 64]",
+            "found [64, 255]",
+            "stored transposed",
+        ],
+    );
     let w = tampered("pack", "transformer.h.0.attn.c_attn.weight", |_| Tensor::f32(vec![64, 190], vec![0.0; 64 * 190]));
     run_gpt2_with(&w, &["c_attn.weight", "the pack should have 192 rows"]);
 }
@@ -172,22 +199,46 @@ fn bad_inputs_are_reported() {
     let inputs = dir.join("in.safetensors");
     kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), Tensor::i64(vec![1, 3], vec![1, 500, 2]))]).unwrap();
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&inputs),
-          "--output", "/dev/null"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            s(&inputs),
+            "--output",
+            "/dev/null",
+        ],
         &["token id 500 is out of range for `embed.tokens` (128 rows)"],
     );
     let long = dir.join("long.safetensors");
     kiln_runtime::write_tensors(&long, &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))]).unwrap();
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&long),
-          "--output", "/dev/null"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            s(&long),
+            "--output",
+            "/dev/null",
+        ],
         &["position 32 is out of range for `embed.positions` (32 rows)"],
     );
     let none = dir.join("none.safetensors");
     kiln_runtime::write_tensors(&none, &[("tgt_ids".into(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]).unwrap();
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs", s(&none),
-          "--output", "/dev/null"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            s(&none),
+            "--output",
+            "/dev/null",
+        ],
         &["missing input `input_ids`"],
     );
 }

@@ -27,7 +27,8 @@ fn tensors(path: &Path) -> HashMap<String, Tensor> {
 fn check_fixture(name: &str) -> Vec<(String, f32)> {
     let fe = spec(name);
     let dir = root().join("tests/fixtures").join(name);
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{e}"));
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors"))
+        .unwrap_or_else(|e| panic!("{e}"));
     let io = tensors(&dir.join("io.safetensors"));
     let outputs = interp::run(&fe.graph, &params, &io).unwrap_or_else(|e| panic!("{e}"));
     let mut errors = Vec::new();
@@ -47,7 +48,8 @@ fn check_fixture(name: &str) -> Vec<(String, f32)> {
 fn check_greedy(name: &str) {
     let fe = spec(name);
     let dir = root().join("tests/fixtures").join(name);
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{e}"));
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors"))
+        .unwrap_or_else(|e| panic!("{e}"));
     let io = tensors(&dir.join("io.safetensors"));
     let mut ids = io["prompt_ids"].as_i64().expect("ids are integers").to_vec();
     let expected = io["greedy_ids"].as_i64().expect("ids are integers").to_vec();

@@ -38,9 +38,9 @@ fn readme_documents_every_spec_key() {
         for key in keys {
             let full = format!("`{table}.{key}`");
             let row_prefix = format!("| `{table}.");
-            let documented = readme.lines().any(|l| {
-                l.starts_with(&row_prefix) && (l.contains(&full) || l.contains(&format!("`{key}`")))
-            });
+            let documented = readme
+                .lines()
+                .any(|l| l.starts_with(&row_prefix) && (l.contains(&full) || l.contains(&format!("`{key}`"))));
             if !documented {
                 missing.push(format!("{table}.{key}"));
             }

@@ -51,40 +51,38 @@ impl Diagnostic {
     ///
     /// ```text
     /// error: `attention.kv_heads` = 3 does not divide `attention.heads` = 4
-    ///   --> spec.toml:9:12
-    ///    |
-    ///  9 | kv_heads = 3
-    ///    |            ^ here
-    ///    = rule: kv_heads divides heads
+    ///  --> spec.toml:9:12
+    ///   |
+    /// 9 | kv_heads = 3
+    ///   |            ^
+    ///   = key: attention.kv_heads
+    ///   = rule: kv_heads divides heads
     /// ```
     pub fn render(&self, file: &str, source: &str) -> String {
         let mut out = format!("error: {}\n", self.message);
+        // The notes below line up with the gutter's `|`, as wide as the line number.
+        let mut pad = " ".to_string();
         match &self.span {
             Some(span) => {
                 let (line, col) = line_col(source, span.start);
                 let text = source.lines().nth(line - 1).unwrap_or("");
-                let gutter = line.to_string().len();
-                let pad = " ".repeat(gutter);
+                pad = " ".repeat(line.to_string().len());
                 // The caret covers the span on its first line (at least one column).
                 let end_on_line = (span.end.max(span.start + 1)).min(line_start(source, line) + text.len());
-                let width = source
-                    .get(span.start..end_on_line)
-                    .map(|s| s.chars().count())
-                    .unwrap_or(1)
-                    .max(1);
+                let width = source.get(span.start..end_on_line).map(|s| s.chars().count()).unwrap_or(1).max(1);
                 out += &format!("{pad}--> {file}:{line}:{col}\n");
                 out += &format!("{pad} |\n");
-                out += &format!("{line} | {text}\n");
+                out += &format!("{line} | {}\n", visible(text));
                 out += &format!("{pad} | {}{}\n", " ".repeat(col - 1), "^".repeat(width));
             }
             None => out += &format!(" --> {file}\n"),
         }
         if let Some(key) = &self.key {
-            out += &format!("  = key: {key}\n");
+            out += &format!("{pad} = key: {key}\n");
         }
-        out += &format!("  = rule: {}\n", self.rule);
+        out += &format!("{pad} = rule: {}\n", self.rule);
         if let Some(help) = &self.help {
-            out += &format!("  = help: {help}\n");
+            out += &format!("{pad} = help: {help}\n");
         }
         out
     }
@@ -117,11 +115,7 @@ pub struct SpecError {
 impl SpecError {
     /// Renders every diagnostic, separated by blank lines.
     pub fn render(&self) -> String {
-        self.diagnostics
-            .iter()
-            .map(|d| d.render(&self.file, &self.source))
-            .collect::<Vec<_>>()
-            .join("\n")
+        self.diagnostics.iter().map(|d| d.render(&self.file, &self.source)).collect::<Vec<_>>().join("\n")
     }
 }
 
@@ -133,6 +127,19 @@ impl fmt::Display for SpecError {
 
 impl std::error::Error for SpecError {}
 
+/// A source line as printed under an error: one character per character, so the caret stays
+/// aligned, with tabs as spaces and other control characters (NUL, ...) as their visible symbols.
+fn visible(text: &str) -> String {
+    text.chars()
+        .map(|c| match c {
+            '\t' => ' ',
+            '\u{7f}' => '\u{2421}',
+            c if (c as u32) < 0x20 => char::from_u32(0x2400 + c as u32).unwrap_or('?'),
+            c => c,
+        })
+        .collect()
+}
+
 /// 1-based line and character column of byte `offset` in `source`.
 pub fn line_col(source: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(source.len());
@@ -143,11 +150,7 @@ pub fn line_col(source: &str, offset: usize) -> (usize, usize) {
 }
 
 fn line_start(source: &str, line: usize) -> usize {
-    source
-        .split_inclusive('\n')
-        .take(line - 1)
-        .map(str::len)
-        .sum()
+    source.split_inclusive('\n').take(line - 1).map(str::len).sum()
 }
 
 /// The closest candidate to `word` by edit distance, if it is close enough to be a likely typo.

@@ -163,7 +163,12 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
         let shape = resolve(&node.shape, &bound.syms);
         let elements: u128 = shape.iter().map(|&d| d as u128).product();
         if elements > MAX_ELEMENTS {
-            return Err(InterpError::TooLarge { op: node.op.name(), scope: node.scope.clone(), elements, limit: MAX_ELEMENTS });
+            return Err(InterpError::TooLarge {
+                op: node.op.name(),
+                scope: node.scope.clone(),
+                elements,
+                limit: MAX_ELEMENTS,
+            });
         }
         let operands = g.operands(n);
         let out = match &node.op {
@@ -171,7 +176,11 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
             Op::Param { name } => {
                 let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
                 if t.shape != shape || t.dtype() != DType::F32 {
-                    return Err(InterpError::ParamShape { name: name.clone(), expected: shape, found: t.shape.clone() });
+                    return Err(InterpError::ParamShape {
+                        name: name.clone(),
+                        expected: shape,
+                        found: t.shape.clone(),
+                    });
                 }
                 t.clone()
             }
@@ -316,8 +325,8 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             let inv: Vec<f32> = (0..half).map(|i| 1.0 / theta.0.powf((2 * i) as f32 / *rotary_dim as f32)).collect();
             for (r, row) in out.chunks_mut(d).enumerate() {
                 let pos = (r % s) as f32;
-                for i in 0..half {
-                    let angle = pos * inv[i];
+                for (i, &freq) in inv.iter().enumerate() {
+                    let angle = pos * freq;
                     let (sin, cos) = (angle.sin(), angle.cos());
                     let (i1, i2) = match style {
                         PairStyle::RotateHalf => (i, i + half),
@@ -460,7 +469,8 @@ pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
             let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
             let len = shape.iter().product();
             let is_gain = name.ends_with("norm.weight");
-            let data = (0..len).map(|_| if is_gain { 1.0 + 0.1 * next() as f32 } else { 0.3 * next() as f32 }).collect();
+            let data =
+                (0..len).map(|_| if is_gain { 1.0 + 0.1 * next() as f32 } else { 0.3 * next() as f32 }).collect();
             (name.to_string(), Tensor::f32(shape, data))
         })
         .collect()

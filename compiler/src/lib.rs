@@ -38,11 +38,12 @@ pub struct FrontEnd {
 pub fn front_end(file: &str, source: &str) -> Result<FrontEnd, SpecError> {
     let spec = spec::load(file, source)?;
     let fail = |d: Diagnostic| SpecError { file: file.into(), source: source.into(), diagnostics: vec![d] };
-    let graph = graph::build::build(&spec)
-        .map_err(|e| fail(Diagnostic::new("shapes are consistent", format!("impossible shape: {e}")).with_span(0..0)))?;
-    graph
-        .check()
-        .map_err(|e| fail(Diagnostic::new("the graph is well-formed", format!("internal error, please report: {e}"))))?;
+    let graph = graph::build::build(&spec).map_err(|e| {
+        fail(Diagnostic::new("shapes are consistent", format!("impossible shape: {e}")).with_span(0..0))
+    })?;
+    graph.check().map_err(|e| {
+        fail(Diagnostic::new("the graph is well-formed", format!("internal error, please report: {e}")))
+    })?;
     check_weight_map(&spec, &graph, source).map_err(|d| SpecError {
         file: file.into(),
         source: source.into(),
@@ -58,19 +59,25 @@ fn check_weight_map(spec: &Resolved, graph: &Graph, source: &str) -> Result<(), 
         return Ok(());
     }
     let index = spec::SpanIndex::new(source);
-    let missing: Vec<Diagnostic> = graph
+    // One error per missing template, not per layer.
+    let mut seen = std::collections::HashSet::new();
+    let templates: Vec<String> = graph
         .params()
         .iter()
         .filter(|(_, name)| spec.weights.resolve(name).is_none())
-        .map(|(_, name)| {
-            let key = "weights";
+        .map(|(_, name)| template_of(name))
+        .filter(|t| seen.insert(t.clone()))
+        .collect();
+    let missing: Vec<Diagnostic> = templates
+        .iter()
+        .map(|template| {
             Diagnostic::new(
                 "every parameter has a weight-map entry",
-                format!("parameter `{name}` has no entry in the weight map"),
+                format!("parameter `{template}` has no entry in the weight map"),
             )
-            .with_key(key)
+            .with_key("weights.preset")
             .with_span(index.locate("weights.preset"))
-            .with_help(format!("add it under [weights.tensors], e.g. \"{}\" = \"<tensor name>\"", template_of(name)))
+            .with_help(format!("add it under [weights.tensors], e.g. \"{template}\" = \"<tensor name>\""))
         })
         .collect();
     if missing.is_empty() { Ok(()) } else { Err(missing) }

@@ -58,7 +58,14 @@ fn every_knob_builds_and_runs() {
     for (i, extra) in cases.iter().enumerate() {
         let fe = spec(extra);
         let params = random_params(&fe.graph, i as u64);
-        let out = outputs(&fe, &params, vec![("input_ids", ids(2, 7, i as i64)), ("token_type_ids", Tensor::i64(vec![2, 7], (0..14).map(|i| i % 3).collect()))]);
+        let out = outputs(
+            &fe,
+            &params,
+            vec![
+                ("input_ids", ids(2, 7, i as i64)),
+                ("token_type_ids", Tensor::i64(vec![2, 7], (0..14).map(|i| i % 3).collect())),
+            ],
+        );
         let logits = &out["logits"];
         assert_eq!(logits.shape, vec![2, 7, 50], "case {i}");
         assert!(f(logits).iter().all(|v| v.is_finite()), "case {i}: non-finite logits\n{extra}");
@@ -87,7 +94,8 @@ gated = true
     let fe = front_end("t.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
     let params = random_params(&fe.graph, 3);
     let src_padding = Tensor::i64(vec![2, 6], vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
-    let out = outputs(&fe, &params, vec![("src_ids", ids(2, 6, 2)), ("tgt_ids", ids(2, 4, 5)), ("src_padding", src_padding)]);
+    let out =
+        outputs(&fe, &params, vec![("src_ids", ids(2, 6, 2)), ("tgt_ids", ids(2, 4, 5)), ("src_padding", src_padding)]);
     assert_eq!(out["logits"].shape, vec![2, 4, 50]);
     assert!(f(&out["logits"]).iter().all(|v| v.is_finite()));
 }

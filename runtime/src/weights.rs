@@ -91,7 +91,8 @@ impl Checkpoint {
     /// Reads and validates the file's header.
     pub fn open(path: &Path) -> Result<Self, WeightError> {
         let bytes = std::fs::read(path).map_err(|source| WeightError::Io { path: path.into(), source })?;
-        SafeTensors::deserialize(&bytes).map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
+        SafeTensors::deserialize(&bytes)
+            .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
         Ok(Checkpoint { path: path.into(), bytes })
     }
 
@@ -143,7 +144,9 @@ fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Ten
         };
     }
     Ok(match dtype {
-        Dtype::F32 => Tensor::f32(shape, data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        Dtype::F32 => {
+            Tensor::f32(shape, data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
         Dtype::F64 => Tensor::f32(
             shape,
             data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("exact chunk")) as f32).collect(),
@@ -172,7 +175,11 @@ pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMa
 }
 
 /// Loads every parameter of `graph` from an opened checkpoint.
-pub fn load_params_from(spec: &Resolved, graph: &Graph, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>, WeightError> {
+pub fn load_params_from(
+    spec: &Resolved,
+    graph: &Graph,
+    ckpt: &Checkpoint,
+) -> Result<HashMap<String, Tensor>, WeightError> {
     let mut params = HashMap::new();
     for (node, name) in graph.params() {
         let expected: Vec<usize> = graph.g[node]
@@ -193,7 +200,13 @@ pub fn load_params_from(spec: &Resolved, graph: &Graph, ckpt: &Checkpoint) -> Re
     Ok(params)
 }
 
-fn load_one(spec: &Resolved, ckpt: &Checkpoint, param: &str, source: &Source, expected: &[usize]) -> Result<Tensor, WeightError> {
+fn load_one(
+    spec: &Resolved,
+    ckpt: &Checkpoint,
+    param: &str,
+    source: &Source,
+    expected: &[usize],
+) -> Result<Tensor, WeightError> {
     let tensor_name = &source.tensor;
     let raw = match ckpt.get(tensor_name) {
         Some(t) => t?,
@@ -244,8 +257,9 @@ fn load_one(spec: &Resolved, ckpt: &Checkpoint, param: &str, source: &Source, ex
         t = transpose(&t);
     }
     if let (Some(pack), Some(part)) = (source.pack, source.part) {
-        t = unpack(spec, &t, pack, part)
-            .map_err(|(total, what)| shape_error(raw.shape.clone(), Some(format!("the pack should have {total} rows {what}"))))?;
+        t = unpack(spec, &t, pack, part).map_err(|(total, what)| {
+            shape_error(raw.shape.clone(), Some(format!("the pack should have {total} rows {what}")))
+        })?;
     }
     if source.rope_unpermute {
         t = unpermute_rope(&t, spec.head_dim as usize)
@@ -321,7 +335,7 @@ fn unpack(spec: &Resolved, t: &Tensor, pack: Pack, part: PackPart) -> Result<Ten
 /// even rows of a head first, then the odd ones: `hf[h, j * hd/2 + i] = gguf[h, 2i + j]`.
 fn unpermute_rope(t: &Tensor, hd: usize) -> Option<Tensor> {
     let rows = t.shape[0];
-    if hd == 0 || hd % 2 != 0 || rows % hd != 0 {
+    if hd == 0 || !hd.is_multiple_of(2) || !rows.is_multiple_of(hd) {
         return None;
     }
     let width: usize = t.shape[1..].iter().product();

@@ -42,7 +42,8 @@ pub fn build(r: &Resolved) -> R<Graph> {
                 None
             };
             let xs = b.embed("encoder.", src, None, Sym::SrcSeq)?;
-            let memory = b.stack("encoder.", xs, r.encoder_layers, MaskKind::Bidirectional, Sym::SrcSeq, src_mask, None)?;
+            let memory =
+                b.stack("encoder.", xs, r.encoder_layers, MaskKind::Bidirectional, Sym::SrcSeq, src_mask, None)?;
             let xt = b.embed("decoder.", tgt, None, Sym::Seq)?;
             let h = b.stack("decoder.", xt, r.decoder_layers, r.mask, Sym::Seq, None, Some((memory, src_mask)))?;
             (h, None)
@@ -92,9 +93,7 @@ pub fn parameter_count(r: &Resolved) -> u64 {
 pub fn param_elements(g: &Graph) -> u64 {
     g.params()
         .iter()
-        .map(|(n, _)| {
-            g.g[*n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k as u64 } else { 0 }).product::<u64>()
-        })
+        .map(|(n, _)| g.g[*n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k as u64 } else { 0 }).product::<u64>())
         .sum()
 }
 
@@ -120,7 +119,8 @@ impl Builder<'_> {
     }
 
     fn token_table(&mut self, stack: &str) -> NodeIndex {
-        let name = if self.r.spec.embedding.shared { "embed.tokens".to_string() } else { format!("{stack}embed.tokens") };
+        let name =
+            if self.r.spec.embedding.shared { "embed.tokens".to_string() } else { format!("{stack}embed.tokens") };
         // The same parameter may be requested twice (shared or tied tables): reuse the node.
         if let Some((n, _)) = self.g.params().into_iter().find(|(_, p)| *p == name) {
             return n;
@@ -140,7 +140,8 @@ impl Builder<'_> {
         }
         match spec.positions.kind {
             PositionKind::Learned => {
-                let table = self.g.param(&format!("{stack}embed.positions"), &[spec.model.max_positions as usize, self.d()]);
+                let table =
+                    self.g.param(&format!("{stack}embed.positions"), &[spec.model.max_positions as usize, self.d()]);
                 let pos = self.g.add(Op::Positions { len: Dim::Sym(seq) }, &[])?;
                 let p = self.g.add(Op::Gather, &[table, pos])?;
                 x = self.g.add(Op::Add, &[x, p])?;
@@ -154,7 +155,8 @@ impl Builder<'_> {
             PositionKind::None | PositionKind::Rope | PositionKind::Alibi => {}
         }
         if let Some(tt) = token_types {
-            let table = self.g.param(&format!("{stack}embed.token_types"), &[spec.embedding.token_types as usize, self.d()]);
+            let table =
+                self.g.param(&format!("{stack}embed.token_types"), &[spec.embedding.token_types as usize, self.d()]);
             let t = self.g.add(Op::Gather, &[table, tt])?;
             x = self.g.add(Op::Add, &[x, t])?;
         }
@@ -213,7 +215,14 @@ impl Builder<'_> {
         if let Some((memory, memory_mask)) = cross {
             self.g.scope = format!("{name}.cross");
             h = self.sublayer(h, &format!("{name}.cross_norm"), |b, y| {
-                b.attention(&format!("{name}.cross"), y, Kv { x: memory, seq: Sym::SrcSeq }, seq, MaskKind::Bidirectional, memory_mask)
+                b.attention(
+                    &format!("{name}.cross"),
+                    y,
+                    Kv { x: memory, seq: Sym::SrcSeq },
+                    seq,
+                    MaskKind::Bidirectional,
+                    memory_mask,
+                )
             })?;
         }
         self.g.scope = format!("{name}.ffn");
@@ -221,7 +230,12 @@ impl Builder<'_> {
     }
 
     /// A residual sublayer with the spec's norm placement.
-    fn sublayer(&mut self, x: NodeIndex, norm: &str, f: impl FnOnce(&mut Self, NodeIndex) -> R<NodeIndex>) -> R<NodeIndex> {
+    fn sublayer(
+        &mut self,
+        x: NodeIndex,
+        norm: &str,
+        f: impl FnOnce(&mut Self, NodeIndex) -> R<NodeIndex>,
+    ) -> R<NodeIndex> {
         match self.r.spec.norm.placement {
             Placement::Pre => {
                 let y = self.norm(x, norm)?;
@@ -276,7 +290,15 @@ impl Builder<'_> {
         self.g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[x])
     }
 
-    fn attention(&mut self, name: &str, xq: NodeIndex, kv: Kv, seq: Sym, mask: MaskKind, key_mask: Option<NodeIndex>) -> R<NodeIndex> {
+    fn attention(
+        &mut self,
+        name: &str,
+        xq: NodeIndex,
+        kv: Kv,
+        seq: Sym,
+        mask: MaskKind,
+        key_mask: Option<NodeIndex>,
+    ) -> R<NodeIndex> {
         let r = self.r;
         let a = &r.spec.attention;
         let (d, hd, heads, kv_heads) = (self.d(), r.head_dim as usize, a.heads as usize, r.kv_heads as usize);
@@ -320,10 +342,9 @@ impl Builder<'_> {
         let p = self.g.add(Op::Softmax, &[s])?;
         let ctx = self.g.add(Op::MatMul { transpose_b: false }, &[p, v])?;
         let ctx = self.g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[ctx])?;
-        let ctx = self.g.add(
-            Op::Reshape { shape: vec![Dim::Sym(Sym::Batch), Dim::Sym(seq), Dim::Fixed(heads * hd)] },
-            &[ctx],
-        )?;
+        let ctx = self
+            .g
+            .add(Op::Reshape { shape: vec![Dim::Sym(Sym::Batch), Dim::Sym(seq), Dim::Fixed(heads * hd)] }, &[ctx])?;
         self.linear(ctx, &format!("{name}.o"), d, heads * hd, bias(a.o_bias))
     }
 

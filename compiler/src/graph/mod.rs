@@ -339,11 +339,8 @@ impl Graph {
     /// Adds `op` applied to `operands`, inferring its shape and dtype.
     pub fn add(&mut self, op: Op, operands: &[NodeIndex]) -> Result<NodeIndex, GraphError> {
         let types: Vec<(&Shape, DType)> = operands.iter().map(|&i| (&self.g[i].shape, self.g[i].dtype)).collect();
-        let (shape, dtype) = infer(&op, &types).map_err(|message| GraphError {
-            op: op.name(),
-            scope: self.scope.clone(),
-            message,
-        })?;
+        let (shape, dtype) =
+            infer(&op, &types).map_err(|message| GraphError { op: op.name(), scope: self.scope.clone(), message })?;
         let node = self.g.add_node(Node { op, shape, dtype, scope: self.scope.clone() });
         for (pos, &operand) in operands.iter().enumerate() {
             self.g.add_edge(operand, node, pos);
@@ -405,13 +402,21 @@ impl Graph {
     /// Verifies the IR invariants: acyclic, and every node typed as [`infer`] says.
     pub fn check(&self) -> Result<(), GraphError> {
         if self.order().len() != self.g.node_count() {
-            return Err(GraphError { op: "graph".into(), scope: String::new(), message: "the graph has a cycle".into() });
+            return Err(GraphError {
+                op: "graph".into(),
+                scope: String::new(),
+                message: "the graph has a cycle".into(),
+            });
         }
         for n in self.g.node_indices() {
             let node = &self.g[n];
             if let Op::Param { .. } = node.op {
-                if node.shape.iter().any(|d| matches!(d, Dim::Sym(_))) || self.operands(n).len() != 0 {
-                    return Err(GraphError { op: "param".into(), scope: node.scope.clone(), message: "parameters have fixed shapes and no operands".into() });
+                if node.shape.iter().any(|d| matches!(d, Dim::Sym(_))) || !self.operands(n).is_empty() {
+                    return Err(GraphError {
+                        op: "param".into(),
+                        scope: node.scope.clone(),
+                        message: "parameters have fixed shapes and no operands".into(),
+                    });
                 }
                 continue;
             }
@@ -435,11 +440,7 @@ impl Graph {
 /// Shape and dtype rules of every op.
 pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
     let arity = |n: usize| -> Result<(), String> {
-        if operands.len() == n {
-            Ok(())
-        } else {
-            Err(format!("expects {n} operand(s), got {}", operands.len()))
-        }
+        if operands.len() == n { Ok(()) } else { Err(format!("expects {n} operand(s), got {}", operands.len())) }
     };
     let float = |i: usize| -> Result<&Shape, String> {
         let (s, t) = operands[i];
@@ -492,9 +493,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             rank_at_least(a, 2, "a")?;
             rank_at_least(b, 2, "b")?;
             let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
-            let (bk, n) = if *transpose_b { (b[b.len() - 1], b[b.len() - 2]) } else { (b[b.len() - 2], b[b.len() - 1]) };
+            let (bk, n) =
+                if *transpose_b { (b[b.len() - 1], b[b.len() - 2]) } else { (b[b.len() - 2], b[b.len() - 1]) };
             if k != bk {
-                return Err(format!("inner dimensions differ: {} x {}{}", fmt_shape(a), fmt_shape(b), if *transpose_b { "^T" } else { "" }));
+                return Err(format!(
+                    "inner dimensions differ: {} x {}{}",
+                    fmt_shape(a),
+                    fmt_shape(b),
+                    if *transpose_b { "^T" } else { "" }
+                ));
             }
             let a_batch = &a[..a.len() - 2];
             let b_batch = &b[..b.len() - 2];

@@ -47,7 +47,8 @@ pub fn text(g: &Graph) -> String {
 pub fn dot(g: &Graph) -> String {
     let order = g.order();
     let names = numbering(&order);
-    let mut out = format!("digraph \"{}\" {{\n  rankdir=TB;\n  node [shape=box, fontname=\"monospace\", fontsize=10];\n", g.name);
+    let mut out =
+        format!("digraph \"{}\" {{\n  rankdir=TB;\n  node [shape=box, fontname=\"monospace\", fontsize=10];\n", g.name);
     let mut scopes: Vec<&str> = Vec::new();
     let mut by_scope: HashMap<&str, Vec<NodeIndex>> = HashMap::new();
     for &n in &order {
@@ -125,11 +126,8 @@ pub fn summary(g: &Graph, seq: usize) -> Summary {
             flops += 2.0 * out * k;
         }
     }
-    let compute_nodes = g
-        .g
-        .node_indices()
-        .filter(|&n| !matches!(g.g[n].op, Op::Param { .. } | Op::Input { .. }))
-        .count();
+    let compute_nodes =
+        g.g.node_indices().filter(|&n| !matches!(g.g[n].op, Op::Param { .. } | Op::Input { .. })).count();
     Summary {
         parameters: super::build::param_elements(g),
         flops_per_token: flops / seq as f64,

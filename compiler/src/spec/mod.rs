@@ -332,6 +332,7 @@ pub enum MaskKind {
 /// `[ffn]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
+#[derive(Default)]
 pub struct Ffn {
     /// The activation.
     #[serde(default)]
@@ -347,11 +348,6 @@ pub struct Ffn {
     pub bias: bool,
 }
 
-impl Default for Ffn {
-    fn default() -> Self {
-        Ffn { activation: Activation::default(), gated: false, d_ff: None, bias: false }
-    }
-}
 
 /// Activations.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]

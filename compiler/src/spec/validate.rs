@@ -57,14 +57,17 @@ struct Checker<'a> {
 
 impl Checker<'_> {
     fn error(&mut self, key: &str, rule: &'static str, message: String) {
-        self.errors
-            .push(Diagnostic::new(rule, message).with_key(key).with_span(self.index.locate(key)));
+        self.errors.push(Diagnostic::new(rule, message).with_key(key).with_span(self.index.locate(key)));
     }
 
     fn error_help(&mut self, key: &str, rule: &'static str, message: String, help: String) {
-        self.errors.push(
-            Diagnostic::new(rule, message).with_key(key).with_span(self.index.locate(key)).with_help(help),
-        );
+        self.error_at(key, key, rule, message, help);
+    }
+
+    /// An error about `key` located at `at`: the written key that brings the rule into play, when
+    /// `key` itself is not written (a missing `window` is reported at the mask that needs it).
+    fn error_at(&mut self, key: &str, at: &str, rule: &'static str, message: String, help: String) {
+        self.errors.push(Diagnostic::new(rule, message).with_key(key).with_span(self.index.locate(at)).with_help(help));
     }
 
     /// `1 <= value <= max`.
@@ -72,11 +75,7 @@ impl Checker<'_> {
         if value == 0 {
             self.error(key, "dimensions are positive", format!("`{key}` must be at least 1"));
         } else if value > max {
-            self.error(
-                key,
-                "dimensions are bounded",
-                format!("`{key}` = {value} is larger than the limit {max}"),
-            );
+            self.error(key, "dimensions are bounded", format!("`{key}` = {value} is larger than the limit {max}"));
         }
     }
 
@@ -104,10 +103,11 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     for (key, value) in [("model.encoder_layers", m.encoder_layers), ("model.decoder_layers", m.decoder_layers)] {
         if let Some(v) = value {
             if m.kind != BlockKind::EncoderDecoder {
-                c.error(
+                c.error_help(
                     key,
                     "stack sizes belong to encoder-decoder models",
                     format!("`{key}` is only meaningful when `model.kind` = \"encoder-decoder\""),
+                    "remove it: the number of blocks of a single stack is `model.layers`".into(),
                 );
             } else {
                 c.bounded(key, v, limits.layers);
@@ -122,11 +122,13 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     if let Some(kv) = a.kv_heads {
         c.bounded("attention.kv_heads", kv, limits.heads);
     }
-    if a.heads > 0 && kv_heads > 0 && a.heads % kv_heads != 0 {
-        c.error(
+    if a.heads > 0 && kv_heads > 0 && !a.heads.is_multiple_of(kv_heads) {
+        let divisors: Vec<String> = (1..=a.heads).filter(|d| a.heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        c.error_help(
             "attention.kv_heads",
             "kv_heads divides heads",
             format!("`attention.kv_heads` = {kv_heads} does not divide `attention.heads` = {}", a.heads),
+            format!("each key/value head serves the same number of query heads; use one of {}", divisors.join(", ")),
         );
     }
     let head_dim = match a.head_dim {
@@ -135,7 +137,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             hd
         }
         None => {
-            if a.heads > 0 && m.d_model % a.heads != 0 {
+            if a.heads > 0 && !m.d_model.is_multiple_of(a.heads) {
                 c.error_help(
                     "attention.heads",
                     "heads divide d_model",
@@ -146,11 +148,16 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             m.d_model / a.heads.max(1)
         }
     };
-    if head_dim.saturating_mul(a.heads) > limits.d_model {
+    // Implicit heads are `d_model / heads` wide and within `d_model`'s bound already.
+    if a.head_dim.is_some() && head_dim.saturating_mul(a.heads) > limits.d_model {
         c.error(
             "attention.head_dim",
             "dimensions are bounded",
-            format!("heads * head_dim = {} is larger than the limit {}", head_dim.saturating_mul(a.heads), limits.d_model),
+            format!(
+                "heads * head_dim = {} is larger than the limit {}",
+                head_dim.saturating_mul(a.heads),
+                limits.d_model
+            ),
         );
     }
     let default_mask = match m.kind {
@@ -159,16 +166,19 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     };
     let mask = a.mask.unwrap_or(default_mask);
     match (mask, a.window) {
-        (MaskKind::SlidingWindow, None) => c.error(
+        (MaskKind::SlidingWindow, None) => c.error_at(
             "attention.window",
+            "attention.mask",
             "a sliding window has a size",
             "`attention.mask` = \"sliding-window\" needs `attention.window`".into(),
+            "add `window = <keys>` to [attention]: how many positions back a query sees, itself included".into(),
         ),
         (MaskKind::SlidingWindow, Some(w)) => c.bounded("attention.window", w, limits.max_positions),
-        (_, Some(_)) => c.error(
+        (_, Some(_)) => c.error_help(
             "attention.window",
             "a window needs a sliding-window mask",
             "`attention.window` is set but `attention.mask` is not \"sliding-window\"".into(),
+            "set `mask = \"sliding-window\"` in [attention], or remove `window`".into(),
         ),
         _ => {}
     }
@@ -193,19 +203,26 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 let rotated = head_dim as f64 * p.fraction;
                 rotary_dim = rotated.round() as u64;
                 if (rotated - rotated.round()).abs() > 1e-9 || rotary_dim % 2 != 0 || rotary_dim == 0 {
-                    c.error(
-                        "positions.fraction",
+                    // Blame the fraction if it is written, else the head width it multiplies.
+                    let key = if index.value("positions.fraction").is_some() {
+                        "positions.fraction"
+                    } else {
+                        "attention.head_dim"
+                    };
+                    c.error_help(
+                        key,
                         "RoPE needs an even rotated dim",
                         format!(
                             "RoPE rotates head_dim * fraction = {head_dim} * {} = {rotated} dimensions; that must be a positive even integer",
                             p.fraction
                         ),
+                        "rotated dimensions come in pairs: choose `attention.head_dim` and `positions.fraction` so that their product is even".into(),
                     );
                 }
             }
         }
         PositionKind::Sinusoidal => {
-            if m.d_model % 2 != 0 {
+            if !m.d_model.is_multiple_of(2) {
                 c.error(
                     "model.d_model",
                     "sinusoidal positions need an even width",
@@ -213,16 +230,30 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 );
             }
         }
-        PositionKind::None | PositionKind::Learned | PositionKind::Alibi => {
-            for key in ["theta", "fraction", "style"] {
-                if index.value(&format!("positions.{key}")).is_some() {
-                    c.error(
-                        &format!("positions.{key}"),
-                        "options match the positional scheme",
-                        format!("`positions.{key}` only applies to rope (or style to sinusoidal) positions"),
-                    );
-                }
-            }
+        PositionKind::None | PositionKind::Learned | PositionKind::Alibi => {}
+    }
+    // Options of another scheme would be silently ignored.
+    for (option, schemes) in [("theta", "rope"), ("fraction", "rope"), ("style", "rope and sinusoidal")] {
+        let key = format!("positions.{option}");
+        let applies = match p.kind {
+            PositionKind::Rope => true,
+            PositionKind::Sinusoidal => option == "style",
+            PositionKind::None | PositionKind::Learned | PositionKind::Alibi => false,
+        };
+        if !applies && index.value(&key).is_some() {
+            let kind = match p.kind {
+                PositionKind::None => "none",
+                PositionKind::Learned => "learned",
+                PositionKind::Sinusoidal => "sinusoidal",
+                PositionKind::Rope => "rope",
+                PositionKind::Alibi => "alibi",
+            };
+            c.error_help(
+                &key,
+                "options match the positional scheme",
+                format!("`{key}` only applies to {schemes} positions, but `positions.kind` is \"{kind}\""),
+                format!("remove `{option}`, or change `positions.kind`"),
+            );
         }
     }
 
@@ -236,10 +267,11 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         }
         (Placement::Deepnorm, None) => (2.0 * m.layers.max(1) as f64).powf(0.25),
         (_, Some(_)) => {
-            c.error(
+            c.error_help(
                 "norm.alpha",
                 "alpha belongs to DeepNorm",
                 "`norm.alpha` is set but `norm.placement` is not \"deepnorm\"".into(),
+                "set `placement = \"deepnorm\"` in [norm], or remove `alpha`".into(),
             );
             1.0
         }
@@ -259,7 +291,11 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     let embed_scale = match e.scale {
         EmbeddingScale::Value(v) => {
             if !v.is_finite() || v == 0.0 {
-                c.error("embedding.scale", "positive finite number", format!("`embedding.scale` = {v} must be finite and non-zero"));
+                c.error(
+                    "embedding.scale",
+                    "positive finite number",
+                    format!("`embedding.scale` = {v} must be finite and non-zero"),
+                );
             }
             v
         }
@@ -284,8 +320,14 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     let d_ff = spec.ffn.d_ff.unwrap_or(4 * m.d_model);
     if let Some(f) = spec.ffn.d_ff {
         c.bounded("ffn.d_ff", f, limits.d_ff);
-    } else if d_ff > limits.d_ff {
-        c.error("ffn.d_ff", "dimensions are bounded", format!("the default `ffn.d_ff` = 4 * d_model = {d_ff} is larger than the limit {}", limits.d_ff));
+    } else if d_ff > limits.d_ff && m.d_model <= limits.d_model {
+        c.error_at(
+            "ffn.d_ff",
+            "model.d_model",
+            "dimensions are bounded",
+            format!("the default `ffn.d_ff` = 4 * `model.d_model` = {d_ff} is larger than the limit {}", limits.d_ff),
+            "set `ffn.d_ff` explicitly".into(),
+        );
     }
     if let Some(moe) = &spec.moe {
         c.bounded("moe.experts", moe.experts, limits.experts);
@@ -304,10 +346,14 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     let o = &spec.outputs;
     let logits = o.logits.unwrap_or(m.kind != BlockKind::Encoder);
     if !logits && !o.hidden_states && o.pooling == Pooling::None {
-        c.error(
+        // Without an [outputs] table, it is the encoder kind that turned logits off.
+        let at = if index.key("outputs").is_some() { "outputs" } else { "model.kind" };
+        c.error_at(
             "outputs",
+            at,
             "a model has an output",
-            "the model would produce no output: enable `outputs.logits`, `outputs.hidden_states` or `outputs.pooling`".into(),
+            "the model would produce no output".into(),
+            "enable one in [outputs]: `logits = true`, `hidden_states = true` or `pooling = \"mean\"`".into(),
         );
     }
     if o.normalize && o.pooling == Pooling::None {
@@ -333,7 +379,12 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 let help = did_you_mean(name, weightmap::PRESETS.iter().copied())
                     .map(|s| format!("did you mean `{s}`?"))
                     .unwrap_or_else(|| format!("known presets: {}", weightmap::PRESETS.join(", ")));
-                c.error_help("weights.preset", "presets are known", format!("unknown weight-map preset `{name}`"), help);
+                c.error_help(
+                    "weights.preset",
+                    "presets are known",
+                    format!("unknown weight-map preset `{name}`"),
+                    help,
+                );
             }
         }
     }
@@ -345,16 +396,28 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 .map(|s| format!("did you mean `{s}`?"))
                 .unwrap_or_else(|| "parameter names are listed in the README's spec reference".into());
             c.errors.push(
-                Diagnostic::new("weight-map keys name graph parameters", format!("`{template}` is not a graph parameter"))
-                    .with_key(key.clone())
-                    .with_span(index.key(&key).unwrap_or_else(|| index.locate(&key)))
-                    .with_help(help),
+                Diagnostic::new(
+                    "weight-map keys name graph parameters",
+                    format!("`{template}` is not a graph parameter"),
+                )
+                .with_key(key.clone())
+                .with_span(index.key(&key).unwrap_or_else(|| index.locate(&key)))
+                .with_help(help),
             );
             continue;
         }
         let s = &source.0;
         if s.pack.is_some() != s.part.is_some() {
-            c.error(&key, "pack and part go together", format!("`{template}`: `pack` and `part` must be given together"));
+            let help = match s.pack {
+                Some(_) => "add `part` (q, k, v, gate or up): which part of the packed tensor this parameter is",
+                None => "add `pack` (qkv-blocks, qkv-per-head or gate-up-blocks): how the tensor holds its parts",
+            };
+            c.error_help(
+                &key,
+                "pack and part go together",
+                format!("`{template}`: `pack` and `part` must be given together"),
+                help.into(),
+            );
         }
         if s.pack == Some(Pack::QkvPerHead) && kv_heads != a.heads {
             c.error(
@@ -383,14 +446,39 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         weights,
         spec,
     };
-    if c.errors.is_empty() {
-        let params = crate::graph::build::parameter_count(&resolved);
+    // Building the graph is symbolic (no weights), so it is cheap even for a huge spec.
+    let graph = if c.errors.is_empty() { crate::graph::build::build(&resolved).ok() } else { None };
+    if let Some(graph) = &graph {
+        let params = crate::graph::build::param_elements(graph);
         if params > limits.parameters {
-            c.error(
+            c.error_help(
                 "model",
                 "the parameter count is bounded",
                 format!("the model would have {params} parameters, more than the limit {}", limits.parameters),
+                "check `model.d_model`, `model.vocab`, `model.layers` and `ffn.d_ff` for an extra digit".into(),
             );
+        }
+        // An override the graph never looks up is a mistake that would otherwise pass silently
+        // (a tied head has no `head.weight`, a decoder-only model no `encoder.` parameters).
+        let params = graph.params();
+        let used: std::collections::BTreeSet<String> =
+            params.iter().map(|(_, name)| crate::template_of(name)).collect();
+        for template in resolved.spec.weights.tensors.keys() {
+            if !params.iter().any(|(_, name)| weightmap::match_template(template, name).is_some()) {
+                let key = format!("weights.tensors.{template}");
+                let help = did_you_mean(template, used.iter().map(String::as_str))
+                    .map(|s| format!("did you mean `{s}`?"))
+                    .unwrap_or_else(|| "remove the entry; `kiln inspect` lists the model's parameters".into());
+                c.errors.push(
+                    Diagnostic::new(
+                        "weight-map keys name graph parameters",
+                        format!("`{template}` is not a parameter of this model"),
+                    )
+                    .with_key(key.clone())
+                    .with_span(index.key(&key).unwrap_or_else(|| index.locate(&key)))
+                    .with_help(help),
+                );
+            }
         }
     }
     if c.errors.is_empty() {

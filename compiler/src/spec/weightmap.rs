@@ -227,10 +227,7 @@ pub const TEMPLATES: &[&str] = &[
 
 /// Whether `template` is a parameter template the builder can produce (optionally stack-prefixed).
 pub fn is_known_template(template: &str) -> bool {
-    let bare = template
-        .strip_prefix("encoder.")
-        .or_else(|| template.strip_prefix("decoder."))
-        .unwrap_or(template);
+    let bare = template.strip_prefix("encoder.").or_else(|| template.strip_prefix("decoder.")).unwrap_or(template);
     TEMPLATES.contains(&bare) || TEMPLATES.contains(&template)
 }
 
