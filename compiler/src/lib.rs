@@ -8,6 +8,8 @@
 //!    whose shapes are inferred, batch and sequence symbolic. Printers for text and DOT.
 //! 3. [`interp`]: the CPU reference interpreter that executes any graph in f32; the oracle every
 //!    later stage is checked against.
+//! 4. [`lower`]: [`graph::Graph`] -> [`lower::Plan`]: one naga-validated WGSL kernel per op, buffers
+//!    shared by liveness; what the runtime executes on a GPU.
 //!
 //! [`front_end`] runs stages 1 and 2 as one function; the CLI and the tests use it.
 //!
@@ -18,6 +20,7 @@
 pub mod diag;
 pub mod graph;
 pub mod interp;
+pub mod lower;
 pub mod spec;
 pub mod tensor;
 

@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// Element types a graph value can have.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum DType {
     /// 32-bit float (every activation and weight).
     F32,

@@ -25,7 +25,7 @@ use std::collections::BinaryHeap;
 use std::fmt;
 
 /// A symbolic dimension, bound when inputs are given.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Sym {
     /// Sequences per batch.
     Batch,
@@ -47,7 +47,7 @@ impl Sym {
 }
 
 /// One axis extent: a number, or a symbol bound at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Dim {
     /// Known at compile time.
     Fixed(usize),
@@ -74,7 +74,7 @@ pub fn fmt_shape(shape: &[Dim]) -> String {
 }
 
 /// A float attribute, compared and hashed by its bits so ops can be keys (e-graph nodes).
-#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize)]
 pub struct Scalar(pub f32);
 
 impl Eq for Scalar {}
@@ -90,7 +90,7 @@ impl fmt::Display for Scalar {
 }
 
 /// What an input tensor is, which decides how the runtime binds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum InputRole {
     /// Token ids, `i64[batch, seq]`.
     Ids,
@@ -106,7 +106,7 @@ pub enum InputRole {
 }
 
 /// A tensor-level operation. Operand order is documented per op.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     /// A model input (no operands).
     Input {

@@ -200,7 +200,7 @@ pub enum PositionKind {
 }
 
 /// How the two halves of a rotation (or of a sinusoid) are laid out over the dimensions.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Deserialize, serde::Serialize, PartialEq, Eq, Hash)]
 #[serde(rename_all = "kebab-case")]
 pub enum PairStyle {
     /// First half / second half (HF's `rotate_half`; sin block then cos block).
@@ -350,7 +350,7 @@ pub struct Ffn {
 
 
 /// Activations.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]
 pub enum Activation {
     /// `max(0, x)`.

@@ -1,0 +1,356 @@
+//! Lowering: Graph -> [`Plan`], the device-independent program the runtime executes.
+//!
+//! A plan is a list of [`Step`]s in topological order, each one dispatch of a generated WGSL
+//! [`Kernel`] over [`Value`]s. Values are parameters (uploaded once), inputs (uploaded per run),
+//! aliases (reshapes share their operand's buffer) or intermediates placed in *slots*: buffers that
+//! values with disjoint lifetimes share. Slots are assigned at compile time by liveness; their
+//! byte sizes are fixed at run time, when batch and sequence lengths are known, as the largest value
+//! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
+//! module that fails is a compiler bug, reported with the op and model named.
+
+pub mod wgsl;
+
+use crate::graph::{Dim, Graph, InputRole, Op, Shape, Sym};
+use crate::tensor::DType;
+use petgraph::graph::NodeIndex;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use wgsl::Elem;
+
+/// A unique WGSL module.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// A readable name (`matmul_t`, `layer_norm`, ...).
+    pub name: String,
+    /// The module text.
+    pub wgsl: String,
+    /// Number of operand bindings (after the uniform and the output).
+    pub operands: usize,
+}
+
+/// Where a value lives.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Storage {
+    /// A weight, by canonical parameter name.
+    Param(String),
+    /// A model input, by name.
+    Input {
+        /// Input name.
+        name: String,
+        /// How it is bound.
+        role: InputRole,
+    },
+    /// An intermediate in a shared slot.
+    Slot(usize),
+    /// The same buffer as another value (a reshape).
+    Alias(usize),
+}
+
+/// A tensor of the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Value {
+    /// Shape (possibly symbolic).
+    pub shape: Shape,
+    /// Element type on the device (`I64` graph values are `i32` on the device).
+    pub dtype: DType,
+    /// Where it lives.
+    pub storage: Storage,
+}
+
+/// One kernel dispatch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    /// Index into [`Plan::kernels`].
+    pub kernel: usize,
+    /// The op (its sizes are computed at run time by [`dispatch`]).
+    pub op: Op,
+    /// Operand values.
+    pub operands: Vec<usize>,
+    /// Result value.
+    pub output: usize,
+    /// The scope of the graph node, for errors and profiles.
+    pub scope: String,
+}
+
+/// A lowered model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Model name.
+    pub name: String,
+    /// Unique kernels.
+    pub kernels: Vec<Kernel>,
+    /// Every tensor.
+    pub values: Vec<Value>,
+    /// Dispatches in order.
+    pub steps: Vec<Step>,
+    /// Number of shared intermediate buffers.
+    pub slots: usize,
+    /// Named results.
+    pub outputs: Vec<(String, usize)>,
+}
+
+/// A compiler bug found while lowering (an invalid generated module).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("internal compiler error in model `{model}`, op `{op}` (`{scope}`): generated WGSL is invalid: {message}")]
+pub struct LowerError {
+    /// The model.
+    pub model: String,
+    /// The op.
+    pub op: String,
+    /// Its scope.
+    pub scope: String,
+    /// naga's message.
+    pub message: String,
+}
+
+fn device_elem(dtype: DType) -> Elem {
+    match dtype {
+        DType::F32 => Elem::F32,
+        DType::I64 => Elem::I32,
+    }
+}
+
+/// Parses and validates a WGSL module with every validation flag.
+pub fn validate_wgsl(text: &str) -> Result<(), String> {
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::empty())
+        .validate(&module)
+        .map_err(|e| e.emit_to_string(text))?;
+    Ok(())
+}
+
+/// Lowers a checked graph into a plan.
+pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
+    let order = g.order();
+    let mut values: Vec<Value> = Vec::new();
+    let mut value_of: HashMap<NodeIndex, usize> = HashMap::new();
+    let mut kernels: Vec<Kernel> = Vec::new();
+    let mut kernel_of: HashMap<String, usize> = HashMap::new();
+    let mut steps: Vec<Step> = Vec::new();
+
+    for &n in &order {
+        let node = &g.g[n];
+        let operands: Vec<usize> = g.operands(n).iter().map(|o| value_of[o]).collect();
+        let storage = match &node.op {
+            Op::Param { name } => Storage::Param(name.clone()),
+            Op::Input { name, role, .. } => Storage::Input { name: name.clone(), role: *role },
+            Op::Reshape { .. } => Storage::Alias(root(&values, operands[0])),
+            _ => Storage::Slot(usize::MAX), // assigned below
+        };
+        let id = values.len();
+        values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage });
+        value_of.insert(n, id);
+        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(values[v].dtype)).collect();
+        if let Some(text) = wgsl::kernel(&node.op, &elems, device_elem(node.dtype)) {
+            let kernel = match kernel_of.get(&text) {
+                Some(&k) => k,
+                None => {
+                    validate_wgsl(&text).map_err(|message| LowerError {
+                        model: g.name.clone(),
+                        op: node.op.name(),
+                        scope: node.scope.clone(),
+                        message,
+                    })?;
+                    kernels.push(Kernel { name: node.op.name(), wgsl: text.clone(), operands: operands.len() });
+                    kernel_of.insert(text, kernels.len() - 1);
+                    kernels.len() - 1
+                }
+            };
+            steps.push(Step { kernel, op: node.op.clone(), operands, output: id, scope: node.scope.clone() });
+        }
+    }
+    let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
+    let slots = assign_slots(&mut values, &steps, &outputs);
+    Ok(Plan { name: g.name.clone(), kernels, values, steps, slots, outputs })
+}
+
+/// The value whose buffer `v` uses (following aliases).
+fn root(values: &[Value], mut v: usize) -> usize {
+    while let Storage::Alias(a) = values[v].storage {
+        v = a;
+    }
+    v
+}
+
+/// Greedy interval colouring: a slot is free again after the last step that reads any alias of the
+/// value in it. Outputs stay live to the end. A freed slot whose previous value had the same shape
+/// is preferred, so slots keep sizes close to what they hold.
+fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)]) -> usize {
+    let mut last_use: HashMap<usize, usize> = HashMap::new();
+    for (i, s) in steps.iter().enumerate() {
+        for &o in &s.operands {
+            last_use.insert(root(values, o), i);
+        }
+    }
+    for (_, o) in outputs {
+        last_use.insert(root(values, *o), usize::MAX);
+    }
+    let mut free: Vec<(usize, Shape)> = Vec::new();
+    let mut slots = 0;
+    let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (i, s) in steps.iter().enumerate() {
+        let v = s.output;
+        let shape = values[v].shape.clone();
+        let pick = free.iter().position(|(_, sh)| *sh == shape).or(if free.is_empty() { None } else { Some(0) });
+        let slot = match pick {
+            Some(p) => free.remove(p).0,
+            None => {
+                slots += 1;
+                slots - 1
+            }
+        };
+        values[v].storage = Storage::Slot(slot);
+        // A value nobody reads dies right after it is written.
+        let end = last_use.get(&v).copied().unwrap_or(i);
+        if end != usize::MAX {
+            dying.entry(end).or_default().push(v);
+        }
+        for dead in dying.remove(&i).unwrap_or_default() {
+            if let Storage::Slot(sl) = values[dead].storage {
+                free.push((sl, values[dead].shape.clone()));
+            }
+        }
+    }
+    slots
+}
+
+/// Resolves a shape with the run-time values of the symbols.
+pub fn resolve(shape: &[Dim], syms: &HashMap<Sym, usize>) -> Vec<usize> {
+    shape
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(k) => *k,
+            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
+        })
+        .collect()
+}
+
+/// Row-major strides.
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * shape[i + 1];
+    }
+    st
+}
+
+/// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes.
+/// Errors if a size does not fit the kernels' 32-bit indexing.
+pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32; 16], String> {
+    let total: usize = out.iter().product();
+    let last = |s: &[usize]| s.last().copied().unwrap_or(1);
+    let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
+    let mut d: Vec<usize> = match op {
+        Op::Positions { .. } => vec![total, 0],
+        Op::Sinusoid { .. } | Op::Scale { .. } | Op::Act(_) => vec![total],
+        Op::Gather => vec![total, last(out)],
+        Op::MatMul { transpose_b } => {
+            let (a, b) = (&operands[0], &operands[1]);
+            let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+            let n = if *transpose_b { b[b.len() - 2] } else { b[b.len() - 1] };
+            vec![total, m, n, k, usize::from(b.len() > 2)]
+        }
+        Op::Add | Op::Mul => {
+            // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.
+            let pad = |s: &[usize]| -> Vec<usize> {
+                let mut v = vec![1; 4 - s.len().min(4)];
+                v.extend_from_slice(s);
+                v
+            };
+            let o = pad(out);
+            let bstrides = |s: &[usize]| -> Vec<usize> {
+                let p = pad(s);
+                let st = strides(&p);
+                p.iter().zip(st).map(|(&n, st)| if n == 1 { 0 } else { st }).collect()
+            };
+            let mut v = vec![total];
+            v.extend(&o);
+            v.extend(bstrides(&operands[0]));
+            v.extend(bstrides(&operands[1]));
+            v
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::TopK { .. } | Op::L2Normalize => {
+            vec![rows(out), last(out)]
+        }
+        Op::Permute { perm } => {
+            let input = &operands[0];
+            let st = strides(input);
+            let mut o = vec![1; 4 - out.len()];
+            o.extend_from_slice(out);
+            let mut s = vec![0; 4 - out.len()];
+            s.extend(perm.iter().map(|&p| st[p]));
+            let mut v = vec![total];
+            v.extend(o);
+            v.extend(s);
+            v
+        }
+        Op::Rope { .. } => vec![total, out[2], out[3], 0],
+        Op::RepeatHeads { times } => vec![total, operands[0][1], *times, out[2] * out[3]],
+        Op::Alibi | Op::Mask { .. } => vec![total, out[1], out[2], out[3]],
+        Op::Slice { axis, start, len } => {
+            let inner: usize = operands[0][axis + 1..].iter().product();
+            vec![total, operands[0][*axis], inner, *start, *len]
+        }
+        Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
+        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
+    };
+    if total == 0 {
+        d[0] = 0;
+    }
+    if d.len() > 16 {
+        return Err(format!("{} needs {} sizes, more than 16", op.name(), d.len()));
+    }
+    let mut u = [0u32; 16];
+    for (slot, &v) in u.iter_mut().zip(&d) {
+        *slot = u32::try_from(v).map_err(|_| format!("{}: size {v} does not fit 32-bit indexing", op.name()))?;
+    }
+    // Indices inside a kernel reach the operand and output sizes; they must fit in u32 too.
+    for s in operands.iter().map(|s| s.iter().product::<usize>()).chain([total]) {
+        u32::try_from(s).map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
+    }
+    Ok(u)
+}
+
+/// Workgroup grid for `threads` threads: `(x, y)` with `x <= max_x`.
+pub fn workgroups(threads: u32, max_x: u32) -> (u32, u32) {
+    let groups = threads.div_ceil(wgsl::WORKGROUP).max(1);
+    if groups <= max_x { (groups, 1) } else { (max_x, groups.div_ceil(max_x)) }
+}
+
+impl Plan {
+    /// Bytes of every intermediate if none shared a buffer, and bytes of the slots as placed, at
+    /// the given symbol values.
+    pub fn memory(&self, syms: &HashMap<Sym, usize>) -> (u64, u64) {
+        let mut sum = 0u64;
+        let mut slot_bytes = vec![0u64; self.slots];
+        for v in &self.values {
+            if let Storage::Slot(s) = v.storage {
+                let bytes = 4 * resolve(&v.shape, syms).iter().product::<usize>() as u64;
+                sum += bytes;
+                slot_bytes[s] = slot_bytes[s].max(bytes);
+            }
+        }
+        (sum, slot_bytes.iter().sum())
+    }
+
+    /// Per-slot byte sizes at the given symbol values (at least 4 bytes each).
+    pub fn slot_sizes(&self, syms: &HashMap<Sym, usize>) -> Vec<u64> {
+        let mut slot_bytes = vec![4u64; self.slots];
+        for v in &self.values {
+            if let Storage::Slot(s) = v.storage {
+                let bytes = 4 * resolve(&v.shape, syms).iter().product::<usize>() as u64;
+                slot_bytes[s] = slot_bytes[s].max(bytes);
+            }
+        }
+        slot_bytes
+    }
+
+    /// The deterministic text of every kernel, for snapshots: `// kernel N: name` then the module.
+    pub fn kernels_text(&self) -> String {
+        let mut s = String::new();
+        for (i, k) in self.kernels.iter().enumerate() {
+            s += &format!("// ---- kernel {i}: {} ({} operands)\n{}\n", k.name, k.operands, k.wgsl);
+        }
+        s
+    }
+}
