@@ -1,6 +1,8 @@
 //! Golden numerics: kiln's reference interpreter against the outputs of independent
 //! implementations (HF transformers, torch.nn), stored under `tests/fixtures/` (see its README).
 
+mod common;
+
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, front_end, interp};
 use std::collections::HashMap;
@@ -127,35 +129,9 @@ fn vaswani_encoder_decoder_logits() {
     check_fixture("vaswani");
 }
 
-/// Where `scripts/fetch-models` caches real models.
-fn data_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KILN_DATA") {
-        return dir.into();
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache"));
-    cache.join("kiln")
-}
-
-/// Fetches a real model with the project script if it is not cached yet (the one network access
-/// of the test suite, documented in the README).
-fn fetched(model: &str, dir: &str, file: &str) -> PathBuf {
-    let path = data_dir().join(dir).join(file);
-    if !path.exists() {
-        let status = std::process::Command::new("bash")
-            .arg(root().join("scripts/fetch-models"))
-            .arg(model)
-            .status()
-            .expect("bash runs");
-        assert!(status.success(), "scripts/fetch-models {model} failed");
-    }
-    path
-}
-
 #[test]
 fn minilm_matches_sentence_transformers() {
-    let weights = fetched("minilm", "minilm-l6", "model.safetensors");
+    let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");
     let fe = spec("minilm-l6");
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
     let reference = tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors"));

@@ -81,24 +81,50 @@ pub struct Bound {
     pub syms: HashMap<Sym, usize>,
 }
 
-/// Binds named tensors to the graph's inputs. Extra tensors are ignored; ids and token types must
-/// be integers `[batch, seq]`; masks may be any numeric type and are converted to f32 "1 = attend".
+/// A model input as the binder sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct InputSpec<'a> {
+    /// The name it is given under.
+    pub name: &'a str,
+    /// How it is bound.
+    pub role: InputRole,
+    /// The symbol of its sequence axis.
+    pub seq: Sym,
+}
+
+/// Binds named tensors to the graph's inputs (see [`bind_named`]).
 pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
-    let mut bound = Bound::default();
-    let mut inputs = g.inputs();
+    let nodes: Vec<NodeIndex> = g.inputs().iter().map(|(n, _, _)| *n).collect();
+    let specs: Vec<InputSpec> = g
+        .inputs()
+        .iter()
+        .map(|&(n, name, role)| {
+            let seq = if let Op::Input { seq, .. } = &g.g[n].op { *seq } else { Sym::Seq };
+            InputSpec { name, role, seq }
+        })
+        .collect();
+    let (tensors, syms) = bind_named(&specs, given)?;
+    Ok(Bound { tensors: nodes.into_iter().zip(tensors).collect(), syms })
+}
+
+/// Binds named tensors to input specs, returning one tensor per spec (in order) and the values of
+/// the symbols. Extra tensors are ignored; ids and token types must be integers `[batch, seq]`;
+/// masks may be any numeric type and become f32 "1 = attend" (flipped for `pad_is_one`); an absent
+/// mask is all ones and absent token types are zeros.
+pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Vec<Tensor>, HashMap<Sym, usize>)> {
+    let mut syms: HashMap<Sym, usize> = HashMap::new();
+    let mut out: Vec<Option<Tensor>> = vec![None; specs.len()];
     // Ids first: they fix batch and sequence lengths, masks and token types default from them.
-    inputs.sort_by_key(|(_, _, role)| !matches!(role, InputRole::Ids));
-    for (n, name, role) in inputs {
-        let seq_sym = match &g.g[n].op {
-            Op::Input { seq, .. } => *seq,
-            _ => Sym::Seq,
-        };
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by_key(|&i| !matches!(specs[i].role, InputRole::Ids));
+    for i in order {
+        let InputSpec { name, role, seq: seq_sym } = specs[i];
         let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
         let tensor = match (given.get(name), role) {
             (Some(t), _) => t.clone(),
             (None, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
             (None, _) => {
-                let (b, s) = match (bound.syms.get(&Sym::Batch), bound.syms.get(&seq_sym)) {
+                let (b, s) = match (syms.get(&Sym::Batch), syms.get(&seq_sym)) {
                     (Some(b), Some(s)) => (*b, *s),
                     _ => return Err(InterpError::MissingInput(name.to_string())),
                 };
@@ -115,7 +141,7 @@ pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
             return Err(bad(format!("empty input of shape {:?}", tensor.shape)));
         }
         for (sym, value) in [(Sym::Batch, tensor.shape[0]), (seq_sym, tensor.shape[1])] {
-            match bound.syms.insert(sym, value) {
+            match syms.insert(sym, value) {
                 Some(prev) if prev != value => {
                     return Err(bad(format!("{} is {value} here but {prev} in another input", sym.name())));
                 }
@@ -133,9 +159,9 @@ pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
                 Tensor::f32(tensor.shape.clone(), v)
             }
         };
-        bound.tensors.insert(n, tensor);
+        out[i] = Some(tensor);
     }
-    Ok(bound)
+    Ok((out.into_iter().map(|t| t.expect("every spec bound")).collect(), syms))
 }
 
 /// Runs the graph: parameters by canonical name, inputs by input name. Returns the named outputs.

@@ -7,3 +7,7 @@
 pub mod weights;
 
 pub use weights::{Checkpoint, WeightError, load_params, read_tensors, write_tensors};
+
+pub mod gpu;
+
+pub use gpu::{Gpu, GpuError, GpuModel};

@@ -1,0 +1,49 @@
+//! Shared test support. GPU requirement lives here, in one place: tests that run kernels call
+//! [`gpu`], which opens the adapter once per test binary. Without an adapter those tests fail with
+//! the install hint — CI installs Mesa's lavapipe — unless `KILN_SKIP_GPU=1` says to skip them.
+#![allow(dead_code)]
+
+use kiln_runtime::Gpu;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+/// The device for GPU tests, or `None` when `KILN_SKIP_GPU=1` and no adapter is present.
+pub fn gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    let gpu = GPU.get_or_init(|| Gpu::new(None).map(Arc::new).map_err(|e| e.to_string()));
+    match gpu {
+        Ok(g) => Some(g.clone()),
+        Err(e) if std::env::var("KILN_SKIP_GPU").is_ok_and(|v| v == "1") => {
+            eprintln!("skipping GPU test (KILN_SKIP_GPU=1): {e}");
+            None
+        }
+        Err(e) => panic!("GPU tests need an adapter: {e}"),
+    }
+}
+
+/// Where `scripts/fetch-models` caches real models.
+pub fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KILN_DATA") {
+        return dir.into();
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache"));
+    cache.join("kiln")
+}
+
+/// Fetches a real model with the project script if it is not cached yet (the one network access
+/// of the test suite, documented in the README).
+pub fn fetched(model: &str, dir: &str, file: &str) -> PathBuf {
+    let path = data_dir().join(dir).join(file);
+    if !path.exists() {
+        let status = std::process::Command::new("bash")
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-models"))
+            .arg(model)
+            .status()
+            .expect("bash runs");
+        assert!(status.success(), "scripts/fetch-models {model} failed");
+    }
+    path
+}
+

@@ -1,0 +1,123 @@
+//! The WGSL kernels on wgpu (lavapipe in CI): golden outputs, and agreement with the reference
+//! interpreter on every spec of `models/` at random weights.
+
+mod common;
+
+use kiln_compiler::interp;
+use kiln_compiler::lower::lower;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::{FrontEnd, front_end};
+use kiln_runtime::GpuModel;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+const TOLERANCE: f32 = 1e-4;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn spec(name: &str) -> FrontEnd {
+    let path = format!("models/{name}.toml");
+    let source = std::fs::read_to_string(root().join(&path)).unwrap();
+    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
+}
+
+fn golden(name: &str) {
+    let Some(gpu) = common::gpu() else { return };
+    let fe = spec(name);
+    let dir = root().join("tests/fixtures").join(name);
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let model = GpuModel::new(gpu, lower(&fe.graph).unwrap(), &params).unwrap();
+    let outputs = model.run(&io).unwrap_or_else(|e| panic!("{e}"));
+    for (out, got) in outputs {
+        let err = got.max_abs_diff(&io[&out]);
+        println!("{name}: {out} max abs error on wgpu {err:e}");
+        assert!(err <= TOLERANCE, "{name}: `{out}` differs by {err} on wgpu");
+    }
+}
+
+#[test]
+fn gpt2_on_wgpu() {
+    golden("gpt2");
+}
+
+#[test]
+fn llama_on_wgpu() {
+    golden("llama");
+}
+
+#[test]
+fn bloom_on_wgpu() {
+    golden("bloom");
+}
+
+#[test]
+fn mixtral_on_wgpu() {
+    golden("mixtral");
+}
+
+#[test]
+fn bert_on_wgpu() {
+    golden("bert");
+}
+
+#[test]
+fn vaswani_on_wgpu() {
+    golden("vaswani");
+}
+
+/// Inputs for any spec: ids for every id input, a mask with one padded key per row.
+fn inputs_for(fe: &FrontEnd, batch: usize, seq: usize) -> HashMap<String, Tensor> {
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let mut inputs = HashMap::new();
+    for (_, name, _) in fe.graph.inputs() {
+        let t = match name {
+            "attention_mask" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect()),
+            "src_padding" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect()),
+            "token_type_ids" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i % 2) as i64).collect()),
+            _ => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i as i64 * 7919 + 13) % vocab).collect()),
+        };
+        inputs.insert(name.to_string(), t);
+    }
+    inputs
+}
+
+#[test]
+fn every_model_agrees_with_the_interpreter_at_random_weights() {
+    let Some(gpu) = common::gpu() else { return };
+    for entry in std::fs::read_dir(root().join("models")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let fe = spec(&name);
+        let params = interp::random_params(&fe.graph, 11);
+        let inputs = inputs_for(&fe, 2, 5);
+        let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
+        let model = GpuModel::new(gpu.clone(), lower(&fe.graph).unwrap(), &params).unwrap();
+        let got = model.run(&inputs).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for ((n, a), (_, b)) in expected.iter().zip(&got) {
+            let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let err = a.max_abs_diff(b);
+            println!("{name}: {n} wgpu vs interpreter {err:e} (max |x| {scale})");
+            assert!(err <= 1e-4 * scale, "{name}: `{n}` differs by {err}");
+        }
+    }
+}
+
+#[test]
+fn minilm_on_wgpu() {
+    let Some(gpu) = common::gpu() else { return };
+    let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");
+    let fe = spec("minilm-l6");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap();
+    let reference = kiln_runtime::read_tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors")).unwrap();
+    let model = GpuModel::new(gpu, lower(&fe.graph).unwrap(), &params).unwrap();
+    let outputs = model.run(&reference).unwrap();
+    assert_eq!(outputs.len(), 2);
+    for (name, got) in outputs {
+        let err = got.max_abs_diff(&reference[&name]);
+        println!("minilm-l6: {name} max abs error on wgpu {err:e}");
+        assert!(err <= TOLERANCE, "minilm-l6: `{name}` differs by {err} on wgpu");
+    }
+}
