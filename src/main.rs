@@ -4,8 +4,11 @@
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use kiln_compiler::diag::SpecError;
-use kiln_compiler::graph::print;
-use kiln_compiler::{FrontEnd, interp};
+use kiln_compiler::artifact::{self, Artifact};
+use kiln_compiler::graph::{Sym, print};
+use kiln_compiler::spec::PackDims;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::{FrontEnd, interp, lower};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -38,10 +41,18 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
-    /// Run a model on inputs from a safetensors file and write its outputs to another.
-    Run {
+    /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
+    Compile {
         /// The spec (TOML).
         spec: PathBuf,
+        /// Where to write the artifact.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Run a model on inputs from a safetensors file and write its outputs to another.
+    Run {
+        /// A spec (TOML, compiled in memory) or an artifact from `kiln compile`.
+        model: PathBuf,
         /// Checkpoint (safetensors) holding the weights under the names the spec's weight map gives.
         #[arg(long)]
         weights: PathBuf,
@@ -53,8 +64,12 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
         /// Execution backend.
-        #[arg(long, value_enum, default_value_t = Backend::Interp)]
+        #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
         backend: Backend,
+        /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
+        /// `KILN_ADAPTER` environment variable, else the best adapter found).
+        #[arg(long)]
+        adapter: Option<String>,
     },
 }
 
@@ -62,6 +77,8 @@ enum Command {
 enum Stage {
     /// The graph as built from the spec, before optimization.
     Graph,
+    /// The lowered plan: steps, buffers and the WGSL of every kernel.
+    Wgsl,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -74,6 +91,8 @@ enum Format {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Backend {
+    /// Generated WGSL kernels on a GPU adapter through wgpu (lavapipe on machines without a GPU).
+    Wgpu,
     /// The CPU reference interpreter.
     Interp,
 }
@@ -93,6 +112,11 @@ fn main() -> ExitCode {
 }
 
 fn load_spec(path: &Path) -> Result<FrontEnd> {
+    Ok(read_spec(path)?.1)
+}
+
+/// Reads a spec file and runs the front end; returns the source too.
+fn read_spec(path: &Path) -> Result<(String, FrontEnd)> {
     let source = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
     let source = String::from_utf8(source).map_err(|e| {
         anyhow::anyhow!(
@@ -101,7 +125,30 @@ fn load_spec(path: &Path) -> Result<FrontEnd> {
             e.utf8_error().valid_up_to()
         )
     })?;
-    Ok(kiln_compiler::front_end(&path.display().to_string(), &source)?)
+    let fe = kiln_compiler::front_end(&path.display().to_string(), &source)?;
+    Ok((source, fe))
+}
+
+/// The parameters a plan needs, with their shapes.
+fn plan_params(plan: &lower::Plan) -> Vec<(String, Vec<usize>)> {
+    plan.values
+        .iter()
+        .filter_map(|v| match &v.storage {
+            lower::Storage::Param(name) => Some((name.clone(), lower::resolve(&v.shape, &HashMap::new()))),
+            _ => None,
+        })
+        .collect()
+}
+
+fn run_wgpu(
+    plan: lower::Plan,
+    params: &HashMap<String, Tensor>,
+    given: &HashMap<String, Tensor>,
+    adapter: Option<&str>,
+) -> Result<Vec<(String, Tensor)>> {
+    let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter)?);
+    let model = kiln_runtime::GpuModel::new(gpu, plan, params)?;
+    Ok(model.run(given)?)
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -132,18 +179,61 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { spec, stage, format } => {
             let fe = load_spec(&spec)?;
-            let Stage::Graph = stage;
-            match format {
-                Format::Text => print!("{}", print::text(&fe.graph)),
-                Format::Dot => print!("{}", print::dot(&fe.graph)),
+            match (stage, format) {
+                (Stage::Graph, Format::Text) => print!("{}", print::text(&fe.graph)),
+                (Stage::Graph, Format::Dot) => print!("{}", print::dot(&fe.graph)),
+                (Stage::Wgsl, Format::Text) => print!("{}", lower::lower(&fe.graph)?.kernels_text()),
+                (Stage::Wgsl, Format::Dot) => bail!("the wgsl stage has no DOT form; use --format text"),
             }
         }
-        Command::Run { spec, weights, inputs, output, backend } => {
-            let fe = load_spec(&spec)?;
-            let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights)?;
+        Command::Compile { spec, output } => {
+            let (source, fe) = read_spec(&spec)?;
+            let artifact = artifact::compile(&spec.display().to_string(), &source, &fe)?;
+            artifact.write(&output)?;
+            let plan = &artifact.plan;
+            let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
+            let (sum, placed) = plan.memory(&syms);
+            println!(
+                "{}: {} kernels, {} dispatches, {} shared buffers",
+                output.display(),
+                plan.kernels.len(),
+                plan.steps.len(),
+                plan.slots
+            );
+            println!("  intermediates at batch 1, seq 128: {placed} bytes placed, {sum} bytes if unshared");
+        }
+        Command::Run { model, weights, inputs, output, backend, adapter } => {
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
-            let Backend::Interp = backend;
-            let outputs = interp::run(&fe.graph, &params, &given).context("run failed")?;
+            let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
+            let outputs = if Artifact::sniff(&model) {
+                let art = Artifact::read(&model)?;
+                match backend {
+                    Backend::Wgpu => {
+                        let names = plan_params(&art.plan);
+                        let params = kiln_runtime::weights::load_named(&art.weights, &art.pack_dims, &names, &ckpt)?;
+                        run_wgpu(art.plan, &params, &given, adapter.as_deref())?
+                    }
+                    Backend::Interp => {
+                        // The interpreter runs graphs: rebuild the graph from the artifact's spec.
+                        let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
+                        let params = kiln_runtime::weights::load_named(
+                            &fe.spec.weights,
+                            &PackDims::of(&fe.spec),
+                            &kiln_runtime::weights::graph_params(&fe.graph),
+                            &ckpt,
+                        )?;
+                        interp::run(&fe.graph, &params, &given).context("run failed")?
+                    }
+                }
+            } else {
+                let fe = load_spec(&model)?;
+                let names = kiln_runtime::weights::graph_params(&fe.graph);
+                let params = kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                match backend {
+                    Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &given, adapter.as_deref())?,
+                    Backend::Interp => interp::run(&fe.graph, &params, &given).context("run failed")?,
+                }
+            };
             if outputs.is_empty() {
                 bail!("the model has no outputs");
             }

@@ -242,3 +242,47 @@ fn bad_inputs_are_reported() {
         &["missing input `input_ids`"],
     );
 }
+
+#[test]
+fn compile_then_run_the_artifact() {
+    let dir = scratch("compile");
+    let art = dir.join("gpt2.kiln");
+    let o = kiln(&["compile", "models/gpt2.toml", "-o", s(&art)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("kernels"), "{}", stdout(&o));
+    let out = dir.join("out.safetensors");
+    let o = kiln(&[
+        "run",
+        s(&art),
+        "--weights",
+        "tests/fixtures/gpt2/model.safetensors",
+        "--inputs",
+        "tests/fixtures/gpt2/io.safetensors",
+        "--output",
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kiln_runtime::read_tensors(&out).unwrap();
+    let expected = kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/io.safetensors")).unwrap();
+    assert!(got["logits"].max_abs_diff(&expected["logits"]) <= 1e-4);
+
+    // A damaged artifact is refused with the reason.
+    let mut bytes = std::fs::read(&art).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    let broken = dir.join("broken.kiln");
+    std::fs::write(&broken, bytes).unwrap();
+    fails_with(
+        &["run", s(&broken), "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs",
+          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"],
+        &["is truncated"],
+    );
+}
+
+#[test]
+fn an_unknown_adapter_is_a_clear_error() {
+    fails_with(
+        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs",
+          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null", "--adapter", "no-such-gpu"],
+        &["no adapter matches `no-such-gpu`", "available:"],
+    );
+}

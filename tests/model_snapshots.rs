@@ -39,6 +39,31 @@ fn graph_of_every_model() {
                 s.parameters, s.flops_per_token, s.nodes, s.compute_nodes, s.edges
             );
             insta::assert_snapshot!("graph", snapshot);
+
+            // Every kernel is validated by naga inside `lower`; check again here, then snapshot.
+            let plan = kiln_compiler::lower::lower(&fe.graph).unwrap_or_else(|e| panic!("{e}"));
+            for k in &plan.kernels {
+                kiln_compiler::lower::validate_wgsl(&k.wgsl).unwrap_or_else(|e| panic!("{name}: {}: {e}", k.name));
+            }
+            let steps: Vec<String> = plan
+                .steps
+                .iter()
+                .map(|s| format!("{} kernel {} ({}) -> v{}", s.scope, s.kernel, s.op.name(), s.output))
+                .collect();
+            let plan_text = format!(
+                "## Plan
+{} kernels, {} dispatches, {} shared buffers
+{}
+
+## Kernels
+{}",
+                plan.kernels.len(),
+                plan.steps.len(),
+                plan.slots,
+                steps.join("\n"),
+                plan.kernels_text()
+            );
+            insta::assert_snapshot!("wgsl", plan_text);
         });
     });
 }

@@ -17,6 +17,7 @@
 //! the CPU; executing on a device is `kiln-runtime`'s job.
 #![warn(missing_docs)]
 
+pub mod artifact;
 pub mod diag;
 pub mod graph;
 pub mod interp;

@@ -6,7 +6,7 @@
 //! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
 
 use kiln_compiler::graph::Graph;
-use kiln_compiler::spec::{Pack, PackPart, Resolved, Source};
+use kiln_compiler::spec::{Pack, PackDims, PackPart, Resolved, Source, WeightMap};
 use kiln_compiler::tensor::Tensor;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
@@ -171,37 +171,50 @@ fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Ten
 /// Loads every parameter of `graph` from the checkpoint at `path`.
 pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMap<String, Tensor>, WeightError> {
     let ckpt = Checkpoint::open(path)?;
-    load_params_from(spec, graph, &ckpt)
+    load_named(&spec.weights, &PackDims::of(spec), &graph_params(graph), &ckpt)
 }
 
-/// Loads every parameter of `graph` from an opened checkpoint.
-pub fn load_params_from(
-    spec: &Resolved,
-    graph: &Graph,
+/// The parameters of a graph with their shapes.
+pub fn graph_params(graph: &Graph) -> Vec<(String, Vec<usize>)> {
+    graph
+        .params()
+        .into_iter()
+        .map(|(node, name)| {
+            let shape = graph.g[node]
+                .shape
+                .iter()
+                .map(|d| match d {
+                    kiln_compiler::graph::Dim::Fixed(k) => *k,
+                    kiln_compiler::graph::Dim::Sym(_) => 0,
+                })
+                .collect();
+            (name.to_string(), shape)
+        })
+        .collect()
+}
+
+/// Loads the named parameters (with the shapes the model needs) through a weight map. An empty
+/// map looks parameters up under their canonical names.
+pub fn load_named(
+    map: &WeightMap,
+    dims: &PackDims,
+    params: &[(String, Vec<usize>)],
     ckpt: &Checkpoint,
 ) -> Result<HashMap<String, Tensor>, WeightError> {
-    let mut params = HashMap::new();
-    for (node, name) in graph.params() {
-        let expected: Vec<usize> = graph.g[node]
-            .shape
-            .iter()
-            .map(|d| match d {
-                kiln_compiler::graph::Dim::Fixed(k) => *k,
-                kiln_compiler::graph::Dim::Sym(_) => 0,
-            })
-            .collect();
-        let source = match spec.weights.resolve(name) {
+    let mut out = HashMap::new();
+    for (name, expected) in params {
+        let source = match map.resolve(name) {
             Some(r) => Source { tensor: r.tensor, ..r.source },
             None => Source::named(name),
         };
-        let t = load_one(spec, ckpt, name, &source, &expected)?;
-        params.insert(name.to_string(), t);
+        let t = load_one(dims, ckpt, name, &source, expected)?;
+        out.insert(name.clone(), t);
     }
-    Ok(params)
+    Ok(out)
 }
 
 fn load_one(
-    spec: &Resolved,
+    dims: &PackDims,
     ckpt: &Checkpoint,
     param: &str,
     source: &Source,
@@ -257,12 +270,12 @@ fn load_one(
         t = transpose(&t);
     }
     if let (Some(pack), Some(part)) = (source.pack, source.part) {
-        t = unpack(spec, &t, pack, part).map_err(|(total, what)| {
+        t = unpack(dims, &t, pack, part).map_err(|(total, what)| {
             shape_error(raw.shape.clone(), Some(format!("the pack should have {total} rows {what}")))
         })?;
     }
     if source.rope_unpermute {
-        t = unpermute_rope(&t, spec.head_dim as usize)
+        t = unpermute_rope(&t, dims.head_dim)
             .ok_or_else(|| shape_error(raw.shape.clone(), Some("rows must be a multiple of head_dim".into())))?;
     }
     if t.shape != expected {
@@ -285,10 +298,10 @@ fn transpose(t: &Tensor) -> Tensor {
 
 /// Cuts one part out of a packed tensor (rows of a 2-D tensor, or elements of a bias). On a size
 /// mismatch returns the row count the spec implies and a description of the packing.
-fn unpack(spec: &Resolved, t: &Tensor, pack: Pack, part: PackPart) -> Result<Tensor, (usize, String)> {
-    let hd = spec.head_dim as usize;
-    let (q, kv) = (spec.spec.attention.heads as usize * hd, spec.kv_heads as usize * hd);
-    let ff = spec.d_ff as usize;
+fn unpack(dims: &PackDims, t: &Tensor, pack: Pack, part: PackPart) -> Result<Tensor, (usize, String)> {
+    let hd = dims.head_dim;
+    let (q, kv) = (dims.heads * hd, dims.kv_heads * hd);
+    let ff = dims.d_ff;
     let rows = t.shape[0];
     let width: usize = t.shape[1..].iter().product();
     let x = t.as_f32().expect("float tensor");
@@ -317,7 +330,7 @@ fn unpack(spec: &Resolved, t: &Tensor, pack: Pack, part: PackPart) -> Result<Ten
             blocks(&[q, kv, kv], index, "as Q, K, V blocks")
         }
         (Pack::QkvPerHead, p @ (PackPart::Q | PackPart::K | PackPart::V)) => {
-            let heads = spec.spec.attention.heads as usize;
+            let heads = dims.heads;
             if rows != 3 * heads * hd {
                 return Err((3 * heads * hd, "per head as [head][q|k|v][head_dim]".into()));
             }

@@ -15,7 +15,7 @@ pub mod weightmap;
 
 pub use parse::{SpanIndex, parse_spec};
 pub use validate::{Limits, validate};
-pub use weightmap::{Pack, PackPart, Source, WeightMap};
+pub use weightmap::{Pack, PackDims, PackPart, Source, WeightMap};
 
 use crate::diag::Diagnostic;
 use serde::Deserialize;

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use std::collections::BTreeMap;
 
 /// How a packed tensor holds its parts (after any transpose, along the output rows).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum Pack {
     /// Q rows, then K rows, then V rows (torch `in_proj_weight`, GPT-2 `c_attn`); K and V may be
@@ -26,7 +26,7 @@ pub enum Pack {
 }
 
 /// Which part of a packed tensor a parameter is.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum PackPart {
     /// Query.
@@ -46,7 +46,7 @@ pub enum PackPart {
 pub struct SourceSpec(pub Source);
 
 /// Where one parameter comes from.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Source {
     /// Checkpoint tensor name; `{i}` is the layer index, `{e}` the expert index.
@@ -92,6 +92,31 @@ impl Source {
     }
 }
 
+/// The sizes a weight map needs to cut packed tensors apart, recorded with the map in artifacts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PackDims {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Feed-forward width.
+    pub d_ff: usize,
+}
+
+impl PackDims {
+    /// The sizes of a validated spec.
+    pub fn of(spec: &super::Resolved) -> Self {
+        PackDims {
+            heads: spec.spec.attention.heads as usize,
+            kv_heads: spec.kv_heads as usize,
+            head_dim: spec.head_dim as usize,
+            d_ff: spec.d_ff as usize,
+        }
+    }
+}
+
 /// A source with its placeholders filled in, for one concrete parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Resolved {
@@ -104,7 +129,7 @@ pub struct Resolved {
 }
 
 /// A complete weight map: preset entries with the spec's overrides applied.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WeightMap {
     /// The preset it started from.
     pub preset: Option<String>,
