@@ -3,8 +3,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use kiln_compiler::diag::SpecError;
 use kiln_compiler::artifact::{self, Artifact};
+use kiln_compiler::diag::SpecError;
 use kiln_compiler::graph::{Sym, print};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
@@ -228,7 +228,8 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 let fe = load_spec(&model)?;
                 let names = kiln_runtime::weights::graph_params(&fe.graph);
-                let params = kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                let params =
+                    kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
                 match backend {
                     Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &given, adapter.as_deref())?,
                     Backend::Interp => interp::run(&fe.graph, &params, &given).context("run failed")?,

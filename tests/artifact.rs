@@ -36,9 +36,10 @@ fn every_model_round_trips_through_a_file() {
         art.write(&path).unwrap();
         assert!(Artifact::sniff(&path));
         assert_eq!(Artifact::read(&path).unwrap(), art, "{name}");
-        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().filter(|e| {
-            e.as_ref().unwrap().file_name().to_string_lossy().contains(".tmp")
-        }).collect();
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains(".tmp"))
+            .collect();
         assert!(leftovers.is_empty(), "atomic write leaves no temporary file");
     }
 }
@@ -85,7 +86,10 @@ fn damaged_artifacts_are_refused_with_the_reason() {
     future[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
     assert_eq!(
         corrupt(&future).to_string(),
-        format!("`m.kiln` has artifact format {}, this kiln reads format {FORMAT_VERSION}: recompile it with `kiln compile`", FORMAT_VERSION + 1)
+        format!(
+            "`m.kiln` has artifact format {}, this kiln reads format {FORMAT_VERSION}: recompile it with `kiln compile`",
+            FORMAT_VERSION + 1
+        )
     );
 
     let mut trailing = good.clone();

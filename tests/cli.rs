@@ -272,8 +272,16 @@ fn compile_then_run_the_artifact() {
     let broken = dir.join("broken.kiln");
     std::fs::write(&broken, bytes).unwrap();
     fails_with(
-        &["run", s(&broken), "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs",
-          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"],
+        &[
+            "run",
+            s(&broken),
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            "/dev/null",
+        ],
         &["is truncated"],
     );
 }
@@ -281,8 +289,18 @@ fn compile_then_run_the_artifact() {
 #[test]
 fn an_unknown_adapter_is_a_clear_error() {
     fails_with(
-        &["run", "models/gpt2.toml", "--weights", "tests/fixtures/gpt2/model.safetensors", "--inputs",
-          "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null", "--adapter", "no-such-gpu"],
+        &[
+            "run",
+            "models/gpt2.toml",
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            "/dev/null",
+            "--adapter",
+            "no-such-gpu",
+        ],
         &["no adapter matches `no-such-gpu`", "available:"],
     );
 }

@@ -25,6 +25,10 @@ fn spec(name: &str) -> FrontEnd {
 
 fn golden(name: &str) {
     let Some(gpu) = common::gpu() else { return };
+    golden_on(name, gpu);
+}
+
+fn golden_on(name: &str, gpu: std::sync::Arc<kiln_runtime::Gpu>) {
     let fe = spec(name);
     let dir = root().join("tests/fixtures").join(name);
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
@@ -74,8 +78,12 @@ fn inputs_for(fe: &FrontEnd, batch: usize, seq: usize) -> HashMap<String, Tensor
     let mut inputs = HashMap::new();
     for (_, name, _) in fe.graph.inputs() {
         let t = match name {
-            "attention_mask" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect()),
-            "src_padding" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect()),
+            "attention_mask" => {
+                Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect())
+            }
+            "src_padding" => {
+                Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect())
+            }
             "token_type_ids" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i % 2) as i64).collect()),
             _ => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i as i64 * 7919 + 13) % vocab).collect()),
         };
@@ -119,5 +127,16 @@ fn minilm_on_wgpu() {
         let err = got.max_abs_diff(&reference[&name]);
         println!("minilm-l6: {name} max abs error on wgpu {err:e}");
         assert!(err <= TOLERANCE, "minilm-l6: `{name}` differs by {err} on wgpu");
+    }
+}
+
+/// Tensors larger than the adapter can bind are split into chunk buffers and the kernels read them
+/// through chunk-selecting accessors. A 4 KiB cap forces that on almost every tensor of the fixtures.
+#[test]
+fn tensors_over_the_buffer_limit_are_split_not_refused() {
+    let Some(gpu) = common::gpu_with_buffer_limit(4096) else { return };
+    assert_eq!(gpu.chunk_bytes(), 4096);
+    for name in ["gpt2", "llama", "bert", "vaswani", "mixtral", "bloom"] {
+        golden_on(name, gpu.clone());
     }
 }

@@ -62,7 +62,9 @@ pub enum ArtifactError {
     #[error("`{0}` is not a kiln artifact (bad magic bytes)")]
     Foreign(PathBuf),
     /// Written by an incompatible kiln.
-    #[error("`{path}` has artifact format {found}, this kiln reads format {FORMAT_VERSION}: recompile it with `kiln compile`")]
+    #[error(
+        "`{path}` has artifact format {found}, this kiln reads format {FORMAT_VERSION}: recompile it with `kiln compile`"
+    )]
     Version {
         /// The file.
         path: PathBuf,

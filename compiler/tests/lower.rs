@@ -15,7 +15,15 @@ fn every_model_lowers_with_valid_kernels() {
         let plan = lower(&fe.graph).unwrap_or_else(|e| panic!("{e}"));
         let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
         let (sum, placed) = plan.memory(&syms);
-        println!("{}: {} kernels, {} steps, {} slots, intermediates {} B, placed {} B", plan.name, plan.kernels.len(), plan.steps.len(), plan.slots, sum, placed);
+        println!(
+            "{}: {} kernels, {} steps, {} slots, intermediates {} B, placed {} B",
+            plan.name,
+            plan.kernels.len(),
+            plan.steps.len(),
+            plan.slots,
+            sum,
+            placed
+        );
         assert!(placed < sum, "{}: liveness shares buffers", plan.name);
     }
 }

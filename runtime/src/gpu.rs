@@ -10,7 +10,8 @@
 use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
 use kiln_compiler::interp::{InputSpec, InterpError, bind_named};
-use kiln_compiler::lower::{Plan, Storage, dispatch, resolve, workgroups};
+use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
+use kiln_compiler::lower::{Plan, Storage, dispatch, resolve, validate_wgsl, workgroups};
 use kiln_compiler::tensor::{DType, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -72,6 +73,9 @@ pub struct Gpu {
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     lost: Arc<Mutex<Option<String>>>,
+    /// Largest buffer kiln creates; larger tensors are split into chunks of this many bytes and
+    /// bound as several buffers (see [`kiln_compiler::lower::wgsl::kernel_chunked`]).
+    chunk_bytes: u64,
 }
 
 const INSTALL_HINT: &str = "no GPU adapter found. On Debian/Ubuntu without a GPU, install Mesa's CPU Vulkan driver \
@@ -130,7 +134,38 @@ impl Gpu {
                 *l = Some(format!("{reason:?}: {message}"));
             }
         });
-        Ok(Gpu { device, queue, info, limits, lost })
+        let chunk_bytes = (limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) / 256 * 256).max(256);
+        Ok(Gpu { device, queue, info, limits, lost, chunk_bytes })
+    }
+
+    /// Caps the size of one buffer (rounded down to a multiple of 256 bytes, at least 256), so
+    /// tensors above it are split into chunks. The adapter's own limit always applies too.
+    pub fn limit_buffer_bytes(&mut self, bytes: u64) {
+        self.chunk_bytes = (bytes / 256 * 256).clamp(256, self.chunk_bytes);
+    }
+
+    /// Bytes of the largest single buffer kiln creates on this device.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.chunk_bytes
+    }
+
+    /// A tensor of `bytes` bytes as chunk buffers.
+    fn chunked(&self, what: &str, bytes: u64, usage: wgpu::BufferUsages) -> Result<Vec<wgpu::Buffer>, GpuError> {
+        let n = bytes.div_ceil(self.chunk_bytes).max(1);
+        (0..n)
+            .map(|c| {
+                let size = (bytes - c * self.chunk_bytes).min(self.chunk_bytes);
+                let label = if n == 1 { what.to_string() } else { format!("{what} (chunk {c} of {n})") };
+                self.buffer(&label, size, usage)
+            })
+            .collect()
+    }
+
+    /// Writes `data` across chunk buffers.
+    fn write_chunked(&self, buffers: &[wgpu::Buffer], data: &[u8]) {
+        for (buffer, part) in buffers.iter().zip(data.chunks(self.chunk_bytes as usize)) {
+            self.queue.write_buffer(buffer, 0, part);
+        }
     }
 
     /// `name (type, backend)` of the adapter in use.
@@ -145,10 +180,25 @@ impl Gpu {
         }
     }
 
+    fn pipeline(&self, label: &str, wgsl: &str) -> wgpu::ComputePipeline {
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(std::borrow::Cow::Borrowed(wgsl)),
+        });
+        self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(label),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    }
+
     /// Creates a storage buffer, turning allocation failures into [`GpuError::OutOfMemory`] and
     /// oversize requests into [`GpuError::TooLarge`].
     fn buffer(&self, what: &str, bytes: u64, usage: wgpu::BufferUsages) -> Result<wgpu::Buffer, GpuError> {
-        let limit = u64::from(self.limits.max_storage_buffer_binding_size).min(self.limits.max_buffer_size);
+        let limit = self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size);
         if usage.contains(wgpu::BufferUsages::STORAGE) && bytes > limit {
             return Err(GpuError::TooLarge { what: what.into(), bytes, limit });
         }
@@ -171,35 +221,19 @@ pub struct GpuModel {
     gpu: Arc<Gpu>,
     plan: Plan,
     pipelines: Vec<wgpu::ComputePipeline>,
-    params: HashMap<usize, wgpu::Buffer>,
-    slots: Mutex<Vec<(u64, wgpu::Buffer)>>,
+    /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
+    variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
+    params: HashMap<usize, Vec<wgpu::Buffer>>,
+    slots: Mutex<Vec<(u64, Vec<wgpu::Buffer>)>>,
 }
 
-const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
-    .union(wgpu::BufferUsages::COPY_DST)
-    .union(wgpu::BufferUsages::COPY_SRC);
+const STORAGE: wgpu::BufferUsages =
+    wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST).union(wgpu::BufferUsages::COPY_SRC);
 
 impl GpuModel {
     /// Builds the pipelines and uploads the parameters (by canonical name) once.
     pub fn new(gpu: Arc<Gpu>, plan: Plan, params: &HashMap<String, Tensor>) -> Result<GpuModel, GpuError> {
-        let pipelines = plan
-            .kernels
-            .iter()
-            .map(|k| {
-                let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(&k.name),
-                    source: wgpu::ShaderSource::Wgsl(std::borrow::Cow::Borrowed(&k.wgsl)),
-                });
-                gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(&k.name),
-                    layout: None,
-                    module: &module,
-                    entry_point: Some("main"),
-                    compilation_options: Default::default(),
-                    cache: None,
-                })
-            })
-            .collect();
+        let pipelines = plan.kernels.iter().map(|k| gpu.pipeline(&k.name, &k.wgsl)).collect();
         let mut uploaded = HashMap::new();
         for (id, v) in plan.values.iter().enumerate() {
             let Storage::Param(name) = &v.storage else { continue };
@@ -210,12 +244,19 @@ impl GpuModel {
             }
             let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("parameter `{name}` is not f32")))?;
             let bytes: &[u8] = bytemuck::cast_slice(data);
-            let buffer = gpu.buffer(&format!("parameter `{name}`"), bytes.len() as u64, STORAGE)?;
-            gpu.queue.write_buffer(&buffer, 0, bytes);
-            uploaded.insert(id, buffer);
+            let buffers = gpu.chunked(&format!("parameter `{name}`"), bytes.len() as u64, STORAGE)?;
+            gpu.write_chunked(&buffers, bytes);
+            uploaded.insert(id, buffers);
         }
         gpu.check_lost()?;
-        Ok(GpuModel { gpu, plan, pipelines, params: uploaded, slots: Mutex::new(Vec::new()) })
+        Ok(GpuModel {
+            gpu,
+            plan,
+            pipelines,
+            variants: Mutex::new(HashMap::new()),
+            params: uploaded,
+            slots: Mutex::new(Vec::new()),
+        })
     }
 
     /// The plan being run.
@@ -230,8 +271,13 @@ impl GpuModel {
         let plan = &self.plan;
 
         // Bind inputs exactly as the interpreter does.
-        let input_ids: Vec<usize> =
-            plan.values.iter().enumerate().filter(|(_, v)| matches!(v.storage, Storage::Input { .. })).map(|(i, _)| i).collect();
+        let input_ids: Vec<usize> = plan
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| matches!(v.storage, Storage::Input { .. }))
+            .map(|(i, _)| i)
+            .collect();
         let specs: Vec<InputSpec> = input_ids
             .iter()
             .map(|&i| {
@@ -257,15 +303,15 @@ impl GpuModel {
                 }
                 (kiln_compiler::tensor::Data::F32(v), _) => bytemuck::cast_slice(v).to_vec(),
             };
-            let b = gpu.buffer("input", bytes.len() as u64, STORAGE)?;
-            gpu.queue.write_buffer(&b, 0, &bytes);
+            let b = gpu.chunked("input", bytes.len() as u64, STORAGE)?;
+            gpu.write_chunked(&b, &bytes);
             input_buffers.insert(id, b);
         }
         let sizes = plan.slot_sizes(&syms);
         let mut slots = self.slots.lock().map_err(|_| GpuError::Dispatch("slot cache poisoned".into()))?;
         for (s, &bytes) in sizes.iter().enumerate() {
             if slots.len() <= s || slots[s].0 < bytes {
-                let b = gpu.buffer(&format!("intermediate buffer {s}"), bytes, STORAGE)?;
+                let b = gpu.chunked(&format!("intermediate buffer {s}"), bytes, STORAGE)?;
                 if slots.len() <= s {
                     slots.push((bytes, b));
                 } else {
@@ -278,22 +324,27 @@ impl GpuModel {
             DIMS_STRIDE * plan.steps.len().max(1) as u64,
             wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         )?;
-        let buffer_of = |value: usize| -> &wgpu::Buffer {
+        // The chunk buffers of a value, as many as its current size needs.
+        let buffers_of = |value: usize| -> &[wgpu::Buffer] {
             let mut v = value;
             while let Storage::Alias(a) = plan.values[v].storage {
                 v = a;
             }
-            match &plan.values[v].storage {
+            let all: &[wgpu::Buffer] = match &plan.values[v].storage {
                 Storage::Param(_) => &self.params[&v],
                 Storage::Input { .. } => &input_buffers[&v],
                 Storage::Slot(s) => &slots[*s].1,
                 Storage::Alias(_) => unreachable!("aliases resolved above"),
-            }
+            };
+            let bytes = 4 * resolve(&plan.values[value].shape, &syms).iter().product::<usize>() as u64;
+            &all[..(bytes.div_ceil(gpu.chunk_bytes).max(1) as usize).min(all.len())]
         };
 
         let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * plan.steps.len().max(1)];
         let mut bind_groups = Vec::with_capacity(plan.steps.len());
+        let mut pipelines = Vec::with_capacity(plan.steps.len());
         let mut grids = Vec::with_capacity(plan.steps.len());
+        let mut variants = self.variants.lock().map_err(|_| GpuError::Dispatch("pipeline cache poisoned".into()))?;
         for (i, step) in plan.steps.iter().enumerate() {
             let operand_shapes: Vec<Vec<usize>> =
                 step.operands.iter().map(|&o| resolve(&plan.values[o].shape, &syms)).collect();
@@ -302,44 +353,79 @@ impl GpuModel {
                 .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
-            let mut entries = vec![
-                wgpu::BindGroupEntry {
-                    binding: 0,
-                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer: &uniform,
-                        offset: offset as u64,
-                        size: wgpu::BufferSize::new(64),
-                    }),
-                },
-                wgpu::BindGroupEntry { binding: 1, resource: buffer_of(step.output).as_entire_binding() },
-            ];
-            for (k, &o) in step.operands.iter().enumerate() {
-                entries.push(wgpu::BindGroupEntry { binding: 2 + k as u32, resource: buffer_of(o).as_entire_binding() });
+
+            let bound: Vec<&[wgpu::Buffer]> =
+                std::iter::once(step.output).chain(step.operands.iter().copied()).map(buffers_of).collect();
+            let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
+            let storage_bindings: u32 = counts.iter().sum();
+            if storage_bindings > gpu.limits.max_storage_buffers_per_shader_stage {
+                return Err(GpuError::Dispatch(format!(
+                    "`{}`: {} needs {storage_bindings} storage buffers after splitting large tensors, more than this adapter's {}",
+                    step.scope,
+                    step.op.name(),
+                    gpu.limits.max_storage_buffers_per_shader_stage
+                )));
             }
-            let pipeline = &self.pipelines[step.kernel];
+            let pipeline = if counts.iter().all(|&c| c == 1) {
+                self.pipelines[step.kernel].clone()
+            } else {
+                let key = (step.kernel, counts.clone());
+                if !variants.contains_key(&key) {
+                    let elems: Vec<Elem> = step.operands.iter().map(|&o| elem(plan.values[o].dtype)).collect();
+                    let text = kernel_chunked(
+                        &step.op,
+                        &elems,
+                        elem(plan.values[step.output].dtype),
+                        &counts,
+                        (gpu.chunk_bytes / 4) as u32,
+                    )
+                    .ok_or_else(|| GpuError::Dispatch(format!("{} has no kernel", step.op.name())))?;
+                    validate_wgsl(&text).map_err(|e| {
+                        GpuError::Dispatch(format!("internal error: chunked {} kernel is invalid: {e}", step.op.name()))
+                    })?;
+                    variants.insert(key.clone(), gpu.pipeline(&format!("{} (chunked)", step.op.name()), &text));
+                }
+                variants[&key].clone()
+            };
+            let mut entries = vec![wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &uniform,
+                    offset: offset as u64,
+                    size: wgpu::BufferSize::new(64),
+                }),
+            }];
+            for buffer in bound.iter().flat_map(|b| b.iter()) {
+                entries
+                    .push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource: buffer.as_entire_binding() });
+            }
             bind_groups.push(gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
                 layout: &pipeline.get_bind_group_layout(0),
                 entries: &entries,
             }));
-            grids.push(workgroups(dims[0], gpu.limits.max_compute_workgroups_per_dimension));
-            if dims[0] == 0 {
-                grids[i] = (0, 0);
-            }
+            pipelines.push(pipeline);
+            grids.push(if dims[0] == 0 {
+                (0, 0)
+            } else {
+                workgroups(dims[0], gpu.limits.max_compute_workgroups_per_dimension)
+            });
         }
+        drop(variants);
         gpu.queue.write_buffer(&uniform, 0, &dims_bytes);
 
         // One encoder, one compute pass, one submission.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
         {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            for (i, step) in plan.steps.iter().enumerate() {
+            let mut pass =
+                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            for (i, pipeline) in pipelines.iter().enumerate() {
                 let (x, y) = grids[i];
                 if x == 0 {
                     continue;
                 }
-                pass.set_pipeline(&self.pipelines[step.kernel]);
+                pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, &bind_groups[i], &[]);
                 pass.dispatch_workgroups(x, y, 1);
             }
@@ -353,7 +439,11 @@ impl GpuModel {
                 bytes,
                 wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             )?;
-            encoder.copy_buffer_to_buffer(buffer_of(*v), 0, &staging, 0, bytes.max(4).next_multiple_of(4));
+            for (c, chunk) in buffers_of(*v).iter().enumerate() {
+                let at = c as u64 * gpu.chunk_bytes;
+                let len = (bytes - at).min(gpu.chunk_bytes).next_multiple_of(4);
+                encoder.copy_buffer_to_buffer(chunk, 0, &staging, at, len);
+            }
             readbacks.push((name.clone(), shape, plan.values[*v].dtype, staging));
         }
         gpu.queue.submit([encoder.finish()]);
@@ -411,21 +501,28 @@ impl GpuModel {
                 if let Some(&bad) = t.as_i64().unwrap_or(&[]).iter().find(|&&x| x < 0 || x as usize >= rows) {
                     return Err(InterpError::IndexOutOfRange { what, index: bad, table: table_name, rows }.into());
                 }
-            } else if let Some(step_def) = self.plan.steps.iter().find(|s| s.output == ids) {
-                if let Op::Positions { .. } = step_def.op {
-                    let len = resolve(&self.plan.values[ids].shape, syms)[0];
-                    if len > rows {
-                        return Err(InterpError::IndexOutOfRange {
-                            what: "position",
-                            index: rows as i64,
-                            table: table_name,
-                            rows,
-                        }
-                        .into());
+            } else if let Some(step_def) = self.plan.steps.iter().find(|s| s.output == ids)
+                && let Op::Positions { .. } = step_def.op
+            {
+                let len = resolve(&self.plan.values[ids].shape, syms)[0];
+                if len > rows {
+                    return Err(InterpError::IndexOutOfRange {
+                        what: "position",
+                        index: rows as i64,
+                        table: table_name,
+                        rows,
                     }
+                    .into());
                 }
             }
         }
         Ok(())
+    }
+}
+
+fn elem(dtype: DType) -> Elem {
+    match dtype {
+        DType::F32 => Elem::F32,
+        DType::I64 => Elem::I32,
     }
 }

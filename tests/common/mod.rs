@@ -21,6 +21,14 @@ pub fn gpu() -> Option<Arc<Gpu>> {
     }
 }
 
+/// A separate device whose buffers are capped at `bytes`, so tensors above it are split.
+pub fn gpu_with_buffer_limit(bytes: u64) -> Option<Arc<Gpu>> {
+    gpu()?;
+    let mut g = Gpu::new(None).expect("an adapter was found above");
+    g.limit_buffer_bytes(bytes);
+    Some(Arc::new(g))
+}
+
 /// Where `scripts/fetch-models` caches real models.
 pub fn data_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("KILN_DATA") {
@@ -46,4 +54,3 @@ pub fn fetched(model: &str, dir: &str, file: &str) -> PathBuf {
     }
     path
 }
-

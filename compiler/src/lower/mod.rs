@@ -306,7 +306,8 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
     }
     // Indices inside a kernel reach the operand and output sizes; they must fit in u32 too.
     for s in operands.iter().map(|s| s.iter().product::<usize>()).chain([total]) {
-        u32::try_from(s).map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
+        u32::try_from(s)
+            .map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
     }
     Ok(u)
 }

@@ -348,7 +348,6 @@ pub struct Ffn {
     pub bias: bool,
 }
 
-
 /// Activations.
 #[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]

@@ -123,7 +123,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         c.bounded("attention.kv_heads", kv, limits.heads);
     }
     if a.heads > 0 && kv_heads > 0 && !a.heads.is_multiple_of(kv_heads) {
-        let divisors: Vec<String> = (1..=a.heads).filter(|d| a.heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        let divisors: Vec<String> =
+            (1..=a.heads).filter(|d| a.heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
         c.error_help(
             "attention.kv_heads",
             "kv_heads divides heads",
