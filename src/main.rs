@@ -8,7 +8,7 @@ use kiln_compiler::diag::SpecError;
 use kiln_compiler::graph::{Sym, print};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, interp, lower};
+use kiln_compiler::{FrontEnd, interp, lower, optimize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -40,6 +40,16 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
+        /// With `--stage optimized`: list every fused op with the rules that produced it.
+        #[arg(long)]
+        explain: bool,
+        /// Print optimizer statistics instead of a stage (dispatches before/after, blocks,
+        /// intermediate bytes, e-graph size, optimize time).
+        #[arg(long)]
+        stats: bool,
+        /// With `--stats`: as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
@@ -48,6 +58,9 @@ enum Command {
         /// Where to write the artifact.
         #[arg(short, long)]
         output: PathBuf,
+        /// Lower the graph as built, without the e-graph optimizer.
+        #[arg(long)]
+        no_optimize: bool,
     },
     /// Run a model on inputs from a safetensors file and write its outputs to another.
     Run {
@@ -70,6 +83,9 @@ enum Command {
         /// `KILN_ADAPTER` environment variable, else the best adapter found).
         #[arg(long)]
         adapter: Option<String>,
+        /// Run the graph as built, without the e-graph optimizer.
+        #[arg(long)]
+        no_optimize: bool,
     },
 }
 
@@ -77,6 +93,8 @@ enum Command {
 enum Stage {
     /// The graph as built from the spec, before optimization.
     Graph,
+    /// The graph after the e-graph optimizer.
+    Optimized,
     /// The lowered plan: steps, buffers and the WGSL of every kernel.
     Wgsl,
 }
@@ -177,17 +195,67 @@ fn run(cli: Cli) -> Result<()> {
                 println!("  weight map   preset `{p}`, {} entries", fe.spec.weights.entries.len());
             }
         }
-        Command::Inspect { spec, stage, format } => {
+        Command::Inspect { spec, stage, format, explain, stats, json } => {
             let fe = load_spec(&spec)?;
+            if stats {
+                let (opt, report) = optimize::optimize(&fe.graph)?;
+                let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
+                let bytes = |g: &kiln_compiler::graph::Graph| -> Result<u64> { Ok(lower::lower(g)?.memory(&syms).0) };
+                let blocks = fe.spec.layers();
+                let value = serde_json::json!({
+                    "model": fe.graph.name,
+                    "blocks": blocks,
+                    "dispatches": { "unoptimized": report.dispatches.0, "optimized": report.dispatches.1 },
+                    "intermediate_bytes": { "unoptimized": bytes(&fe.graph)?, "optimized": bytes(&opt)?, "at": "batch 1, seq 128" },
+                    "egraph_nodes": report.egraph_nodes,
+                    "egraph_classes": report.egraph_classes,
+                    "optimize_ms": report.optimize_ms,
+                    "rules_applied": report.applied,
+                });
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&value)?);
+                } else {
+                    println!("{}: {blocks} blocks", fe.graph.name);
+                    println!("  dispatches    {} -> {}", report.dispatches.0, report.dispatches.1);
+                    println!(
+                        "  intermediates {} -> {} bytes (batch 1, seq 128)",
+                        value["intermediate_bytes"]["unoptimized"], value["intermediate_bytes"]["optimized"]
+                    );
+                    println!("  e-graph       {} nodes, {} classes", report.egraph_nodes, report.egraph_classes);
+                    println!("  optimize      {:.1} ms", report.optimize_ms);
+                    for (rule, n) in &report.applied {
+                        println!("  rule {rule:<22} fired {n}x");
+                    }
+                }
+                return Ok(());
+            }
+            let graph = match stage {
+                Stage::Optimized => optimize::optimize(&fe.graph)?.0,
+                _ => fe.graph.clone(),
+            };
+            if explain {
+                for n in graph.order() {
+                    let rules = optimize::explain(&graph, n);
+                    if !rules.is_empty() {
+                        println!("{} in `{}` <- {}", graph.g[n].op.name(), graph.g[n].scope, rules.join(", "));
+                    }
+                }
+                return Ok(());
+            }
             match (stage, format) {
-                (Stage::Graph, Format::Text) => print!("{}", print::text(&fe.graph)),
-                (Stage::Graph, Format::Dot) => print!("{}", print::dot(&fe.graph)),
-                (Stage::Wgsl, Format::Text) => print!("{}", lower::lower(&fe.graph)?.kernels_text()),
+                (Stage::Graph | Stage::Optimized, Format::Text) => print!("{}", print::text(&graph)),
+                (Stage::Graph | Stage::Optimized, Format::Dot) => print!("{}", print::dot(&graph)),
+                (Stage::Wgsl, Format::Text) => {
+                    print!("{}", lower::lower(&optimize::optimize(&fe.graph)?.0)?.kernels_text())
+                }
                 (Stage::Wgsl, Format::Dot) => bail!("the wgsl stage has no DOT form; use --format text"),
             }
         }
-        Command::Compile { spec, output } => {
-            let (source, fe) = read_spec(&spec)?;
+        Command::Compile { spec, output, no_optimize } => {
+            let (source, mut fe) = read_spec(&spec)?;
+            if !no_optimize {
+                fe.graph = optimize::optimize(&fe.graph)?.0;
+            }
             let artifact = artifact::compile(&spec.display().to_string(), &source, &fe)?;
             artifact.write(&output)?;
             let plan = &artifact.plan;
@@ -202,7 +270,7 @@ fn run(cli: Cli) -> Result<()> {
             );
             println!("  intermediates at batch 1, seq 128: {placed} bytes placed, {sum} bytes if unshared");
         }
-        Command::Run { model, weights, inputs, output, backend, adapter } => {
+        Command::Run { model, weights, inputs, output, backend, adapter, no_optimize } => {
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
             let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
             let outputs = if Artifact::sniff(&model) {
@@ -226,7 +294,10 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
             } else {
-                let fe = load_spec(&model)?;
+                let mut fe = load_spec(&model)?;
+                if !no_optimize {
+                    fe.graph = optimize::optimize(&fe.graph)?.0;
+                }
                 let names = kiln_runtime::weights::graph_params(&fe.graph);
                 let params =
                     kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;

@@ -32,14 +32,17 @@ fn check_fixture(name: &str) -> Vec<(String, f32)> {
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors"))
         .unwrap_or_else(|e| panic!("{e}"));
     let io = tensors(&dir.join("io.safetensors"));
-    let outputs = interp::run(&fe.graph, &params, &io).unwrap_or_else(|e| panic!("{e}"));
+    let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
     let mut errors = Vec::new();
-    for (out_name, got) in outputs {
-        let Some(expected) = io.get(&out_name) else { continue };
-        let err = got.max_abs_diff(expected);
-        println!("{name}: {out_name} max abs error {err:e}");
-        assert!(err <= TOLERANCE, "{name}: `{out_name}` differs by {err} (> {TOLERANCE})");
-        errors.push((out_name, err));
+    for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
+        let outputs = interp::run(graph, &params, &io).unwrap_or_else(|e| panic!("{e}"));
+        for (out_name, got) in outputs {
+            let Some(expected) = io.get(&out_name) else { continue };
+            let err = got.max_abs_diff(expected);
+            println!("{name}: {out_name} max abs error {err:e} ({label})");
+            assert!(err <= TOLERANCE, "{name}: `{out_name}` differs by {err} (> {TOLERANCE}, {label})");
+            errors.push((out_name, err));
+        }
     }
     assert!(!errors.is_empty(), "{name}: no output was compared");
     errors

@@ -33,12 +33,15 @@ fn golden_on(name: &str, gpu: std::sync::Arc<kiln_runtime::Gpu>) {
     let dir = root().join("tests/fixtures").join(name);
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
     let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
-    let model = GpuModel::new(gpu, lower(&fe.graph).unwrap(), &params).unwrap();
-    let outputs = model.run(&io).unwrap_or_else(|e| panic!("{e}"));
-    for (out, got) in outputs {
-        let err = got.max_abs_diff(&io[&out]);
-        println!("{name}: {out} max abs error on wgpu {err:e}");
-        assert!(err <= TOLERANCE, "{name}: `{out}` differs by {err} on wgpu");
+    let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+    for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
+        let model = GpuModel::new(gpu.clone(), lower(graph).unwrap(), &params).unwrap();
+        let outputs = model.run(&io).unwrap_or_else(|e| panic!("{e}"));
+        for (out, got) in outputs {
+            let err = got.max_abs_diff(&io[&out]);
+            println!("{name}: {out} max abs error on wgpu, {label} {err:e}");
+            assert!(err <= TOLERANCE, "{name}: `{out}` differs by {err} on wgpu ({label})");
+        }
     }
 }
 
@@ -102,12 +105,13 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
         let params = interp::random_params(&fe.graph, 11);
         let inputs = inputs_for(&fe, 2, 5);
         let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
-        let model = GpuModel::new(gpu.clone(), lower(&fe.graph).unwrap(), &params).unwrap();
+        let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+        let model = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap();
         let got = model.run(&inputs).unwrap_or_else(|e| panic!("{name}: {e}"));
         for ((n, a), (_, b)) in expected.iter().zip(&got) {
             let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
             let err = a.max_abs_diff(b);
-            println!("{name}: {n} wgpu vs interpreter {err:e} (max |x| {scale})");
+            println!("{name}: {n} optimized wgpu vs unoptimized interpreter {err:e} (max |x| {scale})");
             assert!(err <= 1e-4 * scale, "{name}: `{n}` differs by {err}");
         }
     }
@@ -120,7 +124,8 @@ fn minilm_on_wgpu() {
     let fe = spec("minilm-l6");
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap();
     let reference = kiln_runtime::read_tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors")).unwrap();
-    let model = GpuModel::new(gpu, lower(&fe.graph).unwrap(), &params).unwrap();
+    let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+    let model = GpuModel::new(gpu, lower(&optimized).unwrap(), &params).unwrap();
     let outputs = model.run(&reference).unwrap();
     assert_eq!(outputs.len(), 2);
     for (name, got) in outputs {

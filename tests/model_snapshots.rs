@@ -64,6 +64,25 @@ fn graph_of_every_model() {
                 plan.kernels_text()
             );
             insta::assert_snapshot!("wgsl", plan_text);
+
+            // The optimized graph: checked, then snapshotted with the provenance of its fused ops.
+            let (opt, report) = kiln_compiler::optimize::optimize(&fe.graph).unwrap_or_else(|e| panic!("{name}: {e}"));
+            opt.check().unwrap_or_else(|e| panic!("{name}: optimized graph: {e}"));
+            let mut explain = String::new();
+            for n in opt.order() {
+                let rules = kiln_compiler::optimize::explain(&opt, n);
+                if !rules.is_empty() {
+                    explain += &format!("{} in {} <- {}\n", opt.g[n].op.name(), opt.g[n].scope, rules.join(", "));
+                }
+            }
+            let optimized = format!(
+                "## Dispatches\n{} -> {}\n\n## Rules applied\n{:?}\n\n## Fused ops\n{explain}\n## Graph\n{}",
+                report.dispatches.0,
+                report.dispatches.1,
+                report.applied,
+                print::text(&opt)
+            );
+            insta::assert_snapshot!("optimized", optimized);
         });
     });
 }

@@ -441,6 +441,69 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             }
             Tensor::f32(shape, out)
         }
+        // Fused ops are evaluated as exactly the compositions that define them.
+        Op::Linear { act, bias, residual } => {
+            let (x, w) = (a[0], a[1]);
+            let mut shape_mm = x.shape.clone();
+            let last = shape_mm.len() - 1;
+            shape_mm[last] = w.shape[0];
+            let mut y = eval(g, operands, &Op::MatMul { transpose_b: true }, &[x, w], shape_mm.clone())?;
+            // Operands after x and w: the bias, then the residual.
+            let mut next = 2;
+            if *bias {
+                y = eval(g, operands, &Op::Add, &[&y, a[next]], shape_mm.clone())?;
+                next += 1;
+            }
+            if let Some(act) = act {
+                y = eval(g, operands, &Op::Act(*act), &[&y], shape_mm.clone())?;
+            }
+            if *residual {
+                y = eval(g, operands, &Op::Add, &[&y, a[next]], shape_mm)?;
+            }
+            y
+        }
+        Op::MaskedSoftmax { scale, alibi, causal, window } => {
+            let mut y = eval(g, operands, &Op::Scale { factor: *scale }, &[a[0]], shape.clone())?;
+            if *alibi {
+                y = eval(g, operands, &Op::Alibi, &[&y], shape.clone())?;
+            }
+            if *causal || a.len() > 1 || window.is_some() {
+                let mut args = vec![&y];
+                args.extend(a.get(1).copied());
+                y = eval(g, operands, &Op::Mask { causal: *causal, window: *window }, &args, shape.clone())?;
+            }
+            eval(g, operands, &Op::Softmax, &[&y], shape)?
+        }
+        Op::Attention { scale, alibi, causal, window } => {
+            let (q, k, v) = (a[0], a[1], a[2]);
+            let (b, h, s, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+            let (kv, t) = (k.shape[1], k.shape[2]);
+            let (k, v) = if kv < h {
+                let times = h / kv;
+                let rep = vec![b, h, t, d];
+                (
+                    eval(g, operands, &Op::RepeatHeads { times }, &[k], rep.clone())?,
+                    eval(g, operands, &Op::RepeatHeads { times }, &[v], rep)?,
+                )
+            } else {
+                (k.clone(), v.clone())
+            };
+            let scores = eval(g, operands, &Op::MatMul { transpose_b: true }, &[q, &k], vec![b, h, s, t])?;
+            let mut args = vec![&scores];
+            args.extend(a.get(3).copied());
+            let soft = Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
+            let p = eval(g, operands, &soft, &args, vec![b, h, s, t])?;
+            let ctx = eval(g, operands, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
+            let ctx = eval(g, operands, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&ctx], vec![b, s, h, d])?;
+            Tensor { shape, data: ctx.data }
+        }
+        Op::AddNorm { rms, eps } => {
+            let sum = eval(g, operands, &Op::Add, &[a[0], a[1]], shape.clone())?;
+            let mut args = vec![&sum];
+            args.extend(&a[2..]);
+            let norm = if *rms { Op::RmsNorm { eps: *eps } } else { Op::LayerNorm { eps: *eps } };
+            eval(g, operands, &norm, &args, shape)?
+        }
         Op::L2Normalize => {
             let x = f(a[0]);
             let d = *shape.last().expect("l2_normalize has an axis");

@@ -22,6 +22,7 @@ pub mod diag;
 pub mod graph;
 pub mod interp;
 pub mod lower;
+pub mod optimize;
 pub mod spec;
 pub mod tensor;
 

@@ -221,6 +221,52 @@ pub enum Op {
     MeanPool,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
     L2Normalize,
+
+    // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
+    // above; the interpreter evaluates it as exactly that composition.
+    /// `act(x @ w^T + bias) + residual`: `(x [.., k], w [n, k][, bias [n]][, residual [.., n]])`.
+    Linear {
+        /// Activation applied before the residual add.
+        act: Option<Activation>,
+        /// A bias operand follows `w`.
+        bias: bool,
+        /// A residual operand comes last.
+        residual: bool,
+    },
+    /// `softmax(mask(alibi(scores * scale)))` over the last axis: `(scores [b, h, q, k][, key_mask
+    /// f32[b, k]])`. The mask hides what [`Op::Mask`] hides; `alibi` adds [`Op::Alibi`]'s biases.
+    MaskedSoftmax {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// Whole attention with the head merge: `(q [b, h, s, d], k [b, kv, t, d], v [b, kv, t, d][,
+    /// key_mask f32[b, t]]) -> [b, s, h * d]`, query head `j` reading key/value head
+    /// `j / (h / kv)`; scores are masked and normalised as [`Op::MaskedSoftmax`] does. The kernel
+    /// never materialises the score matrix (online softmax).
+    Attention {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// `norm(a + b)`: `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
+    /// or the RMSNorm of the given epsilon.
+    AddNorm {
+        /// RMSNorm instead of LayerNorm.
+        rms: bool,
+        /// Epsilon.
+        eps: Scalar,
+    },
 }
 
 impl Op {
@@ -251,6 +297,24 @@ impl Op {
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
             Op::L2Normalize => "l2_normalize".into(),
+            Op::Linear { act, bias, residual } => {
+                let mut n = String::from("linear");
+                if *bias {
+                    n += "_bias";
+                }
+                if let Some(a) = act {
+                    n += "_";
+                    n += &a.name().replace('-', "_");
+                }
+                if *residual {
+                    n += "_residual";
+                }
+                n
+            }
+            Op::MaskedSoftmax { .. } => "masked_softmax".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::AddNorm { rms: false, .. } => "add_layer_norm".into(),
+            Op::AddNorm { rms: true, .. } => "add_rms_norm".into(),
         }
     }
 
@@ -287,6 +351,17 @@ impl Op {
             },
             Op::TopK { k, renormalize } => format!("k={k} renormalize={renormalize}"),
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            Op::MaskedSoftmax { scale, alibi, causal, window } | Op::Attention { scale, alibi, causal, window } => {
+                let mut a = format!("scale={scale} causal={causal}");
+                if let Some(w) = window {
+                    a += &format!(" window={w}");
+                }
+                if *alibi {
+                    a += " alibi";
+                }
+                a
+            }
+            Op::AddNorm { eps, .. } => format!("eps={eps}"),
             _ => String::new(),
         }
     }
@@ -615,6 +690,74 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 }
                 _ => Err(format!("slice {start}..{} of axis {axis} is out of {}", start + len, fmt_shape(x))),
             }
+        }
+        Op::Linear { bias, residual, .. } => {
+            let want = 2 + usize::from(*bias) + usize::from(*residual);
+            arity(want)?;
+            let x = float(0)?;
+            let w = float(1)?;
+            rank_at_least(x, 2, "x")?;
+            if w.len() != 2 || w[1] != x[x.len() - 1] {
+                return Err(format!("weight must be [n, {}], is {}", x[x.len() - 1], fmt_shape(w)));
+            }
+            let mut out = x.clone();
+            let last = out.len() - 1;
+            out[last] = w[0];
+            if *bias && float(2)?.as_slice() != [w[0]] {
+                return Err(format!("bias must be [{}], is {}", w[0], fmt_shape(float(2)?)));
+            }
+            if *residual && *float(want - 1)? != out {
+                return Err(format!("residual must be {}, is {}", fmt_shape(&out), fmt_shape(float(want - 1)?)));
+            }
+            Ok((out, DType::F32))
+        }
+        // Same operands and result as the mask it absorbs.
+        Op::MaskedSoftmax { .. } => infer(&Op::Mask { causal: false, window: None }, operands),
+        Op::Attention { .. } => {
+            if operands.len() < 3 || operands.len() > 4 {
+                return Err(format!("expects 3 or 4 operands, got {}", operands.len()));
+            }
+            let (q, k, v) = (float(0)?, float(1)?, float(2)?);
+            match (q.as_slice(), k.as_slice(), v.as_slice()) {
+                ([b, Dim::Fixed(h), s, Dim::Fixed(d)], [kb, Dim::Fixed(kv), t, kd], [vb, vkv, vt, vd])
+                    if kb == b
+                        && vb == b
+                        && kd == &Dim::Fixed(*d)
+                        && vd == &Dim::Fixed(*d)
+                        && vkv == &Dim::Fixed(*kv)
+                        && vt == t
+                        && *kv > 0
+                        && h % kv == 0 =>
+                {
+                    if operands.len() == 4 && float(3)?.as_slice() != [*b, *t] {
+                        return Err(format!("key mask must be [{b}, {t}], is {}", fmt_shape(float(3)?)));
+                    }
+                    Ok((vec![*b, *s, Dim::Fixed(h * d)], DType::F32))
+                }
+                _ => Err(format!(
+                    "expects q [b, h, s, d], k and v [b, kv, t, d] with kv dividing h; got {}, {}, {}",
+                    fmt_shape(q),
+                    fmt_shape(k),
+                    fmt_shape(v)
+                )),
+            }
+        }
+        Op::AddNorm { rms, .. } => {
+            let max = if *rms { 3 } else { 4 };
+            if operands.len() < 3 || operands.len() > max {
+                return Err(format!("expects 3..={max} operands, got {}", operands.len()));
+            }
+            let (a, b) = (float(0)?, float(1)?);
+            if a != b {
+                return Err(format!("summands differ: {} and {}", fmt_shape(a), fmt_shape(b)));
+            }
+            let d = a[a.len() - 1];
+            for i in 2..operands.len() {
+                if float(i)?.as_slice() != [d] {
+                    return Err(format!("gain/bias must be [{d}], is {}", fmt_shape(float(i)?)));
+                }
+            }
+            Ok((a.clone(), DType::F32))
         }
         Op::MeanPool => {
             arity(2)?;

@@ -292,6 +292,16 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
             vec![total, operands[0][*axis], inner, *start, *len]
         }
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
+        // One thread per output element: n = w's rows, k = the reduced axis.
+        Op::Linear { .. } => vec![total, operands[1][0], operands[1][1]],
+        // One thread per row of scores [b, h, q, k].
+        Op::MaskedSoftmax { .. } => vec![rows(out), out[1], out[2], out[3]],
+        // One thread per query row: [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
+        Op::Attention { .. } => {
+            let (q, k) = (&operands[0], &operands[1]);
+            vec![q[0] * q[1] * q[2], q[1], q[2], k[2], q[3], k[1]]
+        }
+        Op::AddNorm { .. } => vec![rows(out), last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
     };
     if total == 0 {

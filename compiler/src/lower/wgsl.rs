@@ -18,6 +18,10 @@ use crate::spec::{Activation, PairStyle};
 /// Threads per workgroup of every kernel.
 pub const WORKGROUP: u32 = 64;
 
+/// The largest head dimension the fused attention kernel handles: each thread accumulates its output
+/// row in a private array of this many floats. The optimizer fuses attention only below it.
+pub const MAX_ATTENTION_HEAD_DIM: usize = 256;
+
 /// Element type of a buffer as the kernel sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
@@ -301,16 +305,7 @@ fn body(op: &Op, operands: usize) -> Option<String> {
             .to_string()
             .replace("alibi_slope(h, heads)", ALIBI_SLOPE),
         Op::Mask { causal, window } => {
-            let mut keep = String::from("true");
-            if *causal {
-                keep += " && ki <= qi";
-            }
-            if let Some(w) = window {
-                keep += &format!(" && ki + {w}u > qi");
-            }
-            if operands == 2 {
-                keep += " && in1[b * k + ki] != 0.0";
-            }
+            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
                  let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n\
@@ -339,7 +334,107 @@ fn body(op: &Op, operands: usize) -> Option<String> {
              for (var j = 0u; j < d; j = j + 1u) { let x = in0[base + j]; ss = ss + x * x; }\n\
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
+        Op::Linear { act, bias, residual } => {
+            // One thread per output element: the row of x times row `col` of w, then the epilogue.
+            let mut s = String::from(
+                "let n = dim(1u);\nlet k = dim(2u);\nlet col = i % n;\nlet a0 = (i / n) * k;\nlet b0 = col * k;\n\
+                 var y = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {\n    y = y + in0[a0 + kk] * in1[b0 + kk];\n}\n",
+            );
+            if *bias {
+                s += "y = y + in2[col];\n";
+            }
+            if let Some(act) = act {
+                s += &format!("y = {};\n", activation(*act, "y"));
+            }
+            if *residual {
+                s += &format!("y = y + in{}[i];\n", 2 + usize::from(*bias));
+            }
+            s += "out[i] = y;";
+            s
+        }
+        Op::MaskedSoftmax { scale, alibi, causal, window } => {
+            // One thread per row of `k` scores; the output row holds the masked logits, then their
+            // exponentials, then the probabilities.
+            let mut logit = format!("    var x = in0[base + ki] * {};\n", lit(scale.0));
+            if *alibi {
+                logit += &format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
+            }
+            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
+            if keep != "true" {
+                logit += &format!("    x = select(-3.40282347e38, x, {keep});\n");
+            }
+            format!(
+                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet base = i * k;\n\
+                 let qi = i % q + (k - min(q, k));\nlet h = (i / q) % heads;\nlet b = i / (q * heads);\n\
+                 var mx = -3.40282347e38;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}    out[base + ki] = x;\n    mx = max(mx, x);\n}}\n\
+                 var sum = 0.0;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{ let e = exp(out[base + ki] - mx); out[base + ki] = e; sum = sum + e; }}\n\
+                 for (var ki = 0u; ki < k; ki = ki + 1u) {{ out[base + ki] = out[base + ki] / sum; }}"
+            )
+        }
+        Op::Attention { scale, alibi, causal, window } => {
+            // One thread per query row (b, s, h), threads in output order: online softmax over the
+            // keys, masked keys skipped, the weighted sum of values kept in a private array.
+            let keep = keep_condition(*causal, *window, (operands == 4).then_some("in3"));
+            let alibi = if *alibi { format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n") } else { String::new() };
+            format!(
+                "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\n\
+                 let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
+                 let qi = si + (k - min(s_len, k));\nlet q0 = ((b * heads + h) * s_len + si) * d;\n\
+                 let kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+                 // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
+                 var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
+                 for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
+                 let r = kv0 + ki * d;\n    var x = 0.0;\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in1[r + c]; }}\n    x = x * {};\n{alibi}    \
+                 let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * in2[r + c]; }}\n    m = m1;\n}}\n\
+                 // Every key masked: the reference softmax over equal masked logits is uniform over all keys.\n\
+                 if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + in2[kv0 + ki * d + c]; }}\n    }}\n    \
+                 l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
+                lit(scale.0)
+            )
+        }
+        Op::AddNorm { rms, eps } => {
+            // The sum is written to the output row first, then normalised in place.
+            if *rms {
+                format!(
+                    "let d = dim(1u);\nlet base = i * d;\nvar ms = 0.0;\n\
+                     for (var j = 0u; j < d; j = j + 1u) {{ let x = in0[base + j] + in1[base + j]; out[base + j] = x; ms = ms + x * x; }}\n\
+                     let inv = 1.0 / sqrt(ms / f32(d) + {});\n\
+                     for (var j = 0u; j < d; j = j + 1u) {{ out[base + j] = out[base + j] * inv * in2[j]; }}",
+                    lit(eps.0)
+                )
+            } else {
+                let bias = if operands == 4 { " + in3[j]" } else { "" };
+                format!(
+                    "let d = dim(1u);\nlet base = i * d;\nvar mean = 0.0;\n\
+                     for (var j = 0u; j < d; j = j + 1u) {{ let x = in0[base + j] + in1[base + j]; out[base + j] = x; mean = mean + x; }}\n\
+                     mean = mean / f32(d);\nvar v = 0.0;\n\
+                     for (var j = 0u; j < d; j = j + 1u) {{ let c = out[base + j] - mean; v = v + c * c; }}\n\
+                     let inv = 1.0 / sqrt(v / f32(d) + {});\n\
+                     for (var j = 0u; j < d; j = j + 1u) {{ out[base + j] = (out[base + j] - mean) * inv * in2[j]{bias}; }}",
+                    lit(eps.0)
+                )
+            }
+        }
     })
+}
+
+/// The WGSL condition under which key `ki` is attended by query `qi` (of batch `b`, with `k` keys),
+/// as [`Op::Mask`] decides it; `key_mask` names the `f32[b, k]` key-mask buffer, if any.
+fn keep_condition(causal: bool, window: Option<usize>, key_mask: Option<&str>) -> String {
+    let mut keep = String::from("true");
+    if causal {
+        keep += " && ki <= qi";
+    }
+    if let Some(w) = window {
+        keep += &format!(" && ki + {w}u > qi");
+    }
+    if let Some(m) = key_mask {
+        keep += &format!(" && {m}[b * k + ki] != 0.0");
+    }
+    keep
 }
 
 /// ALiBi slope of head `h` of `heads` (Press et al.), computed in the kernel so the text does not
@@ -378,5 +473,40 @@ mod tests {
         }
         let gather = kernel_chunked(&Op::Gather, &[Elem::F32, Elem::I32], Elem::F32, &[2, 2, 1], 256).unwrap();
         super::super::validate_wgsl(&gather).unwrap();
+    }
+
+    #[test]
+    fn fused_kernels_validate_plain_and_chunked() {
+        use crate::graph::Scalar;
+        let mut ops = Vec::new();
+        for act in
+            [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)]
+        {
+            for (bias, residual) in [(false, false), (true, false), (false, true), (true, true)] {
+                ops.push((Op::Linear { act, bias, residual }, 2 + usize::from(bias) + usize::from(residual)));
+            }
+        }
+        for (alibi, causal, window) in
+            [(false, false, None), (true, true, None), (false, true, Some(3)), (true, false, Some(2))]
+        {
+            let scale = Scalar(0.125);
+            for n in [1, 2] {
+                ops.push((Op::MaskedSoftmax { scale, alibi, causal, window }, n));
+            }
+            for n in [3, 4] {
+                ops.push((Op::Attention { scale, alibi, causal, window }, n));
+            }
+        }
+        for (rms, n) in [(true, 3), (false, 3), (false, 4)] {
+            ops.push((Op::AddNorm { rms, eps: Scalar(1e-5) }, n));
+        }
+        for (op, n) in ops {
+            let text = kernel(&op, &vec![Elem::F32; n], Elem::F32).unwrap();
+            super::super::validate_wgsl(&text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", op.name()));
+            let text = kernel_chunked(&op, &vec![Elem::F32; n], Elem::F32, &vec![3; n + 1], 1024).unwrap();
+            super::super::validate_wgsl(&text).unwrap_or_else(|e| panic!("chunked {}: {e}\n{text}", op.name()));
+            // Every storage access goes through an accessor in the chunked variant.
+            assert!(!text.contains("out[") && !text.contains("in0["), "{}: {text}", op.name());
+        }
     }
 }

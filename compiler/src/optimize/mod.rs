@@ -1,0 +1,616 @@
+//! The optimizer: Graph -> e-graph -> rewrite rules -> cost-based extraction -> Graph.
+//!
+//! The graph is turned into an [`egg`] e-graph over the language [`Kl`]: one e-node per graph op,
+//! with every op attribute (a scale factor, an activation, a permutation, a parameter's identity)
+//! an interned [`Attr`] leaf, so rewrite rules are plain s-expression patterns whose variables
+//! range over attributes too. Rule sets (see `rules/` and its README) run in phases under the
+//! documented [`Limits`]; each fused op appears in an e-class next to the ops it replaces. The
+//! [`CostModel`] (bytes moved, FLOPs, a per-dispatch overhead) then picks the cheapest member of
+//! every class, and the chosen terms are rebuilt into a graph, sharing identical subterms.
+//!
+//! **Invariant**: every rule's right-hand side computes the same values as its left-hand side, as
+//! defined by the interpreter; the per-rule differential tests check exactly that.
+
+pub mod rules;
+
+use crate::graph::{Dim, Graph, GraphError, Node, Op, Scalar, Shape, Sym, infer};
+use crate::spec::Activation;
+use crate::tensor::DType;
+use egg::{Analysis, DidMerge, EGraph, Id, Language, RecExpr, Runner};
+use petgraph::graph::NodeIndex;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+/// An interned attribute: an index into [`KAnalysis::attrs`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Attr(pub u32);
+
+impl fmt::Display for Attr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}", self.0)
+    }
+}
+
+impl FromStr for Attr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.strip_prefix('a').and_then(|n| n.parse().ok()).map(Attr).ok_or_else(|| format!("not an attribute: {s}"))
+    }
+}
+
+/// What an attribute leaf stands for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum AttrValue {
+    /// A flag (causal, alibi, rms).
+    Bool(bool),
+    /// A float (scale factor, eps).
+    F(Scalar),
+    /// An optional window size.
+    Window(Option<usize>),
+    /// An activation.
+    Act(Activation),
+    /// A count (repeat times).
+    Count(usize),
+    /// A whole op whose attributes rules do not inspect (permute, reshape, opaque ops).
+    Op(Op),
+    /// A leaf tensor: a parameter, an input or positions, with its type.
+    Leaf(Op, Shape, DType),
+}
+
+/// Attributes interned up front so patterns can name them: `a0` = false, `a1` = true, `a2` = no
+/// window.
+pub const FALSE: &str = "a0";
+/// See [`FALSE`].
+pub const TRUE: &str = "a1";
+/// See [`FALSE`].
+pub const NO_WINDOW: &str = "a2";
+
+pub use lang::Kl;
+
+/// The language, in its own module so the generated variants can go undocumented here: each is
+/// documented by the comment on its line.
+#[allow(missing_docs)]
+mod lang {
+    use super::Attr;
+    use egg::{Id, define_language};
+
+    define_language! {
+        /// The e-graph language: kiln's ops, with attributes as leaves.
+        pub enum Kl {
+            "none" = None,
+            "matmul" = MatMul([Id; 2]),
+            "matmul_t" = MatMulT([Id; 2]),
+            "add" = Add([Id; 2]),
+            "mul" = Mul([Id; 2]),
+            // (scale factor x)
+            "scale" = Scale([Id; 2]),
+            // (act kind x)
+            "act" = Act([Id; 2]),
+            "softmax" = Softmax(Id),
+            // (mask causal window scores key_mask|none)
+            "mask" = Mask([Id; 4]),
+            "alibi" = Alibi(Id),
+            // (repeat_heads times x)
+            "repeat_heads" = RepeatHeads([Id; 2]),
+            // (permute op x), (reshape op x): the op attribute carries the permutation / shape
+            "permute" = Permute([Id; 2]),
+            "reshape" = Reshape([Id; 2]),
+            // (layer_norm eps x gain bias|none), (rms_norm eps x gain)
+            "layer_norm" = LayerNorm([Id; 4]),
+            "rms_norm" = RmsNorm([Id; 3]),
+            // (linear act|none x w bias|none residual|none)
+            "linear" = Linear([Id; 5]),
+            // (masked_softmax scale alibi causal window scores key_mask|none)
+            "masked_softmax" = MaskedSoftmax([Id; 6]),
+            // (attention scale alibi causal window q k v key_mask|none)
+            "attention" = Attention([Id; 8]),
+            // (opaque op children...): any op no rule looks into
+            "opaque" = Opaque(Box<[Id]>),
+            Attr(Attr),
+        }
+    }
+}
+
+/// Shapes as e-class data, and the attribute table.
+#[derive(Debug)]
+pub struct KAnalysis {
+    /// Attribute values by index.
+    pub attrs: Vec<AttrValue>,
+    index: HashMap<AttrValue, u32>,
+}
+
+impl Default for KAnalysis {
+    fn default() -> Self {
+        let mut a = KAnalysis { attrs: Vec::new(), index: HashMap::new() };
+        a.intern(AttrValue::Bool(false));
+        a.intern(AttrValue::Bool(true));
+        a.intern(AttrValue::Window(None));
+        a
+    }
+}
+
+impl KAnalysis {
+    /// The attribute of a value, interning it if new.
+    pub fn intern(&mut self, v: AttrValue) -> Attr {
+        if let Some(&i) = self.index.get(&v) {
+            return Attr(i);
+        }
+        let i = self.attrs.len() as u32;
+        self.attrs.push(v.clone());
+        self.index.insert(v, i);
+        Attr(i)
+    }
+}
+
+/// Type of an e-class: `None` for attribute leaves and `none`.
+pub type Data = Option<(Shape, DType)>;
+
+/// The e-graph kiln optimizes.
+pub type KGraph = EGraph<Kl, KAnalysis>;
+
+impl Analysis<Kl> for KAnalysis {
+    type Data = Data;
+
+    fn make(egraph: &mut KGraph, enode: &Kl, _id: Id) -> Data {
+        let (op, operands) = to_op(egraph, enode)?;
+        if let Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } = op
+            && let Kl::Attr(a) = enode
+            && let AttrValue::Leaf(_, shape, dtype) = &egraph.analysis.attrs[a.0 as usize]
+        {
+            return Some((shape.clone(), *dtype));
+        }
+        let types: Vec<(Shape, DType)> = operands.iter().map(|&o| egraph[o].data.clone()).collect::<Option<_>>()?;
+        let refs: Vec<(&Shape, DType)> = types.iter().map(|(s, t)| (s, *t)).collect();
+        infer(&op, &refs).ok()
+    }
+
+    fn merge(&mut self, a: &mut Data, b: Data) -> DidMerge {
+        // Equal classes have equal types; keep the first.
+        if a.is_none() && b.is_some() {
+            *a = b;
+            return DidMerge(true, false);
+        }
+        DidMerge(false, a.is_none() && b.is_some())
+    }
+}
+
+fn attr(egraph: &KGraph, id: Id) -> Option<&AttrValue> {
+    egraph[id].nodes.iter().find_map(|n| match n {
+        Kl::Attr(a) => egraph.analysis.attrs.get(a.0 as usize),
+        _ => None,
+    })
+}
+
+fn is_none(egraph: &KGraph, id: Id) -> bool {
+    egraph[id].nodes.iter().any(|n| matches!(n, Kl::None))
+}
+
+fn flag(egraph: &KGraph, id: Id) -> Option<bool> {
+    match attr(egraph, id)? {
+        AttrValue::Bool(b) => Some(*b),
+        _ => None,
+    }
+}
+
+fn scalar(egraph: &KGraph, id: Id) -> Option<Scalar> {
+    match attr(egraph, id)? {
+        AttrValue::F(f) => Some(*f),
+        _ => None,
+    }
+}
+
+fn window(egraph: &KGraph, id: Id) -> Option<Option<usize>> {
+    match attr(egraph, id)? {
+        AttrValue::Window(w) => Some(*w),
+        _ => None,
+    }
+}
+
+/// The graph op an e-node stands for, with its operand classes (attributes and `none`s removed).
+/// `None` for attribute leaves that are not tensors, and for malformed nodes.
+pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
+    let opt = |id: Id| if is_none(egraph, id) { None } else { Some(id) };
+    Some(match enode {
+        Kl::None => return None,
+        Kl::Attr(a) => match egraph.analysis.attrs.get(a.0 as usize)? {
+            AttrValue::Leaf(op, _, _) => (op.clone(), vec![]),
+            _ => return None,
+        },
+        Kl::MatMul([a, b]) => (Op::MatMul { transpose_b: false }, vec![*a, *b]),
+        Kl::MatMulT([a, b]) => (Op::MatMul { transpose_b: true }, vec![*a, *b]),
+        Kl::Add([a, b]) => (Op::Add, vec![*a, *b]),
+        Kl::Mul([a, b]) => (Op::Mul, vec![*a, *b]),
+        Kl::Scale([f, x]) => (Op::Scale { factor: scalar(egraph, *f)? }, vec![*x]),
+        Kl::Act([k, x]) => match attr(egraph, *k)? {
+            AttrValue::Act(a) => (Op::Act(*a), vec![*x]),
+            _ => return None,
+        },
+        Kl::Softmax(x) => (Op::Softmax, vec![*x]),
+        Kl::Mask([c, w, s, m]) => {
+            let mut ops = vec![*s];
+            ops.extend(opt(*m));
+            (Op::Mask { causal: flag(egraph, *c)?, window: window(egraph, *w)? }, ops)
+        }
+        Kl::Alibi(x) => (Op::Alibi, vec![*x]),
+        Kl::RepeatHeads([t, x]) => match attr(egraph, *t)? {
+            AttrValue::Count(times) => (Op::RepeatHeads { times: *times }, vec![*x]),
+            _ => return None,
+        },
+        Kl::Permute([p, x]) | Kl::Reshape([p, x]) => match attr(egraph, *p)? {
+            AttrValue::Op(op) => (op.clone(), vec![*x]),
+            _ => return None,
+        },
+        Kl::LayerNorm([e, x, g, b]) => {
+            let mut ops = vec![*x, *g];
+            ops.extend(opt(*b));
+            (Op::LayerNorm { eps: scalar(egraph, *e)? }, ops)
+        }
+        Kl::RmsNorm([e, x, g]) => (Op::RmsNorm { eps: scalar(egraph, *e)? }, vec![*x, *g]),
+        Kl::Linear([a, x, w, b, r]) => {
+            let act = match opt(*a) {
+                None => None,
+                Some(k) => match attr(egraph, k)? {
+                    AttrValue::Act(a) => Some(*a),
+                    _ => return None,
+                },
+            };
+            let mut ops = vec![*x, *w];
+            ops.extend(opt(*b));
+            ops.extend(opt(*r));
+            (Op::Linear { act, bias: opt(*b).is_some(), residual: opt(*r).is_some() }, ops)
+        }
+        Kl::MaskedSoftmax([f, al, c, w, s, m]) => {
+            let mut ops = vec![*s];
+            ops.extend(opt(*m));
+            let op = Op::MaskedSoftmax {
+                scale: scalar(egraph, *f)?,
+                alibi: flag(egraph, *al)?,
+                causal: flag(egraph, *c)?,
+                window: window(egraph, *w)?,
+            };
+            (op, ops)
+        }
+        Kl::Attention([f, al, c, w, q, k, v, m]) => {
+            let mut ops = vec![*q, *k, *v];
+            ops.extend(opt(*m));
+            let op = Op::Attention {
+                scale: scalar(egraph, *f)?,
+                alibi: flag(egraph, *al)?,
+                causal: flag(egraph, *c)?,
+                window: window(egraph, *w)?,
+            };
+            (op, ops)
+        }
+        Kl::Opaque(children) => match attr(egraph, *children.first()?)? {
+            AttrValue::Op(op) => (op.clone(), children[1..].to_vec()),
+            _ => return None,
+        },
+    })
+}
+
+/// Adds a graph node's op to the e-graph, given its operand classes.
+fn add_op(egraph: &mut KGraph, node: &Node, operands: &[Id]) -> Id {
+    let none = egraph.add(Kl::None);
+    let leaf = |egraph: &mut KGraph, v: AttrValue| {
+        let a = egraph.analysis.intern(v);
+        egraph.add(Kl::Attr(a))
+    };
+    let o = |i: usize| operands.get(i).copied().unwrap_or(none);
+    let enode = match &node.op {
+        Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } => {
+            return leaf(egraph, AttrValue::Leaf(node.op.clone(), node.shape.clone(), node.dtype));
+        }
+        Op::MatMul { transpose_b: false } => Kl::MatMul([o(0), o(1)]),
+        Op::MatMul { transpose_b: true } => Kl::MatMulT([o(0), o(1)]),
+        Op::Add => Kl::Add([o(0), o(1)]),
+        Op::Mul => Kl::Mul([o(0), o(1)]),
+        Op::Scale { factor } => Kl::Scale([leaf(egraph, AttrValue::F(*factor)), o(0)]),
+        Op::Act(a) => Kl::Act([leaf(egraph, AttrValue::Act(*a)), o(0)]),
+        Op::Softmax => Kl::Softmax(o(0)),
+        Op::Mask { causal, window } => {
+            Kl::Mask([leaf(egraph, AttrValue::Bool(*causal)), leaf(egraph, AttrValue::Window(*window)), o(0), o(1)])
+        }
+        Op::Alibi => Kl::Alibi(o(0)),
+        Op::RepeatHeads { times } => Kl::RepeatHeads([leaf(egraph, AttrValue::Count(*times)), o(0)]),
+        Op::Permute { .. } => Kl::Permute([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
+        Op::Reshape { .. } => Kl::Reshape([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
+        Op::LayerNorm { eps } => Kl::LayerNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1), o(2)]),
+        Op::RmsNorm { eps } => Kl::RmsNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1)]),
+        op => {
+            let mut children = vec![leaf(egraph, AttrValue::Op(op.clone()))];
+            children.extend_from_slice(operands);
+            Kl::Opaque(children.into_boxed_slice())
+        }
+    };
+    egraph.add(enode)
+}
+
+/// Runner limits. Each is a documented constant, overridable per call (tests use small ones).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Stop after this many e-nodes.
+    pub nodes: usize,
+    /// Stop after this many iterations of a phase.
+    pub iterations: usize,
+    /// Stop after this long per phase.
+    pub time: Duration,
+}
+
+/// Default node limit: far above what the rules reach on a 100-layer model (they add a few nodes
+/// per block), low enough to bound memory.
+pub const NODE_LIMIT: usize = 500_000;
+/// Default iteration limit per phase; every rule set here saturates within a handful.
+pub const ITER_LIMIT: usize = 16;
+/// Default time limit per phase.
+pub const TIME_LIMIT: Duration = Duration::from_secs(5);
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { nodes: NODE_LIMIT, iterations: ITER_LIMIT, time: TIME_LIMIT }
+    }
+}
+
+/// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
+#[derive(Clone, Debug)]
+pub struct CostModel {
+    /// Sequence length the costs are estimated at.
+    pub seq: usize,
+    /// Cost of one dispatch (kernel launch, barrier), in the unit of one byte moved.
+    pub dispatch: f64,
+    /// Cost of one floating-point operation, in the unit of one byte moved.
+    pub flop: f64,
+}
+
+impl Default for CostModel {
+    /// Constants: a dispatch costs as much as moving 64 KiB and a FLOP a quarter of a byte. These
+    /// are first estimates for lavapipe (a CPU: memory-bound elementwise kernels, dispatch overhead
+    /// of tens of microseconds); the calibration measurement is tracked in BENCHMARKS.md.
+    fn default() -> Self {
+        CostModel { seq: 128, dispatch: 65536.0, flop: 0.25 }
+    }
+}
+
+impl CostModel {
+    fn elements(&self, shape: &Shape) -> f64 {
+        shape
+            .iter()
+            .map(|d| match d {
+                Dim::Fixed(k) => *k as f64,
+                Dim::Sym(Sym::Batch) => 1.0,
+                Dim::Sym(_) => self.seq as f64,
+            })
+            .product()
+    }
+
+    /// Cost of computing `op` from operands of the given types into `out`, excluding operands.
+    pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
+        let bytes_in: f64 = operands.iter().map(|s| 4.0 * self.elements(s)).sum();
+        let bytes_out = 4.0 * self.elements(out);
+        let flops = match op {
+            Op::MatMul { .. } | Op::Linear { .. } => {
+                let k = operands.first().and_then(|s| s.last()).map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
+                2.0 * self.elements(out) * k
+            }
+            Op::Attention { .. } => {
+                let (q, k) = (operands[0], operands[1]);
+                4.0 * self.elements(q) * self.elements(&vec![k[2]])
+            }
+            _ => self.elements(out),
+        };
+        match op {
+            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => 0.0,
+            _ => self.dispatch + bytes_in + bytes_out + self.flop * flops,
+        }
+    }
+}
+
+struct Cost<'a> {
+    egraph: &'a KGraph,
+    model: &'a CostModel,
+}
+
+impl egg::CostFunction<Kl> for Cost<'_> {
+    type Cost = f64;
+    fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &Kl, mut costs: C) -> f64 {
+        let children: f64 = enode.children().iter().map(|&c| costs(c)).sum();
+        let Some((op, operands)) = to_op(self.egraph, enode) else { return children };
+        let shapes: Vec<&Shape> = operands.iter().filter_map(|&o| self.egraph[o].data.as_ref().map(|d| &d.0)).collect();
+        let out = enode_shape(self.egraph, enode);
+        match out {
+            Some(out) => children + self.model.node_cost(&op, &shapes, &out),
+            None => f64::INFINITY,
+        }
+    }
+}
+
+fn enode_shape(egraph: &KGraph, enode: &Kl) -> Option<Shape> {
+    let (op, operands) = to_op(egraph, enode)?;
+    if let Kl::Attr(a) = enode
+        && let AttrValue::Leaf(_, shape, _) = &egraph.analysis.attrs[a.0 as usize]
+    {
+        return Some(shape.clone());
+    }
+    let types: Vec<(Shape, DType)> = operands.iter().map(|&o| egraph[o].data.clone()).collect::<Option<_>>()?;
+    let refs: Vec<(&Shape, DType)> = types.iter().map(|(s, t)| (s, *t)).collect();
+    infer(&op, &refs).ok().map(|(s, _)| s)
+}
+
+/// What the optimizer did.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Times each rule fired, by rule name.
+    pub applied: BTreeMap<String, usize>,
+    /// E-nodes at the end.
+    pub egraph_nodes: usize,
+    /// E-classes at the end.
+    pub egraph_classes: usize,
+    /// Iterations per phase, with the reason each phase stopped.
+    pub phases: Vec<(String, usize, String)>,
+    /// Wall time.
+    pub optimize_ms: f64,
+    /// Dispatches before and after.
+    pub dispatches: (usize, usize),
+}
+
+/// Optimizes a graph with the default rule phases and cost model.
+pub fn optimize(g: &Graph) -> Result<(Graph, Report), GraphError> {
+    optimize_with(g, &Limits::default(), &CostModel::default(), &rules::phases())
+}
+
+/// Optimizes a graph with the given limits, cost model and rule phases.
+pub fn optimize_with(
+    g: &Graph,
+    limits: &Limits,
+    model: &CostModel,
+    phases: &[(&str, Vec<egg::Rewrite<Kl, KAnalysis>>)],
+) -> Result<(Graph, Report), GraphError> {
+    let start = Instant::now();
+    let mut egraph = KGraph::new(KAnalysis::default());
+    let mut class_of: HashMap<NodeIndex, Id> = HashMap::new();
+    let mut scope_of: HashMap<Id, String> = HashMap::new();
+    for n in g.order() {
+        let operands: Vec<Id> = g.operands(n).iter().map(|o| class_of[o]).collect();
+        let id = add_op(&mut egraph, &g.g[n], &operands);
+        scope_of.entry(id).or_insert_with(|| g.g[n].scope.clone());
+        class_of.insert(n, id);
+    }
+    egraph.rebuild();
+    let roots: Vec<Id> = g.outputs.iter().map(|(_, n)| class_of[n]).collect();
+
+    let mut report = Report::default();
+    for (name, rules) in phases {
+        let runner = Runner::default()
+            .with_egraph(egraph)
+            .with_node_limit(limits.nodes)
+            .with_iter_limit(limits.iterations)
+            .with_time_limit(limits.time)
+            .run(rules.iter());
+        for it in &runner.iterations {
+            for (rule, count) in &it.applied {
+                *report.applied.entry(rule.to_string()).or_default() += count;
+            }
+        }
+        let reason = runner.stop_reason.as_ref().map(|r| format!("{r:?}")).unwrap_or_default();
+        report.phases.push((name.to_string(), runner.iterations.len(), reason));
+        egraph = runner.egraph;
+    }
+    report.egraph_nodes = egraph.total_number_of_nodes();
+    report.egraph_classes = egraph.number_of_classes();
+
+    // Scopes follow the classes through merges.
+    let scopes: HashMap<Id, String> = scope_of.into_iter().map(|(id, s)| (egraph.find(id), s)).collect();
+    let cost = Cost { egraph: &egraph, model };
+    let extractor = egg::Extractor::new(&egraph, cost);
+    let mut out = Graph::new(&g.name);
+    let mut built: HashMap<(Op, Vec<NodeIndex>), NodeIndex> = HashMap::new();
+    for ((name, _), root) in g.outputs.iter().zip(&roots) {
+        let (_, expr) = extractor.find_best(*root);
+        let n = rebuild(&egraph, &expr, &scopes, &mut out, &mut built)?;
+        out.outputs.push((name.clone(), n));
+    }
+    out.scope.clear();
+    out.check()?;
+    report.dispatches = (dispatches(g), dispatches(&out));
+    report.optimize_ms = start.elapsed().as_secs_f64() * 1e3;
+    Ok((out, report))
+}
+
+/// Kernel dispatches a graph lowers to (every op but inputs, parameters and reshapes).
+pub fn dispatches(g: &Graph) -> usize {
+    g.g.node_indices()
+        .filter(|&n| !matches!(g.g[n].op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }))
+        .count()
+}
+
+/// Turns an extracted term back into graph nodes, sharing identical (op, operands) nodes.
+fn rebuild(
+    egraph: &KGraph,
+    expr: &RecExpr<Kl>,
+    scopes: &HashMap<Id, String>,
+    out: &mut Graph,
+    built: &mut HashMap<(Op, Vec<NodeIndex>), NodeIndex>,
+) -> Result<NodeIndex, GraphError> {
+    // Evaluate the RecExpr bottom-up in a scratch e-graph view: we need each node's op, which
+    // `to_op` reads from classes, so look the node up in the real e-graph.
+    let mut index: Vec<Option<NodeIndex>> = vec![None; expr.as_ref().len()];
+    let nodes = expr.as_ref();
+    let mut class: Vec<Id> = Vec::with_capacity(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        let in_graph = node.clone().map_children(|c| class[usize::from(c)]);
+        let id = egraph.lookup(in_graph.clone()).expect("extracted nodes exist in the e-graph");
+        class.push(id);
+        let Some((op, operand_classes)) = to_op(egraph, &in_graph) else { continue };
+        // Map operand classes back to the RecExpr children that produced them.
+        let children: Vec<usize> = node.children().iter().map(|&c| usize::from(c)).collect();
+        let operands: Vec<NodeIndex> = operand_classes
+            .iter()
+            .map(|oc| {
+                let pos = children.iter().find(|&&c| class[c] == *oc).expect("operand is a child");
+                index[*pos].expect("operands are built first")
+            })
+            .collect();
+        let key = (op.clone(), operands.clone());
+        let n = match built.get(&key) {
+            Some(&n) => n,
+            None => {
+                out.scope = scopes.get(&egraph.find(id)).cloned().unwrap_or_default();
+                let n = match &op {
+                    Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } if operands.is_empty() => {
+                        let (shape, dtype) = egraph[id].data.clone().expect("leaves are typed");
+                        out.g.add_node(Node { op: op.clone(), shape, dtype, scope: out.scope.clone() })
+                    }
+                    _ => out.add(op.clone(), &operands)?,
+                };
+                built.insert(key, n);
+                n
+            }
+        };
+        index[i] = Some(n);
+    }
+    Ok(index.last().copied().flatten().expect("the root is a tensor"))
+}
+
+/// The rules that produce a fused op, read off its attributes (a provenance record: each fused form
+/// has one derivation in the current rule set). Empty for ops that are not fused.
+pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
+    let node = &g.g[n];
+    match &node.op {
+        Op::Linear { act, bias, residual } => {
+            let mut r = vec!["matmul-to-linear"];
+            if *bias {
+                r.push("linear-bias");
+            }
+            if act.is_some() {
+                r.push("linear-act");
+            }
+            if *residual {
+                r.push("linear-residual");
+            }
+            r
+        }
+        Op::MaskedSoftmax { alibi, causal, window, .. } => {
+            let masked = *causal || window.is_some() || g.operands(n).len() > 1;
+            match (masked, alibi) {
+                (true, false) => vec!["masked-softmax"],
+                (true, true) => vec!["masked-softmax-alibi"],
+                (false, false) => vec!["scaled-softmax"],
+                (false, true) => vec!["scaled-softmax-alibi"],
+            }
+        }
+        Op::Attention { alibi, causal, window, .. } => {
+            let operands = g.operands(n);
+            let masked = *causal || window.is_some() || operands.len() > 3;
+            let softmax = match (masked, alibi) {
+                (true, false) => "masked-softmax",
+                (true, true) => "masked-softmax-alibi",
+                (false, false) => "scaled-softmax",
+                (false, true) => "scaled-softmax-alibi",
+            };
+            let gqa = g.g[operands[1]].shape.get(1) != g.g[operands[0]].shape.get(1);
+            vec![softmax, if gqa { "attention-gqa" } else { "attention" }]
+        }
+        _ => vec![],
+    }
+}

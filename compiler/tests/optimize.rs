@@ -1,0 +1,57 @@
+//! The optimizer on every model: the optimized graph computes what the unoptimized one does (on
+//! the reference interpreter), with fewer dispatches.
+
+use kiln_compiler::interp::{random_params, run};
+use kiln_compiler::optimize::optimize;
+use kiln_compiler::tensor::Tensor;
+use std::collections::HashMap;
+
+fn inputs(fe: &kiln_compiler::FrontEnd, batch: usize, seq: usize) -> HashMap<String, Tensor> {
+    let vocab = fe.spec.spec.model.vocab as i64;
+    fe.graph
+        .inputs()
+        .iter()
+        .map(|(_, name, _)| {
+            let t = match *name {
+                "attention_mask" => {
+                    Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect())
+                }
+                "src_padding" => {
+                    Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect())
+                }
+                "token_type_ids" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i % 2) as i64).collect()),
+                _ => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i as i64 * 7919 + 13) % vocab).collect()),
+            };
+            (name.to_string(), t)
+        })
+        .collect()
+}
+
+#[test]
+fn optimized_graphs_agree_with_unoptimized_ones() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let source = std::fs::read_to_string(&path).unwrap();
+        let fe = kiln_compiler::front_end(&path.display().to_string(), &source).unwrap();
+        let (opt, report) = optimize(&fe.graph).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        println!(
+            "{}: dispatches {} -> {}, {:?}, {:.1} ms",
+            fe.graph.name, report.dispatches.0, report.dispatches.1, report.applied, report.optimize_ms
+        );
+        assert!(report.dispatches.1 < report.dispatches.0, "{}: optimization removes dispatches", fe.graph.name);
+        let params = random_params(&fe.graph, 5);
+        let inputs = inputs(&fe, 2, 5);
+        let before = run(&fe.graph, &params, &inputs).unwrap();
+        let after = run(&opt, &params, &inputs).unwrap();
+        for ((n, a), (m, b)) in before.iter().zip(&after) {
+            assert_eq!(n, m);
+            let err = a.max_abs_diff(b);
+            assert!(
+                err <= 1e-5 * a.as_f32().unwrap().iter().fold(1.0f32, |x, y| x.max(y.abs())),
+                "{}: {n} differs by {err}",
+                fe.graph.name
+            );
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The fused ops (`linear`, `masked_softmax`, `attention`, `add_norm`): on the interpreter each one
+//! equals the composition of primitive ops that defines it, and their WGSL kernels (plain, and
+//! chunked over small buffers) agree with the interpreter on wgpu.
+//!
+//! Every case is a tiny graph of parameters (random, except key masks, which are set to patterns
+//! that hide some keys and every key of some rows) feeding the fused op, output `fused`, and the
+//! same computation from primitive ops, output `unfused`.
+
+mod common;
+
+use kiln_compiler::graph::{Dim, Graph, Op, Scalar};
+use kiln_compiler::interp;
+use kiln_compiler::lower::lower;
+use kiln_compiler::spec::Activation;
+use kiln_compiler::tensor::Tensor;
+use kiln_runtime::{Gpu, GpuModel};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// Allowed difference, relative to `max(1, max |value|)`, between the GPU and the interpreter.
+const GPU_TOLERANCE: f32 = 1e-5;
+
+/// Allowed difference between a fused op and its composition on the interpreter (which evaluates
+/// the fused op as exactly that composition).
+const INTERP_TOLERANCE: f32 = 1e-6;
+
+/// A device whose buffers hold at most 64 floats, so most tensors here are split into chunks and
+/// the chunked kernel variants run.
+fn chunked_gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
+    GPU.get_or_init(|| common::gpu_with_buffer_limit(256)).clone()
+}
+
+fn assert_close(what: &str, expected: &Tensor, got: &Tensor, tolerance: f32) {
+    let scale = expected.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let err = expected.max_abs_diff(got);
+    assert!(err <= tolerance * scale, "{what}: differs by {err:e} (max |x| {scale})");
+}
+
+/// One fused op over parameters (name, shape); a parameter named `key_mask` gets the values
+/// `key_mask` (1 = attend) instead of random ones.
+struct Case {
+    name: String,
+    op: Op,
+    operands: Vec<(&'static str, Vec<usize>)>,
+    key_mask: Option<Vec<f32>>,
+}
+
+impl Case {
+    fn new(name: String, op: Op, operands: &[(&'static str, &[usize])], key_mask: Option<Vec<f32>>) -> Case {
+        Case { name, op, operands: operands.iter().map(|(n, s)| (*n, s.to_vec())).collect(), key_mask }
+    }
+}
+
+/// Builds every case's fused op and its primitive composition into one graph (so the GPU model
+/// compiles each distinct kernel once), checks each pair against each other on the interpreter
+/// and both against the interpreter on wgpu, plainly and, if `chunked`, over small buffers.
+fn check(cases: &[Case], chunked: bool) {
+    let mut g = Graph::new("fused");
+    for (c, case) in cases.iter().enumerate() {
+        let name = &case.name;
+        let a: Vec<_> = case.operands.iter().map(|(n, shape)| g.param(&format!("case{c}.{n}"), shape)).collect();
+        let fused = g.add(case.op.clone(), &a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        macro_rules! add {
+            ($op:expr, $($x:expr),+) => {
+                g.add($op, &[$($x),+]).unwrap_or_else(|e| panic!("{name}: {e}"))
+            };
+        }
+        let unfused = match &case.op {
+            Op::Linear { act, bias, residual } => {
+                let mut y = add!(Op::MatMul { transpose_b: true }, a[0], a[1]);
+                if *bias {
+                    y = add!(Op::Add, y, a[2]);
+                }
+                if let Some(act) = act {
+                    y = add!(Op::Act(*act), y);
+                }
+                if *residual {
+                    y = add!(Op::Add, y, *a.last().unwrap());
+                }
+                y
+            }
+            Op::MaskedSoftmax { scale, alibi, causal, window } => {
+                let mut y = add!(Op::Scale { factor: *scale }, a[0]);
+                if *alibi {
+                    y = add!(Op::Alibi, y);
+                }
+                let mask = Op::Mask { causal: *causal, window: *window };
+                y = if a.len() == 2 { add!(mask, y, a[1]) } else { add!(mask, y) };
+                add!(Op::Softmax, y)
+            }
+            Op::Attention { scale, alibi, causal, window } => {
+                let (q, k) = (&case.operands[0].1, &case.operands[1].1);
+                let (b, h, s, d, kv) = (q[0], q[1], q[2], q[3], k[1]);
+                let (mut k, mut v) = (a[1], a[2]);
+                if kv < h {
+                    k = add!(Op::RepeatHeads { times: h / kv }, k);
+                    v = add!(Op::RepeatHeads { times: h / kv }, v);
+                }
+                let mut y = add!(Op::MatMul { transpose_b: true }, a[0], k);
+                y = add!(Op::Scale { factor: *scale }, y);
+                if *alibi {
+                    y = add!(Op::Alibi, y);
+                }
+                let mask = Op::Mask { causal: *causal, window: *window };
+                y = if a.len() == 4 { add!(mask, y, a[3]) } else { add!(mask, y) };
+                y = add!(Op::Softmax, y);
+                y = add!(Op::MatMul { transpose_b: false }, y, v);
+                y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
+                add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
+            }
+            Op::AddNorm { rms, eps } => {
+                let sum = add!(Op::Add, a[0], a[1]);
+                match (rms, a.len()) {
+                    (true, _) => add!(Op::RmsNorm { eps: *eps }, sum, a[2]),
+                    (false, 3) => add!(Op::LayerNorm { eps: *eps }, sum, a[2]),
+                    (false, _) => add!(Op::LayerNorm { eps: *eps }, sum, a[2], a[3]),
+                }
+            }
+            other => panic!("{} is not a fused op", other.name()),
+        };
+        g.outputs.push((format!("case{c}.fused"), fused));
+        g.outputs.push((format!("case{c}.unfused"), unfused));
+    }
+    g.check().unwrap();
+
+    let mut params = interp::random_params(&g, 7);
+    for (c, case) in cases.iter().enumerate() {
+        if let Some(m) = &case.key_mask {
+            let name = format!("case{c}.key_mask");
+            let shape = params[&name].shape.clone();
+            params.insert(name, Tensor::f32(shape, m.clone()));
+        }
+    }
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    for (case, pair) in cases.iter().zip(expected.chunks(2)) {
+        let what = format!("{}: fused vs unfused on the interpreter", case.name);
+        assert_close(&what, &pair[1].1, &pair[0].1, INTERP_TOLERANCE);
+    }
+
+    let devices = [("wgpu", common::gpu()), ("wgpu, chunked", if chunked { chunked_gpu() } else { None })];
+    for (device, gpu) in devices {
+        let Some(gpu) = gpu else { continue };
+        let model = GpuModel::new(gpu, lower(&g).unwrap(), &params).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
+        }
+    }
+}
+
+#[test]
+fn linear_with_every_epilogue() {
+    let mut cases = Vec::new();
+    let acts =
+        [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)];
+    for act in acts {
+        for (bias, residual) in [(false, false), (true, false), (false, true), (true, true)] {
+            let op = Op::Linear { act, bias, residual };
+            for x in [&[2, 3, 16][..], &[5, 16]] {
+                let mut out = x.to_vec();
+                *out.last_mut().unwrap() = 12;
+                let mut operands: Vec<(&str, &[usize])> = vec![("x", x), ("w", &[12, 16])];
+                if bias {
+                    operands.push(("b", &[12]));
+                }
+                if residual {
+                    operands.push(("r", &out));
+                }
+                cases.push(Case::new(format!("{} x{x:?}", op.name()), op.clone(), &operands, None));
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+/// Key mask for `batch` rows of `keys` keys: the first row hides every third key, the second
+/// hides every key (so all its query rows are fully masked), further rows attend everywhere.
+fn key_mask(batch: usize, keys: usize) -> Vec<f32> {
+    (0..batch * keys)
+        .map(|i| match i / keys {
+            0 => f32::from(i % 3 != 1),
+            1 => 0.0,
+            _ => 1.0,
+        })
+        .collect()
+}
+
+#[test]
+fn masked_softmax_with_every_mask() {
+    let scale = Scalar(2.5);
+    let mut cases = Vec::new();
+    // (heads, queries, keys): more keys than queries (a cache), fewer, and a non-power-of-two head
+    // count for the ALiBi slopes.
+    for (h, q, k) in [(4, 3, 5), (4, 5, 3), (6, 4, 4)] {
+        for alibi in [false, true] {
+            for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(1))] {
+                for masked in [false, true] {
+                    let op = Op::MaskedSoftmax { scale, alibi, causal, window };
+                    let (scores, mask) = ([2, h, q, k], [2, k]);
+                    let mut operands: Vec<(&str, &[usize])> = vec![("scores", &scores)];
+                    if masked {
+                        operands.push(("key_mask", &mask));
+                    }
+                    let name = format!("{} {} h={h} q={q} k={k} masked={masked}", op.name(), op.attrs());
+                    cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, k))));
+                }
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn attention_mha_gqa_and_mqa_with_every_mask() {
+    // (batch, heads, kv heads, queries, keys, head_dim).
+    let shapes = [
+        (2, 4, 4, 3, 5, 8),  // multi-head, a cache longer than the queries
+        (2, 4, 2, 5, 3, 8),  // grouped-query, more queries than keys
+        (3, 4, 1, 4, 4, 16), // multi-query
+        (2, 6, 3, 3, 6, 4),  // non-power-of-two heads (ALiBi slopes)
+    ];
+    let mut cases = Vec::new();
+    for (b, h, kv, s, t, d) in shapes {
+        let scale = Scalar(1.5 / (d as f32).sqrt());
+        for alibi in [false, true] {
+            for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(3))] {
+                for masked in [false, true] {
+                    let op = Op::Attention { scale, alibi, causal, window };
+                    let (q, k, mask) = ([b, h, s, d], [b, kv, t, d], [b, t]);
+                    let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];
+                    if masked {
+                        operands.push(("key_mask", &mask));
+                    }
+                    let name =
+                        format!("{} {} b={b} h={h} kv={kv} s={s} t={t} d={d} masked={masked}", op.name(), op.attrs());
+                    cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(b, t))));
+                }
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn attention_at_the_largest_head_dim() {
+    let d = kiln_compiler::lower::wgsl::MAX_ATTENTION_HEAD_DIM;
+    let op = Op::Attention { scale: Scalar(1.0 / (d as f32).sqrt()), alibi: false, causal: true, window: None };
+    let operands: [(&str, &[usize]); 4] =
+        [("q", &[2, 2, 3, d]), ("k", &[2, 1, 4, d]), ("v", &[2, 1, 4, d]), ("key_mask", &[2, 4])];
+    // Not chunked: at 64 floats a chunk, this needs more storage buffers than adapters allow.
+    check(&[Case::new(format!("attention d={d}"), op, &operands, Some(key_mask(2, 4)))], false);
+}
+
+#[test]
+fn add_norm_rms_and_layer_with_and_without_bias() {
+    let mut cases = Vec::new();
+    for (rms, bias) in [(true, false), (false, false), (false, true)] {
+        for eps in [1e-5, 1e-6] {
+            let op = Op::AddNorm { rms, eps: Scalar(eps) };
+            let mut operands: Vec<(&str, &[usize])> =
+                vec![("a", &[2, 3, 24]), ("b", &[2, 3, 24]), ("norm.weight", &[24])];
+            if bias {
+                operands.push(("norm.bias", &[24]));
+            }
+            cases.push(Case::new(format!("{} eps={eps} bias={bias}", op.name()), op, &operands, None));
+        }
+    }
+    check(&cases, true);
+}
