@@ -8,7 +8,7 @@
 //! Inputs are bound by name through [`bind_inputs`], which also fills defaults (an all-ones mask,
 //! zero token types), flips torch-style padding masks and binds the symbolic dimensions.
 
-use crate::graph::{Dim, Graph, InputRole, Op, Sym};
+use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
 use crate::spec::{Activation, PairStyle};
 use crate::tensor::{DType, Tensor};
 use petgraph::graph::NodeIndex;
@@ -225,16 +225,6 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
         values.insert(n, out);
     }
     Ok(g.outputs.iter().map(|(name, n)| (name.clone(), values[n].clone())).collect())
-}
-
-fn resolve(shape: &[Dim], syms: &HashMap<Sym, usize>) -> Vec<usize> {
-    shape
-        .iter()
-        .map(|d| match d {
-            Dim::Fixed(k) => *k,
-            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
-        })
-        .collect()
 }
 
 fn f(t: &Tensor) -> &[f32] {

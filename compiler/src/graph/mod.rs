@@ -67,6 +67,17 @@ impl fmt::Display for Dim {
 /// A shape with possibly symbolic axes.
 pub type Shape = Vec<Dim>;
 
+/// Resolves a shape with the run-time values of the symbols (unbound symbols count as 0).
+pub fn resolve(shape: &[Dim], syms: &std::collections::HashMap<Sym, usize>) -> Vec<usize> {
+    shape
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(k) => *k,
+            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
+        })
+        .collect()
+}
+
 /// Writes `[a, b, c]`.
 pub fn fmt_shape(shape: &[Dim]) -> String {
     let dims: Vec<String> = shape.iter().map(Dim::to_string).collect();

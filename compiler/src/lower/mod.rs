@@ -10,7 +10,7 @@
 
 pub mod wgsl;
 
-use crate::graph::{Dim, Graph, InputRole, Op, Shape, Sym};
+use crate::graph::{Graph, InputRole, Op, Shape, Sym};
 use crate::tensor::DType;
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
@@ -214,16 +214,7 @@ fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)
     slots
 }
 
-/// Resolves a shape with the run-time values of the symbols.
-pub fn resolve(shape: &[Dim], syms: &HashMap<Sym, usize>) -> Vec<usize> {
-    shape
-        .iter()
-        .map(|d| match d {
-            Dim::Fixed(k) => *k,
-            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
-        })
-        .collect()
-}
+pub use crate::graph::resolve;
 
 /// Row-major strides.
 fn strides(shape: &[usize]) -> Vec<usize> {

@@ -58,17 +58,7 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem) -> Option<String> {
     for (k, e) in inputs.iter().enumerate() {
         s += &format!("@group(0) @binding({}) var<storage, read> in{k}: array<{}>;\n", k + 2, e.wgsl());
     }
-    s += "fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n";
-    s += HELPERS;
-    s += &format!(
-        "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let i = gid.x + gid.y * nwg.x * {WORKGROUP}u;\n    if (i >= dim(0u)) {{ return; }}\n"
-    );
-    for line in body.lines() {
-        s += "    ";
-        s += line;
-        s += "\n";
-    }
-    s += "}\n";
+    s += &entry(&body);
     Some(s)
 }
 
@@ -111,17 +101,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
             s += &format!("fn st(e: u32, v: {ty}) {{\n{}}}\n", select(&|c| format!("{name}_c{c}[r] = v;")));
         }
     }
-    s += "fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n";
-    s += HELPERS;
-    s += &format!(
-        "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let i = gid.x + gid.y * nwg.x * {WORKGROUP}u;\n    if (i >= dim(0u)) {{ return; }}\n"
-    );
-    for line in body.lines() {
-        s += "    ";
-        s += line;
-        s += "\n";
-    }
-    s += "}\n";
+    s += &entry(&body);
     Some(s)
 }
 
@@ -196,6 +176,23 @@ fn statement_end(s: &str, from: usize) -> usize {
         }
     }
     s.len()
+}
+
+/// The part every kernel shares after its bindings: `dim`, the helpers, and `main` running `body`
+/// once per thread `i < dim(0)`.
+fn entry(body: &str) -> String {
+    let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
+    s += HELPERS;
+    s += &format!(
+        "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let i = gid.x + gid.y * nwg.x * {WORKGROUP}u;\n    if (i >= dim(0u)) {{ return; }}\n"
+    );
+    for line in body.lines() {
+        s += "    ";
+        s += line;
+        s += "\n";
+    }
+    s += "}\n";
+    s
 }
 
 /// Numerical helpers shared by the kernels.
