@@ -116,6 +116,13 @@ enum Backend {
 }
 
 fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`kiln inspect ... | head`) like other command-line tools,
+    // instead of panicking on the next write.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
