@@ -5,10 +5,8 @@ mod common;
 
 use kiln_compiler::interp;
 use kiln_compiler::lower::lower;
-use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, front_end};
 use kiln_runtime::GpuModel;
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 const TOLERANCE: f32 = 1e-4;
@@ -75,26 +73,6 @@ fn vaswani_on_wgpu() {
     golden("vaswani");
 }
 
-/// Inputs for any spec: ids for every id input, a mask with one padded key per row.
-fn inputs_for(fe: &FrontEnd, batch: usize, seq: usize) -> HashMap<String, Tensor> {
-    let vocab = fe.spec.spec.model.vocab as i64;
-    let mut inputs = HashMap::new();
-    for (_, name, _) in fe.graph.inputs() {
-        let t = match name {
-            "attention_mask" => {
-                Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect())
-            }
-            "src_padding" => {
-                Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect())
-            }
-            "token_type_ids" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i % 2) as i64).collect()),
-            _ => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i as i64 * 7919 + 13) % vocab).collect()),
-        };
-        inputs.insert(name.to_string(), t);
-    }
-    inputs
-}
-
 #[test]
 fn every_model_agrees_with_the_interpreter_at_random_weights() {
     let Some(gpu) = common::gpu() else { return };
@@ -103,7 +81,7 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
         let name = path.file_stem().unwrap().to_string_lossy().to_string();
         let fe = spec(&name);
         let params = interp::random_params(&fe.graph, 11);
-        let inputs = inputs_for(&fe, 2, 5);
+        let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5);
         let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
         let model = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap();

@@ -555,6 +555,25 @@ pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
         .collect()
 }
 
+/// Deterministic inputs for every input of `g`, for differential tests without a dataset: ids
+/// spread over `0..vocab`, alternating token types, and key masks with the last key of each row
+/// padded (in each mask's own convention).
+pub fn sample_inputs(g: &Graph, vocab: usize, batch: usize, seq: usize) -> HashMap<String, Tensor> {
+    let n = batch * seq;
+    let last = |i: usize| i % seq == seq - 1;
+    g.inputs()
+        .into_iter()
+        .map(|(_, name, role)| {
+            let data: Vec<i64> = match role {
+                InputRole::Ids => (0..n).map(|i| (i as i64 * 7919 + 13) % vocab.max(1) as i64).collect(),
+                InputRole::TokenTypes => (0..n).map(|i| (i % 2) as i64).collect(),
+                InputRole::KeyMask { pad_is_one } => (0..n).map(|i| i64::from(last(i) == pad_is_one)).collect(),
+            };
+            (name.to_string(), Tensor::i64(vec![batch, seq], data))
+        })
+        .collect()
+}
+
 /// The activation functions, as their reference implementations define them.
 pub fn activation(act: Activation, x: f32) -> f32 {
     match act {

@@ -1,31 +1,8 @@
 //! The optimizer on every model: the optimized graph computes what the unoptimized one does (on
 //! the reference interpreter), with fewer dispatches.
 
-use kiln_compiler::interp::{random_params, run};
+use kiln_compiler::interp::{random_params, run, sample_inputs};
 use kiln_compiler::optimize::optimize;
-use kiln_compiler::tensor::Tensor;
-use std::collections::HashMap;
-
-fn inputs(fe: &kiln_compiler::FrontEnd, batch: usize, seq: usize) -> HashMap<String, Tensor> {
-    let vocab = fe.spec.spec.model.vocab as i64;
-    fe.graph
-        .inputs()
-        .iter()
-        .map(|(_, name, _)| {
-            let t = match *name {
-                "attention_mask" => {
-                    Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq != seq - 1)).collect())
-                }
-                "src_padding" => {
-                    Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| i64::from(i % seq == seq - 1)).collect())
-                }
-                "token_type_ids" => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i % 2) as i64).collect()),
-                _ => Tensor::i64(vec![batch, seq], (0..batch * seq).map(|i| (i as i64 * 7919 + 13) % vocab).collect()),
-            };
-            (name.to_string(), t)
-        })
-        .collect()
-}
 
 #[test]
 fn optimized_graphs_agree_with_unoptimized_ones() {
@@ -41,7 +18,7 @@ fn optimized_graphs_agree_with_unoptimized_ones() {
         );
         assert!(report.dispatches.1 < report.dispatches.0, "{}: optimization removes dispatches", fe.graph.name);
         let params = random_params(&fe.graph, 5);
-        let inputs = inputs(&fe, 2, 5);
+        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5);
         let before = run(&fe.graph, &params, &inputs).unwrap();
         let after = run(&opt, &params, &inputs).unwrap();
         for ((n, a), (m, b)) in before.iter().zip(&after) {
