@@ -193,11 +193,10 @@ fn corrupt_weight_files_are_reported() {
     run_gpt2_with(&dir.join("missing.safetensors"), &["cannot read"]);
 }
 
-#[test]
-fn bad_inputs_are_reported() {
-    let dir = scratch("inputs");
-    let inputs = dir.join("in.safetensors");
-    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), Tensor::i64(vec![1, 3], vec![1, 500, 2]))]).unwrap();
+/// Runs the GPT-2 fixture on the given input tensors and expects failure with `needles`.
+fn gpt2_rejects_inputs(name: &str, tensors: &[(String, Tensor)], needles: &[&str]) {
+    let inputs = scratch("inputs").join(format!("{name}.safetensors"));
+    kiln_runtime::write_tensors(&inputs, tensors).unwrap();
     fails_with(
         &[
             "run",
@@ -209,36 +208,25 @@ fn bad_inputs_are_reported() {
             "--output",
             "/dev/null",
         ],
+        needles,
+    );
+}
+
+#[test]
+fn bad_inputs_are_reported() {
+    gpt2_rejects_inputs(
+        "id",
+        &[("input_ids".into(), Tensor::i64(vec![1, 3], vec![1, 500, 2]))],
         &["token id 500 is out of range for `embed.tokens` (128 rows)"],
     );
-    let long = dir.join("long.safetensors");
-    kiln_runtime::write_tensors(&long, &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))]).unwrap();
-    fails_with(
-        &[
-            "run",
-            "models/gpt2.toml",
-            "--weights",
-            "tests/fixtures/gpt2/model.safetensors",
-            "--inputs",
-            s(&long),
-            "--output",
-            "/dev/null",
-        ],
+    gpt2_rejects_inputs(
+        "long",
+        &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))],
         &["position 32 is out of range for `embed.positions` (32 rows)"],
     );
-    let none = dir.join("none.safetensors");
-    kiln_runtime::write_tensors(&none, &[("tgt_ids".into(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]).unwrap();
-    fails_with(
-        &[
-            "run",
-            "models/gpt2.toml",
-            "--weights",
-            "tests/fixtures/gpt2/model.safetensors",
-            "--inputs",
-            s(&none),
-            "--output",
-            "/dev/null",
-        ],
+    gpt2_rejects_inputs(
+        "none",
+        &[("tgt_ids".into(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))],
         &["missing input `input_ids`"],
     );
 }
