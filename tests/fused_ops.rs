@@ -1,4 +1,5 @@
-//! The fused ops (`linear`, `masked_softmax`, `attention`, `add_norm`): on the interpreter each one
+//! The fused ops (`linear` with its prologues and epilogues, `masked_softmax`, `attention`,
+//! `packed_attention`, `add_norm`): on the interpreter each one
 //! equals the composition of primitive ops that defines it, and their WGSL kernels (plain, and
 //! chunked over small buffers) agree with the interpreter on wgpu.
 //!
@@ -8,10 +9,11 @@
 
 mod common;
 
-use kiln_compiler::graph::{Dim, Graph, Op, Scalar};
+use kiln_compiler::graph::{Dim, Graph, Op, Prologue, RopeCols, Scalar};
 use kiln_compiler::interp;
 use kiln_compiler::lower::lower;
 use kiln_compiler::spec::Activation;
+use kiln_compiler::spec::PairStyle;
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::{Gpu, GpuModel};
 use std::collections::HashMap;
@@ -67,18 +69,80 @@ fn check(cases: &[Case], chunked: bool) {
             };
         }
         let unfused = match &case.op {
-            Op::Linear { act, bias, residual } => {
-                let mut y = add!(Op::MatMul { transpose_b: true }, a[0], a[1]);
+            Op::Linear { act, bias, residual, norm, glu, rope } => {
+                let mut next = 1;
+                let x = match norm {
+                    None => a[0],
+                    Some(p) if p.rms => {
+                        next = 2;
+                        add!(Op::RmsNorm { eps: p.eps }, a[0], a[1])
+                    }
+                    Some(p) if p.bias => {
+                        next = 3;
+                        add!(Op::LayerNorm { eps: p.eps }, a[0], a[1], a[2])
+                    }
+                    Some(p) => {
+                        next = 2;
+                        add!(Op::LayerNorm { eps: p.eps }, a[0], a[1])
+                    }
+                };
+                let mut y = add!(Op::MatMul { transpose_b: true }, x, a[next]);
                 if *bias {
-                    y = add!(Op::Add, y, a[2]);
+                    y = add!(Op::Add, y, a[next + 1]);
                 }
-                if let Some(act) = act {
+                let rank = case.operands[0].1.len();
+                let m = case.operands[next].1[0];
+                if *glu {
+                    let gate = add!(Op::Slice { axis: rank - 1, start: 0, len: m / 2 }, y);
+                    let up = add!(Op::Slice { axis: rank - 1, start: m / 2, len: m / 2 }, y);
+                    let gate = match act {
+                        Some(act) => add!(Op::Act(*act), gate),
+                        None => gate,
+                    };
+                    y = add!(Op::Mul, gate, up);
+                } else if let Some(act) = act {
                     y = add!(Op::Act(*act), y);
+                }
+                if let Some(r) = rope {
+                    // Split the rotated columns into heads, rotate them with `rope`, put them back.
+                    let x = &case.operands[0].1;
+                    let (b, s, n) = (x[0], x[1], if *glu { m / 2 } else { m });
+                    let heads = r.len / r.head_dim;
+                    let cols = add!(Op::Slice { axis: 2, start: r.start, len: r.len }, y);
+                    let split = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(heads), Dim::Fixed(r.head_dim)];
+                    let t = add!(Op::Reshape { shape: split }, cols);
+                    let t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                    let t = add!(Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style }, t);
+                    let t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                    let mut rotated =
+                        add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(r.len)] }, t);
+                    if r.start > 0 {
+                        let head = add!(Op::Slice { axis: 2, start: 0, len: r.start }, y);
+                        rotated = add!(Op::Concat { axis: 2 }, head, rotated);
+                    }
+                    if r.start + r.len < n {
+                        let tail = add!(Op::Slice { axis: 2, start: r.start + r.len, len: n - r.start - r.len }, y);
+                        rotated = add!(Op::Concat { axis: 2 }, rotated, tail);
+                    }
+                    y = rotated;
                 }
                 if *residual {
                     y = add!(Op::Add, y, *a.last().unwrap());
                 }
                 y
+            }
+            Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+                let x = &case.operands[0].1;
+                let (b, s) = (x[0], x[1]);
+                let mut split = |start: usize, count: usize| {
+                    let cols = add!(Op::Slice { axis: 2, start, len: count * head_dim }, a[0]);
+                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(*head_dim)];
+                    let t = add!(Op::Reshape { shape }, cols);
+                    add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
+                };
+                let (qh, kh, vh) = (split(*q, *heads), split(*k, *kv_heads), split(*v, *kv_heads));
+                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
+                if a.len() == 2 { add!(op, qh, kh, vh, a[1]) } else { add!(op, qh, kh, vh) }
             }
             Op::MaskedSoftmax { scale, alibi, causal, window } => {
                 let mut y = add!(Op::Scale { factor: *scale }, a[0]);
@@ -156,7 +220,7 @@ fn linear_with_every_epilogue() {
         [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)];
     for act in acts {
         for (bias, residual) in [(false, false), (true, false), (false, true), (true, true)] {
-            let op = Op::Linear { act, bias, residual };
+            let op = Op::linear(act, bias, residual);
             for x in [&[2, 3, 16][..], &[5, 16]] {
                 let mut out = x.to_vec();
                 *out.last_mut().unwrap() = 12;
@@ -264,6 +328,100 @@ fn add_norm_rms_and_layer_with_and_without_bias() {
                 operands.push(("norm.bias", &[24]));
             }
             cases.push(Case::new(format!("{} eps={eps} bias={bias}", op.name()), op, &operands, None));
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn linear_with_norm_prologues_gated_and_rotated_epilogues() {
+    let norms = [
+        None,
+        Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false }),
+        Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true }),
+        Some(Prologue { rms: false, eps: Scalar(1e-5), bias: false }),
+    ];
+    // Heads of 8 columns at columns 4..20 of 24; a partial and a full rotation, both pair layouts.
+    let ropes = [
+        RopeCols {
+            theta: Scalar(10000.0),
+            rotary_dim: 4,
+            style: PairStyle::RotateHalf,
+            head_dim: 8,
+            start: 4,
+            len: 16,
+        },
+        RopeCols { theta: Scalar(500.0), rotary_dim: 8, style: PairStyle::Interleaved, head_dim: 8, start: 0, len: 24 },
+    ];
+    let mut cases = Vec::new();
+    for norm in norms {
+        for (bias, residual) in [(false, false), (true, true)] {
+            let mut ops = vec![
+                Op::Linear { act: Some(Activation::Silu), bias, residual, norm, glu: true, rope: None },
+                Op::Linear { act: Some(Activation::Gelu), bias, residual, norm, glu: false, rope: None },
+            ];
+            for rope in ropes {
+                ops.push(Op::Linear { act: None, bias, residual, norm, glu: false, rope: Some(rope) });
+            }
+            for op in ops {
+                let Op::Linear { glu, .. } = op else { unreachable!() };
+                let (x, w, b, r): (&[usize], &[usize], &[usize], &[usize]) = if glu {
+                    (&[2, 3, 16], &[48, 16], &[48], &[2, 3, 24])
+                } else {
+                    (&[2, 3, 16], &[24, 16], &[24], &[2, 3, 24])
+                };
+                let mut operands: Vec<(&str, &[usize])> = vec![("x", x)];
+                if let Some(p) = norm {
+                    operands.push(("norm.weight", &[16]));
+                    if p.bias {
+                        operands.push(("norm.bias", &[16]));
+                    }
+                }
+                operands.push(("w", w));
+                if bias {
+                    operands.push(("b", b));
+                }
+                if residual {
+                    operands.push(("r", r));
+                }
+                cases.push(Case::new(format!("{} {}", op.name(), op.attrs()), op, &operands, None));
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn packed_attention_mha_and_gqa_with_masks() {
+    let mut cases = Vec::new();
+    // (heads, kv heads, head_dim, q, k, v column offsets, width), batch 2, sequence 5.
+    for (h, kv, d, q, k, v, width) in [(4, 4, 8, 0, 32, 64, 96), (4, 2, 8, 8, 40, 56, 80), (3, 1, 4, 4, 0, 16, 20)] {
+        for (causal, window) in [(false, None), (true, None), (true, Some(2))] {
+            for masked in [false, true] {
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window,
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q,
+                    k,
+                    v,
+                };
+                let (x, mask) = ([2, 5, width], [2, 5]);
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                cases.push(Case::new(
+                    format!("{} masked={masked}", op.attrs()),
+                    op,
+                    &operands,
+                    masked.then(|| key_mask(2, 5)),
+                ));
+            }
         }
     }
     check(&cases, true);

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 /// First bytes of every artifact.
 pub const MAGIC: &[u8; 8] = b"KILNART\0";
 /// Bumped whenever the payload's meaning changes.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const HEADER: usize = 24;
 /// Artifacts larger than this are refused before reading (they hold no weights, so real ones are
 /// a few megabytes).

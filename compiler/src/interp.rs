@@ -10,7 +10,7 @@
 
 use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
 use crate::spec::{Activation, PairStyle};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Data, Tensor};
 use petgraph::graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -212,7 +212,7 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
             }
             op => {
                 let args: Vec<&Tensor> = operands.iter().map(|o| &values[o]).collect();
-                eval(g, &operands, op, &args, shape)?
+                eval(Some((g, &operands)), op, &args, shape)?
             }
         };
         for o in &operands {
@@ -232,7 +232,17 @@ fn f(t: &Tensor) -> &[f32] {
 }
 
 /// Evaluates one op. `shape` is the node's resolved output shape.
-fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+/// Evaluates one op on tensors outside any graph (constant folding at load time). `shape` is the
+/// op's resolved output shape.
+pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+    eval(None, op, args, shape)
+}
+
+/// The graph and operand nodes of the op being evaluated, when there is one (for error messages).
+type Ctx<'a> = Option<(&'a Graph, &'a [NodeIndex])>;
+
+/// Evaluates one op. `shape` is the node's resolved output shape.
+fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } => unreachable!("bound before eval"),
         Op::Positions { .. } => Tensor::i64(shape.clone(), (0..shape[0] as i64).collect()),
@@ -261,13 +271,13 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
                 if id < 0 || id as usize >= rows {
-                    let what = match g.g[operands[1]].op {
-                        Op::Positions { .. } => "position",
-                        Op::Input { role: InputRole::TokenTypes, .. } => "token type id",
+                    let what = match ctx.map(|(g, operands)| &g.g[operands[1]].op) {
+                        Some(Op::Positions { .. }) => "position",
+                        Some(Op::Input { role: InputRole::TokenTypes, .. }) => "token type id",
                         _ => "token id",
                     };
-                    let table = match &g.g[operands[0]].op {
-                        Op::Param { name } => name.clone(),
+                    let table = match ctx.map(|(g, operands)| &g.g[operands[0]].op) {
+                        Some(Op::Param { name }) => name.clone(),
                         _ => "table".into(),
                     };
                     return Err(InterpError::IndexOutOfRange { what, index: id, table, rows });
@@ -335,23 +345,10 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
         Op::Rope { theta, rotary_dim, style } => {
             let x = f(a[0]);
             let (s, d) = (a[0].shape[2], a[0].shape[3]);
-            let half = rotary_dim / 2;
             let mut out = x.to_vec();
-            // Frequencies as HF computes them: inv_freq[i] = 1 / theta^(2i / rotary_dim), all in f32.
-            let inv: Vec<f32> = (0..half).map(|i| 1.0 / theta.0.powf((2 * i) as f32 / *rotary_dim as f32)).collect();
+            let inv = rope_frequencies(theta.0, *rotary_dim);
             for (r, row) in out.chunks_mut(d).enumerate() {
-                let pos = (r % s) as f32;
-                for (i, &freq) in inv.iter().enumerate() {
-                    let angle = pos * freq;
-                    let (sin, cos) = (angle.sin(), angle.cos());
-                    let (i1, i2) = match style {
-                        PairStyle::RotateHalf => (i, i + half),
-                        PairStyle::Interleaved => (2 * i, 2 * i + 1),
-                    };
-                    let (x1, x2) = (row[i1], row[i2]);
-                    row[i1] = x1 * cos - x2 * sin;
-                    row[i2] = x2 * cos + x1 * sin;
-                }
+                rotate(row, (r % s) as f32, &inv, *style);
             }
             Tensor::f32(shape, out)
         }
@@ -432,37 +429,107 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             Tensor::f32(shape, out)
         }
         // Fused ops are evaluated as exactly the compositions that define them.
-        Op::Linear { act, bias, residual } => {
-            let (x, w) = (a[0], a[1]);
+        Op::Linear { act, bias, residual, norm, glu, rope } => {
+            // Operands: x, the norm's gain and bias, w, the bias, the residual.
+            let mut next = 1;
+            let normed;
+            let x = match norm {
+                Some(p) => {
+                    let take = 1 + usize::from(p.bias);
+                    let mut args = vec![a[0]];
+                    args.extend(&a[1..1 + take]);
+                    next += take;
+                    let op = if p.rms { Op::RmsNorm { eps: p.eps } } else { Op::LayerNorm { eps: p.eps } };
+                    normed = eval(ctx, &op, &args, a[0].shape.clone())?;
+                    &normed
+                }
+                None => a[0],
+            };
+            let w = a[next];
+            next += 1;
             let mut shape_mm = x.shape.clone();
             let last = shape_mm.len() - 1;
             shape_mm[last] = w.shape[0];
-            let mut y = eval(g, operands, &Op::MatMul { transpose_b: true }, &[x, w], shape_mm.clone())?;
-            // Operands after x and w: the bias, then the residual.
-            let mut next = 2;
+            let mut y = eval(ctx, &Op::MatMul { transpose_b: true }, &[x, w], shape_mm.clone())?;
             if *bias {
-                y = eval(g, operands, &Op::Add, &[&y, a[next]], shape_mm.clone())?;
+                y = eval(ctx, &Op::Add, &[&y, a[next]], shape_mm.clone())?;
                 next += 1;
             }
-            if let Some(act) = act {
-                y = eval(g, operands, &Op::Act(*act), &[&y], shape_mm.clone())?;
+            if *glu {
+                let n = w.shape[0] / 2;
+                let mut half = shape_mm.clone();
+                half[last] = n;
+                let gate = eval(ctx, &Op::Slice { axis: last, start: 0, len: n }, &[&y], half.clone())?;
+                let up = eval(ctx, &Op::Slice { axis: last, start: n, len: n }, &[&y], half.clone())?;
+                let gate = match act {
+                    Some(act) => eval(ctx, &Op::Act(*act), &[&gate], half.clone())?,
+                    None => gate,
+                };
+                y = eval(ctx, &Op::Mul, &[&gate, &up], half.clone())?;
+                shape_mm = half;
+            } else if let Some(act) = act {
+                y = eval(ctx, &Op::Act(*act), &[&y], shape_mm.clone())?;
+            }
+            if let Some(r) = rope {
+                let s = shape_mm[shape_mm.len() - 2];
+                let n = shape_mm[last];
+                let inv = rope_frequencies(r.theta.0, r.rotary_dim);
+                if let Data::F32(data) = &mut y.data {
+                    for (row_index, row) in data.chunks_mut(n).enumerate() {
+                        for head in row[r.start..r.start + r.len].chunks_mut(r.head_dim) {
+                            rotate(&mut head[..r.rotary_dim], (row_index % s) as f32, &inv, r.style);
+                        }
+                    }
+                }
             }
             if *residual {
-                y = eval(g, operands, &Op::Add, &[&y, a[next]], shape_mm)?;
+                y = eval(ctx, &Op::Add, &[&y, a[next]], shape_mm)?;
             }
             y
         }
+        Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+            // Split the heads out of the packed rows, then attend as `attention` does.
+            let x = a[0];
+            let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
+            let split = |start: usize, count: usize| -> R<Tensor> {
+                let cols = eval(
+                    ctx,
+                    &Op::Slice { axis: 2, start, len: count * head_dim },
+                    &[x],
+                    vec![b, s, count * head_dim],
+                )?;
+                let t = Tensor { shape: vec![b, s, count, *head_dim], data: cols.data };
+                eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, *head_dim])
+            };
+            debug_assert!(width >= q + heads * head_dim);
+            let (qh, kh, vh) = (split(*q, *heads)?, split(*k, *kv_heads)?, split(*v, *kv_heads)?);
+            let mut args = vec![&qh, &kh, &vh];
+            args.extend(a.get(1).copied());
+            let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
+            eval(ctx, &op, &args, shape)?
+        }
+        Op::Concat { axis } => {
+            let (x, y) = (f(a[0]), f(a[1]));
+            let outer: usize = a[0].shape[..*axis].iter().product();
+            let (ix, iy) = (x.len() / outer.max(1), y.len() / outer.max(1));
+            let mut out = Vec::with_capacity(x.len() + y.len());
+            for o in 0..outer {
+                out.extend_from_slice(&x[o * ix..(o + 1) * ix]);
+                out.extend_from_slice(&y[o * iy..(o + 1) * iy]);
+            }
+            Tensor::f32(shape, out)
+        }
         Op::MaskedSoftmax { scale, alibi, causal, window } => {
-            let mut y = eval(g, operands, &Op::Scale { factor: *scale }, &[a[0]], shape.clone())?;
+            let mut y = eval(ctx, &Op::Scale { factor: *scale }, &[a[0]], shape.clone())?;
             if *alibi {
-                y = eval(g, operands, &Op::Alibi, &[&y], shape.clone())?;
+                y = eval(ctx, &Op::Alibi, &[&y], shape.clone())?;
             }
             if *causal || a.len() > 1 || window.is_some() {
                 let mut args = vec![&y];
                 args.extend(a.get(1).copied());
-                y = eval(g, operands, &Op::Mask { causal: *causal, window: *window }, &args, shape.clone())?;
+                y = eval(ctx, &Op::Mask { causal: *causal, window: *window }, &args, shape.clone())?;
             }
-            eval(g, operands, &Op::Softmax, &[&y], shape)?
+            eval(ctx, &Op::Softmax, &[&y], shape)?
         }
         Op::Attention { scale, alibi, causal, window } => {
             let (q, k, v) = (a[0], a[1], a[2]);
@@ -472,27 +539,27 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
                 let times = h / kv;
                 let rep = vec![b, h, t, d];
                 (
-                    eval(g, operands, &Op::RepeatHeads { times }, &[k], rep.clone())?,
-                    eval(g, operands, &Op::RepeatHeads { times }, &[v], rep)?,
+                    eval(ctx, &Op::RepeatHeads { times }, &[k], rep.clone())?,
+                    eval(ctx, &Op::RepeatHeads { times }, &[v], rep)?,
                 )
             } else {
                 (k.clone(), v.clone())
             };
-            let scores = eval(g, operands, &Op::MatMul { transpose_b: true }, &[q, &k], vec![b, h, s, t])?;
+            let scores = eval(ctx, &Op::MatMul { transpose_b: true }, &[q, &k], vec![b, h, s, t])?;
             let mut args = vec![&scores];
             args.extend(a.get(3).copied());
             let soft = Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
-            let p = eval(g, operands, &soft, &args, vec![b, h, s, t])?;
-            let ctx = eval(g, operands, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
-            let ctx = eval(g, operands, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&ctx], vec![b, s, h, d])?;
-            Tensor { shape, data: ctx.data }
+            let p = eval(ctx, &soft, &args, vec![b, h, s, t])?;
+            let heads = eval(ctx, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
+            let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;
+            Tensor { shape, data: merged.data }
         }
         Op::AddNorm { rms, eps } => {
-            let sum = eval(g, operands, &Op::Add, &[a[0], a[1]], shape.clone())?;
+            let sum = eval(ctx, &Op::Add, &[a[0], a[1]], shape.clone())?;
             let mut args = vec![&sum];
             args.extend(&a[2..]);
             let norm = if *rms { Op::RmsNorm { eps: *eps } } else { Op::LayerNorm { eps: *eps } };
-            eval(g, operands, &norm, &args, shape)?
+            eval(ctx, &norm, &args, shape)?
         }
         Op::L2Normalize => {
             let x = f(a[0]);
@@ -527,6 +594,27 @@ fn eval(g: &Graph, operands: &[NodeIndex], op: &Op, a: &[&Tensor], shape: Vec<us
             Tensor::f32(shape, out)
         }
     })
+}
+
+/// RoPE frequencies as HF computes them: `inv_freq[i] = 1 / theta^(2i / rotary_dim)`, in f32.
+fn rope_frequencies(theta: f32, rotary_dim: usize) -> Vec<f32> {
+    (0..rotary_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32)).collect()
+}
+
+/// Rotates the leading `2 * inv.len()` dimensions of one head at position `pos`.
+fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
+    let half = inv.len();
+    for (i, &freq) in inv.iter().enumerate() {
+        let angle = pos * freq;
+        let (sin, cos) = (angle.sin(), angle.cos());
+        let (i1, i2) = match style {
+            PairStyle::RotateHalf => (i, i + half),
+            PairStyle::Interleaved => (2 * i, 2 * i + 1),
+        };
+        let (x1, x2) = (head[i1], head[i2]);
+        head[i1] = x1 * cos - x2 * sin;
+        head[i2] = x2 * cos + x1 * sin;
+    }
 }
 
 /// Deterministic pseudo-random parameters for every parameter of `g` (uniform in

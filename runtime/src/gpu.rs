@@ -234,17 +234,59 @@ impl GpuModel {
     /// Builds the pipelines and uploads the parameters (by canonical name) once.
     pub fn new(gpu: Arc<Gpu>, plan: Plan, params: &HashMap<String, Tensor>) -> Result<GpuModel, GpuError> {
         let pipelines = plan.kernels.iter().map(|k| gpu.pipeline(&k.name, &k.wgsl)).collect();
-        let mut uploaded = HashMap::new();
+        let root = |mut v: usize| {
+            while let Storage::Alias(a) = plan.values[v].storage {
+                v = a;
+            }
+            v
+        };
+        // Values the dispatches read (parameters only read by load-time folds stay on the host).
+        let mut read: std::collections::HashSet<usize> =
+            plan.steps.iter().flat_map(|s| s.operands.iter().map(|&o| root(o))).collect();
+        read.extend(plan.outputs.iter().map(|(_, v)| root(*v)));
+        let no_syms = HashMap::new();
+        let mut host: HashMap<usize, Tensor> = HashMap::new();
         for (id, v) in plan.values.iter().enumerate() {
             let Storage::Param(name) = &v.storage else { continue };
             let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
-            let expected = resolve(&v.shape, &HashMap::new());
+            let expected = resolve(&v.shape, &no_syms);
             if t.shape != expected {
                 return Err(InterpError::ParamShape { name: name.clone(), expected, found: t.shape.clone() }.into());
             }
-            let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("parameter `{name}` is not f32")))?;
+            if t.as_f32().is_none() {
+                return Err(GpuError::Dispatch(format!("parameter `{name}` is not f32")));
+            }
+            host.insert(id, t.clone());
+        }
+        // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
+        for fold in &plan.folds {
+            let args: Vec<Tensor> = fold
+                .operands
+                .iter()
+                .map(|&o| {
+                    let t = host.get(&root(o)).ok_or_else(|| {
+                        GpuError::Dispatch(format!("internal error: fold operand {o} is not a constant"))
+                    })?;
+                    Ok(Tensor { shape: resolve(&plan.values[o].shape, &no_syms), data: t.data.clone() })
+                })
+                .collect::<Result<_, GpuError>>()?;
+            let refs: Vec<&Tensor> = args.iter().collect();
+            let t =
+                kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
+            host.insert(fold.output, t);
+        }
+        let mut uploaded = HashMap::new();
+        for (id, t) in host {
+            if !read.contains(&id) {
+                continue;
+            }
+            let what = match &plan.values[id].storage {
+                Storage::Param(name) => format!("parameter `{name}`"),
+                _ => format!("folded constant {id}"),
+            };
+            let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("{what} is not f32")))?;
             let bytes: &[u8] = bytemuck::cast_slice(data);
-            let buffers = gpu.chunked(&format!("parameter `{name}`"), bytes.len() as u64, STORAGE)?;
+            let buffers = gpu.chunked(&what, bytes.len() as u64, STORAGE)?;
             gpu.write_chunked(&buffers, bytes);
             uploaded.insert(id, buffers);
         }
@@ -331,7 +373,7 @@ impl GpuModel {
                 v = a;
             }
             let all: &[wgpu::Buffer] = match &plan.values[v].storage {
-                Storage::Param(_) => &self.params[&v],
+                Storage::Param(_) | Storage::Const => &self.params[&v],
                 Storage::Input { .. } => &input_buffers[&v],
                 Storage::Slot(s) => &slots[*s].1,
                 Storage::Alias(_) => unreachable!("aliases resolved above"),

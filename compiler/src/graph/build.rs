@@ -379,12 +379,13 @@ impl Builder<'_> {
     fn ffn(&mut self, name: &str, x: NodeIndex) -> R<NodeIndex> {
         let f = &self.r.spec.ffn;
         let (d, d_ff) = (self.d(), self.r.d_ff as usize);
-        let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
         let h = if f.gated {
             let gate = self.linear(x, &format!("{name}.gate"), d_ff, d, f.bias)?;
+            let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
             let act = self.g.add(Op::Act(f.activation), &[gate])?;
             self.g.add(Op::Mul, &[act, up])?
         } else {
+            let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
             self.g.add(Op::Act(f.activation), &[up])?
         };
         self.linear(h, &format!("{name}.down"), d, d_ff, f.bias)

@@ -116,6 +116,49 @@ pub enum InputRole {
     },
 }
 
+/// A norm folded into a projection's prologue (see [`Op::Linear`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Prologue {
+    /// RMSNorm; LayerNorm otherwise.
+    pub rms: bool,
+    /// Epsilon.
+    pub eps: Scalar,
+    /// A LayerNorm bias operand follows the gain.
+    pub bias: bool,
+}
+
+/// RoPE applied to output columns `start .. start + len` of rows `[.., seq, n]`, taken as heads of
+/// `head_dim` columns, each rotated as [`Op::Rope`] rotates a head at the row's sequence position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct RopeCols {
+    /// Base of the frequencies.
+    pub theta: Scalar,
+    /// Leading dimensions of each head rotated.
+    pub rotary_dim: usize,
+    /// Pair layout.
+    pub style: PairStyle,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// First rotated column.
+    pub start: usize,
+    /// Rotated columns (a multiple of `head_dim`).
+    pub len: usize,
+}
+
+impl Op {
+    /// A plain fused projection: `act(x @ w^T + bias) + residual`.
+    pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
+        Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }
+    }
+}
+
+fn style_name(s: &PairStyle) -> &'static str {
+    match s {
+        PairStyle::RotateHalf => "rotate-half",
+        PairStyle::Interleaved => "interleaved",
+    }
+}
+
 /// A tensor-level operation. Operand order is documented per op.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Op {
@@ -228,6 +271,11 @@ pub enum Op {
         /// Extent.
         len: usize,
     },
+    /// `(a, b)` joined along one axis (the other axes equal).
+    Concat {
+        /// The axis.
+        axis: usize,
+    },
     /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
     MeanPool,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
@@ -235,14 +283,28 @@ pub enum Op {
 
     // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
     // above; the interpreter evaluates it as exactly that composition.
-    /// `act(x @ w^T + bias) + residual`: `(x [.., k], w [n, k][, bias [n]][, residual [.., n]])`.
+    /// A projection with its prologue and epilogue:
+    /// `rope(act(norm(x) @ w^T + bias)) + residual`, operands
+    /// `(x [.., k][, gain [k][, norm_bias [k]]], w [m, k][, bias [m]][, residual [.., n]])`.
+    ///
+    /// - `norm`: the rows of `x` are normalised first ([`Op::RmsNorm`] / [`Op::LayerNorm`] with
+    ///   the `gain` and optional `norm_bias` operands);
+    /// - `glu`: `w` stacks a gate block over an up block (`m = 2n`), and the result is
+    ///   `act(gate) * up` (SwiGLU, GeGLU); otherwise `m = n` and the result is `act(y)`;
+    /// - `rope`: RoPE rotates the heads in a range of output columns (see [`RopeCols`]).
     Linear {
-        /// Activation applied before the residual add.
+        /// Activation applied before the residual add (to the gate half when `glu`).
         act: Option<Activation>,
         /// A bias operand follows `w`.
         bias: bool,
         /// A residual operand comes last.
         residual: bool,
+        /// Normalise the input rows first.
+        norm: Option<Prologue>,
+        /// Gated: `act(gate) * up` over the two halves of `w`'s rows.
+        glu: bool,
+        /// Rotate heads of the output.
+        rope: Option<RopeCols>,
     },
     /// `softmax(mask(alibi(scores * scale)))` over the last axis: `(scores [b, h, q, k][, key_mask
     /// f32[b, k]])`. The mask hides what [`Op::Mask`] hides; `alibi` adds [`Op::Alibi`]'s biases.
@@ -269,6 +331,32 @@ pub enum Op {
         causal: bool,
         /// Sliding-window size.
         window: Option<usize>,
+    },
+    /// Attention reading its heads straight out of one packed projection `qkv [b, s, width]`:
+    /// query head `j` is columns `q + j * head_dim ..` of each row, key/value head `j` columns
+    /// `k + j * head_dim ..` and `v + j * head_dim ..`; `(qkv[, key_mask f32[b, s]]) -> [b, s,
+    /// heads * head_dim]`. Equal to [`Op::Attention`] over the split, head-transposed tensors.
+    PackedAttention {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads (dividing `heads`).
+        kv_heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+        /// First column of the query heads.
+        q: usize,
+        /// First column of the key heads.
+        k: usize,
+        /// First column of the value heads.
+        v: usize,
     },
     /// `norm(a + b)`: `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
     /// or the RMSNorm of the given epsilon.
@@ -308,8 +396,17 @@ impl Op {
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
             Op::L2Normalize => "l2_normalize".into(),
-            Op::Linear { act, bias, residual } => {
-                let mut n = String::from("linear");
+            Op::Linear { act, bias, residual, norm, glu, rope } => {
+                let mut n = String::new();
+                match norm {
+                    Some(Prologue { rms: true, .. }) => n += "rms_norm_",
+                    Some(Prologue { rms: false, .. }) => n += "layer_norm_",
+                    None => {}
+                }
+                n += "linear";
+                if *glu {
+                    n += "_glu";
+                }
                 if *bias {
                     n += "_bias";
                 }
@@ -317,11 +414,16 @@ impl Op {
                     n += "_";
                     n += &a.name().replace('-', "_");
                 }
+                if rope.is_some() {
+                    n += "_rope";
+                }
                 if *residual {
                     n += "_residual";
                 }
                 n
             }
+            Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::Concat { .. } => "concat".into(),
             Op::MaskedSoftmax { .. } => "masked_softmax".into(),
             Op::Attention { .. } => "attention".into(),
             Op::AddNorm { rms: false, .. } => "add_layer_norm".into(),
@@ -331,10 +433,7 @@ impl Op {
 
     /// Attributes as `key=value` text (empty when none), deterministic.
     pub fn attrs(&self) -> String {
-        let style = |s: &PairStyle| match s {
-            PairStyle::RotateHalf => "rotate-half",
-            PairStyle::Interleaved => "interleaved",
-        };
+        let style = style_name;
         match self {
             Op::Input { name, role, .. } => {
                 let role = match role {
@@ -373,6 +472,37 @@ impl Op {
                 a
             }
             Op::AddNorm { eps, .. } => format!("eps={eps}"),
+            Op::Linear { norm, rope, .. } => {
+                let mut a = Vec::new();
+                if let Some(p) = norm {
+                    a.push(format!("eps={}", p.eps));
+                }
+                if let Some(r) = rope {
+                    a.push(format!(
+                        "rope=[{}..{}] head_dim={} theta={} rotary_dim={} style={}",
+                        r.start,
+                        r.start + r.len,
+                        r.head_dim,
+                        r.theta,
+                        r.rotary_dim,
+                        style_name(&r.style)
+                    ));
+                }
+                a.join(" ")
+            }
+            Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+                let mut a = format!(
+                    "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
+                );
+                if let Some(w) = window {
+                    a += &format!(" window={w}");
+                }
+                if *alibi {
+                    a += " alibi";
+                }
+                a
+            }
+            Op::Concat { axis } => format!("axis={axis}"),
             _ => String::new(),
         }
     }
@@ -702,24 +832,94 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 _ => Err(format!("slice {start}..{} of axis {axis} is out of {}", start + len, fmt_shape(x))),
             }
         }
-        Op::Linear { bias, residual, .. } => {
-            let want = 2 + usize::from(*bias) + usize::from(*residual);
+        Op::Linear { bias, residual, norm, glu, rope, .. } => {
+            let norm_operands = norm.map_or(0, |p| 1 + usize::from(p.bias));
+            let wi = 1 + norm_operands;
+            let want = wi + 1 + usize::from(*bias) + usize::from(*residual);
             arity(want)?;
             let x = float(0)?;
-            let w = float(1)?;
+            let w = float(wi)?;
             rank_at_least(x, 2, "x")?;
-            if w.len() != 2 || w[1] != x[x.len() - 1] {
-                return Err(format!("weight must be [n, {}], is {}", x[x.len() - 1], fmt_shape(w)));
+            let k = x[x.len() - 1];
+            if w.len() != 2 || w[1] != k {
+                return Err(format!("weight must be [m, {k}], is {}", fmt_shape(w)));
             }
+            for i in 1..wi {
+                if float(i)?.as_slice() != [k] {
+                    return Err(format!("norm gain/bias must be [{k}], is {}", fmt_shape(float(i)?)));
+                }
+            }
+            let Dim::Fixed(m) = w[0] else { return Err("weight rows must be fixed".into()) };
+            if *glu && m % 2 != 0 {
+                return Err(format!("a gated weight stacks two equal blocks; {m} rows do not split"));
+            }
+            let n = if *glu { m / 2 } else { m };
             let mut out = x.clone();
             let last = out.len() - 1;
-            out[last] = w[0];
-            if *bias && float(2)?.as_slice() != [w[0]] {
-                return Err(format!("bias must be [{}], is {}", w[0], fmt_shape(float(2)?)));
+            out[last] = Dim::Fixed(n);
+            if *bias && float(wi + 1)?.as_slice() != [w[0]] {
+                return Err(format!("bias must be [{}], is {}", w[0], fmt_shape(float(wi + 1)?)));
             }
             if *residual && *float(want - 1)? != out {
                 return Err(format!("residual must be {}, is {}", fmt_shape(&out), fmt_shape(float(want - 1)?)));
             }
+            if let Some(r) = rope {
+                let ok = r.head_dim > 0
+                    && r.rotary_dim % 2 == 0
+                    && r.rotary_dim <= r.head_dim
+                    && r.len % r.head_dim == 0
+                    && r.start + r.len <= n
+                    && out.len() >= 3;
+                if !ok {
+                    return Err(format!(
+                        "rope columns {}..{} (head_dim {}, rotary_dim {}) do not fit output {}",
+                        r.start,
+                        r.start + r.len,
+                        r.head_dim,
+                        r.rotary_dim,
+                        fmt_shape(&out)
+                    ));
+                }
+            }
+            Ok((out, DType::F32))
+        }
+        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, .. } => {
+            if operands.is_empty() || operands.len() > 2 {
+                return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
+            }
+            let x = float(0)?;
+            let fits =
+                |start: usize, count: usize| matches!(x.last(), Some(Dim::Fixed(w)) if start + count * head_dim <= *w);
+            let ok = x.len() == 3
+                && *kv_heads > 0
+                && heads % kv_heads == 0
+                && *head_dim > 0
+                && fits(*q, *heads)
+                && fits(*k, *kv_heads)
+                && fits(*v, *kv_heads);
+            if !ok {
+                return Err(format!(
+                    "{heads} query and {kv_heads} key/value heads of {head_dim} at columns {q}, {k}, {v} do not fit {}",
+                    fmt_shape(x)
+                ));
+            }
+            if operands.len() == 2 && float(1)?.as_slice() != [x[0], x[1]] {
+                return Err(format!("key mask must be [{}, {}], is {}", x[0], x[1], fmt_shape(float(1)?)));
+            }
+            Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
+        }
+        Op::Concat { axis } => {
+            arity(2)?;
+            let (a, b) = (float(0)?, float(1)?);
+            let joined = match (a.get(*axis), b.get(*axis)) {
+                (Some(Dim::Fixed(x)), Some(Dim::Fixed(y))) if a.len() == b.len() => Dim::Fixed(x + y),
+                _ => return Err(format!("cannot join {} and {} along axis {axis}", fmt_shape(a), fmt_shape(b))),
+            };
+            if a.iter().zip(b).enumerate().any(|(i, (x, y))| i != *axis && x != y) {
+                return Err(format!("cannot join {} and {} along axis {axis}", fmt_shape(a), fmt_shape(b)));
+            }
+            let mut out = a.clone();
+            out[*axis] = joined;
             Ok((out, DType::F32))
         }
         // Same operands and result as the mask it absorbs.

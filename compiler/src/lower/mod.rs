@@ -44,6 +44,9 @@ pub enum Storage {
     Slot(usize),
     /// The same buffer as another value (a reshape).
     Alias(usize),
+    /// Computed from parameters alone (a concatenation of weights, a scaled table), once when the
+    /// weights are loaded: see [`Plan::folds`].
+    Const,
 }
 
 /// A tensor of the plan.
@@ -72,6 +75,18 @@ pub struct Step {
     pub scope: String,
 }
 
+/// A computation on parameters alone, evaluated once at load time by the reference interpreter
+/// (constant folding): the runtime never dispatches it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fold {
+    /// The op.
+    pub op: Op,
+    /// Operand values (parameters, or earlier folds).
+    pub operands: Vec<usize>,
+    /// Result value (storage [`Storage::Const`]).
+    pub output: usize,
+}
+
 /// A lowered model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -81,6 +96,8 @@ pub struct Plan {
     pub kernels: Vec<Kernel>,
     /// Every tensor.
     pub values: Vec<Value>,
+    /// Load-time computations on parameters, in order.
+    pub folds: Vec<Fold>,
     /// Dispatches in order.
     pub steps: Vec<Step>,
     /// Number of shared intermediate buffers.
@@ -127,19 +144,30 @@ pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
     let mut kernels: Vec<Kernel> = Vec::new();
     let mut kernel_of: HashMap<String, usize> = HashMap::new();
     let mut steps: Vec<Step> = Vec::new();
+    let mut folds: Vec<Fold> = Vec::new();
 
     for &n in &order {
         let node = &g.g[n];
         let operands: Vec<usize> = g.operands(n).iter().map(|o| value_of[o]).collect();
+        // Constant: computed from parameters alone, with a fixed shape.
+        let constant = !operands.is_empty()
+            && operands.iter().all(|&o| matches!(values[root(&values, o)].storage, Storage::Param(_) | Storage::Const))
+            && node.shape.iter().all(|d| matches!(d, crate::graph::Dim::Fixed(_)));
         let storage = match &node.op {
             Op::Param { name } => Storage::Param(name.clone()),
             Op::Input { name, role, .. } => Storage::Input { name: name.clone(), role: *role },
             Op::Reshape { .. } => Storage::Alias(root(&values, operands[0])),
+            _ if constant => Storage::Const,
             _ => Storage::Slot(usize::MAX), // assigned below
         };
         let id = values.len();
+        let folded = storage == Storage::Const;
         values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage });
         value_of.insert(n, id);
+        if folded {
+            folds.push(Fold { op: node.op.clone(), operands, output: id });
+            continue;
+        }
         let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(values[v].dtype)).collect();
         if let Some(text) = wgsl::kernel(&node.op, &elems, device_elem(node.dtype)) {
             let kernel = match kernel_of.get(&text) {
@@ -161,7 +189,7 @@ pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
     }
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);
-    Ok(Plan { name: g.name.clone(), kernels, values, steps, slots, outputs })
+    Ok(Plan { name: g.name.clone(), kernels, values, folds, steps, slots, outputs })
 }
 
 /// The value whose buffer `v` uses (following aliases).
@@ -283,8 +311,21 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
             vec![total, operands[0][*axis], inner, *start, *len]
         }
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
-        // One thread per output element: n = w's rows, k = the reduced axis.
-        Op::Linear { .. } => vec![total, operands[1][0], operands[1][1]],
+        // One thread per output element: n = output columns, k = the reduced axis, then the
+        // sequence length and the first position (RoPE epilogue).
+        Op::Linear { .. } => {
+            vec![total, last(out), last(&operands[0]), out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1), 0]
+        }
+        // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+            let x = &operands[0];
+            vec![x[0] * x[1] * heads, *heads, x[1], x[1], *head_dim, *kv_heads, x[2]]
+        }
+        Op::Concat { axis } => {
+            let (a, b) = (&operands[0], &operands[1]);
+            let inner: usize = a[axis + 1..].iter().product();
+            vec![total, a[*axis], b[*axis], inner]
+        }
         // One thread per row of scores [b, h, q, k].
         Op::MaskedSoftmax { .. } => vec![rows(out), out[1], out[2], out[3]],
         // One thread per query row: [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].

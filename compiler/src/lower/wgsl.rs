@@ -12,7 +12,7 @@
 //! Threads are laid out over a 2-D grid of 64-wide workgroups (`i = gid.x + gid.y * nwg.x * 64`),
 //! so more than 65535 workgroups can be dispatched.
 
-use crate::graph::Op;
+use crate::graph::{Op, Prologue, RopeCols};
 use crate::spec::{Activation, PairStyle};
 
 /// Threads per workgroup of every kernel.
@@ -331,24 +331,35 @@ fn body(op: &Op, operands: usize) -> Option<String> {
              for (var j = 0u; j < d; j = j + 1u) { let x = in0[base + j]; ss = ss + x * x; }\n\
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
-        Op::Linear { act, bias, residual } => {
-            // One thread per output element: the row of x times row `col` of w, then the epilogue.
-            let mut s = String::from(
-                "let n = dim(1u);\nlet k = dim(2u);\nlet col = i % n;\nlet a0 = (i / n) * k;\nlet b0 = col * k;\n\
-                 var y = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {\n    y = y + in0[a0 + kk] * in1[b0 + kk];\n}\n",
-            );
-            if *bias {
-                s += "y = y + in2[col];\n";
-            }
-            if let Some(act) = act {
-                s += &format!("y = {};\n", activation(*act, "y"));
-            }
-            if *residual {
-                s += &format!("y = y + in{}[i];\n", 2 + usize::from(*bias));
-            }
-            s += "out[i] = y;";
-            s
+        Op::Linear { act, bias, residual, norm, glu, rope } => linear_body(*act, *bias, *residual, *norm, *glu, *rope),
+        Op::PackedAttention { scale, alibi, causal, window, q, k, v, .. } => {
+            // As `attention`, with heads read in place from the packed rows (stride `w` per token).
+            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
+            let alibi = if *alibi { format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n") } else { String::new() };
+            format!(
+                "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n\
+                 let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
+                 let qi = si + (k - min(s_len, k));\nlet q0 = (b * s_len + si) * w + {q}u + h * d;\n\
+                 let kvh = h / (heads / kv);\nlet k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n\
+                 // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
+                 var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
+                 for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
+                 let r = k0 + ki * w;\n    var x = 0.0;\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in0[r + c]; }}\n    x = x * {};\n{alibi}    \
+                 let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
+                 let rv = v0 + ki * w;\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * in0[rv + c]; }}\n    m = m1;\n}}\n\
+                 // Every key masked: the reference softmax over equal masked logits is uniform over all keys.\n\
+                 if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + in0[v0 + ki * w + c]; }}\n    }}\n    \
+                 l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
+                lit(scale.0)
+            )
         }
+        Op::Concat { .. } => "let na = dim(1u);\nlet nb = dim(2u);\nlet inner = dim(3u);\n\
+             let r = i % inner;\nlet j = (i / inner) % (na + nb);\nlet o = i / (inner * (na + nb));\n\
+             if (j < na) { out[i] = in0[(o * na + j) * inner + r]; } else { out[i] = in1[(o * nb + j - na) * inner + r]; }"
+            .into(),
         Op::MaskedSoftmax { scale, alibi, causal, window } => {
             // One thread per row of `k` scores; the output row holds the masked logits, then their
             // exponentials, then the probabilities.
@@ -418,6 +429,114 @@ fn body(op: &Op, operands: usize) -> Option<String> {
     })
 }
 
+/// The body of a (fused) projection: one thread per output element `(row, col)`. The norm
+/// prologue computes the row's statistics first (in the thread: no workgroup memory, which
+/// lavapipe makes slow to synchronise) and normalises `x` as it is read; a gated or rotated output
+/// needs a second column of `x @ w^T` (the up column, or the RoPE partner), reduced in the same
+/// loop.
+fn linear_body(
+    act: Option<Activation>,
+    bias: bool,
+    residual: bool,
+    norm: Option<Prologue>,
+    glu: bool,
+    rope: Option<RopeCols>,
+) -> String {
+    let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
+    let (w, b, r) = (format!("in{wi}"), format!("in{}", wi + 1), format!("in{}", wi + 1 + usize::from(bias)));
+    let mut s =
+        String::from("let n = dim(1u);\nlet k = dim(2u);\nlet col = i % n;\nlet row = i / n;\nlet a0 = row * k;\n");
+    let xv = match norm {
+        None => "in0[a0 + kk]".to_string(),
+        Some(p) if p.rms => {
+            s += &format!(
+                "var ss = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ let v = in0[a0 + kk]; ss = ss + v * v; }}\n\
+                 let inv = 1.0 / sqrt(ss / f32(k) + {});\n",
+                lit(p.eps.0)
+            );
+            "in0[a0 + kk] * inv * in1[kk]".to_string()
+        }
+        Some(p) => {
+            s += &format!(
+                "var mean = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ mean = mean + in0[a0 + kk]; }}\nmean = mean / f32(k);\n\
+                 var sq = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ let c = in0[a0 + kk] - mean; sq = sq + c * c; }}\n\
+                 let inv = 1.0 / sqrt(sq / f32(k) + {});\n",
+                lit(p.eps.0)
+            );
+            if p.bias {
+                "(in0[a0 + kk] - mean) * inv * in1[kk] + in2[kk]".to_string()
+            } else {
+                "(in0[a0 + kk] - mean) * inv * in1[kk]".to_string()
+            }
+        }
+    };
+    let one = format!("for (var kk = 0u; kk < k; kk = kk + 1u) {{ y0 = y0 + {xv} * {w}[col * k + kk]; }}\n");
+    let two = format!(
+        "for (var kk = 0u; kk < k; kk = kk + 1u) {{ let xv = {xv}; y0 = y0 + xv * {w}[col * k + kk]; y1 = y1 + xv * {w}[c1 * k + kk]; }}\n"
+    );
+    let bias0 = if bias { format!("y0 = y0 + {b}[col];\n") } else { String::new() };
+    let bias1 = if bias { format!("y1 = y1 + {b}[c1];\n") } else { String::new() };
+    s += "var y0 = 0.0;\nvar y1 = 0.0;\n";
+    if glu {
+        s += "let c1 = col + n;\n";
+        s += &two;
+        s += &bias0;
+        s += &bias1;
+        let gate = act.map_or("y0".to_string(), |a| activation(a, "y0"));
+        s += &format!("var y = ({gate}) * y1;\n");
+    } else if let Some(r) = rope {
+        let (half, partner, sign, freq) = match r.style {
+            PairStyle::RotateHalf => (
+                format!("{}u", r.rotary_dim / 2),
+                "select(col - half, col + half, j < half)",
+                "select(1.0, -1.0, j < half)",
+                "j % half",
+            ),
+            PairStyle::Interleaved => (
+                format!("{}u", r.rotary_dim / 2),
+                "select(col - 1u, col + 1u, (j % 2u) == 0u)",
+                "select(1.0, -1.0, (j % 2u) == 0u)",
+                "j / 2u",
+            ),
+        };
+        s += &format!(
+            "let half = {half};\nlet j = (col - min(col, {start}u)) % {hd}u;\n\
+             let rot = col >= {start}u && col < {end}u && j < {rd}u;\nlet c1 = select(col, {partner}, rot);\n",
+            start = r.start,
+            end = r.start + r.len,
+            hd = r.head_dim,
+            rd = r.rotary_dim,
+        );
+        s += &format!("if (rot) {{\n    {}}} else {{\n    {}}}\n", two, one);
+        s += &bias0;
+        s += &bias1;
+        s += "var y = y0;\n";
+        if let Some(a) = act {
+            s += &format!("y = {};\n", activation(a, "y"));
+            s += &format!("y1 = {};\n", activation(a, "y1"));
+        }
+        s += &format!(
+            "if (rot) {{\n    let pos = f32(row % dim(3u) + dim(4u));\n    \
+             let angle = pos / pow({}, f32(2u * ({freq})) / {}.0);\n    \
+             y = y * cos(angle) + {sign} * y1 * sin(angle);\n}}\n",
+            lit(r.theta.0),
+            r.rotary_dim
+        );
+    } else {
+        s += &one;
+        s += &bias0;
+        s += "var y = y0;\n";
+        if let Some(a) = act {
+            s += &format!("y = {};\n", activation(a, "y"));
+        }
+    }
+    if residual {
+        s += &format!("y = y + {r}[i];\n");
+    }
+    s += "out[i] = y;";
+    s
+}
+
 /// The WGSL condition under which key `ki` is attended by query `qi` (of batch `b`, with `k` keys),
 /// as [`Op::Mask`] decides it; `key_mask` names the `f32[b, k]` key-mask buffer, if any.
 fn keep_condition(causal: bool, window: Option<usize>, key_mask: Option<&str>) -> String {
@@ -480,7 +599,7 @@ mod tests {
             [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)]
         {
             for (bias, residual) in [(false, false), (true, false), (false, true), (true, true)] {
-                ops.push((Op::Linear { act, bias, residual }, 2 + usize::from(bias) + usize::from(residual)));
+                ops.push((Op::linear(act, bias, residual), 2 + usize::from(bias) + usize::from(residual)));
             }
         }
         for (alibi, causal, window) in

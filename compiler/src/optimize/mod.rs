@@ -106,6 +106,20 @@ mod lang {
             "masked_softmax" = MaskedSoftmax([Id; 6]),
             // (attention scale alibi causal window q k v key_mask|none)
             "attention" = Attention([Id; 8]),
+            // (concat a b): weights stacked along axis 0
+            "concat" = Concat([Id; 2]),
+            // (slice op x), (rope op x): the op attribute carries the range / the rotation
+            "slice" = Slice([Id; 2]),
+            "rope" = Rope([Id; 2]),
+            // (gather table ids)
+            "gather" = Gather([Id; 2]),
+            // (xlinear op x gain|none norm_bias|none w bias|none residual|none): a projection with
+            // a prologue or a gated / rotated epilogue; the op attribute is the whole `Op::Linear`
+            "xlinear" = XLinear([Id; 7]),
+            // (packed_attention op qkv key_mask|none)
+            "packed_attention" = PackedAttention([Id; 3]),
+            // (add_norm op a b gain bias|none)
+            "add_norm" = AddNorm([Id; 5]),
             // (opaque op children...): any op no rule looks into
             "opaque" = Opaque(Box<[Id]>),
             Attr(Attr),
@@ -119,11 +133,14 @@ pub struct KAnalysis {
     /// Attribute values by index.
     pub attrs: Vec<AttrValue>,
     index: HashMap<AttrValue, u32>,
+    /// Consumers of each class of the input graph (outputs count as one), for rules that only pay
+    /// when a value has a single use.
+    pub uses: HashMap<Id, usize>,
 }
 
 impl Default for KAnalysis {
     fn default() -> Self {
-        let mut a = KAnalysis { attrs: Vec::new(), index: HashMap::new() };
+        let mut a = KAnalysis { attrs: Vec::new(), index: HashMap::new(), uses: HashMap::new() };
         a.intern(AttrValue::Bool(false));
         a.intern(AttrValue::Bool(true));
         a.intern(AttrValue::Window(None));
@@ -144,8 +161,19 @@ impl KAnalysis {
     }
 }
 
+/// What the analysis knows of a tensor class.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Type {
+    /// Shape.
+    pub shape: Shape,
+    /// Element type.
+    pub dtype: DType,
+    /// Computed from parameters alone (folded at load time, free at run time).
+    pub konst: bool,
+}
+
 /// Type of an e-class: `None` for attribute leaves and `none`.
-pub type Data = Option<(Shape, DType)>;
+pub type Data = Option<Type>;
 
 /// The e-graph kiln optimizes.
 pub type KGraph = EGraph<Kl, KAnalysis>;
@@ -159,20 +187,31 @@ impl Analysis<Kl> for KAnalysis {
             && let Kl::Attr(a) = enode
             && let AttrValue::Leaf(_, shape, dtype) = &egraph.analysis.attrs[a.0 as usize]
         {
-            return Some((shape.clone(), *dtype));
+            return Some(Type { shape: shape.clone(), dtype: *dtype, konst: matches!(op, Op::Param { .. }) });
         }
-        let types: Vec<(Shape, DType)> = operands.iter().map(|&o| egraph[o].data.clone()).collect::<Option<_>>()?;
-        let refs: Vec<(&Shape, DType)> = types.iter().map(|(s, t)| (s, *t)).collect();
-        infer(&op, &refs).ok()
+        let types: Vec<&Type> = operands.iter().map(|&o| egraph[o].data.as_ref()).collect::<Option<_>>()?;
+        let refs: Vec<(&Shape, DType)> = types.iter().map(|t| (&t.shape, t.dtype)).collect();
+        let (shape, dtype) = infer(&op, &refs).ok()?;
+        let konst =
+            !types.is_empty() && types.iter().all(|t| t.konst) && shape.iter().all(|d| matches!(d, Dim::Fixed(_)));
+        Some(Type { shape, dtype, konst })
     }
 
     fn merge(&mut self, a: &mut Data, b: Data) -> DidMerge {
-        // Equal classes have equal types; keep the first.
-        if a.is_none() && b.is_some() {
-            *a = b;
-            return DidMerge(true, false);
+        // Equal classes have equal types; a class is constant if any of its forms is.
+        match (a.as_mut(), b) {
+            (None, Some(b)) => {
+                *a = Some(b);
+                DidMerge(true, false)
+            }
+            (Some(a), Some(b)) => {
+                let (was_a, was_b) = (a.konst, b.konst);
+                a.konst |= b.konst;
+                DidMerge(a.konst != was_a, a.konst != was_b)
+            }
+            (Some(_), None) => DidMerge(false, true),
+            (None, None) => DidMerge(false, false),
         }
-        DidMerge(false, a.is_none() && b.is_some())
     }
 }
 
@@ -259,7 +298,7 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             let mut ops = vec![*x, *w];
             ops.extend(opt(*b));
             ops.extend(opt(*r));
-            (Op::Linear { act, bias: opt(*b).is_some(), residual: opt(*r).is_some() }, ops)
+            (Op::linear(act, opt(*b).is_some(), opt(*r).is_some()), ops)
         }
         Kl::MaskedSoftmax([f, al, c, w, s, m]) => {
             let mut ops = vec![*s];
@@ -283,6 +322,49 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             };
             (op, ops)
         }
+        Kl::Concat([a, b]) => (Op::Concat { axis: 0 }, vec![*a, *b]),
+        Kl::Slice([p, x]) | Kl::Rope([p, x]) => match attr(egraph, *p)? {
+            AttrValue::Op(op) => (op.clone(), vec![*x]),
+            _ => return None,
+        },
+        Kl::Gather([t, ids]) => (Op::Gather, vec![*t, *ids]),
+        Kl::XLinear([c, x, g, nb, w, b, r]) => {
+            let AttrValue::Op(Op::Linear { act, norm, glu, rope, .. }) = attr(egraph, *c)? else { return None };
+            let norm = norm.map(|p| crate::graph::Prologue { bias: opt(*nb).is_some(), ..p });
+            let mut ops = vec![*x];
+            if norm.is_some() {
+                ops.push(opt(*g)?);
+            }
+            ops.extend(opt(*nb));
+            ops.push(*w);
+            ops.extend(opt(*b));
+            ops.extend(opt(*r));
+            let op = Op::Linear {
+                act: *act,
+                bias: opt(*b).is_some(),
+                residual: opt(*r).is_some(),
+                norm,
+                glu: *glu,
+                rope: *rope,
+            };
+            (op, ops)
+        }
+        Kl::PackedAttention([c, x, m]) => match attr(egraph, *c)? {
+            AttrValue::Op(op @ Op::PackedAttention { .. }) => {
+                let mut ops = vec![*x];
+                ops.extend(opt(*m));
+                (op.clone(), ops)
+            }
+            _ => return None,
+        },
+        Kl::AddNorm([c, a, b, g, nb]) => match attr(egraph, *c)? {
+            AttrValue::Op(op @ Op::AddNorm { .. }) => {
+                let mut ops = vec![*a, *b, *g];
+                ops.extend(opt(*nb));
+                (op.clone(), ops)
+            }
+            _ => return None,
+        },
         Kl::Opaque(children) => match attr(egraph, *children.first()?)? {
             AttrValue::Op(op) => (op.clone(), children[1..].to_vec()),
             _ => return None,
@@ -318,6 +400,10 @@ fn add_op(egraph: &mut KGraph, node: &Node, operands: &[Id]) -> Id {
         Op::Reshape { .. } => Kl::Reshape([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
         Op::LayerNorm { eps } => Kl::LayerNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1), o(2)]),
         Op::RmsNorm { eps } => Kl::RmsNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1)]),
+        Op::Concat { axis: 0 } => Kl::Concat([o(0), o(1)]),
+        Op::Slice { .. } => Kl::Slice([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
+        Op::Rope { .. } => Kl::Rope([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
+        Op::Gather => Kl::Gather([o(0), o(1)]),
         op => {
             let mut children = vec![leaf(egraph, AttrValue::Op(op.clone()))];
             children.extend_from_slice(operands);
@@ -389,10 +475,28 @@ impl CostModel {
     pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
         let bytes_in: f64 = operands.iter().map(|s| 4.0 * self.elements(s)).sum();
         let bytes_out = 4.0 * self.elements(out);
+        let last = |s: &Shape| s.last().map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
         let flops = match op {
-            Op::MatMul { .. } | Op::Linear { .. } => {
-                let k = operands.first().and_then(|s| s.last()).map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
-                2.0 * self.elements(out) * k
+            Op::MatMul { .. } => 2.0 * self.elements(out) * operands.first().map_or(1.0, |s| last(s)),
+            Op::Linear { norm, glu, rope, .. } => {
+                let k = operands.first().map_or(1.0, |s| last(s));
+                let rows = self.elements(out) / last(out).max(1.0);
+                let n = last(out);
+                let m = if *glu { 2.0 * n } else { n };
+                let mut f = 2.0 * rows * m * k;
+                // The kernel recomputes the row statistics in every thread of the row.
+                if let Some(p) = norm {
+                    f += rows * n * k * if p.rms { 2.0 } else { 4.0 };
+                }
+                // A rotated column also reduces its partner column.
+                if let Some(r) = rope {
+                    f += 2.0 * rows * r.len as f64 * k;
+                }
+                f
+            }
+            Op::PackedAttention { heads, head_dim, .. } => {
+                let tokens = self.elements(out) / last(out).max(1.0);
+                4.0 * tokens * (*heads * *head_dim) as f64 * self.seq as f64
             }
             Op::Attention { .. } => {
                 let (q, k) = (operands[0], operands[1]);
@@ -417,7 +521,11 @@ impl egg::CostFunction<Kl> for Cost<'_> {
     fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &Kl, mut costs: C) -> f64 {
         let children: f64 = enode.children().iter().map(|&c| costs(c)).sum();
         let Some((op, operands)) = to_op(self.egraph, enode) else { return children };
-        let shapes: Vec<&Shape> = operands.iter().filter_map(|&o| self.egraph[o].data.as_ref().map(|d| &d.0)).collect();
+        if enode_konst(self.egraph, enode) {
+            return children;
+        }
+        let shapes: Vec<&Shape> =
+            operands.iter().filter_map(|&o| self.egraph[o].data.as_ref().map(|d| &d.shape)).collect();
         let out = enode_shape(self.egraph, enode);
         match out {
             Some(out) => children + self.model.node_cost(&op, &shapes, &out),
@@ -433,9 +541,19 @@ fn enode_shape(egraph: &KGraph, enode: &Kl) -> Option<Shape> {
     {
         return Some(shape.clone());
     }
-    let types: Vec<(Shape, DType)> = operands.iter().map(|&o| egraph[o].data.clone()).collect::<Option<_>>()?;
-    let refs: Vec<(&Shape, DType)> = types.iter().map(|(s, t)| (s, *t)).collect();
+    let types: Vec<&Type> = operands.iter().map(|&o| egraph[o].data.as_ref()).collect::<Option<_>>()?;
+    let refs: Vec<(&Shape, DType)> = types.iter().map(|t| (&t.shape, t.dtype)).collect();
     infer(&op, &refs).ok().map(|(s, _)| s)
+}
+
+/// Whether an e-node computes from parameters alone (so it is folded at load time).
+fn enode_konst(egraph: &KGraph, enode: &Kl) -> bool {
+    let Some((op, operands)) = to_op(egraph, enode) else { return false };
+    match op {
+        Op::Param { .. } => true,
+        Op::Input { .. } | Op::Positions { .. } => false,
+        _ => !operands.is_empty() && operands.iter().all(|&o| egraph[o].data.as_ref().is_some_and(|t| t.konst)),
+    }
 }
 
 /// What the optimizer did.
@@ -479,6 +597,13 @@ pub fn optimize_with(
     }
     egraph.rebuild();
     let roots: Vec<Id> = g.outputs.iter().map(|(_, n)| class_of[n]).collect();
+    for n in g.g.node_indices() {
+        let users = g.g.edges_directed(n, petgraph::Direction::Outgoing).count();
+        *egraph.analysis.uses.entry(egraph.find(class_of[&n])).or_default() += users;
+    }
+    for root in &roots {
+        *egraph.analysis.uses.entry(egraph.find(*root)).or_default() += 1;
+    }
 
     let mut report = Report::default();
     for (name, rules) in phases {
@@ -518,11 +643,28 @@ pub fn optimize_with(
     Ok((out, report))
 }
 
-/// Kernel dispatches a graph lowers to (every op but inputs, parameters and reshapes).
+/// Kernel dispatches a graph lowers to: every op but inputs, parameters, reshapes and constants
+/// (ops on parameters alone, folded at load time as the lowering does).
 pub fn dispatches(g: &Graph) -> usize {
-    g.g.node_indices()
-        .filter(|&n| !matches!(g.g[n].op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }))
-        .count()
+    let mut konst = vec![false; g.g.node_count()];
+    let mut count = 0;
+    for n in g.order() {
+        let operands = g.operands(n);
+        let node = &g.g[n];
+        konst[n.index()] = match node.op {
+            Op::Param { .. } => true,
+            Op::Input { .. } | Op::Positions { .. } => false,
+            _ => {
+                !operands.is_empty()
+                    && operands.iter().all(|o| konst[o.index()])
+                    && node.shape.iter().all(|d| matches!(d, Dim::Fixed(_)))
+            }
+        };
+        if !konst[n.index()] && !matches!(node.op, Op::Input { .. } | Op::Reshape { .. }) {
+            count += 1;
+        }
+    }
+    count
 }
 
 /// Turns an extracted term back into graph nodes, sharing identical (op, operands) nodes.
@@ -556,10 +698,13 @@ fn rebuild(
         let n = match built.get(&key) {
             Some(&n) => n,
             None => {
-                out.scope = scopes.get(&egraph.find(id)).cloned().unwrap_or_default();
+                // Ops the rules created take the scope of their first scoped operand.
+                out.scope = scopes.get(&egraph.find(id)).cloned().unwrap_or_else(|| {
+                    operands.iter().map(|&o| out.g[o].scope.clone()).find(|s| !s.is_empty()).unwrap_or_default()
+                });
                 let n = match &op {
                     Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } if operands.is_empty() => {
-                        let (shape, dtype) = egraph[id].data.clone().expect("leaves are typed");
+                        let Type { shape, dtype, .. } = egraph[id].data.clone().expect("leaves are typed");
                         out.g.add_node(Node { op: op.clone(), shape, dtype, scope: out.scope.clone() })
                     }
                     _ => out.add(op.clone(), &operands)?,
@@ -578,40 +723,62 @@ fn rebuild(
 pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
     let node = &g.g[n];
     match &node.op {
-        Op::Linear { act, bias, residual } => {
+        Op::Linear { act, bias, residual, norm, glu, rope } => {
             let mut r = vec!["matmul-to-linear"];
             if *bias {
                 r.push("linear-bias");
             }
-            if act.is_some() {
+            if *glu {
+                r.push("shared-input-merge");
+                r.push(if *bias { "gated-linear-bias" } else { "gated-linear" });
+            } else if act.is_some() {
                 r.push("linear-act");
+            }
+            if rope.is_some() {
+                r.push("shared-input-merge");
+                r.push(if *bias { "attention-packed-rope-bias" } else { "attention-packed-rope" });
             }
             if *residual {
                 r.push("linear-residual");
             }
+            match norm {
+                Some(p) if p.rms => r.push("norm-prologue-rms"),
+                Some(_) => r.push("norm-prologue-ln"),
+                None => {}
+            }
             r
         }
+        Op::PackedAttention { alibi, causal, window, .. } => {
+            let masked = *causal || window.is_some() || g.operands(n).len() > 1;
+            let rope = matches!(g.g[g.operands(n)[0]].op, Op::Linear { rope: Some(_), .. });
+            vec![
+                softmax_rule(masked, *alibi),
+                "attention",
+                "shared-input-merge",
+                if rope { "attention-packed-rope" } else { "attention-packed" },
+            ]
+        }
+        Op::AddNorm { rms, .. } => vec![if *rms { "add-norm-rms" } else { "add-norm-ln" }],
         Op::MaskedSoftmax { alibi, causal, window, .. } => {
             let masked = *causal || window.is_some() || g.operands(n).len() > 1;
-            match (masked, alibi) {
-                (true, false) => vec!["masked-softmax"],
-                (true, true) => vec!["masked-softmax-alibi"],
-                (false, false) => vec!["scaled-softmax"],
-                (false, true) => vec!["scaled-softmax-alibi"],
-            }
+            vec![softmax_rule(masked, *alibi)]
         }
         Op::Attention { alibi, causal, window, .. } => {
             let operands = g.operands(n);
             let masked = *causal || window.is_some() || operands.len() > 3;
-            let softmax = match (masked, alibi) {
-                (true, false) => "masked-softmax",
-                (true, true) => "masked-softmax-alibi",
-                (false, false) => "scaled-softmax",
-                (false, true) => "scaled-softmax-alibi",
-            };
             let gqa = g.g[operands[1]].shape.get(1) != g.g[operands[0]].shape.get(1);
-            vec![softmax, if gqa { "attention-gqa" } else { "attention" }]
+            vec![softmax_rule(masked, *alibi), if gqa { "attention-gqa" } else { "attention" }]
         }
+        Op::Concat { .. } => vec!["shared-input-merge"],
         _ => vec![],
+    }
+}
+
+fn softmax_rule(masked: bool, alibi: bool) -> &'static str {
+    match (masked, alibi) {
+        (true, false) => "masked-softmax",
+        (true, true) => "masked-softmax-alibi",
+        (false, false) => "scaled-softmax",
+        (false, true) => "scaled-softmax-alibi",
     }
 }

@@ -1,5 +1,7 @@
-//! Fusion rules: epilogues into `linear`, scale + mask + softmax into `masked_softmax`, and the whole
-//! attention into `attention`. `a0` = false, `a1` = true, `a2` = no window (see `optimize::FALSE`).
+//! Fusion rules: epilogues into `linear`, scale + mask + softmax into `masked_softmax`, the whole
+//! attention into `attention` (or `packed_attention`, reading a merged Q/K/V projection in place,
+//! with RoPE moved into that projection's epilogue), and gated feed-forward projections.
+//! `a0` = false, `a1` = true, `a2` = no window (see `optimize::FALSE`).
 
 use super::*;
 use egg::rewrite as rw;
@@ -48,5 +50,102 @@ pub fn attention() -> Vec<Rewrite<Kl, KAnalysis>> {
         // the same with grouped key/value heads repeated: the fused kernel indexes kv heads itself
         rw!("attention-gqa";          "(reshape ?r (permute ?p (matmul (masked_softmax ?f ?al ?c ?wn (matmul_t ?q (repeat_heads ?t ?k)) ?m) (repeat_heads ?t ?v))))"
                                    => "(attention ?f ?al ?c ?wn ?q ?k ?v ?m)" if merges_heads("?p", "?q")),
+        // attention over head splits of column slices of one projection = packed attention on it
+        rw!("attention-packed";       "(attention ?f ?al ?c ?wn (permute ?p (reshape ?rq (slice ?sq ?C))) (permute ?p (reshape ?rk (slice ?sk ?C))) (permute ?p (reshape ?rv (slice ?sv ?C))) ?m)"
+                                   => { derive("(packed_attention ?cfg ?C ?m)", packed) }),
+        // the same with RoPE on the query and key heads: the rotation moves into the projection
+        rw!("attention-packed-rope";  "(attention ?f ?al ?c ?wn (rope ?ro (permute ?p (reshape ?rq (slice ?sq (matmul_t ?x ?w))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (matmul_t ?x ?w))))) (permute ?p (reshape ?rv (slice ?sv (matmul_t ?x ?w)))) ?m)"
+                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w none none) ?m)", packed_rope) }),
+        rw!("attention-packed-rope-bias"; "(attention ?f ?al ?c ?wn (rope ?ro (permute ?p (reshape ?rq (slice ?sq (linear none ?x ?w ?b none))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (linear none ?x ?w ?b none))))) (permute ?p (reshape ?rv (slice ?sv (linear none ?x ?w ?b none)))) ?m)"
+                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w ?b none) ?m)", packed_rope) }),
+        // act(x Wg^T) * (x Wu^T), Wg and Wu the halves of one stacked weight = gated linear
+        rw!("gated-linear";           "(mul (act ?k (slice ?s1 (matmul_t ?x ?w))) (slice ?s2 (matmul_t ?x ?w)))"
+                                   => { derive("(xlinear ?cfg ?x none none ?w none none)", gated) }),
+        rw!("gated-linear-bias";      "(mul (act ?k (slice ?s1 (linear none ?x ?w ?b none))) (slice ?s2 (linear none ?x ?w ?b none)))"
+                                   => { derive("(xlinear ?cfg ?x none none ?w ?b none)", gated) }),
     ]
+}
+
+/// Columns `start .. start + heads * head_dim` of the last axis, split as heads by the reshape:
+/// `(start, heads)` when `?s` slices the last axis and `?r` splits it into `[.., heads, head_dim]`.
+fn heads_of(egraph: &KGraph, s: &Subst, slice: &str, reshape: &str, head_dim: usize) -> Option<(usize, usize)> {
+    let Op::Slice { axis, start, len } = op_of(egraph, s, slice)? else { return None };
+    let Op::Reshape { shape: r } = op_of(egraph, s, reshape)? else { return None };
+    // The reshape splits the sliced (last) axis into [heads, head_dim].
+    let ok = r.len() == axis + 2
+        && r.get(axis + 1) == Some(&Dim::Fixed(head_dim))
+        && r.get(*axis) == Some(&Dim::Fixed(len / head_dim.max(1)))
+        && len % head_dim.max(1) == 0;
+    ok.then_some((*start, len / head_dim))
+}
+
+/// The packed attention configuration of an `attention-packed*` match, if the three slices are
+/// head splits of one `[b, s, width]` projection (a self-attention: one tensor, one sequence).
+fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
+    let Op::Permute { perm } = op_of(egraph, s, "?p")? else { return None };
+    let Op::Reshape { shape: rq } = op_of(egraph, s, "?rq")? else { return None };
+    let Some(Dim::Fixed(head_dim)) = rq.last().copied() else { return None };
+    if perm != &[0, 2, 1, 3] || head_dim > crate::lower::wgsl::MAX_ATTENTION_HEAD_DIM {
+        return None;
+    }
+    let (q, heads) = heads_of(egraph, s, "?sq", "?rq", head_dim)?;
+    let (k, kv_heads) = heads_of(egraph, s, "?sk", "?rk", head_dim)?;
+    let (v, kv2) = heads_of(egraph, s, "?sv", "?rv", head_dim)?;
+    if kv2 != kv_heads || kv_heads == 0 || heads % kv_heads != 0 {
+        return None;
+    }
+    let AttrValue::F(scale) = attr_of(egraph, s, "?f")? else { return None };
+    let (AttrValue::Bool(alibi), AttrValue::Bool(causal), AttrValue::Window(window)) =
+        (attr_of(egraph, s, "?al")?, attr_of(egraph, s, "?c")?, attr_of(egraph, s, "?wn")?)
+    else {
+        return None;
+    };
+    Some(Op::PackedAttention {
+        scale: *scale,
+        alibi: *alibi,
+        causal: *causal,
+        window: *window,
+        heads,
+        kv_heads,
+        head_dim,
+        q,
+        k,
+        v,
+    })
+}
+
+fn packed(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    Some(vec![("?cfg", AttrValue::Op(packed_config(egraph, s)?))])
+}
+
+/// As [`packed`], plus the projection rotating the query and key columns, which must be adjacent.
+fn packed_rope(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let cfg = packed_config(egraph, s)?;
+    let Op::PackedAttention { heads, kv_heads, head_dim, q, k, .. } = cfg else { return None };
+    let Op::Rope { theta, rotary_dim, style } = op_of(egraph, s, "?ro")? else { return None };
+    let (start, len) = if k == q + heads * head_dim {
+        (q, (heads + kv_heads) * head_dim)
+    } else if q == k + kv_heads * head_dim {
+        (k, (heads + kv_heads) * head_dim)
+    } else {
+        return None;
+    };
+    let rope = crate::graph::RopeCols { theta: *theta, rotary_dim: *rotary_dim, style: *style, head_dim, start, len };
+    let lin = Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) };
+    Some(vec![("?cfg", AttrValue::Op(cfg)), ("?lin", AttrValue::Op(lin))])
+}
+
+/// A gated projection when `?s1` is the first and `?s2` the second half of `?w`'s rows.
+fn gated(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let (Op::Slice { axis: a1, start: 0, len: n1 }, Op::Slice { axis: a2, start, len: n2 }) =
+        (op_of(egraph, s, "?s1")?, op_of(egraph, s, "?s2")?)
+    else {
+        return None;
+    };
+    let w = fixed(shape(egraph, s[var("?w")])?)?;
+    let x = shape(egraph, s[var("?x")])?;
+    let ok = a1 == a2 && *a1 + 1 == x.len() && n1 == n2 && start == n1 && w.len() == 2 && w[0] == 2 * n1;
+    let AttrValue::Act(act) = attr_of(egraph, s, "?k")? else { return None };
+    let lin = Op::Linear { act: Some(*act), bias: false, residual: false, norm: None, glu: true, rope: None };
+    ok.then(|| vec![("?cfg", AttrValue::Op(lin))])
 }

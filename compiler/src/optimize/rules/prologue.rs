@@ -1,0 +1,85 @@
+//! Norms folded into what follows them: into the prologue of the projections that read the
+//! normalised rows, or into the residual add before them. Whether a fold pays is the cost
+//! model's decision (the fused projection recomputes the row statistics).
+
+use super::*;
+use crate::graph::Prologue;
+use egg::rewrite as rw;
+
+/// A projection `?a`/`?cfg` with the norm of epsilon `?e` in its prologue.
+fn with_norm(egraph: &KGraph, s: &Subst, rms: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    let eps = scalar_of(egraph, s, "?e")?;
+    let (act, glu, rope) = if s.get(var("?cfg")).is_some() {
+        match op_of(egraph, s, "?cfg")? {
+            Op::Linear { act, norm: None, glu, rope, .. } => (*act, *glu, *rope),
+            _ => return None,
+        }
+    } else if is_none(egraph, s, "?a") {
+        (None, false, None)
+    } else {
+        match attr_of(egraph, s, "?a")? {
+            AttrValue::Act(a) => (Some(*a), false, None),
+            _ => return None,
+        }
+    };
+    let norm = Some(Prologue { rms, eps, bias: false });
+    let lin = Op::Linear { act, bias: false, residual: false, norm, glu, rope };
+    Some(vec![("?lin", AttrValue::Op(lin))])
+}
+
+fn rms(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    with_norm(egraph, s, true)
+}
+
+fn layer(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    with_norm(egraph, s, false)
+}
+
+/// The `add_norm` op of a norm with epsilon `?e`.
+fn add_norm(egraph: &KGraph, _: Id, s: &Subst, rms: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    let eps = scalar_of(egraph, s, "?e")?;
+    Some(vec![("?cfg", AttrValue::Op(Op::AddNorm { rms, eps }))])
+}
+
+#[rustfmt::skip]
+pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
+    vec![
+        // linear(rms_norm(h, g), W, ...) = linear with the norm in its prologue
+        rw!("norm-prologue-rms";   "(linear ?a (rms_norm ?e ?h ?g) ?w ?b ?r)"
+                                => { derive("(xlinear ?lin ?h ?g none ?w ?b ?r)", rms) }),
+        rw!("norm-prologue-rms-x"; "(xlinear ?cfg (rms_norm ?e ?h ?g) none none ?w ?b ?r)"
+                                => { derive("(xlinear ?lin ?h ?g none ?w ?b ?r)", rms) }),
+        // linear(layer_norm(h, g, beta), W, ...) = linear with the norm in its prologue
+        rw!("norm-prologue-ln";    "(linear ?a (layer_norm ?e ?h ?g ?nb) ?w ?b ?r)"
+                                => { derive("(xlinear ?lin ?h ?g ?nb ?w ?b ?r)", layer) }),
+        rw!("norm-prologue-ln-x";  "(xlinear ?cfg (layer_norm ?e ?h ?g ?nb) none none ?w ?b ?r)"
+                                => { derive("(xlinear ?lin ?h ?g ?nb ?w ?b ?r)", layer) }),
+        // rms_norm(a + b) = add_norm(a, b)             (the sum read by nothing else)
+        rw!("add-norm-rms";        "(rms_norm ?e (add ?a ?b) ?g)"
+                                => { derive("(add_norm ?cfg ?a ?b ?g none)", |e, i, s| add_norm(e, i, s, true)) }
+                                   if sum_single_use()),
+        // layer_norm(a + b) = add_norm(a, b)
+        rw!("add-norm-ln";         "(layer_norm ?e (add ?a ?b) ?g ?nb)"
+                                => { derive("(add_norm ?cfg ?a ?b ?g ?nb)", |e, i, s| add_norm(e, i, s, false)) }
+                                   if sum_single_use()),
+    ]
+}
+
+/// The sum `?a + ?b` the matched norm reads has no other consumer.
+fn sum_single_use() -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
+    let (a, b) = (var("?a"), var("?b"));
+    move |egraph, id, subst| {
+        let sums = egraph[id].nodes.iter().filter_map(|n| match n {
+            Kl::RmsNorm([_, x, _]) | Kl::LayerNorm([_, x, _, _]) => Some(*x),
+            _ => None,
+        });
+        let wanted = (egraph.find(subst[a]), egraph.find(subst[b]));
+        sums.into_iter().any(|x| {
+            let is_sum = egraph[x]
+                .nodes
+                .iter()
+                .any(|n| matches!(n, Kl::Add([p, q]) if (egraph.find(*p), egraph.find(*q)) == wanted));
+            is_sum && egraph.analysis.uses.get(&egraph.find(x)).copied() == Some(1)
+        })
+    }
+}
