@@ -13,6 +13,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod bench;
+
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
 struct Cli {
@@ -86,6 +88,34 @@ enum Command {
         /// Run the graph as built, without the e-graph optimizer.
         #[arg(long)]
         no_optimize: bool,
+    },
+    /// Measure (never a test): forward time of a spec unoptimized vs optimized on wgpu, side by
+    /// side; or the optimizer's time at several depths; or the cost model's constants.
+    Bench {
+        /// The spec (random weights). Default: a GPT-2-small-sized decoder.
+        #[arg(default_value = "benches/specs/gpt2-small.toml")]
+        spec: PathBuf,
+        /// Tokens per sequence.
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Sequences per batch.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Timed runs per variant (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Instead: time the optimizer on the spec at these depths (`--optimize-layers 30,96`).
+        #[arg(long, value_delimiter = ',')]
+        optimize_layers: Vec<u32>,
+        /// Instead: measure the cost model's constants on the adapter.
+        #[arg(long)]
+        calibrate: bool,
+        /// GPU adapter (as for `run`).
+        #[arg(long)]
+        adapter: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -321,6 +351,18 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name}: {}{:?}", t.dtype(), t.shape);
             }
             println!("wrote {}", output.display());
+        }
+        Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, adapter, json } => {
+            if calibrate {
+                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+                return bench::calibrate(gpu, json);
+            }
+            let (source, fe) = read_spec(&spec)?;
+            if !optimize_layers.is_empty() {
+                return bench::optimize_time(&source, &spec.display().to_string(), &optimize_layers, json);
+            }
+            let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+            bench::forward(&fe, gpu, batch, seq, runs, json)?;
         }
     }
     Ok(())

@@ -129,6 +129,7 @@ pub struct Prologue {
 
 /// RoPE applied to output columns `start .. start + len` of rows `[.., seq, n]`, taken as heads of
 /// `head_dim` columns, each rotated as [`Op::Rope`] rotates a head at the row's sequence position.
+/// `start` and `n` are even (the kernel computes the columns in pairs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct RopeCols {
     /// Base of the frequencies.
@@ -869,6 +870,8 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                     && r.rotary_dim <= r.head_dim
                     && r.len % r.head_dim == 0
                     && r.start + r.len <= n
+                    && r.start % 2 == 0
+                    && n % 2 == 0
                     && out.len() >= 3;
                 if !ok {
                     return Err(format!(

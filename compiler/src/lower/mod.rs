@@ -313,8 +313,11 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
         // One thread per output element: n = output columns, k = the reduced axis, then the
         // sequence length and the first position (RoPE epilogue).
-        Op::Linear { .. } => {
-            vec![total, last(out), last(&operands[0]), out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1), 0]
+        // A rotated projection runs one thread per pair of columns.
+        Op::Linear { rope, .. } => {
+            let threads = if rope.is_some() { total / 2 } else { total };
+            let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
+            vec![threads, last(out), last(&operands[0]), seq, 0]
         }
         // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {

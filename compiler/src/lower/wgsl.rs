@@ -485,43 +485,51 @@ fn linear_body(
         let gate = act.map_or("y0".to_string(), |a| activation(a, "y0"));
         s += &format!("var y = ({gate}) * y1;\n");
     } else if let Some(r) = rope {
-        let (half, partner, sign, freq) = match r.style {
-            PairStyle::RotateHalf => (
-                format!("{}u", r.rotary_dim / 2),
-                "select(col - half, col + half, j < half)",
-                "select(1.0, -1.0, j < half)",
-                "j % half",
-            ),
-            PairStyle::Interleaved => (
-                format!("{}u", r.rotary_dim / 2),
-                "select(col - 1u, col + 1u, (j % 2u) == 0u)",
-                "select(1.0, -1.0, (j % 2u) == 0u)",
-                "j / 2u",
-            ),
+        // Rotated projections run one thread per *pair* of output columns (the two halves of a
+        // rotation, or two adjacent columns elsewhere), so each rotation reads both of its inputs
+        // from the same thread's registers.
+        let (p0, p1) = match r.style {
+            PairStyle::RotateHalf => ("base + t", format!("base + t + {}u", r.rotary_dim / 2)),
+            PairStyle::Interleaved => ("base + 2u * t", "base + 2u * t + 1u".to_string()),
         };
-        s += &format!(
-            "let half = {half};\nlet j = (col - min(col, {start}u)) % {hd}u;\n\
-             let rot = col >= {start}u && col < {end}u && j < {rd}u;\nlet c1 = select(col, {partner}, rot);\n",
+        let mut t = format!(
+            "let n = dim(1u);\nlet k = dim(2u);\nlet unit = i % (n / 2u);\nlet row = i / (n / 2u);\nlet a0 = row * k;\n\
+             var c0 = 2u * unit;\nvar c1 = c0 + 1u;\nvar rot = false;\nvar t = 0u;\n\
+             if (c0 >= {start}u && c0 < {end}u) {{\n    let rel = unit - {half_start}u;\n    \
+             let base = {start}u + (rel / {half_hd}u) * {hd}u;\n    t = rel % {half_hd}u;\n    \
+             if (t < {half_rd}u) {{\n        rot = true;\n        c0 = {p0};\n        c1 = {p1};\n    }} else {{\n        \
+             c0 = base + {rd}u + 2u * (t - {half_rd}u);\n        c1 = c0 + 1u;\n    }}\n}}\n",
             start = r.start,
             end = r.start + r.len,
+            half_start = r.start / 2,
+            half_hd = r.head_dim / 2,
             hd = r.head_dim,
+            half_rd = r.rotary_dim / 2,
             rd = r.rotary_dim,
         );
-        s += &format!("if (rot) {{\n    {}}} else {{\n    {}}}\n", two, one);
-        s += &bias0;
+        // `s` so far holds the norm statistics and the accumulators; keep them after the header.
+        let stats = s.split_once("let a0 = row * k;\n").map(|(_, rest)| rest.to_string()).unwrap_or_default();
+        t += &stats;
+        s = t;
+        s += &two.replace("col * k", "c0 * k");
+        s += &bias0.replace("[col]", "[c0]");
         s += &bias1;
-        s += "var y = y0;\n";
         if let Some(a) = act {
-            s += &format!("y = {};\n", activation(a, "y"));
+            s += &format!("y0 = {};\n", activation(a, "y0"));
             s += &format!("y1 = {};\n", activation(a, "y1"));
         }
         s += &format!(
             "if (rot) {{\n    let pos = f32(row % dim(3u) + dim(4u));\n    \
-             let angle = pos / pow({}, f32(2u * ({freq})) / {}.0);\n    \
-             y = y * cos(angle) + {sign} * y1 * sin(angle);\n}}\n",
+             let angle = pos / pow({}, f32(2u * t) / {}.0);\n    let c = cos(angle);\n    let sn = sin(angle);\n    \
+             let r0 = y0 * c - y1 * sn;\n    y1 = y1 * c + y0 * sn;\n    y0 = r0;\n}}\n",
             lit(r.theta.0),
             r.rotary_dim
         );
+        if residual {
+            s += &format!("y0 = y0 + {r}[row * n + c0];\ny1 = y1 + {r}[row * n + c1];\n", r = format!("in{}", wi + 1 + usize::from(bias)));
+        }
+        s += "out[row * n + c0] = y0;\nout[row * n + c1] = y1;";
+        return s;
     } else {
         s += &one;
         s += &bias0;

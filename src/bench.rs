@@ -1,0 +1,188 @@
+//! `kiln bench`: measurements, never tests. Every figure is taken side by side in one process
+//! (variants interleaved run by run) and reported with the adapter it ran on; ratios between
+//! variants are the numbers to quote, since absolute times on shared machines are noisy.
+
+use anyhow::{Context, Result, bail};
+use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
+use kiln_compiler::lower::lower;
+use kiln_compiler::optimize::{self, CostModel};
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::{FrontEnd, interp};
+use kiln_runtime::{Gpu, GpuModel};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Median of a few timings, in milliseconds.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn time_ms(f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// One compiled variant of a model.
+struct Variant {
+    name: &'static str,
+    model: GpuModel,
+    dispatches: usize,
+    kernels: usize,
+}
+
+/// Forward time of a spec, unoptimized and optimized, at `batch` x `seq`, with random weights.
+pub fn forward(fe: &FrontEnd, gpu: Arc<Gpu>, batch: usize, seq: usize, runs: usize, json: bool) -> Result<()> {
+    let t = Instant::now();
+    let (optimized, report) = optimize::optimize(&fe.graph)?;
+    let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
+    let params = interp::random_params(&fe.graph, 1);
+    let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq);
+    let mut variants = Vec::new();
+    for (name, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
+        let plan = lower(graph)?;
+        let (dispatches, kernels) = (plan.steps.len(), plan.kernels.len());
+        let model = GpuModel::new(gpu.clone(), plan, &params)?;
+        model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
+        variants.push(Variant { name, model, dispatches, kernels });
+    }
+    // Interleave the variants so drift in the machine's speed affects both alike.
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for _ in 0..runs.max(1) {
+        for (v, t) in variants.iter().zip(&mut times) {
+            t.push(time_ms(|| v.model.run(&inputs).map(|_| ()).map_err(Into::into))?);
+        }
+    }
+    let ms: Vec<f64> = times.into_iter().map(median).collect();
+    let speedup = ms[0] / ms[1];
+    if json {
+        let rows: Vec<serde_json::Value> = variants
+            .iter()
+            .zip(&ms)
+            .map(|(v, ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms}))
+            .collect();
+        let out = serde_json::json!({
+            "model": fe.graph.name, "adapter": gpu.describe(), "batch": batch, "seq": seq, "runs": runs,
+            "optimize_ms": optimize_ms, "egraph_nodes": report.egraph_nodes, "variants": rows, "speedup": speedup,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("{} at batch {batch}, seq {seq} on {} (median of {runs})", fe.graph.name, gpu.describe());
+        println!("  {:<12} {:>10} {:>8} {:>12}", "variant", "dispatches", "kernels", "forward ms");
+        for (v, ms) in variants.iter().zip(&ms) {
+            println!("  {:<12} {:>10} {:>8} {:>12.2}", v.name, v.dispatches, v.kernels, ms);
+        }
+        println!("  speedup {speedup:.2}x; optimized in {optimize_ms:.1} ms");
+    }
+    Ok(())
+}
+
+/// Optimize time of a spec and of copies of it `layers` deep (the rest of the spec unchanged).
+pub fn optimize_time(spec_source: &str, path: &str, depths: &[u32], json: bool) -> Result<()> {
+    let mut rows = Vec::new();
+    for &layers in depths {
+        let mut doc: toml::Table = toml::from_str(spec_source).context("the spec is not TOML")?;
+        let Some(toml::Value::Table(model)) = doc.get_mut("model") else { bail!("the spec has no [model] table") };
+        model.insert("layers".into(), toml::Value::Integer(layers.into()));
+        let text = toml::to_string(&doc)?;
+        let fe = kiln_compiler::front_end(path, &text)?;
+        let t = Instant::now();
+        let (_, report) = optimize::optimize(&fe.graph)?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        rows.push((layers, ms, report.egraph_nodes, report.dispatches));
+    }
+    if json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(l, ms, n, d)| serde_json::json!({"layers": l, "optimize_ms": ms, "egraph_nodes": n, "dispatches": {"unoptimized": d.0, "optimized": d.1}}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("  {:>6} {:>12} {:>12} {:>22}", "layers", "optimize ms", "e-nodes", "dispatches");
+        for (l, ms, n, d) in rows {
+            println!("  {l:>6} {ms:>12.1} {n:>12} {:>22}", format!("{} -> {}", d.0, d.1));
+        }
+    }
+    Ok(())
+}
+
+/// A graph `ids -> gather -> op chain -> one column`, for timing one kind of kernel: the gather
+/// and the final slice are the only other dispatches.
+fn chain(d: usize, ops: &[(Op, Option<Vec<usize>>)]) -> Graph {
+    let mut g = Graph::new("calibrate");
+    let ids = g
+        .add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[])
+        .expect("an input has no operands");
+    let table = g.param("table", &[16, d]);
+    let mut x = g.add(Op::Gather, &[table, ids]).expect("gather types");
+    for (k, (op, weight)) in ops.iter().enumerate() {
+        let mut operands = vec![x];
+        if let Some(shape) = weight {
+            operands.push(g.param(&format!("w{k}"), shape));
+        }
+        x = g.add(op.clone(), &operands).expect("calibration ops type");
+    }
+    // Read back one column only, so the copy to the host does not enter the timings.
+    let y = g.add(Op::Slice { axis: 2, start: 0, len: 1 }, &[x]).expect("slice types");
+    g.outputs.push(("y".into(), y));
+    g
+}
+
+/// Times the forward of `g` at `seq` tokens (median of `runs`), in milliseconds.
+fn time_graph(gpu: &Arc<Gpu>, g: &Graph, seq: usize, runs: usize) -> Result<f64> {
+    let params = interp::random_params(g, 2);
+    let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
+    let inputs = HashMap::from([("input_ids".to_string(), ids)]);
+    let model = GpuModel::new(gpu.clone(), lower(g)?, &params)?;
+    model.run(&inputs)?;
+    let mut t = Vec::new();
+    for _ in 0..runs {
+        t.push(time_ms(|| model.run(&inputs).map(|_| ()).map_err(Into::into))?);
+    }
+    Ok(median(t))
+}
+
+/// Measures the cost model's constants on an adapter: the time of one dispatch, of one byte
+/// moved by a memory-bound kernel, and of one FLOP of a projection, each as the difference
+/// between two runs that differ only in that quantity. Prints them in the cost model's unit (one
+/// byte moved) next to the defaults.
+pub fn calibrate(gpu: Arc<Gpu>, json: bool) -> Result<()> {
+    let runs = 5;
+    let scale = || (Op::Scale { factor: Scalar(1.0001) }, None);
+    // Dispatch: 201 vs 1 scale of 64 floats.
+    let small = |n: usize| chain(64, &vec![scale(); n]);
+    let t_dispatch = (time_graph(&gpu, &small(201), 1, runs)? - time_graph(&gpu, &small(1), 1, runs)?) / 200.0;
+    // Bytes: 8 scales of 4096 x 1024 floats vs of 64 x 1024 (8 B moved per element).
+    let wide = |seq: usize| (chain(1024, &vec![scale(); 8]), seq);
+    let (g, big) = wide(4096);
+    let t_big = time_graph(&gpu, &g, big, runs)?;
+    let (g, little) = wide(64);
+    let t_little = time_graph(&gpu, &g, little, runs)?;
+    let t_byte = (t_big - t_little) / (8.0 * 8.0 * 1024.0 * (big - little) as f64);
+    // FLOPs: a projection 512 -> 512 at 256 vs 32 rows.
+    let lin = chain(512, &[(Op::linear(None, false, false), Some(vec![512, 512]))]);
+    let (t_256, t_32) = (time_graph(&gpu, &lin, 256, runs)?, time_graph(&gpu, &lin, 32, runs)?);
+    let t_flop = (t_256 - t_32) / (2.0 * 512.0 * 512.0 * (256 - 32) as f64);
+    let dispatch = t_dispatch / t_byte;
+    let flop = t_flop / t_byte;
+    let default = CostModel::default();
+    if json {
+        let out = serde_json::json!({
+            "adapter": gpu.describe(),
+            "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
+            "measured": {"dispatch": dispatch, "flop": flop},
+            "default": {"dispatch": default.dispatch, "flop": default.flop},
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("cost model calibration on {} (medians of {runs})", gpu.describe());
+        println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
+        println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
+        println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
+        println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}");
+        println!("  defaults:  dispatch = {:.0}  flop = {:.3}", default.dispatch, default.flop);
+    }
+    Ok(())
+}
