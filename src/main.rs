@@ -68,7 +68,8 @@ enum Command {
     Run {
         /// A spec (TOML, compiled in memory) or an artifact from `kiln compile`.
         model: PathBuf,
-        /// Checkpoint (safetensors) holding the weights under the names the spec's weight map gives.
+        /// Checkpoint (safetensors, or GGUF: detected by its magic or a `.gguf` name) holding the
+        /// weights under the names the spec's weight map gives.
         #[arg(long)]
         weights: PathBuf,
         /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,

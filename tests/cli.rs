@@ -1,6 +1,8 @@
 //! The `kiln` command line, end to end: what each command prints, and that bad input gives a
 //! specific message and a non-zero exit code, never a panic.
 
+mod common;
+
 use kiln_compiler::tensor::Tensor;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -191,6 +193,46 @@ fn corrupt_weight_files_are_reported() {
     std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
     run_gpt2_with(&garbage, &["is not a valid safetensors file"]);
     run_gpt2_with(&dir.join("missing.safetensors"), &["cannot read"]);
+    let gguf = dir.join("truncated.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\0\0\0\x01").unwrap();
+    run_gpt2_with(&gguf, &["truncated.gguf", "truncated file: tensor count at byte 8 needs 8 bytes"]);
+    let renamed = dir.join("renamed.gguf");
+    std::fs::write(&renamed, &bytes).unwrap();
+    run_gpt2_with(&renamed, &["renamed.gguf", "a GGUF file starts with \"GGUF\""]);
+}
+
+/// `kiln run` takes a GGUF checkpoint like a safetensors one: SmolLM2 (Q4_1, tied head) through
+/// the optimizer and the interpreter on the first prompt tokens, against transformers.
+#[test]
+fn run_reads_gguf_weights() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let reference =
+        kiln_runtime::read_tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors")).unwrap();
+    let prompt = reference["prompt_ids"].as_i64().unwrap();
+    let n = 4;
+    let dir = scratch("gguf");
+    let inputs = dir.join("inputs.safetensors");
+    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), Tensor::i64(vec![1, n], prompt[..n].to_vec()))])
+        .unwrap();
+    let out = dir.join("out.safetensors");
+    let o = kiln(&[
+        "run",
+        "models/smollm2-135m.toml",
+        "--weights",
+        s(&weights),
+        "--inputs",
+        s(&inputs),
+        "--output",
+        s(&out),
+        "--backend",
+        "interp",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let logits = &kiln_runtime::read_tensors(&out).unwrap()["logits"];
+    assert_eq!(logits.shape, [1, n, 49152]);
+    let first = Tensor::f32(vec![49152], logits.as_f32().unwrap()[..49152].to_vec());
+    let err = first.max_abs_diff(&reference["first_logits"]);
+    assert!(err <= 1e-3, "first_logits differ by {err}");
 }
 
 /// Runs the GPT-2 fixture on the given input tensors and expects failure with `needles`.

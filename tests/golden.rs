@@ -149,3 +149,34 @@ fn minilm_matches_sentence_transformers() {
     }
     assert_eq!(compared, 2, "last_hidden_state and sentence_embedding are both compared");
 }
+
+/// The largest absolute error allowed against transformers on the GGUF model: both sides
+/// dequantize the same blocks to f32, but 30 layers of f32 arithmetic in a different order add up.
+const SMOLLM2_TOLERANCE: f32 = 1e-3;
+
+/// SmolLM2-135M-Instruct from llama.cpp's GGUF (Q4_1 matrices, Q8_0 embedding, tied head) against
+/// transformers' GGUF loader: logits at the first and the last prompt position.
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let fe = spec("smollm2-135m");
+    let start = std::time::Instant::now();
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
+    println!("smollm2-135m: weights loaded in {:.1?}", start.elapsed());
+    let reference = tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors"));
+    let ids = &reference["prompt_ids"];
+    let start = std::time::Instant::now();
+    let inputs = HashMap::from([("input_ids".to_string(), ids.clone())]);
+    let outputs = interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}"));
+    println!("smollm2-135m: {} positions in {:.1?}", ids.len(), start.elapsed());
+    let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("decoder has logits").1;
+    let values = logits.as_f32().expect("f32 logits");
+    let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
+    let positions = values.len() / vocab;
+    for (name, position) in [("first_logits", 0), ("last_logits", positions - 1)] {
+        let got = Tensor::f32(vec![vocab], values[position * vocab..(position + 1) * vocab].to_vec());
+        let err = got.max_abs_diff(&reference[name]);
+        println!("smollm2-135m: {name} max abs error {err:e}");
+        assert!(err <= SMOLLM2_TOLERANCE, "smollm2-135m: `{name}` differs by {err}");
+    }
+}

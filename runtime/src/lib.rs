@@ -1,10 +1,13 @@
 //! kiln-runtime: loading weights and inputs, and executing compiled models.
 //!
-//! Today the runtime reads checkpoints (safetensors) through a spec's weight map and reads/writes
-//! tensor files; execution goes through the compiler's reference interpreter.
+//! The runtime reads checkpoints (safetensors or GGUF) through a spec's weight map, reads and
+//! writes tensor files, and executes compiled plans on wgpu.
 #![warn(missing_docs)]
 
+pub mod gguf;
 pub mod weights;
+
+pub use gguf::{Gguf, GgufError};
 
 pub use weights::{Checkpoint, WeightError, load_params, read_tensors, write_tensors};
 

@@ -1,10 +1,12 @@
-//! Checkpoint loading: safetensors files -> graph parameters, through the spec's weight map.
+//! Checkpoint loading: safetensors or GGUF files -> graph parameters, through the spec's weight
+//! map.
 //!
 //! For every parameter of the graph the weight map names a checkpoint tensor; the tensor is
 //! converted to f32, transposed if stored `[in, out]`, cut out of a packed tensor if it is one part
 //! of one, put back in rotate-half row order if it comes from llama.cpp, and checked against the
 //! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
 
+use crate::gguf::{self, Gguf, GgufError};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{Pack, PackDims, PackPart, Resolved, Source, WeightMap};
 use kiln_compiler::tensor::Tensor;
@@ -30,6 +32,15 @@ pub enum WeightError {
         path: PathBuf,
         /// The parser's message.
         message: String,
+    },
+    /// The file is not a valid GGUF file, or holds a tensor kiln cannot convert. (The cause is
+    /// part of the message, not an error `source`, so error chains do not print it twice.)
+    #[error("`{path}`: {error}")]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        error: GgufError,
     },
     /// A tensor the weight map names is not in the file.
     #[error("tensor `{tensor}` (for parameter `{param}`) is not in `{path}`{}", nearest_hint(.nearest))]
@@ -81,48 +92,74 @@ fn nearest_hint(nearest: &[String]) -> String {
     if nearest.is_empty() { String::new() } else { format!("; nearest names in the file: {}", nearest.join(", ")) }
 }
 
-/// A safetensors file read into memory.
+/// A checkpoint read into memory: a safetensors or a GGUF file.
 pub struct Checkpoint {
     path: PathBuf,
-    bytes: Vec<u8>,
+    format: Format,
+}
+
+enum Format {
+    /// The file's bytes, whose header was validated in `open`.
+    Safetensors(Vec<u8>),
+    Gguf(Gguf),
 }
 
 impl Checkpoint {
-    /// Reads and validates the file's header.
+    /// Reads the file and validates its header. A file that starts with `GGUF` or is named
+    /// `*.gguf` is read as GGUF, any other as safetensors.
     pub fn open(path: &Path) -> Result<Self, WeightError> {
         let bytes = std::fs::read(path).map_err(|source| WeightError::Io { path: path.into(), source })?;
-        SafeTensors::deserialize(&bytes)
-            .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
-        Ok(Checkpoint { path: path.into(), bytes })
+        let is_gguf = gguf::sniff(&bytes) || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        let format = if is_gguf {
+            Format::Gguf(Gguf::parse(bytes).map_err(|error| WeightError::Gguf { path: path.into(), error })?)
+        } else {
+            SafeTensors::deserialize(&bytes)
+                .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
+            Format::Safetensors(bytes)
+        };
+        Ok(Checkpoint { path: path.into(), format })
     }
 
-    fn tensors(&self) -> SafeTensors<'_> {
-        SafeTensors::deserialize(&self.bytes).expect("validated in open")
+    fn safetensors(bytes: &[u8]) -> SafeTensors<'_> {
+        SafeTensors::deserialize(bytes).expect("validated in open")
+    }
+
+    /// The parsed GGUF file (metadata, tokenizer, raw quantized tensors), if this is one.
+    pub fn gguf(&self) -> Option<&Gguf> {
+        match &self.format {
+            Format::Gguf(g) => Some(g),
+            Format::Safetensors(_) => None,
+        }
     }
 
     /// Names of every tensor in the file, sorted.
     pub fn names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.tensors().names().into_iter().map(str::to_string).collect();
+        let mut names: Vec<String> = match &self.format {
+            Format::Safetensors(bytes) => Self::safetensors(bytes).names().into_iter().map(str::to_string).collect(),
+            Format::Gguf(g) => g.tensors().iter().map(|t| t.name().to_string()).collect(),
+        };
         names.sort();
         names
     }
 
-    /// A tensor converted to f32 (floats) or i64 (integers and booleans).
+    /// A tensor converted to f32 (floats, dequantized blocks) or i64 (integers and booleans), in
+    /// row-major shape.
     pub fn get(&self, name: &str) -> Option<Result<Tensor, WeightError>> {
-        let st = self.tensors();
-        let view = st.tensor(name).ok()?;
-        Some(convert(name, view.dtype(), view.shape(), view.data()))
+        match &self.format {
+            Format::Safetensors(bytes) => {
+                let st = Self::safetensors(bytes);
+                let view = st.tensor(name).ok()?;
+                Some(convert(name, view.dtype(), view.shape(), view.data()))
+            }
+            Format::Gguf(g) => {
+                Some(g.tensor(name)?.map_err(|error| WeightError::Gguf { path: self.path.clone(), error }))
+            }
+        }
     }
 
     /// Every tensor of the file, converted.
     pub fn all(&self) -> Result<HashMap<String, Tensor>, WeightError> {
-        self.names()
-            .into_iter()
-            .map(|n| {
-                let t = self.get(&n).expect("listed name exists")?;
-                Ok((n, t))
-            })
-            .collect()
+        self.names().into_iter().filter_map(|n| Some(self.get(&n)?.map(|t| (n, t)))).collect()
     }
 
     /// The checkpoint's path.
@@ -367,7 +404,7 @@ fn unpermute_rope(t: &Tensor, hd: usize) -> Option<Tensor> {
     Some(Tensor::f32(t.shape.clone(), out))
 }
 
-/// Reads every tensor of a safetensors file (inputs for `kiln run`).
+/// Reads every tensor of a safetensors (or GGUF) file (inputs for `kiln run`).
 pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>, WeightError> {
     Checkpoint::open(path)?.all()
 }
