@@ -526,7 +526,10 @@ fn linear_body(
             r.rotary_dim
         );
         if residual {
-            s += &format!("y0 = y0 + {r}[row * n + c0];\ny1 = y1 + {r}[row * n + c1];\n", r = format!("in{}", wi + 1 + usize::from(bias)));
+            s += &format!(
+                "y0 = y0 + {r}[row * n + c0];\ny1 = y1 + {r}[row * n + c1];\n",
+                r = format!("in{}", wi + 1 + usize::from(bias))
+            );
         }
         s += "out[row * n + c0] = y0;\nout[row * n + c1] = y1;";
         return s;
