@@ -261,6 +261,9 @@ fn run(cli: Cli) -> Result<()> {
                     );
                     println!("  e-graph       {} nodes, {} classes", report.egraph_nodes, report.egraph_classes);
                     println!("  optimize      {:.1} ms", report.optimize_ms);
+                    for (phase, iterations, why) in &report.phases {
+                        println!("  phase {phase:<10} {iterations} iterations ({why})");
+                    }
                     for (rule, n) in &report.applied {
                         println!("  rule {rule:<22} fired {n}x");
                     }

@@ -18,7 +18,7 @@ use crate::spec::Activation;
 use crate::tensor::DType;
 use egg::{Analysis, DidMerge, EGraph, Id, Language, RecExpr, Runner};
 use petgraph::graph::NodeIndex;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
@@ -516,7 +516,7 @@ impl CostModel {
 struct Cost<'a> {
     egraph: &'a KGraph,
     model: &'a CostModel,
-    shared: std::collections::HashSet<Id>,
+    shared: HashSet<Id>,
 }
 
 impl egg::CostFunction<Kl> for Cost<'_> {
@@ -575,7 +575,7 @@ pub struct Report {
     pub egraph_nodes: usize,
     /// E-classes at the end.
     pub egraph_classes: usize,
-    /// Iterations per phase, with the reason each phase stopped.
+    /// Iterations per phase, with the reason each phase stopped and its time.
     pub phases: Vec<(String, usize, String)>,
     /// Wall time.
     pub optimize_ms: f64,
@@ -629,7 +629,8 @@ pub fn optimize_with(
             }
         }
         let reason = runner.stop_reason.as_ref().map(|r| format!("{r:?}")).unwrap_or_default();
-        report.phases.push((name.to_string(), runner.iterations.len(), reason));
+        let ms: f64 = runner.iterations.iter().map(|it| it.total_time).sum::<f64>() * 1e3;
+        report.phases.push((name.to_string(), runner.iterations.len(), format!("{reason}, {ms:.1} ms")));
         egraph = runner.egraph;
     }
     report.egraph_nodes = egraph.total_number_of_nodes();
@@ -637,9 +638,20 @@ pub fn optimize_with(
 
     // Scopes follow the classes through merges.
     let scopes: HashMap<Id, String> = scope_of.into_iter().map(|(id, s)| (egraph.find(id), s)).collect();
-    let shared = egraph.analysis.uses.iter().filter(|(_, u)| **u > 1).map(|(id, _)| egraph.find(*id)).collect();
-    let cost = Cost { egraph: &egraph, model, shared };
-    let extractor = egg::Extractor::new(&egraph, cost);
+    // Shared values: first those of the input graph; then, a few rounds, those of the graph the
+    // previous round extracted (a norm read by two projections is no longer shared once both
+    // became one), until the set is stable.
+    let mut shared: HashSet<Id> =
+        egraph.analysis.uses.iter().filter(|(_, u)| **u > 1).map(|(id, _)| egraph.find(*id)).collect();
+    let mut extractor = egg::Extractor::new(&egraph, Cost { egraph: &egraph, model, shared: shared.clone() });
+    for _ in 0..EXTRACTION_ROUNDS {
+        let next = shared_in_extraction(&egraph, &extractor, &roots);
+        if next == shared {
+            break;
+        }
+        shared = next;
+        extractor = egg::Extractor::new(&egraph, Cost { egraph: &egraph, model, shared: shared.clone() });
+    }
     let mut out = Graph::new(&g.name);
     let mut built: HashMap<(Op, Vec<NodeIndex>), NodeIndex> = HashMap::new();
     for ((name, _), root) in g.outputs.iter().zip(&roots) {
@@ -652,6 +664,33 @@ pub fn optimize_with(
     report.dispatches = (dispatches(g), dispatches(&out));
     report.optimize_ms = start.elapsed().as_secs_f64() * 1e3;
     Ok((out, report))
+}
+
+/// Most re-extractions after the first (each with the shared values of the previous one).
+const EXTRACTION_ROUNDS: usize = 3;
+
+/// The classes the extracted graph reads from more than one op.
+fn shared_in_extraction(egraph: &KGraph, extractor: &egg::Extractor<Cost, Kl, KAnalysis>, roots: &[Id]) -> HashSet<Id> {
+    let mut uses: HashMap<Id, usize> = HashMap::new();
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
+    for r in &stack {
+        *uses.entry(*r).or_default() += 1;
+    }
+    while let Some(class) = stack.pop() {
+        if !seen.insert(class) {
+            continue;
+        }
+        for &c in extractor.find_best_node(class).children() {
+            let c = egraph.find(c);
+            // Attribute leaves and `none` are not values.
+            if egraph[c].data.is_some() {
+                *uses.entry(c).or_default() += 1;
+                stack.push(c);
+            }
+        }
+    }
+    uses.into_iter().filter(|(_, u)| *u > 1).map(|(id, _)| id).collect()
 }
 
 /// Kernel dispatches a graph lowers to: every op but inputs, parameters, reshapes and constants
