@@ -120,6 +120,10 @@ pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Ve
     for i in order {
         let InputSpec { name, role, seq: seq_sym } = specs[i];
         let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
+        if let InputRole::Cache { kv_heads, head_dim } = role {
+            out[i] = Some(bind_cache(name, kv_heads, head_dim, given.get(name), &mut syms)?);
+            continue;
+        }
         let tensor = match (given.get(name), role) {
             (Some(t), _) => t.clone(),
             (None, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
@@ -158,10 +162,44 @@ pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Ve
                 let v = v.iter().map(|&x| if (x != 0.0) != pad_is_one { 1.0 } else { 0.0 }).collect();
                 Tensor::f32(tensor.shape.clone(), v)
             }
+            InputRole::Cache { .. } => tensor, // bound by `bind_cache` above
         };
         out[i] = Some(tensor);
     }
+    if let (Some(&past), Some(&seq)) = (syms.get(&Sym::Past), syms.get(&Sym::Seq)) {
+        syms.insert(Sym::Ctx, past + seq);
+    }
     Ok((out.into_iter().map(|t| t.expect("every spec bound")).collect(), syms))
+}
+
+/// Binds one layer's cached keys or values, `f32[batch, kv_heads, past, head_dim]`; absent means
+/// nothing cached yet. Every cache input must agree on `past`.
+fn bind_cache(
+    name: &str,
+    kv_heads: usize,
+    head_dim: usize,
+    given: Option<&Tensor>,
+    syms: &mut HashMap<Sym, usize>,
+) -> R<Tensor> {
+    let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
+    let batch = *syms.get(&Sym::Batch).ok_or_else(|| InterpError::MissingInput("input_ids".into()))?;
+    let t = match given {
+        Some(t) => t.clone(),
+        None => Tensor::f32(vec![batch, kv_heads, 0, head_dim], vec![]),
+    };
+    if t.dtype() != DType::F32 || t.shape.len() != 4 || t.shape[0] != batch || t.shape[1] != kv_heads || t.shape[3] != head_dim {
+        return Err(bad(format!(
+            "expected f32[{batch}, {kv_heads}, past, {head_dim}], got {}{:?}",
+            t.dtype(),
+            t.shape
+        )));
+    }
+    match syms.insert(Sym::Past, t.shape[2]) {
+        Some(prev) if prev != t.shape[2] => {
+            Err(bad(format!("{} cached tokens here but {prev} in another cache input", t.shape[2])))
+        }
+        _ => Ok(t),
+    }
 }
 
 /// Runs the graph: parameters by canonical name, inputs by input name. Returns the named outputs.
@@ -184,6 +222,7 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
         *uses.entry(*n).or_default() += 1;
     }
     let mut values: HashMap<NodeIndex, Tensor> = HashMap::new();
+    let past = bound.syms.get(&Sym::Past).copied().unwrap_or(0);
     for &n in &order {
         let node = &g.g[n];
         let shape = resolve(&node.shape, &bound.syms);
@@ -212,7 +251,7 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
             }
             op => {
                 let args: Vec<&Tensor> = operands.iter().map(|o| &values[o]).collect();
-                eval(Some((g, &operands)), op, &args, shape)?
+                eval(Ctx { node: Some((g, &operands)), past }, op, &args, shape)?
             }
         };
         for o in &operands {
@@ -235,17 +274,25 @@ fn f(t: &Tensor) -> &[f32] {
 /// Evaluates one op on tensors outside any graph (constant folding at load time). `shape` is the
 /// op's resolved output shape.
 pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
-    eval(None, op, args, shape)
+    eval(Ctx { node: None, past: 0 }, op, args, shape)
 }
 
-/// The graph and operand nodes of the op being evaluated, when there is one (for error messages).
-type Ctx<'a> = Option<(&'a Graph, &'a [NodeIndex])>;
+/// The graph and operand nodes of the op being evaluated, when there is one (for error
+/// messages), and the number of cached tokens (positions start there).
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    node: Option<(&'a Graph, &'a [NodeIndex])>,
+    past: usize,
+}
 
 /// Evaluates one op. `shape` is the node's resolved output shape.
 fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } => unreachable!("bound before eval"),
-        Op::Positions { .. } => Tensor::i64(shape.clone(), (0..shape[0] as i64).collect()),
+        Op::Positions { .. } => {
+            let start = ctx.past as i64;
+            Tensor::i64(shape.clone(), (start..start + shape[0] as i64).collect())
+        }
         Op::Sinusoid { dim, style } => {
             let pos = a[0].as_i64().expect("positions are i64");
             let mut out = vec![0.0; pos.len() * dim];
@@ -271,12 +318,12 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
                 if id < 0 || id as usize >= rows {
-                    let what = match ctx.map(|(g, operands)| &g.g[operands[1]].op) {
+                    let what = match ctx.node.map(|(g, operands)| &g.g[operands[1]].op) {
                         Some(Op::Positions { .. }) => "position",
                         Some(Op::Input { role: InputRole::TokenTypes, .. }) => "token type id",
                         _ => "token id",
                     };
-                    let table = match ctx.map(|(g, operands)| &g.g[operands[0]].op) {
+                    let table = match ctx.node.map(|(g, operands)| &g.g[operands[0]].op) {
                         Some(Op::Param { name }) => name.clone(),
                         _ => "table".into(),
                     };
@@ -348,7 +395,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let mut out = x.to_vec();
             let inv = rope_frequencies(theta.0, *rotary_dim);
             for (r, row) in out.chunks_mut(d).enumerate() {
-                rotate(row, (r % s) as f32, &inv, *style);
+                rotate(row, (r % s + ctx.past) as f32, &inv, *style);
             }
             Tensor::f32(shape, out)
         }
@@ -477,7 +524,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 if let Data::F32(data) = &mut y.data {
                     for (row_index, row) in data.chunks_mut(n).enumerate() {
                         for head in row[r.start..r.start + r.len].chunks_mut(r.head_dim) {
-                            rotate(&mut head[..r.rotary_dim], (row_index % s) as f32, &inv, r.style);
+                            rotate(&mut head[..r.rotary_dim], (row_index % s + ctx.past) as f32, &inv, r.style);
                         }
                     }
                 }
@@ -651,13 +698,15 @@ pub fn sample_inputs(g: &Graph, vocab: usize, batch: usize, seq: usize) -> HashM
     let last = |i: usize| i % seq == seq - 1;
     g.inputs()
         .into_iter()
-        .map(|(_, name, role)| {
+        .filter_map(|(_, name, role)| {
             let data: Vec<i64> = match role {
                 InputRole::Ids => (0..n).map(|i| (i as i64 * 7919 + 13) % vocab.max(1) as i64).collect(),
                 InputRole::TokenTypes => (0..n).map(|i| (i % 2) as i64).collect(),
                 InputRole::KeyMask { pad_is_one } => (0..n).map(|i| i64::from(last(i) == pad_is_one)).collect(),
+                // Nothing cached: the cache inputs default to empty.
+                InputRole::Cache { .. } => return None,
             };
-            (name.to_string(), Tensor::i64(vec![batch, seq], data))
+            Some((name.to_string(), Tensor::i64(vec![batch, seq], data)))
         })
         .collect()
 }

@@ -30,6 +30,6 @@ fn every_model_lowers_with_valid_kernels() {
 
 #[test]
 fn broadcast_dims_use_zero_strides() {
-    let d = dispatch(&kiln_compiler::graph::Op::Add, &[vec![2, 3, 4], vec![4]], &[2, 3, 4]).unwrap();
+    let d = dispatch(&kiln_compiler::graph::Op::Add, &[vec![2, 3, 4], vec![4]], &[2, 3, 4], 0).unwrap();
     assert_eq!(&d[..13], &[24, 1, 2, 3, 4, 0, 12, 4, 1, 0, 0, 0, 1]);
 }

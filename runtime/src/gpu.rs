@@ -154,7 +154,8 @@ impl Gpu {
         let n = bytes.div_ceil(self.chunk_bytes).max(1);
         (0..n)
             .map(|c| {
-                let size = (bytes - c * self.chunk_bytes).min(self.chunk_bytes);
+                // At least one element: an empty tensor (a cache with nothing in it) still binds.
+                let size = (bytes - c * self.chunk_bytes).min(self.chunk_bytes).max(4);
                 let label = if n == 1 { what.to_string() } else { format!("{what} (chunk {c} of {n})") };
                 self.buffer(&label, size, usage)
             })
@@ -391,7 +392,8 @@ impl GpuModel {
             let operand_shapes: Vec<Vec<usize>> =
                 step.operands.iter().map(|&o| resolve(&plan.values[o].shape, &syms)).collect();
             let out_shape = resolve(&plan.values[step.output].shape, &syms);
-            let dims = dispatch(&step.op, &operand_shapes, &out_shape)
+            let past = syms.get(&Sym::Past).copied().unwrap_or(0);
+            let dims = dispatch(&step.op, &operand_shapes, &out_shape, past)
                 .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));

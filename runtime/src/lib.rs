@@ -14,3 +14,7 @@ pub use weights::{Checkpoint, WeightError, load_params, read_tensors, write_tens
 pub mod gpu;
 
 pub use gpu::{Gpu, GpuError, GpuModel};
+
+pub mod generate;
+
+pub use generate::{Engine, GenerateError, Sampler, Session, Stats};

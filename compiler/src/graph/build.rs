@@ -13,8 +13,28 @@ type R<T> = Result<T, GraphError>;
 
 /// Builds the graph of a validated spec.
 pub fn build(r: &Resolved) -> R<Graph> {
+    build_with(r, false)
+}
+
+/// Builds a decoder's graph for generation with a key/value cache: every self-attention layer
+/// `L` takes the cached keys and values as inputs `L.past_k`, `L.past_v` (`f32[batch, kv_heads,
+/// past, head_dim]`), attends over them followed by the new tokens, and returns both as outputs
+/// `L.present_k`, `L.present_v` (`[batch, kv_heads, past + seq, head_dim]`), the next step's cache.
+/// Positions and RoPE start at `past`. Encoder-decoders and padding masks are not supported here.
+pub fn build_cached(r: &Resolved) -> R<Graph> {
+    let unsupported = |message: &str| GraphError { op: "kv_cache".into(), scope: String::new(), message: message.into() };
+    if r.spec.model.kind != BlockKind::Decoder {
+        return Err(unsupported("generation with a key/value cache needs a decoder spec (kind = \"decoder\")"));
+    }
+    if r.spec.attention.padding_mask {
+        return Err(unsupported("generation with a key/value cache does not support attention.padding_mask"));
+    }
+    build_with(r, true)
+}
+
+fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
     let spec = &r.spec;
-    let mut b = Builder { g: Graph::new(&spec.model.name), r };
+    let mut b = Builder { g: Graph::new(&spec.model.name), r, cache };
     let (hidden, pool_mask) = match spec.model.kind {
         BlockKind::Encoder | BlockKind::Decoder => {
             let ids = b.input("input_ids", InputRole::Ids, Sym::Seq)?;
@@ -100,6 +120,8 @@ pub fn param_elements(g: &Graph) -> u64 {
 struct Builder<'a> {
     g: Graph,
     r: &'a Resolved,
+    /// Self-attention reads and extends a key/value cache (see [`build_cached`]).
+    cache: bool,
 }
 
 /// Where a block's attention looks: its own input, or an encoder's memory.
@@ -319,6 +341,17 @@ impl Builder<'_> {
             };
             q = self.g.add(rope.clone(), &[q])?;
             k = self.g.add(rope, &[k])?;
+        }
+        if self.cache && !is_cross {
+            let scope = self.g.scope.clone();
+            let role = InputRole::Cache { kv_heads, head_dim: hd };
+            let past_k = self.input(&format!("{name}.past_k"), role, Sym::Past)?;
+            let past_v = self.input(&format!("{name}.past_v"), role, Sym::Past)?;
+            self.g.scope = scope;
+            k = self.g.add(Op::Concat { axis: 2 }, &[past_k, k])?;
+            v = self.g.add(Op::Concat { axis: 2 }, &[past_v, v])?;
+            self.g.outputs.push((format!("{name}.present_k"), k));
+            self.g.outputs.push((format!("{name}.present_v"), v));
         }
         if kv_heads < heads {
             let times = heads / kv_heads;

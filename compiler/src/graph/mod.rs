@@ -33,6 +33,12 @@ pub enum Sym {
     Seq,
     /// Source tokens per sequence of an encoder-decoder.
     SrcSeq,
+    /// Tokens already in a decoder's key/value cache (0 without one). Positions, RoPE and the
+    /// causal mask count from here.
+    Past,
+    /// Keys attended with a cache: `Past + Seq` (the one symbolic sum, made by concatenating the
+    /// cache and the new keys).
+    Ctx,
 }
 
 impl Sym {
@@ -42,6 +48,8 @@ impl Sym {
             Sym::Batch => "batch",
             Sym::Seq => "seq",
             Sym::SrcSeq => "src_seq",
+            Sym::Past => "past",
+            Sym::Ctx => "ctx",
         }
     }
 }
@@ -114,6 +122,14 @@ pub enum InputRole {
         /// The given tensor marks padding with 1.
         pad_is_one: bool,
     },
+    /// Cached keys or values of one attention layer, `f32[batch, kv_heads, past, head_dim]`
+    /// (empty when nothing is cached yet).
+    Cache {
+        /// Key/value heads.
+        kv_heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+    },
 }
 
 /// A norm folded into a projection's prologue (see [`Op::Linear`]).
@@ -177,7 +193,8 @@ pub enum Op {
         /// Canonical parameter name.
         name: String,
     },
-    /// `i64[len]` holding `0, 1, ..., len - 1` (no operands).
+    /// `i64[len]` holding `p, p + 1, ..., p + len - 1` (no operands), `p` the number of cached
+    /// tokens ([`Sym::Past`], 0 without a cache).
     Positions {
         /// The length.
         len: Dim,
@@ -230,7 +247,8 @@ pub enum Op {
         /// The permutation.
         perm: Vec<usize>,
     },
-    /// Rotary embedding of `x [batch, heads, seq, head_dim]` at positions `0..seq`.
+    /// Rotary embedding of `x [batch, heads, seq, head_dim]` at positions `p..p + seq`, `p` the
+    /// number of cached tokens ([`Sym::Past`], 0 without a cache).
     Rope {
         /// Base of the frequencies.
         theta: Scalar,
@@ -442,6 +460,7 @@ impl Op {
                     InputRole::TokenTypes => "token-types".to_string(),
                     InputRole::KeyMask { pad_is_one: false } => "key-mask".to_string(),
                     InputRole::KeyMask { pad_is_one: true } => "key-mask pad-is-one".to_string(),
+                    InputRole::Cache { .. } => "cache".to_string(),
                 };
                 format!("\"{name}\" {role}")
             }
@@ -669,6 +688,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
     match op {
         Op::Input { role, seq, .. } => {
             arity(0)?;
+            if let InputRole::Cache { kv_heads, head_dim } = role {
+                let shape = vec![Dim::Sym(Sym::Batch), Dim::Fixed(*kv_heads), Dim::Sym(*seq), Dim::Fixed(*head_dim)];
+                return Ok((shape, DType::F32));
+            }
             let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(*seq)];
             let dtype = match role {
                 InputRole::KeyMask { .. } => DType::F32,
@@ -916,6 +939,8 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             let (a, b) = (float(0)?, float(1)?);
             let joined = match (a.get(*axis), b.get(*axis)) {
                 (Some(Dim::Fixed(x)), Some(Dim::Fixed(y))) if a.len() == b.len() => Dim::Fixed(x + y),
+                // A key/value cache and the new keys.
+                (Some(Dim::Sym(Sym::Past)), Some(Dim::Sym(Sym::Seq))) if a.len() == b.len() => Dim::Sym(Sym::Ctx),
                 _ => return Err(format!("cannot join {} and {} along axis {axis}", fmt_shape(a), fmt_shape(b))),
             };
             if a.iter().zip(b).enumerate().any(|(i, (x, y))| i != *axis && x != y) {

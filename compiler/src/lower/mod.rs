@@ -253,14 +253,15 @@ fn strides(shape: &[usize]) -> Vec<usize> {
     st
 }
 
-/// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes.
-/// Errors if a size does not fit the kernels' 32-bit indexing.
-pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32; 16], String> {
+/// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes
+/// and `past` cached tokens (where positions start). Errors if a size does not fit the kernels'
+/// 32-bit indexing.
+pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
     let total: usize = out.iter().product();
     let last = |s: &[usize]| s.last().copied().unwrap_or(1);
     let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
     let mut d: Vec<usize> = match op {
-        Op::Positions { .. } => vec![total, 0],
+        Op::Positions { .. } => vec![total, past],
         Op::Sinusoid { .. } | Op::Scale { .. } | Op::Act(_) => vec![total],
         Op::Gather => vec![total, last(out)],
         Op::MatMul { transpose_b } => {
@@ -303,7 +304,7 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
             v.extend(s);
             v
         }
-        Op::Rope { .. } => vec![total, out[2], out[3], 0],
+        Op::Rope { .. } => vec![total, out[2], out[3], past],
         Op::RepeatHeads { times } => vec![total, operands[0][1], *times, out[2] * out[3]],
         Op::Alibi | Op::Mask { .. } => vec![total, out[1], out[2], out[3]],
         Op::Slice { axis, start, len } => {
@@ -317,7 +318,7 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize]) -> Result<[u32;
         Op::Linear { rope, .. } => {
             let threads = if rope.is_some() { total / 2 } else { total };
             let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
-            vec![threads, last(out), last(&operands[0]), seq, 0]
+            vec![threads, last(out), last(&operands[0]), seq, past]
         }
         // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {

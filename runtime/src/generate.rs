@@ -1,0 +1,267 @@
+//! Text generation with a key/value cache: a [`Session`] runs a decoder's cached graph (see
+//! [`kiln_compiler::graph::build::build_cached`]) once over the prompt (prefill), then one token at
+//! a time, feeding each step's `present_k`/`present_v` outputs back as the next step's
+//! `past_k`/`past_v` inputs, so the prefix is never recomputed. A [`Sampler`] picks each token
+//! (greedy, temperature, top-k, top-p, repetition penalty, seeded); [`generate`] drives the loop
+//! with stop tokens and a per-token callback for streaming.
+
+use crate::gpu::{GpuError, GpuModel};
+use kiln_compiler::graph::Graph;
+use kiln_compiler::interp::{self, InterpError};
+use kiln_compiler::tensor::Tensor;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// What can go wrong while generating.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The interpreter failed (bad ids, ...).
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// The device failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// The graph is not a cached decoder graph, or the request is unusable.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+type R<T> = Result<T, GenerateError>;
+
+/// Where a session's forward passes run.
+pub enum Engine {
+    /// The CPU reference interpreter, on a graph with its parameters.
+    Interp {
+        /// The cached decoder graph (optimized or not).
+        graph: Graph,
+        /// Parameters by canonical name.
+        params: HashMap<String, Tensor>,
+    },
+    /// A compiled plan on a GPU.
+    Gpu(Box<GpuModel>),
+}
+
+/// One sequence being generated: the engine and the cache so far.
+pub struct Session {
+    engine: Engine,
+    /// `(present output, past input)` name pairs, one per cached tensor.
+    links: Vec<(String, String)>,
+    cache: HashMap<String, Tensor>,
+    /// Tokens in the cache.
+    pub position: usize,
+    /// Positions the model has (its learned or maximum context).
+    pub max_positions: usize,
+}
+
+impl Session {
+    /// A session on a cached decoder graph's engine; `outputs` are the graph's output names (the
+    /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores).
+    pub fn new(engine: Engine, outputs: &[String], max_positions: usize) -> R<Session> {
+        let links: Vec<(String, String)> = outputs
+            .iter()
+            .filter_map(|o| {
+                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
+                let past = past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v")));
+                past.map(|p| (o.clone(), p))
+            })
+            .collect();
+        if links.is_empty() || !outputs.iter().any(|o| o == "logits") {
+            return Err(GenerateError::Invalid(
+                "generation needs a decoder graph built with a key/value cache and a `logits` output".into(),
+            ));
+        }
+        Ok(Session { engine, links, cache: HashMap::new(), position: 0, max_positions })
+    }
+
+    /// Runs `ids` after the cached tokens; returns the logits of the last one.
+    pub fn forward(&mut self, ids: &[i64]) -> R<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(GenerateError::Invalid("nothing to run: no token ids".into()));
+        }
+        if self.position + ids.len() > self.max_positions {
+            return Err(GenerateError::Invalid(format!(
+                "{} cached + {} new tokens exceed the model's {} positions",
+                self.position,
+                ids.len(),
+                self.max_positions
+            )));
+        }
+        let mut inputs = self.cache.clone();
+        inputs.insert("input_ids".into(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
+        let outputs = match &self.engine {
+            Engine::Interp { graph, params } => interp::run(graph, params, &inputs)?,
+            Engine::Gpu(model) => model.run(&inputs)?,
+        };
+        let mut outputs: HashMap<String, Tensor> = outputs.into_iter().collect();
+        for (present, past) in &self.links {
+            let t = outputs
+                .remove(present)
+                .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
+            self.cache.insert(past.clone(), t);
+        }
+        self.position += ids.len();
+        let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
+        let vocab = logits.shape.last().copied().unwrap_or(0);
+        let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
+        Ok(data[data.len().saturating_sub(vocab)..].to_vec())
+    }
+}
+
+/// How the next token is chosen. `temperature == 0` is greedy (ties to the lowest id).
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    /// Softmax temperature; 0 = greedy.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the most likely tokens whose probabilities sum to `top_p` (1 = all).
+    pub top_p: f32,
+    /// Divide positive logits (multiply negative ones) of tokens already seen by this (1 = off),
+    /// as CTRL and HF transformers do.
+    pub repetition_penalty: f32,
+    /// Random state (SplitMix64), from the seed.
+    state: u64,
+}
+
+impl Sampler {
+    /// Greedy decoding.
+    pub fn greedy() -> Sampler {
+        Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, state: 0 }
+    }
+
+    /// A sampler with the given settings and seed.
+    pub fn new(temperature: f32, top_k: usize, top_p: f32, repetition_penalty: f32, seed: u64) -> R<Sampler> {
+        let ok = temperature.is_finite()
+            && temperature >= 0.0
+            && top_p.is_finite()
+            && top_p > 0.0
+            && top_p <= 1.0
+            && repetition_penalty.is_finite()
+            && repetition_penalty > 0.0;
+        if !ok {
+            return Err(GenerateError::Invalid(format!(
+                "bad sampling settings: temperature {temperature} (>= 0), top-p {top_p} (in (0, 1]), \
+                 repetition penalty {repetition_penalty} (> 0)"
+            )));
+        }
+        Ok(Sampler { temperature, top_k, top_p, repetition_penalty, state: seed })
+    }
+
+    /// SplitMix64 (Steele, Lea, Flood 2014): a uniform float in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Picks a token from `logits`, given the tokens so far (for the repetition penalty).
+    pub fn sample(&mut self, logits: &[f32], seen: &[i64]) -> i64 {
+        let mut l = logits.to_vec();
+        if self.repetition_penalty != 1.0 {
+            let mut seen: Vec<usize> = seen.iter().filter_map(|&t| usize::try_from(t).ok()).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            let n = l.len();
+            for t in seen.into_iter().filter(|&t| t < n) {
+                l[t] = if l[t] > 0.0 { l[t] / self.repetition_penalty } else { l[t] * self.repetition_penalty };
+            }
+        }
+        let argmax = || {
+            l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+        };
+        if self.temperature == 0.0 {
+            return argmax() as i64;
+        }
+        // Candidates by decreasing logit, cut by top-k, softmax at the temperature, cut by top-p.
+        let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        if self.top_k > 0 {
+            order.truncate(self.top_k);
+        }
+        let Some(&best) = order.first() else { return argmax() as i64 };
+        let max = l[best];
+        let mut probs: Vec<f64> = order.iter().map(|&i| (((l[i] - max) / self.temperature) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        let mut kept = 0;
+        let mut mass = 0.0;
+        for p in &probs {
+            kept += 1;
+            mass += p;
+            if mass >= self.top_p as f64 {
+                break;
+            }
+        }
+        let mut r = self.uniform() * mass;
+        for (k, &i) in order.iter().enumerate().take(kept) {
+            r -= probs[k];
+            if r <= 0.0 {
+                return i as i64;
+            }
+        }
+        order[kept - 1] as i64
+    }
+}
+
+/// Timings of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub new_tokens: usize,
+    /// Time of the prefill, in seconds.
+    pub prefill_s: f64,
+    /// Time of the decode steps, in seconds.
+    pub decode_s: f64,
+}
+
+impl Stats {
+    /// Prompt tokens per second.
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s.max(1e-9)
+    }
+
+    /// Generated tokens per second (each after the first needs one decode step).
+    pub fn decode_tok_s(&self) -> f64 {
+        self.new_tokens.saturating_sub(1) as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+/// Generates up to `max_new` tokens after `prompt`, stopping after any of `stop` (which is
+/// returned). `on_token` sees each token as it is chosen and may return `false` to stop early.
+pub fn generate(
+    session: &mut Session,
+    prompt: &[i64],
+    max_new: usize,
+    sampler: &mut Sampler,
+    stop: &[i64],
+    mut on_token: impl FnMut(i64) -> bool,
+) -> R<(Vec<i64>, Stats)> {
+    let mut stats = Stats { prompt_tokens: prompt.len(), ..Stats::default() };
+    let mut seen = prompt.to_vec();
+    let mut out = Vec::new();
+    if max_new == 0 {
+        return Ok((out, stats));
+    }
+    let t = Instant::now();
+    let mut logits = session.forward(prompt)?;
+    stats.prefill_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    loop {
+        let token = sampler.sample(&logits, &seen);
+        out.push(token);
+        seen.push(token);
+        let go_on = on_token(token);
+        if !go_on || stop.contains(&token) || out.len() >= max_new || session.position >= session.max_positions {
+            break;
+        }
+        logits = session.forward(&[token])?;
+    }
+    stats.decode_s = t.elapsed().as_secs_f64();
+    stats.new_tokens = out.len();
+    Ok((out, stats))
+}
