@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod bench;
+mod generate;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
@@ -84,6 +85,50 @@ enum Command {
         backend: Backend,
         /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
         /// `KILN_ADAPTER` environment variable, else the best adapter found).
+        #[arg(long)]
+        adapter: Option<String>,
+        /// Run the graph as built, without the e-graph optimizer.
+        #[arg(long)]
+        no_optimize: bool,
+    },
+    /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
+    Generate {
+        /// The spec (TOML).
+        spec: PathBuf,
+        /// Checkpoint (safetensors or GGUF).
+        #[arg(long)]
+        weights: PathBuf,
+        /// Prompt token ids, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        prompt_ids: Vec<i64>,
+        /// Print the generated ids (comma-separated) instead of text.
+        #[arg(long)]
+        print_ids: bool,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// Sampling temperature (0 = greedy).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample among the k most likely tokens only (0 = all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Sample among the most likely tokens holding this much probability.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Penalise tokens already in the sequence (1 = off).
+        #[arg(long, default_value_t = 1.0)]
+        repetition_penalty: f32,
+        /// Seed of the sampler.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Stop after any of these token ids, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        stop_ids: Vec<i64>,
+        /// Execution backend.
+        #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
+        backend: Backend,
+        /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
         /// Run the graph as built, without the e-graph optimizer.
@@ -355,6 +400,48 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name}: {}{:?}", t.dtype(), t.shape);
             }
             println!("wrote {}", output.display());
+        }
+        Command::Generate {
+            spec,
+            weights,
+            prompt_ids,
+            print_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            seed,
+            stop_ids,
+            backend,
+            adapter,
+            no_optimize,
+        } => {
+            let fe = load_spec(&spec)?;
+            let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
+            let req = generate::Request {
+                weights: &weights,
+                prompt: prompt_ids,
+                max_new: max_new_tokens,
+                sampler,
+                stop: stop_ids,
+                interp: matches!(backend, Backend::Interp),
+                adapter: adapter.as_deref(),
+                no_optimize,
+            };
+            // Ids stream as they come, comma-separated (text needs a tokenizer).
+            let mut first = true;
+            let (_, stats) = generate::run(&fe, req, |id| {
+                use std::io::Write;
+                let mut out = std::io::stdout();
+                let _ = write!(out, "{}{id}", if first { "" } else { "," });
+                let _ = out.flush();
+                first = false;
+                true
+            })?;
+            println!();
+            let _ = print_ids;
+            generate::report(&stats);
         }
         Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, adapter, json } => {
             if calibrate {

@@ -8,8 +8,8 @@ use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, front_end, interp, optimize};
-use kiln_runtime::generate::{Engine, Sampler, Session, generate};
 use kiln_runtime::GpuModel;
+use kiln_runtime::generate::{Engine, Sampler, Session, generate};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -124,4 +124,38 @@ fn cached_graphs_reject_what_they_cannot_do() {
     let fe = spec("bert");
     let err = build_cached(&fe.spec).unwrap_err().to_string();
     assert!(err.contains("needs a decoder"), "{err}");
+}
+
+/// SmolLM2-135M (GGUF, Q4_1): greedy decoding with the cache reproduces the reference
+/// continuation, on wgpu with the optimized graph (the path `kiln generate` takes).
+#[test]
+fn smollm2_greedy_with_cache() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let fe = spec("smollm2-135m");
+    let reference =
+        kiln_runtime::read_tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors")).unwrap();
+    let prompt = reference["prompt_ids"].as_i64().unwrap().to_vec();
+    let expected = reference["greedy_ids"].as_i64().unwrap().to_vec();
+    let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
+    let ckpt = kiln_runtime::Checkpoint::open(&weights).unwrap();
+    let names = kiln_runtime::weights::graph_params(&cached);
+    let params = kiln_runtime::weights::load_named(
+        &fe.spec.weights,
+        &kiln_compiler::spec::PackDims::of(&fe.spec),
+        &names,
+        &ckpt,
+    )
+    .unwrap();
+    let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let engine = match common::gpu() {
+        Some(gpu) => Engine::Gpu(Box::new(GpuModel::new(gpu, lower(&cached).unwrap(), &params).unwrap())),
+        None => Engine::Interp { graph: cached.clone(), params },
+    };
+    let mut session = Session::new(engine, &outputs, 8192).unwrap();
+    // The reference stops at <|im_end|>, its last id.
+    let stop = [*expected.last().unwrap()];
+    let (ids, stats) =
+        generate(&mut session, &prompt, expected.len() + 4, &mut Sampler::greedy(), &stop, |_| true).unwrap();
+    println!("smollm2-135m: prefill {:.1} tok/s, decode {:.1} tok/s", stats.prefill_tok_s(), stats.decode_tok_s());
+    assert_eq!(ids, expected, "smollm2-135m: greedy continuation");
 }

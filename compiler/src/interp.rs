@@ -187,7 +187,12 @@ fn bind_cache(
         Some(t) => t.clone(),
         None => Tensor::f32(vec![batch, kv_heads, 0, head_dim], vec![]),
     };
-    if t.dtype() != DType::F32 || t.shape.len() != 4 || t.shape[0] != batch || t.shape[1] != kv_heads || t.shape[3] != head_dim {
+    if t.dtype() != DType::F32
+        || t.shape.len() != 4
+        || t.shape[0] != batch
+        || t.shape[1] != kv_heads
+        || t.shape[3] != head_dim
+    {
         return Err(bad(format!(
             "expected f32[{batch}, {kv_heads}, past, {head_dim}], got {}{:?}",
             t.dtype(),

@@ -170,7 +170,10 @@ impl Sampler {
             }
         }
         let argmax = || {
-            l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+            l.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+                .0
         };
         if self.temperature == 0.0 {
             return argmax() as i64;

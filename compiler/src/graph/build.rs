@@ -22,7 +22,8 @@ pub fn build(r: &Resolved) -> R<Graph> {
 /// `L.present_k`, `L.present_v` (`[batch, kv_heads, past + seq, head_dim]`), the next step's cache.
 /// Positions and RoPE start at `past`. Encoder-decoders and padding masks are not supported here.
 pub fn build_cached(r: &Resolved) -> R<Graph> {
-    let unsupported = |message: &str| GraphError { op: "kv_cache".into(), scope: String::new(), message: message.into() };
+    let unsupported =
+        |message: &str| GraphError { op: "kv_cache".into(), scope: String::new(), message: message.into() };
     if r.spec.model.kind != BlockKind::Decoder {
         return Err(unsupported("generation with a key/value cache needs a decoder spec (kind = \"decoder\")"));
     }
