@@ -353,3 +353,24 @@ fn a_closed_pipe_is_not_a_panic() {
     child.wait().unwrap();
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn generate_streams_ids_and_rejects_bad_prompts() {
+    let weights = root().join("tests/fixtures/llama/model.safetensors");
+    let spec = root().join("models/llama.toml");
+    let args = ["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1,2,3", "--max-new-tokens", "4"];
+    let o = kiln(&[&args[..], &["--backend", "interp", "--print-ids"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 4, "{}", stdout(&o));
+    assert!(stderr(&o).contains("decode: 4 tokens"), "{}", stderr(&o));
+    fails_with(
+        &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1,999"],
+        &["999", "outside the vocabulary"],
+    );
+    fails_with(
+        &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--top-p", "0"],
+        &["bad sampling settings"],
+    );
+    let bert = root().join("models/bert.toml");
+    fails_with(&["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"], &["needs a decoder"]);
+}
