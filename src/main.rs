@@ -15,6 +15,7 @@ use std::process::ExitCode;
 
 mod bench;
 mod generate;
+mod embed;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
@@ -135,6 +136,9 @@ enum Command {
         #[arg(long)]
         no_optimize: bool,
     },
+    /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
+    /// vectors.
+    Embed(embed::EmbedArgs),
     /// Measure (never a test): forward time of a spec unoptimized vs optimized on wgpu, side by
     /// side; or the optimizer's time at several depths; or the cost model's constants.
     Bench {
@@ -443,6 +447,7 @@ fn run(cli: Cli) -> Result<()> {
             let _ = print_ids;
             generate::report(&stats);
         }
+        Command::Embed(args) => embed::run(args)?,
         Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, adapter, json } => {
             if calibrate {
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);

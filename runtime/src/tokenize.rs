@@ -32,13 +32,14 @@ use crate::gguf::{self, Gguf, GgufError};
 /// An error building a tokenizer, encoding, decoding or rendering a chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
-    /// The tokenizer file could not be read.
-    #[error("cannot read tokenizer `{path}`: {source}")]
+    /// The tokenizer file could not be read. (The cause is part of the message, not an error
+    /// `source`, so error chains do not print it twice.)
+    #[error("cannot read tokenizer `{path}`: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The file is not a tokenizer the `tokenizers` crate can load.
     #[error("`{path}` is not a valid tokenizer.json: {message}")]
@@ -233,7 +234,7 @@ impl Tokenizer {
     /// Reads the tokenizer in a file: the metadata of a GGUF file (told apart by its magic, as
     /// [`Checkpoint::open`](crate::Checkpoint::open) does) or else a `tokenizer.json`.
     pub fn open(path: &Path) -> Result<Self, TokenizeError> {
-        let bytes = std::fs::read(path).map_err(|source| TokenizeError::Io { path: path.into(), source })?;
+        let bytes = std::fs::read(path).map_err(|error| TokenizeError::Io { path: path.into(), error })?;
         if gguf::sniff(&bytes) {
             let file = Gguf::parse(bytes).map_err(|error| TokenizeError::Gguf { path: path.into(), error })?;
             Self::from_gguf(&file)
@@ -249,7 +250,7 @@ impl Tokenizer {
     /// [`encode_batch`]: Self::encode_batch
     /// [`with_max_len`]: Self::with_max_len
     pub fn from_file(path: &Path) -> Result<Self, TokenizeError> {
-        let bytes = std::fs::read(path).map_err(|source| TokenizeError::Io { path: path.into(), source })?;
+        let bytes = std::fs::read(path).map_err(|error| TokenizeError::Io { path: path.into(), error })?;
         Self::from_json(path, &bytes)
     }
 
