@@ -21,3 +21,17 @@ pub use gpu::{Gpu, GpuError, GpuModel};
 pub mod generate;
 
 pub use generate::{Engine, GenerateError, Sampler, Session, Stats};
+
+/// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
+/// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.
+pub fn data_dir() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    if let Some(dir) = std::env::var_os("KILN_DATA") {
+        return Some(dir.into());
+    }
+    let cache = match std::env::var_os("XDG_CACHE_HOME") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
+    };
+    Some(cache.join("kiln"))
+}

@@ -31,13 +31,7 @@ pub fn gpu_with_buffer_limit(bytes: u64) -> Option<Arc<Gpu>> {
 
 /// Where `scripts/fetch-models` caches real models.
 pub fn data_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KILN_DATA") {
-        return dir.into();
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache"));
-    cache.join("kiln")
+    kiln_runtime::data_dir().expect("KILN_DATA, XDG_CACHE_HOME or HOME is set")
 }
 
 /// Fetches a real model with the project script if it is not cached yet (the one network access
