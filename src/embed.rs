@@ -62,6 +62,9 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     let max_len = usize::try_from(fe.spec.spec.model.max_positions).unwrap_or(usize::MAX);
     let tokenizer = Tokenizer::open(&args.tokenizer)?.with_max_len(max_len)?;
     let batch = tokenizer.encode_batch(&args.sentences)?;
+    if batch.seq == 0 {
+        bail!("the sentences encode to no tokens");
+    }
     let vocab = fe.spec.spec.model.vocab;
     if let Some(id) = batch.input_ids.iter().find(|&&id| id as u64 >= vocab) {
         bail!(
