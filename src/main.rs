@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod bench;
-mod generate;
 mod embed;
+mod generate;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
