@@ -3,7 +3,7 @@
 //! (and truncated to the spec's `max_positions`), run through the model, and each row of its
 //! `sentence_embedding` is printed: the first values and the norm, every value, or JSON.
 
-use crate::{Backend, load_spec, run_wgpu};
+use crate::{Backend, Exec, load_spec, run_wgpu};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::{interp, lower, optimize};
@@ -39,15 +39,8 @@ pub struct EmbedArgs {
     /// embedding.
     #[arg(long, conflicts_with = "full")]
     json: bool,
-    /// Execution backend.
-    #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
-    backend: Backend,
-    /// GPU adapter to use (as for `kiln run`).
-    #[arg(long)]
-    adapter: Option<String>,
-    /// Run the graph as built, without the e-graph optimizer.
-    #[arg(long)]
-    no_optimize: bool,
+    #[command(flatten)]
+    exec: Exec,
 }
 
 /// Runs `kiln embed`.
@@ -74,13 +67,13 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     }
 
     let ckpt = Checkpoint::open(&args.weights)?;
-    if !args.no_optimize {
+    if !args.exec.no_optimize {
         fe.graph = optimize::optimize(&fe.graph)?.0;
     }
     let params = load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &graph_params(&fe.graph), &ckpt)?;
     let inputs = batch.inputs();
-    let outputs = match args.backend {
-        Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &inputs, args.adapter.as_deref())?,
+    let outputs = match args.exec.backend {
+        Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &inputs, args.exec.adapter.as_deref())?,
         Backend::Interp => interp::run(&fe.graph, &params, &inputs).context("run failed")?,
     };
     let embedding = outputs

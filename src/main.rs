@@ -81,16 +81,8 @@ enum Command {
         /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
         #[arg(long)]
         output: PathBuf,
-        /// Execution backend.
-        #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
-        backend: Backend,
-        /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
-        /// `KILN_ADAPTER` environment variable, else the best adapter found).
-        #[arg(long)]
-        adapter: Option<String>,
-        /// Run the graph as built, without the e-graph optimizer.
-        #[arg(long)]
-        no_optimize: bool,
+        #[command(flatten)]
+        exec: Exec,
     },
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate {
@@ -126,15 +118,8 @@ enum Command {
         /// Stop after any of these token ids, comma-separated.
         #[arg(long, value_delimiter = ',')]
         stop_ids: Vec<i64>,
-        /// Execution backend.
-        #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
-        backend: Backend,
-        /// GPU adapter (as for `run`).
-        #[arg(long)]
-        adapter: Option<String>,
-        /// Run the graph as built, without the e-graph optimizer.
-        #[arg(long)]
-        no_optimize: bool,
+        #[command(flatten)]
+        exec: Exec,
     },
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
     /// vectors.
@@ -185,6 +170,21 @@ enum Format {
     Text,
     /// Graphviz DOT.
     Dot,
+}
+
+/// Where and how a model runs (`run`, `generate`, `embed`).
+#[derive(clap::Args)]
+struct Exec {
+    /// Execution backend.
+    #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
+    backend: Backend,
+    /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
+    /// `KILN_ADAPTER` environment variable, else the best adapter found).
+    #[arg(long)]
+    adapter: Option<String>,
+    /// Run the graph as built, without the e-graph optimizer.
+    #[arg(long)]
+    no_optimize: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -360,7 +360,7 @@ fn run(cli: Cli) -> Result<()> {
             );
             println!("  intermediates at batch 1, seq 128: {placed} bytes placed, {sum} bytes if unshared");
         }
-        Command::Run { model, weights, inputs, output, backend, adapter, no_optimize } => {
+        Command::Run { model, weights, inputs, output, exec: Exec { backend, adapter, no_optimize } } => {
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
             let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
             let outputs = if Artifact::sniff(&model) {
@@ -417,9 +417,7 @@ fn run(cli: Cli) -> Result<()> {
             repetition_penalty,
             seed,
             stop_ids,
-            backend,
-            adapter,
-            no_optimize,
+            exec: Exec { backend, adapter, no_optimize },
         } => {
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;

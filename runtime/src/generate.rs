@@ -86,11 +86,21 @@ impl Session {
                 self.max_positions
             )));
         }
-        let mut inputs = self.cache.clone();
+        // The cache moves into the inputs (no copy per step) and the presents replace it.
+        let mut inputs = std::mem::take(&mut self.cache);
         inputs.insert("input_ids".into(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
-        let outputs = match &self.engine {
-            Engine::Interp { graph, params } => interp::run(graph, params, &inputs)?,
-            Engine::Gpu(model) => model.run(&inputs)?,
+        let run = match &self.engine {
+            Engine::Interp { graph, params } => interp::run(graph, params, &inputs).map_err(GenerateError::from),
+            Engine::Gpu(model) => model.run(&inputs).map_err(GenerateError::from),
+        };
+        let outputs = match run {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                // Keep the cache as it was, so the session stays usable.
+                inputs.remove("input_ids");
+                self.cache = inputs;
+                return Err(e);
+            }
         };
         let mut outputs: HashMap<String, Tensor> = outputs.into_iter().collect();
         for (present, past) in &self.links {

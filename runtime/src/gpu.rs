@@ -13,6 +13,7 @@ use kiln_compiler::interp::{InputSpec, InterpError, bind_named};
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
 use kiln_compiler::lower::{Plan, Storage, dispatch, resolve, validate_wgsl, workgroups};
 use kiln_compiler::tensor::{DType, Tensor};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -246,7 +247,8 @@ impl GpuModel {
             plan.steps.iter().flat_map(|s| s.operands.iter().map(|&o| root(o))).collect();
         read.extend(plan.outputs.iter().map(|(_, v)| root(*v)));
         let no_syms = HashMap::new();
-        let mut host: HashMap<usize, Tensor> = HashMap::new();
+        // Parameters are borrowed from the caller; only folds own their results.
+        let mut host: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
         for (id, v) in plan.values.iter().enumerate() {
             let Storage::Param(name) = &v.storage else { continue };
             let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
@@ -257,24 +259,31 @@ impl GpuModel {
             if t.as_f32().is_none() {
                 return Err(GpuError::Dispatch(format!("parameter `{name}` is not f32")));
             }
-            host.insert(id, t.clone());
+            host.insert(id, Cow::Borrowed(t));
         }
         // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
         for fold in &plan.folds {
-            let args: Vec<Tensor> = fold
+            // An operand read through a reshape gets its own shape (a copy only then).
+            let args: Vec<Cow<'_, Tensor>> = fold
                 .operands
                 .iter()
                 .map(|&o| {
                     let t = host.get(&root(o)).ok_or_else(|| {
                         GpuError::Dispatch(format!("internal error: fold operand {o} is not a constant"))
                     })?;
-                    Ok(Tensor { shape: resolve(&plan.values[o].shape, &no_syms), data: t.data.clone() })
+                    let shape = resolve(&plan.values[o].shape, &no_syms);
+                    Ok(if t.shape == shape {
+                        Cow::Borrowed(t.as_ref())
+                    } else {
+                        Cow::Owned(Tensor { shape, data: t.data.clone() })
+                    })
                 })
                 .collect::<Result<_, GpuError>>()?;
-            let refs: Vec<&Tensor> = args.iter().collect();
+            let refs: Vec<&Tensor> = args.iter().map(|t| t.as_ref()).collect();
             let t =
                 kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
-            host.insert(fold.output, t);
+            drop(args);
+            host.insert(fold.output, Cow::Owned(t));
         }
         let mut uploaded = HashMap::new();
         for (id, t) in host {
