@@ -1,11 +1,12 @@
 //! `kiln generate`: a decoder spec's cached graph, optimized unless asked not to, run on wgpu (or
 //! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::{FrontEnd, lower, optimize};
 use kiln_runtime::generate::{Engine, Sampler, Session, Stats, generate};
+use kiln_runtime::{Message, Tokenizer};
 use std::io::Write;
 use std::path::Path;
 
@@ -67,4 +68,112 @@ pub fn report(stats: &Stats) {
         stats.new_tokens,
         stats.decode_tok_s()
     );
+}
+
+/// A prompt given as text.
+pub struct TextPrompt<'a> {
+    /// The text.
+    pub text: &'a str,
+    /// Render it as a user turn of the tokenizer's chat template.
+    pub chat: bool,
+    /// The system turn before it (the template's default otherwise).
+    pub system: Option<&'a str>,
+}
+
+/// `kiln generate`: tokenizes a text prompt if there is one, generates, and streams the new
+/// tokens to stdout as text (with a tokenizer) or as comma-separated ids (`print_ids`, or no
+/// tokenizer). A tokenizer's end-of-sequence id stops generation too.
+pub fn run_cli(
+    fe: &FrontEnd,
+    mut req: Request,
+    text: Option<TextPrompt>,
+    tokenizer: Option<&Path>,
+    print_ids: bool,
+) -> Result<Stats> {
+    // The tokenizer: the one named, or the GGUF weights' own.
+    let tokenizer_path = match tokenizer {
+        Some(path) => Some(path),
+        None if (text.is_some() || !print_ids) && is_gguf(req.weights)? => Some(req.weights),
+        None => None,
+    };
+    let tokenizer = match tokenizer_path {
+        Some(path) => Some(
+            Tokenizer::open(path).with_context(|| format!("cannot read the tokenizer in `{}`", path.display()))?,
+        ),
+        None if text.is_some() => {
+            bail!("a text prompt needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file)")
+        }
+        None => None,
+    };
+    if let (Some(text), Some(tok)) = (&text, &tokenizer) {
+        let ids = if text.chat {
+            let mut messages = Vec::new();
+            if let Some(system) = text.system {
+                messages.push(Message::new("system", system));
+            }
+            messages.push(Message::new("user", text.text));
+            let rendered = tok.apply_chat_template(&messages, true)?;
+            tok.encode(&rendered, false)?
+        } else {
+            tok.encode(text.text, true)?
+        };
+        req.prompt = ids.into_iter().map(i64::from).collect();
+    }
+    if let Some(tok) = &tokenizer {
+        let vocab = fe.spec.spec.model.vocab as usize;
+        if tok.vocab_size() > vocab {
+            bail!(
+                "the tokenizer has {} tokens but the model's vocabulary is {vocab}: is it this model's tokenizer?",
+                tok.vocab_size()
+            );
+        }
+        req.stop.extend(tok.eos_id().map(i64::from));
+    }
+
+    let mut out = std::io::stdout();
+    let stats = match tokenizer.as_ref().filter(|_| !print_ids) {
+        Some(tok) => {
+            let mut stream = tok.decode_stream(true);
+            let mut failed = None;
+            let (_, stats) = run(fe, req, |id| {
+                let piece = u32::try_from(id).map_err(|_| anyhow::anyhow!("negative token id {id}"));
+                match piece.and_then(|id| Ok(stream.step(id)?)) {
+                    Ok(Some(text)) => {
+                        let _ = write!(out, "{text}");
+                        let _ = out.flush();
+                        true
+                    }
+                    Ok(None) => true,
+                    Err(e) => {
+                        failed = Some(e);
+                        false
+                    }
+                }
+            })?;
+            if let Some(e) = failed {
+                return Err(e.context("cannot decode the generated tokens"));
+            }
+            stats
+        }
+        None => {
+            let mut first = true;
+            let (_, stats) = run(fe, req, |id| {
+                let _ = write!(out, "{}{id}", if first { "" } else { "," });
+                let _ = out.flush();
+                first = false;
+                true
+            })?;
+            stats
+        }
+    };
+    let _ = writeln!(out);
+    Ok(stats)
+}
+
+/// Whether a file is GGUF (by its magic).
+fn is_gguf(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot open `{}`", path.display()))?;
+    Ok(file.read(&mut magic)? == 4 && kiln_runtime::gguf::sniff(&magic))
 }

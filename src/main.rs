@@ -91,9 +91,21 @@ enum Command {
         /// Checkpoint (safetensors or GGUF).
         #[arg(long)]
         weights: PathBuf,
-        /// Prompt token ids, comma-separated.
-        #[arg(long, value_delimiter = ',', required = true)]
+        /// The prompt text (tokenized with `--tokenizer`, or the GGUF weights' own tokenizer).
+        #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+        prompt: Option<String>,
+        /// Wrap the prompt as a user message in the tokenizer's chat template.
+        #[arg(long, requires = "prompt")]
+        chat: bool,
+        /// With `--chat`: a system message (the template's default otherwise).
+        #[arg(long, requires = "chat")]
+        system: Option<String>,
+        /// Prompt token ids, comma-separated (no tokenizer needed).
+        #[arg(long, value_delimiter = ',')]
         prompt_ids: Vec<i64>,
+        /// The tokenizer: a `tokenizer.json`, or a GGUF file. Default: the weights, when GGUF.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
         /// Print the generated ids (comma-separated) instead of text.
         #[arg(long)]
         print_ids: bool,
@@ -408,7 +420,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate {
             spec,
             weights,
+            prompt,
+            chat,
+            system,
             prompt_ids,
+            tokenizer,
             print_ids,
             max_new_tokens,
             temperature,
@@ -421,6 +437,10 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
+            let text = match &prompt {
+                Some(text) => Some(generate::TextPrompt { text, chat, system: system.as_deref() }),
+                None => None,
+            };
             let req = generate::Request {
                 weights: &weights,
                 prompt: prompt_ids,
@@ -431,18 +451,7 @@ fn run(cli: Cli) -> Result<()> {
                 adapter: adapter.as_deref(),
                 no_optimize,
             };
-            // Ids stream as they come, comma-separated (text needs a tokenizer).
-            let mut first = true;
-            let (_, stats) = generate::run(&fe, req, |id| {
-                use std::io::Write;
-                let mut out = std::io::stdout();
-                let _ = write!(out, "{}{id}", if first { "" } else { "," });
-                let _ = out.flush();
-                first = false;
-                true
-            })?;
-            println!();
-            let _ = print_ids;
+            let stats = generate::run_cli(&fe, req, text, tokenizer.as_deref(), print_ids)?;
             generate::report(&stats);
         }
         Command::Embed(args) => embed::run(args)?,

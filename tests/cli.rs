@@ -354,6 +354,41 @@ fn a_closed_pipe_is_not_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// The quick-start path: a chat prompt as text, the GGUF weights' own tokenizer and chat
+/// template, greedy on wgpu, streamed as text; `<|im_end|>` (the GGUF's end-of-sequence id) stops
+/// it and is not printed.
+#[test]
+fn generate_chat_with_smollm2_answers_as_transformers() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let backend = if common::gpu().is_some() { "wgpu" } else { "interp" };
+    let o = kiln(&[
+        "generate",
+        "models/smollm2-135m.toml",
+        "--weights",
+        s(&weights),
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-new-tokens",
+        "16",
+        "--backend",
+        backend,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "The capital of France is Paris.\n");
+    assert!(stderr(&o).contains("prefill: 37 tokens"), "{}", stderr(&o));
+    // The same prompt as ids prints ids; a text prompt without a tokenizer is refused.
+    let llama = root().join("tests/fixtures/llama/model.safetensors");
+    fails_with(
+        &["generate", "models/llama.toml", "--weights", s(&llama), "--prompt", "hello"],
+        &["needs a tokenizer", "--tokenizer"],
+    );
+    fails_with(
+        &["generate", "models/llama.toml", "--weights", s(&llama), "--prompt", "hello", "--tokenizer", s(&weights)],
+        &["49152 tokens", "vocabulary is 128"],
+    );
+}
+
 #[test]
 fn generate_streams_ids_and_rejects_bad_prompts() {
     let weights = root().join("tests/fixtures/llama/model.safetensors");
