@@ -2,11 +2,14 @@
 //! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes.
 
 use anyhow::{Context, Result, bail};
-use kiln_compiler::graph::build::build_cached;
-use kiln_compiler::spec::PackDims;
+use kiln_compiler::graph::Graph;
+use kiln_compiler::graph::build::{build_cached, build_encoder};
+use kiln_compiler::spec::{BlockKind, PackDims};
+use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, lower, optimize};
-use kiln_runtime::generate::{Engine, Sampler, Session, Stats, generate};
+use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, generate};
 use kiln_runtime::{Message, Tokenizer};
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -14,8 +17,10 @@ use std::path::Path;
 pub struct Request<'a> {
     /// The weights (safetensors or GGUF).
     pub weights: &'a Path,
-    /// Prompt token ids.
+    /// Prompt token ids (an encoder-decoder's source).
     pub prompt: Vec<i64>,
+    /// An encoder-decoder's first decoder token.
+    pub decoder_start: Option<i64>,
     /// Most tokens to generate.
     pub max_new: usize,
     /// Token choice.
@@ -39,23 +44,46 @@ pub fn run(fe: &FrontEnd, req: Request, on_token: impl FnMut(i64) -> bool) -> Re
     if let Some(bad) = req.prompt.iter().find(|&&t| t < 0 || t >= vocab) {
         bail!("prompt token id {bad} is outside the vocabulary (0..{vocab})");
     }
-    let mut graph = build_cached(&fe.spec)?;
-    if !req.no_optimize {
-        graph = optimize::optimize(&graph)?.0;
-    }
-    let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
-    let names = kiln_runtime::weights::graph_params(&graph);
-    let params = kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
-    let outputs: Vec<String> = graph.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let engine = if req.interp {
-        Engine::Interp { graph, params }
-    } else {
-        let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(req.adapter)?);
-        Engine::Gpu(Box::new(kiln_runtime::GpuModel::new(gpu, lower::lower(&graph)?, &params)?))
+    let seq2seq = fe.spec.spec.model.kind == BlockKind::EncoderDecoder;
+    let prompt = match (seq2seq, req.decoder_start) {
+        (true, start) => {
+            let start = start.unwrap_or(0);
+            if start < 0 || start >= vocab {
+                bail!("decoder start id {start} is outside the vocabulary (0..{vocab})");
+            }
+            vec![start]
+        }
+        (false, None) => req.prompt.clone(),
+        (false, Some(_)) => bail!("--decoder-start-id is for encoder-decoder specs; this one is a decoder"),
     };
-    let mut session = Session::new(engine, &outputs, fe.spec.spec.model.max_positions as usize)?;
+    let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
+    let gpu = match req.interp {
+        true => None,
+        false => Some(std::sync::Arc::new(kiln_runtime::Gpu::new(req.adapter)?)),
+    };
+    // Builds, optimizes and loads one graph on the chosen engine.
+    let engine_of = |graph: Graph| -> Result<Engine> {
+        let graph = if req.no_optimize { graph } else { optimize::optimize(&graph)?.0 };
+        let names = kiln_runtime::weights::graph_params(&graph);
+        let params = kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+        Ok(match &gpu {
+            None => Engine::Interp { graph, params },
+            Some(gpu) => {
+                Engine::Gpu(Box::new(kiln_runtime::GpuModel::new(gpu.clone(), lower::lower(&graph)?, &params)?))
+            }
+        })
+    };
+    let decoder = build_cached(&fe.spec)?;
+    let outputs: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let mut session = Session::new(engine_of(decoder)?, &outputs, fe.spec.spec.model.max_positions as usize)?;
+    if seq2seq {
+        // Encode the source once; the decoder reads its keys and values at every step.
+        let encoder = engine_of(build_encoder(&fe.spec)?)?;
+        let src = Tensor::i64(vec![1, req.prompt.len()], req.prompt.clone());
+        session = session.with_memory(Memory::encode(&encoder, &HashMap::from([("src_ids".to_string(), src)]))?);
+    }
     let mut sampler = req.sampler;
-    Ok(generate(&mut session, &req.prompt, req.max_new, &mut sampler, &req.stop, on_token)?)
+    Ok(generate(&mut session, &prompt, req.max_new, &mut sampler, &req.stop, on_token)?)
 }
 
 /// Prints the throughput line.
@@ -97,9 +125,9 @@ pub fn run_cli(
         None => None,
     };
     let tokenizer = match tokenizer_path {
-        Some(path) => Some(
-            Tokenizer::open(path).with_context(|| format!("cannot read the tokenizer in `{}`", path.display()))?,
-        ),
+        Some(path) => {
+            Some(Tokenizer::open(path).with_context(|| format!("cannot read the tokenizer in `{}`", path.display()))?)
+        }
         None if text.is_some() => {
             bail!("a text prompt needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file)")
         }

@@ -103,6 +103,9 @@ enum Command {
         /// Prompt token ids, comma-separated (no tokenizer needed).
         #[arg(long, value_delimiter = ',')]
         prompt_ids: Vec<i64>,
+        /// An encoder-decoder's first decoder token (its prompt is the source). Default 0.
+        #[arg(long)]
+        decoder_start_id: Option<i64>,
         /// The tokenizer: a `tokenizer.json`, or a GGUF file. Default: the weights, when GGUF.
         #[arg(long)]
         tokenizer: Option<PathBuf>,
@@ -424,6 +427,7 @@ fn run(cli: Cli) -> Result<()> {
             chat,
             system,
             prompt_ids,
+            decoder_start_id,
             tokenizer,
             print_ids,
             max_new_tokens,
@@ -444,6 +448,7 @@ fn run(cli: Cli) -> Result<()> {
             let req = generate::Request {
                 weights: &weights,
                 prompt: prompt_ids,
+                decoder_start: decoder_start_id,
                 max_new: max_new_tokens,
                 sampler,
                 stop: stop_ids,

@@ -408,4 +408,22 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
     );
     let bert = root().join("models/bert.toml");
     fails_with(&["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"], &["needs a decoder"]);
+    fails_with(
+        &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--decoder-start-id", "2"],
+        &["--decoder-start-id is for encoder-decoder"],
+    );
+    // An encoder-decoder: the prompt is the source; the same ids on every engine and graph.
+    let vaswani = root().join("tests/fixtures/vaswani/model.safetensors");
+    let args = ["generate", "models/vaswani.toml", "--weights", s(&vaswani), "--prompt-ids", "5,6,7,8,9"];
+    let args = [&args[..], &["--decoder-start-id", "1", "--max-new-tokens", "6"]].concat();
+    let mut runs = Vec::new();
+    for extra in [&["--backend", "interp"][..], &["--backend", "interp", "--no-optimize"], &[]] {
+        let o = kiln(&[&args[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        runs.push(stdout(&o));
+    }
+    assert_eq!(runs[0].trim().split(',').count(), 6, "{}", runs[0]);
+    assert!(runs.iter().all(|r| *r == runs[0]), "{runs:?}");
+    let bad = ["generate", "models/vaswani.toml", "--weights", s(&vaswani), "--prompt-ids", "5"];
+    fails_with(&[&bad[..], &["--decoder-start-id", "128"]].concat(), &["decoder start id 128"]);
 }

@@ -4,12 +4,12 @@
 
 mod common;
 
-use kiln_compiler::graph::build::build_cached;
+use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, front_end, interp, optimize};
 use kiln_runtime::GpuModel;
-use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+use kiln_runtime::generate::{Engine, Memory, Sampler, Session, generate};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -91,6 +91,92 @@ fn bloom_cached_decoding() {
 #[test]
 fn mixtral_cached_decoding() {
     check("mixtral");
+}
+
+/// An encoder-decoder (the original Transformer): the encoder runs once and its keys and values
+/// are the decoder's cross-attention inputs at every step. Cached greedy decoding of a padded
+/// source row gives the logits of recomputing the whole model (encoder included) on the target
+/// so far, at every step, on every engine and both graphs.
+#[test]
+fn vaswani_cached_decoding_with_encoder_memory() {
+    let fe = spec("vaswani");
+    let dir = root().join("tests/fixtures/vaswani");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    // Row 1 of the fixture: 8 source tokens and 4 of padding.
+    let src_len = io["src_ids"].shape[1];
+    let row = |name: &str| -> Tensor {
+        let all = io[name].to_f32_vec();
+        let v: Vec<i64> = all[src_len..2 * src_len].iter().map(|&x| x as i64).collect();
+        Tensor::i64(vec![1, src_len], v)
+    };
+    let source =
+        HashMap::from([("src_ids".to_string(), row("src_ids")), ("src_padding".to_string(), row("src_padding"))]);
+    let steps = 6;
+    let start = 1i64;
+
+    // Greedy by full recomputation: the reference.
+    let mut seq = vec![start];
+    let mut full_logits = Vec::new();
+    for _ in 0..steps {
+        let mut inputs = source.clone();
+        inputs.insert("tgt_ids".into(), Tensor::i64(vec![1, seq.len()], seq.clone()));
+        let out = interp::run(&fe.graph, &params, &inputs).unwrap();
+        let logits = &out.iter().find(|(n, _)| n == "logits").unwrap().1;
+        let vocab = *logits.shape.last().unwrap();
+        let last = logits.as_f32().unwrap()[(seq.len() - 1) * vocab..].to_vec();
+        seq.push(Sampler::greedy().sample(&last, &[]));
+        full_logits.push(last);
+    }
+    let expected = seq[1..].to_vec();
+    assert!(expected.iter().collect::<std::collections::HashSet<_>>().len() > 1, "a varied continuation: {expected:?}");
+
+    let max = fe.spec.spec.model.max_positions as usize;
+    let decoder = build_cached(&fe.spec).unwrap();
+    let encoder = build_encoder(&fe.spec).unwrap();
+    for optimized in [false, true] {
+        let prepare =
+            |g: &kiln_compiler::graph::Graph| if optimized { optimize::optimize(g).unwrap().0 } else { g.clone() };
+        let (decoder, encoder) = (prepare(&decoder), prepare(&encoder));
+        let names: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
+        let mut engines = vec![(
+            "interp",
+            Engine::Interp { graph: decoder.clone(), params: params.clone() },
+            Engine::Interp { graph: encoder.clone(), params: params.clone() },
+        )];
+        if let Some(gpu) = common::gpu() {
+            engines.push((
+                "wgpu",
+                Engine::Gpu(Box::new(GpuModel::new(gpu.clone(), lower(&decoder).unwrap(), &params).unwrap())),
+                Engine::Gpu(Box::new(GpuModel::new(gpu, lower(&encoder).unwrap(), &params).unwrap())),
+            ));
+        }
+        for (engine, dec, enc) in engines {
+            let label = format!("{engine}, optimized {optimized}");
+            let memory = Memory::encode(&enc, &source).unwrap();
+            let mut session = Session::new(dec, &names, max).unwrap().with_memory(memory);
+            let (ids, _) = generate(&mut session, &[start], steps, &mut Sampler::greedy(), &[], |_| true).unwrap();
+            assert_eq!(ids, expected, "vaswani ({label}): greedy continuation with the cache");
+            // Logits step by step.
+            let memory = Memory::encode(&enc, &source).unwrap();
+            let engine = session_engine(&decoder, &params, engine == "wgpu");
+            let mut fresh = Session::new(engine, &names, max).unwrap().with_memory(memory);
+            for (i, reference) in full_logits.iter().enumerate() {
+                let token = if i == 0 { start } else { expected[i - 1] };
+                let cached = fresh.forward(&[token]).unwrap();
+                let err = reference.iter().zip(&cached).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(err <= 1e-4, "vaswani ({label}): cached logits at step {i} differ by {err}");
+            }
+        }
+    }
+}
+
+/// A decoder engine on the interpreter or on wgpu.
+fn session_engine(graph: &kiln_compiler::graph::Graph, params: &HashMap<String, Tensor>, gpu: bool) -> Engine {
+    match common::gpu().filter(|_| gpu) {
+        Some(gpu) => Engine::Gpu(Box::new(GpuModel::new(gpu, lower(graph).unwrap(), params).unwrap())),
+        None => Engine::Interp { graph: graph.clone(), params: params.clone() },
+    }
 }
 
 #[test]

@@ -112,17 +112,43 @@ pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
 /// masks may be any numeric type and become f32 "1 = attend" (flipped for `pad_is_one`); an absent
 /// mask is all ones and absent token types are zeros.
 pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Vec<Tensor>, HashMap<Sym, usize>)> {
+    let (tensors, syms) = bind_named_with(specs, given, &HashMap::new())?;
+    Ok((tensors.into_iter().map(|t| t.expect("no resident inputs")).collect(), syms))
+}
+
+/// [`bind_named`] where some cache inputs already live elsewhere (on a device): `resident`
+/// gives their shapes, which are checked and bound like given tensors; their entries in the
+/// result are `None`.
+pub fn bind_named_with(
+    specs: &[InputSpec],
+    given: &HashMap<String, Tensor>,
+    resident: &HashMap<String, Vec<usize>>,
+) -> R<(Vec<Option<Tensor>>, HashMap<Sym, usize>)> {
     let mut syms: HashMap<Sym, usize> = HashMap::new();
     let mut out: Vec<Option<Tensor>> = vec![None; specs.len()];
-    // Ids first: they fix batch and sequence lengths, masks and token types default from them.
+    // Ids first: they fix batch and sequence lengths; then caches, which fix the lengths of what
+    // they hold (an encoder's memory fixes the source length a source mask defaults from); masks
+    // and token types last, since they default from those.
     let mut order: Vec<usize> = (0..specs.len()).collect();
-    order.sort_by_key(|&i| !matches!(specs[i].role, InputRole::Ids));
+    order.sort_by_key(|&i| match specs[i].role {
+        InputRole::Ids => 0,
+        InputRole::Cache { .. } => 1,
+        _ => 2,
+    });
     for i in order {
         let InputSpec { name, role, seq: seq_sym } = specs[i];
         let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
         if let InputRole::Cache { kv_heads, head_dim } = role {
-            out[i] = Some(bind_cache(name, kv_heads, head_dim, given.get(name), &mut syms)?);
+            let cache = match (given.get(name), resident.get(name)) {
+                (Some(t), _) => Some(CacheArg::Host(t)),
+                (None, Some(shape)) => Some(CacheArg::Resident(shape)),
+                (None, None) => None,
+            };
+            out[i] = bind_cache(name, seq_sym, kv_heads, head_dim, cache, &mut syms)?;
             continue;
+        }
+        if resident.contains_key(name) && !given.contains_key(name) {
+            return Err(bad("only cache inputs can stay on the device; give this one as a tensor".into()));
         }
         let tensor = match (given.get(name), role) {
             (Some(t), _) => t.clone(),
@@ -169,41 +195,49 @@ pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Ve
     if let (Some(&past), Some(&seq)) = (syms.get(&Sym::Past), syms.get(&Sym::Seq)) {
         syms.insert(Sym::Ctx, past + seq);
     }
-    Ok((out.into_iter().map(|t| t.expect("every spec bound")).collect(), syms))
+    Ok((out, syms))
 }
 
-/// Binds one layer's cached keys or values, `f32[batch, kv_heads, past, head_dim]`; absent means
-/// nothing cached yet. Every cache input must agree on `past`.
+/// A cache input as given: a tensor, or the shape of one that lives on a device.
+enum CacheArg<'a> {
+    Host(&'a Tensor),
+    Resident(&'a [usize]),
+}
+
+/// Binds one layer's cached keys or values, `f32[batch, kv_heads, len, head_dim]`, where `len`
+/// is the symbol `seq` (`past` for a self-attention cache, `src_seq` for an encoder's memory).
+/// An absent self-attention cache means nothing cached yet; an encoder's memory must be given.
+/// Every cache input must agree on `len`. A resident cache binds to `None`.
 fn bind_cache(
     name: &str,
+    seq: Sym,
     kv_heads: usize,
     head_dim: usize,
-    given: Option<&Tensor>,
+    given: Option<CacheArg>,
     syms: &mut HashMap<Sym, usize>,
-) -> R<Tensor> {
+) -> R<Option<Tensor>> {
     let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
-    let batch = *syms.get(&Sym::Batch).ok_or_else(|| InterpError::MissingInput("input_ids".into()))?;
-    let t = match given {
-        Some(t) => t.clone(),
-        None => Tensor::f32(vec![batch, kv_heads, 0, head_dim], vec![]),
+    let batch = *syms.get(&Sym::Batch).ok_or_else(|| InterpError::MissingInput("the token ids".into()))?;
+    let (tensor, shape, dtype) = match given {
+        Some(CacheArg::Host(t)) => (Some(t.clone()), t.shape.clone(), t.dtype()),
+        Some(CacheArg::Resident(shape)) => (None, shape.to_vec(), DType::F32),
+        None if seq == Sym::Past => {
+            let t = Tensor::f32(vec![batch, kv_heads, 0, head_dim], vec![]);
+            (Some(t.clone()), t.shape, DType::F32)
+        }
+        None => return Err(InterpError::MissingInput(name.to_string())),
     };
-    if t.dtype() != DType::F32
-        || t.shape.len() != 4
-        || t.shape[0] != batch
-        || t.shape[1] != kv_heads
-        || t.shape[3] != head_dim
-    {
+    if dtype != DType::F32 || shape.len() != 4 || shape[0] != batch || shape[1] != kv_heads || shape[3] != head_dim {
         return Err(bad(format!(
-            "expected f32[{batch}, {kv_heads}, past, {head_dim}], got {}{:?}",
-            t.dtype(),
-            t.shape
+            "expected f32[{batch}, {kv_heads}, {}, {head_dim}], got {dtype}{shape:?}",
+            seq.name()
         )));
     }
-    match syms.insert(Sym::Past, t.shape[2]) {
-        Some(prev) if prev != t.shape[2] => {
-            Err(bad(format!("{} cached tokens here but {prev} in another cache input", t.shape[2])))
+    match syms.insert(seq, shape[2]) {
+        Some(prev) if prev != shape[2] => {
+            Err(bad(format!("{} is {} here but {prev} in another input", seq.name(), shape[2])))
         }
-        _ => Ok(t),
+        _ => Ok(tensor),
     }
 }
 

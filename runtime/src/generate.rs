@@ -5,9 +5,11 @@
 //! (greedy, temperature, top-k, top-p, repetition penalty, seeded); [`generate`] drives the loop
 //! with stop tokens and a per-token callback for streaming.
 
-use crate::gpu::{GpuError, GpuModel};
+use crate::gpu::{DeviceTensor, GpuError, GpuModel};
 use kiln_compiler::graph::Graph;
+use kiln_compiler::graph::InputRole;
 use kiln_compiler::interp::{self, InterpError};
+use kiln_compiler::lower::Storage;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -41,12 +43,49 @@ pub enum Engine {
     Gpu(Box<GpuModel>),
 }
 
+/// Inputs that stay the same for a whole session: an encoder-decoder's source mask on the host,
+/// its encoder's keys and values (on the host, or on the device for [`Engine::Gpu`]).
+#[derive(Default)]
+pub struct Memory {
+    host: HashMap<String, Tensor>,
+    device: HashMap<String, DeviceTensor>,
+}
+
+impl Memory {
+    /// Runs an encoder graph (see [`kiln_compiler::graph::build::build_encoder`]) on `given`
+    /// (`src_ids`, `src_padding`) once; its outputs, and the source mask, become the memory a
+    /// decoder session reads at every step. On a GPU the outputs stay on the device.
+    pub fn encode(encoder: &Engine, given: &HashMap<String, Tensor>) -> R<Memory> {
+        let mut memory = Memory::default();
+        match encoder {
+            Engine::Interp { graph, params } => {
+                memory.host.extend(interp::run(graph, params, given)?);
+            }
+            Engine::Gpu(model) => {
+                let keep: Vec<String> = model.plan().outputs.iter().map(|(n, _)| n.clone()).collect();
+                memory.device = model.run_resident(given, &HashMap::new(), &keep)?.1;
+            }
+        }
+        memory.host.extend(given.iter().filter(|(name, _)| *name != "src_ids").map(|(n, t)| (n.clone(), t.clone())));
+        Ok(memory)
+    }
+}
+
+/// The cache of a session, where its engine keeps it.
+enum Cache {
+    Host(HashMap<String, Tensor>),
+    Device(HashMap<String, DeviceTensor>),
+}
+
 /// One sequence being generated: the engine and the cache so far.
 pub struct Session {
     engine: Engine,
+    /// The token ids input (`input_ids`, or `tgt_ids` for an encoder-decoder).
+    ids_input: String,
     /// `(present output, past input)` name pairs, one per cached tensor.
     links: Vec<(String, String)>,
-    cache: HashMap<String, Tensor>,
+    memory: Memory,
+    cache: Cache,
     /// Tokens in the cache.
     pub position: usize,
     /// Positions the model has (its learned or maximum context).
@@ -55,7 +94,8 @@ pub struct Session {
 
 impl Session {
     /// A session on a cached decoder graph's engine; `outputs` are the graph's output names (the
-    /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores).
+    /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores). On a GPU the cache
+    /// stays on the device between steps.
     pub fn new(engine: Engine, outputs: &[String], max_positions: usize) -> R<Session> {
         let links: Vec<(String, String)> = outputs
             .iter()
@@ -70,10 +110,41 @@ impl Session {
                 "generation needs a decoder graph built with a key/value cache and a `logits` output".into(),
             ));
         }
-        Ok(Session { engine, links, cache: HashMap::new(), position: 0, max_positions })
+        let ids: Vec<String> = match &engine {
+            Engine::Interp { graph, .. } => graph
+                .inputs()
+                .iter()
+                .filter(|(_, _, role)| *role == InputRole::Ids)
+                .map(|(_, name, _)| name.to_string())
+                .collect(),
+            Engine::Gpu(model) => model
+                .plan()
+                .values
+                .iter()
+                .filter_map(|v| match &v.storage {
+                    Storage::Input { name, role: InputRole::Ids } => Some(name.clone()),
+                    _ => None,
+                })
+                .collect(),
+        };
+        let [ids_input] = <[String; 1]>::try_from(ids).map_err(|ids| {
+            GenerateError::Invalid(format!("a decoder step takes one token-id input, this graph has {}", ids.len()))
+        })?;
+        let cache = match engine {
+            Engine::Interp { .. } => Cache::Host(HashMap::new()),
+            Engine::Gpu(_) => Cache::Device(HashMap::new()),
+        };
+        Ok(Session { engine, ids_input, links, memory: Memory::default(), cache, position: 0, max_positions })
     }
 
-    /// Runs `ids` after the cached tokens; returns the logits of the last one.
+    /// Sets what every step reads besides the tokens and the cache: an encoder's output.
+    pub fn with_memory(mut self, memory: Memory) -> Session {
+        self.memory = memory;
+        self
+    }
+
+    /// Runs `ids` after the cached tokens; returns the logits of the last one. On an error the
+    /// session is as it was.
     pub fn forward(&mut self, ids: &[i64]) -> R<Vec<f32>> {
         if ids.is_empty() {
             return Err(GenerateError::Invalid("nothing to run: no token ids".into()));
@@ -86,34 +157,80 @@ impl Session {
                 self.max_positions
             )));
         }
-        // The cache moves into the inputs (no copy per step) and the presents replace it.
-        let mut inputs = std::mem::take(&mut self.cache);
-        inputs.insert("input_ids".into(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
-        let run = match &self.engine {
-            Engine::Interp { graph, params } => interp::run(graph, params, &inputs).map_err(GenerateError::from),
-            Engine::Gpu(model) => model.run(&inputs).map_err(GenerateError::from),
-        };
-        let outputs = match run {
-            Ok(outputs) => outputs,
-            Err(e) => {
-                // Keep the cache as it was, so the session stays usable.
-                inputs.remove("input_ids");
-                self.cache = inputs;
-                return Err(e);
+        let tokens = Tensor::i64(vec![1, ids.len()], ids.to_vec());
+        let mut outputs: HashMap<String, Tensor> = match (&self.engine, &mut self.cache) {
+            (Engine::Interp { graph, params }, Cache::Host(cache)) => {
+                // The cache moves into the inputs (no copy per step), and back on an error.
+                let mut inputs = std::mem::take(cache);
+                inputs.extend(self.memory.host.iter().map(|(n, t)| (n.clone(), t.clone())));
+                inputs.insert(self.ids_input.clone(), tokens);
+                let run = interp::run(graph, params, &inputs);
+                let mut outputs: HashMap<String, Tensor> = match run {
+                    Ok(outputs) => outputs.into_iter().collect(),
+                    Err(e) => {
+                        for (_, past) in &self.links {
+                            if let Some(t) = inputs.remove(past) {
+                                cache.insert(past.clone(), t);
+                            }
+                        }
+                        return Err(e.into());
+                    }
+                };
+                for (present, past) in &self.links {
+                    let t = outputs
+                        .remove(present)
+                        .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
+                    cache.insert(past.clone(), t);
+                }
+                outputs
             }
+            (Engine::Gpu(model), Cache::Device(cache)) => {
+                let mut inputs = self.memory.host.clone();
+                inputs.insert(self.ids_input.clone(), tokens);
+                // Past and memory stay on the device; so do the presents, the next past.
+                let keep: Vec<String> = self.links.iter().map(|(present, _)| present.clone()).collect();
+                let resident = std::mem::take(cache);
+                let resident: HashMap<String, DeviceTensor> =
+                    resident.into_iter().chain(std::mem::take(&mut self.memory.device)).collect();
+                let run = model.run_resident(&inputs, &resident, &keep);
+                // Give the memory back whatever happened, and the old cache on an error.
+                let links = &self.links;
+                let (pasts, memory): (HashMap<_, _>, HashMap<_, _>) =
+                    resident.into_iter().partition(|(name, _)| links.iter().any(|(_, past)| past == name));
+                self.memory.device = memory;
+                let (outputs, mut kept) = match run {
+                    Ok(r) => r,
+                    Err(e) => {
+                        *cache = pasts;
+                        return Err(e.into());
+                    }
+                };
+                for (present, past) in &self.links {
+                    let t = kept
+                        .remove(present)
+                        .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
+                    cache.insert(past.clone(), t);
+                }
+                outputs.into_iter().collect()
+            }
+            _ => unreachable!("the cache is made for its engine in `new`"),
         };
-        let mut outputs: HashMap<String, Tensor> = outputs.into_iter().collect();
-        for (present, past) in &self.links {
-            let t = outputs
-                .remove(present)
-                .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
-            self.cache.insert(past.clone(), t);
-        }
         self.position += ids.len();
         let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
         let vocab = logits.shape.last().copied().unwrap_or(0);
         let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
         Ok(data[data.len().saturating_sub(vocab)..].to_vec())
+    }
+
+    /// The cache as tensors on the host (read back from the device if it lives there), by past
+    /// input name.
+    pub fn cache(&self) -> R<HashMap<String, Tensor>> {
+        match &self.cache {
+            Cache::Host(cache) => Ok(cache.clone()),
+            Cache::Device(cache) => {
+                cache.iter().map(|(name, t)| Ok((name.clone(), t.read()?))).collect::<R<HashMap<_, _>>>()
+            }
+        }
     }
 }
 

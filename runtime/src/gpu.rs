@@ -9,7 +9,7 @@
 
 use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
-use kiln_compiler::interp::{InputSpec, InterpError, bind_named};
+use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
 use kiln_compiler::lower::{Plan, Storage, dispatch, resolve, validate_wgsl, workgroups};
 use kiln_compiler::tensor::{DType, Tensor};
@@ -175,6 +175,27 @@ impl Gpu {
         format!("{} ({:?}, {:?})", self.info.name, self.info.device_type, self.info.backend)
     }
 
+    /// Waits for the work submitted so far and returns the first `n` 4-byte words of a mappable
+    /// staging buffer (`what` names them in errors).
+    fn read_staging(&self, staging: &wgpu::Buffer, what: &str, n: usize) -> Result<Vec<u8>, GpuError> {
+        let slice = staging.slice(..);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Dispatch(e.to_string()))?;
+        self.check_lost()?;
+        rx.recv()
+            .map_err(|_| GpuError::Dispatch("readback was cancelled".into()))?
+            .map_err(|e| GpuError::Dispatch(format!("cannot read {what} back: {e}")))?;
+        let data = {
+            let view = slice.get_mapped_range().map_err(|e| GpuError::Dispatch(e.to_string()))?;
+            view[..4 * n].to_vec()
+        };
+        staging.unmap();
+        Ok(data)
+    }
+
     fn check_lost(&self) -> Result<(), GpuError> {
         match self.lost.lock().ok().and_then(|l| l.clone()) {
             Some(reason) => Err(GpuError::Lost(reason)),
@@ -215,6 +236,41 @@ impl Gpu {
             return Err(GpuError::OutOfMemory { what: what.into(), bytes });
         }
         Ok(buffer)
+    }
+}
+
+/// An f32 tensor that lives on the device (see [`GpuModel::run_resident`]), split over buffers
+/// as large tensors are.
+pub struct DeviceTensor {
+    gpu: Arc<Gpu>,
+    shape: Vec<usize>,
+    buffers: Vec<wgpu::Buffer>,
+}
+
+impl DeviceTensor {
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Reads it back.
+    pub fn read(&self) -> Result<Tensor, GpuError> {
+        let gpu = &self.gpu;
+        let n: usize = self.shape.iter().product();
+        let bytes = 4 * n as u64;
+        let staging =
+            gpu.buffer("readback", bytes.max(4), wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
+        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
+        for (c, chunk) in self.buffers.iter().enumerate() {
+            let at = c as u64 * gpu.chunk_bytes;
+            let len = bytes.saturating_sub(at).min(gpu.chunk_bytes).next_multiple_of(4);
+            if len > 0 {
+                encoder.copy_buffer_to_buffer(chunk, 0, &staging, at, len);
+            }
+        }
+        gpu.queue.submit([encoder.finish()]);
+        let data = gpu.read_staging(&staging, "a device tensor", n)?;
+        Ok(Tensor::f32(self.shape.clone(), bytemuck::cast_slice::<u8, f32>(&data).to_vec()))
     }
 }
 
@@ -318,6 +374,20 @@ impl GpuModel {
 
     /// Runs one forward pass on named inputs; returns the named outputs.
     pub fn run(&self, given: &HashMap<String, Tensor>) -> Result<Vec<(String, Tensor)>, GpuError> {
+        Ok(self.run_resident(given, &HashMap::new(), &[])?.0)
+    }
+
+    /// Runs one forward pass where some inputs already live on the device (`resident`: cache
+    /// inputs, say the previous step's `present_k` or an encoder's keys) and some outputs stay
+    /// there (`keep`, by name). Returns the outputs read back (all but those kept) and the kept
+    /// ones. Nothing but `given` is uploaded and nothing kept is read back, so a generation
+    /// session's cache never leaves the device.
+    pub fn run_resident(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<String, DeviceTensor>,
+        keep: &[String],
+    ) -> Result<(Vec<(String, Tensor)>, HashMap<String, DeviceTensor>), GpuError> {
         let gpu = &self.gpu;
         gpu.check_lost()?;
         let plan = &self.plan;
@@ -335,15 +405,38 @@ impl GpuModel {
             .map(|&i| {
                 let v = &plan.values[i];
                 let Storage::Input { name, role } = &v.storage else { unreachable!("filtered to inputs") };
-                let seq = match v.shape.get(1) {
-                    Some(kiln_compiler::graph::Dim::Sym(s)) => *s,
-                    _ => Sym::Seq,
-                };
+                // The length axis: `[batch, seq]` for ids and masks, `[batch, heads, len, hd]`
+                // for caches.
+                let seq = v
+                    .shape
+                    .iter()
+                    .find_map(|d| match d {
+                        kiln_compiler::graph::Dim::Sym(s) if *s != Sym::Batch => Some(*s),
+                        _ => None,
+                    })
+                    .unwrap_or(Sym::Seq);
                 InputSpec { name, role: *role, seq }
             })
             .collect();
-        let (tensors, syms) = bind_named(&specs, given)?;
-        let inputs: HashMap<usize, Tensor> = input_ids.into_iter().zip(tensors).collect();
+        let resident_shapes: HashMap<String, Vec<usize>> =
+            resident.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect();
+        let (tensors, syms) = bind_named_with(&specs, given, &resident_shapes)?;
+        let mut inputs: HashMap<usize, Tensor> = HashMap::new();
+        let mut resident_inputs: HashMap<usize, &[wgpu::Buffer]> = HashMap::new();
+        for ((id, tensor), spec) in input_ids.into_iter().zip(tensors).zip(&specs) {
+            match tensor {
+                Some(t) => {
+                    inputs.insert(id, t);
+                }
+                None => {
+                    let t = &resident[spec.name];
+                    if !Arc::ptr_eq(&t.gpu, gpu) {
+                        return Err(GpuError::Dispatch(format!("input `{}` lives on another device", spec.name)));
+                    }
+                    resident_inputs.insert(id, &t.buffers);
+                }
+            }
+        }
         self.check_indices(&inputs, &syms)?;
 
         // Buffers: inputs (fresh), slots (kept, grown as needed), one uniform for every step's Dims.
@@ -384,7 +477,10 @@ impl GpuModel {
             }
             let all: &[wgpu::Buffer] = match &plan.values[v].storage {
                 Storage::Param(_) | Storage::Const => &self.params[&v],
-                Storage::Input { .. } => &input_buffers[&v],
+                Storage::Input { .. } => match resident_inputs.get(&v) {
+                    Some(buffers) => buffers,
+                    None => &input_buffers[&v],
+                },
                 Storage::Slot(s) => &slots[*s].1,
                 Storage::Alias(_) => unreachable!("aliases resolved above"),
             };
@@ -484,8 +580,23 @@ impl GpuModel {
             }
         }
         let mut readbacks = Vec::new();
+        let mut kept = HashMap::new();
         for (name, v) in &plan.outputs {
             let shape = resolve(&plan.values[*v].shape, &syms);
+            if keep.contains(name) {
+                // Kept on the device: copied into buffers of its own (a slot is reused next run).
+                let bytes = 4 * shape.iter().product::<usize>() as u64;
+                let buffers = gpu.chunked(&format!("output `{name}`"), bytes, STORAGE)?;
+                for (c, (chunk, to)) in buffers_of(*v).iter().zip(&buffers).enumerate() {
+                    let at = c as u64 * gpu.chunk_bytes;
+                    let len = (bytes.saturating_sub(at)).min(gpu.chunk_bytes).next_multiple_of(4);
+                    if len > 0 {
+                        encoder.copy_buffer_to_buffer(chunk, 0, to, 0, len);
+                    }
+                }
+                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers });
+                continue;
+            }
             let bytes = 4 * shape.iter().product::<usize>() as u64;
             let staging = gpu.buffer(
                 &format!("output `{name}`"),
@@ -506,31 +617,17 @@ impl GpuModel {
 
         let mut outputs = Vec::new();
         for (name, shape, dtype, staging) in readbacks {
-            let slice = staging.slice(..);
-            let (tx, rx) = std::sync::mpsc::channel();
-            slice.map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send(r);
-            });
-            gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Dispatch(e.to_string()))?;
-            gpu.check_lost()?;
-            rx.recv()
-                .map_err(|_| GpuError::Dispatch("readback was cancelled".into()))?
-                .map_err(|e| GpuError::Dispatch(format!("cannot read `{name}` back: {e}")))?;
             let n: usize = shape.iter().product();
-            let t = {
-                let view = slice.get_mapped_range().map_err(|e| GpuError::Dispatch(e.to_string()))?;
-                match dtype {
-                    DType::F32 => Tensor::f32(shape, bytemuck::cast_slice::<u8, f32>(&view[..4 * n]).to_vec()),
-                    DType::I64 => Tensor::i64(
-                        shape,
-                        bytemuck::cast_slice::<u8, i32>(&view[..4 * n]).iter().map(|&x| x as i64).collect(),
-                    ),
+            let data = gpu.read_staging(&staging, &format!("`{name}`"), n)?;
+            let t = match dtype {
+                DType::F32 => Tensor::f32(shape, bytemuck::cast_slice::<u8, f32>(&data).to_vec()),
+                DType::I64 => {
+                    Tensor::i64(shape, bytemuck::cast_slice::<u8, i32>(&data).iter().map(|&x| x as i64).collect())
                 }
             };
-            staging.unmap();
             outputs.push((name, t));
         }
-        Ok(outputs)
+        Ok((outputs, kept))
     }
 
     /// Token ids and positions must index inside their tables; the GPU would clamp silently.

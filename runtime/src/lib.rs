@@ -16,11 +16,11 @@ pub use weights::{Checkpoint, WeightError, load_params, read_tensors, write_tens
 
 pub mod gpu;
 
-pub use gpu::{Gpu, GpuError, GpuModel};
+pub use gpu::{DeviceTensor, Gpu, GpuError, GpuModel};
 
 pub mod generate;
 
-pub use generate::{Engine, GenerateError, Sampler, Session, Stats};
+pub use generate::{Engine, GenerateError, Memory, Sampler, Session, Stats};
 
 /// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
 /// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.

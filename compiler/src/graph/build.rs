@@ -20,17 +20,64 @@ pub fn build(r: &Resolved) -> R<Graph> {
 /// `L` takes the cached keys and values as inputs `L.past_k`, `L.past_v` (`f32[batch, kv_heads,
 /// past, head_dim]`), attends over them followed by the new tokens, and returns both as outputs
 /// `L.present_k`, `L.present_v` (`[batch, kv_heads, past + seq, head_dim]`), the next step's cache.
-/// Positions and RoPE start at `past`. Encoder-decoders and padding masks are not supported here.
+/// Positions and RoPE start at `past`.
+///
+/// For an encoder-decoder this is the decoder alone, on `tgt_ids`: its cross-attention layers
+/// `L` read the encoder's keys and values, computed once by [`build_encoder`], as inputs
+/// `L.memory_k`, `L.memory_v` (`f32[batch, kv_heads, src_seq, head_dim]`), masked by
+/// `src_padding` when the spec has padding masks. Decoder-only specs with padding masks are not
+/// supported here (a cache holds one unpadded sequence).
 pub fn build_cached(r: &Resolved) -> R<Graph> {
     let unsupported =
         |message: &str| GraphError { op: "kv_cache".into(), scope: String::new(), message: message.into() };
-    if r.spec.model.kind != BlockKind::Decoder {
-        return Err(unsupported("generation with a key/value cache needs a decoder spec (kind = \"decoder\")"));
+    match r.spec.model.kind {
+        BlockKind::Encoder => Err(unsupported(
+            "generation with a key/value cache needs a decoder (kind = \"decoder\" or \"encoder-decoder\")",
+        )),
+        BlockKind::Decoder if r.spec.attention.padding_mask => {
+            Err(unsupported("generation with a key/value cache does not support attention.padding_mask"))
+        }
+        _ => build_with(r, true),
     }
-    if r.spec.attention.padding_mask {
-        return Err(unsupported("generation with a key/value cache does not support attention.padding_mask"));
+}
+
+/// Builds an encoder-decoder's encoder for generation: `src_ids` (and `src_padding`) in, and
+/// for every decoder cross-attention layer `L` the keys and values of the encoder's output as
+/// `L.memory_k`, `L.memory_v` (`f32[batch, kv_heads, src_seq, head_dim]`), the inputs of
+/// [`build_cached`]'s decoder. Run once per source.
+pub fn build_encoder(r: &Resolved) -> R<Graph> {
+    let spec = &r.spec;
+    if spec.model.kind != BlockKind::EncoderDecoder {
+        return Err(GraphError {
+            op: "encoder".into(),
+            scope: String::new(),
+            message: "only an encoder-decoder spec has a separate encoder".into(),
+        });
     }
-    build_with(r, true)
+    let mut b = Builder { g: Graph::new(&spec.model.name), r, cache: false };
+    let src = b.input("src_ids", InputRole::Ids, Sym::SrcSeq)?;
+    let src_mask = if spec.attention.padding_mask {
+        Some(b.input("src_padding", InputRole::KeyMask { pad_is_one: true }, Sym::SrcSeq)?)
+    } else {
+        None
+    };
+    let xs = b.embed("encoder.", src, None, Sym::SrcSeq)?;
+    let memory = b.stack("encoder.", xs, r.encoder_layers, MaskKind::Bidirectional, Sym::SrcSeq, src_mask, None)?;
+    let a = &spec.attention;
+    let (d, kv_heads) = (b.d(), r.kv_heads as usize);
+    let width = kv_heads * r.head_dim as usize;
+    for i in 0..r.decoder_layers {
+        let name = format!("decoder.layers.{i}.cross");
+        b.g.scope = name.clone();
+        let k = b.linear(memory, &format!("{name}.k"), width, d, a.k_bias.unwrap_or(a.bias))?;
+        let v = b.linear(memory, &format!("{name}.v"), width, d, a.v_bias.unwrap_or(a.bias))?;
+        let k = b.split_heads(k, Sym::SrcSeq, kv_heads)?;
+        let v = b.split_heads(v, Sym::SrcSeq, kv_heads)?;
+        b.g.outputs.push((format!("{name}.memory_k"), k));
+        b.g.outputs.push((format!("{name}.memory_v"), v));
+    }
+    b.g.scope.clear();
+    Ok(b.g)
 }
 
 fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
@@ -55,16 +102,23 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
             (h, key_mask)
         }
         BlockKind::EncoderDecoder => {
-            let src = b.input("src_ids", InputRole::Ids, Sym::SrcSeq)?;
+            let src = if cache { None } else { Some(b.input("src_ids", InputRole::Ids, Sym::SrcSeq)?) };
             let tgt = b.input("tgt_ids", InputRole::Ids, Sym::Seq)?;
             let src_mask = if spec.attention.padding_mask {
                 Some(b.input("src_padding", InputRole::KeyMask { pad_is_one: true }, Sym::SrcSeq)?)
             } else {
                 None
             };
-            let xs = b.embed("encoder.", src, None, Sym::SrcSeq)?;
-            let memory =
-                b.stack("encoder.", xs, r.encoder_layers, MaskKind::Bidirectional, Sym::SrcSeq, src_mask, None)?;
+            // With a cache the encoder runs apart (`build_encoder`) and its keys and values are
+            // inputs of the cross-attention layers.
+            let memory = match src {
+                Some(src) => {
+                    let xs = b.embed("encoder.", src, None, Sym::SrcSeq)?;
+                    let bidi = MaskKind::Bidirectional;
+                    Some(b.stack("encoder.", xs, r.encoder_layers, bidi, Sym::SrcSeq, src_mask, None)?)
+                }
+                None => None,
+            };
             let xt = b.embed("decoder.", tgt, None, Sym::Seq)?;
             let h = b.stack("decoder.", xt, r.decoder_layers, r.mask, Sym::Seq, None, Some((memory, src_mask)))?;
             (h, None)
@@ -125,9 +179,10 @@ struct Builder<'a> {
     cache: bool,
 }
 
-/// Where a block's attention looks: its own input, or an encoder's memory.
+/// Where a block's attention looks: its own input, or an encoder's memory; `x: None` reads
+/// the memory's keys and values from cache inputs (see [`build_cached`]).
 struct Kv {
-    x: NodeIndex,
+    x: Option<NodeIndex>,
     seq: Sym,
 }
 
@@ -199,7 +254,7 @@ impl Builder<'_> {
         mask: MaskKind,
         seq: Sym,
         key_mask: Option<NodeIndex>,
-        cross: Option<(NodeIndex, Option<NodeIndex>)>,
+        cross: Option<(Option<NodeIndex>, Option<NodeIndex>)>,
     ) -> R<NodeIndex> {
         for i in 0..layers {
             x = self.block(&format!("{stack}layers.{i}"), x, mask, seq, key_mask, cross)?;
@@ -218,13 +273,13 @@ impl Builder<'_> {
         mask: MaskKind,
         seq: Sym,
         key_mask: Option<NodeIndex>,
-        cross: Option<(NodeIndex, Option<NodeIndex>)>,
+        cross: Option<(Option<NodeIndex>, Option<NodeIndex>)>,
     ) -> R<NodeIndex> {
         let norm = &self.r.spec.norm;
         if norm.parallel_residual {
             self.g.scope = format!("{name}.attn");
             let a_in = self.norm(x, &format!("{name}.attn_norm"))?;
-            let a = self.attention(&format!("{name}.attn"), a_in, Kv { x: a_in, seq }, seq, mask, key_mask)?;
+            let a = self.attention(&format!("{name}.attn"), a_in, Kv { x: Some(a_in), seq }, seq, mask, key_mask)?;
             self.g.scope = format!("{name}.ffn");
             let f_in = self.norm(x, &format!("{name}.ffn_norm"))?;
             let f = self.ffn_or_moe(name, f_in)?;
@@ -233,7 +288,7 @@ impl Builder<'_> {
         }
         self.g.scope = format!("{name}.attn");
         let mut h = self.sublayer(x, &format!("{name}.attn_norm"), |b, y| {
-            b.attention(&format!("{name}.attn"), y, Kv { x: y, seq }, seq, mask, key_mask)
+            b.attention(&format!("{name}.attn"), y, Kv { x: Some(y), seq }, seq, mask, key_mask)
         })?;
         if let Some((memory, memory_mask)) = cross {
             self.g.scope = format!("{name}.cross");
@@ -328,11 +383,22 @@ impl Builder<'_> {
         let is_cross = name.ends_with(".cross");
         let bias = |b: Option<bool>| b.unwrap_or(a.bias);
         let q = self.linear(xq, &format!("{name}.q"), heads * hd, d, bias(a.q_bias))?;
-        let k = self.linear(kv.x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
-        let v = self.linear(kv.x, &format!("{name}.v"), kv_heads * hd, d, bias(a.v_bias))?;
         let mut q = self.split_heads(q, seq, heads)?;
-        let mut k = self.split_heads(k, kv.seq, kv_heads)?;
-        let mut v = self.split_heads(v, kv.seq, kv_heads)?;
+        let (mut k, mut v) = match kv.x {
+            Some(x) => {
+                let k = self.linear(x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
+                let v = self.linear(x, &format!("{name}.v"), kv_heads * hd, d, bias(a.v_bias))?;
+                (self.split_heads(k, kv.seq, kv_heads)?, self.split_heads(v, kv.seq, kv_heads)?)
+            }
+            None => {
+                let scope = self.g.scope.clone();
+                let role = InputRole::Cache { kv_heads, head_dim: hd };
+                let k = self.input(&format!("{name}.memory_k"), role, kv.seq)?;
+                let v = self.input(&format!("{name}.memory_v"), role, kv.seq)?;
+                self.g.scope = scope;
+                (k, v)
+            }
+        };
         let positions = &r.spec.positions;
         if positions.kind == PositionKind::Rope && !is_cross {
             let rope = Op::Rope {
