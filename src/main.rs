@@ -441,10 +441,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
-            let text = match &prompt {
-                Some(text) => Some(generate::TextPrompt { text, chat, system: system.as_deref() }),
-                None => None,
-            };
+            let text = prompt.as_deref().map(|text| generate::TextPrompt { text, chat, system: system.as_deref() });
             let req = generate::Request {
                 weights: &weights,
                 prompt: prompt_ids,

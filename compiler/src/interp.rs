@@ -116,6 +116,9 @@ pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Ve
     Ok((tensors.into_iter().map(|t| t.expect("no resident inputs")).collect(), syms))
 }
 
+/// Bound inputs, one per spec (`None`: resident), and the values of the symbols.
+pub type Binding = (Vec<Option<Tensor>>, HashMap<Sym, usize>);
+
 /// [`bind_named`] where some cache inputs already live elsewhere (on a device): `resident`
 /// gives their shapes, which are checked and bound like given tensors; their entries in the
 /// result are `None`.
@@ -123,7 +126,7 @@ pub fn bind_named_with(
     specs: &[InputSpec],
     given: &HashMap<String, Tensor>,
     resident: &HashMap<String, Vec<usize>>,
-) -> R<(Vec<Option<Tensor>>, HashMap<Sym, usize>)> {
+) -> R<Binding> {
     let mut syms: HashMap<Sym, usize> = HashMap::new();
     let mut out: Vec<Option<Tensor>> = vec![None; specs.len()];
     // Ids first: they fix batch and sequence lengths; then caches, which fix the lengths of what

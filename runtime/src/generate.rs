@@ -22,13 +22,19 @@ pub enum GenerateError {
     Interp(#[from] InterpError),
     /// The device failed.
     #[error(transparent)]
-    Gpu(#[from] GpuError),
+    Gpu(Box<GpuError>),
     /// The graph is not a cached decoder graph, or the request is unusable.
     #[error("{0}")]
     Invalid(String),
 }
 
 type R<T> = Result<T, GenerateError>;
+
+impl From<GpuError> for GenerateError {
+    fn from(e: GpuError) -> Self {
+        GenerateError::Gpu(Box::new(e))
+    }
+}
 
 /// Where a session's forward passes run.
 pub enum Engine {

@@ -274,6 +274,9 @@ impl DeviceTensor {
     }
 }
 
+/// Outputs kept on the device, by name.
+pub type Kept = HashMap<String, DeviceTensor>;
+
 /// A plan with its pipelines built and its weights on the device.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
@@ -387,7 +390,7 @@ impl GpuModel {
         given: &HashMap<String, Tensor>,
         resident: &HashMap<String, DeviceTensor>,
         keep: &[String],
-    ) -> Result<(Vec<(String, Tensor)>, HashMap<String, DeviceTensor>), GpuError> {
+    ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
         let gpu = &self.gpu;
         gpu.check_lost()?;
         let plan = &self.plan;

@@ -35,17 +35,20 @@ pub fn all() -> Vec<Rewrite<Kl, KAnalysis>> {
 
 // ---- Appliers.
 
+/// Computes a [`Derive`] rule's new attributes from a match (`None`: do not fire).
+pub type DeriveFn = fn(&KGraph, Id, &Subst) -> Option<Vec<(&'static str, AttrValue)>>;
+
 /// Instantiates a right-hand side after binding new attribute variables computed from the match:
 /// rules whose result attributes are functions of the matched ones (a composed permutation, a
 /// fused op's configuration) stay readable s-expressions. The function returns `None` when the
 /// rule must not fire (a side condition).
 pub struct Derive {
     rhs: Pattern<Kl>,
-    f: fn(&KGraph, Id, &Subst) -> Option<Vec<(&'static str, AttrValue)>>,
+    f: DeriveFn,
 }
 
 /// A [`Derive`] applier.
-pub fn derive(rhs: &str, f: fn(&KGraph, Id, &Subst) -> Option<Vec<(&'static str, AttrValue)>>) -> Derive {
+pub fn derive(rhs: &str, f: DeriveFn) -> Derive {
     Derive { rhs: rhs.parse().expect("a valid right-hand side"), f }
 }
 
