@@ -3,13 +3,16 @@
 //! variants are the numbers to quote, since absolute times on shared machines are noisy.
 
 use anyhow::{Context, Result, bail};
+use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::lower::lower;
 use kiln_compiler::optimize::{self, CostModel};
+use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp};
 use kiln_runtime::{Gpu, GpuModel};
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,15 +36,39 @@ struct Variant {
     kernels: usize,
 }
 
-/// Forward time of a spec, unoptimized and optimized, at `batch` x `seq`, with random weights.
-pub fn forward(fe: &FrontEnd, gpu: Arc<Gpu>, batch: usize, seq: usize, runs: usize, json: bool) -> Result<()> {
+/// The parameters of `graph`: from a checkpoint, or random (seeded) without one.
+fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>) -> Result<HashMap<String, Tensor>> {
+    Ok(match weights {
+        None => interp::random_params(graph, 1),
+        Some(path) => {
+            let ckpt = kiln_runtime::Checkpoint::open(path)?;
+            let names = kiln_runtime::weights::graph_params(graph);
+            kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?
+        }
+    })
+}
+
+/// Forward time of a spec, unoptimized and optimized (or optimized only), at `batch` x `seq`,
+/// with random weights unless `weights` are given; with sequences per second.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    fe: &FrontEnd,
+    gpu: Arc<Gpu>,
+    weights: Option<&Path>,
+    batch: usize,
+    seq: usize,
+    runs: usize,
+    optimized_only: bool,
+    json: bool,
+) -> Result<()> {
     let t = Instant::now();
     let (optimized, report) = optimize::optimize(&fe.graph)?;
     let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
-    let params = interp::random_params(&fe.graph, 1);
+    let params = params_for(fe, &fe.graph, weights)?;
     let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq);
     let mut variants = Vec::new();
-    for (name, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
+    let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
+    for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
         let plan = lower(graph)?;
         let (dispatches, kernels) = (plan.steps.len(), plan.kernels.len());
         let model = GpuModel::new(gpu.clone(), plan, &params)?;
@@ -56,12 +83,13 @@ pub fn forward(fe: &FrontEnd, gpu: Arc<Gpu>, batch: usize, seq: usize, runs: usi
         }
     }
     let ms: Vec<f64> = times.into_iter().map(median).collect();
-    let speedup = ms[0] / ms[1];
+    let speedup = ms[0] / ms[ms.len() - 1];
+    let per_s = |ms: f64| batch as f64 / (ms / 1e3);
     if json {
         let rows: Vec<serde_json::Value> = variants
             .iter()
             .zip(&ms)
-            .map(|(v, ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms}))
+            .map(|(v, &ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms, "sequences_per_s": per_s(ms)}))
             .collect();
         let out = serde_json::json!({
             "model": fe.graph.name, "adapter": gpu.describe(), "batch": batch, "seq": seq, "runs": runs,
@@ -70,11 +98,70 @@ pub fn forward(fe: &FrontEnd, gpu: Arc<Gpu>, batch: usize, seq: usize, runs: usi
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("{} at batch {batch}, seq {seq} on {} (median of {runs})", fe.graph.name, gpu.describe());
-        println!("  {:<12} {:>10} {:>8} {:>12}", "variant", "dispatches", "kernels", "forward ms");
-        for (v, ms) in variants.iter().zip(&ms) {
-            println!("  {:<12} {:>10} {:>8} {:>12.2}", v.name, v.dispatches, v.kernels, ms);
+        println!(
+            "  {:<12} {:>10} {:>8} {:>12} {:>12}",
+            "variant", "dispatches", "kernels", "forward ms", "sequences/s"
+        );
+        for (v, &ms) in variants.iter().zip(&ms) {
+            println!("  {:<12} {:>10} {:>8} {:>12.2} {:>12.2}", v.name, v.dispatches, v.kernels, ms, per_s(ms));
         }
-        println!("  speedup {speedup:.2}x; optimized in {optimize_ms:.1} ms");
+        if variants.len() > 1 {
+            println!("  speedup {speedup:.2}x");
+        }
+        println!("  optimized in {optimize_ms:.1} ms");
+    }
+    Ok(())
+}
+
+/// Generation with the key/value cache on the device (optimized graph, greedy): a prompt of
+/// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
+/// `runs` generations.
+pub fn decode(
+    fe: &FrontEnd,
+    gpu: Arc<Gpu>,
+    weights: Option<&Path>,
+    prompt: usize,
+    steps: usize,
+    runs: usize,
+    json: bool,
+) -> Result<()> {
+    use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+    let cached = optimize::optimize(&build_cached(&fe.spec)?)?.0;
+    let params = params_for(fe, &cached, weights)?;
+    let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let plan = lower(&cached)?;
+    let dispatches = plan.steps.len();
+    let model = GpuModel::new(gpu.clone(), plan, &params)?;
+    let mut session = Session::new(Engine::Gpu(Box::new(model)), &outputs, usize::MAX)?;
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
+    if prompt + steps > fe.spec.spec.model.max_positions as usize {
+        bail!("{prompt} + {steps} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
+    }
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for _ in 0..runs.max(1) {
+        // A fresh cache per run; the pipelines and weights are shared.
+        let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
+        prefill.push(stats.prefill_tok_s());
+        decode.push(stats.decode_tok_s());
+        session.reset();
+    }
+    let (prefill, decode) = (median(prefill), median(decode));
+    if json {
+        let out = serde_json::json!({
+            "model": fe.graph.name, "adapter": gpu.describe(), "prompt_tokens": prompt, "decode_steps": steps,
+            "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill, "decode_tok_s": decode,
+            "weights": weights.map(|w| w.display().to_string()),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "{} generating on {} (median of {runs}; {dispatches} dispatches per step)",
+            fe.graph.name,
+            gpu.describe()
+        );
+        println!("  prefill {prompt} tokens: {prefill:.1} tok/s");
+        println!("  decode {steps} steps:    {decode:.2} tok/s");
     }
     Ok(())
 }

@@ -54,6 +54,9 @@ enum Command {
         /// With `--stats`: as JSON.
         #[arg(long)]
         json: bool,
+        /// Which graph: the whole model, or those `kiln generate` runs.
+        #[arg(long, value_enum, default_value_t = Which::Model)]
+        graph: Which,
     },
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
@@ -160,6 +163,16 @@ enum Command {
         /// Instead: measure the cost model's constants on the adapter.
         #[arg(long)]
         calibrate: bool,
+        /// Instead: generation with the key/value cache, a prompt of `--seq` tokens then this many
+        /// decode steps (prefill and decode tok/s, optimized graph).
+        #[arg(long)]
+        decode: Option<usize>,
+        /// Time the optimized graph only (no unoptimized run beside it).
+        #[arg(long)]
+        optimized_only: bool,
+        /// Real weights (safetensors or GGUF) instead of random ones.
+        #[arg(long)]
+        weights: Option<PathBuf>,
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
@@ -167,6 +180,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Which {
+    /// The whole model, as `kiln run` runs it.
+    Model,
+    /// A decoder step with its key/value cache (`kiln generate`).
+    Step,
+    /// An encoder-decoder's encoder with its cross-attention keys and values (`kiln generate`).
+    Encoder,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -297,11 +320,22 @@ fn run(cli: Cli) -> Result<()> {
                 println!("  weight map   preset `{p}`, {} entries", fe.spec.weights.entries.len());
             }
         }
-        Command::Inspect { spec, stage, format, explain, stats, json } => {
-            let fe = load_spec(&spec)?;
+        Command::Inspect { spec, stage, format, explain, stats, json, graph } => {
+            let mut fe = load_spec(&spec)?;
+            match graph {
+                Which::Model => {}
+                Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
+                Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
+            }
             if stats {
                 let (opt, report) = optimize::optimize(&fe.graph)?;
-                let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
+                let syms = HashMap::from([
+                    (Sym::Batch, 1),
+                    (Sym::Seq, 128),
+                    (Sym::SrcSeq, 128),
+                    (Sym::Past, 0),
+                    (Sym::Ctx, 128),
+                ]);
                 let bytes = |g: &kiln_compiler::graph::Graph| -> Result<u64> { Ok(lower::lower(g)?.memory(&syms).0) };
                 let blocks = fe.spec.layers();
                 let value = serde_json::json!({
@@ -457,7 +491,19 @@ fn run(cli: Cli) -> Result<()> {
             generate::report(&stats);
         }
         Command::Embed(args) => embed::run(args)?,
-        Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, adapter, json } => {
+        Command::Bench {
+            spec,
+            seq,
+            batch,
+            runs,
+            optimize_layers,
+            calibrate,
+            decode,
+            optimized_only,
+            weights,
+            adapter,
+            json,
+        } => {
             if calibrate {
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
                 return bench::calibrate(gpu, json);
@@ -467,7 +513,10 @@ fn run(cli: Cli) -> Result<()> {
                 return bench::optimize_time(&source, &spec.display().to_string(), &optimize_layers, json);
             }
             let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
-            bench::forward(&fe, gpu, batch, seq, runs, json)?;
+            if let Some(steps) = decode {
+                return bench::decode(&fe, gpu, weights.as_deref(), seq, steps, runs, json);
+            }
+            bench::forward(&fe, gpu, weights.as_deref(), batch, seq, runs, optimized_only, json)?;
         }
     }
     Ok(())

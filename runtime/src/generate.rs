@@ -228,6 +228,16 @@ impl Session {
         Ok(data[data.len().saturating_sub(vocab)..].to_vec())
     }
 
+    /// Forgets the cache: the next [`forward`](Self::forward) starts a new sequence (with the
+    /// same memory).
+    pub fn reset(&mut self) {
+        match &mut self.cache {
+            Cache::Host(cache) => cache.clear(),
+            Cache::Device(cache) => cache.clear(),
+        }
+        self.position = 0;
+    }
+
     /// The cache as tensors on the host (read back from the device if it lives there), by past
     /// input name.
     pub fn cache(&self) -> R<HashMap<String, Tensor>> {
