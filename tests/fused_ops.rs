@@ -1,5 +1,5 @@
 //! The fused ops (`linear` with its prologues and epilogues, `masked_softmax`, `attention`,
-//! `packed_attention`, `add_norm`): on the interpreter each one
+//! `packed_attention`, `heads`, `add_norm`): on the interpreter each one
 //! equals the composition of primitive ops that defines it, and their WGSL kernels (plain, and
 //! chunked over small buffers) agree with the interpreter on wgpu.
 //!
@@ -9,7 +9,7 @@
 
 mod common;
 
-use kiln_compiler::graph::{Dim, Graph, Op, Prologue, RopeCols, Scalar};
+use kiln_compiler::graph::{Dim, Graph, Op, Prologue, RopeCols, Rotation, Scalar};
 use kiln_compiler::interp;
 use kiln_compiler::lower::lower;
 use kiln_compiler::spec::Activation;
@@ -130,6 +130,17 @@ fn check(cases: &[Case], chunked: bool) {
                     y = add!(Op::Add, y, *a.last().unwrap());
                 }
                 y
+            }
+            Op::Heads { start, heads, head_dim, rope } => {
+                let x = &case.operands[a.len() - 1].1;
+                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[a.len() - 1]);
+                let split = vec![Dim::Fixed(x[0]), Dim::Fixed(x[1]), Dim::Fixed(*heads), Dim::Fixed(*head_dim)];
+                let t = add!(Op::Reshape { shape: split }, cols);
+                let mut t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                if let Some(r) = rope {
+                    t = add!(Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style }, t);
+                }
+                if a.len() == 2 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
             Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
                 let x = &case.operands[0].1;
@@ -385,6 +396,34 @@ fn linear_with_norm_prologues_gated_and_rotated_epilogues() {
                     operands.push(("r", r));
                 }
                 cases.push(Case::new(format!("{} {}", op.name(), op.attrs()), op, &operands, None));
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+/// Heads read out of packed rows at a column offset, rotated (both pair layouts, whole or partial
+/// heads) or not, alone or appended to a cache of 3 tokens; batch 2, 4 new tokens.
+#[test]
+fn heads_split_rotate_and_append() {
+    let mut cases = Vec::new();
+    let rotations = [
+        None,
+        Some(Rotation { theta: Scalar(10000.0), rotary_dim: 8, style: PairStyle::RotateHalf }),
+        Some(Rotation { theta: Scalar(100.0), rotary_dim: 4, style: PairStyle::Interleaved }),
+        Some(Rotation { theta: Scalar(500.0), rotary_dim: 6, style: PairStyle::RotateHalf }),
+    ];
+    for (heads, start, width) in [(2, 0, 16), (3, 8, 40)] {
+        for rope in rotations {
+            for past in [false, true] {
+                let op = Op::Heads { start, heads, head_dim: 8, rope };
+                let (cache, x) = ([2, heads, 3, 8], [2, 4, width]);
+                let mut operands: Vec<(&str, &[usize])> = Vec::new();
+                if past {
+                    operands.push(("past", &cache));
+                }
+                operands.push(("x", &x));
+                cases.push(Case::new(format!("{} {} past={past}", op.name(), op.attrs()), op, &operands, None));
             }
         }
     }

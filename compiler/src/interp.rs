@@ -597,6 +597,28 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
             eval(ctx, &op, &args, shape)?
         }
+        Op::Heads { start, heads, head_dim, rope } => {
+            // Slice, split, transpose, rotate, append: the chain this op stands for.
+            let x = a[a.len() - 1];
+            let (b, s) = (x.shape[0], x.shape[1]);
+            let cols = eval(
+                ctx,
+                &Op::Slice { axis: 2, start: *start, len: heads * head_dim },
+                &[x],
+                vec![b, s, heads * head_dim],
+            )?;
+            let split = Tensor { shape: vec![b, s, *heads, *head_dim], data: cols.data };
+            let new_shape = vec![b, *heads, s, *head_dim];
+            let mut new = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&split], new_shape.clone())?;
+            if let Some(r) = rope {
+                let op = Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style };
+                new = eval(ctx, &op, &[&new], new_shape)?;
+            }
+            match a.len() {
+                2 => eval(ctx, &Op::Concat { axis: 2 }, &[a[0], &new], shape)?,
+                _ => new,
+            }
+        }
         Op::Concat { axis } => {
             let (x, y) = (f(a[0]), f(a[1]));
             let outer: usize = a[0].shape[..*axis].iter().product();

@@ -50,11 +50,16 @@ fn check_same(rule: &str, g: &Graph) -> Graph {
 
 /// As [`check`], under a given cost model.
 fn check_with(rule: &str, g: &Graph, model: &CostModel) -> Graph {
+    check_inputs(rule, g, model, &inputs())
+}
+
+/// As [`check_with`], on given inputs.
+fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<String, Tensor>) -> Graph {
     let (opt, report) = optimize_with(g, &Limits::default(), model, &rules::phases()).unwrap();
     assert!(report.applied.get(rule).copied().unwrap_or(0) > 0, "`{rule}` did not fire: {:?}", report.applied);
     let params = random_params(g, 3);
-    let before = run(g, &params, &inputs()).unwrap();
-    let after = run(&opt, &params, &inputs()).unwrap();
+    let before = run(g, &params, inputs).unwrap();
+    let after = run(&opt, &params, inputs).unwrap();
     for ((_, a), (_, b)) in before.iter().zip(&after) {
         let err = a.max_abs_diff(b);
         assert!(err <= 1e-5, "`{rule}`: outputs differ by {err}");
@@ -373,7 +378,8 @@ fn scale_folding() {
     ];
     for rule in rules {
         let opt = check(rule, &scaled_scores_graph());
-        assert_eq!(dispatches(&opt), dispatches(&scaled_scores_graph()) - 1, "{:?}", ops(&opt));
+        // The scale is gone, and each head split with its rotation is one `heads`.
+        assert_eq!(dispatches(&opt), dispatches(&scaled_scores_graph()) - 3, "{:?}", ops(&opt));
     }
     // An embedding scale goes into the table.
     let mut g = Graph::new("t");
@@ -431,6 +437,47 @@ fn transpose_and_reshape_elimination() {
         .unwrap();
     g.outputs.push(("y".into(), y));
     check_nodes("reshape-reshape", &g);
+}
+
+/// A cached decoder step's attention inputs: Q, K, V projections of one input split into heads,
+/// Q and K rotated, K and V appended to a cache of 3 tokens.
+#[test]
+fn heads_of_a_cached_step() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let (heads, kv_heads, hd) = (2, 1, 4);
+    let role = InputRole::Cache { kv_heads, head_dim: hd };
+    let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
+    let past_v = g.add(Op::Input { name: "past_v".into(), role, seq: Sym::Past }, &[]).unwrap();
+    let rope = Op::Rope { theta: Scalar(10000.0), rotary_dim: hd, style: PairStyle::RotateHalf };
+    let mut split = |g: &mut Graph, name: &str, n: usize, rotate: bool| {
+        let w = g.param(name, &[n * hd, D]);
+        let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+        let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(n), Dim::Fixed(hd)];
+        let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
+        let y = g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap();
+        if rotate { g.add(rope.clone(), &[y]).unwrap() } else { y }
+    };
+    let q = split(&mut g, "wq", heads, true);
+    let k = split(&mut g, "wk", kv_heads, true);
+    let v = split(&mut g, "wv", kv_heads, false);
+    let k = g.add(Op::Concat { axis: 2 }, &[past_k, k]).unwrap();
+    let v = g.add(Op::Concat { axis: 2 }, &[past_v, v]).unwrap();
+    g.outputs = vec![("q".into(), q), ("present_k".into(), k), ("present_v".into(), v)];
+    let mut given = inputs();
+    let cache =
+        |seed: f32| Tensor::f32(vec![B, kv_heads, 3, hd], (0..B * 3 * hd).map(|i| (i as f32 * seed).sin()).collect());
+    given.insert("past_k".into(), cache(0.7));
+    given.insert("past_v".into(), cache(1.3));
+    let mut opt = None;
+    for rule in ["heads-split", "heads-split-whole", "heads-rope", "heads-append"] {
+        opt = Some(check_inputs(rule, &g, &CostModel::default(), &given));
+    }
+    let opt = opt.unwrap();
+    // Past the embedding: one projection over the stacked weights and three `heads`, instead of
+    // three projections, three transposes, two rotations and two concatenations.
+    assert_eq!(dispatches(&g), 11, "{:?}", ops(&g));
+    assert_eq!(dispatches(&opt), 5, "{:?}", ops(&opt));
 }
 
 #[test]

@@ -383,13 +383,17 @@ impl Builder<'_> {
         let is_cross = name.ends_with(".cross");
         let bias = |b: Option<bool>| b.unwrap_or(a.bias);
         let q = self.linear(xq, &format!("{name}.q"), heads * hd, d, bias(a.q_bias))?;
-        let mut q = self.split_heads(q, seq, heads)?;
-        let (mut k, mut v) = match kv.x {
+        let projected = match kv.x {
             Some(x) => {
                 let k = self.linear(x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
                 let v = self.linear(x, &format!("{name}.v"), kv_heads * hd, d, bias(a.v_bias))?;
-                (self.split_heads(k, kv.seq, kv_heads)?, self.split_heads(v, kv.seq, kv_heads)?)
+                Some((k, v))
             }
+            None => None,
+        };
+        let mut q = self.split_heads(q, seq, heads)?;
+        let (mut k, mut v) = match projected {
+            Some((k, v)) => (self.split_heads(k, kv.seq, kv_heads)?, self.split_heads(v, kv.seq, kv_heads)?),
             None => {
                 let scope = self.g.scope.clone();
                 let role = InputRole::Cache { kv_heads, head_dim: hd };

@@ -162,6 +162,17 @@ pub struct RopeCols {
     pub len: usize,
 }
 
+/// A rotation of head pairs as [`Op::Rope`] makes it, for ops that rotate as they read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Rotation {
+    /// Base of the frequencies.
+    pub theta: Scalar,
+    /// Leading dimensions of each head rotated.
+    pub rotary_dim: usize,
+    /// Pair layout.
+    pub style: PairStyle,
+}
+
 impl Op {
     /// A plain fused projection: `act(x @ w^T + bias) + residual`.
     pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
@@ -351,6 +362,22 @@ pub enum Op {
         /// Sliding-window size.
         window: Option<usize>,
     },
+    /// Heads read out of a packed projection, optionally rotated and appended to a cache:
+    /// `([past f32[b, heads, p, head_dim],] x [b, s, width]) -> [b, heads, p + s, head_dim]`, head
+    /// `j` of token `t` being columns `start + j * head_dim ..` of row `t` of `x`, rotated as
+    /// [`Op::Rope`] at position `past + t` when `rope` is set (`past` as bound: the tokens before
+    /// these). The split/transpose/rotate/concatenate chain of a cached decoder step as one
+    /// kernel.
+    Heads {
+        /// First column of head 0.
+        start: usize,
+        /// Heads read.
+        heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+        /// Rotate each head.
+        rope: Option<Rotation>,
+    },
     /// Attention reading its heads straight out of one packed projection `qkv [b, s, width]`:
     /// query head `j` is columns `q + j * head_dim ..` of each row, key/value head `j` columns
     /// `k + j * head_dim ..` and `v + j * head_dim ..`; `(qkv[, key_mask f32[b, s]]) -> [b, s,
@@ -442,6 +469,7 @@ impl Op {
                 n
             }
             Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::Heads { rope, .. } => if rope.is_some() { "heads_rope" } else { "heads" }.into(),
             Op::Concat { .. } => "concat".into(),
             Op::MaskedSoftmax { .. } => "masked_softmax".into(),
             Op::Attention { .. } => "attention".into(),
@@ -523,6 +551,13 @@ impl Op {
                 a
             }
             Op::Concat { axis } => format!("axis={axis}"),
+            Op::Heads { start, heads, head_dim, rope } => {
+                let mut a = format!("heads={heads} head_dim={head_dim} at={start}");
+                if let Some(r) = rope {
+                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, style_name(&r.style));
+                }
+                a
+            }
             _ => String::new(),
         }
     }
@@ -933,6 +968,22 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 return Err(format!("key mask must be [{}, {}], is {}", x[0], x[1], fmt_shape(float(1)?)));
             }
             Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
+        }
+        Op::Heads { start, heads, head_dim, rope } => {
+            if operands.is_empty() || operands.len() > 2 {
+                return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
+            }
+            let x = float(operands.len() - 1)?;
+            let fits = matches!(x.last(), Some(Dim::Fixed(w)) if start + heads * head_dim <= *w);
+            let rope_ok = rope.is_none_or(|r| r.rotary_dim % 2 == 0 && r.rotary_dim <= *head_dim && r.rotary_dim > 0);
+            if x.len() != 3 || !fits || *heads == 0 || *head_dim == 0 || !rope_ok {
+                return Err(format!("{heads} heads of {head_dim} at column {start} do not fit {}", fmt_shape(x)));
+            }
+            let new = vec![x[0], Dim::Fixed(*heads), x[1], Dim::Fixed(*head_dim)];
+            if operands.len() == 1 {
+                return Ok((new, DType::F32));
+            }
+            infer(&Op::Concat { axis: 2 }, &[(float(0)?, DType::F32), (&new, DType::F32)])
         }
         Op::Concat { axis } => {
             arity(2)?;

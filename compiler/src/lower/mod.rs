@@ -325,6 +325,12 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) ->
             let x = &operands[0];
             vec![x[0] * x[1] * heads, *heads, x[1], x[1], *head_dim, *kv_heads, x[2]]
         }
+        // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
+        // from the cache operand (0 without one), `s` new ones from x [b, s, width].
+        Op::Heads { .. } => {
+            let x = &operands[operands.len() - 1];
+            vec![total, out[1], out[2] - x[1], x[1], out[3], x[2], past]
+        }
         Op::Concat { axis } => {
             let (a, b) = (&operands[0], &operands[1]);
             let inner: usize = a[axis + 1..].iter().product();

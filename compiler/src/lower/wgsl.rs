@@ -356,6 +356,40 @@ fn body(op: &Op, operands: usize) -> Option<String> {
                 lit(scale.0)
             )
         }
+        Op::Heads { start, rope, .. } => {
+            // Token `t < p` comes from the cache; later ones from the packed rows, rotated at
+            // position `past + t - p` (the rotation partner read from the same row).
+            let x = if operands == 2 { "in1" } else { "in0" };
+            let mut body = String::from(
+                "let hn = dim(1u);\nlet p = dim(2u);\nlet s = dim(3u);\nlet d = dim(4u);\nlet w = dim(5u);\n\
+                 let c = i % d;\nlet t = (i / d) % (p + s);\nlet h = (i / (d * (p + s))) % hn;\nlet b = i / (d * (p + s) * hn);\n",
+            );
+            if operands == 2 {
+                body += "if (t < p) { out[i] = in0[((b * hn + h) * p + t) * d + c]; return; }\n";
+            }
+            body += &format!("let si = t - p;\nlet row = (b * s + si) * w + {start}u + h * d;\n");
+            match rope {
+                None => body += &format!("out[i] = {x}[row + c];"),
+                Some(r) => {
+                    let (freq, partner, sign) = match r.style {
+                        PairStyle::RotateHalf => {
+                            ("c % half", "select(c - half, c + half, c < half)", "select(1.0, -1.0, c < half)")
+                        }
+                        PairStyle::Interleaved => {
+                            ("c / 2u", "select(c - 1u, c + 1u, (c % 2u) == 0u)", "select(1.0, -1.0, (c % 2u) == 0u)")
+                        }
+                    };
+                    body += &format!(
+                        "let rd = {}u;\nlet half = rd / 2u;\nif (c >= rd) {{ out[i] = {x}[row + c]; return; }}\n\
+                         let pos = f32(si + dim(6u));\nlet inv = 1.0 / pow({}, f32(2u * ({freq})) / f32(rd));\nlet angle = pos * inv;\n\
+                         out[i] = {x}[row + c] * cos(angle) + {sign} * {x}[row + {partner}] * sin(angle);",
+                        r.rotary_dim,
+                        lit(r.theta.0)
+                    );
+                }
+            }
+            body
+        }
         Op::Concat { .. } => "let na = dim(1u);\nlet nb = dim(2u);\nlet inner = dim(3u);\n\
              let r = i % inner;\nlet j = (i / inner) % (na + nb);\nlet o = i / (inner * (na + nb));\n\
              if (j < na) { out[i] = in0[(o * na + j) * inner + r]; } else { out[i] = in1[(o * nb + j - na) * inner + r]; }"

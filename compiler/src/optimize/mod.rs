@@ -118,6 +118,10 @@ mod lang {
             "xlinear" = XLinear([Id; 7]),
             // (packed_attention op qkv key_mask|none)
             "packed_attention" = PackedAttention([Id; 3]),
+            // (append past new): keys or values appended to a cache (concat on axis 2)
+            "append" = Append([Id; 2]),
+            // (heads op past|none x): heads read out of packed rows, rotated, appended
+            "heads" = Heads([Id; 3]),
             // (add_norm op a b gain bias|none)
             "add_norm" = AddNorm([Id; 5]),
             // (opaque op children...): any op no rule looks into
@@ -323,6 +327,15 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             (op, ops)
         }
         Kl::Concat([a, b]) => (Op::Concat { axis: 0 }, vec![*a, *b]),
+        Kl::Append([a, b]) => (Op::Concat { axis: 2 }, vec![*a, *b]),
+        Kl::Heads([c, p, x]) => match attr(egraph, *c)? {
+            AttrValue::Op(op @ Op::Heads { .. }) => {
+                let mut ops: Vec<Id> = opt(*p).into_iter().collect();
+                ops.push(*x);
+                (op.clone(), ops)
+            }
+            _ => return None,
+        },
         Kl::Slice([p, x]) | Kl::Rope([p, x]) => match attr(egraph, *p)? {
             AttrValue::Op(op) => (op.clone(), vec![*x]),
             _ => return None,
@@ -401,6 +414,7 @@ fn add_op(egraph: &mut KGraph, node: &Node, operands: &[Id]) -> Id {
         Op::LayerNorm { eps } => Kl::LayerNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1), o(2)]),
         Op::RmsNorm { eps } => Kl::RmsNorm([leaf(egraph, AttrValue::F(*eps)), o(0), o(1)]),
         Op::Concat { axis: 0 } => Kl::Concat([o(0), o(1)]),
+        Op::Concat { axis: 2 } => Kl::Append([o(0), o(1)]),
         Op::Slice { .. } => Kl::Slice([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
         Op::Rope { .. } => Kl::Rope([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
         Op::Gather => Kl::Gather([o(0), o(1)]),
@@ -474,8 +488,12 @@ impl CostModel {
 
     /// Cost of computing `op` from operands of the given types into `out`, excluding operands.
     pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
-        let bytes_in: f64 = operands.iter().map(|s| 4.0 * self.elements(s)).sum();
         let bytes_out = 4.0 * self.elements(out);
+        let bytes_in: f64 = match op {
+            // Reads only its heads' columns (and the cache), as many as it writes.
+            Op::Heads { .. } => bytes_out,
+            _ => operands.iter().map(|s| 4.0 * self.elements(s)).sum(),
+        };
         let last = |s: &Shape| s.last().map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
         let flops = match op {
             Op::MatMul { .. } => 2.0 * self.elements(out) * operands.first().map_or(1.0, |s| last(s)),
@@ -517,6 +535,9 @@ struct Cost<'a> {
     egraph: &'a KGraph,
     model: &'a CostModel,
     shared: HashSet<Id>,
+    /// Classes charged in shares: a consumer pays the cost over this many (a merged projection
+    /// before any extraction has shown it shared).
+    split: HashMap<Id, f64>,
 }
 
 impl egg::CostFunction<Kl> for Cost<'_> {
@@ -527,7 +548,12 @@ impl egg::CostFunction<Kl> for Cost<'_> {
             .iter()
             .map(|&c| {
                 let cost = costs(c);
-                if cost.is_finite() && self.shared.contains(&self.egraph.find(c)) { 0.0 } else { cost }
+                let c = self.egraph.find(c);
+                match self.split.get(&c) {
+                    _ if cost.is_finite() && self.shared.contains(&c) => 0.0,
+                    Some(k) => cost / k,
+                    None => cost,
+                }
             })
             .sum();
         let Some((op, operands)) = to_op(self.egraph, enode) else { return children };
@@ -640,18 +666,17 @@ pub fn optimize_with(
     let scopes: HashMap<Id, String> = scope_of.into_iter().map(|(id, s)| (egraph.find(id), s)).collect();
     // Shared values: first those of the input graph; then, a few rounds, those of the graph the
     // previous round extracted (a norm read by two projections is no longer shared once both
-    // became one), until the set is stable.
-    let mut shared: HashSet<Id> =
+    // became one), until the set is stable. Values the rules made to be read several times (a
+    // merged projection, sliced by its consumers) are shared only once extracted, which the
+    // rounds cannot discover from an extraction without them: a second start assumes them shared,
+    // and of the two results the one whose graph (each value counted once) costs less is kept.
+    let input_shared: HashSet<Id> =
         egraph.analysis.uses.iter().filter(|(_, u)| **u > 1).map(|(id, _)| egraph.find(*id)).collect();
-    let mut extractor = egg::Extractor::new(&egraph, Cost { egraph: &egraph, model, shared: shared.clone() });
-    for _ in 0..EXTRACTION_ROUNDS {
-        let next = shared_in_extraction(&egraph, &extractor, &roots);
-        if next == shared {
-            break;
-        }
-        shared = next;
-        extractor = egg::Extractor::new(&egraph, Cost { egraph: &egraph, model, shared: shared.clone() });
-    }
+    let starts = [(input_shared.clone(), HashMap::new()), (input_shared, sliced_classes(&egraph))];
+    let extractors = starts.map(|(shared, split)| settle(&egraph, model, &roots, shared, split));
+    let costs = extractors.each_ref().map(|e| dag_cost(&egraph, model, e, &roots));
+    let [first, second] = extractors;
+    let extractor = if costs[1] < costs[0] { second } else { first };
     let mut out = Graph::new(&g.name);
     let mut built: HashMap<(Op, Vec<NodeIndex>), NodeIndex> = HashMap::new();
     for ((name, _), root) in g.outputs.iter().zip(&roots) {
@@ -664,6 +689,65 @@ pub fn optimize_with(
     report.dispatches = (dispatches(g), dispatches(&out));
     report.optimize_ms = start.elapsed().as_secs_f64() * 1e3;
     Ok((out, report))
+}
+
+/// An extractor whose shared set is stable: extraction from `shared`, re-derived from the result
+/// for at most [`EXTRACTION_ROUNDS`].
+fn settle<'a>(
+    egraph: &'a KGraph,
+    model: &'a CostModel,
+    roots: &[Id],
+    mut shared: HashSet<Id>,
+    split: HashMap<Id, f64>,
+) -> egg::Extractor<'a, Cost<'a>, Kl, KAnalysis> {
+    let mut extractor = egg::Extractor::new(egraph, Cost { egraph, model, shared: shared.clone(), split });
+    for _ in 0..EXTRACTION_ROUNDS {
+        let next = shared_in_extraction(egraph, &extractor, roots);
+        if next == shared {
+            break;
+        }
+        shared = next;
+        extractor = egg::Extractor::new(egraph, Cost { egraph, model, shared: shared.clone(), split: HashMap::new() });
+    }
+    extractor
+}
+
+/// Classes sliced by two or more different slices (the merged projections), with the number of
+/// slices: each consumer is charged that share of its cost.
+fn sliced_classes(egraph: &KGraph) -> HashMap<Id, f64> {
+    let mut slices: HashMap<Id, HashSet<Id>> = HashMap::new();
+    for class in egraph.classes() {
+        for node in &class.nodes {
+            if let Kl::Slice([_, x]) = node {
+                slices.entry(egraph.find(*x)).or_default().insert(class.id);
+            }
+        }
+    }
+    slices.into_iter().filter(|(_, s)| s.len() > 1).map(|(x, s)| (x, s.len() as f64)).collect()
+}
+
+/// The cost of the graph an extractor extracts, each class counted once (what running it costs).
+fn dag_cost(egraph: &KGraph, model: &CostModel, extractor: &egg::Extractor<Cost, Kl, KAnalysis>, roots: &[Id]) -> f64 {
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
+    let mut total = 0.0;
+    while let Some(class) = stack.pop() {
+        if !seen.insert(class) {
+            continue;
+        }
+        let node = extractor.find_best_node(class);
+        stack.extend(node.children().iter().map(|&c| egraph.find(c)));
+        let Some((op, operands)) = to_op(egraph, node) else { continue };
+        if enode_konst(egraph, node) {
+            continue;
+        }
+        let shapes: Vec<&Shape> = operands.iter().filter_map(|&o| egraph[o].data.as_ref().map(|d| &d.shape)).collect();
+        match enode_shape(egraph, node) {
+            Some(out) => total += model.node_cost(&op, &shapes, &out),
+            None => return f64::INFINITY,
+        }
+    }
+    total
 }
 
 /// Most re-extractions after the first (each with the shared values of the previous one).
@@ -819,7 +903,17 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
             let gqa = g.g[operands[1]].shape.get(1) != g.g[operands[0]].shape.get(1);
             vec![softmax_rule(masked, *alibi), if gqa { "attention-gqa" } else { "attention" }]
         }
-        Op::Concat { .. } => vec!["shared-input-merge"],
+        Op::Concat { axis: 0 } => vec!["shared-input-merge"],
+        Op::Heads { rope, .. } => {
+            let mut r = vec!["heads-split"];
+            if rope.is_some() {
+                r.push("heads-rope");
+            }
+            if g.operands(n).len() == 2 {
+                r.push("heads-append");
+            }
+            r
+        }
         _ => vec![],
     }
 }

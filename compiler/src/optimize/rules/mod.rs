@@ -1,6 +1,7 @@
 //! Rewrite rules, grouped by purpose, and the phases they run in. See README.md in this folder for
 //! how to write one.
 
+mod cache;
 mod fusion;
 mod merge;
 mod prologue;
@@ -16,14 +17,15 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
 /// 1. `simplify`: scale folding, transpose and reshape elimination;
 /// 2. `linear`: bias, activation and residual epilogues into `linear`;
 /// 3. `merge`: projections of one input merged into one over stacked weights (multi-pattern);
-/// 4. `attention`: softmax, attention and packed attention; gated projections;
+/// 4. `attention`: softmax, attention and packed attention; gated projections; heads read
+///    out of merged projections, rotated and appended to a cache;
 /// 5. `prologue`: norms into the projections that read them, residual add + norm.
 pub fn phases() -> Vec<(&'static str, Vec<Rewrite<Kl, KAnalysis>>)> {
     vec![
         ("simplify", simplify::rules()),
         ("linear", fusion::linear()),
         ("merge", merge::rules()),
-        ("attention", fusion::attention()),
+        ("attention", fusion::attention().into_iter().chain(cache::rules()).collect()),
         ("prologue", prologue::rules()),
     ]
 }
