@@ -343,6 +343,7 @@ fn run(cli: Cli) -> Result<()> {
                     "blocks": blocks,
                     "dispatches": { "unoptimized": report.dispatches.0, "optimized": report.dispatches.1 },
                     "intermediate_bytes": { "unoptimized": bytes(&fe.graph)?, "optimized": bytes(&opt)?, "at": "batch 1, seq 128" },
+                    "live_peak_bytes": { "unoptimized": lower::lower(&fe.graph)?.peak_live(&syms), "optimized": lower::lower(&opt)?.peak_live(&syms) },
                     "egraph_nodes": report.egraph_nodes,
                     "egraph_classes": report.egraph_classes,
                     "optimize_ms": report.optimize_ms,
@@ -354,8 +355,11 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{}: {blocks} blocks", fe.graph.name);
                     println!("  dispatches    {} -> {}", report.dispatches.0, report.dispatches.1);
                     println!(
-                        "  intermediates {} -> {} bytes (batch 1, seq 128)",
-                        value["intermediate_bytes"]["unoptimized"], value["intermediate_bytes"]["optimized"]
+                        "  intermediates {} -> {} bytes (batch 1, seq 128; live peak {} -> {})",
+                        value["intermediate_bytes"]["unoptimized"],
+                        value["intermediate_bytes"]["optimized"],
+                        value["live_peak_bytes"]["unoptimized"],
+                        value["live_peak_bytes"]["optimized"]
                     );
                     println!("  e-graph       {} nodes, {} classes", report.egraph_nodes, report.egraph_classes);
                     println!("  optimize      {:.1} ms", report.optimize_ms);

@@ -200,9 +200,16 @@ fn root(values: &[Value], mut v: usize) -> usize {
     v
 }
 
-/// Greedy interval colouring: a slot is free again after the last step that reads any alias of the
-/// value in it. Outputs stay live to the end. A freed slot whose previous value had the same shape
-/// is preferred, so slots keep sizes close to what they hold.
+/// Sequence length at which slot placement compares sizes (batch 1; every length symbol, the
+/// cache included, at this value). Long enough that attention scores, quadratic in it, rank as
+/// they do in long runs.
+const PLACEMENT_SEQ: usize = 512;
+
+/// Slot placement. Two greedy placements are made and the one whose slots hold fewer bytes at
+/// [`PLACEMENT_SEQ`] is kept: in step order (a freed slot whose last value had the same shape
+/// preferred, so slots keep sizes close to what they hold), and by size (largest value first,
+/// each into the smallest free slot; "greedy by size"). A value lives from the step that writes
+/// it to the last step that reads any alias of it; outputs live to the end.
 fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)]) -> usize {
     let mut last_use: HashMap<usize, usize> = HashMap::new();
     for (i, s) in steps.iter().enumerate() {
@@ -213,12 +220,43 @@ fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)
     for (_, o) in outputs {
         last_use.insert(root(values, *o), usize::MAX);
     }
-    let mut free: Vec<(usize, Shape)> = Vec::new();
+    let syms: HashMap<Sym, usize> = [Sym::Seq, Sym::SrcSeq, Sym::Past, Sym::Ctx]
+        .into_iter()
+        .map(|s| (s, PLACEMENT_SEQ))
+        .chain([(Sym::Batch, 1)])
+        .collect();
+    // (value, first step, last step, size)
+    let lives: Vec<(usize, usize, usize, usize)> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let size = resolve(&values[s.output].shape, &syms).iter().product::<usize>();
+            (s.output, i, last_use.get(&s.output).copied().unwrap_or(i).max(i), size)
+        })
+        .collect();
+    let placements = [in_step_order(values, &lives), by_size(&lives)];
+    let held = |p: &(Vec<usize>, usize)| {
+        let mut sizes = vec![0usize; p.1];
+        for (&slot, l) in p.0.iter().zip(&lives) {
+            sizes[slot] = sizes[slot].max(l.3);
+        }
+        sizes.iter().sum::<usize>()
+    };
+    let best = placements.into_iter().min_by_key(held).expect("two placements");
+    for (&slot, l) in best.0.iter().zip(&lives) {
+        values[l.0].storage = Storage::Slot(slot);
+    }
+    best.1
+}
+
+/// Step-order placement: the slot of each life (in `lives` order), and the slot count.
+fn in_step_order(values: &[Value], lives: &[(usize, usize, usize, usize)]) -> (Vec<usize>, usize) {
+    let mut free: Vec<(usize, &Shape)> = Vec::new();
     let mut slots = 0;
-    let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
-    for (i, s) in steps.iter().enumerate() {
-        let v = s.output;
-        let shape = values[v].shape.clone();
+    let mut dying: HashMap<usize, Vec<(usize, &Shape)>> = HashMap::new();
+    let mut out = Vec::with_capacity(lives.len());
+    for &(v, first, last, _) in lives {
+        let shape = &values[v].shape;
         let pick = free.iter().position(|(_, sh)| *sh == shape).or(if free.is_empty() { None } else { Some(0) });
         let slot = match pick {
             Some(p) => free.remove(p).0,
@@ -227,19 +265,39 @@ fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)
                 slots - 1
             }
         };
-        values[v].storage = Storage::Slot(slot);
-        // A value nobody reads dies right after it is written.
-        let end = last_use.get(&v).copied().unwrap_or(i);
-        if end != usize::MAX {
-            dying.entry(end).or_default().push(v);
+        out.push(slot);
+        if last != usize::MAX {
+            dying.entry(last).or_default().push((slot, shape));
         }
-        for dead in dying.remove(&i).unwrap_or_default() {
-            if let Storage::Slot(sl) = values[dead].storage {
-                free.push((sl, values[dead].shape.clone()));
-            }
-        }
+        free.extend(dying.remove(&first).unwrap_or_default());
     }
-    slots
+    (out, slots)
+}
+
+/// Greedy by size: the slot of each life (in `lives` order), and the slot count.
+fn by_size(lives: &[(usize, usize, usize, usize)]) -> (Vec<usize>, usize) {
+    let mut order: Vec<usize> = (0..lives.len()).collect();
+    order.sort_by(|&a, &b| lives[b].3.cmp(&lives[a].3).then(lives[a].1.cmp(&lives[b].1)));
+    // Per slot: its size and the lifetimes it holds.
+    let mut slots: Vec<(usize, Vec<(usize, usize)>)> = Vec::new();
+    let mut out = vec![0; lives.len()];
+    for i in order {
+        let (_, first, last, size) = lives[i];
+        let free = |held: &[(usize, usize)]| held.iter().all(|&(f, l)| l < first || last < f);
+        // Largest first, so every existing slot is big enough.
+        let fit = slots.iter().enumerate().filter(|(_, (_, held))| free(held)).min_by_key(|(_, (sz, _))| *sz);
+        let slot = match fit {
+            Some((s, _)) => s,
+            None => {
+                slots.push((size, Vec::new()));
+                slots.len() - 1
+            }
+        };
+        slots[slot].1.push((first, last));
+        out[i] = slot;
+    }
+    let n = slots.len();
+    (out, n)
 }
 
 pub use crate::graph::resolve;
@@ -384,6 +442,45 @@ impl Plan {
             }
         }
         (sum, slot_bytes.iter().sum())
+    }
+
+    /// The most intermediate bytes live at once (while any step runs: its output and every value
+    /// still to be read), at the given symbol values: the least memory any placement needs.
+    pub fn peak_live(&self, syms: &HashMap<Sym, usize>) -> u64 {
+        let root = |mut v: usize| {
+            while let Storage::Alias(a) = self.values[v].storage {
+                v = a;
+            }
+            v
+        };
+        let mut last_use: HashMap<usize, usize> = HashMap::new();
+        for (i, step) in self.steps.iter().enumerate() {
+            for &o in &step.operands {
+                last_use.insert(root(o), i);
+            }
+        }
+        for (_, o) in &self.outputs {
+            last_use.insert(root(*o), usize::MAX);
+        }
+        let bytes = |v: usize| 4 * resolve(&self.values[v].shape, syms).iter().product::<usize>() as u64;
+        let mut live: u64 = 0;
+        let mut peak: u64 = 0;
+        let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (i, step) in self.steps.iter().enumerate() {
+            let v = step.output;
+            if matches!(self.values[v].storage, Storage::Slot(_)) {
+                live += bytes(v);
+                peak = peak.max(live);
+                let end = last_use.get(&v).copied().unwrap_or(i);
+                if end != usize::MAX {
+                    dying.entry(end.max(i)).or_default().push(v);
+                }
+            }
+            for dead in dying.remove(&i).unwrap_or_default() {
+                live -= bytes(dead);
+            }
+        }
+        peak
     }
 
     /// Per-slot byte sizes at the given symbol values (at least 4 bytes each).
