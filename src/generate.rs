@@ -158,6 +158,7 @@ pub fn run_cli(
         req.stop.extend(tok.eos_id().map(i64::from));
     }
 
+    catch_interrupt();
     let mut out = std::io::stdout();
     let stats = match tokenizer.as_ref().filter(|_| !print_ids) {
         Some(tok) => {
@@ -169,9 +170,9 @@ pub fn run_cli(
                     Ok(Some(text)) => {
                         let _ = write!(out, "{text}");
                         let _ = out.flush();
-                        true
+                        !interrupted()
                     }
-                    Ok(None) => true,
+                    Ok(None) => !interrupted(),
                     Err(e) => {
                         failed = Some(e);
                         false
@@ -189,13 +190,42 @@ pub fn run_cli(
                 let _ = write!(out, "{}{id}", if first { "" } else { "," });
                 let _ = out.flush();
                 first = false;
-                true
+                !interrupted()
             })?;
             stats
         }
     };
     let _ = writeln!(out);
+    if interrupted() {
+        let _ = writeln!(std::io::stderr(), "interrupted: stopped after {} tokens", stats.new_tokens);
+    }
     Ok(stats)
+}
+
+/// Set by the first Ctrl-C during `kiln generate`: generation stops after the current token and
+/// the command ends normally (text so far, throughput line). A second Ctrl-C terminates at once.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(unix)]
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: `signal` is async-signal-safe; the next Ctrl-C gets the default action.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+    }
+}
+
+/// Installs the Ctrl-C handler of [`INTERRUPTED`].
+fn catch_interrupt() {
+    #[cfg(unix)]
+    // SAFETY: the handler only stores to an atomic and calls `signal`, both async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t);
+    }
+}
+
+fn interrupted() -> bool {
+    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// Whether a file is GGUF (by its magic).

@@ -427,3 +427,42 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
     let bad = ["generate", "models/vaswani.toml", "--weights", s(&vaswani), "--prompt-ids", "5"];
     fails_with(&[&bad[..], &["--decoder-start-id", "128"]].concat(), &["decoder start id 128"]);
 }
+
+/// Ctrl-C during `kiln generate` stops after the current token: what was generated is printed,
+/// then the throughput line, and the exit is clean.
+#[cfg(unix)]
+#[test]
+fn generate_stops_cleanly_on_ctrl_c() {
+    use std::io::Read;
+    let weights = root().join("tests/fixtures/llama/model.safetensors");
+    // RoPE has no position table: a long context keeps it generating until interrupted.
+    let spec = scratch("ctrl-c").join("llama.toml");
+    let source = std::fs::read_to_string(root().join("models/llama.toml")).unwrap();
+    std::fs::write(&spec, source.replace("max_positions = 64", "max_positions = 60000")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1,2,3"])
+        .args(["--max-new-tokens", "100000", "--backend", "interp", "--print-ids"])
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first token, then interrupt.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {err}");
+    assert!(err.contains("interrupted: stopped after"), "{err}");
+    assert!(err.contains("decode:"), "{err}");
+    let ids = format!("{}{rest}", first[0] as char);
+    assert!(ids.trim().split(',').all(|t| t.parse::<i64>().is_ok()), "{ids}");
+}
