@@ -145,6 +145,10 @@ enum Command {
         /// Instead: measure the cost model's constants on the adapter.
         #[arg(long)]
         calibrate: bool,
+        /// Instead: GFLOPS of the projection kernels, reference vs fast, at prefill and decode
+        /// shapes.
+        #[arg(long)]
+        kernels: bool,
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
@@ -446,10 +450,14 @@ fn run(cli: Cli) -> Result<()> {
             generate::report(&stats);
         }
         Command::Embed(args) => embed::run(args)?,
-        Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, adapter, json } => {
+        Command::Bench { spec, seq, batch, runs, optimize_layers, calibrate, kernels, adapter, json } => {
             if calibrate {
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
                 return bench::calibrate(gpu, json);
+            }
+            if kernels {
+                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+                return bench::kernels(gpu, runs, json);
             }
             let (source, fe) = read_spec(&spec)?;
             if !optimize_layers.is_empty() {

@@ -207,7 +207,8 @@ impl Gpu {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
-            size: bytes.max(4).next_multiple_of(4),
+            // Whole `vec4`s: projection kernels read every tensor as `array<vec4<f32>>`.
+            size: bytes.max(16).next_multiple_of(16),
             usage,
             mapped_at_creation: false,
         });
