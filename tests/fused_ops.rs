@@ -454,15 +454,18 @@ fn linear_kernel_forms_at_every_shape() {
     ];
     // (rows: [batch, seq], k, n): GEMM over several row tiles, GEMV, k or n not a multiple of 4;
     // then small enough for the chunked device (at most 32 chunks of 64 floats per dispatch).
-    let large: [(&[usize], usize, usize); 6] = [
+    // n = 26 and 10: a plain projection's weight is padded to whole `vec4`s.
+    let large: [(&[usize], usize, usize); 7] = [
         (&[2, 37], 16, 24),
         (&[1, 3], 16, 24),
         (&[1, 1], 20, 28),
         (&[2, 37], 18, 24),
         (&[1, 2], 18, 24),
         (&[3, 9], 16, 26),
+        (&[1, 2], 16, 10),
     ];
-    let small: [(&[usize], usize, usize); 4] = [(&[1, 6], 8, 24), (&[1, 5], 6, 24), (&[1, 2], 8, 24), (&[1, 1], 6, 24)];
+    let small: [(&[usize], usize, usize); 5] =
+        [(&[1, 6], 8, 24), (&[1, 5], 6, 24), (&[1, 2], 8, 24), (&[1, 1], 6, 24), (&[1, 6], 8, 10)];
     check(&projection_cases(&ops, &large), false);
     check(&projection_cases(&ops, &small), true);
 }

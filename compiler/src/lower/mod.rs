@@ -168,8 +168,8 @@ struct Lowering<'g> {
     kernel_of: HashMap<String, usize>,
     steps: Vec<Step>,
     folds: Vec<Fold>,
-    /// Weight value -> its transpose (shared by every projection reading the weight).
-    transposed: HashMap<usize, usize>,
+    /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
+    transposed: HashMap<(usize, bool), usize>,
 }
 
 impl Lowering<'_> {
@@ -202,26 +202,38 @@ impl Lowering<'_> {
     }
 
     /// The `[k, m]` transpose of a projection weight `w` (`[m, k]`), which the projection kernel
-    /// reads: a load-time fold for a constant weight, a permute step otherwise.
-    fn transpose(&mut self, w: usize, scope: &str) -> Result<usize, LowerError> {
-        if let Some(&t) = self.transposed.get(&w) {
+    /// reads, its rows padded to a multiple of 4 columns if `pad` (by repeating the first ones): a
+    /// load-time fold for a constant weight, permute (slice, concat) steps otherwise.
+    fn transpose(&mut self, w: usize, pad: bool, scope: &str) -> Result<usize, LowerError> {
+        if let Some(&t) = self.transposed.get(&(w, pad)) {
             return Ok(t);
         }
         let shape = self.values[w].shape.clone();
-        let perm = Op::Permute { perm: vec![1, 0] };
-        let t = self.values.len();
         let constant = self.constant(w);
-        self.values.push(Value {
-            shape: vec![shape[1].clone(), shape[0].clone()],
-            dtype: self.values[w].dtype,
-            storage: if constant { Storage::Const } else { Storage::Slot(usize::MAX) },
-        });
-        if constant {
-            self.folds.push(Fold { op: perm, operands: vec![w], output: t });
-        } else {
-            self.step(perm, vec![w], t, scope)?;
+        let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> Result<usize, LowerError> {
+            let v = l.values.len();
+            let storage = if constant { Storage::Const } else { Storage::Slot(usize::MAX) };
+            l.values.push(Value { shape, dtype: l.values[w].dtype, storage });
+            if constant {
+                l.folds.push(Fold { op, operands, output: v });
+            } else {
+                l.step(op, operands, v, scope)?;
+            }
+            Ok(v)
+        };
+        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1].clone(), shape[0].clone()])?;
+        if let (true, crate::graph::Dim::Fixed(n)) = (pad, &shape[0]) {
+            let extra = n.next_multiple_of(4) - n;
+            let rows = shape[1].clone();
+            let head = derive(
+                self,
+                Op::Slice { axis: 1, start: 0, len: extra },
+                vec![t],
+                vec![rows.clone(), crate::graph::Dim::Fixed(extra)],
+            )?;
+            t = derive(self, Op::Concat { axis: 1 }, vec![t, head], vec![rows, crate::graph::Dim::Fixed(n + extra)])?;
         }
-        self.transposed.insert(w, t);
+        self.transposed.insert((w, pad), t);
         Ok(t)
     }
 }
@@ -275,7 +287,11 @@ pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
         // Every projection reads its weight transposed (see `projection`).
         if let Op::Linear { norm, .. } = &op {
             let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
-            operands[wi] = l.transpose(operands[wi], &node.scope)?;
+            let pad = match l.values[operands[wi]].shape[0] {
+                crate::graph::Dim::Fixed(n) => projection::pads_weight(&op, n),
+                _ => false,
+            };
+            operands[wi] = l.transpose(operands[wi], pad, &node.scope)?;
         }
         l.step(op, operands, id, &node.scope)?;
     }
@@ -406,7 +422,7 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) ->
         }
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
         // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
-        Op::Linear { .. } => projection::dims(op, &operands[0], out, past),
+        Op::Linear { .. } => projection::dims(op, operands, out, past),
         // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
             let x = &operands[0];

@@ -77,21 +77,24 @@ impl Linear {
 }
 
 /// The sizes of a projection dispatch (see [`super::dispatch`]):
-/// `[threads, n, k, seq, past, m, tiles, form]`, where `m` is the number of rows and `form` picks
-/// the code path: 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV. The `vec4` forms need
-/// `k` and `n` multiples of 4 and no RoPE epilogue. `tiles` is the number of column tiles of a
-/// row (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
-pub fn dims(op: &Op, x: &[usize], out: &[usize], past: usize) -> Vec<usize> {
+/// `[threads, n, k, seq, past, m, tiles, form, w]`, where `m` is the number of rows, `w` the
+/// width of the (transposed, possibly padded) weight's rows and `form` picks the code path:
+/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV. The `vec4` forms need `k` and `w`
+/// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
+/// `n` a multiple of 4) and no RoPE epilogue. `tiles` is the number of column tiles of a row
+/// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
+pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
     let p = Linear::of(op).expect("a projection");
     let n = out.last().copied().unwrap_or(1);
-    let k = x.last().copied().unwrap_or(1);
+    let k = operands[0].last().copied().unwrap_or(1);
+    let w = operands[operand_indices(p).0].last().copied().unwrap_or(1);
     let m = out.iter().product::<usize>() / n.max(1);
     let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
     let gemv = m <= GEMV_MAX_ROWS;
-    let vector = p.rope.is_none() && k % 4 == 0 && n % 4 == 0;
+    let vector = p.rope.is_none() && k % 4 == 0 && w % 4 == 0 && (!p.glu || n % 4 == 0);
     let (form, tiles, groups) = if vector {
         let (rows, cols) = if gemv { (1, VEC_GEMV_GROUPS) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
-        let tiles = (n / 4).div_ceil(cols);
+        let tiles = n.div_ceil(4).div_ceil(cols);
         (if gemv { 3 } else { 2 }, tiles, (tiles * m.div_ceil(rows)).div_ceil(64))
     } else if gemv {
         let tiles = p.units(n).div_ceil(64 * (GEMV_COLS / p.unit_cols()).max(1));
@@ -101,7 +104,13 @@ pub fn dims(op: &Op, x: &[usize], out: &[usize], past: usize) -> Vec<usize> {
         (0, tiles, tiles * m.div_ceil(64 * GEMM_ROWS))
     };
     let threads = groups * super::wgsl::WORKGROUP as usize;
-    vec![threads, n, k, seq, past, m, tiles, form]
+    vec![threads, n, k, seq, past, m, tiles, form, w]
+}
+
+/// Whether lowering pads the transposed weight of `op` from `n` columns to a multiple of 4, so the
+/// `vec4` forms apply (the padding columns' outputs are never stored).
+pub fn pads_weight(op: &Op, n: usize) -> bool {
+    matches!(op, Op::Linear { glu: false, rope: None, .. }) && n % 4 != 0 && n >= 4
 }
 
 /// The bindings of a projection kernel with `operands` operands, every one (and the output) an
@@ -177,7 +186,7 @@ pub fn body(op: &Op) -> String {
     let mut s = String::from(
         "let n = dim(1u);\nlet k = dim(2u);\nlet m = dim(5u);\nlet tiles = dim(6u);\nlet form = dim(7u);\n",
     );
-    s += &format!("let wn = {};\n", if p.glu { "2u * n" } else { "n" });
+    s += "let wn = dim(8u);\n";
     let gemm_units = (GEMM_COLS / p.unit_cols()).max(1);
     let gemv_units = (GEMV_COLS / p.unit_cols()).max(1);
     let gemm_rows: Vec<String> =
@@ -219,7 +228,7 @@ fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
     let (wi, bi, ri) = operand_indices(p);
     let mut s = format!(
         "let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n\
-         let nq = n / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n"
+         let nq = (n + 3u) / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n"
     );
     for r in 0..rows {
         s += &format!("let a{r} = min(r0 + {r}u, m - 1u) * kq;\n");
@@ -290,23 +299,45 @@ fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
     for r in 0..rows {
         for j in 0..groups {
             s += &format!("if (r0 + {r}u < m && gb + {j}u < nq) {{\n    let row = r0 + {r}u;\n    var y = y{r}_{j};\n");
+            // The aligned epilogue, whole `vec4`s.
+            let mut aligned = String::new();
             if p.bias {
-                s += &format!("    y = y + ld{bi}v(g{j});\n");
+                aligned += &format!("y = y + ld{bi}v(g{j});\n");
             }
             if p.glu {
-                s += &format!("    var z = z{r}_{j};\n");
+                aligned += &format!("var z = z{r}_{j};\n");
                 if p.bias {
-                    s += &format!("    z = z + ld{bi}v(nq + g{j});\n");
+                    aligned += &format!("z = z + ld{bi}v(nq + g{j});\n");
                 }
                 let gate = p.act.map_or("y".to_string(), |a| act(a, "y"));
-                s += &format!("    y = {gate} * z;\n");
+                aligned += &format!("y = {gate} * z;\n");
             } else if let Some(a) = p.act {
-                s += &format!("    y = {};\n", act(a, "y"));
+                aligned += &format!("y = {};\n", act(a, "y"));
             }
             if p.residual {
-                s += &format!("    y = y + ld{ri}v(row * nq + g{j});\n");
+                aligned += &format!("y = y + ld{ri}v(row * nq + g{j});\n");
             }
-            s += &format!("    stv(row * nq + g{j}, y);\n}}\n");
+            aligned += &format!("stv(row * nq + g{j}, y);\n");
+            if p.glu {
+                s += &indent(&aligned);
+            } else {
+                // `n` not a multiple of 4 (a padded weight): one column at a time.
+                let mut single = format!(
+                    "for (var i = 0u; i < 4u; i = i + 1u) {{\n    let c = 4u * g{j} + i;\n    if (c < n) {{\n        var v = y[i];\n"
+                );
+                if p.bias {
+                    single += &format!("        v = v + ld{bi}(c);\n");
+                }
+                if let Some(a) = p.act {
+                    single += &format!("        v = {};\n", activation(a, "v"));
+                }
+                if p.residual {
+                    single += &format!("        v = v + ld{ri}(row * n + c);\n");
+                }
+                single += "        st(row * n + c, v);\n    }\n}\n";
+                s += &indent(&format!("if (n % 4u != 0u) {{\n{}}} else {{\n{}}}\n", indent(&single), indent(&aligned)));
+            }
+            s += "}\n";
         }
     }
     s
