@@ -221,15 +221,15 @@ impl Lowering<'_> {
             }
             Ok(v)
         };
-        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1].clone(), shape[0].clone()])?;
-        if let (true, crate::graph::Dim::Fixed(n)) = (pad, &shape[0]) {
+        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1], shape[0]])?;
+        if let (true, crate::graph::Dim::Fixed(n)) = (pad, shape[0]) {
             let extra = n.next_multiple_of(4) - n;
-            let rows = shape[1].clone();
+            let rows = shape[1];
             let head = derive(
                 self,
                 Op::Slice { axis: 1, start: 0, len: extra },
                 vec![t],
-                vec![rows.clone(), crate::graph::Dim::Fixed(extra)],
+                vec![rows, crate::graph::Dim::Fixed(extra)],
             )?;
             t = derive(self, Op::Concat { axis: 1 }, vec![t, head], vec![rows, crate::graph::Dim::Fixed(n + extra)])?;
         }

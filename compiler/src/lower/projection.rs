@@ -1,28 +1,31 @@
-//! The projection kernel ([`Op::Linear`]): register-blocked, in two forms chosen at run time by
-//! the number of rows.
+//! The projection kernel ([`Op::Linear`]): register-blocked tiles, in four forms chosen at
+//! dispatch time from the shapes (see [`dims`]); one module holds all four, behind a branch on a
+//! uniform size, so one kernel serves prefill and decode.
 //!
-//! The weight operand is read transposed, `[k, m]` (lowering inserts the transpose: a load-time
-//! fold for a constant weight), so that the columns an invocation computes are adjacent floats of
-//! one weight row.
+//! The weight operand is read transposed, `[k, w]` (lowering inserts the transpose, a load-time
+//! fold for a constant weight, and pads `w` to a multiple of 4 for a plain projection), so that the
+//! columns an invocation computes are adjacent floats of one weight row. Each invocation
+//! accumulates its tile in registers over the whole of `k`, then gives each output its epilogue
+//! (bias, activation, gate, rotation, residual). A norm prologue computes the statistics of each of
+//! an invocation's rows once, before its tile. No workgroup memory or barriers (slow to
+//! synchronise on lavapipe).
 //!
-//! Each invocation computes a tile of outputs: a few rows times a few *units*. A unit is one output
-//! column, or the two columns an epilogue combines: the gate and up columns of a gated projection,
-//! the two columns of a rotation (or two adjacent unrotated columns) of a RoPE epilogue. The tile
-//! is accumulated in registers over the whole of `k`, then each output gets the epilogue.
+//! - **`vec4` GEMM** (prefill): [`VEC_GEMM_ROWS`] rows x [`VEC_GEMM_GROUPS`] groups of 4 columns,
+//!   `x` and the weight read as `vec4`s. On lavapipe (Mesa 22.3) every storage load is issued lane
+//!   by lane, one bounds check per component, so what counts is FMAs per component loaded: a
+//!   tile of `R x C` does `R * C` per `R + C`.
+//! - **`vec4` GEMV** (decode, up to [`GEMV_MAX_ROWS`] rows): one row x [`VEC_GEMV_GROUPS`] groups.
+//! - **scalar GEMM / GEMV**: for `k` not a multiple of 4, a gated projection with `n` not one, or a
+//!   RoPE epilogue. Invocations compute *units*: one output column, or the two columns an
+//!   epilogue combines (the gate and up columns; the two columns of a rotation, or two adjacent
+//!   unrotated ones). In the GEMM form the 64 lanes of a workgroup take 64 rows and share their
+//!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
+//!   in the GEMV form lanes take adjacent units of one row.
 //!
-//! - **GEMM** (prefill, many rows): the 64 lanes of a workgroup take 64 consecutive rows, and the
-//!   whole workgroup shares the same units. The weight index then depends only on the workgroup
-//!   and the loop counter, so the shader compiler sees a *uniform* load: on a CPU implementation
-//!   (lavapipe, which runs lanes as SIMD) one scalar load broadcast to every lane rather than a
-//!   gather, and on a GPU one cached line. Only the row of `x` differs per lane.
-//! - **GEMV** (decode, a few rows): one workgroup per row and group of units, lanes over adjacent
-//!   units, so `x` is the uniform load and lanes read adjacent weight floats.
-//!
-//! No workgroup memory or barriers (slow to synchronise on lavapipe). A norm prologue computes the
-//! statistics of an invocation's rows once, before its tile. Every shape is handled (tiles past the
-//! last row or unit compute clamped indices and skip their stores), so there is no fallback kernel.
-//! The body indexes buffers as `inK[e]`, so the chunked variant
-//! ([`super::wgsl::kernel_chunked`]) derives from it as from every other body.
+//! Every shape is handled (tiles past the last row or column compute clamped indices and skip
+//! their stores), so there is no fallback kernel. Buffers are accessed through `ldK`/`ldKv`/`st`/
+//! `stv` accessors (see [`bindings`]), which the chunked variant
+//! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
 
 use super::wgsl::{activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};
@@ -110,7 +113,7 @@ pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec
 /// Whether lowering pads the transposed weight of `op` from `n` columns to a multiple of 4, so the
 /// `vec4` forms apply (the padding columns' outputs are never stored).
 pub fn pads_weight(op: &Op, n: usize) -> bool {
-    matches!(op, Op::Linear { glu: false, rope: None, .. }) && n % 4 != 0 && n >= 4
+    matches!(op, Op::Linear { glu: false, rope: None, .. }) && !n.is_multiple_of(4) && n >= 4
 }
 
 /// The bindings of a projection kernel with `operands` operands, every one (and the output) an
@@ -246,14 +249,11 @@ fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
         }
     }
     s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
-    match p.norm {
-        Some(n) => {
-            s += "    let gain = ld1v(kk);\n";
-            if n.bias {
-                s += "    let shift = ld2v(kk);\n";
-            }
+    if let Some(n) = p.norm {
+        s += "    let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "    let shift = ld2v(kk);\n";
         }
-        None => {}
     }
     for r in 0..rows {
         let x = match p.norm {
