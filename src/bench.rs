@@ -5,7 +5,7 @@
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
-use kiln_compiler::lower::lower;
+use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
@@ -270,6 +270,102 @@ pub fn calibrate(gpu: Arc<Gpu>, json: bool) -> Result<()> {
         println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
         println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}");
         println!("  defaults:  dispatch = {:.0}  flop = {:.3}", default.dispatch, default.flop);
+    }
+    Ok(())
+}
+
+/// One projection shape of `kiln bench --kernels`.
+struct Projection {
+    what: &'static str,
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+/// A graph `ids -> gather (x [1, rows, k]) -> x @ w^T -> one column`, or without the projection
+/// (`n = None`), whose time is subtracted.
+fn projection_graph(k: usize, n: Option<usize>) -> Graph {
+    let mut g = Graph::new("kernels");
+    let ids = g
+        .add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[])
+        .expect("an input has no operands");
+    let table = g.param("table", &[16, k]);
+    let mut x = g.add(Op::Gather, &[table, ids]).expect("gather types");
+    if let Some(n) = n {
+        let w = g.param("w", &[n, k]);
+        x = g.add(Op::MatMul { transpose_b: true }, &[x, w]).expect("matmul types");
+    }
+    let y = g.add(Op::Slice { axis: 2, start: 0, len: 1 }, &[x]).expect("slice types");
+    g.outputs.push(("y".into(), y));
+    g
+}
+
+/// Times a plan at `seq` rows (median of `runs`), in milliseconds.
+fn time_plan(gpu: &Arc<Gpu>, g: &Graph, options: lower::Options, seq: usize, runs: usize) -> Result<f64> {
+    let params = interp::random_params(g, 2);
+    let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
+    let inputs = HashMap::from([("input_ids".to_string(), ids)]);
+    let model = GpuModel::new(gpu.clone(), lower::lower_with(g, options)?, &params)?;
+    model.run(&inputs)?;
+    let mut t = Vec::new();
+    for _ in 0..runs.max(1) {
+        t.push(time_ms(|| model.run(&inputs).map(|_| ()).map_err(Into::into))?);
+    }
+    Ok(median(t))
+}
+
+/// `kiln bench --kernels`: GFLOPS of the projection kernel against the reference
+/// one-thread-per-output kernel (`matmul_t` over `[out, in]` weights), same shapes, same run: a
+/// prefill GEMM and decode GEMVs. Each time is the graph's minus that of the same graph without
+/// the projection (its gather and slice).
+pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
+    let shapes = [
+        Projection { what: "prefill GEMM", rows: 1024, k: 1024, n: 1024 },
+        Projection { what: "prefill GEMM (gpt2 mlp)", rows: 128, k: 768, n: 3072 },
+        Projection { what: "decode GEMV", rows: 1, k: 576, n: 1536 },
+        Projection { what: "decode GEMV (gpt2 qkv)", rows: 1, k: 768, n: 2304 },
+    ];
+    let reference = lower::Options { fast_projections: false, ..lower::Options::default() };
+    let fast = lower::Options::default();
+    let mut rows = Vec::new();
+    for s in &shapes {
+        let base = time_plan(&gpu, &projection_graph(s.k, None), fast, s.rows, runs)?;
+        let g = projection_graph(s.k, Some(s.n));
+        let old = time_plan(&gpu, &g, reference, s.rows, runs)? - base;
+        let new = time_plan(&gpu, &g, fast, s.rows, runs)? - base;
+        let gflops = |ms: f64| 2.0 * (s.rows * s.k * s.n) as f64 / (ms.max(1e-6) * 1e6);
+        rows.push((s, old, new, gflops(old), gflops(new)));
+    }
+    if json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(s, old, new, go, gn)| {
+                serde_json::json!({"shape": s.what, "m": s.rows, "k": s.k, "n": s.n,
+                    "reference_ms": old, "fast_ms": new, "reference_gflops": go, "fast_gflops": gn})
+            })
+            .collect();
+        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", gpu.describe());
+        println!(
+            "  {:<24} {:>5} {:>5} {:>5} {:>12} {:>10} {:>12} {:>10} {:>8}",
+            "shape", "m", "k", "n", "reference ms", "GFLOPS", "fast ms", "GFLOPS", "speedup"
+        );
+        for (s, old, new, go, gn) in &rows {
+            println!(
+                "  {:<24} {:>5} {:>5} {:>5} {:>12.2} {:>10.2} {:>12.2} {:>10.2} {:>7.1}x",
+                s.what,
+                s.rows,
+                s.k,
+                s.n,
+                old,
+                go,
+                new,
+                gn,
+                old / new
+            );
+        }
     }
     Ok(())
 }

@@ -173,6 +173,10 @@ enum Command {
         /// Real weights (safetensors or GGUF) instead of random ones.
         #[arg(long)]
         weights: Option<PathBuf>,
+        /// Instead: GFLOPS of the projection kernels, reference vs fast, at prefill and decode
+        /// shapes.
+        #[arg(long)]
+        kernels: bool,
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
@@ -505,12 +509,17 @@ fn run(cli: Cli) -> Result<()> {
             decode,
             optimized_only,
             weights,
+            kernels,
             adapter,
             json,
         } => {
             if calibrate {
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
                 return bench::calibrate(gpu, json);
+            }
+            if kernels {
+                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+                return bench::kernels(gpu, runs, json);
             }
             let (source, fe) = read_spec(&spec)?;
             if !optimize_layers.is_empty() {

@@ -11,7 +11,7 @@ mod common;
 
 use kiln_compiler::graph::{Dim, Graph, Op, Prologue, RopeCols, Rotation, Scalar};
 use kiln_compiler::interp;
-use kiln_compiler::lower::lower;
+use kiln_compiler::lower::{Options, lower_with};
 use kiln_compiler::spec::Activation;
 use kiln_compiler::spec::PairStyle;
 use kiln_compiler::tensor::Tensor;
@@ -216,7 +216,10 @@ fn check(cases: &[Case], chunked: bool) {
     let devices = [("wgpu", common::gpu()), ("wgpu, chunked", if chunked { chunked_gpu() } else { None })];
     for (device, gpu) in devices {
         let Some(gpu) = gpu else { continue };
-        let model = GpuModel::new(gpu, lower(&g).unwrap(), &params).unwrap();
+        // Unfolded: every op here reads parameters alone, and would otherwise be evaluated at load
+        // time by the interpreter instead of running its kernel.
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() }).unwrap();
+        let model = GpuModel::new(gpu, plan, &params).unwrap();
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
         for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
             assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
@@ -464,4 +467,77 @@ fn packed_attention_mha_and_gqa_with_masks() {
         }
     }
     check(&cases, true);
+}
+
+/// The projection kernel's forms (see `kiln_compiler::lower::projection`): `vec4` GEMM and GEMV
+/// (`k` and `n` multiples of 4), scalar GEMM and GEMV (`k` or `n` not, or a RoPE epilogue), at
+/// row counts that leave partial tiles, plainly and chunked.
+#[test]
+fn linear_kernel_forms_at_every_shape() {
+    let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
+    let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
+    let rope = RopeCols {
+        theta: Scalar(10000.0),
+        rotary_dim: 8,
+        style: PairStyle::RotateHalf,
+        head_dim: 8,
+        start: 4,
+        len: 16,
+    };
+    let ops = [
+        Op::linear(None, false, false),
+        Op::linear(Some(Activation::Gelu), true, true),
+        Op::Linear { act: None, bias: true, residual: false, norm: layer, glu: false, rope: None },
+        Op::Linear { act: Some(Activation::Silu), bias: false, residual: true, norm: rms, glu: true, rope: None },
+        Op::Linear { act: None, bias: true, residual: true, norm: rms, glu: false, rope: Some(rope) },
+    ];
+    // (rows: [batch, seq], k, n): GEMM over several row tiles, GEMV, k or n not a multiple of 4;
+    // then small enough for the chunked device (at most 32 chunks of 64 floats per dispatch).
+    // n = 26 and 10: a plain projection's weight is padded to whole `vec4`s.
+    let large: [(&[usize], usize, usize); 7] = [
+        (&[2, 37], 16, 24),
+        (&[1, 3], 16, 24),
+        (&[1, 1], 20, 28),
+        (&[2, 37], 18, 24),
+        (&[1, 2], 18, 24),
+        (&[3, 9], 16, 26),
+        (&[1, 2], 16, 10),
+    ];
+    let small: [(&[usize], usize, usize); 5] =
+        [(&[1, 6], 8, 24), (&[1, 5], 6, 24), (&[1, 2], 8, 24), (&[1, 1], 6, 24), (&[1, 6], 8, 10)];
+    check(&projection_cases(&ops, &large), false);
+    check(&projection_cases(&ops, &small), true);
+}
+
+/// Every op of `ops` at every shape `(rows, k, n)` (rotated ones at `n` = 24 only).
+fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for op in ops {
+        let Op::Linear { bias, residual, norm, glu, rope, .. } = op.clone() else { unreachable!() };
+        for &(rows, k, n) in shapes {
+            if rope.is_some() && n != 24 {
+                continue; // the rotated columns are laid out for 24
+            }
+            let x: Vec<usize> = rows.iter().copied().chain([k]).collect();
+            let out: Vec<usize> = rows.iter().copied().chain([n]).collect();
+            let m = if glu { 2 * n } else { n };
+            let (w, b, g) = (vec![m, k], vec![m], vec![k]);
+            let mut operands: Vec<(&str, &[usize])> = vec![("x", &x)];
+            if let Some(p) = norm {
+                operands.push(("norm.weight", &g));
+                if p.bias {
+                    operands.push(("norm.bias", &g));
+                }
+            }
+            operands.push(("w", &w));
+            if bias {
+                operands.push(("b", &b));
+            }
+            if residual {
+                operands.push(("r", &out));
+            }
+            cases.push(Case::new(format!("{} {} x{x:?} n {n}", op.name(), op.attrs()), op.clone(), &operands, None));
+        }
+    }
+    cases
 }

@@ -228,7 +228,8 @@ impl Gpu {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
-            size: bytes.max(4).next_multiple_of(4),
+            // Whole `vec4`s: projection kernels read every tensor as `array<vec4<f32>>`.
+            size: bytes.max(16).next_multiple_of(16),
             usage,
             mapped_at_creation: false,
         });
@@ -501,14 +502,23 @@ impl GpuModel {
                 step.operands.iter().map(|&o| resolve(&plan.values[o].shape, &syms)).collect();
             let out_shape = resolve(&plan.values[step.output].shape, &syms);
             let past = syms.get(&Sym::Past).copied().unwrap_or(0);
-            let dims = dispatch(&step.op, &operand_shapes, &out_shape, past)
+            let mut dims = dispatch(&step.op, &operand_shapes, &out_shape, past)
                 .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
-            let offset = i * DIMS_STRIDE as usize;
-            dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
-
             let bound: Vec<&[wgpu::Buffer]> =
                 std::iter::once(step.output).chain(step.operands.iter().copied()).map(buffers_of).collect();
             let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
+            if counts.iter().any(|&c| c > 1) && matches!(step.op, kiln_compiler::graph::Op::Linear { .. }) {
+                // The chunked projection kernel has the scalar forms only.
+                let scalar = kiln_compiler::lower::projection::scalar_dims(&step.op, &operand_shapes, &out_shape, past);
+                dims = [0; 16];
+                for (d, v) in dims.iter_mut().zip(&scalar) {
+                    *d = u32::try_from(*v)
+                        .map_err(|_| GpuError::Dispatch(format!("`{}`: a size exceeds 32 bits", step.scope)))?;
+                }
+            }
+            let offset = i * DIMS_STRIDE as usize;
+            dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
+
             let storage_bindings: u32 = counts.iter().sum();
             if storage_bindings > gpu.limits.max_storage_buffers_per_shader_stage {
                 return Err(GpuError::Dispatch(format!(

@@ -8,6 +8,7 @@
 //! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
 //! module that fails is a compiler bug, reported with the op and model named.
 
+pub mod projection;
 pub mod wgsl;
 
 use crate::graph::{Graph, InputRole, Op, Shape, Sym};
@@ -136,57 +137,165 @@ pub fn validate_wgsl(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Lowers a checked graph into a plan.
-pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
-    let order = g.order();
-    let mut values: Vec<Value> = Vec::new();
-    let mut value_of: HashMap<NodeIndex, usize> = HashMap::new();
-    let mut kernels: Vec<Kernel> = Vec::new();
-    let mut kernel_of: HashMap<String, usize> = HashMap::new();
-    let mut steps: Vec<Step> = Vec::new();
-    let mut folds: Vec<Fold> = Vec::new();
+/// Lowering choices (the defaults are what `kiln` runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Run a projection matmul (`matmul_t` by a 2-D constant weight, as an unoptimized graph holds
+    /// them) as an [`Op::Linear`] step, with the fast kernel. Off, it keeps the reference
+    /// one-thread-per-output kernel (for benchmarks).
+    pub fast_projections: bool,
+    /// Evaluate ops on parameters alone once at load time ([`Plan::folds`]). Off, they run as
+    /// dispatches like any other op (so tests can run kernels on graphs of parameters).
+    pub fold_constants: bool,
+}
 
-    for &n in &order {
+impl Default for Options {
+    fn default() -> Options {
+        Options { fast_projections: true, fold_constants: true }
+    }
+}
+
+/// Lowers a checked graph into a plan, with the default [`Options`].
+pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
+    lower_with(g, Options::default())
+}
+
+/// The state of one lowering: what has been emitted so far.
+struct Lowering<'g> {
+    g: &'g Graph,
+    values: Vec<Value>,
+    kernels: Vec<Kernel>,
+    kernel_of: HashMap<String, usize>,
+    steps: Vec<Step>,
+    folds: Vec<Fold>,
+    /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
+    transposed: HashMap<(usize, bool), usize>,
+}
+
+impl Lowering<'_> {
+    /// Whether value `v` is computed from parameters alone with a fixed shape.
+    fn constant(&self, v: usize) -> bool {
+        matches!(self.values[root(&self.values, v)].storage, Storage::Param(_) | Storage::Const)
+            && self.values[v].shape.iter().all(|d| matches!(d, crate::graph::Dim::Fixed(_)))
+    }
+
+    /// Emits a dispatch of `op` (its kernel validated and deduplicated by text).
+    fn step(&mut self, op: Op, operands: Vec<usize>, output: usize, scope: &str) -> Result<(), LowerError> {
+        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(self.values[v].dtype)).collect();
+        let Some(text) = wgsl::kernel(&op, &elems, device_elem(self.values[output].dtype)) else { return Ok(()) };
+        let kernel = match self.kernel_of.get(&text) {
+            Some(&k) => k,
+            None => {
+                validate_wgsl(&text).map_err(|message| LowerError {
+                    model: self.g.name.clone(),
+                    op: op.name(),
+                    scope: scope.to_string(),
+                    message,
+                })?;
+                self.kernels.push(Kernel { name: op.name(), wgsl: text.clone(), operands: operands.len() });
+                self.kernel_of.insert(text, self.kernels.len() - 1);
+                self.kernels.len() - 1
+            }
+        };
+        self.steps.push(Step { kernel, op, operands, output, scope: scope.to_string() });
+        Ok(())
+    }
+
+    /// The `[k, m]` transpose of a projection weight `w` (`[m, k]`), which the projection kernel
+    /// reads, its rows padded to a multiple of 4 columns if `pad` (by repeating the first ones): a
+    /// load-time fold for a constant weight, permute (slice, concat) steps otherwise.
+    fn transpose(&mut self, w: usize, pad: bool, scope: &str) -> Result<usize, LowerError> {
+        if let Some(&t) = self.transposed.get(&(w, pad)) {
+            return Ok(t);
+        }
+        let shape = self.values[w].shape.clone();
+        let constant = self.constant(w);
+        let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> Result<usize, LowerError> {
+            let v = l.values.len();
+            let storage = if constant { Storage::Const } else { Storage::Slot(usize::MAX) };
+            l.values.push(Value { shape, dtype: l.values[w].dtype, storage });
+            if constant {
+                l.folds.push(Fold { op, operands, output: v });
+            } else {
+                l.step(op, operands, v, scope)?;
+            }
+            Ok(v)
+        };
+        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1], shape[0]])?;
+        if let (true, crate::graph::Dim::Fixed(n)) = (pad, shape[0]) {
+            let extra = n.next_multiple_of(4) - n;
+            let rows = shape[1];
+            let head = derive(
+                self,
+                Op::Slice { axis: 1, start: 0, len: extra },
+                vec![t],
+                vec![rows, crate::graph::Dim::Fixed(extra)],
+            )?;
+            t = derive(self, Op::Concat { axis: 1 }, vec![t, head], vec![rows, crate::graph::Dim::Fixed(n + extra)])?;
+        }
+        self.transposed.insert((w, pad), t);
+        Ok(t)
+    }
+}
+
+/// Lowers a checked graph into a plan.
+pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
+    let mut l = Lowering {
+        g,
+        values: Vec::new(),
+        kernels: Vec::new(),
+        kernel_of: HashMap::new(),
+        steps: Vec::new(),
+        folds: Vec::new(),
+        transposed: HashMap::new(),
+    };
+    let mut value_of: HashMap<NodeIndex, usize> = HashMap::new();
+    for n in g.order() {
         let node = &g.g[n];
-        let operands: Vec<usize> = g.operands(n).iter().map(|o| value_of[o]).collect();
+        let mut operands: Vec<usize> = g.operands(n).iter().map(|o| value_of[o]).collect();
         // Constant: computed from parameters alone, with a fixed shape.
-        let constant = !operands.is_empty()
-            && operands.iter().all(|&o| matches!(values[root(&values, o)].storage, Storage::Param(_) | Storage::Const))
+        let constant = options.fold_constants
+            && !operands.is_empty()
+            && operands
+                .iter()
+                .all(|&o| matches!(l.values[root(&l.values, o)].storage, Storage::Param(_) | Storage::Const))
             && node.shape.iter().all(|d| matches!(d, crate::graph::Dim::Fixed(_)));
         let storage = match &node.op {
             Op::Param { name } => Storage::Param(name.clone()),
             Op::Input { name, role, .. } => Storage::Input { name: name.clone(), role: *role },
-            Op::Reshape { .. } => Storage::Alias(root(&values, operands[0])),
+            Op::Reshape { .. } => Storage::Alias(root(&l.values, operands[0])),
             _ if constant => Storage::Const,
             _ => Storage::Slot(usize::MAX), // assigned below
         };
-        let id = values.len();
+        let id = l.values.len();
         let folded = storage == Storage::Const;
-        values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage });
+        l.values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage });
         value_of.insert(n, id);
         if folded {
-            folds.push(Fold { op: node.op.clone(), operands, output: id });
+            l.folds.push(Fold { op: node.op.clone(), operands, output: id });
             continue;
         }
-        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(values[v].dtype)).collect();
-        if let Some(text) = wgsl::kernel(&node.op, &elems, device_elem(node.dtype)) {
-            let kernel = match kernel_of.get(&text) {
-                Some(&k) => k,
-                None => {
-                    validate_wgsl(&text).map_err(|message| LowerError {
-                        model: g.name.clone(),
-                        op: node.op.name(),
-                        scope: node.scope.clone(),
-                        message,
-                    })?;
-                    kernels.push(Kernel { name: node.op.name(), wgsl: text.clone(), operands: operands.len() });
-                    kernel_of.insert(text, kernels.len() - 1);
-                    kernels.len() - 1
-                }
-            };
-            steps.push(Step { kernel, op: node.op.clone(), operands, output: id, scope: node.scope.clone() });
+        let mut op = node.op.clone();
+        // A projection by a constant weight: the same product as `linear` without epilogues.
+        if options.fast_projections
+            && op == (Op::MatMul { transpose_b: true })
+            && l.values[operands[1]].shape.len() == 2
+            && l.constant(operands[1])
+        {
+            op = Op::linear(None, false, false);
         }
+        // Every projection reads its weight transposed (see `projection`).
+        if let Op::Linear { norm, .. } = &op {
+            let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
+            let pad = match l.values[operands[wi]].shape[0] {
+                crate::graph::Dim::Fixed(n) => projection::pads_weight(&op, n),
+                _ => false,
+            };
+            operands[wi] = l.transpose(operands[wi], pad, &node.scope)?;
+        }
+        l.step(op, operands, id, &node.scope)?;
     }
+    let Lowering { mut values, kernels, steps, folds, .. } = l;
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);
     Ok(Plan { name: g.name.clone(), kernels, values, folds, steps, slots, outputs })
@@ -370,14 +479,8 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) ->
             vec![total, operands[0][*axis], inner, *start, *len]
         }
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
-        // One thread per output element: n = output columns, k = the reduced axis, then the
-        // sequence length and the first position (RoPE epilogue).
-        // A rotated projection runs one thread per pair of columns.
-        Op::Linear { rope, .. } => {
-            let threads = if rope.is_some() { total / 2 } else { total };
-            let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
-            vec![threads, last(out), last(&operands[0]), seq, past]
-        }
+        // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
+        Op::Linear { .. } => projection::dims(op, operands, out, past),
         // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
             let x = &operands[0];

@@ -1,0 +1,492 @@
+//! The projection kernel ([`Op::Linear`]): register-blocked tiles, in four forms chosen at
+//! dispatch time from the shapes (see [`dims`]); one module holds all four, behind a branch on a
+//! uniform size, so one kernel serves prefill and decode.
+//!
+//! The weight operand is read transposed, `[k, w]` (lowering inserts the transpose, a load-time
+//! fold for a constant weight, and pads `w` to a multiple of 4 for a plain projection), so that the
+//! columns an invocation computes are adjacent floats of one weight row. Each invocation
+//! accumulates its tile in registers over the whole of `k`, then gives each output its epilogue
+//! (bias, activation, gate, rotation, residual). A norm prologue computes the statistics of each of
+//! an invocation's rows once, before its tile. No workgroup memory or barriers (slow to
+//! synchronise on lavapipe).
+//!
+//! - **`vec4` GEMM** (prefill): [`VEC_GEMM_ROWS`] rows x [`VEC_GEMM_GROUPS`] groups of 4 columns,
+//!   `x` and the weight read as `vec4`s. On lavapipe (Mesa 22.3) every storage load is issued lane
+//!   by lane, one bounds check per component, so what counts is FMAs per component loaded: a
+//!   tile of `R x C` does `R * C` per `R + C`.
+//! - **`vec4` GEMV** (decode, up to [`GEMV_MAX_ROWS`] rows): one row x [`VEC_GEMV_GROUPS`] groups.
+//! - **scalar GEMM / GEMV**: for `k` not a multiple of 4, a gated projection with `n` not one, or a
+//!   RoPE epilogue. Invocations compute *units*: one output column, or the two columns an
+//!   epilogue combines (the gate and up columns; the two columns of a rotation, or two adjacent
+//!   unrotated ones). In the GEMM form the 64 lanes of a workgroup take 64 rows and share their
+//!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
+//!   in the GEMV form lanes take adjacent units of one row.
+//!
+//! Every shape is handled (tiles past the last row or column compute clamped indices and skip
+//! their stores), so there is no fallback kernel. Buffers are accessed through `ldK`/`ldKv`/`st`/
+//! `stv` accessors (see [`bindings`]), which the chunked variant
+//! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
+
+use super::wgsl::{activation, lit};
+use crate::graph::{Op, Prologue, RopeCols};
+use crate::spec::{Activation, PairStyle};
+
+/// Rows per invocation in the scalar GEMM form (the workgroup covers `64 x GEMM_ROWS` rows).
+pub const GEMM_ROWS: usize = 1;
+/// Accumulators (output columns) per invocation in the scalar GEMM form: `GEMM_COLS / 2` units of
+/// two.
+pub const GEMM_COLS: usize = 8;
+/// Accumulators per invocation in the scalar GEMV form.
+pub const GEMV_COLS: usize = 4;
+/// Up to this many rows run a GEMV form.
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Rows per invocation in the `vec4` GEMM form.
+pub const VEC_GEMM_ROWS: usize = 8;
+/// Groups of 4 columns per invocation in the `vec4` GEMM form.
+pub const VEC_GEMM_GROUPS: usize = 2;
+/// Groups of 4 columns per invocation in the `vec4` GEMV form (one row each).
+pub const VEC_GEMV_GROUPS: usize = 1;
+
+/// The attributes of a projection.
+#[derive(Clone, Copy)]
+struct Linear {
+    act: Option<Activation>,
+    bias: bool,
+    residual: bool,
+    norm: Option<Prologue>,
+    glu: bool,
+    rope: Option<RopeCols>,
+}
+
+impl Linear {
+    fn of(op: &Op) -> Option<Linear> {
+        match *op {
+            Op::Linear { act, bias, residual, norm, glu, rope } => {
+                Some(Linear { act, bias, residual, norm, glu, rope })
+            }
+            _ => None,
+        }
+    }
+
+    /// Accumulators per unit: two for a gated or rotated unit.
+    fn unit_cols(self) -> usize {
+        if self.glu || self.rope.is_some() { 2 } else { 1 }
+    }
+
+    /// Units in a row of `n` outputs (a rotated unit writes two).
+    fn units(self, n: usize) -> usize {
+        if self.rope.is_some() { n / 2 } else { n }
+    }
+}
+
+/// The sizes of a projection dispatch (see [`super::dispatch`]):
+/// `[threads, n, k, seq, past, m, tiles, form, w]`, where `m` is the number of rows, `w` the
+/// width of the (transposed, possibly padded) weight's rows and `form` picks the code path:
+/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV. The `vec4` forms need `k` and `w`
+/// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
+/// `n` a multiple of 4) and no RoPE epilogue. `tiles` is the number of column tiles of a row
+/// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
+pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
+    dims_with(op, operands, out, past, true)
+}
+
+/// [`dims`] restricted to the scalar forms, the only ones of the chunked kernel ([`body_scalar`]).
+pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
+    dims_with(op, operands, out, past, false)
+}
+
+fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool) -> Vec<usize> {
+    let p = Linear::of(op).expect("a projection");
+    let n = out.last().copied().unwrap_or(1);
+    let k = operands[0].last().copied().unwrap_or(1);
+    let w = operands[operand_indices(p).0].last().copied().unwrap_or(1);
+    let m = out.iter().product::<usize>() / n.max(1);
+    let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
+    let gemv = m <= GEMV_MAX_ROWS;
+    let vector = vectors && p.rope.is_none() && k % 4 == 0 && w % 4 == 0 && (!p.glu || n % 4 == 0);
+    let (form, tiles, groups) = if vector {
+        let (rows, cols) = if gemv { (1, VEC_GEMV_GROUPS) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
+        let tiles = n.div_ceil(4).div_ceil(cols);
+        (if gemv { 3 } else { 2 }, tiles, (tiles * m.div_ceil(rows)).div_ceil(64))
+    } else if gemv {
+        let tiles = p.units(n).div_ceil(64 * (GEMV_COLS / p.unit_cols()).max(1));
+        (1, tiles, tiles * m)
+    } else {
+        let tiles = p.units(n).div_ceil((GEMM_COLS / p.unit_cols()).max(1));
+        (0, tiles, tiles * m.div_ceil(64 * GEMM_ROWS))
+    };
+    let threads = groups * super::wgsl::WORKGROUP as usize;
+    vec![threads, n, k, seq, past, m, tiles, form, w]
+}
+
+/// Whether lowering pads the transposed weight of `op` from `n` columns to a multiple of 4, so the
+/// `vec4` forms apply (the padding columns' outputs are never stored).
+pub fn pads_weight(op: &Op, n: usize) -> bool {
+    matches!(op, Op::Linear { glu: false, rope: None, .. }) && !n.is_multiple_of(4) && n >= 4
+}
+
+/// The bindings of a projection kernel with `operands` operands, every one (and the output) an
+/// array of `vec4<f32>` read through accessors: `ldK(e)` (a float), `ldKv(q)` (the `q`-th `vec4`),
+/// `st(e, v)`, `stv(q, v)`. Buffers are allocated in multiples of 16 bytes, so every float of a
+/// tensor is inside some `vec4`.
+pub fn bindings(operands: usize) -> String {
+    let mut s = String::from("@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;\n");
+    s += "fn st(e: u32, v: f32) { out[e >> 2u][e & 3u] = v; }\n";
+    s += "fn stv(q: u32, v: vec4<f32>) { out[q] = v; }\n";
+    for k in 0..operands {
+        s += &format!("@group(0) @binding({}) var<storage, read> in{k}: array<vec4<f32>>;\n", k + 2);
+        s += &format!("fn ld{k}(e: u32) -> f32 {{ return in{k}[e >> 2u][e & 3u]; }}\n");
+        s += &format!("fn ld{k}v(q: u32) -> vec4<f32> {{ return in{k}[q]; }}\n");
+    }
+    s
+}
+
+/// Module-scope function of the kernel: the columns of unit `u` as `(c0, c1, rotated, t)`, `t`
+/// the rotation's frequency index.
+pub fn unit_fn(op: &Op) -> String {
+    let p = Linear::of(op).expect("a projection");
+    let body = if let Some(r) = p.rope {
+        // Pairs: within a rotated head (columns start .. start + len), the first `rotary_dim / 2`
+        // units of each head are rotation pairs, the rest adjacent pairs of unrotated columns.
+        let (p0, p1) = match r.style {
+            PairStyle::RotateHalf => ("base + t", format!("base + t + {}u", r.rotary_dim / 2)),
+            PairStyle::Interleaved => ("base + 2u * t", "base + 2u * t + 1u".to_string()),
+        };
+        format!(
+            "    var c0 = 2u * u;\n    var c1 = c0 + 1u;\n    var rot = 0u;\n    var t = 0u;\n    \
+             if (c0 >= {start}u && c0 < {end}u) {{\n        let rel = u - {half_start}u;\n        \
+             let base = {start}u + (rel / {half_hd}u) * {hd}u;\n        t = rel % {half_hd}u;\n        \
+             if (t < {half_rd}u) {{\n            rot = 1u;\n            c0 = {p0};\n            c1 = {p1};\n        \
+             }} else {{\n            c0 = base + {rd}u + 2u * (t - {half_rd}u);\n            c1 = c0 + 1u;\n        }}\n    }}\n    \
+             return vec4<u32>(c0, c1, rot, t);\n",
+            start = r.start,
+            end = r.start + r.len,
+            half_start = r.start / 2,
+            half_hd = r.head_dim / 2,
+            hd = r.head_dim,
+            half_rd = r.rotary_dim / 2,
+            rd = r.rotary_dim,
+        )
+    } else if p.glu {
+        "    return vec4<u32>(u, u + n, 0u, 0u);\n".to_string()
+    } else {
+        "    return vec4<u32>(u, 0u, 0u, 0u);\n".to_string()
+    };
+    format!(
+        "// The output columns of unit `u` of a row of `n`: (c0, c1, rotated, t).\nfn unit_cols(u: u32, n: u32) -> vec4<u32> {{\n{body}}}\n"
+    )
+}
+
+/// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
+/// the workgroup) defined.
+pub fn body(op: &Op) -> String {
+    body_with(op, true)
+}
+
+/// The kernel body with the scalar forms only: the chunked variant, whose every load selects a
+/// chunk, stays small enough for lavapipe to compile quickly (see [`scalar_dims`]).
+pub fn body_scalar(op: &Op) -> String {
+    body_with(op, false)
+}
+
+fn body_with(op: &Op, vectors: bool) -> String {
+    let p = Linear::of(op).expect("a projection");
+    let pair = p.unit_cols() == 2;
+    let mut s = String::from(
+        "let n = dim(1u);\nlet k = dim(2u);\nlet m = dim(5u);\nlet tiles = dim(6u);\nlet form = dim(7u);\n",
+    );
+    s += "let wn = dim(8u);\n";
+    let gemm_units = (GEMM_COLS / p.unit_cols()).max(1);
+    let gemv_units = (GEMV_COLS / p.unit_cols()).max(1);
+    let gemm_rows: Vec<String> =
+        (0..GEMM_ROWS).map(|r| format!("grp * {}u + {}u + lane", 64 * GEMM_ROWS, 64 * r)).collect();
+    let gemm_unit: Vec<String> = (0..gemm_units).map(|j| format!("tile * {gemm_units}u + {j}u")).collect();
+    let gemv_unit: Vec<String> =
+        (0..gemv_units).map(|j| format!("tile * {}u + {}u + lane", 64 * gemv_units, 64 * j)).collect();
+    let scalar_head = format!(
+        "let tile = wg % tiles;\nlet grp = wg / tiles;\nlet units = {};\n",
+        if p.rope.is_some() { "n / 2u" } else { "n" }
+    );
+    s += "if (form == 0u) {\n";
+    s += &indent(&(scalar_head.clone() + &scalar_tile(p, pair, &gemm_rows, &gemm_unit)));
+    s += "} else if (form == 1u) {\n";
+    s += &indent(&(scalar_head + &scalar_tile(p, pair, &["grp".to_string()], &gemv_unit)));
+    if vectors && p.rope.is_none() {
+        s += "} else if (form == 2u) {\n";
+        s += &indent(&vector_tile(p, VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
+        s += "} else {\n";
+        s += &indent(&vector_tile(p, 1, VEC_GEMV_GROUPS));
+    }
+    s += "}";
+    s
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}\n")).collect()
+}
+
+/// Operand indices: (weight, bias, residual).
+fn operand_indices(p: Linear) -> (usize, usize, usize) {
+    let wi = 1 + p.norm.map_or(0, |n| 1 + usize::from(n.bias));
+    (wi, wi + 1, wi + 1 + usize::from(p.bias))
+}
+
+/// A `vec4` tile: `rows` consecutive rows times `groups` consecutive groups of 4 columns, `k`
+/// read 4 at a time. Invocations are numbered across workgroups, column groups fastest.
+fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
+    let (wi, bi, ri) = operand_indices(p);
+    let mut s = format!(
+        "let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n\
+         let nq = (n + 3u) / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n"
+    );
+    for r in 0..rows {
+        s += &format!("let a{r} = min(r0 + {r}u, m - 1u) * kq;\n");
+        s += &vector_stats(p.norm, r);
+    }
+    for j in 0..groups {
+        s += &format!("let g{j} = min(gb + {j}u, nq - 1u);\n");
+    }
+    for r in 0..rows {
+        for j in 0..groups {
+            s += &format!("var y{r}_{j} = vec4<f32>(0.0);\n");
+            if p.glu {
+                s += &format!("var z{r}_{j} = vec4<f32>(0.0);\n");
+            }
+        }
+    }
+    s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
+    if let Some(n) = p.norm {
+        s += "    let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "    let shift = ld2v(kk);\n";
+        }
+    }
+    for r in 0..rows {
+        let x = match p.norm {
+            None => format!("ld0v(a{r} + kk)"),
+            Some(n) if n.rms => format!("ld0v(a{r} + kk) * inv{r} * gain"),
+            Some(n) if n.bias => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain + shift"),
+            Some(_) => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain"),
+        };
+        s += &format!("    let x{r} = {x};\n");
+    }
+    s += "    let wr = kk * 4u * wq;\n";
+    for i in 0..4 {
+        for j in 0..groups {
+            s += &format!("    let w{i}_{j} = ld{wi}v(wr + {i}u * wq + g{j});\n");
+            if p.glu {
+                s += &format!("    let u{i}_{j} = ld{wi}v(wr + {i}u * wq + nq + g{j});\n");
+            }
+        }
+    }
+    for r in 0..rows {
+        for j in 0..groups {
+            let sum = |acc: &str, w: &str| {
+                format!(
+                    "    {acc}{r}_{j} = {acc}{r}_{j} + x{r}.x * {w}0_{j} + x{r}.y * {w}1_{j} + x{r}.z * {w}2_{j} + x{r}.w * {w}3_{j};\n"
+                )
+            };
+            s += &sum("y", "w");
+            if p.glu {
+                s += &sum("z", "u");
+            }
+        }
+    }
+    s += "}\n";
+    let act = |a: Activation, v: &str| {
+        format!(
+            "vec4<f32>({}, {}, {}, {})",
+            activation(a, &format!("{v}.x")),
+            activation(a, &format!("{v}.y")),
+            activation(a, &format!("{v}.z")),
+            activation(a, &format!("{v}.w"))
+        )
+    };
+    for r in 0..rows {
+        for j in 0..groups {
+            s += &format!("if (r0 + {r}u < m && gb + {j}u < nq) {{\n    let row = r0 + {r}u;\n    var y = y{r}_{j};\n");
+            // The aligned epilogue, whole `vec4`s.
+            let mut aligned = String::new();
+            if p.bias {
+                aligned += &format!("y = y + ld{bi}v(g{j});\n");
+            }
+            if p.glu {
+                aligned += &format!("var z = z{r}_{j};\n");
+                if p.bias {
+                    aligned += &format!("z = z + ld{bi}v(nq + g{j});\n");
+                }
+                let gate = p.act.map_or("y".to_string(), |a| act(a, "y"));
+                aligned += &format!("y = {gate} * z;\n");
+            } else if let Some(a) = p.act {
+                aligned += &format!("y = {};\n", act(a, "y"));
+            }
+            if p.residual {
+                aligned += &format!("y = y + ld{ri}v(row * nq + g{j});\n");
+            }
+            aligned += &format!("stv(row * nq + g{j}, y);\n");
+            if p.glu {
+                s += &indent(&aligned);
+            } else {
+                // `n` not a multiple of 4 (a padded weight): one column at a time.
+                let mut single = format!(
+                    "for (var i = 0u; i < 4u; i = i + 1u) {{\n    let c = 4u * g{j} + i;\n    if (c < n) {{\n        var v = y[i];\n"
+                );
+                if p.bias {
+                    single += &format!("        v = v + ld{bi}(c);\n");
+                }
+                if let Some(a) = p.act {
+                    single += &format!("        v = {};\n", activation(a, "v"));
+                }
+                if p.residual {
+                    single += &format!("        v = v + ld{ri}(row * n + c);\n");
+                }
+                single += "        st(row * n + c, v);\n    }\n}\n";
+                s += &indent(&format!("if (n % 4u != 0u) {{\n{}}} else {{\n{}}}\n", indent(&single), indent(&aligned)));
+            }
+            s += "}\n";
+        }
+    }
+    s
+}
+
+/// Row statistics of the norm prologue for row `r` of a `vec4` tile (its `vec4`s at `a{r}`).
+fn vector_stats(norm: Option<Prologue>, r: usize) -> String {
+    match norm {
+        None => String::new(),
+        Some(p) if p.rms => format!(
+            "var ss{r} = vec4<f32>(0.0);\nfor (var kk = 0u; kk < kq; kk = kk + 1u) {{ let v = ld0v(a{r} + kk); ss{r} = ss{r} + v * v; }}\n\
+             let inv{r} = 1.0 / sqrt(dot(ss{r}, vec4<f32>(1.0)) / f32(k) + {});\n",
+            lit(p.eps.0)
+        ),
+        Some(p) => format!(
+            "var sum{r} = vec4<f32>(0.0);\nfor (var kk = 0u; kk < kq; kk = kk + 1u) {{ sum{r} = sum{r} + ld0v(a{r} + kk); }}\n\
+             let mean{r} = dot(sum{r}, vec4<f32>(1.0)) / f32(k);\nvar sq{r} = vec4<f32>(0.0);\n\
+             for (var kk = 0u; kk < kq; kk = kk + 1u) {{ let c = ld0v(a{r} + kk) - mean{r}; sq{r} = sq{r} + c * c; }}\n\
+             let inv{r} = 1.0 / sqrt(dot(sq{r}, vec4<f32>(1.0)) / f32(k) + {});\n",
+            lit(p.eps.0)
+        ),
+    }
+}
+
+/// A scalar tile: rows `rows` (raw indices, possibly past the last) times units `units`.
+fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String]) -> String {
+    let (wi, _, _) = operand_indices(p);
+    let mut s = String::new();
+    for (r, row) in rows.iter().enumerate() {
+        s += &format!("let rr{r} = {row};\nlet a{r} = min(rr{r}, m - 1u) * k;\n");
+        s += &norm_stats(p.norm, r);
+    }
+    for (j, unit) in units.iter().enumerate() {
+        s += &format!("let uu{j} = {unit};\nlet cs{j} = unit_cols(min(uu{j}, units - 1u), n);\n");
+    }
+    let halves: &[usize] = if pair { &[0, 1] } else { &[0] };
+    for r in 0..rows.len() {
+        for j in 0..units.len() {
+            for h in halves {
+                s += &format!("var y{r}_{j}_{h} = 0.0;\n");
+            }
+        }
+    }
+    s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
+    for r in 0..rows.len() {
+        s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
+    }
+    s += "    let wr = kk * wn;\n";
+    for j in 0..units.len() {
+        for &h in halves {
+            let c = if h == 0 { "x" } else { "y" };
+            s += &format!("    let w{j}_{h} = ld{wi}(wr + cs{j}.{c});\n");
+            for r in 0..rows.len() {
+                s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + x{r} * w{j}_{h};\n");
+            }
+        }
+    }
+    s += "}\n";
+    for r in 0..rows.len() {
+        for j in 0..units.len() {
+            s += &format!("if (rr{r} < m && uu{j} < units) {{\n");
+            s += &format!(
+                "    let row = rr{r};\n    let c0 = cs{j}.x;\n    let c1 = cs{j}.y;\n    var y0 = y{r}_{j}_0;\n"
+            );
+            if pair {
+                s += &format!("    var y1 = y{r}_{j}_1;\n");
+            }
+            if p.rope.is_some() {
+                s += &format!("    let rot = cs{j}.z;\n    let t = cs{j}.w;\n");
+            }
+            s += &indent(&epilogue(p));
+            s += "}\n";
+        }
+    }
+    s
+}
+
+/// Row statistics of the norm prologue for row `r` (its elements at `a{r}`).
+fn norm_stats(norm: Option<Prologue>, r: usize) -> String {
+    match norm {
+        None => String::new(),
+        Some(p) if p.rms => format!(
+            "var ss{r} = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ let v = ld0(a{r} + kk); ss{r} = ss{r} + v * v; }}\n\
+             let inv{r} = 1.0 / sqrt(ss{r} / f32(k) + {});\n",
+            lit(p.eps.0)
+        ),
+        Some(p) => format!(
+            "var mean{r} = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ mean{r} = mean{r} + ld0(a{r} + kk); }}\n\
+             mean{r} = mean{r} / f32(k);\nvar sq{r} = 0.0;\n\
+             for (var kk = 0u; kk < k; kk = kk + 1u) {{ let c = ld0(a{r} + kk) - mean{r}; sq{r} = sq{r} + c * c; }}\n\
+             let inv{r} = 1.0 / sqrt(sq{r} / f32(k) + {});\n",
+            lit(p.eps.0)
+        ),
+    }
+}
+
+/// Element `kk` of row `r` of the (normalised) input.
+fn x_value(norm: Option<Prologue>, r: usize) -> String {
+    match norm {
+        None => format!("ld0(a{r} + kk)"),
+        Some(p) if p.rms => format!("ld0(a{r} + kk) * inv{r} * ld1(kk)"),
+        Some(p) if p.bias => format!("(ld0(a{r} + kk) - mean{r}) * inv{r} * ld1(kk) + ld2(kk)"),
+        Some(_) => format!("(ld0(a{r} + kk) - mean{r}) * inv{r} * ld1(kk)"),
+    }
+}
+
+/// The epilogue of one scalar unit: `y0` (and `y1`) accumulated for columns `c0` (and `c1`) of
+/// `row`.
+fn epilogue(p: Linear) -> String {
+    let (_, bi, ri) = operand_indices(p);
+    let mut s = String::new();
+    if p.bias {
+        s += &format!("y0 = y0 + ld{bi}(c0);\n");
+        if p.glu || p.rope.is_some() {
+            s += &format!("y1 = y1 + ld{bi}(c1);\n");
+        }
+    }
+    if p.glu {
+        let gate = p.act.map_or("y0".to_string(), |a| activation(a, "y0"));
+        s += &format!("y0 = ({gate}) * y1;\n");
+    } else if let Some(a) = p.act {
+        s += &format!("y0 = {};\n", activation(a, "y0"));
+        if p.rope.is_some() {
+            s += &format!("y1 = {};\n", activation(a, "y1"));
+        }
+    }
+    if let Some(r) = p.rope {
+        s += &format!(
+            "if (rot == 1u) {{\n    let pos = f32(row % dim(3u) + dim(4u));\n    \
+             let angle = pos / pow({}, f32(2u * t) / {}.0);\n    let c = cos(angle);\n    let sn = sin(angle);\n    \
+             let r0 = y0 * c - y1 * sn;\n    y1 = y1 * c + y0 * sn;\n    y0 = r0;\n}}\n",
+            lit(r.theta.0),
+            r.rotary_dim
+        );
+        if p.residual {
+            s += &format!("y0 = y0 + ld{ri}(row * n + c0);\ny1 = y1 + ld{ri}(row * n + c1);\n");
+        }
+        s += "st(row * n + c0, y0);\nst(row * n + c1, y1);\n";
+    } else {
+        if p.residual {
+            s += &format!("y0 = y0 + ld{ri}(row * n + c0);\n");
+        }
+        s += "st(row * n + c0, y0);\n";
+    }
+    s
+}
