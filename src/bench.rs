@@ -285,19 +285,8 @@ struct Projection {
 /// A graph `ids -> gather (x [1, rows, k]) -> x @ w^T -> one column`, or without the projection
 /// (`n = None`), whose time is subtracted.
 fn projection_graph(k: usize, n: Option<usize>) -> Graph {
-    let mut g = Graph::new("kernels");
-    let ids = g
-        .add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[])
-        .expect("an input has no operands");
-    let table = g.param("table", &[16, k]);
-    let mut x = g.add(Op::Gather, &[table, ids]).expect("gather types");
-    if let Some(n) = n {
-        let w = g.param("w", &[n, k]);
-        x = g.add(Op::MatMul { transpose_b: true }, &[x, w]).expect("matmul types");
-    }
-    let y = g.add(Op::Slice { axis: 2, start: 0, len: 1 }, &[x]).expect("slice types");
-    g.outputs.push(("y".into(), y));
-    g
+    let projection = n.map(|n| (Op::MatMul { transpose_b: true }, Some(vec![n, k])));
+    chain(k, projection.as_slice())
 }
 
 /// Times a plan at `seq` rows (median of `runs`), in milliseconds.

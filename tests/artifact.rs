@@ -3,15 +3,13 @@
 
 mod common;
 
+use common::root;
+
 use kiln_compiler::artifact::{self, Artifact, ArtifactError, FORMAT_VERSION};
 use kiln_compiler::front_end;
 use kiln_compiler::lower::lower;
 use kiln_runtime::GpuModel;
 use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn compiled(name: &str) -> (Artifact, kiln_compiler::FrontEnd) {
     let file = format!("models/{name}.toml");

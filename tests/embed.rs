@@ -5,15 +5,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use common::root;
+
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// The largest absolute error allowed against sentence-transformers.
 const TOLERANCE: f32 = 1e-4;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn kiln(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")

@@ -4,24 +4,15 @@
 
 mod common;
 
+use common::{root, spec};
+
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, front_end, interp, optimize};
+use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::GpuModel;
 use kiln_runtime::generate::{Engine, Memory, Sampler, Session, generate};
 use std::collections::HashMap;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn spec(name: &str) -> FrontEnd {
-    let path = format!("models/{name}.toml");
-    let source = std::fs::read_to_string(root().join(&path)).expect("spec exists");
-    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
-}
 
 /// Sessions over the cached graph of `name`: (label, session), on every engine and both graphs.
 fn sessions(fe: &FrontEnd, params: &HashMap<String, Tensor>) -> Vec<(String, Session)> {

@@ -3,23 +3,15 @@
 
 mod common;
 
+use common::{root, spec};
+
+use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, front_end, interp};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The largest absolute error allowed against a golden output.
 const TOLERANCE: f32 = 1e-4;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn spec(name: &str) -> FrontEnd {
-    let path = format!("models/{name}.toml");
-    let source = std::fs::read_to_string(root().join(&path)).expect("spec exists");
-    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
-}
 
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
     kiln_runtime::read_tensors(path).unwrap_or_else(|e| panic!("{e}"))

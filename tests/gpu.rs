@@ -3,23 +3,13 @@
 
 mod common;
 
+use common::{root, spec};
+
 use kiln_compiler::interp;
 use kiln_compiler::lower::lower;
-use kiln_compiler::{FrontEnd, front_end};
 use kiln_runtime::GpuModel;
-use std::path::PathBuf;
 
 const TOLERANCE: f32 = 1e-4;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn spec(name: &str) -> FrontEnd {
-    let path = format!("models/{name}.toml");
-    let source = std::fs::read_to_string(root().join(&path)).unwrap();
-    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
-}
 
 fn golden(name: &str) {
     let Some(gpu) = common::gpu() else { return };

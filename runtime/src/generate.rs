@@ -72,7 +72,9 @@ impl Memory {
                 memory.device = model.run_resident(given, &HashMap::new(), &keep)?.1;
             }
         }
-        memory.host.extend(given.iter().filter(|(name, _)| *name != "src_ids").map(|(n, t)| (n.clone(), t.clone())));
+        // The source mask, if given, masks cross-attention at every step (inputs a decoder step
+        // does not take, the source ids, are ignored by its binding).
+        memory.host.extend(given.iter().map(|(n, t)| (n.clone(), t.clone())));
         Ok(memory)
     }
 }
@@ -182,12 +184,7 @@ impl Session {
                         return Err(e.into());
                     }
                 };
-                for (present, past) in &self.links {
-                    let t = outputs
-                        .remove(present)
-                        .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
-                    cache.insert(past.clone(), t);
-                }
+                take_presents(&self.links, &mut outputs, cache)?;
                 outputs
             }
             (Engine::Gpu(model), Cache::Device(cache)) => {
@@ -211,12 +208,7 @@ impl Session {
                         return Err(e.into());
                     }
                 };
-                for (present, past) in &self.links {
-                    let t = kept
-                        .remove(present)
-                        .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
-                    cache.insert(past.clone(), t);
-                }
+                take_presents(&self.links, &mut kept, cache)?;
                 outputs.into_iter().collect()
             }
             _ => unreachable!("the cache is made for its engine in `new`"),
@@ -248,6 +240,22 @@ impl Session {
             }
         }
     }
+}
+
+/// Moves each `(present, past)` link's present out of a step's outputs into the cache, as the next
+/// step's past (host tensors or device tensors alike).
+fn take_presents<T>(
+    links: &[(String, String)],
+    outputs: &mut HashMap<String, T>,
+    cache: &mut HashMap<String, T>,
+) -> R<()> {
+    for (present, past) in links {
+        let t = outputs
+            .remove(present)
+            .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
+        cache.insert(past.clone(), t);
+    }
+    Ok(())
 }
 
 /// How the next token is chosen. `temperature == 0` is greedy (ties to the lowest id).

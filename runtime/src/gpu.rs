@@ -11,7 +11,7 @@ use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
 use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
-use kiln_compiler::lower::{Plan, Storage, dispatch, resolve, validate_wgsl, workgroups};
+use kiln_compiler::lower::{Plan, Storage, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups};
 use kiln_compiler::tensor::{DType, Tensor};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -502,20 +502,12 @@ impl GpuModel {
                 step.operands.iter().map(|&o| resolve(&plan.values[o].shape, &syms)).collect();
             let out_shape = resolve(&plan.values[step.output].shape, &syms);
             let past = syms.get(&Sym::Past).copied().unwrap_or(0);
-            let mut dims = dispatch(&step.op, &operand_shapes, &out_shape, past)
-                .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
             let bound: Vec<&[wgpu::Buffer]> =
                 std::iter::once(step.output).chain(step.operands.iter().copied()).map(buffers_of).collect();
             let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
-            if counts.iter().any(|&c| c > 1) && matches!(step.op, kiln_compiler::graph::Op::Linear { .. }) {
-                // The chunked projection kernel has the scalar forms only.
-                let scalar = kiln_compiler::lower::projection::scalar_dims(&step.op, &operand_shapes, &out_shape, past);
-                dims = [0; 16];
-                for (d, v) in dims.iter_mut().zip(&scalar) {
-                    *d = u32::try_from(*v)
-                        .map_err(|_| GpuError::Dispatch(format!("`{}`: a size exceeds 32 bits", step.scope)))?;
-                }
-            }
+            let chunked = counts.iter().any(|&c| c > 1);
+            let dims = if chunked { dispatch_chunked } else { dispatch }(&step.op, &operand_shapes, &out_shape, past)
+                .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
 
@@ -528,7 +520,7 @@ impl GpuModel {
                     gpu.limits.max_storage_buffers_per_shader_stage
                 )));
             }
-            let pipeline = if counts.iter().all(|&c| c == 1) {
+            let pipeline = if !chunked {
                 self.pipelines[step.kernel].clone()
             } else {
                 let key = (step.kernel, counts.clone());

@@ -3,6 +3,7 @@
 //! the install hint — CI installs Mesa's lavapipe — unless `KILN_SKIP_GPU=1` says to skip them.
 #![allow(dead_code)]
 
+use kiln_compiler::{FrontEnd, front_end};
 use kiln_runtime::Gpu;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -47,4 +48,16 @@ pub fn fetched(model: &str, dir: &str, file: &str) -> PathBuf {
         assert!(status.success(), "scripts/fetch-models {model} failed");
     }
     path
+}
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The front end of `models/{name}.toml`.
+pub fn spec(name: &str) -> FrontEnd {
+    let path = format!("models/{name}.toml");
+    let source = std::fs::read_to_string(root().join(&path)).expect("spec exists");
+    front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
 }

@@ -424,6 +424,16 @@ fn strides(shape: &[usize]) -> Vec<usize> {
 /// and `past` cached tokens (where positions start). Errors if a size does not fit the kernels'
 /// 32-bit indexing.
 pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
+    dims_of(op, operands, out, past, false)
+}
+
+/// [`dispatch`] for the step's chunked kernel variant ([`wgsl::kernel_chunked`]), which runs a
+/// projection in its scalar forms only.
+pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
+    dims_of(op, operands, out, past, true)
+}
+
+fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked: bool) -> Result<[u32; 16], String> {
     let total: usize = out.iter().product();
     let last = |s: &[usize]| s.last().copied().unwrap_or(1);
     let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
@@ -480,6 +490,7 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) ->
         }
         Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
         // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
+        Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past),
         // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
