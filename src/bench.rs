@@ -358,3 +358,206 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
     }
     Ok(())
 }
+
+/// The time (ms) and GFLOPS of causal packed attention at shape `s`: the graph with it minus the
+/// graph without it. GFLOPS count the `q k` and `p v` products of the attended (query, key) pairs
+/// only: `4 d` per pair and head.
+fn attention_time(gpu: &Arc<Gpu>, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
+    let width = (s.heads + 2 * s.kv_heads) * s.head_dim;
+    let attention = Op::PackedAttention {
+        scale: Scalar(1.0 / (s.head_dim as f32).sqrt()),
+        alibi: false,
+        causal: true,
+        window: None,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        q: 0,
+        k: s.heads * s.head_dim,
+        v: (s.heads + s.kv_heads) * s.head_dim,
+    };
+    let options = lower::Options::default();
+    let base = time_plan(gpu, &chain(width, &[]), options, s.seq, runs)?;
+    let ms = time_plan(gpu, &chain(width, &[(attention, None)]), options, s.seq, runs)? - base;
+    let pairs = s.seq * (s.seq + 1) / 2;
+    Ok((ms, 4.0 * (s.heads * s.head_dim * pairs) as f64 / (ms.max(1e-6) * 1e6)))
+}
+
+/// One attention shape of `kiln bench --kernels`.
+struct AttentionShape {
+    what: &'static str,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seq: usize,
+}
+
+/// `kiln bench --attention`: the fused causal attention kernel reading its heads from packed
+/// `qkv` rows (as a prefill runs it), MHA and grouped-query, sequences 128 to 1024 (see
+/// [`attention_time`]).
+pub fn attention_kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
+    let shapes = [
+        AttentionShape { what: "gpt2 (MHA)", heads: 12, kv_heads: 12, head_dim: 64, seq: 128 },
+        AttentionShape { what: "gpt2 (MHA)", heads: 12, kv_heads: 12, head_dim: 64, seq: 512 },
+        AttentionShape { what: "smollm2 (GQA 3:1)", heads: 9, kv_heads: 3, head_dim: 64, seq: 128 },
+        AttentionShape { what: "smollm2 (GQA 3:1)", heads: 9, kv_heads: 3, head_dim: 64, seq: 512 },
+        AttentionShape { what: "smollm2 (GQA 3:1)", heads: 9, kv_heads: 3, head_dim: 64, seq: 1024 },
+    ];
+    let mut rows = Vec::new();
+    for s in &shapes {
+        let (ms, gflops) = attention_time(&gpu, s, runs)?;
+        rows.push((s, ms, gflops));
+    }
+    if json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(s, ms, gflops)| {
+                serde_json::json!({"shape": s.what, "heads": s.heads, "kv_heads": s.kv_heads,
+                    "head_dim": s.head_dim, "seq": s.seq, "causal": true, "ms": ms, "gflops": gflops})
+            })
+            .collect();
+        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "attention": rows});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("causal attention kernel on {} (median of {runs}; GFLOPS = 4 d heads pairs / time)", gpu.describe());
+        println!("  {:<20} {:>6} {:>4} {:>4} {:>6} {:>10} {:>8}", "shape", "heads", "kv", "d", "seq", "ms", "GFLOPS");
+        for (s, ms, gflops) in &rows {
+            println!(
+                "  {:<20} {:>6} {:>4} {:>4} {:>6} {:>10.2} {:>8.2}",
+                s.what, s.heads, s.kv_heads, s.head_dim, s.seq, ms, gflops
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One model of `kiln bench --table`.
+struct TableRow {
+    model: String,
+    seq: usize,
+    forward_ms: f64,
+    dispatches: usize,
+    weight_bytes: u64,
+    intermediate_bytes: u64,
+    /// Decode tokens per second after a prompt of `seq` tokens (decoders only).
+    decode_tok_s: Option<f64>,
+}
+
+/// `kiln bench --table`: one summary of kiln on an adapter. For each spec (random seeded
+/// weights) and sequence length: the optimized forward time, tokens per second, dispatches,
+/// device memory (weights, and intermediates as placed at that length), and for decoders the
+/// decode rate with the device-resident cache; then the kernels' GFLOPS (the projection at a
+/// prefill and a decode shape, causal attention). Every figure is a median of `runs`.
+pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
+    use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+    let decode_steps = 8;
+    let mut rows = Vec::new();
+    for (path, fe) in specs {
+        let optimized = optimize::optimize(&fe.graph)?.0;
+        let params = params_for(fe, &optimized, None)?;
+        let weight_bytes: u64 = params.values().map(|t| 4 * t.shape.iter().product::<usize>() as u64).sum();
+        let plan = lower(&optimized)?;
+        let dispatches = plan.steps.len();
+        let slots = |seq: usize| -> u64 {
+            let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::Past, 0), (Sym::SrcSeq, seq)]);
+            plan.slot_sizes(&syms).iter().sum()
+        };
+        let intermediate: Vec<u64> = seqs.iter().map(|&s| slots(s)).collect();
+        let model = GpuModel::new(gpu.clone(), plan, &params)?;
+        let decoder = fe.spec.spec.model.kind == kiln_compiler::spec::BlockKind::Decoder;
+        let cached = if decoder {
+            let g = optimize::optimize(&build_cached(&fe.spec)?)?.0;
+            let outputs: Vec<String> = g.outputs.iter().map(|(n, _)| n.clone()).collect();
+            let step = GpuModel::new(gpu.clone(), lower(&g)?, &params_for(fe, &g, None)?)?;
+            Some(Session::new(Engine::Gpu(Box::new(step)), &outputs, usize::MAX)?)
+        } else {
+            None
+        };
+        let mut session = cached;
+        for (&seq, &intermediate_bytes) in seqs.iter().zip(&intermediate) {
+            if seq + decode_steps > fe.spec.spec.model.max_positions as usize {
+                bail!("{path}: {seq} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
+            }
+            let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq);
+            model.run(&inputs).with_context(|| format!("{path}: warm-up run at {seq} tokens"))?;
+            let mut t = Vec::new();
+            for _ in 0..runs.max(1) {
+                t.push(time_ms(|| model.run(&inputs).map(|_| ()).map_err(Into::into))?);
+            }
+            let decode_tok_s = match &mut session {
+                Some(session) => {
+                    let vocab = fe.spec.spec.model.vocab as i64;
+                    let ids: Vec<i64> = (0..seq as i64).map(|i| (i * 7919 + 13) % vocab).collect();
+                    let mut rates = Vec::new();
+                    for _ in 0..runs.max(1) {
+                        let (_, stats) =
+                            generate(session, &ids, decode_steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
+                        rates.push(stats.decode_tok_s());
+                        session.reset();
+                    }
+                    Some(median(rates))
+                }
+                None => None,
+            };
+            rows.push(TableRow {
+                model: fe.graph.name.clone(),
+                seq,
+                forward_ms: median(t),
+                dispatches,
+                weight_bytes,
+                intermediate_bytes,
+                decode_tok_s,
+            });
+        }
+    }
+    // Kernels: the fast projection at a prefill and a decode shape, causal attention (GQA 3:1).
+    let fast = lower::Options::default();
+    let projection = |rows: usize, k: usize, n: usize| -> Result<f64> {
+        let base = time_plan(&gpu, &projection_graph(k, None), fast, rows, runs)?;
+        let ms = time_plan(&gpu, &projection_graph(k, Some(n)), fast, rows, runs)? - base;
+        Ok(2.0 * (rows * k * n) as f64 / (ms.max(1e-6) * 1e6))
+    };
+    let gemm = projection(1024, 1024, 1024)?;
+    let gemv = projection(1, 576, 1536)?;
+    let gqa = AttentionShape { what: "smollm2", heads: 9, kv_heads: 3, head_dim: 64, seq: 512 };
+    let attention = attention_time(&gpu, &gqa, runs)?.1;
+    let tok_s = |r: &TableRow| r.seq as f64 / (r.forward_ms / 1e3);
+    if json {
+        let models: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"model": r.model, "seq": r.seq, "forward_ms": r.forward_ms, "prefill_tok_s": tok_s(r),
+                    "decode_tok_s": r.decode_tok_s, "dispatches": r.dispatches, "weight_bytes": r.weight_bytes,
+                    "intermediate_bytes": r.intermediate_bytes})
+            })
+            .collect();
+        let out = serde_json::json!({
+            "adapter": gpu.describe(), "runs": runs, "batch": 1, "decode_steps": decode_steps, "models": models,
+            "kernels_gflops": {"projection_gemm_1024": gemm, "projection_gemv_576x1536": gemv, "attention_causal_gqa_512": attention},
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("kiln on {} (optimized graphs, random weights, batch 1, median of {runs})", gpu.describe());
+    println!(
+        "  {:<14} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>13}",
+        "model", "seq", "forward ms", "tok/s", "decode t/s", "dispatch", "weights", "intermediates"
+    );
+    for r in &rows {
+        let decode = r.decode_tok_s.map_or("-".to_string(), |d| format!("{d:.2}"));
+        println!(
+            "  {:<14} {:>5} {:>11.1} {:>10.1} {:>11} {:>10} {:>9} {:>13}",
+            r.model,
+            r.seq,
+            r.forward_ms,
+            tok_s(r),
+            decode,
+            r.dispatches,
+            format!("{}B", super::human(r.weight_bytes as f64)),
+            format!("{}B", super::human(r.intermediate_bytes as f64)),
+        );
+    }
+    println!("  kernels: projection 1024x1024x1024 {gemm:.2} GFLOPS, decode GEMV 576x1536 {gemv:.2} GFLOPS,");
+    println!("           causal attention (9 heads, 3 kv, d 64, seq 512) {attention:.2} GFLOPS");
+    Ok(())
+}

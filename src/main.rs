@@ -177,6 +177,24 @@ enum Command {
         /// shapes.
         #[arg(long)]
         kernels: bool,
+        /// Instead: time and GFLOPS of the fused causal attention kernel at prefill shapes (MHA
+        /// and grouped-query, sequences 128 to 1024).
+        #[arg(long)]
+        attention: bool,
+        /// Instead: a summary table over `--models` at `--seqs` (forward ms, tok/s, decode tok/s,
+        /// dispatches, device memory) and the kernels' GFLOPS.
+        #[arg(long)]
+        table: bool,
+        /// Specs of `--table`.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "benches/specs/gpt2-small.toml,models/smollm2-135m.toml,models/minilm-l6.toml"
+        )]
+        models: Vec<PathBuf>,
+        /// Sequence lengths of `--table`.
+        #[arg(long, value_delimiter = ',', default_value = "32,128")]
+        seqs: Vec<usize>,
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
@@ -510,6 +528,10 @@ fn run(cli: Cli) -> Result<()> {
             optimized_only,
             weights,
             kernels,
+            attention,
+            table,
+            models,
+            seqs,
             adapter,
             json,
         } => {
@@ -520,6 +542,18 @@ fn run(cli: Cli) -> Result<()> {
             if kernels {
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
                 return bench::kernels(gpu, runs, json);
+            }
+            if table {
+                let specs = models
+                    .iter()
+                    .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
+                    .collect::<Result<Vec<_>>>()?;
+                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+                return bench::table(&specs, gpu, &seqs, runs, json);
+            }
+            if attention {
+                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
+                return bench::attention_kernels(gpu, runs, json);
             }
             let (source, fe) = read_spec(&spec)?;
             if !optimize_layers.is_empty() {

@@ -297,9 +297,14 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         (2, 4, 2, 5, 3, 8),  // grouped-query, more queries than keys
         (3, 4, 1, 4, 4, 16), // multi-query
         (2, 6, 3, 3, 6, 4),  // non-power-of-two heads (ALiBi slopes)
+        // Blocks of query rows (see `kiln_compiler::lower::attention`), with partial blocks and
+        // key tiles; too large for the chunked test's 256-byte buffers.
+        (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
+        (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
     ];
-    let mut cases = Vec::new();
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
     for (b, h, kv, s, t, d) in shapes {
+        let cases = if s > 5 { &mut blocked } else { &mut cases };
         let scale = Scalar(1.5 / (d as f32).sqrt());
         for alibi in [false, true] {
             for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(3))] {
@@ -318,6 +323,7 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         }
     }
     check(&cases, true);
+    check(&blocked, false);
 }
 
 #[test]
@@ -435,9 +441,17 @@ fn heads_split_rotate_and_append() {
 
 #[test]
 fn packed_attention_mha_and_gqa_with_masks() {
-    let mut cases = Vec::new();
-    // (heads, kv heads, head_dim, q, k, v column offsets, width), batch 2, sequence 5.
-    for (h, kv, d, q, k, v, width) in [(4, 4, 8, 0, 32, 64, 96), (4, 2, 8, 8, 40, 56, 80), (3, 1, 4, 4, 0, 16, 20)] {
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    // (heads, kv heads, head_dim, q, k, v column offsets, width, sequence), batch 2.
+    for (h, kv, d, q, k, v, width, seq) in [
+        (4, 4, 8, 0, 32, 64, 96, 5),
+        (4, 2, 8, 8, 40, 56, 80, 5),
+        (3, 1, 4, 4, 0, 16, 20, 5),
+        // Too large for the chunked test's 256-byte buffers:
+        (4, 4, 16, 0, 64, 128, 192, 13), // blocks of 8 rows, the last partial
+        (6, 2, 16, 0, 96, 128, 160, 7),  // blocks of 2 rows x 3 heads
+    ] {
+        let cases = if seq > 5 { &mut blocked } else { &mut cases };
         for (causal, window) in [(false, None), (true, None), (true, Some(2))] {
             for masked in [false, true] {
                 let op = Op::PackedAttention {
@@ -452,7 +466,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     k,
                     v,
                 };
-                let (x, mask) = ([2, 5, width], [2, 5]);
+                let (x, mask) = ([2, seq, width], [2, seq]);
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
                 if masked {
                     operands.push(("key_mask", &mask));
@@ -461,12 +475,13 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     format!("{} masked={masked}", op.attrs()),
                     op,
                     &operands,
-                    masked.then(|| key_mask(2, 5)),
+                    masked.then(|| key_mask(2, seq)),
                 ));
             }
         }
     }
     check(&cases, true);
+    check(&blocked, false);
 }
 
 /// The projection kernel's forms (see `kiln_compiler::lower::projection`): `vec4` GEMM and GEMV

@@ -254,7 +254,7 @@ fn gated_graph(bias: bool, norm: Option<bool>) -> Graph {
             g.add(Op::LayerNorm { eps: Scalar(1e-5) }, &[x, gain, beta]).unwrap()
         };
     }
-    let mut proj = |g: &mut Graph, name: &str| {
+    let proj = |g: &mut Graph, name: &str| {
         let w = g.param(name, &[12, D]);
         let mut y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
         if bias {
@@ -351,7 +351,7 @@ fn add_norm() {
 fn scaled_scores_graph() -> Graph {
     let mut g = Graph::new("t");
     let x = input(&mut g);
-    let mut heads = |g: &mut Graph, name: &str| {
+    let heads = |g: &mut Graph, name: &str| {
         let w = g.param(name, &[D, D]);
         let q = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
         let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(2), Dim::Fixed(4)];
@@ -450,7 +450,7 @@ fn heads_of_a_cached_step() {
     let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
     let past_v = g.add(Op::Input { name: "past_v".into(), role, seq: Sym::Past }, &[]).unwrap();
     let rope = Op::Rope { theta: Scalar(10000.0), rotary_dim: hd, style: PairStyle::RotateHalf };
-    let mut split = |g: &mut Graph, name: &str, n: usize, rotate: bool| {
+    let split = |g: &mut Graph, name: &str, n: usize, rotate: bool| {
         let w = g.param(name, &[n * hd, D]);
         let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
         let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(n), Dim::Fixed(hd)];

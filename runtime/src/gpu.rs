@@ -5,7 +5,9 @@
 //! the adapter's own limits. [`GpuModel`] builds one pipeline per unique kernel and uploads the
 //! weights once; each [`GpuModel::run`] uploads the inputs, records every dispatch into one command
 //! encoder and one compute pass, submits once and reads the outputs back. Intermediate buffers
-//! (the plan's slots) are kept between runs and grown when a longer input needs more.
+//! (the plan's slots), input buffers, the uniform of dispatch sizes and the bind groups are kept
+//! between runs: a buffer is replaced only when a longer input needs more, a bind group only when
+//! a buffer it binds was, and the sizes are written only when they change.
 
 use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
@@ -286,7 +288,23 @@ pub struct GpuModel {
     /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
     variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
     params: HashMap<usize, Vec<wgpu::Buffer>>,
-    slots: Mutex<Vec<(u64, Vec<wgpu::Buffer>)>>,
+    /// What one run leaves for the next.
+    state: Mutex<RunState>,
+}
+
+/// Device objects kept from one run to the next, so a generation step allocates and uploads
+/// nothing but its new tokens, and rebuilds only the bind groups whose buffers changed.
+#[derive(Default)]
+struct RunState {
+    /// Intermediate buffers by slot: (bytes, chunks), grown when a longer input needs more.
+    slots: Vec<(u64, Vec<wgpu::Buffer>)>,
+    /// Input buffers by value: (bytes, chunks), grown likewise.
+    inputs: HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
+    /// Every step's `Dims`, at `DIMS_STRIDE` apart, and what was last written there.
+    uniform: Option<wgpu::Buffer>,
+    dims: Vec<u8>,
+    /// By step: the pipeline and buffers its bind group was built for, and the bind group.
+    bind_groups: Vec<Option<(wgpu::ComputePipeline, Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
 }
 
 const STORAGE: wgpu::BufferUsages =
@@ -367,7 +385,7 @@ impl GpuModel {
             pipelines,
             variants: Mutex::new(HashMap::new()),
             params: uploaded,
-            slots: Mutex::new(Vec::new()),
+            state: Mutex::new(RunState::default()),
         })
     }
 
@@ -443,8 +461,9 @@ impl GpuModel {
         }
         self.check_indices(&inputs, &syms)?;
 
-        // Buffers: inputs (fresh), slots (kept, grown as needed), one uniform for every step's Dims.
-        let mut input_buffers = HashMap::new();
+        // Buffers: inputs and slots (kept, grown as needed), one uniform for every step's Dims.
+        let mut state = self.state.lock().map_err(|_| GpuError::Dispatch("run state poisoned".into()))?;
+        let state = &mut *state;
         for (&id, t) in &inputs {
             let bytes: Vec<u8> = match (&t.data, plan.values[id].dtype) {
                 (kiln_compiler::tensor::Data::I64(v), _) => {
@@ -452,12 +471,14 @@ impl GpuModel {
                 }
                 (kiln_compiler::tensor::Data::F32(v), _) => bytemuck::cast_slice(v).to_vec(),
             };
-            let b = gpu.chunked("input", bytes.len() as u64, STORAGE)?;
-            gpu.write_chunked(&b, &bytes);
-            input_buffers.insert(id, b);
+            let len = bytes.len() as u64;
+            if state.inputs.get(&id).is_none_or(|(have, _)| *have < len) {
+                state.inputs.insert(id, (len, gpu.chunked("input", len, STORAGE)?));
+            }
+            gpu.write_chunked(&state.inputs[&id].1, &bytes);
         }
         let sizes = plan.slot_sizes(&syms);
-        let mut slots = self.slots.lock().map_err(|_| GpuError::Dispatch("slot cache poisoned".into()))?;
+        let slots = &mut state.slots;
         for (s, &bytes) in sizes.iter().enumerate() {
             if slots.len() <= s || slots[s].0 < bytes {
                 let b = gpu.chunked(&format!("intermediate buffer {s}"), bytes, STORAGE)?;
@@ -468,11 +489,16 @@ impl GpuModel {
                 }
             }
         }
-        let uniform = gpu.buffer(
-            "dispatch sizes",
-            DIMS_STRIDE * plan.steps.len().max(1) as u64,
-            wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-        )?;
+        if state.uniform.is_none() {
+            state.uniform = Some(gpu.buffer(
+                "dispatch sizes",
+                DIMS_STRIDE * plan.steps.len().max(1) as u64,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            )?);
+        }
+        state.bind_groups.resize_with(plan.steps.len(), || None);
+        let (slots, input_buffers, uniform) =
+            (&state.slots, &state.inputs, state.uniform.as_ref().expect("made above"));
         // The chunk buffers of a value, as many as its current size needs.
         let buffers_of = |value: usize| -> &[wgpu::Buffer] {
             let mut v = value;
@@ -483,7 +509,7 @@ impl GpuModel {
                 Storage::Param(_) | Storage::Const => &self.params[&v],
                 Storage::Input { .. } => match resident_inputs.get(&v) {
                     Some(buffers) => buffers,
-                    None => &input_buffers[&v],
+                    None => &input_buffers[&v].1,
                 },
                 Storage::Slot(s) => &slots[*s].1,
                 Storage::Alias(_) => unreachable!("aliases resolved above"),
@@ -494,7 +520,6 @@ impl GpuModel {
 
         let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * plan.steps.len().max(1)];
         let mut bind_groups = Vec::with_capacity(plan.steps.len());
-        let mut pipelines = Vec::with_capacity(plan.steps.len());
         let mut grids = Vec::with_capacity(plan.steps.len());
         let mut variants = self.variants.lock().map_err(|_| GpuError::Dispatch("pipeline cache poisoned".into()))?;
         for (i, step) in plan.steps.iter().enumerate() {
@@ -541,24 +566,39 @@ impl GpuModel {
                 }
                 variants[&key].clone()
             };
-            let mut entries = vec![wgpu::BindGroupEntry {
-                binding: 0,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &uniform,
-                    offset: offset as u64,
-                    size: wgpu::BufferSize::new(64),
-                }),
-            }];
-            for buffer in bound.iter().flat_map(|b| b.iter()) {
-                entries
-                    .push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource: buffer.as_entire_binding() });
-            }
-            bind_groups.push(gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            }));
-            pipelines.push(pipeline);
+            // The bind group of the last run, if it bound the same pipeline and buffers.
+            let buffers: Vec<wgpu::Buffer> = bound.iter().flat_map(|b| b.iter().cloned()).collect();
+            let cached = match &state.bind_groups[i] {
+                Some((p, b, group)) if *p == pipeline && *b == buffers => Some(group.clone()),
+                _ => None,
+            };
+            let group = match cached {
+                Some(group) => group,
+                None => {
+                    let mut entries = vec![wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: uniform,
+                            offset: offset as u64,
+                            size: wgpu::BufferSize::new(64),
+                        }),
+                    }];
+                    for buffer in &buffers {
+                        entries.push(wgpu::BindGroupEntry {
+                            binding: entries.len() as u32,
+                            resource: buffer.as_entire_binding(),
+                        });
+                    }
+                    let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: None,
+                        layout: &pipeline.get_bind_group_layout(0),
+                        entries: &entries,
+                    });
+                    state.bind_groups[i] = Some((pipeline.clone(), buffers, group.clone()));
+                    group
+                }
+            };
+            bind_groups.push((pipeline, group));
             grids.push(if dims[0] == 0 {
                 (0, 0)
             } else {
@@ -566,7 +606,11 @@ impl GpuModel {
             });
         }
         drop(variants);
-        gpu.queue.write_buffer(&uniform, 0, &dims_bytes);
+        // Sizes change only with the input's (and a cache's) length.
+        if state.dims != dims_bytes {
+            gpu.queue.write_buffer(uniform, 0, &dims_bytes);
+            state.dims = dims_bytes;
+        }
 
         // One encoder, one compute pass, one submission.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -574,13 +618,13 @@ impl GpuModel {
         {
             let mut pass =
                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            for (i, pipeline) in pipelines.iter().enumerate() {
+            for (i, (pipeline, group)) in bind_groups.iter().enumerate() {
                 let (x, y) = grids[i];
                 if x == 0 {
                     continue;
                 }
                 pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, &bind_groups[i], &[]);
+                pass.set_bind_group(0, group, &[]);
                 pass.dispatch_workgroups(x, y, 1);
             }
         }

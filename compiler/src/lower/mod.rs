@@ -8,6 +8,7 @@
 //! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
 //! module that fails is a compiler bug, reported with the op and model named.
 
+pub mod attention;
 pub mod projection;
 pub mod wgsl;
 
@@ -182,7 +183,10 @@ impl Lowering<'_> {
     /// Emits a dispatch of `op` (its kernel validated and deduplicated by text).
     fn step(&mut self, op: Op, operands: Vec<usize>, output: usize, scope: &str) -> Result<(), LowerError> {
         let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(self.values[v].dtype)).collect();
-        let Some(text) = wgsl::kernel(&op, &elems, device_elem(self.values[output].dtype)) else { return Ok(()) };
+        let geometry = self.geometry(&op, &operands);
+        let Some(text) = wgsl::kernel(&op, &elems, device_elem(self.values[output].dtype), geometry) else {
+            return Ok(());
+        };
         let kernel = match self.kernel_of.get(&text) {
             Some(&k) => k,
             None => {
@@ -199,6 +203,27 @@ impl Lowering<'_> {
         };
         self.steps.push(Step { kernel, op, operands, output, scope: scope.to_string() });
         Ok(())
+    }
+
+    /// The head geometry of an attention op, which its kernel is specialised to (shape inference
+    /// keeps head counts and widths fixed).
+    fn geometry(&self, op: &Op, operands: &[usize]) -> Option<attention::Geometry> {
+        use crate::graph::Dim::Fixed;
+        match *op {
+            Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+                Some(attention::Geometry { heads, kv_heads, head_dim })
+            }
+            Op::Attention { .. } => {
+                let (q, k) = (&self.values[operands[0]].shape, &self.values[operands[1]].shape);
+                match (q.get(1), q.get(3), k.get(1)) {
+                    (Some(&Fixed(heads)), Some(&Fixed(head_dim)), Some(&Fixed(kv_heads))) => {
+                        Some(attention::Geometry { heads, kv_heads, head_dim })
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
     }
 
     /// The `[k, m]` transpose of a projection weight `w` (`[m, k]`), which the projection kernel
@@ -428,7 +453,7 @@ pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) ->
 }
 
 /// [`dispatch`] for the step's chunked kernel variant ([`wgsl::kernel_chunked`]), which runs a
-/// projection in its scalar forms only.
+/// projection in its scalar forms only and attention one query row per invocation.
 pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
     dims_of(op, operands, out, past, true)
 }
@@ -492,10 +517,16 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past),
-        // One thread per query row: [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+        // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
             let x = &operands[0];
             vec![x[0] * x[1] * heads, *heads, x[1], x[1], *head_dim, *kv_heads, x[2]]
+        }
+        // Blocks of query rows and heads: see `attention::dims`.
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+            let x = &operands[0];
+            let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
+            attention::dims(g, x[0], x[1], x[1], x[2])
         }
         // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
@@ -510,10 +541,15 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         }
         // One thread per row of scores [b, h, q, k].
         Op::MaskedSoftmax { .. } => vec![rows(out), out[1], out[2], out[3]],
-        // One thread per query row: [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
-        Op::Attention { .. } => {
+        // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
+        Op::Attention { .. } if chunked => {
             let (q, k) = (&operands[0], &operands[1]);
             vec![q[0] * q[1] * q[2], q[1], q[2], k[2], q[3], k[1]]
+        }
+        Op::Attention { .. } => {
+            let (q, k) = (&operands[0], &operands[1]);
+            let g = attention::Geometry { heads: q[1], kv_heads: k[1], head_dim: q[3] };
+            attention::dims(g, q[0], q[2], k[2], 0)
         }
         Op::AddNorm { .. } => vec![rows(out), last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],

@@ -1,0 +1,287 @@
+//! The fused attention kernel ([`Op::Attention`], [`Op::PackedAttention`]), specialised at
+//! lowering time to its head geometry (query heads, key/value heads, head width), which shape
+//! inference keeps fixed.
+//!
+//! An invocation owns a block of *query slots*: `QB` consecutive query rows times `GC` query heads
+//! of one key/value group, all reading the same keys and values. It walks the keys in tiles of
+//! [`KEY_TILE`], with an online softmax per slot (one running maximum and rescale per tile, not
+//! per key). Each key and value element loaded from storage serves every slot of the block, so a
+//! block of `R = QB * GC` slots loads `R` times fewer K/V elements than one thread per query row
+//! (grouped-query heads share their K/V loads this way), the analogue of register blocking in a
+//! matmul: on lavapipe, where storage loads are issued lane by lane, loads are what bound it. The
+//! slots' queries and accumulators live in private arrays, their scores in registers.
+//!
+//! Keys no query of the block attends are never visited: a causal block stops at its last row's
+//! position, a sliding window starts at its first row's earliest key. Keys masked for only some
+//! rows of a tile get probability 0.
+//!
+//! Loops over the head width run to the uniform `d` (equal to the baked width) rather than a
+//! literal: with literal bounds LLVM (lavapipe) unrolls them whole and scalarises the private
+//! arrays, and one kernel took over ten seconds to compile.
+//!
+//! Two forms, chosen per dispatch by `dims[7]` (see [`dims`]): `QB` rows per invocation for a
+//! prefill, one row for a decode step (one query, so a block of rows would idle).
+//!
+//! A row whose every key is masked gets the reference's answer (the softmax of equal logits):
+//! the mean of all values.
+
+use super::wgsl::lit;
+use crate::graph::Op;
+
+/// Keys per tile.
+pub const KEY_TILE: usize = 4;
+
+/// Floats of one invocation's private query (and accumulator) array: bounds the slots per
+/// invocation to `SLOT_FLOATS / head_dim`.
+const SLOT_FLOATS: usize = 512;
+/// At most this many slots per invocation (scores are `slots x KEY_TILE` registers).
+const MAX_SLOTS: usize = 8;
+
+/// The head geometry a kernel is specialised to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl Geometry {
+    /// Slots per invocation: `(query rows in the prefill form, heads of the group)`.
+    fn block(self) -> (usize, usize) {
+        let budget = (SLOT_FLOATS / self.head_dim.max(1)).clamp(1, MAX_SLOTS);
+        let group = self.heads / self.kv_heads.max(1);
+        let gc = (1..=group.min(budget)).rev().find(|g| group.is_multiple_of(*g)).unwrap_or(1);
+        ((budget / gc).max(1), gc)
+    }
+}
+
+/// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
+/// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
+/// `rows` query rows (prefill) and 0 for one row per invocation.
+pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize) -> Vec<usize> {
+    let (qb, gc) = g.block();
+    let (form, rows) = if s >= qb && qb > 1 { (1, qb) } else { (0, 1) };
+    let threads = batch * s.div_ceil(rows) * (g.heads / gc);
+    vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, form, rows]
+}
+
+/// A WGSL element index from WGSL expressions for a row and a head.
+type RowHeadIndex = Box<dyn Fn(&str, &str) -> String>;
+
+/// Where a kernel reads its operands.
+struct Layout {
+    /// Element index of query head `h` of row `si`, from WGSL expressions for `si` and `h` (and
+    /// `b`, `s_len`, `heads`, `w` in scope).
+    q: RowHeadIndex,
+    /// Element index of key `kk` of key/value head `kvh`, from an expression for `kk`.
+    k: Box<dyn Fn(&str) -> String>,
+    /// The same for its value.
+    v: Box<dyn Fn(&str) -> String>,
+    /// Buffers of queries, keys, values and the key mask, if any.
+    qbuf: &'static str,
+    kbuf: &'static str,
+    vbuf: &'static str,
+    mask: Option<&'static str>,
+}
+
+/// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
+/// geometry `g`. `None` for any other op.
+pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
+    let (scale, alibi, causal, window, layout) = match *op {
+        Op::Attention { scale, alibi, causal, window } => (
+            scale,
+            alibi,
+            causal,
+            window,
+            Layout {
+                q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
+                k: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                v: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                qbuf: "in0",
+                kbuf: "in1",
+                vbuf: "in2",
+                mask: (operands == 4).then_some("in3"),
+            },
+        ),
+        Op::PackedAttention { scale, alibi, causal, window, q, k, v, .. } => (
+            scale,
+            alibi,
+            causal,
+            window,
+            Layout {
+                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+                k: Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
+                v: Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
+                qbuf: "in0",
+                kbuf: "in0",
+                vbuf: "in0",
+                mask: (operands == 2).then_some("in1"),
+            },
+        ),
+        _ => return None,
+    };
+    let (qb, gc) = g.block();
+    let form = |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window }, &layout);
+    let mut s = String::from(
+        "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
+    );
+    if qb > 1 {
+        s += &format!("if (dim(7u) == 1u) {{\n{}}} else {{\n{}}}\n", indent(&form(qb)), indent(&form(1)));
+    } else {
+        s += &form(1);
+    }
+    Some(s)
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}\n")).collect()
+}
+
+/// One form of the kernel: `rows` query rows x `gc` heads per invocation.
+struct Block {
+    rows: usize,
+    gc: usize,
+    d: usize,
+    scale: f32,
+    alibi: bool,
+    causal: bool,
+    window: Option<usize>,
+}
+
+fn block(f: &Block, l: &Layout) -> String {
+    let (rows, gc, d, t) = (f.rows, f.gc, f.d, KEY_TILE);
+    let slots = rows * gc;
+    let mut s = String::new();
+    // Invocation -> (batch, block of rows, chunk of heads); adjacent invocations take adjacent
+    // head chunks of one block, so their key ranges agree.
+    s += &format!(
+        "let chunks = heads / {gc}u;\nlet blocks = (s_len + {}u) / {rows}u;\nlet hc = i % chunks;\n\
+         let row0 = ((i / chunks) % blocks) * {rows}u;\nlet b = i / (chunks * blocks);\n\
+         let kvh = (hc * {gc}u) / (heads / kv);\n\
+         // Rows past the end compute on the last row and store nothing.\n\
+         let last = min(row0 + {}u, s_len - 1u);\n",
+        rows - 1,
+        rows - 1
+    );
+    // A query row's position among the keys (queries are the last `s_len` of `k`).
+    s += "let shift = k - min(s_len, k);\n";
+    // The keys any row of the block attends: [lo, hi).
+    s += &format!("let hi = {};\n", if f.causal { "min(k, last + shift + 1u)" } else { "k" });
+    s += &match f.window {
+        Some(w) => format!("let lo = select(0u, row0 + shift + 1u - {w}u, row0 + shift + 1u > {w}u);\n"),
+        None => "let lo = 0u;\n".into(),
+    };
+    s += &format!("var qv: array<f32, {}>;\nvar acc: array<f32, {}>;\n", slots * d, slots * d);
+    for r in 0..slots {
+        let (j, g) = (r / gc, r % gc);
+        s += &format!(
+            "let qi{r} = min(row0 + {j}u, last) + shift;\nlet h{r} = hc * {gc}u + {g}u;\n\
+             var m{r} = -3.40282347e38;\nvar l{r} = 0.0;\n"
+        );
+        if f.alibi {
+            s += &format!(
+                "var slope{r} = 0.0;\n{{\n    let h = h{r};\n    slope{r} = {};\n}}\n",
+                super::wgsl::ALIBI_SLOPE
+            );
+        }
+        let q = (l.q)(&format!("min(row0 + {j}u, last)"), &format!("h{r}"));
+        s += &format!(
+            "{{\n    let q0 = {q};\n    for (var c = 0u; c < d; c = c + 1u) {{ qv[{o}u + c] = {qb}[q0 + c] * {scale}; acc[{o}u + c] = 0.0; }}\n}}\n",
+            o = r * d,
+            qb = l.qbuf,
+            scale = lit(f.scale),
+        );
+    }
+    // The key tiles.
+    s += &format!("for (var kt = lo; kt < hi; kt = kt + {t}u) {{\n");
+    let mut tile = String::new();
+    for u in 0..t {
+        tile += &format!(
+            "let key{u} = kt + {u}u;\nlet kk{u} = min(key{u}, k - 1u);\nlet kr{u} = {};\nlet vr{u} = {};\n",
+            (l.k)(&format!("kk{u}")),
+            (l.v)(&format!("kk{u}"))
+        );
+    }
+    for r in 0..slots {
+        for u in 0..t {
+            tile += &format!("var x{r}_{u} = 0.0;\n");
+        }
+    }
+    // Scores: each key element loaded once for every slot.
+    tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
+    for u in 0..t {
+        tile += &format!("    let k{u} = {}[kr{u} + c];\n", l.kbuf);
+    }
+    for r in 0..slots {
+        tile += &format!("    let q{r} = qv[{}u + c];\n", r * d);
+        for u in 0..t {
+            tile += &format!("    x{r}_{u} = x{r}_{u} + q{r} * k{u};\n");
+        }
+    }
+    tile += "}\n";
+    // Which keys each slot attends.
+    for u in 0..t {
+        let mut keep = format!("key{u} < hi");
+        if let Some(m) = l.mask {
+            keep += &format!(" && {m}[b * k + kk{u}] != 0.0");
+        }
+        tile += &format!("let keep{u} = {keep};\n");
+    }
+    for r in 0..slots {
+        let mut mt = String::from("-3.40282347e38");
+        for u in 0..t {
+            let mut keep = format!("keep{u}");
+            if f.causal {
+                keep += &format!(" && key{u} <= qi{r}");
+            }
+            if let Some(w) = f.window {
+                keep += &format!(" && key{u} + {w}u > qi{r}");
+            }
+            if f.alibi {
+                tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
+            }
+            tile += &format!("let on{r}_{u} = {keep};\nx{r}_{u} = select(-3.40282347e38, x{r}_{u}, on{r}_{u});\n");
+            mt = format!("max({mt}, x{r}_{u})");
+        }
+        tile += &format!("let m{r}n = max(m{r}, {mt});\nlet corr{r} = exp(m{r} - m{r}n);\nm{r} = m{r}n;\n");
+        let mut sum = String::from("0.0");
+        for u in 0..t {
+            tile += &format!("let p{r}_{u} = select(0.0, exp(x{r}_{u} - m{r}), on{r}_{u});\n");
+            sum = format!("{sum} + p{r}_{u}");
+        }
+        tile += &format!("l{r} = l{r} * corr{r} + {sum};\n");
+    }
+    // Values: each element loaded once for every slot.
+    tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
+    for u in 0..t {
+        tile += &format!("    let v{u} = {}[vr{u} + c];\n", l.vbuf);
+    }
+    for r in 0..slots {
+        let terms: String = (0..t).map(|u| format!(" + p{r}_{u} * v{u}")).collect();
+        tile += &format!("    acc[{o}u + c] = acc[{o}u + c] * corr{r}{terms};\n", o = r * d);
+    }
+    tile += "}\n";
+    s += &indent(&tile);
+    s += "}\n";
+    // Store the rows of the block that exist.
+    for r in 0..slots {
+        let j = r / gc;
+        s += &format!(
+            "if (row0 + {j}u < s_len) {{\n    let si = row0 + {j}u;\n    let h = h{r};\n    let o0 = ((b * s_len + si) * heads + h) * d;\n"
+        );
+        // Every key masked: the mean of all values, as the reference softmax of equal logits.
+        s += &format!(
+            "    if (l{r} == 0.0) {{\n        for (var kk = 0u; kk < k; kk = kk + 1u) {{\n            let vr = {};\n            \
+             for (var c = 0u; c < d; c = c + 1u) {{ acc[{o}u + c] = acc[{o}u + c] + {}[vr + c]; }}\n        }}\n        \
+             l{r} = f32(k);\n    }}\n",
+            (l.v)("kk"),
+            l.vbuf,
+            o = r * d
+        );
+        s += &format!("    for (var c = 0u; c < d; c = c + 1u) {{ out[o0 + c] = acc[{}u + c] / l{r}; }}\n}}\n", r * d);
+    }
+    s
+}
