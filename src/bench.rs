@@ -37,12 +37,9 @@ struct Variant {
     kernels: usize,
 }
 
-/// Parameters of a graph (f32) and the blocks of those kept quantized.
-type Weights = (HashMap<String, Tensor>, HashMap<String, QuantWeight>);
-
 /// The parameters of `graph`: from a checkpoint (with the blocks of quantized ones, unless
 /// `--dequantize`), or random (seeded) without one.
-fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>, storage: WeightArgs) -> Result<Weights> {
+fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>, storage: WeightArgs) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     Ok(match weights {
         None => (interp::random_params(graph, 1), HashMap::new()),
         Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage)?,

@@ -42,7 +42,7 @@ pub fn load(
     graph: &Graph,
     ckpt: &Checkpoint,
     args: WeightArgs,
-) -> Result<(HashMap<String, Tensor>, HashMap<String, QuantWeight>)> {
+) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     let names = kiln_runtime::weights::graph_params(graph);
     let dims = PackDims::of(spec);
     let params = kiln_runtime::weights::load_named(&spec.weights, &dims, &names, ckpt)?;

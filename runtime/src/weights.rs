@@ -222,13 +222,16 @@ pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMa
     load_named(&spec.weights, &PackDims::of(spec), &graph_params(graph), &ckpt)
 }
 
+/// Parameters as f32 by name, and the blocks of those kept quantized.
+pub type ParamsAndBlocks = (HashMap<String, Tensor>, HashMap<String, QuantWeight>);
+
 /// [`load_params`], and the Q8_0/Q4_1 blocks of every 2-D parameter a GGUF checkpoint stores in
 /// one of those types (see [`quantized_named`]), from one reading of the file.
 pub fn load_params_with_blocks(
     spec: &Resolved,
     graph: &Graph,
     path: &Path,
-) -> Result<(HashMap<String, Tensor>, HashMap<String, QuantWeight>), WeightError> {
+) -> Result<ParamsAndBlocks, WeightError> {
     let ckpt = Checkpoint::open(path)?;
     let (dims, params) = (PackDims::of(spec), graph_params(graph));
     Ok((load_named(&spec.weights, &dims, &params, &ckpt)?, quantized_named(&spec.weights, &dims, &params, &ckpt)?))

@@ -133,8 +133,9 @@ pub fn pads_weight(op: &Op, n: usize) -> bool {
 /// same accessors over `array<vec4<f16>>`, converting to f32 (the module starts with `enable f16;`,
 /// see [`super::wgsl::kernel`]); a quantized weight (see
 /// [`super::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
-/// row's first word), `qmK(row, b)` (Q4_1: its minimum), `qvK(row, b, t)` (elements `4t .. 4t + 4`
-/// of block `b`, unscaled) and `qeK(row, e)` (element `e`, dequantized).
+/// row's first word), `qmK(row, b)` (Q4_1: its minimum) and `qvK(row, b, t)` (elements
+/// `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts, Q4_1's
+/// nibbles by shifts and a mask).
 pub fn bindings(elems: &[Elem]) -> String {
     let mut s = String::from("@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;\n");
     s += "fn st(e: u32, v: f32) { out[e >> 2u][e & 3u] = v; }\n";
@@ -153,10 +154,7 @@ pub fn bindings(elems: &[Elem]) -> String {
                  fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b]); }}\n\
                  fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
                  let w = bitcast<i32>(in{k}[row + dim(2u) / 32u + 8u * b + t]);\n    \
-                 return vec4<f32>((vec4<i32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));\n}}\n\
-                 fn qe{k}(row: u32, e: u32) -> f32 {{\n    \
-                 let w = bitcast<i32>(in{k}[row + dim(2u) / 32u + e / 4u]);\n    \
-                 return f32(extractBits(w, 8u * (e & 3u), 8u)) * qs{k}(row, e / 32u);\n}}\n"
+                 return vec4<f32>((vec4<i32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));\n}}\n"
             ),
             // Words per row: `nb` scales, `nb` minimums, then the quants.
             Elem::Q4_1 => format!(
@@ -165,12 +163,7 @@ pub fn bindings(elems: &[Elem]) -> String {
                  fn qm{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + dim(2u) / 32u + b]); }}\n\
                  fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
                  let w = in{k}[row + dim(2u) / 16u + 4u * b + (t & 3u)];\n    \
-                 return vec4<f32>((vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>((t >> 2u) * 4u))) & vec4<u32>(15u));\n}}\n\
-                 fn qe{k}(row: u32, e: u32) -> f32 {{\n    \
-                 let j = e & 15u;\n    \
-                 let w = in{k}[row + dim(2u) / 16u + 4u * (e / 32u) + j / 4u];\n    \
-                 let q = extractBits(w, 8u * (j & 3u) + 4u * ((e >> 4u) & 1u), 4u);\n    \
-                 return f32(q) * qs{k}(row, e / 32u) + qm{k}(row, e / 32u);\n}}\n"
+                 return vec4<f32>((vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>((t >> 2u) * 4u))) & vec4<u32>(15u));\n}}\n"
             ),
             Elem::F32 | Elem::I32 => format!(
                 "@group(0) @binding({b}) var<storage, read> in{k}: array<vec4<f32>>;\n\
@@ -522,8 +515,7 @@ fn vector_stats(norm: Option<Prologue>, r: usize) -> String {
 }
 
 /// A scalar tile: rows `rows` (raw indices, possibly past the last) times units `units`.
-/// A quantized weight is read one dequantized element at a time (`qeK`, from the row of each
-/// unit's column).
+/// A quantized weight is read by [`scalar_quant_loop`].
 fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format: WeightFormat) -> String {
     let (wi, _, _) = operand_indices(p);
     let mut s = String::new();
@@ -542,25 +534,25 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format:
             }
         }
     }
-    s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
-    for r in 0..rows.len() {
-        s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
-    }
-    s += "    let wr = kk * wn;\n";
-    for j in 0..units.len() {
-        for &h in halves {
-            let c = if h == 0 { "x" } else { "y" };
-            if format.quantized() {
-                s += &format!("    let w{j}_{h} = qe{wi}(cs{j}.{c} * rw, kk);\n");
-            } else {
+    if format.quantized() {
+        s += &scalar_quant_loop(p, rows.len(), units.len(), halves, format);
+    } else {
+        s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
+        for r in 0..rows.len() {
+            s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
+        }
+        s += "    let wr = kk * wn;\n";
+        for j in 0..units.len() {
+            for &h in halves {
+                let c = if h == 0 { "x" } else { "y" };
                 s += &format!("    let w{j}_{h} = ld{wi}(wr + cs{j}.{c});\n");
-            }
-            for r in 0..rows.len() {
-                s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + x{r} * w{j}_{h};\n");
+                for r in 0..rows.len() {
+                    s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + x{r} * w{j}_{h};\n");
+                }
             }
         }
+        s += "}\n";
     }
-    s += "}\n";
     for r in 0..rows.len() {
         for j in 0..units.len() {
             s += &format!("if (rr{r} < m && uu{j} < units) {{\n");
@@ -577,6 +569,67 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format:
             s += "}\n";
         }
     }
+    s
+}
+
+/// The loop of a scalar tile over a quantized weight: as [`quant_loop`], block by block and
+/// `vec4` by `vec4` of the row (`k`, a multiple of 32, lets rows be read as `vec4`s), each unit
+/// column's row read from its own block row.
+fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], format: WeightFormat) -> String {
+    let (wi, _, _) = operand_indices(p);
+    let mins = format == WeightFormat::Q4_1;
+    let mut s = String::new();
+    for r in 0..rows {
+        s += &format!("let av{r} = a{r} / 4u;\n");
+    }
+    for j in 0..units {
+        for &h in halves {
+            let c = if h == 0 { "x" } else { "y" };
+            s += &format!("let rb{j}_{h} = cs{j}.{c} * rw;\n");
+        }
+    }
+    s += "for (var b = 0u; b < k / 32u; b = b + 1u) {\n";
+    for r in 0..rows {
+        if mins {
+            s += &format!("    var xs{r} = vec4<f32>(0.0);\n");
+        }
+        for j in 0..units {
+            for &h in halves {
+                s += &format!("    var d{r}_{j}_{h} = 0.0;\n");
+            }
+        }
+    }
+    s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
+    if let Some(n) = p.norm {
+        s += "        let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "        let shift = ld2v(kk);\n";
+        }
+    }
+    for r in 0..rows {
+        s += &format!("        let x{r} = {};\n", vector_x(p.norm, r).replace(&format!("a{r} + kk"), &format!("av{r} + kk")));
+        if mins {
+            s += &format!("        xs{r} = xs{r} + x{r};\n");
+        }
+    }
+    for j in 0..units {
+        for &h in halves {
+            s += &format!("        let w{j}_{h} = qv{wi}(rb{j}_{h}, b, qt);\n");
+            for r in 0..rows {
+                s += &format!("        d{r}_{j}_{h} = d{r}_{j}_{h} + dot(x{r}, w{j}_{h});\n");
+            }
+        }
+    }
+    s += "    }\n";
+    for j in 0..units {
+        for &h in halves {
+            for r in 0..rows {
+                let shift = if mins { format!(" + qm{wi}(rb{j}_{h}, b) * dot(xs{r}, vec4<f32>(1.0))") } else { String::new() };
+                s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + qs{wi}(rb{j}_{h}, b) * d{r}_{j}_{h}{shift};\n");
+            }
+        }
+    }
+    s += "}\n";
     s
 }
 
