@@ -7,10 +7,11 @@ use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
-use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp};
-use kiln_runtime::{Gpu, GpuModel};
+use crate::storage::WeightArgs;
+use kiln_compiler::lower::WeightFormat;
+use kiln_runtime::{Gpu, GpuModel, QuantWeight};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -36,15 +37,12 @@ struct Variant {
     kernels: usize,
 }
 
-/// The parameters of `graph`: from a checkpoint, or random (seeded) without one.
-fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>) -> Result<HashMap<String, Tensor>> {
+/// The parameters of `graph`: from a checkpoint (with the blocks of quantized ones, unless
+/// `--dequantize`), or random (seeded) without one.
+fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>, storage: WeightArgs) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     Ok(match weights {
-        None => interp::random_params(graph, 1),
-        Some(path) => {
-            let ckpt = kiln_runtime::Checkpoint::open(path)?;
-            let names = kiln_runtime::weights::graph_params(graph);
-            kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?
-        }
+        None => (interp::random_params(graph, 1), HashMap::new()),
+        Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage)?,
     })
 }
 
@@ -55,6 +53,7 @@ pub fn forward(
     fe: &FrontEnd,
     gpu: Arc<Gpu>,
     weights: Option<&Path>,
+    storage: WeightArgs,
     batch: usize,
     seq: usize,
     runs: usize,
@@ -64,14 +63,13 @@ pub fn forward(
     let t = Instant::now();
     let (optimized, report) = optimize::optimize(&fe.graph)?;
     let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
-    let params = params_for(fe, &fe.graph, weights)?;
+    let (params, blocks) = params_for(fe, &fe.graph, weights, storage)?;
     let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq);
     let mut variants = Vec::new();
     let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
-        let plan = lower(graph)?;
-        let (dispatches, kernels) = (plan.steps.len(), plan.kernels.len());
-        let model = GpuModel::new(gpu.clone(), plan, &params)?;
+        let model = crate::storage::gpu_model(&gpu, graph, &params, &blocks, storage)?;
+        let (dispatches, kernels) = (model.plan().steps.len(), model.plan().kernels.len());
         model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
         variants.push(Variant { name, model, dispatches, kernels });
     }
@@ -89,7 +87,7 @@ pub fn forward(
         let rows: Vec<serde_json::Value> = variants
             .iter()
             .zip(&ms)
-            .map(|(v, &ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms, "sequences_per_s": per_s(ms)}))
+            .map(|(v, &ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms, "sequences_per_s": per_s(ms), "weight_bytes": crate::storage::json(&v.model)}))
             .collect();
         let out = serde_json::json!({
             "model": fe.graph.name, "adapter": gpu.describe(), "batch": batch, "seq": seq, "runs": runs,
@@ -108,6 +106,9 @@ pub fn forward(
         if variants.len() > 1 {
             println!("  speedup {speedup:.2}x");
         }
+        if let Some(v) = variants.last() {
+            println!("  weights on the device: {}", crate::storage::describe(&v.model));
+        }
         println!("  optimized in {optimize_ms:.1} ms");
     }
     Ok(())
@@ -116,10 +117,12 @@ pub fn forward(
 /// Generation with the key/value cache on the device (optimized graph, greedy): a prompt of
 /// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
 /// `runs` generations.
+#[allow(clippy::too_many_arguments)]
 pub fn decode(
     fe: &FrontEnd,
     gpu: Arc<Gpu>,
     weights: Option<&Path>,
+    storage: WeightArgs,
     prompt: usize,
     steps: usize,
     runs: usize,
@@ -127,11 +130,11 @@ pub fn decode(
 ) -> Result<()> {
     use kiln_runtime::generate::{Engine, Sampler, Session, generate};
     let cached = optimize::optimize(&build_cached(&fe.spec)?)?.0;
-    let params = params_for(fe, &cached, weights)?;
+    let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let plan = lower(&cached)?;
-    let dispatches = plan.steps.len();
-    let model = GpuModel::new(gpu.clone(), plan, &params)?;
+    let model = crate::storage::gpu_model(&gpu, &cached, &params, &blocks, storage)?;
+    let dispatches = model.plan().steps.len();
+    let device_weights = (crate::storage::describe(&model), crate::storage::json(&model));
     let mut session = Session::new(Engine::Gpu(Box::new(model)), &outputs, usize::MAX)?;
     let vocab = fe.spec.spec.model.vocab as i64;
     let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -151,7 +154,7 @@ pub fn decode(
         let out = serde_json::json!({
             "model": fe.graph.name, "adapter": gpu.describe(), "prompt_tokens": prompt, "decode_steps": steps,
             "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill, "decode_tok_s": decode,
-            "weights": weights.map(|w| w.display().to_string()),
+            "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -162,6 +165,7 @@ pub fn decode(
         );
         println!("  prefill {prompt} tokens: {prefill:.1} tok/s");
         println!("  decode {steps} steps:    {decode:.2} tok/s");
+        println!("  weights on the device: {}", device_weights.0);
     }
     Ok(())
 }
@@ -289,12 +293,30 @@ fn projection_graph(k: usize, n: Option<usize>) -> Graph {
     chain(k, projection.as_slice())
 }
 
-/// Times a plan at `seq` rows (median of `runs`), in milliseconds.
-fn time_plan(gpu: &Arc<Gpu>, g: &Graph, options: lower::Options, seq: usize, runs: usize) -> Result<f64> {
-    let params = interp::random_params(g, 2);
+/// Times a plan at `seq` rows (median of `runs`), in milliseconds, with its projection weights
+/// (`w*`) stored in `format` (quantized from the random ones).
+fn time_plan(
+    gpu: &Arc<Gpu>,
+    g: &Graph,
+    options: &lower::Options,
+    format: WeightFormat,
+    seq: usize,
+    runs: usize,
+) -> Result<f64> {
+    let mut params = interp::random_params(g, 2);
+    let mut blocks = HashMap::new();
+    let mut options = options.clone();
+    for (name, t) in params.iter_mut().filter(|(n, _)| n.starts_with('w')) {
+        if let Some(q) = QuantWeight::quantize(format, t) {
+            *t = q.dequantize();
+            options.formats.insert(name.clone(), format);
+            blocks.insert(name.clone(), q);
+        }
+    }
+    options.f16_weights = format == WeightFormat::F16;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
-    let model = GpuModel::new(gpu.clone(), lower::lower_with(g, options)?, &params)?;
+    let model = GpuModel::with_blocks(gpu.clone(), lower::lower_with(g, options)?, &params, &blocks)?;
     model.run(&inputs)?;
     let mut t = Vec::new();
     for _ in 0..runs.max(1) {
@@ -316,14 +338,30 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
     ];
     let reference = lower::Options { fast_projections: false, ..lower::Options::default() };
     let fast = lower::Options::default();
+    let f32 = WeightFormat::F32;
     let mut rows = Vec::new();
     for s in &shapes {
-        let base = time_plan(&gpu, &projection_graph(s.k, None), fast, s.rows, runs)?;
+        let base = time_plan(&gpu, &projection_graph(s.k, None), &fast, f32, s.rows, runs)?;
         let g = projection_graph(s.k, Some(s.n));
-        let old = time_plan(&gpu, &g, reference, s.rows, runs)? - base;
-        let new = time_plan(&gpu, &g, fast, s.rows, runs)? - base;
+        let old = time_plan(&gpu, &g, &reference, f32, s.rows, runs)? - base;
+        let new = time_plan(&gpu, &g, &fast, f32, s.rows, runs)? - base;
         let gflops = |ms: f64| 2.0 * (s.rows * s.k * s.n) as f64 / (ms.max(1e-6) * 1e6);
         rows.push((s, old, new, gflops(old), gflops(new)));
+    }
+    // Weight formats at the decode GEMV and a prefill GEMM of SmolLM2's MLP (576 -> 1536): GB/s
+    // counts the weight's bytes on the device (what a GEMV is bound by).
+    let mut by_format = Vec::new();
+    for (what, m) in [("decode GEMV", 1), ("prefill GEMM", 128)] {
+        let (k, n) = (576, 1536);
+        let base = time_plan(&gpu, &projection_graph(k, None), &fast, f32, m, runs)?;
+        let g = projection_graph(k, Some(n));
+        for format in crate::storage::formats(&gpu) {
+            let ms = time_plan(&gpu, &g, &fast, format, m, runs)? - base;
+            let bytes = format.bytes(n, k);
+            let gb_s = bytes as f64 / (ms.max(1e-6) * 1e6);
+            let gflops = 2.0 * (m * k * n) as f64 / (ms.max(1e-6) * 1e6);
+            by_format.push((what, m, k, n, format, ms, bytes, gb_s, gflops));
+        }
     }
     if json {
         let rows: Vec<serde_json::Value> = rows
@@ -333,7 +371,15 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
                     "reference_ms": old, "fast_ms": new, "reference_gflops": go, "fast_gflops": gn})
             })
             .collect();
-        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows});
+        let formats: Vec<serde_json::Value> = by_format
+            .iter()
+            .map(|(what, m, k, n, f, ms, bytes, gb_s, gflops)| {
+                serde_json::json!({"shape": what, "m": m, "k": k, "n": n, "format": f.name(), "ms": ms,
+                    "weight_bytes": bytes, "weight_gb_s": gb_s, "gflops": gflops})
+            })
+            .collect();
+        let out =
+            serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", gpu.describe());
@@ -353,6 +399,19 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
                 new,
                 gn,
                 old / new
+            );
+        }
+        println!("weight formats (fast kernel; GB/s = weight bytes / time)");
+        println!(
+            "  {:<24} {:>5} {:>5} {:>5} {:>6} {:>10} {:>12} {:>8} {:>10} {:>9}",
+            "shape", "m", "k", "n", "format", "ms", "weight bytes", "GB/s", "GFLOPS", "vs f32"
+        );
+        for (what, m, k, n, f, ms, bytes, gb_s, gflops) in &by_format {
+            let f32_ms = by_format.iter().find(|r| r.0 == *what && r.4 == WeightFormat::F32).map_or(*ms, |r| r.5);
+            println!(
+                "  {what:<24} {m:>5} {k:>5} {n:>5} {:>6} {ms:>10.3} {bytes:>12} {gb_s:>8.2} {gflops:>10.2} {:>8.2}x",
+                f.name(),
+                f32_ms / ms
             );
         }
     }
@@ -377,8 +436,8 @@ fn attention_time(gpu: &Arc<Gpu>, s: &AttentionShape, runs: usize) -> Result<(f6
         v: (s.heads + s.kv_heads) * s.head_dim,
     };
     let options = lower::Options::default();
-    let base = time_plan(gpu, &chain(width, &[]), options, s.seq, runs)?;
-    let ms = time_plan(gpu, &chain(width, &[(attention, None)]), options, s.seq, runs)? - base;
+    let base = time_plan(gpu, &chain(width, &[]), &options, WeightFormat::F32, s.seq, runs)?;
+    let ms = time_plan(gpu, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)? - base;
     let pairs = s.seq * (s.seq + 1) / 2;
     Ok((ms, 4.0 * (s.heads * s.head_dim * pairs) as f64 / (ms.max(1e-6) * 1e6)))
 }
@@ -454,21 +513,21 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
     let mut rows = Vec::new();
     for (path, fe) in specs {
         let optimized = optimize::optimize(&fe.graph)?.0;
-        let params = params_for(fe, &optimized, None)?;
-        let weight_bytes: u64 = params.values().map(|t| 4 * t.shape.iter().product::<usize>() as u64).sum();
-        let plan = lower(&optimized)?;
+        let (params, blocks) = params_for(fe, &optimized, None, WeightArgs::default())?;
+        let model = crate::storage::gpu_model(&gpu, &optimized, &params, &blocks, WeightArgs::default())?;
+        let weight_bytes: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
+        let plan = model.plan();
         let dispatches = plan.steps.len();
         let slots = |seq: usize| -> u64 {
             let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::Past, 0), (Sym::SrcSeq, seq)]);
             plan.slot_sizes(&syms).iter().sum()
         };
         let intermediate: Vec<u64> = seqs.iter().map(|&s| slots(s)).collect();
-        let model = GpuModel::new(gpu.clone(), plan, &params)?;
         let decoder = fe.spec.spec.model.kind == kiln_compiler::spec::BlockKind::Decoder;
         let cached = if decoder {
             let g = optimize::optimize(&build_cached(&fe.spec)?)?.0;
             let outputs: Vec<String> = g.outputs.iter().map(|(n, _)| n.clone()).collect();
-            let step = GpuModel::new(gpu.clone(), lower(&g)?, &params_for(fe, &g, None)?)?;
+            let step = GpuModel::new(gpu.clone(), lower(&g)?, &params_for(fe, &g, None, WeightArgs::default())?.0)?;
             Some(Session::new(Engine::Gpu(Box::new(step)), &outputs, usize::MAX)?)
         } else {
             None
@@ -513,8 +572,8 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
     // Kernels: the fast projection at a prefill and a decode shape, causal attention (GQA 3:1).
     let fast = lower::Options::default();
     let projection = |rows: usize, k: usize, n: usize| -> Result<f64> {
-        let base = time_plan(&gpu, &projection_graph(k, None), fast, rows, runs)?;
-        let ms = time_plan(&gpu, &projection_graph(k, Some(n)), fast, rows, runs)? - base;
+        let base = time_plan(&gpu, &projection_graph(k, None), &fast, WeightFormat::F32, rows, runs)?;
+        let ms = time_plan(&gpu, &projection_graph(k, Some(n)), &fast, WeightFormat::F32, rows, runs)? - base;
         Ok(2.0 * (rows * k * n) as f64 / (ms.max(1e-6) * 1e6))
     };
     let gemm = projection(1024, 1024, 1024)?;

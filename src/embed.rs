@@ -6,7 +6,7 @@
 use crate::{Backend, Exec, load_spec, run_wgpu};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::PackDims;
-use kiln_compiler::{interp, lower, optimize};
+use kiln_compiler::{interp, optimize};
 use kiln_runtime::Tokenizer;
 use kiln_runtime::weights::{Checkpoint, graph_params, load_named};
 use std::path::PathBuf;
@@ -70,11 +70,13 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     if !args.exec.no_optimize {
         fe.graph = optimize::optimize(&fe.graph)?.0;
     }
-    let params = load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &graph_params(&fe.graph), &ckpt)?;
     let inputs = batch.inputs();
     let outputs = match args.exec.backend {
-        Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &inputs, args.exec.adapter.as_deref())?,
-        Backend::Interp => interp::run(&fe.graph, &params, &inputs).context("run failed")?,
+        Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec)?,
+        Backend::Interp => {
+            let params = load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &graph_params(&fe.graph), &ckpt)?;
+            interp::run(&fe.graph, &params, &inputs).context("run failed")?
+        }
     };
     let embedding = outputs
         .into_iter()

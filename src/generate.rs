@@ -6,7 +6,7 @@ use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, lower, optimize};
+use kiln_compiler::{FrontEnd, optimize};
 use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, generate};
 use kiln_runtime::{Message, Tokenizer};
 use std::collections::HashMap;
@@ -33,6 +33,8 @@ pub struct Request<'a> {
     pub adapter: Option<&'a str>,
     /// Skip the optimizer.
     pub no_optimize: bool,
+    /// How weights are stored on the device.
+    pub storage: crate::storage::WeightArgs,
 }
 
 /// Builds the session and generates, calling `on_token` with each new id.
@@ -64,12 +66,16 @@ pub fn run(fe: &FrontEnd, req: Request, on_token: impl FnMut(i64) -> bool) -> Re
     // Builds, optimizes and loads one graph on the chosen engine.
     let engine_of = |graph: Graph| -> Result<Engine> {
         let graph = if req.no_optimize { graph } else { optimize::optimize(&graph)?.0 };
-        let names = kiln_runtime::weights::graph_params(&graph);
-        let params = kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
         Ok(match &gpu {
-            None => Engine::Interp { graph, params },
+            None => {
+                let names = kiln_runtime::weights::graph_params(&graph);
+                let params =
+                    kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                Engine::Interp { graph, params }
+            }
             Some(gpu) => {
-                Engine::Gpu(Box::new(kiln_runtime::GpuModel::new(gpu.clone(), lower::lower(&graph)?, &params)?))
+                let (params, blocks) = crate::storage::load(&fe.spec, &graph, &ckpt, req.storage)?;
+                Engine::Gpu(Box::new(crate::storage::gpu_model(gpu, &graph, &params, &blocks, req.storage)?))
             }
         })
     };

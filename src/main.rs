@@ -16,6 +16,7 @@ use std::process::ExitCode;
 mod bench;
 mod embed;
 mod generate;
+mod storage;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
@@ -198,6 +199,8 @@ enum Command {
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
+        #[command(flatten)]
+        storage: storage::WeightArgs,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -245,6 +248,8 @@ struct Exec {
     /// Run the graph as built, without the e-graph optimizer.
     #[arg(long)]
     no_optimize: bool,
+    #[command(flatten)]
+    weights: storage::WeightArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -305,7 +310,8 @@ fn plan_params(plan: &lower::Plan) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-fn run_wgpu(
+/// Runs a compiled plan (an artifact's: its weights are f32) on wgpu.
+fn run_plan_wgpu(
     plan: lower::Plan,
     params: &HashMap<String, Tensor>,
     given: &HashMap<String, Tensor>,
@@ -313,6 +319,21 @@ fn run_wgpu(
 ) -> Result<Vec<(String, Tensor)>> {
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter)?);
     let model = kiln_runtime::GpuModel::new(gpu, plan, params)?;
+    Ok(model.run(given)?)
+}
+
+/// Lowers `graph` and runs it on wgpu, its weights stored as `exec` says (quantized blocks kept
+/// by default).
+fn run_wgpu(
+    spec: &kiln_compiler::spec::Resolved,
+    graph: &kiln_compiler::graph::Graph,
+    ckpt: &kiln_runtime::Checkpoint,
+    given: &HashMap<String, Tensor>,
+    exec: &Exec,
+) -> Result<Vec<(String, Tensor)>> {
+    let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(exec.adapter.as_deref())?);
+    let (params, blocks) = storage::load(spec, graph, ckpt, exec.weights)?;
+    let model = storage::gpu_model(&gpu, graph, &params, &blocks, exec.weights)?;
     Ok(model.run(given)?)
 }
 
@@ -435,16 +456,20 @@ fn run(cli: Cli) -> Result<()> {
             );
             println!("  intermediates at batch 1, seq 128: {placed} bytes placed, {sum} bytes if unshared");
         }
-        Command::Run { model, weights, inputs, output, exec: Exec { backend, adapter, no_optimize } } => {
+        Command::Run { model, weights, inputs, output, exec } => {
+            let Exec { backend, ref adapter, no_optimize, weights: storage } = exec;
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
             let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
             let outputs = if Artifact::sniff(&model) {
                 let art = Artifact::read(&model)?;
                 match backend {
                     Backend::Wgpu => {
+                        if storage.precision != storage::Precision::F32 {
+                            bail!("an artifact's plan stores its weights as f32; give the spec to run with --precision f16");
+                        }
                         let names = plan_params(&art.plan);
                         let params = kiln_runtime::weights::load_named(&art.weights, &art.pack_dims, &names, &ckpt)?;
-                        run_wgpu(art.plan, &params, &given, adapter.as_deref())?
+                        run_plan_wgpu(art.plan, &params, &given, adapter.as_deref())?
                     }
                     Backend::Interp => {
                         // The interpreter runs graphs: rebuild the graph from the artifact's spec.
@@ -463,12 +488,14 @@ fn run(cli: Cli) -> Result<()> {
                 if !no_optimize {
                     fe.graph = optimize::optimize(&fe.graph)?.0;
                 }
-                let names = kiln_runtime::weights::graph_params(&fe.graph);
-                let params =
-                    kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
                 match backend {
-                    Backend::Wgpu => run_wgpu(lower::lower(&fe.graph)?, &params, &given, adapter.as_deref())?,
-                    Backend::Interp => interp::run(&fe.graph, &params, &given).context("run failed")?,
+                    Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &given, &exec)?,
+                    Backend::Interp => {
+                        let names = kiln_runtime::weights::graph_params(&fe.graph);
+                        let params =
+                            kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                        interp::run(&fe.graph, &params, &given).context("run failed")?
+                    }
                 }
             };
             if outputs.is_empty() {
@@ -497,7 +524,7 @@ fn run(cli: Cli) -> Result<()> {
             repetition_penalty,
             seed,
             stop_ids,
-            exec: Exec { backend, adapter, no_optimize },
+            exec: Exec { backend, adapter, no_optimize, weights: storage },
         } => {
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
@@ -512,6 +539,7 @@ fn run(cli: Cli) -> Result<()> {
                 interp: matches!(backend, Backend::Interp),
                 adapter: adapter.as_deref(),
                 no_optimize,
+                storage,
             };
             let stats = generate::run_cli(&fe, req, text, tokenizer.as_deref(), print_ids)?;
             generate::report(&stats);
@@ -533,6 +561,7 @@ fn run(cli: Cli) -> Result<()> {
             models,
             seqs,
             adapter,
+            storage,
             json,
         } => {
             if calibrate {
@@ -561,9 +590,9 @@ fn run(cli: Cli) -> Result<()> {
             }
             let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
             if let Some(steps) = decode {
-                return bench::decode(&fe, gpu, weights.as_deref(), seq, steps, runs, json);
+                return bench::decode(&fe, gpu, weights.as_deref(), storage, seq, steps, runs, json);
             }
-            bench::forward(&fe, gpu, weights.as_deref(), batch, seq, runs, optimized_only, json)?;
+            bench::forward(&fe, gpu, weights.as_deref(), storage, batch, seq, runs, optimized_only, json)?;
         }
     }
     Ok(())

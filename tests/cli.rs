@@ -91,6 +91,40 @@ fn run_writes_outputs_under_the_fixture_names() {
     assert!(!dir.join("out.safetensors.tmp").exists(), "no temporary file is left behind");
 }
 
+/// `kiln run --precision f16` on wgpu: gpt2's logits within the tolerance `tests/weight_formats.rs`
+/// documents (or a clear error on an adapter without SHADER_F16); an unknown precision is refused.
+#[test]
+fn run_with_f16_weights() {
+    let Some(gpu) = common::gpu() else { return };
+    let dir = scratch("f16");
+    let out = dir.join("out.safetensors");
+    let o = kiln(&[
+        "run",
+        "models/gpt2.toml",
+        "--weights",
+        "tests/fixtures/gpt2/model.safetensors",
+        "--inputs",
+        "tests/fixtures/gpt2/io.safetensors",
+        "--output",
+        s(&out),
+        "--precision",
+        "f16",
+    ]);
+    if !gpu.supports_f16() {
+        assert!(stderr(&o).contains("SHADER_F16"), "{}", stderr(&o));
+        return;
+    }
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = &kiln_runtime::read_tensors(&out).unwrap()["logits"];
+    let expected = &kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/io.safetensors")).unwrap()["logits"];
+    let scale = expected.as_f32().unwrap().iter().fold(0f32, |m, x| m.max(x.abs()));
+    let err = got.max_abs_diff(expected);
+    assert!(err > 0.0, "f16 weights should not give the f32 logits bit for bit");
+    assert!(err <= 3e-3 * scale, "{err}");
+    let o = kiln(&["run", "models/gpt2.toml", "--weights", "w", "--inputs", "i", "--output", "o", "--precision", "f8"]);
+    assert!(!o.status.success() && stderr(&o).contains("f8"), "{}", stderr(&o));
+}
+
 #[test]
 fn invalid_spec_is_rendered_with_its_location() {
     fails_with(

@@ -204,7 +204,8 @@ fn cached_graphs_reject_what_they_cannot_do() {
 }
 
 /// SmolLM2-135M (GGUF, Q4_1): greedy decoding with the cache reproduces the reference
-/// continuation, on wgpu with the optimized graph (the path `kiln generate` takes).
+/// continuation, on wgpu with the optimized graph and the Q4_1/Q8_0 blocks kept on the device (the
+/// path `kiln generate` takes).
 #[test]
 fn smollm2_greedy_with_cache() {
     let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -214,18 +215,16 @@ fn smollm2_greedy_with_cache() {
     let prompt = reference["prompt_ids"].as_i64().unwrap().to_vec();
     let expected = reference["greedy_ids"].as_i64().unwrap().to_vec();
     let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
-    let ckpt = kiln_runtime::Checkpoint::open(&weights).unwrap();
-    let names = kiln_runtime::weights::graph_params(&cached);
-    let params = kiln_runtime::weights::load_named(
-        &fe.spec.weights,
-        &kiln_compiler::spec::PackDims::of(&fe.spec),
-        &names,
-        &ckpt,
-    )
-    .unwrap();
+    let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &cached, &weights).unwrap();
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     let engine = match common::gpu() {
-        Some(gpu) => Engine::Gpu(Box::new(GpuModel::new(gpu, lower(&cached).unwrap(), &params).unwrap())),
+        Some(gpu) => {
+            let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
+            let options = kiln_compiler::lower::Options { formats, ..Default::default() };
+            let plan = kiln_compiler::lower::lower_with(&cached, options).unwrap();
+            assert!(plan.values.iter().any(|v| v.format.quantized()), "no quantized weight in the plan");
+            Engine::Gpu(Box::new(GpuModel::with_blocks(gpu, plan, &params, &blocks).unwrap()))
+        }
         None => Engine::Interp { graph: cached.clone(), params },
     };
     let mut session = Session::new(engine, &outputs, 8192).unwrap();

@@ -815,6 +815,15 @@ fn validate_tensor(
     Ok(TensorInfo { name, dims, shape, ty, offset, range })
 }
 
+/// The reference dequantization of `bytes` as a tensor of type `ty` and `shape` (for tests of
+/// other readers of the blocks).
+#[cfg(test)]
+pub(crate) fn dequantize_blocks(ty: GgmlType, shape: Vec<usize>, bytes: &[u8]) -> Result<Tensor, GgufError> {
+    let dims = shape.iter().rev().map(|&d| d as u64).collect();
+    let info = TensorInfo { name: "test".into(), dims, shape, ty, offset: 0, range: None };
+    convert(RawTensor { info: &info, bytes })
+}
+
 /// Converts a tensor's bytes: floats and quantized blocks to f32, integers to i64.
 fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
     let shape = raw.info.shape.clone();

@@ -13,7 +13,10 @@ use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
 use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
-use kiln_compiler::lower::{Plan, Storage, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups};
+use crate::quant::QuantWeight;
+use kiln_compiler::lower::{
+    Plan, Storage, WeightFormat, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups,
+};
 use kiln_compiler::tensor::{DType, Tensor};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -79,6 +82,8 @@ pub struct Gpu {
     /// Largest buffer kiln creates; larger tensors are split into chunks of this many bytes and
     /// bound as several buffers (see [`kiln_compiler::lower::wgsl::kernel_chunked`]).
     chunk_bytes: u64,
+    /// Whether `SHADER_F16` is enabled.
+    f16: bool,
 }
 
 const INSTALL_HINT: &str = "no GPU adapter found. On Debian/Ubuntu without a GPU, install Mesa's CPU Vulkan driver \
@@ -121,9 +126,11 @@ impl Gpu {
         let adapter = candidates.swap_remove(0);
         let info = adapter.get_info();
         let limits = adapter.limits();
+        // f16 storage (`--precision f16`) where the adapter has it; nothing else is needed.
+        let features = adapter.features() & wgpu::Features::SHADER_F16;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kiln"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -138,7 +145,12 @@ impl Gpu {
             }
         });
         let chunk_bytes = (limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) / 256 * 256).max(256);
-        Ok(Gpu { device, queue, info, limits, lost, chunk_bytes })
+        Ok(Gpu { device, queue, info, limits, lost, chunk_bytes, f16: features.contains(wgpu::Features::SHADER_F16) })
+    }
+
+    /// Whether the device was opened with `SHADER_F16`, so weights can be stored as f16.
+    pub fn supports_f16(&self) -> bool {
+        self.f16
     }
 
     /// Caps the size of one buffer (rounded down to a multiple of 256 bytes, at least 256), so
@@ -288,6 +300,8 @@ pub struct GpuModel {
     /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
     variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
     params: HashMap<usize, Vec<wgpu::Buffer>>,
+    /// Bytes of the weights on the device (parameters and folded constants), by storage format.
+    weight_bytes: Vec<(WeightFormat, u64)>,
     /// What one run leaves for the next.
     state: Mutex<RunState>,
 }
@@ -311,8 +325,28 @@ const STORAGE: wgpu::BufferUsages =
     wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST).union(wgpu::BufferUsages::COPY_SRC);
 
 impl GpuModel {
-    /// Builds the pipelines and uploads the parameters (by canonical name) once.
+    /// Builds the pipelines and uploads the parameters (by canonical name) once. Every weight the
+    /// plan stores in a block-quantized format must be in `blocks` (see [`GpuModel::with_blocks`]).
     pub fn new(gpu: Arc<Gpu>, plan: Plan, params: &HashMap<String, Tensor>) -> Result<GpuModel, GpuError> {
+        GpuModel::with_blocks(gpu, plan, params, &HashMap::new())
+    }
+
+    /// [`GpuModel::new`] with the blocks of the parameters the plan stores quantized
+    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`/`Q4_1`), by name; f16 weights
+    /// are converted from `params` at upload (the device must support f16, see
+    /// [`Gpu::supports_f16`]).
+    pub fn with_blocks(
+        gpu: Arc<Gpu>,
+        plan: Plan,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+    ) -> Result<GpuModel, GpuError> {
+        if plan.values.iter().any(|v| v.format == WeightFormat::F16) && !gpu.supports_f16() {
+            return Err(GpuError::Dispatch(format!(
+                "f16 weights need the SHADER_F16 feature, which adapter `{}` does not have; use f32 weights",
+                gpu.info.name
+            )));
+        }
         let pipelines = plan.kernels.iter().map(|k| gpu.pipeline(&k.name, &k.wgsl)).collect();
         let root = |mut v: usize| {
             while let Storage::Alias(a) = plan.values[v].storage {
@@ -327,8 +361,24 @@ impl GpuModel {
         let no_syms = HashMap::new();
         // Parameters are borrowed from the caller; only folds own their results.
         let mut host: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
+        // Quantized weights: parameters' blocks, and folds of them (stacked rows, scaled).
+        let mut quant: HashMap<usize, Cow<'_, QuantWeight>> = HashMap::new();
         for (id, v) in plan.values.iter().enumerate() {
             let Storage::Param(name) = &v.storage else { continue };
+            if v.format.quantized() {
+                let q = blocks.get(name).ok_or_else(|| {
+                    GpuError::Dispatch(format!("the plan reads parameter `{name}` as {} blocks, which were not given", v.format))
+                })?;
+                let expected = resolve(&v.shape, &no_syms);
+                if q.format != v.format || [q.rows, q.k] != expected[..] {
+                    return Err(GpuError::Dispatch(format!(
+                        "parameter `{name}`: the plan reads {} blocks of shape {expected:?}, given {} blocks of shape [{}, {}]",
+                        v.format, q.format, q.rows, q.k
+                    )));
+                }
+                quant.insert(id, Cow::Borrowed(q));
+                continue;
+            }
             let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
             let expected = resolve(&v.shape, &no_syms);
             if t.shape != expected {
@@ -341,6 +391,22 @@ impl GpuModel {
         }
         // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
         for fold in &plan.folds {
+            if plan.values[fold.output].format.quantized() {
+                let args: Vec<&QuantWeight> = fold
+                    .operands
+                    .iter()
+                    .map(|o| quant.get(o).map(|q| q.as_ref()))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| GpuError::Dispatch("internal error: a quantized fold reads a non-quantized value".into()))?;
+                let q = match (&fold.op, args.as_slice()) {
+                    (kiln_compiler::graph::Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
+                    (kiln_compiler::graph::Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
+                    _ => None,
+                }
+                .ok_or_else(|| GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name())))?;
+                quant.insert(fold.output, Cow::Owned(q));
+                continue;
+            }
             // An operand read through a reshape gets its own shape (a copy only then).
             let args: Vec<Cow<'_, Tensor>> = fold
                 .operands
@@ -364,20 +430,40 @@ impl GpuModel {
             host.insert(fold.output, Cow::Owned(t));
         }
         let mut uploaded = HashMap::new();
+        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
+        let what = |id: usize| match &plan.values[id].storage {
+            Storage::Param(name) => format!("parameter `{name}`"),
+            _ => format!("folded constant {id}"),
+        };
+        let mut upload = |id: usize, format: WeightFormat, bytes: &[u8]| -> Result<(), GpuError> {
+            let buffers = gpu.chunked(&what(id), bytes.len() as u64, STORAGE)?;
+            gpu.write_chunked(&buffers, bytes);
+            uploaded.insert(id, buffers);
+            match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
+                Some((_, b)) => *b += bytes.len() as u64,
+                None => weight_bytes.push((format, bytes.len() as u64)),
+            }
+            Ok(())
+        };
         for (id, t) in host {
             if !read.contains(&id) {
                 continue;
             }
-            let what = match &plan.values[id].storage {
-                Storage::Param(name) => format!("parameter `{name}`"),
-                _ => format!("folded constant {id}"),
-            };
-            let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("{what} is not f32")))?;
-            let bytes: &[u8] = bytemuck::cast_slice(data);
-            let buffers = gpu.chunked(&what, bytes.len() as u64, STORAGE)?;
-            gpu.write_chunked(&buffers, bytes);
-            uploaded.insert(id, buffers);
+            let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("{} is not f32", what(id))))?;
+            let format = plan.values[id].format;
+            if format == WeightFormat::F16 {
+                let halves: Vec<u16> = data.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
+                upload(id, format, bytemuck::cast_slice(&halves))?;
+            } else {
+                upload(id, WeightFormat::F32, bytemuck::cast_slice(data))?;
+            }
         }
+        for (id, q) in quant {
+            if read.contains(&id) {
+                upload(id, q.format, bytemuck::cast_slice(&q.words))?;
+            }
+        }
+        weight_bytes.sort_by_key(|(f, _)| *f as u8);
         gpu.check_lost()?;
         Ok(GpuModel {
             gpu,
@@ -385,8 +471,14 @@ impl GpuModel {
             pipelines,
             variants: Mutex::new(HashMap::new()),
             params: uploaded,
+            weight_bytes,
             state: Mutex::new(RunState::default()),
         })
+    }
+
+    /// Bytes of the weights on the device (parameters and folded constants), by storage format.
+    pub fn weight_bytes(&self) -> &[(WeightFormat, u64)] {
+        &self.weight_bytes
     }
 
     /// The plan being run.
@@ -547,6 +639,13 @@ impl GpuModel {
             }
             let pipeline = if !chunked {
                 self.pipelines[step.kernel].clone()
+            } else if let Some(&o) = step.operands.iter().find(|&&o| !plan.values[o].format.is_f32()) {
+                // The chunked variants read f32 only.
+                return Err(GpuError::Dispatch(format!(
+                    "`{}`: a tensor is larger than this adapter binds in one buffer, and the split kernel reads f32 weights only, not {} (load the weights as f32: `--dequantize` / `--precision f32`)",
+                    step.scope,
+                    plan.values[o].format
+                )));
             } else {
                 let key = (step.kernel, counts.clone());
                 if !variants.contains_key(&key) {

@@ -6,13 +6,15 @@
 #![warn(missing_docs)]
 
 pub mod gguf;
+pub mod quant;
 pub mod tokenize;
 pub mod weights;
 
 pub use gguf::{Gguf, GgufError};
+pub use quant::QuantWeight;
 pub use tokenize::{Batch, Message, TokenizeError, Tokenizer};
 
-pub use weights::{Checkpoint, WeightError, load_params, read_tensors, write_tensors};
+pub use weights::{Checkpoint, WeightError, load_params, load_params_with_blocks, read_tensors, write_tensors};
 
 pub mod gpu;
 

@@ -6,7 +6,8 @@
 //! of one, put back in rotate-half row order if it comes from llama.cpp, and checked against the
 //! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
 
-use crate::gguf::{self, Gguf, GgufError};
+use crate::gguf::{self, GgmlType, Gguf, GgufError};
+use crate::quant::QuantWeight;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{Pack, PackDims, PackPart, Resolved, Source, WeightMap};
 use kiln_compiler::tensor::Tensor;
@@ -75,6 +76,16 @@ pub enum WeightError {
         tensor: String,
         /// Its dtype.
         dtype: String,
+    },
+    /// A quantized tensor's blocks do not fit its shape (or its type cannot stay quantized).
+    #[error("tensor `{tensor}` (for parameter `{param}`) cannot stay quantized on the device: {message}")]
+    Quantized {
+        /// The graph parameter.
+        param: String,
+        /// The checkpoint tensor.
+        tensor: String,
+        /// What is wrong.
+        message: String,
     },
     /// The tensor holds NaN or infinite values.
     #[error("tensor `{tensor}` holds a non-finite value ({value}) at element {index}")]
@@ -209,6 +220,77 @@ fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Ten
 pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMap<String, Tensor>, WeightError> {
     let ckpt = Checkpoint::open(path)?;
     load_named(&spec.weights, &PackDims::of(spec), &graph_params(graph), &ckpt)
+}
+
+/// Parameters as f32 by name, and the blocks of those kept quantized.
+pub type ParamsAndBlocks = (HashMap<String, Tensor>, HashMap<String, QuantWeight>);
+
+/// [`load_params`], and the Q8_0/Q4_1 blocks of every 2-D parameter a GGUF checkpoint stores in
+/// one of those types (see [`quantized_named`]), from one reading of the file.
+pub fn load_params_with_blocks(
+    spec: &Resolved,
+    graph: &Graph,
+    path: &Path,
+) -> Result<ParamsAndBlocks, WeightError> {
+    let ckpt = Checkpoint::open(path)?;
+    let (dims, params) = (PackDims::of(spec), graph_params(graph));
+    Ok((load_named(&spec.weights, &dims, &params, &ckpt)?, quantized_named(&spec.weights, &dims, &params, &ckpt)?))
+}
+
+/// The Q8_0/Q4_1 blocks of the named 2-D parameters whose GGUF tensor has one of those types and
+/// is read untransposed, with the weight map's row operations (unpacking, RoPE row order) applied
+/// to whole rows; other parameters (and every parameter of a safetensors file) are left out.
+/// [`load_named`] gives the same parameters as f32 (their exact dequantization) and reports the
+/// missing or misshapen ones; a tensor whose blocks do not fit its shape is an error here.
+pub fn quantized_named(
+    map: &WeightMap,
+    dims: &PackDims,
+    params: &[(String, Vec<usize>)],
+    ckpt: &Checkpoint,
+) -> Result<HashMap<String, QuantWeight>, WeightError> {
+    let mut out = HashMap::new();
+    let Some(gguf) = ckpt.gguf() else { return Ok(out) };
+    for (name, expected) in params {
+        let source = match map.resolve(name) {
+            Some(r) => Source { tensor: r.tensor, ..r.source },
+            None => Source::named(name),
+        };
+        let Some(info) = gguf.info(&source.tensor) else { continue };
+        let ty = info.ty();
+        if expected.len() != 2 || source.transpose || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1) {
+            continue;
+        }
+        let error = |message: String| WeightError::Quantized {
+            param: name.clone(),
+            tensor: source.tensor.clone(),
+            message,
+        };
+        let &[rows, k] = info.shape() else {
+            return Err(error(format!("a {}-D tensor is not a matrix of rows of blocks", info.shape().len())));
+        };
+        let raw = match gguf.raw(&source.tensor) {
+            Some(Ok(raw)) => raw,
+            Some(Err(e)) => return Err(WeightError::Gguf { path: ckpt.path().into(), error: e }),
+            None => continue,
+        };
+        let q = QuantWeight::from_blocks(ty, rows, k, raw.bytes).map_err(error)?;
+        // The weight map's row operations, applied to row indices (exact in f32 below 2^24 rows).
+        let mut order = Tensor::f32(vec![rows, 1], (0..rows).map(|r| r as f32).collect());
+        if let (Some(pack), Some(part)) = (source.pack, source.part) {
+            let Ok(t) = unpack(dims, &order, pack, part) else { continue };
+            order = t;
+        }
+        if source.rope_unpermute {
+            let Some(t) = unpermute_rope(&order, dims.head_dim) else { continue };
+            order = t;
+        }
+        let order: Vec<usize> = order.as_f32().unwrap_or(&[]).iter().map(|&r| r as usize).collect();
+        let q = q.take_rows(&order);
+        if [q.rows, q.k] == expected[..] {
+            out.insert(name.clone(), q);
+        }
+    }
+    Ok(out)
 }
 
 /// The parameters of a graph with their shapes.

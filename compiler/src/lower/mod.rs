@@ -9,14 +9,17 @@
 //! module that fails is a compiler bug, reported with the op and model named.
 
 pub mod attention;
+pub mod format;
 pub mod projection;
 pub mod wgsl;
+
+pub use format::WeightFormat;
 
 use crate::graph::{Graph, InputRole, Op, Shape, Sym};
 use crate::tensor::DType;
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use wgsl::Elem;
 
 /// A unique WGSL module.
@@ -60,6 +63,10 @@ pub struct Value {
     pub dtype: DType,
     /// Where it lives.
     pub storage: Storage,
+    /// How it is stored on the device: `F32` for every value but the weight operand of a
+    /// projection, which may be f16 or quantized (see [`format`]).
+    #[serde(default, skip_serializing_if = "WeightFormat::is_f32")]
+    pub format: WeightFormat,
 }
 
 /// One kernel dispatch.
@@ -122,24 +129,25 @@ pub struct LowerError {
     pub message: String,
 }
 
-fn device_elem(dtype: DType) -> Elem {
-    match dtype {
-        DType::F32 => Elem::F32,
-        DType::I64 => Elem::I32,
+fn device_elem(v: &Value) -> Elem {
+    match (v.dtype, v.format) {
+        (DType::I64, _) => Elem::I32,
+        (DType::F32, f) => Elem::from(f),
     }
 }
 
 /// Parses and validates a WGSL module with every validation flag.
 pub fn validate_wgsl(text: &str) -> Result<(), String> {
     let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
-    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::empty())
+    // f16 is the one capability a kernel may use (only where a weight is stored as f16).
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::SHADER_FLOAT16)
         .validate(&module)
         .map_err(|e| e.emit_to_string(text))?;
     Ok(())
 }
 
 /// Lowering choices (the defaults are what `kiln` runs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
     /// Run a projection matmul (`matmul_t` by a 2-D constant weight, as an unoptimized graph holds
     /// them) as an [`Op::Linear`] step, with the fast kernel. Off, it keeps the reference
@@ -148,11 +156,18 @@ pub struct Options {
     /// Evaluate ops on parameters alone once at load time ([`Plan::folds`]). Off, they run as
     /// dispatches like any other op (so tests can run kernels on graphs of parameters).
     pub fold_constants: bool,
+    /// Block-quantized parameters (`Q8_0`, `Q4_1`), by canonical name: a projection whose weight is
+    /// one of them (or a load-time stack of such rows, or a scaled one) reads the blocks in place
+    /// of f32 (see [`format`]). The runtime must then be given the blocks of each. Parameters
+    /// whose rows are not a multiple of 32 stay f32.
+    pub formats: BTreeMap<String, WeightFormat>,
+    /// Store every other constant projection weight as f16 (needs `SHADER_F16` on the device).
+    pub f16_weights: bool,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { fast_projections: true, fold_constants: true }
+        Options { fast_projections: true, fold_constants: true, formats: BTreeMap::new(), f16_weights: false }
     }
 }
 
@@ -171,6 +186,10 @@ struct Lowering<'g> {
     folds: Vec<Fold>,
     /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
     transposed: HashMap<(usize, bool), usize>,
+    /// Weight value -> its quantized view, if it has one (see [`Lowering::quantized`]).
+    quantized: HashMap<usize, Option<usize>>,
+    /// Quantized parameters by name.
+    formats: &'g BTreeMap<String, WeightFormat>,
 }
 
 impl Lowering<'_> {
@@ -182,9 +201,9 @@ impl Lowering<'_> {
 
     /// Emits a dispatch of `op` (its kernel validated and deduplicated by text).
     fn step(&mut self, op: Op, operands: Vec<usize>, output: usize, scope: &str) -> Result<(), LowerError> {
-        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(self.values[v].dtype)).collect();
+        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(&self.values[v])).collect();
         let geometry = self.geometry(&op, &operands);
-        let Some(text) = wgsl::kernel(&op, &elems, device_elem(self.values[output].dtype), geometry) else {
+        let Some(text) = wgsl::kernel(&op, &elems, device_elem(&self.values[output]), geometry) else {
             return Ok(());
         };
         let kernel = match self.kernel_of.get(&text) {
@@ -238,7 +257,7 @@ impl Lowering<'_> {
         let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> Result<usize, LowerError> {
             let v = l.values.len();
             let storage = if constant { Storage::Const } else { Storage::Slot(usize::MAX) };
-            l.values.push(Value { shape, dtype: l.values[w].dtype, storage });
+            l.values.push(Value { shape, dtype: l.values[w].dtype, storage, format: WeightFormat::F32 });
             if constant {
                 l.folds.push(Fold { op, operands, output: v });
             } else {
@@ -261,11 +280,67 @@ impl Lowering<'_> {
         self.transposed.insert((w, pad), t);
         Ok(t)
     }
+
+    /// The quantized view of projection weight `w` (`[rows, k]`, untransposed), if it has one: a
+    /// parameter listed in [`Options::formats`] with `k` a multiple of 32, or a load-time fold
+    /// that keeps the blocks: a stack of rows (concatenation on axis 0) of views of one format, or
+    /// a scaled view. The view is a value of its own (the f32 value stays, for other readers), with
+    /// the same parameter or the same fold over views.
+    fn quantized(&mut self, w: usize) -> Option<usize> {
+        if let Some(&q) = self.quantized.get(&w) {
+            return q;
+        }
+        let v = &self.values[w];
+        let fixed = |d: &crate::graph::Dim| match d {
+            crate::graph::Dim::Fixed(n) => Some(*n),
+            crate::graph::Dim::Sym(_) => None,
+        };
+        let k = if v.shape.len() == 2 { fixed(&v.shape[1]) } else { None };
+        let view = match (&v.storage, k) {
+            (_, None) => None,
+            (_, Some(k)) if !k.is_multiple_of(format::BLOCK) || k == 0 => None,
+            (Storage::Param(name), _) => match self.formats.get(name) {
+                Some(&f) if f.quantized() => {
+                    let value = Value { format: f, ..v.clone() };
+                    self.values.push(value);
+                    Some(self.values.len() - 1)
+                }
+                _ => None,
+            },
+            (Storage::Const, _) => {
+                let fold = self.folds.iter().find(|f| f.output == w).cloned();
+                match fold {
+                    Some(Fold { op: op @ (Op::Concat { axis: 0 } | Op::Scale { .. }), operands, .. }) => {
+                        let views: Option<Vec<usize>> = operands.iter().map(|&o| self.quantized(o)).collect();
+                        match views {
+                            Some(views)
+                                if views.iter().all(|&q| self.values[q].format == self.values[views[0]].format) =>
+                            {
+                                let format = self.values[views[0]].format;
+                                let value = Value { format, ..self.values[w].clone() };
+                                self.values.push(value);
+                                let id = self.values.len() - 1;
+                                self.folds.push(Fold { op, operands: views, output: id });
+                                Some(id)
+                            }
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        self.quantized.insert(w, view);
+        view
+    }
 }
 
 /// Lowers a checked graph into a plan.
 pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
     let mut l = Lowering {
+        quantized: HashMap::new(),
+        formats: &options.formats,
         g,
         values: Vec::new(),
         kernels: Vec::new(),
@@ -294,7 +369,7 @@ pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
         };
         let id = l.values.len();
         let folded = storage == Storage::Const;
-        l.values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage });
+        l.values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage, format: WeightFormat::F32 });
         value_of.insert(n, id);
         if folded {
             l.folds.push(Fold { op: node.op.clone(), operands, output: id });
@@ -309,14 +384,23 @@ pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
         {
             op = Op::linear(None, false, false);
         }
-        // Every projection reads its weight transposed (see `projection`).
+        // Every projection reads its weight transposed (see `projection`), but a quantized one,
+        // whose blocks run along the rows of the untransposed weight.
         if let Op::Linear { norm, .. } = &op {
             let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
-            let pad = match l.values[operands[wi]].shape[0] {
-                crate::graph::Dim::Fixed(n) => projection::pads_weight(&op, n),
-                _ => false,
-            };
-            operands[wi] = l.transpose(operands[wi], pad, &node.scope)?;
+            if let Some(q) = l.quantized(operands[wi]) {
+                operands[wi] = q;
+            } else {
+                let pad = match l.values[operands[wi]].shape[0] {
+                    crate::graph::Dim::Fixed(n) => projection::pads_weight(&op, n),
+                    _ => false,
+                };
+                let t = l.transpose(operands[wi], pad, &node.scope)?;
+                if options.f16_weights && l.values[t].storage == Storage::Const {
+                    l.values[t].format = WeightFormat::F16;
+                }
+                operands[wi] = t;
+            }
         }
         l.step(op, operands, id, &node.scope)?;
     }

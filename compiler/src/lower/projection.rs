@@ -27,7 +27,8 @@
 //! `stv` accessors (see [`bindings`]), which the chunked variant
 //! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
 
-use super::wgsl::{activation, lit};
+use super::format::WeightFormat;
+use super::wgsl::{Elem, activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};
 use crate::spec::{Activation, PairStyle};
 
@@ -125,20 +126,64 @@ pub fn pads_weight(op: &Op, n: usize) -> bool {
     matches!(op, Op::Linear { glu: false, rope: None, .. }) && !n.is_multiple_of(4) && n >= 4
 }
 
-/// The bindings of a projection kernel with `operands` operands, every one (and the output) an
-/// array of `vec4<f32>` read through accessors: `ldK(e)` (a float), `ldKv(q)` (the `q`-th `vec4`),
-/// `st(e, v)`, `stv(q, v)`. Buffers are allocated in multiples of 16 bytes, so every float of a
-/// tensor is inside some `vec4`.
-pub fn bindings(operands: usize) -> String {
+/// The bindings of a projection kernel whose operands have device element types `elems`: the
+/// output and every f32 operand an array of `vec4<f32>` read through accessors: `ldK(e)` (a
+/// float), `ldKv(q)` (the `q`-th `vec4`), `st(e, v)`, `stv(q, v)`. Buffers are allocated in
+/// multiples of 16 bytes, so every float of a tensor is inside some `vec4`. An f16 weight has the
+/// same accessors over `array<vec4<f16>>`, converting to f32 (the module starts with `enable f16;`,
+/// see [`super::wgsl::kernel`]); a quantized weight (see
+/// [`super::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
+/// row's first word), `qmK(row, b)` (Q4_1: its minimum) and `qvK(row, b, t)` (elements
+/// `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts, Q4_1's
+/// nibbles by shifts and a mask).
+pub fn bindings(elems: &[Elem]) -> String {
     let mut s = String::from("@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;\n");
     s += "fn st(e: u32, v: f32) { out[e >> 2u][e & 3u] = v; }\n";
     s += "fn stv(q: u32, v: vec4<f32>) { out[q] = v; }\n";
-    for k in 0..operands {
-        s += &format!("@group(0) @binding({}) var<storage, read> in{k}: array<vec4<f32>>;\n", k + 2);
-        s += &format!("fn ld{k}(e: u32) -> f32 {{ return in{k}[e >> 2u][e & 3u]; }}\n");
-        s += &format!("fn ld{k}v(q: u32) -> vec4<f32> {{ return in{k}[q]; }}\n");
+    for (k, elem) in elems.iter().enumerate() {
+        let b = k + 2;
+        s += &match elem {
+            Elem::F16 => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<vec4<f16>>;\n\
+                 fn ld{k}(e: u32) -> f32 {{ return f32(in{k}[e >> 2u][e & 3u]); }}\n\
+                 fn ld{k}v(q: u32) -> vec4<f32> {{ return vec4<f32>(in{k}[q]); }}\n"
+            ),
+            // Words per row: `nb = k / 32` scales, then the quants (see `format`).
+            Elem::Q8_0 => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<u32>;\n\
+                 fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b]); }}\n\
+                 fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
+                 let w = bitcast<i32>(in{k}[row + dim(2u) / 32u + 8u * b + t]);\n    \
+                 return vec4<f32>((vec4<i32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));\n}}\n"
+            ),
+            // Words per row: `nb` scales, `nb` minimums, then the quants.
+            Elem::Q4_1 => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<u32>;\n\
+                 fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b]); }}\n\
+                 fn qm{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + dim(2u) / 32u + b]); }}\n\
+                 fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
+                 let w = in{k}[row + dim(2u) / 16u + 4u * b + (t & 3u)];\n    \
+                 return vec4<f32>((vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>((t >> 2u) * 4u))) & vec4<u32>(15u));\n}}\n"
+            ),
+            Elem::F32 | Elem::I32 => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<vec4<f32>>;\n\
+                 fn ld{k}(e: u32) -> f32 {{ return in{k}[e >> 2u][e & 3u]; }}\n\
+                 fn ld{k}v(q: u32) -> vec4<f32> {{ return in{k}[q]; }}\n"
+            ),
+        };
     }
     s
+}
+
+/// The storage format of the weight operand of projection `op`, from its operands' device types.
+pub fn weight_format(op: &Op, elems: &[Elem]) -> WeightFormat {
+    let p = Linear::of(op).expect("a projection");
+    match elems.get(operand_indices(p).0) {
+        Some(Elem::F16) => WeightFormat::F16,
+        Some(Elem::Q8_0) => WeightFormat::Q8_0,
+        Some(Elem::Q4_1) => WeightFormat::Q4_1,
+        _ => WeightFormat::F32,
+    }
 }
 
 /// Module-scope function of the kernel: the columns of unit `u` as `(c0, c1, rotated, t)`, `t`
@@ -179,23 +224,27 @@ pub fn unit_fn(op: &Op) -> String {
 
 /// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
 /// the workgroup) defined.
-pub fn body(op: &Op) -> String {
-    body_with(op, true)
+pub fn body(op: &Op, format: WeightFormat) -> String {
+    body_with(op, true, format)
 }
 
 /// The kernel body with the scalar forms only: the chunked variant, whose every load selects a
 /// chunk, stays small enough for lavapipe to compile quickly (see [`scalar_dims`]).
 pub fn body_scalar(op: &Op) -> String {
-    body_with(op, false)
+    body_with(op, false, WeightFormat::F32)
 }
 
-fn body_with(op: &Op, vectors: bool) -> String {
+fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
     let p = Linear::of(op).expect("a projection");
     let pair = p.unit_cols() == 2;
     let mut s = String::from(
         "let n = dim(1u);\nlet k = dim(2u);\nlet m = dim(5u);\nlet tiles = dim(6u);\nlet form = dim(7u);\n",
     );
     s += "let wn = dim(8u);\n";
+    if let Some(words) = format.row_words(32) {
+        // Words per row of a quantized weight (see `format`).
+        s += &format!("let rw = {words}u * (k / 32u);\n");
+    }
     let gemm_units = (GEMM_COLS / p.unit_cols()).max(1);
     let gemv_units = (GEMV_COLS / p.unit_cols()).max(1);
     let gemm_rows: Vec<String> =
@@ -208,14 +257,14 @@ fn body_with(op: &Op, vectors: bool) -> String {
         if p.rope.is_some() { "n / 2u" } else { "n" }
     );
     s += "if (form == 0u) {\n";
-    s += &indent(&(scalar_head.clone() + &scalar_tile(p, pair, &gemm_rows, &gemm_unit)));
+    s += &indent(&(scalar_head.clone() + &scalar_tile(p, pair, &gemm_rows, &gemm_unit, format)));
     s += "} else if (form == 1u) {\n";
-    s += &indent(&(scalar_head + &scalar_tile(p, pair, &["grp".to_string()], &gemv_unit)));
+    s += &indent(&(scalar_head + &scalar_tile(p, pair, &["grp".to_string()], &gemv_unit, format)));
     if vectors && p.rope.is_none() {
         s += "} else if (form == 2u) {\n";
-        s += &indent(&vector_tile(p, VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
+        s += &indent(&vector_tile(p, VEC_GEMM_ROWS, VEC_GEMM_GROUPS, format));
         s += "} else {\n";
-        s += &indent(&vector_tile(p, 1, VEC_GEMV_GROUPS));
+        s += &indent(&vector_tile(p, 1, VEC_GEMV_GROUPS, format));
     }
     s += "}";
     s
@@ -232,9 +281,10 @@ fn operand_indices(p: Linear) -> (usize, usize, usize) {
 }
 
 /// A `vec4` tile: `rows` consecutive rows times `groups` consecutive groups of 4 columns, `k`
-/// read 4 at a time. Invocations are numbered across workgroups, column groups fastest.
-fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
-    let (wi, bi, ri) = operand_indices(p);
+/// read 4 at a time. Invocations are numbered across workgroups, column groups fastest. A
+/// quantized weight is read by [`quant_loop`] instead of the transposed-weight loop.
+fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> String {
+    let (_, bi, ri) = operand_indices(p);
     let mut s = format!(
         "let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n\
          let nq = (n + 3u) / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n"
@@ -254,45 +304,11 @@ fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
             }
         }
     }
-    s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
-    if let Some(n) = p.norm {
-        s += "    let gain = ld1v(kk);\n";
-        if n.bias {
-            s += "    let shift = ld2v(kk);\n";
-        }
+    if format.quantized() {
+        s += &quant_loop(p, rows, groups, format);
+    } else {
+        s += &vector_loop(p, rows, groups);
     }
-    for r in 0..rows {
-        let x = match p.norm {
-            None => format!("ld0v(a{r} + kk)"),
-            Some(n) if n.rms => format!("ld0v(a{r} + kk) * inv{r} * gain"),
-            Some(n) if n.bias => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain + shift"),
-            Some(_) => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain"),
-        };
-        s += &format!("    let x{r} = {x};\n");
-    }
-    s += "    let wr = kk * 4u * wq;\n";
-    for i in 0..4 {
-        for j in 0..groups {
-            s += &format!("    let w{i}_{j} = ld{wi}v(wr + {i}u * wq + g{j});\n");
-            if p.glu {
-                s += &format!("    let u{i}_{j} = ld{wi}v(wr + {i}u * wq + nq + g{j});\n");
-            }
-        }
-    }
-    for r in 0..rows {
-        for j in 0..groups {
-            let sum = |acc: &str, w: &str| {
-                format!(
-                    "    {acc}{r}_{j} = {acc}{r}_{j} + x{r}.x * {w}0_{j} + x{r}.y * {w}1_{j} + x{r}.z * {w}2_{j} + x{r}.w * {w}3_{j};\n"
-                )
-            };
-            s += &sum("y", "w");
-            if p.glu {
-                s += &sum("z", "u");
-            }
-        }
-    }
-    s += "}\n";
     let act = |a: Activation, v: &str| {
         format!(
             "vec4<f32>({}, {}, {}, {})",
@@ -349,6 +365,136 @@ fn vector_tile(p: Linear, rows: usize, groups: usize) -> String {
     s
 }
 
+/// The loop of a `vec4` tile over a transposed f32/f16 weight: `k` 4 at a time.
+fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
+    let (wi, _, _) = operand_indices(p);
+    let mut s = String::new();
+    s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
+    if let Some(n) = p.norm {
+        s += "    let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "    let shift = ld2v(kk);\n";
+        }
+    }
+    for r in 0..rows {
+        s += &format!("    let x{r} = {};\n", vector_x(p.norm, r));
+    }
+    s += "    let wr = kk * 4u * wq;\n";
+    for i in 0..4 {
+        for j in 0..groups {
+            s += &format!("    let w{i}_{j} = ld{wi}v(wr + {i}u * wq + g{j});\n");
+            if p.glu {
+                s += &format!("    let u{i}_{j} = ld{wi}v(wr + {i}u * wq + nq + g{j});\n");
+            }
+        }
+    }
+    for r in 0..rows {
+        for j in 0..groups {
+            let sum = |acc: &str, w: &str| {
+                format!(
+                    "    {acc}{r}_{j} = {acc}{r}_{j} + x{r}.x * {w}0_{j} + x{r}.y * {w}1_{j} + x{r}.z * {w}2_{j} + x{r}.w * {w}3_{j};\n"
+                )
+            };
+            s += &sum("y", "w");
+            if p.glu {
+                s += &sum("z", "u");
+            }
+        }
+    }
+    s += "}\n";
+    s
+}
+
+/// The `vec4` input of row `r` at `vec4` index `kk` (normalised by the prologue; `gain` and
+/// `shift` in scope).
+fn vector_x(norm: Option<Prologue>, r: usize) -> String {
+    match norm {
+        None => format!("ld0v(a{r} + kk)"),
+        Some(n) if n.rms => format!("ld0v(a{r} + kk) * inv{r} * gain"),
+        Some(n) if n.bias => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain + shift"),
+        Some(_) => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain"),
+    }
+}
+
+/// The loop of a `vec4` tile over a quantized weight's rows (see [`super::format`]): block by
+/// block, the unscaled quants of each column dotted with the inputs, then scaled once per block
+/// (`y += scale * dot(x, q)`, plus `min * sum(x)` for Q4_1). Column `c`'s row is clamped to the
+/// last real column (its outputs past `n` are never stored); a gated projection's up column is
+/// row `c + n`.
+fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> String {
+    let (wi, _, _) = operand_indices(p);
+    let mins = format == WeightFormat::Q4_1;
+    let mut s = String::new();
+    // Row bases of every column (and of its up column).
+    for j in 0..groups {
+        for i in 0..4 {
+            s += &format!("let qr{j}_{i} = min(4u * g{j} + {i}u, n - 1u) * rw;\n");
+            if p.glu {
+                s += &format!("let ur{j}_{i} = (min(4u * g{j} + {i}u, n - 1u) + n) * rw;\n");
+            }
+        }
+    }
+    let accs: &[&str] = if p.glu { &["y", "z"] } else { &["y"] };
+    s += "for (var b = 0u; b < k / 32u; b = b + 1u) {\n";
+    for r in 0..rows {
+        if mins {
+            s += &format!("    var xs{r} = vec4<f32>(0.0);\n");
+        }
+        for j in 0..groups {
+            for a in accs {
+                s += &format!("    var d{a}{r}_{j} = vec4<f32>(0.0);\n");
+            }
+        }
+    }
+    s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
+    if let Some(n) = p.norm {
+        s += "        let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "        let shift = ld2v(kk);\n";
+        }
+    }
+    for r in 0..rows {
+        s += &format!("        let x{r} = {};\n", vector_x(p.norm, r));
+        if mins {
+            s += &format!("        xs{r} = xs{r} + x{r};\n");
+        }
+    }
+    for j in 0..groups {
+        for a in accs {
+            let base = if *a == "y" { "qr" } else { "ur" };
+            for i in 0..4 {
+                s += &format!("        let w{a}{j}_{i} = qv{wi}({base}{j}_{i}, b, qt);\n");
+            }
+            for r in 0..rows {
+                s += &format!(
+                    "        d{a}{r}_{j} = d{a}{r}_{j} + vec4<f32>(dot(x{r}, w{a}{j}_0), dot(x{r}, w{a}{j}_1), dot(x{r}, w{a}{j}_2), dot(x{r}, w{a}{j}_3));\n"
+                );
+            }
+        }
+    }
+    s += "    }\n";
+    for j in 0..groups {
+        for a in accs {
+            let base = if *a == "y" { "qr" } else { "ur" };
+            let v = |f: &str| {
+                format!(
+                    "vec4<f32>({f}{wi}({base}{j}_0, b), {f}{wi}({base}{j}_1, b), {f}{wi}({base}{j}_2, b), {f}{wi}({base}{j}_3, b))"
+                )
+            };
+            s += &format!("    let s{a}{j} = {};\n", v("qs"));
+            if mins {
+                s += &format!("    let m{a}{j} = {};\n", v("qm"));
+            }
+            for r in 0..rows {
+                let shift = if mins { format!(" + m{a}{j} * dot(xs{r}, vec4<f32>(1.0))") } else { String::new() };
+                s += &format!("    {a}{r}_{j} = {a}{r}_{j} + s{a}{j} * d{a}{r}_{j}{shift};\n");
+            }
+        }
+    }
+    s += "}\n";
+    s
+}
+
 /// Row statistics of the norm prologue for row `r` of a `vec4` tile (its `vec4`s at `a{r}`).
 fn vector_stats(norm: Option<Prologue>, r: usize) -> String {
     match norm {
@@ -369,7 +515,8 @@ fn vector_stats(norm: Option<Prologue>, r: usize) -> String {
 }
 
 /// A scalar tile: rows `rows` (raw indices, possibly past the last) times units `units`.
-fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String]) -> String {
+/// A quantized weight is read by [`scalar_quant_loop`].
+fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format: WeightFormat) -> String {
     let (wi, _, _) = operand_indices(p);
     let mut s = String::new();
     for (r, row) in rows.iter().enumerate() {
@@ -387,21 +534,25 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String]) -> Stri
             }
         }
     }
-    s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
-    for r in 0..rows.len() {
-        s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
-    }
-    s += "    let wr = kk * wn;\n";
-    for j in 0..units.len() {
-        for &h in halves {
-            let c = if h == 0 { "x" } else { "y" };
-            s += &format!("    let w{j}_{h} = ld{wi}(wr + cs{j}.{c});\n");
-            for r in 0..rows.len() {
-                s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + x{r} * w{j}_{h};\n");
+    if format.quantized() {
+        s += &scalar_quant_loop(p, rows.len(), units.len(), halves, format);
+    } else {
+        s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
+        for r in 0..rows.len() {
+            s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
+        }
+        s += "    let wr = kk * wn;\n";
+        for j in 0..units.len() {
+            for &h in halves {
+                let c = if h == 0 { "x" } else { "y" };
+                s += &format!("    let w{j}_{h} = ld{wi}(wr + cs{j}.{c});\n");
+                for r in 0..rows.len() {
+                    s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + x{r} * w{j}_{h};\n");
+                }
             }
         }
+        s += "}\n";
     }
-    s += "}\n";
     for r in 0..rows.len() {
         for j in 0..units.len() {
             s += &format!("if (rr{r} < m && uu{j} < units) {{\n");
@@ -418,6 +569,67 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String]) -> Stri
             s += "}\n";
         }
     }
+    s
+}
+
+/// The loop of a scalar tile over a quantized weight: as [`quant_loop`], block by block and
+/// `vec4` by `vec4` of the row (`k`, a multiple of 32, lets rows be read as `vec4`s), each unit
+/// column's row read from its own block row.
+fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], format: WeightFormat) -> String {
+    let (wi, _, _) = operand_indices(p);
+    let mins = format == WeightFormat::Q4_1;
+    let mut s = String::new();
+    for r in 0..rows {
+        s += &format!("let av{r} = a{r} / 4u;\n");
+    }
+    for j in 0..units {
+        for &h in halves {
+            let c = if h == 0 { "x" } else { "y" };
+            s += &format!("let rb{j}_{h} = cs{j}.{c} * rw;\n");
+        }
+    }
+    s += "for (var b = 0u; b < k / 32u; b = b + 1u) {\n";
+    for r in 0..rows {
+        if mins {
+            s += &format!("    var xs{r} = vec4<f32>(0.0);\n");
+        }
+        for j in 0..units {
+            for &h in halves {
+                s += &format!("    var d{r}_{j}_{h} = 0.0;\n");
+            }
+        }
+    }
+    s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
+    if let Some(n) = p.norm {
+        s += "        let gain = ld1v(kk);\n";
+        if n.bias {
+            s += "        let shift = ld2v(kk);\n";
+        }
+    }
+    for r in 0..rows {
+        s += &format!("        let x{r} = {};\n", vector_x(p.norm, r).replace(&format!("a{r} + kk"), &format!("av{r} + kk")));
+        if mins {
+            s += &format!("        xs{r} = xs{r} + x{r};\n");
+        }
+    }
+    for j in 0..units {
+        for &h in halves {
+            s += &format!("        let w{j}_{h} = qv{wi}(rb{j}_{h}, b, qt);\n");
+            for r in 0..rows {
+                s += &format!("        d{r}_{j}_{h} = d{r}_{j}_{h} + dot(x{r}, w{j}_{h});\n");
+            }
+        }
+    }
+    s += "    }\n";
+    for j in 0..units {
+        for &h in halves {
+            for r in 0..rows {
+                let shift = if mins { format!(" + qm{wi}(rb{j}_{h}, b) * dot(xs{r}, vec4<f32>(1.0))") } else { String::new() };
+                s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + qs{wi}(rb{j}_{h}, b) * d{r}_{j}_{h}{shift};\n");
+            }
+        }
+    }
+    s += "}\n";
     s
 }
 

@@ -1,0 +1,96 @@
+//! How `kiln` stores projection weights on the device: GGUF Q8_0/Q4_1 blocks kept as blocks by
+//! default (`--dequantize` loads them as f32 instead), other weights f32 or, with
+//! `--precision f16`, f16 (see `kiln_compiler::lower::format`). The interpreter always runs on
+//! the f32 weights.
+
+use anyhow::{Result, bail};
+use kiln_compiler::graph::Graph;
+use kiln_compiler::lower::{self, WeightFormat};
+use kiln_compiler::spec::{PackDims, Resolved};
+use kiln_compiler::tensor::Tensor;
+use kiln_runtime::{Checkpoint, Gpu, GpuModel, QuantWeight};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Weight storage flags (wgpu only).
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct WeightArgs {
+    /// Precision of projection weights that are not kept as quantized blocks: f16 halves their
+    /// bytes (arithmetic stays f32; needs an adapter with SHADER_F16). wgpu only.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub precision: Precision,
+    /// Load Q8_0/Q4_1 GGUF weights as f32 instead of keeping their blocks on the device (which
+    /// projection kernels dequantize in registers).
+    #[arg(long)]
+    pub dequantize: bool,
+}
+
+/// `--precision`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// 32-bit floats.
+    #[default]
+    F32,
+    /// 16-bit floats.
+    F16,
+}
+
+/// The f32 parameters of `graph` and, unless `--dequantize`, the blocks of those a GGUF
+/// checkpoint stores as Q8_0/Q4_1.
+pub fn load(
+    spec: &Resolved,
+    graph: &Graph,
+    ckpt: &Checkpoint,
+    args: WeightArgs,
+) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
+    let names = kiln_runtime::weights::graph_params(graph);
+    let dims = PackDims::of(spec);
+    let params = kiln_runtime::weights::load_named(&spec.weights, &dims, &names, ckpt)?;
+    let blocks = match args.dequantize {
+        true => HashMap::new(),
+        false => kiln_runtime::weights::quantized_named(&spec.weights, &dims, &names, ckpt)?,
+    };
+    Ok((params, blocks))
+}
+
+/// Lowers `graph` with the weights stored as `args` and `blocks` say, and loads it on `gpu`.
+pub fn gpu_model(
+    gpu: &Arc<Gpu>,
+    graph: &Graph,
+    params: &HashMap<String, Tensor>,
+    blocks: &HashMap<String, QuantWeight>,
+    args: WeightArgs,
+) -> Result<GpuModel> {
+    let f16 = args.precision == Precision::F16;
+    if f16 && !gpu.supports_f16() {
+        bail!("--precision f16 needs an adapter with the SHADER_F16 feature; {} has none", gpu.describe());
+    }
+    let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
+    let options = lower::Options { formats, f16_weights: f16, ..lower::Options::default() };
+    Ok(GpuModel::with_blocks(gpu.clone(), lower::lower_with(graph, options)?, params, blocks)?)
+}
+
+/// `12.3 MiB (Q4_1 9.0, f32 3.3)`: the weight bytes on the device, by format.
+pub fn describe(model: &GpuModel) -> String {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let parts: Vec<String> = model.weight_bytes().iter().map(|(f, b)| format!("{f} {:.1}", mib(*b))).collect();
+    let total: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
+    format!("{:.1} MiB ({})", mib(total), parts.join(", "))
+}
+
+/// The bytes of the weights on the device by format, as JSON (`{"Q4_1": 123, ...}`).
+pub fn json(model: &GpuModel) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> =
+        model.weight_bytes().iter().map(|(f, b)| (f.name().to_string(), (*b).into())).collect();
+    map.into()
+}
+
+/// The formats a benchmark compares: f32, f16 where the adapter has it, Q8_0, Q4_1.
+pub fn formats(gpu: &Gpu) -> Vec<WeightFormat> {
+    let mut v = vec![WeightFormat::F32];
+    if gpu.supports_f16() {
+        v.push(WeightFormat::F16);
+    }
+    v.extend([WeightFormat::Q8_0, WeightFormat::Q4_1]);
+    v
+}
