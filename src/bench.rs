@@ -2,15 +2,15 @@
 //! (variants interleaved run by run) and reported with the adapter it ran on; ratios between
 //! variants are the numbers to quote, since absolute times on shared machines are noisy.
 
+use crate::storage::WeightArgs;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
+use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp};
-use crate::storage::WeightArgs;
-use kiln_compiler::lower::WeightFormat;
 use kiln_runtime::{Gpu, GpuModel, QuantWeight};
 use std::collections::HashMap;
 use std::path::Path;
@@ -39,7 +39,12 @@ struct Variant {
 
 /// The parameters of `graph`: from a checkpoint (with the blocks of quantized ones, unless
 /// `--dequantize`), or random (seeded) without one.
-fn params_for(fe: &FrontEnd, graph: &Graph, weights: Option<&Path>, storage: WeightArgs) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
+fn params_for(
+    fe: &FrontEnd,
+    graph: &Graph,
+    weights: Option<&Path>,
+    storage: WeightArgs,
+) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     Ok(match weights {
         None => (interp::random_params(graph, 1), HashMap::new()),
         Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage)?,
@@ -378,8 +383,7 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
                     "weight_bytes": bytes, "weight_gb_s": gb_s, "gflops": gflops})
             })
             .collect();
-        let out =
-            serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
+        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", gpu.describe());

@@ -465,7 +465,9 @@ fn run(cli: Cli) -> Result<()> {
                 match backend {
                     Backend::Wgpu => {
                         if storage.precision != storage::Precision::F32 {
-                            bail!("an artifact's plan stores its weights as f32; give the spec to run with --precision f16");
+                            bail!(
+                                "an artifact's plan stores its weights as f32; give the spec to run with --precision f16"
+                            );
                         }
                         let names = plan_params(&art.plan);
                         let params = kiln_runtime::weights::load_named(&art.weights, &art.pack_dims, &names, &ckpt)?;
@@ -492,8 +494,12 @@ fn run(cli: Cli) -> Result<()> {
                     Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &given, &exec)?,
                     Backend::Interp => {
                         let names = kiln_runtime::weights::graph_params(&fe.graph);
-                        let params =
-                            kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                        let params = kiln_runtime::weights::load_named(
+                            &fe.spec.weights,
+                            &PackDims::of(&fe.spec),
+                            &names,
+                            &ckpt,
+                        )?;
                         interp::run(&fe.graph, &params, &given).context("run failed")?
                     }
                 }

@@ -21,8 +21,14 @@ const TOLERANCE: f32 = 2e-5;
 fn ops() -> Vec<Op> {
     let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
     let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
-    let rope =
-        RopeCols { theta: Scalar(10000.0), rotary_dim: 8, style: PairStyle::RotateHalf, head_dim: 8, start: 4, len: 16 };
+    let rope = RopeCols {
+        theta: Scalar(10000.0),
+        rotary_dim: 8,
+        style: PairStyle::RotateHalf,
+        head_dim: 8,
+        start: 4,
+        len: 16,
+    };
     vec![
         Op::linear(None, false, false),
         Op::linear(Some(Activation::Gelu), true, true),

@@ -9,11 +9,11 @@
 //! between runs: a buffer is replaced only when a longer input needs more, a bind group only when
 //! a buffer it binds was, and the sizes are written only when they change.
 
+use crate::quant::QuantWeight;
 use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
 use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
-use crate::quant::QuantWeight;
 use kiln_compiler::lower::{
     Plan, Storage, WeightFormat, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups,
 };
@@ -367,7 +367,10 @@ impl GpuModel {
             let Storage::Param(name) = &v.storage else { continue };
             if v.format.quantized() {
                 let q = blocks.get(name).ok_or_else(|| {
-                    GpuError::Dispatch(format!("the plan reads parameter `{name}` as {} blocks, which were not given", v.format))
+                    GpuError::Dispatch(format!(
+                        "the plan reads parameter `{name}` as {} blocks, which were not given",
+                        v.format
+                    ))
                 })?;
                 let expected = resolve(&v.shape, &no_syms);
                 if q.format != v.format || [q.rows, q.k] != expected[..] {
@@ -392,18 +395,18 @@ impl GpuModel {
         // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
         for fold in &plan.folds {
             if plan.values[fold.output].format.quantized() {
-                let args: Vec<&QuantWeight> = fold
-                    .operands
-                    .iter()
-                    .map(|o| quant.get(o).map(|q| q.as_ref()))
-                    .collect::<Option<_>>()
-                    .ok_or_else(|| GpuError::Dispatch("internal error: a quantized fold reads a non-quantized value".into()))?;
+                let args: Vec<&QuantWeight> =
+                    fold.operands.iter().map(|o| quant.get(o).map(|q| q.as_ref())).collect::<Option<_>>().ok_or_else(
+                        || GpuError::Dispatch("internal error: a quantized fold reads a non-quantized value".into()),
+                    )?;
                 let q = match (&fold.op, args.as_slice()) {
                     (kiln_compiler::graph::Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
                     (kiln_compiler::graph::Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
                     _ => None,
                 }
-                .ok_or_else(|| GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name())))?;
+                .ok_or_else(|| {
+                    GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name()))
+                })?;
                 quant.insert(fold.output, Cow::Owned(q));
                 continue;
             }
@@ -643,8 +646,7 @@ impl GpuModel {
                 // The chunked variants read f32 only.
                 return Err(GpuError::Dispatch(format!(
                     "`{}`: a tensor is larger than this adapter binds in one buffer, and the split kernel reads f32 weights only, not {} (load the weights as f32: `--dequantize` / `--precision f32`)",
-                    step.scope,
-                    plan.values[o].format
+                    step.scope, plan.values[o].format
                 )));
             } else {
                 let key = (step.kernel, counts.clone());

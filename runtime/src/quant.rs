@@ -119,7 +119,8 @@ impl QuantWeight {
                     }
                     _ => {
                         let m = f32::from_bits(row[nb + b]);
-                        let q: Vec<u8> = row[2 * nb + 4 * b..2 * nb + 4 * b + 4].iter().flat_map(|w| w.to_le_bytes()).collect();
+                        let q: Vec<u8> =
+                            row[2 * nb + 4 * b..2 * nb + 4 * b + 4].iter().flat_map(|w| w.to_le_bytes()).collect();
                         out.extend(q.iter().map(|&x| f32::from(x & 0x0f) * d + m));
                         out.extend(q.iter().map(|&x| f32::from(x >> 4) * d + m));
                     }
@@ -204,7 +205,13 @@ mod tests {
             assert_eq!(q.dequantize(), reference, "{format}");
             // Quantization error: Q8_0 within half a step of 1/127, Q4_1 within half of 2/15.
             let tol = if format == WeightFormat::Q8_0 { 0.5 / 127.0 + 1e-3 } else { 1.0 / 15.0 + 2e-3 };
-            let worst = t.as_f32().unwrap().iter().zip(q.dequantize().as_f32().unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst = t
+                .as_f32()
+                .unwrap()
+                .iter()
+                .zip(q.dequantize().as_f32().unwrap())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(worst <= tol, "{format}: {worst}");
             // Row operations and scaling act on rows of the dequantized tensor.
             let rows = q.take_rows(&[2, 0]);

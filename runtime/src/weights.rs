@@ -227,11 +227,7 @@ pub type ParamsAndBlocks = (HashMap<String, Tensor>, HashMap<String, QuantWeight
 
 /// [`load_params`], and the Q8_0/Q4_1 blocks of every 2-D parameter a GGUF checkpoint stores in
 /// one of those types (see [`quantized_named`]), from one reading of the file.
-pub fn load_params_with_blocks(
-    spec: &Resolved,
-    graph: &Graph,
-    path: &Path,
-) -> Result<ParamsAndBlocks, WeightError> {
+pub fn load_params_with_blocks(spec: &Resolved, graph: &Graph, path: &Path) -> Result<ParamsAndBlocks, WeightError> {
     let ckpt = Checkpoint::open(path)?;
     let (dims, params) = (PackDims::of(spec), graph_params(graph));
     Ok((load_named(&spec.weights, &dims, &params, &ckpt)?, quantized_named(&spec.weights, &dims, &params, &ckpt)?))
@@ -260,11 +256,8 @@ pub fn quantized_named(
         if expected.len() != 2 || source.transpose || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1) {
             continue;
         }
-        let error = |message: String| WeightError::Quantized {
-            param: name.clone(),
-            tensor: source.tensor.clone(),
-            message,
-        };
+        let error =
+            |message: String| WeightError::Quantized { param: name.clone(), tensor: source.tensor.clone(), message };
         let &[rows, k] = info.shape() else {
             return Err(error(format!("a {}-D tensor is not a matrix of rows of blocks", info.shape().len())));
         };

@@ -607,7 +607,10 @@ fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], for
         }
     }
     for r in 0..rows {
-        s += &format!("        let x{r} = {};\n", vector_x(p.norm, r).replace(&format!("a{r} + kk"), &format!("av{r} + kk")));
+        s += &format!(
+            "        let x{r} = {};\n",
+            vector_x(p.norm, r).replace(&format!("a{r} + kk"), &format!("av{r} + kk"))
+        );
         if mins {
             s += &format!("        xs{r} = xs{r} + x{r};\n");
         }
@@ -624,7 +627,8 @@ fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], for
     for j in 0..units {
         for &h in halves {
             for r in 0..rows {
-                let shift = if mins { format!(" + qm{wi}(rb{j}_{h}, b) * dot(xs{r}, vec4<f32>(1.0))") } else { String::new() };
+                let shift =
+                    if mins { format!(" + qm{wi}(rb{j}_{h}, b) * dot(xs{r}, vec4<f32>(1.0))") } else { String::new() };
                 s += &format!("    y{r}_{j}_{h} = y{r}_{j}_{h} + qs{wi}(rb{j}_{h}, b) * d{r}_{j}_{h}{shift};\n");
             }
         }
