@@ -1,6 +1,6 @@
 //! Storage formats of projection weights on the device.
 //!
-//! Every tensor is f32 on the device except the weight operand of a projection ([`Op::Linear`]),
+//! Every tensor is f32 on the device except the weight operand of a projection ([`Op::Linear`](crate::graph::Op::Linear)),
 //! which lowering may give another [`WeightFormat`] (see [`super::Options::formats`] and
 //! [`super::Options::f16_weights`]); the plan records it in [`super::Value::format`] and the
 //! projection kernel reads that operand through format-specific accessors

@@ -64,7 +64,7 @@ pub struct Value {
     /// Where it lives.
     pub storage: Storage,
     /// How it is stored on the device: `F32` for every value but the weight operand of a
-    /// projection, which may be f16 or quantized (see [`format`]).
+    /// projection, which may be f16 or quantized (see [`mod@format`]).
     #[serde(default, skip_serializing_if = "WeightFormat::is_f32")]
     pub format: WeightFormat,
 }
@@ -158,7 +158,7 @@ pub struct Options {
     pub fold_constants: bool,
     /// Block-quantized parameters (`Q8_0`, `Q4_1`), by canonical name: a projection whose weight is
     /// one of them (or a load-time stack of such rows, or a scaled one) reads the blocks in place
-    /// of f32 (see [`format`]). The runtime must then be given the blocks of each. Parameters
+    /// of f32 (see [`mod@format`]). The runtime must then be given the blocks of each. Parameters
     /// whose rows are not a multiple of 32 stay f32.
     pub formats: BTreeMap<String, WeightFormat>,
     /// Store every other constant projection weight as f16 (needs `SHADER_F16` on the device).
