@@ -489,23 +489,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
 /// row counts that leave partial tiles, plainly and chunked.
 #[test]
 fn linear_kernel_forms_at_every_shape() {
-    let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
-    let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
-    let rope = RopeCols {
-        theta: Scalar(10000.0),
-        rotary_dim: 8,
-        style: PairStyle::RotateHalf,
-        head_dim: 8,
-        start: 4,
-        len: 16,
-    };
-    let ops = [
-        Op::linear(None, false, false),
-        Op::linear(Some(Activation::Gelu), true, true),
-        Op::Linear { act: None, bias: true, residual: false, norm: layer, glu: false, rope: None },
-        Op::Linear { act: Some(Activation::Silu), bias: false, residual: true, norm: rms, glu: true, rope: None },
-        Op::Linear { act: None, bias: true, residual: true, norm: rms, glu: false, rope: Some(rope) },
-    ];
+    let ops = common::projection_ops();
     // (rows: [batch, seq], k, n): GEMM over several row tiles, GEMV, k or n not a multiple of 4;
     // then small enough for the chunked device (at most 32 chunks of 64 floats per dispatch).
     // n = 26 and 10: a plain projection's weight is padded to whole `vec4`s.

@@ -6,10 +6,9 @@
 
 mod common;
 
-use kiln_compiler::graph::{Graph, InputRole, Op, Prologue, RopeCols, Scalar, Sym};
+use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Options, Plan, WeightFormat, lower_with};
-use kiln_compiler::spec::{Activation, PairStyle};
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::{GpuModel, QuantWeight};
 use std::collections::{BTreeMap, HashMap};
@@ -19,23 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 const TOLERANCE: f32 = 2e-5;
 
 fn ops() -> Vec<Op> {
-    let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
-    let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
-    let rope = RopeCols {
-        theta: Scalar(10000.0),
-        rotary_dim: 8,
-        style: PairStyle::RotateHalf,
-        head_dim: 8,
-        start: 4,
-        len: 16,
-    };
-    vec![
-        Op::linear(None, false, false),
-        Op::linear(Some(Activation::Gelu), true, true),
-        Op::Linear { act: None, bias: true, residual: false, norm: layer, glu: false, rope: None },
-        Op::Linear { act: Some(Activation::Silu), bias: false, residual: true, norm: rms, glu: true, rope: None },
-        Op::Linear { act: None, bias: true, residual: true, norm: rms, glu: false, rope: Some(rope) },
-    ]
+    common::projection_ops()
 }
 
 /// One graph with every op at every shape `(rows, k, n)`: GEMM over several row tiles, GEMV

@@ -61,3 +61,27 @@ pub fn spec(name: &str) -> FrontEnd {
     let source = std::fs::read_to_string(root().join(&path)).expect("spec exists");
     front_end(&path, &source).unwrap_or_else(|e| panic!("{}", e.render()))
 }
+
+/// Projections covering the kernel's forms and epilogues: plain; GELU with bias and residual; a
+/// LayerNorm prologue; a gated SiLU with an RMSNorm prologue; a RoPE epilogue.
+pub fn projection_ops() -> Vec<kiln_compiler::graph::Op> {
+    use kiln_compiler::graph::{Op, Prologue, RopeCols, Scalar};
+    use kiln_compiler::spec::{Activation, PairStyle};
+    let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
+    let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
+    let rope = RopeCols {
+        theta: Scalar(10000.0),
+        rotary_dim: 8,
+        style: PairStyle::RotateHalf,
+        head_dim: 8,
+        start: 4,
+        len: 16,
+    };
+    vec![
+        Op::linear(None, false, false),
+        Op::linear(Some(Activation::Gelu), true, true),
+        Op::Linear { act: None, bias: true, residual: false, norm: layer, glu: false, rope: None },
+        Op::Linear { act: Some(Activation::Silu), bias: false, residual: true, norm: rms, glu: true, rope: None },
+        Op::Linear { act: None, bias: true, residual: true, norm: rms, glu: false, rope: Some(rope) },
+    ]
+}

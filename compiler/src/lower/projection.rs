@@ -370,12 +370,7 @@ fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
     let (wi, _, _) = operand_indices(p);
     let mut s = String::new();
     s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
-    if let Some(n) = p.norm {
-        s += "    let gain = ld1v(kk);\n";
-        if n.bias {
-            s += "    let shift = ld2v(kk);\n";
-        }
-    }
+    s += &norm_loads(p.norm, "    ");
     for r in 0..rows {
         s += &format!("    let x{r} = {};\n", vector_x(p.norm, r));
     }
@@ -447,12 +442,7 @@ fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> St
         }
     }
     s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
-    if let Some(n) = p.norm {
-        s += "        let gain = ld1v(kk);\n";
-        if n.bias {
-            s += "        let shift = ld2v(kk);\n";
-        }
-    }
+    s += &norm_loads(p.norm, "        ");
     for r in 0..rows {
         s += &format!("        let x{r} = {};\n", vector_x(p.norm, r));
         if mins {
@@ -600,12 +590,7 @@ fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], for
         }
     }
     s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
-    if let Some(n) = p.norm {
-        s += "        let gain = ld1v(kk);\n";
-        if n.bias {
-            s += "        let shift = ld2v(kk);\n";
-        }
-    }
+    s += &norm_loads(p.norm, "        ");
     for r in 0..rows {
         s += &format!(
             "        let x{r} = {};\n",
@@ -705,4 +690,13 @@ fn epilogue(p: Linear) -> String {
         s += "st(row * n + c0, y0);\n";
     }
     s
+}
+
+/// The loads of a norm prologue's gain (and shift) `vec4`s at `kk`, indented by `indent`.
+fn norm_loads(norm: Option<Prologue>, indent: &str) -> String {
+    match norm {
+        None => String::new(),
+        Some(n) if n.bias => format!("{indent}let gain = ld1v(kk);\n{indent}let shift = ld2v(kk);\n"),
+        Some(_) => format!("{indent}let gain = ld1v(kk);\n"),
+    }
 }
