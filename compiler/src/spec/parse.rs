@@ -206,7 +206,7 @@ fn plain_type(serde: &str) -> String {
         "u64" => "a non-negative integer".into(),
         "f64" => "a number".into(),
         "a boolean" => "a boolean (`true` or `false`)".into(),
-        "map" => "a table".into(),
+        "map" | "a map" => "a table".into(),
         "sequence" => "an array".into(),
         _ if s.starts_with("struct ") => "a table".into(),
         _ => s.into(),
