@@ -43,6 +43,13 @@ pub struct EmbedArgs {
     exec: Exec,
 }
 
+impl EmbedArgs {
+    /// The spec file.
+    pub fn spec(&self) -> &std::path::Path {
+        &self.spec
+    }
+}
+
 /// Runs `kiln embed`.
 pub fn run(args: EmbedArgs) -> Result<()> {
     let mut fe = load_spec(&args.spec)?;

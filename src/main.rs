@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod bench;
+mod diagnose;
 mod embed;
 mod generate;
 mod storage;
@@ -269,15 +270,29 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    let spec = spec_of(&cli.command).map(Path::to_path_buf);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             match err.downcast_ref::<SpecError>() {
                 Some(spec_error) => eprint!("{}", spec_error.render()),
-                None => eprintln!("error: {err:#}"),
+                None => match spec.and_then(|spec| diagnose::weight_error(&err, &spec)) {
+                    Some(located) => eprint!("{located}"),
+                    None => eprintln!("error: {err:#}"),
+                },
             }
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The spec (or artifact) file a command reads weights for, if any.
+fn spec_of(command: &Command) -> Option<&Path> {
+    match command {
+        Command::Run { model, .. } => Some(model),
+        Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
+        Command::Embed(args) => Some(args.spec()),
+        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } => None,
     }
 }
 

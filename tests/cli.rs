@@ -148,7 +148,44 @@ fn wrong_weights_name_the_tensor() {
             "--output",
             "/dev/null",
         ],
-        &["tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in", "nearest names in the file"],
+        &[
+            "tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in",
+            "nearest names in the file",
+            // Located at the map entry's origin: the spec's preset.
+            "--> models/gpt2.toml:",
+            "preset = \"gpt2\"",
+            "key: weights.preset (preset `gpt2`'s entry `embed.tokens`)",
+        ],
+    );
+}
+
+#[test]
+fn a_misnamed_weight_map_entry_is_shown_at_its_line() {
+    let spec = scratch("entry").join("gpt2.toml");
+    let source = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap()
+        + "\n[weights.tensors]\n\"embed.positions\" = \"transformer.wpe.weigth\"\n";
+    std::fs::write(&spec, &source).unwrap();
+    let line = source.lines().count();
+    fails_with(
+        &[
+            "run",
+            s(&spec),
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            "/dev/null",
+            "--backend",
+            "interp",
+        ],
+        &[
+            "tensor `transformer.wpe.weigth` (for parameter `embed.positions`) is not in",
+            &format!("gpt2.toml:{line}:21"),
+            "^^^^^^^^^^^^^^^^^^^^^^^^",
+            "key: weights.tensors.\"embed.positions\"",
+            "help: nearest names in the file: transformer.wpe.weight,",
+        ],
     );
 }
 
@@ -225,6 +262,18 @@ fn corrupt_weight_files_are_reported() {
     std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
     run_gpt2_with(&garbage, &["is not a valid safetensors file"]);
     run_gpt2_with(&dir.join("missing.safetensors"), &["cannot read"]);
+    // The cause is said once, not once per link of the error chain.
+    let o = kiln(&[
+        "run",
+        "models/gpt2.toml",
+        "--weights",
+        s(&dir.join("missing.safetensors")),
+        "--inputs",
+        "x",
+        "--output",
+        "y",
+    ]);
+    assert_eq!(stderr(&o).matches("No such file").count(), 1, "{}", stderr(&o));
     let gguf = dir.join("truncated.gguf");
     std::fs::write(&gguf, b"GGUF\x03\0\0\0\x01").unwrap();
     run_gpt2_with(&gguf, &["truncated.gguf", "truncated file: tensor count at byte 8 needs 8 bytes"]);

@@ -18,13 +18,14 @@ use std::path::{Path, PathBuf};
 /// An error loading weights or tensors from a file.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
-    /// The file could not be read.
-    #[error("cannot read `{path}`: {source}")]
+    /// The file could not be read. (The cause is part of the message, not an error `source`, so
+    /// error chains do not print it twice.)
+    #[error("cannot read `{path}`: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The file is not a valid safetensors file.
     #[error("`{path}` is not a valid safetensors file: {message}")]
@@ -119,7 +120,7 @@ impl Checkpoint {
     /// Reads the file and validates its header. A file that starts with `GGUF` or is named
     /// `*.gguf` is read as GGUF, any other as safetensors.
     pub fn open(path: &Path) -> Result<Self, WeightError> {
-        let bytes = std::fs::read(path).map_err(|source| WeightError::Io { path: path.into(), source })?;
+        let bytes = std::fs::read(path).map_err(|error| WeightError::Io { path: path.into(), error })?;
         let is_gguf = gguf::sniff(&bytes) || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
         let format = if is_gguf {
             Format::Gguf(Gguf::parse(bytes).map_err(|error| WeightError::Gguf { path: path.into(), error })?)
@@ -486,7 +487,7 @@ pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>, WeightError>
 
 /// Writes f32/i64 tensors to a safetensors file, atomically (a temporary file renamed into place).
 pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), WeightError> {
-    let io = |source| WeightError::Io { path: path.into(), source };
+    let io = |error| WeightError::Io { path: path.into(), error };
     let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| match &t.data {

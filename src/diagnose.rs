@@ -1,0 +1,40 @@
+//! Errors that belong to a line of the spec. A tensor the weight map names wrongly (missing from
+//! the checkpoint, misshapen, or not storable in its quantized form) is the fault of a weight-map
+//! entry: it is rendered like a spec error, at that entry in `[weights.tensors]`, or at
+//! `weights.preset` when the entry is the preset's.
+
+use kiln_compiler::diag::Diagnostic;
+use kiln_compiler::spec::SpanIndex;
+use kiln_runtime::WeightError;
+use std::path::Path;
+
+/// `err` rendered at the weight-map entry of `spec` (a spec file) it concerns, if it is a weight
+/// error about a parameter that the spec maps.
+pub fn weight_error(err: &anyhow::Error, spec: &Path) -> Option<String> {
+    let weight = err.chain().find_map(|e| e.downcast_ref::<WeightError>())?;
+    let (param, message, help) = match weight {
+        WeightError::MissingTensor { param, tensor, path, nearest } => (
+            param,
+            format!("tensor `{tensor}` (for parameter `{param}`) is not in `{}`", path.display()),
+            (!nearest.is_empty()).then(|| format!("nearest names in the file: {}", nearest.join(", "))),
+        ),
+        WeightError::Shape { param, .. } | WeightError::Quantized { param, .. } => (param, weight.to_string(), None),
+        _ => return None,
+    };
+    // An artifact, or a file that is not a spec, has no line to point at.
+    let source = std::fs::read_to_string(spec).ok()?;
+    let file = spec.display().to_string();
+    let resolved = kiln_compiler::spec::load(&file, &source).ok()?;
+    let entry = resolved.weights.resolve(param)?;
+    let index = SpanIndex::new(&source);
+    let (span, key) = match index.value(&format!("weights.tensors.{}", entry.template)) {
+        Some(span) => (span, format!("weights.tensors.\"{}\"", entry.template)),
+        None => {
+            let preset = resolved.weights.preset.as_deref().unwrap_or("?");
+            (index.value("weights.preset")?, format!("weights.preset (preset `{preset}`'s entry `{}`)", entry.template))
+        }
+    };
+    let mut d = Diagnostic::new("the weight map names the checkpoint's tensors", message).with_span(span).with_key(key);
+    d.help = help;
+    Some(d.render(&file, &source))
+}
