@@ -1,15 +1,30 @@
-//! kiln-compiler: Transformer spec -> graph IR -> (optimized graph -> kernels, in later stages).
+//! kiln-compiler: a Transformer spec, through four intermediate representations, to a plan of
+//! WGSL kernels; and the CPU interpreter every stage is checked against.
 //!
-//! The pipeline, one module per stage, in the order data flows:
+//! The IRs, in the order data flows (each module's docs give its invariants):
 //!
-//! 1. [`spec`]: TOML text -> [`spec::Spec`] (serde) -> [`spec::Resolved`] (validated, defaults filled),
-//!    with [`diag::Diagnostic`]s located at `line:column`.
-//! 2. [`graph`]: [`spec::Resolved`] -> [`graph::Graph`], a petgraph dataflow graph of tensor-level ops
-//!    whose shapes are inferred, batch and sequence symbolic. Printers for text and DOT.
-//! 3. [`interp`]: the CPU reference interpreter that executes any graph in f32; the oracle every
-//!    later stage is checked against.
-//! 4. [`lower`]: [`graph::Graph`] -> [`lower::Plan`]: one naga-validated WGSL kernel per op, buffers
-//!    shared by liveness; what the runtime executes on a GPU.
+//! 1. **Spec** ([`spec`]): TOML text -> [`spec::Spec`] (serde, the keys as written) ->
+//!    [`spec::Resolved`] (validated against [`spec::Limits`], every default filled in, the weight
+//!    map resolved from its preset and overrides). Errors are [`diag::Diagnostic`]s located at the
+//!    offending key's `line:column`, with a "did you mean" for misspelled keys and values.
+//! 2. **Graph** ([`graph`]): [`spec::Resolved`] -> [`graph::Graph`], a petgraph dataflow graph of
+//!    small, unfused tensor ops (matmul, add, softmax, norm, rope, ...) with inferred shapes.
+//!    Model dimensions are concrete; batch and sequence lengths stay symbolic ([`graph::Sym`]).
+//!    Parameters are nodes named by canonical names (`layers.{i}.attn.q.weight`) that the weight
+//!    map binds to checkpoint tensors. Every node has a scope (`layers.3.attn`) for printing.
+//! 3. **E-graph** ([`optimize`]): the graph as an [`egg`] e-graph over the language
+//!    [`optimize::Kl`], where rewrite rules add fused ops (merged Q/K/V projections, projection
+//!    epilogues, fused norms, masked softmax, whole attention) next to the ops they replace, and a
+//!    [`optimize::CostModel`] extracts the cheapest equivalent graph. The result is again a
+//!    [`graph::Graph`], whose fused nodes [`optimize::explain`] traces back to their rules.
+//! 4. **Plan** ([`lower`]): [`graph::Graph`] -> [`lower::Plan`], the device-independent program:
+//!    one naga-validated WGSL [`lower::Kernel`] per distinct op, a [`lower::Step`] (dispatch) per
+//!    op in topological order, [`lower::Value`]s placed in buffers shared by liveness, and the
+//!    folds evaluated once at load time. `kiln-runtime` executes it on wgpu.
+//!
+//! An [`artifact`] stores a plan with its spec and weight map in one versioned, checksummed file.
+//! The [`interp`] module executes any graph, before or after optimization, in f32 on the CPU: the
+//! definition of each op's meaning and the oracle for the optimizer and the kernels.
 //!
 //! [`front_end`] runs stages 1 and 2 as one function; the CLI and the tests use it.
 //!
