@@ -254,6 +254,11 @@ impl Tokenizer {
         Self::from_json(path, &bytes)
     }
 
+    /// A `tokenizer.json` already in memory (errors name it `<memory>`).
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, TokenizeError> {
+        Self::from_json(Path::new("<memory>"), bytes)
+    }
+
     /// A `tokenizer.json` read from `path` into `bytes`.
     fn from_json(path: &Path, bytes: &[u8]) -> Result<Self, TokenizeError> {
         let mut inner = tokenizers::Tokenizer::from_bytes(bytes)

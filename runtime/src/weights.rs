@@ -121,6 +121,12 @@ impl Checkpoint {
     /// `*.gguf` is read as GGUF, any other as safetensors.
     pub fn open(path: &Path) -> Result<Self, WeightError> {
         let bytes = std::fs::read(path).map_err(|error| WeightError::Io { path: path.into(), error })?;
+        Self::from_bytes(path, bytes)
+    }
+
+    /// [`Checkpoint::open`] on a file's bytes already read; `path` names it in errors (and a
+    /// `.gguf` extension selects GGUF as in `open`).
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self, WeightError> {
         let is_gguf = gguf::sniff(&bytes) || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
         let format = if is_gguf {
             Format::Gguf(Gguf::parse(bytes).map_err(|error| WeightError::Gguf { path: path.into(), error })?)
