@@ -93,6 +93,7 @@ pub enum ArtifactError {
 
 impl Artifact {
     /// Serialises to bytes (header + payload).
+    #[expect(clippy::expect_used, reason = "plain data with string map keys, which serde_json always serializes")]
     pub fn to_bytes(&self) -> Vec<u8> {
         let payload = serde_json::to_vec(self).expect("artifact types serialise");
         let mut out = Vec::with_capacity(HEADER + payload.len());

@@ -65,6 +65,15 @@ pub enum InterpError {
         /// The limit.
         limit: u128,
     },
+    /// An op given operands its typing rule ([`crate::graph::infer`]) refuses, or a result shape
+    /// other than the one it infers: a fold of a damaged or foreign plan.
+    #[error("cannot evaluate {op}: {message}")]
+    IllTyped {
+        /// The op.
+        op: String,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 type R<T> = Result<T, InterpError>;
@@ -113,7 +122,8 @@ pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
 /// mask is all ones and absent token types are zeros.
 pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Vec<Tensor>, HashMap<Sym, usize>)> {
     let (tensors, syms) = bind_named_with(specs, given, &HashMap::new())?;
-    Ok((tensors.into_iter().map(|t| t.expect("no resident inputs")).collect(), syms))
+    // With nothing resident, every spec is bound to a tensor.
+    Ok((tensors.into_iter().flatten().collect(), syms))
 }
 
 /// Bound inputs, one per spec (`None`: resident), and the values of the symbols.
@@ -297,10 +307,11 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
             }
         };
         for o in &operands {
-            let u = uses.get_mut(o).expect("operand use counted");
-            *u -= 1;
-            if *u == 0 {
-                values.remove(o);
+            if let Some(u) = uses.get_mut(o) {
+                *u -= 1;
+                if *u == 0 {
+                    values.remove(o);
+                }
             }
         }
         values.insert(n, out);
@@ -308,6 +319,7 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
     Ok(g.outputs.iter().map(|(name, n)| (name.clone(), values[n].clone())).collect())
 }
 
+#[expect(clippy::expect_used, reason = "eval runs only on well-typed ops: see `eval`")]
 fn f(t: &Tensor) -> &[f32] {
     t.as_f32().expect("graph typing guarantees f32 here")
 }
@@ -315,7 +327,22 @@ fn f(t: &Tensor) -> &[f32] {
 /// Evaluates one op. `shape` is the node's resolved output shape.
 /// Evaluates one op on tensors outside any graph (constant folding at load time). `shape` is the
 /// op's resolved output shape.
+///
+/// The op and its operands need not come from a checked graph (a plan read from a file holds
+/// them), so the op's typing rule is checked on the actual operands first: whatever [`eval`]
+/// assumes about arity, dtypes and ranks then holds.
 pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+    let ill = |message: String| InterpError::IllTyped { op: op.name(), message };
+    if matches!(op, Op::Input { .. } | Op::Param { .. }) {
+        return Err(ill("inputs and parameters are bound, not evaluated".into()));
+    }
+    let shapes: Vec<Vec<Dim>> = args.iter().map(|t| t.shape.iter().map(|&d| Dim::Fixed(d)).collect()).collect();
+    let typed: Vec<(&Vec<Dim>, DType)> = shapes.iter().zip(args).map(|(s, t)| (s, t.dtype())).collect();
+    let (inferred, _) = crate::graph::infer(op, &typed).map_err(ill)?;
+    let expected: Vec<Dim> = shape.iter().map(|&d| Dim::Fixed(d)).collect();
+    if inferred != expected {
+        return Err(ill(format!("its operands give shape {inferred:?}, the plan says {shape:?}")));
+    }
     eval(Ctx { node: None, past: 0 }, op, args, shape)
 }
 
@@ -328,9 +355,16 @@ struct Ctx<'a> {
 }
 
 /// Evaluates one op. `shape` is the node's resolved output shape.
+///
+/// The op is well typed: its operands are what [`crate::graph::infer`] accepts and `shape` is what
+/// it gives, because the op is a node of a checked graph ([`Graph::check`]) or a fold that
+/// [`eval_op`] checked. Arity, dtypes and ranks are therefore not checked again here.
+#[expect(clippy::expect_used, reason = "operand dtypes and ranks are guaranteed by the typing rules")]
 fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
     Ok(match op {
-        Op::Input { .. } | Op::Param { .. } => unreachable!("bound before eval"),
+        Op::Input { .. } | Op::Param { .. } => {
+            return Err(InterpError::IllTyped { op: op.name(), message: "bound before evaluation".into() });
+        }
         Op::Positions { .. } => {
             let start = ctx.past as i64;
             Tensor::i64(shape.clone(), (start..start + shape[0] as i64).collect())
@@ -904,6 +938,21 @@ fn permute(t: &Tensor, perm: &[usize]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ill_typed_folds_are_errors() {
+        // What a damaged plan could ask of a load-time fold: each must be refused, not panic.
+        let table = Tensor::f32(vec![4, 2], vec![0.0; 8]);
+        let float_ids = Tensor::f32(vec![1, 3], vec![0.0; 3]);
+        let err = eval_op(&Op::Gather, &[&table, &float_ids], vec![1, 3, 2]).unwrap_err();
+        assert!(matches!(err, InterpError::IllTyped { .. }), "{err}");
+        let x = Tensor::f32(vec![2, 3], vec![0.0; 6]);
+        assert!(eval_op(&Op::Softmax, &[&x], vec![3, 2]).is_err(), "a result shape the op does not give");
+        assert!(eval_op(&Op::Softmax, &[], vec![2, 3]).is_err(), "too few operands");
+        assert!(eval_op(&Op::Param { name: "w".into() }, &[], vec![2]).is_err(), "a parameter is not evaluated");
+        // A well-typed fold still evaluates.
+        assert_eq!(eval_op(&Op::Softmax, &[&x], vec![2, 3]).unwrap().shape, vec![2, 3]);
+    }
 
     #[test]
     fn alibi_slopes_match_the_paper() {

@@ -31,6 +31,9 @@
 //! **Architecture invariant**: this crate never depends on a GPU API. It produces IR and runs it on
 //! the CPU; executing on a device is `kiln-runtime`'s job.
 #![warn(missing_docs)]
+// No panics on paths that input reaches: errors are values. The few documented invariants that
+// remain `expect`s say why they hold (`#[expect(..., reason)]`); tests may unwrap (clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod artifact;
 pub mod diag;

@@ -452,7 +452,7 @@ fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)
             (s.output, i, last_use.get(&s.output).copied().unwrap_or(i).max(i), size)
         })
         .collect();
-    let placements = [in_step_order(values, &lives), by_size(&lives)];
+    let (step_order, sized) = (in_step_order(values, &lives), by_size(&lives));
     let held = |p: &(Vec<usize>, usize)| {
         let mut sizes = vec![0usize; p.1];
         for (&slot, l) in p.0.iter().zip(&lives) {
@@ -460,7 +460,7 @@ fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)
         }
         sizes.iter().sum::<usize>()
     };
-    let best = placements.into_iter().min_by_key(held).expect("two placements");
+    let best = if held(&sized) < held(&step_order) { sized } else { step_order };
     for (&slot, l) in best.0.iter().zip(&lives) {
         values[l.0].storage = Storage::Slot(slot);
     }

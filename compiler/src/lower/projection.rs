@@ -60,12 +60,14 @@ struct Linear {
 }
 
 impl Linear {
-    fn of(op: &Op) -> Option<Linear> {
+    /// The attributes of `op`, which must be an [`Op::Linear`]: the public functions of this module
+    /// are the projection cases of lowering, [`super::wgsl::kernel`] and [`super::dispatch`], which
+    /// all match on that variant before calling them.
+    #[expect(clippy::panic, reason = "a precondition of this module's functions, met by every caller")]
+    fn of(op: &Op) -> Linear {
         match *op {
-            Op::Linear { act, bias, residual, norm, glu, rope } => {
-                Some(Linear { act, bias, residual, norm, glu, rope })
-            }
-            _ => None,
+            Op::Linear { act, bias, residual, norm, glu, rope } => Linear { act, bias, residual, norm, glu, rope },
+            ref other => panic!("{} is not a projection", other.name()),
         }
     }
 
@@ -97,7 +99,7 @@ pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize)
 }
 
 fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool) -> Vec<usize> {
-    let p = Linear::of(op).expect("a projection");
+    let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
     let k = operands[0].last().copied().unwrap_or(1);
     let w = operands[operand_indices(p).0].last().copied().unwrap_or(1);
@@ -177,7 +179,7 @@ pub fn bindings(elems: &[Elem]) -> String {
 
 /// The storage format of the weight operand of projection `op`, from its operands' device types.
 pub fn weight_format(op: &Op, elems: &[Elem]) -> WeightFormat {
-    let p = Linear::of(op).expect("a projection");
+    let p = Linear::of(op);
     match elems.get(operand_indices(p).0) {
         Some(Elem::F16) => WeightFormat::F16,
         Some(Elem::Q8_0) => WeightFormat::Q8_0,
@@ -189,7 +191,7 @@ pub fn weight_format(op: &Op, elems: &[Elem]) -> WeightFormat {
 /// Module-scope function of the kernel: the columns of unit `u` as `(c0, c1, rotated, t)`, `t`
 /// the rotation's frequency index.
 pub fn unit_fn(op: &Op) -> String {
-    let p = Linear::of(op).expect("a projection");
+    let p = Linear::of(op);
     let body = if let Some(r) = p.rope {
         // Pairs: within a rotated head (columns start .. start + len), the first `rotary_dim / 2`
         // units of each head are rotation pairs, the rest adjacent pairs of unrotated columns.
@@ -235,7 +237,7 @@ pub fn body_scalar(op: &Op) -> String {
 }
 
 fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
-    let p = Linear::of(op).expect("a projection");
+    let p = Linear::of(op);
     let pair = p.unit_cols() == 2;
     let mut s = String::from(
         "let n = dim(1u);\nlet k = dim(2u);\nlet m = dim(5u);\nlet tiles = dim(6u);\nlet form = dim(7u);\n",

@@ -162,7 +162,7 @@ fn accessors(body: &str) -> String {
             0
         };
         if name_len == 0 {
-            let ch = body[i..].chars().next().expect("in bounds");
+            let Some(ch) = body[i..].chars().next() else { break };
             out.push(ch);
             i += ch.len_utf8();
             continue;

@@ -814,9 +814,12 @@ fn rebuild(
     let mut index: Vec<Option<NodeIndex>> = vec![None; expr.as_ref().len()];
     let nodes = expr.as_ref();
     let mut class: Vec<Id> = Vec::with_capacity(nodes.len());
+    // Extraction only returns nodes of the e-graph, children before parents; a term that breaks
+    // that is an optimizer bug, reported as an error rather than a panic.
+    let broken = |message: &str| GraphError { op: "extract".into(), scope: String::new(), message: message.into() };
     for (i, node) in nodes.iter().enumerate() {
         let in_graph = node.clone().map_children(|c| class[usize::from(c)]);
-        let id = egraph.lookup(in_graph.clone()).expect("extracted nodes exist in the e-graph");
+        let id = egraph.lookup(in_graph.clone()).ok_or_else(|| broken("an extracted node is not in the e-graph"))?;
         class.push(id);
         let Some((op, operand_classes)) = to_op(egraph, &in_graph) else { continue };
         // Map operand classes back to the RecExpr children that produced them.
@@ -824,10 +827,11 @@ fn rebuild(
         let operands: Vec<NodeIndex> = operand_classes
             .iter()
             .map(|oc| {
-                let pos = children.iter().find(|&&c| class[c] == *oc).expect("operand is a child");
-                index[*pos].expect("operands are built first")
+                let pos =
+                    children.iter().find(|&&c| class[c] == *oc).ok_or_else(|| broken("an operand is no child"))?;
+                index[*pos].ok_or_else(|| broken("an operand is built after its user"))
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         let key = (op.clone(), operands.clone());
         let n = match built.get(&key) {
             Some(&n) => n,
@@ -838,7 +842,8 @@ fn rebuild(
                 });
                 let n = match &op {
                     Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } if operands.is_empty() => {
-                        let Type { shape, dtype, .. } = egraph[id].data.clone().expect("leaves are typed");
+                        let Type { shape, dtype, .. } =
+                            egraph[id].data.clone().ok_or_else(|| broken("a leaf has no type"))?;
                         out.g.add_node(Node { op: op.clone(), shape, dtype, scope: out.scope.clone() })
                     }
                     _ => out.add(op.clone(), &operands)?,
@@ -849,7 +854,7 @@ fn rebuild(
         };
         index[i] = Some(n);
     }
-    Ok(index.last().copied().flatten().expect("the root is a tensor"))
+    index.last().copied().flatten().ok_or_else(|| broken("the root is not a tensor"))
 }
 
 /// The rules that produce a fused op, read off its attributes (a provenance record: each fused form

@@ -194,6 +194,7 @@ pub fn preset_source(name: &str) -> Option<&'static str> {
 }
 
 /// Parses a built-in preset (they are tested to parse, so an error here is a bug in kiln).
+#[expect(clippy::panic, reason = "built-in presets are part of the program; tests parse every one")]
 pub fn preset(name: &str) -> Option<BTreeMap<String, Source>> {
     let text = preset_source(name)?;
     let table: BTreeMap<String, SourceSpec> =

@@ -137,6 +137,7 @@ impl Searcher<Kl, KAnalysis> for SharedInput {
     }
 }
 
+#[expect(clippy::expect_used, reason = "the rules are fixed; every optimizer run and test builds them")]
 pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
     vec![
         // x W1^T, x W2^T = slices of x [W1; W2]^T
