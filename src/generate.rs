@@ -2,13 +2,13 @@
 //! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes
 //! (or, with `--json`, printed once at the end as one JSON document).
 
+use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
-use crate::progress::Reporter;
 use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, Stop, generate};
 use kiln_runtime::{Message, Tokenizer, weights};
 use std::collections::HashMap;

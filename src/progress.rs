@@ -120,7 +120,10 @@ mod tests {
         let reporter = Reporter::new(false);
         reporter.update(Phase::Read, 0, 3);
         reporter.update(Phase::Read, 2, 3);
-        assert_eq!(reporter.bar.borrow().as_ref().map(|(p, b)| (*p, b.position(), b.length())), Some((Phase::Read, 2, Some(3))));
+        assert_eq!(
+            reporter.bar.borrow().as_ref().map(|(p, b)| (*p, b.position(), b.length())),
+            Some((Phase::Read, 2, Some(3)))
+        );
         // A new phase replaces the bar; the end of a phase removes it.
         reporter.update(Phase::Upload, 0, 2);
         assert_eq!(reporter.bar.borrow().as_ref().map(|(p, _)| *p), Some(Phase::Upload));

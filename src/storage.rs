@@ -3,12 +3,12 @@
 //! `--precision f16`, f16 (see `kiln_compiler::lower::format`). The interpreter always runs on
 //! the f32 weights.
 
+use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::lower::{self, WeightFormat};
 use kiln_compiler::spec::{PackDims, Resolved};
 use kiln_compiler::tensor::Tensor;
-use crate::progress::Reporter;
 use kiln_runtime::{Checkpoint, Gpu, GpuModel, QuantWeight, weights};
 use std::collections::HashMap;
 use std::sync::Arc;

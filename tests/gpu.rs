@@ -140,15 +140,14 @@ fn building_a_model_reports_every_pipeline_fold_and_upload() {
         .chain(plan.outputs.iter().map(|&(_, v)| root_of(v)))
         .filter(|&v| matches!(plan.values[v].storage, Storage::Param(_) | Storage::Const))
         .collect();
-    let expected = [(Phase::Pipelines, plan.kernels.len()), (Phase::Fold, plan.folds.len()), (Phase::Upload, read.len())];
+    let expected =
+        [(Phase::Pipelines, plan.kernels.len()), (Phase::Fold, plan.folds.len()), (Phase::Upload, read.len())];
     assert!(expected.iter().all(|&(_, n)| n > 0), "{expected:?}");
 
     let seen = std::cell::RefCell::new(Vec::new());
     let record = |phase: Phase, done: usize, total: usize| seen.borrow_mut().push((phase, done, total));
-    let model =
-        GpuModel::with_progress(gpu, plan, &params, &std::collections::HashMap::new(), &record).unwrap();
-    let counted: Vec<_> =
-        expected.iter().flat_map(|&(phase, n)| (0..=n).map(move |done| (phase, done, n))).collect();
+    let model = GpuModel::with_progress(gpu, plan, &params, &std::collections::HashMap::new(), &record).unwrap();
+    let counted: Vec<_> = expected.iter().flat_map(|&(phase, n)| (0..=n).map(move |done| (phase, done, n))).collect();
     assert_eq!(seen.into_inner(), counted);
     let outputs = model.run(&io).unwrap();
     let (_, logits) = outputs.iter().find(|(name, _)| name == "logits").unwrap();

@@ -428,29 +428,30 @@ impl GpuModel {
                     GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name()))
                 })?;
                 quant.insert(fold.output, Cow::Owned(q));
-            } else {
-                // An operand read through a reshape gets its own shape (a copy only then).
-                let args: Vec<Cow<'_, Tensor>> = fold
-                    .operands
-                    .iter()
-                    .map(|&o| {
-                        let t = host.get(&root(o)).ok_or_else(|| {
-                            GpuError::Dispatch(format!("internal error: fold operand {o} is not a constant"))
-                        })?;
-                        let shape = resolve(&plan.values[o].shape, &no_syms);
-                        Ok(if t.shape == shape {
-                            Cow::Borrowed(t.as_ref())
-                        } else {
-                            Cow::Owned(Tensor { shape, data: t.data.clone() })
-                        })
-                    })
-                    .collect::<Result<_, GpuError>>()?;
-                let refs: Vec<&Tensor> = args.iter().map(|t| t.as_ref()).collect();
-                let t =
-                    kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
-                drop(args);
-                host.insert(fold.output, Cow::Owned(t));
+                counter.advance();
+                continue;
             }
+            // An operand read through a reshape gets its own shape (a copy only then).
+            let args: Vec<Cow<'_, Tensor>> = fold
+                .operands
+                .iter()
+                .map(|&o| {
+                    let t = host.get(&root(o)).ok_or_else(|| {
+                        GpuError::Dispatch(format!("internal error: fold operand {o} is not a constant"))
+                    })?;
+                    let shape = resolve(&plan.values[o].shape, &no_syms);
+                    Ok(if t.shape == shape {
+                        Cow::Borrowed(t.as_ref())
+                    } else {
+                        Cow::Owned(Tensor { shape, data: t.data.clone() })
+                    })
+                })
+                .collect::<Result<_, GpuError>>()?;
+            let refs: Vec<&Tensor> = args.iter().map(|t| t.as_ref()).collect();
+            let t =
+                kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
+            drop(args);
+            host.insert(fold.output, Cow::Owned(t));
             counter.advance();
         }
         let mut uploaded = HashMap::new();

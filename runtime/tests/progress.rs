@@ -68,10 +68,8 @@ fn repacking_reports_every_parameter_looked_at() {
         q8.extend((0..32).map(|k| k + row));
     }
     let norm: Vec<u8> = [1.0f32; 32].iter().flat_map(|x| x.to_le_bytes()).collect();
-    let bytes = Builder::new()
-        .tensor("w", &[32, 2], GgmlType::Q8_0, &q8)
-        .tensor("norm", &[32], GgmlType::F32, &norm)
-        .bytes();
+    let bytes =
+        Builder::new().tensor("w", &[32, 2], GgmlType::Q8_0, &q8).tensor("norm", &[32], GgmlType::F32, &norm).bytes();
     let dir = std::env::temp_dir().join(format!("kiln-progress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("m.gguf");
