@@ -121,7 +121,7 @@ pub enum Output {
     Text,
     /// The new ids as they come, comma-separated (`--print-ids`).
     Ids,
-    /// One JSON document at the end (`--json`; see [`json`]).
+    /// One JSON document at the end (`--json`; the fields are listed on `json`).
     Json,
 }
 
