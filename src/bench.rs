@@ -2,6 +2,7 @@
 //! (variants interleaved run by run) and reported with the adapter it ran on; ratios between
 //! variants are the numbers to quote, since absolute times on shared machines are noisy.
 
+use crate::progress::Reporter;
 use crate::storage::WeightArgs;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
@@ -16,6 +17,11 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// No progress bars: a benchmark's output is its figures.
+fn quiet() -> Reporter {
+    Reporter::new(true)
+}
 
 /// Median of a few timings, in milliseconds.
 fn median(mut v: Vec<f64>) -> f64 {
@@ -47,7 +53,7 @@ fn params_for(
 ) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     Ok(match weights {
         None => (interp::random_params(graph, 1), HashMap::new()),
-        Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage)?,
+        Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage, &quiet())?,
     })
 }
 
@@ -73,7 +79,7 @@ pub fn forward(
     let mut variants = Vec::new();
     let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
-        let model = crate::storage::gpu_model(&gpu, graph, &params, &blocks, storage)?;
+        let model = crate::storage::gpu_model(&gpu, graph, &params, &blocks, storage, &quiet())?;
         let (dispatches, kernels) = (model.plan().steps.len(), model.plan().kernels.len());
         model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
         variants.push(Variant { name, model, dispatches, kernels });
@@ -137,7 +143,7 @@ pub fn decode(
     let cached = optimize::optimize(&build_cached(&fe.spec)?)?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let model = crate::storage::gpu_model(&gpu, &cached, &params, &blocks, storage)?;
+    let model = crate::storage::gpu_model(&gpu, &cached, &params, &blocks, storage, &quiet())?;
     let dispatches = model.plan().steps.len();
     let device_weights = (crate::storage::describe(&model), crate::storage::json(&model));
     let mut session = Session::new(Engine::Gpu(Box::new(model)), &outputs, usize::MAX)?;
@@ -518,7 +524,7 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
     for (path, fe) in specs {
         let optimized = optimize::optimize(&fe.graph)?.0;
         let (params, blocks) = params_for(fe, &optimized, None, WeightArgs::default())?;
-        let model = crate::storage::gpu_model(&gpu, &optimized, &params, &blocks, WeightArgs::default())?;
+        let model = crate::storage::gpu_model(&gpu, &optimized, &params, &blocks, WeightArgs::default(), &quiet())?;
         let weight_bytes: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
         let plan = model.plan();
         let dispatches = plan.steps.len();
@@ -616,8 +622,8 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
             tok_s(r),
             decode,
             r.dispatches,
-            format!("{}B", super::human(r.weight_bytes as f64)),
-            format!("{}B", super::human(r.intermediate_bytes as f64)),
+            format!("{}B", crate::report::human(r.weight_bytes as f64)),
+            format!("{}B", crate::report::human(r.intermediate_bytes as f64)),
         );
     }
     println!("  kernels: projection 1024x1024x1024 {gemm:.2} GFLOPS, decode GEMV 576x1536 {gemv:.2} GFLOPS,");

@@ -3,12 +3,13 @@
 //! (and truncated to the spec's `max_positions`), run through the model, and each row of its
 //! `sentence_embedding` is printed: the first values and the norm, every value, or JSON.
 
-use crate::{Backend, Exec, load_spec, run_wgpu};
+use crate::progress::Reporter;
+use crate::{Backend, Exec, load_f32, load_spec, run_wgpu};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::{interp, optimize};
 use kiln_runtime::Tokenizer;
-use kiln_runtime::weights::{Checkpoint, graph_params, load_named};
+use kiln_runtime::weights::{Checkpoint, graph_params};
 use std::path::PathBuf;
 
 /// Values printed per embedding without `--full`.
@@ -35,8 +36,8 @@ pub struct EmbedArgs {
     /// Print every value of each embedding, not only the first few.
     #[arg(long)]
     full: bool,
-    /// Print JSON: the model, the dimensions and, per sentence, its text, token count and
-    /// embedding.
+    /// Print one JSON document on stdout instead of text: the model, the dimensions and, per
+    /// sentence, its text, token count and embedding.
     #[arg(long, conflicts_with = "full")]
     json: bool,
     #[command(flatten)]
@@ -50,8 +51,8 @@ impl EmbedArgs {
     }
 }
 
-/// Runs `kiln embed`.
-pub fn run(args: EmbedArgs) -> Result<()> {
+/// Runs `kiln embed`, showing the loading on `reporter`.
+pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     let mut fe = load_spec(&args.spec)?;
     if !fe.graph.outputs.iter().any(|(name, _)| name == "sentence_embedding") {
         bail!(
@@ -75,13 +76,14 @@ pub fn run(args: EmbedArgs) -> Result<()> {
 
     let ckpt = Checkpoint::open(&args.weights)?;
     if !args.exec.no_optimize {
-        fe.graph = optimize::optimize(&fe.graph)?.0;
+        fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
     }
     let inputs = batch.inputs();
     let outputs = match args.exec.backend {
-        Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec)?,
+        Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec, reporter)?,
         Backend::Interp => {
-            let params = load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &graph_params(&fe.graph), &ckpt)?;
+            let names = graph_params(&fe.graph);
+            let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, reporter)?;
             interp::run(&fe.graph, &params, &inputs).context("run failed")?
         }
     };

@@ -1,14 +1,16 @@
 //! `kiln generate`: a decoder spec's cached graph, optimized unless asked not to, run on wgpu (or
-//! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes.
+//! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes
+//! (or, with `--json`, printed once at the end as one JSON document).
 
+use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
-use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, generate};
-use kiln_runtime::{Message, Tokenizer};
+use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, Stop, generate};
+use kiln_runtime::{Message, Tokenizer, weights};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
@@ -37,8 +39,14 @@ pub struct Request<'a> {
     pub storage: crate::storage::WeightArgs,
 }
 
-/// Builds the session and generates, calling `on_token` with each new id.
-pub fn run(fe: &FrontEnd, req: Request, on_token: impl FnMut(i64) -> bool) -> Result<(Vec<i64>, Stats)> {
+/// Builds the session (its loading shown on `reporter`) and generates, calling `on_token` with
+/// each new id.
+pub fn run(
+    fe: &FrontEnd,
+    req: Request,
+    reporter: &Reporter,
+    on_token: impl FnMut(i64) -> bool,
+) -> Result<(Vec<i64>, Stats)> {
     if req.prompt.is_empty() {
         bail!("the prompt is empty: give --prompt or --prompt-ids");
     }
@@ -65,17 +73,21 @@ pub fn run(fe: &FrontEnd, req: Request, on_token: impl FnMut(i64) -> bool) -> Re
     };
     // Builds, optimizes and loads one graph on the chosen engine.
     let engine_of = |graph: Graph| -> Result<Engine> {
-        let graph = if req.no_optimize { graph } else { optimize::optimize(&graph)?.0 };
+        let graph = match req.no_optimize {
+            true => graph,
+            false => reporter.stage("optimizing", || optimize::optimize(&graph))?.0,
+        };
         Ok(match &gpu {
             None => {
-                let names = kiln_runtime::weights::graph_params(&graph);
-                let params =
-                    kiln_runtime::weights::load_named(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt)?;
+                let names = weights::graph_params(&graph);
+                let dims = PackDims::of(&fe.spec);
+                let params = weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?;
                 Engine::Interp { graph, params }
             }
             Some(gpu) => {
-                let (params, blocks) = crate::storage::load(&fe.spec, &graph, &ckpt, req.storage)?;
-                Engine::Gpu(Box::new(crate::storage::gpu_model(gpu, &graph, &params, &blocks, req.storage)?))
+                let (params, blocks) = crate::storage::load(&fe.spec, &graph, &ckpt, req.storage, reporter)?;
+                let model = crate::storage::gpu_model(gpu, &graph, &params, &blocks, req.storage, reporter)?;
+                Engine::Gpu(Box::new(model))
             }
         })
     };
@@ -92,18 +104,6 @@ pub fn run(fe: &FrontEnd, req: Request, on_token: impl FnMut(i64) -> bool) -> Re
     Ok(generate(&mut session, &prompt, req.max_new, &mut sampler, &req.stop, on_token)?)
 }
 
-/// Prints the throughput line.
-pub fn report(stats: &Stats) {
-    let _ = writeln!(
-        std::io::stderr(),
-        "prefill: {} tokens, {:.1} tok/s; decode: {} tokens, {:.1} tok/s",
-        stats.prompt_tokens,
-        stats.prefill_tok_s(),
-        stats.new_tokens,
-        stats.decode_tok_s()
-    );
-}
-
 /// A prompt given as text.
 pub struct TextPrompt<'a> {
     /// The text.
@@ -114,20 +114,33 @@ pub struct TextPrompt<'a> {
     pub system: Option<&'a str>,
 }
 
-/// `kiln generate`: tokenizes a text prompt if there is one, generates, and streams the new
-/// tokens to stdout as text (with a tokenizer) or as comma-separated ids (`print_ids`, or no
-/// tokenizer). A tokenizer's end-of-sequence id stops generation too.
+/// What `kiln generate` prints on stdout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// The new text as it comes (ids when there is no tokenizer).
+    Text,
+    /// The new ids as they come, comma-separated (`--print-ids`).
+    Ids,
+    /// One JSON document at the end (`--json`; the fields are listed on `json`).
+    Json,
+}
+
+/// `kiln generate`: tokenizes a text prompt if there is one, generates, and prints the new tokens
+/// as `output` says: streamed to stdout as text (with a tokenizer) or comma-separated ids, or as
+/// one JSON document at the end. A tokenizer's end-of-sequence id stops generation too. The
+/// throughput line goes to stderr through `reporter` (which `--quiet` silences).
 pub fn run_cli(
     fe: &FrontEnd,
     mut req: Request,
     text: Option<TextPrompt>,
     tokenizer: Option<&Path>,
-    print_ids: bool,
-) -> Result<Stats> {
-    // The tokenizer: the one named, or the GGUF weights' own.
+    output: Output,
+    reporter: &Reporter,
+) -> Result<()> {
+    // The tokenizer: the one named, or the GGUF weights' own (unless only ids are printed).
     let tokenizer_path = match tokenizer {
         Some(path) => Some(path),
-        None if (text.is_some() || !print_ids) && is_gguf(req.weights)? => Some(req.weights),
+        None if (text.is_some() || output != Output::Ids) && is_gguf(req.weights)? => Some(req.weights),
         None => None,
     };
     let tokenizer = match tokenizer_path {
@@ -165,12 +178,14 @@ pub fn run_cli(
     }
 
     catch_interrupt();
+    let prompt = req.prompt.clone();
     let mut out = std::io::stdout();
-    let stats = match tokenizer.as_ref().filter(|_| !print_ids) {
-        Some(tok) => {
+    let (ids, stats) = match (output, tokenizer.as_ref()) {
+        (Output::Json, _) => run(fe, req, reporter, |_| !interrupted())?,
+        (Output::Text, Some(tok)) => {
             let mut stream = tok.decode_stream(true);
             let mut failed = None;
-            let (_, stats) = run(fe, req, |id| {
+            let generated = run(fe, req, reporter, |id| {
                 let piece = u32::try_from(id).map_err(|_| anyhow::anyhow!("negative token id {id}"));
                 match piece.and_then(|id| Ok(stream.step(id)?)) {
                     Ok(Some(text)) => {
@@ -188,24 +203,67 @@ pub fn run_cli(
             if let Some(e) = failed {
                 return Err(e.context("cannot decode the generated tokens"));
             }
-            stats
+            generated
         }
-        None => {
+        (Output::Text | Output::Ids, _) => {
             let mut first = true;
-            let (_, stats) = run(fe, req, |id| {
+            run(fe, req, reporter, |id| {
                 let _ = write!(out, "{}{id}", if first { "" } else { "," });
                 let _ = out.flush();
                 first = false;
                 !interrupted()
-            })?;
-            stats
+            })?
         }
     };
-    let _ = writeln!(out);
-    if interrupted() {
-        let _ = writeln!(std::io::stderr(), "interrupted: stopped after {} tokens", stats.new_tokens);
+    if output == Output::Json {
+        let text = match &tokenizer {
+            Some(tok) => {
+                let ids: Vec<u32> = ids.iter().map(|&id| u32::try_from(id)).collect::<Result<_, _>>()?;
+                Some(tok.decode(&ids, true).context("cannot decode the generated tokens")?)
+            }
+            None => None,
+        };
+        let value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats);
+        let _ = writeln!(out, "{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        let _ = writeln!(out);
     }
-    Ok(stats)
+    if interrupted() {
+        reporter.info(format_args!("interrupted: stopped after {} tokens", stats.new_tokens));
+    }
+    reporter.info(format_args!(
+        "prefill: {} tokens, {:.1} tok/s; decode: {} tokens, {:.1} tok/s",
+        stats.prompt_tokens,
+        stats.prefill_tok_s(),
+        stats.new_tokens,
+        stats.decode_tok_s()
+    ));
+    Ok(())
+}
+
+/// `kiln generate --json`: `model`, `prompt_ids` (after tokenization; an encoder-decoder's
+/// source), `generated_ids`, `text` (the generated ids decoded, special tokens skipped; `null`
+/// without a tokenizer), `stop_reason` (`max_new_tokens`, `stop_id` (a `--stop-ids` id or the
+/// tokenizer's end of sequence), `context_full` (`max_positions` reached) or `interrupted`
+/// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `prefill_tok_s` and `decode_tok_s`.
+fn json(model: &str, prompt: &[i64], ids: &[i64], text: Option<&str>, stats: &Stats) -> serde_json::Value {
+    let stop_reason = match stats.stop {
+        Stop::MaxNewTokens => "max_new_tokens",
+        Stop::StopId => "stop_id",
+        Stop::ContextFull => "context_full",
+        Stop::Caller => "interrupted",
+    };
+    serde_json::json!({
+        "model": model,
+        "prompt_ids": prompt,
+        "generated_ids": ids,
+        "text": text,
+        "stop_reason": stop_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "prefill_tok_s": stats.prefill_tok_s(),
+        "decode_tok_s": stats.decode_tok_s(),
+    })
 }
 
 /// Set by the first Ctrl-C during `kiln generate`: generation stops after the current token and

@@ -17,13 +17,20 @@ mod bench;
 mod diagnose;
 mod embed;
 mod generate;
+mod progress;
+mod report;
 mod storage;
+
+use progress::Reporter;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A declarative model-graph compiler for Transformer models")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// No progress bars and no informational lines on stderr (errors are still printed).
+    #[arg(short, long, global = true)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -35,6 +42,9 @@ enum Command {
         /// Sequence length at which FLOPs per token are counted.
         #[arg(long, default_value_t = 128)]
         seq: usize,
+        /// Print one JSON document on stdout instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Print a stage of the compiled model.
     Inspect {
@@ -70,6 +80,9 @@ enum Command {
         /// Lower the graph as built, without the e-graph optimizer.
         #[arg(long)]
         no_optimize: bool,
+        /// Print one JSON document on stdout instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Run a model on inputs from a safetensors file and write its outputs to another.
     Run {
@@ -86,6 +99,9 @@ enum Command {
         /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
         #[arg(long)]
         output: PathBuf,
+        /// Print one JSON document on stdout instead of text.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         exec: Exec,
     },
@@ -138,6 +154,10 @@ enum Command {
         /// Stop after any of these token ids, comma-separated.
         #[arg(long, value_delimiter = ',')]
         stop_ids: Vec<i64>,
+        /// Print one JSON document on stdout at the end instead of streaming (ids, text, why
+        /// generation stopped, tokens/s).
+        #[arg(long, conflicts_with = "print_ids")]
+        json: bool,
         #[command(flatten)]
         exec: Exec,
     },
@@ -202,7 +222,7 @@ enum Command {
         adapter: Option<String>,
         #[command(flatten)]
         storage: storage::WeightArgs,
-        /// Print JSON.
+        /// Print one JSON document on stdout instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -331,9 +351,10 @@ fn run_plan_wgpu(
     params: &HashMap<String, Tensor>,
     given: &HashMap<String, Tensor>,
     adapter: Option<&str>,
+    reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter)?);
-    let model = kiln_runtime::GpuModel::new(gpu, plan, params)?;
+    let model = kiln_runtime::GpuModel::with_progress(gpu, plan, params, &HashMap::new(), reporter)?;
     Ok(model.run(given)?)
 }
 
@@ -345,39 +366,29 @@ fn run_wgpu(
     ckpt: &kiln_runtime::Checkpoint,
     given: &HashMap<String, Tensor>,
     exec: &Exec,
+    reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(exec.adapter.as_deref())?);
-    let (params, blocks) = storage::load(spec, graph, ckpt, exec.weights)?;
-    let model = storage::gpu_model(&gpu, graph, &params, &blocks, exec.weights)?;
+    let (params, blocks) = storage::load(spec, graph, ckpt, exec.weights, reporter)?;
+    let model = storage::gpu_model(&gpu, graph, &params, &blocks, exec.weights, reporter)?;
     Ok(model.run(given)?)
 }
 
+/// The named parameters from a checkpoint as f32, shown on `reporter`.
+fn load_f32(
+    map: &kiln_compiler::spec::WeightMap,
+    dims: &PackDims,
+    names: &[(String, Vec<usize>)],
+    ckpt: &kiln_runtime::Checkpoint,
+    reporter: &Reporter,
+) -> Result<HashMap<String, Tensor>> {
+    Ok(kiln_runtime::weights::load_named_with_progress(map, dims, names, ckpt, reporter)?)
+}
+
 fn run(cli: Cli) -> Result<()> {
+    let reporter = Reporter::new(cli.quiet);
     match cli.command {
-        Command::Check { spec, seq } => {
-            let fe = load_spec(&spec)?;
-            let s = print::summary(&fe.graph, seq);
-            let m = &fe.spec.spec.model;
-            println!("{}: ok", spec.display());
-            println!(
-                "  model        {} ({:?}, {} layers, d_model {}, vocab {})",
-                m.name,
-                m.kind,
-                fe.spec.layers(),
-                m.d_model,
-                m.vocab
-            );
-            println!("  parameters   {} ({})", s.parameters, human(s.parameters as f64));
-            println!("  FLOPs/token  {} (matmuls, forward at seq {})", human(s.flops_per_token), s.seq);
-            println!("  graph        {} nodes ({} compute), {} edges", s.nodes, s.compute_nodes, s.edges);
-            let inputs: Vec<&str> = fe.graph.inputs().iter().map(|(_, n, _)| *n).collect();
-            let outputs: Vec<&str> = fe.graph.outputs.iter().map(|(n, _)| n.as_str()).collect();
-            println!("  inputs       {}", inputs.join(", "));
-            println!("  outputs      {}", outputs.join(", "));
-            if let Some(p) = &fe.spec.weights.preset {
-                println!("  weight map   preset `{p}`, {} entries", fe.spec.weights.entries.len());
-            }
-        }
+        Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
         Command::Inspect { spec, stage, format, explain, stats, json, graph } => {
             let mut fe = load_spec(&spec)?;
             match graph {
@@ -452,26 +463,17 @@ fn run(cli: Cli) -> Result<()> {
                 (Stage::Wgsl, Format::Dot) => bail!("the wgsl stage has no DOT form; use --format text"),
             }
         }
-        Command::Compile { spec, output, no_optimize } => {
+        Command::Compile { spec, output, no_optimize, json } => {
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
-                fe.graph = optimize::optimize(&fe.graph)?.0;
+                fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
             }
-            let artifact = artifact::compile(&spec.display().to_string(), &source, &fe)?;
+            let artifact =
+                reporter.stage("lowering", || artifact::compile(&spec.display().to_string(), &source, &fe))?;
             artifact.write(&output)?;
-            let plan = &artifact.plan;
-            let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
-            let (sum, placed) = plan.memory(&syms);
-            println!(
-                "{}: {} kernels, {} dispatches, {} shared buffers",
-                output.display(),
-                plan.kernels.len(),
-                plan.steps.len(),
-                plan.slots
-            );
-            println!("  intermediates at batch 1, seq 128: {placed} bytes placed, {sum} bytes if unshared");
+            report::compile(&output, &artifact.plan, !no_optimize, json)?;
         }
-        Command::Run { model, weights, inputs, output, exec } => {
+        Command::Run { model, weights, inputs, output, json, exec } => {
             let Exec { backend, ref adapter, no_optimize, weights: storage } = exec;
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
             let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
@@ -485,36 +487,27 @@ fn run(cli: Cli) -> Result<()> {
                             );
                         }
                         let names = plan_params(&art.plan);
-                        let params = kiln_runtime::weights::load_named(&art.weights, &art.pack_dims, &names, &ckpt)?;
-                        run_plan_wgpu(art.plan, &params, &given, adapter.as_deref())?
+                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
+                        run_plan_wgpu(art.plan, &params, &given, adapter.as_deref(), &reporter)?
                     }
                     Backend::Interp => {
                         // The interpreter runs graphs: rebuild the graph from the artifact's spec.
                         let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
-                        let params = kiln_runtime::weights::load_named(
-                            &fe.spec.weights,
-                            &PackDims::of(&fe.spec),
-                            &kiln_runtime::weights::graph_params(&fe.graph),
-                            &ckpt,
-                        )?;
+                        let names = kiln_runtime::weights::graph_params(&fe.graph);
+                        let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
                         interp::run(&fe.graph, &params, &given).context("run failed")?
                     }
                 }
             } else {
                 let mut fe = load_spec(&model)?;
                 if !no_optimize {
-                    fe.graph = optimize::optimize(&fe.graph)?.0;
+                    fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
                 }
                 match backend {
-                    Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &given, &exec)?,
+                    Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &given, &exec, &reporter)?,
                     Backend::Interp => {
                         let names = kiln_runtime::weights::graph_params(&fe.graph);
-                        let params = kiln_runtime::weights::load_named(
-                            &fe.spec.weights,
-                            &PackDims::of(&fe.spec),
-                            &names,
-                            &ckpt,
-                        )?;
+                        let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
                         interp::run(&fe.graph, &params, &given).context("run failed")?
                     }
                 }
@@ -523,10 +516,7 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("the model has no outputs");
             }
             kiln_runtime::write_tensors(&output, &outputs)?;
-            for (name, t) in &outputs {
-                println!("{name}: {}{:?}", t.dtype(), t.shape);
-            }
-            println!("wrote {}", output.display());
+            report::run(&output, &outputs, json)?;
         }
         Command::Generate {
             spec,
@@ -545,6 +535,7 @@ fn run(cli: Cli) -> Result<()> {
             repetition_penalty,
             seed,
             stop_ids,
+            json,
             exec: Exec { backend, adapter, no_optimize, weights: storage },
         } => {
             let fe = load_spec(&spec)?;
@@ -562,10 +553,14 @@ fn run(cli: Cli) -> Result<()> {
                 no_optimize,
                 storage,
             };
-            let stats = generate::run_cli(&fe, req, text, tokenizer.as_deref(), print_ids)?;
-            generate::report(&stats);
+            let output = match (json, print_ids) {
+                (true, _) => generate::Output::Json,
+                (false, true) => generate::Output::Ids,
+                (false, false) => generate::Output::Text,
+            };
+            generate::run_cli(&fe, req, text, tokenizer.as_deref(), output, &reporter)?;
         }
-        Command::Embed(args) => embed::run(args)?,
+        Command::Embed(args) => embed::run(args, &reporter)?,
         Command::Bench {
             spec,
             seq,
@@ -617,16 +612,4 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// `1234567` -> `1.23M`.
-fn human(x: f64) -> String {
-    let (v, unit) = match x {
-        x if x >= 1e12 => (x / 1e12, "T"),
-        x if x >= 1e9 => (x / 1e9, "G"),
-        x if x >= 1e6 => (x / 1e6, "M"),
-        x if x >= 1e3 => (x / 1e3, "k"),
-        x => (x, ""),
-    };
-    format!("{v:.2}{unit}")
 }

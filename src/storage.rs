@@ -3,12 +3,13 @@
 //! `--precision f16`, f16 (see `kiln_compiler::lower::format`). The interpreter always runs on
 //! the f32 weights.
 
+use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::lower::{self, WeightFormat};
 use kiln_compiler::spec::{PackDims, Resolved};
 use kiln_compiler::tensor::Tensor;
-use kiln_runtime::{Checkpoint, Gpu, GpuModel, QuantWeight};
+use kiln_runtime::{Checkpoint, Gpu, GpuModel, QuantWeight, weights};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -36,30 +37,33 @@ pub enum Precision {
 }
 
 /// The f32 parameters of `graph` and, unless `--dequantize`, the blocks of those a GGUF
-/// checkpoint stores as Q8_0/Q4_1.
+/// checkpoint stores as Q8_0/Q4_1; the reading is shown on `reporter`.
 pub fn load(
     spec: &Resolved,
     graph: &Graph,
     ckpt: &Checkpoint,
     args: WeightArgs,
+    reporter: &Reporter,
 ) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     let names = kiln_runtime::weights::graph_params(graph);
     let dims = PackDims::of(spec);
-    let params = kiln_runtime::weights::load_named(&spec.weights, &dims, &names, ckpt)?;
+    let params = weights::load_named_with_progress(&spec.weights, &dims, &names, ckpt, reporter)?;
     let blocks = match args.dequantize {
         true => HashMap::new(),
-        false => kiln_runtime::weights::quantized_named(&spec.weights, &dims, &names, ckpt)?,
+        false => weights::quantized_named_with_progress(&spec.weights, &dims, &names, ckpt, reporter)?,
     };
     Ok((params, blocks))
 }
 
-/// Lowers `graph` with the weights stored as `args` and `blocks` say, and loads it on `gpu`.
+/// Lowers `graph` with the weights stored as `args` and `blocks` say, and loads it on `gpu`,
+/// shown on `reporter`.
 pub fn gpu_model(
     gpu: &Arc<Gpu>,
     graph: &Graph,
     params: &HashMap<String, Tensor>,
     blocks: &HashMap<String, QuantWeight>,
     args: WeightArgs,
+    reporter: &Reporter,
 ) -> Result<GpuModel> {
     let f16 = args.precision == Precision::F16;
     if f16 && !gpu.supports_f16() {
@@ -67,7 +71,8 @@ pub fn gpu_model(
     }
     let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
     let options = lower::Options { formats, f16_weights: f16, ..lower::Options::default() };
-    Ok(GpuModel::with_blocks(gpu.clone(), lower::lower_with(graph, options)?, params, blocks)?)
+    let plan = reporter.stage("lowering", || lower::lower_with(graph, options))?;
+    Ok(GpuModel::with_progress(gpu.clone(), plan, params, blocks, reporter)?)
 }
 
 /// `12.3 MiB (Q4_1 9.0, f32 3.3)`: the weight bytes on the device, by format.

@@ -458,6 +458,27 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), "The capital of France is Paris.\n");
     assert!(stderr(&o).contains("prefill: 37 tokens"), "{}", stderr(&o));
+    // As JSON, quietly: the same text in one document, stopped by the end-of-sequence id.
+    let o = kiln(&[
+        "generate",
+        "models/smollm2-135m.toml",
+        "--weights",
+        s(&weights),
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-new-tokens",
+        "16",
+        "--backend",
+        backend,
+        "--json",
+        "--quiet",
+    ]);
+    let v = json_of(&o);
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    assert_eq!(v["text"], "The capital of France is Paris.");
+    assert_eq!(v["stop_reason"], "stop_id");
+    assert_eq!(v["prompt_ids"].as_array().map(Vec::len), Some(37));
     // The same prompt as ids prints ids; a text prompt without a tokenizer is refused.
     let llama = root().join("tests/fixtures/llama/model.safetensors");
     fails_with(
@@ -546,4 +567,151 @@ fn generate_stops_cleanly_on_ctrl_c() {
     assert!(err.contains("decode:"), "{err}");
     let ids = format!("{}{rest}", first[0] as char);
     assert!(ids.trim().split(',').all(|t| t.parse::<i64>().is_ok()), "{ids}");
+}
+
+/// Parses stdout as one JSON document (so nothing else is on stdout).
+fn json_of(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", stderr(o));
+    serde_json::from_str(&stdout(o)).unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}):\n{}", stdout(o)))
+}
+
+#[test]
+fn check_json_has_the_summary() {
+    let o = kiln(&["check", "models/smollm2-135m.toml", "--json", "--seq", "64"]);
+    let v = json_of(&o);
+    assert_eq!(v["spec"], "models/smollm2-135m.toml");
+    assert_eq!(v["model"], "smollm2-135m");
+    assert_eq!(v["kind"], "decoder");
+    assert_eq!(v["parameters"], 134515008);
+    assert_eq!(v["seq"], 64);
+    assert_eq!(v["inputs"], serde_json::json!(["input_ids"]));
+    assert_eq!(v["outputs"], serde_json::json!(["logits"]));
+    assert_eq!(v["weight_map"]["preset"], "gguf-llama");
+    // The same figures as the text summary.
+    let text = stdout(&kiln(&["check", "models/smollm2-135m.toml", "--seq", "64"]));
+    let g = &v["graph"];
+    let line = format!("graph        {} nodes ({} compute), {} edges", g["nodes"], g["compute_nodes"], g["edges"]);
+    assert!(text.contains(&line), "{line:?} not in\n{text}");
+    assert!(text.contains(&format!("{} layers", v["layers"])), "{text}");
+    assert!(text.contains(&format!("d_model {}", v["d_model"])), "{text}");
+    assert!(text.contains(&format!("vocab {}", v["vocab"])), "{text}");
+    // An invalid spec: the rendered error on stderr, nothing on stdout, exit code 1.
+    let o = kiln(&["check", "tests/invalid/binary-garbage.toml", "--json"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    assert!(stderr(&o).contains("binary-garbage.toml"), "{}", stderr(&o));
+}
+
+#[test]
+fn compile_json_describes_the_artifact_written() {
+    let dir = scratch("compile-json");
+    let art = dir.join("gpt2.kiln");
+    let v = json_of(&kiln(&["compile", "models/gpt2.toml", "-o", s(&art), "--json"]));
+    let plan = kiln_compiler::artifact::Artifact::read(&art).unwrap().plan;
+    assert_eq!(v["artifact"], s(&art));
+    assert_eq!(v["model"], "gpt2");
+    assert_eq!(v["optimized"], true);
+    assert_eq!(v["kernels"], plan.kernels.len());
+    assert_eq!(v["dispatches"], plan.steps.len());
+    assert_eq!(v["buffers"], plan.slots);
+    let syms = std::collections::HashMap::from([
+        (kiln_compiler::graph::Sym::Batch, 1),
+        (kiln_compiler::graph::Sym::Seq, 128),
+        (kiln_compiler::graph::Sym::SrcSeq, 128),
+    ]);
+    let (unshared, placed) = plan.memory(&syms);
+    let m = &v["memory"];
+    assert_eq!((&m["batch"], &m["seq"]), (&serde_json::json!(1), &serde_json::json!(128)));
+    assert_eq!((&m["placed_bytes"], &m["unshared_bytes"]), (&serde_json::json!(placed), &serde_json::json!(unshared)));
+    // Unoptimized: said so, and more dispatches.
+    let raw = json_of(&kiln(&["compile", "models/gpt2.toml", "-o", s(&art), "--json", "--no-optimize"]));
+    assert_eq!(raw["optimized"], false);
+    assert!(raw["dispatches"].as_u64() > v["dispatches"].as_u64(), "{raw} vs {v}");
+}
+
+#[test]
+fn run_json_lists_the_outputs_written() {
+    let dir = scratch("run-json");
+    let out = dir.join("out.safetensors");
+    let args = [
+        "run",
+        "models/gpt2.toml",
+        "--weights",
+        "tests/fixtures/gpt2/model.safetensors",
+        "--inputs",
+        "tests/fixtures/gpt2/io.safetensors",
+        "--output",
+        s(&out),
+        "--json",
+    ];
+    let o = kiln(&args);
+    let v = json_of(&o);
+    // No progress bar or other line on stderr when it is not a terminal.
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    assert_eq!(v["path"], s(&out));
+    let written = kiln_runtime::read_tensors(&out).unwrap();
+    let outputs = v["outputs"].as_array().unwrap();
+    assert_eq!(outputs.len(), written.len());
+    for o in outputs {
+        let t = &written[o["name"].as_str().unwrap()];
+        assert_eq!(o["dtype"], t.dtype().to_string());
+        assert_eq!(o["shape"], serde_json::json!(t.shape));
+    }
+    assert_eq!(outputs[0]["name"], "logits");
+    // A failure: the message on stderr, nothing on stdout, exit code 1.
+    let mut bad = args.to_vec();
+    bad[3] = "tests/fixtures/llama/model.safetensors";
+    let o = kiln(&bad);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    assert!(stderr(&o).contains("error:"), "{}", stderr(&o));
+}
+
+#[test]
+fn generate_json_reports_ids_stop_reason_and_speed() {
+    let weights = root().join("tests/fixtures/llama/model.safetensors");
+    let args = ["generate", "models/llama.toml", "--weights", s(&weights), "--prompt-ids", "1,2,3"];
+    let args = [&args[..], &["--max-new-tokens", "4", "--backend", "interp"]].concat();
+    let ids = stdout(&kiln(&[&args[..], &["--print-ids"]].concat()));
+    let ids: Vec<i64> = ids.trim().split(',').map(|t| t.parse().unwrap()).collect();
+    let o = kiln(&[&args[..], &["--json"]].concat());
+    let v = json_of(&o);
+    assert_eq!(v["model"], "llama");
+    assert_eq!(v["prompt_ids"], serde_json::json!([1, 2, 3]));
+    assert_eq!(v["generated_ids"], serde_json::json!(ids));
+    assert_eq!(v["text"], serde_json::Value::Null);
+    assert_eq!(v["stop_reason"], "max_new_tokens");
+    assert_eq!((&v["prompt_tokens"], &v["new_tokens"]), (&serde_json::json!(3), &serde_json::json!(4)));
+    assert!(v["prefill_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    assert!(v["decode_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    assert!(stderr(&o).contains("decode: 4 tokens"), "{}", stderr(&o));
+    // A stop id ends it there.
+    let stop = ids[1].to_string();
+    let v = json_of(&kiln(&[&args[..], &["--json", "--stop-ids", &stop]].concat()));
+    assert_eq!(v["stop_reason"], "stop_id");
+    assert_eq!(v["generated_ids"].as_array().unwrap().last(), Some(&serde_json::json!(ids[1])));
+    // --json replaces the streamed ids: asking for both is refused.
+    let o = kiln(&[&args[..], &["--json", "--print-ids"]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+}
+
+#[test]
+fn quiet_silences_information_but_not_errors() {
+    let weights = root().join("tests/fixtures/llama/model.safetensors");
+    let args = ["generate", "models/llama.toml", "--weights", s(&weights), "--prompt-ids", "1,2,3"];
+    let args = [&args[..], &["--max-new-tokens", "2", "--backend", "interp", "--print-ids"]].concat();
+    let loud = kiln(&args);
+    assert!(stderr(&loud).contains("prefill:"), "{}", stderr(&loud));
+    // `-q` anywhere: after the subcommand (a global flag) or before it.
+    for quiet in [[&args[..], &["-q"]].concat(), [&["--quiet"][..], &args[..]].concat()] {
+        let o = kiln(&quiet);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(stdout(&o), stdout(&loud));
+        assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    }
+    fails_with(
+        &["generate", "models/llama.toml", "--weights", s(&weights), "--prompt-ids", "1,999", "-q"],
+        &["999", "outside the vocabulary"],
+    );
 }

@@ -234,4 +234,38 @@ fn smollm2_greedy_with_cache() {
         generate(&mut session, &prompt, expected.len() + 4, &mut Sampler::greedy(), &stop, |_| true).unwrap();
     println!("smollm2-135m: prefill {:.1} tok/s, decode {:.1} tok/s", stats.prefill_tok_s(), stats.decode_tok_s());
     assert_eq!(ids, expected, "smollm2-135m: greedy continuation");
+    assert_eq!(stats.stop, kiln_runtime::Stop::StopId);
+}
+
+/// [`Stats::stop`](kiln_runtime::Stats::stop) says why generation stopped: the token budget, a
+/// stop id, the caller, or a full context.
+#[test]
+fn generation_says_why_it_stopped() {
+    use kiln_runtime::Stop;
+    let fe = spec("llama");
+    let params =
+        kiln_runtime::load_params(&fe.spec, &fe.graph, &root().join("tests/fixtures/llama/model.safetensors")).unwrap();
+    let cached = build_cached(&fe.spec).unwrap();
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let session = |max: usize| {
+        Session::new(Engine::Interp { graph: cached.clone(), params: params.clone() }, &names, max).unwrap()
+    };
+    let prompt = [1, 2, 3];
+    let greedy = |s: &mut Session, max_new: usize, stop: &[i64], on_token: &mut dyn FnMut(i64) -> bool| {
+        generate(s, &prompt, max_new, &mut Sampler::greedy(), stop, on_token).unwrap()
+    };
+    let (ids, stats) = greedy(&mut session(64), 4, &[], &mut |_| true);
+    assert_eq!((ids.len(), stats.stop), (4, Stop::MaxNewTokens));
+    let at = ids.iter().position(|&t| t == ids[1]).unwrap();
+    let (stopped, stats) = greedy(&mut session(64), 4, &[ids[1]], &mut |_| true);
+    assert_eq!((&stopped[..], stats.stop), (&ids[..=at], Stop::StopId));
+    let mut left = 2;
+    let (stopped, stats) = greedy(&mut session(64), 4, &[], &mut |_| {
+        left -= 1;
+        left > 0
+    });
+    assert_eq!((&stopped[..], stats.stop), (&ids[..2], Stop::Caller));
+    // Three prompt tokens in a context of five: room for two steps after the prefill.
+    let (stopped, stats) = greedy(&mut session(5), 10, &[], &mut |_| true);
+    assert_eq!((&stopped[..], stats.stop), (&ids[..3], Stop::ContextFull));
 }

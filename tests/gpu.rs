@@ -113,3 +113,43 @@ fn tensors_over_the_buffer_limit_are_split_not_refused() {
         golden_on(name, gpu.clone());
     }
 }
+
+/// Building a model reports each phase from 0 to its total, in order: one pipeline per kernel,
+/// one fold per load-time fold, one upload per constant a dispatch reads; the model built with
+/// progress runs as one built without.
+#[test]
+fn building_a_model_reports_every_pipeline_fold_and_upload() {
+    use kiln_compiler::lower::Storage;
+    use kiln_runtime::Phase;
+    let Some(gpu) = common::gpu() else { return };
+    let fe = spec("gpt2");
+    let dir = root().join("tests/fixtures/gpt2");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let plan = lower(&kiln_compiler::optimize::optimize(&fe.graph).unwrap().0).unwrap();
+    let root_of = |mut v: usize| {
+        while let Storage::Alias(a) = plan.values[v].storage {
+            v = a;
+        }
+        v
+    };
+    let read: std::collections::HashSet<usize> = plan
+        .steps
+        .iter()
+        .flat_map(|s| s.operands.iter().map(|&o| root_of(o)))
+        .chain(plan.outputs.iter().map(|&(_, v)| root_of(v)))
+        .filter(|&v| matches!(plan.values[v].storage, Storage::Param(_) | Storage::Const))
+        .collect();
+    let expected =
+        [(Phase::Pipelines, plan.kernels.len()), (Phase::Fold, plan.folds.len()), (Phase::Upload, read.len())];
+    assert!(expected.iter().all(|&(_, n)| n > 0), "{expected:?}");
+
+    let seen = std::cell::RefCell::new(Vec::new());
+    let record = |phase: Phase, done: usize, total: usize| seen.borrow_mut().push((phase, done, total));
+    let model = GpuModel::with_progress(gpu, plan, &params, &std::collections::HashMap::new(), &record).unwrap();
+    let counted: Vec<_> = expected.iter().flat_map(|&(phase, n)| (0..=n).map(move |done| (phase, done, n))).collect();
+    assert_eq!(seen.into_inner(), counted);
+    let outputs = model.run(&io).unwrap();
+    let (_, logits) = outputs.iter().find(|(name, _)| name == "logits").unwrap();
+    assert!(logits.max_abs_diff(&io["logits"]) <= TOLERANCE);
+}

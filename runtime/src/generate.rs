@@ -371,6 +371,22 @@ pub struct Stats {
     pub prefill_s: f64,
     /// Time of the decode steps, in seconds.
     pub decode_s: f64,
+    /// Why generation stopped.
+    pub stop: Stop,
+}
+
+/// Why a generation stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Stop {
+    /// It generated the most tokens it was allowed (`max_new`; also when that is 0).
+    #[default]
+    MaxNewTokens,
+    /// It generated one of the stop ids.
+    StopId,
+    /// The `on_token` callback returned `false`.
+    Caller,
+    /// The session's context is full (its `max_positions`).
+    ContextFull,
 }
 
 impl Stats {
@@ -387,6 +403,7 @@ impl Stats {
 
 /// Generates up to `max_new` tokens after `prompt`, stopping after any of `stop` (which is
 /// returned). `on_token` sees each token as it is chosen and may return `false` to stop early.
+/// [`Stats::stop`] says why generation stopped.
 pub fn generate(
     session: &mut Session,
     prompt: &[i64],
@@ -410,7 +427,19 @@ pub fn generate(
         out.push(token);
         seen.push(token);
         let go_on = on_token(token);
-        if !go_on || stop.contains(&token) || out.len() >= max_new || session.position >= session.max_positions {
+        let reason = if stop.contains(&token) {
+            Some(Stop::StopId)
+        } else if !go_on {
+            Some(Stop::Caller)
+        } else if out.len() >= max_new {
+            Some(Stop::MaxNewTokens)
+        } else if session.position >= session.max_positions {
+            Some(Stop::ContextFull)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            stats.stop = reason;
             break;
         }
         logits = session.forward(&[token])?;

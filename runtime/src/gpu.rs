@@ -9,6 +9,7 @@
 //! between runs: a buffer is replaced only when a longer input needs more, a bind group only when
 //! a buffer it binds was, and the sizes are written only when they change.
 
+use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use crate::weights::WeightError;
 use kiln_compiler::graph::{InputRole, Sym};
@@ -341,13 +342,31 @@ impl GpuModel {
         params: &HashMap<String, Tensor>,
         blocks: &HashMap<String, QuantWeight>,
     ) -> Result<GpuModel, GpuError> {
+        GpuModel::with_progress(gpu, plan, params, blocks, &())
+    }
+
+    /// [`GpuModel::with_blocks`], reporting to `progress` as the pipelines are built
+    /// ([`Phase::Pipelines`], the slow part on a CPU adapter), the load-time folds evaluated
+    /// ([`Phase::Fold`]) and the weights uploaded ([`Phase::Upload`]).
+    pub fn with_progress(
+        gpu: Arc<Gpu>,
+        plan: Plan,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+        progress: &dyn Progress,
+    ) -> Result<GpuModel, GpuError> {
         if plan.values.iter().any(|v| v.format == WeightFormat::F16) && !gpu.supports_f16() {
             return Err(GpuError::Dispatch(format!(
                 "f16 weights need the SHADER_F16 feature, which adapter `{}` does not have; use f32 weights",
                 gpu.info.name
             )));
         }
-        let pipelines = plan.kernels.iter().map(|k| gpu.pipeline(&k.name, &k.wgsl)).collect();
+        let mut counter = Counter::start(progress, Phase::Pipelines, plan.kernels.len());
+        let mut pipelines = Vec::with_capacity(plan.kernels.len());
+        for k in &plan.kernels {
+            pipelines.push(gpu.pipeline(&k.name, &k.wgsl));
+            counter.advance();
+        }
         let root = |mut v: usize| {
             while let Storage::Alias(a) = plan.values[v].storage {
                 v = a;
@@ -393,6 +412,7 @@ impl GpuModel {
             host.insert(id, Cow::Borrowed(t));
         }
         // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
+        let mut counter = Counter::start(progress, Phase::Fold, plan.folds.len());
         for fold in &plan.folds {
             if plan.values[fold.output].format.quantized() {
                 let args: Vec<&QuantWeight> =
@@ -408,6 +428,7 @@ impl GpuModel {
                     GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name()))
                 })?;
                 quant.insert(fold.output, Cow::Owned(q));
+                counter.advance();
                 continue;
             }
             // An operand read through a reshape gets its own shape (a copy only then).
@@ -431,6 +452,7 @@ impl GpuModel {
                 kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
             drop(args);
             host.insert(fold.output, Cow::Owned(t));
+            counter.advance();
         }
         let mut uploaded = HashMap::new();
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
@@ -438,6 +460,9 @@ impl GpuModel {
             Storage::Param(name) => format!("parameter `{name}`"),
             _ => format!("folded constant {id}"),
         };
+        host.retain(|id, _| read.contains(id));
+        quant.retain(|id, _| read.contains(id));
+        let mut counter = Counter::start(progress, Phase::Upload, host.len() + quant.len());
         let mut upload = |id: usize, format: WeightFormat, bytes: &[u8]| -> Result<(), GpuError> {
             let buffers = gpu.chunked(&what(id), bytes.len() as u64, STORAGE)?;
             gpu.write_chunked(&buffers, bytes);
@@ -446,12 +471,10 @@ impl GpuModel {
                 Some((_, b)) => *b += bytes.len() as u64,
                 None => weight_bytes.push((format, bytes.len() as u64)),
             }
+            counter.advance();
             Ok(())
         };
         for (id, t) in host {
-            if !read.contains(&id) {
-                continue;
-            }
             let data = t.as_f32().ok_or_else(|| GpuError::Dispatch(format!("{} is not f32", what(id))))?;
             let format = plan.values[id].format;
             if format == WeightFormat::F16 {
@@ -462,9 +485,7 @@ impl GpuModel {
             }
         }
         for (id, q) in quant {
-            if read.contains(&id) {
-                upload(id, q.format, bytemuck::cast_slice(&q.words))?;
-            }
+            upload(id, q.format, bytemuck::cast_slice(&q.words))?;
         }
         weight_bytes.sort_by_key(|(f, _)| *f as u8);
         gpu.check_lost()?;

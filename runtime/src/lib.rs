@@ -6,11 +6,13 @@
 #![warn(missing_docs)]
 
 pub mod gguf;
+pub mod progress;
 pub mod quant;
 pub mod tokenize;
 pub mod weights;
 
 pub use gguf::{Gguf, GgufError};
+pub use progress::{Phase, Progress};
 pub use quant::QuantWeight;
 pub use tokenize::{Batch, Message, TokenizeError, Tokenizer};
 
@@ -22,7 +24,7 @@ pub use gpu::{DeviceTensor, Gpu, GpuError, GpuModel};
 
 pub mod generate;
 
-pub use generate::{Engine, GenerateError, Memory, Sampler, Session, Stats};
+pub use generate::{Engine, GenerateError, Memory, Sampler, Session, Stats, Stop};
 
 /// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
 /// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.

@@ -7,6 +7,7 @@
 //! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
 
 use crate::gguf::{self, GgmlType, Gguf, GgufError};
+use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{Pack, PackDims, PackPart, Resolved, Source, WeightMap};
@@ -251,46 +252,71 @@ pub fn quantized_named(
     params: &[(String, Vec<usize>)],
     ckpt: &Checkpoint,
 ) -> Result<HashMap<String, QuantWeight>, WeightError> {
+    quantized_named_with_progress(map, dims, params, ckpt, &())
+}
+
+/// [`quantized_named`], reporting each parameter looked at to `progress` ([`Phase::Repack`];
+/// nothing for a safetensors file).
+pub fn quantized_named_with_progress(
+    map: &WeightMap,
+    dims: &PackDims,
+    params: &[(String, Vec<usize>)],
+    ckpt: &Checkpoint,
+    progress: &dyn Progress,
+) -> Result<HashMap<String, QuantWeight>, WeightError> {
     let mut out = HashMap::new();
     let Some(gguf) = ckpt.gguf() else { return Ok(out) };
+    let mut counter = Counter::start(progress, Phase::Repack, params.len());
     for (name, expected) in params {
-        let source = match map.resolve(name) {
-            Some(r) => Source { tensor: r.tensor, ..r.source },
-            None => Source::named(name),
-        };
-        let Some(info) = gguf.info(&source.tensor) else { continue };
-        let ty = info.ty();
-        if expected.len() != 2 || source.transpose || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1) {
-            continue;
-        }
-        let error =
-            |message: String| WeightError::Quantized { param: name.clone(), tensor: source.tensor.clone(), message };
-        let &[rows, k] = info.shape() else {
-            return Err(error(format!("a {}-D tensor is not a matrix of rows of blocks", info.shape().len())));
-        };
-        let raw = match gguf.raw(&source.tensor) {
-            Some(Ok(raw)) => raw,
-            Some(Err(e)) => return Err(WeightError::Gguf { path: ckpt.path().into(), error: e }),
-            None => continue,
-        };
-        let q = QuantWeight::from_blocks(ty, rows, k, raw.bytes).map_err(error)?;
-        // The weight map's row operations, applied to row indices (exact in f32 below 2^24 rows).
-        let mut order = Tensor::f32(vec![rows, 1], (0..rows).map(|r| r as f32).collect());
-        if let (Some(pack), Some(part)) = (source.pack, source.part) {
-            let Ok(t) = unpack(dims, &order, pack, part) else { continue };
-            order = t;
-        }
-        if source.rope_unpermute {
-            let Some(t) = unpermute_rope(&order, dims.head_dim) else { continue };
-            order = t;
-        }
-        let order: Vec<usize> = order.as_f32().unwrap_or(&[]).iter().map(|&r| r as usize).collect();
-        let q = q.take_rows(&order);
-        if [q.rows, q.k] == expected[..] {
+        if let Some(q) = quantized_one(dims, ckpt, gguf, map, name, expected)? {
             out.insert(name.clone(), q);
         }
+        counter.advance();
     }
     Ok(out)
+}
+
+/// The blocks of one parameter, if its GGUF tensor keeps them (see [`quantized_named`]).
+fn quantized_one(
+    dims: &PackDims,
+    ckpt: &Checkpoint,
+    gguf: &Gguf,
+    map: &WeightMap,
+    name: &str,
+    expected: &[usize],
+) -> Result<Option<QuantWeight>, WeightError> {
+    let source = match map.resolve(name) {
+        Some(r) => Source { tensor: r.tensor, ..r.source },
+        None => Source::named(name),
+    };
+    let Some(info) = gguf.info(&source.tensor) else { return Ok(None) };
+    let ty = info.ty();
+    if expected.len() != 2 || source.transpose || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1) {
+        return Ok(None);
+    }
+    let error = |message: String| WeightError::Quantized { param: name.into(), tensor: source.tensor.clone(), message };
+    let &[rows, k] = info.shape() else {
+        return Err(error(format!("a {}-D tensor is not a matrix of rows of blocks", info.shape().len())));
+    };
+    let raw = match gguf.raw(&source.tensor) {
+        Some(Ok(raw)) => raw,
+        Some(Err(e)) => return Err(WeightError::Gguf { path: ckpt.path().into(), error: e }),
+        None => return Ok(None),
+    };
+    let q = QuantWeight::from_blocks(ty, rows, k, raw.bytes).map_err(error)?;
+    // The weight map's row operations, applied to row indices (exact in f32 below 2^24 rows).
+    let mut order = Tensor::f32(vec![rows, 1], (0..rows).map(|r| r as f32).collect());
+    if let (Some(pack), Some(part)) = (source.pack, source.part) {
+        let Ok(t) = unpack(dims, &order, pack, part) else { return Ok(None) };
+        order = t;
+    }
+    if source.rope_unpermute {
+        let Some(t) = unpermute_rope(&order, dims.head_dim) else { return Ok(None) };
+        order = t;
+    }
+    let order: Vec<usize> = order.as_f32().unwrap_or(&[]).iter().map(|&r| r as usize).collect();
+    let q = q.take_rows(&order);
+    Ok(([q.rows, q.k] == expected[..]).then_some(q))
 }
 
 /// The parameters of a graph with their shapes.
@@ -320,7 +346,19 @@ pub fn load_named(
     params: &[(String, Vec<usize>)],
     ckpt: &Checkpoint,
 ) -> Result<HashMap<String, Tensor>, WeightError> {
+    load_named_with_progress(map, dims, params, ckpt, &())
+}
+
+/// [`load_named`], reporting each parameter read to `progress` ([`Phase::Read`]).
+pub fn load_named_with_progress(
+    map: &WeightMap,
+    dims: &PackDims,
+    params: &[(String, Vec<usize>)],
+    ckpt: &Checkpoint,
+    progress: &dyn Progress,
+) -> Result<HashMap<String, Tensor>, WeightError> {
     let mut out = HashMap::new();
+    let mut counter = Counter::start(progress, Phase::Read, params.len());
     for (name, expected) in params {
         let source = match map.resolve(name) {
             Some(r) => Source { tensor: r.tensor, ..r.source },
@@ -328,6 +366,7 @@ pub fn load_named(
         };
         let t = load_one(dims, ckpt, name, &source, expected)?;
         out.insert(name.clone(), t);
+        counter.advance();
     }
     Ok(out)
 }

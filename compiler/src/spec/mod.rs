@@ -89,7 +89,7 @@ fn default_max_positions() -> u64 {
 }
 
 /// The block type.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum BlockKind {
     /// Bidirectional self-attention stack (BERT).
