@@ -18,8 +18,11 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::LazyLock;
 
+/// A fuzz target: the bytes the fuzzer made.
+pub type Target = fn(&[u8]);
+
 /// The fuzz targets by name, for the regression runner.
-pub const TARGETS: [(&str, fn(&[u8])); 5] =
+pub const TARGETS: [(&str, Target); 5] =
     [("spec", spec), ("safetensors", safetensors), ("gguf", gguf), ("artifact", artifact), ("generate", generate)];
 
 /// Larger graphs are only front-ended: lowering them is slow and exercises nothing new.
