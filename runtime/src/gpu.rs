@@ -171,6 +171,12 @@ impl Gpu {
         self.timestamps
     }
 
+    /// Makes [`GpuModel::profile`] use the host's clock even where the device has timestamp
+    /// queries (to compare the two clocks, and to test the fallback).
+    pub fn use_host_clock(&mut self) {
+        self.timestamps = false;
+    }
+
     /// Caps the size of one buffer (rounded down to a multiple of 256 bytes, at least 256), so
     /// tensors above it are split into chunks. The adapter's own limit always applies too.
     pub fn limit_buffer_bytes(&mut self, bytes: u64) {
