@@ -124,12 +124,9 @@ pub fn check_layers(graph: &Graph, layers: &Option<Range<usize>>) -> Result<()> 
     let Some(range) = layers else { return Ok(()) };
     match print::block_count(graph) {
         0 => bail!("--layers {}..{}: `{}` has no blocks", range.start, range.end, graph.name),
-        n if range.end > n => bail!(
-            "--layers {}..{} is out of range: `{}` has {n} blocks (0..{n})",
-            range.start,
-            range.end,
-            graph.name
-        ),
+        n if range.end > n => {
+            bail!("--layers {}..{} is out of range: `{}` has {n} blocks (0..{n})", range.start, range.end, graph.name)
+        }
         _ => Ok(()),
     }
 }
@@ -354,11 +351,12 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd) -> Result<
             let storage = crate::storage::WeightArgs::default();
             let (params, blocks) = crate::bench::params_for(fe, &stats.optimized, args.weights.as_deref(), storage)?;
             let model = crate::storage::gpu_model(&gpu, &stats.optimized, &params, &blocks, storage)?;
-            let inputs = kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, args.seq);
-            let runs = (0..PROFILE_RUNS)
-                .map(|_| model.profile(&inputs))
-                .collect::<Result<Vec<_>, _>>()
-                .context("profiling the optimized plan")?;
+            let inputs =
+                kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, args.seq);
+            let mut runs = Vec::with_capacity(PROFILE_RUNS);
+            for _ in 0..PROFILE_RUNS {
+                runs.push(model.profile(&inputs).context("profiling the optimized plan")?);
+            }
             let profile = median(runs);
             // The model may store weights differently from the plain lowering (quantized blocks
             // of a GGUF checkpoint): report the plan that ran.

@@ -130,18 +130,18 @@ impl Report<'_> {
     pub fn render(&self) -> Result<String> {
         let model = &self.graph.name;
         let mut h = String::new();
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>kiln report: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n",
+            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>kiln report: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>",
             escape(model)
         );
         let profiled = match self.profile {
             Some((adapter, _)) => format!(", profiled on {}", escape(adapter)),
             None => String::new(),
         };
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<header><h1>{}</h1><div class=\"sub\"><span class=\"mono\">{}</span> · batch 1, {} tokens{profiled}</div>\n",
+            "<header><h1>{}</h1><div class=\"sub\"><span class=\"mono\">{}</span> · batch 1, {} tokens{profiled}</div>",
             escape(model),
             escape(self.spec_path),
             self.seq
@@ -153,13 +153,13 @@ impl Report<'_> {
         h += &self.fusions();
         h += &self.optimizer();
         h += &self.wgsl();
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<section id=\"spec\"><h2>Spec</h2><p class=\"note mono\">{}</p><pre>{}</pre></section>\n",
+            "<section id=\"spec\"><h2>Spec</h2><p class=\"note mono\">{}</p><pre>{}</pre></section>",
             escape(self.spec_path),
             escape(self.source)
         );
-        let _ = write!(h, "</main>\n<script>{SCRIPT}</script>\n</body>\n</html>\n");
+        let _ = writeln!(h, "</main>\n<script>{SCRIPT}</script>\n</body>\n</html>");
         Ok(h)
     }
 
@@ -179,7 +179,12 @@ impl Report<'_> {
         }
         let mut s = String::from("<div class=\"cards\">");
         for (k, v) in cards {
-            let _ = write!(s, "<div class=\"card\"><div class=\"k\">{}</div><div class=\"v\">{}</div></div>", escape(k), escape(&v));
+            let _ = write!(
+                s,
+                "<div class=\"card\"><div class=\"k\">{}</div><div class=\"v\">{}</div></div>",
+                escape(k),
+                escape(&v)
+            );
         }
         s + "</div>\n"
     }
@@ -197,9 +202,9 @@ impl Report<'_> {
         ]);
         let mut s = String::from("<section id=\"kernels\"><h2>Kernels</h2>\n");
         let clock = self.profile.map(|(_, p)| p.clock);
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<p class=\"note\">Every dispatch of the optimized plan in order. Bytes (read + written) and FLOPs are the optimizer's cost-model estimates at batch 1, {} tokens{}.</p>\n",
+            "<p class=\"note\">Every dispatch of the optimized plan in order. Bytes (read + written) and FLOPs are the optimizer's cost-model estimates at batch 1, {} tokens{}.</p>",
             self.seq,
             match clock {
                 Some(Clock::Device) => "; times are the device's timestamps around each dispatch",
@@ -214,9 +219,9 @@ impl Report<'_> {
             Some(Clock::Host) => "<th class=\"num\">wall time</th><th></th>",
             None => "",
         };
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<table><thead><tr><th class=\"num\">step</th><th>kernel</th><th>op</th><th>scope</th><th>shapes (operands → output)</th><th class=\"num\">bytes</th><th class=\"num\">FLOPs</th>{time_head}</tr></thead>\n<tbody>\n"
+            "<table><thead><tr><th class=\"num\">step</th><th>kernel</th><th>op</th><th>scope</th><th>shapes (operands → output)</th><th class=\"num\">bytes</th><th class=\"num\">FLOPs</th>{time_head}</tr></thead>\n<tbody>"
         );
         let seconds = self.profile.map(|(_, p)| &p.seconds);
         let longest = seconds.map_or(0.0, |t| t.iter().flatten().copied().fold(0.0, f64::max));
@@ -246,7 +251,11 @@ impl Report<'_> {
                 "<tr><td class=\"num\">{i}</td><td class=\"mono\">{}</td><td class=\"mono\">{}{}</td><td class=\"mono\">{}</td><td class=\"mono\">{} → <span class=\"shape\">{}</span></td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
                 escape(&plan.kernels[step.kernel].name),
                 escape(&step.op.name()),
-                if attrs.is_empty() { String::new() } else { format!(" <span class=\"note\">{}</span>", escape(&attrs)) },
+                if attrs.is_empty() {
+                    String::new()
+                } else {
+                    format!(" <span class=\"note\">{}</span>", escape(&attrs))
+                },
                 escape(&step.scope),
                 operands.join(", "),
                 escape(&shape(step.output)),
@@ -289,16 +298,18 @@ impl Report<'_> {
             Some(r) => format!("Blocks {}..{} are drawn; each run of the others is one summary node. ", r.start, r.end),
             None => String::new(),
         };
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<p class=\"note\">{shown}Fused ops are filled and list the rewrite rules that produced them; blocks are the shaded clusters.</p>\n"
+            "<p class=\"note\">{shown}Fused ops are filled and list the rewrite rules that produced them; blocks are the shaded clusters.</p>"
         );
         let mut missing = false;
-        for (id, title, graph) in [("before", "Before optimization", self.graph), ("after", "After optimization", &self.stats.optimized)] {
+        for (id, title, graph) in
+            [("before", "Before optimization", self.graph), ("after", "After optimization", &self.stats.optimized)]
+        {
             let dot = crate::inspect::dot(graph, self.layers);
-            let _ = write!(
+            let _ = writeln!(
                 s,
-                "<div class=\"graph fit\" id=\"{id}\"><h3>{title} <button data-fit=\"{id}\">actual size</button></h3>\n"
+                "<div class=\"graph fit\" id=\"{id}\"><h3>{title} <button data-fit=\"{id}\">actual size</button></h3>"
             );
             match graphviz(&dot, "svg")? {
                 Some(svg) => {
@@ -328,10 +339,11 @@ impl Report<'_> {
         }
         s += "<table><thead><tr><th>fused op</th><th>scope</th><th>rules that produced it</th></tr></thead><tbody>\n";
         for (op, scope, rules) in fused {
-            let chips: Vec<String> = rules.iter().map(|r| format!("<span class=\"rule\">{}</span>", escape(r))).collect();
-            let _ = write!(
+            let chips: Vec<String> =
+                rules.iter().map(|r| format!("<span class=\"rule\">{}</span>", escape(r))).collect();
+            let _ = writeln!(
                 s,
-                "<tr><td class=\"mono\">{}</td><td class=\"mono\">{}</td><td>{}</td></tr>\n",
+                "<tr><td class=\"mono\">{}</td><td class=\"mono\">{}</td><td>{}</td></tr>",
                 escape(&op),
                 escape(&scope),
                 chips.join("")
@@ -359,24 +371,24 @@ impl Report<'_> {
             ("optimize time", format!("{:.1} ms", r.optimize_ms)),
         ];
         for (k, v) in rows {
-            let _ = write!(s, "<tr><td>{}</td><td>{}</td></tr>\n", escape(k), escape(&v));
+            let _ = writeln!(s, "<tr><td>{}</td><td>{}</td></tr>", escape(k), escape(&v));
         }
         s += "</tbody></table>\n<h3>Phases</h3><table class=\"narrow\"><thead><tr><th>phase</th><th class=\"num\">iterations</th><th>stopped because</th></tr></thead><tbody>\n";
         for (phase, iterations, why) in &r.phases {
-            let _ = write!(
+            let _ = writeln!(
                 s,
-                "<tr><td class=\"mono\">{}</td><td class=\"num\">{iterations}</td><td>{}</td></tr>\n",
+                "<tr><td class=\"mono\">{}</td><td class=\"num\">{iterations}</td><td>{}</td></tr>",
                 escape(phase),
                 escape(why)
             );
         }
         s += "</tbody></table>\n<h3>Rules fired</h3><table class=\"narrow\"><thead><tr><th>rule</th><th class=\"num\">times</th></tr></thead><tbody>\n";
         for (rule, n) in &r.applied {
-            let _ = write!(s, "<tr><td class=\"mono\">{}</td><td class=\"num\">{n}</td></tr>\n", escape(rule));
+            let _ = writeln!(s, "<tr><td class=\"mono\">{}</td><td class=\"num\">{n}</td></tr>", escape(rule));
         }
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "</tbody></table>\n<details><summary><code>kiln inspect --stats</code></summary><pre>{}</pre></details>\n</section>\n",
+            "</tbody></table>\n<details><summary><code>kiln inspect --stats</code></summary><pre>{}</pre></details>\n</section>",
             escape(&st.text())
         );
         s
@@ -389,9 +401,9 @@ impl Report<'_> {
         );
         for (k, kernel) in self.plan.kernels.iter().enumerate() {
             let uses = self.plan.steps.iter().filter(|step| step.kernel == k).count();
-            let _ = write!(
+            let _ = writeln!(
                 s,
-                "<details><summary><span class=\"mono\">kernel {k}: {}</span> <span class=\"note\">· {uses} dispatch{} · {} lines</span></summary><pre>{}</pre></details>\n",
+                "<details><summary><span class=\"mono\">kernel {k}: {}</span> <span class=\"note\">· {uses} dispatch{} · {} lines</span></summary><pre>{}</pre></details>",
                 escape(&kernel.name),
                 if uses == 1 { "" } else { "es" },
                 kernel.wgsl.lines().count(),

@@ -848,18 +848,17 @@ impl GpuModel {
             };
             dispatches.push((pipeline, group, grid));
         }
-        let record = |encoder: &mut wgpu::CommandEncoder,
-                      step: usize,
-                      writes: Option<wgpu::ComputePassTimestampWrites<'_>>| {
-            let (pipeline, group, grid) = dispatches[step];
-            let mut pass =
-                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes });
-            if let Some((x, y)) = grid {
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, group, &[]);
-                pass.dispatch_workgroups(x, y, 1);
-            }
-        };
+        let record =
+            |encoder: &mut wgpu::CommandEncoder, step: usize, writes: Option<wgpu::ComputePassTimestampWrites<'_>>| {
+                let (pipeline, group, grid) = dispatches[step];
+                let mut pass =
+                    encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes });
+                if let Some((x, y)) = grid {
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, group, &[]);
+                    pass.dispatch_workgroups(x, y, 1);
+                }
+            };
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut seconds = vec![None; dispatches.len()];
         if gpu.timestamps {

@@ -5,8 +5,8 @@
 use super::{Dim, Graph, Op, Sym, fmt_shape};
 use petgraph::graph::NodeIndex;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::ops::Range;
 use std::fmt::Write;
+use std::ops::Range;
 
 /// Prints the graph as text, one node per line in topological order, with a comment line whenever
 /// the scope changes:
@@ -226,7 +226,11 @@ pub fn dot_with(g: &Graph, options: &DotOptions) -> String {
                 }
             }
             Item::Scope(scope) => {
-                let _ = writeln!(out, "  subgraph cluster_{cluster} {{\n    label=\"{}\";\n    style=rounded;", escape(scope));
+                let _ = writeln!(
+                    out,
+                    "  subgraph cluster_{cluster} {{\n    label=\"{}\";\n    style=rounded;",
+                    escape(scope)
+                );
                 cluster += 1;
                 for &n in &members[&(*item, "")] {
                     node_line(&mut out, n, "    ");
@@ -294,7 +298,8 @@ pub fn dot_with(g: &Graph, options: &DotOptions) -> String {
     }
     for (name, n) in &g.outputs {
         let name = escape(name);
-        let _ = writeln!(out, "  \"out_{name}\" [shape=doubleoctagon, label=\"{name}\"];\n  {} -> \"out_{name}\";", id(*n));
+        let _ =
+            writeln!(out, "  \"out_{name}\" [shape=doubleoctagon, label=\"{name}\"];\n  {} -> \"out_{name}\";", id(*n));
     }
     if options.legend {
         out.push_str("  subgraph cluster_legend {\n    label=\"legend\";\n    style=dashed;\n    fontsize=10;\n");
