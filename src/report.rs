@@ -71,6 +71,14 @@ fn bytes(x: f64) -> String {
     }
 }
 
+/// Seconds in µs below a millisecond, else in ms.
+fn duration(seconds: f64) -> String {
+    match seconds {
+        t if t < 1e-3 => format!("{:.1} µs", t * 1e6),
+        t => format!("{:.2} ms", t * 1e3),
+    }
+}
+
 const STYLE: &str = r#"
 :root { --ink: #1f2933; --muted: #616e7c; --line: #d9e2ec; --soft: #f5f7fa; --accent: #2f6fb1; --fused: #fde3c8; --fused-line: #c8651b; }
 * { box-sizing: border-box; }
@@ -269,11 +277,11 @@ impl Report<'_> {
                         let width = if longest > 0.0 { 100.0 * t / longest } else { 0.0 };
                         let _ = write!(
                             s,
-                            "<td class=\"num\">{:.1} µs</td><td style=\"width:120px\"><div class=\"bar\" style=\"width:{width:.1}%\"></div></td>",
-                            t * 1e6
+                            "<td class=\"num time\">{}</td><td style=\"width:120px\"><div class=\"bar\" style=\"width:{width:.1}%\"></div></td>",
+                            duration(t)
                         );
                     }
-                    None => s += "<td class=\"num\">not dispatched</td><td></td>",
+                    None => s += "<td class=\"num time\">not dispatched</td><td></td>",
                 }
             }
             s += "</tr>\n";
@@ -286,7 +294,7 @@ impl Report<'_> {
             si(total_flops)
         );
         if seconds.is_some() {
-            let _ = write!(s, "<td class=\"num\">{:.2} ms</td><td></td>", total_time * 1e3);
+            let _ = write!(s, "<td class=\"num\">{}</td><td></td>", duration(total_time));
         }
         s + "</tr></tfoot></table></section>\n"
     }

@@ -335,7 +335,14 @@ fn html_report_with_profile_has_a_time_for_every_dispatch() {
     let html = std::fs::read_to_string(&out).unwrap();
     let steps = lower::lower(&optimize::optimize(&common::spec("llama").graph).unwrap().0).unwrap().steps.len();
     assert!(html.contains("GPU time</th>") || html.contains("wall time</th>"), "no time column");
-    assert_eq!(html.matches(" µs</td>").count(), steps, "a time per dispatch");
+    let times: Vec<&str> =
+        html.split("<td class=\"num time\">").skip(1).map(|c| &c[..c.find("</td>").unwrap()]).collect();
+    assert_eq!(times.len(), steps, "a time per dispatch");
+    for t in times {
+        let (value, unit) = t.split_once(' ').unwrap_or_else(|| panic!("not a time: {t}"));
+        assert!(unit == "µs" || unit == "ms", "not a time: {t}");
+        assert!(value.parse::<f64>().is_ok_and(|v| v > 0.0), "not a positive time: {t}");
+    }
     assert!(html.contains("profiled on "));
 }
 
