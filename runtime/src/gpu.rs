@@ -165,8 +165,8 @@ impl Gpu {
         self.f16
     }
 
-    /// Whether the device was opened with `TIMESTAMP_QUERY`, so [`GpuModel::profile`] measures
-    /// dispatches on the device's clock.
+    /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with
+    /// `TIMESTAMP_QUERY` and [`Gpu::use_host_clock`] was not called.
     pub fn supports_timestamps(&self) -> bool {
         self.timestamps
     }
