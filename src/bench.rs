@@ -45,7 +45,7 @@ struct Variant {
 
 /// The parameters of `graph`: from a checkpoint (with the blocks of quantized ones, unless
 /// `--dequantize`), or random (seeded) without one.
-fn params_for(
+pub(crate) fn params_for(
     fe: &FrontEnd,
     graph: &Graph,
     weights: Option<&Path>,

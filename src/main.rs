@@ -5,7 +5,6 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use kiln_compiler::artifact::{self, Artifact};
 use kiln_compiler::diag::SpecError;
-use kiln_compiler::graph::{Sym, print};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, lower, optimize};
@@ -17,6 +16,8 @@ mod bench;
 mod diagnose;
 mod embed;
 mod generate;
+mod html;
+mod inspect;
 mod progress;
 mod report;
 mod storage;
@@ -46,30 +47,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Print a stage of the compiled model.
-    Inspect {
-        /// The spec (TOML).
-        spec: PathBuf,
-        /// Which stage to print.
-        #[arg(long, value_enum, default_value_t = Stage::Graph)]
-        stage: Stage,
-        /// Output format.
-        #[arg(long, value_enum, default_value_t = Format::Text)]
-        format: Format,
-        /// With `--stage optimized`: list every fused op with the rules that produced it.
-        #[arg(long)]
-        explain: bool,
-        /// Print optimizer statistics instead of a stage (dispatches before/after, blocks,
-        /// intermediate bytes, e-graph size, optimize time).
-        #[arg(long)]
-        stats: bool,
-        /// With `--stats`: as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Which graph: the whole model, or those `kiln generate` runs.
-        #[arg(long, value_enum, default_value_t = Which::Model)]
-        graph: Which,
-    },
+    /// Print a stage of the compiled model (text, DOT, SVG or PNG), optimizer statistics, or an
+    /// HTML report.
+    Inspect(inspect::InspectArgs),
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
         /// The spec (TOML).
@@ -228,34 +208,6 @@ enum Command {
     },
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Which {
-    /// The whole model, as `kiln run` runs it.
-    Model,
-    /// A decoder step with its key/value cache (`kiln generate`).
-    Step,
-    /// An encoder-decoder's encoder with its cross-attention keys and values (`kiln generate`).
-    Encoder,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Stage {
-    /// The graph as built from the spec, before optimization.
-    Graph,
-    /// The graph after the e-graph optimizer.
-    Optimized,
-    /// The lowered plan: steps, buffers and the WGSL of every kernel.
-    Wgsl,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Format {
-    /// Deterministic text, one node per line.
-    Text,
-    /// Graphviz DOT.
-    Dot,
-}
-
 /// Where and how a model runs (`run`, `generate`, `embed`).
 #[derive(clap::Args)]
 struct Exec {
@@ -389,80 +341,7 @@ fn run(cli: Cli) -> Result<()> {
     let reporter = Reporter::new(cli.quiet);
     match cli.command {
         Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
-        Command::Inspect { spec, stage, format, explain, stats, json, graph } => {
-            let mut fe = load_spec(&spec)?;
-            match graph {
-                Which::Model => {}
-                Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
-                Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
-            }
-            if stats {
-                let (opt, report) = optimize::optimize(&fe.graph)?;
-                let syms = HashMap::from([
-                    (Sym::Batch, 1),
-                    (Sym::Seq, 128),
-                    (Sym::SrcSeq, 128),
-                    (Sym::Past, 0),
-                    (Sym::Ctx, 128),
-                ]);
-                let bytes = |g: &kiln_compiler::graph::Graph| -> Result<u64> { Ok(lower::lower(g)?.memory(&syms).0) };
-                let blocks = fe.spec.layers();
-                let value = serde_json::json!({
-                    "model": fe.graph.name,
-                    "blocks": blocks,
-                    "dispatches": { "unoptimized": report.dispatches.0, "optimized": report.dispatches.1 },
-                    "intermediate_bytes": { "unoptimized": bytes(&fe.graph)?, "optimized": bytes(&opt)?, "at": "batch 1, seq 128" },
-                    "live_peak_bytes": { "unoptimized": lower::lower(&fe.graph)?.peak_live(&syms), "optimized": lower::lower(&opt)?.peak_live(&syms) },
-                    "egraph_nodes": report.egraph_nodes,
-                    "egraph_classes": report.egraph_classes,
-                    "optimize_ms": report.optimize_ms,
-                    "rules_applied": report.applied,
-                });
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&value)?);
-                } else {
-                    println!("{}: {blocks} blocks", fe.graph.name);
-                    println!("  dispatches    {} -> {}", report.dispatches.0, report.dispatches.1);
-                    println!(
-                        "  intermediates {} -> {} bytes (batch 1, seq 128; live peak {} -> {})",
-                        value["intermediate_bytes"]["unoptimized"],
-                        value["intermediate_bytes"]["optimized"],
-                        value["live_peak_bytes"]["unoptimized"],
-                        value["live_peak_bytes"]["optimized"]
-                    );
-                    println!("  e-graph       {} nodes, {} classes", report.egraph_nodes, report.egraph_classes);
-                    println!("  optimize      {:.1} ms", report.optimize_ms);
-                    for (phase, iterations, why) in &report.phases {
-                        println!("  phase {phase:<10} {iterations} iterations ({why})");
-                    }
-                    for (rule, n) in &report.applied {
-                        println!("  rule {rule:<22} fired {n}x");
-                    }
-                }
-                return Ok(());
-            }
-            let graph = match stage {
-                Stage::Optimized => optimize::optimize(&fe.graph)?.0,
-                _ => fe.graph.clone(),
-            };
-            if explain {
-                for n in graph.order() {
-                    let rules = optimize::explain(&graph, n);
-                    if !rules.is_empty() {
-                        println!("{} in `{}` <- {}", graph.g[n].op.name(), graph.g[n].scope, rules.join(", "));
-                    }
-                }
-                return Ok(());
-            }
-            match (stage, format) {
-                (Stage::Graph | Stage::Optimized, Format::Text) => print!("{}", print::text(&graph)),
-                (Stage::Graph | Stage::Optimized, Format::Dot) => print!("{}", print::dot(&graph)),
-                (Stage::Wgsl, Format::Text) => {
-                    print!("{}", lower::lower(&optimize::optimize(&fe.graph)?.0)?.kernels_text())
-                }
-                (Stage::Wgsl, Format::Dot) => bail!("the wgsl stage has no DOT form; use --format text"),
-            }
-        }
+        Command::Inspect(args) => inspect::run(args, &reporter)?,
         Command::Compile { spec, output, no_optimize, json } => {
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {

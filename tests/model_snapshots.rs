@@ -95,6 +95,7 @@ fn dot_output_is_well_formed() {
     assert!(dot.starts_with("digraph \"llama\" {"));
     assert!(dot.trim_end().ends_with('}'));
     assert_eq!(dot.matches('{').count(), dot.matches('}').count());
-    assert!(dot.contains("label=\"layers.0.attn\""), "blocks are drawn as clusters");
+    assert!(dot.contains("label=\"layers.0\""), "blocks are drawn as clusters");
+    assert!(dot.contains("label=\"attn\""), "a block's parts are drawn as clusters inside it");
     assert!(dot.contains("out_logits"));
 }

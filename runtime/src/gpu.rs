@@ -85,6 +85,8 @@ pub struct Gpu {
     chunk_bytes: u64,
     /// Whether `SHADER_F16` is enabled.
     f16: bool,
+    /// Whether `TIMESTAMP_QUERY` is enabled (see [`GpuModel::profile`]).
+    timestamps: bool,
 }
 
 const INSTALL_HINT: &str = "no GPU adapter found. On Debian/Ubuntu without a GPU, install Mesa's CPU Vulkan driver \
@@ -127,8 +129,9 @@ impl Gpu {
         let adapter = candidates.swap_remove(0);
         let info = adapter.get_info();
         let limits = adapter.limits();
-        // f16 storage (`--precision f16`) where the adapter has it; nothing else is needed.
-        let features = adapter.features() & wgpu::Features::SHADER_F16;
+        // f16 storage (`--precision f16`) and timestamp queries (`GpuModel::profile`) where the
+        // adapter has them; nothing else is needed.
+        let features = adapter.features() & (wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kiln"),
             required_features: features,
@@ -146,12 +149,33 @@ impl Gpu {
             }
         });
         let chunk_bytes = (limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) / 256 * 256).max(256);
-        Ok(Gpu { device, queue, info, limits, lost, chunk_bytes, f16: features.contains(wgpu::Features::SHADER_F16) })
+        Ok(Gpu {
+            device,
+            queue,
+            info,
+            limits,
+            lost,
+            chunk_bytes,
+            f16: features.contains(wgpu::Features::SHADER_F16),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+        })
     }
 
     /// Whether the device was opened with `SHADER_F16`, so weights can be stored as f16.
     pub fn supports_f16(&self) -> bool {
         self.f16
+    }
+
+    /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with
+    /// `TIMESTAMP_QUERY` and [`Gpu::use_host_clock`] was not called.
+    pub fn supports_timestamps(&self) -> bool {
+        self.timestamps
+    }
+
+    /// Makes [`GpuModel::profile`] use the host's clock even where the device has timestamp
+    /// queries (to compare the two clocks, and to test the fallback).
+    pub fn use_host_clock(&mut self) {
+        self.timestamps = false;
     }
 
     /// Caps the size of one buffer (rounded down to a multiple of 256 bytes, at least 256), so
@@ -288,6 +312,26 @@ impl DeviceTensor {
         let data = gpu.read_staging(&staging, "a device tensor", n)?;
         Ok(Tensor::f32(self.shape.clone(), bytemuck::cast_slice::<u8, f32>(&data).to_vec()))
     }
+}
+
+/// Which clock [`GpuModel::profile`] read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clock {
+    /// Timestamps the device wrote at the start and end of each step's compute pass.
+    Device,
+    /// The host's clock around the submission of each step alone and the wait for it (the
+    /// device lacks `TIMESTAMP_QUERY`); includes the submission's overhead.
+    Host,
+}
+
+/// Time of each step of a plan, from [`GpuModel::profile`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Profile {
+    /// The clock the times were read from.
+    pub clock: Clock,
+    /// Seconds per step of [`Plan::steps`], in order; `None` for a step with nothing to compute
+    /// at these sizes (not dispatched).
+    pub seconds: Vec<Option<f64>>,
 }
 
 /// Outputs kept on the device, by name.
@@ -799,6 +843,103 @@ impl GpuModel {
             outputs.push((name, t));
         }
         Ok((outputs, kept))
+    }
+
+    /// Times every step of the plan on `given` inputs. A forward pass first binds the inputs and
+    /// sizes every buffer (and warms the pipelines); then the steps are dispatched again in order,
+    /// each in a compute pass of its own on the same buffers and sizes (so each reads what it
+    /// reads in a forward pass), and each is timed: between timestamps
+    /// written by the device at the pass's start and end where the device has `TIMESTAMP_QUERY`
+    /// ([`Clock::Device`]), else by the host around a submission of that pass alone, waiting for
+    /// it ([`Clock::Host`], which includes the submission's overhead).
+    pub fn profile(&self, given: &HashMap<String, Tensor>) -> Result<Profile, GpuError> {
+        self.run(given)?;
+        let gpu = &self.gpu;
+        let state = self.state.lock().map_err(|_| GpuError::Dispatch("run state poisoned".into()))?;
+        // Every step's pipeline, bind group and grid, as the run above dispatched them.
+        let mut dispatches = Vec::with_capacity(self.plan.steps.len());
+        for (i, cached) in state.bind_groups.iter().enumerate() {
+            let (pipeline, _, group) =
+                cached.as_ref().ok_or_else(|| GpuError::Dispatch(format!("step {i} has no bind group")))?;
+            let offset = i * DIMS_STRIDE as usize;
+            let threads = u32::from_le_bytes(state.dims[offset..offset + 4].try_into().expect("4 bytes"));
+            let grid = match threads {
+                0 => None,
+                t => Some(workgroups(t, gpu.limits.max_compute_workgroups_per_dimension)),
+            };
+            dispatches.push((pipeline, group, grid));
+        }
+        let record =
+            |encoder: &mut wgpu::CommandEncoder, step: usize, writes: Option<wgpu::ComputePassTimestampWrites<'_>>| {
+                let (pipeline, group, grid) = dispatches[step];
+                let mut pass =
+                    encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes });
+                if let Some((x, y)) = grid {
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, group, &[]);
+                    pass.dispatch_workgroups(x, y, 1);
+                }
+            };
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut seconds = vec![None; dispatches.len()];
+        if gpu.timestamps {
+            // Two queries per step, at most `wgpu::QUERY_SET_MAX_QUERIES` per set.
+            let per_set = (wgpu::QUERY_SET_MAX_QUERIES / 2) as usize;
+            let period = f64::from(gpu.queue.get_timestamp_period()) * 1e-9;
+            for first in (0..dispatches.len()).step_by(per_set) {
+                let steps = first..(first + per_set).min(dispatches.len());
+                let queries = 2 * steps.len() as u32;
+                let set = gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("profile"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: queries,
+                });
+                let bytes = u64::from(queries) * wgpu::QUERY_SIZE as u64;
+                let resolved =
+                    gpu.buffer("timestamps", bytes, wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC)?;
+                let staging =
+                    gpu.buffer("timestamps", bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
+                let mut encoder =
+                    gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
+                for (q, step) in steps.clone().enumerate() {
+                    let writes = wgpu::ComputePassTimestampWrites {
+                        query_set: &set,
+                        beginning_of_pass_write_index: Some(2 * q as u32),
+                        end_of_pass_write_index: Some(2 * q as u32 + 1),
+                    };
+                    record(&mut encoder, step, Some(writes));
+                }
+                encoder.resolve_query_set(&set, 0..queries, &resolved, 0);
+                encoder.copy_buffer_to_buffer(&resolved, 0, &staging, 0, bytes);
+                gpu.queue.submit([encoder.finish()]);
+                let data = gpu.read_staging(&staging, "timestamps", 2 * queries as usize)?;
+                let ticks: Vec<u64> =
+                    data.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+                for (q, step) in steps.enumerate() {
+                    if dispatches[step].2.is_some() {
+                        seconds[step] = Some(ticks[2 * q + 1].saturating_sub(ticks[2 * q]) as f64 * period);
+                    }
+                }
+            }
+        } else {
+            for (step, time) in seconds.iter_mut().enumerate() {
+                if dispatches[step].2.is_none() {
+                    continue;
+                }
+                let mut encoder =
+                    gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
+                record(&mut encoder, step, None);
+                let start = std::time::Instant::now();
+                gpu.queue.submit([encoder.finish()]);
+                gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Dispatch(e.to_string()))?;
+                *time = Some(start.elapsed().as_secs_f64());
+            }
+        }
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Dispatch(format!("wgpu rejected a profiled dispatch: {e}")));
+        }
+        gpu.check_lost()?;
+        Ok(Profile { clock: if gpu.timestamps { Clock::Device } else { Clock::Host }, seconds })
     }
 
     /// Token ids and positions must index inside their tables; the GPU would clamp silently.

@@ -20,7 +20,7 @@ pub use weights::{Checkpoint, WeightError, load_params, load_params_with_blocks,
 
 pub mod gpu;
 
-pub use gpu::{DeviceTensor, Gpu, GpuError, GpuModel};
+pub use gpu::{Clock, DeviceTensor, Gpu, GpuError, GpuModel, Profile};
 
 pub mod generate;
 

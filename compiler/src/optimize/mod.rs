@@ -488,6 +488,18 @@ impl CostModel {
 
     /// Cost of computing `op` from operands of the given types into `out`, excluding operands.
     pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
+        match op {
+            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => 0.0,
+            _ => {
+                let w = self.work(op, operands, out);
+                self.dispatch + w.bytes_in + w.bytes_out + self.flop * w.flops
+            }
+        }
+    }
+
+    /// What computing `op` from operands of the given types into `out` moves and computes, at
+    /// batch 1 and sequence [`CostModel::seq`]: the estimate [`CostModel::node_cost`] prices.
+    pub fn work(&self, op: &Op, operands: &[&Shape], out: &Shape) -> Work {
         let bytes_out = 4.0 * self.elements(out);
         let bytes_in: f64 = match op {
             // Reads only its heads' columns (and the cache), as many as it writes.
@@ -519,11 +531,19 @@ impl CostModel {
             }
             _ => self.elements(out),
         };
-        match op {
-            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => 0.0,
-            _ => self.dispatch + bytes_in + bytes_out + self.flop * flops,
-        }
+        Work { bytes_in, bytes_out, flops }
     }
+}
+
+/// The estimated work of one op ([`CostModel::work`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Work {
+    /// Bytes read from the operands.
+    pub bytes_in: f64,
+    /// Bytes written.
+    pub bytes_out: f64,
+    /// Floating-point operations.
+    pub flops: f64,
 }
 
 /// Extraction cost: the cost of an e-node plus that of its operands, except operands that are

@@ -1,0 +1,423 @@
+//! `kiln inspect --html`: one self-contained HTML page about a compiled model — the spec, the
+//! graph before and after the optimizer (inline SVG drawn by Graphviz, or the DOT text where
+//! `dot` is not installed), the kernels with their estimated work and measured time, their WGSL,
+//! the fusion explanations and the optimizer's statistics. The page loads nothing: its style and
+//! its one small script are inline, and every piece of text in it is HTML-escaped.
+
+use crate::inspect::{Stats, explanations, graphviz};
+use anyhow::Result;
+use kiln_compiler::graph::{Graph, Sym, resolve};
+use kiln_compiler::lower::{Plan, Storage};
+use kiln_compiler::optimize::CostModel;
+use kiln_runtime::{Clock, Profile};
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::ops::Range;
+
+/// What the report is made of.
+pub struct Report<'a> {
+    /// Path of the spec, as given.
+    pub spec_path: &'a str,
+    /// The spec's text.
+    pub source: &'a str,
+    /// The graph as built.
+    pub graph: &'a Graph,
+    /// The optimizer's statistics and the optimized graph.
+    pub stats: &'a Stats,
+    /// The plan of the optimized graph (the one profiled, with `--profile`).
+    pub plan: &'a Plan,
+    /// Tokens the estimates (and the profile) are for.
+    pub seq: usize,
+    /// The blocks the drawings keep.
+    pub layers: &'a Option<Range<usize>>,
+    /// The adapter and the time of every step, with `--profile`.
+    pub profile: Option<(&'a str, &'a Profile)>,
+}
+
+/// Escapes text for HTML content and attribute values.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `1234567` -> `1.23 M`.
+fn si(x: f64) -> String {
+    match x {
+        x if x >= 1e12 => format!("{:.2} T", x / 1e12),
+        x if x >= 1e9 => format!("{:.2} G", x / 1e9),
+        x if x >= 1e6 => format!("{:.2} M", x / 1e6),
+        x if x >= 1e3 => format!("{:.2} k", x / 1e3),
+        x => format!("{x:.0}"),
+    }
+}
+
+/// Bytes in binary units.
+fn bytes(x: f64) -> String {
+    match x {
+        x if x >= 1024.0 * 1024.0 * 1024.0 => format!("{:.2} GiB", x / (1024.0 * 1024.0 * 1024.0)),
+        x if x >= 1024.0 * 1024.0 => format!("{:.2} MiB", x / (1024.0 * 1024.0)),
+        x if x >= 1024.0 => format!("{:.1} KiB", x / 1024.0),
+        x => format!("{x:.0} B"),
+    }
+}
+
+/// Seconds in µs below a millisecond, else in ms.
+fn duration(seconds: f64) -> String {
+    match seconds {
+        t if t < 1e-3 => format!("{:.1} µs", t * 1e6),
+        t => format!("{:.2} ms", t * 1e3),
+    }
+}
+
+const STYLE: &str = r#"
+:root { --ink: #1f2933; --muted: #616e7c; --line: #d9e2ec; --soft: #f5f7fa; --accent: #2f6fb1; --fused: #fde3c8; --fused-line: #c8651b; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.5 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; color: var(--ink); background: #fff; }
+header { padding: 28px 40px 20px; background: linear-gradient(180deg, #f0f4f8, #fff); border-bottom: 1px solid var(--line); }
+header h1 { margin: 0 0 4px; font-size: 26px; font-weight: 650; letter-spacing: -0.01em; }
+header .sub { color: var(--muted); }
+nav { position: sticky; top: 0; z-index: 2; background: rgba(255,255,255,0.96); border-bottom: 1px solid var(--line); padding: 8px 40px; }
+nav a { color: var(--accent); text-decoration: none; margin-right: 18px; font-weight: 500; }
+nav a:hover { text-decoration: underline; }
+main { padding: 8px 40px 48px; max-width: 1400px; }
+section { margin-top: 28px; }
+h2 { font-size: 18px; margin: 0 0 10px; padding-bottom: 6px; border-bottom: 1px solid var(--line); }
+h3 { font-size: 15px; margin: 18px 0 8px; }
+.cards { display: flex; flex-wrap: wrap; gap: 12px; margin-top: 18px; }
+.card { border: 1px solid var(--line); border-radius: 8px; padding: 10px 16px; min-width: 150px; background: #fff; }
+.card .k { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: 0.04em; }
+.card .v { font-size: 20px; font-weight: 600; }
+table { border-collapse: collapse; width: 100%; font-size: 13px; }
+th, td { text-align: left; padding: 5px 10px; border-bottom: 1px solid var(--line); vertical-align: top; }
+th { background: var(--soft); font-weight: 600; position: sticky; top: 41px; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr:hover td { background: #fafcff; }
+tfoot td { font-weight: 600; background: var(--soft); }
+code, pre, .mono { font-family: "DejaVu Sans Mono", ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
+pre { background: var(--soft); border: 1px solid var(--line); border-radius: 6px; padding: 12px 14px; overflow: auto; max-height: 520px; margin: 0; }
+.rule { display: inline-block; background: var(--fused); border: 1px solid var(--fused-line); color: #7a3a0c; border-radius: 10px; padding: 0 8px; margin: 1px 2px; font-size: 12px; }
+.bar { height: 6px; background: var(--accent); border-radius: 3px; min-width: 1px; }
+.note { color: var(--muted); font-size: 13px; margin: 6px 0 10px; }
+.graph { border: 1px solid var(--line); border-radius: 8px; overflow: auto; max-height: 85vh; background: #fff; padding: 8px; margin-bottom: 16px; }
+.graph.fit { max-height: none; }
+.graph.fit svg { width: 100%; height: auto; }
+.graph h3 { margin: 2px 4px 8px; }
+button { font: inherit; font-size: 12px; border: 1px solid var(--line); background: #fff; border-radius: 6px; padding: 2px 10px; cursor: pointer; }
+details { border: 1px solid var(--line); border-radius: 6px; margin: 6px 0; }
+details summary { cursor: pointer; padding: 6px 12px; background: var(--soft); border-radius: 6px; }
+details[open] summary { border-bottom: 1px solid var(--line); border-radius: 6px 6px 0 0; }
+details pre { border: 0; border-radius: 0 0 6px 6px; }
+.kv td:first-child { color: var(--muted); width: 300px; }
+.narrow { max-width: 820px; }
+.shape { white-space: nowrap; }
+"#;
+
+/// Toggles a drawing between its natural size and the width of its box.
+const SCRIPT: &str = r#"
+document.querySelectorAll('button[data-fit]').forEach(function (b) {
+  b.addEventListener('click', function () {
+    var g = document.getElementById(b.getAttribute('data-fit'));
+    g.classList.toggle('fit');
+    b.textContent = g.classList.contains('fit') ? 'actual size' : 'fit width';
+  });
+});
+"#;
+
+impl Report<'_> {
+    /// The page.
+    pub fn render(&self) -> Result<String> {
+        let model = &self.graph.name;
+        let mut h = String::new();
+        let _ = writeln!(
+            h,
+            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>kiln report: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>",
+            escape(model)
+        );
+        let profiled = match self.profile {
+            Some((adapter, _)) => format!(", profiled on {}", escape(adapter)),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            h,
+            "<header><h1>{}</h1><div class=\"sub\"><span class=\"mono\">{}</span> · batch 1, {} tokens{profiled}</div>",
+            escape(model),
+            escape(self.spec_path),
+            self.seq
+        );
+        h += &self.cards();
+        h += "</header>\n<nav><a href=\"#kernels\">Kernels</a><a href=\"#graphs\">Graphs</a><a href=\"#fusions\">Fusions</a><a href=\"#optimizer\">Optimizer</a><a href=\"#wgsl\">WGSL</a><a href=\"#spec\">Spec</a></nav>\n<main>\n";
+        h += &self.kernels();
+        h += &self.graphs()?;
+        h += &self.fusions();
+        h += &self.optimizer();
+        h += &self.wgsl();
+        let _ = writeln!(
+            h,
+            "<section id=\"spec\"><h2>Spec</h2><p class=\"note mono\">{}</p><pre>{}</pre></section>",
+            escape(self.spec_path),
+            escape(self.source)
+        );
+        let _ = writeln!(h, "</main>\n<script>{SCRIPT}</script>\n</body>\n</html>");
+        Ok(h)
+    }
+
+    /// The headline figures.
+    fn cards(&self) -> String {
+        let r = &self.stats.report;
+        let mut cards = vec![
+            ("blocks", self.stats.blocks.to_string()),
+            ("dispatches", format!("{} → {}", r.dispatches.0, r.dispatches.1)),
+            ("unique kernels", self.plan.kernels.len().to_string()),
+            ("fused ops", explanations(&self.stats.optimized).len().to_string()),
+            ("optimize", format!("{:.0} ms", r.optimize_ms)),
+        ];
+        if let Some((_, profile)) = self.profile {
+            let total: f64 = profile.seconds.iter().flatten().sum();
+            cards.push(("dispatch time (sum)", format!("{:.2} ms", total * 1e3)));
+        }
+        let mut s = String::from("<div class=\"cards\">");
+        for (k, v) in cards {
+            let _ = write!(
+                s,
+                "<div class=\"card\"><div class=\"k\">{}</div><div class=\"v\">{}</div></div>",
+                escape(k),
+                escape(&v)
+            );
+        }
+        s + "</div>\n"
+    }
+
+    /// One row per dispatch of the optimized plan.
+    fn kernels(&self) -> String {
+        let plan = self.plan;
+        let cost = CostModel { seq: self.seq, ..CostModel::default() };
+        let syms = HashMap::from([
+            (Sym::Batch, 1),
+            (Sym::Seq, self.seq),
+            (Sym::SrcSeq, self.seq),
+            (Sym::Past, 0),
+            (Sym::Ctx, self.seq),
+        ]);
+        let mut s = String::from("<section id=\"kernels\"><h2>Kernels</h2>\n");
+        let clock = self.profile.map(|(_, p)| p.clock);
+        let _ = writeln!(
+            s,
+            "<p class=\"note\">Every dispatch of the optimized plan in order. Bytes (read + written) and FLOPs are the optimizer's cost-model estimates at batch 1, {} tokens{}.</p>",
+            self.seq,
+            match clock {
+                Some(Clock::Device) => "; times are the device's timestamps around each dispatch",
+                Some(Clock::Host) => {
+                    "; the adapter has no timestamp queries, so times are host wall-clock per dispatch (submit and wait, overhead included)"
+                }
+                None => "; run with --profile for measured times",
+            }
+        );
+        let time_head = match clock {
+            Some(Clock::Device) => "<th class=\"num\">GPU time</th><th></th>",
+            Some(Clock::Host) => "<th class=\"num\">wall time</th><th></th>",
+            None => "",
+        };
+        let _ = writeln!(
+            s,
+            "<table><thead><tr><th class=\"num\">step</th><th>kernel</th><th>op</th><th>scope</th><th>shapes (operands → output)</th><th class=\"num\">bytes</th><th class=\"num\">FLOPs</th>{time_head}</tr></thead>\n<tbody>"
+        );
+        let seconds = self.profile.map(|(_, p)| &p.seconds);
+        let longest = seconds.map_or(0.0, |t| t.iter().flatten().copied().fold(0.0, f64::max));
+        let (mut total_bytes, mut total_flops, mut total_time) = (0.0, 0.0, 0.0);
+        for (i, step) in plan.steps.iter().enumerate() {
+            let shape = |v: usize| {
+                let value = &plan.values[v];
+                let format = if value.format.is_f32() { String::new() } else { format!(" {}", value.format) };
+                let what = match &value.storage {
+                    Storage::Param(name) => format!("{name} "),
+                    Storage::Input { name, .. } => format!("{name} "),
+                    _ => String::new(),
+                };
+                format!("{what}{}{:?}{format}", value.dtype, resolve(&value.shape, &syms))
+            };
+            let operands: Vec<String> =
+                step.operands.iter().map(|&o| format!("<span class=\"shape\">{}</span>", escape(&shape(o)))).collect();
+            let shapes: Vec<&kiln_compiler::graph::Shape> =
+                step.operands.iter().map(|&o| &plan.values[o].shape).collect();
+            let work = cost.work(&step.op, &shapes, &plan.values[step.output].shape);
+            let moved = work.bytes_in + work.bytes_out;
+            total_bytes += moved;
+            total_flops += work.flops;
+            let attrs = step.op.attrs();
+            let _ = write!(
+                s,
+                "<tr><td class=\"num\">{i}</td><td class=\"mono\">{}</td><td class=\"mono\">{}{}</td><td class=\"mono\">{}</td><td class=\"mono\">{} → <span class=\"shape\">{}</span></td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
+                escape(&plan.kernels[step.kernel].name),
+                escape(&step.op.name()),
+                if attrs.is_empty() {
+                    String::new()
+                } else {
+                    format!(" <span class=\"note\">{}</span>", escape(&attrs))
+                },
+                escape(&step.scope),
+                operands.join(", "),
+                escape(&shape(step.output)),
+                bytes(moved),
+                si(work.flops),
+            );
+            if let Some(seconds) = seconds {
+                match seconds.get(i).copied().flatten() {
+                    Some(t) => {
+                        total_time += t;
+                        let width = if longest > 0.0 { 100.0 * t / longest } else { 0.0 };
+                        let _ = write!(
+                            s,
+                            "<td class=\"num time\">{}</td><td style=\"width:120px\"><div class=\"bar\" style=\"width:{width:.1}%\"></div></td>",
+                            duration(t)
+                        );
+                    }
+                    None => s += "<td class=\"num time\">not dispatched</td><td></td>",
+                }
+            }
+            s += "</tr>\n";
+        }
+        let _ = write!(
+            s,
+            "</tbody><tfoot><tr><td></td><td colspan=\"4\">{} dispatches</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
+            plan.steps.len(),
+            bytes(total_bytes),
+            si(total_flops)
+        );
+        if seconds.is_some() {
+            let _ = write!(s, "<td class=\"num\">{}</td><td></td>", duration(total_time));
+        }
+        s + "</tr></tfoot></table></section>\n"
+    }
+
+    /// Both graphs, drawn.
+    fn graphs(&self) -> Result<String> {
+        let mut s = String::from("<section id=\"graphs\"><h2>Graphs</h2>\n");
+        let shown = match self.layers {
+            Some(r) => format!("Blocks {}..{} are drawn; each run of the others is one summary node. ", r.start, r.end),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "<p class=\"note\">{shown}Fused ops are filled and list the rewrite rules that produced them; blocks are the shaded clusters.</p>"
+        );
+        let mut missing = false;
+        for (id, title, graph) in
+            [("before", "Before optimization", self.graph), ("after", "After optimization", &self.stats.optimized)]
+        {
+            let dot = crate::inspect::dot(graph, self.layers);
+            let _ = writeln!(
+                s,
+                "<div class=\"graph fit\" id=\"{id}\"><h3>{title} <button data-fit=\"{id}\">actual size</button></h3>"
+            );
+            match graphviz(&dot, "svg")? {
+                Some(svg) => {
+                    let svg = String::from_utf8_lossy(&svg);
+                    // Drop the XML prolog and doctype; inline SVG starts at its element.
+                    s += &svg[svg.find("<svg").unwrap_or(0)..];
+                }
+                None => {
+                    missing = true;
+                    let _ = write!(s, "<pre>{}</pre>", escape(&dot));
+                }
+            }
+            s += "</div>\n";
+        }
+        if missing {
+            s += "<p class=\"note\">Graphviz <code>dot</code> is not installed, so the graphs are given as DOT text; install graphviz to draw them.</p>\n";
+        }
+        Ok(s + "</section>\n")
+    }
+
+    /// Every fused op and the rules that made it.
+    fn fusions(&self) -> String {
+        let mut s = String::from("<section id=\"fusions\"><h2>Fusions</h2>\n");
+        let fused = explanations(&self.stats.optimized);
+        if fused.is_empty() {
+            return s + "<p class=\"note\">The optimizer fused nothing in this graph.</p></section>\n";
+        }
+        s += "<table><thead><tr><th>fused op</th><th>scope</th><th>rules that produced it</th></tr></thead><tbody>\n";
+        for (op, scope, rules) in fused {
+            let chips: Vec<String> =
+                rules.iter().map(|r| format!("<span class=\"rule\">{}</span>", escape(r))).collect();
+            let _ = writeln!(
+                s,
+                "<tr><td class=\"mono\">{}</td><td class=\"mono\">{}</td><td>{}</td></tr>",
+                escape(&op),
+                escape(&scope),
+                chips.join("")
+            );
+        }
+        s + "</tbody></table></section>\n"
+    }
+
+    /// What `kiln inspect --stats` reports.
+    fn optimizer(&self) -> String {
+        let st = self.stats;
+        let r = &st.report;
+        let mut s = String::from("<section id=\"optimizer\"><h2>Optimizer</h2>\n<table class=\"kv narrow\"><tbody>\n");
+        let rows = [
+            ("dispatches", format!("{} → {}", r.dispatches.0, r.dispatches.1)),
+            (
+                "intermediate bytes (batch 1, seq 128)",
+                format!("{} → {}", bytes(st.intermediate_bytes.0 as f64), bytes(st.intermediate_bytes.1 as f64)),
+            ),
+            (
+                "live peak bytes (batch 1, seq 128)",
+                format!("{} → {}", bytes(st.live_peak_bytes.0 as f64), bytes(st.live_peak_bytes.1 as f64)),
+            ),
+            ("e-graph", format!("{} nodes, {} classes", r.egraph_nodes, r.egraph_classes)),
+            ("optimize time", format!("{:.1} ms", r.optimize_ms)),
+        ];
+        for (k, v) in rows {
+            let _ = writeln!(s, "<tr><td>{}</td><td>{}</td></tr>", escape(k), escape(&v));
+        }
+        s += "</tbody></table>\n<h3>Phases</h3><table class=\"narrow\"><thead><tr><th>phase</th><th class=\"num\">iterations</th><th>stopped because</th></tr></thead><tbody>\n";
+        for (phase, iterations, why) in &r.phases {
+            let _ = writeln!(
+                s,
+                "<tr><td class=\"mono\">{}</td><td class=\"num\">{iterations}</td><td>{}</td></tr>",
+                escape(phase),
+                escape(why)
+            );
+        }
+        s += "</tbody></table>\n<h3>Rules fired</h3><table class=\"narrow\"><thead><tr><th>rule</th><th class=\"num\">times</th></tr></thead><tbody>\n";
+        for (rule, n) in &r.applied {
+            let _ = writeln!(s, "<tr><td class=\"mono\">{}</td><td class=\"num\">{n}</td></tr>", escape(rule));
+        }
+        let _ = writeln!(
+            s,
+            "</tbody></table>\n<details><summary><code>kiln inspect --stats</code></summary><pre>{}</pre></details>\n</section>",
+            escape(&st.text())
+        );
+        s
+    }
+
+    /// The WGSL of every kernel, folded.
+    fn wgsl(&self) -> String {
+        let mut s = String::from(
+            "<section id=\"wgsl\"><h2>WGSL</h2>\n<p class=\"note\">Each unique kernel once, validated by naga when the plan was lowered.</p>\n",
+        );
+        for (k, kernel) in self.plan.kernels.iter().enumerate() {
+            let uses = self.plan.steps.iter().filter(|step| step.kernel == k).count();
+            let _ = writeln!(
+                s,
+                "<details><summary><span class=\"mono\">kernel {k}: {}</span> <span class=\"note\">· {uses} dispatch{} · {} lines</span></summary><pre>{}</pre></details>",
+                escape(&kernel.name),
+                if uses == 1 { "" } else { "es" },
+                kernel.wgsl.lines().count(),
+                escape(&kernel.wgsl)
+            );
+        }
+        s + "</section>\n"
+    }
+}
