@@ -657,6 +657,7 @@ impl GpuModel {
             )?);
         }
         state.bind_groups.resize_with(plan.steps.len(), || None);
+        #[expect(clippy::expect_used, reason = "the buffer is made just above when absent")]
         let (slots, input_buffers, uniform) =
             (&state.slots, &state.inputs, state.uniform.as_ref().expect("made above"));
         // The chunk buffers of a value, as many as its current size needs.
@@ -862,7 +863,12 @@ impl GpuModel {
             let (pipeline, _, group) =
                 cached.as_ref().ok_or_else(|| GpuError::Dispatch(format!("step {i} has no bind group")))?;
             let offset = i * DIMS_STRIDE as usize;
-            let threads = u32::from_le_bytes(state.dims[offset..offset + 4].try_into().expect("4 bytes"));
+            let threads = state
+                .dims
+                .get(offset..offset + 4)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_le_bytes)
+                .ok_or_else(|| GpuError::Dispatch(format!("step {i} has no dispatch size")))?;
             let grid = match threads {
                 0 => None,
                 t => Some(workgroups(t, gpu.limits.max_compute_workgroups_per_dimension)),
@@ -913,8 +919,7 @@ impl GpuModel {
                 encoder.copy_buffer_to_buffer(&resolved, 0, &staging, 0, bytes);
                 gpu.queue.submit([encoder.finish()]);
                 let data = gpu.read_staging(&staging, "timestamps", 2 * queries as usize)?;
-                let ticks: Vec<u64> =
-                    data.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+                let ticks: Vec<u64> = data.as_chunks::<8>().0.iter().map(|&b| u64::from_le_bytes(b)).collect();
                 for (q, step) in steps.enumerate() {
                     if dispatches[step].2.is_some() {
                         seconds[step] = Some(ticks[2 * q + 1].saturating_sub(ticks[2 * q]) as f64 * period);

@@ -4,6 +4,9 @@
 //! writes tensor files, tokenizes text (and renders chat templates), and executes compiled plans
 //! on wgpu.
 #![warn(missing_docs)]
+// No panics on paths that input reaches: errors are values. The few documented invariants that
+// remain `expect`s say why they hold (`#[expect(..., reason)]`); tests may unwrap (clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod gguf;
 pub mod progress;

@@ -139,6 +139,7 @@ impl Checkpoint {
         Ok(Checkpoint { path: path.into(), format })
     }
 
+    #[expect(clippy::expect_used, reason = "`from_bytes` validated these bytes, which never change after")]
     fn safetensors(bytes: &[u8]) -> SafeTensors<'_> {
         SafeTensors::deserialize(bytes).expect("validated in open")
     }
@@ -203,10 +204,9 @@ fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Ten
         Dtype::F32 => {
             Tensor::f32(shape, data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
         }
-        Dtype::F64 => Tensor::f32(
-            shape,
-            data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("exact chunk")) as f32).collect(),
-        ),
+        Dtype::F64 => {
+            Tensor::f32(shape, data.as_chunks::<8>().0.iter().map(|&c| f64::from_le_bytes(c) as f32).collect())
+        }
         Dtype::F16 => {
             Tensor::f32(shape, data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
         }
@@ -425,7 +425,7 @@ fn load_one(
         if t.shape.len() != 2 {
             return Err(shape_error(raw.shape.clone(), None));
         }
-        t = transpose(&t);
+        t = transpose(t.shape[0], t.shape[1], values);
     }
     if let (Some(pack), Some(part)) = (source.pack, source.part) {
         t = unpack(dims, &t, pack, part).map_err(|(total, what)| {
@@ -442,9 +442,8 @@ fn load_one(
     Ok(t)
 }
 
-fn transpose(t: &Tensor) -> Tensor {
-    let (r, c) = (t.shape[0], t.shape[1]);
-    let x = t.as_f32().expect("float tensor");
+/// The `[c, r]` transpose of an `[r, c]` matrix.
+fn transpose(r: usize, c: usize, x: &[f32]) -> Tensor {
     let mut out = vec![0.0; x.len()];
     for i in 0..r {
         for j in 0..c {
@@ -462,7 +461,7 @@ fn unpack(dims: &PackDims, t: &Tensor, pack: Pack, part: PackPart) -> Result<Ten
     let ff = dims.d_ff;
     let rows = t.shape[0];
     let width: usize = t.shape[1..].iter().product();
-    let x = t.as_f32().expect("float tensor");
+    let Some(x) = t.as_f32() else { return Err((rows, "as floats".into())) };
     let take = |ranges: &[(usize, usize)]| {
         let mut out = Vec::new();
         let mut n = 0;
@@ -547,10 +546,11 @@ pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), We
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
         .iter()
         .map(|(n, d, s, b)| {
-            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("sizes agree by construction");
-            (n.clone(), view)
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b)
+                .map_err(|e| WeightError::Format { path: path.into(), message: format!("tensor `{n}`: {e}") })?;
+            Ok((n.clone(), view))
         })
-        .collect();
+        .collect::<Result<_, WeightError>>()?;
     let data = safetensors::serialize(views, None)
         .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
     let tmp = path.with_extension("safetensors.tmp");
@@ -572,7 +572,9 @@ mod tests {
 
     #[test]
     fn transpose_swaps_rows_and_columns() {
-        let t = Tensor::f32(vec![2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        assert_eq!(transpose(&t), Tensor::f32(vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]));
+        assert_eq!(
+            transpose(2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            Tensor::f32(vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0])
+        );
     }
 }
