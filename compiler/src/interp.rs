@@ -329,7 +329,7 @@ fn f(t: &Tensor) -> &[f32] {
 /// op's resolved output shape.
 ///
 /// The op and its operands need not come from a checked graph (a plan read from a file holds
-/// them), so the op's typing rule is checked on the actual operands first: whatever [`eval`]
+/// them), so the op's typing rule is checked on the actual operands first: whatever the evaluator
 /// assumes about arity, dtypes and ranks then holds.
 pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
     let ill = |message: String| InterpError::IllTyped { op: op.name(), message };
