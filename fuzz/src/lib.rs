@@ -91,12 +91,39 @@ pub fn gguf(data: &[u8]) {
 }
 
 /// An artifact file: header, checksum and payload checked, and what `kiln run` does with an
-/// accepted one (the plan's memory at a small size, the spec rebuilt from its source).
+/// accepted one (the plan's memory at a small size, the spec rebuilt from its source). Input that
+/// starts with `{` is taken as a payload and sealed with a valid header and checksum first, so
+/// the fuzzer reaches the payload's decoding and checks instead of stopping at the checksum.
 pub fn artifact(data: &[u8]) {
-    let Ok(artifact) = Artifact::from_bytes(Path::new("fuzz.kiln"), data) else { return };
+    let sealed;
+    let file = match data.first() {
+        Some(b'{') => {
+            sealed = seal(data);
+            &sealed
+        }
+        _ => data,
+    };
+    let Ok(artifact) = Artifact::from_bytes(Path::new("fuzz.kiln"), file) else { return };
     let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 4), (Sym::SrcSeq, 4), (Sym::Past, 0), (Sym::Ctx, 4)]);
     let _ = artifact.plan.memory(&syms);
     let _ = kiln_compiler::front_end(&artifact.spec_file, &artifact.spec_source);
+}
+
+/// `payload` behind a valid artifact header: magic, format version, length and CRC-32.
+fn seal(payload: &[u8]) -> Vec<u8> {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &b in payload {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    let mut out = kiln_compiler::artifact::MAGIC.to_vec();
+    out.extend_from_slice(&kiln_compiler::artifact::FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(!crc).to_le_bytes());
+    out.extend_from_slice(payload);
+    out
 }
 
 /// What `generate` is given: a prompt as text (optionally a chat turn) or as raw ids, sampling
