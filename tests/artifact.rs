@@ -103,6 +103,28 @@ fn damaged_artifacts_are_refused_with_the_reason() {
     forged.extend_from_slice(&crc32fast_hash(payload).to_le_bytes());
     forged.extend_from_slice(payload);
     assert!(corrupt(&forged).to_string().contains("payload does not decode"));
+
+    // A well-formed file whose plan is not one lowering makes: refused before anything is sized
+    // or run from it.
+    let seal = |art: &Artifact| {
+        let payload = serde_json::to_vec(art).unwrap();
+        let mut file = b"KILNART\0".to_vec();
+        file.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        file.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        file.extend_from_slice(&crc32fast_hash(&payload).to_le_bytes());
+        file.extend_from_slice(&payload);
+        file
+    };
+    let mut no_slots = art.clone();
+    no_slots.plan.slots = 0;
+    assert!(corrupt(&seal(&no_slots)).to_string().contains("invalid plan: value"), "{}", corrupt(&seal(&no_slots)));
+    let mut bad_kernel = art.clone();
+    bad_kernel.plan.steps[0].kernel = 999;
+    assert!(corrupt(&seal(&bad_kernel)).to_string().contains("invalid plan: step 0 runs kernel 999"));
+    let mut bad_wgsl = art.clone();
+    bad_wgsl.plan.kernels[0].wgsl = "fn main( {".into();
+    assert!(corrupt(&seal(&bad_wgsl)).to_string().contains("is not valid WGSL"));
+    assert!(Artifact::from_bytes(Path::new("m.kiln"), &seal(&art)).is_ok(), "sealing alone changes nothing");
 }
 
 /// CRC-32 (IEEE), written out so the test does not trust the code under test.

@@ -136,8 +136,14 @@ impl Artifact {
         if crc32fast::hash(payload) != u32_at(20) {
             return Err(ArtifactError::Corrupt { path: p(), message: "checksum mismatch".into() });
         }
-        serde_json::from_slice(payload)
-            .map_err(|e| ArtifactError::Corrupt { path: p(), message: format!("payload does not decode: {e}") })
+        let artifact: Artifact = serde_json::from_slice(payload)
+            .map_err(|e| ArtifactError::Corrupt { path: p(), message: format!("payload does not decode: {e}") })?;
+        // A file can hold any plan: check it before anything is sized or run from it.
+        artifact
+            .plan
+            .check()
+            .map_err(|e| ArtifactError::Corrupt { path: p(), message: format!("invalid plan: {e}") })?;
+        Ok(artifact)
     }
 
     /// Writes atomically: a temporary file next to `path`, then a rename.
