@@ -129,12 +129,13 @@ fn tensor_offsets_that_do_not_fit_are_refused() {
         &safetensors(&header("[8,0]"), &[0; 8]),
         &["backwards.safetensors", "invalid offset for tensor `a`"],
     );
-    // Two tensors over the same bytes.
+    // Two tensors over the same bytes (which of the two is blamed depends on the header's map
+    // order, so the message is checked up to the name).
     let overlap = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
     refused(
         "overlap.safetensors",
         &safetensors(overlap, &[0; 8]),
-        &["overlap.safetensors", "invalid offset for tensor `b`"],
+        &["overlap.safetensors", "invalid offset for tensor `"],
     );
     // A shape whose element count overflows.
     let huge = r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}}"#;
