@@ -241,6 +241,14 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // kiln ranks the adapters itself (`Gpu::new`, `--adapter`). Mesa's implicit device-select layer
+    // only reorders them, and on a machine without a display session it prints "XDG_RUNTIME_DIR is
+    // invalid" to stderr twice while probing for Wayland, which reads like an error from kiln and
+    // spoils `--json --quiet` output. Turn the layer off unless the user has set its switch.
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        // SAFETY: no other thread exists yet, so nothing can read the environment concurrently.
+        unsafe { std::env::set_var("NODEVICE_SELECT", "1") };
+    }
     let cli = Cli::parse();
     let spec = spec_of(&cli.command).map(Path::to_path_buf);
     match run(cli) {

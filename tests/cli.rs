@@ -9,8 +9,17 @@ use kiln_compiler::tensor::Tensor;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Runs the kiln binary from the repository root. The child gets no display session
+/// (`XDG_RUNTIME_DIR` unset), as on CI, so a test that wants a quiet stderr also proves that
+/// kiln keeps the Vulkan layers' display probing off it.
 fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("NODEVICE_SELECT")
+        .output()
+        .expect("kiln runs")
 }
 
 fn stdout(o: &Output) -> String {

@@ -95,6 +95,11 @@ const INSTALL_HINT: &str = "no GPU adapter found. On Debian/Ubuntu without a GPU
 impl Gpu {
     /// Opens a device. `choice` (or else the `KILN_ADAPTER` environment variable) selects an adapter
     /// whose name contains it, or a device type: `discrete`, `integrated`, `virtual`, `cpu`.
+    ///
+    /// Mesa's implicit device-select Vulkan layer prints "XDG_RUNTIME_DIR is invalid" on stderr
+    /// when there is no display session. A program that wants a clean stderr sets
+    /// `NODEVICE_SELECT=1` before its first thread starts, as the `kiln` binary does; the layer
+    /// only reorders adapters, and this function ranks them itself.
     pub fn new(choice: Option<&str>) -> Result<Gpu, GpuError> {
         let env = std::env::var("KILN_ADAPTER").ok();
         let choice = choice.map(str::to_string).or(env).filter(|c| !c.is_empty());
