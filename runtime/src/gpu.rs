@@ -52,8 +52,8 @@ pub enum GpuError {
         /// Its size.
         bytes: u64,
     },
-    /// A buffer would exceed what the adapter can bind.
-    #[error("{what} needs {bytes} bytes, more than this adapter's storage-buffer binding limit of {limit} bytes")]
+    /// A buffer would exceed the adapter's limit on one buffer (or on one storage binding).
+    #[error("{what} needs a buffer of {bytes} bytes, more than this adapter's limit of {limit} bytes")]
     TooLarge {
         /// The buffer.
         what: String,
@@ -80,6 +80,8 @@ pub struct Gpu {
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     lost: Arc<Mutex<Option<String>>>,
+    /// The first wgpu error raised outside an error scope, if any.
+    uncaptured: Arc<Mutex<Option<String>>>,
     /// Largest buffer kiln creates; larger tensors are split into chunks of this many bytes and
     /// bound as several buffers (see [`kiln_compiler::lower::wgsl::kernel_chunked`]).
     chunk_bytes: u64,
@@ -153,6 +155,16 @@ impl Gpu {
                 *l = Some(format!("{reason:?}: {message}"));
             }
         });
+        // wgpu's default handler for errors outside an error scope panics. Every call kiln makes
+        // that can fail runs inside a scope; what still escapes (work on a device that was lost
+        // meanwhile) is kept, and the next check reports it as an error instead.
+        let uncaptured = Arc::new(Mutex::new(None));
+        let sink = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut u) = sink.lock() {
+                u.get_or_insert_with(|| e.to_string());
+            }
+        }));
         let chunk_bytes = (limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) / 256 * 256).max(256);
         Ok(Gpu {
             device,
@@ -160,6 +172,7 @@ impl Gpu {
             info,
             limits,
             lost,
+            uncaptured,
             chunk_bytes,
             f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
@@ -219,32 +232,77 @@ impl Gpu {
         format!("{} ({:?}, {:?})", self.info.name, self.info.device_type, self.info.backend)
     }
 
-    /// Waits for the work submitted so far and returns the first `n` 4-byte words of a mappable
-    /// staging buffer (`what` names them in errors).
-    fn read_staging(&self, staging: &wgpu::Buffer, what: &str, n: usize) -> Result<Vec<u8>, GpuError> {
-        let slice = staging.slice(..);
+    /// Records on `encoder` the copy of a tensor of `bytes` bytes, held in `chunks` as
+    /// [`Gpu::chunked`] splits it, into mappable staging buffers split the same way (so no buffer,
+    /// staging included, is larger than a chunk), and returns them for [`Gpu::read_staging`].
+    fn stage(
+        &self,
+        what: &str,
+        chunks: &[wgpu::Buffer],
+        bytes: u64,
+        encoder: &mut wgpu::CommandEncoder,
+    ) -> Result<Vec<wgpu::Buffer>, GpuError> {
+        let staging = self.chunked(what, bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
+        for (c, (from, to)) in chunks.iter().zip(&staging).enumerate() {
+            let len = bytes.saturating_sub(c as u64 * self.chunk_bytes).min(self.chunk_bytes).next_multiple_of(4);
+            if len > 0 {
+                encoder.copy_buffer_to_buffer(from, 0, to, 0, len);
+            }
+        }
+        Ok(staging)
+    }
+
+    /// Waits for the work submitted so far and returns the first `n` 4-byte words held by mappable
+    /// staging buffers, one after the other (`what` names them in errors).
+    fn read_staging(&self, staging: &[wgpu::Buffer], what: &str, n: usize) -> Result<Vec<u8>, GpuError> {
         let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
+        for buffer in staging {
+            let tx = tx.clone();
+            buffer.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+        }
+        drop(tx);
         self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Dispatch(e.to_string()))?;
         self.check_lost()?;
-        rx.recv()
-            .map_err(|_| GpuError::Dispatch("readback was cancelled".into()))?
-            .map_err(|e| GpuError::Dispatch(format!("cannot read {what} back: {e}")))?;
-        let data = {
-            let view = slice.get_mapped_range().map_err(|e| GpuError::Dispatch(e.to_string()))?;
-            view[..4 * n].to_vec()
-        };
-        staging.unmap();
+        for _ in staging {
+            rx.recv()
+                .map_err(|_| GpuError::Dispatch(format!("reading {what} back was cancelled")))?
+                .map_err(|e| GpuError::Dispatch(format!("cannot read {what} back: {e}")))?;
+        }
+        let mut data = Vec::with_capacity(4 * n);
+        for buffer in staging {
+            let want = (4 * n).saturating_sub(data.len());
+            {
+                let view = buffer.slice(..).get_mapped_range().map_err(|e| GpuError::Dispatch(e.to_string()))?;
+                data.extend(view.iter().take(want));
+            }
+            buffer.unmap();
+        }
+        if data.len() < 4 * n {
+            return Err(GpuError::Dispatch(format!("{what}: read {} of {} bytes back", data.len(), 4 * n)));
+        }
         Ok(data)
     }
 
+    /// Fails once the device is lost, or once wgpu reported an error outside an error scope.
     fn check_lost(&self) -> Result<(), GpuError> {
-        match self.lost.lock().ok().and_then(|l| l.clone()) {
-            Some(reason) => Err(GpuError::Lost(reason)),
+        if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
+            return Err(GpuError::Lost(reason));
+        }
+        match self.uncaptured.lock().ok().and_then(|u| u.clone()) {
+            Some(error) => Err(GpuError::Dispatch(format!("wgpu reported an error: {error}"))),
             None => Ok(()),
         }
+    }
+
+    /// Destroys the device now, freeing its memory; every later use of it, or of a model on it,
+    /// fails with [`GpuError::Lost`]. A real loss (a driver reset, a removed GPU) takes the same
+    /// path, which is how the tests exercise it.
+    pub fn destroy(&self) {
+        self.device.destroy();
+        // wgpu reports the loss on the next poll; record it now so that no work is submitted.
+        let _ = self.device.poll(wgpu::PollType::Poll);
     }
 
     fn pipeline(&self, label: &str, wgsl: &str) -> wgpu::ComputePipeline {
@@ -262,11 +320,16 @@ impl Gpu {
         })
     }
 
-    /// Creates a storage buffer, turning allocation failures into [`GpuError::OutOfMemory`] and
-    /// oversize requests into [`GpuError::TooLarge`].
+    /// Creates a buffer, turning allocation failures into [`GpuError::OutOfMemory`] and
+    /// requests over the adapter's limits into [`GpuError::TooLarge`] (tensors are split into
+    /// chunks below both limits, see [`Gpu::chunked`]).
     fn buffer(&self, what: &str, bytes: u64, usage: wgpu::BufferUsages) -> Result<wgpu::Buffer, GpuError> {
-        let limit = self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size);
-        if usage.contains(wgpu::BufferUsages::STORAGE) && bytes > limit {
+        let limit = if usage.contains(wgpu::BufferUsages::STORAGE) {
+            self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+        } else {
+            self.limits.max_buffer_size
+        };
+        if bytes.max(16).next_multiple_of(16) > limit {
             return Err(GpuError::TooLarge { what: what.into(), bytes, limit });
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -303,16 +366,8 @@ impl DeviceTensor {
         let gpu = &self.gpu;
         let n: usize = self.shape.iter().product();
         let bytes = 4 * n as u64;
-        let staging =
-            gpu.buffer("readback", bytes.max(4), wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
-        for (c, chunk) in self.buffers.iter().enumerate() {
-            let at = c as u64 * gpu.chunk_bytes;
-            let len = bytes.saturating_sub(at).min(gpu.chunk_bytes).next_multiple_of(4);
-            if len > 0 {
-                encoder.copy_buffer_to_buffer(chunk, 0, &staging, at, len);
-            }
-        }
+        let staging = gpu.stage("readback", &self.buffers, bytes, &mut encoder)?;
         gpu.queue.submit([encoder.finish()]);
         let data = gpu.read_staging(&staging, "a device tensor", n)?;
         Ok(Tensor::f32(self.shape.clone(), bytemuck::cast_slice::<u8, f32>(&data).to_vec()))
@@ -819,16 +874,7 @@ impl GpuModel {
                 continue;
             }
             let bytes = 4 * shape.iter().product::<usize>() as u64;
-            let staging = gpu.buffer(
-                &format!("output `{name}`"),
-                bytes,
-                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            )?;
-            for (c, chunk) in buffers_of(*v).iter().enumerate() {
-                let at = c as u64 * gpu.chunk_bytes;
-                let len = (bytes - at).min(gpu.chunk_bytes).next_multiple_of(4);
-                encoder.copy_buffer_to_buffer(chunk, 0, &staging, at, len);
-            }
+            let staging = gpu.stage(&format!("output `{name}`"), buffers_of(*v), bytes, &mut encoder)?;
             readbacks.push((name.clone(), shape, plan.values[*v].dtype, staging));
         }
         gpu.queue.submit([encoder.finish()]);
@@ -923,7 +969,7 @@ impl GpuModel {
                 encoder.resolve_query_set(&set, 0..queries, &resolved, 0);
                 encoder.copy_buffer_to_buffer(&resolved, 0, &staging, 0, bytes);
                 gpu.queue.submit([encoder.finish()]);
-                let data = gpu.read_staging(&staging, "timestamps", 2 * queries as usize)?;
+                let data = gpu.read_staging(std::slice::from_ref(&staging), "timestamps", 2 * queries as usize)?;
                 let ticks: Vec<u64> = data.as_chunks::<8>().0.iter().map(|&b| u64::from_le_bytes(b)).collect();
                 for (q, step) in steps.enumerate() {
                     if dispatches[step].2.is_some() {
