@@ -52,7 +52,7 @@ pub(crate) fn params_for(
     storage: WeightArgs,
 ) -> Result<kiln_runtime::weights::ParamsAndBlocks> {
     Ok(match weights {
-        None => (interp::random_params(graph, 1), HashMap::new()),
+        None => (interp::random_params(graph, 1)?, HashMap::new()),
         Some(path) => crate::storage::load(&fe.spec, graph, &kiln_runtime::Checkpoint::open(path)?, storage, &quiet())?,
     })
 }
@@ -234,7 +234,7 @@ fn chain(d: usize, ops: &[(Op, Option<Vec<usize>>)]) -> Graph {
 
 /// Times the forward of `g` at `seq` tokens (median of `runs`), in milliseconds.
 fn time_graph(gpu: &Arc<Gpu>, g: &Graph, seq: usize, runs: usize) -> Result<f64> {
-    let params = interp::random_params(g, 2);
+    let params = interp::random_params(g, 2)?;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
     let model = GpuModel::new(gpu.clone(), lower(g)?, &params)?;
@@ -314,7 +314,7 @@ fn time_plan(
     seq: usize,
     runs: usize,
 ) -> Result<f64> {
-    let mut params = interp::random_params(g, 2);
+    let mut params = interp::random_params(g, 2)?;
     let mut blocks = HashMap::new();
     let mut options = options.clone();
     for (name, t) in params.iter_mut().filter(|(n, _)| n.starts_with('w')) {

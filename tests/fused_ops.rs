@@ -199,7 +199,7 @@ fn check(cases: &[Case], chunked: bool) {
     }
     g.check().unwrap();
 
-    let mut params = interp::random_params(&g, 7);
+    let mut params = interp::random_params(&g, 7).unwrap();
     for (c, case) in cases.iter().enumerate() {
         if let Some(m) = &case.key_mask {
             let name = format!("case{c}.key_mask");

@@ -93,7 +93,7 @@ fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
     let Some(gpu) = common::gpu() else { return };
     let (g, weights) = graph();
     for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
-        let mut params = interp::random_params(&g, 11);
+        let mut params = interp::random_params(&g, 11).unwrap();
         let mut blocks = HashMap::new();
         for w in &weights {
             let q = QuantWeight::quantize(format, &params[w]).unwrap();
@@ -134,7 +134,7 @@ fn quantized_folds_stack_and_scale_blocks() {
     let z = g.add(Op::linear(None, false, false), &[x, scaled]).unwrap();
     g.outputs = vec![("y".into(), y), ("z".into(), z)];
     g.check().unwrap();
-    let mut params = interp::random_params(&g, 3);
+    let mut params = interp::random_params(&g, 3).unwrap();
     let input = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![3, 0, 9]))]);
     let mut blocks = HashMap::new();
     for p in ["q.weight", "k.weight", "v.weight"] {
@@ -156,7 +156,7 @@ fn quantized_folds_stack_and_scale_blocks() {
 fn missing_or_mismatched_blocks_are_errors() {
     let Some(gpu) = common::gpu() else { return };
     let (g, weights) = graph();
-    let params = interp::random_params(&g, 5);
+    let params = interp::random_params(&g, 5).unwrap();
     let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), WeightFormat::Q8_0)).collect();
     let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() }).unwrap();
     let err = GpuModel::with_blocks(gpu.clone(), plan.clone(), &params, &HashMap::new()).err().unwrap().to_string();
@@ -173,7 +173,7 @@ fn f16_projections_match_the_interpreter_on_rounded_weights() {
     let Some(gpu) = common::gpu() else { return };
     let (g, weights) = graph();
     let plan = || lower_with(&g, Options { fold_constants: false, f16_weights: true, ..Options::default() }).unwrap();
-    let mut params = interp::random_params(&g, 13);
+    let mut params = interp::random_params(&g, 13).unwrap();
     if !gpu.supports_f16() {
         let err = GpuModel::new(gpu, plan(), &params).err().unwrap().to_string();
         assert!(err.contains("SHADER_F16"), "{err}");

@@ -9,6 +9,7 @@
 //! zero token types), flips torch-style padding masks and binds the symbolic dimensions.
 
 use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
+use crate::memory::{MemoryError, f32_bytes};
 use crate::spec::{Activation, PairStyle};
 use crate::tensor::{DType, Data, Tensor};
 use petgraph::graph::NodeIndex;
@@ -65,6 +66,9 @@ pub enum InterpError {
         /// The limit.
         limit: u128,
     },
+    /// A result larger than the memory available (see [`crate::memory`]).
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
     /// An op given operands its typing rule ([`crate::graph::infer`]) refuses, or a result shape
     /// other than the one it infers: a fold of a damaged or foreign plan.
     #[error("cannot evaluate {op}: {message}")]
@@ -287,6 +291,7 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
                 limit: MAX_ELEMENTS,
             });
         }
+        crate::memory::check(|| format!("`{}`: a {} result", node.scope, node.op.name()), f32_bytes(elements))?;
         let operands = g.operands(n);
         let out = match &node.op {
             Op::Input { .. } => bound.tensors.remove(&n).ok_or_else(|| InterpError::MissingInput(node.op.attrs()))?,
@@ -763,8 +768,17 @@ fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
 }
 
 /// Deterministic pseudo-random parameters for every parameter of `g` (uniform in
-/// `[-scale, scale]`, norm gains around 1), for differential tests without a checkpoint.
-pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
+/// `[-scale, scale]`, norm gains around 1), for differential tests and benchmarks without a
+/// checkpoint. Refused, before anything is allocated, when they would not fit in memory.
+pub fn random_params(g: &Graph, seed: u64) -> Result<HashMap<String, Tensor>, MemoryError> {
+    let elements: u128 = g
+        .params()
+        .iter()
+        .map(|(n, _)| {
+            g.g[*n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k as u128 } else { 0 }).product::<u128>()
+        })
+        .sum();
+    crate::memory::check(|| format!("random parameters for `{}`", g.name), f32_bytes(elements))?;
     let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
     let mut next = move || {
         // splitmix64
@@ -775,7 +789,7 @@ pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
         z ^= z >> 31;
         (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
     };
-    g.params()
+    Ok(g.params()
         .into_iter()
         .map(|(n, name)| {
             let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
@@ -785,7 +799,7 @@ pub fn random_params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
                 (0..len).map(|_| if is_gain { 1.0 + 0.1 * next() as f32 } else { 0.3 * next() as f32 }).collect();
             (name.to_string(), Tensor::f32(shape, data))
         })
-        .collect()
+        .collect())
 }
 
 /// Deterministic inputs for every input of `g`, for differential tests without a dataset: ids

@@ -40,6 +40,7 @@ pub mod diag;
 pub mod graph;
 pub mod interp;
 pub mod lower;
+pub mod memory;
 pub mod optimize;
 pub mod spec;
 pub mod tensor;

@@ -57,7 +57,7 @@ fn every_knob_builds_and_runs() {
     ];
     for (i, extra) in cases.iter().enumerate() {
         let fe = spec(extra);
-        let params = random_params(&fe.graph, i as u64);
+        let params = random_params(&fe.graph, i as u64).unwrap();
         let out = outputs(
             &fe,
             &params,
@@ -92,7 +92,7 @@ activation = "gelu-tanh"
 gated = true
 "#;
     let fe = front_end("t.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
-    let params = random_params(&fe.graph, 3);
+    let params = random_params(&fe.graph, 3).unwrap();
     let src_padding = Tensor::i64(vec![2, 6], vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
     let out =
         outputs(&fe, &params, vec![("src_ids", ids(2, 6, 2)), ("tgt_ids", ids(2, 4, 5)), ("src_padding", src_padding)]);
@@ -103,7 +103,7 @@ gated = true
 #[test]
 fn causal_mask_hides_the_future() {
     let fe = spec("[attention]\nheads = 4\n");
-    let params = random_params(&fe.graph, 1);
+    let params = random_params(&fe.graph, 1).unwrap();
     let a = ids(1, 6, 0);
     let mut b = a.clone();
     if let kiln_compiler::tensor::Data::I64(v) = &mut b.data {
@@ -118,7 +118,7 @@ fn causal_mask_hides_the_future() {
 #[test]
 fn window_of_one_sees_only_itself() {
     let fe = spec("[attention]\nheads = 4\nmask = \"sliding-window\"\nwindow = 1\n");
-    let params = random_params(&fe.graph, 2);
+    let params = random_params(&fe.graph, 2).unwrap();
     let a = ids(1, 6, 0);
     let mut b = a.clone();
     if let kiln_compiler::tensor::Data::I64(v) = &mut b.data {
@@ -132,7 +132,7 @@ fn window_of_one_sees_only_itself() {
 fn window_covering_the_sequence_equals_causal() {
     let causal = spec("[attention]\nheads = 4\n");
     let window = spec("[attention]\nheads = 4\nmask = \"sliding-window\"\nwindow = 8\n");
-    let params = random_params(&causal.graph, 4);
+    let params = random_params(&causal.graph, 4).unwrap();
     let oa = outputs(&causal, &params, vec![("input_ids", ids(2, 8, 3))]);
     let ob = outputs(&window, &params, vec![("input_ids", ids(2, 8, 3))]);
     assert_eq!(oa["logits"], ob["logits"]);
@@ -142,7 +142,7 @@ fn window_covering_the_sequence_equals_causal() {
 fn deepnorm_with_alpha_one_is_post_norm() {
     let post = spec("[attention]\nheads = 4\n[norm]\nplacement = \"post\"\n");
     let deep = spec("[attention]\nheads = 4\n[norm]\nplacement = \"deepnorm\"\nalpha = 1.0\n");
-    let params = random_params(&post.graph, 5);
+    let params = random_params(&post.graph, 5).unwrap();
     let oa = outputs(&post, &params, vec![("input_ids", ids(2, 5, 1))]);
     let ob = outputs(&deep, &params, vec![("input_ids", ids(2, 5, 1))]);
     assert_eq!(oa["logits"], ob["logits"]);
@@ -153,7 +153,7 @@ fn deepnorm_with_alpha_one_is_post_norm() {
 fn mqa_equals_mha_with_shared_key_value_heads() {
     let mqa = spec("[attention]\nheads = 4\nkv_heads = 1\n[positions]\nkind = \"rope\"\n");
     let mha = spec("[attention]\nheads = 4\n[positions]\nkind = \"rope\"\n");
-    let params = random_params(&mqa.graph, 6);
+    let params = random_params(&mqa.graph, 6).unwrap();
     let mut wide = params.clone();
     for (name, t) in &params {
         if name.ends_with("attn.k.weight") || name.ends_with("attn.v.weight") {
@@ -172,7 +172,7 @@ fn mqa_equals_mha_with_shared_key_value_heads() {
 fn interleaved_rope_equals_rotate_half_on_permuted_rows() {
     let half = spec("[attention]\nheads = 4\n[positions]\nkind = \"rope\"\n");
     let pairs = spec("[attention]\nheads = 4\n[positions]\nkind = \"rope\"\nstyle = \"interleaved\"\n");
-    let params = random_params(&half.graph, 7);
+    let params = random_params(&half.graph, 7).unwrap();
     let hd = 8;
     let mut permuted = params.clone();
     for (name, t) in &params {
@@ -203,7 +203,7 @@ fn padding_mask_hides_padded_keys_and_fully_masked_rows_stay_finite() {
         BASE.replace("\"decoder\"", "\"encoder\"")
     );
     let fe = front_end("t.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
-    let params = random_params(&fe.graph, 8);
+    let params = random_params(&fe.graph, 8).unwrap();
     let mask = Tensor::i64(vec![1, 5], vec![1, 1, 1, 0, 0]);
     let a = ids(1, 5, 0);
     let mut b = a.clone();
@@ -225,7 +225,7 @@ fn padding_mask_hides_padded_keys_and_fully_masked_rows_stay_finite() {
 #[test]
 fn large_logits_do_not_overflow_softmax() {
     let fe = spec("[attention]\nheads = 4\nscale = 1000.0\n");
-    let params = random_params(&fe.graph, 9);
+    let params = random_params(&fe.graph, 9).unwrap();
     let out = outputs(&fe, &params, vec![("input_ids", ids(1, 6, 0))]);
     assert!(f(&out["logits"]).iter().all(|v| v.is_finite()));
 }
@@ -233,7 +233,7 @@ fn large_logits_do_not_overflow_softmax() {
 #[test]
 fn bad_run_inputs_are_errors_not_panics() {
     let fe = spec("[attention]\nheads = 4\n");
-    let params = random_params(&fe.graph, 10);
+    let params = random_params(&fe.graph, 10).unwrap();
     let run_with = |t: Tensor| {
         let inputs = HashMap::from([("input_ids".to_string(), t)]);
         run(&fe.graph, &params, &inputs).map(|_| ()).unwrap_err().to_string()

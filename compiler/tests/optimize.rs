@@ -17,7 +17,7 @@ fn optimized_graphs_agree_with_unoptimized_ones() {
             fe.graph.name, report.dispatches.0, report.dispatches.1, report.applied, report.optimize_ms
         );
         assert!(report.dispatches.1 < report.dispatches.0, "{}: optimization removes dispatches", fe.graph.name);
-        let params = random_params(&fe.graph, 5);
+        let params = random_params(&fe.graph, 5).unwrap();
         let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5);
         let before = run(&fe.graph, &params, &inputs).unwrap();
         let after = run(&opt, &params, &inputs).unwrap();

@@ -57,7 +57,7 @@ fn check_with(rule: &str, g: &Graph, model: &CostModel) -> Graph {
 fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<String, Tensor>) -> Graph {
     let (opt, report) = optimize_with(g, &Limits::default(), model, &rules::phases()).unwrap();
     assert!(report.applied.get(rule).copied().unwrap_or(0) > 0, "`{rule}` did not fire: {:?}", report.applied);
-    let params = random_params(g, 3);
+    let params = random_params(g, 3).unwrap();
     let before = run(g, &params, inputs).unwrap();
     let after = run(&opt, &params, inputs).unwrap();
     for ((_, a), (_, b)) in before.iter().zip(&after) {
@@ -498,7 +498,7 @@ fn limits_stop_the_optimizer_with_a_valid_graph() {
     let (opt, report) = optimize_with(&g, &limits, &CostModel::default(), &rules::phases()).unwrap();
     opt.check().unwrap();
     assert!(report.phases.iter().all(|(_, iters, _)| *iters <= 1), "{:?}", report.phases);
-    let params = random_params(&g, 1);
+    let params = random_params(&g, 1).unwrap();
     let before = run(&g, &params, &inputs()).unwrap();
     let after = run(&opt, &params, &inputs()).unwrap();
     assert!(before[0].1.max_abs_diff(&after[0].1) <= 1e-5);

@@ -39,7 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Random weights under the canonical parameter names (a real model loads a checkpoint with
     // kiln_runtime::load_params instead).
-    let params = interp::random_params(&fe.graph, 42);
+    let params = interp::random_params(&fe.graph, 42)?;
 
     // Greedy decoding by re-running the sequence (the interpreter has no KV cache).
     let mut ids: Vec<i64> = vec![1, 17, 42];

@@ -10,6 +10,7 @@ use crate::gguf::{self, GgmlType, Gguf, GgufError};
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use kiln_compiler::graph::Graph;
+use kiln_compiler::memory;
 use kiln_compiler::spec::{Pack, PackDims, PackPart, Resolved, Source, WeightMap};
 use kiln_compiler::tensor::Tensor;
 use safetensors::{Dtype, SafeTensors};
@@ -89,6 +90,9 @@ pub enum WeightError {
         /// What is wrong.
         message: String,
     },
+    /// A tensor, or the file, would not fit in memory.
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
     /// The tensor holds NaN or infinite values.
     #[error("tensor `{tensor}` holds a non-finite value ({value}) at element {index}")]
     NonFinite {
@@ -121,6 +125,8 @@ impl Checkpoint {
     /// Reads the file and validates its header. A file that starts with `GGUF` or is named
     /// `*.gguf` is read as GGUF, any other as safetensors.
     pub fn open(path: &Path) -> Result<Self, WeightError> {
+        let size = std::fs::metadata(path).map_err(|error| WeightError::Io { path: path.into(), error })?.len();
+        memory::check(|| format!("reading `{}`", path.display()), size)?;
         let bytes = std::fs::read(path).map_err(|error| WeightError::Io { path: path.into(), error })?;
         Self::from_bytes(path, bytes)
     }
@@ -165,6 +171,14 @@ impl Checkpoint {
     /// A tensor converted to f32 (floats, dequantized blocks) or i64 (integers and booleans), in
     /// row-major shape.
     pub fn get(&self, name: &str) -> Option<Result<Tensor, WeightError>> {
+        let elements: usize = match &self.format {
+            Format::Safetensors(bytes) => Self::safetensors(bytes).tensor(name).ok()?.shape().iter().product(),
+            Format::Gguf(g) => g.info(name)?.elements(),
+        };
+        let what = || format!("tensor `{name}` as f32");
+        if let Err(e) = memory::check(what, memory::f32_bytes(elements as u128)) {
+            return Some(Err(e.into()));
+        }
         match &self.format {
             Format::Safetensors(bytes) => {
                 let st = Self::safetensors(bytes);

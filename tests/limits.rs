@@ -1,0 +1,84 @@
+//! Memory is checked before it is allocated (`kiln_compiler::memory`): parameters, activations
+//! and weights larger than the machine can hold are refused with what needed how much, exit code 1
+//! and no abort, instead of the allocator killing the process.
+
+mod common;
+
+use common::root;
+use kiln_compiler::tensor::Tensor;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-limits-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `models/NAME.toml` with some lines replaced, written to `dir`.
+fn spec_with(dir: &Path, name: &str, replace: &[(&str, &str)]) -> PathBuf {
+    let mut source = std::fs::read_to_string(root().join(format!("models/{name}.toml"))).unwrap();
+    for (from, to) in replace {
+        assert!(source.contains(from), "{from}");
+        source = source.replace(from, to);
+    }
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, source).unwrap();
+    path
+}
+
+fn refused(o: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "expected a clean failure:\n{err}");
+    assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "the message lacks {needle:?}:\n{err}");
+    }
+}
+
+/// A spec within every dimension limit whose random parameters (1.3 TiB) fit no machine that
+/// runs this test: `kiln bench` refuses before drawing any.
+#[test]
+fn random_parameters_larger_than_memory_are_refused() {
+    let dir = scratch("bench");
+    let spec = spec_with(
+        &dir,
+        "gpt2",
+        &[("vocab = 128", "vocab = 4000000"), ("d_model = 64", "d_model = 65536"), ("heads = 4", "heads = 64")],
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["--quiet", "bench", "--seq", "4", "--runs", "1"])
+        .arg(&spec)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    refused(&o, &["random parameters for `gpt2`: needs 1.3 TiB of memory"]);
+}
+
+/// An activation larger than the process may allocate: 16384 tokens make each attention
+/// score matrix 4 GiB, under an address-space limit of 3 GB (`ulimit -v`). The interpreter
+/// refuses the first such result by name before allocating it.
+#[cfg(unix)]
+#[test]
+fn an_activation_larger_than_the_process_may_allocate_is_refused() {
+    let dir = scratch("activation");
+    let spec = spec_with(&dir, "llama", &[("max_positions = 64", "max_positions = 16384")]);
+    let n = 16384;
+    let ids = Tensor::i64(vec![1, n], (0..n as i64).map(|i| i * 7 % 128).collect());
+    let inputs = dir.join("inputs.safetensors");
+    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), ids)]).unwrap();
+    let o = Command::new("sh")
+        .args(["-c", "ulimit -v 3000000 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_kiln"))
+        .args(["run", "--backend", "interp", "--no-optimize", "--weights", "tests/fixtures/llama/model.safetensors"])
+        .arg(&spec)
+        .arg("--inputs")
+        .arg(&inputs)
+        .arg("--output")
+        .arg(dir.join("out.safetensors"))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    refused(&o, &["`layers.0.attn`: a matmul_t result: needs 4.0 GiB of memory"]);
+    assert!(!dir.join("out.safetensors").exists());
+}
