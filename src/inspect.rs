@@ -250,7 +250,8 @@ pub fn explanations(graph: &Graph) -> Vec<(String, String, Vec<&'static str>)> {
 /// Writes `bytes` to `output`, or to standard output; refuses binary bytes on a terminal.
 fn emit(bytes: &[u8], output: Option<&Path>, binary: bool) -> Result<()> {
     if let Some(path) = output {
-        return std::fs::write(path, bytes).with_context(|| format!("cannot write `{}`", path.display()));
+        return kiln_compiler::file::write_atomic(path, bytes)
+            .with_context(|| format!("cannot write `{}`", path.display()));
     }
     let mut stdout = std::io::stdout().lock();
     if binary && stdout.is_terminal() {
@@ -376,7 +377,8 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         profile: profile.as_ref().map(|(adapter, _, p)| (adapter.as_str(), p)),
     }
     .render()?;
-    std::fs::write(path, page).with_context(|| format!("cannot write `{}`", path.display()))?;
+    kiln_compiler::file::write_atomic(path, page.as_bytes())
+        .with_context(|| format!("cannot write `{}`", path.display()))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }

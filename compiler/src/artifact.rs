@@ -146,15 +146,12 @@ impl Artifact {
         Ok(artifact)
     }
 
-    /// Writes atomically: a temporary file next to `path`, then a rename.
+    /// Writes atomically ([`crate::file::write_atomic`]).
     pub fn write(&self, path: &Path) -> Result<(), ArtifactError> {
-        let io = |source| ArtifactError::Io { action: "write", path: path.to_path_buf(), source };
-        let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "artifact".into());
-        let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-        std::fs::write(&tmp, self.to_bytes()).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io(e)
+        crate::file::write_atomic(path, &self.to_bytes()).map_err(|source| ArtifactError::Io {
+            action: "write",
+            path: path.to_path_buf(),
+            source,
         })
     }
 

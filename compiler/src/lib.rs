@@ -37,6 +37,7 @@
 
 pub mod artifact;
 pub mod diag;
+pub mod file;
 pub mod graph;
 pub mod interp;
 pub mod lower;

@@ -543,7 +543,7 @@ pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>, WeightError>
     Checkpoint::open(path)?.all()
 }
 
-/// Writes f32/i64 tensors to a safetensors file, atomically (a temporary file renamed into place).
+/// Writes f32/i64 tensors to a safetensors file, atomically ([`kiln_compiler::file::write_atomic`]).
 pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), WeightError> {
     let io = |error| WeightError::Io { path: path.into(), error };
     let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
@@ -567,9 +567,7 @@ pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), We
         .collect::<Result<_, WeightError>>()?;
     let data = safetensors::serialize(views, None)
         .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
-    let tmp = path.with_extension("safetensors.tmp");
-    std::fs::write(&tmp, data).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    kiln_compiler::file::write_atomic(path, &data).map_err(io)
 }
 
 #[cfg(test)]

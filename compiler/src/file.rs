@@ -1,0 +1,94 @@
+//! Writing files so that no reader ever sees half of one.
+//!
+//! Everything kiln writes (artifacts, output tensors, rendered graphs and reports) goes through
+//! [`write_atomic`]: a process killed while writing, or a machine that loses power, leaves the
+//! previous file or the new one at the path, never a truncated file that a later run would
+//! misread. (`tests/atomic_writes.rs` kills writers mid-write, and checks that nothing else in
+//! the sources writes files directly.)
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// Writes `bytes` to `path` atomically: into a hidden temporary file next to it
+/// (`.NAME.tmp-PID`), flushed to disk, then renamed over `path`. A symbolic link is written
+/// through (its target is replaced). A path that exists and is not a regular file (`/dev/null`,
+/// a pipe, a terminal) is written directly, since renaming over it would replace the device with
+/// a file. On failure the temporary file is removed and `path` is untouched.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)?,
+        _ => path.to_path_buf(),
+    };
+    if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+        return std::fs::write(&path, bytes);
+    }
+    let tmp = temporary(&path)?;
+    let written = write_synced(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// `dir/.NAME.tmp-PID` for `dir/NAME`.
+fn temporary(path: &Path) -> io::Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, format!("`{}` does not name a file", path.display()))
+    })?;
+    Ok(path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id())))
+}
+
+/// Writes a new file and flushes it to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut file = std::fs::File::create(path)?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kiln-file-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn replaces_a_file_and_leaves_no_temporary() {
+        let dir = scratch("replace");
+        let path = dir.join("out.bin");
+        std::fs::write(&path, b"old").unwrap();
+        write_atomic(&path, b"new contents").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new contents");
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["out.bin"]);
+    }
+
+    #[test]
+    fn writes_through_a_link_and_into_devices() {
+        let dir = scratch("link");
+        let target = dir.join("target.bin");
+        let link = dir.join("link.bin");
+        std::fs::write(&target, b"old").unwrap();
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&target, &link).unwrap();
+            write_atomic(&link, b"new").unwrap();
+            assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+            assert_eq!(std::fs::read(&target).unwrap(), b"new");
+            // `/dev/null` stays a device.
+            write_atomic(Path::new("/dev/null"), b"nothing").unwrap();
+            assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+        }
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file() {
+        let dir = scratch("fail");
+        let path = dir.join("missing-dir").join("out.bin");
+        assert!(write_atomic(&path, b"x").is_err());
+        assert!(write_atomic(Path::new("/"), b"x").is_err());
+    }
+}
