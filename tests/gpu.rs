@@ -153,3 +153,38 @@ fn building_a_model_reports_every_pipeline_fold_and_upload() {
     let (_, logits) = outputs.iter().find(|(name, _)| name == "logits").unwrap();
     assert!(logits.max_abs_diff(&io["logits"]) <= TOLERANCE);
 }
+
+/// Numerics at the edges, end to end on the fused kernels: a padding mask that hides every key
+/// (every attention row fully masked) gives finite outputs, and so does an attention scale of
+/// 1000 (scores in the thousands, which a softmax without its max subtracted overflows); both
+/// agree with the interpreter, which `compiler/tests/features.rs` checks the same way.
+#[test]
+fn fully_masked_rows_and_large_logits_stay_finite_on_wgpu() {
+    let Some(gpu) = common::gpu() else { return };
+    let base = "[model]\nvocab = 50\nd_model = 32\nlayers = 2\nmax_positions = 16\n";
+    let masked = format!(
+        "{base}kind = \"encoder\"\n[attention]\nheads = 4\npadding_mask = true\n[outputs]\nhidden_states = true\npooling = \"mean\"\n"
+    );
+    let large = format!("{base}kind = \"decoder\"\n[attention]\nheads = 4\nscale = 1000.0\n");
+    let ids = kiln_compiler::tensor::Tensor::i64(vec![2, 5], (0..10).map(|i| i * 7 % 50).collect());
+    let no_keys = kiln_compiler::tensor::Tensor::i64(vec![2, 5], vec![0; 10]);
+    let cases = [
+        ("every key masked", masked, vec![("input_ids", ids.clone()), ("attention_mask", no_keys)]),
+        ("scale 1000", large, vec![("input_ids", ids)]),
+    ];
+    for (label, source, inputs) in cases {
+        let fe = kiln_compiler::front_end("edge.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
+        let params = interp::random_params(&fe.graph, 12).unwrap();
+        let inputs = inputs.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
+        let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
+        let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+        let got = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap().run(&inputs).unwrap();
+        for ((n, a), (_, b)) in expected.iter().zip(&got) {
+            assert!(b.as_f32().unwrap().iter().all(|v| v.is_finite()), "{label}: `{n}` is not finite on wgpu");
+            let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let err = a.max_abs_diff(b);
+            println!("{label}: {n} wgpu vs interpreter {err:e} (max |x| {scale})");
+            assert!(err <= 1e-4 * scale, "{label}: `{n}` differs by {err}");
+        }
+    }
+}
