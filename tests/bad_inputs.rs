@@ -98,6 +98,21 @@ fn inputs_of_the_wrong_shape_or_type() {
     );
     refused(
         "bert",
+        "mask-fraction",
+        &[
+            ("input_ids", ids(vec![1, 3], vec![1, 2, 3])),
+            ("attention_mask", Tensor::f32(vec![1, 3], vec![1.0, 0.5, 0.0])),
+        ],
+        &["input `attention_mask`: a mask holds only 0 and 1 (1 = attend, 0 = padding); found 0.5 at element 1"],
+    );
+    refused(
+        "bert",
+        "mask-two",
+        &[("input_ids", ids(vec![1, 3], vec![1, 2, 3])), ("attention_mask", ids(vec![1, 3], vec![1, 2, 1]))],
+        &["found 2 at element 1"],
+    );
+    refused(
+        "bert",
         "float-ids",
         &[("input_ids", Tensor::f32(vec![1, 3], vec![1.0, 2.0, 3.0]))],
         &["input `input_ids`: expected integer ids, got f32"],

@@ -202,6 +202,11 @@ pub fn bind_named_with(
             },
             InputRole::KeyMask { pad_is_one } => {
                 let v = tensor.to_f32_vec();
+                // A weight between 0 and 1 has no meaning here: refuse it rather than round it.
+                if let Some((at, x)) = v.iter().enumerate().find(|(_, x)| **x != 0.0 && **x != 1.0) {
+                    let meaning = if pad_is_one { "1 = padding, 0 = token" } else { "1 = attend, 0 = padding" };
+                    return Err(bad(format!("a mask holds only 0 and 1 ({meaning}); found {x} at element {at}")));
+                }
                 let v = v.iter().map(|&x| if (x != 0.0) != pad_is_one { 1.0 } else { 0.0 }).collect();
                 Tensor::f32(tensor.shape.clone(), v)
             }
