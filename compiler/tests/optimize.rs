@@ -32,3 +32,32 @@ fn optimized_graphs_agree_with_unoptimized_ones() {
         }
     }
 }
+
+/// A time limit of zero stops every rule phase after its first iteration (egg checks the limit
+/// between iterations), and the optimizer falls back to the best graph the e-graph holds then:
+/// valid, and computing what the unoptimized graph does, on every model.
+#[test]
+fn an_exhausted_time_limit_stops_every_phase_with_a_valid_graph() {
+    use kiln_compiler::optimize::{CostModel, Limits, optimize_with, rules};
+    let limits = Limits { time: std::time::Duration::ZERO, ..Limits::default() };
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let source = std::fs::read_to_string(&path).unwrap();
+        let fe = kiln_compiler::front_end(&path.display().to_string(), &source).unwrap();
+        let (opt, report) = optimize_with(&fe.graph, &limits, &CostModel::default(), &rules::phases()).unwrap();
+        for (phase, iterations, reason) in &report.phases {
+            assert!(reason.starts_with("TimeLimit"), "{}: phase {phase} stopped by {reason}", fe.graph.name);
+            assert!(*iterations <= 1, "{}: phase {phase} ran {iterations} iterations", fe.graph.name);
+        }
+        opt.check().unwrap();
+        let params = random_params(&fe.graph, 6).unwrap();
+        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, 4);
+        let before = run(&fe.graph, &params, &inputs).unwrap();
+        let after = run(&opt, &params, &inputs).unwrap();
+        for ((n, a), (_, b)) in before.iter().zip(&after) {
+            let scale = a.as_f32().unwrap().iter().fold(1.0f32, |x, y| x.max(y.abs()));
+            assert!(a.max_abs_diff(b) <= 1e-5 * scale, "{}: {n} differs", fe.graph.name);
+        }
+    }
+}
