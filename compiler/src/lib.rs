@@ -108,14 +108,16 @@ fn check_weight_map(spec: &Resolved, graph: &Graph, source: &str) -> Result<(), 
 
 /// `layers.3.attn.q.weight` -> `layers.{i}.attn.q.weight` (and `{e}` for experts).
 pub fn template_of(param: &str) -> String {
-    let mut parts: Vec<String> = param.split('.').map(str::to_string).collect();
-    for i in 1..parts.len() {
-        if parts[i].chars().all(|c| c.is_ascii_digit()) {
-            parts[i] = match parts[i - 1].as_str() {
-                "experts" => "{e}".into(),
-                _ => "{i}".into(),
-            };
-        }
+    let mut parts = Vec::new();
+    let mut prev = None;
+    for part in param.split('.') {
+        let numeric = part.chars().all(|c| c.is_ascii_digit());
+        parts.push(match prev {
+            Some("experts") if numeric => "{e}",
+            Some(_) if numeric => "{i}",
+            _ => part,
+        });
+        prev = Some(part);
     }
     parts.join(".")
 }

@@ -162,7 +162,7 @@ fn is_const(w: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
 fn is_bias_of(b: &'static str, w: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
     let (b, w) = (var(b), var(w));
     move |egraph, _, subst| match (shape(egraph, subst[b]), shape(egraph, subst[w])) {
-        (Some(bs), Some(ws)) => ws.len() == 2 && bs.as_slice() == [ws[0]],
+        (Some(bs), Some(ws)) => matches!(ws.as_slice(), [rows, _] if bs.as_slice() == [*rows]),
         _ => false,
     }
 }
