@@ -331,8 +331,8 @@ impl Sampler {
         if self.temperature == 0.0 {
             return argmax() as i64;
         }
-        // Candidates by decreasing logit, cut by top-k, softmax at the temperature, cut by top-p.
-        // `order` holds (token, logit) pairs.
+        // Candidates (token, logit) by decreasing logit, cut by top-k, softmax at the temperature,
+        // cut by top-p.
         let mut order: Vec<(usize, f32)> = l.iter().copied().enumerate().filter(|(_, v)| v.is_finite()).collect();
         order.sort_by(|&(a, va), &(b, vb)| vb.total_cmp(&va).then(a.cmp(&b)));
         if self.top_k > 0 {

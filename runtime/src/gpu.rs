@@ -959,8 +959,14 @@ impl GpuModel {
             if step.op != Op::Gather {
                 continue;
             }
-            let (table, ids) = (step.operands[0], step.operands[1]);
-            let rows = resolve(&self.plan.values[table].shape, syms)[0];
+            // A plan read from a file is not type-checked: a gather's arity and table are checked
+            // here, before they are relied on.
+            let &[table, ids] = step.operands.as_slice() else {
+                return Err(GpuError::Dispatch(format!("a gather step has {} operands, not 2", step.operands.len())));
+            };
+            let Some(&rows) = resolve(&self.plan.values[table].shape, syms).first() else {
+                return Err(GpuError::Dispatch("a gather step's table has no rows".into()));
+            };
             let table_name = match &self.plan.values[table].storage {
                 Storage::Param(n) => n.clone(),
                 _ => "table".into(),
@@ -976,7 +982,7 @@ impl GpuModel {
             } else if let Some(step_def) = self.plan.steps.iter().find(|s| s.output == ids)
                 && let Op::Positions { .. } = step_def.op
             {
-                let len = resolve(&self.plan.values[ids].shape, syms)[0];
+                let len: usize = resolve(&self.plan.values[ids].shape, syms).iter().product();
                 if len > rows {
                     return Err(InterpError::IndexOutOfRange {
                         what: "position",

@@ -570,4 +570,18 @@ mod tests {
             Tensor::f32(vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0])
         );
     }
+
+    #[test]
+    fn unpack_cuts_a_block_and_rejects_a_scalar() {
+        let dims = PackDims { heads: 1, kv_heads: 1, head_dim: 1, d_ff: 2 };
+        let packed = Tensor::f32(vec![4, 1], vec![0.0, 1.0, 2.0, 3.0]);
+        let up = unpack(&dims, &packed, Pack::GateUpBlocks, PackPart::Up).unwrap();
+        assert_eq!(up, Tensor::f32(vec![2, 1], vec![2.0, 3.0]));
+        let err = unpack(&dims, &packed, Pack::QkvBlocks, PackPart::V).unwrap_err();
+        assert_eq!(err, "the pack should have 3 rows as Q, K, V blocks");
+        // A scalar has no rows to cut or permute (this used to index past its empty shape).
+        let scalar = Tensor::f32(vec![], vec![1.0]);
+        assert_eq!(unpack(&dims, &scalar, Pack::QkvBlocks, PackPart::Q).unwrap_err(), "a scalar is not a pack of rows");
+        assert_eq!(unpermute_rope(&scalar, 2), None);
+    }
 }
