@@ -31,9 +31,10 @@
 //! **Architecture invariant**: this crate never depends on a GPU API. It produces IR and runs it on
 //! the CPU; executing on a device is `kiln-runtime`'s job.
 #![warn(missing_docs)]
-// No panics on paths that input reaches: errors are values. The few documented invariants that
-// remain `expect`s say why they hold (`#[expect(..., reason)]`); tests may unwrap (clippy.toml).
-#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// No panics on paths that input reaches: errors are values, and slices are read with `get`,
+// patterns and iterators rather than `[]`. The few documented invariants that remain `expect`s or
+// indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod artifact;
 pub mod diag;

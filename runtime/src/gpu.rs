@@ -9,6 +9,14 @@
 //! between runs: a buffer is replaced only when a longer input needs more, a bind group only when
 //! a buffer it binds was, and the sizes are written only when they change.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
+              bounds its value, slot and kernel indices; step shapes are read through `dispatch`, \
+              which errs on an ill-typed step; inputs are shape-checked by `bind_named_with` and \
+              token ids range-checked by `check_indices`; the per-step tables are built here"
+)]
+
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use crate::weights::WeightError;

@@ -12,6 +12,12 @@
 //! **Invariant**: the graph is acyclic and every node's shape is what [`infer`] gives for its op and
 //! operands; [`Graph::check`] verifies both.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "`infer` indexes operands and axes only after its arity and rank checks; the graph \
+              methods index nodes of the graph itself, which `Graph::check` type-checks op by op"
+)]
+
 pub mod build;
 pub mod print;
 

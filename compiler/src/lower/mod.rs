@@ -8,6 +8,14 @@
 //! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
 //! module that fails is a compiler bug, reported with the op and model named.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "lowering runs on graphs that `Graph::check` accepted (`graph::infer` fixes each op's \
+              arity and operand ranks); a plan read from a file is indexed only after `Plan::check` \
+              bounded its value, slot and kernel indices, and its steps' shapes are read by \
+              `dims_of` with checked access"
+)]
+
 pub mod attention;
 pub mod format;
 pub mod projection;

@@ -27,6 +27,9 @@
 //! `stv` accessors (see [`bindings`]), which the chunked variant
 //! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::format::WeightFormat;
 use super::wgsl::{Elem, activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};

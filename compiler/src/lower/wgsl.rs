@@ -12,6 +12,9 @@
 //! Threads are laid out over a 2-D grid of 64-wide workgroups (`i = gid.x + gid.y * nwg.x * 64`),
 //! so more than 65535 workgroups can be dispatched.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::attention::Geometry;
 use crate::graph::Op;
 use crate::spec::{Activation, PairStyle};

@@ -1,6 +1,9 @@
 //! Rewrite rules, grouped by purpose, and the phases they run in. See README.md in this folder for
 //! how to write one.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 mod cache;
 mod fusion;
 mod merge;
