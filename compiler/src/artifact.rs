@@ -108,21 +108,23 @@ impl Artifact {
     /// Parses bytes read from `path` (named in errors).
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Artifact, ArtifactError> {
         let p = || path.to_path_buf();
-        if bytes.len() < 8 || &bytes[..8] != MAGIC {
+        let Some((magic, rest)) = bytes.split_first_chunk::<8>() else {
+            return Err(ArtifactError::Foreign(p()));
+        };
+        if magic != MAGIC {
             return Err(ArtifactError::Foreign(p()));
         }
-        if bytes.len() < HEADER {
-            return Err(ArtifactError::Truncated { path: p(), expected: HEADER as u64, found: bytes.len() as u64 });
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
-        let version = u32_at(8);
+        // The rest of the header: version (u32), payload length (u64), payload CRC-32 (u32).
+        let truncated = || ArtifactError::Truncated { path: p(), expected: HEADER as u64, found: bytes.len() as u64 };
+        let (version, rest) = rest.split_first_chunk::<4>().ok_or_else(truncated)?;
+        let (len, rest) = rest.split_first_chunk::<8>().ok_or_else(truncated)?;
+        let (crc, payload) = rest.split_first_chunk::<4>().ok_or_else(truncated)?;
+        let version = u32::from_le_bytes(*version);
         if version != FORMAT_VERSION {
             return Err(ArtifactError::Version { path: p(), found: version });
         }
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&bytes[12..20]);
-        let len = u64::from_le_bytes(len);
-        let found = (bytes.len() - HEADER) as u64;
+        let len = u64::from_le_bytes(*len);
+        let found = payload.len() as u64;
         if len > MAX_PAYLOAD {
             return Err(ArtifactError::Corrupt { path: p(), message: format!("payload length {len} is implausible") });
         }
@@ -132,8 +134,7 @@ impl Artifact {
         if found > len {
             return Err(ArtifactError::Corrupt { path: p(), message: format!("{} trailing bytes", found - len) });
         }
-        let payload = &bytes[HEADER..];
-        if crc32fast::hash(payload) != u32_at(20) {
+        if crc32fast::hash(payload) != u32::from_le_bytes(*crc) {
             return Err(ArtifactError::Corrupt { path: p(), message: "checksum mismatch".into() });
         }
         let artifact: Artifact = serde_json::from_slice(payload)

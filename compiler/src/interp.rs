@@ -8,6 +8,14 @@
 //! Inputs are bound by name through [`bind_inputs`], which also fills defaults (an all-ones mask,
 //! zero token types), flips torch-style padding masks and binds the symbolic dimensions.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "ops are evaluated only with the operands their typing rule accepts: nodes of a graph \
+              that `Graph::check` accepted, or folds that `eval_op` checks with `graph::infer`, so \
+              arity, ranks and the output shape hold; inputs are bound by `bind_named_with`, which \
+              checks their ranks and dimensions, and gather ids are range-checked before use"
+)]
+
 use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::spec::{Activation, PairStyle};

@@ -31,9 +31,10 @@
 //! **Architecture invariant**: this crate never depends on a GPU API. It produces IR and runs it on
 //! the CPU; executing on a device is `kiln-runtime`'s job.
 #![warn(missing_docs)]
-// No panics on paths that input reaches: errors are values. The few documented invariants that
-// remain `expect`s say why they hold (`#[expect(..., reason)]`); tests may unwrap (clippy.toml).
-#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// No panics on paths that input reaches: errors are values, and slices are read with `get`,
+// patterns and iterators rather than `[]`. The few documented invariants that remain `expect`s or
+// indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod artifact;
 pub mod diag;
@@ -110,14 +111,16 @@ fn check_weight_map(spec: &Resolved, graph: &Graph, source: &str) -> Result<(), 
 
 /// `layers.3.attn.q.weight` -> `layers.{i}.attn.q.weight` (and `{e}` for experts).
 pub fn template_of(param: &str) -> String {
-    let mut parts: Vec<String> = param.split('.').map(str::to_string).collect();
-    for i in 1..parts.len() {
-        if parts[i].chars().all(|c| c.is_ascii_digit()) {
-            parts[i] = match parts[i - 1].as_str() {
-                "experts" => "{e}".into(),
-                _ => "{i}".into(),
-            };
-        }
+    let mut parts = Vec::new();
+    let mut prev = None;
+    for part in param.split('.') {
+        let numeric = part.chars().all(|c| c.is_ascii_digit());
+        parts.push(match prev {
+            Some("experts") if numeric => "{e}",
+            Some(_) if numeric => "{i}",
+            _ => part,
+        });
+        prev = Some(part);
     }
     parts.join(".")
 }

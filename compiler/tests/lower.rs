@@ -94,3 +94,17 @@ fn optimized_intermediates_grow_linearly_to_1024_tokens() {
         assert!(opt <= 2.05, "{}: optimized intermediates grow x{opt:.2} from 512 to 1024 tokens", path.display());
     }
 }
+
+#[test]
+fn dispatch_sizes_of_an_ill_typed_step_are_an_error() {
+    // A plan read from a file may hold any op on any operands; sizing its steps must not panic.
+    use kiln_compiler::graph::Op;
+    let e = dispatch(&Op::MatMul { transpose_b: false }, &[vec![3]], &[3], 0).unwrap_err();
+    assert!(e.contains("no operand 1"), "{e}");
+    let e = dispatch(&Op::MatMul { transpose_b: false }, &[vec![3], vec![3, 2]], &[3], 0).unwrap_err();
+    assert!(e.contains("fewer than 2 axes"), "{e}");
+    let e = dispatch(&Op::Permute { perm: vec![0, 5] }, &[vec![2, 3]], &[3, 2], 0).unwrap_err();
+    assert!(e.contains("no axis 5"), "{e}");
+    let e = dispatch(&Op::Alibi, &[], &[1], 0).unwrap_err();
+    assert!(e.contains("no axis 1"), "{e}");
+}

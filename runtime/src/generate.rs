@@ -217,7 +217,8 @@ impl Session {
         let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
         let vocab = logits.shape.last().copied().unwrap_or(0);
         let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
-        Ok(data[data.len().saturating_sub(vocab)..].to_vec())
+        let last = data.get(data.len().saturating_sub(vocab)..).unwrap_or_default();
+        Ok(last.to_vec())
     }
 
     /// Forgets the cache: the next [`forward`](Self::forward) starts a new sequence (with the
@@ -315,9 +316,10 @@ impl Sampler {
             let mut seen: Vec<usize> = seen.iter().filter_map(|&t| usize::try_from(t).ok()).collect();
             seen.sort_unstable();
             seen.dedup();
-            let n = l.len();
-            for t in seen.into_iter().filter(|&t| t < n) {
-                l[t] = if l[t] > 0.0 { l[t] / self.repetition_penalty } else { l[t] * self.repetition_penalty };
+            for t in seen {
+                if let Some(v) = l.get_mut(t) {
+                    *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
+                }
             }
         }
         let argmax = || {
@@ -329,15 +331,15 @@ impl Sampler {
         if self.temperature == 0.0 {
             return argmax() as i64;
         }
-        // Candidates by decreasing logit, cut by top-k, softmax at the temperature, cut by top-p.
-        let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
-        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        // Candidates (token, logit) by decreasing logit, cut by top-k, softmax at the temperature,
+        // cut by top-p.
+        let mut order: Vec<(usize, f32)> = l.iter().copied().enumerate().filter(|(_, v)| v.is_finite()).collect();
+        order.sort_by(|&(a, va), &(b, vb)| vb.total_cmp(&va).then(a.cmp(&b)));
         if self.top_k > 0 {
             order.truncate(self.top_k);
         }
-        let Some(&best) = order.first() else { return argmax() as i64 };
-        let max = l[best];
-        let mut probs: Vec<f64> = order.iter().map(|&i| (((l[i] - max) / self.temperature) as f64).exp()).collect();
+        let Some(&(best, max)) = order.first() else { return argmax() as i64 };
+        let mut probs: Vec<f64> = order.iter().map(|&(_, v)| (((v - max) / self.temperature) as f64).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
         let mut kept = 0;
@@ -349,14 +351,17 @@ impl Sampler {
                 break;
             }
         }
+        // The first kept candidate at which the cumulative mass passes `r` (else the last kept).
         let mut r = self.uniform() * mass;
-        for (k, &i) in order.iter().enumerate().take(kept) {
-            r -= probs[k];
+        let mut picked = best;
+        for (&(i, _), p) in order.iter().zip(&probs).take(kept) {
+            picked = i;
+            r -= p;
             if r <= 0.0 {
-                return i as i64;
+                break;
             }
         }
-        order[kept - 1] as i64
+        picked as i64
     }
 }
 

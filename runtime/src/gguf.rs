@@ -830,24 +830,23 @@ fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
     let b = raw.bytes;
     let f16 = |lo: u8, hi: u8| half::f16::from_le_bytes([lo, hi]).to_f32();
     let values: Vec<f32> = match raw.info.ty {
-        GgmlType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        GgmlType::F16 => b.chunks_exact(2).map(|c| f16(c[0], c[1])).collect(),
-        GgmlType::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        GgmlType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(array(c)) as f32).collect(),
+        GgmlType::F32 => b.as_chunks().0.iter().map(|&c| f32::from_le_bytes(c)).collect(),
+        GgmlType::F16 => b.as_chunks().0.iter().map(|&[lo, hi]| f16(lo, hi)).collect(),
+        GgmlType::BF16 => b.as_chunks().0.iter().map(|&c| half::bf16::from_le_bytes(c).to_f32()).collect(),
+        GgmlType::F64 => b.as_chunks().0.iter().map(|&c| f64::from_le_bytes(c) as f32).collect(),
         GgmlType::Q8_0 => {
             let mut out = Vec::with_capacity(raw.info.elements());
-            for block in b.chunks_exact(34) {
-                let d = f16(block[0], block[1]);
-                out.extend(block[2..].iter().map(|&q| f32::from(q as i8) * d));
+            for [lo, hi, qs @ ..] in b.as_chunks::<34>().0 {
+                let d = f16(*lo, *hi);
+                out.extend(qs.iter().map(|&q| f32::from(q as i8) * d));
             }
             out
         }
         GgmlType::Q4_0 => {
             // Byte j holds element j in its low nibble and element j + 16 in its high nibble.
             let mut out = Vec::with_capacity(raw.info.elements());
-            for block in b.chunks_exact(18) {
-                let d = f16(block[0], block[1]);
-                let qs = &block[2..];
+            for [lo, hi, qs @ ..] in b.as_chunks::<18>().0 {
+                let d = f16(*lo, *hi);
                 out.extend(qs.iter().map(|&q| f32::from(i16::from(q & 0x0f) - 8) * d));
                 out.extend(qs.iter().map(|&q| f32::from(i16::from(q >> 4) - 8) * d));
             }
@@ -855,9 +854,8 @@ fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
         }
         GgmlType::Q4_1 => {
             let mut out = Vec::with_capacity(raw.info.elements());
-            for block in b.chunks_exact(20) {
-                let (d, m) = (f16(block[0], block[1]), f16(block[2], block[3]));
-                let qs = &block[4..];
+            for [d_lo, d_hi, m_lo, m_hi, qs @ ..] in b.as_chunks::<20>().0 {
+                let (d, m) = (f16(*d_lo, *d_hi), f16(*m_lo, *m_hi));
                 out.extend(qs.iter().map(|&q| f32::from(q & 0x0f) * d + m));
                 out.extend(qs.iter().map(|&q| f32::from(q >> 4) * d + m));
             }
@@ -865,30 +863,17 @@ fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
         }
         GgmlType::I8 => return Ok(Tensor::i64(shape, b.iter().map(|&v| i64::from(v as i8)).collect())),
         GgmlType::I16 => {
-            return Ok(Tensor::i64(
-                shape,
-                b.chunks_exact(2).map(|c| i64::from(i16::from_le_bytes([c[0], c[1]]))).collect(),
-            ));
+            return Ok(Tensor::i64(shape, b.as_chunks().0.iter().map(|&c| i64::from(i16::from_le_bytes(c))).collect()));
         }
         GgmlType::I32 => {
-            return Ok(Tensor::i64(
-                shape,
-                b.chunks_exact(4).map(|c| i64::from(i32::from_le_bytes(array(c)))).collect(),
-            ));
+            return Ok(Tensor::i64(shape, b.as_chunks().0.iter().map(|&c| i64::from(i32::from_le_bytes(c))).collect()));
         }
         GgmlType::I64 => {
-            return Ok(Tensor::i64(shape, b.chunks_exact(8).map(|c| i64::from_le_bytes(array(c))).collect()));
+            return Ok(Tensor::i64(shape, b.as_chunks().0.iter().map(|&c| i64::from_le_bytes(c)).collect()));
         }
         _ => return Err(unsupported(raw.info, "convert")),
     };
     Ok(Tensor::f32(shape, values))
-}
-
-/// The first `N` bytes of a chunk known to hold at least `N` (a `chunks_exact(N)` item).
-fn array<const N: usize>(chunk: &[u8]) -> [u8; N] {
-    let mut out = [0; N];
-    out.copy_from_slice(&chunk[..N]);
-    out
 }
 
 /// A cursor over the file's bytes whose reads report what they were reading and where.
@@ -908,10 +893,14 @@ impl<'a> Reader<'a> {
         self.bytes.len().saturating_sub(self.pos)
     }
 
+    /// The error for a read of `n` bytes of `what` at the cursor that runs past the end.
+    fn truncated(&self, what: &str, n: u64) -> GgufError {
+        GgufError::Truncated { what: what.to_string(), offset: self.pos, needed: n, len: self.bytes.len() }
+    }
+
     /// The next `n` bytes, or a `Truncated` error naming `what`.
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
-        let truncated =
-            || GgufError::Truncated { what: what.to_string(), offset: self.pos, needed: n, len: self.bytes.len() };
+        let truncated = || self.truncated(what, n);
         let n = usize::try_from(n).map_err(|_| truncated())?;
         let end = self.pos.checked_add(n).ok_or_else(truncated)?;
         let slice = self.bytes.get(self.pos..end).ok_or_else(truncated)?;
@@ -919,8 +908,15 @@ impl<'a> Reader<'a> {
         Ok(slice)
     }
 
+    /// The next `N` bytes, or a `Truncated` error naming `what`.
     fn fixed<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
-        Ok(array(self.take(N as u64, what)?))
+        match self.peek(N).first_chunk() {
+            Some(&chunk) => {
+                self.pos += N;
+                Ok(chunk)
+            }
+            None => Err(self.truncated(what, N as u64)),
+        }
     }
 
     fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
@@ -1011,7 +1007,8 @@ impl<'a> Reader<'a> {
         macro_rules! numbers {
             ($variant:ident, $t:ty) => {{
                 let bytes = self.take(count * min_size, what)?;
-                Array::$variant(bytes.chunks_exact(min_size as usize).map(|c| <$t>::from_le_bytes(array(c))).collect())
+                // `min_size` is the element's size, so the chunks are exactly the elements.
+                Array::$variant(bytes.as_chunks().0.iter().map(|&c| <$t>::from_le_bytes(c)).collect())
             }};
         }
         Ok(match elem {

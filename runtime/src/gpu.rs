@@ -9,6 +9,14 @@
 //! between runs: a buffer is replaced only when a longer input needs more, a bind group only when
 //! a buffer it binds was, and the sizes are written only when they change.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
+              bounds its value, slot and kernel indices; step shapes are read through `dispatch`, \
+              which errs on an ill-typed step; inputs are shape-checked by `bind_named_with` and \
+              token ids range-checked by `check_indices`; the per-step tables are built here"
+)]
+
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use crate::weights::WeightError;
@@ -1005,8 +1013,14 @@ impl GpuModel {
             if step.op != Op::Gather {
                 continue;
             }
-            let (table, ids) = (step.operands[0], step.operands[1]);
-            let rows = resolve(&self.plan.values[table].shape, syms)[0];
+            // A plan read from a file is not type-checked: a gather's arity and table are checked
+            // here, before they are relied on.
+            let &[table, ids] = step.operands.as_slice() else {
+                return Err(GpuError::Dispatch(format!("a gather step has {} operands, not 2", step.operands.len())));
+            };
+            let Some(&rows) = resolve(&self.plan.values[table].shape, syms).first() else {
+                return Err(GpuError::Dispatch("a gather step's table has no rows".into()));
+            };
             let table_name = match &self.plan.values[table].storage {
                 Storage::Param(n) => n.clone(),
                 _ => "table".into(),
@@ -1022,7 +1036,7 @@ impl GpuModel {
             } else if let Some(step_def) = self.plan.steps.iter().find(|s| s.output == ids)
                 && let Op::Positions { .. } = step_def.op
             {
-                let len = resolve(&self.plan.values[ids].shape, syms)[0];
+                let len: usize = resolve(&self.plan.values[ids].shape, syms).iter().product();
                 if len > rows {
                     return Err(InterpError::IndexOutOfRange {
                         what: "position",

@@ -4,9 +4,10 @@
 //! writes tensor files, tokenizes text (and renders chat templates), and executes compiled plans
 //! on wgpu.
 #![warn(missing_docs)]
-// No panics on paths that input reaches: errors are values. The few documented invariants that
-// remain `expect`s say why they hold (`#[expect(..., reason)]`); tests may unwrap (clippy.toml).
-#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// No panics on paths that input reaches: errors are values, and slices are read with `get`,
+// patterns and iterators rather than `[]`. The few documented invariants that remain `expect`s or
+// indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod gguf;
 pub mod progress;

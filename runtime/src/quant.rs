@@ -48,19 +48,18 @@ impl QuantWeight {
                 rows * nb * block_bytes
             ));
         }
-        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32().to_bits();
-        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let f16 = |&b: &[u8; 2]| half::f16::from_le_bytes(b).to_f32().to_bits();
+        // A block holds `fields` f16s (its scale, then Q4_1's minimum), then its quants.
+        let fields = if format == WeightFormat::Q4_1 { 2 } else { 1 };
         let stride = format.row_words(k).unwrap_or(0);
         let mut words = Vec::with_capacity(rows * stride);
         for row in bytes.chunks_exact(nb * block_bytes) {
             let blocks = || row.chunks_exact(block_bytes);
-            words.extend(blocks().map(|b| f16(&b[0..2])));
-            if format == WeightFormat::Q4_1 {
-                words.extend(blocks().map(|b| f16(&b[2..4])));
+            for field in 0..fields {
+                words.extend(blocks().filter_map(|b| b.as_chunks().0.get(field)).map(f16));
             }
-            let skip = if format == WeightFormat::Q4_1 { 4 } else { 2 };
-            for b in blocks() {
-                words.extend(b[skip..].chunks_exact(4).map(word));
+            for quants in blocks().filter_map(|b| b.get(2 * fields..)) {
+                words.extend(quants.as_chunks().0.iter().map(|&w| u32::from_le_bytes(w)));
             }
         }
         Ok(QuantWeight { format, rows, k, words })
@@ -70,14 +69,16 @@ impl QuantWeight {
         self.format.row_words(self.k).unwrap_or(0)
     }
 
-    /// The weight's rows in the order `rows` lists them (a gather of whole rows).
-    pub fn take_rows(&self, rows: &[usize]) -> QuantWeight {
+    /// The weight's rows in the order `rows` lists them (a gather of whole rows), or `None` if
+    /// one is out of range.
+    pub fn take_rows(&self, rows: &[usize]) -> Option<QuantWeight> {
         let s = self.stride();
         let mut words = Vec::with_capacity(rows.len() * s);
         for &r in rows {
-            words.extend_from_slice(&self.words[r * s..(r + 1) * s]);
+            let row = self.words.get(r.checked_mul(s)?..).and_then(|rest| rest.get(..s))?;
+            words.extend_from_slice(row);
         }
-        QuantWeight { format: self.format, rows: rows.len(), k: self.k, words }
+        Some(QuantWeight { format: self.format, rows: rows.len(), k: self.k, words })
     }
 
     /// The rows of `parts` stacked (all of one format and `k`), or `None` if they differ.
@@ -97,7 +98,7 @@ impl QuantWeight {
         let s = self.stride();
         let mut words = self.words.clone();
         for row in words.chunks_exact_mut(s) {
-            for w in &mut row[..floats] {
+            for w in row.iter_mut().take(floats) {
                 *w = (f32::from_bits(*w) * factor).to_bits();
             }
         }
@@ -110,17 +111,20 @@ impl QuantWeight {
         let s = self.stride();
         let mut out = Vec::with_capacity(self.rows * self.k);
         for row in self.words.chunks_exact(s) {
-            for b in 0..nb {
-                let d = f32::from_bits(row[b]);
-                match self.format {
-                    WeightFormat::Q8_0 => {
-                        let q = &row[nb + 8 * b..nb + 8 * b + 8];
+            // A row: the blocks' scales, Q4_1's minimums, then the quants (8 or 4 words a block).
+            let (scales, rest) = row.split_at_checked(nb).unwrap_or_default();
+            let scales = scales.iter().map(|&d| f32::from_bits(d));
+            match self.format {
+                WeightFormat::Q8_0 => {
+                    for (d, q) in scales.zip(rest.chunks_exact(8)) {
                         out.extend(q.iter().flat_map(|w| w.to_le_bytes()).map(|x| f32::from(x as i8) * d));
                     }
-                    _ => {
-                        let m = f32::from_bits(row[nb + b]);
-                        let q: Vec<u8> =
-                            row[2 * nb + 4 * b..2 * nb + 4 * b + 4].iter().flat_map(|w| w.to_le_bytes()).collect();
+                }
+                _ => {
+                    let (mins, quants) = rest.split_at_checked(nb).unwrap_or_default();
+                    let mins = mins.iter().map(|&m| f32::from_bits(m));
+                    for ((d, m), q) in scales.zip(mins).zip(quants.chunks_exact(4)) {
+                        let q: Vec<u8> = q.iter().flat_map(|w| w.to_le_bytes()).collect();
                         out.extend(q.iter().map(|&x| f32::from(x & 0x0f) * d + m));
                         out.extend(q.iter().map(|&x| f32::from(x >> 4) * d + m));
                     }
@@ -141,7 +145,8 @@ impl QuantWeight {
     /// whole blocks and `format` is quantized.
     pub fn quantize_blocks(format: WeightFormat, t: &Tensor) -> Option<Vec<u8>> {
         let x = t.as_f32()?;
-        if t.shape.len() != 2 || !t.shape[1].is_multiple_of(BLOCK) {
+        let [_, k] = t.shape.as_slice() else { return None };
+        if !k.is_multiple_of(BLOCK) {
             return None;
         }
         let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
@@ -163,7 +168,9 @@ impl QuantWeight {
                     out.extend(f16(d));
                     out.extend(f16(min));
                     let q = |v: f32| ((v - min) * id).round().clamp(0.0, 15.0) as u8;
-                    out.extend((0..16).map(|j| q(block[j]) | (q(block[j + 16]) << 4)));
+                    // Byte j holds element j in its low nibble and element j + 16 in its high one.
+                    let (low, high) = block.split_at(BLOCK / 2);
+                    out.extend(low.iter().zip(high).map(|(&l, &h)| q(l) | (q(h) << 4)));
                 }
                 _ => return None,
             }
@@ -174,8 +181,9 @@ impl QuantWeight {
     /// [`QuantWeight::quantize_blocks`], repacked into the device layout.
     pub fn quantize(format: WeightFormat, t: &Tensor) -> Option<QuantWeight> {
         let bytes = Self::quantize_blocks(format, t)?;
+        let &[rows, k] = t.shape.as_slice() else { return None };
         let ty = if format == WeightFormat::Q8_0 { GgmlType::Q8_0 } else { GgmlType::Q4_1 };
-        Self::from_blocks(ty, t.shape[0], t.shape[1], &bytes).ok()
+        Self::from_blocks(ty, rows, k, &bytes).ok()
     }
 }
 
@@ -214,7 +222,7 @@ mod tests {
                 .fold(0f32, f32::max);
             assert!(worst <= tol, "{format}: {worst}");
             // Row operations and scaling act on rows of the dequantized tensor.
-            let rows = q.take_rows(&[2, 0]);
+            let rows = q.take_rows(&[2, 0]).unwrap();
             let d = q.dequantize();
             let x = d.as_f32().unwrap();
             assert_eq!(rows.dequantize().as_f32().unwrap(), [&x[128..192], &x[0..64]].concat());

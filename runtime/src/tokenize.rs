@@ -357,18 +357,26 @@ impl Tokenizer {
         // text is split, so `<|im_start|>` is one id. User-defined tokens are matched whole too.
         let mut special: BTreeSet<u32> = [bos, eos].into_iter().flatten().collect();
         let mut user_defined = Vec::new();
-        for (i, &ty) in types.unwrap_or_default().iter().enumerate() {
+        // `types` has one entry per token (checked above).
+        for (i, (&ty, token)) in types.unwrap_or_default().iter().zip(tokens).enumerate() {
             match ty {
                 TOKEN_TYPE_CONTROL => {
                     special.insert(i as u32);
                 }
-                TOKEN_TYPE_USER_DEFINED => user_defined.push(AddedToken::from(tokens[i].clone(), false)),
+                TOKEN_TYPE_USER_DEFINED => user_defined.push(AddedToken::from(token.clone(), false)),
                 _ => {}
             }
         }
-        inner
-            .add_special_tokens(special.iter().map(|&i| AddedToken::from(tokens[i as usize].clone(), true)))
-            .map_err(tokenizers_error)?;
+        let special = special
+            .iter()
+            .map(|&i| {
+                let token = tokens
+                    .get(i as usize)
+                    .ok_or_else(|| inconsistent(format!("special token {i} is outside the {} tokens", tokens.len())))?;
+                Ok(AddedToken::from(token.clone(), true))
+            })
+            .collect::<Result<Vec<_>, TokenizeError>>()?;
+        inner.add_special_tokens(special).map_err(tokenizers_error)?;
         inner.add_tokens(user_defined).map_err(tokenizers_error)?;
 
         let pad_id = pad.or(eos).unwrap_or(0);

@@ -206,26 +206,19 @@ fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Ten
     let shape = shape.to_vec();
     macro_rules! ints {
         ($t:ty) => {
-            Tensor::i64(
-                shape,
-                data.chunks_exact(std::mem::size_of::<$t>())
-                    .map(|c| <$t>::from_le_bytes(c.try_into().expect("exact chunk")) as i64)
-                    .collect(),
-            )
+            Tensor::i64(shape, data.as_chunks().0.iter().map(|&c| <$t>::from_le_bytes(c) as i64).collect())
         };
     }
     Ok(match dtype {
-        Dtype::F32 => {
-            Tensor::f32(shape, data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-        }
+        Dtype::F32 => Tensor::f32(shape, data.as_chunks().0.iter().map(|&c| f32::from_le_bytes(c)).collect()),
         Dtype::F64 => {
             Tensor::f32(shape, data.as_chunks::<8>().0.iter().map(|&c| f64::from_le_bytes(c) as f32).collect())
         }
         Dtype::F16 => {
-            Tensor::f32(shape, data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+            Tensor::f32(shape, data.as_chunks().0.iter().map(|&c| half::f16::from_le_bytes(c).to_f32()).collect())
         }
         Dtype::BF16 => {
-            Tensor::f32(shape, data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+            Tensor::f32(shape, data.as_chunks().0.iter().map(|&c| half::bf16::from_le_bytes(c).to_f32()).collect())
         }
         Dtype::I64 => ints!(i64),
         Dtype::I32 => ints!(i32),
@@ -329,7 +322,7 @@ fn quantized_one(
         order = t;
     }
     let order: Vec<usize> = order.as_f32().unwrap_or(&[]).iter().map(|&r| r as usize).collect();
-    let q = q.take_rows(&order);
+    let Some(q) = q.take_rows(&order) else { return Ok(None) };
     Ok(([q.rows, q.k] == expected[..]).then_some(q))
 }
 
@@ -411,8 +404,8 @@ fn load_one(
     let Some(values) = raw.as_f32() else {
         return Err(WeightError::DType { tensor: tensor_name.clone(), dtype: "integer".into() });
     };
-    if let Some(index) = values.iter().position(|v| !v.is_finite()) {
-        return Err(WeightError::NonFinite { tensor: tensor_name.clone(), index, value: values[index] });
+    if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(WeightError::NonFinite { tensor: tensor_name.clone(), index, value });
     }
     // Shape errors report the graph's shape ([out, in] for projections) against the file's, with
     // how the file's tensor is read.
@@ -436,15 +429,13 @@ fn load_one(
     };
     let mut t = raw.clone();
     if source.transpose {
-        if t.shape.len() != 2 {
+        let &[r, c] = t.shape.as_slice() else {
             return Err(shape_error(raw.shape.clone(), None));
-        }
-        t = transpose(t.shape[0], t.shape[1], values);
+        };
+        t = transpose(r, c, values);
     }
     if let (Some(pack), Some(part)) = (source.pack, source.part) {
-        t = unpack(dims, &t, pack, part).map_err(|(total, what)| {
-            shape_error(raw.shape.clone(), Some(format!("the pack should have {total} rows {what}")))
-        })?;
+        t = unpack(dims, &t, pack, part).map_err(|note| shape_error(raw.shape.clone(), Some(note)))?;
     }
     if source.rope_unpermute {
         t = unpermute_rope(&t, dims.head_dim)
@@ -456,44 +447,45 @@ fn load_one(
     Ok(t)
 }
 
-/// The `[c, r]` transpose of an `[r, c]` matrix.
+/// The `[c, r]` transpose of an `[r, c]` matrix (`x`, row-major).
 fn transpose(r: usize, c: usize, x: &[f32]) -> Tensor {
-    let mut out = vec![0.0; x.len()];
-    for i in 0..r {
-        for j in 0..c {
-            out[j * r + i] = x[i * c + j];
-        }
-    }
+    // Column j of `x` is every c-th element from j: row j of the transpose.
+    let out = (0..c).flat_map(|j| x.iter().skip(j).step_by(c).take(r)).copied().collect();
     Tensor::f32(vec![c, r], out)
 }
 
 /// Cuts one part out of a packed tensor (rows of a 2-D tensor, or elements of a bias). On a size
-/// mismatch returns the row count the spec implies and a description of the packing.
-fn unpack(dims: &PackDims, t: &Tensor, pack: Pack, part: PackPart) -> Result<Tensor, (usize, String)> {
+/// mismatch returns a note with the row count the spec implies and a description of the packing.
+fn unpack(dims: &PackDims, t: &Tensor, pack: Pack, part: PackPart) -> Result<Tensor, String> {
     let hd = dims.head_dim;
     let (q, kv) = (dims.heads * hd, dims.kv_heads * hd);
     let ff = dims.d_ff;
-    let rows = t.shape[0];
-    let width: usize = t.shape[1..].iter().product();
-    let Some(x) = t.as_f32() else { return Err((rows, "as floats".into())) };
+    let mismatch = |total: usize, what: &str| format!("the pack should have {total} rows {what}");
+    let Some((&rows, row_shape)) = t.shape.split_first() else {
+        return Err("a scalar is not a pack of rows".into());
+    };
+    let width: usize = row_shape.iter().product();
+    let Some(x) = t.as_f32() else { return Err(mismatch(rows, "as floats")) };
+    // The rows of each `(start, len)` range, or `None` if one runs past the tensor.
     let take = |ranges: &[(usize, usize)]| {
         let mut out = Vec::new();
         let mut n = 0;
         for &(start, len) in ranges {
-            out.extend_from_slice(&x[start * width..(start + len) * width]);
+            out.extend_from_slice(x.get(start * width..(start + len) * width)?);
             n += len;
         }
-        let mut shape = t.shape.clone();
-        shape[0] = n;
-        Tensor::f32(shape, out)
+        let shape = [n].iter().chain(row_shape).copied().collect();
+        Some(Tensor::f32(shape, out))
     };
     let blocks = |sizes: &[usize], index: usize, what: &str| {
         let total: usize = sizes.iter().sum();
+        let (Some(before), Some(&len)) = (sizes.get(..index), sizes.get(index)) else {
+            return Err(mismatch(total, what));
+        };
         if rows != total {
-            return Err((total, what.to_string()));
+            return Err(mismatch(total, what));
         }
-        let start: usize = sizes[..index].iter().sum();
-        Ok(take(&[(start, sizes[index])]))
+        take(&[(before.iter().sum(), len)]).ok_or_else(|| mismatch(total, what))
     };
     match (pack, part) {
         (Pack::QkvBlocks, p @ (PackPart::Q | PackPart::K | PackPart::V)) => {
@@ -502,36 +494,37 @@ fn unpack(dims: &PackDims, t: &Tensor, pack: Pack, part: PackPart) -> Result<Ten
         }
         (Pack::QkvPerHead, p @ (PackPart::Q | PackPart::K | PackPart::V)) => {
             let heads = dims.heads;
+            let what = "per head as [head][q|k|v][head_dim]";
             if rows != 3 * heads * hd {
-                return Err((3 * heads * hd, "per head as [head][q|k|v][head_dim]".into()));
+                return Err(mismatch(3 * heads * hd, what));
             }
             let index = [PackPart::Q, PackPart::K, PackPart::V].iter().position(|&x| x == p).unwrap_or(0);
             let ranges: Vec<(usize, usize)> = (0..heads).map(|h| (h * 3 * hd + index * hd, hd)).collect();
-            Ok(take(&ranges))
+            take(&ranges).ok_or_else(|| mismatch(3 * heads * hd, what))
         }
         (Pack::GateUpBlocks, PackPart::Gate) => blocks(&[ff, ff], 0, "as gate, up blocks"),
         (Pack::GateUpBlocks, PackPart::Up) => blocks(&[ff, ff], 1, "as gate, up blocks"),
-        (pack, part) => Err((rows, format!("{pack:?} has no part {part:?}"))),
+        (pack, part) => Err(mismatch(rows, &format!("{pack:?} has no part {part:?}"))),
     }
 }
 
 /// llama.cpp stores Q/K rows of each head as interleaved pairs; HF's rotate-half layout wants the
 /// even rows of a head first, then the odd ones: `hf[h, j * hd/2 + i] = gguf[h, 2i + j]`.
 fn unpermute_rope(t: &Tensor, hd: usize) -> Option<Tensor> {
-    let rows = t.shape[0];
+    let (&rows, row_shape) = t.shape.split_first()?;
     if hd == 0 || !hd.is_multiple_of(2) || !rows.is_multiple_of(hd) {
         return None;
     }
-    let width: usize = t.shape[1..].iter().product();
+    let width: usize = row_shape.iter().product();
     let x = t.as_f32()?;
-    let mut out = vec![0.0; x.len()];
+    let mut out = Vec::with_capacity(x.len());
     let half = hd / 2;
+    // Destination rows in order: head h's row j * half + i is source row 2i + j.
     for h in 0..rows / hd {
         for j in 0..2 {
             for i in 0..half {
-                let dst = h * hd + j * half + i;
                 let src = h * hd + 2 * i + j;
-                out[dst * width..(dst + 1) * width].copy_from_slice(&x[src * width..(src + 1) * width]);
+                out.extend_from_slice(x.get(src * width..(src + 1) * width)?);
             }
         }
     }
@@ -588,5 +581,19 @@ mod tests {
             transpose(2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
             Tensor::f32(vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0])
         );
+    }
+
+    #[test]
+    fn unpack_cuts_a_block_and_rejects_a_scalar() {
+        let dims = PackDims { heads: 1, kv_heads: 1, head_dim: 1, d_ff: 2 };
+        let packed = Tensor::f32(vec![4, 1], vec![0.0, 1.0, 2.0, 3.0]);
+        let up = unpack(&dims, &packed, Pack::GateUpBlocks, PackPart::Up).unwrap();
+        assert_eq!(up, Tensor::f32(vec![2, 1], vec![2.0, 3.0]));
+        let err = unpack(&dims, &packed, Pack::QkvBlocks, PackPart::V).unwrap_err();
+        assert_eq!(err, "the pack should have 3 rows as Q, K, V blocks");
+        // A scalar has no rows to cut or permute (this used to index past its empty shape).
+        let scalar = Tensor::f32(vec![], vec![1.0]);
+        assert_eq!(unpack(&dims, &scalar, Pack::QkvBlocks, PackPart::Q).unwrap_err(), "a scalar is not a pack of rows");
+        assert_eq!(unpermute_rope(&scalar, 2), None);
     }
 }

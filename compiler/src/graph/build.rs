@@ -5,6 +5,9 @@
 //! ALiBi, masks), feed-forward (plain, gated, experts) and outputs. Parameter names are the
 //! canonical ones listed in [`crate::spec::weightmap::TEMPLATES`].
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
 use crate::spec::{BlockKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, Resolved};
 use petgraph::graph::NodeIndex;

@@ -12,6 +12,12 @@
 //! **Invariant**: the graph is acyclic and every node's shape is what [`infer`] gives for its op and
 //! operands; [`Graph::check`] verifies both.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "`infer` indexes operands and axes only after its arity and rank checks; the graph \
+              methods index nodes of the graph itself, which `Graph::check` type-checks op by op"
+)]
+
 pub mod build;
 pub mod print;
 
@@ -1041,6 +1047,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             if a != b {
                 return Err(format!("summands differ: {} and {}", fmt_shape(a), fmt_shape(b)));
             }
+            rank_at_least(a, 1, "summands")?;
             let d = a[a.len() - 1];
             for i in 2..operands.len() {
                 if float(i)?.as_slice() != [d] {
@@ -1100,5 +1107,21 @@ impl Graph {
             dtype: DType::F32,
             scope: self.scope.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_summands_of_an_add_norm_are_ill_typed() {
+        // A fold read from an artifact may hold any op on any operands; this one used to index
+        // the last axis of a rank-0 shape.
+        let scalar: Shape = vec![];
+        let op = Op::AddNorm { rms: true, eps: Scalar(1e-5) };
+        let operands = [(&scalar, DType::F32), (&scalar, DType::F32), (&scalar, DType::F32)];
+        let err = infer(&op, &operands).unwrap_err();
+        assert!(err.contains("summands must have rank >= 1"), "{err}");
     }
 }

@@ -25,6 +25,9 @@
 //! A row whose every key is masked gets the reference's answer (the softmax of equal logits):
 //! the mean of all values.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::wgsl::lit;
 use crate::graph::Op;
 

@@ -23,6 +23,9 @@
 //!   keeps them aligned and lets a load-time scale fold multiply them. An element is
 //!   `q * scale` (Q8_0, `q` signed) or `q * scale + min` (Q4_1, `q` in 0..15).
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use serde::{Deserialize, Serialize};
 
 /// How a projection weight is stored on the device (see the module docs for each layout).

@@ -8,6 +8,14 @@
 //! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
 //! module that fails is a compiler bug, reported with the op and model named.
 
+#![expect(
+    clippy::indexing_slicing,
+    reason = "lowering runs on graphs that `Graph::check` accepted (`graph::infer` fixes each op's \
+              arity and operand ranks); a plan read from a file is indexed only after `Plan::check` \
+              bounded its value, slot and kernel indices, and its steps' shapes are read by \
+              `dims_of` with checked access"
+)]
+
 pub mod attention;
 pub mod format;
 pub mod projection;
@@ -542,18 +550,32 @@ pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: u
     dims_of(op, operands, out, past, true)
 }
 
+// A plan read from a file holds any op on any operands (`Plan::check` bounds indices, not
+// typing), so this reads operands and axes with `operand` and `axis`: an ill-typed step is an
+// error, not a panic.
 fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked: bool) -> Result<[u32; 16], String> {
     let total: usize = out.iter().product();
     let last = |s: &[usize]| s.last().copied().unwrap_or(1);
     let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
+    let operand = |i: usize| -> Result<&[usize], String> {
+        operands.get(i).map(Vec::as_slice).ok_or_else(|| format!("{} has no operand {i}", op.name()))
+    };
+    let axis = |s: &[usize], i: usize| -> Result<usize, String> {
+        s.get(i).copied().ok_or_else(|| format!("{}: shape {s:?} has no axis {i}", op.name()))
+    };
+    // Axis `i` counted from the end (1: the last).
+    let from_end = |s: &[usize], i: usize| match s.len().checked_sub(i) {
+        Some(j) => axis(s, j),
+        None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
+    };
     let mut d: Vec<usize> = match op {
         Op::Positions { .. } => vec![total, past],
         Op::Sinusoid { .. } | Op::Scale { .. } | Op::Act(_) => vec![total],
         Op::Gather => vec![total, last(out)],
         Op::MatMul { transpose_b } => {
-            let (a, b) = (&operands[0], &operands[1]);
-            let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
-            let n = if *transpose_b { b[b.len() - 2] } else { b[b.len() - 1] };
+            let (a, b) = (operand(0)?, operand(1)?);
+            let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
+            let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
             vec![total, m, n, k, usize::from(b.len() > 2)]
         }
         Op::Add | Op::Mul => {
@@ -571,75 +593,86 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             };
             let mut v = vec![total];
             v.extend(&o);
-            v.extend(bstrides(&operands[0]));
-            v.extend(bstrides(&operands[1]));
+            v.extend(bstrides(operand(0)?));
+            v.extend(bstrides(operand(1)?));
             v
         }
         Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::TopK { .. } | Op::L2Normalize => {
             vec![rows(out), last(out)]
         }
         Op::Permute { perm } => {
-            let input = &operands[0];
-            let st = strides(input);
-            let mut o = vec![1; 4 - out.len()];
+            let st = strides(operand(0)?);
+            let mut o = vec![1; 4usize.saturating_sub(out.len())];
             o.extend_from_slice(out);
-            let mut s = vec![0; 4 - out.len()];
-            s.extend(perm.iter().map(|&p| st[p]));
+            let mut s = vec![0; 4usize.saturating_sub(out.len())];
+            for &p in perm {
+                s.push(axis(&st, p)?);
+            }
             let mut v = vec![total];
             v.extend(o);
             v.extend(s);
             v
         }
-        Op::Rope { .. } => vec![total, out[2], out[3], past],
-        Op::RepeatHeads { times } => vec![total, operands[0][1], *times, out[2] * out[3]],
-        Op::Alibi | Op::Mask { .. } => vec![total, out[1], out[2], out[3]],
-        Op::Slice { axis, start, len } => {
-            let inner: usize = operands[0][axis + 1..].iter().product();
-            vec![total, operands[0][*axis], inner, *start, *len]
+        Op::Rope { .. } => vec![total, axis(out, 2)?, axis(out, 3)?, past],
+        Op::RepeatHeads { times } => vec![total, axis(operand(0)?, 1)?, *times, axis(out, 2)? * axis(out, 3)?],
+        Op::Alibi | Op::Mask { .. } => vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
+        Op::Slice { axis: a, start, len } => {
+            let x = operand(0)?;
+            let inner: usize = x.iter().skip(a + 1).product();
+            vec![total, axis(x, *a)?, inner, *start, *len]
         }
-        Op::MeanPool => vec![out[0] * out[1], operands[0][1], operands[0][2]],
+        Op::MeanPool => {
+            let x = operand(0)?;
+            vec![axis(out, 0)? * axis(out, 1)?, axis(x, 1)?, axis(x, 2)?]
+        }
         // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past),
         // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
-            let x = &operands[0];
-            vec![x[0] * x[1] * heads, *heads, x[1], x[1], *head_dim, *kv_heads, x[2]]
+            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
+            vec![b * s * heads, *heads, s, s, *head_dim, *kv_heads, width]
         }
         // Blocks of query rows and heads: see `attention::dims`.
         Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
-            let x = &operands[0];
+            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
             let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-            attention::dims(g, x[0], x[1], x[1], x[2])
+            attention::dims(g, b, s, s, width)
         }
         // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
         Op::Heads { .. } => {
-            let x = &operands[operands.len() - 1];
-            vec![total, out[1], out[2] - x[1], x[1], out[3], x[2], past]
+            let x = operand(operands.len().saturating_sub(1))?;
+            let (s, width) = (axis(x, 1)?, axis(x, 2)?);
+            let p =
+                axis(out, 2)?.checked_sub(s).ok_or_else(|| format!("{}: more new rows than output rows", op.name()))?;
+            vec![total, axis(out, 1)?, p, s, axis(out, 3)?, width, past]
         }
-        Op::Concat { axis } => {
-            let (a, b) = (&operands[0], &operands[1]);
-            let inner: usize = a[axis + 1..].iter().product();
-            vec![total, a[*axis], b[*axis], inner]
+        Op::Concat { axis: a } => {
+            let (x, y) = (operand(0)?, operand(1)?);
+            let inner: usize = x.iter().skip(a + 1).product();
+            vec![total, axis(x, *a)?, axis(y, *a)?, inner]
         }
         // One thread per row of scores [b, h, q, k].
-        Op::MaskedSoftmax { .. } => vec![rows(out), out[1], out[2], out[3]],
+        Op::MaskedSoftmax { .. } => vec![rows(out), axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
         // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
-        Op::Attention { .. } if chunked => {
-            let (q, k) = (&operands[0], &operands[1]);
-            vec![q[0] * q[1] * q[2], q[1], q[2], k[2], q[3], k[1]]
-        }
         Op::Attention { .. } => {
-            let (q, k) = (&operands[0], &operands[1]);
-            let g = attention::Geometry { heads: q[1], kv_heads: k[1], head_dim: q[3] };
-            attention::dims(g, q[0], q[2], k[2], 0)
+            let (&[b, h, s, d], &[_, kv, t, ..]) = (operand(0)?, operand(1)?) else {
+                return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, t, d]", op.name()));
+            };
+            if chunked {
+                vec![b * h * s, h, s, t, d, kv]
+            } else {
+                attention::dims(attention::Geometry { heads: h, kv_heads: kv, head_dim: d }, b, s, t, 0)
+            }
         }
         Op::AddNorm { .. } => vec![rows(out), last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
     };
-    if total == 0 {
-        d[0] = 0;
+    if total == 0
+        && let Some(threads) = d.first_mut()
+    {
+        *threads = 0;
     }
     if d.len() > 16 {
         return Err(format!("{} needs {} sizes, more than 16", op.name(), d.len()));

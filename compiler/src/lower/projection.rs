@@ -27,6 +27,9 @@
 //! `stv` accessors (see [`bindings`]), which the chunked variant
 //! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::format::WeightFormat;
 use super::wgsl::{Elem, activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};
@@ -101,8 +104,9 @@ pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize)
 fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool) -> Vec<usize> {
     let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
-    let k = operands[0].last().copied().unwrap_or(1);
-    let w = operands[operand_indices(p).0].last().copied().unwrap_or(1);
+    let last_dim = |i: usize| operands.get(i).and_then(|shape| shape.last()).copied().unwrap_or(1);
+    let k = last_dim(0);
+    let w = last_dim(operand_indices(p).0);
     let m = out.iter().product::<usize>() / n.max(1);
     let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
     let gemv = m <= GEMV_MAX_ROWS;

@@ -12,6 +12,9 @@
 //! Threads are laid out over a 2-D grid of 64-wide workgroups (`i = gid.x + gid.y * nwg.x * 64`),
 //! so more than 65535 workgroups can be dispatched.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 use super::attention::Geometry;
 use crate::graph::Op;
 use crate::spec::{Activation, PairStyle};
@@ -152,7 +155,8 @@ fn accessors(body: &str) -> String {
     let mut out = String::new();
     let mut i = 0;
     while i < body.len() {
-        let boundary = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        let prev = i.checked_sub(1).and_then(|j| bytes.get(j));
+        let boundary = !prev.is_some_and(|&b| b.is_ascii_alphanumeric() || b == b'_');
         let name_len = if boundary && body[i..].starts_with("out[") {
             3
         } else if boundary && body[i..].starts_with("in") {

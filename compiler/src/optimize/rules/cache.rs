@@ -52,7 +52,7 @@ fn split_slice(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, A
 fn split_whole(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
     let (heads, head_dim) = split(egraph, s)?;
     let x = shape(egraph, s[var("?x")])?;
-    (x.len() == 3 && x[2] == Dim::Fixed(heads * head_dim)).then(|| heads_op(0, heads, head_dim))
+    matches!(x.as_slice(), [_, _, last] if *last == Dim::Fixed(heads * head_dim)).then(|| heads_op(0, heads, head_dim))
 }
 
 /// Heads with the rotation of `?ro` (over the whole head's leading `rotary_dim` columns).

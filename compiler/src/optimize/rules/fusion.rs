@@ -144,7 +144,8 @@ fn gated(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrVal
     };
     let w = fixed(shape(egraph, s[var("?w")])?)?;
     let x = shape(egraph, s[var("?x")])?;
-    let ok = a1 == a2 && *a1 + 1 == x.len() && n1 == n2 && start == n1 && w.len() == 2 && w[0] == 2 * n1;
+    let w_ok = matches!(w.as_slice(), [rows, _] if *rows == 2 * n1);
+    let ok = a1 == a2 && *a1 + 1 == x.len() && n1 == n2 && start == n1 && w_ok;
     let AttrValue::Act(act) = attr_of(egraph, s, "?k")? else { return None };
     let lin = Op::Linear { act: Some(*act), bias: false, residual: false, norm: None, glu: true, rope: None };
     ok.then(|| vec![("?cfg", AttrValue::Op(lin))])

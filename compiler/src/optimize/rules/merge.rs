@@ -33,7 +33,8 @@ impl Applier<Kl, KAnalysis> for Merge {
             return vec![];
         };
         let (Some(s1), Some(s2)) = (fixed(s1), fixed(s2)) else { return vec![] };
-        if s1.len() != 2 || s2.len() != 2 || s1[1] != s2[1] || xs.is_empty() {
+        let (&[rows1, cols1], &[rows2, cols2]) = (s1.as_slice(), s2.as_slice()) else { return vec![] };
+        if cols1 != cols2 || xs.is_empty() {
             return vec![];
         }
         let axis = xs.len() - 1;
@@ -44,7 +45,7 @@ impl Applier<Kl, KAnalysis> for Merge {
             let bias_ok = |id: Id, n: usize| {
                 konst(egraph, id) && shape(egraph, id).and_then(|s| fixed(s)).is_some_and(|s| s == [n])
             };
-            if !bias_ok(b1, s1[0]) || !bias_ok(b2, s2[0]) {
+            if !bias_ok(b1, rows1) || !bias_ok(b2, rows2) {
                 return vec![];
             }
             let bias = egraph.add(Kl::Concat([b1, b2]));
@@ -53,7 +54,7 @@ impl Applier<Kl, KAnalysis> for Merge {
             egraph.add(Kl::MatMulT([x, w]))
         };
         let mut changed = vec![];
-        for (class, start, len) in [(a, 0, s1[0]), (b, s1[0], s2[0])] {
+        for (class, start, len) in [(a, 0, rows1), (b, rows1, rows2)] {
             let at = egraph.analysis.intern(AttrValue::Op(Op::Slice { axis, start, len }));
             let at = egraph.add(Kl::Attr(at));
             let slice = egraph.add(Kl::Slice([at, merged]));

@@ -1,6 +1,9 @@
 //! Rewrite rules, grouped by purpose, and the phases they run in. See README.md in this folder for
 //! how to write one.
 
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
 mod cache;
 mod fusion;
 mod merge;
@@ -162,7 +165,7 @@ fn is_const(w: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
 fn is_bias_of(b: &'static str, w: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
     let (b, w) = (var(b), var(w));
     move |egraph, _, subst| match (shape(egraph, subst[b]), shape(egraph, subst[w])) {
-        (Some(bs), Some(ws)) => ws.len() == 2 && bs.as_slice() == [ws[0]],
+        (Some(bs), Some(ws)) => matches!(ws.as_slice(), [rows, _] if bs.as_slice() == [*rows]),
         _ => false,
     }
 }
