@@ -71,11 +71,18 @@ pub fn forward(
     optimized_only: bool,
     json: bool,
 ) -> Result<()> {
+    let max = fe.spec.spec.model.max_positions;
+    anyhow::ensure!(
+        seq as u64 <= max,
+        "--seq {seq} is more than `{}` holds (model.max_positions = {max})",
+        fe.graph.name
+    );
+    anyhow::ensure!(seq > 0 && batch > 0, "--seq and --batch must be at least 1");
     let t = Instant::now();
     let (optimized, report) = optimize::optimize(&fe.graph)?;
     let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
     let (params, blocks) = params_for(fe, &fe.graph, weights, storage)?;
-    let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq);
+    let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq)?;
     let mut variants = Vec::new();
     let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
@@ -547,7 +554,7 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
             if seq + decode_steps > fe.spec.spec.model.max_positions as usize {
                 bail!("{path}: {seq} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
             }
-            let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq);
+            let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq)?;
             model.run(&inputs).with_context(|| format!("{path}: warm-up run at {seq} tokens"))?;
             let mut t = Vec::new();
             for _ in 0..runs.max(1) {

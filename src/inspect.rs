@@ -355,7 +355,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
             let (params, blocks) = crate::bench::params_for(fe, &stats.optimized, args.weights.as_deref(), storage)?;
             let model = crate::storage::gpu_model(&gpu, &stats.optimized, &params, &blocks, storage, reporter)?;
             let inputs =
-                kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, args.seq);
+                kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, args.seq)?;
             let mut runs = Vec::with_capacity(PROFILE_RUNS);
             for _ in 0..PROFILE_RUNS {
                 runs.push(model.profile(&inputs).context("profiling the optimized plan")?);

@@ -71,7 +71,7 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
         let name = path.file_stem().unwrap().to_string_lossy().to_string();
         let fe = spec(&name);
         let params = interp::random_params(&fe.graph, 11).unwrap();
-        let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5);
+        let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5).unwrap();
         let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
         let model = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap();

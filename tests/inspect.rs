@@ -303,7 +303,7 @@ fn profile_times_every_step_on_both_clocks() {
     let fe = common::spec("llama");
     let optimized = optimize::optimize(&fe.graph).unwrap().0;
     let params = interp::random_params(&optimized, 3).unwrap();
-    let inputs = interp::sample_inputs(&fe.graph, 128, 1, 16);
+    let inputs = interp::sample_inputs(&fe.graph, 128, 1, 16).unwrap();
     let mut host = kiln_runtime::Gpu::new(None).unwrap();
     host.use_host_clock();
     for gpu in [gpu, std::sync::Arc::new(host)] {

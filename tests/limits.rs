@@ -82,3 +82,23 @@ fn an_activation_larger_than_the_process_may_allocate_is_refused() {
     refused(&o, &["`layers.0.attn`: a matmul_t result: needs 4.0 GiB of memory"]);
     assert!(!dir.join("out.safetensors").exists());
 }
+
+/// Benchmark inputs at an absurd batch (23 TiB of ids) are refused before any is drawn; a
+/// sequence over the model's positions is refused before anything runs.
+#[test]
+fn benchmark_sizes_are_checked_before_anything_runs() {
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["--quiet", "bench", "models/gpt2.toml", "--runs", "1"])
+            .args(extra)
+            .current_dir(root())
+            .output()
+            .unwrap()
+    };
+    refused(
+        &bench(&["--seq", "32", "--batch", "100000000000"]),
+        &["sample inputs of batch 100000000000 x seq 32: needs 23.3 TiB of memory"],
+    );
+    refused(&bench(&["--seq", "33"]), &["--seq 33 is more than `gpt2` holds (model.max_positions = 32)"]);
+    refused(&bench(&["--seq", "0"]), &["--seq and --batch must be at least 1"]);
+}

@@ -48,15 +48,16 @@ pub struct Artifact {
 /// Reading or writing an artifact failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    /// I/O.
-    #[error("cannot {action} `{path}`: {source}")]
+    /// I/O. (The cause is part of the message, not an error `source`, so error chains do not
+    /// print it twice.)
+    #[error("cannot {action} `{path}`: {error}")]
     Io {
         /// read / write.
         action: &'static str,
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// Not an artifact at all.
     #[error("`{0}` is not a kiln artifact (bad magic bytes)")]
@@ -149,16 +150,16 @@ impl Artifact {
 
     /// Writes atomically ([`crate::file::write_atomic`]).
     pub fn write(&self, path: &Path) -> Result<(), ArtifactError> {
-        crate::file::write_atomic(path, &self.to_bytes()).map_err(|source| ArtifactError::Io {
+        crate::file::write_atomic(path, &self.to_bytes()).map_err(|error| ArtifactError::Io {
             action: "write",
             path: path.to_path_buf(),
-            source,
+            error,
         })
     }
 
     /// Reads and checks an artifact file.
     pub fn read(path: &Path) -> Result<Artifact, ArtifactError> {
-        let io = |source| ArtifactError::Io { action: "read", path: path.to_path_buf(), source };
+        let io = |error| ArtifactError::Io { action: "read", path: path.to_path_buf(), error };
         let len = std::fs::metadata(path).map_err(io)?.len();
         if len > MAX_PAYLOAD + HEADER as u64 {
             return Err(ArtifactError::Corrupt { path: path.into(), message: format!("{len} bytes is too large") });

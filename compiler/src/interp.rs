@@ -818,10 +818,20 @@ pub fn random_params(g: &Graph, seed: u64) -> Result<HashMap<String, Tensor>, Me
 /// Deterministic inputs for every input of `g`, for differential tests without a dataset: ids
 /// spread over `0..vocab`, alternating token types, and key masks with the last key of each row
 /// padded (in each mask's own convention).
-pub fn sample_inputs(g: &Graph, vocab: usize, batch: usize, seq: usize) -> HashMap<String, Tensor> {
+///
+/// Refused, before anything is allocated, when they would not fit in memory.
+pub fn sample_inputs(
+    g: &Graph,
+    vocab: usize,
+    batch: usize,
+    seq: usize,
+) -> Result<HashMap<String, Tensor>, MemoryError> {
+    let inputs = g.inputs().len() as u128;
+    let what = || format!("sample inputs of batch {batch} x seq {seq}");
+    crate::memory::check(what, u64::try_from(8 * inputs * batch as u128 * seq as u128).unwrap_or(u64::MAX))?;
     let n = batch * seq;
     let last = |i: usize| i % seq == seq - 1;
-    g.inputs()
+    Ok(g.inputs()
         .into_iter()
         .filter_map(|(_, name, role)| {
             let data: Vec<i64> = match role {
@@ -833,7 +843,7 @@ pub fn sample_inputs(g: &Graph, vocab: usize, batch: usize, seq: usize) -> HashM
             };
             Some((name.to_string(), Tensor::i64(vec![batch, seq], data)))
         })
-        .collect()
+        .collect())
 }
 
 /// The activation functions, as their reference implementations define them.

@@ -18,7 +18,7 @@ fn optimized_graphs_agree_with_unoptimized_ones() {
         );
         assert!(report.dispatches.1 < report.dispatches.0, "{}: optimization removes dispatches", fe.graph.name);
         let params = random_params(&fe.graph, 5).unwrap();
-        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5);
+        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5).unwrap();
         let before = run(&fe.graph, &params, &inputs).unwrap();
         let after = run(&opt, &params, &inputs).unwrap();
         for ((n, a), (m, b)) in before.iter().zip(&after) {
@@ -52,7 +52,7 @@ fn an_exhausted_time_limit_stops_every_phase_with_a_valid_graph() {
         }
         opt.check().unwrap();
         let params = random_params(&fe.graph, 6).unwrap();
-        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, 4);
+        let inputs = sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, 4).unwrap();
         let before = run(&fe.graph, &params, &inputs).unwrap();
         let after = run(&opt, &params, &inputs).unwrap();
         for ((n, a), (_, b)) in before.iter().zip(&after) {
