@@ -515,7 +515,11 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
     );
     fails_with(
         &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--top-p", "0"],
-        &["bad sampling settings"],
+        &["bad sampling settings: top-p 0 is not in (0, 1]"],
+    );
+    fails_with(
+        &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--temperature", "inf"],
+        &["bad sampling settings: temperature inf is not a finite number >= 0"],
     );
     let bert = root().join("models/bert.toml");
     fails_with(&["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"], &["needs a decoder"]);

@@ -283,18 +283,18 @@ impl Sampler {
 
     /// A sampler with the given settings and seed.
     pub fn new(temperature: f32, top_k: usize, top_p: f32, repetition_penalty: f32, seed: u64) -> R<Sampler> {
-        let ok = temperature.is_finite()
-            && temperature >= 0.0
-            && top_p.is_finite()
-            && top_p > 0.0
-            && top_p <= 1.0
-            && repetition_penalty.is_finite()
-            && repetition_penalty > 0.0;
-        if !ok {
-            return Err(GenerateError::Invalid(format!(
-                "bad sampling settings: temperature {temperature} (>= 0), top-p {top_p} (in (0, 1]), \
-                 repetition penalty {repetition_penalty} (> 0)"
-            )));
+        let checks = [
+            ("temperature", temperature, temperature.is_finite() && temperature >= 0.0, "a finite number >= 0"),
+            ("top-p", top_p, top_p > 0.0 && top_p <= 1.0, "in (0, 1]"),
+            (
+                "repetition penalty",
+                repetition_penalty,
+                repetition_penalty.is_finite() && repetition_penalty > 0.0,
+                "a finite number > 0",
+            ),
+        ];
+        if let Some((name, value, _, want)) = checks.iter().find(|(_, _, ok, _)| !ok) {
+            return Err(GenerateError::Invalid(format!("bad sampling settings: {name} {value} is not {want}")));
         }
         Ok(Sampler { temperature, top_k, top_p, repetition_penalty, state: seed })
     }
