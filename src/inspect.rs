@@ -40,8 +40,8 @@ pub struct InspectArgs {
     /// intermediate bytes, e-graph size, optimize time).
     #[arg(long)]
     stats: bool,
-    /// With `--stats`: as JSON.
-    #[arg(long)]
+    /// With `--stats`: print one JSON document on stdout instead of text.
+    #[arg(long, requires = "stats")]
     json: bool,
     /// Which graph: the whole model, or those `kiln generate` runs.
     #[arg(long, value_enum, default_value_t = Which::Model)]
