@@ -283,7 +283,7 @@ impl Gpu {
             let want = (4 * n).saturating_sub(data.len());
             {
                 let view = buffer.slice(..).get_mapped_range().map_err(|e| GpuError::Dispatch(e.to_string()))?;
-                data.extend(view.iter().take(want));
+                data.extend_from_slice(view.get(..want.min(view.len())).unwrap_or_default());
             }
             buffer.unmap();
         }
