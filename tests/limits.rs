@@ -1,6 +1,7 @@
 //! Memory is checked before it is allocated (`kiln_compiler::memory`): parameters, activations
 //! and weights larger than the machine can hold are refused with what needed how much, exit code 1
-//! and no abort, instead of the allocator killing the process.
+//! and no abort, instead of the allocator killing the process; a failed device allocation is
+//! reported as out of GPU memory.
 
 mod common;
 
@@ -80,6 +81,39 @@ fn an_activation_larger_than_the_process_may_allocate_is_refused() {
         .output()
         .unwrap();
     refused(&o, &["`layers.0.attn`: a matmul_t result: needs 4.0 GiB of memory"]);
+    assert!(!dir.join("out.safetensors").exists());
+}
+
+/// Out of device memory: on a CPU adapter (lavapipe), device memory is the process's, so the same
+/// 16384-token run on wgpu under `ulimit -v` 4 GB runs out of it while allocating the 4 GiB
+/// attention scores, and says so. (On a real GPU the limit would not apply to device memory, and
+/// drivers reserve address space of their own, so the test runs on CPU adapters only.)
+#[cfg(unix)]
+#[test]
+fn a_device_allocation_that_fails_is_out_of_gpu_memory() {
+    let Some(gpu) = common::gpu() else { return };
+    if !gpu.describe().contains("Cpu") {
+        return;
+    }
+    let dir = scratch("device");
+    let spec = spec_with(&dir, "llama", &[("max_positions = 64", "max_positions = 16384")]);
+    let n = 16384;
+    let ids = Tensor::i64(vec![1, n], (0..n as i64).map(|i| i * 7 % 128).collect());
+    let inputs = dir.join("inputs.safetensors");
+    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), ids)]).unwrap();
+    let o = Command::new("sh")
+        .args(["-c", "ulimit -v 4000000 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_kiln"))
+        .args(["run", "--backend", "wgpu", "--no-optimize", "--weights", "tests/fixtures/llama/model.safetensors"])
+        .arg(&spec)
+        .arg("--inputs")
+        .arg(&inputs)
+        .arg("--output")
+        .arg(dir.join("out.safetensors"))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    refused(&o, &["out of GPU memory while allocating intermediate buffer"]);
     assert!(!dir.join("out.safetensors").exists());
 }
 
