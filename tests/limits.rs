@@ -56,38 +56,48 @@ fn random_parameters_larger_than_memory_are_refused() {
     refused(&o, &["random parameters for `gpt2`: needs 1.3 TiB of memory"]);
 }
 
-/// An activation larger than the process may allocate: 16384 tokens make each attention
-/// score matrix 4 GiB, under an address-space limit of 3 GB (`ulimit -v`). The interpreter
-/// refuses the first such result by name before allocating it.
+/// `kiln run --no-optimize` of LLaMA at 16384 tokens (each attention score matrix is then 4 GiB)
+/// on `backend`, under an address-space limit of `limit_kb` (`ulimit -v`). Returns the output and
+/// whether an outputs file was written.
 #[cfg(unix)]
-#[test]
-fn an_activation_larger_than_the_process_may_allocate_is_refused() {
-    let dir = scratch("activation");
+fn long_llama_run_under_ulimit(name: &str, backend: &str, limit_kb: u64) -> (Output, bool) {
+    let dir = scratch(name);
     let spec = spec_with(&dir, "llama", &[("max_positions = 64", "max_positions = 16384")]);
     let n = 16384;
     let ids = Tensor::i64(vec![1, n], (0..n as i64).map(|i| i * 7 % 128).collect());
     let inputs = dir.join("inputs.safetensors");
     kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), ids)]).unwrap();
+    let out = dir.join("out.safetensors");
     let o = Command::new("sh")
-        .args(["-c", "ulimit -v 3000000 && exec \"$0\" \"$@\""])
+        .args(["-c", &format!("ulimit -v {limit_kb} && exec \"$0\" \"$@\"")])
         .arg(env!("CARGO_BIN_EXE_kiln"))
-        .args(["run", "--backend", "interp", "--no-optimize", "--weights", "tests/fixtures/llama/model.safetensors"])
+        .args(["run", "--backend", backend, "--no-optimize", "--weights", "tests/fixtures/llama/model.safetensors"])
         .arg(&spec)
         .arg("--inputs")
         .arg(&inputs)
         .arg("--output")
-        .arg(dir.join("out.safetensors"))
+        .arg(&out)
         .current_dir(root())
         .output()
         .unwrap();
+    (o, out.exists())
+}
+
+/// An activation larger than the process may allocate (4 GiB of attention scores under a 3 GB
+/// address-space limit): the interpreter refuses the first such result by name before
+/// allocating it.
+#[cfg(unix)]
+#[test]
+fn an_activation_larger_than_the_process_may_allocate_is_refused() {
+    let (o, written) = long_llama_run_under_ulimit("activation", "interp", 3_000_000);
     refused(&o, &["`layers.0.attn`: a matmul_t result: needs 4.0 GiB of memory"]);
-    assert!(!dir.join("out.safetensors").exists());
+    assert!(!written);
 }
 
 /// Out of device memory: on a CPU adapter (lavapipe), device memory is the process's, so the same
-/// 16384-token run on wgpu under `ulimit -v` 4 GB runs out of it while allocating the 4 GiB
-/// attention scores, and says so. (On a real GPU the limit would not apply to device memory, and
-/// drivers reserve address space of their own, so the test runs on CPU adapters only.)
+/// run on wgpu under a 4 GB limit runs out of it while allocating the attention scores, and says
+/// so. (On a real GPU the limit would not apply to device memory, and drivers reserve address
+/// space of their own, so the test runs on CPU adapters only.)
 #[cfg(unix)]
 #[test]
 fn a_device_allocation_that_fails_is_out_of_gpu_memory() {
@@ -95,26 +105,9 @@ fn a_device_allocation_that_fails_is_out_of_gpu_memory() {
     if !gpu.describe().contains("Cpu") {
         return;
     }
-    let dir = scratch("device");
-    let spec = spec_with(&dir, "llama", &[("max_positions = 64", "max_positions = 16384")]);
-    let n = 16384;
-    let ids = Tensor::i64(vec![1, n], (0..n as i64).map(|i| i * 7 % 128).collect());
-    let inputs = dir.join("inputs.safetensors");
-    kiln_runtime::write_tensors(&inputs, &[("input_ids".into(), ids)]).unwrap();
-    let o = Command::new("sh")
-        .args(["-c", "ulimit -v 4000000 && exec \"$0\" \"$@\""])
-        .arg(env!("CARGO_BIN_EXE_kiln"))
-        .args(["run", "--backend", "wgpu", "--no-optimize", "--weights", "tests/fixtures/llama/model.safetensors"])
-        .arg(&spec)
-        .arg("--inputs")
-        .arg(&inputs)
-        .arg("--output")
-        .arg(dir.join("out.safetensors"))
-        .current_dir(root())
-        .output()
-        .unwrap();
+    let (o, written) = long_llama_run_under_ulimit("device", "wgpu", 4_000_000);
     refused(&o, &["out of GPU memory while allocating intermediate buffer"]);
-    assert!(!dir.join("out.safetensors").exists());
+    assert!(!written);
 }
 
 /// Benchmark inputs at an absurd batch (23 TiB of ids) are refused before any is drawn; a
