@@ -543,9 +543,10 @@ impl TensorInfo {
         &self.shape
     }
 
-    /// The number of elements.
+    /// The number of elements, saturating at `usize::MAX` (a tensor whose count overflows is
+    /// refused when it is read: see [`Gguf::tensor`]).
     pub fn elements(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).unwrap_or(usize::MAX)
     }
 
     /// The element type.

@@ -171,12 +171,15 @@ impl Checkpoint {
     /// A tensor converted to f32 (floats, dequantized blocks) or i64 (integers and booleans), in
     /// row-major shape.
     pub fn get(&self, name: &str) -> Option<Result<Tensor, WeightError>> {
-        let elements: usize = match &self.format {
-            Format::Safetensors(bytes) => Self::safetensors(bytes).tensor(name).ok()?.shape().iter().product(),
-            Format::Gguf(g) => g.info(name)?.elements(),
+        // Counted wide: a GGUF tensor's dimensions are checked against the file only when it is
+        // read, below, so their product may not fit a `usize` yet.
+        let count = |shape: &[usize]| shape.iter().fold(1u128, |n, &d| n.saturating_mul(d as u128));
+        let elements = match &self.format {
+            Format::Safetensors(bytes) => count(Self::safetensors(bytes).tensor(name).ok()?.shape()),
+            Format::Gguf(g) => count(g.info(name)?.shape()),
         };
         let what = || format!("tensor `{name}` as f32");
-        if let Err(e) = memory::check(what, memory::f32_bytes(elements as u128)) {
+        if let Err(e) = memory::check(what, memory::f32_bytes(elements)) {
             return Some(Err(e.into()));
         }
         match &self.format {
