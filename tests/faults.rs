@@ -8,11 +8,31 @@ mod common;
 
 use common::{root, spec};
 
+use kiln_compiler::FrontEnd;
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::lower::lower;
+use kiln_compiler::tensor::Tensor;
 use kiln_runtime::generate::{Engine, Session};
 use kiln_runtime::{Gpu, GpuError, GpuModel};
+use std::collections::HashMap;
 use std::sync::Arc;
+
+/// The spec of fixture `name`, its weights and its inputs and golden outputs.
+fn fixture(name: &str) -> (FrontEnd, HashMap<String, Tensor>, HashMap<String, Tensor>) {
+    let fe = spec(name);
+    let dir = root().join("tests/fixtures").join(name);
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    (fe, params, io)
+}
+
+/// A generation session of `fe` on `gpu`.
+fn session(gpu: Arc<Gpu>, fe: &FrontEnd, params: &HashMap<String, Tensor>) -> Session {
+    let cached = build_cached(&fe.spec).unwrap();
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let model = GpuModel::new(gpu, lower(&cached).unwrap(), params).unwrap();
+    Session::new(Engine::Gpu(Box::new(model)), &names, fe.spec.spec.model.max_positions as usize).unwrap()
+}
 
 /// A device of its own: destroying the shared one would break the other tests of this binary.
 fn own_gpu() -> Option<Arc<Gpu>> {
@@ -23,10 +43,7 @@ fn own_gpu() -> Option<Arc<Gpu>> {
 #[test]
 fn a_lost_device_fails_the_next_run_with_a_clear_error() {
     let Some(gpu) = own_gpu() else { return };
-    let fe = spec("gpt2");
-    let dir = root().join("tests/fixtures/gpt2");
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
-    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let (fe, params, io) = fixture("gpt2");
     let model = GpuModel::new(gpu.clone(), lower(&fe.graph).unwrap(), &params).unwrap();
     model.run(&io).unwrap();
 
@@ -43,14 +60,8 @@ fn a_lost_device_fails_the_next_run_with_a_clear_error() {
 #[test]
 fn a_lost_device_ends_a_generation_session_with_an_error() {
     let Some(gpu) = own_gpu() else { return };
-    let fe = spec("llama");
-    let dir = root().join("tests/fixtures/llama");
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
-    let cached = build_cached(&fe.spec).unwrap();
-    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let model = GpuModel::new(gpu.clone(), lower(&cached).unwrap(), &params).unwrap();
-    let max = fe.spec.spec.model.max_positions as usize;
-    let mut session = Session::new(Engine::Gpu(Box::new(model)), &names, max).unwrap();
+    let (fe, params, _) = fixture("llama");
+    let mut session = session(gpu.clone(), &fe, &params);
     session.forward(&[1, 2, 3]).unwrap();
 
     gpu.destroy();
@@ -68,17 +79,11 @@ fn a_lost_device_ends_a_generation_session_with_an_error() {
 fn device_tensors_over_the_buffer_limit_are_read_back_whole() {
     let Some(gpu) = common::gpu() else { return };
     let small = common::gpu_with_buffer_limit(4096).expect("an adapter was found above");
-    let fe = spec("gpt2");
-    let dir = root().join("tests/fixtures/gpt2");
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
-    let cached = build_cached(&fe.spec).unwrap();
-    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let max = fe.spec.spec.model.max_positions as usize;
+    let (fe, params, _) = fixture("gpt2");
     let caches: Vec<_> = [gpu, small]
         .into_iter()
         .map(|gpu| {
-            let model = GpuModel::new(gpu, lower(&cached).unwrap(), &params).unwrap();
-            let mut session = Session::new(Engine::Gpu(Box::new(model)), &names, max).unwrap();
+            let mut session = session(gpu, &fe, &params);
             session.forward(&(5..25).collect::<Vec<i64>>()).unwrap();
             session.forward(&[9]).unwrap();
             session.cache().unwrap()
@@ -103,10 +108,7 @@ fn a_tensor_needing_more_bindings_than_the_adapter_has_is_refused() {
     let mut tiny = Gpu::new(None).unwrap();
     tiny.limit_buffer_bytes(1);
     assert_eq!(tiny.chunk_bytes(), 256, "the smallest chunk");
-    let fe = spec("gpt2");
-    let dir = root().join("tests/fixtures/gpt2");
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
-    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let (fe, params, io) = fixture("gpt2");
     let model = GpuModel::new(Arc::new(tiny), lower(&fe.graph).unwrap(), &params).unwrap();
     let err = model.run(&io).expect_err("too many bindings");
     let message = err.to_string();

@@ -784,13 +784,12 @@ fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
 /// `[-scale, scale]`, norm gains around 1), for differential tests and benchmarks without a
 /// checkpoint. Refused, before anything is allocated, when they would not fit in memory.
 pub fn random_params(g: &Graph, seed: u64) -> Result<HashMap<String, Tensor>, MemoryError> {
-    let elements: u128 = g
+    let shapes: Vec<(&str, Vec<usize>)> = g
         .params()
-        .iter()
-        .map(|(n, _)| {
-            g.g[*n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k as u128 } else { 0 }).product::<u128>()
-        })
-        .sum();
+        .into_iter()
+        .map(|(n, name)| (name, g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect()))
+        .collect();
+    let elements: u128 = shapes.iter().map(|(_, s)| s.iter().map(|&d| d as u128).product::<u128>()).sum();
     crate::memory::check(|| format!("random parameters for `{}`", g.name), f32_bytes(elements))?;
     let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
     let mut next = move || {
@@ -802,10 +801,9 @@ pub fn random_params(g: &Graph, seed: u64) -> Result<HashMap<String, Tensor>, Me
         z ^= z >> 31;
         (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
     };
-    Ok(g.params()
+    Ok(shapes
         .into_iter()
-        .map(|(n, name)| {
-            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
+        .map(|(name, shape)| {
             let len = shape.iter().product();
             let is_gain = name.ends_with("norm.weight");
             let data =

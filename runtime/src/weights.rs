@@ -171,24 +171,18 @@ impl Checkpoint {
     /// A tensor converted to f32 (floats, dequantized blocks) or i64 (integers and booleans), in
     /// row-major shape.
     pub fn get(&self, name: &str) -> Option<Result<Tensor, WeightError>> {
-        // Counted wide: a GGUF tensor's dimensions are checked against the file only when it is
-        // read, below, so their product may not fit a `usize` yet.
-        let count = |shape: &[usize]| shape.iter().fold(1u128, |n, &d| n.saturating_mul(d as u128));
-        let elements = match &self.format {
-            Format::Safetensors(bytes) => count(Self::safetensors(bytes).tensor(name).ok()?.shape()),
-            Format::Gguf(g) => count(g.info(name)?.shape()),
-        };
-        let what = || format!("tensor `{name}` as f32");
-        if let Err(e) = memory::check(what, memory::f32_bytes(elements)) {
-            return Some(Err(e.into()));
-        }
         match &self.format {
             Format::Safetensors(bytes) => {
                 let st = Self::safetensors(bytes);
                 let view = st.tensor(name).ok()?;
-                Some(convert(name, view.dtype(), view.shape(), view.data()))
+                let converted = fits_as_f32(name, view.shape())
+                    .and_then(|()| convert(name, view.dtype(), view.shape(), view.data()));
+                Some(converted)
             }
             Format::Gguf(g) => {
+                if let Err(e) = fits_as_f32(name, g.info(name)?.shape()) {
+                    return Some(Err(e));
+                }
                 Some(g.tensor(name)?.map_err(|error| WeightError::Gguf { path: self.path.clone(), error }))
             }
         }
@@ -203,6 +197,14 @@ impl Checkpoint {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Whether tensor `name` of `shape` fits in memory as f32 ([`memory::check`]), before it is
+/// converted. Counted wide: a GGUF tensor's dimensions are checked against the file only when it
+/// is read, so their product may not fit a `usize` yet.
+fn fits_as_f32(name: &str, shape: &[usize]) -> Result<(), WeightError> {
+    let elements = shape.iter().fold(1u128, |n, &d| n.saturating_mul(d as u128));
+    Ok(memory::check(|| format!("tensor `{name}` as f32"), memory::f32_bytes(elements))?)
 }
 
 fn convert(name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<Tensor, WeightError> {
