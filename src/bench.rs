@@ -3,7 +3,7 @@
 //! variants are the numbers to quote, since absolute times on shared machines are noisy.
 
 use crate::progress::Reporter;
-use crate::storage::WeightArgs;
+use crate::storage::{Target, WeightArgs};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
@@ -38,7 +38,7 @@ fn time_ms(f: impl FnOnce() -> Result<()>) -> Result<f64> {
 /// One compiled variant of a model.
 struct Variant {
     name: &'static str,
-    model: GpuModel,
+    model: kiln_runtime::Model,
     dispatches: usize,
     kernels: usize,
 }
@@ -62,7 +62,7 @@ pub(crate) fn params_for(
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     fe: &FrontEnd,
-    gpu: Arc<Gpu>,
+    target: &Target,
     weights: Option<&Path>,
     storage: WeightArgs,
     batch: usize,
@@ -86,7 +86,7 @@ pub fn forward(
     let mut variants = Vec::new();
     let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
-        let model = crate::storage::gpu_model(&gpu, graph, &params, &blocks, storage, &quiet())?;
+        let model = target.model(graph, &params, &blocks, storage, &quiet())?;
         let (dispatches, kernels) = (model.plan().steps.len(), model.plan().kernels.len());
         model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
         variants.push(Variant { name, model, dispatches, kernels });
@@ -108,12 +108,12 @@ pub fn forward(
             .map(|(v, &ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms, "sequences_per_s": per_s(ms), "weight_bytes": crate::storage::json(&v.model)}))
             .collect();
         let out = serde_json::json!({
-            "model": fe.graph.name, "adapter": gpu.describe(), "batch": batch, "seq": seq, "runs": runs,
+            "model": fe.graph.name, "backend": target.backend(), "adapter": target.describe(), "batch": batch, "seq": seq, "runs": runs,
             "optimize_ms": optimize_ms, "egraph_nodes": report.egraph_nodes, "variants": rows, "speedup": speedup,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("{} at batch {batch}, seq {seq} on {} (median of {runs})", fe.graph.name, gpu.describe());
+        println!("{} at batch {batch}, seq {seq} on {} (median of {runs})", fe.graph.name, target.describe());
         println!(
             "  {:<12} {:>10} {:>8} {:>12} {:>12}",
             "variant", "dispatches", "kernels", "forward ms", "sequences/s"
@@ -138,7 +138,7 @@ pub fn forward(
 #[allow(clippy::too_many_arguments)]
 pub fn decode(
     fe: &FrontEnd,
-    gpu: Arc<Gpu>,
+    target: &Target,
     weights: Option<&Path>,
     storage: WeightArgs,
     prompt: usize,
@@ -150,10 +150,10 @@ pub fn decode(
     let cached = optimize::optimize(&build_cached(&fe.spec)?)?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let model = crate::storage::gpu_model(&gpu, &cached, &params, &blocks, storage, &quiet())?;
+    let model = target.model(&cached, &params, &blocks, storage, &quiet())?;
     let dispatches = model.plan().steps.len();
     let device_weights = (crate::storage::describe(&model), crate::storage::json(&model));
-    let mut session = Session::new(Engine::Gpu(Box::new(model)), &outputs, usize::MAX)?;
+    let mut session = Session::new(Engine::from(model), &outputs, usize::MAX)?;
     let vocab = fe.spec.spec.model.vocab as i64;
     let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
     if prompt + steps > fe.spec.spec.model.max_positions as usize {
@@ -170,7 +170,7 @@ pub fn decode(
     let (prefill, decode) = (median(prefill), median(decode));
     if json {
         let out = serde_json::json!({
-            "model": fe.graph.name, "adapter": gpu.describe(), "prompt_tokens": prompt, "decode_steps": steps,
+            "model": fe.graph.name, "backend": target.backend(), "adapter": target.describe(), "prompt_tokens": prompt, "decode_steps": steps,
             "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill, "decode_tok_s": decode,
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
         });
@@ -179,7 +179,7 @@ pub fn decode(
         println!(
             "{} generating on {} (median of {runs}; {dispatches} dispatches per step)",
             fe.graph.name,
-            gpu.describe()
+            target.describe()
         );
         println!("  prefill {prompt} tokens: {prefill:.1} tok/s");
         println!("  decode {steps} steps:    {decode:.2} tok/s");
@@ -314,7 +314,7 @@ fn projection_graph(k: usize, n: Option<usize>) -> Graph {
 /// Times a plan at `seq` rows (median of `runs`), in milliseconds, with its projection weights
 /// (`w*`) stored in `format` (quantized from the random ones).
 fn time_plan(
-    gpu: &Arc<Gpu>,
+    target: &Target,
     g: &Graph,
     options: &lower::Options,
     format: WeightFormat,
@@ -334,7 +334,15 @@ fn time_plan(
     options.f16_weights = format == WeightFormat::F16;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
-    let model = GpuModel::with_blocks(gpu.clone(), lower::lower_with(g, options)?, &params, &blocks)?;
+    let plan = lower::lower_with(g, options)?;
+    let model = match target {
+        Target::Gpu(gpu) => {
+            kiln_runtime::Model::Gpu(Box::new(GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks)?))
+        }
+        Target::Cpu { threads } => {
+            kiln_runtime::Model::Cpu(Box::new(kiln_runtime::CpuModel::new(plan, &params, &blocks, *threads, &())?))
+        }
+    };
     model.run(&inputs)?;
     let mut t = Vec::new();
     for _ in 0..runs.max(1) {
@@ -347,7 +355,7 @@ fn time_plan(
 /// one-thread-per-output kernel (`matmul_t` over `[out, in]` weights), same shapes, same run: a
 /// prefill GEMM and decode GEMVs. Each time is the graph's minus that of the same graph without
 /// the projection (its gather and slice).
-pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
+pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     let shapes = [
         Projection { what: "prefill GEMM", rows: 1024, k: 1024, n: 1024 },
         Projection { what: "prefill GEMM (gpt2 mlp)", rows: 128, k: 768, n: 3072 },
@@ -359,10 +367,10 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
     let f32 = WeightFormat::F32;
     let mut rows = Vec::new();
     for s in &shapes {
-        let base = time_plan(&gpu, &projection_graph(s.k, None), &fast, f32, s.rows, runs)?;
+        let base = time_plan(target, &projection_graph(s.k, None), &fast, f32, s.rows, runs)?;
         let g = projection_graph(s.k, Some(s.n));
-        let old = time_plan(&gpu, &g, &reference, f32, s.rows, runs)? - base;
-        let new = time_plan(&gpu, &g, &fast, f32, s.rows, runs)? - base;
+        let old = time_plan(target, &g, &reference, f32, s.rows, runs)? - base;
+        let new = time_plan(target, &g, &fast, f32, s.rows, runs)? - base;
         let gflops = |ms: f64| 2.0 * (s.rows * s.k * s.n) as f64 / (ms.max(1e-6) * 1e6);
         rows.push((s, old, new, gflops(old), gflops(new)));
     }
@@ -371,10 +379,10 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
     let mut by_format = Vec::new();
     for (what, m) in [("decode GEMV", 1), ("prefill GEMM", 128)] {
         let (k, n) = (576, 1536);
-        let base = time_plan(&gpu, &projection_graph(k, None), &fast, f32, m, runs)?;
+        let base = time_plan(target, &projection_graph(k, None), &fast, f32, m, runs)?;
         let g = projection_graph(k, Some(n));
-        for format in crate::storage::formats(&gpu) {
-            let ms = time_plan(&gpu, &g, &fast, format, m, runs)? - base;
+        for format in crate::storage::formats(target) {
+            let ms = time_plan(target, &g, &fast, format, m, runs)? - base;
             let bytes = format.bytes(n, k);
             let gb_s = bytes as f64 / (ms.max(1e-6) * 1e6);
             let gflops = 2.0 * (m * k * n) as f64 / (ms.max(1e-6) * 1e6);
@@ -396,10 +404,10 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
                     "weight_bytes": bytes, "weight_gb_s": gb_s, "gflops": gflops})
             })
             .collect();
-        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
+        let out = serde_json::json!({"adapter": target.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", gpu.describe());
+        println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", target.describe());
         println!(
             "  {:<24} {:>5} {:>5} {:>5} {:>12} {:>10} {:>12} {:>10} {:>8}",
             "shape", "m", "k", "n", "reference ms", "GFLOPS", "fast ms", "GFLOPS", "speedup"
@@ -438,7 +446,7 @@ pub fn kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
 /// The time (ms) and GFLOPS of causal packed attention at shape `s`: the graph with it minus the
 /// graph without it. GFLOPS count the `q k` and `p v` products of the attended (query, key) pairs
 /// only: `4 d` per pair and head.
-fn attention_time(gpu: &Arc<Gpu>, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
+fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
     let width = (s.heads + 2 * s.kv_heads) * s.head_dim;
     let attention = Op::PackedAttention {
         scale: Scalar(1.0 / (s.head_dim as f32).sqrt()),
@@ -453,8 +461,8 @@ fn attention_time(gpu: &Arc<Gpu>, s: &AttentionShape, runs: usize) -> Result<(f6
         v: (s.heads + s.kv_heads) * s.head_dim,
     };
     let options = lower::Options::default();
-    let base = time_plan(gpu, &chain(width, &[]), &options, WeightFormat::F32, s.seq, runs)?;
-    let ms = time_plan(gpu, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)? - base;
+    let base = time_plan(target, &chain(width, &[]), &options, WeightFormat::F32, s.seq, runs)?;
+    let ms = time_plan(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)? - base;
     let pairs = s.seq * (s.seq + 1) / 2;
     Ok((ms, 4.0 * (s.heads * s.head_dim * pairs) as f64 / (ms.max(1e-6) * 1e6)))
 }
@@ -471,7 +479,7 @@ struct AttentionShape {
 /// `kiln bench --attention`: the fused causal attention kernel reading its heads from packed
 /// `qkv` rows (as a prefill runs it), MHA and grouped-query, sequences 128 to 1024 (see
 /// [`attention_time`]).
-pub fn attention_kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
+pub fn attention_kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     let shapes = [
         AttentionShape { what: "gpt2 (MHA)", heads: 12, kv_heads: 12, head_dim: 64, seq: 128 },
         AttentionShape { what: "gpt2 (MHA)", heads: 12, kv_heads: 12, head_dim: 64, seq: 512 },
@@ -481,7 +489,7 @@ pub fn attention_kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
     ];
     let mut rows = Vec::new();
     for s in &shapes {
-        let (ms, gflops) = attention_time(&gpu, s, runs)?;
+        let (ms, gflops) = attention_time(target, s, runs)?;
         rows.push((s, ms, gflops));
     }
     if json {
@@ -492,10 +500,13 @@ pub fn attention_kernels(gpu: Arc<Gpu>, runs: usize, json: bool) -> Result<()> {
                     "head_dim": s.head_dim, "seq": s.seq, "causal": true, "ms": ms, "gflops": gflops})
             })
             .collect();
-        let out = serde_json::json!({"adapter": gpu.describe(), "runs": runs, "attention": rows});
+        let out = serde_json::json!({"adapter": target.describe(), "runs": runs, "attention": rows});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("causal attention kernel on {} (median of {runs}; GFLOPS = 4 d heads pairs / time)", gpu.describe());
+        println!(
+            "causal attention kernel on {} (median of {runs}; GFLOPS = 4 d heads pairs / time)",
+            target.describe()
+        );
         println!("  {:<20} {:>6} {:>4} {:>4} {:>6} {:>10} {:>8}", "shape", "heads", "kv", "d", "seq", "ms", "GFLOPS");
         for (s, ms, gflops) in &rows {
             println!(
@@ -524,14 +535,14 @@ struct TableRow {
 /// device memory (weights, and intermediates as placed at that length), and for decoders the
 /// decode rate with the device-resident cache; then the kernels' GFLOPS (the projection at a
 /// prefill and a decode shape, causal attention). Every figure is a median of `runs`.
-pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
+pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
     use kiln_runtime::generate::{Engine, Sampler, Session, generate};
     let decode_steps = 8;
     let mut rows = Vec::new();
     for (path, fe) in specs {
         let optimized = optimize::optimize(&fe.graph)?.0;
         let (params, blocks) = params_for(fe, &optimized, None, WeightArgs::default())?;
-        let model = crate::storage::gpu_model(&gpu, &optimized, &params, &blocks, WeightArgs::default(), &quiet())?;
+        let model = target.model(&optimized, &params, &blocks, WeightArgs::default(), &quiet())?;
         let weight_bytes: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
         let plan = model.plan();
         let dispatches = plan.steps.len();
@@ -544,8 +555,14 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
         let cached = if decoder {
             let g = optimize::optimize(&build_cached(&fe.spec)?)?.0;
             let outputs: Vec<String> = g.outputs.iter().map(|(n, _)| n.clone()).collect();
-            let step = GpuModel::new(gpu.clone(), lower(&g)?, &params_for(fe, &g, None, WeightArgs::default())?.0)?;
-            Some(Session::new(Engine::Gpu(Box::new(step)), &outputs, usize::MAX)?)
+            let step = target.model(
+                &g,
+                &params_for(fe, &g, None, WeightArgs::default())?.0,
+                &HashMap::new(),
+                WeightArgs::default(),
+                &quiet(),
+            )?;
+            Some(Session::new(Engine::from(step), &outputs, usize::MAX)?)
         } else {
             None
         };
@@ -587,16 +604,15 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
         }
     }
     // Kernels: the fast projection at a prefill and a decode shape, causal attention (GQA 3:1).
+    let gqa = AttentionShape { what: "smollm2", heads: 9, kv_heads: 3, head_dim: 64, seq: 512 };
     let fast = lower::Options::default();
     let projection = |rows: usize, k: usize, n: usize| -> Result<f64> {
-        let base = time_plan(&gpu, &projection_graph(k, None), &fast, WeightFormat::F32, rows, runs)?;
-        let ms = time_plan(&gpu, &projection_graph(k, Some(n)), &fast, WeightFormat::F32, rows, runs)? - base;
+        let base = time_plan(target, &projection_graph(k, None), &fast, WeightFormat::F32, rows, runs)?;
+        let ms = time_plan(target, &projection_graph(k, Some(n)), &fast, WeightFormat::F32, rows, runs)? - base;
         Ok(2.0 * (rows * k * n) as f64 / (ms.max(1e-6) * 1e6))
     };
-    let gemm = projection(1024, 1024, 1024)?;
-    let gemv = projection(1, 576, 1536)?;
-    let gqa = AttentionShape { what: "smollm2", heads: 9, kv_heads: 3, head_dim: 64, seq: 512 };
-    let attention = attention_time(&gpu, &gqa, runs)?.1;
+    let (gemm, gemv) = (projection(1024, 1024, 1024)?, projection(1, 576, 1536)?);
+    let attention = attention_time(target, &gqa, runs)?.1;
     let tok_s = |r: &TableRow| r.seq as f64 / (r.forward_ms / 1e3);
     if json {
         let models: Vec<serde_json::Value> = rows
@@ -608,21 +624,22 @@ pub fn table(specs: &[(String, FrontEnd)], gpu: Arc<Gpu>, seqs: &[usize], runs: 
             })
             .collect();
         let out = serde_json::json!({
-            "adapter": gpu.describe(), "runs": runs, "batch": 1, "decode_steps": decode_steps, "models": models,
+            "backend": target.backend(), "adapter": target.describe(), "runs": runs, "batch": 1, "decode_steps": decode_steps, "models": models,
             "kernels_gflops": {"projection_gemm_1024": gemm, "projection_gemv_576x1536": gemv, "attention_causal_gqa_512": attention},
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("kiln on {} (optimized graphs, random weights, batch 1, median of {runs})", gpu.describe());
+    println!("kiln on {} (optimized graphs, random weights, batch 1, median of {runs})", target.describe());
     println!(
-        "  {:<14} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>13}",
-        "model", "seq", "forward ms", "tok/s", "decode t/s", "dispatch", "weights", "intermediates"
+        "  {:<7} {:<14} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>13}",
+        "backend", "model", "seq", "forward ms", "tok/s", "decode t/s", "dispatch", "weights", "intermediates"
     );
     for r in &rows {
         let decode = r.decode_tok_s.map_or("-".to_string(), |d| format!("{d:.2}"));
         println!(
-            "  {:<14} {:>5} {:>11.1} {:>10.1} {:>11} {:>10} {:>9} {:>13}",
+            "  {:<7} {:<14} {:>5} {:>11.1} {:>10.1} {:>11} {:>10} {:>9} {:>13}",
+            target.backend(),
             r.model,
             r.seq,
             r.forward_ms,

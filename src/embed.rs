@@ -4,7 +4,7 @@
 //! `sentence_embedding` is printed: the first values and the norm, every value, or JSON.
 
 use crate::progress::Reporter;
-use crate::{Backend, Exec, load_f32, load_spec, run_wgpu};
+use crate::{Backend, Exec, load_f32, load_spec, run_compiled};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::{interp, optimize};
@@ -79,8 +79,11 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
         fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
     }
     let inputs = batch.inputs();
-    let outputs = match args.exec.backend {
-        Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec, reporter)?,
+    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
+    let outputs = match backend {
+        Backend::Wgpu | Backend::Cpu | Backend::Auto => {
+            run_compiled(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec, backend, reporter)?
+        }
         Backend::Interp => {
             let names = graph_params(&fe.graph);
             let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, reporter)?;

@@ -29,10 +29,12 @@ pub struct Request<'a> {
     pub sampler: Sampler,
     /// Generation stops after any of these.
     pub stop: Vec<i64>,
-    /// Run on the interpreter instead of wgpu.
-    pub interp: bool,
+    /// The backend (resolved: `wgpu`, `cpu` or `interp`).
+    pub backend: crate::Backend,
     /// GPU adapter.
     pub adapter: Option<&'a str>,
+    /// Threads of the CPU backend.
+    pub threads: usize,
     /// Skip the optimizer.
     pub no_optimize: bool,
     /// How weights are stored on the device.
@@ -67,9 +69,9 @@ pub fn run(
         (false, Some(_)) => bail!("--decoder-start-id is for encoder-decoder specs; this one is a decoder"),
     };
     let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
-    let gpu = match req.interp {
-        true => None,
-        false => Some(std::sync::Arc::new(kiln_runtime::Gpu::new(req.adapter)?)),
+    let target = match req.backend {
+        crate::Backend::Interp => None,
+        backend => Some(crate::storage::Target::new(backend, req.adapter, req.threads)?),
     };
     // Builds, optimizes and loads one graph on the chosen engine.
     let engine_of = |graph: Graph| -> Result<Engine> {
@@ -77,17 +79,16 @@ pub fn run(
             true => graph,
             false => reporter.stage("optimizing", || optimize::optimize(&graph))?.0,
         };
-        Ok(match &gpu {
+        Ok(match &target {
             None => {
                 let names = weights::graph_params(&graph);
                 let dims = PackDims::of(&fe.spec);
                 let params = weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?;
                 Engine::Interp { graph, params }
             }
-            Some(gpu) => {
+            Some(target) => {
                 let (params, blocks) = crate::storage::load(&fe.spec, &graph, &ckpt, req.storage, reporter)?;
-                let model = crate::storage::gpu_model(gpu, &graph, &params, &blocks, req.storage, reporter)?;
-                Engine::Gpu(Box::new(model))
+                target.model(&graph, &params, &blocks, req.storage, reporter)?.into()
             }
         })
     };

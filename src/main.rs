@@ -197,9 +197,15 @@ enum Command {
         /// Sequence lengths of `--table`.
         #[arg(long, value_delimiter = ',', default_value = "32,128")]
         seqs: Vec<usize>,
+        /// Backend measured (as for `run`).
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
+        backend: Backend,
         /// GPU adapter (as for `run`).
         #[arg(long)]
         adapter: Option<String>,
+        /// Threads of the CPU backend (as for `run`).
+        #[arg(long)]
+        threads: Option<usize>,
         #[command(flatten)]
         storage: storage::WeightArgs,
         /// Print one JSON document on stdout instead of text.
@@ -211,13 +217,18 @@ enum Command {
 /// Where and how a model runs (`run`, `generate`, `embed`).
 #[derive(clap::Args)]
 struct Exec {
-    /// Execution backend.
-    #[arg(long, value_enum, default_value_t = Backend::Wgpu)]
+    /// Execution backend (default: a GPU adapter when the machine has one, else the native CPU
+    /// kernels; lavapipe's software Vulkan only when asked for with `wgpu`).
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
     /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
-    /// `KILN_ADAPTER` environment variable, else the best adapter found).
+    /// `KILN_ADAPTER` environment variable, else the best adapter found). Implies `--backend wgpu`
+    /// when no backend is named.
     #[arg(long)]
     adapter: Option<String>,
+    /// Threads of the CPU backend (default: one per core available).
+    #[arg(long)]
+    threads: Option<usize>,
     /// Run the graph as built, without the e-graph optimizer.
     #[arg(long)]
     no_optimize: bool,
@@ -225,12 +236,64 @@ struct Exec {
     weights: storage::WeightArgs,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
+    /// The fastest present: a hardware GPU adapter when there is one, else `cpu`.
+    Auto,
+    /// Native kernels on the host's cores (multithreaded; quantized weights kept as blocks).
+    Cpu,
     /// Generated WGSL kernels on a GPU adapter through wgpu (lavapipe on machines without a GPU).
     Wgpu,
     /// The CPU reference interpreter.
     Interp,
+}
+
+impl Backend {
+    /// The backend `self` stands for: `auto` resolved (to `wgpu` when an adapter is named, with
+    /// `--adapter` or `KILN_ADAPTER`, or a hardware GPU is present; else `cpu`), said on stderr
+    /// through `reporter` unless `json` output keeps stderr clean.
+    fn resolve(self, adapter: Option<&str>, threads: usize, reporter: &Reporter, json: bool) -> Backend {
+        if self != Backend::Auto {
+            return self;
+        }
+        let named =
+            adapter.map(str::to_string).or_else(|| std::env::var("KILN_ADAPTER").ok()).filter(|a| !a.is_empty());
+        let (backend, why) = match (named, kiln_runtime::Gpu::hardware_adapter()) {
+            (Some(a), _) => (Backend::Wgpu, format!("adapter `{a}` asked for")),
+            (None, Some(gpu)) => (Backend::Wgpu, format!("GPU `{gpu}`")),
+            (None, None) => (Backend::Cpu, format!("no GPU adapter; {threads} threads")),
+        };
+        if !json {
+            reporter.info(format_args!("backend: {} ({why})", backend.name()));
+        }
+        backend
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Cpu => "cpu",
+            Backend::Wgpu => "wgpu",
+            Backend::Interp => "interp",
+        }
+    }
+}
+
+impl Exec {
+    /// Threads of the CPU backend.
+    fn threads(&self) -> Result<usize> {
+        threads_or_default(self.threads)
+    }
+}
+
+/// `--threads`, checked, or one per available core.
+fn threads_or_default(threads: Option<usize>) -> Result<usize> {
+    match threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) if n > 1024 => bail!("--threads {n} is more than 1024"),
+        Some(n) => Ok(n),
+        None => Ok(kiln_runtime::cpu::default_threads()),
+    }
 }
 
 fn main() -> ExitCode {
@@ -318,19 +381,20 @@ fn run_plan_wgpu(
     Ok(model.run(given)?)
 }
 
-/// Lowers `graph` and runs it on wgpu, its weights stored as `exec` says (quantized blocks kept
-/// by default).
-fn run_wgpu(
+/// Lowers `graph` and runs it on `backend` (wgpu or cpu), its weights stored as `exec` says
+/// (quantized blocks kept by default).
+fn run_compiled(
     spec: &kiln_compiler::spec::Resolved,
     graph: &kiln_compiler::graph::Graph,
     ckpt: &kiln_runtime::Checkpoint,
     given: &HashMap<String, Tensor>,
     exec: &Exec,
+    backend: Backend,
     reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
-    let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(exec.adapter.as_deref())?);
     let (params, blocks) = storage::load(spec, graph, ckpt, exec.weights, reporter)?;
-    let model = storage::gpu_model(&gpu, graph, &params, &blocks, exec.weights, reporter)?;
+    let target = storage::Target::new(backend, exec.adapter.as_deref(), exec.threads()?)?;
+    let model = target.model(graph, &params, &blocks, exec.weights, reporter)?;
     Ok(model.run(given)?)
 }
 
@@ -361,7 +425,8 @@ fn run(cli: Cli) -> Result<()> {
             report::compile(&output, &artifact.plan, !no_optimize, json)?;
         }
         Command::Run { model, weights, inputs, output, json, exec } => {
-            let Exec { backend, ref adapter, no_optimize, weights: storage } = exec;
+            let Exec { backend, ref adapter, no_optimize, weights: storage, .. } = exec;
+            let backend = backend.resolve(adapter.as_deref(), exec.threads()?, &reporter, json);
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
             let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
             let outputs = if Artifact::sniff(&model) {
@@ -377,6 +442,23 @@ fn run(cli: Cli) -> Result<()> {
                         let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
                         run_plan_wgpu(art.plan, &params, &given, adapter.as_deref(), &reporter)?
                     }
+                    Backend::Cpu | Backend::Auto => {
+                        if storage.precision != storage::Precision::F32 {
+                            bail!(
+                                "the CPU backend keeps weights as f32 or quantized blocks; --precision f16 is wgpu's"
+                            );
+                        }
+                        let names = plan_params(&art.plan);
+                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
+                        let model = kiln_runtime::CpuModel::new(
+                            art.plan,
+                            &params,
+                            &HashMap::new(),
+                            exec.threads()?,
+                            &reporter,
+                        )?;
+                        model.run(&given)?
+                    }
                     Backend::Interp => {
                         // The interpreter runs graphs: rebuild the graph from the artifact's spec.
                         let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
@@ -391,7 +473,9 @@ fn run(cli: Cli) -> Result<()> {
                     fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
                 }
                 match backend {
-                    Backend::Wgpu => run_wgpu(&fe.spec, &fe.graph, &ckpt, &given, &exec, &reporter)?,
+                    Backend::Wgpu | Backend::Cpu | Backend::Auto => {
+                        run_compiled(&fe.spec, &fe.graph, &ckpt, &given, &exec, backend, &reporter)?
+                    }
                     Backend::Interp => {
                         let names = kiln_runtime::weights::graph_params(&fe.graph);
                         let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
@@ -423,8 +507,11 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             stop_ids,
             json,
-            exec: Exec { backend, adapter, no_optimize, weights: storage },
+            exec,
         } => {
+            let threads = exec.threads()?;
+            let Exec { backend, adapter, no_optimize, weights: storage, .. } = exec;
+            let backend = backend.resolve(adapter.as_deref(), threads, &reporter, json);
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
             let text = prompt.as_deref().map(|text| generate::TextPrompt { text, chat, system: system.as_deref() });
@@ -435,8 +522,9 @@ fn run(cli: Cli) -> Result<()> {
                 max_new: max_new_tokens,
                 sampler,
                 stop: stop_ids,
-                interp: matches!(backend, Backend::Interp),
+                backend,
                 adapter: adapter.as_deref(),
+                threads,
                 no_optimize,
                 storage,
             };
@@ -463,39 +551,47 @@ fn run(cli: Cli) -> Result<()> {
             table,
             models,
             seqs,
+            backend,
             adapter,
+            threads,
             storage,
             json,
         } => {
+            let backend = backend.resolve(adapter.as_deref(), threads_or_default(threads)?, &reporter, json);
             if calibrate {
+                if backend != Backend::Wgpu {
+                    bail!("--calibrate measures a wgpu adapter's constants; add --backend wgpu");
+                }
                 let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
                 return bench::calibrate(gpu, json);
             }
+            if backend == Backend::Interp {
+                bail!(
+                    "kiln bench measures compiled plans: --backend cpu or wgpu (the interpreter is the oracle, not a target)"
+                );
+            }
+            let target = storage::Target::new(backend, adapter.as_deref(), threads_or_default(threads)?)?;
             if kernels {
-                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
-                return bench::kernels(gpu, runs, json);
+                return bench::kernels(&target, runs, json);
             }
             if table {
                 let specs = models
                     .iter()
                     .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
                     .collect::<Result<Vec<_>>>()?;
-                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
-                return bench::table(&specs, gpu, &seqs, runs, json);
+                return bench::table(&specs, &target, &seqs, runs, json);
             }
             if attention {
-                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
-                return bench::attention_kernels(gpu, runs, json);
+                return bench::attention_kernels(&target, runs, json);
             }
             let (source, fe) = read_spec(&spec)?;
             if !optimize_layers.is_empty() {
                 return bench::optimize_time(&source, &spec.display().to_string(), &optimize_layers, json);
             }
-            let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
             if let Some(steps) = decode {
-                return bench::decode(&fe, gpu, weights.as_deref(), storage, seq, steps, runs, json);
+                return bench::decode(&fe, &target, weights.as_deref(), storage, seq, steps, runs, json);
             }
-            bench::forward(&fe, gpu, weights.as_deref(), storage, batch, seq, runs, optimized_only, json)?;
+            bench::forward(&fe, &target, weights.as_deref(), storage, batch, seq, runs, optimized_only, json)?;
         }
     }
     Ok(())

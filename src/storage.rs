@@ -1,7 +1,7 @@
-//! How `kiln` stores projection weights on the device: GGUF Q8_0/Q4_1 blocks kept as blocks by
-//! default (`--dequantize` loads them as f32 instead), other weights f32 or, with
-//! `--precision f16`, f16 (see `kiln_compiler::lower::format`). The interpreter always runs on
-//! the f32 weights.
+//! How `kiln` stores projection weights and loads a compiled model on its backend: GGUF Q8_0/Q4_1
+//! blocks kept as blocks by default on wgpu and on the CPU (`--dequantize` loads them as f32
+//! instead), other weights f32 or, with `--precision f16` on wgpu, f16 (see
+//! `kiln_compiler::lower::format`). The interpreter always runs on the f32 weights.
 
 use crate::progress::Reporter;
 use anyhow::{Result, bail};
@@ -9,7 +9,7 @@ use kiln_compiler::graph::Graph;
 use kiln_compiler::lower::{self, WeightFormat};
 use kiln_compiler::spec::{PackDims, Resolved};
 use kiln_compiler::tensor::Tensor;
-use kiln_runtime::{Checkpoint, Gpu, GpuModel, QuantWeight, weights};
+use kiln_runtime::{Checkpoint, CpuModel, Gpu, GpuModel, Model, QuantWeight, weights};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -24,6 +24,11 @@ pub struct WeightArgs {
     /// projection kernels dequantize in registers).
     #[arg(long)]
     pub dequantize: bool,
+    /// CPU backend: quantize the activations of quantized projections to 8 bits per block of 32
+    /// and use integer dot products, as llama.cpp does (faster; logits move by about 1%, which
+    /// can flip a greedy choice between two close tokens).
+    #[arg(long)]
+    pub int8_activations: bool,
 }
 
 /// `--precision`.
@@ -75,25 +80,96 @@ pub fn gpu_model(
     Ok(GpuModel::with_progress(gpu.clone(), plan, params, blocks, reporter)?)
 }
 
-/// `12.3 MiB (Q4_1 9.0, f32 3.3)`: the weight bytes on the device, by format.
-pub fn describe(model: &GpuModel) -> String {
+/// Where a compiled model runs: a wgpu device, or the CPU's native kernels on a number of threads.
+pub enum Target {
+    /// A wgpu device.
+    Gpu(Arc<Gpu>),
+    /// The native CPU backend.
+    Cpu {
+        /// Threads.
+        threads: usize,
+    },
+}
+
+impl Target {
+    /// The target of a resolved backend (`wgpu` opens the adapter).
+    pub fn new(backend: crate::Backend, adapter: Option<&str>, threads: usize) -> Result<Target> {
+        Ok(match backend {
+            crate::Backend::Wgpu => Target::Gpu(Arc::new(Gpu::new(adapter)?)),
+            _ => Target::Cpu { threads },
+        })
+    }
+
+    /// What the target is, for reports: the adapter, or the CPU's threads and dot-product kernels.
+    pub fn describe(&self) -> String {
+        match self {
+            Target::Gpu(gpu) => gpu.describe(),
+            Target::Cpu { threads } => {
+                format!("cpu ({threads} threads, {} quantized dot products)", kiln_runtime::cpu::qdot::kernel_name())
+            }
+        }
+    }
+
+    /// The backend's name (`wgpu`, `cpu`).
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Target::Gpu(_) => "wgpu",
+            Target::Cpu { .. } => "cpu",
+        }
+    }
+
+    /// Lowers `graph` with the weights stored as `args` and `blocks` say and loads it, shown on
+    /// `reporter`.
+    pub fn model(
+        &self,
+        graph: &Graph,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+        args: WeightArgs,
+        reporter: &Reporter,
+    ) -> Result<Model> {
+        Ok(match self {
+            Target::Gpu(gpu) => {
+                if args.int8_activations {
+                    bail!("--int8-activations is the CPU backend's (wgpu dequantizes blocks in registers, exactly)");
+                }
+                Model::Gpu(Box::new(gpu_model(gpu, graph, params, blocks, args, reporter)?))
+            }
+            Target::Cpu { threads } => {
+                if args.precision == Precision::F16 {
+                    bail!("--precision f16 stores weights for wgpu; the CPU backend keeps f32 or quantized blocks");
+                }
+                let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
+                let options = lower::Options { formats, ..lower::Options::default() };
+                let plan = reporter.stage("lowering", || lower::lower_with(graph, options))?;
+                let model = CpuModel::new(plan, params, blocks, *threads, reporter)?;
+                Model::Cpu(Box::new(model.with_int8_activations(args.int8_activations)))
+            }
+        })
+    }
+}
+
+/// `12.3 MiB (Q4_1 9.0, f32 3.3)`: the weight bytes where the backend keeps them, by format.
+pub fn describe(model: &Model) -> String {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     let parts: Vec<String> = model.weight_bytes().iter().map(|(f, b)| format!("{f} {:.1}", mib(*b))).collect();
     let total: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
     format!("{:.1} MiB ({})", mib(total), parts.join(", "))
 }
 
-/// The bytes of the weights on the device by format, as JSON (`{"Q4_1": 123, ...}`).
-pub fn json(model: &GpuModel) -> serde_json::Value {
+/// The bytes of the weights by format, as JSON (`{"Q4_1": 123, ...}`).
+pub fn json(model: &Model) -> serde_json::Value {
     let map: serde_json::Map<String, serde_json::Value> =
         model.weight_bytes().iter().map(|(f, b)| (f.name().to_string(), (*b).into())).collect();
     map.into()
 }
 
 /// The formats a benchmark compares: f32, f16 where the adapter has it, Q8_0, Q4_1.
-pub fn formats(gpu: &Gpu) -> Vec<WeightFormat> {
+pub fn formats(target: &Target) -> Vec<WeightFormat> {
     let mut v = vec![WeightFormat::F32];
-    if gpu.supports_f16() {
+    if let Target::Gpu(gpu) = target
+        && gpu.supports_f16()
+    {
         v.push(WeightFormat::F16);
     }
     v.extend([WeightFormat::Q8_0, WeightFormat::Q4_1]);

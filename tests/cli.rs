@@ -118,6 +118,8 @@ fn run_with_f16_weights() {
         s(&out),
         "--precision",
         "f16",
+        "--backend",
+        "wgpu",
     ]);
     if !gpu.supports_f16() {
         assert!(stderr(&o).contains("SHADER_F16"), "{}", stderr(&o));

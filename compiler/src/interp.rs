@@ -350,6 +350,12 @@ fn f(t: &Tensor) -> &[f32] {
 /// them), so the op's typing rule is checked on the actual operands first: whatever the evaluator
 /// assumes about arity, dtypes and ranks then holds.
 pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+    eval_op_at(op, args, shape, 0)
+}
+
+/// [`eval_op`] after `past` cached tokens (where [`Op::Positions`] and the rotary ops start):
+/// how an engine without a kernel of its own for an op runs it with the interpreter's meaning.
+pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> R<Tensor> {
     let ill = |message: String| InterpError::IllTyped { op: op.name(), message };
     if matches!(op, Op::Input { .. } | Op::Param { .. }) {
         return Err(ill("inputs and parameters are bound, not evaluated".into()));
@@ -357,11 +363,14 @@ pub fn eval_op(op: &Op, args: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
     let shapes: Vec<Vec<Dim>> = args.iter().map(|t| t.shape.iter().map(|&d| Dim::Fixed(d)).collect()).collect();
     let typed: Vec<(&Vec<Dim>, DType)> = shapes.iter().zip(args).map(|(s, t)| (s, t.dtype())).collect();
     let (inferred, _) = crate::graph::infer(op, &typed).map_err(ill)?;
-    let expected: Vec<Dim> = shape.iter().map(|&d| Dim::Fixed(d)).collect();
-    if inferred != expected {
+    // A symbolic dimension (the length of `positions`, which has no operands to take it from)
+    // is whatever the caller resolved it to.
+    let fits = inferred.len() == shape.len()
+        && inferred.iter().zip(&shape).all(|(d, &n)| matches!(d, Dim::Sym(_)) || *d == Dim::Fixed(n));
+    if !fits {
         return Err(ill(format!("its operands give shape {inferred:?}, the plan says {shape:?}")));
     }
-    eval(Ctx { node: None, past: 0 }, op, args, shape)
+    eval(Ctx { node: None, past }, op, args, shape)
 }
 
 /// The graph and operand nodes of the op being evaluated, when there is one (for error
@@ -760,12 +769,12 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
 }
 
 /// RoPE frequencies as HF computes them: `inv_freq[i] = 1 / theta^(2i / rotary_dim)`, in f32.
-fn rope_frequencies(theta: f32, rotary_dim: usize) -> Vec<f32> {
+pub fn rope_frequencies(theta: f32, rotary_dim: usize) -> Vec<f32> {
     (0..rotary_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32)).collect()
 }
 
 /// Rotates the leading `2 * inv.len()` dimensions of one head at position `pos`.
-fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
+pub fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
     let half = inv.len();
     for (i, &freq) in inv.iter().enumerate() {
         let angle = pos * freq;

@@ -5,6 +5,7 @@
 //! (greedy, temperature, top-k, top-p, repetition penalty, seeded); [`generate`] drives the loop
 //! with stop tokens and a per-token callback for streaming.
 
+use crate::cpu::{CpuError, CpuModel};
 use crate::gpu::{DeviceTensor, GpuError, GpuModel};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::InputRole;
@@ -23,12 +24,21 @@ pub enum GenerateError {
     /// The device failed.
     #[error(transparent)]
     Gpu(Box<GpuError>),
+    /// The CPU back end failed.
+    #[error(transparent)]
+    Cpu(Box<CpuError>),
     /// The graph is not a cached decoder graph, or the request is unusable.
     #[error("{0}")]
     Invalid(String),
 }
 
 type R<T> = Result<T, GenerateError>;
+
+impl From<CpuError> for GenerateError {
+    fn from(e: CpuError) -> Self {
+        GenerateError::Cpu(Box::new(e))
+    }
+}
 
 impl From<GpuError> for GenerateError {
     fn from(e: GpuError) -> Self {
@@ -47,6 +57,8 @@ pub enum Engine {
     },
     /// A compiled plan on a GPU.
     Gpu(Box<GpuModel>),
+    /// A compiled plan on the CPU's native kernels (the cache in host memory).
+    Cpu(Box<CpuModel>),
 }
 
 /// Inputs that stay the same for a whole session: an encoder-decoder's source mask on the host,
@@ -70,6 +82,9 @@ impl Memory {
             Engine::Gpu(model) => {
                 let keep: Vec<String> = model.plan().outputs.iter().map(|(n, _)| n.clone()).collect();
                 memory.device = model.run_resident(given, &HashMap::new(), &keep)?.1;
+            }
+            Engine::Cpu(model) => {
+                memory.host.extend(model.run(given)?);
             }
         }
         // The source mask, if given, masks cross-attention at every step (inputs a decoder step
@@ -125,21 +140,14 @@ impl Session {
                 .filter(|(_, _, role)| *role == InputRole::Ids)
                 .map(|(_, name, _)| name.to_string())
                 .collect(),
-            Engine::Gpu(model) => model
-                .plan()
-                .values
-                .iter()
-                .filter_map(|v| match &v.storage {
-                    Storage::Input { name, role: InputRole::Ids } => Some(name.clone()),
-                    _ => None,
-                })
-                .collect(),
+            Engine::Gpu(model) => plan_ids(model.plan()),
+            Engine::Cpu(model) => plan_ids(model.plan()),
         };
         let [ids_input] = <[String; 1]>::try_from(ids).map_err(|ids| {
             GenerateError::Invalid(format!("a decoder step takes one token-id input, this graph has {}", ids.len()))
         })?;
         let cache = match engine {
-            Engine::Interp { .. } => Cache::Host(HashMap::new()),
+            Engine::Interp { .. } | Engine::Cpu(_) => Cache::Host(HashMap::new()),
             Engine::Gpu(_) => Cache::Device(HashMap::new()),
         };
         Ok(Session { engine, ids_input, links, memory: Memory::default(), cache, position: 0, max_positions })
@@ -184,6 +192,14 @@ impl Session {
                         return Err(e.into());
                     }
                 };
+                take_presents(&self.links, &mut outputs, cache)?;
+                outputs
+            }
+            (Engine::Cpu(model), Cache::Host(cache)) => {
+                // The cache is lent to the run (read in place); the presents become the next one.
+                let mut inputs = self.memory.host.clone();
+                inputs.insert(self.ids_input.clone(), tokens);
+                let mut outputs: HashMap<String, Tensor> = model.run_with(&inputs, cache)?.into_iter().collect();
                 take_presents(&self.links, &mut outputs, cache)?;
                 outputs
             }
@@ -241,6 +257,17 @@ impl Session {
             }
         }
     }
+}
+
+/// The token-id inputs of a plan.
+fn plan_ids(plan: &kiln_compiler::lower::Plan) -> Vec<String> {
+    plan.values
+        .iter()
+        .filter_map(|v| match &v.storage {
+            Storage::Input { name, role: InputRole::Ids } => Some(name.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Moves each `(present, past)` link's present out of a step's outputs into the cache, as the next

@@ -20,14 +20,13 @@
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use crate::weights::WeightError;
-use kiln_compiler::graph::{InputRole, Sym};
-use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
+use kiln_compiler::graph::Sym;
+use kiln_compiler::interp::InterpError;
 use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
 use kiln_compiler::lower::{
     Plan, Storage, WeightFormat, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups,
 };
 use kiln_compiler::tensor::{DType, Tensor};
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -79,6 +78,15 @@ pub enum GpuError {
     /// A size does not fit the kernels' indexing, or wgpu reported a validation error.
     #[error("{0}")]
     Dispatch(String),
+}
+
+impl From<crate::prepare::PrepareError> for GpuError {
+    fn from(e: crate::prepare::PrepareError) -> Self {
+        match e {
+            crate::prepare::PrepareError::Interp(e) => GpuError::Input(e),
+            crate::prepare::PrepareError::Invalid(m) => GpuError::Dispatch(m),
+        }
+    }
 }
 
 /// An opened device.
@@ -185,6 +193,19 @@ impl Gpu {
             f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
         })
+    }
+
+    /// The name of the first hardware GPU adapter (discrete, else integrated) this machine has,
+    /// without opening a device; `None` when there is only a software one (lavapipe) or none.
+    /// How `kiln` picks its default back end.
+    pub fn hardware_adapter() -> Option<String> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        let infos: Vec<wgpu::AdapterInfo> = adapters.iter().map(|a| a.get_info()).collect();
+        [wgpu::DeviceType::DiscreteGpu, wgpu::DeviceType::IntegratedGpu]
+            .into_iter()
+            .find_map(|t| infos.iter().find(|i| i.device_type == t))
+            .map(|i| i.name.clone())
     }
 
     /// Whether the device was opened with `SHADER_F16`, so weights can be stored as f16.
@@ -479,101 +500,13 @@ impl GpuModel {
             pipelines.push(gpu.pipeline(&k.name, &k.wgsl));
             counter.advance();
         }
-        let root = |mut v: usize| {
-            while let Storage::Alias(a) = plan.values[v].storage {
-                v = a;
-            }
-            v
-        };
-        // Values the dispatches read (parameters only read by load-time folds stay on the host).
-        let mut read: std::collections::HashSet<usize> =
-            plan.steps.iter().flat_map(|s| s.operands.iter().map(|&o| root(o))).collect();
-        read.extend(plan.outputs.iter().map(|(_, v)| root(*v)));
-        let no_syms = HashMap::new();
-        // Parameters are borrowed from the caller; only folds own their results.
-        let mut host: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
-        // Quantized weights: parameters' blocks, and folds of them (stacked rows, scaled).
-        let mut quant: HashMap<usize, Cow<'_, QuantWeight>> = HashMap::new();
-        for (id, v) in plan.values.iter().enumerate() {
-            let Storage::Param(name) = &v.storage else { continue };
-            if v.format.quantized() {
-                let q = blocks.get(name).ok_or_else(|| {
-                    GpuError::Dispatch(format!(
-                        "the plan reads parameter `{name}` as {} blocks, which were not given",
-                        v.format
-                    ))
-                })?;
-                let expected = resolve(&v.shape, &no_syms);
-                if q.format != v.format || [q.rows, q.k] != expected[..] {
-                    return Err(GpuError::Dispatch(format!(
-                        "parameter `{name}`: the plan reads {} blocks of shape {expected:?}, given {} blocks of shape [{}, {}]",
-                        v.format, q.format, q.rows, q.k
-                    )));
-                }
-                quant.insert(id, Cow::Borrowed(q));
-                continue;
-            }
-            let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
-            let expected = resolve(&v.shape, &no_syms);
-            if t.shape != expected {
-                return Err(InterpError::ParamShape { name: name.clone(), expected, found: t.shape.clone() }.into());
-            }
-            if t.as_f32().is_none() {
-                return Err(GpuError::Dispatch(format!("parameter `{name}` is not f32")));
-            }
-            host.insert(id, Cow::Borrowed(t));
-        }
-        // Constant folding: evaluate each fold on the host, from parameters and earlier folds.
-        let mut counter = Counter::start(progress, Phase::Fold, plan.folds.len());
-        for fold in &plan.folds {
-            if plan.values[fold.output].format.quantized() {
-                let args: Vec<&QuantWeight> =
-                    fold.operands.iter().map(|o| quant.get(o).map(|q| q.as_ref())).collect::<Option<_>>().ok_or_else(
-                        || GpuError::Dispatch("internal error: a quantized fold reads a non-quantized value".into()),
-                    )?;
-                let q = match (&fold.op, args.as_slice()) {
-                    (kiln_compiler::graph::Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
-                    (kiln_compiler::graph::Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
-                    _ => None,
-                }
-                .ok_or_else(|| {
-                    GpuError::Dispatch(format!("internal error: {} cannot fold quantized blocks", fold.op.name()))
-                })?;
-                quant.insert(fold.output, Cow::Owned(q));
-                counter.advance();
-                continue;
-            }
-            // An operand read through a reshape gets its own shape (a copy only then).
-            let args: Vec<Cow<'_, Tensor>> = fold
-                .operands
-                .iter()
-                .map(|&o| {
-                    let t = host.get(&root(o)).ok_or_else(|| {
-                        GpuError::Dispatch(format!("internal error: fold operand {o} is not a constant"))
-                    })?;
-                    let shape = resolve(&plan.values[o].shape, &no_syms);
-                    Ok(if t.shape == shape {
-                        Cow::Borrowed(t.as_ref())
-                    } else {
-                        Cow::Owned(Tensor { shape, data: t.data.clone() })
-                    })
-                })
-                .collect::<Result<_, GpuError>>()?;
-            let refs: Vec<&Tensor> = args.iter().map(|t| t.as_ref()).collect();
-            let t =
-                kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
-            drop(args);
-            host.insert(fold.output, Cow::Owned(t));
-            counter.advance();
-        }
+        let crate::prepare::Constants { host, quant } = crate::prepare::constants(&plan, params, blocks, progress)?;
         let mut uploaded = HashMap::new();
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let what = |id: usize| match &plan.values[id].storage {
             Storage::Param(name) => format!("parameter `{name}`"),
             _ => format!("folded constant {id}"),
         };
-        host.retain(|id, _| read.contains(id));
-        quant.retain(|id, _| read.contains(id));
         let mut counter = Counter::start(progress, Phase::Upload, host.len() + quant.len());
         let mut upload = |id: usize, format: WeightFormat, bytes: &[u8]| -> Result<(), GpuError> {
             let buffers = gpu.chunked(&what(id), bytes.len() as u64, STORAGE)?;
@@ -643,51 +576,28 @@ impl GpuModel {
         let plan = &self.plan;
 
         // Bind inputs exactly as the interpreter does.
-        let input_ids: Vec<usize> = plan
-            .values
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| matches!(v.storage, Storage::Input { .. }))
-            .map(|(i, _)| i)
-            .collect();
-        let specs: Vec<InputSpec> = input_ids
-            .iter()
-            .map(|&i| {
-                let v = &plan.values[i];
-                let Storage::Input { name, role } = &v.storage else { unreachable!("filtered to inputs") };
-                // The length axis: `[batch, seq]` for ids and masks, `[batch, heads, len, hd]`
-                // for caches.
-                let seq = v
-                    .shape
-                    .iter()
-                    .find_map(|d| match d {
-                        kiln_compiler::graph::Dim::Sym(s) if *s != Sym::Batch => Some(*s),
-                        _ => None,
-                    })
-                    .unwrap_or(Sym::Seq);
-                InputSpec { name, role: *role, seq }
-            })
-            .collect();
         let resident_shapes: HashMap<String, Vec<usize>> =
             resident.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect();
-        let (tensors, syms) = bind_named_with(&specs, given, &resident_shapes)?;
+        let bound = crate::prepare::bind(plan, given, &resident_shapes)?;
+        let syms = bound.syms;
         let mut inputs: HashMap<usize, Tensor> = HashMap::new();
         let mut resident_inputs: HashMap<usize, &[wgpu::Buffer]> = HashMap::new();
-        for ((id, tensor), spec) in input_ids.into_iter().zip(tensors).zip(&specs) {
+        for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
             match tensor {
                 Some(t) => {
                     inputs.insert(id, t);
                 }
                 None => {
-                    let t = &resident[spec.name];
+                    let t = &resident[name];
                     if !Arc::ptr_eq(&t.gpu, gpu) {
-                        return Err(GpuError::Dispatch(format!("input `{}` lives on another device", spec.name)));
+                        return Err(GpuError::Dispatch(format!("input `{name}` lives on another device")));
                     }
                     resident_inputs.insert(id, &t.buffers);
                 }
             }
         }
-        self.check_indices(&inputs, &syms)?;
+        let by_value: HashMap<usize, &Tensor> = inputs.iter().map(|(&id, t)| (id, t)).collect();
+        crate::prepare::check_indices(plan, &by_value, &syms)?;
 
         // Buffers: inputs and slots (kept, grown as needed), one uniform for every step's Dims.
         let mut state = self.state.lock().map_err(|_| GpuError::Dispatch("run state poisoned".into()))?;
@@ -1004,51 +914,6 @@ impl GpuModel {
         }
         gpu.check_lost()?;
         Ok(Profile { clock: if gpu.timestamps { Clock::Device } else { Clock::Host }, seconds })
-    }
-
-    /// Token ids and positions must index inside their tables; the GPU would clamp silently.
-    fn check_indices(&self, inputs: &HashMap<usize, Tensor>, syms: &HashMap<Sym, usize>) -> Result<(), GpuError> {
-        use kiln_compiler::graph::Op;
-        for step in &self.plan.steps {
-            if step.op != Op::Gather {
-                continue;
-            }
-            // A plan read from a file is not type-checked: a gather's arity and table are checked
-            // here, before they are relied on.
-            let &[table, ids] = step.operands.as_slice() else {
-                return Err(GpuError::Dispatch(format!("a gather step has {} operands, not 2", step.operands.len())));
-            };
-            let Some(&rows) = resolve(&self.plan.values[table].shape, syms).first() else {
-                return Err(GpuError::Dispatch("a gather step's table has no rows".into()));
-            };
-            let table_name = match &self.plan.values[table].storage {
-                Storage::Param(n) => n.clone(),
-                _ => "table".into(),
-            };
-            if let Some(t) = inputs.get(&ids) {
-                let what = match &self.plan.values[ids].storage {
-                    Storage::Input { role: InputRole::TokenTypes, .. } => "token type id",
-                    _ => "token id",
-                };
-                if let Some(&bad) = t.as_i64().unwrap_or(&[]).iter().find(|&&x| x < 0 || x as usize >= rows) {
-                    return Err(InterpError::IndexOutOfRange { what, index: bad, table: table_name, rows }.into());
-                }
-            } else if let Some(step_def) = self.plan.steps.iter().find(|s| s.output == ids)
-                && let Op::Positions { .. } = step_def.op
-            {
-                let len: usize = resolve(&self.plan.values[ids].shape, syms).iter().product();
-                if len > rows {
-                    return Err(InterpError::IndexOutOfRange {
-                        what: "position",
-                        index: rows as i64,
-                        table: table_name,
-                        rows,
-                    }
-                    .into());
-                }
-            }
-        }
-        Ok(())
     }
 }
 

@@ -2,14 +2,18 @@
 //!
 //! The runtime reads checkpoints (safetensors or GGUF) through a spec's weight map, reads and
 //! writes tensor files, tokenizes text (and renders chat templates), and executes compiled plans
-//! on wgpu.
+//! on wgpu ([`gpu`]) or on the host's cores ([`cpu`]), both after the shared preparation of
+//! [`prepare`].
 #![warn(missing_docs)]
 // No panics on paths that input reaches: errors are values, and slices are read with `get`,
 // patterns and iterators rather than `[]`. The few documented invariants that remain `expect`s or
 // indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+pub mod cpu;
 pub mod gguf;
+pub mod model;
+pub mod prepare;
 pub mod progress;
 pub mod quant;
 pub mod tokenize;
@@ -24,7 +28,9 @@ pub use weights::{Checkpoint, WeightError, load_params, load_params_with_blocks,
 
 pub mod gpu;
 
+pub use cpu::{CpuError, CpuModel};
 pub use gpu::{Clock, DeviceTensor, Gpu, GpuError, GpuModel, Profile};
+pub use model::{Model, ModelError};
 
 pub mod generate;
 

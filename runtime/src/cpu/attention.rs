@@ -1,0 +1,211 @@
+//! Fused attention on the CPU ([`Op::Attention`], [`Op::PackedAttention`]): for each query row,
+//! `softmax(mask(alibi(q·k * scale))) @ v` per head, the heads merged into `[b, s, h * d]`, with
+//! the interpreter's semantics (masked scores are the most negative float, so a row whose every
+//! key is masked averages all values uniformly).
+//!
+//! The score matrix is never materialised: a task owns one query row, walks the keys its row may
+//! attend (causal rows stop at their own position, window rows start at their earliest key), and
+//! keeps one row of scores per query head of a key/value group, so every key and value row loaded
+//! serves all the group's heads (grouped-query attention shares its loads). The pool's threads
+//! take query rows; a decode step's single row runs on one thread, its keys in cache order.
+//!
+//! Both ops read their tensors through [`Layout`]s — strides of batch, head and row and a first
+//! column — so `attention` over `[b, h, s, d]` tensors and `packed_attention` over one packed
+//! projection `[b, s, width]` are the same loop.
+
+use super::{Arg, CpuError, R};
+use kiln_compiler::graph::Op;
+use kiln_compiler::interp::alibi_slopes;
+use rayon::prelude::*;
+
+/// Where element `d` of head `h`, row `t`, batch `b` of a tensor is: `b * batch + h * head + t *
+/// row + col + d`.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    batch: usize,
+    head: usize,
+    row: usize,
+    col: usize,
+}
+
+impl Layout {
+    fn at(&self, b: usize, h: usize, t: usize) -> usize {
+        b * self.batch + h * self.head + t * self.row + self.col
+    }
+}
+
+/// The geometry and options of one attention step.
+struct Geometry {
+    b: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    /// Query rows.
+    s: usize,
+    /// Key rows.
+    t: usize,
+    scale: f32,
+    alibi: bool,
+    causal: bool,
+    window: Option<usize>,
+}
+
+/// Runs an attention step into `out` (`[b, s, heads * d]`).
+pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
+    let bad = |m: &str| CpuError::Invalid(m.to_string());
+    match *op {
+        Op::Attention { scale, alibi, causal, window } => {
+            let [(qs, q), (ks, k), (vs, v), rest @ ..] = args else { return Err(bad("attention needs q, k and v")) };
+            let (&[b, h, s, d], &[_, kv, t, _]) = (qs.as_slice(), ks.as_slice()) else {
+                return Err(bad("q must be [b, h, s, d] and k [b, kv, t, d]"));
+            };
+            if kv == 0 || h % kv != 0 || vs != ks {
+                return Err(bad("key/value heads must divide the query heads, and v be shaped as k"));
+            }
+            let g = Geometry { b, heads: h, kv_heads: kv, d, s, t, scale: scale.0, alibi, causal, window };
+            let ql = Layout { batch: h * s * d, head: s * d, row: d, col: 0 };
+            let kl = Layout { batch: kv * t * d, head: t * d, row: d, col: 0 };
+            let mask = mask_of(rest, b, t)?;
+            run(&g, (q.f32("q")?, ql), (k.f32("k")?, kl), (v.f32("v")?, kl), mask, out, shape)
+        }
+        Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+            let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
+            let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };
+            let d = head_dim;
+            if kv_heads == 0
+                || heads % kv_heads != 0
+                || q + heads * d > width
+                || k + kv_heads * d > width
+                || v + kv_heads * d > width
+            {
+                return Err(bad("the heads do not fit the packed projection"));
+            }
+            let g = Geometry { b, heads, kv_heads, d, s, t: s, scale: scale.0, alibi, causal, window };
+            let at = |col| Layout { batch: s * width, head: d, row: width, col };
+            let x = x.f32("qkv")?;
+            let mask = mask_of(rest, b, s)?;
+            run(&g, (x, at(q)), (x, at(k)), (x, at(v)), mask, out, shape)
+        }
+        _ => Err(bad("not an attention op")),
+    }
+}
+
+/// The optional key mask `[b, t]`.
+fn mask_of<'a>(rest: &[(Vec<usize>, Arg<'a>)], b: usize, t: usize) -> R<Option<&'a [f32]>> {
+    match rest {
+        [] => Ok(None),
+        [(_, m)] => {
+            let m = m.f32("the key mask")?;
+            if m.len() != b * t {
+                return Err(CpuError::Invalid(format!("a key mask of {} elements for [{b}, {t}] keys", m.len())));
+            }
+            Ok(Some(m))
+        }
+        _ => Err(CpuError::Invalid("attention takes at most one key mask".into())),
+    }
+}
+
+fn run(
+    g: &Geometry,
+    (q, ql): (&[f32], Layout),
+    (k, kl): (&[f32], Layout),
+    (v, vl): (&[f32], Layout),
+    mask: Option<&[f32]>,
+    out: &mut [f32],
+    shape: &[usize],
+) -> R<()> {
+    let (b, h, kv, d, s, t) = (g.b, g.heads, g.kv_heads, g.d, g.s, g.t);
+    let width = h * d;
+    let last = |l: &Layout, heads: usize, rows: usize| {
+        if b * heads * rows * d == 0 { 0 } else { l.at(b - 1, heads - 1, rows - 1) + d }
+    };
+    if shape != [b, s, width]
+        || out.len() != b * s * width
+        || q.len() < last(&ql, h, s)
+        || k.len() < last(&kl, kv, t)
+        || v.len() < last(&vl, kv, t)
+    {
+        return Err(CpuError::Invalid(format!("operands do not fit attention into {shape:?}")));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let group = h / kv;
+    let slopes = if g.alibi { alibi_slopes(h) } else { Vec::new() };
+    // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
+    let offset = t - s.min(t);
+    out.par_chunks_mut(width).enumerate().for_each_init(
+        || (vec![0.0f32; group * t], vec![0.0f32; group * d]),
+        |(scores, acc), (row, o)| {
+            let (bi, si) = (row / s, row % s);
+            let qi = si + offset;
+            // Keys this row attends by position; a key mask hides more within the range.
+            let hi = if g.causal { (qi + 1).min(t) } else { t };
+            let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+            for kvh in 0..kv {
+                let heads = kvh * group..(kvh + 1) * group;
+                // Scores for every head of the group, one key row at a time.
+                for ti in lo..hi {
+                    let krow = &k[kl.at(bi, kvh, ti)..][..d];
+                    let masked = mask.is_some_and(|m| m[bi * t + ti] == 0.0);
+                    for (j, hq) in heads.clone().enumerate() {
+                        let qrow = &q[ql.at(bi, hq, si)..][..d];
+                        let mut x = dot(qrow, krow) * g.scale;
+                        if g.alibi {
+                            x += slopes[hq] * (ti as f32 - qi as f32);
+                        }
+                        scores[j * t + ti] = if masked { f32::MIN } else { x };
+                    }
+                }
+                for (j, hq) in heads.enumerate() {
+                    let sc = &mut scores[j * t..][lo..hi];
+                    let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let a = &mut acc[j * d..][..d];
+                    a.fill(0.0);
+                    let o = &mut o[hq * d..][..d];
+                    if hi == lo || max == f32::MIN {
+                        // Every key masked: the interpreter's softmax is uniform over all keys.
+                        for ti in 0..t {
+                            add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
+                        }
+                        for (o, &a) in o.iter_mut().zip(a.iter()) {
+                            *o = a / t as f32;
+                        }
+                        continue;
+                    }
+                    let mut sum = 0.0f64;
+                    for x in sc.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x as f64;
+                    }
+                    for (ti, &p) in (lo..hi).zip(sc.iter()) {
+                        let p = (p as f64 / sum) as f32;
+                        add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
+                    }
+                    o.copy_from_slice(a);
+                }
+            }
+        },
+    );
+    Ok(())
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums, so the loop vectorizes without reassociating one chain.
+    let mut acc = [0.0f32; 8];
+    let (ca, ra) = a.as_chunks::<8>();
+    let (cb, rb) = b.as_chunks::<8>();
+    for (x, y) in ca.iter().zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+fn add_scaled(acc: &mut [f32], x: &[f32], p: f32) {
+    for (a, &x) in acc.iter_mut().zip(x) {
+        *a += p * x;
+    }
+}

@@ -1,0 +1,173 @@
+//! Native kernels for the cheap ops that run between projections: norms (and the fused residual
+//! add + norm), residual adds, activations, scaling, embedding gathers and the cached decoder's
+//! head split. Each computes what the interpreter computes for the op, with the same arithmetic
+//! (norm statistics accumulated in f64), rows split over the pool's threads when there are
+//! enough of them to pay for it.
+
+use super::{Arg, CpuError, LazyOut, R};
+use kiln_compiler::graph::Op;
+use kiln_compiler::interp::{activation, rope_frequencies, rotate};
+use rayon::prelude::*;
+
+/// Rows handed to one task at least (a decode step's few rows stay on one thread).
+const MIN_ROWS: usize = 16;
+
+/// Runs `op` natively if this module has a kernel for it (and its operands are in the form the
+/// kernel takes), writing the result into `out`; `Ok(false)` leaves it to the interpreter.
+pub fn forward(
+    op: &Op,
+    args: &[(Vec<usize>, Arg<'_>)],
+    out: &mut LazyOut<'_>,
+    shape: &[usize],
+    past: usize,
+) -> R<bool> {
+    let f = |i: usize| -> R<&[f32]> {
+        args.get(i).ok_or_else(|| CpuError::Invalid(format!("operand {i} is missing")))?.1.f32("an operand")
+    };
+    let width = shape.last().copied().unwrap_or(1).max(1);
+    match op {
+        Op::RmsNorm { eps } => {
+            let (x, gain) = (f(0)?, f(1)?);
+            rows(out.get(), width, |r, o| rms_row(&x[r * width..][..width], gain, eps.0, o));
+        }
+        Op::LayerNorm { eps } => {
+            let (x, gain) = (f(0)?, f(1)?);
+            let bias = if args.len() > 2 { Some(f(2)?) } else { None };
+            rows(out.get(), width, |r, o| layer_row(&x[r * width..][..width], gain, bias, eps.0, o));
+        }
+        Op::AddNorm { rms, eps } => {
+            let (x, y, gain) = (f(0)?, f(1)?, f(2)?);
+            if x.len() != y.len() {
+                return Ok(false);
+            }
+            let bias = if args.len() > 3 { Some(f(3)?) } else { None };
+            rows(out.get(), width, |r, o| {
+                for ((o, &a), &b) in o.iter_mut().zip(&x[r * width..][..width]).zip(&y[r * width..][..width]) {
+                    *o = a + b;
+                }
+                let sum = o.to_vec();
+                match rms {
+                    true => rms_row(&sum, gain, eps.0, o),
+                    false => layer_row(&sum, gain, bias, eps.0, o),
+                }
+            });
+        }
+        Op::Add | Op::Mul => {
+            let (x, y) = (f(0)?, f(1)?);
+            let n = out_len(shape);
+            // Same shapes, or the second operand one row broadcast over the first's rows (a
+            // bias); other broadcasts are the interpreter's.
+            let combine = |a: f32, b: f32| if matches!(op, Op::Add) { a + b } else { a * b };
+            if x.len() == n && y.len() == n {
+                rows(out.get(), width, |r, o| {
+                    for ((o, &a), &b) in o.iter_mut().zip(&x[r * width..][..width]).zip(&y[r * width..][..width]) {
+                        *o = combine(a, b);
+                    }
+                });
+            } else if x.len() == n && y.len() == width && args[1].0.len() == 1 {
+                rows(out.get(), width, |r, o| {
+                    for ((o, &a), &b) in o.iter_mut().zip(&x[r * width..][..width]).zip(y) {
+                        *o = combine(a, b);
+                    }
+                });
+            } else {
+                return Ok(false);
+            }
+        }
+        Op::Act(act) => {
+            let x = f(0)?;
+            rows(out.get(), width, |r, o| {
+                for (o, &a) in o.iter_mut().zip(&x[r * width..][..width]) {
+                    *o = activation(*act, a);
+                }
+            });
+        }
+        Op::Scale { factor } => {
+            let x = f(0)?;
+            rows(out.get(), width, |r, o| {
+                for (o, &a) in o.iter_mut().zip(&x[r * width..][..width]) {
+                    *o = a * factor.0;
+                }
+            });
+        }
+        Op::Gather => {
+            let (table, Some((_, Arg::I64(ids)))) = (f(0)?, args.get(1)) else { return Ok(false) };
+            // Ids were range-checked when the inputs were bound (`prepare::check_indices`);
+            // positions are made in range. A bad id is still an error here, not a wild read.
+            let rows_in_table = table.len() / width;
+            let out = out.get();
+            for (o, &id) in out.chunks_mut(width).zip(*ids) {
+                let row = usize::try_from(id)
+                    .ok()
+                    .filter(|&r| r < rows_in_table)
+                    .ok_or_else(|| CpuError::Invalid(format!("id {id} is outside the table's {rows_in_table} rows")))?;
+                o.copy_from_slice(&table[row * width..][..width]);
+            }
+        }
+        Op::Heads { start, heads, head_dim, rope } => {
+            // ([past [b, h, p, d],] x [b, s, width]) -> [b, h, p + s, d].
+            let (x_shape, x) = match args {
+                [(s, x)] | [_, (s, x)] => (s, x.f32("x")?),
+                _ => return Ok(false),
+            };
+            let cache = if args.len() == 2 { Some(f(0)?) } else { None };
+            let (b, s, xw) = match x_shape.as_slice() {
+                &[b, s, w] => (b, s, w),
+                _ => return Ok(false),
+            };
+            let (h, d) = (*heads, *head_dim);
+            let total = shape.get(2).copied().unwrap_or(0);
+            let p = total.saturating_sub(s);
+            let inv = rope.map(|r| (rope_frequencies(r.theta.0, r.rotary_dim), r));
+            let out = out.get();
+            for bi in 0..b {
+                for hi in 0..h {
+                    let dst = &mut out[(bi * h + hi) * total * d..][..total * d];
+                    if let Some(cache) = cache {
+                        dst[..p * d].copy_from_slice(&cache[(bi * h + hi) * p * d..][..p * d]);
+                    }
+                    for t in 0..s {
+                        let row = &x[(bi * s + t) * xw + start + hi * d..][..d];
+                        let o = &mut dst[(p + t) * d..][..d];
+                        o.copy_from_slice(row);
+                        if let Some((inv, r)) = &inv {
+                            rotate(&mut o[..r.rotary_dim], (t + past) as f32, inv, r.style);
+                        }
+                    }
+                }
+            }
+        }
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+fn out_len(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Runs `f(row index, output row)` over the rows of `out`, in parallel when there are many.
+fn rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    out.par_chunks_mut(width).with_min_len(MIN_ROWS).enumerate().for_each(|(r, o)| f(r, o));
+}
+
+/// RMSNorm of one row, as the interpreter computes it.
+pub fn rms_row(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
+    let ms = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len().max(1) as f64;
+    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(gain) {
+        *o = v * inv * g;
+    }
+}
+
+/// LayerNorm of one row, as the interpreter computes it.
+pub fn layer_row(x: &[f32], gain: &[f32], bias: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let d = x.len().max(1) as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / d;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+        let y = ((v as f64 - mean) * inv) as f32 * gain[j];
+        *o = y + bias.map_or(0.0, |b| b[j]);
+    }
+}

@@ -1,0 +1,295 @@
+//! The projection ([`Op::Linear`]) on the CPU: `rope(act(norm(x) @ w^T + bias)) + residual`, or
+//! the gated `act(gate) * up`, as the interpreter defines it.
+//!
+//! 1. **Prologue**: the rows of `x` normalised (RMSNorm or LayerNorm) into a scratch buffer.
+//! 2. **Product**: for an f32 weight — stored transposed, `[k, n]` with rows padded to a multiple
+//!    of 4 columns, as the plan keeps it for every engine — a GEMM through the `gemm` crate (packed,
+//!    cache-blocked, AVX2/AVX-512 kernels chosen at run time, threaded over the pool). For a
+//!    Q8_0/Q4_1 weight (`[rows, k]` blocks), each row of `x` is quantized to 8 bits per block of
+//!    32 and dotted with the weight rows in integer arithmetic ([`super::qdot`]); the pool's
+//!    threads take blocks of weight rows, each block reused for every row of `x` while it is in
+//!    cache, so the weight is read from memory once per call.
+//! 3. **Epilogue**: per output row, while it is in cache: bias, activation or gate, RoPE on the
+//!    rotated columns (at the row's position after `past` cached tokens), residual.
+
+use super::qdot::{self, Q8Acts};
+use super::{Arg, CpuError, R};
+use kiln_compiler::graph::Op;
+use kiln_compiler::interp::{activation, rope_frequencies, rotate};
+use rayon::prelude::*;
+
+/// Weight rows one task computes (for every row of `x`): 64 rows of a 576-wide Q4_1 weight are
+/// 27 KiB, which stay in L1/L2 while every activation row passes over them.
+const ROW_BLOCK: usize = 64;
+
+/// Multiply-adds below which the GEMM runs on one thread.
+const GEMM_THREADING: usize = 1 << 18;
+
+/// Runs a projection step: `args` as [`Op::Linear`] lists them, the result (`shape`, `[.., n]`)
+/// written into `out`.
+pub fn forward(
+    op: &Op,
+    args: &[(Vec<usize>, Arg<'_>)],
+    out: &mut [f32],
+    shape: &[usize],
+    past: usize,
+    threads: usize,
+    int8: bool,
+) -> R<()> {
+    let Op::Linear { act, bias, residual, norm, glu, rope } = *op else {
+        return Err(CpuError::Invalid("not a projection".into()));
+    };
+    let bad = |m: String| CpuError::Invalid(m);
+    let mut next = args.iter();
+    let mut take = |what: &str| next.next().ok_or_else(|| bad(format!("the {what} operand is missing")));
+    let (x_shape, x) = take("input")?;
+    let x = x.f32("the input")?;
+    let k = x_shape.last().copied().unwrap_or(0);
+    let norm = match norm {
+        Some(p) => {
+            let gain = take("norm gain")?.1.f32("the norm gain")?;
+            let nbias = if p.bias { Some(take("norm bias")?.1.f32("the norm bias")?) } else { None };
+            Some((p, gain, nbias))
+        }
+        None => None,
+    };
+    let (_, w) = take("weight")?;
+    let w = *w;
+    let b = if bias { Some(take("bias")?.1.f32("the bias")?) } else { None };
+    let res = if residual { Some(take("residual")?.1.f32("the residual")?) } else { None };
+    let n = shape.last().copied().unwrap_or(0);
+    let mw = if glu { 2 * n } else { n };
+    if k == 0 || n == 0 || x.len() % k != 0 {
+        return Err(bad(format!("input {x_shape:?} cannot be projected to {shape:?}")));
+    }
+    let m = x.len() / k;
+    if out.len() != m * n
+        || b.is_some_and(|b| b.len() != mw)
+        || res.is_some_and(|r| r.len() != m * n)
+        || norm.is_some_and(|(_, g, nb)| g.len() != k || nb.is_some_and(|nb| nb.len() != k))
+    {
+        return Err(bad(format!("operands do not fit a projection of {x_shape:?} to {shape:?}")));
+    }
+
+    // 1. Prologue.
+    let normed: Vec<f32>;
+    let x: &[f32] = match norm {
+        Some((p, gain, nbias)) => {
+            let mut t = vec![0.0; x.len()];
+            t.par_chunks_mut(k).zip(x.par_chunks(k)).with_min_len(8).for_each(|(o, row)| match p.rms {
+                true => super::elementwise::rms_row(row, gain, p.eps.0, o),
+                false => super::elementwise::layer_row(row, gain, nbias, p.eps.0, o),
+            });
+            normed = t;
+            &normed
+        }
+        None => x,
+    };
+
+    // 2. Product: y [m, mw], straight into `out` when no gate halves it.
+    let mut scratch: Vec<f32> = if glu { vec![0.0; m * mw] } else { Vec::new() };
+    let y: &mut [f32] = if glu { &mut scratch } else { &mut *out };
+    match w {
+        Arg::F32(wt) => {
+            // [k, padded] with padded >= mw.
+            let padded = wt.len().checked_div(k).unwrap_or(0);
+            if wt.len() != k * padded || padded < mw {
+                return Err(bad(format!("an f32 weight of {} elements is not [{k}, >= {mw}]", wt.len())));
+            }
+            gemm_f32(m, mw, k, x, wt, padded, y, threads);
+        }
+        Arg::Quant(q) => {
+            if q.k != k || q.rows != mw {
+                return Err(bad(format!("a [{}, {}] {} weight does not project {k} to {mw}", q.rows, q.k, q.format)));
+            }
+            quantized(q, m, x, y, int8)?;
+        }
+        Arg::I64(_) => return Err(bad("the weight must be f32 or quantized blocks".into())),
+    }
+
+    // 3. Epilogue, row by row.
+    let seq = x_shape.len().checked_sub(2).and_then(|i| x_shape.get(i)).copied().unwrap_or(1).max(1);
+    let rope = rope.map(|r| (rope_frequencies(r.theta.0, r.rotary_dim), r));
+    let epilogue = |i: usize, o: &mut [f32], y: &[f32]| {
+        if glu {
+            let (gate, up) = y.split_at(n);
+            for j in 0..n {
+                let (mut g, mut u) = (gate[j], up[j]);
+                if let Some(b) = b {
+                    g += b[j];
+                    u += b[n + j];
+                }
+                o[j] = act.map_or(g, |a| activation(a, g)) * u;
+            }
+        } else {
+            if let Some(b) = b {
+                for (o, &b) in o.iter_mut().zip(b) {
+                    *o += b;
+                }
+            }
+            if let Some(a) = act {
+                for o in o.iter_mut() {
+                    *o = activation(a, *o);
+                }
+            }
+        }
+        if let Some((inv, r)) = &rope {
+            let pos = (i % seq + past) as f32;
+            for head in o[r.start..r.start + r.len].chunks_mut(r.head_dim) {
+                rotate(&mut head[..r.rotary_dim], pos, inv, r.style);
+            }
+        }
+        if let Some(res) = res {
+            for (o, &r) in o.iter_mut().zip(&res[i * n..][..n]) {
+                *o += r;
+            }
+        }
+    };
+    if glu {
+        out.par_chunks_mut(n)
+            .zip(scratch.par_chunks(mw))
+            .enumerate()
+            .with_min_len(8)
+            .for_each(|(i, (o, y))| epilogue(i, o, y));
+    } else if b.is_some() || act.is_some() || rope.is_some() || res.is_some() {
+        out.par_chunks_mut(n).enumerate().with_min_len(8).for_each(|(i, o)| epilogue(i, o, &[]));
+    }
+    Ok(())
+}
+
+/// `y [m, n] = x [m, k] @ wt [k, n]` (row stride `ldw`) through the `gemm` crate.
+#[expect(clippy::too_many_arguments, reason = "a GEMM's sizes and strides")]
+pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], wt: &[f32], ldw: usize, y: &mut [f32], threads: usize) {
+    let parallelism = if threads > 1 && m * n * k >= GEMM_THREADING {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    if m == 0 || n == 0 {
+        return;
+    }
+    debug_assert!(x.len() >= m * k && wt.len() >= k * ldw && y.len() >= m * n && ldw >= n);
+    // SAFETY: `x` holds m rows of k, `wt` k rows of `ldw >= n`, `y` m rows of n (checked by the
+    // caller, asserted above in debug builds); the strides below stay inside them, and `y` does
+    // not alias the inputs (it is a distinct `&mut`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            wt.as_ptr(),
+            1,
+            ldw as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// `out[r] = dot(row r, x)` with `x` in f32, each weight block dequantized in registers (the
+/// products the interpreter computes on the dequantized weight, up to summation order).
+pub fn dot_rows_exact(format: kiln_compiler::lower::WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
+    let nb = k / 32;
+    let Some(stride) = format.row_words(k) else { return };
+    let q4 = format == kiln_compiler::lower::WeightFormat::Q4_1;
+    for (r, o) in out.iter_mut().enumerate() {
+        let Some(row) = words.get(r * stride..(r + 1) * stride) else { return };
+        let (scales, rest) = row.split_at(nb);
+        let (mins, quants) = if q4 { rest.split_at(nb) } else { (&[][..], rest) };
+        let mut acc = 0.0f32;
+        for b in 0..nb {
+            let s = f32::from_bits(scales[b]);
+            let xb = &x[b * 32..][..32];
+            if q4 {
+                let m = f32::from_bits(mins[b]);
+                let bytes: Vec<u8> = quants[b * 4..][..4].iter().flat_map(|w| w.to_le_bytes()).collect();
+                for j in 0..16 {
+                    acc += (f32::from(bytes[j] & 15) * s + m) * xb[j];
+                    acc += (f32::from(bytes[j] >> 4) * s + m) * xb[j + 16];
+                }
+            } else {
+                let bytes: Vec<i8> =
+                    quants[b * 8..][..8].iter().flat_map(|w| w.to_le_bytes()).map(|b| b as i8).collect();
+                for j in 0..32 {
+                    acc += f32::from(bytes[j]) * s * xb[j];
+                }
+            }
+        }
+        *o = acc;
+    }
+}
+
+/// `y [m, rows] = x [m, k] @ q^T`, from the blocks: with `int8`, each row of `x` quantized once to
+/// 8 bits per block of 32 and dotted in integer arithmetic ([`qdot`]); otherwise with the f32
+/// activations ([`exact`]). The weight's rows go in blocks of [`ROW_BLOCK`] over the pool.
+fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], int8: bool) -> R<()> {
+    let (k, rows) = (q.k, q.rows);
+    if !int8 {
+        return exact(q, m, x, y);
+    }
+    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
+    let acts: Vec<Q8Acts> = x
+        .par_chunks(k)
+        .with_min_len(4)
+        .map(|row| {
+            let mut a = Q8Acts::new();
+            a.quantize(row);
+            a
+        })
+        .collect();
+    let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
+    if m == 1 {
+        let acts = &acts[0];
+        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| {
+            qdot::dot_rows(q.format, words(c * ROW_BLOCK), k, acts, o);
+        });
+        return Ok(());
+    }
+    // Several rows of x: each task computes a block of weight rows for every row of x, then the
+    // blocks are written into place.
+    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
+        .into_par_iter()
+        .map(|c| {
+            let r0 = c * ROW_BLOCK;
+            let len = ROW_BLOCK.min(rows - r0);
+            let mut part = vec![0.0; m * len];
+            for (a, o) in acts.iter().zip(part.chunks_mut(len)) {
+                qdot::dot_rows(q.format, words(r0), k, a, o);
+            }
+            part
+        })
+        .collect();
+    for (c, part) in blocks.iter().enumerate() {
+        let r0 = c * ROW_BLOCK;
+        let len = ROW_BLOCK.min(rows - r0);
+        for (i, p) in part.chunks(len).enumerate() {
+            y[i * rows + r0..][..len].copy_from_slice(p);
+        }
+    }
+    Ok(())
+}
+
+/// `y [m, rows] = x [m, k] @ q^T` with f32 activations, each weight block dequantized in
+/// registers: the interpreter's products on the dequantized weight, up to summation order.
+fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R<()> {
+    let (k, rows) = (q.k, q.rows);
+    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
+    let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
+    for (xr, yr) in x.chunks(k).zip(y.chunks_mut(rows)).take(m) {
+        yr.par_chunks_mut(ROW_BLOCK)
+            .enumerate()
+            .for_each(|(c, o)| dot_rows_exact(q.format, words(c * ROW_BLOCK), k, xr, o));
+    }
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! The native CPU back end: a [`Plan`] executed on the host's cores.
+//!
+//! [`CpuModel`] runs the same plan as [`crate::GpuModel`] — the fused ops the optimizer chose, one
+//! step per op, intermediates in the slots liveness assigned — with native kernels instead of
+//! WGSL. What it shares with the wgpu engine is in [`crate::prepare`] (load-time folds, input
+//! binding, index checks); what is its own is the kernel chosen for each step:
+//!
+//! - projections ([`linear`]): the norm prologue, then a GEMM through the `gemm` crate for f32
+//!   weights, or int8 dot products straight from the quantized blocks ([`qdot`]) for Q8_0/Q4_1
+//!   weights (activations quantized per block of 32, as llama.cpp does), then the epilogue (bias,
+//!   activation, gate, RoPE, residual) on each row while it is in cache;
+//! - attention ([`attention`]): an online softmax over the keys, every query head of a key/value
+//!   group sharing the loads, causal and window ranges skipped, threads over rows and heads;
+//! - norms, residual adds, gathers and activations ([`elementwise`]);
+//! - every other op through the interpreter's own evaluation
+//!   ([`kiln_compiler::interp::eval_op_at`]), so any plan runs, and native kernels replace ops one
+//!   at a time, each held to the interpreter by `tests/fused_ops.rs`.
+//!
+//! The plan lowered for wgpu stores each f32 projection weight transposed (`[k, n]`, rows padded
+//! to a multiple of 4 columns) and each quantized one untransposed (`[rows, k]` blocks): the
+//! kernels read either layout as the value's format says, so an artifact compiled once runs on
+//! either engine. Work is spread over a rayon pool of `threads` threads.
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
+              bounds its value and slot indices; every step's operand shapes are checked against \
+              its op by `graph::infer` when the model is built (`CpuModel::new`), so the kernels \
+              index within the shapes they were given"
+)]
+
+pub mod attention;
+pub mod elementwise;
+pub mod linear;
+pub mod qdot;
+
+use crate::prepare::{self, PrepareError, root};
+use crate::progress::Progress;
+use crate::quant::QuantWeight;
+use kiln_compiler::graph::{Dim, Op, Sym};
+use kiln_compiler::interp::{self, InterpError};
+use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
+use kiln_compiler::tensor::{DType, Data, Tensor};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// What can go wrong on the CPU back end.
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    /// Bad inputs or parameters, or an op the interpreter refused.
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// The plan cannot run here (an ill-typed step, a missing constant, a pool that cannot start).
+    #[error("{0}")]
+    Invalid(String),
+    /// Not enough host memory for an intermediate.
+    #[error(transparent)]
+    Memory(#[from] kiln_compiler::memory::MemoryError),
+}
+
+impl From<PrepareError> for CpuError {
+    fn from(e: PrepareError) -> Self {
+        match e {
+            PrepareError::Interp(e) => CpuError::Interp(e),
+            PrepareError::Invalid(m) => CpuError::Invalid(m),
+        }
+    }
+}
+
+type R<T> = Result<T, CpuError>;
+
+/// A constant the steps read.
+enum Const {
+    F32(Tensor),
+    Quant(QuantWeight),
+}
+
+/// An operand as a kernel sees it: its shape at this run and its elements.
+#[derive(Clone, Copy)]
+pub enum Arg<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// Integer elements.
+    I64(&'a [i64]),
+    /// A block-quantized `[rows, k]` weight.
+    Quant(&'a QuantWeight),
+}
+
+impl<'a> Arg<'a> {
+    /// The f32 elements, or an error naming `what` the kernel expected.
+    pub fn f32(self, what: &str) -> R<&'a [f32]> {
+        match self {
+            Arg::F32(x) => Ok(x),
+            _ => Err(CpuError::Invalid(format!("{what} must be an f32 tensor"))),
+        }
+    }
+}
+
+/// A slot's buffer: its elements, of the type of the value last written there.
+enum Buf {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+/// A plan with its constants on the host and a thread pool to run it on.
+pub struct CpuModel {
+    plan: Plan,
+    consts: HashMap<usize, Const>,
+    pool: rayon::ThreadPool,
+    threads: usize,
+    /// Slot buffers, kept from one run to the next (grown when a longer input needs more).
+    slots: Mutex<Vec<Buf>>,
+    weight_bytes: Vec<(WeightFormat, u64)>,
+    int8: bool,
+}
+
+/// The threads a model uses by default: one per core the process may run on.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl CpuModel {
+    /// Evaluates the plan's folds and keeps the constants its steps read; every weight the plan
+    /// stores in a block-quantized format must be in `blocks`. `threads` (at least 1) is the size
+    /// of the pool the kernels run on.
+    pub fn new(
+        plan: Plan,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+        threads: usize,
+        progress: &dyn Progress,
+    ) -> R<CpuModel> {
+        let threads = threads.max(1);
+        if plan.values.iter().any(|v| v.format == WeightFormat::F16) {
+            return Err(CpuError::Invalid(
+                "the CPU back end stores projection weights as f32 or blocks, not f16".into(),
+            ));
+        }
+        check_steps(&plan)?;
+        let prepare::Constants { host, quant } = prepare::constants(&plan, params, blocks, progress)?;
+        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
+        let mut count = |format: WeightFormat, bytes: u64| match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
+            Some((_, b)) => *b += bytes,
+            None => weight_bytes.push((format, bytes)),
+        };
+        let mut consts = HashMap::new();
+        for (id, t) in host {
+            count(WeightFormat::F32, 4 * t.len() as u64);
+            consts.insert(id, Const::F32(t.into_owned()));
+        }
+        for (id, q) in quant {
+            count(q.format, q.bytes());
+            consts.insert(id, Const::Quant(q.into_owned()));
+        }
+        weight_bytes.sort_by_key(|(f, _)| *f as u8);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
+        Ok(CpuModel { plan, consts, pool, threads, slots: Mutex::new(Vec::new()), weight_bytes, int8: false })
+    }
+
+    /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
+    /// products (llama.cpp's scheme: faster, but each activation moves by up to half a step of
+    /// its block's largest magnitude / 127, enough to flip a greedy choice between two close
+    /// logits); off by default, when activations stay f32 and only the weights are quantized.
+    pub fn with_int8_activations(mut self, on: bool) -> CpuModel {
+        self.int8 = on;
+        self
+    }
+
+    /// The plan being run.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Threads the kernels run on.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Bytes of the weights in host memory (parameters and folded constants), by format.
+    pub fn weight_bytes(&self) -> &[(WeightFormat, u64)] {
+        &self.weight_bytes
+    }
+
+    /// Runs one forward pass on named inputs; returns the named outputs.
+    pub fn run(&self, given: &HashMap<String, Tensor>) -> R<Vec<(String, Tensor)>> {
+        self.run_with(given, &HashMap::new())
+    }
+
+    /// [`CpuModel::run`] where some inputs are lent rather than given (a session's cache, an
+    /// encoder's memory): they are read in place, never copied.
+    pub fn run_with(
+        &self,
+        given: &HashMap<String, Tensor>,
+        lent: &HashMap<String, Tensor>,
+    ) -> R<Vec<(String, Tensor)>> {
+        let plan = &self.plan;
+        let lent_shapes: HashMap<String, Vec<usize>> =
+            lent.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, t)| (n.clone(), t.shape.clone())).collect();
+        let bound = prepare::bind(plan, given, &lent_shapes)?;
+        let mut inputs: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
+        for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
+            match tensor {
+                Some(t) => inputs.insert(id, Cow::Owned(t)),
+                None => match lent.get(name) {
+                    Some(t) => inputs.insert(id, Cow::Borrowed(t)),
+                    None => return Err(CpuError::Invalid(format!("input `{name}` was not given"))),
+                },
+            };
+        }
+        let syms = bound.syms;
+        let by_value: HashMap<usize, &Tensor> = inputs.iter().map(|(&id, t)| (id, t.as_ref())).collect();
+        prepare::check_indices(plan, &by_value, &syms)?;
+        let past = syms.get(&Sym::Past).copied().unwrap_or(0);
+
+        let mut state = self.slots.lock().map_err(|_| CpuError::Invalid("run state poisoned".into()))?;
+        // The buffers move into the pool's closure (a lock guard cannot) and back after it.
+        let mut slots = std::mem::take(&mut *state);
+        if slots.len() < plan.slots {
+            slots.resize_with(plan.slots, || Buf::F32(Vec::new()));
+        }
+        let run = self.pool.install(|| -> R<()> {
+            for step in &plan.steps {
+                let out_shape = resolve(&plan.values[step.output].shape, &syms);
+                let n: usize = out_shape.iter().product();
+                let Storage::Slot(s) = plan.values[step.output].storage else {
+                    return Err(CpuError::Invalid(format!(
+                        "`{}`: a step writes a value that is not in a slot",
+                        step.scope
+                    )));
+                };
+                kiln_compiler::memory::check(
+                    || format!("`{}`: a {} result", step.scope, step.op.name()),
+                    4 * n as u64,
+                )?;
+                let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
+                let result = {
+                    let args: Vec<(Vec<usize>, Arg<'_>)> =
+                        step.operands.iter().map(|&o| self.arg(o, &inputs, &slots, &syms)).collect::<R<_>>()?;
+                    let dtype = plan.values[step.output].dtype;
+                    self.exec(&step.op, &args, &mut out, dtype, &out_shape, past)
+                        .map_err(|e| scoped(e, &step.scope, &step.op))
+                };
+                slots[s] = out;
+                result?;
+            }
+            Ok(())
+        });
+        let outputs = run.and_then(|()| {
+            plan.outputs
+                .iter()
+                .map(|(name, v)| {
+                    let shape = resolve(&plan.values[*v].shape, &syms);
+                    let t = match self.arg(*v, &inputs, &slots, &syms)?.1 {
+                        Arg::F32(x) => Tensor::f32(shape, x.to_vec()),
+                        Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
+                        Arg::Quant(q) => q.dequantize(),
+                    };
+                    Ok((name.clone(), t))
+                })
+                .collect()
+        });
+        *state = slots;
+        outputs
+    }
+
+    /// Value `v` as an operand: its shape at these symbol values and its elements.
+    fn arg<'a>(
+        &'a self,
+        v: usize,
+        inputs: &'a HashMap<usize, Cow<'_, Tensor>>,
+        slots: &'a [Buf],
+        syms: &HashMap<Sym, usize>,
+    ) -> R<(Vec<usize>, Arg<'a>)> {
+        let shape = resolve(&self.plan.values[v].shape, syms);
+        let n: usize = shape.iter().product();
+        let r = root(&self.plan, v);
+        let missing = || CpuError::Invalid(format!("internal error: value {v} has no data"));
+        let tensor = |t: &'a Tensor| -> R<Arg<'a>> {
+            match &t.data {
+                Data::F32(x) => x.get(..n).map(Arg::F32),
+                Data::I64(x) => x.get(..n).map(Arg::I64),
+            }
+            .ok_or_else(missing)
+        };
+        let arg = match &self.plan.values[r].storage {
+            Storage::Param(_) | Storage::Const => match self.consts.get(&r).ok_or_else(missing)? {
+                Const::F32(t) => tensor(t)?,
+                Const::Quant(q) => Arg::Quant(q),
+            },
+            Storage::Input { .. } => tensor(inputs.get(&r).ok_or_else(missing)?)?,
+            Storage::Slot(s) => match slots.get(*s).ok_or_else(missing)? {
+                Buf::F32(x) => Arg::F32(x.get(..n).ok_or_else(missing)?),
+                Buf::I64(x) => Arg::I64(x.get(..n).ok_or_else(missing)?),
+            },
+            Storage::Alias(_) => return Err(missing()),
+        };
+        Ok((shape, arg))
+    }
+
+    /// Runs one op into `out` (resized to the output's elements).
+    fn exec(
+        &self,
+        op: &Op,
+        args: &[(Vec<usize>, Arg<'_>)],
+        out: &mut Buf,
+        dtype: DType,
+        shape: &[usize],
+        past: usize,
+    ) -> R<()> {
+        let mut lazy = LazyOut { out, n: shape.iter().product() };
+        if dtype == DType::F32 {
+            match op {
+                Op::Linear { .. } => {
+                    return linear::forward(op, args, lazy.get(), shape, past, self.threads, self.int8);
+                }
+                Op::Attention { .. } | Op::PackedAttention { .. } => {
+                    return attention::forward(op, args, lazy.get(), shape);
+                }
+                _ => {
+                    if elementwise::forward(op, args, &mut lazy, shape, past)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        let out = lazy.out;
+        // No native kernel: the interpreter's evaluation, on copies of the operands.
+        let tensors: Vec<Tensor> = args
+            .iter()
+            .map(|(s, a)| match a {
+                Arg::F32(x) => Tensor::f32(s.clone(), x.to_vec()),
+                Arg::I64(x) => Tensor::i64(s.clone(), x.to_vec()),
+                Arg::Quant(q) => q.dequantize(),
+            })
+            .collect();
+        let refs: Vec<&Tensor> = tensors.iter().collect();
+        let t = interp::eval_op_at(op, &refs, shape.to_vec(), past)?;
+        *out = match t.data {
+            Data::F32(v) => Buf::F32(v),
+            Data::I64(v) => Buf::I64(v),
+        };
+        Ok(())
+    }
+}
+
+/// A step's output buffer, made an f32 one of the result's length only when a native kernel
+/// takes the op (see [`elementwise::forward`]).
+pub struct LazyOut<'a> {
+    out: &'a mut Buf,
+    n: usize,
+}
+
+impl LazyOut<'_> {
+    /// The output's elements, resized to the result.
+    pub fn get(&mut self) -> &mut Vec<f32> {
+        if !matches!(self.out, Buf::F32(_)) {
+            *self.out = Buf::F32(Vec::new());
+        }
+        match self.out {
+            Buf::F32(v) => {
+                v.resize(self.n, 0.0);
+                v
+            }
+            Buf::I64(_) => unreachable!("made f32 just above"),
+        }
+    }
+}
+
+/// An error of a step, with the step named.
+fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
+    match e {
+        CpuError::Invalid(m) => CpuError::Invalid(format!("`{scope}` ({}): {m}", op.name())),
+        e => e,
+    }
+}
+
+/// Every step's op must accept its operands' shapes (a plan read from a file is not
+/// type-checked): the kernels rely on it. Symbolic dimensions are checked as symbols.
+fn check_steps(plan: &Plan) -> R<()> {
+    for (i, step) in plan.steps.iter().enumerate() {
+        let shapes: Vec<(Vec<Dim>, DType)> = step
+            .operands
+            .iter()
+            .map(|&o| {
+                let v = &plan.values[o];
+                // A projection's weight operand is stored transposed or as blocks: its shape is
+                // checked by the kernel, which reads it by its format.
+                (v.shape.clone(), v.dtype)
+            })
+            .collect();
+        if matches!(step.op, Op::Linear { .. }) {
+            // Checked by `linear::forward` at run time (the weight's stored layout differs from
+            // the graph's `[out, in]`).
+            continue;
+        }
+        let typed: Vec<(&Vec<Dim>, DType)> = shapes.iter().map(|(s, d)| (s, *d)).collect();
+        let (inferred, dtype) = kiln_compiler::graph::infer(&step.op, &typed)
+            .map_err(|m| CpuError::Invalid(format!("step {i} (`{}`): {m}", step.scope)))?;
+        let out = &plan.values[step.output];
+        if inferred != out.shape || dtype != out.dtype {
+            return Err(CpuError::Invalid(format!(
+                "step {i} (`{}`): its operands give {inferred:?}, the plan says {:?}",
+                step.scope, out.shape
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! What every engine does with a [`Plan`] before its own kernels run, shared by the wgpu
+//! ([`crate::gpu`]) and native CPU ([`crate::cpu`]) back ends so they cannot drift apart:
+//!
+//! - [`constants`]: the parameters a plan's steps read, and its load-time folds evaluated on the
+//!   host (by the reference interpreter, or on quantized blocks for the folds that keep them);
+//! - [`bind`]: run-time inputs bound exactly as the interpreter binds them (defaults, mask
+//!   polarity, symbol values), inputs already held by the engine (a cache) by shape only;
+//! - [`check_indices`]: token ids and positions checked against the tables they index, which a
+//!   kernel would otherwise clamp (wgpu) or read out of bounds of.
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
+              bounds its value indices; the fold and step tables are built from the plan itself"
+)]
+
+use crate::progress::{Counter, Phase, Progress};
+use crate::quant::QuantWeight;
+use kiln_compiler::graph::{Dim, InputRole, Op, Sym};
+use kiln_compiler::interp::{InputSpec, InterpError, bind_named_with};
+use kiln_compiler::lower::{Plan, Storage, resolve};
+use kiln_compiler::tensor::Tensor;
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+
+/// Why a plan cannot be prepared or its inputs bound.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// A parameter, fold or input failed the interpreter's checks.
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// The plan and what was given for it disagree.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The constants a plan's steps read: parameters (borrowed from the caller) and fold results
+/// (owned), as f32 tensors or as quantized blocks, by value index.
+pub struct Constants<'a> {
+    /// f32 constants.
+    pub host: HashMap<usize, Cow<'a, Tensor>>,
+    /// Block-quantized constants (parameters' blocks, and folds that keep blocks).
+    pub quant: HashMap<usize, Cow<'a, QuantWeight>>,
+}
+
+/// The value whose storage `v` uses (following reshape aliases).
+pub fn root(plan: &Plan, mut v: usize) -> usize {
+    while let Storage::Alias(a) = plan.values[v].storage {
+        v = a;
+    }
+    v
+}
+
+/// Checks every parameter the plan names against `params` / `blocks`, evaluates the load-time
+/// folds in order (reported to `progress` as [`Phase::Fold`]) and keeps the constants the steps
+/// or outputs read; parameters only folds read are dropped.
+pub fn constants<'a>(
+    plan: &Plan,
+    params: &'a HashMap<String, Tensor>,
+    blocks: &'a HashMap<String, QuantWeight>,
+    progress: &dyn Progress,
+) -> Result<Constants<'a>, PrepareError> {
+    let no_syms = HashMap::new();
+    let mut host: HashMap<usize, Cow<'a, Tensor>> = HashMap::new();
+    let mut quant: HashMap<usize, Cow<'a, QuantWeight>> = HashMap::new();
+    for (id, v) in plan.values.iter().enumerate() {
+        let Storage::Param(name) = &v.storage else { continue };
+        let expected = resolve(&v.shape, &no_syms);
+        if v.format.quantized() {
+            let q = blocks.get(name).ok_or_else(|| {
+                PrepareError::Invalid(format!(
+                    "the plan reads parameter `{name}` as {} blocks, which were not given",
+                    v.format
+                ))
+            })?;
+            if q.format != v.format || [q.rows, q.k] != expected[..] {
+                return Err(PrepareError::Invalid(format!(
+                    "parameter `{name}`: the plan reads {} blocks of shape {expected:?}, given {} blocks of shape [{}, {}]",
+                    v.format, q.format, q.rows, q.k
+                )));
+            }
+            quant.insert(id, Cow::Borrowed(q));
+            continue;
+        }
+        let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
+        if t.shape != expected {
+            return Err(InterpError::ParamShape { name: name.clone(), expected, found: t.shape.clone() }.into());
+        }
+        if t.as_f32().is_none() {
+            return Err(PrepareError::Invalid(format!("parameter `{name}` is not f32")));
+        }
+        host.insert(id, Cow::Borrowed(t));
+    }
+    let mut counter = Counter::start(progress, Phase::Fold, plan.folds.len());
+    for fold in &plan.folds {
+        if plan.values[fold.output].format.quantized() {
+            let args: Vec<&QuantWeight> =
+                fold.operands.iter().map(|o| quant.get(o).map(|q| q.as_ref())).collect::<Option<_>>().ok_or_else(
+                    || PrepareError::Invalid("internal error: a quantized fold reads a non-quantized value".into()),
+                )?;
+            let q = match (&fold.op, args.as_slice()) {
+                (Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
+                (Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
+                _ => None,
+            }
+            .ok_or_else(|| {
+                PrepareError::Invalid(format!("internal error: {} cannot fold quantized blocks", fold.op.name()))
+            })?;
+            quant.insert(fold.output, Cow::Owned(q));
+            counter.advance();
+            continue;
+        }
+        // An operand read through a reshape gets its own shape (a copy only then).
+        let args: Vec<Cow<'_, Tensor>> = fold
+            .operands
+            .iter()
+            .map(|&o| {
+                let t = host.get(&root(plan, o)).ok_or_else(|| {
+                    PrepareError::Invalid(format!("internal error: fold operand {o} is not a constant"))
+                })?;
+                let shape = resolve(&plan.values[o].shape, &no_syms);
+                Ok(if t.shape == shape {
+                    Cow::Borrowed(t.as_ref())
+                } else {
+                    Cow::Owned(Tensor { shape, data: t.data.clone() })
+                })
+            })
+            .collect::<Result<_, PrepareError>>()?;
+        let refs: Vec<&Tensor> = args.iter().map(|t| t.as_ref()).collect();
+        let t = kiln_compiler::interp::eval_op(&fold.op, &refs, resolve(&plan.values[fold.output].shape, &no_syms))?;
+        drop(args);
+        host.insert(fold.output, Cow::Owned(t));
+        counter.advance();
+    }
+    // Values the steps and outputs read (parameters only read by load-time folds are dropped).
+    let mut read: HashSet<usize> = plan.steps.iter().flat_map(|s| s.operands.iter().map(|&o| root(plan, o))).collect();
+    read.extend(plan.outputs.iter().map(|(_, v)| root(plan, *v)));
+    host.retain(|id, _| read.contains(id));
+    quant.retain(|id, _| read.contains(id));
+    Ok(Constants { host, quant })
+}
+
+/// Inputs bound for one run: by value index, the tensors given (`None` for an input the engine
+/// already holds, named in `held`), and the symbol values (batch, sequence, cache lengths).
+pub struct Bound {
+    /// `(value, tensor)` per plan input, in value order.
+    pub inputs: Vec<(usize, Option<Tensor>)>,
+    /// The input specs, in the same order.
+    pub names: Vec<String>,
+    /// Symbol values.
+    pub syms: HashMap<Sym, usize>,
+}
+
+/// Binds `given` to the plan's inputs exactly as the interpreter binds a graph's; `held` gives
+/// the shapes of inputs the engine keeps itself (a cache on the device), which are not in
+/// `given`.
+pub fn bind(
+    plan: &Plan,
+    given: &HashMap<String, Tensor>,
+    held: &HashMap<String, Vec<usize>>,
+) -> Result<Bound, PrepareError> {
+    let input_ids: Vec<usize> = plan
+        .values
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| matches!(v.storage, Storage::Input { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let specs: Vec<InputSpec> = input_ids
+        .iter()
+        .filter_map(|&i| {
+            let v = &plan.values[i];
+            let Storage::Input { name, role } = &v.storage else { return None };
+            // The length axis: `[batch, seq]` for ids and masks, `[batch, heads, len, hd]` for
+            // caches.
+            let seq = v
+                .shape
+                .iter()
+                .find_map(|d| match d {
+                    Dim::Sym(s) if *s != Sym::Batch => Some(*s),
+                    _ => None,
+                })
+                .unwrap_or(Sym::Seq);
+            Some(InputSpec { name, role: *role, seq })
+        })
+        .collect();
+    let (tensors, syms) = bind_named_with(&specs, given, held)?;
+    let names = specs.iter().map(|s| s.name.to_string()).collect();
+    Ok(Bound { inputs: input_ids.into_iter().zip(tensors).collect(), names, syms })
+}
+
+/// Token ids and positions must index inside their tables: a GPU kernel would clamp silently, a
+/// CPU one read out of bounds. `inputs` are the bound inputs by value.
+pub fn check_indices(
+    plan: &Plan,
+    inputs: &HashMap<usize, &Tensor>,
+    syms: &HashMap<Sym, usize>,
+) -> Result<(), PrepareError> {
+    for step in &plan.steps {
+        if step.op != Op::Gather {
+            continue;
+        }
+        // A plan read from a file is not type-checked: a gather's arity and table are checked
+        // here, before they are relied on.
+        let &[table, ids] = step.operands.as_slice() else {
+            return Err(PrepareError::Invalid(format!("a gather step has {} operands, not 2", step.operands.len())));
+        };
+        let Some(&rows) = resolve(&plan.values[table].shape, syms).first() else {
+            return Err(PrepareError::Invalid("a gather step's table has no rows".into()));
+        };
+        let table_name = match &plan.values[table].storage {
+            Storage::Param(n) => n.clone(),
+            _ => "table".into(),
+        };
+        if let Some(t) = inputs.get(&root(plan, ids)) {
+            let what = match &plan.values[root(plan, ids)].storage {
+                Storage::Input { role: InputRole::TokenTypes, .. } => "token type id",
+                _ => "token id",
+            };
+            if let Some(&bad) = t.as_i64().unwrap_or(&[]).iter().find(|&&x| x < 0 || x as usize >= rows) {
+                return Err(InterpError::IndexOutOfRange { what, index: bad, table: table_name, rows }.into());
+            }
+        } else if let Some(step_def) = plan.steps.iter().find(|s| s.output == ids)
+            && let Op::Positions { .. } = step_def.op
+        {
+            let len: usize = resolve(&plan.values[ids].shape, syms).iter().product();
+            let past = syms.get(&Sym::Past).copied().unwrap_or(0);
+            if len + past > rows {
+                return Err(InterpError::IndexOutOfRange {
+                    what: "position",
+                    // The first position out of range.
+                    index: rows.max(past) as i64,
+                    table: table_name,
+                    rows,
+                }
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
