@@ -1,7 +1,8 @@
 //! The fused ops (`linear` with its prologues and epilogues, `masked_softmax`, `attention`,
 //! `packed_attention`, `heads`, `add_norm`): on the interpreter each one
 //! equals the composition of primitive ops that defines it, and their WGSL kernels (plain, and
-//! chunked over small buffers) agree with the interpreter on wgpu.
+//! chunked over small buffers) agree with the interpreter on wgpu, as do the CPU backend's
+//! kernels.
 //!
 //! Every case is a tiny graph of parameters (random, except key masks, which are set to patterns
 //! that hide some keys and every key of some rows) feeding the fused op, output `fused`, and the
@@ -19,7 +20,8 @@ use kiln_runtime::{Gpu, GpuModel};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-/// Allowed difference, relative to `max(1, max |value|)`, between the GPU and the interpreter.
+/// Allowed difference, relative to `max(1, max |value|)`, between a backend (wgpu, cpu) and the
+/// interpreter.
 const GPU_TOLERANCE: f32 = 1e-5;
 
 /// Allowed difference between a fused op and its composition on the interpreter (which evaluates
@@ -223,6 +225,17 @@ fn check(cases: &[Case], chunked: bool) {
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
         for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
             assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
+        }
+    }
+    // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
+    // split unevenly).
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() }).unwrap();
+    for threads in [1, 3] {
+        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            let what = format!("{}: `{out}` on cpu, {threads} threads", cases[k / 2].name);
+            assert_close(&what, want, got, GPU_TOLERANCE);
         }
     }
 }

@@ -33,6 +33,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod linear;
 pub mod qdot;
+pub mod qdot_f32;
 
 use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;

@@ -1,0 +1,1247 @@
+//! Dot products of block-quantized weight rows with f32 activations.
+//!
+//! [`super::qdot`] quantizes the activations to int8 (llama.cpp's scheme), which moves a model's
+//! logits by up to half a quantization step per element: enough to flip a greedy choice between
+//! two close logits. The kernels here keep the activations in f32 instead: each weight block is
+//! dequantized in registers exactly as [`crate::quant::QuantWeight::dequantize`] does it (Q8_0:
+//! `q * d`; Q4_1: `q * d + m`, a multiply then an add, never fused) and multiplied with the f32
+//! activations by FMAs into f32 accumulators. So the result is the dot product of the dequantized
+//! weight row with `x`, the f32 products the interpreter computes, up to the order of the sums.
+//!
+//! The weights are read in the device layout of [`kiln_compiler::lower::format`] (per row the
+//! block scales, Q4_1's minimums, then the quants as `u32` words). Two shapes of work:
+//!
+//! - **Decode** ([`dot_rows_f32`], and [`gemm_rows_f32`] with at most [`DIRECT_MAX`] activation
+//!   rows): tiles of [`TILE`] weight rows stream through once. Each activation block is loaded
+//!   into registers once per tile and serves its rows; each weight block is dequantized into
+//!   registers once and serves every activation row. The weight words are also prefetched two
+//!   tiles ahead (the hardware prefetcher follows a tile's interleaved row streams poorly), so the
+//!   product runs at the speed the weight's bytes arrive from memory.
+//! - **Prefill** ([`gemm_rows_f32`] with more activation rows): a tile of weight rows (8 with
+//!   AVX-512) is dequantized once into an f32 buffer that stays in L1, then a register-blocked
+//!   micro-kernel (3 activation rows times the tile's rows with AVX-512: 24 accumulators) runs
+//!   over it for each group of activation rows, so the cost of dequantizing is shared by all of
+//!   them and the inner loop is loads and FMAs. The accumulators, one vector per (activation row,
+//!   weight row), are summed across lanes once per pair by a transposing reduction.
+//!
+//! Implementations, chosen once at run time ([`kernel_name`]):
+//!
+//! - **`avx512`** (AVX-512F with AVX2 and FMA): 16 lanes. Q8_0 bytes are sign-extended to `i32`
+//!   (`vpmovsxbd`), converted and multiplied by the scale; Q4_1 looks its nibbles up in a table of
+//!   the block's 16 values (`i * d + m`, computed once per block) by `vpermps`, which reads only
+//!   the low 4 bits of each index, so the low nibbles need no mask and the high ones one shift.
+//! - **`avx2`** (AVX2 and FMA): 8 lanes; Q4_1's nibbles are masked, shifted and converted.
+//! - **`neon`** (AArch64): 4 lanes, widening moves and conversions (no prefetching).
+//! - **`scalar`**: portable, one row dequantized at a time and summed in order; the reference the
+//!   others are tested against (it equals the in-order f32 dot of the dequantized row exactly).
+//!
+//! Threading is the caller's: split the weight (and the outputs) by rows.
+
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
+use kiln_compiler::lower::WeightFormat;
+use kiln_compiler::lower::format::BLOCK;
+use std::sync::OnceLock;
+
+/// Weight rows a SIMD kernel computes together when streaming (decode).
+pub const TILE: usize = 4;
+
+/// Activation rows up to which [`gemm_rows_f32`] streams the weight with each block dequantized
+/// in registers; with more, it dequantizes tiles of rows into an L1 buffer first.
+pub const DIRECT_MAX: usize = 3;
+
+/// How many tiles ahead of the one being computed the streaming kernels prefetch the weight words.
+const PREFETCH: usize = 2;
+
+/// Sixteen floats on a cache line: the dequantization buffer's unit, so its rows are aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Chunk([f32; 16]);
+
+/// An implementation of [`gemm_rows_f32`] and [`dot_rows_f32`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Impl {
+    /// Portable Rust (the reference).
+    Scalar,
+    /// x86-64 AVX2 and FMA.
+    Avx2,
+    /// x86-64 AVX-512F (with AVX2 and FMA).
+    Avx512,
+    /// AArch64 NEON.
+    Neon,
+}
+
+impl Impl {
+    /// Every implementation, the preferred first.
+    pub const ALL: [Impl; 4] = [Impl::Avx512, Impl::Avx2, Impl::Neon, Impl::Scalar];
+
+    /// The name [`kernel_name`] reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Impl::Scalar => "scalar",
+            Impl::Avx2 => "avx2",
+            Impl::Avx512 => "avx512",
+            Impl::Neon => "neon",
+        }
+    }
+
+    /// Whether this machine (CPU and OS) can run it.
+    pub fn is_available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        use std::arch::is_x86_feature_detected as has;
+        match self {
+            Impl::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Impl::Avx2 => has!("avx2") && has!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Impl::Avx512 => has!("avx512f") && has!("avx2") && has!("fma"),
+            #[cfg(target_arch = "aarch64")]
+            Impl::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            _ => false,
+        }
+    }
+}
+
+/// The implementations this machine can run, the preferred first ([`Impl::Scalar`] last).
+pub fn available() -> Vec<Impl> {
+    Impl::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+/// The implementation [`gemm_rows_f32`] uses: the preferred available one, chosen on first use.
+pub fn best() -> Impl {
+    static BEST: OnceLock<Impl> = OnceLock::new();
+    *BEST.get_or_init(|| available().first().copied().unwrap_or(Impl::Scalar))
+}
+
+/// The name of the implementation [`gemm_rows_f32`] uses (`"avx512"`, `"avx2"`, `"neon"` or
+/// `"scalar"`).
+pub fn kernel_name() -> &'static str {
+    best().name()
+}
+
+/// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a `Q8_0` or `Q4_1` weight of `k`
+/// elements a row in the device layout whose row `r` starts at `words[r * format.row_words(k)]`,
+/// with `x` (`k` floats) in f32.
+///
+/// Shapes that do not fit give NaN rather than a panic: every output when `format` is not
+/// quantized, `k` is not a multiple of 32 or `x.len()` is not `k`, and the rows past the end of
+/// `words`. With `k = 0` every dot product is 0. This is [`gemm_rows_f32`] with one activation row.
+pub fn dot_rows_f32(format: WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
+    dot_rows_f32_with(best(), format, words, k, x, out);
+}
+
+/// [`dot_rows_f32`] with the implementation `imp` ([`Impl::Scalar`] instead if this machine
+/// cannot run it); for tests and benchmarks.
+pub fn dot_rows_f32_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
+    let rows = out.len();
+    gemm_rows_f32_with(imp, format, words, k, x, 1, out, rows);
+}
+
+/// `out[i * rows + r] = dot(weight row r, xs row i)` for `i` in `0..m` and `r` in `0..rows`:
+/// the product of `m` activation rows (`xs`, `m` rows of `k` floats, row-major) with the
+/// transpose of a `[rows, k]` `Q8_0` or `Q4_1` weight in the device layout (row `r` at
+/// `words[r * format.row_words(k)]`); `out` holds `m` rows of `rows`.
+///
+/// With at most [`DIRECT_MAX`] activation rows the weight streams through once with each block
+/// dequantized in registers; with more, tiles of weight rows are dequantized once into an L1
+/// buffer and reused by every activation row (see the module docs). To thread it, split the
+/// weight by rows and give each part its own `out`.
+///
+/// Shapes that do not fit give NaN rather than a panic: all of `out` when `format` is not
+/// quantized, `k` is not a multiple of 32, `xs.len()` is not `m * k` or `out.len()` is not
+/// `m * rows`; the outputs of the rows past the end of `words`. With `k = 0` every output is 0.
+pub fn gemm_rows_f32(
+    format: WeightFormat,
+    words: &[u32],
+    k: usize,
+    xs: &[f32],
+    m: usize,
+    out: &mut [f32],
+    rows: usize,
+) {
+    gemm_rows_f32_with(best(), format, words, k, xs, m, out, rows);
+}
+
+/// [`gemm_rows_f32`] with the implementation `imp` ([`Impl::Scalar`] instead if this machine
+/// cannot run it); for tests and benchmarks.
+#[expect(clippy::too_many_arguments, reason = "gemm_rows_f32's operands and the implementation")]
+pub fn gemm_rows_f32_with(
+    imp: Impl,
+    format: WeightFormat,
+    words: &[u32],
+    k: usize,
+    xs: &[f32],
+    m: usize,
+    out: &mut [f32],
+    rows: usize,
+) {
+    let fits = k.is_multiple_of(BLOCK)
+        && m.checked_mul(k) == Some(xs.len())
+        && m.checked_mul(rows) == Some(out.len());
+    let Some(stride) = format.row_words(k).filter(|_| fits) else {
+        out.fill(f32::NAN);
+        return;
+    };
+    let nb = k / BLOCK;
+    if nb == 0 {
+        out.fill(0.0);
+        return;
+    }
+    if m == 0 || rows == 0 {
+        return;
+    }
+    // The rows that exist; the others' outputs are NaN.
+    let valid = rows.min(words.len() / stride);
+    if valid < rows {
+        for o in out.chunks_exact_mut(rows) {
+            o.get_mut(valid..).unwrap_or_default().fill(f32::NAN);
+        }
+    }
+    let job = Job {
+        q4: format == WeightFormat::Q4_1,
+        words: words.get(..valid * stride).unwrap_or_default(),
+        stride,
+        nb,
+        k,
+        xs,
+        m,
+        rows,
+    };
+    let imp = if imp.is_available() { imp } else { Impl::Scalar };
+    match imp {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `imp` is available, so the CPU has the kernel's features.
+        Impl::Avx512 => unsafe { x86::avx512::gemm(&job, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Impl::Avx2 => unsafe { x86::avx2::gemm(&job, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above.
+        Impl::Neon => unsafe { arm::neon::gemm(&job, out) },
+        _ => scalar(&job, out),
+    }
+}
+
+/// A product whose shapes were checked: `xs` holds `m` rows of `k = 32 nb` floats, `words` whole
+/// rows of `stride` words (the rows that exist), and `out` `m` rows of `rows >= words / stride`.
+struct Job<'a> {
+    /// Q4_1 (else Q8_0).
+    q4: bool,
+    words: &'a [u32],
+    stride: usize,
+    nb: usize,
+    k: usize,
+    xs: &'a [f32],
+    m: usize,
+    /// The row stride of `out`.
+    rows: usize,
+}
+
+/// Row `row` of `job`'s weight dequantized into `w` (`k` floats), as `QuantWeight::dequantize`
+/// computes it.
+fn dequant_row(q4: bool, nb: usize, row: &[u32], w: &mut [f32]) {
+    let (scales, rest) = row.split_at(nb.min(row.len()));
+    let scales = scales.iter().map(|&d| f32::from_bits(d));
+    if q4 {
+        let (mins, quants) = rest.split_at(nb.min(rest.len()));
+        let mins = mins.iter().map(|&m| f32::from_bits(m));
+        for (((d, m), q), w) in scales.zip(mins).zip(quants.chunks_exact(4)).zip(w.chunks_exact_mut(BLOCK)) {
+            // Byte j holds element j (low nibble) and element j + 16 (high nibble).
+            let (lo, hi) = w.split_at_mut(BLOCK / 2);
+            for ((&b, lo), hi) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(lo).zip(hi) {
+                *lo = f32::from(b & 0x0f) * d + m;
+                *hi = f32::from(b >> 4) * d + m;
+            }
+        }
+    } else {
+        for ((d, q), w) in scales.zip(rest.chunks_exact(8)).zip(w.chunks_exact_mut(BLOCK)) {
+            for (&b, w) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(w) {
+                *w = f32::from(b as i8) * d;
+            }
+        }
+    }
+}
+
+/// The portable implementation: each weight row dequantized once, then dotted in order with every
+/// activation row.
+fn scalar(job: &Job<'_>, out: &mut [f32]) {
+    let mut w = vec![0f32; job.k];
+    for (r, row) in job.words.chunks_exact(job.stride).enumerate() {
+        dequant_row(job.q4, job.nb, row, &mut w);
+        for (x, o) in job.xs.chunks_exact(job.k).zip(out.chunks_exact_mut(job.rows)) {
+            if let Some(o) = o.get_mut(r) {
+                *o = w.iter().zip(x).fold(0f32, |acc, (&w, &x)| acc + w * x);
+            }
+        }
+    }
+}
+
+/// The SIMD kernels and their drivers over a module of vector operations (`$ops`: the vector
+/// type `V` of `LANES` floats, `BV = 32 / LANES` vectors a block, the prefill tile of `NR` weight
+/// rows by `MR` activation rows, `HOIST` (how many activation vectors the streaming kernel keeps in
+/// registers), and the operations), compiled for `$features`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! kernels {
+    ($module:ident, $features:literal, $ops:ident) => {
+        pub(in super::super) mod $module {
+            use super::super::{BLOCK, Chunk, DIRECT_MAX, Job, PREFETCH, TILE};
+            use super::$ops as ops;
+
+            /// The sums of the lanes of each of `a`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn sums<const N: usize>(a: [ops::V; N]) -> [f32; N] {
+                let mut out = [0f32; N];
+                for (o, a) in out.chunks_mut(4).zip(a.chunks(4)) {
+                    let mut four = [ops::zero(); 4];
+                    for (d, s) in four.iter_mut().zip(a) {
+                        *d = *s;
+                    }
+                    for (o, s) in o.iter_mut().zip(ops::hsum4(four)) {
+                        *o = s;
+                    }
+                }
+                out
+            }
+
+            /// The block at `q` (its quants) with scale `d` and, for Q4_1, minimum `m`, dequantized.
+            ///
+            /// # Safety
+            ///
+            /// `q` points at the block's quants (8 words for Q8_0, 4 for Q4_1).
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn block<const Q4: bool>(q: *const u32, d: f32, m: f32) -> [ops::V; ops::BV] {
+                // SAFETY: the caller's.
+                unsafe { if Q4 { ops::q4(q, d, m) } else { ops::q8(q, d) } }
+            }
+
+            /// Block `b` of `row` dequantized (`quants`: where the row's quants start; `words` a
+            /// block).
+            ///
+            /// # Safety
+            ///
+            /// `row` is a whole row of the layout for `nb` blocks (Q4_1 if `Q4`, else Q8_0) and
+            /// `b < nb`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn row_block<const Q4: bool>(row: *const u32, nb: usize, b: usize) -> [ops::V; ops::BV] {
+                let (quants, words) = if Q4 { (2 * nb, 4) } else { (nb, 8) };
+                // SAFETY: a row holds `nb` scales, (Q4_1) `nb` minimums, then `words` quant words a
+                // block; `b < nb`.
+                unsafe {
+                    let d = f32::from_bits(row.add(b).read());
+                    let m = if Q4 { f32::from_bits(row.add(nb + b).read()) } else { 0.0 };
+                    block::<Q4>(row.add(quants + words * b), d, m)
+                }
+            }
+
+            /// `R` weight rows against `M` activation rows, streaming: the dot products, by
+            /// activation row then weight row.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; each of `rows` points at a whole row of the layout for
+            /// `nb` blocks and each of `xs` at `32 nb` floats. The words `ahead` words past those
+            /// read are prefetched (a hint: they need not exist).
+            #[target_feature(enable = $features)]
+            unsafe fn direct<const R: usize, const M: usize, const Q4: bool>(
+                rows: &[*const u32; R],
+                nb: usize,
+                xs: &[*const f32; M],
+                ahead: usize,
+            ) -> [[f32; R]; M] {
+                let mut acc = [[ops::zero(); M]; R];
+                let hoist = M * ops::BV <= ops::HOIST;
+                let quants = if Q4 { 2 * nb } else { nb };
+                let words = if Q4 { 4 } else { 8 };
+                for b in 0..nb {
+                    // The activation blocks, loaded once for the tile's rows when registers allow.
+                    let mut xv = [[ops::zero(); ops::BV]; M];
+                    if hoist {
+                        for (v, &x) in xv.iter_mut().zip(xs) {
+                            for (j, v) in v.iter_mut().enumerate() {
+                                // SAFETY: `x` holds `32 nb` floats and `b < nb`, `j < BV`.
+                                *v = unsafe { ops::load(x.add(BLOCK * b + ops::LANES * j)) };
+                            }
+                        }
+                    }
+                    for (a, &row) in acc.iter_mut().zip(rows) {
+                        if b % 16 == 0 {
+                            ops::prefetch(row.wrapping_add(b + ahead));
+                            if Q4 {
+                                ops::prefetch(row.wrapping_add(nb + b + ahead));
+                            }
+                        }
+                        ops::prefetch(row.wrapping_add(quants + words * b + ahead));
+                        // SAFETY: `row` is a whole row and `b < nb`.
+                        let w = unsafe { row_block::<Q4>(row, nb, b) };
+                        for ((a, xv), &x) in a.iter_mut().zip(&xv).zip(xs) {
+                            for (j, (w, xv)) in w.iter().zip(xv).enumerate() {
+                                let xv = if hoist {
+                                    *xv
+                                } else {
+                                    // SAFETY: as above.
+                                    unsafe { ops::load(x.add(BLOCK * b + ops::LANES * j)) }
+                                };
+                                *a = ops::fma(*w, xv, *a);
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0f32; R]; M];
+                for (i, o) in out.iter_mut().enumerate() {
+                    let mut col = [ops::zero(); R];
+                    for (c, a) in col.iter_mut().zip(&acc) {
+                        if let Some(a) = a.get(i) {
+                            *c = *a;
+                        }
+                    }
+                    *o = sums(col);
+                }
+                out
+            }
+
+            /// The row at `row` (`nb` blocks) dequantized into `dst` (`32 nb` floats).
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `row` is a whole row of the layout and `dst` is writable
+            /// for `32 nb` floats.
+            #[target_feature(enable = $features)]
+            unsafe fn dequant<const Q4: bool>(row: *const u32, nb: usize, dst: *mut f32) {
+                for b in 0..nb {
+                    // SAFETY: the caller's, `b < nb`.
+                    let w = unsafe { row_block::<Q4>(row, nb, b) };
+                    for (j, v) in w.iter().enumerate() {
+                        // SAFETY: `BLOCK * b + LANES * (j + 1) <= 32 nb`.
+                        unsafe { ops::store(dst.add(BLOCK * b + ops::LANES * j), *v) };
+                    }
+                }
+            }
+
+            /// The prefill micro-kernel: `NR` dequantized rows (`w`, rows of `k` floats) against
+            /// `G` activation rows; the dot products by activation row then weight row.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `w` is readable for `NR * k` floats, each of `xs` for `k`,
+            /// and `k` is a multiple of `LANES`.
+            #[target_feature(enable = $features)]
+            unsafe fn micro<const G: usize>(w: *const f32, k: usize, xs: &[*const f32; G]) -> [[f32; ops::NR]; G] {
+                let mut acc = [[ops::zero(); G]; ops::NR];
+                let mut s = 0;
+                while s < k {
+                    let mut xv = [ops::zero(); G];
+                    for (v, &x) in xv.iter_mut().zip(xs) {
+                        // SAFETY: `s + LANES <= k`.
+                        *v = unsafe { ops::load(x.add(s)) };
+                    }
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: `j < NR` and `s + LANES <= k`.
+                        let wv = unsafe { ops::load(w.add(j * k + s)) };
+                        for (a, x) in a.iter_mut().zip(&xv) {
+                            *a = ops::fma(wv, *x, *a);
+                        }
+                    }
+                    s += ops::LANES;
+                }
+                let mut out = [[0f32; ops::NR]; G];
+                for (i, o) in out.iter_mut().enumerate() {
+                    let mut col = [ops::zero(); ops::NR];
+                    for (c, a) in col.iter_mut().zip(&acc) {
+                        if let Some(a) = a.get(i) {
+                            *c = *a;
+                        }
+                    }
+                    *o = sums(col);
+                }
+                out
+            }
+
+            /// Computes `job` into `out` (see [`super::super::gemm_rows_f32`]).
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features. (The job's shapes were checked when it was made.)
+            #[target_feature(enable = $features)]
+            pub(in super::super) unsafe fn gemm(job: &Job<'_>, out: &mut [f32]) {
+                let fits = job.k == BLOCK * job.nb
+                    && job.stride >= if job.q4 { 6 * job.nb } else { 9 * job.nb }
+                    && job.xs.len() >= job.m * job.k
+                    && out.len() >= job.m * job.rows
+                    && job.words.len() / job.stride <= job.rows;
+                if !fits || job.m == 0 {
+                    return;
+                }
+                if job.m <= DIRECT_MAX {
+                    for (t, w) in job.words.chunks(TILE * job.stride).enumerate() {
+                        // SAFETY: the features; `w` holds whole rows (the words are whole rows).
+                        unsafe {
+                            match w.len() / job.stride {
+                                4 => direct_m::<4>(job, w, t * TILE, out),
+                                3 => direct_m::<3>(job, w, t * TILE, out),
+                                2 => direct_m::<2>(job, w, t * TILE, out),
+                                _ => direct_m::<1>(job, w, t * TILE, out),
+                            }
+                        }
+                    }
+                } else {
+                    // SAFETY: the features.
+                    unsafe { buffered(job, out) };
+                }
+            }
+
+            /// The tile of `R` rows (`w`, from row `r0`) against all of the job's `m <= 3`
+            /// activation rows.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `job` fits `out` (see [`gemm`]).
+            #[target_feature(enable = $features)]
+            unsafe fn direct_m<const R: usize>(job: &Job<'_>, w: &[u32], r0: usize, out: &mut [f32]) {
+                // SAFETY: the caller's.
+                unsafe {
+                    match job.m {
+                        1 => direct_tile::<R, 1>(job, w, r0, out),
+                        2 => direct_tile::<R, 2>(job, w, r0, out),
+                        _ => direct_tile::<R, 3>(job, w, r0, out),
+                    }
+                }
+            }
+
+            /// The tile of `R` rows (`w`, from row `r0`) against the job's `M` activation rows;
+            /// does nothing if the shapes do not fit.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features.
+            #[target_feature(enable = $features)]
+            unsafe fn direct_tile<const R: usize, const M: usize>(
+                job: &Job<'_>,
+                w: &[u32],
+                r0: usize,
+                out: &mut [f32],
+            ) {
+                if job.m != M || w.len() < R * job.stride || job.xs.len() < M * job.k || job.k != BLOCK * job.nb {
+                    return;
+                }
+                let rows: [*const u32; R] = std::array::from_fn(|r| w.as_ptr().wrapping_add(r * job.stride));
+                let xs: [*const f32; M] = std::array::from_fn(|i| job.xs.as_ptr().wrapping_add(i * job.k));
+                let ahead = PREFETCH * TILE * job.stride;
+                // SAFETY: row `r < R` starts at `w[r * stride]`, whole inside `w` (`stride` is at
+                // least a row's words, checked by `gemm`); activation row `i < M` is
+                // `xs[i * k..][..k]`, inside `xs`.
+                let v = unsafe {
+                    if job.q4 {
+                        direct::<R, M, true>(&rows, job.nb, &xs, ahead)
+                    } else {
+                        direct::<R, M, false>(&rows, job.nb, &xs, ahead)
+                    }
+                };
+                for (i, v) in v.iter().enumerate() {
+                    for (r, &v) in v.iter().enumerate() {
+                        if let Some(o) = out.get_mut(i * job.rows + r0 + r) {
+                            *o = v;
+                        }
+                    }
+                }
+            }
+
+            /// Prefill: tiles of `NR` rows dequantized into a buffer, then the micro-kernel over
+            /// each group of `MR` activation rows.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `job` fits `out` (see [`gemm`]).
+            #[target_feature(enable = $features)]
+            unsafe fn buffered(job: &Job<'_>, out: &mut [f32]) {
+                let (k, nr) = (job.k, ops::NR);
+                // `k` is a multiple of 32, so every row of the buffer starts on a cache line.
+                let mut buf = vec![Chunk([0.0; 16]); (nr * k).div_ceil(16)];
+                for (t, w) in job.words.chunks(nr * job.stride).enumerate() {
+                    let n = w.len() / job.stride;
+                    if n < nr {
+                        // The missing rows of the last tile: zeros, whose results are not written.
+                        for c in buf.iter_mut().skip(n * k / 16) {
+                            *c = Chunk([0.0; 16]);
+                        }
+                    }
+                    let dst = buf.as_mut_ptr().cast::<f32>();
+                    for (j, row) in w.chunks_exact(job.stride).enumerate() {
+                        // SAFETY: `row` is a whole row (`stride` at least its words, checked by
+                        // `gemm`); `j < n <= NR`, so buffer row `j` (`k` floats) is inside `buf`.
+                        unsafe {
+                            if job.q4 {
+                                dequant::<true>(row.as_ptr(), job.nb, dst.add(j * k));
+                            } else {
+                                dequant::<false>(row.as_ptr(), job.nb, dst.add(j * k));
+                            }
+                        }
+                    }
+                    let tile = Tile { w: buf.as_ptr().cast::<f32>(), r0: t * nr, n };
+                    let mut i0 = 0;
+                    while i0 < job.m {
+                        let g = (job.m - i0).min(ops::MR);
+                        // SAFETY: the features; `i0 + g <= m`; `tile.w` holds `NR` rows of `k`.
+                        unsafe {
+                            if g == ops::MR {
+                                group::<{ ops::MR }>(job, &tile, i0, out);
+                            } else if g == 2 {
+                                group::<2>(job, &tile, i0, out);
+                            } else {
+                                group::<1>(job, &tile, i0, out);
+                            }
+                        }
+                        i0 += g;
+                    }
+                }
+            }
+
+            /// A tile of dequantized rows: `NR` rows of `k` floats at `w`, the first `n` of them
+            /// weight rows `r0..r0 + n`.
+            struct Tile {
+                w: *const f32,
+                r0: usize,
+                n: usize,
+            }
+
+            /// The micro-kernel for activation rows `i0..i0 + G`, written into `out`.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `i0 + G <= job.m` (and `xs` holds `m` rows of `k`);
+            /// `tile.w` is readable for `NR * k` floats.
+            #[target_feature(enable = $features)]
+            unsafe fn group<const G: usize>(job: &Job<'_>, tile: &Tile, i0: usize, out: &mut [f32]) {
+                let xs: [*const f32; G] = std::array::from_fn(|i| job.xs.as_ptr().wrapping_add((i0 + i) * job.k));
+                // SAFETY: the caller's; `k` is a multiple of 32.
+                let v = unsafe { micro::<G>(tile.w, job.k, &xs) };
+                for (i, v) in v.iter().enumerate() {
+                    for (r, &v) in v.iter().enumerate().take(tile.n) {
+                        if let Some(o) = out.get_mut((i0 + i) * job.rows + tile.r0 + r) {
+                            *o = v;
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The x86-64 vector operations. Inside a `#[target_feature]` function the register-only
+    //! intrinsics of its features are safe; the loads and stores through raw pointers are not, and
+    //! say why they hold.
+
+    /// AVX-512F: 16 lanes; prefill tiles of 8 weight rows by 3 activation rows.
+    mod avx512_ops {
+        use std::arch::x86_64::*;
+
+        pub(super) type V = __m512;
+        pub(super) const LANES: usize = 16;
+        pub(super) const BV: usize = 2;
+        pub(super) const NR: usize = 8;
+        pub(super) const MR: usize = 3;
+        pub(super) const HOIST: usize = 6;
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) fn zero() -> V {
+            _mm512_setzero_ps()
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) fn fma(a: V, b: V, c: V) -> V {
+            _mm512_fmadd_ps(a, b, c)
+        }
+
+        /// # Safety
+        ///
+        /// `p` is readable for 16 floats.
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) unsafe fn load(p: *const f32) -> V {
+            // SAFETY: the caller's.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+
+        /// # Safety
+        ///
+        /// `p` is writable for 16 floats.
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) unsafe fn store(p: *mut f32, v: V) {
+            // SAFETY: the caller's.
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+
+        /// Asks for the cache line holding `p` (a hint: `p` need not point into anything).
+        #[target_feature(enable = "sse")]
+        #[inline]
+        pub(super) fn prefetch(p: *const u32) {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
+
+        /// A Q8_0 block (32 signed bytes at `p`) times `d`.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 8 words.
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) unsafe fn q8(p: *const u32, d: f32) -> [V; BV] {
+            let p = p.cast::<__m128i>();
+            // SAFETY: the caller's (two 16-byte loads).
+            let (a, b) = unsafe { (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1))) };
+            let d = _mm512_set1_ps(d);
+            let f = |q: __m128i| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+            [f(a), f(b)]
+        }
+
+        /// A Q4_1 block (16 bytes at `p`: element `j` in byte `j`'s low nibble, `j + 16` in its
+        /// high one) as `q * d + m`, looked up in the table of the 16 values.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 4 words.
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        pub(super) unsafe fn q4(p: *const u32, d: f32, m: f32) -> [V; BV] {
+            // SAFETY: the caller's.
+            let q = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
+            let iota = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+            );
+            // A multiply then an add, as the dequantization computes each element (not an FMA).
+            let table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+            // `vpermps` reads the low 4 bits of each index: the low nibble as it is, the high one
+            // shifted down.
+            [_mm512_permutexvar_ps(q, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table)]
+        }
+
+        /// The lane sums of `a[0..4]`.
+        #[target_feature(enable = "avx512f,avx2")]
+        #[inline]
+        pub(super) fn hsum4(a: [V; 4]) -> [f32; 4] {
+            let [a0, a1, a2, a3] = a;
+            // Per 128-bit lane: [a0, a1, a0, a1] and [a2, a3, a2, a3] partial sums.
+            let b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+            let b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+            // Per 128-bit lane: [a0, a1, a2, a3] partial sums; then the 4 lanes added.
+            let c = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(b0, b1), _mm512_shuffle_ps::<0xee>(b0, b1));
+            let c = _mm512_add_ps(c, _mm512_shuffle_f32x4::<0x4e>(c, c));
+            let c = _mm512_castps512_ps256(c);
+            let s = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps::<1>(c));
+            let mut out = [0f32; 4];
+            // SAFETY: `out` holds 4 floats.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+            out
+        }
+    }
+
+    /// AVX2 and FMA: 8 lanes; prefill tiles of 4 weight rows by 2 activation rows.
+    mod avx2_ops {
+        use std::arch::x86_64::*;
+
+        pub(super) type V = __m256;
+        pub(super) const LANES: usize = 8;
+        pub(super) const BV: usize = 4;
+        pub(super) const NR: usize = 4;
+        pub(super) const MR: usize = 2;
+        pub(super) const HOIST: usize = 4;
+
+        #[target_feature(enable = "avx")]
+        #[inline]
+        pub(super) fn zero() -> V {
+            _mm256_setzero_ps()
+        }
+
+        #[target_feature(enable = "avx,fma")]
+        #[inline]
+        pub(super) fn fma(a: V, b: V, c: V) -> V {
+            _mm256_fmadd_ps(a, b, c)
+        }
+
+        /// # Safety
+        ///
+        /// `p` is readable for 8 floats.
+        #[target_feature(enable = "avx")]
+        #[inline]
+        pub(super) unsafe fn load(p: *const f32) -> V {
+            // SAFETY: the caller's.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+
+        /// # Safety
+        ///
+        /// `p` is writable for 8 floats.
+        #[target_feature(enable = "avx")]
+        #[inline]
+        pub(super) unsafe fn store(p: *mut f32, v: V) {
+            // SAFETY: the caller's.
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+
+        /// Asks for the cache line holding `p` (a hint: `p` need not point into anything).
+        #[target_feature(enable = "sse")]
+        #[inline]
+        pub(super) fn prefetch(p: *const u32) {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
+
+        /// A Q8_0 block (32 signed bytes at `p`) times `d`.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 8 words.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        pub(super) unsafe fn q8(p: *const u32, d: f32) -> [V; BV] {
+            let p = p.cast::<u8>();
+            let d = _mm256_set1_ps(d);
+            let mut out = [_mm256_setzero_ps(); BV];
+            for (j, o) in out.iter_mut().enumerate() {
+                // SAFETY: the caller's (8 bytes at `8 j < 32`).
+                let q = unsafe { _mm_loadl_epi64(p.add(8 * j).cast()) };
+                *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+            }
+            out
+        }
+
+        /// A Q4_1 block (16 bytes at `p`: element `j` in byte `j`'s low nibble, `j + 16` in its
+        /// high one) as `q * d + m`.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 4 words.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        pub(super) unsafe fn q4(p: *const u32, d: f32, m: f32) -> [V; BV] {
+            let p = p.cast::<u8>();
+            // SAFETY: the caller's (bytes 0..8 and 8..16).
+            let (a, b) = unsafe { (_mm_loadl_epi64(p.cast()), _mm_loadl_epi64(p.add(8).cast())) };
+            let (a, b) = (_mm256_cvtepu8_epi32(a), _mm256_cvtepu8_epi32(b));
+            let low = _mm256_set1_epi32(0x0f);
+            let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+            // A multiply then an add, as the dequantization computes each element (not an FMA).
+            let f = |q: __m256i| _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m);
+            [
+                f(_mm256_and_si256(a, low)),
+                f(_mm256_and_si256(b, low)),
+                f(_mm256_srli_epi32::<4>(a)),
+                f(_mm256_srli_epi32::<4>(b)),
+            ]
+        }
+
+        /// The lane sums of `a[0..4]`.
+        #[target_feature(enable = "avx")]
+        #[inline]
+        pub(super) fn hsum4(a: [V; 4]) -> [f32; 4] {
+            let [a0, a1, a2, a3] = a;
+            // Per 128-bit lane: [a0, a1, a0, a1] and [a2, a3, a2, a3] partial sums.
+            let b0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+            let b1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+            let c = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(b0, b1), _mm256_shuffle_ps::<0xee>(b0, b1));
+            let s = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps::<1>(c));
+            let mut out = [0f32; 4];
+            // SAFETY: `out` holds 4 floats.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+            out
+        }
+    }
+
+    kernels!(avx512, "avx512f,avx2,fma", avx512_ops);
+    kernels!(avx2, "avx2,fma", avx2_ops);
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    //! The AArch64 NEON vector operations (no prefetching: its intrinsic is not stable yet).
+
+    /// NEON: 4 lanes; prefill tiles of 8 weight rows by 3 activation rows (32 registers).
+    mod neon_ops {
+        use std::arch::aarch64::*;
+
+        pub(super) type V = float32x4_t;
+        pub(super) const LANES: usize = 4;
+        pub(super) const BV: usize = 8;
+        pub(super) const NR: usize = 8;
+        pub(super) const MR: usize = 3;
+        pub(super) const HOIST: usize = 8;
+
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) fn zero() -> V {
+            vdupq_n_f32(0.0)
+        }
+
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) fn fma(a: V, b: V, c: V) -> V {
+            vfmaq_f32(c, a, b)
+        }
+
+        /// # Safety
+        ///
+        /// `p` is readable for 4 floats.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) unsafe fn load(p: *const f32) -> V {
+            // SAFETY: the caller's.
+            unsafe { vld1q_f32(p) }
+        }
+
+        /// # Safety
+        ///
+        /// `p` is writable for 4 floats.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) unsafe fn store(p: *mut f32, v: V) {
+            // SAFETY: the caller's.
+            unsafe { vst1q_f32(p, v) }
+        }
+
+        /// No prefetching.
+        #[inline]
+        pub(super) fn prefetch(_p: *const u32) {}
+
+        /// 16 bytes widened to 4 vectors of `i32` (`SIGNED`: as `i8`, else as `u8`), converted to
+        /// f32.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        fn widen(q: uint8x16_t, signed: bool) -> [V; 4] {
+            if signed {
+                let q = vreinterpretq_s8_u8(q);
+                let (lo, hi) = (vmovl_s8(vget_low_s8(q)), vmovl_high_s8(q));
+                [
+                    vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                    vcvtq_f32_s32(vmovl_high_s16(lo)),
+                    vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                    vcvtq_f32_s32(vmovl_high_s16(hi)),
+                ]
+            } else {
+                let (lo, hi) = (vmovl_u8(vget_low_u8(q)), vmovl_high_u8(q));
+                [
+                    vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))),
+                    vcvtq_f32_u32(vmovl_high_u16(lo)),
+                    vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))),
+                    vcvtq_f32_u32(vmovl_high_u16(hi)),
+                ]
+            }
+        }
+
+        /// A Q8_0 block (32 signed bytes at `p`) times `d`.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 8 words.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) unsafe fn q8(p: *const u32, d: f32) -> [V; BV] {
+            let p = p.cast::<u8>();
+            // SAFETY: the caller's (two 16-byte loads).
+            let (a, b) = unsafe { (vld1q_u8(p), vld1q_u8(p.add(16))) };
+            let [a0, a1, a2, a3] = widen(a, true);
+            let [b0, b1, b2, b3] = widen(b, true);
+            [a0, a1, a2, a3, b0, b1, b2, b3].map(|v| vmulq_n_f32(v, d))
+        }
+
+        /// A Q4_1 block (16 bytes at `p`: element `j` in byte `j`'s low nibble, `j + 16` in its
+        /// high one) as `q * d + m`.
+        ///
+        /// # Safety
+        ///
+        /// `p` is readable for 4 words.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) unsafe fn q4(p: *const u32, d: f32, m: f32) -> [V; BV] {
+            // SAFETY: the caller's.
+            let w = unsafe { vld1q_u8(p.cast()) };
+            let [a0, a1, a2, a3] = widen(vandq_u8(w, vdupq_n_u8(0x0f)), false);
+            let [b0, b1, b2, b3] = widen(vshrq_n_u8::<4>(w), false);
+            let m = vdupq_n_f32(m);
+            // A multiply then an add, as the dequantization computes each element (not an FMA).
+            [a0, a1, a2, a3, b0, b1, b2, b3].map(|v| vaddq_f32(vmulq_n_f32(v, d), m))
+        }
+
+        /// The lane sums of `a[0..4]`.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub(super) fn hsum4(a: [V; 4]) -> [f32; 4] {
+            let [a0, a1, a2, a3] = a;
+            let s = vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3));
+            let mut out = [0f32; 4];
+            // SAFETY: `out` holds 4 floats.
+            unsafe { vst1q_f32(out.as_mut_ptr(), s) };
+            out
+        }
+    }
+
+    kernels!(neon, "neon", neon_ops);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::QuantWeight;
+    use kiln_compiler::tensor::Tensor;
+
+    /// A small deterministic generator (64-bit LCG, high bits).
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 32) as u32
+        }
+
+        /// Uniform in [-1, 1).
+        fn unit(&mut self) -> f32 {
+            (self.next() >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        }
+
+        /// Values in [-1, 1) times a per-block magnitude spread over 1e-3..1e1.
+        fn values(&mut self, n: usize) -> Vec<f32> {
+            let mut out = Vec::with_capacity(n);
+            for _ in 0..n.div_ceil(BLOCK) {
+                let m = 10f32.powf(self.unit() * 2.0 - 1.0);
+                out.extend((0..BLOCK).map(|_| self.unit() * m));
+            }
+            out.truncate(n);
+            out
+        }
+    }
+
+    const FORMATS: [WeightFormat; 2] = [WeightFormat::Q8_0, WeightFormat::Q4_1];
+    const KS: [usize; 5] = [32, 64, 96, 576, 1536];
+    const ROWS: [usize; 9] = [1, 2, 3, 4, 5, 7, 8, 9, 33];
+    const MS: [usize; 6] = [1, 2, 3, 4, 5, 17];
+
+    fn gemm(imp: Impl, w: &QuantWeight, xs: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![-1.0; m * w.rows];
+        gemm_rows_f32_with(imp, w.format, &w.words, w.k, xs, m, &mut out, w.rows);
+        out
+    }
+
+    /// Per output (activation row, weight row): the f64 dot of the dequantized weight row with the
+    /// activation row, and the sum of the products' magnitudes.
+    fn reference(w: &QuantWeight, xs: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let deq = w.dequantize();
+        let wf = deq.as_f32().unwrap();
+        let (mut exact, mut mags) = (vec![], vec![]);
+        for x in xs.chunks_exact(w.k) {
+            for row in wf.chunks_exact(w.k) {
+                let p = row.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b));
+                exact.push(p.clone().sum());
+                mags.push(p.map(f64::abs).sum());
+            }
+        }
+        (exact, mags)
+    }
+
+    /// `got` within `1e-5 * sum|w x|` of `exact`.
+    fn assert_close(got: &[f32], exact: &[f64], mags: &[f64], what: &str) {
+        assert_eq!(got.len(), exact.len(), "{what}");
+        for (o, ((&g, &e), &m)) in got.iter().zip(exact).zip(mags).enumerate() {
+            let tol = 1e-5 * m + 1e-30;
+            assert!((f64::from(g) - e).abs() <= tol, "{what} output {o}: {g} vs {e} (tolerance {tol})");
+        }
+    }
+
+    /// Every available implementation, through the product and (one activation row at a time)
+    /// the dot products, against the f64 dot of the dequantized weight.
+    fn assert_all(w: &QuantWeight, xs: &[f32], m: usize, what: &str) {
+        let (exact, mags) = reference(w, xs);
+        for imp in available() {
+            let what = format!("{what} {}", imp.name());
+            let got = gemm(imp, w, xs, m);
+            assert_close(&got, &exact, &mags, &what);
+            let scalar = gemm(Impl::Scalar, w, xs, m);
+            assert_close(&got, &scalar.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(), &mags, &what);
+            for (i, x) in xs.chunks_exact(w.k).enumerate() {
+                let mut out = vec![-1.0; w.rows];
+                dot_rows_f32_with(imp, w.format, &w.words, w.k, x, &mut out);
+                let part = i * w.rows..(i + 1) * w.rows;
+                assert_close(&out, &exact[part.clone()], &mags[part], &format!("{what} dot_rows row {i}"));
+            }
+        }
+    }
+
+    #[test]
+    fn implementations_match_the_dequantized_dot() {
+        assert!(available().contains(&Impl::Scalar));
+        assert_eq!(available().first().copied(), Some(best()));
+        let mut rng = Rng(7);
+        for format in FORMATS {
+            for k in KS {
+                for rows in ROWS {
+                    let t = Tensor::f32(vec![rows, k], rng.values(rows * k));
+                    let w = QuantWeight::quantize(format, &t).unwrap();
+                    for m in MS {
+                        let xs = rng.values(m * k);
+                        assert_all(&w, &xs, m, &format!("{format} k={k} rows={rows} m={m}"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scalar reference is exactly the in-order f32 dot of the dequantized rows.
+    #[test]
+    fn scalar_is_the_in_order_dot_of_the_dequantized_rows() {
+        let mut rng = Rng(21);
+        for format in FORMATS {
+            let (rows, k, m) = (7, 576, 3);
+            let w = QuantWeight::quantize(format, &Tensor::f32(vec![rows, k], rng.values(rows * k))).unwrap();
+            let deq = w.dequantize();
+            let xs = rng.values(m * k);
+            let got = gemm(Impl::Scalar, &w, &xs, m);
+            let want: Vec<f32> = xs
+                .chunks_exact(k)
+                .flat_map(|x| {
+                    deq.as_f32().unwrap().chunks_exact(k).map(|r| r.iter().zip(x).fold(0f32, |a, (&w, &x)| a + w * x))
+                })
+                .collect();
+            assert_eq!(got, want, "{format}");
+        }
+    }
+
+    /// Raw random blocks (every Q8_0 byte, -128 included, and every nibble; scales and minimums of
+    /// any sign), and weights of -128 everywhere against activations of ±1.
+    #[test]
+    fn raw_random_blocks() {
+        let mut rng = Rng(99);
+        for format in FORMATS {
+            for k in KS {
+                let nb = k / BLOCK;
+                let floats = if format == WeightFormat::Q4_1 { 2 * nb } else { nb };
+                let stride = format.row_words(k).unwrap();
+                let rows = 9;
+                let words = (0..rows * stride)
+                    .map(|i| if i % stride < floats { rng.unit().to_bits() } else { rng.next() })
+                    .collect();
+                let w = QuantWeight { format, rows, k, words };
+                for m in [1, 5] {
+                    let xs: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+                    assert_all(&w, &xs, m, &format!("raw {format} k={k} m={m}"));
+                }
+                let words = (0..rows * stride).map(|i| if i % stride < floats { 1f32.to_bits() } else { 0x8080_8080 });
+                let w = QuantWeight { format, rows, k, words: words.collect() };
+                for v in [-1.0, 1.0] {
+                    for m in [1, 4] {
+                        let xs = vec![v; m * k];
+                        assert_all(&w, &xs, m, &format!("extreme {format} k={k} x={v}"));
+                        // Q8_0: -128 each; Q4_1: nibbles 0 (low) and 8 (high), plus the minimum 1.
+                        let expect = if format == WeightFormat::Q8_0 { -128.0 } else { 5.0 } * v * k as f32;
+                        for imp in available() {
+                            assert!(gemm(imp, &w, &xs, m).iter().all(|&g| g == expect), "{format} {}", imp.name());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zeros_give_zero() {
+        let mut rng = Rng(3);
+        for format in FORMATS {
+            let k = 576;
+            let w = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], rng.values(9 * k))).unwrap();
+            let zero = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], vec![0.0; 9 * k])).unwrap();
+            for imp in available() {
+                for m in MS {
+                    assert!(gemm(imp, &w, &vec![0.0; m * k], m).iter().all(|&v| v == 0.0), "{format} {}", imp.name());
+                    let xs = rng.values(m * k);
+                    assert!(gemm(imp, &zero, &xs, m).iter().all(|&v| v == 0.0), "{format} {}", imp.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn huge_values() {
+        let mut rng = Rng(5);
+        for format in FORMATS {
+            let k = 96;
+            for m in [1, 2, 5] {
+                // One huge activation per row.
+                let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
+                let mut xs = rng.values(m * k);
+                for x in xs.chunks_exact_mut(k) {
+                    x[40] = 1e30;
+                }
+                assert_all(&w, &xs, m, &format!("{format} huge x m={m}"));
+                // A weight row with a huge element (its block's scale huge, within f16's range).
+                let mut wf = rng.values(5 * k);
+                wf[2 * k + 70] = 5e4;
+                let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], wf)).unwrap();
+                let xs = rng.values(m * k);
+                assert_all(&w, &xs, m, &format!("{format} huge w m={m}"));
+                for imp in available() {
+                    assert!(gemm(imp, &w, &xs, m).iter().all(|v| v.is_finite()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nan_and_bad_shapes_do_not_panic() {
+        let mut rng = Rng(11);
+        let k = 64;
+        for format in FORMATS {
+            let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
+            for imp in available() {
+                for m in [1, 2, 5] {
+                    // NaN in an activation row gives NaN in that row's outputs only.
+                    let mut xs = rng.values(m * k);
+                    xs[3] = f32::NAN;
+                    let out = gemm(imp, &w, &xs, m);
+                    assert!(out[..5].iter().all(|v| v.is_nan()) && out[5..].iter().all(|v| v.is_finite()));
+                    let xs = rng.values(m * k);
+                    // Rows past the end of the words are NaN.
+                    let mut out = vec![0.0; m * 7];
+                    gemm_rows_f32_with(imp, format, &w.words, k, &xs, m, &mut out, 7);
+                    for o in out.chunks(7) {
+                        assert!(o[..5].iter().all(|v| v.is_finite()) && o[5..].iter().all(|v| v.is_nan()));
+                    }
+                    // A k that does not fit, a float format, xs or out of the wrong length: all NaN.
+                    let mut out = vec![0.0; m * 5];
+                    for (f, k, xs) in [
+                        (format, 32, &xs[..]),
+                        (format, 65, &xs[..]),
+                        (WeightFormat::F32, k, &xs[..]),
+                        (format, k, &xs[1..]),
+                    ] {
+                        gemm_rows_f32_with(imp, f, &w.words, k, xs, m, &mut out, 5);
+                        assert!(out.iter().all(|v| v.is_nan()));
+                        out.fill(0.0);
+                    }
+                    gemm_rows_f32_with(imp, format, &w.words, k, &xs, m, &mut out[1..], 5);
+                    assert!(out[1..].iter().all(|v| v.is_nan()));
+                    // Short words (part of a row), no rows at all, no activation rows.
+                    gemm_rows_f32_with(imp, format, &w.words[..10], k, &xs, m, &mut out, 5);
+                    assert!(out.iter().all(|v| v.is_nan()));
+                    gemm_rows_f32_with(imp, format, &w.words, k, &xs, m, &mut [], 0);
+                    gemm_rows_f32_with(imp, format, &w.words, k, &[], 0, &mut [], 5);
+                    // k = 0: empty dot products.
+                    let mut out = vec![1.0; m * 5];
+                    gemm_rows_f32_with(imp, format, &[], 0, &[], m, &mut out, 5);
+                    assert!(out.iter().all(|&v| v == 0.0));
+                }
+                let mut out = vec![0.0; 3];
+                dot_rows_f32_with(imp, format, &w.words, k, &rng.values(k + 1), &mut out);
+                assert!(out.iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_name_is_an_available_implementation() {
+        assert!(available().iter().any(|i| i.name() == kernel_name()));
+    }
+}
