@@ -12,10 +12,9 @@ use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp};
-use kiln_runtime::{Gpu, GpuModel, QuantWeight};
+use kiln_runtime::{GpuModel, QuantWeight};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// No progress bars: a benchmark's output is its figures.
@@ -79,7 +78,7 @@ pub fn forward(
     );
     anyhow::ensure!(seq > 0 && batch > 0, "--seq and --batch must be at least 1");
     let t = Instant::now();
-    let (optimized, report) = optimize::optimize(&fe.graph)?;
+    let (optimized, report) = optimize::optimize_for(&fe.graph, &target.optimizer())?;
     let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
     let (params, blocks) = params_for(fe, &fe.graph, weights, storage)?;
     let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq)?;
@@ -147,7 +146,7 @@ pub fn decode(
     json: bool,
 ) -> Result<()> {
     use kiln_runtime::generate::{Engine, Sampler, Session, generate};
-    let cached = optimize::optimize(&build_cached(&fe.spec)?)?.0;
+    let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &target.optimizer())?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     let model = target.model(&cached, &params, &blocks, storage, &quiet())?;
@@ -239,12 +238,29 @@ fn chain(d: usize, ops: &[(Op, Option<Vec<usize>>)]) -> Graph {
     g
 }
 
+/// A plan loaded on `target` (weights f32, or the given blocks).
+fn load(
+    target: &Target,
+    plan: lower::Plan,
+    params: &HashMap<String, Tensor>,
+    blocks: &HashMap<String, QuantWeight>,
+) -> Result<kiln_runtime::Model> {
+    Ok(match target {
+        Target::Gpu(gpu) => {
+            kiln_runtime::Model::Gpu(Box::new(GpuModel::with_blocks(gpu.clone(), plan, params, blocks)?))
+        }
+        Target::Cpu { threads } => {
+            kiln_runtime::Model::Cpu(Box::new(kiln_runtime::CpuModel::new(plan, params, blocks, *threads, &())?))
+        }
+    })
+}
+
 /// Times the forward of `g` at `seq` tokens (median of `runs`), in milliseconds.
-fn time_graph(gpu: &Arc<Gpu>, g: &Graph, seq: usize, runs: usize) -> Result<f64> {
+fn time_graph(target: &Target, g: &Graph, seq: usize, runs: usize) -> Result<f64> {
     let params = interp::random_params(g, 2)?;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
-    let model = GpuModel::new(gpu.clone(), lower(g)?, &params)?;
+    let model = load(target, lower(g)?, &params, &HashMap::new())?;
     model.run(&inputs)?;
     let mut t = Vec::new();
     for _ in 0..runs {
@@ -257,36 +273,37 @@ fn time_graph(gpu: &Arc<Gpu>, g: &Graph, seq: usize, runs: usize) -> Result<f64>
 /// moved by a memory-bound kernel, and of one FLOP of a projection, each as the difference
 /// between two runs that differ only in that quantity. Prints them in the cost model's unit (one
 /// byte moved) next to the defaults.
-pub fn calibrate(gpu: Arc<Gpu>, json: bool) -> Result<()> {
+pub fn calibrate(target: &Target, json: bool) -> Result<()> {
     let runs = 5;
     let scale = || (Op::Scale { factor: Scalar(1.0001) }, None);
     // Dispatch: 201 vs 1 scale of 64 floats.
     let small = |n: usize| chain(64, &vec![scale(); n]);
-    let t_dispatch = (time_graph(&gpu, &small(201), 1, runs)? - time_graph(&gpu, &small(1), 1, runs)?) / 200.0;
+    let t_dispatch = (time_graph(target, &small(201), 1, runs)? - time_graph(target, &small(1), 1, runs)?) / 200.0;
     // Bytes: 8 scales of 4096 x 1024 floats vs of 64 x 1024 (8 B moved per element).
     let wide = |seq: usize| (chain(1024, &vec![scale(); 8]), seq);
     let (g, big) = wide(4096);
-    let t_big = time_graph(&gpu, &g, big, runs)?;
+    let t_big = time_graph(target, &g, big, runs)?;
     let (g, little) = wide(64);
-    let t_little = time_graph(&gpu, &g, little, runs)?;
+    let t_little = time_graph(target, &g, little, runs)?;
     let t_byte = (t_big - t_little) / (8.0 * 8.0 * 1024.0 * (big - little) as f64);
     // FLOPs: a projection 512 -> 512 at 256 vs 32 rows.
     let lin = chain(512, &[(Op::linear(None, false, false), Some(vec![512, 512]))]);
-    let (t_256, t_32) = (time_graph(&gpu, &lin, 256, runs)?, time_graph(&gpu, &lin, 32, runs)?);
+    let (t_256, t_32) = (time_graph(target, &lin, 256, runs)?, time_graph(target, &lin, 32, runs)?);
     let t_flop = (t_256 - t_32) / (2.0 * 512.0 * 512.0 * (256 - 32) as f64);
     let dispatch = t_dispatch / t_byte;
     let flop = t_flop / t_byte;
-    let default = CostModel::default();
+    let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
     if json {
         let out = serde_json::json!({
-            "adapter": gpu.describe(),
+            "backend": target.backend(),
+            "adapter": target.describe(),
             "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
             "measured": {"dispatch": dispatch, "flop": flop},
             "default": {"dispatch": default.dispatch, "flop": default.flop},
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("cost model calibration on {} (medians of {runs})", gpu.describe());
+        println!("cost model calibration on {} (medians of {runs})", target.describe());
         println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
         println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
         println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
@@ -540,7 +557,7 @@ pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs
     let decode_steps = 8;
     let mut rows = Vec::new();
     for (path, fe) in specs {
-        let optimized = optimize::optimize(&fe.graph)?.0;
+        let optimized = optimize::optimize_for(&fe.graph, &target.optimizer())?.0;
         let (params, blocks) = params_for(fe, &optimized, None, WeightArgs::default())?;
         let model = target.model(&optimized, &params, &blocks, WeightArgs::default(), &quiet())?;
         let weight_bytes: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
@@ -553,7 +570,7 @@ pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs
         let intermediate: Vec<u64> = seqs.iter().map(|&s| slots(s)).collect();
         let decoder = fe.spec.spec.model.kind == kiln_compiler::spec::BlockKind::Decoder;
         let cached = if decoder {
-            let g = optimize::optimize(&build_cached(&fe.spec)?)?.0;
+            let g = optimize::optimize_for(&build_cached(&fe.spec)?, &target.optimizer())?.0;
             let outputs: Vec<String> = g.outputs.iter().map(|(n, _)| n.clone()).collect();
             let step = target.model(
                 &g,

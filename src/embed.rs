@@ -75,11 +75,12 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     }
 
     let ckpt = Checkpoint::open(&args.weights)?;
+    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
     if !args.exec.no_optimize {
-        fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
+        let target = backend.optimizer_target();
+        fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
     }
     let inputs = batch.inputs();
-    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
     let outputs = match backend {
         Backend::Wgpu | Backend::Cpu | Backend::Auto => {
             run_compiled(&fe.spec, &fe.graph, &ckpt, &inputs, &args.exec, backend, reporter)?

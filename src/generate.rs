@@ -77,7 +77,9 @@ pub fn run(
     let engine_of = |graph: Graph| -> Result<Engine> {
         let graph = match req.no_optimize {
             true => graph,
-            false => reporter.stage("optimizing", || optimize::optimize(&graph))?.0,
+            false => {
+                reporter.stage("optimizing", || optimize::optimize_for(&graph, &req.backend.optimizer_target()))?.0
+            }
         };
         Ok(match &target {
             None => {

@@ -64,6 +64,23 @@ pub struct InspectArgs {
     /// With `--profile`: GPU adapter (as for `run`).
     #[arg(long, requires = "profile")]
     adapter: Option<String>,
+    /// The backend the optimized graph is extracted for (its cost model and kernel limits), as
+    /// `kiln run` picks it by default; the HTML report and the `wgsl` stage are wgpu's.
+    #[arg(long, value_enum, default_value_t = crate::Backend::Auto)]
+    backend: crate::Backend,
+}
+
+impl InspectArgs {
+    /// The optimizer's target: the named backend's, or for `auto` the one `kiln run` would pick.
+    fn target(&self) -> Result<kiln_compiler::target::Target> {
+        let backend = match self.backend {
+            crate::Backend::Auto if kiln_runtime::Gpu::hardware_adapter().is_some() => crate::Backend::Wgpu,
+            crate::Backend::Auto => crate::Backend::Cpu,
+            crate::Backend::Interp => bail!("the interpreter is not a compilation target: --backend cpu or wgpu"),
+            other => other,
+        };
+        Ok(backend.optimizer_target())
+    }
 }
 
 /// Which graph `inspect` shows.
@@ -182,9 +199,9 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Optimizes `graph` and measures both graphs' plans.
-    pub fn of(graph: &Graph, blocks: u64) -> Result<Stats> {
-        let (optimized, report) = optimize::optimize(graph)?;
+    /// Optimizes `graph` for `target` and measures both graphs' plans.
+    pub fn of(graph: &Graph, blocks: u64, target: &kiln_compiler::target::Target) -> Result<Stats> {
+        let (optimized, report) = optimize::optimize_for(graph, target)?;
         let syms =
             HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128), (Sym::Past, 0), (Sym::Ctx, 128)]);
         let (before, after) = (lower::lower(graph)?, lower::lower(&optimized)?);
@@ -275,7 +292,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     }
     let out = args.output.as_deref();
     if args.stats {
-        let stats = Stats::of(&fe.graph, fe.spec.layers())?;
+        let stats = Stats::of(&fe.graph, fe.spec.layers(), &args.target()?)?;
         let text = match args.json {
             true => format!("{}\n", serde_json::to_string_pretty(&stats.json())?),
             false => stats.text(),
@@ -283,7 +300,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         return emit(text.as_bytes(), out, false);
     }
     let graph = match args.stage {
-        Stage::Optimized => optimize::optimize(&fe.graph)?.0,
+        Stage::Optimized => optimize::optimize_for(&fe.graph, &args.target()?)?.0,
         _ => fe.graph.clone(),
     };
     if args.explain {
@@ -345,7 +362,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
     if args.seq > max {
         bail!("--seq {} exceeds the model's {max} positions", args.seq);
     }
-    let stats = Stats::of(&fe.graph, fe.spec.layers())?;
+    let stats = Stats::of(&fe.graph, fe.spec.layers(), &kiln_compiler::target::Target::wgpu())?;
     let plan = lower::lower(&stats.optimized)?;
     let profile = match args.profile {
         false => None,

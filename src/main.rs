@@ -269,6 +269,16 @@ impl Backend {
         backend
     }
 
+    /// What the optimizer compiles for on this (resolved) backend: the CPU's cost model and limits
+    /// for `cpu`, wgpu's otherwise (the interpreter runs any graph; it gets wgpu's, as artifacts
+    /// do).
+    fn optimizer_target(self) -> kiln_compiler::target::Target {
+        match self {
+            Backend::Cpu => kiln_compiler::target::Target::cpu(),
+            _ => kiln_compiler::target::Target::wgpu(),
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
@@ -470,7 +480,8 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 let mut fe = load_spec(&model)?;
                 if !no_optimize {
-                    fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
+                    let target = backend.optimizer_target();
+                    fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
                 }
                 match backend {
                     Backend::Wgpu | Backend::Cpu | Backend::Auto => {
@@ -558,19 +569,15 @@ fn run(cli: Cli) -> Result<()> {
             json,
         } => {
             let backend = backend.resolve(adapter.as_deref(), threads_or_default(threads)?, &reporter, json);
-            if calibrate {
-                if backend != Backend::Wgpu {
-                    bail!("--calibrate measures a wgpu adapter's constants; add --backend wgpu");
-                }
-                let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter.as_deref())?);
-                return bench::calibrate(gpu, json);
-            }
             if backend == Backend::Interp {
                 bail!(
                     "kiln bench measures compiled plans: --backend cpu or wgpu (the interpreter is the oracle, not a target)"
                 );
             }
             let target = storage::Target::new(backend, adapter.as_deref(), threads_or_default(threads)?)?;
+            if calibrate {
+                return bench::calibrate(&target, json);
+            }
             if kernels {
                 return bench::kernels(&target, runs, json);
             }

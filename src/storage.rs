@@ -110,6 +110,14 @@ impl Target {
         }
     }
 
+    /// What the optimizer compiles for here: the backend's cost model and kernel limits.
+    pub fn optimizer(&self) -> kiln_compiler::target::Target {
+        match self {
+            Target::Gpu(_) => kiln_compiler::target::Target::wgpu(),
+            Target::Cpu { .. } => kiln_compiler::target::Target::cpu(),
+        }
+    }
+
     /// The backend's name (`wgpu`, `cpu`).
     pub fn backend(&self) -> &'static str {
         match self {

@@ -45,6 +45,7 @@ pub mod lower;
 pub mod memory;
 pub mod optimize;
 pub mod spec;
+pub mod target;
 pub mod tensor;
 
 use diag::{Diagnostic, SpecError};

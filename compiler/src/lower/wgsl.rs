@@ -23,8 +23,9 @@ use crate::spec::{Activation, PairStyle};
 pub const WORKGROUP: u32 = 64;
 
 /// The largest head dimension the fused attention kernel handles: each thread accumulates its output
-/// row in a private array of this many floats. The optimizer fuses attention only below it.
-pub const MAX_ATTENTION_HEAD_DIM: usize = 256;
+/// row in a private array of this many floats. The optimizer fuses attention only below it (the
+/// wgpu target's fact, [`crate::target::WGPU_MAX_ATTENTION_HEAD_DIM`]).
+pub const MAX_ATTENTION_HEAD_DIM: usize = crate::target::WGPU_MAX_ATTENTION_HEAD_DIM;
 
 /// Element type of a buffer as the kernel sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -146,11 +146,19 @@ pub struct KAnalysis {
     /// Consumers of each class of the input graph (outputs count as one), for rules that only pay
     /// when a value has a single use.
     pub uses: HashMap<Id, usize>,
+    /// The widest attention head the target's fused attention takes
+    /// ([`crate::target::Target::max_attention_head_dim`]).
+    pub max_attention_head_dim: usize,
 }
 
 impl Default for KAnalysis {
     fn default() -> Self {
-        let mut a = KAnalysis { attrs: Vec::new(), index: HashMap::new(), uses: HashMap::new() };
+        let mut a = KAnalysis {
+            attrs: Vec::new(),
+            index: HashMap::new(),
+            uses: HashMap::new(),
+            max_attention_head_dim: crate::target::WGPU_MAX_ATTENTION_HEAD_DIM,
+        };
         a.intern(AttrValue::Bool(false));
         a.intern(AttrValue::Bool(true));
         a.intern(AttrValue::Window(None));
@@ -458,6 +466,11 @@ impl Default for Limits {
     }
 }
 
+/// [`CostModel::cpu`]'s dispatch constant (one step, in bytes moved).
+const CPU_DISPATCH: f64 = 10000.0;
+/// [`CostModel::cpu`]'s FLOP constant (in bytes moved).
+const CPU_FLOP: f64 = 0.15;
+
 /// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
 #[derive(Clone, Debug)]
 pub struct CostModel {
@@ -481,6 +494,15 @@ impl Default for CostModel {
 }
 
 impl CostModel {
+    /// Constants measured on the native CPU back end (2 cores of an x86 VM with AVX-512, 2
+    /// threads) with `kiln bench --calibrate --backend cpu`: one step 0.2-0.4 us, one byte moved
+    /// 0.035 ns, one projection FLOP 0.005 ns (about 200 GFLOPS), i.e. a step costs as much as
+    /// moving about 10 000 bytes (7 300-13 500 over three runs) and a FLOP 0.15 bytes (0.13-0.21):
+    /// arithmetic is seven times cheaper, relative to memory, than on lavapipe. See BENCHMARKS.md.
+    pub fn cpu() -> Self {
+        CostModel { seq: 128, dispatch: CPU_DISPATCH, flop: CPU_FLOP }
+    }
+
     fn elements(&self, shape: &Shape) -> f64 {
         shape
             .iter()
@@ -637,18 +659,38 @@ pub struct Report {
 
 /// Optimizes a graph with the default rule phases and cost model.
 pub fn optimize(g: &Graph) -> Result<(Graph, Report), GraphError> {
-    optimize_with(g, &Limits::default(), &CostModel::default(), &rules::phases())
+    optimize_for(g, &crate::target::Target::default())
 }
 
-/// Optimizes a graph with the given limits, cost model and rule phases.
+/// Optimizes a graph for a back end: its cost model drives extraction and its limits bound the
+/// fused forms (see [`crate::target`]).
+pub fn optimize_for(g: &Graph, target: &crate::target::Target) -> Result<(Graph, Report), GraphError> {
+    optimize_target(g, &Limits::default(), target, &rules::phases())
+}
+
+/// Optimizes a graph with the given limits, cost model and rule phases (for the default target's
+/// kernel limits).
 pub fn optimize_with(
     g: &Graph,
     limits: &Limits,
     model: &CostModel,
     phases: &[(&str, Vec<egg::Rewrite<Kl, KAnalysis>>)],
 ) -> Result<(Graph, Report), GraphError> {
+    let target = crate::target::Target { cost: model.clone(), ..crate::target::Target::default() };
+    optimize_target(g, limits, &target, phases)
+}
+
+/// Optimizes a graph for `target` with the given limits and rule phases.
+pub fn optimize_target(
+    g: &Graph,
+    limits: &Limits,
+    target: &crate::target::Target,
+    phases: &[(&str, Vec<egg::Rewrite<Kl, KAnalysis>>)],
+) -> Result<(Graph, Report), GraphError> {
+    let model = &target.cost;
     let start = Instant::now();
-    let mut egraph = KGraph::new(KAnalysis::default());
+    let analysis = KAnalysis { max_attention_head_dim: target.max_attention_head_dim, ..KAnalysis::default() };
+    let mut egraph = KGraph::new(analysis);
     let mut class_of: HashMap<NodeIndex, Id> = HashMap::new();
     let mut scope_of: HashMap<Id, String> = HashMap::new();
     for n in g.order() {

@@ -85,7 +85,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
     let Op::Permute { perm } = op_of(egraph, s, "?p")? else { return None };
     let Op::Reshape { shape: rq } = op_of(egraph, s, "?rq")? else { return None };
     let Some(Dim::Fixed(head_dim)) = rq.last().copied() else { return None };
-    if perm != &[0, 2, 1, 3] || head_dim > crate::lower::wgsl::MAX_ATTENTION_HEAD_DIM {
+    if perm != &[0, 2, 1, 3] || head_dim > egraph.analysis.max_attention_head_dim {
         return None;
     }
     let (q, heads) = heads_of(egraph, s, "?sq", "?rq", head_dim)?;

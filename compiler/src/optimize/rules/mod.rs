@@ -193,7 +193,8 @@ fn merges_heads(p: &'static str, q: &'static str) -> impl Fn(&mut KGraph, Id, &S
         let perm_ok =
             matches!(super::attr(egraph, subst[p]), Some(AttrValue::Op(Op::Permute { perm })) if perm == &[0, 2, 1, 3]);
         let (Some(qs), Some(out)) = (shape(egraph, subst[q]), shape(egraph, id)) else { return false };
-        let head_dim_ok = matches!(qs.get(3), Some(Dim::Fixed(d)) if *d <= crate::lower::wgsl::MAX_ATTENTION_HEAD_DIM);
+        let max = egraph.analysis.max_attention_head_dim;
+        let head_dim_ok = matches!(qs.get(3), Some(Dim::Fixed(d)) if *d <= max);
         let merged = match (qs.as_slice(), out.as_slice()) {
             ([b, Dim::Fixed(h), s, Dim::Fixed(d)], [ob, os, Dim::Fixed(hd)]) => b == ob && s == os && h * d == *hd,
             _ => false,
