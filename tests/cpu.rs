@@ -242,3 +242,20 @@ fn bad_inputs_are_errors() {
     let expected = interp::run(&fe.graph, &params, &good).unwrap();
     assert!(model.run(&good).unwrap()[0].1.max_abs_diff(&expected[0].1) <= 1e-4);
 }
+
+/// `CpuModel::profile` times every step once (debug aid for the per-op figures in BENCHMARKS.md).
+#[test]
+fn profile_times_every_step() {
+    let fe = spec("gpt2");
+    let params = interp::random_params(&fe.graph, 3).unwrap();
+    let model = cpu(lower(&optimize::optimize(&fe.graph).unwrap().0).unwrap(), &params, 2);
+    let ids = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]);
+    let times = model.profile(&ids).unwrap();
+    assert_eq!(times.len(), model.plan().steps.len());
+    assert!(times.iter().all(|t| t.is_finite() && *t >= 0.0));
+    if std::env::var_os("KILN_PROFILE_PRINT").is_some() {
+        for (step, t) in model.plan().steps.iter().zip(&times) {
+            println!("{:>10.3} ms  {} {}", t * 1e3, step.op.name(), step.scope);
+        }
+    }
+}

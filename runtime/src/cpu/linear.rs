@@ -5,14 +5,17 @@
 //! 2. **Product**: for an f32 weight — stored transposed, `[k, n]` with rows padded to a multiple
 //!    of 4 columns, as the plan keeps it for every engine — a GEMM through the `gemm` crate (packed,
 //!    cache-blocked, AVX2/AVX-512 kernels chosen at run time, threaded over the pool). For a
-//!    Q8_0/Q4_1 weight (`[rows, k]` blocks), each row of `x` is quantized to 8 bits per block of
-//!    32 and dotted with the weight rows in integer arithmetic ([`super::qdot`]); the pool's
-//!    threads take blocks of weight rows, each block reused for every row of `x` while it is in
-//!    cache, so the weight is read from memory once per call.
+//!    Q8_0/Q4_1 weight (`[rows, k]` blocks), the blocks are dequantized in registers and
+//!    multiplied with the f32 activations ([`super::qdot_f32`]), or, opted into, each row of `x`
+//!    is quantized to 8 bits per block of 32 and dotted with the weight rows in integer
+//!    arithmetic ([`super::qdot`]); either way the pool's threads take blocks of weight rows,
+//!    each block reused for every row of `x` while it is in cache, so the weight is read from
+//!    memory once per call.
 //! 3. **Epilogue**: per output row, while it is in cache: bias, activation or gate, RoPE on the
 //!    rotated columns (at the row's position after `past` cached tokens), residual.
 
 use super::qdot::{self, Q8Acts};
+use super::qdot_f32;
 use super::{Arg, CpuError, R};
 use kiln_compiler::graph::Op;
 use kiln_compiler::interp::{activation, rope_frequencies, rotate};
@@ -197,39 +200,6 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], wt: &[f32], ldw: usize,
     }
 }
 
-/// `out[r] = dot(row r, x)` with `x` in f32, each weight block dequantized in registers (the
-/// products the interpreter computes on the dequantized weight, up to summation order).
-pub fn dot_rows_exact(format: kiln_compiler::lower::WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
-    let nb = k / 32;
-    let Some(stride) = format.row_words(k) else { return };
-    let q4 = format == kiln_compiler::lower::WeightFormat::Q4_1;
-    for (r, o) in out.iter_mut().enumerate() {
-        let Some(row) = words.get(r * stride..(r + 1) * stride) else { return };
-        let (scales, rest) = row.split_at(nb);
-        let (mins, quants) = if q4 { rest.split_at(nb) } else { (&[][..], rest) };
-        let mut acc = 0.0f32;
-        for b in 0..nb {
-            let s = f32::from_bits(scales[b]);
-            let xb = &x[b * 32..][..32];
-            if q4 {
-                let m = f32::from_bits(mins[b]);
-                let bytes: Vec<u8> = quants[b * 4..][..4].iter().flat_map(|w| w.to_le_bytes()).collect();
-                for j in 0..16 {
-                    acc += (f32::from(bytes[j] & 15) * s + m) * xb[j];
-                    acc += (f32::from(bytes[j] >> 4) * s + m) * xb[j + 16];
-                }
-            } else {
-                let bytes: Vec<i8> =
-                    quants[b * 8..][..8].iter().flat_map(|w| w.to_le_bytes()).map(|b| b as i8).collect();
-                for j in 0..32 {
-                    acc += f32::from(bytes[j]) * s * xb[j];
-                }
-            }
-        }
-        *o = acc;
-    }
-}
-
 /// `y [m, rows] = x [m, k] @ q^T`, from the blocks: with `int8`, each row of `x` quantized once to
 /// 8 bits per block of 32 and dotted in integer arithmetic ([`qdot`]); otherwise with the f32
 /// activations ([`exact`]). The weight's rows go in blocks of [`ROW_BLOCK`] over the pool.
@@ -270,26 +240,46 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
             part
         })
         .collect();
-    for (c, part) in blocks.iter().enumerate() {
-        let r0 = c * ROW_BLOCK;
-        let len = ROW_BLOCK.min(rows - r0);
-        for (i, p) in part.chunks(len).enumerate() {
-            y[i * rows + r0..][..len].copy_from_slice(p);
-        }
-    }
+    scatter(&blocks, m, rows, y);
     Ok(())
 }
 
 /// `y [m, rows] = x [m, k] @ q^T` with f32 activations, each weight block dequantized in
-/// registers: the interpreter's products on the dequantized weight, up to summation order.
+/// registers ([`qdot_f32`]): the interpreter's products on the dequantized weight, up to
+/// summation order. The pool's threads take blocks of [`ROW_BLOCK`] weight rows, each dequantized
+/// once for every row of `x`.
 fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
     let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
-    for (xr, yr) in x.chunks(k).zip(y.chunks_mut(rows)).take(m) {
-        yr.par_chunks_mut(ROW_BLOCK)
-            .enumerate()
-            .for_each(|(c, o)| dot_rows_exact(q.format, words(c * ROW_BLOCK), k, xr, o));
+    if m == 1 {
+        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| {
+            qdot_f32::dot_rows_f32(q.format, words(c * ROW_BLOCK), k, x, o);
+        });
+        return Ok(());
     }
+    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
+        .into_par_iter()
+        .map(|c| {
+            let r0 = c * ROW_BLOCK;
+            let len = ROW_BLOCK.min(rows - r0);
+            let mut part = vec![0.0; m * len];
+            qdot_f32::gemm_rows_f32(q.format, words(r0), k, x, m, &mut part, len);
+            part
+        })
+        .collect();
+    scatter(&blocks, m, rows, y);
     Ok(())
+}
+
+/// Writes per-block results (`m` rows of up to [`ROW_BLOCK`] columns each, block `c` holding
+/// columns `c * ROW_BLOCK ..`) into `y [m, rows]`.
+fn scatter(blocks: &[Vec<f32>], m: usize, rows: usize, y: &mut [f32]) {
+    for (c, part) in blocks.iter().enumerate() {
+        let r0 = c * ROW_BLOCK;
+        let len = ROW_BLOCK.min(rows - r0);
+        for (i, p) in part.chunks(len).take(m).enumerate() {
+            y[i * rows + r0..][..len].copy_from_slice(p);
+        }
+    }
 }

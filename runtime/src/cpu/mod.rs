@@ -199,6 +199,23 @@ impl CpuModel {
         given: &HashMap<String, Tensor>,
         lent: &HashMap<String, Tensor>,
     ) -> R<Vec<(String, Tensor)>> {
+        self.execute(given, lent, None)
+    }
+
+    /// Runs one forward pass on `given` and returns the seconds each step of [`Plan::steps`] took
+    /// (host clock around the step, its kernel's threads included).
+    pub fn profile(&self, given: &HashMap<String, Tensor>) -> R<Vec<f64>> {
+        let mut times = Vec::with_capacity(self.plan.steps.len());
+        self.execute(given, &HashMap::new(), Some(&mut times))?;
+        Ok(times)
+    }
+
+    fn execute(
+        &self,
+        given: &HashMap<String, Tensor>,
+        lent: &HashMap<String, Tensor>,
+        mut times: Option<&mut Vec<f64>>,
+    ) -> R<Vec<(String, Tensor)>> {
         let plan = &self.plan;
         let lent_shapes: HashMap<String, Vec<usize>> =
             lent.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, t)| (n.clone(), t.shape.clone())).collect();
@@ -226,6 +243,7 @@ impl CpuModel {
         }
         let run = self.pool.install(|| -> R<()> {
             for step in &plan.steps {
+                let start = std::time::Instant::now();
                 let out_shape = resolve(&plan.values[step.output].shape, &syms);
                 let n: usize = out_shape.iter().product();
                 let Storage::Slot(s) = plan.values[step.output].storage else {
@@ -248,6 +266,9 @@ impl CpuModel {
                 };
                 slots[s] = out;
                 result?;
+                if let Some(t) = times.as_deref_mut() {
+                    t.push(start.elapsed().as_secs_f64());
+                }
             }
             Ok(())
         });
