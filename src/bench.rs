@@ -131,6 +131,45 @@ pub fn forward(
     Ok(())
 }
 
+/// `kiln bench --profile`: every step of the optimized plan timed once on the CPU backend (after
+/// a warm-up run), summed by op, largest first.
+pub fn profile(
+    fe: &FrontEnd,
+    target: &Target,
+    weights: Option<&Path>,
+    storage: WeightArgs,
+    batch: usize,
+    seq: usize,
+) -> Result<()> {
+    let Target::Cpu { .. } = target else { bail!("--profile times the CPU backend's steps; add --backend cpu") };
+    let optimized = optimize::optimize_for(&fe.graph, &target.optimizer())?.0;
+    let (params, blocks) = params_for(fe, &optimized, weights, storage)?;
+    let kiln_runtime::Model::Cpu(model) = target.model(&optimized, &params, &blocks, storage, &quiet())? else {
+        bail!("internal error: the CPU target built another model");
+    };
+    let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq)?;
+    model.run(&inputs)?;
+    let times = model.profile(&inputs)?;
+    let mut by_op: Vec<(String, f64, usize)> = Vec::new();
+    for (step, t) in model.plan().steps.iter().zip(&times) {
+        let name = step.op.name();
+        match by_op.iter_mut().find(|(n, _, _)| *n == name) {
+            Some((_, total, count)) => {
+                *total += t;
+                *count += 1;
+            }
+            None => by_op.push((name, *t, 1)),
+        }
+    }
+    by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = times.iter().sum();
+    println!("  profile (one run, {:.2} ms in steps):", total * 1e3);
+    for (name, t, count) in by_op {
+        println!("    {:<28} {:>5} steps {:>10.3} ms {:>6.1}%", name, count, t * 1e3, 100.0 * t / total.max(1e-12));
+    }
+    Ok(())
+}
+
 /// Generation with the key/value cache on the device (optimized graph, greedy): a prompt of
 /// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
 /// `runs` generations.

@@ -172,6 +172,10 @@ enum Command {
         /// Time the optimized graph only (no unoptimized run beside it).
         #[arg(long)]
         optimized_only: bool,
+        /// With the CPU backend: after the timed runs, time every step of the optimized plan once
+        /// and print the time by op (where a forward pass spends it).
+        #[arg(long)]
+        profile: bool,
         /// Real weights (safetensors or GGUF) instead of random ones.
         #[arg(long)]
         weights: Option<PathBuf>,
@@ -556,6 +560,7 @@ fn run(cli: Cli) -> Result<()> {
             calibrate,
             decode,
             optimized_only,
+            profile,
             weights,
             kernels,
             attention,
@@ -599,6 +604,9 @@ fn run(cli: Cli) -> Result<()> {
                 return bench::decode(&fe, &target, weights.as_deref(), storage, seq, steps, runs, json);
             }
             bench::forward(&fe, &target, weights.as_deref(), storage, batch, seq, runs, optimized_only, json)?;
+            if profile {
+                bench::profile(&fe, &target, weights.as_deref(), storage, batch, seq)?;
+            }
         }
     }
     Ok(())

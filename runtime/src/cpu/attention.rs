@@ -134,62 +134,98 @@ fn run(
     let slopes = if g.alibi { alibi_slopes(h) } else { Vec::new() };
     // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
     let offset = t - s.min(t);
+    let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, slopes: &slopes, group, offset };
     out.par_chunks_mut(width).enumerate().for_each_init(
         || (vec![0.0f32; group * t], vec![0.0f32; group * d]),
-        |(scores, acc), (row, o)| {
-            let (bi, si) = (row / s, row % s);
-            let qi = si + offset;
-            // Keys this row attends by position; a key mask hides more within the range.
-            let hi = if g.causal { (qi + 1).min(t) } else { t };
-            let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
-            for kvh in 0..kv {
-                let heads = kvh * group..(kvh + 1) * group;
-                // Scores for every head of the group, one key row at a time.
-                for ti in lo..hi {
-                    let krow = &k[kl.at(bi, kvh, ti)..][..d];
-                    let masked = mask.is_some_and(|m| m[bi * t + ti] == 0.0);
-                    for (j, hq) in heads.clone().enumerate() {
-                        let qrow = &q[ql.at(bi, hq, si)..][..d];
-                        let mut x = dot(qrow, krow) * g.scale;
-                        if g.alibi {
-                            x += slopes[hq] * (ti as f32 - qi as f32);
-                        }
-                        scores[j * t + ti] = if masked { f32::MIN } else { x };
-                    }
-                }
-                for (j, hq) in heads.enumerate() {
-                    let sc = &mut scores[j * t..][lo..hi];
-                    let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let a = &mut acc[j * d..][..d];
-                    a.fill(0.0);
-                    let o = &mut o[hq * d..][..d];
-                    if hi == lo || max == f32::MIN {
-                        // Every key masked: the interpreter's softmax is uniform over all keys.
-                        for ti in 0..t {
-                            add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
-                        }
-                        for (o, &a) in o.iter_mut().zip(a.iter()) {
-                            *o = a / t as f32;
-                        }
-                        continue;
-                    }
-                    let mut sum = 0.0f64;
-                    for x in sc.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x as f64;
-                    }
-                    for (ti, &p) in (lo..hi).zip(sc.iter()) {
-                        let p = (p as f64 / sum) as f32;
-                        add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
-                    }
-                    o.copy_from_slice(a);
-                }
-            }
-        },
+        |(scores, acc), (row, o)| rows.run(row, o, scores, acc),
     );
     Ok(())
 }
 
+/// What every query row of one attention step reads.
+struct Rows<'a> {
+    g: &'a Geometry,
+    q: (&'a [f32], Layout),
+    k: (&'a [f32], Layout),
+    v: (&'a [f32], Layout),
+    mask: Option<&'a [f32]>,
+    slopes: &'a [f32],
+    group: usize,
+    offset: usize,
+}
+
+impl Rows<'_> {
+    /// Query row `row` (of `b * s`) into `o` (`heads * d`), with scratch `scores` (`group * t`)
+    /// and `acc` (`group * d`): the AVX2/FMA build of the loop where the CPU has it.
+    fn run(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::math::has_avx2() {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            unsafe { self.row_avx2(row, o, scores, acc) };
+            return;
+        }
+        self.row(row, o, scores, acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn row_avx2(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+        self.row(row, o, scores, acc)
+    }
+
+    #[inline(always)]
+    fn row(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+        let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
+        let (s, t, d) = (g.s, g.t, g.d);
+        let (bi, si) = (row / s, row % s);
+        let qi = si + self.offset;
+        // Keys this row attends by position; a key mask hides more within the range.
+        let hi = if g.causal { (qi + 1).min(t) } else { t };
+        let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+        for kvh in 0..g.kv_heads {
+            let heads = kvh * self.group..(kvh + 1) * self.group;
+            // Scores for every head of the group, one key row at a time.
+            for ti in lo..hi {
+                let krow = &k[kl.at(bi, kvh, ti)..][..d];
+                let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
+                for (j, hq) in heads.clone().enumerate() {
+                    let qrow = &q[ql.at(bi, hq, si)..][..d];
+                    let mut x = dot(qrow, krow) * g.scale;
+                    if g.alibi {
+                        x += self.slopes[hq] * (ti as f32 - qi as f32);
+                    }
+                    scores[j * t + ti] = if masked { f32::MIN } else { x };
+                }
+            }
+            for (j, hq) in heads.enumerate() {
+                let sc = &mut scores[j * t..][lo..hi];
+                let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let a = &mut acc[j * d..][..d];
+                a.fill(0.0);
+                let o = &mut o[hq * d..][..d];
+                if hi == lo || max == f32::MIN {
+                    // Every key masked: the interpreter's softmax is uniform over all keys.
+                    for ti in 0..t {
+                        add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
+                    }
+                    for (o, &a) in o.iter_mut().zip(a.iter()) {
+                        *o = a / t as f32;
+                    }
+                    continue;
+                }
+                super::math::exp_shifted(sc, max);
+                let sum: f64 = sc.iter().map(|&x| x as f64).sum();
+                for (ti, &p) in (lo..hi).zip(sc.iter()) {
+                    let p = (p as f64 / sum) as f32;
+                    add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
+                }
+                o.copy_from_slice(a);
+            }
+        }
+    }
+}
+
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums, so the loop vectorizes without reassociating one chain.
     let mut acc = [0.0f32; 8];
@@ -204,6 +240,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+#[inline(always)]
 fn add_scaled(acc: &mut [f32], x: &[f32], p: f32) {
     for (a, &x) in acc.iter_mut().zip(x) {
         *a += p * x;

@@ -6,7 +6,7 @@
 
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::interp::{activation, rope_frequencies, rotate};
+use kiln_compiler::interp::{rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Rows handed to one task at least (a decode step's few rows stay on one thread).
@@ -77,9 +77,8 @@ pub fn forward(
         Op::Act(act) => {
             let x = f(0)?;
             rows(out.get(), width, |r, o| {
-                for (o, &a) in o.iter_mut().zip(&x[r * width..][..width]) {
-                    *o = activation(*act, a);
-                }
+                o.copy_from_slice(&x[r * width..][..width]);
+                super::math::apply(*act, o);
             });
         }
         Op::Scale { factor } => {

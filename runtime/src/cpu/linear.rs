@@ -116,13 +116,18 @@ pub fn forward(
     let epilogue = |i: usize, o: &mut [f32], y: &[f32]| {
         if glu {
             let (gate, up) = y.split_at(n);
-            for j in 0..n {
-                let (mut g, mut u) = (gate[j], up[j]);
-                if let Some(b) = b {
-                    g += b[j];
-                    u += b[n + j];
+            match (b, act) {
+                (None, Some(a)) => super::math::gate(a, gate, up, o),
+                _ => {
+                    for j in 0..n {
+                        let (mut g, mut u) = (gate[j], up[j]);
+                        if let Some(b) = b {
+                            g += b[j];
+                            u += b[n + j];
+                        }
+                        o[j] = act.map_or(g, |a| activation(a, g)) * u;
+                    }
                 }
-                o[j] = act.map_or(g, |a| activation(a, g)) * u;
             }
         } else {
             if let Some(b) = b {
@@ -131,9 +136,7 @@ pub fn forward(
                 }
             }
             if let Some(a) = act {
-                for o in o.iter_mut() {
-                    *o = activation(a, *o);
-                }
+                super::math::apply(a, o);
             }
         }
         if let Some((inv, r)) = &rope {

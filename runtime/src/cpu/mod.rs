@@ -32,6 +32,7 @@
 pub mod attention;
 pub mod elementwise;
 pub mod linear;
+pub mod math;
 pub mod qdot;
 pub mod qdot_f32;
 
