@@ -88,10 +88,7 @@ pub fn run(
                 let params = weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?;
                 Engine::Interp { graph, params }
             }
-            Some(target) => {
-                let (params, blocks) = crate::storage::load(&fe.spec, &graph, &ckpt, req.storage, reporter)?;
-                target.model(&graph, &params, &blocks, req.storage, reporter)?.into()
-            }
+            Some(target) => target.load(&fe.spec, &graph, &ckpt, req.storage, reporter)?.into(),
         })
     };
     let decoder = build_cached(&fe.spec)?;

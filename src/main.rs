@@ -406,9 +406,8 @@ fn run_compiled(
     backend: Backend,
     reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
-    let (params, blocks) = storage::load(spec, graph, ckpt, exec.weights, reporter)?;
     let target = storage::Target::new(backend, exec.adapter.as_deref(), exec.threads()?)?;
-    let model = target.model(graph, &params, &blocks, exec.weights, reporter)?;
+    let model = target.load(spec, graph, ckpt, exec.weights, reporter)?;
     Ok(model.run(given)?)
 }
 

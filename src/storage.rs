@@ -126,6 +126,43 @@ impl Target {
         }
     }
 
+    /// Reads `graph`'s weights from `ckpt` as `args` say and loads the model, shown on `reporter`:
+    /// the blocks of quantized GGUF tensors (unless `--dequantize`), and as f32 only the
+    /// parameters the backend reads in f32 — on the CPU, a quantized weight (an embedding table
+    /// included) is never expanded, and each weight is moved into the model, so it is in memory
+    /// once.
+    pub fn load(
+        &self,
+        spec: &Resolved,
+        graph: &Graph,
+        ckpt: &Checkpoint,
+        args: WeightArgs,
+        reporter: &Reporter,
+    ) -> Result<Model> {
+        let Target::Cpu { threads } = self else {
+            let (params, blocks) = load(spec, graph, ckpt, args, reporter)?;
+            return self.model(graph, &params, &blocks, args, reporter);
+        };
+        if args.precision == Precision::F16 {
+            bail!("--precision f16 stores weights for wgpu; the CPU backend keeps f32 or quantized blocks");
+        }
+        let names = weights::graph_params(graph);
+        let dims = PackDims::of(spec);
+        let blocks = match args.dequantize {
+            true => HashMap::new(),
+            false => weights::quantized_named_with_progress(&spec.weights, &dims, &names, ckpt, reporter)?,
+        };
+        let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
+        let plan = reporter
+            .stage("lowering", || lower::lower_with(graph, lower::Options { formats, ..Default::default() }))?;
+        let quantized: std::collections::HashSet<String> = blocks.keys().cloned().collect();
+        let wanted: std::collections::HashSet<String> = CpuModel::f32_params(&plan, &quantized).into_iter().collect();
+        let f32_names: Vec<(String, Vec<usize>)> = names.into_iter().filter(|(n, _)| wanted.contains(n)).collect();
+        let params = weights::load_named_with_progress(&spec.weights, &dims, &f32_names, ckpt, reporter)?;
+        let model = CpuModel::from_owned(plan, params, blocks, *threads, reporter)?;
+        Ok(Model::Cpu(Box::new(model.with_int8_activations(args.int8_activations))))
+    }
+
     /// Lowers `graph` with the weights stored as `args` and `blocks` say and loads it, shown on
     /// `reporter`.
     pub fn model(

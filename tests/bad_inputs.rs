@@ -1,6 +1,6 @@
 //! Bad run-time inputs given to `kiln run` on BERT (token types, padding mask) and GPT-2 (learned
-//! positions), on the interpreter and on wgpu: each is refused before anything runs, with a
-//! message naming the input and what is wrong, exit code 1 and no panic.
+//! positions), on the interpreter, the CPU backend and wgpu: each is refused before anything
+//! runs, with a message naming the input and what is wrong, exit code 1 and no panic.
 
 mod common;
 
@@ -10,8 +10,8 @@ use std::process::Command;
 
 fn backends() -> Vec<&'static str> {
     match common::gpu() {
-        Some(_) => vec!["interp", "wgpu"],
-        None => vec!["interp"],
+        Some(_) => vec!["interp", "cpu", "wgpu"],
+        None => vec!["interp", "cpu"],
     }
 }
 

@@ -155,7 +155,18 @@ fn smollm2_quantized_logits_and_greedy_continuation() {
     let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
     let plan = lower_with(&cached, Options { formats, ..Options::default() }).unwrap();
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let engine = Engine::Cpu(Box::new(CpuModel::new(plan, &params, &blocks, 2, &()).unwrap()));
+    // Only what the CPU reads in f32 is given (as `kiln generate` loads it): no quantized weight,
+    // not even the embedding table, which gathers read from its Q8_0 blocks.
+    let quantized: std::collections::HashSet<String> = blocks.keys().cloned().collect();
+    let wanted = CpuModel::f32_params(&plan, &quantized);
+    assert!(!wanted.iter().any(|n| quantized.contains(n)), "{wanted:?}");
+    let params: HashMap<String, Tensor> = params.into_iter().filter(|(n, _)| wanted.contains(n)).collect();
+    let block_bytes: u64 = blocks.values().map(kiln_runtime::QuantWeight::bytes).sum();
+    let model = CpuModel::from_owned(plan, params, blocks, 2, &()).unwrap();
+    let held: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
+    println!("smollm2 on cpu: {held} weight bytes held, {block_bytes} in blocks");
+    assert!(held <= block_bytes + block_bytes / 50, "{held} bytes held for {block_bytes} bytes of blocks");
+    let engine = Engine::Cpu(Box::new(model));
     let mut session = Session::new(engine, &outputs, 8192).unwrap();
     let stop = [*expected.last().unwrap()];
     let (ids, stats) =

@@ -94,6 +94,16 @@ fn an_activation_larger_than_the_process_may_allocate_is_refused() {
     assert!(!written);
 }
 
+/// The same activation on the CPU backend: its step is refused by name, as the interpreter's
+/// result is, before its buffer is grown.
+#[cfg(unix)]
+#[test]
+fn an_activation_larger_than_the_process_may_allocate_is_refused_on_the_cpu_backend() {
+    let (o, written) = long_llama_run_under_ulimit("activation-cpu", "cpu", 3_000_000);
+    refused(&o, &["`layers.0.attn`: a matmul_t result: needs 4.0 GiB of memory"]);
+    assert!(!written);
+}
+
 /// Out of device memory: on a CPU adapter (lavapipe), device memory is the process's, so the same
 /// run on wgpu under a 4 GB limit runs out of it while allocating the attention scores, and says
 /// so. (On a real GPU the limit would not apply to device memory, and drivers reserve address

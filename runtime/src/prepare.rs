@@ -60,11 +60,62 @@ pub fn constants<'a>(
     blocks: &'a HashMap<String, QuantWeight>,
     progress: &dyn Progress,
 ) -> Result<Constants<'a>, PrepareError> {
+    constants_except(plan, params, blocks, &HashSet::new(), progress)
+}
+
+/// The values whose data an engine needs: what the steps and outputs read, and the operands of
+/// the folds that compute those (following reshapes to the values that hold the data). A fold
+/// whose result nothing reads — the f32 stack of weights a projection reads as blocks — is not
+/// needed, nor are its operands.
+pub fn needed(plan: &Plan) -> HashSet<usize> {
+    let mut read: HashSet<usize> = plan.steps.iter().flat_map(|s| s.operands.iter().map(|&o| root(plan, o))).collect();
+    read.extend(plan.outputs.iter().map(|(_, v)| root(plan, *v)));
+    // Folds read only earlier values, so one pass from the last fold back closes the set.
+    for fold in plan.folds.iter().rev() {
+        if read.contains(&fold.output) {
+            read.extend(fold.operands.iter().map(|&o| root(plan, o)));
+        }
+    }
+    read
+}
+
+/// The parameters an engine must be given as f32 tensors: those the plan reads in f32 (not as
+/// blocks), except the values in `provided`, which the engine serves another way.
+pub fn f32_params(plan: &Plan, provided: &HashSet<usize>) -> Vec<String> {
+    let needed = needed(plan);
+    let mut names: Vec<String> = plan
+        .values
+        .iter()
+        .enumerate()
+        .filter(|(id, v)| v.format.is_f32() && needed.contains(id) && !provided.contains(id))
+        .filter_map(|(_, v)| match &v.storage {
+            Storage::Param(name) => Some(name.clone()),
+            _ => None,
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// [`constants`] for every parameter the plan reads but those in `provided` (values an engine
+/// serves itself, such as a gather table the CPU reads from blocks).
+pub fn constants_except<'a>(
+    plan: &Plan,
+    params: &'a HashMap<String, Tensor>,
+    blocks: &'a HashMap<String, QuantWeight>,
+    provided: &HashSet<usize>,
+    progress: &dyn Progress,
+) -> Result<Constants<'a>, PrepareError> {
     let no_syms = HashMap::new();
+    let needed = needed(plan);
     let mut host: HashMap<usize, Cow<'a, Tensor>> = HashMap::new();
     let mut quant: HashMap<usize, Cow<'a, QuantWeight>> = HashMap::new();
     for (id, v) in plan.values.iter().enumerate() {
         let Storage::Param(name) = &v.storage else { continue };
+        if !needed.contains(&id) || provided.contains(&id) {
+            continue;
+        }
         let expected = resolve(&v.shape, &no_syms);
         if v.format.quantized() {
             let q = blocks.get(name).ok_or_else(|| {
@@ -93,6 +144,10 @@ pub fn constants<'a>(
     }
     let mut counter = Counter::start(progress, Phase::Fold, plan.folds.len());
     for fold in &plan.folds {
+        if !needed.contains(&fold.output) {
+            counter.advance();
+            continue;
+        }
         if plan.values[fold.output].format.quantized() {
             let args: Vec<&QuantWeight> =
                 fold.operands.iter().map(|o| quant.get(o).map(|q| q.as_ref())).collect::<Option<_>>().ok_or_else(

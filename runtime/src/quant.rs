@@ -107,31 +107,47 @@ impl QuantWeight {
 
     /// The f32 tensor the blocks stand for (what [`crate::gguf`] dequantizes the file's blocks to).
     pub fn dequantize(&self) -> Tensor {
-        let nb = self.k / BLOCK;
-        let s = self.stride();
         let mut out = Vec::with_capacity(self.rows * self.k);
-        for row in self.words.chunks_exact(s) {
-            // A row: the blocks' scales, Q4_1's minimums, then the quants (8 or 4 words a block).
-            let (scales, rest) = row.split_at_checked(nb).unwrap_or_default();
-            let scales = scales.iter().map(|&d| f32::from_bits(d));
-            match self.format {
-                WeightFormat::Q8_0 => {
-                    for (d, q) in scales.zip(rest.chunks_exact(8)) {
-                        out.extend(q.iter().flat_map(|w| w.to_le_bytes()).map(|x| f32::from(x as i8) * d));
-                    }
+        for row in self.words.chunks_exact(self.stride()) {
+            self.dequantize_words(row, &mut out);
+        }
+        Tensor::f32(vec![self.rows, self.k], out)
+    }
+
+    /// Row `r` as f32 appended to `out` (as [`QuantWeight::dequantize`] gives it); `false` if
+    /// there is no such row.
+    pub fn dequantize_row(&self, r: usize, out: &mut Vec<f32>) -> bool {
+        let s = self.stride();
+        match r.checked_mul(s).and_then(|at| self.words.get(at..)).and_then(|rest| rest.get(..s)) {
+            Some(row) => {
+                self.dequantize_words(row, out);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One row's words: the blocks' scales, Q4_1's minimums, then the quants (8 or 4 words a block).
+    fn dequantize_words(&self, row: &[u32], out: &mut Vec<f32>) {
+        let nb = self.k / BLOCK;
+        let (scales, rest) = row.split_at_checked(nb).unwrap_or_default();
+        let scales = scales.iter().map(|&d| f32::from_bits(d));
+        match self.format {
+            WeightFormat::Q8_0 => {
+                for (d, q) in scales.zip(rest.chunks_exact(8)) {
+                    out.extend(q.iter().flat_map(|w| w.to_le_bytes()).map(|x| f32::from(x as i8) * d));
                 }
-                _ => {
-                    let (mins, quants) = rest.split_at_checked(nb).unwrap_or_default();
-                    let mins = mins.iter().map(|&m| f32::from_bits(m));
-                    for ((d, m), q) in scales.zip(mins).zip(quants.chunks_exact(4)) {
-                        let q: Vec<u8> = q.iter().flat_map(|w| w.to_le_bytes()).collect();
-                        out.extend(q.iter().map(|&x| f32::from(x & 0x0f) * d + m));
-                        out.extend(q.iter().map(|&x| f32::from(x >> 4) * d + m));
-                    }
+            }
+            _ => {
+                let (mins, quants) = rest.split_at_checked(nb).unwrap_or_default();
+                let mins = mins.iter().map(|&m| f32::from_bits(m));
+                for ((d, m), q) in scales.zip(mins).zip(quants.chunks_exact(4)) {
+                    let q: Vec<u8> = q.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    out.extend(q.iter().map(|&x| f32::from(x & 0x0f) * d + m));
+                    out.extend(q.iter().map(|&x| f32::from(x >> 4) * d + m));
                 }
             }
         }
-        Tensor::f32(vec![self.rows, self.k], out)
     }
 
     /// Bytes on the device.

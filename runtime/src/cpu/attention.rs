@@ -34,6 +34,9 @@ impl Layout {
     }
 }
 
+/// Query rows per task of the prefill form (and the fewest rows that take it).
+const TILE_ROWS: usize = 16;
+
 /// The geometry and options of one attention step.
 struct Geometry {
     b: usize,
@@ -135,6 +138,26 @@ fn run(
     // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
     let offset = t - s.min(t);
     let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, slopes: &slopes, group, offset };
+    if s >= TILE_ROWS {
+        // Prefill: blocks of query rows per key/value head, keys transposed once per block.
+        let blocks = s.div_ceil(TILE_ROWS);
+        let parts: Vec<Vec<f32>> = (0..b * kv * blocks)
+            .into_par_iter()
+            .map_init(Vec::new, |kt, task| {
+                let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
+                rows.block(bi, kvh, rb * TILE_ROWS..((rb + 1) * TILE_ROWS).min(s), kt)
+            })
+            .collect();
+        for (task, part) in parts.iter().enumerate() {
+            let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
+            let cols = group * d;
+            for (i, p) in part.chunks(cols).enumerate() {
+                let row = bi * s + rb * TILE_ROWS + i;
+                out[row * width + kvh * cols..][..cols].copy_from_slice(p);
+            }
+        }
+        return Ok(());
+    }
     out.par_chunks_mut(width).enumerate().for_each_init(
         || (vec![0.0f32; group * t], vec![0.0f32; group * d]),
         |(scores, acc), (row, o)| rows.run(row, o, scores, acc),
@@ -171,6 +194,93 @@ impl Rows<'_> {
     #[target_feature(enable = "avx2,fma")]
     fn row_avx2(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
         self.row(row, o, scores, acc)
+    }
+
+    /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`: returns
+    /// `rows.len()` rows of `group * d` outputs. The keys the rows attend are transposed into
+    /// `kt` (`d` rows of keys) once, so each score row is `d` vector multiply-adds over keys
+    /// rather than a horizontal sum per key; the AVX2/FMA build where the CPU has it.
+    fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if super::math::has_avx2() {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            return unsafe { self.block_avx2(bi, kvh, rows, kt) };
+        }
+        self.block_generic(bi, kvh, rows, kt)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn block_avx2(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
+        self.block_generic(bi, kvh, rows, kt)
+    }
+
+    #[inline(always)]
+    fn block_generic(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
+        let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
+        let (t, d, group) = (g.t, g.d, self.group);
+        // The keys any row of the block attends.
+        let range = |si: usize| {
+            let qi = si + self.offset;
+            let hi = if g.causal { (qi + 1).min(t) } else { t };
+            let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+            (lo, hi)
+        };
+        let (first, last) = (range(rows.start), range(rows.end - 1));
+        let (k0, k1) = (first.0.min(last.0), first.1.max(last.1));
+        let n = k1 - k0;
+        kt.clear();
+        kt.resize(d * n, 0.0);
+        for j in 0..n {
+            let krow = &k[kl.at(bi, kvh, k0 + j)..][..d];
+            for (e, &x) in krow.iter().enumerate() {
+                kt[e * n + j] = x;
+            }
+        }
+        let mut out = vec![0.0f32; rows.len() * group * d];
+        let mut scores = vec![0.0f32; n];
+        for (i, si) in rows.enumerate() {
+            let qi = si + self.offset;
+            let (lo, hi) = range(si);
+            for j in 0..group {
+                let hq = kvh * group + j;
+                let o = &mut out[(i * group + j) * d..][..d];
+                let qrow = &q[ql.at(bi, hq, si)..][..d];
+                let sc = &mut scores[lo - k0..hi - k0];
+                sc.fill(0.0);
+                for (e, &qe) in qrow.iter().enumerate() {
+                    let col = &kt[e * n + (lo - k0)..][..hi - lo];
+                    for (x, &kv) in sc.iter_mut().zip(col) {
+                        *x += qe * kv;
+                    }
+                }
+                let mut max = f32::NEG_INFINITY;
+                for (ti, x) in (lo..hi).zip(sc.iter_mut()) {
+                    *x *= g.scale;
+                    if g.alibi {
+                        *x += self.slopes[hq] * (ti as f32 - qi as f32);
+                    }
+                    if self.mask.is_some_and(|m| m[bi * t + ti] == 0.0) {
+                        *x = f32::MIN;
+                    }
+                    max = max.max(*x);
+                }
+                if hi == lo || max == f32::MIN {
+                    // Every key masked: the interpreter's softmax is uniform over all keys.
+                    for ti in 0..t {
+                        add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
+                    }
+                    o.iter_mut().for_each(|x| *x /= t as f32);
+                    continue;
+                }
+                super::math::exp_shifted(sc, max);
+                let sum: f64 = sc.iter().map(|&x| x as f64).sum();
+                for (ti, &p) in (lo..hi).zip(sc.iter()) {
+                    add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], (p as f64 / sum) as f32);
+                }
+            }
+        }
+        out
     }
 
     #[inline(always)]

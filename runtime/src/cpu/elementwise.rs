@@ -90,7 +90,20 @@ pub fn forward(
             });
         }
         Op::Gather => {
-            let (table, Some((_, Arg::I64(ids)))) = (f(0)?, args.get(1)) else { return Ok(false) };
+            let Some((_, Arg::I64(ids))) = args.get(1) else { return Ok(false) };
+            if let Some((_, Arg::Quant(q))) = args.first() {
+                // A table kept as blocks: each looked-up row dequantized.
+                let out = out.get();
+                out.clear();
+                for &id in *ids {
+                    let ok = usize::try_from(id).is_ok_and(|r| q.dequantize_row(r, out));
+                    if !ok {
+                        return Err(CpuError::Invalid(format!("id {id} is outside the table's {} rows", q.rows)));
+                    }
+                }
+                return Ok(true);
+            }
+            let table = f(0)?;
             // Ids were range-checked when the inputs were bound (`prepare::check_indices`);
             // positions are made in range. A bad id is still an error here, not a wild read.
             let rows_in_table = table.len() / width;

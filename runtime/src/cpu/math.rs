@@ -21,7 +21,7 @@ fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.clamp(-110.0, 89.0);
-    let n = (x * LOG2E).round();
+    let n = (x * LOG2E).round_ties_even();
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // exp(r) on |r| <= ln2 / 2: Taylor to degree 6 (error < 3e-8 relative).
     let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
@@ -54,7 +54,7 @@ fn erf(x: f32) -> f32 {
                 + t * (0.096_784_18
                     + t * (-0.186_288_06
                         + t * (0.278_868_07
-                            + t * (-1.135_203_9 + t * (1.488_515_9 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+                            + t * (-1.135_204 + t * (1.488_515_9 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
     let erfc = t * exp(poly);
     (1.0 - erfc).copysign(x)
 }

@@ -44,8 +44,8 @@ use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 /// What can go wrong on the CPU back end.
 #[derive(Debug, thiserror::Error)]
@@ -73,9 +73,11 @@ impl From<PrepareError> for CpuError {
 type R<T> = Result<T, CpuError>;
 
 /// A constant the steps read.
+/// (A parameter read as two values — an embedding table gathered from and projected by — is
+/// shared, not copied.)
 enum Const {
-    F32(Tensor),
-    Quant(QuantWeight),
+    F32(Arc<Tensor>),
+    Quant(Arc<QuantWeight>),
 }
 
 /// An operand as a kernel sees it: its shape at this run and its elements.
@@ -124,12 +126,26 @@ pub fn default_threads() -> usize {
 
 impl CpuModel {
     /// Evaluates the plan's folds and keeps the constants its steps read; every weight the plan
-    /// stores in a block-quantized format must be in `blocks`. `threads` (at least 1) is the size
-    /// of the pool the kernels run on.
+    /// stores in a block-quantized format must be in `blocks`, and a gather table whose blocks are
+    /// there is read from them (see [`CpuModel::f32_params`]). `threads` (at least 1) is the size
+    /// of the pool the kernels run on. The parameters are copied; [`CpuModel::from_owned`] moves
+    /// them instead.
     pub fn new(
         plan: Plan,
         params: &HashMap<String, Tensor>,
         blocks: &HashMap<String, QuantWeight>,
+        threads: usize,
+        progress: &dyn Progress,
+    ) -> R<CpuModel> {
+        CpuModel::from_owned(plan, params.clone(), blocks.clone(), threads, progress)
+    }
+
+    /// [`CpuModel::new`], taking the parameters and blocks: each is moved into the model, not
+    /// copied, so a model's weights are in memory once.
+    pub fn from_owned(
+        plan: Plan,
+        mut params: HashMap<String, Tensor>,
+        mut blocks: HashMap<String, QuantWeight>,
         threads: usize,
         progress: &dyn Progress,
     ) -> R<CpuModel> {
@@ -140,20 +156,73 @@ impl CpuModel {
             ));
         }
         check_steps(&plan)?;
-        let prepare::Constants { host, quant } = prepare::constants(&plan, params, blocks, progress)?;
-        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
-        let mut count = |format: WeightFormat, bytes: u64| match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
-            Some((_, b)) => *b += bytes,
-            None => weight_bytes.push((format, bytes)),
-        };
-        let mut consts = HashMap::new();
-        for (id, t) in host {
-            count(WeightFormat::F32, 4 * t.len() as u64);
-            consts.insert(id, Const::F32(t.into_owned()));
+        let tables = block_tables(&plan, &blocks);
+        let provided: HashSet<usize> = tables.keys().copied().collect();
+        // Constants by value: folds own their results; parameters are named, and moved out of
+        // `params` / `blocks` once the borrows end.
+        let mut consts: HashMap<usize, Const> = HashMap::new();
+        let mut host_params: Vec<(usize, String)> = Vec::new();
+        let mut quant_params: Vec<(usize, String)> = Vec::new();
+        {
+            let prepare::Constants { host, quant } =
+                prepare::constants_except(&plan, &params, &blocks, &provided, progress)?;
+            let name = |id: usize| match &plan.values[id].storage {
+                Storage::Param(name) => Some(name.clone()),
+                _ => None,
+            };
+            for (id, t) in host {
+                match (t, name(id)) {
+                    (Cow::Borrowed(_), Some(n)) => host_params.push((id, n)),
+                    (t, _) => drop(consts.insert(id, Const::F32(Arc::new(t.into_owned())))),
+                }
+            }
+            for (id, q) in quant {
+                match (q, name(id)) {
+                    (Cow::Borrowed(_), Some(n)) => quant_params.push((id, n)),
+                    (q, _) => drop(consts.insert(id, Const::Quant(Arc::new(q.into_owned())))),
+                }
+            }
         }
-        for (id, q) in quant {
-            count(q.format, q.bytes());
-            consts.insert(id, Const::Quant(q.into_owned()));
+        quant_params.extend(tables);
+        let mut moved_host: HashMap<String, usize> = HashMap::new();
+        for (id, n) in host_params {
+            let t = match params.remove(&n) {
+                Some(t) => Arc::new(t),
+                None => match moved_host.get(&n).and_then(|first| consts.get(first)) {
+                    Some(Const::F32(t)) => t.clone(),
+                    _ => return Err(InterpError::MissingParam(n).into()),
+                },
+            };
+            moved_host.insert(n, id);
+            consts.insert(id, Const::F32(t));
+        }
+        let mut moved_quant: HashMap<String, usize> = HashMap::new();
+        for (id, n) in quant_params {
+            let q = match blocks.remove(&n) {
+                Some(q) => Arc::new(q),
+                None => match moved_quant.get(&n).and_then(|first| consts.get(first)) {
+                    Some(Const::Quant(q)) => q.clone(),
+                    _ => return Err(CpuError::Invalid(format!("the blocks of `{n}` were not given"))),
+                },
+            };
+            moved_quant.insert(n, id);
+            consts.insert(id, Const::Quant(q));
+        }
+        drop((params, blocks));
+        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
+        let mut counted: HashSet<usize> = HashSet::new();
+        for c in consts.values() {
+            let (format, bytes, at) = match c {
+                Const::F32(t) => (WeightFormat::F32, 4 * t.len() as u64, Arc::as_ptr(t) as usize),
+                Const::Quant(q) => (q.format, q.bytes(), Arc::as_ptr(q) as usize),
+            };
+            if !counted.insert(at) {
+                continue;
+            }
+            match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
+                Some((_, b)) => *b += bytes,
+                None => weight_bytes.push((format, bytes)),
+            }
         }
         weight_bytes.sort_by_key(|(f, _)| *f as u8);
         let pool = rayon::ThreadPoolBuilder::new()
@@ -162,6 +231,22 @@ impl CpuModel {
             .build()
             .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
         Ok(CpuModel { plan, consts, pool, threads, slots: Mutex::new(Vec::new()), weight_bytes, int8: false })
+    }
+
+    /// The parameters a [`CpuModel`] of `plan` must be given as f32 tensors, when the parameters
+    /// named in `quantized` come as blocks: those the plan reads in f32, except gather tables read
+    /// from blocks (an embedding table stored quantized is never expanded to f32).
+    pub fn f32_params(plan: &Plan, quantized: &HashSet<String>) -> Vec<String> {
+        let tables: HashSet<usize> = plan
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(id, v)| {
+                matches!(&v.storage, Storage::Param(n) if quantized.contains(n)) && only_gathered(plan, *id)
+            })
+            .map(|(id, _)| id)
+            .collect();
+        prepare::f32_params(plan, &tables)
     }
 
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
@@ -433,4 +518,39 @@ fn check_steps(plan: &Plan) -> R<()> {
         }
     }
     Ok(())
+}
+
+/// Whether value `id` is read only as the table of gather steps (no fold, no other step, no
+/// output reads it).
+fn only_gathered(plan: &Plan, id: usize) -> bool {
+    let reads = |o: &usize| root(plan, *o) == id;
+    let mut gathered = false;
+    for step in &plan.steps {
+        for (i, o) in step.operands.iter().enumerate() {
+            if reads(o) {
+                if step.op != Op::Gather || i != 0 {
+                    return false;
+                }
+                gathered = true;
+            }
+        }
+    }
+    gathered && !plan.folds.iter().any(|f| f.operands.iter().any(reads)) && !plan.outputs.iter().any(|(_, v)| reads(v))
+}
+
+/// The gather tables read from blocks: f32 parameter values read only by gathers whose blocks
+/// (of the same shape) are given, by value, with their names.
+fn block_tables(plan: &Plan, blocks: &HashMap<String, QuantWeight>) -> HashMap<usize, String> {
+    plan.values
+        .iter()
+        .enumerate()
+        .filter_map(|(id, v)| match &v.storage {
+            Storage::Param(n) if v.format.is_f32() => {
+                let q = blocks.get(n)?;
+                let shape = resolve(&v.shape, &HashMap::new());
+                ([q.rows, q.k] == shape[..] && only_gathered(plan, id)).then(|| (id, n.clone()))
+            }
+            _ => None,
+        })
+        .collect()
 }
