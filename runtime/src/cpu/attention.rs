@@ -254,17 +254,17 @@ impl Rows<'_> {
                         *x += qe * kv;
                     }
                 }
-                let mut max = f32::NEG_INFINITY;
+                // Branch-free, so it vectorizes: scale, ALiBi, then the key mask as a select.
+                let slope = if g.alibi { self.slopes[hq] } else { 0.0 };
                 for (ti, x) in (lo..hi).zip(sc.iter_mut()) {
-                    *x *= g.scale;
-                    if g.alibi {
-                        *x += self.slopes[hq] * (ti as f32 - qi as f32);
-                    }
-                    if self.mask.is_some_and(|m| m[bi * t + ti] == 0.0) {
-                        *x = f32::MIN;
-                    }
-                    max = max.max(*x);
+                    *x = *x * g.scale + slope * (ti as f32 - qi as f32);
                 }
+                if let Some(m) = self.mask {
+                    for (x, &keep) in sc.iter_mut().zip(&m[bi * t + lo..bi * t + hi]) {
+                        *x = if keep == 0.0 { f32::MIN } else { *x };
+                    }
+                }
+                let max = max_of(sc);
                 if hi == lo || max == f32::MIN {
                     // Every key masked: the interpreter's softmax is uniform over all keys.
                     for ti in 0..t {
@@ -274,9 +274,10 @@ impl Rows<'_> {
                     continue;
                 }
                 super::math::exp_shifted(sc, max);
-                let sum: f64 = sc.iter().map(|&x| x as f64).sum();
+                let inv = (1.0 / sum_of(sc)) as f32;
+                sc.iter_mut().for_each(|p| *p *= inv);
                 for (ti, &p) in (lo..hi).zip(sc.iter()) {
-                    add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], (p as f64 / sum) as f32);
+                    add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], p);
                 }
             }
         }
@@ -309,7 +310,7 @@ impl Rows<'_> {
             }
             for (j, hq) in heads.enumerate() {
                 let sc = &mut scores[j * t..][lo..hi];
-                let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let max = max_of(sc);
                 let a = &mut acc[j * d..][..d];
                 a.fill(0.0);
                 let o = &mut o[hq * d..][..d];
@@ -324,7 +325,7 @@ impl Rows<'_> {
                     continue;
                 }
                 super::math::exp_shifted(sc, max);
-                let sum: f64 = sc.iter().map(|&x| x as f64).sum();
+                let sum = sum_of(sc);
                 for (ti, &p) in (lo..hi).zip(sc.iter()) {
                     let p = (p as f64 / sum) as f32;
                     add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
@@ -348,6 +349,32 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
     acc.iter().sum::<f32>() + tail
+}
+
+/// The largest element, with eight running maxima so the reduction is not one serial chain.
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let (chunks, rest) = x.as_chunks::<8>();
+    for c in chunks {
+        for (m, &v) in m.iter_mut().zip(c) {
+            *m = m.max(v);
+        }
+    }
+    rest.iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// The sum in f64 (as the interpreter's softmax sums), over eight partial sums.
+#[inline(always)]
+fn sum_of(x: &[f32]) -> f64 {
+    let mut s = [0.0f64; 8];
+    let (chunks, rest) = x.as_chunks::<8>();
+    for c in chunks {
+        for (s, &v) in s.iter_mut().zip(c) {
+            *s += v as f64;
+        }
+    }
+    s.iter().sum::<f64>() + rest.iter().map(|&v| v as f64).sum::<f64>()
 }
 
 #[inline(always)]
