@@ -314,6 +314,7 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         // key tiles; too large for the chunked test's 256-byte buffers.
         (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
         (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
+        (1, 3, 1, 70, 75, 8),  // the CPU's prefill form over two blocks of query rows, the second partial
     ];
     let (mut cases, mut blocked) = (Vec::new(), Vec::new());
     for (b, h, kv, s, t, d) in shapes {

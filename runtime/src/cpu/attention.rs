@@ -3,11 +3,19 @@
 //! the interpreter's semantics (masked scores are the most negative float, so a row whose every
 //! key is masked averages all values uniformly).
 //!
-//! The score matrix is never materialised: a task owns one query row, walks the keys its row may
-//! attend (causal rows stop at their own position, window rows start at their earliest key), and
-//! keeps one row of scores per query head of a key/value group, so every key and value row loaded
-//! serves all the group's heads (grouped-query attention shares its loads). The pool's threads
-//! take query rows; a decode step's single row runs on one thread, its keys in cache order.
+//! Two forms, by the number of query rows:
+//!
+//! - **Rows** (a decode step, short prompts): a task owns one query row, walks the keys its row
+//!   may attend (causal rows stop at their own position, window rows start at their earliest
+//!   key), and keeps one row of scores per query head of a key/value group, so every key and
+//!   value row loaded serves all the group's heads (grouped-query attention shares its loads).
+//! - **Blocks** (prefill, from [`MIN_BLOCK_ROWS`] rows): a task owns up to [`TILE_ROWS`] query
+//!   rows of one key/value head, and per query head runs two GEMMs through the `gemm` crate —
+//!   scores against only the keys some row of the block attends, then probabilities times values
+//!   — with each row's softmax over its own keys in between. At most `TILE_ROWS` rows of scores
+//!   exist at once per task; the full score matrix never does.
+//!
+//! The pool's threads take rows or blocks.
 //!
 //! Both ops read their tensors through [`Layout`]s — strides of batch, head and row and a first
 //! column — so `attention` over `[b, h, s, d]` tensors and `packed_attention` over one packed
@@ -34,8 +42,12 @@ impl Layout {
     }
 }
 
-/// Query rows per task of the prefill form (and the fewest rows that take it).
-const TILE_ROWS: usize = 16;
+/// Query rows per task of the prefill form: large enough that its two GEMMs run the `gemm`
+/// crate's kernels at speed.
+const TILE_ROWS: usize = 64;
+
+/// The fewest query rows that take the prefill form (fewer run one task per row).
+const MIN_BLOCK_ROWS: usize = 16;
 
 /// The geometry and options of one attention step.
 struct Geometry {
@@ -138,14 +150,14 @@ fn run(
     // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
     let offset = t - s.min(t);
     let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, slopes: &slopes, group, offset };
-    if s >= TILE_ROWS {
+    if s >= MIN_BLOCK_ROWS {
         // Prefill: blocks of query rows per key/value head, keys transposed once per block.
         let blocks = s.div_ceil(TILE_ROWS);
         let parts: Vec<Vec<f32>> = (0..b * kv * blocks)
             .into_par_iter()
-            .map_init(Vec::new, |kt, task| {
+            .map_init(Vec::new, |scratch, task| {
                 let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
-                rows.block(bi, kvh, rb * TILE_ROWS..((rb + 1) * TILE_ROWS).min(s), kt)
+                rows.block(bi, kvh, rb * TILE_ROWS..((rb + 1) * TILE_ROWS).min(s), scratch)
             })
             .collect();
         for (task, part) in parts.iter().enumerate() {
@@ -196,30 +208,14 @@ impl Rows<'_> {
         self.row(row, o, scores, acc)
     }
 
-    /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`: returns
-    /// `rows.len()` rows of `group * d` outputs. The keys the rows attend are transposed into
-    /// `kt` (`d` rows of keys) once, so each score row is `d` vector multiply-adds over keys
-    /// rather than a horizontal sum per key; the AVX2/FMA build where the CPU has it.
-    fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if super::math::has_avx2() {
-            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
-            return unsafe { self.block_avx2(bi, kvh, rows, kt) };
-        }
-        self.block_generic(bi, kvh, rows, kt)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn block_avx2(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
-        self.block_generic(bi, kvh, rows, kt)
-    }
-
-    #[inline(always)]
-    fn block_generic(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, kt: &mut Vec<f32>) -> Vec<f32> {
+    /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`, as
+    /// `rows.len()` rows of `group * d` outputs, through the `gemm` crate: per query head, the
+    /// scores `Q K^T` of the block's rows against every key any of them attends (one GEMM, with
+    /// the scale), the softmax of each row over its own keys (the others, and masked keys, at
+    /// -inf), then `P V` (a second GEMM). `p` is scratch for the probabilities.
+    fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
         let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
         let (t, d, group) = (g.t, g.d, self.group);
-        // The keys any row of the block attends.
         let range = |si: usize| {
             let qi = si + self.offset;
             let hi = if g.causal { (qi + 1).min(t) } else { t };
@@ -228,57 +224,85 @@ impl Rows<'_> {
         };
         let (first, last) = (range(rows.start), range(rows.end - 1));
         let (k0, k1) = (first.0.min(last.0), first.1.max(last.1));
-        let n = k1 - k0;
-        kt.clear();
-        kt.resize(d * n, 0.0);
-        for j in 0..n {
-            let krow = &k[kl.at(bi, kvh, k0 + j)..][..d];
-            for (e, &x) in krow.iter().enumerate() {
-                kt[e * n + j] = x;
+        let (m, n) = (rows.len(), k1 - k0);
+        let mut out = vec![0.0f32; m * group * d];
+        p.clear();
+        p.resize(m * n, 0.0);
+        for j in 0..group {
+            let hq = kvh * group + j;
+            // SAFETY: `q` holds the block's rows of head `hq` at stride `ql.row`, `k` and `v` its
+            // keys `k0..k1` of head `kvh` at strides `kl.row` / `vl.row` (checked by `run`), `p`
+            // holds m x n and `out` m rows of `group * d`; the destinations alias nothing read.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    d,
+                    p.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    q.as_ptr().add(ql.at(bi, hq, rows.start)),
+                    1,
+                    ql.row as isize,
+                    k.as_ptr().add(kl.at(bi, kvh, k0)),
+                    kl.row as isize,
+                    1,
+                    0.0,
+                    g.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
-        }
-        let mut out = vec![0.0f32; rows.len() * group * d];
-        let mut scores = vec![0.0f32; n];
-        for (i, si) in rows.enumerate() {
-            let qi = si + self.offset;
-            let (lo, hi) = range(si);
-            for j in 0..group {
-                let hq = kvh * group + j;
-                let o = &mut out[(i * group + j) * d..][..d];
-                let qrow = &q[ql.at(bi, hq, si)..][..d];
-                let sc = &mut scores[lo - k0..hi - k0];
-                sc.fill(0.0);
-                for (e, &qe) in qrow.iter().enumerate() {
-                    let col = &kt[e * n + (lo - k0)..][..hi - lo];
-                    for (x, &kv) in sc.iter_mut().zip(col) {
-                        *x += qe * kv;
-                    }
-                }
-                // Branch-free, so it vectorizes: scale, ALiBi, then the key mask as a select.
+            for (i, si) in rows.clone().enumerate() {
+                let qi = si + self.offset;
+                let (lo, hi) = range(si);
+                let row = &mut p[i * n..][..n];
                 let slope = if g.alibi { self.slopes[hq] } else { 0.0 };
-                for (ti, x) in (lo..hi).zip(sc.iter_mut()) {
-                    *x = *x * g.scale + slope * (ti as f32 - qi as f32);
+                for (ti, x) in (k0..k1).zip(row.iter_mut()) {
+                    let keep = ti >= lo && ti < hi && self.mask.is_none_or(|m| m[bi * t + ti] != 0.0);
+                    *x = if keep { *x + slope * (ti as f32 - qi as f32) } else { f32::NEG_INFINITY };
                 }
-                if let Some(m) = self.mask {
-                    for (x, &keep) in sc.iter_mut().zip(&m[bi * t + lo..bi * t + hi]) {
-                        *x = if keep == 0.0 { f32::MIN } else { *x };
-                    }
-                }
-                let max = max_of(sc);
-                if hi == lo || max == f32::MIN {
-                    // Every key masked: the interpreter's softmax is uniform over all keys.
+                let max = max_of(row);
+                if hi == lo || max <= f32::MIN {
+                    // Every key masked: uniform over all keys, as the interpreter's softmax.
+                    row.fill(0.0);
+                    let o = &mut out[(i * group + j) * d..][..d];
                     for ti in 0..t {
-                        add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
+                        add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0 / t as f32);
                     }
-                    o.iter_mut().for_each(|x| *x /= t as f32);
                     continue;
                 }
-                super::math::exp_shifted(sc, max);
-                let inv = (1.0 / sum_of(sc)) as f32;
-                sc.iter_mut().for_each(|p| *p *= inv);
-                for (ti, &p) in (lo..hi).zip(sc.iter()) {
-                    add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], p);
-                }
+                super::math::exp_shifted(row, max);
+                let inv = (1.0 / sum_of(row)) as f32;
+                row.iter_mut().for_each(|x| *x *= inv);
+            }
+            // Rows whose keys were all masked are zero in `p` and were written above: add to them.
+            // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    d,
+                    n,
+                    out.as_mut_ptr().add(j * d),
+                    1,
+                    (group * d) as isize,
+                    true,
+                    p.as_ptr(),
+                    1,
+                    n as isize,
+                    v.as_ptr().add(vl.at(bi, kvh, k0)),
+                    1,
+                    vl.row as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
         }
         out
