@@ -1,13 +1,16 @@
 //! A two-turn chat with SmolLM2-135M-Instruct from Rust: the GGUF file's own tokenizer and chat
-//! template, its Q4_1 weights kept as blocks on the device, and one key/value cache for the whole
-//! conversation, so the second turn prefills only the tokens the first did not already run.
+//! template, its Q4_1 weights kept as blocks, and one key/value cache for the whole conversation,
+//! so the second turn prefills only the tokens the first did not already run. It runs where
+//! `kiln generate` would: on a hardware GPU through wgpu when the machine has one, else on the
+//! native CPU backend.
 //!
 //! Needs the model: `scripts/fetch-models smollm2`. Run with `cargo run --example chat`.
 
 use kiln_compiler::graph::build::build_cached;
+use kiln_compiler::target::Target;
 use kiln_compiler::{lower, optimize};
 use kiln_runtime::generate::{Engine, Sampler, Session, generate};
-use kiln_runtime::{Gpu, GpuModel, Message, Tokenizer};
+use kiln_runtime::{CpuModel, Gpu, GpuModel, Message, Tokenizer};
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
@@ -27,19 +30,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fe = kiln_compiler::front_end("models/smollm2-135m.toml", &std::fs::read_to_string(spec_path)?)
         .map_err(|e| e.render())?;
 
-    // The decoder step with its key/value cache, optimized, as `kiln generate` runs it.
-    let graph = optimize::optimize(&build_cached(&fe.spec)?)?.0;
+    // The decoder step with its key/value cache, optimized for the backend that runs it, as
+    // `kiln generate` runs it.
+    let gpu = Gpu::hardware_adapter().map(|_| Gpu::new(None)).transpose()?;
+    let target = if gpu.is_some() { Target::wgpu() } else { Target::cpu() };
+    let graph = optimize::optimize_for(&build_cached(&fe.spec)?, &target)?.0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &graph, &weights)?;
-    let engine = match Gpu::new(None) {
-        Ok(gpu) => {
-            // Projections whose weights the file stores as Q4_1/Q8_0 read those blocks directly.
-            let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
-            let plan = lower::lower_with(&graph, lower::Options { formats, ..lower::Options::default() })?;
-            Engine::Gpu(Box::new(GpuModel::with_blocks(Arc::new(gpu), plan, &params, &blocks)?))
-        }
-        Err(e) => {
-            println!("no GPU adapter ({e}); running on the reference interpreter");
-            Engine::Interp { graph: graph.clone(), params }
+    // Projections whose weights the file stores as Q4_1/Q8_0 read those blocks directly.
+    let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
+    let plan = lower::lower_with(&graph, lower::Options { formats, ..lower::Options::default() })?;
+    let engine = match gpu {
+        Some(gpu) => Engine::Gpu(Box::new(GpuModel::with_blocks(Arc::new(gpu), plan, &params, &blocks)?)),
+        None => {
+            let threads = kiln_runtime::cpu::default_threads();
+            println!("(no GPU adapter: the CPU backend on {threads} threads)");
+            Engine::Cpu(Box::new(CpuModel::from_owned(plan, params, blocks, threads, &())?))
         }
     };
     let outputs: Vec<String> = graph.outputs.iter().map(|(name, _)| name.clone()).collect();
