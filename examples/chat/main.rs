@@ -32,7 +32,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The decoder step with its key/value cache, optimized for the backend that runs it, as
     // `kiln generate` runs it.
-    let gpu = Gpu::hardware_adapter().map(|_| Gpu::new(None)).transpose()?;
+    let gpu = match Gpu::hardware_adapter() {
+        Some(_) => Some(Gpu::new(None)?),
+        None => None,
+    };
     let target = if gpu.is_some() { Target::wgpu() } else { Target::cpu() };
     let graph = optimize::optimize_for(&build_cached(&fe.spec)?, &target)?.0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &graph, &weights)?;
