@@ -9,7 +9,7 @@
 //!   may attend (causal rows stop at their own position, window rows start at their earliest
 //!   key), and keeps one row of scores per query head of a key/value group, so every key and
 //!   value row loaded serves all the group's heads (grouped-query attention shares its loads).
-//! - **Blocks** (prefill, from [`MIN_BLOCK_ROWS`] rows): a task owns up to [`TILE_ROWS`] query
+//! - **Blocks** (prefill, from `MIN_BLOCK_ROWS` (16) rows): a task owns up to `TILE_ROWS` (64) query
 //!   rows of one key/value head, and per query head runs two GEMMs through the `gemm` crate —
 //!   scores against only the keys some row of the block attends, then probabilities times values
 //!   — with each row's softmax over its own keys in between. At most `TILE_ROWS` rows of scores
@@ -17,7 +17,7 @@
 //!
 //! The pool's threads take rows or blocks.
 //!
-//! Both ops read their tensors through [`Layout`]s — strides of batch, head and row and a first
+//! Both ops read their tensors through `Layout`s — strides of batch, head and row and a first
 //! column — so `attention` over `[b, h, s, d]` tensors and `packed_attention` over one packed
 //! projection `[b, s, width]` are the same loop.
 
