@@ -214,6 +214,23 @@ impl Rows<'_> {
     /// the scale), the softmax of each row over its own keys (the others, and masked keys, at
     /// -inf), then `P V` (a second GEMM). `p` is scratch for the probabilities.
     fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if super::math::has_avx2() {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            return unsafe { self.block_avx2(bi, kvh, rows, p) };
+        }
+        self.block_inner(bi, kvh, rows, p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn block_avx2(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
+        self.block_inner(bi, kvh, rows, p)
+    }
+
+    /// [`Rows::block`]'s body, built for the baseline and for AVX2/FMA.
+    #[inline(always)]
+    fn block_inner(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
         let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
         let (t, d, group) = (g.t, g.d, self.group);
         let range = |si: usize| {

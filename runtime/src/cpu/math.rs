@@ -25,12 +25,21 @@ fn exp(x: f32) -> f32 {
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // exp(r) on |r| <= ln2 / 2: Taylor to degree 6 (error < 3e-8 relative).
     let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // 2^n by building the exponent; n in [-159, 128] here, so split it in two steps to stay normal.
-    let n = n as i32;
-    let half = n / 2;
-    let a = f32::from_bits(((half + 127).clamp(0, 255) as u32) << 23);
-    let b = f32::from_bits(((n - half + 127).clamp(0, 255) as u32) << 23);
+    // 2^n as 2^h * 2^(n - h), h = floor(n / 2), so each factor is a normal float (n is in
+    // [-159, 128], the halves in [-80, 64]); built from the exponent bits without a float-to-int
+    // conversion, which would not vectorize.
+    let h = (n * 0.5).floor();
+    let (a, b) = (pow2(h), pow2(n - h));
     p * a * b
+}
+
+/// `2^k` for an integer-valued `k` in [-126, 127]: adding 1.5 * 2^23 puts `k` in the low bits of
+/// the sum, from which the exponent field is made with integer operations.
+#[inline(always)]
+fn pow2(k: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let int = (k + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits());
+    f32::from_bits(int.wrapping_add(127) << 23)
 }
 
 /// `tanh(x)`: `1 - 2 / (exp(2|x|) + 1)` with the sign of `x` (exact 1 for |x| > 10).
@@ -127,10 +136,26 @@ pub fn has_avx2() -> bool {
     })
 }
 
-/// `xs[i] = exp(xs[i] - max)` (a softmax's numerators; inlined into the caller's SIMD build).
-#[inline(always)]
+/// `xs[i] = exp(xs[i] - max)` (a softmax's numerators).
 pub fn exp_shifted(xs: &mut [f32], max: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+        unsafe { exp_shifted_avx2(xs, max) };
+        return;
+    }
+    exp_shifted_generic(xs, max)
+}
+
+#[inline(always)]
+fn exp_shifted_generic(xs: &mut [f32], max: f32) {
     xs.iter_mut().for_each(|x| *x = exp(*x - max));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp_shifted_avx2(xs: &mut [f32], max: f32) {
+    exp_shifted_generic(xs, max)
 }
 
 /// `xs[i] = a(xs[i])`.
