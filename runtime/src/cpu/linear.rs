@@ -222,28 +222,11 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
         })
         .collect();
     let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
-    if m == 1 {
-        let acts = &acts[0];
-        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| {
-            qdot::dot_rows(q.format, words(c * ROW_BLOCK), k, acts, o);
-        });
-        return Ok(());
-    }
-    // Several rows of x: each task computes a block of weight rows for every row of x, then the
-    // blocks are written into place.
-    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
-        .into_par_iter()
-        .map(|c| {
-            let r0 = c * ROW_BLOCK;
-            let len = ROW_BLOCK.min(rows - r0);
-            let mut part = vec![0.0; m * len];
-            for (a, o) in acts.iter().zip(part.chunks_mut(len)) {
-                qdot::dot_rows(q.format, words(r0), k, a, o);
-            }
-            part
-        })
-        .collect();
-    scatter(&blocks, m, rows, y);
+    by_row_blocks(rows, m, y, |r0, len, out| {
+        for (a, o) in acts.iter().zip(out.chunks_mut(len)) {
+            qdot::dot_rows(q.format, words(r0), k, a, o);
+        }
+    });
     Ok(())
 }
 
@@ -255,11 +238,17 @@ fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R
     let (k, rows) = (q.k, q.rows);
     let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
     let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
+    by_row_blocks(rows, m, y, |r0, len, out| qdot_f32::gemm_rows_f32(q.format, words(r0), k, x, m, out, len));
+    Ok(())
+}
+
+/// Runs `kernel(r0, len, out)` for every block of [`ROW_BLOCK`] weight rows over the pool, `out`
+/// holding `m` rows of `len` results (columns `r0 .. r0 + len` of `y [m, rows]`): for one row of
+/// `x` straight into `y`, otherwise into a buffer per block, written into place after.
+fn by_row_blocks(rows: usize, m: usize, y: &mut [f32], kernel: impl Fn(usize, usize, &mut [f32]) + Sync) {
     if m == 1 {
-        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| {
-            qdot_f32::dot_rows_f32(q.format, words(c * ROW_BLOCK), k, x, o);
-        });
-        return Ok(());
+        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| kernel(c * ROW_BLOCK, o.len(), o));
+        return;
     }
     let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
         .into_par_iter()
@@ -267,12 +256,11 @@ fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R
             let r0 = c * ROW_BLOCK;
             let len = ROW_BLOCK.min(rows - r0);
             let mut part = vec![0.0; m * len];
-            qdot_f32::gemm_rows_f32(q.format, words(r0), k, x, m, &mut part, len);
+            kernel(r0, len, &mut part);
             part
         })
         .collect();
     scatter(&blocks, m, rows, y);
-    Ok(())
 }
 
 /// Writes per-block results (`m` rows of up to [`ROW_BLOCK`] columns each, block `c` holding
