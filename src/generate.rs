@@ -180,6 +180,7 @@ pub fn run_cli(
     catch_interrupt();
     let prompt = req.prompt.clone();
     let mut out = std::io::stdout();
+    let backend = req.backend.name();
     let (ids, stats) = match (output, tokenizer.as_ref()) {
         (Output::Json, _) => run(fe, req, reporter, |_| !interrupted())?,
         (Output::Text, Some(tok)) => {
@@ -223,7 +224,8 @@ pub fn run_cli(
             }
             None => None,
         };
-        let value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats);
+        let mut value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats);
+        value["backend"] = backend.into();
         let _ = writeln!(out, "{}", serde_json::to_string_pretty(&value)?);
     } else {
         let _ = writeln!(out);
@@ -245,7 +247,8 @@ pub fn run_cli(
 /// source), `generated_ids`, `text` (the generated ids decoded, special tokens skipped; `null`
 /// without a tokenizer), `stop_reason` (`max_new_tokens`, `stop_id` (a `--stop-ids` id or the
 /// tokenizer's end of sequence), `context_full` (`max_positions` reached) or `interrupted`
-/// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `prefill_tok_s` and `decode_tok_s`.
+/// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `prefill_tok_s` and `decode_tok_s` (and `backend`,
+/// added by the caller).
 fn json(model: &str, prompt: &[i64], ids: &[i64], text: Option<&str>, stats: &Stats) -> serde_json::Value {
     let stop_reason = match stats.stop {
         Stop::MaxNewTokens => "max_new_tokens",

@@ -283,7 +283,7 @@ impl Backend {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
             Backend::Cpu => "cpu",
@@ -501,7 +501,7 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("the model has no outputs");
             }
             kiln_runtime::write_tensors(&output, &outputs)?;
-            report::run(&output, &outputs, json)?;
+            report::run(&output, &outputs, backend.name(), json)?;
         }
         Command::Generate {
             spec,

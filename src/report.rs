@@ -96,13 +96,13 @@ pub fn compile(path: &Path, plan: &Plan, optimized: bool, json: bool) -> Result<
 
 /// `kiln run`: the outputs written to `path`. JSON: `path`, `outputs` (per output in the order
 /// written: `name`, `dtype`, `shape`).
-pub fn run(path: &Path, outputs: &[(String, Tensor)], json: bool) -> Result<()> {
+pub fn run(path: &Path, outputs: &[(String, Tensor)], backend: &str, json: bool) -> Result<()> {
     if json {
         let outputs: Vec<serde_json::Value> = outputs
             .iter()
             .map(|(name, t)| json!({ "name": name, "dtype": t.dtype().to_string(), "shape": t.shape }))
             .collect();
-        return print_json(&json!({ "path": path.display().to_string(), "outputs": outputs }));
+        return print_json(&json!({ "path": path.display().to_string(), "backend": backend, "outputs": outputs }));
     }
     for (name, t) in outputs {
         println!("{name}: {}{:?}", t.dtype(), t.shape);

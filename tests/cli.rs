@@ -488,6 +488,7 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
     let v = json_of(&o);
     assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     assert_eq!(v["text"], "The capital of France is Paris.");
+    assert_eq!(v["backend"], backend);
     assert_eq!(v["stop_reason"], "stop_id");
     assert_eq!(v["prompt_ids"].as_array().map(Vec::len), Some(37));
     // The same prompt as ids prints ids; a text prompt without a tokenizer is refused.
@@ -661,9 +662,12 @@ fn run_json_lists_the_outputs_written() {
     ];
     let o = kiln(&args);
     let v = json_of(&o);
-    // No progress bar or other line on stderr when it is not a terminal.
+    // No progress bar or other line on stderr when it is not a terminal; the backend `auto`
+    // picked is in the document instead.
     assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     assert_eq!(v["path"], s(&out));
+    let expected = if kiln_runtime::Gpu::hardware_adapter().is_some() { "wgpu" } else { "cpu" };
+    assert_eq!(v["backend"], expected);
     let written = kiln_runtime::read_tensors(&out).unwrap();
     let outputs = v["outputs"].as_array().unwrap();
     assert_eq!(outputs.len(), written.len());
