@@ -442,33 +442,19 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
         Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
         Op::LayerNorm { eps } => {
-            let x = f(a[0]);
             let gain = f(a[1]);
             let bias = a.get(2).map(|t| f(t));
-            let d = gain.len();
-            let mut out = vec![0.0; x.len()];
-            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
-                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
-                let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
-                let inv = 1.0 / (var + eps.0 as f64).sqrt();
-                for j in 0..d {
-                    let y = ((row[j] as f64 - mean) * inv) as f32 * gain[j];
-                    o[j] = y + bias.map_or(0.0, |b| b[j]);
-                }
+            let mut out = f(a[0]).to_vec();
+            for row in out.chunks_mut(gain.len()) {
+                layer_norm_row(row, gain, bias, eps.0);
             }
             Tensor::f32(shape, out)
         }
         Op::RmsNorm { eps } => {
-            let x = f(a[0]);
             let gain = f(a[1]);
-            let d = gain.len();
-            let mut out = vec![0.0; x.len()];
-            for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
-                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
-                let inv = (1.0 / (ms + eps.0 as f64).sqrt()) as f32;
-                for j in 0..d {
-                    o[j] = row[j] * inv * gain[j];
-                }
+            let mut out = f(a[0]).to_vec();
+            for row in out.chunks_mut(gain.len()) {
+                rms_norm_row(row, gain, eps.0);
             }
             Tensor::f32(shape, out)
         }
@@ -766,6 +752,28 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             Tensor::f32(shape, out)
         }
     })
+}
+
+/// LayerNorm of one row in place (statistics in f64): `(x - mean) / sqrt(var + eps) * gain +
+/// bias`. The definition every engine's kernel uses.
+pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {
+    let d = row.len().max(1) as f64;
+    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d;
+    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    for (j, (v, &g)) in row.iter_mut().zip(gain).enumerate() {
+        *v = ((*v as f64 - mean) * inv) as f32 * g + bias.map_or(0.0, |b| b[j]);
+    }
+}
+
+/// RMSNorm of one row in place (mean square in f64): `x / sqrt(mean(x^2) + eps) * gain`. The
+/// definition every engine's kernel uses.
+pub fn rms_norm_row(row: &mut [f32], gain: &[f32], eps: f32) {
+    let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / row.len().max(1) as f64;
+    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+    for (v, &g) in row.iter_mut().zip(gain) {
+        *v = *v * inv * g;
+    }
 }
 
 /// RoPE frequencies as HF computes them: `inv_freq[i] = 1 / theta^(2i / rotary_dim)`, in f32.

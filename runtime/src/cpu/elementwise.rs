@@ -6,7 +6,7 @@
 
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::interp::{rope_frequencies, rotate};
+use kiln_compiler::interp::{layer_norm_row, rms_norm_row, rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Rows handed to one task at least (a decode step's few rows stay on one thread).
@@ -28,12 +28,18 @@ pub fn forward(
     match op {
         Op::RmsNorm { eps } => {
             let (x, gain) = (f(0)?, f(1)?);
-            rows(out.get(), width, |r, o| rms_row(&x[r * width..][..width], gain, eps.0, o));
+            rows(out.get(), width, |r, o| {
+                o.copy_from_slice(&x[r * width..][..width]);
+                rms_norm_row(o, gain, eps.0);
+            });
         }
         Op::LayerNorm { eps } => {
             let (x, gain) = (f(0)?, f(1)?);
             let bias = if args.len() > 2 { Some(f(2)?) } else { None };
-            rows(out.get(), width, |r, o| layer_row(&x[r * width..][..width], gain, bias, eps.0, o));
+            rows(out.get(), width, |r, o| {
+                o.copy_from_slice(&x[r * width..][..width]);
+                layer_norm_row(o, gain, bias, eps.0);
+            });
         }
         Op::AddNorm { rms, eps } => {
             let (x, y, gain) = (f(0)?, f(1)?, f(2)?);
@@ -45,10 +51,9 @@ pub fn forward(
                 for ((o, &a), &b) in o.iter_mut().zip(&x[r * width..][..width]).zip(&y[r * width..][..width]) {
                     *o = a + b;
                 }
-                let sum = o.to_vec();
                 match rms {
-                    true => rms_row(&sum, gain, eps.0, o),
-                    false => layer_row(&sum, gain, bias, eps.0, o),
+                    true => rms_norm_row(o, gain, eps.0),
+                    false => layer_norm_row(o, gain, bias, eps.0),
                 }
             });
         }
@@ -161,25 +166,4 @@ fn out_len(shape: &[usize]) -> usize {
 /// Runs `f(row index, output row)` over the rows of `out`, in parallel when there are many.
 fn rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
     out.par_chunks_mut(width).with_min_len(MIN_ROWS).enumerate().for_each(|(r, o)| f(r, o));
-}
-
-/// RMSNorm of one row, as the interpreter computes it.
-pub fn rms_row(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
-    let ms = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len().max(1) as f64;
-    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
-    for ((o, &v), &g) in out.iter_mut().zip(x).zip(gain) {
-        *o = v * inv * g;
-    }
-}
-
-/// LayerNorm of one row, as the interpreter computes it.
-pub fn layer_row(x: &[f32], gain: &[f32], bias: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let d = x.len().max(1) as f64;
-    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / d;
-    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d;
-    let inv = 1.0 / (var + eps as f64).sqrt();
-    for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
-        let y = ((v as f64 - mean) * inv) as f32 * gain[j];
-        *o = y + bias.map_or(0.0, |b| b[j]);
-    }
 }

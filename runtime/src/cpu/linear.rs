@@ -18,7 +18,7 @@ use super::qdot::{self, Q8Acts};
 use super::qdot_f32;
 use super::{Arg, CpuError, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::interp::{activation, rope_frequencies, rotate};
+use kiln_compiler::interp::{activation, layer_norm_row, rms_norm_row, rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Weight rows one task computes (for every row of `x`): 64 rows of a 576-wide Q4_1 weight are
@@ -79,9 +79,12 @@ pub fn forward(
     let x: &[f32] = match norm {
         Some((p, gain, nbias)) => {
             let mut t = vec![0.0; x.len()];
-            t.par_chunks_mut(k).zip(x.par_chunks(k)).with_min_len(8).for_each(|(o, row)| match p.rms {
-                true => super::elementwise::rms_row(row, gain, p.eps.0, o),
-                false => super::elementwise::layer_row(row, gain, nbias, p.eps.0, o),
+            t.par_chunks_mut(k).zip(x.par_chunks(k)).with_min_len(8).for_each(|(o, row)| {
+                o.copy_from_slice(row);
+                match p.rms {
+                    true => rms_norm_row(o, gain, p.eps.0),
+                    false => layer_norm_row(o, gain, nbias, p.eps.0),
+                }
             });
             normed = t;
             &normed

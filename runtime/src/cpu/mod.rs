@@ -6,12 +6,14 @@
 //! binding, index checks); what is its own is the kernel chosen for each step:
 //!
 //! - projections ([`linear`]): the norm prologue, then a GEMM through the `gemm` crate for f32
-//!   weights, or int8 dot products straight from the quantized blocks ([`qdot`]) for Q8_0/Q4_1
-//!   weights (activations quantized per block of 32, as llama.cpp does), then the epilogue (bias,
-//!   activation, gate, RoPE, residual) on each row while it is in cache;
-//! - attention ([`attention`]): an online softmax over the keys, every query head of a key/value
-//!   group sharing the loads, causal and window ranges skipped, threads over rows and heads;
-//! - norms, residual adds, gathers and activations ([`elementwise`]);
+//!   weights, or products straight from the quantized blocks for Q8_0/Q4_1 weights (blocks
+//!   dequantized in registers, [`qdot_f32`]; or, opted into, activations quantized per block of
+//!   32 as llama.cpp does, [`qdot`]), then the epilogue (bias, activation, gate, RoPE, residual)
+//!   on each row while it is in cache;
+//! - attention ([`attention`]): a task per query row for decoding, blocks of query rows through
+//!   two GEMMs for prefill; every query head of a key/value group sharing the loads, causal and
+//!   window ranges skipped;
+//! - norms, residual adds, gathers and activations ([`elementwise`], [`math`]);
 //! - every other op through the interpreter's own evaluation
 //!   ([`kiln_compiler::interp::eval_op_at`]), so any plan runs, and native kernels replace ops one
 //!   at a time, each held to the interpreter by `tests/fused_ops.rs`.
@@ -156,7 +158,7 @@ impl CpuModel {
             ));
         }
         check_steps(&plan)?;
-        let tables = block_tables(&plan, &blocks);
+        let tables = gather_tables(&plan, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
         let provided: HashSet<usize> = tables.keys().copied().collect();
         // Constants by value: folds own their results; parameters are named, and moved out of
         // `params` / `blocks` once the borrows end.
@@ -184,28 +186,11 @@ impl CpuModel {
             }
         }
         quant_params.extend(tables);
-        let mut moved_host: HashMap<String, usize> = HashMap::new();
-        for (id, n) in host_params {
-            let t = match params.remove(&n) {
-                Some(t) => Arc::new(t),
-                None => match moved_host.get(&n).and_then(|first| consts.get(first)) {
-                    Some(Const::F32(t)) => t.clone(),
-                    _ => return Err(InterpError::MissingParam(n).into()),
-                },
-            };
-            moved_host.insert(n, id);
+        for (id, t) in move_shared(host_params, &mut params, |n| InterpError::MissingParam(n).into())? {
             consts.insert(id, Const::F32(t));
         }
-        let mut moved_quant: HashMap<String, usize> = HashMap::new();
-        for (id, n) in quant_params {
-            let q = match blocks.remove(&n) {
-                Some(q) => Arc::new(q),
-                None => match moved_quant.get(&n).and_then(|first| consts.get(first)) {
-                    Some(Const::Quant(q)) => q.clone(),
-                    _ => return Err(CpuError::Invalid(format!("the blocks of `{n}` were not given"))),
-                },
-            };
-            moved_quant.insert(n, id);
+        let missing = |n| CpuError::Invalid(format!("the blocks of `{n}` were not given"));
+        for (id, q) in move_shared(quant_params, &mut blocks, missing)? {
             consts.insert(id, Const::Quant(q));
         }
         drop((params, blocks));
@@ -237,16 +222,8 @@ impl CpuModel {
     /// named in `quantized` come as blocks: those the plan reads in f32, except gather tables read
     /// from blocks (an embedding table stored quantized is never expanded to f32).
     pub fn f32_params(plan: &Plan, quantized: &HashSet<String>) -> Vec<String> {
-        let tables: HashSet<usize> = plan
-            .values
-            .iter()
-            .enumerate()
-            .filter(|(id, v)| {
-                matches!(&v.storage, Storage::Param(n) if quantized.contains(n)) && only_gathered(plan, *id)
-            })
-            .map(|(id, _)| id)
-            .collect();
-        prepare::f32_params(plan, &tables)
+        let tables = gather_tables(plan, |name, _| quantized.contains(name));
+        prepare::f32_params(plan, &tables.into_keys().collect())
     }
 
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
@@ -491,22 +468,13 @@ fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
 /// type-checked): the kernels rely on it. Symbolic dimensions are checked as symbols.
 fn check_steps(plan: &Plan) -> R<()> {
     for (i, step) in plan.steps.iter().enumerate() {
-        let shapes: Vec<(Vec<Dim>, DType)> = step
-            .operands
-            .iter()
-            .map(|&o| {
-                let v = &plan.values[o];
-                // A projection's weight operand is stored transposed or as blocks: its shape is
-                // checked by the kernel, which reads it by its format.
-                (v.shape.clone(), v.dtype)
-            })
-            .collect();
+        // A projection's weight is stored transposed or as blocks, not in the graph's `[out, in]`:
+        // `linear::forward` checks its operands against the layout it reads.
         if matches!(step.op, Op::Linear { .. }) {
-            // Checked by `linear::forward` at run time (the weight's stored layout differs from
-            // the graph's `[out, in]`).
             continue;
         }
-        let typed: Vec<(&Vec<Dim>, DType)> = shapes.iter().map(|(s, d)| (s, *d)).collect();
+        let typed: Vec<(&Vec<Dim>, DType)> =
+            step.operands.iter().map(|&o| (&plan.values[o].shape, plan.values[o].dtype)).collect();
         let (inferred, dtype) = kiln_compiler::graph::infer(&step.op, &typed)
             .map_err(|m| CpuError::Invalid(format!("step {i} (`{}`): {m}", step.scope)))?;
         let out = &plan.values[step.output];
@@ -538,19 +506,39 @@ fn only_gathered(plan: &Plan, id: usize) -> bool {
     gathered && !plan.folds.iter().any(|f| f.operands.iter().any(reads)) && !plan.outputs.iter().any(|(_, v)| reads(v))
 }
 
-/// The gather tables read from blocks: f32 parameter values read only by gathers whose blocks
-/// (of the same shape) are given, by value, with their names.
-fn block_tables(plan: &Plan, blocks: &HashMap<String, QuantWeight>) -> HashMap<usize, String> {
+/// The gather tables read from blocks: the f32 parameter values read only by gathers for which
+/// `has_blocks(name, shape)` says blocks are given, by value, with their names.
+fn gather_tables(plan: &Plan, has_blocks: impl Fn(&str, &[usize]) -> bool) -> HashMap<usize, String> {
     plan.values
         .iter()
         .enumerate()
         .filter_map(|(id, v)| match &v.storage {
             Storage::Param(n) if v.format.is_f32() => {
-                let q = blocks.get(n)?;
                 let shape = resolve(&v.shape, &HashMap::new());
-                ([q.rows, q.k] == shape[..] && only_gathered(plan, id)).then(|| (id, n.clone()))
+                (has_blocks(n, &shape) && only_gathered(plan, id)).then(|| (id, n.clone()))
             }
             _ => None,
+        })
+        .collect()
+}
+
+/// Moves each named weight out of `source` into an `Arc`, shared by every value that reads the
+/// same name; a name `source` lacks is `missing`.
+fn move_shared<T>(
+    pending: Vec<(usize, String)>,
+    source: &mut HashMap<String, T>,
+    missing: impl Fn(String) -> CpuError,
+) -> R<Vec<(usize, Arc<T>)>> {
+    let mut moved: HashMap<String, Arc<T>> = HashMap::new();
+    pending
+        .into_iter()
+        .map(|(id, name)| {
+            if let Some(t) = moved.get(&name) {
+                return Ok((id, t.clone()));
+            }
+            let t = Arc::new(source.remove(&name).ok_or_else(|| missing(name.clone()))?);
+            moved.insert(name, t.clone());
+            Ok((id, t))
         })
         .collect()
 }
