@@ -308,27 +308,55 @@ fn time_graph(target: &Target, g: &Graph, seq: usize, runs: usize) -> Result<f64
     Ok(median(t))
 }
 
+/// The time per unit of work of `g` (ms), from runs at growing sizes: `sizes[0]` is the base,
+/// and the first larger size at which the extra work takes at least half of the run's time (so
+/// the difference stands clear of the fixed costs and their noise) gives `(t - t0) / (work(size)
+/// - work(base))`. A fast device needs sizes a slow one would take seconds over; the last size is
+/// used if none qualifies, and a difference that is not positive there is an error, not a
+/// constant.
+fn slope(
+    target: &Target,
+    g: &Graph,
+    sizes: &[usize],
+    work: impl Fn(usize) -> f64,
+    runs: usize,
+    what: &str,
+) -> Result<f64> {
+    let (&base, larger) = sizes.split_first().context("no sizes")?;
+    let t0 = time_graph(target, g, base, runs)?;
+    let mut last = (base, t0);
+    for &size in larger {
+        let t = time_graph(target, g, size, runs)?;
+        last = (size, t);
+        if t - t0 >= 0.5 * t {
+            break;
+        }
+    }
+    let (size, t) = last;
+    anyhow::ensure!(
+        t > t0,
+        "{what} is not measurable on {}: {t:.4} ms at size {size} vs {t0:.4} ms at {base}",
+        target.describe()
+    );
+    Ok((t - t0) / (work(size) - work(base)))
+}
+
 /// Measures the cost model's constants on an adapter: the time of one dispatch, of one byte
 /// moved by a memory-bound kernel, and of one FLOP of a projection, each as the difference
-/// between two runs that differ only in that quantity. Prints them in the cost model's unit (one
-/// byte moved) next to the defaults.
+/// between runs that differ only in that quantity (grown until the difference is clear of noise:
+/// see [`slope`]). Prints them in the cost model's unit (one byte moved) next to the defaults.
 pub fn calibrate(target: &Target, json: bool) -> Result<()> {
     let runs = 5;
     let scale = || (Op::Scale { factor: Scalar(1.0001) }, None);
     // Dispatch: 201 vs 1 scale of 64 floats.
     let small = |n: usize| chain(64, &vec![scale(); n]);
     let t_dispatch = (time_graph(target, &small(201), 1, runs)? - time_graph(target, &small(1), 1, runs)?) / 200.0;
-    // Bytes: 8 scales of 4096 x 1024 floats vs of 64 x 1024 (8 B moved per element).
-    let wide = |seq: usize| (chain(1024, &vec![scale(); 8]), seq);
-    let (g, big) = wide(4096);
-    let t_big = time_graph(target, &g, big, runs)?;
-    let (g, little) = wide(64);
-    let t_little = time_graph(target, &g, little, runs)?;
-    let t_byte = (t_big - t_little) / (8.0 * 8.0 * 1024.0 * (big - little) as f64);
-    // FLOPs: a projection 512 -> 512 at 256 vs 32 rows.
-    let lin = chain(512, &[(Op::linear(None, false, false), Some(vec![512, 512]))]);
-    let (t_256, t_32) = (time_graph(target, &lin, 256, runs)?, time_graph(target, &lin, 32, runs)?);
-    let t_flop = (t_256 - t_32) / (2.0 * 512.0 * 512.0 * (256 - 32) as f64);
+    // Bytes: 8 scales of rows x 1024 floats (8 B moved per element), from 64 rows up.
+    let wide = chain(1024, &vec![scale(); 8]);
+    let t_byte = slope(target, &wide, &[64, 4096, 16384, 65536], |rows| 8.0 * 8.0 * 1024.0 * rows as f64, runs, "a byte moved")?;
+    // FLOPs: a projection 1024 -> 1024, from 32 rows up.
+    let lin = chain(1024, &[(Op::linear(None, false, false), Some(vec![1024, 1024]))]);
+    let t_flop = slope(target, &lin, &[32, 256, 2048, 16384], |rows| 2.0 * 1024.0 * 1024.0 * rows as f64, runs, "a matmul FLOP")?;
     let dispatch = t_dispatch / t_byte;
     let flop = t_flop / t_byte;
     let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
