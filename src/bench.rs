@@ -86,7 +86,7 @@ pub fn forward(
     let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
         let model = target.model(graph, &params, &blocks, storage, &quiet())?;
-        let (dispatches, kernels) = (model.plan().steps.len(), model.plan().kernels.len());
+        let (dispatches, kernels) = (model.plan().steps.len(), model.kernels());
         model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
         variants.push(Variant { name, model, dispatches, kernels });
     }
@@ -184,14 +184,14 @@ pub fn decode(
     runs: usize,
     json: bool,
 ) -> Result<()> {
-    use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+    use kiln_runtime::generate::{Sampler, Session, generate};
     let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &target.optimizer())?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     let model = target.model(&cached, &params, &blocks, storage, &quiet())?;
     let dispatches = model.plan().steps.len();
     let device_weights = (crate::storage::describe(&model), crate::storage::json(&model));
-    let mut session = Session::new(Engine::from(model), &outputs, usize::MAX)?;
+    let mut session = Session::new(model.into(), &outputs, usize::MAX)?;
     let vocab = fe.spec.spec.model.vocab as i64;
     let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
     if prompt + steps > fe.spec.spec.model.max_positions as usize {
@@ -299,7 +299,7 @@ fn time_graph(target: &Target, g: &Graph, seq: usize, runs: usize) -> Result<f64
     let params = interp::random_params(g, 2)?;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
-    let model = load(target, lower(g)?, &params, &HashMap::new())?;
+    let model = load(target, lower(g), &params, &HashMap::new())?;
     model.run(&inputs)?;
     let mut t = Vec::new();
     for _ in 0..runs {
@@ -310,9 +310,9 @@ fn time_graph(target: &Target, g: &Graph, seq: usize, runs: usize) -> Result<f64
 
 /// The time per unit of work of `g` (ms), from runs at growing sizes: `sizes[0]` is the base,
 /// and the first larger size at which the extra work takes at least half of the run's time (so
-/// the difference stands clear of the fixed costs and their noise) gives `(t - t0) / (work(size)
-/// - work(base))`. A fast device needs sizes a slow one would take seconds over; the last size is
-/// used if none qualifies, and a difference that is not positive there is an error, not a
+/// the difference stands clear of the fixed costs and their noise) gives the time difference over
+/// the work difference. A fast device needs sizes a slow one would take seconds over; the last
+/// size is used if none qualifies, and a difference that is not positive there is an error, not a
 /// constant.
 fn slope(
     target: &Target,
@@ -353,10 +353,18 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
     let t_dispatch = (time_graph(target, &small(201), 1, runs)? - time_graph(target, &small(1), 1, runs)?) / 200.0;
     // Bytes: 8 scales of rows x 1024 floats (8 B moved per element), from 64 rows up.
     let wide = chain(1024, &vec![scale(); 8]);
-    let t_byte = slope(target, &wide, &[64, 4096, 16384, 65536], |rows| 8.0 * 8.0 * 1024.0 * rows as f64, runs, "a byte moved")?;
+    let t_byte =
+        slope(target, &wide, &[64, 4096, 16384, 65536], |rows| 8.0 * 8.0 * 1024.0 * rows as f64, runs, "a byte moved")?;
     // FLOPs: a projection 1024 -> 1024, from 32 rows up.
     let lin = chain(1024, &[(Op::linear(None, false, false), Some(vec![1024, 1024]))]);
-    let t_flop = slope(target, &lin, &[32, 256, 2048, 16384], |rows| 2.0 * 1024.0 * 1024.0 * rows as f64, runs, "a matmul FLOP")?;
+    let t_flop = slope(
+        target,
+        &lin,
+        &[32, 256, 2048, 16384],
+        |rows| 2.0 * 1024.0 * 1024.0 * rows as f64,
+        runs,
+        "a matmul FLOP",
+    )?;
     let dispatch = t_dispatch / t_byte;
     let flop = t_flop / t_byte;
     let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
@@ -415,13 +423,14 @@ fn time_plan(
             blocks.insert(name.clone(), q);
         }
     }
-    options.f16_weights = format == WeightFormat::F16;
     let ids = Tensor::i64(vec![1, seq], (0..seq as i64).map(|i| i % 16).collect());
     let inputs = HashMap::from([("input_ids".to_string(), ids)]);
-    let plan = lower::lower_with(g, options)?;
+    let plan = lower::lower_with(g, options);
     let model = match target {
         Target::Gpu(gpu) => {
-            kiln_runtime::Model::Gpu(Box::new(GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks)?))
+            let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: format == WeightFormat::F16 };
+            let model = GpuModel::with_progress(gpu.clone(), &plan, &wgsl, &params, &blocks, &())?;
+            kiln_runtime::Model::Gpu(Box::new(model))
         }
         Target::Cpu { threads } => {
             kiln_runtime::Model::Cpu(Box::new(kiln_runtime::CpuModel::new(plan, &params, &blocks, *threads, &())?))
@@ -620,7 +629,7 @@ struct TableRow {
 /// decode rate with the device-resident cache; then the kernels' GFLOPS (the projection at a
 /// prefill and a decode shape, causal attention). Every figure is a median of `runs`.
 pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
-    use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+    use kiln_runtime::generate::{Sampler, Session, generate};
     let decode_steps = 8;
     let mut rows = Vec::new();
     for (path, fe) in specs {
@@ -646,7 +655,7 @@ pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs
                 WeightArgs::default(),
                 &quiet(),
             )?;
-            Some(Session::new(Engine::from(step), &outputs, usize::MAX)?)
+            Some(Session::new(step.into(), &outputs, usize::MAX)?)
         } else {
             None
         };

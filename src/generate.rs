@@ -9,7 +9,8 @@ use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
-use kiln_runtime::generate::{Engine, Memory, Sampler, Session, Stats, Stop, generate};
+use kiln_runtime::generate::{Memory, Sampler, Session, Stats, Stop, generate};
+use kiln_runtime::{Engine, InterpEngine};
 use kiln_runtime::{Message, Tokenizer, weights};
 use std::collections::HashMap;
 use std::io::Write;
@@ -74,7 +75,7 @@ pub fn run(
         backend => Some(crate::storage::Target::new(backend, req.adapter, req.threads)?),
     };
     // Builds, optimizes and loads one graph on the chosen engine.
-    let engine_of = |graph: Graph| -> Result<Engine> {
+    let engine_of = |graph: Graph| -> Result<Box<dyn Engine>> {
         let graph = match req.no_optimize {
             true => graph,
             false => {
@@ -86,7 +87,7 @@ pub fn run(
                 let names = weights::graph_params(&graph);
                 let dims = PackDims::of(&fe.spec);
                 let params = weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?;
-                Engine::Interp { graph, params }
+                Box::new(InterpEngine::new(graph, params))
             }
             Some(target) => target.load(&fe.spec, &graph, &ckpt, req.storage, reporter)?.into(),
         })

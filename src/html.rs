@@ -6,8 +6,9 @@
 
 use crate::inspect::{Stats, explanations, graphviz};
 use anyhow::Result;
+use kiln_compiler::back::wgsl::Program;
 use kiln_compiler::graph::{Graph, Sym, resolve};
-use kiln_compiler::lower::{Plan, Storage};
+use kiln_compiler::lower::Storage;
 use kiln_compiler::optimize::CostModel;
 use kiln_runtime::{Clock, Profile};
 use std::collections::HashMap;
@@ -24,8 +25,8 @@ pub struct Report<'a> {
     pub graph: &'a Graph,
     /// The optimizer's statistics and the optimized graph.
     pub stats: &'a Stats,
-    /// The plan of the optimized graph (the one profiled, with `--profile`).
-    pub plan: &'a Plan,
+    /// The optimized graph's plan compiled for wgpu (the one profiled, with `--profile`).
+    pub program: &'a Program,
     /// Tokens the estimates (and the profile) are for.
     pub seq: usize,
     /// The blocks the drawings keep.
@@ -177,7 +178,7 @@ impl Report<'_> {
         let mut cards = vec![
             ("blocks", self.stats.blocks.to_string()),
             ("dispatches", format!("{} → {}", r.dispatches.0, r.dispatches.1)),
-            ("unique kernels", self.plan.kernels.len().to_string()),
+            ("unique kernels", self.program.kernels.len().to_string()),
             ("fused ops", explanations(&self.stats.optimized).len().to_string()),
             ("optimize", format!("{:.0} ms", r.optimize_ms)),
         ];
@@ -199,7 +200,7 @@ impl Report<'_> {
 
     /// One row per dispatch of the optimized plan.
     fn kernels(&self) -> String {
-        let plan = self.plan;
+        let plan = &self.program.plan;
         let cost = CostModel { seq: self.seq, ..CostModel::default() };
         let syms = HashMap::from([
             (Sym::Batch, 1),
@@ -257,7 +258,7 @@ impl Report<'_> {
             let _ = write!(
                 s,
                 "<tr><td class=\"num\">{i}</td><td class=\"mono\">{}</td><td class=\"mono\">{}{}</td><td class=\"mono\">{}</td><td class=\"mono\">{} → <span class=\"shape\">{}</span></td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-                escape(&plan.kernels[step.kernel].name),
+                escape(self.program.kernel_of(i).map_or("", |k| k.name.as_str())),
                 escape(&step.op.name()),
                 if attrs.is_empty() {
                     String::new()
@@ -405,10 +406,10 @@ impl Report<'_> {
     /// The WGSL of every kernel, folded.
     fn wgsl(&self) -> String {
         let mut s = String::from(
-            "<section id=\"wgsl\"><h2>WGSL</h2>\n<p class=\"note\">Each unique kernel once, validated by naga when the plan was lowered.</p>\n",
+            "<section id=\"wgsl\"><h2>WGSL</h2>\n<p class=\"note\">Each unique kernel once, validated by naga when the plan was compiled for wgpu.</p>\n",
         );
-        for (k, kernel) in self.plan.kernels.iter().enumerate() {
-            let uses = self.plan.steps.iter().filter(|step| step.kernel == k).count();
+        for (k, kernel) in self.program.kernels.iter().enumerate() {
+            let uses = self.program.step_kernels.iter().filter(|&&used| used == k).count();
             let _ = writeln!(
                 s,
                 "<details><summary><span class=\"mono\">kernel {k}: {}</span> <span class=\"note\">· {uses} dispatch{} · {} lines</span></summary><pre>{}</pre></details>",

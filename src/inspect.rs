@@ -4,6 +4,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
+use kiln_compiler::back::wgsl;
 use kiln_compiler::graph::print::{self, DotOptions};
 use kiln_compiler::graph::{Graph, Sym};
 use kiln_compiler::{FrontEnd, lower, optimize};
@@ -204,7 +205,7 @@ impl Stats {
         let (optimized, report) = optimize::optimize_for(graph, target)?;
         let syms =
             HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128), (Sym::Past, 0), (Sym::Ctx, 128)]);
-        let (before, after) = (lower::lower(graph)?, lower::lower(&optimized)?);
+        let (before, after) = (lower::lower(graph), lower::lower(&optimized));
         Ok(Stats {
             model: graph.name.clone(),
             blocks,
@@ -331,7 +332,8 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
             }
         }
         (Stage::Wgsl, Format::Text) => {
-            emit(lower::lower(&optimize::optimize(&fe.graph)?.0)?.kernels_text().as_bytes(), out, false)
+            let plan = lower::lower(&optimize::optimize(&fe.graph)?.0);
+            emit(wgsl::compile(&plan, &wgsl::Options::default())?.kernels_text().as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),
     }
@@ -363,7 +365,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         bail!("--seq {} exceeds the model's {max} positions", args.seq);
     }
     let stats = Stats::of(&fe.graph, fe.spec.layers(), &kiln_compiler::target::Target::wgpu())?;
-    let plan = lower::lower(&stats.optimized)?;
+    let program = wgsl::compile(&lower::lower(&stats.optimized), &wgsl::Options::default())?;
     let profile = match args.profile {
         false => None,
         true => {
@@ -380,7 +382,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
             let profile = median(runs);
             // The model may store weights differently from the plain lowering (quantized blocks
             // of a GGUF checkpoint): report the plan that ran.
-            Some((gpu.describe(), model.plan().clone(), profile))
+            Some((gpu.describe(), model.program().clone(), profile))
         }
     };
     let page = crate::html::Report {
@@ -388,7 +390,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         source,
         graph: &fe.graph,
         stats: &stats,
-        plan: profile.as_ref().map_or(&plan, |(_, plan, _)| plan),
+        program: profile.as_ref().map_or(&program, |(_, program, _)| program),
         seq: args.seq,
         layers: &args.layers,
         profile: profile.as_ref().map(|(adapter, _, p)| (adapter.as_str(), p)),

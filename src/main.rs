@@ -391,7 +391,8 @@ fn run_plan_wgpu(
     reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter)?);
-    let model = kiln_runtime::GpuModel::with_progress(gpu, plan, params, &HashMap::new(), reporter)?;
+    let options = kiln_compiler::back::wgsl::Options::default();
+    let model = kiln_runtime::GpuModel::with_progress(gpu, &plan, &options, params, &HashMap::new(), reporter)?;
     Ok(model.run(given)?)
 }
 

@@ -65,31 +65,26 @@ pub fn check(path: &Path, fe: &FrontEnd, seq: usize, json: bool) -> Result<()> {
 }
 
 /// `kiln compile`: the artifact written to `path` and its plan. JSON: `artifact`, `model`,
-/// `optimized`, `kernels`, `dispatches`, `buffers` (shared intermediate buffers), `memory`
+/// `optimized`, `kernels` (the plan's unique WGSL kernels on wgpu), `dispatches`, `buffers` (shared intermediate buffers), `memory`
 /// (`batch`, `seq`, `placed_bytes`: intermediates as placed in the shared buffers,
 /// `unshared_bytes`: their sum were each its own buffer).
 pub fn compile(path: &Path, plan: &Plan, optimized: bool, json: bool) -> Result<()> {
     let (batch, seq) = (1, 128);
     let syms = HashMap::from([(Sym::Batch, batch), (Sym::Seq, seq), (Sym::SrcSeq, seq)]);
     let (sum, placed) = plan.memory(&syms);
+    let kernels = kiln_compiler::back::wgsl::compile(plan, &Default::default())?.kernels.len();
     if json {
         return print_json(&json!({
             "artifact": path.display().to_string(),
             "model": plan.name,
             "optimized": optimized,
-            "kernels": plan.kernels.len(),
+            "kernels": kernels,
             "dispatches": plan.steps.len(),
             "buffers": plan.slots,
             "memory": { "batch": batch, "seq": seq, "placed_bytes": placed, "unshared_bytes": sum },
         }));
     }
-    println!(
-        "{}: {} kernels, {} dispatches, {} shared buffers",
-        path.display(),
-        plan.kernels.len(),
-        plan.steps.len(),
-        plan.slots
-    );
+    println!("{}: {} kernels, {} dispatches, {} shared buffers", path.display(), kernels, plan.steps.len(), plan.slots);
     println!("  intermediates at batch {batch}, seq {seq}: {placed} bytes placed, {sum} bytes if unshared");
     Ok(())
 }

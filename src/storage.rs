@@ -75,9 +75,10 @@ pub fn gpu_model(
         bail!("--precision f16 needs an adapter with the SHADER_F16 feature; {} has none", gpu.describe());
     }
     let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
-    let options = lower::Options { formats, f16_weights: f16, ..lower::Options::default() };
-    let plan = reporter.stage("lowering", || lower::lower_with(graph, options))?;
-    Ok(GpuModel::with_progress(gpu.clone(), plan, params, blocks, reporter)?)
+    let options = lower::Options { formats, ..lower::Options::default() };
+    let plan = reporter.stage("lowering", || lower::lower_with(graph, options));
+    let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: f16 };
+    Ok(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, params, blocks, reporter)?)
 }
 
 /// Where a compiled model runs: a wgpu device, or the CPU's native kernels on a number of threads.
@@ -153,8 +154,8 @@ impl Target {
             false => weights::quantized_named_with_progress(&spec.weights, &dims, &names, ckpt, reporter)?,
         };
         let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
-        let plan = reporter
-            .stage("lowering", || lower::lower_with(graph, lower::Options { formats, ..Default::default() }))?;
+        let plan =
+            reporter.stage("lowering", || lower::lower_with(graph, lower::Options { formats, ..Default::default() }));
         let quantized: std::collections::HashSet<String> = blocks.keys().cloned().collect();
         let wanted: std::collections::HashSet<String> = CpuModel::f32_params(&plan, &quantized).into_iter().collect();
         let f32_names: Vec<(String, Vec<usize>)> = names.into_iter().filter(|(n, _)| wanted.contains(n)).collect();
@@ -186,7 +187,7 @@ impl Target {
                 }
                 let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
                 let options = lower::Options { formats, ..lower::Options::default() };
-                let plan = reporter.stage("lowering", || lower::lower_with(graph, options))?;
+                let plan = reporter.stage("lowering", || lower::lower_with(graph, options));
                 let model = CpuModel::new(plan, params, blocks, *threads, reporter)?;
                 Model::Cpu(Box::new(model.with_int8_activations(args.int8_activations)))
             }

@@ -12,8 +12,9 @@ use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::lower::{Options, lower, lower_with};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{interp, optimize};
+use kiln_runtime::CpuEngine;
 use kiln_runtime::CpuModel;
-use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+use kiln_runtime::generate::{Sampler, Session, generate};
 use std::collections::HashMap;
 
 const TOLERANCE: f32 = 1e-4;
@@ -29,7 +30,7 @@ fn golden(name: &str) {
     let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
     let optimized = optimize::optimize(&fe.graph).unwrap().0;
     for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
-        let model = cpu(lower(graph).unwrap(), &params, 2);
+        let model = cpu(lower(graph), &params, 2);
         let outputs = model.run(&io).unwrap_or_else(|e| panic!("{e}"));
         assert!(!outputs.is_empty());
         for (out, got) in outputs {
@@ -84,7 +85,7 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
             let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq).unwrap();
             let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
             for threads in [1, 2, 3] {
-                let model = cpu(lower(&optimized).unwrap(), &params, threads);
+                let model = cpu(lower(&optimized), &params, threads);
                 let got = model.run(&inputs).unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert_eq!(got.len(), expected.len());
                 for ((n, a), (m, b)) in expected.iter().zip(&got) {
@@ -108,7 +109,7 @@ fn minilm_on_cpu() {
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap();
     let reference = kiln_runtime::read_tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors")).unwrap();
     let optimized = optimize::optimize(&fe.graph).unwrap().0;
-    let outputs = cpu(lower(&optimized).unwrap(), &params, 2).run(&reference).unwrap();
+    let outputs = cpu(lower(&optimized), &params, 2).run(&reference).unwrap();
     assert_eq!(outputs.len(), 2);
     for (name, got) in outputs {
         let err = got.max_abs_diff(&reference[&name]);
@@ -132,7 +133,7 @@ fn smollm2_quantized_logits_and_greedy_continuation() {
     let graph = optimize::optimize(&fe.graph).unwrap().0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &graph, &weights).unwrap();
     let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
-    let plan = lower_with(&graph, Options { formats, ..Options::default() }).unwrap();
+    let plan = lower_with(&graph, Options { formats, ..Options::default() });
     assert!(plan.values.iter().any(|v| v.format.quantized()), "no quantized weight in the plan");
     let n = 4;
     let io = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, n], prompt[..n].to_vec()))]);
@@ -153,7 +154,7 @@ fn smollm2_quantized_logits_and_greedy_continuation() {
     let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &cached, &weights).unwrap();
     let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
-    let plan = lower_with(&cached, Options { formats, ..Options::default() }).unwrap();
+    let plan = lower_with(&cached, Options { formats, ..Options::default() });
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     // Only what the CPU reads in f32 is given (as `kiln generate` loads it): no quantized weight,
     // not even the embedding table, which gathers read from its Q8_0 blocks.
@@ -166,7 +167,7 @@ fn smollm2_quantized_logits_and_greedy_continuation() {
     let held: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
     println!("smollm2 on cpu: {held} weight bytes held, {block_bytes} in blocks");
     assert!(held <= block_bytes + block_bytes / 50, "{held} bytes held for {block_bytes} bytes of blocks");
-    let engine = Engine::Cpu(Box::new(model));
+    let engine = Box::new(CpuEngine::new(model));
     let mut session = Session::new(engine, &outputs, 8192).unwrap();
     let stop = [*expected.last().unwrap()];
     let (ids, stats) =
@@ -192,7 +193,7 @@ fn cached_decoding_equals_recomputation() {
         for (label, graph) in [("unoptimized", &cached), ("optimized", &optimized)] {
             let names: Vec<String> = graph.outputs.iter().map(|(n, _)| n.clone()).collect();
             let session = || {
-                let engine = Engine::Cpu(Box::new(cpu(lower(graph).unwrap(), &params, 2)));
+                let engine = Box::new(CpuEngine::new(cpu(lower(graph), &params, 2)));
                 Session::new(engine, &names, max).unwrap()
             };
             let (ids, _) =
@@ -240,7 +241,7 @@ fn an_artifact_plan_runs_on_the_cpu() {
 fn bad_inputs_are_errors() {
     let fe = spec("gpt2");
     let params = interp::random_params(&fe.graph, 3).unwrap();
-    let model = cpu(lower(&optimize::optimize(&fe.graph).unwrap().0).unwrap(), &params, 2);
+    let model = cpu(lower(&optimize::optimize(&fe.graph).unwrap().0), &params, 2);
     let ids = |v: Vec<i64>| HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, v.len()], v))]);
     let e = model.run(&ids(vec![1, 2, 100_000])).unwrap_err().to_string();
     assert!(e.contains("100000"), "{e}");
@@ -259,7 +260,7 @@ fn bad_inputs_are_errors() {
 fn profile_times_every_step() {
     let fe = spec("gpt2");
     let params = interp::random_params(&fe.graph, 3).unwrap();
-    let model = cpu(lower(&optimize::optimize(&fe.graph).unwrap().0).unwrap(), &params, 2);
+    let model = cpu(lower(&optimize::optimize(&fe.graph).unwrap().0), &params, 2);
     let ids = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]);
     let times = model.profile(&ids).unwrap();
     assert_eq!(times.len(), model.plan().steps.len());

@@ -12,7 +12,8 @@ use kiln_compiler::FrontEnd;
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
-use kiln_runtime::generate::{Engine, Session};
+use kiln_runtime::GpuEngine;
+use kiln_runtime::generate::Session;
 use kiln_runtime::{Gpu, GpuError, GpuModel};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,8 +31,8 @@ fn fixture(name: &str) -> (FrontEnd, HashMap<String, Tensor>, HashMap<String, Te
 fn session(gpu: Arc<Gpu>, fe: &FrontEnd, params: &HashMap<String, Tensor>) -> Session {
     let cached = build_cached(&fe.spec).unwrap();
     let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let model = GpuModel::new(gpu, lower(&cached).unwrap(), params).unwrap();
-    Session::new(Engine::Gpu(Box::new(model)), &names, fe.spec.spec.model.max_positions as usize).unwrap()
+    let model = GpuModel::new(gpu, lower(&cached), params).unwrap();
+    Session::new(Box::new(GpuEngine::new(model)), &names, fe.spec.spec.model.max_positions as usize).unwrap()
 }
 
 /// A device of its own: destroying the shared one would break the other tests of this binary.
@@ -44,7 +45,7 @@ fn own_gpu() -> Option<Arc<Gpu>> {
 fn a_lost_device_fails_the_next_run_with_a_clear_error() {
     let Some(gpu) = own_gpu() else { return };
     let (fe, params, io) = fixture("gpt2");
-    let model = GpuModel::new(gpu.clone(), lower(&fe.graph).unwrap(), &params).unwrap();
+    let model = GpuModel::new(gpu.clone(), lower(&fe.graph), &params).unwrap();
     model.run(&io).unwrap();
 
     gpu.destroy();
@@ -53,7 +54,7 @@ fn a_lost_device_fails_the_next_run_with_a_clear_error() {
     let message = err.to_string();
     assert!(message.starts_with("the GPU device was lost: Destroyed"), "{message}");
     // Nor can a new model be built on it.
-    let err = GpuModel::new(gpu, lower(&fe.graph).unwrap(), &params).err().expect("a model on a destroyed device");
+    let err = GpuModel::new(gpu, lower(&fe.graph), &params).err().expect("a model on a destroyed device");
     assert!(matches!(err, GpuError::Lost(_)), "{err:?}");
 }
 
@@ -109,7 +110,7 @@ fn a_tensor_needing_more_bindings_than_the_adapter_has_is_refused() {
     tiny.limit_buffer_bytes(1);
     assert_eq!(tiny.chunk_bytes(), 256, "the smallest chunk");
     let (fe, params, io) = fixture("gpt2");
-    let model = GpuModel::new(Arc::new(tiny), lower(&fe.graph).unwrap(), &params).unwrap();
+    let model = GpuModel::new(Arc::new(tiny), lower(&fe.graph), &params).unwrap();
     let err = model.run(&io).expect_err("too many bindings");
     let message = err.to_string();
     assert!(message.contains("storage buffers after splitting large tensors, more than this adapter's"), "{message}");

@@ -220,7 +220,7 @@ fn check(cases: &[Case], chunked: bool) {
         let Some(gpu) = gpu else { continue };
         // Unfolded: every op here reads parameters alone, and would otherwise be evaluated at load
         // time by the interpreter instead of running its kernel.
-        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() }).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
         let model = GpuModel::new(gpu, plan, &params).unwrap();
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
         for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
@@ -229,7 +229,7 @@ fn check(cases: &[Case], chunked: bool) {
     }
     // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
     // split unevenly).
-    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() }).unwrap();
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
     for threads in [1, 3] {
         let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
@@ -310,7 +310,7 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         (2, 4, 2, 5, 3, 8),  // grouped-query, more queries than keys
         (3, 4, 1, 4, 4, 16), // multi-query
         (2, 6, 3, 3, 6, 4),  // non-power-of-two heads (ALiBi slopes)
-        // Blocks of query rows (see `kiln_compiler::lower::attention`), with partial blocks and
+        // Blocks of query rows (see `kiln_compiler::back::wgsl::attention`), with partial blocks and
         // key tiles; too large for the chunked test's 256-byte buffers.
         (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
         (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
@@ -342,7 +342,7 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
 
 #[test]
 fn attention_at_the_largest_head_dim() {
-    let d = kiln_compiler::lower::wgsl::MAX_ATTENTION_HEAD_DIM;
+    let d = kiln_compiler::back::wgsl::attention::MAX_ATTENTION_HEAD_DIM;
     let op = Op::Attention { scale: Scalar(1.0 / (d as f32).sqrt()), alibi: false, causal: true, window: None };
     let operands: [(&str, &[usize]); 4] =
         [("q", &[2, 2, 3, d]), ("k", &[2, 1, 4, d]), ("v", &[2, 1, 4, d]), ("key_mask", &[2, 4])];
@@ -498,7 +498,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
     check(&blocked, false);
 }
 
-/// The projection kernel's forms (see `kiln_compiler::lower::projection`): `vec4` GEMM and GEMV
+/// The projection kernel's forms (see `kiln_compiler::back::wgsl::projection`): `vec4` GEMM and GEMV
 /// (`k` and `n` multiples of 4), scalar GEMM and GEMV (`k` or `n` not, or a RoPE epilogue), at
 /// row counts that leave partial tiles, plainly and chunked.
 #[test]

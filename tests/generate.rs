@@ -11,7 +11,8 @@ use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::GpuModel;
-use kiln_runtime::generate::{Engine, Memory, Sampler, Session, generate};
+use kiln_runtime::generate::{Memory, Sampler, Session, generate};
+use kiln_runtime::{Engine, GpuEngine, InterpEngine};
 use std::collections::HashMap;
 
 /// Sessions over the cached graph of `name`: (label, session), on every engine and both graphs.
@@ -22,11 +23,11 @@ fn sessions(fe: &FrontEnd, params: &HashMap<String, Tensor>) -> Vec<(String, Ses
     let mut out = Vec::new();
     for (label, graph) in [("unoptimized", &cached), ("optimized", &optimized)] {
         let names: Vec<String> = graph.outputs.iter().map(|(n, _)| n.clone()).collect();
-        let engine = Engine::Interp { graph: graph.clone(), params: params.clone() };
+        let engine = Box::new(InterpEngine::new(graph.clone(), params.clone()));
         out.push((format!("interp, {label}"), Session::new(engine, &names, max).unwrap()));
         if let Some(gpu) = common::gpu() {
-            let model = GpuModel::new(gpu, lower(graph).unwrap(), params).unwrap();
-            out.push((format!("wgpu, {label}"), Session::new(Engine::Gpu(Box::new(model)), &names, max).unwrap()));
+            let model = GpuModel::new(gpu, lower(graph), params).unwrap();
+            out.push((format!("wgpu, {label}"), Session::new(Box::new(GpuEngine::new(model)), &names, max).unwrap()));
         }
     }
     out
@@ -130,16 +131,18 @@ fn vaswani_cached_decoding_with_encoder_memory() {
             |g: &kiln_compiler::graph::Graph| if optimized { optimize::optimize(g).unwrap().0 } else { g.clone() };
         let (decoder, encoder) = (prepare(&decoder), prepare(&encoder));
         let names: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
-        let mut engines = vec![(
+        // (label, decoder engine, encoder engine)
+        type Pair = (&'static str, Box<dyn Engine>, Box<dyn Engine>);
+        let mut engines: Vec<Pair> = vec![(
             "interp",
-            Engine::Interp { graph: decoder.clone(), params: params.clone() },
-            Engine::Interp { graph: encoder.clone(), params: params.clone() },
+            Box::new(InterpEngine::new(decoder.clone(), params.clone())),
+            Box::new(InterpEngine::new(encoder.clone(), params.clone())),
         )];
         if let Some(gpu) = common::gpu() {
             engines.push((
                 "wgpu",
-                Engine::Gpu(Box::new(GpuModel::new(gpu.clone(), lower(&decoder).unwrap(), &params).unwrap())),
-                Engine::Gpu(Box::new(GpuModel::new(gpu, lower(&encoder).unwrap(), &params).unwrap())),
+                Box::new(GpuEngine::new(GpuModel::new(gpu.clone(), lower(&decoder), &params).unwrap())),
+                Box::new(GpuEngine::new(GpuModel::new(gpu, lower(&encoder), &params).unwrap())),
             ));
         }
         for (engine, dec, enc) in engines {
@@ -163,10 +166,10 @@ fn vaswani_cached_decoding_with_encoder_memory() {
 }
 
 /// A decoder engine on the interpreter or on wgpu.
-fn session_engine(graph: &kiln_compiler::graph::Graph, params: &HashMap<String, Tensor>, gpu: bool) -> Engine {
+fn session_engine(graph: &kiln_compiler::graph::Graph, params: &HashMap<String, Tensor>, gpu: bool) -> Box<dyn Engine> {
     match common::gpu().filter(|_| gpu) {
-        Some(gpu) => Engine::Gpu(Box::new(GpuModel::new(gpu, lower(graph).unwrap(), params).unwrap())),
-        None => Engine::Interp { graph: graph.clone(), params: params.clone() },
+        Some(gpu) => Box::new(GpuEngine::new(GpuModel::new(gpu, lower(graph), params).unwrap())),
+        None => Box::new(InterpEngine::new(graph.clone(), params.clone())),
     }
 }
 
@@ -217,15 +220,15 @@ fn smollm2_greedy_with_cache() {
     let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &cached, &weights).unwrap();
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let engine = match common::gpu() {
+    let engine: Box<dyn Engine> = match common::gpu() {
         Some(gpu) => {
             let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
             let options = kiln_compiler::lower::Options { formats, ..Default::default() };
-            let plan = kiln_compiler::lower::lower_with(&cached, options).unwrap();
+            let plan = kiln_compiler::lower::lower_with(&cached, options);
             assert!(plan.values.iter().any(|v| v.format.quantized()), "no quantized weight in the plan");
-            Engine::Gpu(Box::new(GpuModel::with_blocks(gpu, plan, &params, &blocks).unwrap()))
+            Box::new(GpuEngine::new(GpuModel::with_blocks(gpu, plan, &params, &blocks).unwrap()))
         }
-        None => Engine::Interp { graph: cached.clone(), params },
+        None => Box::new(InterpEngine::new(cached.clone(), params)),
     };
     let mut session = Session::new(engine, &outputs, 8192).unwrap();
     // The reference stops at <|im_end|>, its last id.
@@ -247,9 +250,8 @@ fn generation_says_why_it_stopped() {
         kiln_runtime::load_params(&fe.spec, &fe.graph, &root().join("tests/fixtures/llama/model.safetensors")).unwrap();
     let cached = build_cached(&fe.spec).unwrap();
     let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let session = |max: usize| {
-        Session::new(Engine::Interp { graph: cached.clone(), params: params.clone() }, &names, max).unwrap()
-    };
+    let session =
+        |max: usize| Session::new(Box::new(InterpEngine::new(cached.clone(), params.clone())), &names, max).unwrap();
     let prompt = [1, 2, 3];
     let greedy = |s: &mut Session, max_new: usize, stop: &[i64], on_token: &mut dyn FnMut(i64) -> bool| {
         generate(s, &prompt, max_new, &mut Sampler::greedy(), stop, on_token).unwrap()

@@ -23,7 +23,7 @@ fn golden_on(name: &str, gpu: std::sync::Arc<kiln_runtime::Gpu>) {
     let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
     let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
     for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
-        let model = GpuModel::new(gpu.clone(), lower(graph).unwrap(), &params).unwrap();
+        let model = GpuModel::new(gpu.clone(), lower(graph), &params).unwrap();
         let outputs = model.run(&io).unwrap_or_else(|e| panic!("{e}"));
         for (out, got) in outputs {
             let err = got.max_abs_diff(&io[&out]);
@@ -74,7 +74,7 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
         let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 5).unwrap();
         let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
-        let model = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap();
+        let model = GpuModel::new(gpu.clone(), lower(&optimized), &params).unwrap();
         let got = model.run(&inputs).unwrap_or_else(|e| panic!("{name}: {e}"));
         for ((n, a), (_, b)) in expected.iter().zip(&got) {
             let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
@@ -93,7 +93,7 @@ fn minilm_on_wgpu() {
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap();
     let reference = kiln_runtime::read_tensors(&root().join("tests/fixtures/minilm-l6/reference.safetensors")).unwrap();
     let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
-    let model = GpuModel::new(gpu, lower(&optimized).unwrap(), &params).unwrap();
+    let model = GpuModel::new(gpu, lower(&optimized), &params).unwrap();
     let outputs = model.run(&reference).unwrap();
     assert_eq!(outputs.len(), 2);
     for (name, got) in outputs {
@@ -126,7 +126,10 @@ fn building_a_model_reports_every_pipeline_fold_and_upload() {
     let dir = root().join("tests/fixtures/gpt2");
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
     let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
-    let plan = lower(&kiln_compiler::optimize::optimize(&fe.graph).unwrap().0).unwrap();
+    let neutral = lower(&kiln_compiler::optimize::optimize(&fe.graph).unwrap().0);
+    // What the GPU engine loads: the plan legalized for its kernels (transposed weights as folds).
+    let program = kiln_compiler::back::wgsl::compile(&neutral, &Default::default()).unwrap();
+    let plan = &program.plan;
     let root_of = |mut v: usize| {
         while let Storage::Alias(a) = plan.values[v].storage {
             v = a;
@@ -141,12 +144,20 @@ fn building_a_model_reports_every_pipeline_fold_and_upload() {
         .filter(|&v| matches!(plan.values[v].storage, Storage::Param(_) | Storage::Const))
         .collect();
     let expected =
-        [(Phase::Pipelines, plan.kernels.len()), (Phase::Fold, plan.folds.len()), (Phase::Upload, read.len())];
+        [(Phase::Pipelines, program.kernels.len()), (Phase::Fold, plan.folds.len()), (Phase::Upload, read.len())];
     assert!(expected.iter().all(|&(_, n)| n > 0), "{expected:?}");
 
     let seen = std::cell::RefCell::new(Vec::new());
     let record = |phase: Phase, done: usize, total: usize| seen.borrow_mut().push((phase, done, total));
-    let model = GpuModel::with_progress(gpu, plan, &params, &std::collections::HashMap::new(), &record).unwrap();
+    let model = GpuModel::with_progress(
+        gpu,
+        &neutral,
+        &Default::default(),
+        &params,
+        &std::collections::HashMap::new(),
+        &record,
+    )
+    .unwrap();
     let counted: Vec<_> = expected.iter().flat_map(|&(phase, n)| (0..=n).map(move |done| (phase, done, n))).collect();
     assert_eq!(seen.into_inner(), counted);
     let outputs = model.run(&io).unwrap();
@@ -178,7 +189,7 @@ fn fully_masked_rows_and_large_logits_stay_finite_on_wgpu() {
         let inputs = inputs.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
         let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
-        let got = GpuModel::new(gpu.clone(), lower(&optimized).unwrap(), &params).unwrap().run(&inputs).unwrap();
+        let got = GpuModel::new(gpu.clone(), lower(&optimized), &params).unwrap().run(&inputs).unwrap();
         for ((n, a), (_, b)) in expected.iter().zip(&got) {
             assert!(b.as_f32().unwrap().iter().all(|v| v.is_finite()), "{label}: `{n}` is not finite on wgpu");
             let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));

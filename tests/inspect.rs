@@ -239,13 +239,15 @@ fn html_report_holds_spec_graphs_kernels_wgsl_and_explanations() {
     assert!(html.contains(&escaped(&source)), "the spec text is missing");
     let fe = common::spec("llama");
     let (optimized, report) = optimize::optimize(&fe.graph).unwrap();
-    let plan = lower::lower(&optimized).unwrap();
-    for (k, kernel) in plan.kernels.iter().enumerate() {
+    let program = kiln_compiler::back::wgsl::compile(&lower::lower(&optimized), &Default::default()).unwrap();
+    let plan = &program.plan;
+    for (k, kernel) in program.kernels.iter().enumerate() {
         assert!(html.contains(&format!("kernel {k}: {}", kernel.name)), "kernel {k} is missing");
         assert!(html.contains(&escaped(&kernel.wgsl)), "the WGSL of `{}` is missing", kernel.name);
     }
-    for step in &plan.steps {
-        assert!(html.contains(&format!("<td class=\"mono\">{}</td>", escaped(&plan.kernels[step.kernel].name))));
+    for i in 0..plan.steps.len() {
+        let name = &program.kernel_of(i).unwrap().name;
+        assert!(html.contains(&format!("<td class=\"mono\">{}</td>", escaped(name))));
     }
     assert_eq!(html.matches("<tr><td class=\"num\">").count(), plan.steps.len(), "one row per dispatch");
     for n in optimized.order() {
@@ -307,7 +309,7 @@ fn profile_times_every_step_on_both_clocks() {
     let mut host = kiln_runtime::Gpu::new(None).unwrap();
     host.use_host_clock();
     for gpu in [gpu, std::sync::Arc::new(host)] {
-        let model = kiln_runtime::GpuModel::new(gpu.clone(), lower::lower(&optimized).unwrap(), &params).unwrap();
+        let model = kiln_runtime::GpuModel::new(gpu.clone(), lower::lower(&optimized), &params).unwrap();
         let profile = model.profile(&inputs).unwrap();
         let expected = if gpu.supports_timestamps() { kiln_runtime::Clock::Device } else { kiln_runtime::Clock::Host };
         assert_eq!(profile.clock, expected);
@@ -333,7 +335,7 @@ fn html_report_with_profile_has_a_time_for_every_dispatch() {
     let o = kiln(&["inspect", "models/llama.toml", "--html", out.to_str().unwrap(), "--profile", "--seq", "8"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let html = std::fs::read_to_string(&out).unwrap();
-    let steps = lower::lower(&optimize::optimize(&common::spec("llama").graph).unwrap().0).unwrap().steps.len();
+    let steps = lower::lower(&optimize::optimize(&common::spec("llama").graph).unwrap().0).steps.len();
     assert!(html.contains("GPU time</th>") || html.contains("wall time</th>"), "no time column");
     let times: Vec<&str> =
         html.split("<td class=\"num time\">").skip(1).map(|c| &c[..c.find("</td>").unwrap()]).collect();

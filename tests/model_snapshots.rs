@@ -40,15 +40,20 @@ fn graph_of_every_model() {
             );
             insta::assert_snapshot!("graph", snapshot);
 
-            // Every kernel is validated by naga inside `lower`; check again here, then snapshot.
-            let plan = kiln_compiler::lower::lower(&fe.graph).unwrap_or_else(|e| panic!("{e}"));
-            for k in &plan.kernels {
-                kiln_compiler::lower::validate_wgsl(&k.wgsl).unwrap_or_else(|e| panic!("{name}: {}: {e}", k.name));
+            // The plan compiled for wgpu: every kernel is validated by naga inside `compile`; check
+            // again here, then snapshot.
+            let plan = kiln_compiler::lower::lower(&fe.graph);
+            let program = kiln_compiler::back::wgsl::compile(&plan, &Default::default())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            for k in &program.kernels {
+                kiln_compiler::back::wgsl::validate(&k.wgsl).unwrap_or_else(|e| panic!("{name}: {}: {e}", k.name));
             }
-            let steps: Vec<String> = plan
+            let steps: Vec<String> = program
+                .plan
                 .steps
                 .iter()
-                .map(|s| format!("{} kernel {} ({}) -> v{}", s.scope, s.kernel, s.op.name(), s.output))
+                .zip(&program.step_kernels)
+                .map(|(s, k)| format!("{} kernel {k} ({}) -> v{}", s.scope, s.op.name(), s.output))
                 .collect();
             let plan_text = format!(
                 "## Plan
@@ -57,11 +62,11 @@ fn graph_of_every_model() {
 
 ## Kernels
 {}",
-                plan.kernels.len(),
-                plan.steps.len(),
-                plan.slots,
+                program.kernels.len(),
+                program.plan.steps.len(),
+                program.plan.slots,
                 steps.join("\n"),
-                plan.kernels_text()
+                program.kernels_text()
             );
             insta::assert_snapshot!("wgsl", plan_text);
 

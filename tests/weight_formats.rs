@@ -103,7 +103,7 @@ fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
         let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
         let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), format)).collect();
         // Unfolded, so the kernels read parameters as they would read activations.
-        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() }).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
         assert_formats(&plan, format);
         let model = GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks).unwrap();
         let quant_bytes: u64 = model.weight_bytes().iter().filter(|(f, _)| *f == format).map(|(_, b)| b).sum();
@@ -132,7 +132,7 @@ fn quantized_projections_on_the_cpu_match_the_interpreter() {
         }
         let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
         let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), format)).collect();
-        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() }).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
         assert_formats(&plan, format);
         for (threads, int8) in [(1, false), (3, false), (1, true), (3, true)] {
             let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &blocks, threads, &()).unwrap();
@@ -180,7 +180,7 @@ fn quantized_folds_stack_and_scale_blocks() {
     }
     let expected = interp::run(&g, &params, &input).unwrap();
     let formats = blocks.keys().map(|k| (k.clone(), WeightFormat::Q4_1)).collect();
-    let plan = lower_with(&g, Options { formats, ..Options::default() }).unwrap();
+    let plan = lower_with(&g, Options { formats, ..Options::default() });
     assert_formats(&plan, WeightFormat::Q4_1);
     let got = GpuModel::with_blocks(gpu, plan, &params, &blocks).unwrap().run(&input).unwrap();
     for ((name, want), (_, got)) in expected.iter().zip(&got) {
@@ -194,7 +194,7 @@ fn missing_or_mismatched_blocks_are_errors() {
     let (g, weights) = graph();
     let params = interp::random_params(&g, 5).unwrap();
     let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), WeightFormat::Q8_0)).collect();
-    let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() }).unwrap();
+    let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
     let err = GpuModel::with_blocks(gpu.clone(), plan.clone(), &params, &HashMap::new()).err().unwrap().to_string();
     assert!(err.contains("Q8_0 blocks, which were not given"), "{err}");
     let blocks: HashMap<String, QuantWeight> =
@@ -208,10 +208,10 @@ fn missing_or_mismatched_blocks_are_errors() {
 fn f16_projections_match_the_interpreter_on_rounded_weights() {
     let Some(gpu) = common::gpu() else { return };
     let (g, weights) = graph();
-    let plan = || lower_with(&g, Options { fold_constants: false, f16_weights: true, ..Options::default() }).unwrap();
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
     let mut params = interp::random_params(&g, 13).unwrap();
     if !gpu.supports_f16() {
-        let err = GpuModel::new(gpu, plan(), &params).err().unwrap().to_string();
+        let err = f16_model(gpu, &plan, &params).err().unwrap().to_string();
         assert!(err.contains("SHADER_F16"), "{err}");
         eprintln!("skipping the f16 comparison: the adapter lacks SHADER_F16");
         return;
@@ -222,12 +222,22 @@ fn f16_projections_match_the_interpreter_on_rounded_weights() {
         params.insert(w.clone(), Tensor::f32(t.shape.clone(), rounded));
     }
     let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
-    let plan = plan();
-    assert_formats(&plan, WeightFormat::F16);
-    let got = GpuModel::new(gpu, plan, &params).unwrap().run(&HashMap::new()).unwrap();
+    let model = f16_model(gpu, &plan, &params).unwrap();
+    assert_formats(model.plan(), WeightFormat::F16);
+    let got = model.run(&HashMap::new()).unwrap();
     for ((name, want), (_, got)) in expected.iter().zip(&got) {
         assert_close(&format!("f16: `{name}`"), want, got, TOLERANCE);
     }
+}
+
+/// `plan` on `gpu` with its f32 projection weights stored as f16 (the wgpu back end's option).
+fn f16_model(
+    gpu: std::sync::Arc<kiln_runtime::Gpu>,
+    plan: &kiln_compiler::lower::Plan,
+    params: &HashMap<String, Tensor>,
+) -> Result<GpuModel, Box<kiln_runtime::GpuError>> {
+    let options = kiln_compiler::back::wgsl::Options { f16_weights: true };
+    GpuModel::with_progress(gpu, plan, &options, params, &HashMap::new(), &()).map_err(Box::new)
 }
 
 /// Max abs and max relative (to the largest reference magnitude) difference.
@@ -260,9 +270,9 @@ fn f16_storage_keeps_golden_logits_within_tolerance() {
         let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
         let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
-        let plan = lower_with(&optimized, Options { f16_weights: true, ..Options::default() }).unwrap();
-        assert!(plan.values.iter().any(|v| v.format == WeightFormat::F16), "{name}: no f16 weight");
-        let outputs = GpuModel::new(gpu.clone(), plan, &params).unwrap().run(&io).unwrap();
+        let model = f16_model(gpu.clone(), &lower_with(&optimized, Options::default()), &params).unwrap();
+        assert!(model.plan().values.iter().any(|v| v.format == WeightFormat::F16), "{name}: no f16 weight");
+        let outputs = model.run(&io).unwrap();
         for (out, got) in outputs {
             let (abs, rel) = diff(&io[&out], &got);
             println!("{name}: `{out}` with f16 weights vs the f32 golden: max abs {abs:e}, relative {rel:e}");
@@ -293,13 +303,13 @@ fn smollm2_quantized_and_f16_logits() {
         Tensor::f32(vec![49152], logits.as_f32().unwrap()[..49152].to_vec())
     };
     let formats = blocks.iter().map(|(n, q)| (n.clone(), q.format)).collect();
-    let plan = lower_with(&graph, Options { formats, ..Options::default() }).unwrap();
+    let plan = lower_with(&graph, Options { formats, ..Options::default() });
     let model = GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks).unwrap();
     let bytes = |m: &GpuModel| m.weight_bytes().iter().map(|(_, b)| b).sum::<u64>();
     let quant_bytes = bytes(&model);
     let quantized = first(model.run(&io).unwrap());
     drop(model);
-    let f32_model = GpuModel::new(gpu.clone(), lower_with(&graph, Options::default()).unwrap(), &params).unwrap();
+    let f32_model = GpuModel::new(gpu.clone(), lower_with(&graph, Options::default()), &params).unwrap();
     let f32_bytes = bytes(&f32_model);
     let full = first(f32_model.run(&io).unwrap());
     drop(f32_model);
@@ -311,8 +321,7 @@ fn smollm2_quantized_and_f16_logits() {
         assert!(abs <= 1e-3, "smollm2 {what}: first logits differ by {abs}");
     }
     if gpu.supports_f16() {
-        let plan = lower_with(&graph, Options { f16_weights: true, ..Options::default() }).unwrap();
-        let half = first(GpuModel::new(gpu, plan, &params).unwrap().run(&io).unwrap());
+        let half = first(f16_model(gpu, &lower_with(&graph, Options::default()), &params).unwrap().run(&io).unwrap());
         let (abs, rel) = diff(&full, &half);
         println!("smollm2: first logits, f16 weights vs f32: max abs {abs:e}, relative {rel:e}");
         assert!(rel <= F16_TOLERANCE, "smollm2 f16: first logits differ by {abs} ({rel} relative)");

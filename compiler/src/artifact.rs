@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 /// First bytes of every artifact.
 pub const MAGIC: &[u8; 8] = b"KILNART\0";
 /// Bumped whenever the payload's meaning changes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 const HEADER: usize = 24;
 /// Artifacts larger than this are refused before reading (they hold no weights, so real ones are
 /// a few megabytes).
@@ -176,14 +176,18 @@ impl Artifact {
     }
 }
 
-/// Compiles a checked front end into an artifact.
-pub fn compile(file: &str, source: &str, fe: &crate::FrontEnd) -> Result<Artifact, crate::lower::LowerError> {
+/// Compiles a checked front end into an artifact. The artifact stores the target-neutral plan;
+/// its wgpu kernels are generated and validated here too (and again by each load), so a compiler
+/// bug surfaces when the artifact is made, not when it is first run on a GPU.
+pub fn compile(file: &str, source: &str, fe: &crate::FrontEnd) -> Result<Artifact, crate::back::wgsl::CompileError> {
+    let plan = crate::lower::lower(&fe.graph);
+    crate::back::wgsl::compile(&plan, &crate::back::wgsl::Options::default())?;
     Ok(Artifact {
         kiln_version: env!("CARGO_PKG_VERSION").to_string(),
         spec_file: file.to_string(),
         spec_source: source.to_string(),
         weights: fe.spec.weights.clone(),
         pack_dims: PackDims::of(&fe.spec),
-        plan: crate::lower::lower(&fe.graph)?,
+        plan,
     })
 }

@@ -1,5 +1,6 @@
-//! kiln-compiler: a Transformer spec, through four intermediate representations, to a plan of
-//! WGSL kernels; and the CPU interpreter every stage is checked against.
+//! kiln-compiler: a Transformer spec, through four intermediate representations, to a
+//! target-neutral plan and the WGSL kernels of its wgpu back end; and the CPU interpreter every
+//! stage is checked against.
 //!
 //! The IRs, in the order data flows (each module's docs give its invariants):
 //!
@@ -17,10 +18,12 @@
 //!    epilogues, fused norms, masked softmax, whole attention) next to the ops they replace, and a
 //!    [`optimize::CostModel`] extracts the cheapest equivalent graph. The result is again a
 //!    [`graph::Graph`], whose fused nodes [`optimize::explain`] traces back to their rules.
-//! 4. **Plan** ([`lower`]): [`graph::Graph`] -> [`lower::Plan`], the device-independent program:
-//!    one naga-validated WGSL [`lower::Kernel`] per distinct op, a [`lower::Step`] (dispatch) per
-//!    op in topological order, [`lower::Value`]s placed in buffers shared by liveness, and the
-//!    folds evaluated once at load time. `kiln-runtime` executes it on wgpu.
+//! 4. **Plan** ([`lower`]): [`graph::Graph`] -> [`lower::Plan`], the target-neutral program: a
+//!    [`lower::Step`] per op in topological order, [`lower::Value`]s placed in buffers shared by
+//!    liveness, and the folds evaluated once at load time. Each back end ([`back`]) compiles it at
+//!    load time: [`back::wgsl::compile`] legalizes it for its kernels and generates one
+//!    naga-validated WGSL [`back::wgsl::Kernel`] per distinct op, which `kiln-runtime` dispatches
+//!    on wgpu; `kiln-runtime`'s CPU engine runs the same plan on native kernels.
 //!
 //! An [`artifact`] stores a plan with its spec and weight map in one versioned, checksummed file.
 //! The [`interp`] module executes any graph, before or after optimization, in f32 on the CPU: the
@@ -37,6 +40,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod artifact;
+pub mod back;
 pub mod diag;
 pub mod file;
 pub mod graph;

@@ -8,7 +8,7 @@ use crate::optimize::CostModel;
 
 /// The largest head width wgpu's fused attention kernel handles: each invocation accumulates its
 /// output rows in a private array of this many floats per query slot
-/// ([`crate::lower::attention`]). The optimizer fuses attention for wgpu only up to it.
+/// ([`crate::back::wgsl::attention`]). The optimizer fuses attention for wgpu only up to it.
 pub const WGPU_MAX_ATTENTION_HEAD_DIM: usize = 256;
 
 /// A back end's facts, as the optimizer uses them.

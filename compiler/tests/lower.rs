@@ -1,8 +1,9 @@
-//! Lowering: every model of `models/` lowers, every kernel passes naga validation, and buffers are
+//! Lowering: every model of `models/` lowers and compiles for wgpu, every kernel passes naga validation, and buffers are
 //! shared by liveness.
 
+use kiln_compiler::back::wgsl::{self, dispatch};
 use kiln_compiler::graph::Sym;
-use kiln_compiler::lower::{dispatch, lower};
+use kiln_compiler::lower::lower;
 use std::collections::HashMap;
 
 #[test]
@@ -12,13 +13,14 @@ fn every_model_lowers_with_valid_kernels() {
         let path = entry.unwrap().path();
         let source = std::fs::read_to_string(&path).unwrap();
         let fe = kiln_compiler::front_end(&path.display().to_string(), &source).unwrap();
-        let plan = lower(&fe.graph).unwrap_or_else(|e| panic!("{e}"));
+        let plan = lower(&fe.graph);
+        let program = wgsl::compile(&plan, &wgsl::Options::default()).unwrap_or_else(|e| panic!("{e}"));
         let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128)]);
         let (sum, placed) = plan.memory(&syms);
         println!(
             "{}: {} kernels, {} steps, {} slots, intermediates {} B, placed {} B",
             plan.name,
-            plan.kernels.len(),
+            program.kernels.len(),
             plan.steps.len(),
             plan.slots,
             sum,
@@ -46,7 +48,7 @@ fn placed_memory_is_near_the_live_peak() {
         let fe = kiln_compiler::front_end(&path.display().to_string(), &source).unwrap();
         let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
         for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
-            let plan = kiln_compiler::lower::lower(graph).unwrap();
+            let plan = kiln_compiler::lower::lower(graph);
             for seq in [128, 512] {
                 let syms = std::collections::HashMap::from([
                     (kiln_compiler::graph::Sym::Batch, 2),
@@ -80,7 +82,7 @@ fn optimized_intermediates_grow_linearly_to_1024_tokens() {
                 (kiln_compiler::graph::Sym::Seq, seq),
                 (kiln_compiler::graph::Sym::SrcSeq, seq),
             ]);
-            kiln_compiler::lower::lower(graph).unwrap().memory(&syms).1
+            kiln_compiler::lower::lower(graph).memory(&syms).1
         };
         let (opt, unopt) = (
             placed(&optimized, 1024) as f64 / placed(&optimized, 512) as f64,

@@ -9,7 +9,8 @@
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::target::Target;
 use kiln_compiler::{lower, optimize};
-use kiln_runtime::generate::{Engine, Sampler, Session, generate};
+use kiln_runtime::generate::{Sampler, Session, generate};
+use kiln_runtime::{CpuEngine, GpuEngine};
 use kiln_runtime::{CpuModel, Gpu, GpuModel, Message, Tokenizer};
 use std::io::Write;
 use std::path::Path;
@@ -41,13 +42,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &graph, &weights)?;
     // Projections whose weights the file stores as Q4_1/Q8_0 read those blocks directly.
     let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
-    let plan = lower::lower_with(&graph, lower::Options { formats, ..lower::Options::default() })?;
-    let engine = match gpu {
-        Some(gpu) => Engine::Gpu(Box::new(GpuModel::with_blocks(Arc::new(gpu), plan, &params, &blocks)?)),
+    let plan = lower::lower_with(&graph, lower::Options { formats, ..lower::Options::default() });
+    let engine: Box<dyn kiln_runtime::Engine> = match gpu {
+        Some(gpu) => Box::new(GpuEngine::new(GpuModel::with_blocks(Arc::new(gpu), plan, &params, &blocks)?)),
         None => {
             let threads = kiln_runtime::cpu::default_threads();
             println!("(no GPU adapter: the CPU backend on {threads} threads)");
-            Engine::Cpu(Box::new(CpuModel::from_owned(plan, params, blocks, threads, &())?))
+            Box::new(CpuEngine::new(CpuModel::from_owned(plan, params, blocks, threads, &())?))
         }
     };
     let outputs: Vec<String> = graph.outputs.iter().map(|(name, _)| name.clone()).collect();

@@ -41,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let graph = optimize::optimize(&fe.graph)?.0;
         let params = kiln_runtime::load_params(&fe.spec, &graph, &weights)?;
         let outputs = match &gpu {
-            Some(gpu) => GpuModel::new(gpu.clone(), lower::lower(&graph)?, &params)?.run(&inputs)?,
+            Some(gpu) => GpuModel::new(gpu.clone(), lower::lower(&graph), &params)?.run(&inputs)?,
             None => interp::run(&graph, &params, &inputs)?,
         };
         let (_, out) = outputs.into_iter().find(|(name, _)| name == "logits").ok_or("no logits output")?;

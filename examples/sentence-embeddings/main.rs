@@ -42,7 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{} sentences, padded to {} tokens", batch.batch, batch.seq);
 
     let outputs = match Gpu::new(None) {
-        Ok(gpu) => GpuModel::new(Arc::new(gpu), lower::lower(&graph)?, &params)?.run(&batch.inputs())?,
+        Ok(gpu) => GpuModel::new(Arc::new(gpu), lower::lower(&graph), &params)?.run(&batch.inputs())?,
         Err(e) => {
             println!("no GPU adapter ({e}); running on the reference interpreter");
             interp::run(&graph, &params, &batch.inputs())?

@@ -11,7 +11,8 @@ use kiln_compiler::artifact::Artifact;
 use kiln_compiler::graph::Sym;
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::spec::PackDims;
-use kiln_runtime::generate::{Engine, Sampler, Session, generate as run_generation};
+use kiln_runtime::InterpEngine;
+use kiln_runtime::generate::{Sampler, Session, generate as run_generation};
 use kiln_runtime::weights::{graph_params, load_named, quantized_named};
 use kiln_runtime::{Checkpoint, Message, Tokenizer};
 use std::collections::HashMap;
@@ -196,7 +197,7 @@ pub fn generate(data: &[u8]) {
         return;
     };
     let outputs: Vec<String> = model.graph.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let engine = Engine::Interp { graph: model.graph.clone(), params: model.params.clone() };
+    let engine = Box::new(InterpEngine::new(model.graph.clone(), model.params.clone()));
     let Ok(mut session) = Session::new(engine, &outputs, model.max_positions) else { return };
     // A budget of a few tokens keeps each run short; the limits are what is being tested.
     let max_new = usize::from(input.max_new % 4);

@@ -5,12 +5,10 @@
 //! (greedy, temperature, top-k, top-p, repetition penalty, seeded); [`generate`] drives the loop
 //! with stop tokens and a per-token callback for streaming.
 
-use crate::cpu::{CpuError, CpuModel};
-use crate::gpu::{DeviceTensor, GpuError, GpuModel};
-use kiln_compiler::graph::Graph;
-use kiln_compiler::graph::InputRole;
-use kiln_compiler::interp::{self, InterpError};
-use kiln_compiler::lower::Storage;
+use crate::cpu::CpuError;
+use crate::engine::{Engine, Link};
+use crate::gpu::{DeviceTensor, GpuError};
+use kiln_compiler::interp::InterpError;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -46,23 +44,9 @@ impl From<GpuError> for GenerateError {
     }
 }
 
-/// Where a session's forward passes run.
-pub enum Engine {
-    /// The CPU reference interpreter, on a graph with its parameters.
-    Interp {
-        /// The cached decoder graph (optimized or not).
-        graph: Graph,
-        /// Parameters by canonical name.
-        params: HashMap<String, Tensor>,
-    },
-    /// A compiled plan on a GPU.
-    Gpu(Box<GpuModel>),
-    /// A compiled plan on the CPU's native kernels (the cache in host memory).
-    Cpu(Box<CpuModel>),
-}
-
 /// Inputs that stay the same for a whole session: an encoder-decoder's source mask on the host,
-/// its encoder's keys and values (on the host, or on the device for [`Engine::Gpu`]).
+/// its encoder's keys and values (on the host, or on the device for a
+/// [`GpuEngine`](crate::engine::GpuEngine)).
 #[derive(Default)]
 pub struct Memory {
     host: HashMap<String, Tensor>,
@@ -70,23 +54,31 @@ pub struct Memory {
 }
 
 impl Memory {
+    /// Memory of host tensors.
+    pub(crate) fn host(host: HashMap<String, Tensor>) -> Memory {
+        Memory { host, device: HashMap::new() }
+    }
+
+    /// Memory of device tensors.
+    pub(crate) fn device(device: HashMap<String, DeviceTensor>) -> Memory {
+        Memory { host: HashMap::new(), device }
+    }
+
+    /// Lends the device tensors to a run ([`Memory::put_device`] gives them back).
+    pub(crate) fn take_device(&mut self) -> HashMap<String, DeviceTensor> {
+        std::mem::take(&mut self.device)
+    }
+
+    /// Gives device tensors back after a run.
+    pub(crate) fn put_device(&mut self, device: HashMap<String, DeviceTensor>) {
+        self.device = device;
+    }
+
     /// Runs an encoder graph (see [`kiln_compiler::graph::build::build_encoder`]) on `given`
-    /// (`src_ids`, `src_padding`) once; its outputs, and the source mask, become the memory a
-    /// decoder session reads at every step. On a GPU the outputs stay on the device.
-    pub fn encode(encoder: &Engine, given: &HashMap<String, Tensor>) -> R<Memory> {
-        let mut memory = Memory::default();
-        match encoder {
-            Engine::Interp { graph, params } => {
-                memory.host.extend(interp::run(graph, params, given)?);
-            }
-            Engine::Gpu(model) => {
-                let keep: Vec<String> = model.plan().outputs.iter().map(|(n, _)| n.clone()).collect();
-                memory.device = model.run_resident(given, &HashMap::new(), &keep)?.1;
-            }
-            Engine::Cpu(model) => {
-                memory.host.extend(model.run(given)?);
-            }
-        }
+    /// (`src_ids`, `src_padding`) once on `encoder`; its outputs, and the source mask, become the
+    /// memory a decoder session reads at every step. On a GPU the outputs stay on the device.
+    pub fn encode(encoder: &dyn Engine, given: &HashMap<String, Tensor>) -> R<Memory> {
+        let mut memory = encoder.encode(given)?;
         // The source mask, if given, masks cross-attention at every step (inputs a decoder step
         // does not take, the source ids, are ignored by its binding).
         memory.host.extend(given.iter().map(|(n, t)| (n.clone(), t.clone())));
@@ -94,21 +86,14 @@ impl Memory {
     }
 }
 
-/// The cache of a session, where its engine keeps it.
-enum Cache {
-    Host(HashMap<String, Tensor>),
-    Device(HashMap<String, DeviceTensor>),
-}
-
-/// One sequence being generated: the engine and the cache so far.
+/// One sequence being generated: the engine (which holds the cache so far) and the memory.
 pub struct Session {
-    engine: Engine,
+    engine: Box<dyn Engine>,
     /// The token ids input (`input_ids`, or `tgt_ids` for an encoder-decoder).
     ids_input: String,
     /// `(present output, past input)` name pairs, one per cached tensor.
-    links: Vec<(String, String)>,
+    links: Vec<Link>,
     memory: Memory,
-    cache: Cache,
     /// Tokens in the cache.
     pub position: usize,
     /// Positions the model has (its learned or maximum context).
@@ -117,10 +102,10 @@ pub struct Session {
 
 impl Session {
     /// A session on a cached decoder graph's engine; `outputs` are the graph's output names (the
-    /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores). On a GPU the cache
-    /// stays on the device between steps.
-    pub fn new(engine: Engine, outputs: &[String], max_positions: usize) -> R<Session> {
-        let links: Vec<(String, String)> = outputs
+    /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores). The engine keeps the
+    /// cache where its kernels read it (on a GPU, on the device).
+    pub fn new(engine: Box<dyn Engine>, outputs: &[String], max_positions: usize) -> R<Session> {
+        let links: Vec<Link> = outputs
             .iter()
             .filter_map(|o| {
                 let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
@@ -133,24 +118,10 @@ impl Session {
                 "generation needs a decoder graph built with a key/value cache and a `logits` output".into(),
             ));
         }
-        let ids: Vec<String> = match &engine {
-            Engine::Interp { graph, .. } => graph
-                .inputs()
-                .iter()
-                .filter(|(_, _, role)| *role == InputRole::Ids)
-                .map(|(_, name, _)| name.to_string())
-                .collect(),
-            Engine::Gpu(model) => plan_ids(model.plan()),
-            Engine::Cpu(model) => plan_ids(model.plan()),
-        };
-        let [ids_input] = <[String; 1]>::try_from(ids).map_err(|ids| {
+        let [ids_input] = <[String; 1]>::try_from(engine.id_inputs()).map_err(|ids| {
             GenerateError::Invalid(format!("a decoder step takes one token-id input, this graph has {}", ids.len()))
         })?;
-        let cache = match engine {
-            Engine::Interp { .. } | Engine::Cpu(_) => Cache::Host(HashMap::new()),
-            Engine::Gpu(_) => Cache::Device(HashMap::new()),
-        };
-        Ok(Session { engine, ids_input, links, memory: Memory::default(), cache, position: 0, max_positions })
+        Ok(Session { engine, ids_input, links, memory: Memory::default(), position: 0, max_positions })
     }
 
     /// Sets what every step reads besides the tokens and the cache: an encoder's output.
@@ -173,62 +144,9 @@ impl Session {
                 self.max_positions
             )));
         }
-        let tokens = Tensor::i64(vec![1, ids.len()], ids.to_vec());
-        let mut outputs: HashMap<String, Tensor> = match (&self.engine, &mut self.cache) {
-            (Engine::Interp { graph, params }, Cache::Host(cache)) => {
-                // The cache moves into the inputs (no copy per step), and back on an error.
-                let mut inputs = std::mem::take(cache);
-                inputs.extend(self.memory.host.iter().map(|(n, t)| (n.clone(), t.clone())));
-                inputs.insert(self.ids_input.clone(), tokens);
-                let run = interp::run(graph, params, &inputs);
-                let mut outputs: HashMap<String, Tensor> = match run {
-                    Ok(outputs) => outputs.into_iter().collect(),
-                    Err(e) => {
-                        for (_, past) in &self.links {
-                            if let Some(t) = inputs.remove(past) {
-                                cache.insert(past.clone(), t);
-                            }
-                        }
-                        return Err(e.into());
-                    }
-                };
-                take_presents(&self.links, &mut outputs, cache)?;
-                outputs
-            }
-            (Engine::Cpu(model), Cache::Host(cache)) => {
-                // The cache is lent to the run (read in place); the presents become the next one.
-                let mut inputs = self.memory.host.clone();
-                inputs.insert(self.ids_input.clone(), tokens);
-                let mut outputs: HashMap<String, Tensor> = model.run_with(&inputs, cache)?.into_iter().collect();
-                take_presents(&self.links, &mut outputs, cache)?;
-                outputs
-            }
-            (Engine::Gpu(model), Cache::Device(cache)) => {
-                let mut inputs = self.memory.host.clone();
-                inputs.insert(self.ids_input.clone(), tokens);
-                // Past and memory stay on the device; so do the presents, the next past.
-                let keep: Vec<String> = self.links.iter().map(|(present, _)| present.clone()).collect();
-                let resident = std::mem::take(cache);
-                let resident: HashMap<String, DeviceTensor> =
-                    resident.into_iter().chain(std::mem::take(&mut self.memory.device)).collect();
-                let run = model.run_resident(&inputs, &resident, &keep);
-                // Give the memory back whatever happened, and the old cache on an error.
-                let links = &self.links;
-                let (pasts, memory): (HashMap<_, _>, HashMap<_, _>) =
-                    resident.into_iter().partition(|(name, _)| links.iter().any(|(_, past)| past == name));
-                self.memory.device = memory;
-                let (outputs, mut kept) = match run {
-                    Ok(r) => r,
-                    Err(e) => {
-                        *cache = pasts;
-                        return Err(e.into());
-                    }
-                };
-                take_presents(&self.links, &mut kept, cache)?;
-                outputs.into_iter().collect()
-            }
-            _ => unreachable!("the cache is made for its engine in `new`"),
-        };
+        let mut inputs = self.memory.host.clone();
+        inputs.insert(self.ids_input.clone(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
+        let mut outputs = self.engine.step(inputs, &mut self.memory, &self.links)?;
         self.position += ids.len();
         let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
         let vocab = logits.shape.last().copied().unwrap_or(0);
@@ -240,50 +158,15 @@ impl Session {
     /// Forgets the cache: the next [`forward`](Self::forward) starts a new sequence (with the
     /// same memory).
     pub fn reset(&mut self) {
-        match &mut self.cache {
-            Cache::Host(cache) => cache.clear(),
-            Cache::Device(cache) => cache.clear(),
-        }
+        self.engine.clear();
         self.position = 0;
     }
 
     /// The cache as tensors on the host (read back from the device if it lives there), by past
     /// input name.
     pub fn cache(&self) -> R<HashMap<String, Tensor>> {
-        match &self.cache {
-            Cache::Host(cache) => Ok(cache.clone()),
-            Cache::Device(cache) => {
-                cache.iter().map(|(name, t)| Ok((name.clone(), t.read()?))).collect::<R<HashMap<_, _>>>()
-            }
-        }
+        self.engine.cache()
     }
-}
-
-/// The token-id inputs of a plan.
-fn plan_ids(plan: &kiln_compiler::lower::Plan) -> Vec<String> {
-    plan.values
-        .iter()
-        .filter_map(|v| match &v.storage {
-            Storage::Input { name, role: InputRole::Ids } => Some(name.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Moves each `(present, past)` link's present out of a step's outputs into the cache, as the next
-/// step's past (host tensors or device tensors alike).
-fn take_presents<T>(
-    links: &[(String, String)],
-    outputs: &mut HashMap<String, T>,
-    cache: &mut HashMap<String, T>,
-) -> R<()> {
-    for (present, past) in links {
-        let t = outputs
-            .remove(present)
-            .ok_or_else(|| GenerateError::Invalid(format!("the model did not return `{present}`")))?;
-        cache.insert(past.clone(), t);
-    }
-    Ok(())
 }
 
 /// How the next token is chosen. `temperature == 0` is greedy (ties to the lowest id).

@@ -2,7 +2,8 @@
 //!
 //! [`Gpu`] picks an adapter (a discrete or integrated GPU first, any CPU adapter such as Mesa's
 //! lavapipe as the fallback; `KILN_ADAPTER` or the caller can name one) and opens a device with
-//! the adapter's own limits. [`GpuModel`] builds one pipeline per unique kernel and uploads the
+//! the adapter's own limits. [`GpuModel`] compiles the plan with the WGSL back end
+//! ([`kiln_compiler::back::wgsl::compile`]), builds one pipeline per unique kernel and uploads the
 //! weights once; each [`GpuModel::run`] uploads the inputs, records every dispatch into one command
 //! encoder and one compute pass, submits once and reads the outputs back. Intermediate buffers
 //! (the plan's slots), input buffers, the uniform of dispatch sizes and the bind groups are kept
@@ -12,7 +13,7 @@
 #![expect(
     clippy::indexing_slicing,
     reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
-              bounds its value, slot and kernel indices; step shapes are read through `dispatch`, \
+              bounds its value and slot indices, and compiled here (one kernel per step); step shapes are read through `dispatch`, \
               which errs on an ill-typed step; inputs are shape-checked by `bind_named_with` and \
               token ids range-checked by `check_indices`; the per-step tables are built here"
 )]
@@ -20,12 +21,12 @@
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use crate::weights::WeightError;
+use kiln_compiler::back::wgsl::{
+    self, Elem, Program, dispatch, dispatch_chunked, kernel_chunked, validate as validate_wgsl, workgroups,
+};
 use kiln_compiler::graph::Sym;
 use kiln_compiler::interp::InterpError;
-use kiln_compiler::lower::wgsl::{Elem, kernel_chunked};
-use kiln_compiler::lower::{
-    Plan, Storage, WeightFormat, dispatch, dispatch_chunked, resolve, validate_wgsl, workgroups,
-};
+use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -99,7 +100,7 @@ pub struct Gpu {
     /// The first wgpu error raised outside an error scope, if any.
     uncaptured: Arc<Mutex<Option<String>>>,
     /// Largest buffer kiln creates; larger tensors are split into chunks of this many bytes and
-    /// bound as several buffers (see [`kiln_compiler::lower::wgsl::kernel_chunked`]).
+    /// bound as several buffers (see [`kiln_compiler::back::wgsl::kernel_chunked`]).
     chunk_bytes: u64,
     /// Whether `SHADER_F16` is enabled.
     f16: bool,
@@ -429,7 +430,8 @@ pub type Kept = HashMap<String, DeviceTensor>;
 /// A plan with its pipelines built and its weights on the device.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
-    plan: Plan,
+    /// The plan compiled for wgpu (its legalized plan is the one run).
+    program: Program,
     pipelines: Vec<wgpu::ComputePipeline>,
     /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
     variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
@@ -459,48 +461,52 @@ const STORAGE: wgpu::BufferUsages =
     wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST).union(wgpu::BufferUsages::COPY_SRC);
 
 impl GpuModel {
-    /// Builds the pipelines and uploads the parameters (by canonical name) once. Every weight the
-    /// plan stores in a block-quantized format must be in `blocks` (see [`GpuModel::with_blocks`]).
+    /// Compiles the plan, builds the pipelines and uploads the parameters (by canonical name)
+    /// once. Every weight the plan stores in a block-quantized format must be in `blocks` (see
+    /// [`GpuModel::with_blocks`]).
     pub fn new(gpu: Arc<Gpu>, plan: Plan, params: &HashMap<String, Tensor>) -> Result<GpuModel, GpuError> {
         GpuModel::with_blocks(gpu, plan, params, &HashMap::new())
     }
 
     /// [`GpuModel::new`] with the blocks of the parameters the plan stores quantized
-    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`/`Q4_1`), by name; f16 weights
-    /// are converted from `params` at upload (the device must support f16, see
-    /// [`Gpu::supports_f16`]).
+    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`/`Q4_1`), by name.
     pub fn with_blocks(
         gpu: Arc<Gpu>,
         plan: Plan,
         params: &HashMap<String, Tensor>,
         blocks: &HashMap<String, QuantWeight>,
     ) -> Result<GpuModel, GpuError> {
-        GpuModel::with_progress(gpu, plan, params, blocks, &())
+        GpuModel::with_progress(gpu, &plan, &wgsl::Options::default(), params, blocks, &())
     }
 
-    /// [`GpuModel::with_blocks`], reporting to `progress` as the pipelines are built
-    /// ([`Phase::Pipelines`], the slow part on a CPU adapter), the load-time folds evaluated
-    /// ([`Phase::Fold`]) and the weights uploaded ([`Phase::Upload`]).
+    /// [`GpuModel::with_blocks`] with the back end's `options` (f16 weights: converted from
+    /// `params` at upload; the device must support f16, see [`Gpu::supports_f16`]), reporting to
+    /// `progress` as the pipelines are built ([`Phase::Pipelines`], the slow part on a CPU
+    /// adapter), the load-time folds evaluated ([`Phase::Fold`]) and the weights uploaded
+    /// ([`Phase::Upload`]).
     pub fn with_progress(
         gpu: Arc<Gpu>,
-        plan: Plan,
+        plan: &Plan,
+        options: &wgsl::Options,
         params: &HashMap<String, Tensor>,
         blocks: &HashMap<String, QuantWeight>,
         progress: &dyn Progress,
     ) -> Result<GpuModel, GpuError> {
-        if plan.values.iter().any(|v| v.format == WeightFormat::F16) && !gpu.supports_f16() {
+        if options.f16_weights && !gpu.supports_f16() {
             return Err(GpuError::Dispatch(format!(
                 "f16 weights need the SHADER_F16 feature, which adapter `{}` does not have; use f32 weights",
                 gpu.info.name
             )));
         }
-        let mut counter = Counter::start(progress, Phase::Pipelines, plan.kernels.len());
-        let mut pipelines = Vec::with_capacity(plan.kernels.len());
-        for k in &plan.kernels {
+        let program = wgsl::compile(plan, options).map_err(|e| GpuError::Dispatch(e.to_string()))?;
+        let plan = &program.plan;
+        let mut counter = Counter::start(progress, Phase::Pipelines, program.kernels.len());
+        let mut pipelines = Vec::with_capacity(program.kernels.len());
+        for k in &program.kernels {
             pipelines.push(gpu.pipeline(&k.name, &k.wgsl));
             counter.advance();
         }
-        let crate::prepare::Constants { host, quant } = crate::prepare::constants(&plan, params, blocks, progress)?;
+        let crate::prepare::Constants { host, quant } = crate::prepare::constants(plan, params, blocks, progress)?;
         let mut uploaded = HashMap::new();
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let what = |id: usize| match &plan.values[id].storage {
@@ -536,7 +542,7 @@ impl GpuModel {
         gpu.check_lost()?;
         Ok(GpuModel {
             gpu,
-            plan,
+            program,
             pipelines,
             variants: Mutex::new(HashMap::new()),
             params: uploaded,
@@ -550,9 +556,14 @@ impl GpuModel {
         &self.weight_bytes
     }
 
-    /// The plan being run.
+    /// The plan being run (legalized for wgpu: see [`GpuModel::program`]).
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        &self.program.plan
+    }
+
+    /// The plan compiled for wgpu: its legalized plan and kernels.
+    pub fn program(&self) -> &Program {
+        &self.program
     }
 
     /// Runs one forward pass on named inputs; returns the named outputs.
@@ -573,7 +584,7 @@ impl GpuModel {
     ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
         let gpu = &self.gpu;
         gpu.check_lost()?;
-        let plan = &self.plan;
+        let plan = &self.program.plan;
 
         // Bind inputs exactly as the interpreter does.
         let resident_shapes: HashMap<String, Vec<usize>> =
@@ -685,7 +696,7 @@ impl GpuModel {
                 )));
             }
             let pipeline = if !chunked {
-                self.pipelines[step.kernel].clone()
+                self.pipelines[self.program.step_kernels[i]].clone()
             } else if let Some(&o) = step.operands.iter().find(|&&o| !plan.values[o].format.is_f32()) {
                 // The chunked variants read f32 only.
                 return Err(GpuError::Dispatch(format!(
@@ -693,7 +704,7 @@ impl GpuModel {
                     step.scope, plan.values[o].format
                 )));
             } else {
-                let key = (step.kernel, counts.clone());
+                let key = (self.program.step_kernels[i], counts.clone());
                 if !variants.contains_key(&key) {
                     let elems: Vec<Elem> = step.operands.iter().map(|&o| elem(plan.values[o].dtype)).collect();
                     let text = kernel_chunked(
@@ -827,7 +838,7 @@ impl GpuModel {
         let gpu = &self.gpu;
         let state = self.state.lock().map_err(|_| GpuError::Dispatch("run state poisoned".into()))?;
         // Every step's pipeline, bind group and grid, as the run above dispatched them.
-        let mut dispatches = Vec::with_capacity(self.plan.steps.len());
+        let mut dispatches = Vec::with_capacity(self.program.plan.steps.len());
         for (i, cached) in state.bind_groups.iter().enumerate() {
             let (pipeline, _, group) =
                 cached.as_ref().ok_or_else(|| GpuError::Dispatch(format!("step {i} has no bind group")))?;

@@ -11,6 +11,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod cpu;
+pub mod engine;
 pub mod gguf;
 pub mod model;
 pub mod prepare;
@@ -34,7 +35,8 @@ pub use model::{Model, ModelError};
 
 pub mod generate;
 
-pub use generate::{Engine, GenerateError, Memory, Sampler, Session, Stats, Stop};
+pub use engine::{CpuEngine, Engine, GpuEngine, InterpEngine};
+pub use generate::{GenerateError, Memory, Sampler, Session, Stats, Stop};
 
 /// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
 /// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.

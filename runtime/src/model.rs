@@ -55,6 +55,20 @@ impl Model {
         }
     }
 
+    /// Unique kernels: the WGSL modules on wgpu; on the CPU, every step runs a native kernel or the
+    /// interpreter's, so this is the number of distinct ops it runs.
+    pub fn kernels(&self) -> usize {
+        match self {
+            Model::Gpu(m) => m.program().kernels.len(),
+            Model::Cpu(m) => {
+                let mut ops: Vec<String> = m.plan().steps.iter().map(|s| format!("{:?}", s.op)).collect();
+                ops.sort_unstable();
+                ops.dedup();
+                ops.len()
+            }
+        }
+    }
+
     /// Bytes of the weights where the back end keeps them, by storage format.
     pub fn weight_bytes(&self) -> &[(WeightFormat, u64)] {
         match self {
@@ -68,15 +82,6 @@ impl Model {
         match self {
             Model::Gpu(_) => "wgpu",
             Model::Cpu(_) => "cpu",
-        }
-    }
-}
-
-impl From<Model> for crate::generate::Engine {
-    fn from(m: Model) -> Self {
-        match m {
-            Model::Gpu(m) => crate::generate::Engine::Gpu(m),
-            Model::Cpu(m) => crate::generate::Engine::Cpu(m),
         }
     }
 }

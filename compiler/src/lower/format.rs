@@ -1,16 +1,18 @@
-//! Storage formats of projection weights on the device.
+//! Storage formats of projection weights.
 //!
-//! Every tensor is f32 on the device except the weight operand of a projection ([`Op::Linear`](crate::graph::Op::Linear)),
-//! which lowering may give another [`WeightFormat`] (see [`super::Options::formats`] and
-//! [`super::Options::f16_weights`]); the plan records it in [`super::Value::format`] and the
-//! projection kernel reads that operand through format-specific accessors
-//! ([`super::projection::bindings`]). The interpreter (and so every load-time fold) still works on
-//! the f32 values, which are the exact dequantization of the blocks.
+//! Every tensor is f32 except the weight operand of a projection ([`Op::Linear`](crate::graph::Op::Linear)),
+//! which lowering may give a quantized [`WeightFormat`] (see [`super::Options::formats`]) and the
+//! wgpu back end f16 ([`crate::back::wgsl::Options::f16_weights`]); the plan records it in
+//! [`super::Value::format`], and each engine's projection reads that operand in its format (the
+//! WGSL kernel through format-specific accessors, [`crate::back::wgsl::projection::bindings`]).
+//! The interpreter (and so every load-time fold) still works on the f32 values, which are the
+//! exact dequantization of the blocks.
 //!
-//! - **`F32`**: the weight transposed to `[k, w]` (see [`super::projection`]), `array<vec4<f32>>`.
-//! - **`F16`**: the same transposed layout as `array<vec4<f16>>` (the module `enable`s `f16`; the
-//!   arithmetic stays f32). Needs the adapter feature `SHADER_F16`. Halves the weight bytes, at a
-//!   rounding error of at most 2^-11 relative per weight.
+//! - **`F32`**: the graph's `[rows, k]` weight; the wgpu back end reads it transposed to `[k, w]`
+//!   (see [`crate::back::wgsl::projection`]), as `array<vec4<f32>>`.
+//! - **`F16`** (wgpu only): that transposed layout as `array<vec4<f16>>` (the module `enable`s
+//!   `f16`; the arithmetic stays f32). Needs the adapter feature `SHADER_F16`. Halves the weight
+//!   bytes, at a rounding error of at most 2^-11 relative per weight.
 //! - **`Q8_0`, `Q4_1`**: GGUF's blocks of 32 consecutive elements of a row of the *untransposed*
 //!   `[rows, k]` weight (`k` a multiple of 32), repacked at load time into one `array<u32>` so every
 //!   load is aligned: row `c` starts at word `c * stride` and holds its `nb = k / 32` block scales

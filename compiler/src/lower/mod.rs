@@ -1,12 +1,17 @@
-//! Lowering: Graph -> [`Plan`], the device-independent program the runtime executes.
+//! Lowering: Graph -> [`Plan`], the target-neutral program every engine executes.
 //!
-//! A plan is a list of [`Step`]s in topological order, each one dispatch of a generated WGSL
-//! [`Kernel`] over [`Value`]s. Values are parameters (uploaded once), inputs (uploaded per run),
-//! aliases (reshapes share their operand's buffer) or intermediates placed in *slots*: buffers that
-//! values with disjoint lifetimes share. Slots are assigned at compile time by liveness; their
-//! byte sizes are fixed at run time, when batch and sequence lengths are known, as the largest value
-//! each holds. Every kernel module is parsed and validated by naga (all validation flags) here; a
-//! module that fails is a compiler bug, reported with the op and model named.
+//! A plan is a list of [`Step`]s in topological order, each one op of the graph over [`Value`]s.
+//! Values are parameters (uploaded once), inputs (bound per run), aliases (reshapes share their
+//! operand's buffer) or intermediates placed in *slots*: buffers that values with disjoint
+//! lifetimes share. Slots are assigned at compile time by liveness; their byte sizes are fixed at
+//! run time, when batch and sequence lengths are known, as the largest value each holds. Ops on
+//! parameters alone are [`Fold`]s, evaluated once when the weights are loaded.
+//!
+//! The plan names no target: a projection reads its weight in the graph's `[out, in]` layout (or
+//! as the blocks of a quantized format, [`Value::format`]). Each back end compiles it at load
+//! time with its own legalization — [`crate::back::wgsl::compile`] transposes and pads weights for
+//! its projection kernel and generates the WGSL modules; the CPU back end picks native kernels —
+//! so an artifact, which stores the plan, runs on either.
 
 #![expect(
     clippy::indexing_slicing,
@@ -16,10 +21,7 @@
               `dims_of` with checked access"
 )]
 
-pub mod attention;
 pub mod format;
-pub mod projection;
-pub mod wgsl;
 
 pub use format::WeightFormat;
 
@@ -28,18 +30,6 @@ use crate::tensor::DType;
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use wgsl::Elem;
-
-/// A unique WGSL module.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Kernel {
-    /// A readable name (`matmul_t`, `layer_norm`, ...).
-    pub name: String,
-    /// The module text.
-    pub wgsl: String,
-    /// Number of operand bindings (after the uniform and the output).
-    pub operands: usize,
-}
 
 /// Where a value lives.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,18 +61,16 @@ pub struct Value {
     pub dtype: DType,
     /// Where it lives.
     pub storage: Storage,
-    /// How it is stored on the device: `F32` for every value but the weight operand of a
-    /// projection, which may be f16 or quantized (see [`mod@format`]).
+    /// How it is stored: `F32` for every value but the weight operand of a projection, which may
+    /// be quantized (see [`mod@format`]; a back end may choose f16 for its own copy).
     #[serde(default, skip_serializing_if = "WeightFormat::is_f32")]
     pub format: WeightFormat,
 }
 
-/// One kernel dispatch.
+/// One op executed at run time.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Step {
-    /// Index into [`Plan::kernels`].
-    pub kernel: usize,
-    /// The op (its sizes are computed at run time by [`dispatch`]).
+    /// The op (its sizes follow from the operands' shapes at run time).
     pub op: Op,
     /// Operand values.
     pub operands: Vec<usize>,
@@ -109,49 +97,16 @@ pub struct Fold {
 pub struct Plan {
     /// Model name.
     pub name: String,
-    /// Unique kernels.
-    pub kernels: Vec<Kernel>,
     /// Every tensor.
     pub values: Vec<Value>,
     /// Load-time computations on parameters, in order.
     pub folds: Vec<Fold>,
-    /// Dispatches in order.
+    /// Run-time ops in order.
     pub steps: Vec<Step>,
     /// Number of shared intermediate buffers.
     pub slots: usize,
     /// Named results.
     pub outputs: Vec<(String, usize)>,
-}
-
-/// A compiler bug found while lowering (an invalid generated module).
-#[derive(Clone, Debug, thiserror::Error)]
-#[error("internal compiler error in model `{model}`, op `{op}` (`{scope}`): generated WGSL is invalid: {message}")]
-pub struct LowerError {
-    /// The model.
-    pub model: String,
-    /// The op.
-    pub op: String,
-    /// Its scope.
-    pub scope: String,
-    /// naga's message.
-    pub message: String,
-}
-
-fn device_elem(v: &Value) -> Elem {
-    match (v.dtype, v.format) {
-        (DType::I64, _) => Elem::I32,
-        (DType::F32, f) => Elem::from(f),
-    }
-}
-
-/// Parses and validates a WGSL module with every validation flag.
-pub fn validate_wgsl(text: &str) -> Result<(), String> {
-    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
-    // f16 is the one capability a kernel may use (only where a weight is stored as f16).
-    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::SHADER_FLOAT16)
-        .validate(&module)
-        .map_err(|e| e.emit_to_string(text))?;
-    Ok(())
 }
 
 /// Lowering choices (the defaults are what `kiln` runs).
@@ -169,31 +124,24 @@ pub struct Options {
     /// of f32 (see [`mod@format`]). The runtime must then be given the blocks of each. Parameters
     /// whose rows are not a multiple of 32 stay f32.
     pub formats: BTreeMap<String, WeightFormat>,
-    /// Store every other constant projection weight as f16 (needs `SHADER_F16` on the device).
-    pub f16_weights: bool,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { fast_projections: true, fold_constants: true, formats: BTreeMap::new(), f16_weights: false }
+        Options { fast_projections: true, fold_constants: true, formats: BTreeMap::new() }
     }
 }
 
 /// Lowers a checked graph into a plan, with the default [`Options`].
-pub fn lower(g: &Graph) -> Result<Plan, LowerError> {
+pub fn lower(g: &Graph) -> Plan {
     lower_with(g, Options::default())
 }
 
 /// The state of one lowering: what has been emitted so far.
 struct Lowering<'g> {
-    g: &'g Graph,
     values: Vec<Value>,
-    kernels: Vec<Kernel>,
-    kernel_of: HashMap<String, usize>,
     steps: Vec<Step>,
     folds: Vec<Fold>,
-    /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
-    transposed: HashMap<(usize, bool), usize>,
     /// Weight value -> its quantized view, if it has one (see [`Lowering::quantized`]).
     quantized: HashMap<usize, Option<usize>>,
     /// Quantized parameters by name.
@@ -201,94 +149,6 @@ struct Lowering<'g> {
 }
 
 impl Lowering<'_> {
-    /// Whether value `v` is computed from parameters alone with a fixed shape.
-    fn constant(&self, v: usize) -> bool {
-        matches!(self.values[root(&self.values, v)].storage, Storage::Param(_) | Storage::Const)
-            && self.values[v].shape.iter().all(|d| matches!(d, crate::graph::Dim::Fixed(_)))
-    }
-
-    /// Emits a dispatch of `op` (its kernel validated and deduplicated by text).
-    fn step(&mut self, op: Op, operands: Vec<usize>, output: usize, scope: &str) -> Result<(), LowerError> {
-        let elems: Vec<Elem> = operands.iter().map(|&v| device_elem(&self.values[v])).collect();
-        let geometry = self.geometry(&op, &operands);
-        let Some(text) = wgsl::kernel(&op, &elems, device_elem(&self.values[output]), geometry) else {
-            return Ok(());
-        };
-        let kernel = match self.kernel_of.get(&text) {
-            Some(&k) => k,
-            None => {
-                validate_wgsl(&text).map_err(|message| LowerError {
-                    model: self.g.name.clone(),
-                    op: op.name(),
-                    scope: scope.to_string(),
-                    message,
-                })?;
-                self.kernels.push(Kernel { name: op.name(), wgsl: text.clone(), operands: operands.len() });
-                self.kernel_of.insert(text, self.kernels.len() - 1);
-                self.kernels.len() - 1
-            }
-        };
-        self.steps.push(Step { kernel, op, operands, output, scope: scope.to_string() });
-        Ok(())
-    }
-
-    /// The head geometry of an attention op, which its kernel is specialised to (shape inference
-    /// keeps head counts and widths fixed).
-    fn geometry(&self, op: &Op, operands: &[usize]) -> Option<attention::Geometry> {
-        use crate::graph::Dim::Fixed;
-        match *op {
-            Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
-                Some(attention::Geometry { heads, kv_heads, head_dim })
-            }
-            Op::Attention { .. } => {
-                let (q, k) = (&self.values[operands[0]].shape, &self.values[operands[1]].shape);
-                match (q.get(1), q.get(3), k.get(1)) {
-                    (Some(&Fixed(heads)), Some(&Fixed(head_dim)), Some(&Fixed(kv_heads))) => {
-                        Some(attention::Geometry { heads, kv_heads, head_dim })
-                    }
-                    _ => None,
-                }
-            }
-            _ => None,
-        }
-    }
-
-    /// The `[k, m]` transpose of a projection weight `w` (`[m, k]`), which the projection kernel
-    /// reads, its rows padded to a multiple of 4 columns if `pad` (by repeating the first ones): a
-    /// load-time fold for a constant weight, permute (slice, concat) steps otherwise.
-    fn transpose(&mut self, w: usize, pad: bool, scope: &str) -> Result<usize, LowerError> {
-        if let Some(&t) = self.transposed.get(&(w, pad)) {
-            return Ok(t);
-        }
-        let shape = self.values[w].shape.clone();
-        let constant = self.constant(w);
-        let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> Result<usize, LowerError> {
-            let v = l.values.len();
-            let storage = if constant { Storage::Const } else { Storage::Slot(usize::MAX) };
-            l.values.push(Value { shape, dtype: l.values[w].dtype, storage, format: WeightFormat::F32 });
-            if constant {
-                l.folds.push(Fold { op, operands, output: v });
-            } else {
-                l.step(op, operands, v, scope)?;
-            }
-            Ok(v)
-        };
-        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1], shape[0]])?;
-        if let (true, crate::graph::Dim::Fixed(n)) = (pad, shape[0]) {
-            let extra = n.next_multiple_of(4) - n;
-            let rows = shape[1];
-            let head = derive(
-                self,
-                Op::Slice { axis: 1, start: 0, len: extra },
-                vec![t],
-                vec![rows, crate::graph::Dim::Fixed(extra)],
-            )?;
-            t = derive(self, Op::Concat { axis: 1 }, vec![t, head], vec![rows, crate::graph::Dim::Fixed(n + extra)])?;
-        }
-        self.transposed.insert((w, pad), t);
-        Ok(t)
-    }
-
     /// The quantized view of projection weight `w` (`[rows, k]`, untransposed), if it has one: a
     /// parameter listed in [`Options::formats`] with `k` a multiple of 32, or a load-time fold
     /// that keeps the blocks: a stack of rows (concatenation on axis 0) of views of one format, or
@@ -345,17 +205,13 @@ impl Lowering<'_> {
 }
 
 /// Lowers a checked graph into a plan.
-pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
+pub fn lower_with(g: &Graph, options: Options) -> Plan {
     let mut l = Lowering {
         quantized: HashMap::new(),
         formats: &options.formats,
-        g,
         values: Vec::new(),
-        kernels: Vec::new(),
-        kernel_of: HashMap::new(),
         steps: Vec::new(),
         folds: Vec::new(),
-        transposed: HashMap::new(),
     };
     let mut value_of: HashMap<NodeIndex, usize> = HashMap::new();
     for n in g.order() {
@@ -376,50 +232,56 @@ pub fn lower_with(g: &Graph, options: Options) -> Result<Plan, LowerError> {
             _ => Storage::Slot(usize::MAX), // assigned below
         };
         let id = l.values.len();
-        let folded = storage == Storage::Const;
         l.values.push(Value { shape: node.shape.clone(), dtype: node.dtype, storage, format: WeightFormat::F32 });
         value_of.insert(n, id);
-        if folded {
-            l.folds.push(Fold { op: node.op.clone(), operands, output: id });
-            continue;
+        match l.values[id].storage {
+            Storage::Const => {
+                l.folds.push(Fold { op: node.op.clone(), operands, output: id });
+                continue;
+            }
+            // Bound or uploaded, or a view of another value's buffer: nothing to run.
+            Storage::Param(_) | Storage::Input { .. } | Storage::Alias(_) => continue,
+            Storage::Slot(_) => {}
         }
         let mut op = node.op.clone();
         // A projection by a constant weight: the same product as `linear` without epilogues.
         if options.fast_projections
             && op == (Op::MatMul { transpose_b: true })
             && l.values[operands[1]].shape.len() == 2
-            && l.constant(operands[1])
+            && self::constant(&l.values, operands[1])
         {
             op = Op::linear(None, false, false);
         }
-        // Every projection reads its weight transposed (see `projection`), but a quantized one,
-        // whose blocks run along the rows of the untransposed weight.
-        if let Op::Linear { norm, .. } = &op {
-            let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
-            if let Some(q) = l.quantized(operands[wi]) {
-                operands[wi] = q;
-            } else {
-                let pad = match l.values[operands[wi]].shape[0] {
-                    crate::graph::Dim::Fixed(n) => projection::pads_weight(&op, n),
-                    _ => false,
-                };
-                let t = l.transpose(operands[wi], pad, &node.scope)?;
-                if options.f16_weights && l.values[t].storage == Storage::Const {
-                    l.values[t].format = WeightFormat::F16;
-                }
-                operands[wi] = t;
-            }
+        // A projection by a quantized weight reads its blocks.
+        if let Some(wi) = linear_weight(&op)
+            && let Some(q) = l.quantized(operands[wi])
+        {
+            operands[wi] = q;
         }
-        l.step(op, operands, id, &node.scope)?;
+        l.steps.push(Step { op, operands, output: id, scope: node.scope.clone() });
     }
-    let Lowering { mut values, kernels, steps, folds, .. } = l;
+    let Lowering { mut values, steps, folds, .. } = l;
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);
-    Ok(Plan { name: g.name.clone(), kernels, values, folds, steps, slots, outputs })
+    Plan { name: g.name.clone(), values, folds, steps, slots, outputs }
+}
+
+/// The operand index of a projection's weight (after the input and the norm's gain and bias).
+pub fn linear_weight(op: &Op) -> Option<usize> {
+    match op {
+        Op::Linear { norm, .. } => Some(1 + norm.map_or(0, |p| 1 + usize::from(p.bias))),
+        _ => None,
+    }
+}
+
+/// Whether value `v` is computed from parameters alone with a fixed shape.
+pub(crate) fn constant(values: &[Value], v: usize) -> bool {
+    matches!(values[root(values, v)].storage, Storage::Param(_) | Storage::Const)
+        && values[v].shape.iter().all(|d| matches!(d, crate::graph::Dim::Fixed(_)))
 }
 
 /// The value whose buffer `v` uses (following aliases).
-fn root(values: &[Value], mut v: usize) -> usize {
+pub(crate) fn root(values: &[Value], mut v: usize) -> usize {
     while let Storage::Alias(a) = values[v].storage {
         v = a;
     }
@@ -436,7 +298,7 @@ const PLACEMENT_SEQ: usize = 512;
 /// preferred, so slots keep sizes close to what they hold), and by size (largest value first,
 /// each into the smallest free slot; "greedy by size"). A value lives from the step that writes
 /// it to the last step that reads any alias of it; outputs live to the end.
-fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)]) -> usize {
+pub(crate) fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(String, usize)]) -> usize {
     let mut last_use: HashMap<usize, usize> = HashMap::new();
     for (i, s) in steps.iter().enumerate() {
         for &o in &s.operands {
@@ -528,182 +390,16 @@ fn by_size(lives: &[(usize, usize, usize, usize)]) -> (Vec<usize>, usize) {
 
 pub use crate::graph::resolve;
 
-/// Row-major strides.
-fn strides(shape: &[usize]) -> Vec<usize> {
-    let mut st = vec![1; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        st[i] = st[i + 1] * shape[i + 1];
-    }
-    st
-}
-
-/// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes
-/// and `past` cached tokens (where positions start). Errors if a size does not fit the kernels'
-/// 32-bit indexing.
-pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
-    dims_of(op, operands, out, past, false)
-}
-
-/// [`dispatch`] for the step's chunked kernel variant ([`wgsl::kernel_chunked`]), which runs a
-/// projection in its scalar forms only and attention one query row per invocation.
-pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
-    dims_of(op, operands, out, past, true)
-}
-
-// A plan read from a file holds any op on any operands (`Plan::check` bounds indices, not
-// typing), so this reads operands and axes with `operand` and `axis`: an ill-typed step is an
-// error, not a panic.
-fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked: bool) -> Result<[u32; 16], String> {
-    let total: usize = out.iter().product();
-    let last = |s: &[usize]| s.last().copied().unwrap_or(1);
-    let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
-    let operand = |i: usize| -> Result<&[usize], String> {
-        operands.get(i).map(Vec::as_slice).ok_or_else(|| format!("{} has no operand {i}", op.name()))
-    };
-    let axis = |s: &[usize], i: usize| -> Result<usize, String> {
-        s.get(i).copied().ok_or_else(|| format!("{}: shape {s:?} has no axis {i}", op.name()))
-    };
-    // Axis `i` counted from the end (1: the last).
-    let from_end = |s: &[usize], i: usize| match s.len().checked_sub(i) {
-        Some(j) => axis(s, j),
-        None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
-    };
-    let mut d: Vec<usize> = match op {
-        Op::Positions { .. } => vec![total, past],
-        Op::Sinusoid { .. } | Op::Scale { .. } | Op::Act(_) => vec![total],
-        Op::Gather => vec![total, last(out)],
-        Op::MatMul { transpose_b } => {
-            let (a, b) = (operand(0)?, operand(1)?);
-            let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
-            let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
-            vec![total, m, n, k, usize::from(b.len() > 2)]
-        }
-        Op::Add | Op::Mul => {
-            // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.
-            let pad = |s: &[usize]| -> Vec<usize> {
-                let mut v = vec![1; 4 - s.len().min(4)];
-                v.extend_from_slice(s);
-                v
-            };
-            let o = pad(out);
-            let bstrides = |s: &[usize]| -> Vec<usize> {
-                let p = pad(s);
-                let st = strides(&p);
-                p.iter().zip(st).map(|(&n, st)| if n == 1 { 0 } else { st }).collect()
-            };
-            let mut v = vec![total];
-            v.extend(&o);
-            v.extend(bstrides(operand(0)?));
-            v.extend(bstrides(operand(1)?));
-            v
-        }
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::TopK { .. } | Op::L2Normalize => {
-            vec![rows(out), last(out)]
-        }
-        Op::Permute { perm } => {
-            let st = strides(operand(0)?);
-            let mut o = vec![1; 4usize.saturating_sub(out.len())];
-            o.extend_from_slice(out);
-            let mut s = vec![0; 4usize.saturating_sub(out.len())];
-            for &p in perm {
-                s.push(axis(&st, p)?);
-            }
-            let mut v = vec![total];
-            v.extend(o);
-            v.extend(s);
-            v
-        }
-        Op::Rope { .. } => vec![total, axis(out, 2)?, axis(out, 3)?, past],
-        Op::RepeatHeads { times } => vec![total, axis(operand(0)?, 1)?, *times, axis(out, 2)? * axis(out, 3)?],
-        Op::Alibi | Op::Mask { .. } => vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
-        Op::Slice { axis: a, start, len } => {
-            let x = operand(0)?;
-            let inner: usize = x.iter().skip(a + 1).product();
-            vec![total, axis(x, *a)?, inner, *start, *len]
-        }
-        Op::MeanPool => {
-            let x = operand(0)?;
-            vec![axis(out, 0)? * axis(out, 1)?, axis(x, 1)?, axis(x, 2)?]
-        }
-        // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
-        Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
-        Op::Linear { .. } => projection::dims(op, operands, out, past),
-        // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
-            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
-            vec![b * s * heads, *heads, s, s, *head_dim, *kv_heads, width]
-        }
-        // Blocks of query rows and heads: see `attention::dims`.
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
-            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
-            let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-            attention::dims(g, b, s, s, width)
-        }
-        // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
-        // from the cache operand (0 without one), `s` new ones from x [b, s, width].
-        Op::Heads { .. } => {
-            let x = operand(operands.len().saturating_sub(1))?;
-            let (s, width) = (axis(x, 1)?, axis(x, 2)?);
-            let p =
-                axis(out, 2)?.checked_sub(s).ok_or_else(|| format!("{}: more new rows than output rows", op.name()))?;
-            vec![total, axis(out, 1)?, p, s, axis(out, 3)?, width, past]
-        }
-        Op::Concat { axis: a } => {
-            let (x, y) = (operand(0)?, operand(1)?);
-            let inner: usize = x.iter().skip(a + 1).product();
-            vec![total, axis(x, *a)?, axis(y, *a)?, inner]
-        }
-        // One thread per row of scores [b, h, q, k].
-        Op::MaskedSoftmax { .. } => vec![rows(out), axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
-        // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
-        Op::Attention { .. } => {
-            let (&[b, h, s, d], &[_, kv, t, ..]) = (operand(0)?, operand(1)?) else {
-                return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, t, d]", op.name()));
-            };
-            if chunked {
-                vec![b * h * s, h, s, t, d, kv]
-            } else {
-                attention::dims(attention::Geometry { heads: h, kv_heads: kv, head_dim: d }, b, s, t, 0)
-            }
-        }
-        Op::AddNorm { .. } => vec![rows(out), last(out)],
-        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
-    };
-    if total == 0
-        && let Some(threads) = d.first_mut()
-    {
-        *threads = 0;
-    }
-    if d.len() > 16 {
-        return Err(format!("{} needs {} sizes, more than 16", op.name(), d.len()));
-    }
-    let mut u = [0u32; 16];
-    for (slot, &v) in u.iter_mut().zip(&d) {
-        *slot = u32::try_from(v).map_err(|_| format!("{}: size {v} does not fit 32-bit indexing", op.name()))?;
-    }
-    // Indices inside a kernel reach the operand and output sizes; they must fit in u32 too.
-    for s in operands.iter().map(|s| s.iter().product::<usize>()).chain([total]) {
-        u32::try_from(s)
-            .map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
-    }
-    Ok(u)
-}
-
-/// Workgroup grid for `threads` threads: `(x, y)` with `x <= max_x`.
-pub fn workgroups(threads: u32, max_x: u32) -> (u32, u32) {
-    let groups = threads.div_ceil(wgsl::WORKGROUP).max(1);
-    if groups <= max_x { (groups, 1) } else { (max_x, groups.div_ceil(max_x)) }
-}
-
 /// The most elements a plan's value may have in its fixed dimensions (a plan read from a file
 /// is checked against it before anything is sized from it).
 pub const MAX_FIXED_ELEMENTS: u64 = 1 << 40;
 
 impl Plan {
     /// Checks a plan that did not come from [`lower`] (an artifact's) for what lowering guarantees
-    /// and the runtime relies on: every index (kernel, value, slot) in range, aliases pointing to
-    /// earlier values (so alias chains end), folds producing constants, shapes within
-    /// [`MAX_FIXED_ELEMENTS`], and every kernel a valid WGSL module. Returns what is wrong.
+    /// and the runtime relies on: every index (value, slot) in range, aliases pointing to earlier
+    /// values (so alias chains end), folds producing constants and shapes within
+    /// [`MAX_FIXED_ELEMENTS`]. Returns what is wrong. (Each back end checks at load what it needs
+    /// beyond this, such as the operands of the ops it compiles.)
     pub fn check(&self) -> Result<(), String> {
         let n = self.values.len();
         if self.slots > n {
@@ -729,9 +425,6 @@ impl Plan {
             if v < n { Ok(()) } else { Err(format!("{what} reads value {v} of {n}")) }
         };
         for (i, step) in self.steps.iter().enumerate() {
-            if step.kernel >= self.kernels.len() {
-                return Err(format!("step {i} runs kernel {} of {}", step.kernel, self.kernels.len()));
-            }
             for &o in step.operands.iter().chain([&step.output]) {
                 value(o, &format!("step {i}"))?;
             }
@@ -746,9 +439,6 @@ impl Plan {
         }
         for (name, v) in &self.outputs {
             value(*v, &format!("output `{name}`"))?;
-        }
-        for kernel in &self.kernels {
-            validate_wgsl(&kernel.wgsl).map_err(|e| format!("kernel `{}` is not valid WGSL: {e}", kernel.name))?;
         }
         Ok(())
     }
@@ -817,14 +507,5 @@ impl Plan {
             }
         }
         slot_bytes
-    }
-
-    /// The deterministic text of every kernel, for snapshots: `// kernel N: name` then the module.
-    pub fn kernels_text(&self) -> String {
-        let mut s = String::new();
-        for (i, k) in self.kernels.iter().enumerate() {
-            s += &format!("// ---- kernel {i}: {} ({} operands)\n{}\n", k.name, k.operands, k.wgsl);
-        }
-        s
     }
 }

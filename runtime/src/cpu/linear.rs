@@ -2,8 +2,8 @@
 //! the gated `act(gate) * up`, as the interpreter defines it.
 //!
 //! 1. **Prologue**: the rows of `x` normalised (RMSNorm or LayerNorm) into a scratch buffer.
-//! 2. **Product**: for an f32 weight — stored transposed, `[k, n]` with rows padded to a multiple
-//!    of 4 columns, as the plan keeps it for every engine — a GEMM through the `gemm` crate (packed,
+//! 2. **Product**: for an f32 weight — the plan's `[n, k]`, read as the transposed right-hand side
+//!    by strides — a GEMM through the `gemm` crate (packed,
 //!    cache-blocked, AVX2/AVX-512 kernels chosen at run time, threaded over the pool). For a
 //!    Q8_0/Q4_1 weight (`[rows, k]` blocks), the blocks are dequantized in registers and
 //!    multiplied with the f32 activations ([`super::qdot_f32`]), or, opted into, each row of `x`
@@ -96,13 +96,11 @@ pub fn forward(
     let mut scratch: Vec<f32> = if glu { vec![0.0; m * mw] } else { Vec::new() };
     let y: &mut [f32] = if glu { &mut scratch } else { &mut *out };
     match w {
-        Arg::F32(wt) => {
-            // [k, padded] with padded >= mw.
-            let padded = wt.len().checked_div(k).unwrap_or(0);
-            if wt.len() != k * padded || padded < mw {
-                return Err(bad(format!("an f32 weight of {} elements is not [{k}, >= {mw}]", wt.len())));
+        Arg::F32(w) => {
+            if w.len() != mw * k {
+                return Err(bad(format!("an f32 weight of {} elements is not [{mw}, {k}]", w.len())));
             }
-            gemm_f32(m, mw, k, x, wt, padded, y, threads);
+            gemm_f32(m, mw, k, x, w, y, threads);
         }
         Arg::Quant(q) => {
             if q.k != k || q.rows != mw {
@@ -166,9 +164,8 @@ pub fn forward(
     Ok(())
 }
 
-/// `y [m, n] = x [m, k] @ wt [k, n]` (row stride `ldw`) through the `gemm` crate.
-#[expect(clippy::too_many_arguments, reason = "a GEMM's sizes and strides")]
-pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], wt: &[f32], ldw: usize, y: &mut [f32], threads: usize) {
+/// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]`, through the `gemm` crate.
+pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], y: &mut [f32], threads: usize) {
     let parallelism = if threads > 1 && m * n * k >= GEMM_THREADING {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -177,10 +174,11 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], wt: &[f32], ldw: usize,
     if m == 0 || n == 0 {
         return;
     }
-    debug_assert!(x.len() >= m * k && wt.len() >= k * ldw && y.len() >= m * n && ldw >= n);
-    // SAFETY: `x` holds m rows of k, `wt` k rows of `ldw >= n`, `y` m rows of n (checked by the
-    // caller, asserted above in debug builds); the strides below stay inside them, and `y` does
-    // not alias the inputs (it is a distinct `&mut`).
+    debug_assert!(x.len() >= m * k && w.len() >= n * k && y.len() >= m * n);
+    // SAFETY: `x` holds m rows of k, `w` n rows of k (read as the k x n right-hand side: column
+    // stride k, row stride 1), `y` m rows of n (checked by the caller, asserted above in debug
+    // builds); the strides below stay inside them, and `y` does not alias the inputs (it is a
+    // distinct `&mut`).
     unsafe {
         gemm::gemm(
             m,
@@ -193,9 +191,9 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], wt: &[f32], ldw: usize,
             x.as_ptr(),
             1,
             k as isize,
-            wt.as_ptr(),
+            w.as_ptr(),
+            k as isize,
             1,
-            ldw as isize,
             0.0,
             1.0,
             false,

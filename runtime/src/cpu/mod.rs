@@ -18,10 +18,10 @@
 //!   ([`kiln_compiler::interp::eval_op_at`]), so any plan runs, and native kernels replace ops one
 //!   at a time, each held to the interpreter by `tests/fused_ops.rs`.
 //!
-//! The plan lowered for wgpu stores each f32 projection weight transposed (`[k, n]`, rows padded
-//! to a multiple of 4 columns) and each quantized one untransposed (`[rows, k]` blocks): the
-//! kernels read either layout as the value's format says, so an artifact compiled once runs on
-//! either engine. Work is spread over a rayon pool of `threads` threads.
+//! The plan is target-neutral: projection weights are in the graph's `[out, in]` layout, f32 or
+//! quantized blocks (`[rows, k]`), which these kernels read as they are (the wgpu back end
+//! transposes its own copy), so an artifact compiled once runs on either engine. Work is spread
+//! over a rayon pool of `threads` threads.
 
 #![expect(
     clippy::indexing_slicing,
@@ -468,11 +468,6 @@ fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
 /// type-checked): the kernels rely on it. Symbolic dimensions are checked as symbols.
 fn check_steps(plan: &Plan) -> R<()> {
     for (i, step) in plan.steps.iter().enumerate() {
-        // A projection's weight is stored transposed or as blocks, not in the graph's `[out, in]`:
-        // `linear::forward` checks its operands against the layout it reads.
-        if matches!(step.op, Op::Linear { .. }) {
-            continue;
-        }
         let typed: Vec<(&Vec<Dim>, DType)> =
             step.operands.iter().map(|&o| (&plan.values[o].shape, plan.values[o].dtype)).collect();
         let (inferred, dtype) = kiln_compiler::graph::infer(&step.op, &typed)

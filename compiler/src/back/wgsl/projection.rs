@@ -2,8 +2,8 @@
 //! dispatch time from the shapes (see [`dims`]); one module holds all four, behind a branch on a
 //! uniform size, so one kernel serves prefill and decode.
 //!
-//! The weight operand is read transposed, `[k, w]` (lowering inserts the transpose, a load-time
-//! fold for a constant weight, and pads `w` to a multiple of 4 for a plain projection), so that the
+//! The weight operand is read transposed, `[k, w]` ([`super::compile`] inserts the transpose, a
+//! load-time fold for a constant weight, and pads `w` to a multiple of 4 for a plain projection), so that the
 //! columns an invocation computes are adjacent floats of one weight row. Each invocation
 //! accumulates its tile in registers over the whole of `k`, then gives each output its epilogue
 //! (bias, activation, gate, rotation, residual). A norm prologue computes the statistics of each of
@@ -25,14 +25,14 @@
 //! Every shape is handled (tiles past the last row or column compute clamped indices and skip
 //! their stores), so there is no fallback kernel. Buffers are accessed through `ldK`/`ldKv`/`st`/
 //! `stv` accessors (see [`bindings`]), which the chunked variant
-//! ([`super::wgsl::kernel_chunked`]) defines over chunk buffers.
+//! ([`super::kernel::kernel_chunked`]) defines over chunk buffers.
 
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::format::WeightFormat;
-use super::wgsl::{Elem, activation, lit};
+use super::emit::{Elem, WORKGROUP, activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};
+use crate::lower::WeightFormat;
 use crate::spec::{Activation, PairStyle};
 
 /// Rows per invocation in the scalar GEMM form (the workgroup covers `64 x GEMM_ROWS` rows).
@@ -64,7 +64,7 @@ struct Linear {
 
 impl Linear {
     /// The attributes of `op`, which must be an [`Op::Linear`]: the public functions of this module
-    /// are the projection cases of lowering, [`super::wgsl::kernel`] and [`super::dispatch`], which
+    /// are the projection cases of lowering, [`super::kernel::kernel`] and [`super::dispatch`], which
     /// all match on that variant before calling them.
     #[expect(clippy::panic, reason = "a precondition of this module's functions, met by every caller")]
     fn of(op: &Op) -> Linear {
@@ -122,7 +122,7 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
         let tiles = p.units(n).div_ceil((GEMM_COLS / p.unit_cols()).max(1));
         (0, tiles, tiles * m.div_ceil(64 * GEMM_ROWS))
     };
-    let threads = groups * super::wgsl::WORKGROUP as usize;
+    let threads = groups * WORKGROUP as usize;
     vec![threads, n, k, seq, past, m, tiles, form, w]
 }
 
@@ -137,8 +137,8 @@ pub fn pads_weight(op: &Op, n: usize) -> bool {
 /// float), `ldKv(q)` (the `q`-th `vec4`), `st(e, v)`, `stv(q, v)`. Buffers are allocated in
 /// multiples of 16 bytes, so every float of a tensor is inside some `vec4`. An f16 weight has the
 /// same accessors over `array<vec4<f16>>`, converting to f32 (the module starts with `enable f16;`,
-/// see [`super::wgsl::kernel`]); a quantized weight (see
-/// [`super::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
+/// see [`super::kernel::kernel`]); a quantized weight (see
+/// [`crate::lower::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
 /// row's first word), `qmK(row, b)` (Q4_1: its minimum) and `qvK(row, b, t)` (elements
 /// `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts, Q4_1's
 /// nibbles by shifts and a mask).
@@ -417,7 +417,7 @@ fn vector_x(norm: Option<Prologue>, r: usize) -> String {
     }
 }
 
-/// The loop of a `vec4` tile over a quantized weight's rows (see [`super::format`]): block by
+/// The loop of a `vec4` tile over a quantized weight's rows (see [`crate::lower::format`]): block by
 /// block, the unscaled quants of each column dotted with the inputs, then scaled once per block
 /// (`y += scale * dot(x, q)`, plus `min * sum(x)` for Q4_1). Column `c`'s row is clamped to the
 /// last real column (its outputs past `n` are never stored); a gated projection's up column is

@@ -28,11 +28,16 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::wgsl::lit;
+use super::emit::lit;
 use crate::graph::Op;
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 4;
+
+/// The largest head dimension the fused attention kernel handles: each thread accumulates its output
+/// row in a private array of this many floats. The optimizer fuses attention only below it (the
+/// wgpu target's fact, [`crate::target::WGPU_MAX_ATTENTION_HEAD_DIM`]).
+pub const MAX_ATTENTION_HEAD_DIM: usize = crate::target::WGPU_MAX_ATTENTION_HEAD_DIM;
 
 /// Floats of one invocation's private query (and accumulator) array: bounds the slots per
 /// invocation to `SLOT_FLOATS / head_dim`.
@@ -187,7 +192,7 @@ fn block(f: &Block, l: &Layout) -> String {
         if f.alibi {
             s += &format!(
                 "var slope{r} = 0.0;\n{{\n    let h = h{r};\n    slope{r} = {};\n}}\n",
-                super::wgsl::ALIBI_SLOPE
+                super::emit::ALIBI_SLOPE
             );
         }
         let q = (l.q)(&format!("min(row0 + {j}u, last)"), &format!("h{r}"));

@@ -1,0 +1,180 @@
+//! The sizes of a dispatch: the `Dims` uniform every kernel reads (see [`super::kernel`]) and the
+//! workgroup grid, computed at run time from the step's concrete shapes.
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "`strides` indexes within the shape it was given; everything read from a step goes \
+              through the checked `operand` and `axis` accessors"
+)]
+
+use super::attention;
+use super::emit::WORKGROUP;
+use super::projection;
+use crate::graph::Op;
+
+/// Row-major strides.
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * shape[i + 1];
+    }
+    st
+}
+
+/// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes
+/// and `past` cached tokens (where positions start). Errors if a size does not fit the kernels'
+/// 32-bit indexing.
+pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
+    dims_of(op, operands, out, past, false)
+}
+
+/// [`dispatch`] for the step's chunked kernel variant ([`super::kernel_chunked`]), which runs a
+/// projection in its scalar forms only and attention one query row per invocation.
+pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
+    dims_of(op, operands, out, past, true)
+}
+
+// A plan read from a file holds any op on any operands (`Plan::check` bounds indices, not
+// typing), so this reads operands and axes with `operand` and `axis`: an ill-typed step is an
+// error, not a panic.
+fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked: bool) -> Result<[u32; 16], String> {
+    let total: usize = out.iter().product();
+    let last = |s: &[usize]| s.last().copied().unwrap_or(1);
+    let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
+    let operand = |i: usize| -> Result<&[usize], String> {
+        operands.get(i).map(Vec::as_slice).ok_or_else(|| format!("{} has no operand {i}", op.name()))
+    };
+    let axis = |s: &[usize], i: usize| -> Result<usize, String> {
+        s.get(i).copied().ok_or_else(|| format!("{}: shape {s:?} has no axis {i}", op.name()))
+    };
+    // Axis `i` counted from the end (1: the last).
+    let from_end = |s: &[usize], i: usize| match s.len().checked_sub(i) {
+        Some(j) => axis(s, j),
+        None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
+    };
+    let mut d: Vec<usize> = match op {
+        Op::Positions { .. } => vec![total, past],
+        Op::Sinusoid { .. } | Op::Scale { .. } | Op::Act(_) => vec![total],
+        Op::Gather => vec![total, last(out)],
+        Op::MatMul { transpose_b } => {
+            let (a, b) = (operand(0)?, operand(1)?);
+            let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
+            let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
+            vec![total, m, n, k, usize::from(b.len() > 2)]
+        }
+        Op::Add | Op::Mul => {
+            // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.
+            let pad = |s: &[usize]| -> Vec<usize> {
+                let mut v = vec![1; 4 - s.len().min(4)];
+                v.extend_from_slice(s);
+                v
+            };
+            let o = pad(out);
+            let bstrides = |s: &[usize]| -> Vec<usize> {
+                let p = pad(s);
+                let st = strides(&p);
+                p.iter().zip(st).map(|(&n, st)| if n == 1 { 0 } else { st }).collect()
+            };
+            let mut v = vec![total];
+            v.extend(&o);
+            v.extend(bstrides(operand(0)?));
+            v.extend(bstrides(operand(1)?));
+            v
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::TopK { .. } | Op::L2Normalize => {
+            vec![rows(out), last(out)]
+        }
+        Op::Permute { perm } => {
+            let st = strides(operand(0)?);
+            let mut o = vec![1; 4usize.saturating_sub(out.len())];
+            o.extend_from_slice(out);
+            let mut s = vec![0; 4usize.saturating_sub(out.len())];
+            for &p in perm {
+                s.push(axis(&st, p)?);
+            }
+            let mut v = vec![total];
+            v.extend(o);
+            v.extend(s);
+            v
+        }
+        Op::Rope { .. } => vec![total, axis(out, 2)?, axis(out, 3)?, past],
+        Op::RepeatHeads { times } => vec![total, axis(operand(0)?, 1)?, *times, axis(out, 2)? * axis(out, 3)?],
+        Op::Alibi | Op::Mask { .. } => vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
+        Op::Slice { axis: a, start, len } => {
+            let x = operand(0)?;
+            let inner: usize = x.iter().skip(a + 1).product();
+            vec![total, axis(x, *a)?, inner, *start, *len]
+        }
+        Op::MeanPool => {
+            let x = operand(0)?;
+            vec![axis(out, 0)? * axis(out, 1)?, axis(x, 1)?, axis(x, 2)?]
+        }
+        // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
+        Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
+        Op::Linear { .. } => projection::dims(op, operands, out, past),
+        // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
+            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
+            vec![b * s * heads, *heads, s, s, *head_dim, *kv_heads, width]
+        }
+        // Blocks of query rows and heads: see `attention::dims`.
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
+            let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
+            attention::dims(g, b, s, s, width)
+        }
+        // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
+        // from the cache operand (0 without one), `s` new ones from x [b, s, width].
+        Op::Heads { .. } => {
+            let x = operand(operands.len().saturating_sub(1))?;
+            let (s, width) = (axis(x, 1)?, axis(x, 2)?);
+            let p =
+                axis(out, 2)?.checked_sub(s).ok_or_else(|| format!("{}: more new rows than output rows", op.name()))?;
+            vec![total, axis(out, 1)?, p, s, axis(out, 3)?, width, past]
+        }
+        Op::Concat { axis: a } => {
+            let (x, y) = (operand(0)?, operand(1)?);
+            let inner: usize = x.iter().skip(a + 1).product();
+            vec![total, axis(x, *a)?, axis(y, *a)?, inner]
+        }
+        // One thread per row of scores [b, h, q, k].
+        Op::MaskedSoftmax { .. } => vec![rows(out), axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
+        // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
+        Op::Attention { .. } => {
+            let (&[b, h, s, d], &[_, kv, t, ..]) = (operand(0)?, operand(1)?) else {
+                return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, t, d]", op.name()));
+            };
+            if chunked {
+                vec![b * h * s, h, s, t, d, kv]
+            } else {
+                attention::dims(attention::Geometry { heads: h, kv_heads: kv, head_dim: d }, b, s, t, 0)
+            }
+        }
+        Op::AddNorm { .. } => vec![rows(out), last(out)],
+        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
+    };
+    if total == 0
+        && let Some(threads) = d.first_mut()
+    {
+        *threads = 0;
+    }
+    if d.len() > 16 {
+        return Err(format!("{} needs {} sizes, more than 16", op.name(), d.len()));
+    }
+    let mut u = [0u32; 16];
+    for (slot, &v) in u.iter_mut().zip(&d) {
+        *slot = u32::try_from(v).map_err(|_| format!("{}: size {v} does not fit 32-bit indexing", op.name()))?;
+    }
+    // Indices inside a kernel reach the operand and output sizes; they must fit in u32 too.
+    for s in operands.iter().map(|s| s.iter().product::<usize>()).chain([total]) {
+        u32::try_from(s)
+            .map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
+    }
+    Ok(u)
+}
+
+/// Workgroup grid for `threads` threads: `(x, y)` with `x <= max_x`.
+pub fn workgroups(threads: u32, max_x: u32) -> (u32, u32) {
+    let groups = threads.div_ceil(WORKGROUP).max(1);
+    if groups <= max_x { (groups, 1) } else { (max_x, groups.div_ceil(max_x)) }
+}

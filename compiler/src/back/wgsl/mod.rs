@@ -1,0 +1,254 @@
+//! The wgpu back end: a target-neutral [`Plan`] compiled into a [`Program`] of WGSL compute
+//! kernels, one dispatch per step.
+//!
+//! [`compile`] first *legalizes* the plan for the kernels: the projection kernel
+//! ([`projection`]) reads an f32 weight transposed, `[k, w]`, its rows padded to a multiple of 4
+//! columns for a plain projection, so each such weight gets its transpose — a load-time fold for
+//! a constant weight (shared by every projection that reads it), permute/slice/concat steps
+//! otherwise — and, with [`Options::f16_weights`], is stored as f16. Quantized weights are read
+//! as their blocks, untransposed. Slots are then placed again over the legalized steps. Second,
+//! it generates each step's module ([`kernel`]), deduplicated by text and validated by naga with
+//! every validation flag: a module that fails is a compiler bug, reported with the op and model
+//! named. The runtime computes each dispatch's sizes from run-time shapes ([`dispatch`]).
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "compilation runs on plans that lowering produced or `Plan::check` accepted, whose \
+              value indices are in range; operand lists and shapes are read with checked access"
+)]
+
+pub mod attention;
+mod dims;
+pub mod emit;
+mod kernel;
+pub mod projection;
+
+pub use dims::{dispatch, dispatch_chunked, workgroups};
+pub use emit::{Elem, WORKGROUP};
+pub use kernel::{kernel, kernel_chunked};
+
+use crate::graph::{Dim, Op, Shape};
+use crate::lower::{Fold, Plan, Step, Storage, Value, WeightFormat, assign_slots, constant, linear_weight};
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// A unique WGSL module.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// A readable name (`matmul_t`, `layer_norm`, ...).
+    pub name: String,
+    /// The module text.
+    pub wgsl: String,
+    /// Number of operand bindings (after the uniform and the output).
+    pub operands: usize,
+}
+
+/// Choices of the wgpu back end.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Store every constant f32 projection weight as f16 (needs `SHADER_F16` on the device).
+    pub f16_weights: bool,
+}
+
+/// A plan compiled for wgpu.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Program {
+    /// The plan as this back end runs it: the neutral plan legalized (weights transposed, padded,
+    /// maybe f16; slots placed over its steps).
+    pub plan: Plan,
+    /// Unique kernels.
+    pub kernels: Vec<Kernel>,
+    /// The kernel of each step of [`Program::plan`], by index into [`Program::kernels`].
+    pub step_kernels: Vec<usize>,
+}
+
+impl Program {
+    /// The kernel step `i` dispatches.
+    pub fn kernel_of(&self, i: usize) -> Option<&Kernel> {
+        self.step_kernels.get(i).and_then(|&k| self.kernels.get(k))
+    }
+
+    /// The deterministic text of every kernel, for snapshots: `// kernel N: name` then the module.
+    pub fn kernels_text(&self) -> String {
+        let mut s = String::new();
+        for (i, k) in self.kernels.iter().enumerate() {
+            s += &format!("// ---- kernel {i}: {} ({} operands)\n{}\n", k.name, k.operands, k.wgsl);
+        }
+        s
+    }
+}
+
+/// A plan this back end cannot compile: an op on operands its kernels do not take (a plan read
+/// from a file), or a compiler bug (a generated module naga rejects).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("cannot compile model `{model}` for wgpu: op `{op}` (`{scope}`): {message}")]
+pub struct CompileError {
+    /// The model.
+    pub model: String,
+    /// The op.
+    pub op: String,
+    /// Its scope.
+    pub scope: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Parses and validates a WGSL module with every validation flag.
+pub fn validate(text: &str) -> Result<(), String> {
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
+    // f16 is the one capability a kernel may use (only where a weight is stored as f16).
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::SHADER_FLOAT16)
+        .validate(&module)
+        .map_err(|e| e.emit_to_string(text))?;
+    Ok(())
+}
+
+/// The element type of a value's buffer on the device (`I64` graph values are `i32` there).
+fn device_elem(v: &Value) -> Elem {
+    match (v.dtype, v.format) {
+        (DType::I64, _) => Elem::I32,
+        (DType::F32, f) => Elem::from(f),
+    }
+}
+
+/// Compiles a plan (from [`crate::lower::lower`], or an artifact's that passed
+/// [`Plan::check`]) for wgpu: legalizes it and generates its kernels (see the module docs).
+pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> {
+    let mut l = Legalize {
+        model: &plan.name,
+        values: plan.values.clone(),
+        folds: plan.folds.clone(),
+        steps: Vec::with_capacity(plan.steps.len()),
+        transposed: HashMap::new(),
+    };
+    for step in &plan.steps {
+        let mut step = step.clone();
+        if let Some(wi) = linear_weight(&step.op) {
+            let &w = step.operands.get(wi).ok_or_else(|| l.error(&step, "the weight operand is missing".into()))?;
+            match l.values[w].format {
+                WeightFormat::F32 => {
+                    let n = match l.values[w].shape.as_slice() {
+                        [Dim::Fixed(n), _] => Some(*n),
+                        [_, _] => None,
+                        s => return Err(l.error(&step, format!("the weight has {} axes, not 2", s.len()))),
+                    };
+                    let pad = n.is_some_and(|n| projection::pads_weight(&step.op, n));
+                    let t = l.transpose(w, pad, &step.scope);
+                    if options.f16_weights && l.values[t].storage == Storage::Const {
+                        l.values[t].format = WeightFormat::F16;
+                    }
+                    step.operands[wi] = t;
+                }
+                WeightFormat::F16 => {
+                    return Err(l.error(
+                        &step,
+                        "the plan stores the weight as f16, which only this back end chooses (`Options::f16_weights`)"
+                            .into(),
+                    ));
+                }
+                // Blocks are read untransposed (see `crate::lower::format`).
+                WeightFormat::Q8_0 | WeightFormat::Q4_1 => {}
+            }
+        }
+        l.steps.push(step);
+    }
+    let Legalize { mut values, folds, steps, .. } = l;
+    let slots = assign_slots(&mut values, &steps, &plan.outputs);
+    let plan = Plan { name: plan.name.clone(), values, folds, steps, slots, outputs: plan.outputs.clone() };
+
+    let mut kernels: Vec<Kernel> = Vec::new();
+    let mut kernel_of: HashMap<String, usize> = HashMap::new();
+    let mut step_kernels = Vec::with_capacity(plan.steps.len());
+    for step in &plan.steps {
+        let error = |message: String| CompileError {
+            model: plan.name.clone(),
+            op: step.op.name(),
+            scope: step.scope.clone(),
+            message,
+        };
+        let elems: Vec<Elem> = step.operands.iter().map(|&v| device_elem(&plan.values[v])).collect();
+        let text = kernel(&step.op, &elems, device_elem(&plan.values[step.output]), geometry(&plan, step))
+            .ok_or_else(|| error("no kernel runs this op".into()))?;
+        let k = match kernel_of.get(&text) {
+            Some(&k) => k,
+            None => {
+                validate(&text)
+                    .map_err(|e| error(format!("internal compiler error: generated WGSL is invalid: {e}")))?;
+                kernels.push(Kernel { name: step.op.name(), wgsl: text.clone(), operands: step.operands.len() });
+                kernel_of.insert(text, kernels.len() - 1);
+                kernels.len() - 1
+            }
+        };
+        step_kernels.push(k);
+    }
+    Ok(Program { plan, kernels, step_kernels })
+}
+
+/// The head geometry of an attention step, which its kernel is specialised to (shape inference
+/// keeps head counts and widths fixed).
+fn geometry(plan: &Plan, step: &Step) -> Option<attention::Geometry> {
+    match step.op {
+        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+            Some(attention::Geometry { heads, kv_heads, head_dim })
+        }
+        Op::Attention { .. } => {
+            let shape = |i: usize| step.operands.get(i).map(|&v| &plan.values[v].shape);
+            match (shape(0)?.as_slice(), shape(1)?.as_slice()) {
+                ([_, Dim::Fixed(heads), _, Dim::Fixed(head_dim)], [_, Dim::Fixed(kv_heads), ..]) => {
+                    Some(attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim })
+                }
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// The state of one legalization: the plan's values, folds and steps as extended so far.
+struct Legalize<'p> {
+    model: &'p str,
+    values: Vec<Value>,
+    folds: Vec<Fold>,
+    steps: Vec<Step>,
+    /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
+    transposed: HashMap<(usize, bool), usize>,
+}
+
+impl Legalize<'_> {
+    fn error(&self, step: &Step, message: String) -> CompileError {
+        CompileError { model: self.model.to_string(), op: step.op.name(), scope: step.scope.clone(), message }
+    }
+
+    /// The `[k, m]` transpose of a 2-D projection weight `w` (`[m, k]`), its rows padded to a
+    /// multiple of 4 columns if `pad` (by repeating the first ones): a load-time fold for a
+    /// constant weight, permute (slice, concat) steps otherwise, placed in slots afterwards.
+    fn transpose(&mut self, w: usize, pad: bool, scope: &str) -> usize {
+        if let Some(&t) = self.transposed.get(&(w, pad)) {
+            return t;
+        }
+        let shape = self.values[w].shape.clone();
+        let is_constant = constant(&self.values, w);
+        let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> usize {
+            let v = l.values.len();
+            let storage = if is_constant { Storage::Const } else { Storage::Slot(usize::MAX) };
+            l.values.push(Value { shape, dtype: l.values[w].dtype, storage, format: WeightFormat::F32 });
+            if is_constant {
+                l.folds.push(Fold { op, operands, output: v });
+            } else {
+                l.steps.push(Step { op, operands, output: v, scope: scope.to_string() });
+            }
+            v
+        };
+        let mut t = derive(self, Op::Permute { perm: vec![1, 0] }, vec![w], vec![shape[1], shape[0]]);
+        if let (true, Dim::Fixed(n)) = (pad, shape[0]) {
+            let extra = n.next_multiple_of(4) - n;
+            let rows = shape[1];
+            let head =
+                derive(self, Op::Slice { axis: 1, start: 0, len: extra }, vec![t], vec![rows, Dim::Fixed(extra)]);
+            t = derive(self, Op::Concat { axis: 1 }, vec![t, head], vec![rows, Dim::Fixed(n + extra)]);
+        }
+        self.transposed.insert((w, pad), t);
+        t
+    }
+}

@@ -1,0 +1,269 @@
+//! Engines: where a [`Session`](crate::Session)'s forward passes run, behind one trait.
+//!
+//! An [`Engine`] runs a cached decoder step — or, once, an encoder — and keeps the key/value
+//! cache where its kernels read it: [`InterpEngine`] (the reference interpreter) and
+//! [`CpuEngine`] (native kernels) in host memory, [`GpuEngine`] on the device. Each engine owns
+//! its cache, so a session never pairs an engine with another engine's cache; what every engine
+//! shares is the contract of [`Engine::step`]: the presents named by the session's links become
+//! the cache on success, and on an error the cache is as it was.
+
+use crate::cpu::CpuModel;
+use crate::generate::{GenerateError, Memory};
+use crate::gpu::{DeviceTensor, GpuModel};
+use kiln_compiler::graph::{Graph, InputRole};
+use kiln_compiler::interp;
+use kiln_compiler::lower::{Plan, Storage};
+use kiln_compiler::tensor::Tensor;
+use std::collections::HashMap;
+
+type R<T> = Result<T, GenerateError>;
+
+/// `(present output, past input)`: a cached tensor as one step writes it and the next reads it.
+pub type Link = (String, String);
+
+/// A forward pass that keeps a key/value cache between calls.
+pub trait Engine {
+    /// The names of the graph's token-id inputs.
+    fn id_inputs(&self) -> Vec<String>;
+
+    /// Runs the graph once on `given` and keeps every output as memory a decoder reads at every
+    /// step (an encoder's keys and values; on the device for [`GpuEngine`]).
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory>;
+
+    /// One forward pass on `inputs` (the token ids and the memory's host tensors), the cache it
+    /// holds and `memory`'s device tensors. On success the presents named by `links` become the
+    /// cache (under their past names) and the other outputs are returned; on an error the cache
+    /// and `memory` are as they were.
+    fn step(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+    ) -> R<HashMap<String, Tensor>>;
+
+    /// Forgets the cache.
+    fn clear(&mut self);
+
+    /// The cache as tensors on the host (read back from the device if it lives there), by past
+    /// input name.
+    fn cache(&self) -> R<HashMap<String, Tensor>>;
+}
+
+impl<E: Engine + ?Sized> Engine for Box<E> {
+    fn id_inputs(&self) -> Vec<String> {
+        (**self).id_inputs()
+    }
+
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory> {
+        (**self).encode(given)
+    }
+
+    fn step(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+    ) -> R<HashMap<String, Tensor>> {
+        (**self).step(inputs, memory, links)
+    }
+
+    fn clear(&mut self) {
+        (**self).clear();
+    }
+
+    fn cache(&self) -> R<HashMap<String, Tensor>> {
+        (**self).cache()
+    }
+}
+
+/// Moves each present of `outputs` into `cache` under its past name.
+fn take_presents<T>(links: &[Link], outputs: &mut HashMap<String, T>, cache: &mut HashMap<String, T>) -> R<()> {
+    for (present, past) in links {
+        let t = outputs
+            .remove(present)
+            .ok_or_else(|| GenerateError::Invalid(format!("the step did not produce `{present}`")))?;
+        cache.insert(past.clone(), t);
+    }
+    Ok(())
+}
+
+/// The token-id inputs of a plan.
+fn plan_ids(plan: &Plan) -> Vec<String> {
+    plan.values
+        .iter()
+        .filter_map(|v| match &v.storage {
+            Storage::Input { name, role: InputRole::Ids } => Some(name.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The reference interpreter on a graph with its parameters; the cache in host memory.
+pub struct InterpEngine {
+    graph: Graph,
+    params: HashMap<String, Tensor>,
+    cache: HashMap<String, Tensor>,
+}
+
+impl InterpEngine {
+    /// An engine running `graph` (a cached decoder step, or an encoder) with `params`.
+    pub fn new(graph: Graph, params: HashMap<String, Tensor>) -> InterpEngine {
+        InterpEngine { graph, params, cache: HashMap::new() }
+    }
+}
+
+impl Engine for InterpEngine {
+    fn id_inputs(&self) -> Vec<String> {
+        self.graph
+            .inputs()
+            .iter()
+            .filter(|(_, _, role)| *role == InputRole::Ids)
+            .map(|(_, name, _)| name.to_string())
+            .collect()
+    }
+
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory> {
+        Ok(Memory::host(interp::run(&self.graph, &self.params, given)?.into_iter().collect()))
+    }
+
+    fn step(
+        &mut self,
+        mut inputs: HashMap<String, Tensor>,
+        _memory: &mut Memory,
+        links: &[Link],
+    ) -> R<HashMap<String, Tensor>> {
+        // The cache moves into the inputs (no copy per step), and back on an error.
+        inputs.extend(std::mem::take(&mut self.cache));
+        let mut outputs: HashMap<String, Tensor> = match interp::run(&self.graph, &self.params, &inputs) {
+            Ok(outputs) => outputs.into_iter().collect(),
+            Err(e) => {
+                for (_, past) in links {
+                    if let Some(t) = inputs.remove(past) {
+                        self.cache.insert(past.clone(), t);
+                    }
+                }
+                return Err(e.into());
+            }
+        };
+        take_presents(links, &mut outputs, &mut self.cache)?;
+        Ok(outputs)
+    }
+
+    fn clear(&mut self) {
+        self.cache.clear();
+    }
+
+    fn cache(&self) -> R<HashMap<String, Tensor>> {
+        Ok(self.cache.clone())
+    }
+}
+
+/// A compiled plan on the CPU's native kernels; the cache in host memory, lent to each run and
+/// read in place.
+pub struct CpuEngine {
+    model: CpuModel,
+    cache: HashMap<String, Tensor>,
+}
+
+impl CpuEngine {
+    /// An engine running `model`.
+    pub fn new(model: CpuModel) -> CpuEngine {
+        CpuEngine { model, cache: HashMap::new() }
+    }
+}
+
+impl Engine for CpuEngine {
+    fn id_inputs(&self) -> Vec<String> {
+        plan_ids(self.model.plan())
+    }
+
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory> {
+        Ok(Memory::host(self.model.run(given)?.into_iter().collect()))
+    }
+
+    fn step(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        _memory: &mut Memory,
+        links: &[Link],
+    ) -> R<HashMap<String, Tensor>> {
+        let mut outputs: HashMap<String, Tensor> = self.model.run_with(&inputs, &self.cache)?.into_iter().collect();
+        take_presents(links, &mut outputs, &mut self.cache)?;
+        Ok(outputs)
+    }
+
+    fn clear(&mut self) {
+        self.cache.clear();
+    }
+
+    fn cache(&self) -> R<HashMap<String, Tensor>> {
+        Ok(self.cache.clone())
+    }
+}
+
+/// A compiled plan on a GPU; the cache and an encoder's memory stay on the device between steps.
+pub struct GpuEngine {
+    model: GpuModel,
+    cache: HashMap<String, DeviceTensor>,
+}
+
+impl GpuEngine {
+    /// An engine running `model`.
+    pub fn new(model: GpuModel) -> GpuEngine {
+        GpuEngine { model, cache: HashMap::new() }
+    }
+}
+
+impl Engine for GpuEngine {
+    fn id_inputs(&self) -> Vec<String> {
+        plan_ids(self.model.plan())
+    }
+
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory> {
+        let keep: Vec<String> = self.model.plan().outputs.iter().map(|(n, _)| n.clone()).collect();
+        Ok(Memory::device(self.model.run_resident(given, &HashMap::new(), &keep)?.1))
+    }
+
+    fn step(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+    ) -> R<HashMap<String, Tensor>> {
+        // Past and memory stay on the device; so do the presents, the next past.
+        let keep: Vec<String> = links.iter().map(|(present, _)| present.clone()).collect();
+        let resident: HashMap<String, DeviceTensor> =
+            std::mem::take(&mut self.cache).into_iter().chain(memory.take_device()).collect();
+        let run = self.model.run_resident(&inputs, &resident, &keep);
+        // Give the memory back whatever happened, and the old cache on an error.
+        let (pasts, device): (HashMap<_, _>, HashMap<_, _>) =
+            resident.into_iter().partition(|(name, _)| links.iter().any(|(_, past)| past == name));
+        memory.put_device(device);
+        let (outputs, mut kept) = match run {
+            Ok(r) => r,
+            Err(e) => {
+                self.cache = pasts;
+                return Err(e.into());
+            }
+        };
+        take_presents(links, &mut kept, &mut self.cache)?;
+        Ok(outputs.into_iter().collect())
+    }
+
+    fn clear(&mut self) {
+        self.cache.clear();
+    }
+
+    fn cache(&self) -> R<HashMap<String, Tensor>> {
+        self.cache.iter().map(|(name, t)| Ok((name.clone(), t.read()?))).collect()
+    }
+}
+
+impl From<crate::Model> for Box<dyn Engine> {
+    fn from(model: crate::Model) -> Box<dyn Engine> {
+        match model {
+            crate::Model::Gpu(m) => Box::new(GpuEngine::new(*m)),
+            crate::Model::Cpu(m) => Box::new(CpuEngine::new(*m)),
+        }
+    }
+}
