@@ -2,8 +2,8 @@
 //! the gated `act(gate) * up`, as the interpreter defines it.
 //!
 //! 1. **Prologue**: the rows of `x` normalised (RMSNorm or LayerNorm) into a scratch buffer.
-//! 2. **Product**: for an f32 weight — the plan's `[n, k]`, read as the transposed right-hand side
-//!    by strides — a GEMM through the `gemm` crate (packed,
+//! 2. **Product**: for an f32 weight — transposed to `[k, n]` at load when constant (see
+//!    `CpuModel::new`), else the plan's `[n, k]` read by strides — a GEMM through the `gemm` crate (packed,
 //!    cache-blocked, AVX2/AVX-512 kernels chosen at run time, threaded over the pool). For a
 //!    Q8_0/Q4_1 weight (`[rows, k]` blocks), the blocks are dequantized in registers and
 //!    multiplied with the f32 activations ([`super::qdot_f32`]), or, opted into, each row of `x`
@@ -57,7 +57,7 @@ pub fn forward(
         None => None,
     };
     let (_, w) = take("weight")?;
-    let w = *w;
+    let w_arg = *w;
     let b = if bias { Some(take("bias")?.1.f32("the bias")?) } else { None };
     let res = if residual { Some(take("residual")?.1.f32("the residual")?) } else { None };
     let n = shape.last().copied().unwrap_or(0);
@@ -95,12 +95,12 @@ pub fn forward(
     // 2. Product: y [m, mw], straight into `out` when no gate halves it.
     let mut scratch: Vec<f32> = if glu { vec![0.0; m * mw] } else { Vec::new() };
     let y: &mut [f32] = if glu { &mut scratch } else { &mut *out };
-    match w {
-        Arg::F32(w) => {
+    match w_arg {
+        Arg::F32(w) | Arg::Transposed(w) => {
             if w.len() != mw * k {
                 return Err(bad(format!("an f32 weight of {} elements is not [{mw}, {k}]", w.len())));
             }
-            gemm_f32(m, mw, k, x, w, y, threads);
+            gemm_f32(m, mw, k, x, w, matches!(w_arg, Arg::Transposed(_)), y, threads);
         }
         Arg::Quant(q) => {
             if q.k != k || q.rows != mw {
@@ -164,8 +164,10 @@ pub fn forward(
     Ok(())
 }
 
-/// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]`, through the `gemm` crate.
-pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], y: &mut [f32], threads: usize) {
+/// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]` — or, `transposed`, `x @ w` for `w` `[k, n]` —
+/// through the `gemm` crate.
+#[expect(clippy::too_many_arguments, reason = "a GEMM's sizes and layout")]
+pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: bool, y: &mut [f32], threads: usize) {
     let parallelism = if threads > 1 && m * n * k >= GEMM_THREADING {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -175,10 +177,12 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], y: &mut [f32
         return;
     }
     debug_assert!(x.len() >= m * k && w.len() >= n * k && y.len() >= m * n);
-    // SAFETY: `x` holds m rows of k, `w` n rows of k (read as the k x n right-hand side: column
-    // stride k, row stride 1), `y` m rows of n (checked by the caller, asserted above in debug
-    // builds); the strides below stay inside them, and `y` does not alias the inputs (it is a
-    // distinct `&mut`).
+    // The k x n right-hand side: `w` [k, n] (column stride 1, row stride n), or `w` [n, k] read
+    // by strides (column stride k, row stride 1).
+    let (rhs_cs, rhs_rs) = if transposed { (1, n as isize) } else { (k as isize, 1) };
+    // SAFETY: `x` holds m rows of k, `w` n * k elements in the layout above, `y` m rows of n
+    // (checked by the caller, asserted above in debug builds); the strides stay inside them, and
+    // `y` does not alias the inputs (it is a distinct `&mut`).
     unsafe {
         gemm::gemm(
             m,
@@ -192,8 +196,8 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], y: &mut [f32
             1,
             k as isize,
             w.as_ptr(),
-            k as isize,
-            1,
+            rhs_cs,
+            rhs_rs,
             0.0,
             1.0,
             false,

@@ -43,7 +43,7 @@ use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use kiln_compiler::graph::{Dim, Op, Sym};
 use kiln_compiler::interp::{self, InterpError};
-use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
+use kiln_compiler::lower::{Plan, Storage, WeightFormat, linear_weight, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -91,6 +91,9 @@ pub enum Arg<'a> {
     I64(&'a [i64]),
     /// A block-quantized `[rows, k]` weight.
     Quant(&'a QuantWeight),
+    /// A projection's f32 `[n, k]` weight as this back end laid it out at load: transposed,
+    /// `[k, n]` (see [`CpuModel::new`]).
+    Transposed(&'a [f32]),
 }
 
 impl<'a> Arg<'a> {
@@ -113,6 +116,8 @@ enum Buf {
 pub struct CpuModel {
     plan: Plan,
     consts: HashMap<usize, Const>,
+    /// Constant f32 projection weights transposed to `[k, n]`, by value (the GEMM's layout).
+    transposed: HashMap<usize, Vec<f32>>,
     pool: rayon::ThreadPool,
     threads: usize,
     /// Slot buffers, kept from one run to the next (grown when a longer input needs more).
@@ -194,6 +199,7 @@ impl CpuModel {
             consts.insert(id, Const::Quant(q));
         }
         drop((params, blocks));
+        let transposed = transpose_weights(&plan, &mut consts)?;
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let mut counted: HashSet<usize> = HashSet::new();
         for c in consts.values() {
@@ -209,13 +215,29 @@ impl CpuModel {
                 None => weight_bytes.push((format, bytes)),
             }
         }
+        let transposed_bytes: u64 = transposed.values().map(|t| 4 * t.len() as u64).sum();
+        if transposed_bytes > 0 {
+            match weight_bytes.iter_mut().find(|(f, _)| *f == WeightFormat::F32) {
+                Some((_, b)) => *b += transposed_bytes,
+                None => weight_bytes.push((WeightFormat::F32, transposed_bytes)),
+            }
+        }
         weight_bytes.sort_by_key(|(f, _)| *f as u8);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
             .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuModel { plan, consts, pool, threads, slots: Mutex::new(Vec::new()), weight_bytes, int8: false })
+        Ok(CpuModel {
+            plan,
+            consts,
+            transposed,
+            pool,
+            threads,
+            slots: Mutex::new(Vec::new()),
+            weight_bytes,
+            int8: false,
+        })
     }
 
     /// The parameters a [`CpuModel`] of `plan` must be given as f32 tensors, when the parameters
@@ -321,8 +343,17 @@ impl CpuModel {
                 )?;
                 let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
                 let result = {
-                    let args: Vec<(Vec<usize>, Arg<'_>)> =
-                        step.operands.iter().map(|&o| self.arg(o, &inputs, &slots, &syms)).collect::<R<_>>()?;
+                    // A projection reads its constant f32 weight in the layout of the load.
+                    let wi = linear_weight(&step.op);
+                    let args: Vec<(Vec<usize>, Arg<'_>)> = step
+                        .operands
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &o)| match self.transposed.get(&root(plan, o)) {
+                            Some(t) if Some(i) == wi => Ok((resolve(&plan.values[o].shape, &syms), Arg::Transposed(t))),
+                            _ => self.arg(o, &inputs, &slots, &syms),
+                        })
+                        .collect::<R<_>>()?;
                     let dtype = plan.values[step.output].dtype;
                     self.exec(&step.op, &args, &mut out, dtype, &out_shape, past)
                         .map_err(|e| scoped(e, &step.scope, &step.op))
@@ -344,6 +375,9 @@ impl CpuModel {
                         Arg::F32(x) => Tensor::f32(shape, x.to_vec()),
                         Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
                         Arg::Quant(q) => q.dequantize(),
+                        Arg::Transposed(_) => {
+                            return Err(CpuError::Invalid("internal error: an output is a weight".into()));
+                        }
                     };
                     Ok((name.clone(), t))
                 })
@@ -418,11 +452,14 @@ impl CpuModel {
         let tensors: Vec<Tensor> = args
             .iter()
             .map(|(s, a)| match a {
-                Arg::F32(x) => Tensor::f32(s.clone(), x.to_vec()),
-                Arg::I64(x) => Tensor::i64(s.clone(), x.to_vec()),
-                Arg::Quant(q) => q.dequantize(),
+                Arg::F32(x) => Ok(Tensor::f32(s.clone(), x.to_vec())),
+                Arg::I64(x) => Ok(Tensor::i64(s.clone(), x.to_vec())),
+                Arg::Quant(q) => Ok(q.dequantize()),
+                Arg::Transposed(_) => {
+                    Err(CpuError::Invalid(format!("internal error: {} read a transposed weight", op.name())))
+                }
             })
-            .collect();
+            .collect::<R<_>>()?;
         let refs: Vec<&Tensor> = tensors.iter().collect();
         let t = interp::eval_op_at(op, &refs, shape.to_vec(), past)?;
         *out = match t.data {
@@ -481,6 +518,46 @@ fn check_steps(plan: &Plan) -> R<()> {
         }
     }
     Ok(())
+}
+
+/// The CPU back end's legalization: every constant f32 projection weight (`[n, k]`) transposed to
+/// `[k, n]`, the layout its GEMM reads fastest, by value. A weight no other step, fold or output
+/// reads is dropped from `consts` (so it is held once, transposed); one also read otherwise (an
+/// embedding table tied to the output projection) is held in both layouts.
+fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
+    let mut weights: HashSet<usize> = HashSet::new();
+    let mut other: HashSet<usize> = HashSet::new();
+    for step in &plan.steps {
+        let wi = linear_weight(&step.op);
+        for (i, &o) in step.operands.iter().enumerate() {
+            if Some(i) == wi {
+                weights.insert(root(plan, o))
+            } else {
+                other.insert(root(plan, o))
+            };
+        }
+    }
+    other.extend(plan.outputs.iter().map(|(_, v)| root(plan, *v)));
+    let mut transposed = HashMap::new();
+    for w in weights {
+        let Some(Const::F32(t)) = consts.get(&w) else { continue };
+        let (&[n, k], Some(x)) = (t.shape.as_slice(), t.as_f32()) else { continue };
+        kiln_compiler::memory::check(
+            || format!("the transpose of a [{n}, {k}] projection weight"),
+            4 * (n * k) as u64,
+        )?;
+        let mut out = vec![0.0f32; n * k];
+        for (r, row) in x.chunks_exact(k.max(1)).enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                out[c * n + r] = v;
+            }
+        }
+        transposed.insert(w, out);
+        if !other.contains(&w) {
+            consts.remove(&w);
+        }
+    }
+    Ok(transposed)
 }
 
 /// Whether value `id` is read only as the table of gather steps (no fold, no other step, no
