@@ -4,7 +4,7 @@
 //! the fusion explanations and the optimizer's statistics. The page loads nothing: its style and
 //! its one small script are inline, and every piece of text in it is HTML-escaped.
 
-use crate::inspect::{Stats, explanations, graphviz};
+use crate::view::{Stats, explanations, graphviz};
 use anyhow::Result;
 use kiln_compiler::back::wgsl::Program;
 use kiln_compiler::graph::{Graph, Sym, resolve};
@@ -315,7 +315,7 @@ impl Report<'_> {
         for (id, title, graph) in
             [("before", "Before optimization", self.graph), ("after", "After optimization", &self.stats.optimized)]
         {
-            let dot = crate::inspect::dot(graph, self.layers);
+            let dot = crate::view::dot(graph, self.layers);
             let _ = writeln!(
                 s,
                 "<div class=\"graph fit\" id=\"{id}\"><h3>{title} <button data-fit=\"{id}\">actual size</button></h3>"

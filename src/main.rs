@@ -21,6 +21,7 @@ mod inspect;
 mod progress;
 mod report;
 mod storage;
+mod view;
 
 use progress::Reporter;
 

@@ -85,7 +85,7 @@ struct SharedInput {
 impl SharedInput {
     /// The projections in a class: (input, weight, bias).
     fn projections(&self, egraph: &KGraph, class: Id) -> Vec<(Id, Id, Option<Id>)> {
-        let none = |id: Id| crate::optimize::is_none(egraph, id);
+        let none = |id: Id| crate::optimize::lang::is_none(egraph, id);
         egraph[class]
             .nodes
             .iter()

@@ -101,7 +101,7 @@ fn fixed(shape: &[Dim]) -> Option<Vec<usize>> {
 
 /// The attribute a variable is bound to.
 fn attr_of<'a>(egraph: &'a KGraph, subst: &Subst, v: &str) -> Option<&'a AttrValue> {
-    super::attr(egraph, subst[var(v)])
+    super::lang::attr(egraph, subst[var(v)])
 }
 
 /// The op attribute a variable is bound to.
@@ -120,7 +120,7 @@ fn scalar_of(egraph: &KGraph, subst: &Subst, v: &str) -> Option<Scalar> {
 }
 
 fn is_none(egraph: &KGraph, subst: &Subst, v: &str) -> bool {
-    super::is_none(egraph, subst[var(v)])
+    super::lang::is_none(egraph, subst[var(v)])
 }
 
 fn konst(egraph: &KGraph, id: Id) -> bool {
@@ -190,8 +190,7 @@ fn is_scores(s: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
 fn merges_heads(p: &'static str, q: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
     let (p, q) = (var(p), var(q));
     move |egraph, id, subst| {
-        let perm_ok =
-            matches!(super::attr(egraph, subst[p]), Some(AttrValue::Op(Op::Permute { perm })) if perm == &[0, 2, 1, 3]);
+        let perm_ok = matches!(super::lang::attr(egraph, subst[p]), Some(AttrValue::Op(Op::Permute { perm })) if perm == &[0, 2, 1, 3]);
         let (Some(qs), Some(out)) = (shape(egraph, subst[q]), shape(egraph, id)) else { return false };
         let max = egraph.analysis.max_attention_head_dim;
         let head_dim_ok = matches!(qs.get(3), Some(Dim::Fixed(d)) if *d <= max);

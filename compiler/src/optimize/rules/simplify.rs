@@ -22,7 +22,7 @@ fn composed_permutation(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'stat
 /// `?p` is the identity permutation.
 fn is_identity_permutation(p: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
     let p = var(p);
-    move |egraph, _, subst| matches!(crate::optimize::attr(egraph, subst[p]), Some(AttrValue::Op(Op::Permute { perm })) if perm.iter().enumerate().all(|(i, &a)| i == a))
+    move |egraph, _, subst| matches!(crate::optimize::lang::attr(egraph, subst[p]), Some(AttrValue::Op(Op::Permute { perm })) if perm.iter().enumerate().all(|(i, &a)| i == a))
 }
 
 /// The reshape `?r` keeps the shape of `?x`.

@@ -1,0 +1,482 @@
+//! The ops of the graph IR: [`Op`], one variant per tensor-level operation with its operands
+//! documented in order; the attributes ops carry ([`Scalar`], [`InputRole`], [`Prologue`],
+//! [`RopeCols`], [`Rotation`]); and the names and `key=value` attributes that printers show
+//! ([`Op::name`], [`Op::attrs`]).
+
+// The parent module's `expect` of indexing does not extend here.
+#![deny(clippy::indexing_slicing)]
+
+use super::{Dim, Shape, Sym, fmt_shape};
+use crate::spec::{Activation, PairStyle};
+use std::fmt;
+
+/// A float attribute, compared and hashed by its bits so ops can be keys (e-graph nodes).
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize)]
+pub struct Scalar(pub f32);
+
+impl Eq for Scalar {}
+impl std::hash::Hash for Scalar {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state);
+    }
+}
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// What an input tensor is, which decides how the runtime binds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum InputRole {
+    /// Token ids, `i64[batch, seq]`.
+    Ids,
+    /// Segment ids, `i64[batch, seq]`; zeros when not given.
+    TokenTypes,
+    /// Key padding mask, `f32[batch, seq]` with 1 = attend, 0 = padding; all ones when not given.
+    /// `pad_is_one` says the tensor as given uses the opposite convention (torch's
+    /// `src_key_padding_mask`), and the runtime flips it when binding.
+    KeyMask {
+        /// The given tensor marks padding with 1.
+        pad_is_one: bool,
+    },
+    /// Cached keys or values of one attention layer, `f32[batch, kv_heads, past, head_dim]`
+    /// (empty when nothing is cached yet).
+    Cache {
+        /// Key/value heads.
+        kv_heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+    },
+}
+
+/// A norm folded into a projection's prologue (see [`Op::Linear`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Prologue {
+    /// RMSNorm; LayerNorm otherwise.
+    pub rms: bool,
+    /// Epsilon.
+    pub eps: Scalar,
+    /// A LayerNorm bias operand follows the gain.
+    pub bias: bool,
+}
+
+/// RoPE applied to output columns `start .. start + len` of rows `[.., seq, n]`, taken as heads of
+/// `head_dim` columns, each rotated as [`Op::Rope`] rotates a head at the row's sequence position.
+/// `start` and `n` are even (the kernel computes the columns in pairs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct RopeCols {
+    /// Base of the frequencies.
+    pub theta: Scalar,
+    /// Leading dimensions of each head rotated.
+    pub rotary_dim: usize,
+    /// Pair layout.
+    pub style: PairStyle,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// First rotated column.
+    pub start: usize,
+    /// Rotated columns (a multiple of `head_dim`).
+    pub len: usize,
+}
+
+/// A rotation of head pairs as [`Op::Rope`] makes it, for ops that rotate as they read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Rotation {
+    /// Base of the frequencies.
+    pub theta: Scalar,
+    /// Leading dimensions of each head rotated.
+    pub rotary_dim: usize,
+    /// Pair layout.
+    pub style: PairStyle,
+}
+
+impl Op {
+    /// A plain fused projection: `act(x @ w^T + bias) + residual`.
+    pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
+        Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }
+    }
+}
+
+fn style_name(s: &PairStyle) -> &'static str {
+    match s {
+        PairStyle::RotateHalf => "rotate-half",
+        PairStyle::Interleaved => "interleaved",
+    }
+}
+
+/// A tensor-level operation. Operand order is documented per op.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Op {
+    /// A model input (no operands).
+    Input {
+        /// The name inputs are given under (`input_ids`, ...).
+        name: String,
+        /// How it is bound.
+        role: InputRole,
+        /// The symbol of its sequence axis (`seq`, or `src_seq` for an encoder-decoder's source).
+        seq: Sym,
+    },
+    /// A weight (no operands), resolved through the weight map.
+    Param {
+        /// Canonical parameter name.
+        name: String,
+    },
+    /// `i64[len]` holding `p, p + 1, ..., p + len - 1` (no operands), `p` the number of cached
+    /// tokens ([`Sym::Past`], 0 without a cache).
+    Positions {
+        /// The length.
+        len: Dim,
+    },
+    /// Fixed sinusoidal table for positions `p`: `(positions i64[n]) -> f32[n, dim]`.
+    Sinusoid {
+        /// Table width.
+        dim: usize,
+        /// Interleaved (sin, cos) pairs or a sin block then a cos block.
+        style: PairStyle,
+    },
+    /// Row lookup: `(table f32[rows, d], ids i64[...]) -> f32[..., d]`.
+    Gather,
+    /// Batched matrix product `(a [..., m, k], b [..., k, n]) -> [..., m, n]`; with `transpose_b`, b is
+    /// `[..., n, k]`. `b` has either a's batch axes or none (a weight shared over the batch).
+    MatMul {
+        /// b is stored with its last two axes swapped.
+        transpose_b: bool,
+    },
+    /// Elementwise sum with numpy broadcasting.
+    Add,
+    /// Elementwise product with numpy broadcasting.
+    Mul,
+    /// `x * factor`.
+    Scale {
+        /// The constant.
+        factor: Scalar,
+    },
+    /// Elementwise activation.
+    Act(Activation),
+    /// LayerNorm over the last axis: `(x, gain[, bias])`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: Scalar,
+    },
+    /// RMSNorm over the last axis: `(x, gain)`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: Scalar,
+    },
+    /// Softmax over the last axis.
+    Softmax,
+    /// Same elements, new shape (may name symbols, which must match the operand's).
+    Reshape {
+        /// The new shape.
+        shape: Shape,
+    },
+    /// Axis permutation: output axis `i` is input axis `perm[i]`.
+    Permute {
+        /// The permutation.
+        perm: Vec<usize>,
+    },
+    /// Rotary embedding of `x [batch, heads, seq, head_dim]` at positions `p..p + seq`, `p` the
+    /// number of cached tokens ([`Sym::Past`], 0 without a cache).
+    Rope {
+        /// Base of the frequencies.
+        theta: Scalar,
+        /// Leading dimensions rotated; the rest pass through.
+        rotary_dim: usize,
+        /// Pair layout.
+        style: PairStyle,
+    },
+    /// `[b, kv, s, d] -> [b, kv * times, s, d]`, each head repeated `times` times in a row
+    /// (grouped-query attention).
+    RepeatHeads {
+        /// Copies of each head.
+        times: usize,
+    },
+    /// Adds ALiBi biases to scores `[b, heads, q, k]`: `slope[h] * (k - q)`.
+    Alibi,
+    /// Masks scores `[b, h, q, k]` (masked entries become the most negative float): `(scores[,
+    /// key_mask f32[b, k]])`. Causal keeps `k <= q + (keys - queries)`; a window keeps the last
+    /// `window` of those.
+    Mask {
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// Keeps the `k` largest entries of the last axis (others become 0), renormalised to sum 1 if asked.
+    TopK {
+        /// Entries kept.
+        k: usize,
+        /// Rescale the kept entries to sum to one.
+        renormalize: bool,
+    },
+    /// A contiguous range of one axis.
+    Slice {
+        /// The axis.
+        axis: usize,
+        /// First index.
+        start: usize,
+        /// Extent.
+        len: usize,
+    },
+    /// `(a, b)` joined along one axis (the other axes equal).
+    Concat {
+        /// The axis.
+        axis: usize,
+    },
+    /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
+    MeanPool,
+    /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
+    L2Normalize,
+
+    // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
+    // above; the interpreter evaluates it as exactly that composition.
+    /// A projection with its prologue and epilogue:
+    /// `rope(act(norm(x) @ w^T + bias)) + residual`, operands
+    /// `(x [.., k][, gain [k][, norm_bias [k]]], w [m, k][, bias [m]][, residual [.., n]])`.
+    ///
+    /// - `norm`: the rows of `x` are normalised first ([`Op::RmsNorm`] / [`Op::LayerNorm`] with
+    ///   the `gain` and optional `norm_bias` operands);
+    /// - `glu`: `w` stacks a gate block over an up block (`m = 2n`), and the result is
+    ///   `act(gate) * up` (SwiGLU, GeGLU); otherwise `m = n` and the result is `act(y)`;
+    /// - `rope`: RoPE rotates the heads in a range of output columns (see [`RopeCols`]).
+    Linear {
+        /// Activation applied before the residual add (to the gate half when `glu`).
+        act: Option<Activation>,
+        /// A bias operand follows `w`.
+        bias: bool,
+        /// A residual operand comes last.
+        residual: bool,
+        /// Normalise the input rows first.
+        norm: Option<Prologue>,
+        /// Gated: `act(gate) * up` over the two halves of `w`'s rows.
+        glu: bool,
+        /// Rotate heads of the output.
+        rope: Option<RopeCols>,
+    },
+    /// `softmax(mask(alibi(scores * scale)))` over the last axis: `(scores [b, h, q, k][, key_mask
+    /// f32[b, k]])`. The mask hides what [`Op::Mask`] hides; `alibi` adds [`Op::Alibi`]'s biases.
+    MaskedSoftmax {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// Whole attention with the head merge: `(q [b, h, s, d], k [b, kv, t, d], v [b, kv, t, d][,
+    /// key_mask f32[b, t]]) -> [b, s, h * d]`, query head `j` reading key/value head
+    /// `j / (h / kv)`; scores are masked and normalised as [`Op::MaskedSoftmax`] does. The kernel
+    /// never materialises the score matrix (online softmax).
+    Attention {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+    },
+    /// Heads read out of a packed projection, optionally rotated and appended to a cache:
+    /// `([past f32[b, heads, p, head_dim],] x [b, s, width]) -> [b, heads, p + s, head_dim]`, head
+    /// `j` of token `t` being columns `start + j * head_dim ..` of row `t` of `x`, rotated as
+    /// [`Op::Rope`] at position `past + t` when `rope` is set (`past` as bound: the tokens before
+    /// these). The split/transpose/rotate/concatenate chain of a cached decoder step as one
+    /// kernel.
+    Heads {
+        /// First column of head 0.
+        start: usize,
+        /// Heads read.
+        heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+        /// Rotate each head.
+        rope: Option<Rotation>,
+    },
+    /// Attention reading its heads straight out of one packed projection `qkv [b, s, width]`:
+    /// query head `j` is columns `q + j * head_dim ..` of each row, key/value head `j` columns
+    /// `k + j * head_dim ..` and `v + j * head_dim ..`; `(qkv[, key_mask f32[b, s]]) -> [b, s,
+    /// heads * head_dim]`. Equal to [`Op::Attention`] over the split, head-transposed tensors.
+    PackedAttention {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads (dividing `heads`).
+        kv_heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+        /// First column of the query heads.
+        q: usize,
+        /// First column of the key heads.
+        k: usize,
+        /// First column of the value heads.
+        v: usize,
+    },
+    /// `norm(a + b)`: `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
+    /// or the RMSNorm of the given epsilon.
+    AddNorm {
+        /// RMSNorm instead of LayerNorm.
+        rms: bool,
+        /// Epsilon.
+        eps: Scalar,
+    },
+}
+
+impl Op {
+    /// Short name used by printers.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Input { .. } => "input".into(),
+            Op::Param { .. } => "param".into(),
+            Op::Positions { .. } => "positions".into(),
+            Op::Sinusoid { .. } => "sinusoid".into(),
+            Op::Gather => "gather".into(),
+            Op::MatMul { transpose_b: false } => "matmul".into(),
+            Op::MatMul { transpose_b: true } => "matmul_t".into(),
+            Op::Add => "add".into(),
+            Op::Mul => "mul".into(),
+            Op::Scale { .. } => "scale".into(),
+            Op::Act(a) => a.name().into(),
+            Op::LayerNorm { .. } => "layer_norm".into(),
+            Op::RmsNorm { .. } => "rms_norm".into(),
+            Op::Softmax => "softmax".into(),
+            Op::Reshape { .. } => "reshape".into(),
+            Op::Permute { .. } => "permute".into(),
+            Op::Rope { .. } => "rope".into(),
+            Op::RepeatHeads { .. } => "repeat_heads".into(),
+            Op::Alibi => "alibi".into(),
+            Op::Mask { .. } => "mask".into(),
+            Op::TopK { .. } => "top_k".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::MeanPool => "mean_pool".into(),
+            Op::L2Normalize => "l2_normalize".into(),
+            Op::Linear { act, bias, residual, norm, glu, rope } => {
+                let mut n = String::new();
+                match norm {
+                    Some(Prologue { rms: true, .. }) => n += "rms_norm_",
+                    Some(Prologue { rms: false, .. }) => n += "layer_norm_",
+                    None => {}
+                }
+                n += "linear";
+                if *glu {
+                    n += "_glu";
+                }
+                if *bias {
+                    n += "_bias";
+                }
+                if let Some(a) = act {
+                    n += "_";
+                    n += &a.name().replace('-', "_");
+                }
+                if rope.is_some() {
+                    n += "_rope";
+                }
+                if *residual {
+                    n += "_residual";
+                }
+                n
+            }
+            Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::Heads { rope, .. } => if rope.is_some() { "heads_rope" } else { "heads" }.into(),
+            Op::Concat { .. } => "concat".into(),
+            Op::MaskedSoftmax { .. } => "masked_softmax".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::AddNorm { rms: false, .. } => "add_layer_norm".into(),
+            Op::AddNorm { rms: true, .. } => "add_rms_norm".into(),
+        }
+    }
+
+    /// Attributes as `key=value` text (empty when none), deterministic.
+    pub fn attrs(&self) -> String {
+        let style = style_name;
+        match self {
+            Op::Input { name, role, .. } => {
+                let role = match role {
+                    InputRole::Ids => "ids".to_string(),
+                    InputRole::TokenTypes => "token-types".to_string(),
+                    InputRole::KeyMask { pad_is_one: false } => "key-mask".to_string(),
+                    InputRole::KeyMask { pad_is_one: true } => "key-mask pad-is-one".to_string(),
+                    InputRole::Cache { .. } => "cache".to_string(),
+                };
+                format!("\"{name}\" {role}")
+            }
+            Op::Param { name } => format!("\"{name}\""),
+            Op::Positions { len } => format!("len={len}"),
+            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
+            Op::Scale { factor } => format!("factor={factor}"),
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
+            Op::Reshape { shape } => fmt_shape(shape),
+            Op::Permute { perm } => format!("{perm:?}"),
+            Op::Rope { theta, rotary_dim, style: s } => {
+                format!("theta={theta} rotary_dim={rotary_dim} style={}", style(s))
+            }
+            Op::RepeatHeads { times } => format!("times={times}"),
+            Op::Mask { causal, window } => match window {
+                Some(w) => format!("causal={causal} window={w}"),
+                None => format!("causal={causal}"),
+            },
+            Op::TopK { k, renormalize } => format!("k={k} renormalize={renormalize}"),
+            Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            Op::MaskedSoftmax { scale, alibi, causal, window } | Op::Attention { scale, alibi, causal, window } => {
+                let mut a = format!("scale={scale} causal={causal}");
+                if let Some(w) = window {
+                    a += &format!(" window={w}");
+                }
+                if *alibi {
+                    a += " alibi";
+                }
+                a
+            }
+            Op::AddNorm { eps, .. } => format!("eps={eps}"),
+            Op::Linear { norm, rope, .. } => {
+                let mut a = Vec::new();
+                if let Some(p) = norm {
+                    a.push(format!("eps={}", p.eps));
+                }
+                if let Some(r) = rope {
+                    a.push(format!(
+                        "rope=[{}..{}] head_dim={} theta={} rotary_dim={} style={}",
+                        r.start,
+                        r.start + r.len,
+                        r.head_dim,
+                        r.theta,
+                        r.rotary_dim,
+                        style_name(&r.style)
+                    ));
+                }
+                a.join(" ")
+            }
+            Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+                let mut a = format!(
+                    "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
+                );
+                if let Some(w) = window {
+                    a += &format!(" window={w}");
+                }
+                if *alibi {
+                    a += " alibi";
+                }
+                a
+            }
+            Op::Concat { axis } => format!("axis={axis}"),
+            Op::Heads { start, heads, head_dim, rope } => {
+                let mut a = format!("heads={heads} head_dim={head_dim} at={start}");
+                if let Some(r) = rope {
+                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, style_name(&r.style));
+                }
+                a
+            }
+            _ => String::new(),
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! What extraction minimises: the [`CostModel`] (a per-dispatch overhead, bytes moved and FLOPs, at
+//! batch 1 and a reference sequence length, with constants measured for lavapipe and for the CPU
+//! back end), the [`Work`] of one op that it prices, and `Cost`, egg's cost function, which charges
+//! a value read by several ops to none of them.
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "the cost model indexes operands of ops that `graph::infer` typed, and the e-graph's own \
+              classes"
+)]
+
+use super::analysis::{enode_konst, enode_shape};
+use super::{KGraph, Kl, to_op};
+use crate::graph::{Dim, Op, Shape, Sym};
+use egg::{Id, Language};
+use std::collections::{HashMap, HashSet};
+
+/// [`CostModel::cpu`]'s dispatch constant (one step, in bytes moved).
+const CPU_DISPATCH: f64 = 10000.0;
+/// [`CostModel::cpu`]'s FLOP constant (in bytes moved).
+const CPU_FLOP: f64 = 0.15;
+
+/// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
+#[derive(Clone, Debug)]
+pub struct CostModel {
+    /// Sequence length the costs are estimated at.
+    pub seq: usize,
+    /// Cost of one dispatch (kernel launch, barrier), in the unit of one byte moved.
+    pub dispatch: f64,
+    /// Cost of one floating-point operation, in the unit of one byte moved.
+    pub flop: f64,
+}
+
+impl Default for CostModel {
+    /// Constants measured on lavapipe (Mesa llvmpipe, LLVM 15, 256-bit, on 2 CPU cores) with
+    /// `kiln bench --calibrate`: one dispatch took 32 us, one byte moved by an elementwise kernel
+    /// 2.5 ns and one FLOP of a projection 2.7 ns, i.e. a dispatch costs as much as moving about
+    /// 13 000 bytes and a FLOP about 1.1 bytes. (On a discrete GPU both ratios are far larger:
+    /// rerun the calibration there before trusting choices that trade dispatches for FLOPs.)
+    fn default() -> Self {
+        CostModel { seq: 128, dispatch: 13000.0, flop: 1.1 }
+    }
+}
+
+impl CostModel {
+    /// Constants measured on the native CPU back end (2 cores of an x86 VM with AVX-512, 2
+    /// threads) with `kiln bench --calibrate --backend cpu`: one step 0.2-0.4 us, one byte moved
+    /// 0.035 ns, one projection FLOP 0.005 ns (about 200 GFLOPS), i.e. a step costs as much as
+    /// moving about 10 000 bytes (7 300-13 500 over three runs) and a FLOP 0.15 bytes (0.13-0.21):
+    /// arithmetic is seven times cheaper, relative to memory, than on lavapipe. See BENCHMARKS.md.
+    pub fn cpu() -> Self {
+        CostModel { seq: 128, dispatch: CPU_DISPATCH, flop: CPU_FLOP }
+    }
+
+    fn elements(&self, shape: &Shape) -> f64 {
+        shape
+            .iter()
+            .map(|d| match d {
+                Dim::Fixed(k) => *k as f64,
+                Dim::Sym(Sym::Batch) => 1.0,
+                Dim::Sym(_) => self.seq as f64,
+            })
+            .product()
+    }
+
+    /// Cost of computing `op` from operands of the given types into `out`, excluding operands.
+    pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
+        match op {
+            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => 0.0,
+            _ => {
+                let w = self.work(op, operands, out);
+                self.dispatch + w.bytes_in + w.bytes_out + self.flop * w.flops
+            }
+        }
+    }
+
+    /// What computing `op` from operands of the given types into `out` moves and computes, at
+    /// batch 1 and sequence [`CostModel::seq`]: the estimate [`CostModel::node_cost`] prices.
+    pub fn work(&self, op: &Op, operands: &[&Shape], out: &Shape) -> Work {
+        let bytes_out = 4.0 * self.elements(out);
+        let bytes_in: f64 = match op {
+            // Reads only its heads' columns (and the cache), as many as it writes.
+            Op::Heads { .. } => bytes_out,
+            _ => operands.iter().map(|s| 4.0 * self.elements(s)).sum(),
+        };
+        let last = |s: &Shape| s.last().map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
+        let flops = match op {
+            Op::MatMul { .. } => 2.0 * self.elements(out) * operands.first().map_or(1.0, |s| last(s)),
+            Op::Linear { norm, glu, .. } => {
+                let k = operands.first().map_or(1.0, |s| last(s));
+                let rows = self.elements(out) / last(out).max(1.0);
+                let n = last(out);
+                let m = if *glu { 2.0 * n } else { n };
+                let mut f = 2.0 * rows * m * k;
+                // The kernel recomputes the row statistics in every thread of the row.
+                if let Some(p) = norm {
+                    f += rows * n * k * if p.rms { 2.0 } else { 4.0 };
+                }
+                f
+            }
+            Op::PackedAttention { heads, head_dim, .. } => {
+                let tokens = self.elements(out) / last(out).max(1.0);
+                4.0 * tokens * (*heads * *head_dim) as f64 * self.seq as f64
+            }
+            Op::Attention { .. } => {
+                let (q, k) = (operands[0], operands[1]);
+                4.0 * self.elements(q) * self.elements(&vec![k[2]])
+            }
+            _ => self.elements(out),
+        };
+        Work { bytes_in, bytes_out, flops }
+    }
+}
+
+/// The estimated work of one op ([`CostModel::work`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Work {
+    /// Bytes read from the operands.
+    pub bytes_in: f64,
+    /// Bytes written.
+    pub bytes_out: f64,
+    /// Floating-point operations.
+    pub flops: f64,
+}
+
+/// Extraction cost: the cost of an e-node plus that of its operands, except operands that are
+/// *shared* (read by several ops of the input graph: a residual stream, a norm feeding Q, K and
+/// V). A shared value is computed once whichever consumers are chosen, so it is charged to none
+/// of them; charging it to each (plain tree cost) would make any rewrite that reads it fewer
+/// times look cheaper by the whole cost of everything before it.
+pub(super) struct Cost<'a> {
+    pub(super) egraph: &'a KGraph,
+    pub(super) model: &'a CostModel,
+    pub(super) shared: HashSet<Id>,
+    /// Classes charged in shares: a consumer pays the cost over this many (a merged projection
+    /// before any extraction has shown it shared).
+    pub(super) split: HashMap<Id, f64>,
+}
+
+impl egg::CostFunction<Kl> for Cost<'_> {
+    type Cost = f64;
+    fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &Kl, mut costs: C) -> f64 {
+        let children: f64 = enode
+            .children()
+            .iter()
+            .map(|&c| {
+                let cost = costs(c);
+                let c = self.egraph.find(c);
+                match self.split.get(&c) {
+                    _ if cost.is_finite() && self.shared.contains(&c) => 0.0,
+                    Some(k) => cost / k,
+                    None => cost,
+                }
+            })
+            .sum();
+        let Some((op, operands)) = to_op(self.egraph, enode) else { return children };
+        if enode_konst(self.egraph, enode) {
+            return children;
+        }
+        let shapes: Vec<&Shape> =
+            operands.iter().filter_map(|&o| self.egraph[o].data.as_ref().map(|d| &d.shape)).collect();
+        let out = enode_shape(self.egraph, enode);
+        match out {
+            Some(out) => children + self.model.node_cost(&op, &shapes, &out),
+            None => f64::INFINITY,
+        }
+    }
+}

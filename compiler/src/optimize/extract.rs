@@ -1,0 +1,183 @@
+//! Extraction: the cheapest graph out of the saturated e-graph. `settle` re-extracts until the set of
+//! shared values (charged to none of their readers, see `Cost`) is stable; `extractor` keeps the
+//! cheaper, each value counted once (`dag_cost`), of two such extractions, the second of which
+//! starts with merged projections charged in shares to their slices (`sliced_classes`); `rebuild`
+//! turns the chosen terms back into graph nodes, sharing identical ones.
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "extraction indexes the e-graph's own classes, and the children of an extracted term, \
+              which come before their parents"
+)]
+
+use super::analysis::{enode_konst, enode_shape};
+use super::cost::Cost;
+use super::{CostModel, KAnalysis, KGraph, Kl, Type, to_op};
+use crate::graph::{Graph, GraphError, Node, Op, Shape};
+use egg::{Id, Language, RecExpr};
+use petgraph::graph::NodeIndex;
+use std::collections::{HashMap, HashSet};
+
+/// The extractor the optimized graph is rebuilt from: of two [`settle`]d extractions, the one whose
+/// graph costs less ([`dag_cost`]).
+pub(super) fn extractor<'a>(
+    egraph: &'a KGraph,
+    model: &'a CostModel,
+    roots: &[Id],
+) -> egg::Extractor<'a, Cost<'a>, Kl, KAnalysis> {
+    // Shared values: first those of the input graph; then, a few rounds, those of the graph the
+    // previous round extracted (a norm read by two projections is no longer shared once both
+    // became one), until the set is stable. Values the rules made to be read several times (a
+    // merged projection, sliced by its consumers) are shared only once extracted, which the
+    // rounds cannot discover from an extraction without them: a second start assumes them shared,
+    // and of the two results the one whose graph (each value counted once) costs less is kept.
+    let input_shared: HashSet<Id> =
+        egraph.analysis.uses.iter().filter(|(_, u)| **u > 1).map(|(id, _)| egraph.find(*id)).collect();
+    let starts = [(input_shared.clone(), HashMap::new()), (input_shared, sliced_classes(egraph))];
+    let extractors = starts.map(|(shared, split)| settle(egraph, model, roots, shared, split));
+    let costs = extractors.each_ref().map(|e| dag_cost(egraph, model, e, roots));
+    let [first, second] = extractors;
+    if costs[1] < costs[0] { second } else { first }
+}
+
+/// An extractor whose shared set is stable: extraction from `shared`, re-derived from the result
+/// for at most [`EXTRACTION_ROUNDS`].
+fn settle<'a>(
+    egraph: &'a KGraph,
+    model: &'a CostModel,
+    roots: &[Id],
+    mut shared: HashSet<Id>,
+    split: HashMap<Id, f64>,
+) -> egg::Extractor<'a, Cost<'a>, Kl, KAnalysis> {
+    let mut extractor = egg::Extractor::new(egraph, Cost { egraph, model, shared: shared.clone(), split });
+    for _ in 0..EXTRACTION_ROUNDS {
+        let next = shared_in_extraction(egraph, &extractor, roots);
+        if next == shared {
+            break;
+        }
+        shared = next;
+        extractor = egg::Extractor::new(egraph, Cost { egraph, model, shared: shared.clone(), split: HashMap::new() });
+    }
+    extractor
+}
+
+/// Classes sliced by two or more different slices (the merged projections), with the number of
+/// slices: each consumer is charged that share of its cost.
+fn sliced_classes(egraph: &KGraph) -> HashMap<Id, f64> {
+    let mut slices: HashMap<Id, HashSet<Id>> = HashMap::new();
+    for class in egraph.classes() {
+        for node in &class.nodes {
+            if let Kl::Slice([_, x]) = node {
+                slices.entry(egraph.find(*x)).or_default().insert(class.id);
+            }
+        }
+    }
+    slices.into_iter().filter(|(_, s)| s.len() > 1).map(|(x, s)| (x, s.len() as f64)).collect()
+}
+
+/// The cost of the graph an extractor extracts, each class counted once (what running it costs).
+fn dag_cost(egraph: &KGraph, model: &CostModel, extractor: &egg::Extractor<Cost, Kl, KAnalysis>, roots: &[Id]) -> f64 {
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
+    let mut total = 0.0;
+    while let Some(class) = stack.pop() {
+        if !seen.insert(class) {
+            continue;
+        }
+        let node = extractor.find_best_node(class);
+        stack.extend(node.children().iter().map(|&c| egraph.find(c)));
+        let Some((op, operands)) = to_op(egraph, node) else { continue };
+        if enode_konst(egraph, node) {
+            continue;
+        }
+        let shapes: Vec<&Shape> = operands.iter().filter_map(|&o| egraph[o].data.as_ref().map(|d| &d.shape)).collect();
+        match enode_shape(egraph, node) {
+            Some(out) => total += model.node_cost(&op, &shapes, &out),
+            None => return f64::INFINITY,
+        }
+    }
+    total
+}
+
+/// Most re-extractions after the first (each with the shared values of the previous one).
+const EXTRACTION_ROUNDS: usize = 3;
+
+/// The classes the extracted graph reads from more than one op.
+fn shared_in_extraction(egraph: &KGraph, extractor: &egg::Extractor<Cost, Kl, KAnalysis>, roots: &[Id]) -> HashSet<Id> {
+    let mut uses: HashMap<Id, usize> = HashMap::new();
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
+    for r in &stack {
+        *uses.entry(*r).or_default() += 1;
+    }
+    while let Some(class) = stack.pop() {
+        if !seen.insert(class) {
+            continue;
+        }
+        for &c in extractor.find_best_node(class).children() {
+            let c = egraph.find(c);
+            // Attribute leaves and `none` are not values.
+            if egraph[c].data.is_some() {
+                *uses.entry(c).or_default() += 1;
+                stack.push(c);
+            }
+        }
+    }
+    uses.into_iter().filter(|(_, u)| *u > 1).map(|(id, _)| id).collect()
+}
+
+/// Turns an extracted term back into graph nodes, sharing identical (op, operands) nodes.
+pub(super) fn rebuild(
+    egraph: &KGraph,
+    expr: &RecExpr<Kl>,
+    scopes: &HashMap<Id, String>,
+    out: &mut Graph,
+    built: &mut HashMap<(Op, Vec<NodeIndex>), NodeIndex>,
+) -> Result<NodeIndex, GraphError> {
+    // Evaluate the RecExpr bottom-up in a scratch e-graph view: we need each node's op, which
+    // `to_op` reads from classes, so look the node up in the real e-graph.
+    let mut index: Vec<Option<NodeIndex>> = vec![None; expr.as_ref().len()];
+    let nodes = expr.as_ref();
+    let mut class: Vec<Id> = Vec::with_capacity(nodes.len());
+    // Extraction only returns nodes of the e-graph, children before parents; a term that breaks
+    // that is an optimizer bug, reported as an error rather than a panic.
+    let broken = |message: &str| GraphError { op: "extract".into(), scope: String::new(), message: message.into() };
+    for (i, node) in nodes.iter().enumerate() {
+        let in_graph = node.clone().map_children(|c| class[usize::from(c)]);
+        let id = egraph.lookup(in_graph.clone()).ok_or_else(|| broken("an extracted node is not in the e-graph"))?;
+        class.push(id);
+        let Some((op, operand_classes)) = to_op(egraph, &in_graph) else { continue };
+        // Map operand classes back to the RecExpr children that produced them.
+        let children: Vec<usize> = node.children().iter().map(|&c| usize::from(c)).collect();
+        let operands: Vec<NodeIndex> = operand_classes
+            .iter()
+            .map(|oc| {
+                let pos =
+                    children.iter().find(|&&c| class[c] == *oc).ok_or_else(|| broken("an operand is no child"))?;
+                index[*pos].ok_or_else(|| broken("an operand is built after its user"))
+            })
+            .collect::<Result<_, _>>()?;
+        let key = (op.clone(), operands.clone());
+        let n = match built.get(&key) {
+            Some(&n) => n,
+            None => {
+                // Ops the rules created take the scope of their first scoped operand.
+                out.scope = scopes.get(&egraph.find(id)).cloned().unwrap_or_else(|| {
+                    operands.iter().map(|&o| out.g[o].scope.clone()).find(|s| !s.is_empty()).unwrap_or_default()
+                });
+                let n = match &op {
+                    Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } if operands.is_empty() => {
+                        let Type { shape, dtype, .. } =
+                            egraph[id].data.clone().ok_or_else(|| broken("a leaf has no type"))?;
+                        out.g.add_node(Node { op: op.clone(), shape, dtype, scope: out.scope.clone() })
+                    }
+                    _ => out.add(op.clone(), &operands)?,
+                };
+                built.insert(key, n);
+                n
+            }
+        };
+        index[i] = Some(n);
+    }
+    index.last().copied().flatten().ok_or_else(|| broken("the root is not a tensor"))
+}
