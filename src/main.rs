@@ -475,11 +475,10 @@ fn run(cli: Cli) -> Result<()> {
                         model.run(&given)?
                     }
                     Backend::Interp => {
-                        // The interpreter runs graphs: rebuild the graph from the artifact's spec.
-                        let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
-                        let names = kiln_runtime::weights::graph_params(&fe.graph);
-                        let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
-                        interp::run(&fe.graph, &params, &given).context("run failed")?
+                        // The artifact's own plan, each step by the interpreter's definition.
+                        let names = plan_params(&art.plan);
+                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
+                        kiln_runtime::CpuModel::reference(art.plan, params, &reporter)?.run(&given)?
                     }
                 }
             } else {

@@ -388,6 +388,28 @@ fn compile_then_run_the_artifact() {
     let expected = kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/io.safetensors")).unwrap();
     assert!(got["logits"].max_abs_diff(&expected["logits"]) <= 1e-4);
 
+    // On every backend, the interpreter included: it runs the artifact's own plan (no graph is
+    // rebuilt from the spec), each step by the interpreter's definition of its op.
+    let backends: &[&str] = if common::gpu().is_some() { &["cpu", "interp", "wgpu"] } else { &["cpu", "interp"] };
+    for backend in backends {
+        let o = kiln(&[
+            "run",
+            s(&art),
+            "--weights",
+            "tests/fixtures/gpt2/model.safetensors",
+            "--inputs",
+            "tests/fixtures/gpt2/io.safetensors",
+            "--output",
+            s(&out),
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let got = kiln_runtime::read_tensors(&out).unwrap();
+        let err = got["logits"].max_abs_diff(&expected["logits"]);
+        assert!(err <= 1e-4, "the artifact on {backend}: {err}");
+    }
+
     // A damaged artifact is refused with the reason.
     let mut bytes = std::fs::read(&art).unwrap();
     bytes.truncate(bytes.len() / 2);

@@ -102,6 +102,30 @@ fn every_model_agrees_with_the_interpreter_at_random_weights() {
     }
 }
 
+/// The plan-level oracle: on every spec's optimized plan, the native kernels agree with the same
+/// plan run step by step through the interpreter's op definitions (`CpuModel::reference`, what
+/// `kiln run model.kiln --backend interp` runs), which in turn agrees with the unoptimized graph.
+#[test]
+fn native_kernels_agree_with_the_plans_reference() {
+    for entry in std::fs::read_dir(root().join("models")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let fe = spec(&name);
+        let params = interp::random_params(&fe.graph, 5).unwrap();
+        let plan = lower(&optimize::optimize(&fe.graph).unwrap().0);
+        let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 2, 7).unwrap();
+        let graph = interp::run(&fe.graph, &params, &inputs).unwrap();
+        let reference = CpuModel::reference(plan.clone(), params.clone(), &()).unwrap().run(&inputs).unwrap();
+        let native = cpu(plan, &params, 2).run(&inputs).unwrap();
+        for (((n, g), (_, r)), (_, x)) in graph.iter().zip(&reference).zip(&native) {
+            let scale = g.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let (to_graph, to_native) = (g.max_abs_diff(r), r.max_abs_diff(x));
+            assert!(to_graph <= 1e-4 * scale, "{name}: the plan's `{n}` differs from the graph's by {to_graph}");
+            assert!(to_native <= 1e-4 * scale, "{name}: native `{n}` differs from the plan's reference by {to_native}");
+        }
+    }
+}
+
 #[test]
 fn minilm_on_cpu() {
     let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");

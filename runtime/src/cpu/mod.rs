@@ -124,6 +124,8 @@ pub struct CpuModel {
     slots: Mutex<Vec<Buf>>,
     weight_bytes: Vec<(WeightFormat, u64)>,
     int8: bool,
+    /// Every step through the interpreter ([`CpuModel::reference`]).
+    reference: bool,
 }
 
 /// The threads a model uses by default: one per core the process may run on.
@@ -151,9 +153,28 @@ impl CpuModel {
     /// copied, so a model's weights are in memory once.
     pub fn from_owned(
         plan: Plan,
+        params: HashMap<String, Tensor>,
+        blocks: HashMap<String, QuantWeight>,
+        threads: usize,
+        progress: &dyn Progress,
+    ) -> R<CpuModel> {
+        CpuModel::build(plan, params, blocks, threads, false, progress)
+    }
+
+    /// The plan's reference: every step evaluated by the interpreter's definition of its op
+    /// ([`interp::eval_op_at`]) on one thread, the weights in the plan's layout (f32 only) — what
+    /// `--backend interp` runs for an artifact, and the oracle the native kernels and the wgpu
+    /// back end are held to on the same plan.
+    pub fn reference(plan: Plan, params: HashMap<String, Tensor>, progress: &dyn Progress) -> R<CpuModel> {
+        CpuModel::build(plan, params, HashMap::new(), 1, true, progress)
+    }
+
+    fn build(
+        plan: Plan,
         mut params: HashMap<String, Tensor>,
         mut blocks: HashMap<String, QuantWeight>,
         threads: usize,
+        reference: bool,
         progress: &dyn Progress,
     ) -> R<CpuModel> {
         let threads = threads.max(1);
@@ -199,7 +220,7 @@ impl CpuModel {
             consts.insert(id, Const::Quant(q));
         }
         drop((params, blocks));
-        let transposed = transpose_weights(&plan, &mut consts)?;
+        let transposed = if reference { HashMap::new() } else { transpose_weights(&plan, &mut consts)? };
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let mut counted: HashSet<usize> = HashSet::new();
         for c in consts.values() {
@@ -237,6 +258,7 @@ impl CpuModel {
             slots: Mutex::new(Vec::new()),
             weight_bytes,
             int8: false,
+            reference,
         })
     }
 
@@ -432,7 +454,7 @@ impl CpuModel {
         past: usize,
     ) -> R<()> {
         let mut lazy = LazyOut { out, n: shape.iter().product() };
-        if dtype == DType::F32 {
+        if dtype == DType::F32 && !self.reference {
             match op {
                 Op::Linear { .. } => {
                     return linear::forward(op, args, lazy.get(), shape, past, self.threads, self.int8);
