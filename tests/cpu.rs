@@ -241,6 +241,68 @@ fn cached_decoding_equals_recomputation() {
     }
 }
 
+/// The cache is appended in place: the optimized cached step of a decoder appends every key and
+/// value with a `heads` step, so each is a buffer that grows by doubling, not a tensor copied per
+/// token; between growths a step writes into the same memory. A failed step leaves the cache as
+/// it was, and decoding goes on equal to a session that never failed.
+#[test]
+fn the_cache_is_appended_in_place() {
+    use kiln_runtime::Engine;
+    use kiln_runtime::cpu::cache::append_sites;
+    for name in ["llama", "gpt2"] {
+        let fe = spec(name);
+        let params = interp::random_params(&fe.graph, 7).unwrap();
+        let cached = build_cached(&fe.spec).unwrap();
+        let optimized = optimize::optimize(&cached).unwrap().0;
+        let links: Vec<(String, String)> = optimized
+            .outputs
+            .iter()
+            .filter_map(|(o, _)| {
+                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
+                past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v"))).map(|p| (o.clone(), p))
+            })
+            .collect();
+        let plan = lower(&optimized);
+        assert_eq!(append_sites(&plan).len(), links.len(), "{name}: every cached tensor appended in place");
+        assert!(append_sites(&lower(&cached)).is_empty(), "{name}: the unoptimized step concatenates");
+        let ids = |v: &[i64]| HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, v.len()], v.to_vec()))]);
+        let logits = |out: HashMap<String, Tensor>| out["logits"].as_f32().unwrap().to_vec();
+        let mut memory = kiln_runtime::Memory::default();
+        let mut engine = CpuEngine::new(cpu(plan.clone(), &params, 2));
+        let mut other = CpuEngine::new(cpu(plan, &params, 2));
+        engine.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        other.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        let first = &links[0].1;
+        let mut moved = 0;
+        for step in 0..20i64 {
+            let b = &engine.buffers()[first];
+            let (len, cap, at) = (b.len(), b.capacity(), b.data().as_ptr());
+            let got = logits(engine.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            let want = logits(other.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            assert_eq!(got, want, "{name}: the engines agree at step {step}");
+            let after = &engine.buffers()[first];
+            assert_eq!(after.len(), len + 1);
+            if after.capacity() == cap {
+                assert_eq!(after.data().as_ptr(), at, "{name}: step {step} reallocated");
+            } else {
+                moved += 1;
+                assert!(after.capacity() >= 2 * cap, "{name}: the capacity doubles");
+            }
+            // A failing step (an id outside the vocabulary) changes nothing.
+            if step == 10 {
+                let held: Vec<(usize, usize)> = engine.buffers().values().map(|b| (b.len(), b.capacity())).collect();
+                assert!(engine.step(ids(&[1_000_000]), &mut memory, &links).is_err());
+                let now: Vec<(usize, usize)> = engine.buffers().values().map(|b| (b.len(), b.capacity())).collect();
+                assert_eq!(held, now, "{name}: a failed step left the cache as it was");
+            }
+        }
+        assert!((1..=2).contains(&moved), "{name}: {moved} growths over 20 steps");
+        // The cache read back equals the tensors the interpreter's step would have returned.
+        let host = engine.cache().unwrap();
+        assert_eq!(host[first].shape[2], 25);
+    }
+}
+
 /// An artifact's plan (compiled once, for any backend) runs on the CPU as it runs on wgpu.
 #[test]
 fn an_artifact_plan_runs_on_the_cpu() {

@@ -8,6 +8,7 @@
 //! the cache on success, and on an error the cache is as it was.
 
 use crate::cpu::CpuModel;
+use crate::cpu::cache::KvCache;
 use crate::generate::{GenerateError, Memory};
 use crate::gpu::{DeviceTensor, GpuModel};
 use kiln_compiler::graph::{Graph, InputRole};
@@ -158,17 +159,22 @@ impl Engine for InterpEngine {
     }
 }
 
-/// A compiled plan on the CPU's native kernels; the cache in host memory, lent to each run and
-/// read in place.
+/// A compiled plan on the CPU's native kernels; the cache in host memory, read in place and
+/// appended in place (see [`crate::cpu::cache`]).
 pub struct CpuEngine {
     model: CpuModel,
-    cache: HashMap<String, Tensor>,
+    cache: KvCache,
 }
 
 impl CpuEngine {
     /// An engine running `model`.
     pub fn new(model: CpuModel) -> CpuEngine {
-        CpuEngine { model, cache: HashMap::new() }
+        CpuEngine { model, cache: KvCache::new() }
+    }
+
+    /// The cache as it is held: by past input name, each with its length and spare capacity.
+    pub fn buffers(&self) -> &KvCache {
+        &self.cache
     }
 }
 
@@ -187,9 +193,7 @@ impl Engine for CpuEngine {
         _memory: &mut Memory,
         links: &[Link],
     ) -> R<HashMap<String, Tensor>> {
-        let mut outputs: HashMap<String, Tensor> = self.model.run_with(&inputs, &self.cache)?.into_iter().collect();
-        take_presents(links, &mut outputs, &mut self.cache)?;
-        Ok(outputs)
+        Ok(self.model.run_cached(&inputs, &mut self.cache, links)?.into_iter().collect())
     }
 
     fn clear(&mut self) {
@@ -197,7 +201,7 @@ impl Engine for CpuEngine {
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {
-        Ok(self.cache.clone())
+        Ok(self.cache.iter().map(|(name, buf)| (name.clone(), buf.to_tensor())).collect())
     }
 }
 

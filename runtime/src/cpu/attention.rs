@@ -79,9 +79,8 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             }
             let g = Geometry { b, heads: h, kv_heads: kv, d, s, t, scale: scale.0, alibi, causal, window };
             let ql = Layout { batch: h * s * d, head: s * d, row: d, col: 0 };
-            let kl = Layout { batch: kv * t * d, head: t * d, row: d, col: 0 };
             let mask = mask_of(rest, b, t)?;
-            run(&g, (q.f32("q")?, ql), (k.f32("k")?, kl), (v.f32("v")?, kl), mask, out, shape)
+            run(&g, (q.f32("q")?, ql), heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?, mask, out, shape)
         }
         Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
@@ -102,6 +101,17 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             run(&g, (x, at(q)), (x, at(k)), (x, at(v)), mask, out, shape)
         }
         _ => Err(bad("not an attention op")),
+    }
+}
+
+/// A `[b, heads, rows, d]` operand and its layout: contiguous, or a cache buffer with room for
+/// more rows per head (read in place through its head stride).
+fn heads_of<'a>(x: &Arg<'a>, heads: usize, rows: usize, d: usize, what: &str) -> R<(&'a [f32], Layout)> {
+    match *x {
+        Arg::Cache { data, cap } if cap >= rows => {
+            Ok((data, Layout { batch: heads * cap * d, head: cap * d, row: d, col: 0 }))
+        }
+        _ => Ok((x.f32(what)?, Layout { batch: heads * rows * d, head: rows * d, row: d, col: 0 })),
     }
 }
 

@@ -4,6 +4,7 @@
 //! (norm statistics accumulated in f64), rows split over the pool's threads when there are
 //! enough of them to pay for it.
 
+use super::cache::CacheBuf;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
 use kiln_compiler::interp::{layer_norm_row, rms_norm_row, rope_frequencies, rotate};
@@ -166,4 +167,35 @@ fn out_len(shape: &[usize]) -> usize {
 /// Runs `f(row index, output row)` over the rows of `out`, in parallel when there are many.
 fn rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
     out.par_chunks_mut(width).with_min_len(MIN_ROWS).enumerate().for_each(|(r, o)| f(r, o));
+}
+
+/// A `heads` step appending in place: the `s` rows per head it computes from `x` (`[b, s,
+/// width]`) written into `buf` after the `past` rows it holds, rotated at positions `past + t`
+/// as the interpreter rotates them. Returns the rows per head `buf` holds once the run succeeds
+/// (it commits them; until then the new rows are invisible).
+pub fn append_heads(op: &Op, x_shape: &[usize], x: &[f32], past: usize, buf: &mut CacheBuf) -> R<usize> {
+    let bad = |m: String| CpuError::Invalid(m);
+    let Op::Heads { start, heads, head_dim: d, rope } = *op else { return Err(bad("not a heads step".into())) };
+    let &[b, s, width] = x_shape else { return Err(bad(format!("x {x_shape:?} is not [b, s, width]"))) };
+    if buf.shape() != [b, heads, buf.len(), d] || start + heads * d > width || x.len() != b * s * width {
+        return Err(bad(format!("x {x_shape:?} does not fit the cache {:?}", buf.shape())));
+    }
+    if buf.len() != past {
+        return Err(bad(format!("the cache holds {} rows, the step starts at position {past}", buf.len())));
+    }
+    buf.reserve(past + s)?;
+    let inv = rope.map(|r| (rope_frequencies(r.theta.0, r.rotary_dim), r));
+    for bi in 0..b {
+        for hi in 0..heads {
+            for t in 0..s {
+                let from = (bi * s + t) * width + start + hi * d;
+                let o = buf.row_mut(bi, hi, past + t);
+                o.copy_from_slice(&x[from..from + d]);
+                if let Some((inv, r)) = &inv {
+                    rotate(&mut o[..r.rotary_dim], (past + t) as f32, inv, r.style);
+                }
+            }
+        }
+    }
+    Ok(past + s)
 }

@@ -108,7 +108,7 @@ pub fn forward(
             }
             quantized(q, m, x, y, int8)?;
         }
-        Arg::I64(_) => return Err(bad("the weight must be f32 or quantized blocks".into())),
+        Arg::I64(_) | Arg::Cache { .. } => return Err(bad("the weight must be f32 or quantized blocks".into())),
     }
 
     // 3. Epilogue, row by row.

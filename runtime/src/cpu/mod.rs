@@ -32,6 +32,7 @@
 )]
 
 pub mod attention;
+pub mod cache;
 pub mod elementwise;
 pub mod linear;
 pub mod math;
@@ -41,6 +42,7 @@ pub mod qdot_f32;
 use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
+use cache::{AppendSite, CacheBuf, KvCache};
 use kiln_compiler::graph::{Dim, Op, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, Storage, WeightFormat, linear_weight, resolve};
@@ -94,6 +96,14 @@ pub enum Arg<'a> {
     /// A projection's f32 `[n, k]` weight as this back end laid it out at load: transposed,
     /// `[k, n]` (see [`CpuModel::new`]).
     Transposed(&'a [f32]),
+    /// A `[b, heads, rows, d]` tensor kept in a cache buffer with room for `cap` rows per head
+    /// (head stride `cap * d`; see [`cache`]).
+    Cache {
+        /// The buffer's elements.
+        data: &'a [f32],
+        /// Rows per head the buffer has room for.
+        cap: usize,
+    },
 }
 
 impl<'a> Arg<'a> {
@@ -126,6 +136,8 @@ pub struct CpuModel {
     int8: bool,
     /// Every step through the interpreter ([`CpuModel::reference`]).
     reference: bool,
+    /// The steps that append to a session's cache in place.
+    appends: Vec<AppendSite>,
 }
 
 /// The threads a model uses by default: one per core the process may run on.
@@ -249,6 +261,7 @@ impl CpuModel {
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
             .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
+        let appends = if reference { Vec::new() } else { cache::append_sites(&plan) };
         Ok(CpuModel {
             plan,
             consts,
@@ -259,6 +272,7 @@ impl CpuModel {
             weight_bytes,
             int8: false,
             reference,
+            appends,
         })
     }
 
@@ -296,46 +310,60 @@ impl CpuModel {
 
     /// Runs one forward pass on named inputs; returns the named outputs.
     pub fn run(&self, given: &HashMap<String, Tensor>) -> R<Vec<(String, Tensor)>> {
-        self.run_with(given, &HashMap::new())
+        self.execute(given, None, None)
     }
 
-    /// [`CpuModel::run`] where some inputs are lent rather than given (a session's cache, an
-    /// encoder's memory): they are read in place, never copied.
-    pub fn run_with(
+    /// [`CpuModel::run`] for a session's step: the cached tensors are read from `cache` in place
+    /// (never copied into the inputs), and each present named by `links` (`(present output,
+    /// past input)`) becomes the cache's past — appended in place where the plan appends it
+    /// with a `heads` step (see [`cache`]), replaced otherwise. Returns the other outputs. On an
+    /// error the cache is as it was.
+    pub fn run_cached(
         &self,
         given: &HashMap<String, Tensor>,
-        lent: &HashMap<String, Tensor>,
+        cache: &mut KvCache,
+        links: &[(String, String)],
     ) -> R<Vec<(String, Tensor)>> {
-        self.execute(given, lent, None)
+        self.execute(given, Some((cache, links)), None)
     }
 
     /// Runs one forward pass on `given` and returns the seconds each step of [`Plan::steps`] took
     /// (host clock around the step, its kernel's threads included).
     pub fn profile(&self, given: &HashMap<String, Tensor>) -> R<Vec<f64>> {
         let mut times = Vec::with_capacity(self.plan.steps.len());
-        self.execute(given, &HashMap::new(), Some(&mut times))?;
+        self.execute(given, None, Some(&mut times))?;
         Ok(times)
     }
 
     fn execute(
         &self,
         given: &HashMap<String, Tensor>,
-        lent: &HashMap<String, Tensor>,
+        session: Option<(&mut KvCache, &[(String, String)])>,
         mut times: Option<&mut Vec<f64>>,
     ) -> R<Vec<(String, Tensor)>> {
         let plan = &self.plan;
-        let lent_shapes: HashMap<String, Vec<usize>> =
-            lent.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, t)| (n.clone(), t.shape.clone())).collect();
-        let bound = prepare::bind(plan, given, &lent_shapes)?;
+        // The cached tensors this run reads (those not given), and the steps appending in place.
+        let (held_shapes, inplace): (HashMap<String, Vec<usize>>, Vec<&AppendSite>) = match &session {
+            Some((kv, links)) => (
+                kv.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, c)| (n.clone(), c.shape())).collect(),
+                self.appends
+                    .iter()
+                    .filter(|a| !given.contains_key(&a.past))
+                    .filter(|a| links.iter().any(|(present, past)| *present == a.present && *past == a.past))
+                    .collect(),
+            ),
+            None => (HashMap::new(), Vec::new()),
+        };
+        let bound = prepare::bind(plan, given, &held_shapes)?;
         let mut inputs: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
+        // Inputs read from the cache: value -> past name.
+        let mut held: HashMap<usize, String> = HashMap::new();
         for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
             match tensor {
-                Some(t) => inputs.insert(id, Cow::Owned(t)),
-                None => match lent.get(name) {
-                    Some(t) => inputs.insert(id, Cow::Borrowed(t)),
-                    None => return Err(CpuError::Invalid(format!("input `{name}` was not given"))),
-                },
-            };
+                Some(t) => drop(inputs.insert(id, Cow::Owned(t))),
+                None if held_shapes.contains_key(name) => drop(held.insert(id, name.clone())),
+                None => return Err(CpuError::Invalid(format!("input `{name}` was not given"))),
+            }
         }
         let syms = bound.syms;
         let by_value: HashMap<usize, &Tensor> = inputs.iter().map(|(&id, t)| (id, t.as_ref())).collect();
@@ -348,78 +376,192 @@ impl CpuModel {
         if slots.len() < plan.slots {
             slots.resize_with(plan.slots, || Buf::F32(Vec::new()));
         }
+        let (mut empty, no_links) = (KvCache::new(), Vec::new());
+        let (kv, links): (&mut KvCache, &[(String, String)]) = match session {
+            Some((kv, links)) => (kv, links),
+            None => (&mut empty, &no_links),
+        };
+        let none = KvCache::new();
+        // Buffers this run creates (removed again on an error), and the rows each appended one
+        // holds once the run succeeds.
+        let mut created: Vec<String> = Vec::new();
+        let mut appended: HashMap<String, usize> = HashMap::new();
+        // Values that are a cache buffer (a held past, or a present appended in place).
+        let mut views = held.clone();
         let run = self.pool.install(|| -> R<()> {
-            for step in &plan.steps {
+            for (i, step) in plan.steps.iter().enumerate() {
                 let start = std::time::Instant::now();
-                let out_shape = resolve(&plan.values[step.output].shape, &syms);
-                let n: usize = out_shape.iter().product();
-                let Storage::Slot(s) = plan.values[step.output].storage else {
-                    return Err(CpuError::Invalid(format!(
-                        "`{}`: a step writes a value that is not in a slot",
-                        step.scope
-                    )));
-                };
-                kiln_compiler::memory::check(
-                    || format!("`{}`: a {} result", step.scope, step.op.name()),
-                    4 * n as u64,
-                )?;
-                let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
-                let result = {
-                    // A projection reads its constant f32 weight in the layout of the load.
-                    let wi = linear_weight(&step.op);
-                    let args: Vec<(Vec<usize>, Arg<'_>)> = step
-                        .operands
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &o)| match self.transposed.get(&root(plan, o)) {
-                            Some(t) if Some(i) == wi => Ok((resolve(&plan.values[o].shape, &syms), Arg::Transposed(t))),
-                            _ => self.arg(o, &inputs, &slots, &syms),
-                        })
-                        .collect::<R<_>>()?;
-                    let dtype = plan.values[step.output].dtype;
-                    self.exec(&step.op, &args, &mut out, dtype, &out_shape, past)
-                        .map_err(|e| scoped(e, &step.scope, &step.op))
-                };
-                slots[s] = out;
-                result?;
+                if let Some(site) = inplace.iter().find(|a| a.step == i) {
+                    let x = self.arg(step.operands[1], &inputs, &slots, &syms, &views, &none)?;
+                    let x = (x.0, x.1.f32("x").map_err(|e| scoped(e, &step.scope, &step.op))?);
+                    if !kv.contains_key(&site.past) {
+                        let (b, heads, d) = match (&step.op, x.0.first()) {
+                            (Op::Heads { heads, head_dim, .. }, Some(&b)) => (b, *heads, *head_dim),
+                            _ => return Err(CpuError::Invalid(format!("`{}`: not a heads step", step.scope))),
+                        };
+                        kv.insert(site.past.clone(), CacheBuf::empty(b, heads, d));
+                        created.push(site.past.clone());
+                    }
+                    let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Invalid("the cache vanished".into()))?;
+                    let rows = elementwise::append_heads(&step.op, &x.0, x.1, past, buf)
+                        .map_err(|e| scoped(e, &step.scope, &step.op))?;
+                    appended.insert(site.past.clone(), rows);
+                    views.insert(root(plan, step.output), site.past.clone());
+                } else {
+                    self.step(step, &inputs, &mut slots, &syms, &views, kv, past)?;
+                }
                 if let Some(t) = times.as_deref_mut() {
                     t.push(start.elapsed().as_secs_f64());
                 }
             }
             Ok(())
         });
+        let presents: HashMap<&str, &str> =
+            links.iter().map(|(present, past)| (present.as_str(), past.as_str())).collect();
         let outputs = run.and_then(|()| {
-            plan.outputs
-                .iter()
-                .map(|(name, v)| {
-                    let shape = resolve(&plan.values[*v].shape, &syms);
-                    let t = match self.arg(*v, &inputs, &slots, &syms)?.1 {
-                        Arg::F32(x) => Tensor::f32(shape, x.to_vec()),
-                        Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
-                        Arg::Quant(q) => q.dequantize(),
-                        Arg::Transposed(_) => {
-                            return Err(CpuError::Invalid("internal error: an output is a weight".into()));
-                        }
-                    };
-                    Ok((name.clone(), t))
-                })
-                .collect()
+            let mut outputs = Vec::new();
+            let mut replaced = Vec::new();
+            for (name, v) in &plan.outputs {
+                let shape = resolve(&plan.values[*v].shape, &syms);
+                let past_name = presents.get(name.as_str());
+                if past_name.is_some_and(|p| appended.contains_key(*p)) {
+                    continue; // Already in the cache.
+                }
+                let t = match self.arg(*v, &inputs, &slots, &syms, &views, kv)?.1 {
+                    Arg::F32(x) => Tensor::f32(shape, x.to_vec()),
+                    Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
+                    Arg::Quant(q) => q.dequantize(),
+                    Arg::Cache { data, cap } => {
+                        let heads = shape.first().copied().unwrap_or(1) * shape.get(1).copied().unwrap_or(1);
+                        let (rows, d) = (shape.get(2).copied().unwrap_or(0), shape.get(3).copied().unwrap_or(0));
+                        Tensor::f32(shape, cache::contiguous(data, heads, rows, cap, d))
+                    }
+                    Arg::Transposed(_) => {
+                        return Err(CpuError::Invalid("internal error: an output is a weight".into()));
+                    }
+                };
+                match past_name {
+                    Some(p) => replaced.push((p.to_string(), t)),
+                    None => outputs.push((name.clone(), t)),
+                }
+            }
+            if let Some((present, _)) = presents.iter().find(|(present, past)| {
+                !appended.contains_key(**past)
+                    && !replaced.iter().any(|(p, _)| p == *past)
+                    && !plan.outputs.iter().any(|(n, _)| n == *present)
+            }) {
+                return Err(CpuError::Invalid(format!("the step did not produce `{present}`")));
+            }
+            Ok((outputs, replaced))
         });
         *state = slots;
-        outputs
+        match outputs {
+            Ok((outputs, replaced)) => {
+                for (past_name, rows) in appended {
+                    if let Some(buf) = kv.get_mut(&past_name) {
+                        buf.set_len(rows);
+                    }
+                }
+                for (past_name, t) in replaced {
+                    let buf = CacheBuf::from_tensor(t).ok_or_else(|| {
+                        CpuError::Invalid(format!("`{past_name}` is not an f32 [b, heads, len, d] tensor"))
+                    })?;
+                    kv.insert(past_name, buf);
+                }
+                Ok(outputs)
+            }
+            Err(e) => {
+                for name in created {
+                    kv.remove(&name);
+                }
+                Err(e)
+            }
+        }
     }
 
-    /// Value `v` as an operand: its shape at these symbol values and its elements.
+    /// Runs one step into its slot.
+    #[expect(clippy::too_many_arguments, reason = "the run's state, borrowed apart")]
+    fn step(
+        &self,
+        step: &kiln_compiler::lower::Step,
+        inputs: &HashMap<usize, Cow<'_, Tensor>>,
+        slots: &mut [Buf],
+        syms: &HashMap<Sym, usize>,
+        views: &HashMap<usize, String>,
+        kv: &KvCache,
+        past: usize,
+    ) -> R<()> {
+        let plan = &self.plan;
+        let out_shape = resolve(&plan.values[step.output].shape, syms);
+        let n: usize = out_shape.iter().product();
+        let Storage::Slot(s) = plan.values[step.output].storage else {
+            return Err(CpuError::Invalid(format!("`{}`: a step writes a value that is not in a slot", step.scope)));
+        };
+        kiln_compiler::memory::check(|| format!("`{}`: a {} result", step.scope, step.op.name()), 4 * n as u64)?;
+        let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
+        let result = {
+            // A projection reads its constant f32 weight in the layout of the load.
+            let wi = linear_weight(&step.op);
+            let args: Vec<(Vec<usize>, Arg<'_>)> = step
+                .operands
+                .iter()
+                .enumerate()
+                .map(|(i, &o)| match self.transposed.get(&root(plan, o)) {
+                    Some(t) if Some(i) == wi => Ok((resolve(&plan.values[o].shape, syms), Arg::Transposed(t))),
+                    _ => self.arg(o, inputs, slots, syms, views, kv),
+                })
+                .collect::<R<_>>()?;
+            // Only attention reads a cache through its strides; every other op gets a contiguous
+            // copy.
+            let attention = matches!(step.op, Op::Attention { .. });
+            let copies: Vec<Option<Vec<f32>>> = args
+                .iter()
+                .map(|(shape, a)| match (a, shape.as_slice()) {
+                    (Arg::Cache { data, cap }, &[b, h, rows, d]) if !attention => {
+                        Some(cache::contiguous(data, b * h, rows, *cap, d))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let args: Vec<(Vec<usize>, Arg<'_>)> = args
+                .into_iter()
+                .zip(&copies)
+                .map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32)))
+                .collect();
+            let dtype = plan.values[step.output].dtype;
+            self.exec(&step.op, &args, &mut out, dtype, &out_shape, past).map_err(|e| scoped(e, &step.scope, &step.op))
+        };
+        slots[s] = out;
+        result
+    }
+
+    /// Value `v` as an operand: its shape at these symbol values and its elements (a value in
+    /// `views` is that cache buffer of `kv`, as many rows as its shape says).
     fn arg<'a>(
         &'a self,
         v: usize,
         inputs: &'a HashMap<usize, Cow<'_, Tensor>>,
         slots: &'a [Buf],
         syms: &HashMap<Sym, usize>,
+        views: &HashMap<usize, String>,
+        kv: &'a KvCache,
     ) -> R<(Vec<usize>, Arg<'a>)> {
         let shape = resolve(&self.plan.values[v].shape, syms);
         let n: usize = shape.iter().product();
         let r = root(&self.plan, v);
+        if let Some(name) = views.get(&r) {
+            let buf = kv.get(name).ok_or_else(|| CpuError::Invalid(format!("the cache holds no `{name}`")))?;
+            let rows = shape.get(2).copied().unwrap_or(0);
+            if shape.len() != 4 || rows > buf.capacity() || shape[..2] != buf.shape()[..2] {
+                return Err(CpuError::Invalid(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
+            }
+            let arg = if rows == buf.capacity() {
+                Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Invalid("a short cache".into()))?)
+            } else {
+                Arg::Cache { data: buf.data(), cap: buf.capacity() }
+            };
+            return Ok((shape, arg));
+        }
         let missing = || CpuError::Invalid(format!("internal error: value {v} has no data"));
         let tensor = |t: &'a Tensor| -> R<Arg<'a>> {
             match &t.data {
@@ -480,6 +622,10 @@ impl CpuModel {
                 Arg::Transposed(_) => {
                     Err(CpuError::Invalid(format!("internal error: {} read a transposed weight", op.name())))
                 }
+                Arg::Cache { data, cap } => match s.as_slice() {
+                    &[b, h, rows, d] => Ok(Tensor::f32(s.clone(), cache::contiguous(data, b * h, rows, *cap, d))),
+                    _ => Err(CpuError::Invalid(format!("internal error: a cache read as {s:?}"))),
+                },
             })
             .collect::<R<_>>()?;
         let refs: Vec<&Tensor> = tensors.iter().collect();
