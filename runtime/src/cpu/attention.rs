@@ -255,6 +255,10 @@ impl Rows<'_> {
         let mut out = vec![0.0f32; m * group * d];
         p.clear();
         p.resize(m * n, 0.0);
+        // Per row of the block: 1 / the softmax's sum (1 for a row with every key masked).
+        let mut inv = vec![1.0f32; m];
+        // The key mask of this sequence over the block's keys, once per block.
+        let keys: Option<Vec<bool>> = self.mask.map(|mask| (k0..k1).map(|ti| mask[bi * t + ti] != 0.0).collect());
         for j in 0..group {
             let hq = kvh * group + j;
             // SAFETY: `q` holds the block's rows of head `hq` at stride `ql.row`, `k` and `v` its
@@ -287,10 +291,21 @@ impl Rows<'_> {
                 let qi = si + self.offset;
                 let (lo, hi) = range(si);
                 let row = &mut p[i * n..][..n];
-                let slope = if g.alibi { self.slopes[hq] } else { 0.0 };
-                for (ti, x) in (k0..k1).zip(row.iter_mut()) {
-                    let keep = ti >= lo && ti < hi && self.mask.is_none_or(|m| m[bi * t + ti] != 0.0);
-                    *x = if keep { *x + slope * (ti as f32 - qi as f32) } else { f32::NEG_INFINITY };
+                // Keys outside the row's range, or masked, at -inf; ALiBi on the others. (Whole
+                // slices and branch-free selects, so each pass vectorizes.)
+                let (a, z) = (lo - k0, hi - k0);
+                row[..a].fill(f32::NEG_INFINITY);
+                row[z..].fill(f32::NEG_INFINITY);
+                if g.alibi {
+                    let slope = self.slopes[hq];
+                    for (ti, x) in (lo..hi).zip(&mut row[a..z]) {
+                        *x += slope * (ti as f32 - qi as f32);
+                    }
+                }
+                if let Some(keys) = &keys {
+                    for (x, &keep) in row[a..z].iter_mut().zip(&keys[a..z]) {
+                        *x = if keep { *x } else { f32::NEG_INFINITY };
+                    }
                 }
                 let max = max_of(row);
                 if hi == lo || max <= f32::MIN {
@@ -300,11 +315,13 @@ impl Rows<'_> {
                     for ti in 0..t {
                         add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0 / t as f32);
                     }
+                    inv[i] = 1.0;
                     continue;
                 }
+                // Numerators here; each output row is divided by its sum after `P V` (d values
+                // a row rather than n).
                 super::math::exp_shifted(row, max);
-                let inv = (1.0 / sum_of(row)) as f32;
-                row.iter_mut().for_each(|x| *x *= inv);
+                inv[i] = (1.0 / sum_of(row)) as f32;
             }
             // Rows whose keys were all masked are zero in `p` and were written above: add to them.
             // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
@@ -330,6 +347,9 @@ impl Rows<'_> {
                     false,
                     gemm::Parallelism::None,
                 );
+            }
+            for (i, &r) in inv.iter().enumerate() {
+                out[(i * group + j) * d..][..d].iter_mut().for_each(|x| *x *= r);
             }
         }
         out
