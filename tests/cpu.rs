@@ -52,6 +52,11 @@ fn llama_on_cpu() {
 }
 
 #[test]
+fn gemma3_on_cpu() {
+    golden("gemma3");
+}
+
+#[test]
 fn bloom_on_cpu() {
     golden("bloom");
 }
@@ -204,7 +209,7 @@ fn smollm2_quantized_logits_and_greedy_continuation() {
 /// fixtures' greedy ids, for every decoder fixture, unoptimized and optimized.
 #[test]
 fn cached_decoding_equals_recomputation() {
-    for name in ["gpt2", "llama", "bloom", "mixtral"] {
+    for name in ["gpt2", "llama", "bloom", "mixtral", "gemma3"] {
         let fe = spec(name);
         let dir = root().join("tests/fixtures").join(name);
         let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();

@@ -76,6 +76,11 @@ fn llama_cached_decoding() {
 }
 
 #[test]
+fn gemma3_cached_decoding() {
+    check("gemma3");
+}
+
+#[test]
 fn bloom_cached_decoding() {
     check("bloom");
 }

@@ -95,6 +95,16 @@ fn llama_greedy() {
 }
 
 #[test]
+fn gemma3_logits() {
+    check_fixture("gemma3");
+}
+
+#[test]
+fn gemma3_greedy() {
+    check_greedy("gemma3");
+}
+
+#[test]
 fn bloom_logits() {
     check_fixture("bloom");
 }

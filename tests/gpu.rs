@@ -44,6 +44,11 @@ fn llama_on_wgpu() {
 }
 
 #[test]
+fn gemma3_on_wgpu() {
+    golden("gemma3");
+}
+
+#[test]
 fn bloom_on_wgpu() {
     golden("bloom");
 }

@@ -440,6 +440,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::Add => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x + y)),
         Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
         Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
+        Op::Offset { value } => Tensor::f32(shape, f(a[0]).iter().map(|x| x + value.0).collect()),
         Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
         Op::LayerNorm { eps } => {
             let gain = f(a[1]);

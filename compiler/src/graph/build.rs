@@ -9,7 +9,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
-use crate::spec::{BlockKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, Resolved};
+use crate::spec::{BlockKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, QkNorm, Resolved};
 use petgraph::graph::NodeIndex;
 
 type R<T> = Result<T, GraphError>;
@@ -175,6 +175,22 @@ pub fn param_elements(g: &Graph) -> u64 {
         .sum()
 }
 
+/// What differs between the layers of one stack: the self-attention mask and the RoPE base.
+#[derive(Clone, Copy)]
+struct Layer {
+    mask: MaskKind,
+    theta: f64,
+}
+
+/// The name of the norm after a sublayer whose norm before it is `pre` (`layers.0.attn_norm` ->
+/// `layers.0.attn_post_norm`).
+fn post_norm(pre: &str) -> String {
+    match pre.strip_suffix("_norm") {
+        Some(stem) => format!("{stem}_post_norm"),
+        None => format!("{pre}_post"),
+    }
+}
+
 struct Builder<'a> {
     g: Graph,
     r: &'a Resolved,
@@ -260,7 +276,14 @@ impl Builder<'_> {
         cross: Option<(Option<NodeIndex>, Option<NodeIndex>)>,
     ) -> R<NodeIndex> {
         for i in 0..layers {
-            x = self.block(&format!("{stack}layers.{i}"), x, mask, seq, key_mask, cross)?;
+            // With `global_every`, every such layer attends globally (causally), at its own theta.
+            let global = mask == MaskKind::SlidingWindow
+                && self.r.spec.attention.global_every.is_some_and(|every| (i + 1) % every.max(1) == 0);
+            let p = &self.r.spec.positions;
+            let (mask, theta) =
+                if global { (MaskKind::Causal, p.global_theta.unwrap_or(p.theta)) } else { (mask, p.theta) };
+            let layer = Layer { mask, theta };
+            x = self.block(&format!("{stack}layers.{i}"), x, layer, seq, key_mask, cross)?;
         }
         if self.r.final_norm {
             self.g.scope = format!("{stack}final_norm");
@@ -273,7 +296,7 @@ impl Builder<'_> {
         &mut self,
         name: &str,
         x: NodeIndex,
-        mask: MaskKind,
+        layer: Layer,
         seq: Sym,
         key_mask: Option<NodeIndex>,
         cross: Option<(Option<NodeIndex>, Option<NodeIndex>)>,
@@ -282,7 +305,7 @@ impl Builder<'_> {
         if norm.parallel_residual {
             self.g.scope = format!("{name}.attn");
             let a_in = self.norm(x, &format!("{name}.attn_norm"))?;
-            let a = self.attention(&format!("{name}.attn"), a_in, Kv { x: Some(a_in), seq }, seq, mask, key_mask)?;
+            let a = self.attention(&format!("{name}.attn"), a_in, Kv { x: Some(a_in), seq }, seq, layer, key_mask)?;
             self.g.scope = format!("{name}.ffn");
             let f_in = self.norm(x, &format!("{name}.ffn_norm"))?;
             let f = self.ffn_or_moe(name, f_in)?;
@@ -291,7 +314,7 @@ impl Builder<'_> {
         }
         self.g.scope = format!("{name}.attn");
         let mut h = self.sublayer(x, &format!("{name}.attn_norm"), |b, y| {
-            b.attention(&format!("{name}.attn"), y, Kv { x: Some(y), seq }, seq, mask, key_mask)
+            b.attention(&format!("{name}.attn"), y, Kv { x: Some(y), seq }, seq, layer, key_mask)
         })?;
         if let Some((memory, memory_mask)) = cross {
             self.g.scope = format!("{name}.cross");
@@ -301,7 +324,7 @@ impl Builder<'_> {
                     y,
                     Kv { x: memory, seq: Sym::SrcSeq },
                     seq,
-                    MaskKind::Bidirectional,
+                    Layer { mask: MaskKind::Bidirectional, theta: b.r.spec.positions.theta },
                     memory_mask,
                 )
             })?;
@@ -323,6 +346,17 @@ impl Builder<'_> {
                 let fy = f(self, y)?;
                 self.g.add(Op::Add, &[x, fy])
             }
+            Placement::Sandwich => {
+                let y = self.norm(x, norm)?;
+                let fy = f(self, y)?;
+                let fy = self.norm(fy, &post_norm(norm))?;
+                self.g.add(Op::Add, &[x, fy])
+            }
+            Placement::PostSublayer => {
+                let fx = f(self, x)?;
+                let fx = self.norm(fx, &post_norm(norm))?;
+                self.g.add(Op::Add, &[x, fx])
+            }
             Placement::Post | Placement::Deepnorm => {
                 let fx = f(self, x)?;
                 let skip = if self.r.residual_alpha != 1.0 {
@@ -337,10 +371,18 @@ impl Builder<'_> {
     }
 
     fn norm(&mut self, x: NodeIndex, name: &str) -> R<NodeIndex> {
+        self.norm_of(x, name, self.d())
+    }
+
+    /// The spec's norm over the last `d` values of `x` (its gain offset added to the gain, a
+    /// load-time fold).
+    fn norm_of(&mut self, x: NodeIndex, name: &str, d: usize) -> R<NodeIndex> {
         let n = &self.r.spec.norm;
-        let d = self.d();
         let eps = Scalar(n.eps as f32);
-        let gain = self.g.param(&format!("{name}.weight"), &[d]);
+        let mut gain = self.g.param(&format!("{name}.weight"), &[d]);
+        if n.gain_offset != 0.0 {
+            gain = self.g.add(Op::Offset { value: Scalar(n.gain_offset as f32) }, &[gain])?;
+        }
         match n.kind {
             NormKind::Layernorm => {
                 let bias = self.g.param(&format!("{name}.bias"), &[d]);
@@ -377,26 +419,43 @@ impl Builder<'_> {
         xq: NodeIndex,
         kv: Kv,
         seq: Sym,
-        mask: MaskKind,
+        layer: Layer,
         key_mask: Option<NodeIndex>,
     ) -> R<NodeIndex> {
         let r = self.r;
         let a = &r.spec.attention;
+        let mask = layer.mask;
         let (d, hd, heads, kv_heads) = (self.d(), r.head_dim as usize, a.heads as usize, r.kv_heads as usize);
         let is_cross = name.ends_with(".cross");
         let bias = |b: Option<bool>| b.unwrap_or(a.bias);
-        let q = self.linear(xq, &format!("{name}.q"), heads * hd, d, bias(a.q_bias))?;
+        let qk_norm = if is_cross { None } else { a.qk_norm };
+        let mut q = self.linear(xq, &format!("{name}.q"), heads * hd, d, bias(a.q_bias))?;
+        if qk_norm == Some(QkNorm::Width) {
+            q = self.norm_of(q, &format!("{name}.q_norm"), heads * hd)?;
+        }
         let projected = match kv.x {
             Some(x) => {
-                let k = self.linear(x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
+                let mut k = self.linear(x, &format!("{name}.k"), kv_heads * hd, d, bias(a.k_bias))?;
+                if qk_norm == Some(QkNorm::Width) {
+                    k = self.norm_of(k, &format!("{name}.k_norm"), kv_heads * hd)?;
+                }
                 let v = self.linear(x, &format!("{name}.v"), kv_heads * hd, d, bias(a.v_bias))?;
                 Some((k, v))
             }
             None => None,
         };
         let mut q = self.split_heads(q, seq, heads)?;
+        if qk_norm == Some(QkNorm::Head) {
+            q = self.norm_of(q, &format!("{name}.q_norm"), hd)?;
+        }
         let (mut k, mut v) = match projected {
-            Some((k, v)) => (self.split_heads(k, kv.seq, kv_heads)?, self.split_heads(v, kv.seq, kv_heads)?),
+            Some((k, v)) => {
+                let mut k = self.split_heads(k, kv.seq, kv_heads)?;
+                if qk_norm == Some(QkNorm::Head) {
+                    k = self.norm_of(k, &format!("{name}.k_norm"), hd)?;
+                }
+                (k, self.split_heads(v, kv.seq, kv_heads)?)
+            }
             None => {
                 let scope = self.g.scope.clone();
                 let role = InputRole::Cache { kv_heads, head_dim: hd };
@@ -409,7 +468,7 @@ impl Builder<'_> {
         let positions = &r.spec.positions;
         if positions.kind == PositionKind::Rope && !is_cross {
             let rope = Op::Rope {
-                theta: Scalar(positions.theta as f32),
+                theta: Scalar(layer.theta as f32),
                 rotary_dim: r.rotary_dim as usize,
                 style: positions.style.unwrap_or(PairStyle::RotateHalf),
             };

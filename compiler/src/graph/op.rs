@@ -152,6 +152,11 @@ pub enum Op {
         /// The constant.
         factor: Scalar,
     },
+    /// `x + value` (a zero-centred norm gain made whole: `norm.gain_offset`).
+    Offset {
+        /// The constant.
+        value: Scalar,
+    },
     /// Elementwise activation.
     Act(Activation),
     /// LayerNorm over the last axis: `(x, gain[, bias])`.
@@ -346,6 +351,7 @@ impl Op {
             Op::Add => "add".into(),
             Op::Mul => "mul".into(),
             Op::Scale { .. } => "scale".into(),
+            Op::Offset { .. } => "offset".into(),
             Op::Act(a) => a.name().into(),
             Op::LayerNorm { .. } => "layer_norm".into(),
             Op::RmsNorm { .. } => "rms_norm".into(),
@@ -414,6 +420,7 @@ impl Op {
             Op::Positions { len } => format!("len={len}"),
             Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
             Op::Scale { factor } => format!("factor={factor}"),
+            Op::Offset { value } => format!("value={value}"),
             Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),

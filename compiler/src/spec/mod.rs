@@ -167,11 +167,21 @@ pub struct Positions {
     /// RoPE: the fraction of each head's dimensions that is rotated.
     #[serde(default = "one")]
     pub fraction: f64,
+    /// RoPE base of the layers that attend globally when `attention.global_every` mixes them with
+    /// sliding-window layers (default `theta`).
+    #[serde(default)]
+    pub global_theta: Option<f64>,
 }
 
 impl Default for Positions {
     fn default() -> Self {
-        Positions { kind: PositionKind::default(), theta: default_theta(), style: None, fraction: 1.0 }
+        Positions {
+            kind: PositionKind::default(),
+            theta: default_theta(),
+            style: None,
+            fraction: 1.0,
+            global_theta: None,
+        }
     }
 }
 
@@ -231,6 +241,10 @@ pub struct Norm {
     /// Attention and feed-forward side by side on the same input (GPT-J, GPT-NeoX).
     #[serde(default)]
     pub parallel_residual: bool,
+    /// Added to every gain: `1.0` for checkpoints that store a zero-centred gain (Gemma's RMSNorm
+    /// multiplies by `1 + weight`).
+    #[serde(default)]
+    pub gain_offset: f64,
 }
 
 impl Default for Norm {
@@ -242,6 +256,7 @@ impl Default for Norm {
             alpha: None,
             final_norm: None,
             parallel_residual: false,
+            gain_offset: 0.0,
         }
     }
 }
@@ -274,6 +289,17 @@ pub enum Placement {
     Post,
     /// `norm(alpha * x + f(x))`.
     Deepnorm,
+    /// `x + post(f(pre(x)))`: a norm before and another after each sublayer (Gemma 2/3).
+    Sandwich,
+    /// `x + norm(f(x))`: the norm after the sublayer, inside the residual (OLMo 2, Swin v2).
+    PostSublayer,
+}
+
+impl Placement {
+    /// Whether a norm follows each sublayer inside the residual (its parameters `*_post_norm`).
+    pub fn post_sublayer(self) -> bool {
+        matches!(self, Placement::Sandwich | Placement::PostSublayer)
+    }
 }
 
 /// `[attention]`.
@@ -315,6 +341,25 @@ pub struct Attention {
     /// The logit scale (default `1 / sqrt(head_dim)`).
     #[serde(default)]
     pub scale: Option<f64>,
+    /// With `window`: every `global_every`-th layer (layers `global_every - 1`, `2 * global_every -
+    /// 1`, ...) attends to every earlier key, the others through the sliding window (Gemma 3: 6).
+    #[serde(default)]
+    pub global_every: Option<u64>,
+    /// A norm on the queries and keys of self-attention before RoPE, of the `[norm]` kind: over
+    /// each head's width (`"head"`) or over the whole projection (`"width"`).
+    #[serde(default)]
+    pub qk_norm: Option<QkNorm>,
+}
+
+/// Where a query/key norm normalises.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum QkNorm {
+    /// Over each head's `head_dim` values (a gain of `head_dim`; Gemma 3, Qwen 3).
+    Head,
+    /// Over the whole projection (a gain of `heads * head_dim`, `kv_heads * head_dim` for keys;
+    /// OLMo 2).
+    Width,
 }
 
 /// Attention masks.

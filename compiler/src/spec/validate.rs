@@ -183,6 +183,17 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         ),
         _ => {}
     }
+    if let Some(every) = a.global_every {
+        c.bounded("attention.global_every", every, limits.layers);
+        if mask != MaskKind::SlidingWindow {
+            c.error_help(
+                "attention.global_every",
+                "global layers interleave with sliding-window ones",
+                "`attention.global_every` is set but `attention.mask` is not \"sliding-window\"".into(),
+                "set `mask = \"sliding-window\"` and `window` in [attention]: the layers that are not global use the window".into(),
+            );
+        }
+    }
     let attn_scale = a.scale.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt());
     if let Some(s) = a.scale {
         c.positive_finite("attention.scale", s);
@@ -234,7 +245,21 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         PositionKind::None | PositionKind::Learned | PositionKind::Alibi => {}
     }
     // Options of another scheme would be silently ignored.
-    for (option, schemes) in [("theta", "rope"), ("fraction", "rope"), ("style", "rope and sinusoidal")] {
+    if let Some(theta) = p.global_theta {
+        c.positive_finite("positions.global_theta", theta);
+        if spec.attention.global_every.is_none() && p.kind == PositionKind::Rope {
+            c.error_help(
+                "positions.global_theta",
+                "a global theta needs global layers",
+                "`positions.global_theta` is set but `attention.global_every` is not".into(),
+                "set `global_every` in [attention] to say which layers attend globally, or remove `global_theta`"
+                    .into(),
+            );
+        }
+    }
+    for (option, schemes) in
+        [("theta", "rope"), ("fraction", "rope"), ("style", "rope and sinusoidal"), ("global_theta", "rope")]
+    {
         let key = format!("positions.{option}");
         let applies = match p.kind {
             PositionKind::Rope => true,
@@ -278,7 +303,10 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         }
         (_, None) => 1.0,
     };
-    let final_norm = n.final_norm.unwrap_or(n.placement == Placement::Pre);
+    let final_norm = n.final_norm.unwrap_or(matches!(n.placement, Placement::Pre) || n.placement.post_sublayer());
+    if !n.gain_offset.is_finite() {
+        c.error("norm.gain_offset", "finite number", format!("`norm.gain_offset` = {} must be finite", n.gain_offset));
+    }
     if n.parallel_residual && n.placement != Placement::Pre {
         c.error(
             "norm.parallel_residual",

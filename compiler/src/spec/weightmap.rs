@@ -177,13 +177,15 @@ pub fn match_template(template: &str, name: &str) -> Option<Vec<(char, usize)>> 
 }
 
 /// The names of the built-in presets.
-pub const PRESETS: &[&str] = &["bert", "bloom", "gguf-llama", "gpt2", "llama", "mixtral", "torch-transformer"];
+pub const PRESETS: &[&str] =
+    &["bert", "bloom", "gemma3", "gguf-llama", "gpt2", "llama", "mixtral", "torch-transformer"];
 
 /// The text of a built-in preset.
 pub fn preset_source(name: &str) -> Option<&'static str> {
     Some(match name {
         "bert" => include_str!("presets/bert.toml"),
         "bloom" => include_str!("presets/bloom.toml"),
+        "gemma3" => include_str!("presets/gemma3.toml"),
         "gguf-llama" => include_str!("presets/gguf-llama.toml"),
         "gpt2" => include_str!("presets/gpt2.toml"),
         "llama" => include_str!("presets/llama.toml"),
@@ -212,6 +214,12 @@ pub const TEMPLATES: &[&str] = &[
     "embed.norm.bias",
     "layers.{i}.attn_norm.weight",
     "layers.{i}.attn_norm.bias",
+    "layers.{i}.attn_post_norm.weight",
+    "layers.{i}.attn_post_norm.bias",
+    "layers.{i}.attn.q_norm.weight",
+    "layers.{i}.attn.q_norm.bias",
+    "layers.{i}.attn.k_norm.weight",
+    "layers.{i}.attn.k_norm.bias",
     "layers.{i}.attn.q.weight",
     "layers.{i}.attn.q.bias",
     "layers.{i}.attn.k.weight",
@@ -222,6 +230,8 @@ pub const TEMPLATES: &[&str] = &[
     "layers.{i}.attn.o.bias",
     "layers.{i}.cross_norm.weight",
     "layers.{i}.cross_norm.bias",
+    "layers.{i}.cross_post_norm.weight",
+    "layers.{i}.cross_post_norm.bias",
     "layers.{i}.cross.q.weight",
     "layers.{i}.cross.q.bias",
     "layers.{i}.cross.k.weight",
@@ -232,6 +242,8 @@ pub const TEMPLATES: &[&str] = &[
     "layers.{i}.cross.o.bias",
     "layers.{i}.ffn_norm.weight",
     "layers.{i}.ffn_norm.bias",
+    "layers.{i}.ffn_post_norm.weight",
+    "layers.{i}.ffn_post_norm.bias",
     "layers.{i}.ffn.gate.weight",
     "layers.{i}.ffn.gate.bias",
     "layers.{i}.ffn.up.weight",

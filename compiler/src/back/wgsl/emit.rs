@@ -119,6 +119,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         Op::Scale { factor } => format!("out[i] = in0[i] * {};", lit(factor.0)),
+        Op::Offset { value } => format!("out[i] = in0[i] + {};", lit(value.0)),
         Op::Act(act) => format!("let x = in0[i];\nout[i] = {};", activation(*act, "x")),
         Op::LayerNorm { eps } => {
             let bias = if operands == 3 { " + in2[j]" } else { "" };
