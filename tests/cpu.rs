@@ -57,6 +57,11 @@ fn gemma3_on_cpu() {
 }
 
 #[test]
+fn t5_on_cpu() {
+    golden("t5");
+}
+
+#[test]
 fn bloom_on_cpu() {
     golden("bloom");
 }

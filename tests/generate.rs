@@ -170,6 +170,57 @@ fn vaswani_cached_decoding_with_encoder_memory() {
     }
 }
 
+/// T5: greedy decoding of the first source row from the decoder start id 0 with the cache (the
+/// decoder's relative bias computed for the cached positions) and the encoder run once, on the
+/// interpreter, the CPU backend and wgpu, reproduces the fixture's `greedy_ids`.
+#[test]
+fn t5_greedy_with_cache() {
+    let fe = spec("t5");
+    let dir = root().join("tests/fixtures/t5");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let expected = io["greedy_ids"].as_i64().unwrap().to_vec();
+    let src_len = io["src_ids"].shape[1];
+    let row = |name: &str| -> Tensor {
+        let v: Vec<i64> = io[name].to_f32_vec()[..src_len].iter().map(|&x| x as i64).collect();
+        Tensor::i64(vec![1, src_len], v)
+    };
+    let source = HashMap::from([("src_ids".to_string(), row("src_ids")), ("src_mask".to_string(), row("src_mask"))]);
+    let max = fe.spec.spec.model.max_positions as usize;
+    let decoder = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
+    let encoder = optimize::optimize(&build_encoder(&fe.spec).unwrap()).unwrap().0;
+    let names: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let cpu = |g: &kiln_compiler::graph::Graph| {
+        kiln_runtime::CpuModel::new(lower(g), &params, &HashMap::new(), 2, &()).unwrap()
+    };
+    type Pair = (&'static str, Box<dyn Engine>, Box<dyn Engine>);
+    let mut engines: Vec<Pair> = vec![
+        (
+            "interp",
+            Box::new(InterpEngine::new(decoder.clone(), params.clone())),
+            Box::new(InterpEngine::new(encoder.clone(), params.clone())),
+        ),
+        (
+            "cpu",
+            Box::new(kiln_runtime::CpuEngine::new(cpu(&decoder))),
+            Box::new(kiln_runtime::CpuEngine::new(cpu(&encoder))),
+        ),
+    ];
+    if let Some(gpu) = common::gpu() {
+        engines.push((
+            "wgpu",
+            Box::new(GpuEngine::new(GpuModel::new(gpu.clone(), lower(&decoder), &params).unwrap())),
+            Box::new(GpuEngine::new(GpuModel::new(gpu, lower(&encoder), &params).unwrap())),
+        ));
+    }
+    for (label, dec, enc) in engines {
+        let memory = Memory::encode(&enc, &source).unwrap();
+        let mut session = Session::new(dec, &names, max).unwrap().with_memory(memory);
+        let (ids, _) = generate(&mut session, &[0], expected.len(), &mut Sampler::greedy(), &[], |_| true).unwrap();
+        assert_eq!(ids, expected, "t5 ({label}): greedy continuation with the cache");
+    }
+}
+
 /// A decoder engine on the interpreter or on wgpu.
 fn session_engine(graph: &kiln_compiler::graph::Graph, params: &HashMap<String, Tensor>, gpu: bool) -> Box<dyn Engine> {
     match common::gpu().filter(|_| gpu) {

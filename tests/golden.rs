@@ -94,6 +94,29 @@ fn llama_greedy() {
     check_greedy("llama");
 }
 
+/// T5 with the source mask in either polarity: `src_mask` (HF: 1 = token) or `src_padding`
+/// (torch.nn: 1 = padding), or both (the fixture's file) when they agree; disagreeing ones are
+/// refused.
+#[test]
+fn t5_logits_with_either_mask() {
+    check_fixture("t5");
+    let fe = spec("t5");
+    let dir = root().join("tests/fixtures/t5");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = tensors(&dir.join("io.safetensors"));
+    for mask in ["src_mask", "src_padding"] {
+        let inputs: HashMap<String, Tensor> =
+            ["src_ids", "tgt_ids", mask].iter().map(|&n| (n.to_string(), io[n].clone())).collect();
+        let out = interp::run(&fe.graph, &params, &inputs).unwrap();
+        let err = out[0].1.max_abs_diff(&io["logits"]);
+        assert!(err <= TOLERANCE, "t5 with `{mask}`: logits differ by {err}");
+    }
+    let mut bad = io.clone();
+    bad.insert("src_mask".into(), io["src_padding"].clone());
+    let e = interp::run(&fe.graph, &params, &bad).unwrap_err().to_string();
+    assert!(e.contains("disagree"), "{e}");
+}
+
 #[test]
 fn gemma3_logits() {
     check_fixture("gemma3");

@@ -49,6 +49,11 @@ fn gemma3_on_wgpu() {
 }
 
 #[test]
+fn t5_on_wgpu() {
+    golden("t5");
+}
+
+#[test]
 fn bloom_on_wgpu() {
     golden("bloom");
 }

@@ -166,6 +166,9 @@ fn reference_defaults_are_the_defaults() {
                 "positions" if key == "theta" || key == "fraction" => {
                     format!("{MINIMAL}[positions]\nkind = \"rope\"\n")
                 }
+                "positions" if key == "buckets" || key == "max_distance" => {
+                    format!("{MINIMAL}[positions]\nkind = \"relative-bias\"\n")
+                }
                 _ => MINIMAL.to_string(),
             };
             let implicit = build(&base);

@@ -175,10 +175,32 @@ pub fn bind_named_with(
         if resident.contains_key(name) && !given.contains_key(name) {
             return Err(bad("only cache inputs can stay on the device; give this one as a tensor".into()));
         }
-        let tensor = match (given.get(name), role) {
-            (Some(t), _) => t.clone(),
-            (None, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
-            (None, _) => {
+        // A mask may also be given under its other polarity's name (`src_mask`, HF's "1 = token",
+        // for `src_padding`, torch.nn's "1 = padding", and the other way round).
+        let mut role = role;
+        let other = match role {
+            InputRole::KeyMask { pad_is_one } => other_polarity(name).map(|n| (n, !pad_is_one)),
+            _ => None,
+        };
+        let alternate = other.as_ref().and_then(|(n, flipped)| given.get(n).map(|t| (n, t, *flipped)));
+        let tensor = match (given.get(name), alternate, role) {
+            (Some(t), Some((other, alt, _)), _) => {
+                // Both given (a fixture file holds both): they must say the same.
+                let (a, b) = (t.to_f32_vec(), alt.to_f32_vec());
+                if t.shape != alt.shape || a.iter().zip(&b).any(|(x, y)| (*x != 0.0) == (*y != 0.0)) {
+                    return Err(bad(format!(
+                        "`{name}` and `{other}` are given and disagree (one is the other's complement)"
+                    )));
+                }
+                t.clone()
+            }
+            (None, Some((_, t, flipped)), _) => {
+                role = InputRole::KeyMask { pad_is_one: flipped };
+                t.clone()
+            }
+            (Some(t), _, _) => t.clone(),
+            (None, _, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
+            (None, None, _) => {
                 let (b, s) = match (syms.get(&Sym::Batch), syms.get(&seq_sym)) {
                     (Some(b), Some(s)) => (*b, *s),
                     _ => return Err(InterpError::MissingInput(name.to_string())),
@@ -226,6 +248,16 @@ pub fn bind_named_with(
         syms.insert(Sym::Ctx, past + seq);
     }
     Ok((out, syms))
+}
+
+/// The name of the same key mask in the other polarity: `X_padding` (1 = padding) <-> `X_mask`
+/// (1 = token); `attention_mask` <-> `attention_padding`.
+fn other_polarity(name: &str) -> Option<String> {
+    if let Some(stem) = name.strip_suffix("_padding") {
+        Some(format!("{stem}_mask"))
+    } else {
+        name.strip_suffix("_mask").map(|stem| format!("{stem}_padding"))
+    }
 }
 
 /// A cache input as given: a tensor, or the shape of one that lives on a device.
@@ -373,6 +405,28 @@ pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> 
     eval(Ctx { node: None, past }, op, args, shape)
 }
 
+/// The bucket of a key `rel` positions after its query (negative: before) in T5's relative
+/// position bias (see [`Op::RelativeBias`]); always below `buckets`. The logarithm is computed in
+/// f32, as the reference does.
+pub fn relative_bucket(rel: i64, bidirectional: bool, buckets: usize, max_distance: usize) -> usize {
+    let (n, offset, distance) = if bidirectional {
+        let n = buckets / 2;
+        (n, if rel > 0 { n } else { 0 }, rel.unsigned_abs())
+    } else {
+        (buckets, 0, (-rel.min(0)) as u64)
+    };
+    let max_exact = (n / 2).max(1) as u64;
+    let bucket = if distance < max_exact {
+        distance
+    } else {
+        let ratio =
+            ((distance as f32) / max_exact as f32).ln() / ((max_distance as f64 / max_exact as f64).ln() as f32);
+        let large = max_exact as f32 + ratio * (n as u64).saturating_sub(max_exact) as f32;
+        (large as u64).min((n as u64).saturating_sub(1))
+    };
+    (offset + bucket as usize).min(buckets.saturating_sub(1))
+}
+
 /// The graph and operand nodes of the op being evaluated, when there is one (for error
 /// messages), and the number of cached tokens (positions start there).
 #[derive(Clone, Copy)]
@@ -441,6 +495,21 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
         Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
         Op::Offset { value } => Tensor::f32(shape, f(a[0]).iter().map(|x| x + value.0).collect()),
+        &Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
+            let table = f(a[0]);
+            let (heads, q, k) = (shape[1], shape[2], shape[3]);
+            let mut out = vec![0.0f32; heads * q * k];
+            for i in 0..q {
+                for j in 0..k {
+                    let rel = j as i64 - (i + k - q.min(k)) as i64;
+                    let b = relative_bucket(rel, bidirectional, buckets, max_distance);
+                    for h in 0..heads {
+                        out[(h * q + i) * k + j] = table[b * heads + h];
+                    }
+                }
+            }
+            Tensor::f32(shape, out)
+        }
         Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
         Op::LayerNorm { eps } => {
             let gain = f(a[1]);

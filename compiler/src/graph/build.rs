@@ -135,7 +135,12 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
         } else {
             b.g.param("head.weight", &[spec.model.vocab as usize, spec.model.d_model as usize])
         };
-        let mut logits = b.g.add(Op::MatMul { transpose_b: true }, &[hidden, table])?;
+        let scaled = if spec.head.scale != 1.0 {
+            b.g.add(Op::Scale { factor: Scalar(spec.head.scale as f32) }, &[hidden])?
+        } else {
+            hidden
+        };
+        let mut logits = b.g.add(Op::MatMul { transpose_b: true }, &[scaled, table])?;
         if spec.head.bias {
             let bias = b.g.param("head.bias", &[spec.model.vocab as usize]);
             logits = b.g.add(Op::Add, &[logits, bias])?;
@@ -249,7 +254,7 @@ impl Builder<'_> {
                 let p = self.g.add(Op::Sinusoid { dim: self.d(), style }, &[pos])?;
                 x = self.g.add(Op::Add, &[x, p])?;
             }
-            PositionKind::None | PositionKind::Rope | PositionKind::Alibi => {}
+            PositionKind::None | PositionKind::Rope | PositionKind::Alibi | PositionKind::RelativeBias => {}
         }
         if let Some(tt) = token_types {
             let table =
@@ -495,6 +500,21 @@ impl Builder<'_> {
         s = self.g.add(Op::Scale { factor: Scalar(r.attn_scale as f32) }, &[s])?;
         if positions.kind == PositionKind::Alibi && !is_cross {
             s = self.g.add(Op::Alibi, &[s])?;
+        }
+        if positions.kind == PositionKind::RelativeBias && !is_cross {
+            // One table per stack (held by its first layer in T5), read by every layer.
+            let stack = name.find("layers.").map_or("", |at| &name[..at]);
+            let table_name = format!("{stack}relative_bias");
+            let (buckets, max_distance) = (r.relative.0 as usize, r.relative.1 as usize);
+            let table = match self.g.params().into_iter().find(|(_, p)| *p == table_name) {
+                Some((n, _)) => n,
+                None => self.g.param(&table_name, &[buckets, heads]),
+            };
+            let keys = self.g.g[k].shape.get(2).copied().unwrap_or(Dim::Sym(seq));
+            let bidirectional = mask == MaskKind::Bidirectional;
+            let op = Op::RelativeBias { buckets, max_distance, bidirectional, q: Dim::Sym(seq), k: keys };
+            let bias = self.g.add(op, &[table])?;
+            s = self.g.add(Op::Add, &[s, bias])?;
         }
         let (causal, window) = match mask {
             MaskKind::Bidirectional => (false, None),

@@ -152,6 +152,24 @@ pub enum Op {
         /// The constant.
         factor: Scalar,
     },
+    /// T5's relative position bias `(table f32[buckets, heads]) -> [1, heads, q, k]`: element
+    /// `(h, i, j)` is `table[bucket(j - (i + k - q)), h]` (queries are the last `q` of the `k`
+    /// keys). A distance `r` falls in an exact bucket below `max_exact`, else in
+    /// `max_exact + trunc(ln(|r| / max_exact) / ln(max_distance / max_exact) * (n - max_exact))`
+    /// (capped at `n - 1`), with `n = buckets / 2` and later keys offset by `n` when
+    /// `bidirectional`, else `n = buckets` and later keys at distance 0; `max_exact = n / 2`.
+    RelativeBias {
+        /// Buckets of the table.
+        buckets: usize,
+        /// Distances from here on share the last bucket.
+        max_distance: usize,
+        /// Later keys get buckets of their own (an encoder) rather than distance 0.
+        bidirectional: bool,
+        /// Query positions.
+        q: Dim,
+        /// Key positions.
+        k: Dim,
+    },
     /// `x + value` (a zero-centred norm gain made whole: `norm.gain_offset`).
     Offset {
         /// The constant.
@@ -352,6 +370,7 @@ impl Op {
             Op::Mul => "mul".into(),
             Op::Scale { .. } => "scale".into(),
             Op::Offset { .. } => "offset".into(),
+            Op::RelativeBias { .. } => "relative_bias".into(),
             Op::Act(a) => a.name().into(),
             Op::LayerNorm { .. } => "layer_norm".into(),
             Op::RmsNorm { .. } => "rms_norm".into(),
@@ -421,6 +440,9 @@ impl Op {
             Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
+            Op::RelativeBias { buckets, max_distance, bidirectional, q, k } => {
+                format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional} q={q} k={k}")
+            }
             Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),

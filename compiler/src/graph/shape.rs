@@ -108,6 +108,14 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(0)?;
             Ok((vec![*len], DType::I64))
         }
+        Op::RelativeBias { buckets, q, k, .. } => {
+            arity(1)?;
+            let t = float(0)?;
+            match t.as_slice() {
+                [Dim::Fixed(n), h @ Dim::Fixed(_)] if n == buckets => Ok((vec![Dim::Fixed(1), *h, *q, *k], DType::F32)),
+                _ => Err(format!("the table must be [{buckets}, heads], is {}", fmt_shape(t))),
+            }
+        }
         Op::Sinusoid { dim, .. } => {
             arity(1)?;
             let (s, t) = operands[0];

@@ -171,6 +171,12 @@ pub struct Positions {
     /// sliding-window layers (default `theta`).
     #[serde(default)]
     pub global_theta: Option<f64>,
+    /// Relative bias: distance buckets (half of them per direction in a bidirectional stack).
+    #[serde(default)]
+    pub buckets: Option<u64>,
+    /// Relative bias: the distance from which every larger one shares the last bucket.
+    #[serde(default)]
+    pub max_distance: Option<u64>,
 }
 
 impl Default for Positions {
@@ -181,6 +187,8 @@ impl Default for Positions {
             style: None,
             fraction: 1.0,
             global_theta: None,
+            buckets: None,
+            max_distance: None,
         }
     }
 }
@@ -207,6 +215,12 @@ pub enum PositionKind {
     Rope,
     /// Attention with linear biases.
     Alibi,
+    /// A learned bias per head added to the attention logits, indexed by the bucketed distance
+    /// between key and query (T5): exact buckets for short distances, log-spaced ones up to
+    /// `max_distance`; both directions in a bidirectional stack, only the past in a causal one.
+    /// One table per stack (`relative_bias`, `[buckets, heads]`), shared by its layers; none on
+    /// cross-attention.
+    RelativeBias,
 }
 
 /// How the two halves of a rotation (or of a sinusoid) are laid out over the dimensions.
@@ -443,11 +457,14 @@ pub struct Head {
     /// A bias on the output projection.
     #[serde(default)]
     pub bias: bool,
+    /// A multiplier of the hidden states before the head (T5 v1.0: `d_model^-0.5`).
+    #[serde(default = "one")]
+    pub scale: f64,
 }
 
 impl Default for Head {
     fn default() -> Self {
-        Head { tied: true, bias: false }
+        Head { tied: true, bias: false, scale: 1.0 }
     }
 }
 
@@ -521,6 +538,8 @@ pub struct Resolved {
     pub residual_alpha: f64,
     /// Number of rotated dimensions per head (RoPE only).
     pub rotary_dim: u64,
+    /// Relative bias: `(buckets, max_distance)` (relative-bias positions only).
+    pub relative: (u64, u64),
     /// Whether logits are produced.
     pub logits: bool,
     /// Encoder blocks (0 for decoder-only).

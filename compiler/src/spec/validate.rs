@@ -242,7 +242,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 );
             }
         }
-        PositionKind::None | PositionKind::Learned | PositionKind::Alibi => {}
+        PositionKind::None | PositionKind::Learned | PositionKind::Alibi | PositionKind::RelativeBias => {}
     }
     // Options of another scheme would be silently ignored.
     if let Some(theta) = p.global_theta {
@@ -257,13 +257,38 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             );
         }
     }
-    for (option, schemes) in
-        [("theta", "rope"), ("fraction", "rope"), ("style", "rope and sinusoidal"), ("global_theta", "rope")]
-    {
+    let (buckets, max_distance) = (p.buckets.unwrap_or(32), p.max_distance.unwrap_or(128));
+    if p.kind == PositionKind::RelativeBias {
+        c.bounded("positions.buckets", buckets, 1024);
+        if buckets < 4 || !buckets.is_multiple_of(2) {
+            c.error(
+                "positions.buckets",
+                "relative-bias buckets are even, at least 4",
+                format!("`positions.buckets` = {buckets}: a bidirectional stack splits them by direction, then into exact and log-spaced halves; use an even number of at least 4"),
+            );
+        }
+        c.bounded("positions.max_distance", max_distance, limits.max_positions);
+        if max_distance <= buckets / 2 {
+            c.error(
+                "positions.max_distance",
+                "log-spaced buckets reach past the exact ones",
+                format!("`positions.max_distance` = {max_distance} must be larger than buckets / 2 = {}", buckets / 2),
+            );
+        }
+    }
+    for (option, schemes) in [
+        ("theta", "rope"),
+        ("fraction", "rope"),
+        ("style", "rope and sinusoidal"),
+        ("global_theta", "rope"),
+        ("buckets", "relative-bias"),
+        ("max_distance", "relative-bias"),
+    ] {
         let key = format!("positions.{option}");
         let applies = match p.kind {
-            PositionKind::Rope => true,
+            PositionKind::Rope => matches!(option, "theta" | "fraction" | "style" | "global_theta"),
             PositionKind::Sinusoidal => option == "style",
+            PositionKind::RelativeBias => matches!(option, "buckets" | "max_distance"),
             PositionKind::None | PositionKind::Learned | PositionKind::Alibi => false,
         };
         if !applies && index.value(&key).is_some() {
@@ -273,6 +298,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                 PositionKind::Sinusoidal => "sinusoidal",
                 PositionKind::Rope => "rope",
                 PositionKind::Alibi => "alibi",
+                PositionKind::RelativeBias => "relative-bias",
             };
             c.error_help(
                 &key,
@@ -392,6 +418,13 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "`outputs.normalize` is set but `outputs.pooling` is \"none\"".into(),
         );
     }
+    if !spec.head.scale.is_finite() || spec.head.scale == 0.0 {
+        c.error(
+            "head.scale",
+            "positive finite number",
+            format!("`head.scale` = {} must be finite and non-zero", spec.head.scale),
+        );
+    }
     if spec.head.bias && !logits {
         c.error("head.bias", "a head bias needs logits", "`head.bias` is set but the model produces no logits".into());
     }
@@ -469,6 +502,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         embed_scale,
         residual_alpha,
         rotary_dim,
+        relative: (buckets, max_distance),
         logits,
         encoder_layers,
         decoder_layers,

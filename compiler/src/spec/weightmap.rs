@@ -178,7 +178,7 @@ pub fn match_template(template: &str, name: &str) -> Option<Vec<(char, usize)>> 
 
 /// The names of the built-in presets.
 pub const PRESETS: &[&str] =
-    &["bert", "bloom", "gemma3", "gguf-llama", "gpt2", "llama", "mixtral", "torch-transformer"];
+    &["bert", "bloom", "gemma3", "gguf-llama", "gpt2", "llama", "mixtral", "t5", "torch-transformer"];
 
 /// The text of a built-in preset.
 pub fn preset_source(name: &str) -> Option<&'static str> {
@@ -186,6 +186,7 @@ pub fn preset_source(name: &str) -> Option<&'static str> {
         "bert" => include_str!("presets/bert.toml"),
         "bloom" => include_str!("presets/bloom.toml"),
         "gemma3" => include_str!("presets/gemma3.toml"),
+        "t5" => include_str!("presets/t5.toml"),
         "gguf-llama" => include_str!("presets/gguf-llama.toml"),
         "gpt2" => include_str!("presets/gpt2.toml"),
         "llama" => include_str!("presets/llama.toml"),
@@ -257,6 +258,7 @@ pub const TEMPLATES: &[&str] = &[
     "layers.{i}.moe.experts.{e}.gate.bias",
     "layers.{i}.moe.experts.{e}.up.bias",
     "layers.{i}.moe.experts.{e}.down.bias",
+    "relative_bias",
     "final_norm.weight",
     "final_norm.bias",
     "head.weight",

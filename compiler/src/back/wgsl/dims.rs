@@ -99,7 +99,9 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         }
         Op::Rope { .. } => vec![total, axis(out, 2)?, axis(out, 3)?, past],
         Op::RepeatHeads { times } => vec![total, axis(operand(0)?, 1)?, *times, axis(out, 2)? * axis(out, 3)?],
-        Op::Alibi | Op::Mask { .. } => vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
+        Op::Alibi | Op::Mask { .. } | Op::RelativeBias { .. } => {
+            vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?]
+        }
         Op::Slice { axis: a, start, len } => {
             let x = operand(0)?;
             let inner: usize = x.iter().skip(a + 1).product();

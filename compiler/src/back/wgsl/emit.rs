@@ -120,6 +120,26 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::Scale { factor } => format!("out[i] = in0[i] * {};", lit(factor.0)),
         Op::Offset { value } => format!("out[i] = in0[i] + {};", lit(value.0)),
+        Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
+            // See `interp::relative_bucket`: the same arithmetic, the logarithm in f32.
+            let n = if *bidirectional { buckets / 2 } else { *buckets };
+            let max_exact = (n / 2).max(1);
+            let ln_ratio = (*max_distance as f64 / max_exact as f64).ln() as f32;
+            let direction = if *bidirectional {
+                "if (rel > 0) { off = n; }\ndist = u32(abs(rel));"
+            } else {
+                "dist = u32(max(-rel, 0));"
+            };
+            format!(
+                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet j = i % k;\nlet qi = (i / k) % q;\nlet h = i / (q * k);\n\
+                 let rel = i32(j) - i32(qi + k - min(q, k));\nlet n = {n}u;\nvar off = 0u;\nvar dist = 0u;\n{direction}\n\
+                 let max_exact = {max_exact}u;\nvar b = dist;\nif (dist >= max_exact) {{\n    \
+                 let large = f32(max_exact) + log(f32(dist) / f32(max_exact)) / {} * f32(select(0u, n - max_exact, n > max_exact));\n    \
+                 b = min(u32(large), max(n, 1u) - 1u);\n}}\nb = min(off + b, {}u);\nout[i] = in0[b * heads + h];",
+                lit(ln_ratio),
+                buckets.saturating_sub(1)
+            )
+        }
         Op::Act(act) => format!("let x = in0[i];\nout[i] = {};", activation(*act, "x")),
         Op::LayerNorm { eps } => {
             let bias = if operands == 3 { " + in2[j]" } else { "" };
