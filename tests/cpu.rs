@@ -62,6 +62,11 @@ fn t5_on_cpu() {
 }
 
 #[test]
+fn linformer_on_cpu() {
+    golden("linformer");
+}
+
+#[test]
 fn bloom_on_cpu() {
     golden("bloom");
 }

@@ -117,6 +117,53 @@ fn t5_logits_with_either_mask() {
     assert!(e.contains("disagree"), "{e}");
 }
 
+/// Linformer at the full length and at a shorter one (the first rows of its projections).
+#[test]
+fn linformer_logits_at_two_lengths() {
+    check_fixture("linformer");
+    let fe = spec("linformer");
+    let dir = root().join("tests/fixtures/linformer");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
+    let io = tensors(&dir.join("io.safetensors"));
+    let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+    for graph in [&fe.graph, &optimized] {
+        let inputs = HashMap::from([("input_ids".to_string(), io["short_input_ids"].clone())]);
+        let out = interp::run(graph, &params, &inputs).unwrap();
+        let err = out[0].1.max_abs_diff(&io["short_logits"]);
+        assert!(err <= TOLERANCE, "linformer, 20 tokens: logits differ by {err}");
+    }
+    // A longer input than the projections have rows is an error, not a read past them.
+    let long = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 40], vec![1; 40]))]);
+    assert!(interp::run(&fe.graph, &params, &long).is_err());
+}
+
+/// Linformer's attention holds no n x n matrix, even unfused: the intermediates of its plan grow
+/// linearly with the sequence (4x the tokens, at most ~4x the bytes live at once), where dense
+/// attention's grow quadratically.
+#[test]
+fn linformer_intermediates_grow_linearly() {
+    let source = std::fs::read_to_string(root().join("models/linformer.toml"))
+        .unwrap()
+        .replace("max_positions = 32", "max_positions = 4096");
+    let dense_source = source
+        .lines()
+        .filter(|l| !l.contains("low_rank") && !l.contains("proj_"))
+        .map(|l| format!("{l}\n"))
+        .collect::<String>();
+    // Unoptimized graphs: dense attention's scores are a matrix there (the fused kernel would hide
+    // them); Linformer's are `n x 8`.
+    let bytes = |source: &str, seq: usize| {
+        let fe = kiln_compiler::front_end("linformer.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+        let plan = kiln_compiler::lower::lower(&fe.graph);
+        let syms = HashMap::from([(kiln_compiler::graph::Sym::Batch, 1), (kiln_compiler::graph::Sym::Seq, seq)]);
+        plan.peak_live(&syms) as f64
+    };
+    let (low, dense) =
+        (bytes(&source, 4096) / bytes(&source, 1024), bytes(&dense_source, 4096) / bytes(&dense_source, 1024));
+    assert!(low <= 4.1, "linformer: 4x the tokens, {low:.2}x the live bytes");
+    assert!(dense > 4.5, "dense attention grows faster: {dense:.2}x");
+}
+
 #[test]
 fn gemma3_logits() {
     check_fixture("gemma3");

@@ -54,6 +54,11 @@ fn t5_on_wgpu() {
 }
 
 #[test]
+fn linformer_on_wgpu() {
+    golden("linformer");
+}
+
+#[test]
 fn bloom_on_wgpu() {
     golden("bloom");
 }

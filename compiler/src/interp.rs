@@ -495,6 +495,16 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
         Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
         Op::Offset { value } => Tensor::f32(shape, f(a[0]).iter().map(|x| x + value.0).collect()),
+        Op::Truncate { .. } => {
+            let (rows, n) = (a[0].shape[0], shape[0]);
+            if n > rows {
+                return Err(InterpError::IllTyped {
+                    op: op.name(),
+                    message: format!("{n} rows asked of a matrix of {rows}: the sequence is longer than the table"),
+                });
+            }
+            Tensor::f32(shape.clone(), f(a[0])[..shape.iter().product()].to_vec())
+        }
         &Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
             let table = f(a[0]);
             let (heads, q, k) = (shape[1], shape[2], shape[3]);

@@ -40,6 +40,9 @@ pub fn build_cached(r: &Resolved) -> R<Graph> {
         BlockKind::Decoder if r.spec.attention.padding_mask => {
             Err(unsupported("generation with a key/value cache does not support attention.padding_mask"))
         }
+        _ if r.spec.attention.low_rank.is_some() => Err(unsupported(
+            "generation with a key/value cache does not support attention.low_rank (its keys mix every position)",
+        )),
         _ => build_with(r, true),
     }
 }
@@ -480,6 +483,14 @@ impl Builder<'_> {
             q = self.g.add(rope.clone(), &[q])?;
             k = self.g.add(rope, &[k])?;
         }
+        if let (Some(rank), false) = (a.low_rank, is_cross) {
+            // Linformer: keys and values projected along the sequence to `rank` rows.
+            let (rows, rank) = (r.spec.model.max_positions as usize, rank as usize);
+            let pk = self.g.param(&format!("{name}.proj_k"), &[rows, rank]);
+            let pv = if a.low_rank_shared { pk } else { self.g.param(&format!("{name}.proj_v"), &[rows, rank]) };
+            k = self.project_rows(k, pk, kv.seq)?;
+            v = self.project_rows(v, pv, kv.seq)?;
+        }
         if self.cache && !is_cross {
             let scope = self.g.scope.clone();
             let role = InputRole::Cache { kv_heads, head_dim: hd };
@@ -532,6 +543,15 @@ impl Builder<'_> {
             .g
             .add(Op::Reshape { shape: vec![Dim::Sym(Sym::Batch), Dim::Sym(seq), Dim::Fixed(heads * hd)] }, &[ctx])?;
         self.linear(ctx, &format!("{name}.o"), d, heads * hd, bias(a.o_bias))
+    }
+
+    /// `e[:n]^T @ x` per head: `x [b, h, n, d]` projected along its sequence by the first `n` rows
+    /// of `e [max_positions, r]` to `[b, h, r, d]`.
+    fn project_rows(&mut self, x: NodeIndex, e: NodeIndex, seq: Sym) -> R<NodeIndex> {
+        let e = self.g.add(Op::Truncate { len: Dim::Sym(seq) }, &[e])?;
+        let xt = self.g.add(Op::Permute { perm: vec![0, 1, 3, 2] }, &[x])?;
+        let y = self.g.add(Op::MatMul { transpose_b: false }, &[xt, e])?;
+        self.g.add(Op::Permute { perm: vec![0, 1, 3, 2] }, &[y])
     }
 
     fn ffn_or_moe(&mut self, block: &str, x: NodeIndex) -> R<NodeIndex> {

@@ -170,6 +170,12 @@ pub enum Op {
         /// Key positions.
         k: Dim,
     },
+    /// The first `len` rows of a matrix (axis 0): `[rows, cols] -> [len, cols]`, `len` at most
+    /// `rows` (a Linformer projection cut to the sequence).
+    Truncate {
+        /// Rows kept.
+        len: Dim,
+    },
     /// `x + value` (a zero-centred norm gain made whole: `norm.gain_offset`).
     Offset {
         /// The constant.
@@ -370,6 +376,7 @@ impl Op {
             Op::Mul => "mul".into(),
             Op::Scale { .. } => "scale".into(),
             Op::Offset { .. } => "offset".into(),
+            Op::Truncate { .. } => "truncate".into(),
             Op::RelativeBias { .. } => "relative_bias".into(),
             Op::Act(a) => a.name().into(),
             Op::LayerNorm { .. } => "layer_norm".into(),
@@ -440,6 +447,7 @@ impl Op {
             Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
+            Op::Truncate { len } => format!("len={len}"),
             Op::RelativeBias { buckets, max_distance, bidirectional, q, k } => {
                 format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional} q={q} k={k}")
             }

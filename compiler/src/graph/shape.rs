@@ -108,6 +108,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(0)?;
             Ok((vec![*len], DType::I64))
         }
+        Op::Truncate { len } => {
+            arity(1)?;
+            let t = float(0)?;
+            match (t.as_slice(), len) {
+                ([Dim::Fixed(rows), _], Dim::Fixed(n)) if n > rows => Err(format!("cannot keep {n} of {rows} rows")),
+                ([_, cols], _) => Ok((vec![*len, *cols], DType::F32)),
+                _ => Err(format!("truncates a matrix, not {}", fmt_shape(t))),
+            }
+        }
         Op::RelativeBias { buckets, q, k, .. } => {
             arity(1)?;
             let t = float(0)?;

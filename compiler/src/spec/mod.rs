@@ -363,6 +363,14 @@ pub struct Attention {
     /// each head's width (`"head"`) or over the whole projection (`"width"`).
     #[serde(default)]
     pub qk_norm: Option<QkNorm>,
+    /// Linformer: self-attention's keys and values projected along the sequence axis to this many
+    /// rows by learned `[max_positions, low_rank]` matrices (`attn.proj_k`, `attn.proj_v`; a
+    /// shorter input uses their first rows), so attention costs O(n low_rank).
+    #[serde(default)]
+    pub low_rank: Option<u64>,
+    /// Linformer: one projection (`attn.proj_k`) for keys and values.
+    #[serde(default)]
+    pub low_rank_shared: bool,
 }
 
 /// Where a query/key norm normalises.

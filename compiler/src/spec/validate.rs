@@ -194,6 +194,27 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             );
         }
     }
+    if let Some(rank) = a.low_rank {
+        c.bounded("attention.low_rank", rank, limits.max_positions);
+        if rank == 0 {
+            c.error("attention.low_rank", "a projection keeps rows", "`attention.low_rank` must be at least 1".into());
+        }
+        if mask != MaskKind::Bidirectional {
+            c.error_help(
+                "attention.low_rank",
+                "low-rank attention sees every position",
+                "`attention.low_rank` projects keys along the whole sequence, which a causal or windowed mask cannot restrict".into(),
+                "use `mask = \"bidirectional\"` (an encoder's default) with `low_rank`".into(),
+            );
+        }
+    } else if a.low_rank_shared {
+        c.error_help(
+            "attention.low_rank_shared",
+            "a shared projection needs low-rank attention",
+            "`attention.low_rank_shared` is set but `attention.low_rank` is not".into(),
+            "set `low_rank = <rows>` in [attention], or remove `low_rank_shared`".into(),
+        );
+    }
     let attn_scale = a.scale.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt());
     if let Some(s) = a.scale {
         c.positive_finite("attention.scale", s);

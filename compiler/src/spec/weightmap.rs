@@ -221,6 +221,8 @@ pub const TEMPLATES: &[&str] = &[
     "layers.{i}.attn.q_norm.bias",
     "layers.{i}.attn.k_norm.weight",
     "layers.{i}.attn.k_norm.bias",
+    "layers.{i}.attn.proj_k",
+    "layers.{i}.attn.proj_v",
     "layers.{i}.attn.q.weight",
     "layers.{i}.attn.q.bias",
     "layers.{i}.attn.k.weight",

@@ -55,6 +55,15 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
     let mut d: Vec<usize> = match op {
         Op::Positions { .. } => vec![total, past],
         Op::Sinusoid { .. } | Op::Scale { .. } | Op::Offset { .. } | Op::Act(_) => vec![total],
+        Op::Truncate { .. } => {
+            if total > operand(0)?.iter().product() {
+                return Err(format!(
+                    "{}: more rows asked than the matrix has (a sequence longer than its table)",
+                    op.name()
+                ));
+            }
+            vec![total]
+        }
         Op::Gather => vec![total, last(out)],
         Op::MatMul { transpose_b } => {
             let (a, b) = (operand(0)?, operand(1)?);

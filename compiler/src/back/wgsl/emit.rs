@@ -120,6 +120,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::Scale { factor } => format!("out[i] = in0[i] * {};", lit(factor.0)),
         Op::Offset { value } => format!("out[i] = in0[i] + {};", lit(value.0)),
+        // The first rows of a row-major matrix are its first elements.
+        Op::Truncate { .. } => "out[i] = in0[i];".into(),
         Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
             // See `interp::relative_bucket`: the same arithmetic, the logarithm in f32.
             let n = if *bidirectional { buckets / 2 } else { *buckets };
