@@ -141,6 +141,34 @@ fn native_kernels_agree_with_the_plans_reference() {
     }
 }
 
+/// Soft-capping (`attention.softcap`, `head.softcap`; no fixture uses them): the Gemma 3 spec
+/// with both caps, at random weights: every logit within the head's cap, the CPU backend (both
+/// graphs) equal to the interpreter, and a cap too large to bind equal to none.
+#[test]
+fn softcapped_logits() {
+    let base = std::fs::read_to_string(root().join("models/gemma3.toml")).unwrap();
+    let with = |attn: f64, head: f64| {
+        let source = base
+            .replace("qk_norm = \"head\"\n", &format!("qk_norm = \"head\"\nsoftcap = {attn:?}\n"))
+            .replace("[weights]", &format!("[head]\nsoftcap = {head:?}\n\n[weights]"));
+        kiln_compiler::front_end("gemma3.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()))
+    };
+    let (capped, loose, plain) = (with(0.5, 2.0), with(1e6, 1e6), spec("gemma3"));
+    let params = interp::random_params(&capped.graph, 3).unwrap();
+    let inputs = interp::sample_inputs(&capped.graph, 128, 2, 9).unwrap();
+    let logits = |g: &kiln_compiler::graph::Graph| interp::run(g, &params, &inputs).unwrap()[0].1.clone();
+    let reference = logits(&capped.graph);
+    assert!(reference.as_f32().unwrap().iter().all(|x| x.abs() < 2.0), "logits within the cap");
+    assert!(logits(&loose.graph).max_abs_diff(&logits(&plain.graph)) <= 1e-4, "a cap that never binds");
+    assert!(reference.max_abs_diff(&logits(&plain.graph)) > 0.1, "the caps change the logits");
+    let optimized = optimize::optimize(&capped.graph).unwrap().0;
+    for graph in [&capped.graph, &optimized] {
+        let got = cpu(lower(graph), &params, 2).run(&inputs).unwrap();
+        let err = got[0].1.max_abs_diff(&reference);
+        assert!(err <= 1e-4, "soft-capped logits on cpu differ by {err}");
+    }
+}
+
 #[test]
 fn minilm_on_cpu() {
     let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");

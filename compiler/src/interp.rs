@@ -495,6 +495,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
         Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
         Op::Offset { value } => Tensor::f32(shape, f(a[0]).iter().map(|x| x + value.0).collect()),
+        Op::SoftCap { cap } => Tensor::f32(shape, f(a[0]).iter().map(|x| cap.0 * (x / cap.0).tanh()).collect()),
         Op::Truncate { .. } => {
             let (rows, n) = (a[0].shape[0], shape[0]);
             if n > rows {

@@ -148,6 +148,9 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
             let bias = b.g.param("head.bias", &[spec.model.vocab as usize]);
             logits = b.g.add(Op::Add, &[logits, bias])?;
         }
+        if let Some(cap) = spec.head.softcap {
+            logits = b.g.add(Op::SoftCap { cap: Scalar(cap as f32) }, &[logits])?;
+        }
         b.g.outputs.push(("logits".into(), logits));
     }
     if spec.outputs.hidden_states {
@@ -509,6 +512,9 @@ impl Builder<'_> {
         }
         let mut s = self.g.add(Op::MatMul { transpose_b: true }, &[q, k])?;
         s = self.g.add(Op::Scale { factor: Scalar(r.attn_scale as f32) }, &[s])?;
+        if let Some(cap) = a.softcap {
+            s = self.g.add(Op::SoftCap { cap: Scalar(cap as f32) }, &[s])?;
+        }
         if positions.kind == PositionKind::Alibi && !is_cross {
             s = self.g.add(Op::Alibi, &[s])?;
         }

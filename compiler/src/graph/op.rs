@@ -176,6 +176,11 @@ pub enum Op {
         /// Rows kept.
         len: Dim,
     },
+    /// Soft-capping: `cap * tanh(x / cap)`.
+    SoftCap {
+        /// The bound approached.
+        cap: Scalar,
+    },
     /// `x + value` (a zero-centred norm gain made whole: `norm.gain_offset`).
     Offset {
         /// The constant.
@@ -376,6 +381,7 @@ impl Op {
             Op::Mul => "mul".into(),
             Op::Scale { .. } => "scale".into(),
             Op::Offset { .. } => "offset".into(),
+            Op::SoftCap { .. } => "softcap".into(),
             Op::Truncate { .. } => "truncate".into(),
             Op::RelativeBias { .. } => "relative_bias".into(),
             Op::Act(a) => a.name().into(),
@@ -447,6 +453,7 @@ impl Op {
             Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
+            Op::SoftCap { cap } => format!("cap={cap}"),
             Op::Truncate { len } => format!("len={len}"),
             Op::RelativeBias { buckets, max_distance, bidirectional, q, k } => {
                 format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional} q={q} k={k}")

@@ -371,6 +371,9 @@ pub struct Attention {
     /// Linformer: one projection (`attn.proj_k`) for keys and values.
     #[serde(default)]
     pub low_rank_shared: bool,
+    /// Soft-capping of the (scaled) attention logits: `c * tanh(s / c)` (Gemma 2: 50).
+    #[serde(default)]
+    pub softcap: Option<f64>,
 }
 
 /// Where a query/key norm normalises.
@@ -468,11 +471,14 @@ pub struct Head {
     /// A multiplier of the hidden states before the head (T5 v1.0: `d_model^-0.5`).
     #[serde(default = "one")]
     pub scale: f64,
+    /// Soft-capping of the final logits: `c * tanh(logits / c)` (Gemma 2: 30).
+    #[serde(default)]
+    pub softcap: Option<f64>,
 }
 
 impl Default for Head {
     fn default() -> Self {
-        Head { tied: true, bias: false, scale: 1.0 }
+        Head { tied: true, bias: false, scale: 1.0, softcap: None }
     }
 }
 

@@ -439,6 +439,11 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "`outputs.normalize` is set but `outputs.pooling` is \"none\"".into(),
         );
     }
+    for (key, cap) in [("attention.softcap", spec.attention.softcap), ("head.softcap", spec.head.softcap)] {
+        if let Some(cap) = cap {
+            c.positive_finite(key, cap);
+        }
+    }
     if !spec.head.scale.is_finite() || spec.head.scale == 0.0 {
         c.error(
             "head.scale",

@@ -54,7 +54,7 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
     };
     let mut d: Vec<usize> = match op {
         Op::Positions { .. } => vec![total, past],
-        Op::Sinusoid { .. } | Op::Scale { .. } | Op::Offset { .. } | Op::Act(_) => vec![total],
+        Op::Sinusoid { .. } | Op::Scale { .. } | Op::Offset { .. } | Op::SoftCap { .. } | Op::Act(_) => vec![total],
         Op::Truncate { .. } => {
             if total > operand(0)?.iter().product() {
                 return Err(format!(

@@ -120,6 +120,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::Scale { factor } => format!("out[i] = in0[i] * {};", lit(factor.0)),
         Op::Offset { value } => format!("out[i] = in0[i] + {};", lit(value.0)),
+        Op::SoftCap { cap } => format!("out[i] = {c} * tanh_(in0[i] / {c});", c = lit(cap.0)),
         // The first rows of a row-major matrix are its first elements.
         Op::Truncate { .. } => "out[i] = in0[i];".into(),
         Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
