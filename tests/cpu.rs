@@ -67,6 +67,11 @@ fn linformer_on_cpu() {
 }
 
 #[test]
+fn bigbird_on_cpu() {
+    golden("bigbird");
+}
+
+#[test]
 fn bloom_on_cpu() {
     golden("bloom");
 }

@@ -164,6 +164,15 @@ fn linformer_intermediates_grow_linearly() {
     assert!(dense > 4.5, "dense attention grows faster: {dense:.2}x");
 }
 
+/// The BigBird-style encoder, and its block pattern equal to the fixture's `allowed_blocks`.
+#[test]
+fn bigbird_hidden_state_and_pattern() {
+    check_fixture("bigbird");
+    let io = tensors(&root().join("tests/fixtures/bigbird/io.safetensors"));
+    let expected: Vec<bool> = io["allowed_blocks"].to_f32_vec().iter().map(|&x| x != 0.0).collect();
+    assert_eq!(kiln_compiler::interp::block_pattern(8, 1, 1, 1, 7), expected);
+}
+
 #[test]
 fn gemma3_logits() {
     check_fixture("gemma3");

@@ -80,6 +80,30 @@ fn linformer_on_wgpu() {
 }
 
 #[test]
+fn bigbird_on_wgpu() {
+    golden("bigbird");
+}
+
+/// The WGSL block pattern (SplitMix64 in pairs of u32) equals the interpreter's beyond the
+/// fixture: 32 blocks of 2, 3 random blocks each, a seed with high bits set, padded keys.
+#[test]
+fn block_sparse_pattern_on_wgpu_matches_the_interpreter() {
+    let Some(gpu) = common::gpu() else { return };
+    let source = std::fs::read_to_string(root().join("models/bigbird.toml"))
+        .unwrap()
+        .replace("block = 4\n", "block = 2\n")
+        .replace("random = 1\n", "random = 3\n")
+        .replace("seed = 7\n", "seed = 12345678901234567\n");
+    let fe = kiln_compiler::front_end("bigbird.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = kiln_compiler::interp::random_params(&fe.graph, 5).unwrap();
+    let inputs = kiln_compiler::interp::sample_inputs(&fe.graph, 128, 2, 64).unwrap();
+    let reference = kiln_compiler::interp::run(&fe.graph, &params, &inputs).unwrap();
+    let got = GpuModel::new(gpu, lower(&fe.graph), &params).unwrap().run(&inputs).unwrap();
+    let err = got[0].1.max_abs_diff(&reference[0].1);
+    assert!(err <= 1e-4, "block-sparse attention on wgpu differs by {err}");
+}
+
+#[test]
 fn bloom_on_wgpu() {
     golden("bloom");
 }

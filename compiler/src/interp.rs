@@ -405,6 +405,39 @@ pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> 
     eval(Ctx { node: None, past }, op, args, shape)
 }
 
+/// BigBird's block pattern over `blocks` blocks, row-major `[query block, key block]`: the first
+/// `global` blocks attend to and are attended by every block; query block `i` attends key blocks
+/// `i - window ..= i + window`; then each non-global query block draws `random` more among the
+/// blocks it does not attend yet (in ascending order), by SplitMix64 with state `seed * 2^32 + i`:
+/// per draw `state += 0x9E3779B97F4A7C15`, `z = (state ^ state >> 30) * 0xBF58476D1CE4E5B9`,
+/// `z = (z ^ z >> 27) * 0x94D049BB133111EB`, `r = z ^ z >> 31` (all mod 2^64), taking and
+/// removing `candidates[r % len]`.
+pub fn block_pattern(blocks: usize, global: usize, window: usize, random: usize, seed: u64) -> Vec<bool> {
+    let mut allowed = vec![false; blocks * blocks];
+    for i in 0..blocks {
+        for j in 0..blocks {
+            allowed[i * blocks + j] = i < global || j < global || i.abs_diff(j) <= window;
+        }
+    }
+    for i in global..blocks {
+        let mut candidates: Vec<usize> = (0..blocks).filter(|&j| !allowed[i * blocks + j]).collect();
+        let mut state = seed.wrapping_mul(1 << 32).wrapping_add(i as u64);
+        for _ in 0..random {
+            if candidates.is_empty() {
+                break;
+            }
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let r = z ^ (z >> 31);
+            let j = candidates.remove((r % candidates.len() as u64) as usize);
+            allowed[i * blocks + j] = true;
+        }
+    }
+    allowed
+}
+
 /// The bucket of a key `rel` positions after its query (negative: before) in T5's relative
 /// position bias (see [`Op::RelativeBias`]); always below `buckets`. The logarithm is computed in
 /// f32, as the reference does.
@@ -609,6 +642,26 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                     let keep = (!causal || ki <= qi)
                         && window.is_none_or(|w| ki + w > qi)
                         && key_mask.is_none_or(|m| m[b * k + ki] != 0.0);
+                    if !keep {
+                        *v = f32::MIN;
+                    }
+                }
+            }
+            Tensor::f32(shape, x)
+        }
+        &Op::BlockSparseMask { block, global, window, random, seed } => {
+            let mut x = f(a[0]).to_vec();
+            let key_mask = a.get(1).map(|t| f(t));
+            let (heads, q, k) = (shape[1], shape[2], shape[3]);
+            let block = block.max(1);
+            let blocks = q.max(k).div_ceil(block);
+            let allowed = block_pattern(blocks, global, window, random, seed);
+            let offset = k.saturating_sub(q);
+            for (row_index, row) in x.chunks_mut(k).enumerate() {
+                let b = row_index / (heads * q);
+                let qb = (row_index % q + offset) / block;
+                for (ki, v) in row.iter_mut().enumerate() {
+                    let keep = allowed[qb * blocks + ki / block] && key_mask.is_none_or(|m| m[b * k + ki] != 0.0);
                     if !keep {
                         *v = f32::MIN;
                     }

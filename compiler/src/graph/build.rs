@@ -538,8 +538,17 @@ impl Builder<'_> {
             MaskKind::Causal => (true, None),
             MaskKind::SlidingWindow => (true, a.window.map(|w| w as usize)),
         };
-        if causal || key_mask.is_some() {
-            let operands: Vec<NodeIndex> = std::iter::once(s).chain(key_mask).collect();
+        let operands: Vec<NodeIndex> = std::iter::once(s).chain(key_mask).collect();
+        if let (Some(bs), false) = (a.block_sparse, is_cross) {
+            let op = Op::BlockSparseMask {
+                block: bs.block as usize,
+                global: bs.global as usize,
+                window: bs.window as usize,
+                random: bs.random as usize,
+                seed: bs.seed,
+            };
+            s = self.g.add(op, &operands)?;
+        } else if causal || key_mask.is_some() {
             s = self.g.add(Op::Mask { causal, window }, &operands)?;
         }
         let p = self.g.add(Op::Softmax, &[s])?;

@@ -176,6 +176,21 @@ pub enum Op {
         /// Rows kept.
         len: Dim,
     },
+    /// BigBird's block-sparse mask over scores `[b, h, q, k]` (`(scores[, key_mask f32[b, k]])`):
+    /// entries outside the blocks [`crate::interp::block_pattern`] allows, or at masked keys,
+    /// become the most negative float.
+    BlockSparseMask {
+        /// Positions per block.
+        block: usize,
+        /// Leading global blocks.
+        global: usize,
+        /// Neighbour blocks on each side.
+        window: usize,
+        /// Random blocks per query block.
+        random: usize,
+        /// Their seed.
+        seed: u64,
+    },
     /// Soft-capping: `cap * tanh(x / cap)`.
     SoftCap {
         /// The bound approached.
@@ -381,6 +396,7 @@ impl Op {
             Op::Mul => "mul".into(),
             Op::Scale { .. } => "scale".into(),
             Op::Offset { .. } => "offset".into(),
+            Op::BlockSparseMask { .. } => "block_sparse_mask".into(),
             Op::SoftCap { .. } => "softcap".into(),
             Op::Truncate { .. } => "truncate".into(),
             Op::RelativeBias { .. } => "relative_bias".into(),
@@ -453,6 +469,9 @@ impl Op {
             Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
+            Op::BlockSparseMask { block, global, window, random, seed } => {
+                format!("block={block} global={global} window={window} random={random} seed={seed}")
+            }
             Op::SoftCap { cap } => format!("cap={cap}"),
             Op::Truncate { len } => format!("len={len}"),
             Op::RelativeBias { buckets, max_distance, bidirectional, q, k } => {

@@ -241,7 +241,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 _ => Err(format!("scores must be [batch, heads, q, k], is {}", fmt_shape(x))),
             }
         }
-        Op::Mask { .. } => {
+        Op::Mask { .. } | Op::BlockSparseMask { .. } => {
             if operands.is_empty() || operands.len() > 2 {
                 return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
             }

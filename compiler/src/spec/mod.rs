@@ -374,6 +374,32 @@ pub struct Attention {
     /// Soft-capping of the (scaled) attention logits: `c * tanh(s / c)` (Gemma 2: 50).
     #[serde(default)]
     pub softcap: Option<f64>,
+    /// BigBird-style block sparsity of bidirectional self-attention.
+    #[serde(default)]
+    pub block_sparse: Option<BlockSparse>,
+}
+
+/// `[attention.block_sparse]`: which blocks of keys a block of queries attends (BigBird): the
+/// global blocks see and are seen by every block, each block sees its `window` neighbours on each
+/// side, and `random` more blocks drawn per query block by SplitMix64 from `seed` (the rule of
+/// [`crate::interp::block_pattern`]). Every layer and head shares the pattern.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct BlockSparse {
+    /// Positions per block.
+    pub block: u64,
+    /// Leading global blocks.
+    #[serde(default)]
+    pub global: u64,
+    /// Neighbour blocks seen on each side.
+    #[serde(default)]
+    pub window: u64,
+    /// Random blocks per query block.
+    #[serde(default)]
+    pub random: u64,
+    /// Seed of the random blocks.
+    #[serde(default)]
+    pub seed: u64,
 }
 
 /// Where a query/key norm normalises.

@@ -194,6 +194,24 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             );
         }
     }
+    if let Some(bs) = a.block_sparse {
+        c.bounded("attention.block_sparse.block", bs.block, limits.max_positions);
+        if bs.random > 8 {
+            c.error(
+                "attention.block_sparse.random",
+                "at most 8 random blocks",
+                format!("`block_sparse.random` = {}: at most 8 random blocks per query block", bs.random),
+            );
+        }
+        if mask != MaskKind::Bidirectional {
+            c.error_help(
+                "attention.block_sparse",
+                "block sparsity is bidirectional",
+                "`attention.block_sparse` draws blocks on both sides of a query, which a causal or windowed mask contradicts".into(),
+                "use `mask = \"bidirectional\"` (an encoder's default) with `block_sparse`".into(),
+            );
+        }
+    }
     if let Some(rank) = a.low_rank {
         c.bounded("attention.low_rank", rank, limits.max_positions);
         if rank == 0 {

@@ -108,6 +108,13 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         }
         Op::Rope { .. } => vec![total, axis(out, 2)?, axis(out, 3)?, past],
         Op::RepeatHeads { times } => vec![total, axis(operand(0)?, 1)?, *times, axis(out, 2)? * axis(out, 3)?],
+        Op::BlockSparseMask { block, .. } => {
+            let blocks = axis(out, 2)?.max(axis(out, 3)?).div_ceil((*block).max(1));
+            if blocks > 65_536 {
+                return Err(format!("{}: {blocks} blocks, more than the kernel's 65536", op.name()));
+            }
+            vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?]
+        }
         Op::Alibi | Op::Mask { .. } | Op::RelativeBias { .. } => {
             vec![total, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?]
         }

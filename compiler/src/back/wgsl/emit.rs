@@ -199,6 +199,52 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  out[i] = select(-3.40282347e38, in0[i], {keep});"
             )
         }
+        Op::BlockSparseMask { block, global, window, random, seed } => {
+            // `interp::block_pattern` for this element's (query block, key block), its SplitMix64
+            // in pairs of u32 (WGSL has no 64-bit integers): (lo, hi).
+            let key = if operands == 2 { " && in1[b * k + ki] != 0.0" } else { "" };
+            let mul = |v: &str, c: u64| {
+                let (lo, hi) = (c as u32, (c >> 32) as u32);
+                format!(
+                    "{{ let a0 = {v}.x & 0xFFFFu; let a1 = {v}.x >> 16u; let b0 = {lo}u & 0xFFFFu; let b1 = {lo}u >> 16u;\n\
+                     let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0; let p11 = a1 * b1;\n\
+                     let mid = (p00 >> 16u) + (p01 & 0xFFFFu) + (p10 & 0xFFFFu);\n\
+                     {v} = vec2<u32>((p00 & 0xFFFFu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u) + {v}.x * {hi}u + {v}.y * {lo}u); }}\n"
+                )
+            };
+            let shift = |v: &str, s: u32| format!("{v} = {v} ^ vec2<u32>(({v}.x >> {s}u) | ({v}.y << {}u), {v}.y >> {s}u);\n", 32 - s);
+            let golden = 0x9E37_79B9_7F4A_7C15u64;
+            format!(
+                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
+                 let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n\
+                 let nb = (max(q, k) + {block}u - 1u) / {block}u;\nlet qb = qi / {block}u;\nlet kb = ki / {block}u;\n\
+                 let g = {global}u;\nlet w = {window}u;\n\
+                 var keep = qb < g || kb < g || max(qb, kb) - min(qb, kb) <= w;\n\
+                 if (!keep && {random}u > 0u) {{\n\
+                 var base = 0u;\nfor (var c = 0u; c < nb; c = c + 1u) {{ if (!(c < g || max(qb, c) - min(qb, c) <= w)) {{ base = base + 1u; }} }}\n\
+                 var picks: array<u32, 8>;\nvar state = vec2<u32>(qb, {seed_lo}u);\n\
+                 for (var d = 0u; d < {random}u; d = d + 1u) {{\n\
+                 let len = base - d;\nif (len == 0u) {{ break; }}\n\
+                 let sum = state.x + {g_lo}u;\nstate = vec2<u32>(sum, state.y + {g_hi}u + select(0u, 1u, sum < state.x));\n\
+                 var z = state;\n{s30}{m1}{s27}{m2}{s31}\
+                 let pow32 = (0xFFFFFFFFu % len + 1u) % len;\nvar idx = ((z.y % len) * pow32 % len + z.x % len) % len;\n\
+                 var pick = 0u;\n\
+                 for (var c = 0u; c < nb; c = c + 1u) {{\n\
+                 if (c < g || max(qb, c) - min(qb, c) <= w) {{ continue; }}\n\
+                 var taken = false;\nfor (var e = 0u; e < d; e = e + 1u) {{ if (picks[e] == c) {{ taken = true; }} }}\n\
+                 if (taken) {{ continue; }}\nif (idx == 0u) {{ pick = c; break; }}\nidx = idx - 1u;\n}}\n\
+                 picks[d] = pick;\nif (pick == kb) {{ keep = true; }}\n}}\n}}\n\
+                 out[i] = select(-3.40282347e38, in0[i], keep{key});",
+                seed_lo = *seed as u32,
+                g_lo = golden as u32,
+                g_hi = (golden >> 32) as u32,
+                s30 = shift("z", 30),
+                m1 = mul("z", 0xBF58_476D_1CE4_E5B9),
+                s27 = shift("z", 27),
+                m2 = mul("z", 0x94D0_49BB_1331_11EB),
+                s31 = shift("z", 31),
+            )
+        }
         Op::TopK { k, renormalize } => {
             let norm = if *renormalize { "v / sum" } else { "v" };
             format!(
