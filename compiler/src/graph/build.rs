@@ -125,6 +125,9 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
                 }
                 None => None,
             };
+            if let (Some(memory), true) = (memory, spec.outputs.encoder_hidden_state) {
+                b.g.outputs.push(("encoder_hidden_state".into(), memory));
+            }
             let xt = b.embed("decoder.", tgt, None, Sym::Seq)?;
             let h = b.stack("decoder.", xt, r.decoder_layers, r.mask, Sym::Seq, None, Some((memory, src_mask)))?;
             (h, None)

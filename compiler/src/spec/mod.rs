@@ -518,6 +518,9 @@ pub struct Outputs {
     /// `last_hidden_state`: the final hidden states.
     #[serde(default)]
     pub hidden_states: bool,
+    /// `encoder_hidden_state`: an encoder-decoder's encoder output (after its final norm).
+    #[serde(default)]
+    pub encoder_hidden_state: bool,
     /// `sentence_embedding`: pooled hidden states.
     #[serde(default)]
     pub pooling: Pooling,
@@ -528,7 +531,13 @@ pub struct Outputs {
 
 impl Default for Outputs {
     fn default() -> Self {
-        Outputs { logits: None, hidden_states: false, pooling: Pooling::None, normalize: false }
+        Outputs {
+            logits: None,
+            hidden_states: false,
+            encoder_hidden_state: false,
+            pooling: Pooling::None,
+            normalize: false,
+        }
     }
 }
 

@@ -439,6 +439,13 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     // Outputs.
     let o = &spec.outputs;
     let logits = o.logits.unwrap_or(m.kind != BlockKind::Encoder);
+    if o.encoder_hidden_state && m.kind != BlockKind::EncoderDecoder {
+        c.error(
+            "outputs.encoder_hidden_state",
+            "an encoder output needs an encoder-decoder",
+            "`outputs.encoder_hidden_state` is set but the model has no separate encoder (use `hidden_states`)".into(),
+        );
+    }
     if !logits && !o.hidden_states && o.pooling == Pooling::None {
         // Without an [outputs] table, it is the encoder kind that turned logits off.
         let at = if index.key("outputs").is_some() { "outputs" } else { "model.kind" };
