@@ -61,6 +61,10 @@ enum Command {
         /// Lower the graph as built, without the e-graph optimizer.
         #[arg(long)]
         no_optimize: bool,
+        /// The backend whose cost model and limits the optimizer extracts for (the artifact runs on
+        /// any backend; `auto`: a hardware GPU when this machine has one, else `cpu`).
+        #[arg(long = "for", value_enum, default_value_t = Backend::Wgpu)]
+        target: Backend,
         /// Print one JSON document on stdout instead of text.
         #[arg(long)]
         json: bool,
@@ -429,10 +433,11 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
         Command::Inspect(args) => inspect::run(args, &reporter)?,
-        Command::Compile { spec, output, no_optimize, json } => {
+        Command::Compile { spec, output, no_optimize, target, json } => {
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
-                fe.graph = reporter.stage("optimizing", || optimize::optimize(&fe.graph))?.0;
+                let target = target.resolve(None, 1, &reporter, json).optimizer_target();
+                fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
             }
             let artifact =
                 reporter.stage("lowering", || artifact::compile(&spec.display().to_string(), &source, &fe))?;

@@ -640,6 +640,35 @@ fn check_json_has_the_summary() {
     assert!(stderr(&o).contains("binary-garbage.toml"), "{}", stderr(&o));
 }
 
+/// `kiln compile --for cpu` extracts with the CPU's cost model; the artifact still runs (here on
+/// the CPU) to the golden logits, and an unknown target is refused.
+#[test]
+fn compile_for_a_backend() {
+    let dir = scratch("compile-for");
+    let art = dir.join("llama.kiln");
+    let o = kiln(&["compile", "models/llama.toml", "-o", s(&art), "--for", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = dir.join("out.safetensors");
+    let o = kiln(&[
+        "run",
+        s(&art),
+        "--weights",
+        "tests/fixtures/llama/model.safetensors",
+        "--inputs",
+        "tests/fixtures/llama/io.safetensors",
+        "--output",
+        s(&out),
+        "--backend",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kiln_runtime::read_tensors(&out).unwrap();
+    let expected = kiln_runtime::read_tensors(&root().join("tests/fixtures/llama/io.safetensors")).unwrap();
+    assert!(got["logits"].max_abs_diff(&expected["logits"]) <= 1e-4);
+    let o = kiln(&["compile", "models/llama.toml", "-o", s(&art), "--for", "tpu"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
 #[test]
 fn compile_json_describes_the_artifact_written() {
     let dir = scratch("compile-json");
