@@ -174,6 +174,35 @@ fn softcapped_logits() {
     }
 }
 
+/// The native permute (a strided copy per output row) equals the interpreter's for every
+/// permutation of a rank-4 tensor of odd sizes, and at ranks 2 and 3.
+#[test]
+fn permutes_match_the_interpreter() {
+    use kiln_compiler::graph::{Graph, Op};
+    let mut cases: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+    let dims = [3usize, 5, 1, 7];
+    for code in 0..256usize {
+        let perm: Vec<usize> = (0..4).map(|i| code >> (2 * i) & 3).collect();
+        if (0..4).all(|axis| perm.contains(&axis)) {
+            cases.push((dims.to_vec(), perm));
+        }
+    }
+    assert_eq!(cases.len(), 24);
+    cases.push((vec![9, 4], vec![1, 0]));
+    cases.push((vec![2, 3, 5], vec![2, 0, 1]));
+    for (shape, perm) in cases {
+        let mut g = Graph::new("permute");
+        let x = g.param("x", &shape);
+        let y = g.add(Op::Permute { perm: perm.clone() }, &[x]).unwrap();
+        g.outputs.push(("y".into(), y));
+        let params = interp::random_params(&g, 1).unwrap();
+        let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+        let got = cpu(plan, &params, 2).run(&HashMap::new()).unwrap();
+        assert_eq!(got[0].1, expected[0].1, "permute {perm:?} of {shape:?}");
+    }
+}
+
 #[test]
 fn minilm_on_cpu() {
     let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");

@@ -122,6 +122,37 @@ pub fn forward(
                 o.copy_from_slice(&table[row * width..][..width]);
             }
         }
+        Op::Permute { perm } => {
+            // out[i0, .., ir] = x[at the permuted indices]: a row of the output's last axis per
+            // task, read through the input's strides.
+            let [(in_shape, Arg::F32(x))] = args else { return Ok(false) };
+            let r = in_shape.len();
+            let valid = r > 0 && perm.len() == r && shape.len() == r && perm.iter().all(|&p| p < r);
+            if !valid || x.len() != in_shape.iter().product::<usize>() {
+                return Ok(false);
+            }
+            let mut strides = vec![1usize; r];
+            for i in (0..r - 1).rev() {
+                strides[i] = strides[i + 1] * in_shape[i + 1];
+            }
+            let step: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
+            let last = shape[r - 1];
+            let out = out.get();
+            if last == 0 || out.is_empty() {
+                return Ok(true);
+            }
+            out.par_chunks_mut(last).with_min_len(MIN_ROWS).enumerate().for_each(|(row, o)| {
+                let (mut rem, mut base) = (row, 0);
+                for ax in (0..r - 1).rev() {
+                    base += rem % shape[ax] * step[ax];
+                    rem /= shape[ax];
+                }
+                let s = step[r - 1];
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = x[base + j * s];
+                }
+            });
+        }
         Op::Heads { start, heads, head_dim, rope } => {
             // ([past [b, h, p, d],] x [b, s, width]) -> [b, h, p + s, d].
             let (x_shape, x) = match args {
