@@ -79,8 +79,7 @@ fn assert_close(what: &str, expected: &Tensor, got: &Tensor, tolerance: f32) {
 fn assert_formats(plan: &Plan, format: WeightFormat) {
     let mut n = 0;
     for step in &plan.steps {
-        if let Op::Linear { norm, .. } = step.op {
-            let wi = 1 + norm.map_or(0, |p| 1 + usize::from(p.bias));
+        if let Some(wi) = step.op.linear_weight() {
             assert_eq!(plan.values[step.operands[wi]].format, format, "`{}` reads its weight as", step.scope);
             n += 1;
         }

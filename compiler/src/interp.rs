@@ -405,6 +405,25 @@ pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> 
     eval(Ctx { node: None, past }, op, args, shape)
 }
 
+/// Scores `[b, h, q, k]` with every entry `keep(query position, key)` refuses, or at a masked key
+/// (`key_mask [b, k]`, 0 = masked), set to the most negative float. Queries are the last `q` of
+/// the `k` positions.
+fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: impl Fn(usize, usize) -> bool) -> Tensor {
+    let mut x = x.to_vec();
+    let (heads, q, k) = (shape[1], shape[2], shape[3]);
+    let offset = k.saturating_sub(q);
+    for (row_index, row) in x.chunks_mut(k.max(1)).enumerate() {
+        let b = row_index / (heads * q).max(1);
+        let qi = row_index % q.max(1) + offset;
+        for (ki, v) in row.iter_mut().enumerate() {
+            if !(keep(qi, ki) && key_mask.is_none_or(|m| m[b * k + ki] != 0.0)) {
+                *v = f32::MIN;
+            }
+        }
+    }
+    Tensor::f32(shape, x)
+}
+
 /// BigBird's block pattern over `blocks` blocks, row-major `[query block, key block]`: the first
 /// `global` blocks attend to and are attended by every block; query block `i` attends key blocks
 /// `i - window ..= i + window`; then each non-global query block draws `random` more among the
@@ -631,43 +650,16 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             Tensor::f32(shape, x)
         }
         Op::Mask { causal, window } => {
-            let mut x = f(a[0]).to_vec();
-            let key_mask = a.get(1).map(|t| f(t));
-            let (heads, q, k) = (shape[1], shape[2], shape[3]);
-            let offset = k.saturating_sub(q);
-            for (row_index, row) in x.chunks_mut(k).enumerate() {
-                let b = row_index / (heads * q);
-                let qi = row_index % q + offset;
-                for (ki, v) in row.iter_mut().enumerate() {
-                    let keep = (!causal || ki <= qi)
-                        && window.is_none_or(|w| ki + w > qi)
-                        && key_mask.is_none_or(|m| m[b * k + ki] != 0.0);
-                    if !keep {
-                        *v = f32::MIN;
-                    }
-                }
-            }
-            Tensor::f32(shape, x)
+            let keep = |qi: usize, ki: usize| (!causal || ki <= qi) && window.is_none_or(|w| ki + w > qi);
+            mask_scores(f(a[0]), a.get(1).map(|t| f(t)), shape, keep)
         }
         &Op::BlockSparseMask { block, global, window, random, seed } => {
-            let mut x = f(a[0]).to_vec();
-            let key_mask = a.get(1).map(|t| f(t));
-            let (heads, q, k) = (shape[1], shape[2], shape[3]);
+            let (q, k) = (shape[2], shape[3]);
             let block = block.max(1);
             let blocks = q.max(k).div_ceil(block);
             let allowed = block_pattern(blocks, global, window, random, seed);
-            let offset = k.saturating_sub(q);
-            for (row_index, row) in x.chunks_mut(k).enumerate() {
-                let b = row_index / (heads * q);
-                let qb = (row_index % q + offset) / block;
-                for (ki, v) in row.iter_mut().enumerate() {
-                    let keep = allowed[qb * blocks + ki / block] && key_mask.is_none_or(|m| m[b * k + ki] != 0.0);
-                    if !keep {
-                        *v = f32::MIN;
-                    }
-                }
-            }
-            Tensor::f32(shape, x)
+            let keep = |qi: usize, ki: usize| allowed[qi / block * blocks + ki / block];
+            mask_scores(f(a[0]), a.get(1).map(|t| f(t)), shape, keep)
         }
         Op::TopK { k, renormalize } => {
             let x = f(a[0]);

@@ -60,12 +60,7 @@ impl Model {
     pub fn kernels(&self) -> usize {
         match self {
             Model::Gpu(m) => m.program().kernels.len(),
-            Model::Cpu(m) => {
-                let mut ops: Vec<String> = m.plan().steps.iter().map(|s| format!("{:?}", s.op)).collect();
-                ops.sort_unstable();
-                ops.dedup();
-                ops.len()
-            }
+            Model::Cpu(m) => m.plan().steps.iter().map(|s| &s.op).collect::<std::collections::HashSet<_>>().len(),
         }
     }
 

@@ -92,6 +92,15 @@ pub struct Rotation {
 }
 
 impl Op {
+    /// The operand index of a projection's weight (after the input and the norm's gain and
+    /// bias); `None` for every other op.
+    pub fn linear_weight(&self) -> Option<usize> {
+        match self {
+            Op::Linear { norm, .. } => Some(1 + norm.map_or(0, |p| 1 + usize::from(p.bias))),
+            _ => None,
+        }
+    }
+
     /// A plain fused projection: `act(x @ w^T + bias) + residual`.
     pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
         Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }

@@ -277,9 +277,8 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 _ => Err(format!("slice {start}..{} of axis {axis} is out of {}", start + len, fmt_shape(x))),
             }
         }
-        Op::Linear { bias, residual, norm, glu, rope, .. } => {
-            let norm_operands = norm.map_or(0, |p| 1 + usize::from(p.bias));
-            let wi = 1 + norm_operands;
+        Op::Linear { bias, residual, glu, rope, .. } => {
+            let wi = op.linear_weight().unwrap_or(1);
             let want = wi + 1 + usize::from(*bias) + usize::from(*residual);
             arity(want)?;
             let x = float(0)?;

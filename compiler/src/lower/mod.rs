@@ -253,7 +253,7 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
             op = Op::linear(None, false, false);
         }
         // A projection by a quantized weight reads its blocks.
-        if let Some(wi) = linear_weight(&op)
+        if let Some(wi) = op.linear_weight()
             && let Some(q) = l.quantized(operands[wi])
         {
             operands[wi] = q;
@@ -264,14 +264,6 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);
     Plan { name: g.name.clone(), values, folds, steps, slots, outputs }
-}
-
-/// The operand index of a projection's weight (after the input and the norm's gain and bias).
-pub fn linear_weight(op: &Op) -> Option<usize> {
-    match op {
-        Op::Linear { norm, .. } => Some(1 + norm.map_or(0, |p| 1 + usize::from(p.bias))),
-        _ => None,
-    }
 }
 
 /// Whether value `v` is computed from parameters alone with a fixed shape.

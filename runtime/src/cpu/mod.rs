@@ -45,7 +45,7 @@ use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
 use kiln_compiler::graph::{Dim, Op, Sym};
 use kiln_compiler::interp::{self, InterpError};
-use kiln_compiler::lower::{Plan, Storage, WeightFormat, linear_weight, resolve};
+use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -343,16 +343,21 @@ impl CpuModel {
     ) -> R<Vec<(String, Tensor)>> {
         let plan = &self.plan;
         // The cached tensors this run reads (those not given), and the steps appending in place.
-        let (held_shapes, inplace): (HashMap<String, Vec<usize>>, Vec<&AppendSite>) = match &session {
-            Some((kv, links)) => (
-                kv.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, c)| (n.clone(), c.shape())).collect(),
-                self.appends
-                    .iter()
-                    .filter(|a| !given.contains_key(&a.past))
-                    .filter(|a| links.iter().any(|(present, past)| *present == a.present && *past == a.past))
-                    .collect(),
-            ),
-            None => (HashMap::new(), Vec::new()),
+        // (Sites by step, so each step finds its own in one lookup.)
+        let (held_shapes, inplace): (HashMap<String, Vec<usize>>, HashMap<usize, &AppendSite>) = match &session {
+            Some((kv, links)) => {
+                let linked: HashSet<(&str, &str)> = links.iter().map(|(p, q)| (p.as_str(), q.as_str())).collect();
+                (
+                    kv.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, c)| (n.clone(), c.shape())).collect(),
+                    self.appends
+                        .iter()
+                        .filter(|a| !given.contains_key(&a.past))
+                        .filter(|a| linked.contains(&(a.present.as_str(), a.past.as_str())))
+                        .map(|a| (a.step, a))
+                        .collect(),
+                )
+            }
+            None => (HashMap::new(), HashMap::new()),
         };
         let bound = prepare::bind(plan, given, &held_shapes)?;
         let mut inputs: HashMap<usize, Cow<'_, Tensor>> = HashMap::new();
@@ -391,7 +396,7 @@ impl CpuModel {
         let run = self.pool.install(|| -> R<()> {
             for (i, step) in plan.steps.iter().enumerate() {
                 let start = std::time::Instant::now();
-                if let Some(site) = inplace.iter().find(|a| a.step == i) {
+                if let Some(site) = inplace.get(&i) {
                     let x = self.arg(step.operands[1], &inputs, &slots, &syms, &views, &none)?;
                     let x = (x.0, x.1.f32("x").map_err(|e| scoped(e, &step.scope, &step.op))?);
                     if !kv.contains_key(&site.past) {
@@ -501,14 +506,14 @@ impl CpuModel {
         let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
         let result = {
             // A projection reads its constant f32 weight in the layout of the load.
-            let wi = linear_weight(&step.op);
+            let wi = step.op.linear_weight();
             let args: Vec<(Vec<usize>, Arg<'_>)> = step
                 .operands
                 .iter()
                 .enumerate()
-                .map(|(i, &o)| match self.transposed.get(&root(plan, o)) {
-                    Some(t) if Some(i) == wi => Ok((resolve(&plan.values[o].shape, syms), Arg::Transposed(t))),
-                    _ => self.arg(o, inputs, slots, syms, views, kv),
+                .map(|(i, &o)| match (Some(i) == wi).then(|| self.transposed.get(&root(plan, o))).flatten() {
+                    Some(t) => Ok((resolve(&plan.values[o].shape, syms), Arg::Transposed(t))),
+                    None => self.arg(o, inputs, slots, syms, views, kv),
                 })
                 .collect::<R<_>>()?;
             // Only attention reads a cache through its strides; every other op gets a contiguous
@@ -696,7 +701,7 @@ fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashM
     let mut weights: HashSet<usize> = HashSet::new();
     let mut other: HashSet<usize> = HashSet::new();
     for step in &plan.steps {
-        let wi = linear_weight(&step.op);
+        let wi = step.op.linear_weight();
         for (i, &o) in step.operands.iter().enumerate() {
             if Some(i) == wi {
                 weights.insert(root(plan, o))

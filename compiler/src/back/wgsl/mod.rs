@@ -28,7 +28,7 @@ pub use emit::{Elem, WORKGROUP};
 pub use kernel::{kernel, kernel_chunked};
 
 use crate::graph::{Dim, Op, Shape};
-use crate::lower::{Fold, Plan, Step, Storage, Value, WeightFormat, assign_slots, constant, linear_weight};
+use crate::lower::{Fold, Plan, Step, Storage, Value, WeightFormat, assign_slots, constant};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -124,7 +124,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
     };
     for step in &plan.steps {
         let mut step = step.clone();
-        if let Some(wi) = linear_weight(&step.op) {
+        if let Some(wi) = step.op.linear_weight() {
             let &w = step.operands.get(wi).ok_or_else(|| l.error(&step, "the weight operand is missing".into()))?;
             match l.values[w].format {
                 WeightFormat::F32 => {
