@@ -128,3 +128,46 @@ fn smollm2_streaming_holds_back_split_characters() {
     assert!(steps.iter().any(Option::is_none), "some character spans several byte-level tokens: {ids:?}");
     assert_eq!(steps.into_iter().flatten().collect::<String>(), text);
 }
+
+fn gemma3() -> Tokenizer {
+    let path = common::fetched("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+    Tokenizer::open(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Gemma 3's SentencePiece vocabulary, rebuilt from its GGUF metadata: the prompt's ids and the
+/// greedy continuation's text are the reference's.
+#[test]
+fn gemma3_prompt_and_greedy_text_match_the_reference() {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("gemma3-270m/reference.json")).unwrap()).unwrap();
+    let prompt = json["prompt"].as_str().expect("a prompt");
+    let reference = reference("gemma3-270m");
+    let t = gemma3();
+    assert_eq!(t.encode(prompt, true).unwrap(), ids(&reference["prompt_ids"]), "BOS, then the prompt");
+    assert_eq!((t.bos_id(), t.eos_id(), t.pad_id()), (Some(2), Some(1), 0));
+    let greedy = ids(&reference["greedy_ids"]);
+    assert_eq!(t.decode(&greedy, false).unwrap(), json["greedy_text"].as_str().expect("greedy text"));
+    let mut stream = t.decode_stream(false);
+    let streamed: String = greedy.iter().filter_map(|&id| stream.step(id).unwrap()).collect();
+    assert_eq!(streamed, json["greedy_text"].as_str().unwrap());
+}
+
+/// Awkward texts (space runs, tabs, newlines, CJK, emoji through byte fallback, control
+/// characters, a chat turn's control tokens) tokenize as transformers' GGUF tokenizer does
+/// (`scripts/tokenizer-cases`), and decode back to themselves.
+#[test]
+fn gemma3_awkward_texts_match_transformers_and_round_trip() {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("gemma3-270m/tokenizer-cases.json")).unwrap()).unwrap();
+    let t = gemma3();
+    let cases = json["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let text = case["text"].as_str().expect("a text");
+        let expected: Vec<u32> =
+            case["ids"].as_array().expect("ids").iter().map(|id| id.as_u64().expect("an id") as u32).collect();
+        let got = t.encode(text, true).unwrap();
+        assert_eq!(got, expected, "{text:?}");
+        assert_eq!(t.decode(&got[1..], false).unwrap(), text, "{text:?} decodes back");
+    }
+}

@@ -6,7 +6,9 @@
 //!   MiniLM's BERT WordPiece, or any other pipeline that format describes;
 //! - a GGUF file's metadata ([`Tokenizer::from_gguf`]): llama.cpp's `tokenizer.ggml.*` keys,
 //!   rebuilt as the equivalent `tokenizers` pipeline. kiln reads byte-level BPE
-//!   (`tokenizer.ggml.model = "gpt2"`) split by the pre-tokenizers of [`PRE_TOKENIZERS`].
+//!   (`tokenizer.ggml.model = "gpt2"`) split by the pre-tokenizers of [`PRE_TOKENIZERS`], and
+//!   SentencePiece BPE (`"llama"`: LLaMA, Gemma, ...; see [`sentencepiece`] for how its merges
+//!   are recovered from the vocabulary).
 //!
 //! [`Tokenizer::encode_batch`] pads a batch to its longest sequence with an attention mask,
 //! ready to be a model's inputs; [`Tokenizer::decode`] turns ids back into text, and a
@@ -18,7 +20,12 @@ use kiln_compiler::tensor::Tensor;
 use minijinja::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -72,7 +79,9 @@ pub enum TokenizeError {
         expected: &'static str,
     },
     /// A tokenizer model kiln cannot build from GGUF metadata.
-    #[error("GGUF tokenizer model `{model}` is not supported (kiln builds `gpt2`, byte-level BPE)")]
+    #[error(
+        "GGUF tokenizer model `{model}` is not supported (kiln builds `gpt2`, byte-level BPE, and `llama`, SentencePiece BPE)"
+    )]
     UnsupportedModel {
         /// `tokenizer.ggml.model`.
         model: String,
@@ -152,6 +161,15 @@ pub const PRE_TOKENIZERS: &[(&str, PreSplit)] = &[
 
 fn known_pre_tokenizers() -> String {
     PRE_TOKENIZERS.iter().map(|(name, _)| format!("`{name}`")).collect::<Vec<_>>().join(", ")
+}
+
+/// The two GGUF tokenizer models kiln builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GgufModel {
+    /// `gpt2`: byte-level BPE with the file's merges, split as the pre-tokenizer says.
+    ByteLevel(PreSplit),
+    /// `llama`: SentencePiece BPE over `▁`-spelled text with byte fallback.
+    SentencePiece,
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`, `llama_token_type`).
@@ -276,22 +294,24 @@ impl Tokenizer {
         let model = gguf
             .get_str("tokenizer.ggml.model")
             .ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.model", "a string"))?;
-        if model != "gpt2" {
-            return Err(TokenizeError::UnsupportedModel { model: model.to_string() });
-        }
-        let pre =
-            gguf.get_str("tokenizer.ggml.pre").ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.pre", "a string"))?;
-        let split = PRE_TOKENIZERS
-            .iter()
-            .find(|(name, _)| *name == pre)
-            .map(|&(_, split)| split)
-            .ok_or_else(|| TokenizeError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
+        let kind = match model {
+            "gpt2" => {
+                let pre = gguf
+                    .get_str("tokenizer.ggml.pre")
+                    .ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.pre", "a string"))?;
+                let split = PRE_TOKENIZERS
+                    .iter()
+                    .find(|(name, _)| *name == pre)
+                    .map(|&(_, split)| split)
+                    .ok_or_else(|| TokenizeError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
+                GgufModel::ByteLevel(split)
+            }
+            "llama" => GgufModel::SentencePiece,
+            _ => return Err(TokenizeError::UnsupportedModel { model: model.to_string() }),
+        };
         let tokens = gguf
             .get_array_str("tokenizer.ggml.tokens")
             .ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.tokens", "an array of strings"))?;
-        let merges = gguf
-            .get_array_str("tokenizer.ggml.merges")
-            .ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.merges", "an array of strings"))?;
         let types = match gguf.get("tokenizer.ggml.token_type") {
             None => None,
             Some(value) => {
@@ -317,20 +337,23 @@ impl Tokenizer {
                 }
             }
         };
-        let flag = |key: &'static str| -> Result<bool, TokenizeError> {
+        let flag = |key: &'static str, default: bool| -> Result<bool, TokenizeError> {
             match gguf.get(key) {
-                None => Ok(false),
+                None => Ok(default),
                 Some(v) => v.as_bool().ok_or(TokenizeError::BadKey { key, expected: "a bool" }),
             }
         };
         let (bos, eos) = (id("tokenizer.ggml.bos_token_id")?, id("tokenizer.ggml.eos_token_id")?);
         let pad = id("tokenizer.ggml.padding_token_id")?;
-        let prefix = if flag("tokenizer.ggml.add_bos_token")? {
+        // llama.cpp's defaults where the key is absent: SentencePiece vocabularies add BOS and
+        // the prefix space, byte-level ones neither.
+        let is_sentencepiece = kind == GgufModel::SentencePiece;
+        let prefix = if flag("tokenizer.ggml.add_bos_token", is_sentencepiece)? {
             Some(bos.ok_or_else(|| inconsistent("`add_bos_token` is set but there is no `bos_token_id`".into()))?)
         } else {
             None
         };
-        let suffix = if flag("tokenizer.ggml.add_eos_token")? {
+        let suffix = if flag("tokenizer.ggml.add_eos_token", false)? {
             Some(eos.ok_or_else(|| inconsistent("`add_eos_token` is set but there is no `eos_token_id`".into()))?)
         } else {
             None
@@ -344,33 +367,50 @@ impl Tokenizer {
             ),
         };
 
-        let mut inner = tokenizers::Tokenizer::new(bpe(tokens, merges)?);
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre_tokenizer: PreTokenizerWrapper = match split {
-            PreSplit::Gpt2 => byte_level.into(),
-            PreSplit::DigitsThenGpt2 => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        let (mut inner, vocab) = match kind {
+            GgufModel::ByteLevel(split) => {
+                let merges = gguf
+                    .get_array_str("tokenizer.ggml.merges")
+                    .ok_or_else(|| missing_or_bad(gguf, "tokenizer.ggml.merges", "an array of strings"))?;
+                let mut inner = tokenizers::Tokenizer::new(bpe(tokens, merges)?);
+                let byte_level = ByteLevel::new(false, true, true);
+                let pre_tokenizer: PreTokenizerWrapper = match split {
+                    PreSplit::Gpt2 => byte_level.into(),
+                    PreSplit::DigitsThenGpt2 => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+                };
+                inner.with_pre_tokenizer(Some(pre_tokenizer));
+                inner.with_decoder(Some(ByteLevel::default()));
+                (inner, tokens.to_vec())
+            }
+            GgufModel::SentencePiece => {
+                let unk = id("tokenizer.ggml.unknown_token_id")?;
+                let space_prefix = flag("tokenizer.ggml.add_space_prefix", true)?;
+                sentencepiece(tokens, unk, space_prefix)?
+            }
         };
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevel::default()));
 
         // Control tokens (and BOS/EOS even without types) are special: matched whole before the
-        // text is split, so `<|im_start|>` is one id. User-defined tokens are matched whole too.
+        // text is split, so `<|im_start|>` is one id. User-defined tokens are matched whole too,
+        // as written in the text (a SentencePiece token respelled with `▁` cannot be written so
+        // and is left to the model's merges).
         let mut special: BTreeSet<u32> = [bos, eos].into_iter().flatten().collect();
         let mut user_defined = Vec::new();
         // `types` has one entry per token (checked above).
-        for (i, (&ty, token)) in types.unwrap_or_default().iter().zip(tokens).enumerate() {
+        for (i, ((&ty, token), spelled)) in types.unwrap_or_default().iter().zip(tokens).zip(&vocab).enumerate() {
             match ty {
                 TOKEN_TYPE_CONTROL => {
                     special.insert(i as u32);
                 }
-                TOKEN_TYPE_USER_DEFINED => user_defined.push(AddedToken::from(token.clone(), false)),
+                TOKEN_TYPE_USER_DEFINED if token == spelled => {
+                    user_defined.push(AddedToken::from(token.clone(), false));
+                }
                 _ => {}
             }
         }
         let special = special
             .iter()
             .map(|&i| {
-                let token = tokens
+                let token = vocab
                     .get(i as usize)
                     .ok_or_else(|| inconsistent(format!("special token {i} is outside the {} tokens", tokens.len())))?;
                 Ok(AddedToken::from(token.clone(), true))
@@ -596,6 +636,80 @@ fn bpe(tokens: &[String], merges: &[String]) -> Result<BPE, TokenizeError> {
         .vocab_and_merges(vocab, pairs)
         .build()
         .map_err(|e| inconsistent(format!("vocabulary and merges do not form a BPE model: {e}")))
+}
+
+/// The SentencePiece BPE tokenizer of a GGUF vocabulary (`tokenizer.ggml.model = "llama"`), and
+/// the vocabulary as it spells the tokens.
+///
+/// SentencePiece writes a space as `▁` (the normalizer replaces them; with `space_prefix`, as
+/// `tokenizer.ggml.add_space_prefix` asks, one is put before the text, and the decoder strips it
+/// again), falls back to the `<0xAB>` tokens for bytes no piece covers, and merges pairs of
+/// adjacent pieces by priority. GGUF files carry no merges for this model, so they are recovered
+/// from the vocabulary: every token splits into each pair of tokens that spell it, and a merge's
+/// priority is its result's position in the vocabulary, earlier first. SentencePiece's BPE
+/// trainer stores pieces in the order it made them, so this is the training order; the scores
+/// are that order too for ordinary pieces, but not for control and user-defined ones, which carry
+/// placeholder scores (Gemma's carry -1000, also where its multi-space pieces are concerned), so
+/// positions are the reliable key. Several splits of one token: the longer left piece first.
+/// Tokens made only of spaces are stored with real spaces by llama.cpp's converter but are
+/// reached through `▁`s, so they are respelled. (transformers' GGUF loader builds Gemma's
+/// tokenizer the same way.)
+fn sentencepiece(
+    tokens: &[String],
+    unk: Option<u32>,
+    space_prefix: bool,
+) -> Result<(tokenizers::Tokenizer, Vec<String>), TokenizeError> {
+    const SPACE: &str = "\u{2581}";
+    let spelled: Vec<String> = tokens
+        .iter()
+        .map(|t| if !t.is_empty() && t.chars().all(|c| c == ' ') { SPACE.repeat(t.chars().count()) } else { t.clone() })
+        .collect();
+    let mut vocab = Vocab::with_capacity(spelled.len());
+    for (i, token) in spelled.iter().enumerate() {
+        let id = u32::try_from(i).map_err(|_| inconsistent(format!("{} tokens do not fit u32 ids", tokens.len())))?;
+        vocab.entry(token.clone()).or_insert(id);
+    }
+    // (priority, left, right): every split of a token into two tokens.
+    let mut merges: Vec<(u32, &str, &str)> = Vec::new();
+    for (i, token) in spelled.iter().enumerate() {
+        // A repeated token merges only under its first id.
+        let Some(&id) = vocab.get(token) else { continue };
+        if id as usize != i {
+            continue;
+        }
+        for (at, _) in token.char_indices().skip(1) {
+            let (left, right) = token.split_at(at);
+            if vocab.contains_key(left) && vocab.contains_key(right) {
+                merges.push((id, left, right));
+            }
+        }
+    }
+    // Earlier result first; for one result, the longer left piece first (the sort is stable, and
+    // the splits of a token were pushed shortest left first).
+    merges.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.len().cmp(&a.1.len())));
+    let merges = merges.into_iter().map(|(_, l, r)| (l.to_string(), r.to_string())).collect();
+    let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+    if let Some(token) = unk.and_then(|u| spelled.get(u as usize)) {
+        builder = builder.unk_token(token.clone());
+    }
+    let model = builder.build().map_err(|e| inconsistent(format!("the vocabulary does not form a BPE model: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(model);
+    let replace = Replace::new(" ", SPACE).map_err(tokenizers_error)?;
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new(SPACE, " ").map_err(tokenizers_error)?.into(),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ];
+    if space_prefix {
+        inner
+            .with_normalizer(Some(NormalizerSequence::new(vec![Prepend::new(SPACE.into()).into(), replace.into()])))
+            .map_err(tokenizers_error)?;
+        decoders.push(Strip::new(' ', 1, 0).into());
+    } else {
+        inner.with_normalizer(Some(replace)).map_err(tokenizers_error)?;
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok((inner, spelled))
 }
 
 fn inconsistent(message: String) -> TokenizeError {
