@@ -327,3 +327,83 @@ fn generation_says_why_it_stopped() {
     let (stopped, stats) = greedy(&mut session(5), 10, &[], &mut |_| true);
     assert_eq!((&stopped[..], stats.stop), (&ids[..3], Stop::ContextFull));
 }
+
+/// A sliding-window layer's cache holds at most `window - 1` tokens however long the context:
+/// Gemma 3's spec (window 4, every fourth layer global) decoded 4x past its window on every
+/// engine and both graphs, with each step's logits equal to recomputing the whole sequence, its
+/// sliding caches at `min(tokens, window - 1)` rows and its global caches at every token.
+#[test]
+fn sliding_window_caches_stay_within_the_window() {
+    use kiln_compiler::graph::InputRole;
+    let fe = spec("gemma3");
+    let window = fe.spec.spec.attention.window.expect("a window") as usize;
+    let params = interp::random_params(&fe.graph, 11).unwrap();
+    let cached = build_cached(&fe.spec).unwrap();
+    let sliding: Vec<String> = cached
+        .inputs()
+        .into_iter()
+        .filter(|(_, _, role)| matches!(role, InputRole::Cache { window: Some(_), .. }))
+        .map(|(_, name, _)| name.to_string())
+        .collect();
+    assert_eq!(sliding.len(), 2 * 3, "three sliding layers of four, keys and values");
+    let mut all = sessions(&fe, &params);
+    let optimized = optimize::optimize(&cached).unwrap().0;
+    let max = fe.spec.spec.model.max_positions as usize;
+    for (label, graph) in [("unoptimized", &cached), ("optimized", &optimized)] {
+        let names: Vec<String> = graph.outputs.iter().map(|(n, _)| n.clone()).collect();
+        let model = kiln_runtime::CpuModel::new(lower(graph), &params, &HashMap::new(), 2, &()).unwrap();
+        let engine = Box::new(kiln_runtime::CpuEngine::new(model));
+        all.push((format!("cpu, {label}"), Session::new(engine, &names, max).unwrap()));
+    }
+    let tokens: Vec<i64> = (0..4 * window as i64 + 3).map(|i| (i * 37 + 5) % 128).collect();
+    for (label, mut session) in all {
+        // A prompt longer than the window, then one token at a time.
+        let prompt = window + 2;
+        let mut logits = session.forward(&tokens[..prompt]).unwrap();
+        for n in prompt..=tokens.len() {
+            let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, n], tokens[..n].to_vec()))]);
+            let full = interp::run(&fe.graph, &params, &inputs).unwrap();
+            let all = &full.iter().find(|(name, _)| name == "logits").unwrap().1;
+            let vocab = *all.shape.last().unwrap();
+            let last = &all.as_f32().unwrap()[(n - 1) * vocab..];
+            let err = last.iter().zip(&logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err <= 1e-4, "{label}: logits after {n} tokens differ by {err}");
+            for (name, t) in session.cache().unwrap() {
+                let held = if sliding.contains(&name) { n.min(window - 1) } else { n };
+                assert_eq!(t.shape[2], held, "{label}: `{name}` after {n} tokens");
+            }
+            if n < tokens.len() {
+                logits = session.forward(&tokens[n..=n]).unwrap();
+            }
+        }
+    }
+}
+
+/// A step whose every cache is a sliding window's cannot tell where positions start once the
+/// caches are full: it must be given `past_len`, and a `past_len` that contradicts the caches is
+/// refused by name.
+#[test]
+fn sliding_caches_need_the_position_once_full() {
+    let source = std::fs::read_to_string(root().join("models/gemma3.toml")).unwrap();
+    let source = source.replace("global_every = 4\n", "").replace("global_theta = 1000000.0\n", "");
+    let fe = kiln_compiler::front_end("gemma3.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = interp::random_params(&fe.graph, 3).unwrap();
+    let cached = build_cached(&fe.spec).unwrap();
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let mut session = Session::new(Box::new(InterpEngine::new(cached.clone(), params.clone())), &names, 64).unwrap();
+    session.forward(&[1, 2, 3, 4, 5, 6]).unwrap();
+    let cache = session.cache().unwrap();
+    let ids = Tensor::i64(vec![1, 1], vec![7]);
+    let mut inputs: HashMap<String, Tensor> = cache.clone();
+    inputs.insert("input_ids".into(), ids.clone());
+    let err = interp::run(&cached, &params, &inputs).unwrap_err().to_string();
+    assert!(err.contains("past_len") && err.contains("must be given"), "{err}");
+    inputs.insert(interp::PAST_LEN.into(), Tensor::i64(vec![1], vec![2]));
+    let err = interp::run(&cached, &params, &inputs).unwrap_err().to_string();
+    assert!(err.contains("past_len") && err.contains("hold 3 tokens"), "{err}");
+    inputs.insert(interp::PAST_LEN.into(), Tensor::i64(vec![1], vec![6]));
+    let stepped = interp::run(&cached, &params, &inputs).unwrap();
+    let from_session = session.forward(&[7]).unwrap();
+    let logits = &stepped.iter().find(|(n, _)| n == "logits").unwrap().1;
+    assert_eq!(logits.as_f32().unwrap(), from_session.as_slice());
+}

@@ -163,7 +163,7 @@ pub fn bind_named_with(
     for i in order {
         let InputSpec { name, role, seq: seq_sym } = specs[i];
         let bad = |message: String| InterpError::BadInput { name: name.to_string(), message };
-        if let InputRole::Cache { kv_heads, head_dim } = role {
+        if let InputRole::Cache { kv_heads, head_dim, .. } = role {
             let cache = match (given.get(name), resident.get(name)) {
                 (Some(t), _) => Some(CacheArg::Host(t)),
                 (None, Some(shape)) => Some(CacheArg::Resident(shape)),
@@ -244,10 +244,62 @@ pub fn bind_named_with(
         };
         out[i] = Some(tensor);
     }
-    if let (Some(&past), Some(&seq)) = (syms.get(&Sym::Past), syms.get(&Sym::Seq)) {
-        syms.insert(Sym::Ctx, past + seq);
+    bind_past(specs, given, &mut syms)?;
+    if let Some(&seq) = syms.get(&Sym::Seq) {
+        for (cached, attended) in [(Sym::Past, Sym::Ctx), (Sym::Recent, Sym::RecentCtx)] {
+            if let Some(&len) = syms.get(&cached) {
+                syms.insert(attended, len + seq);
+            }
+        }
     }
     Ok((out, syms))
+}
+
+/// The name under which a cached step may be given the number of tokens before it, `i64[1]`
+/// (or `[]`): where positions (RoPE) start. Without it, that is the length of the caches of
+/// global layers; a graph whose every cache is a sliding window's (which stops growing at
+/// `window - 1`) needs it once its caches are not empty. Sessions always give it.
+pub const PAST_LEN: &str = "past_len";
+
+/// Binds [`Sym::Past`] from [`PAST_LEN`] where given (it must agree with the global caches), or
+/// else from the sliding caches while they are empty.
+fn bind_past(specs: &[InputSpec], given: &HashMap<String, Tensor>, syms: &mut HashMap<Sym, usize>) -> R<()> {
+    let bad = |message: String| InterpError::BadInput { name: PAST_LEN.to_string(), message };
+    let has = |sym: Sym| specs.iter().any(|s| matches!(s.role, InputRole::Cache { .. }) && s.seq == sym);
+    if !has(Sym::Past) && !has(Sym::Recent) {
+        return Ok(()); // not a cached step
+    }
+    match given.get(PAST_LEN) {
+        Some(t) => {
+            let value = match t.as_i64() {
+                Some(&[v]) if t.shape.len() <= 1 => v,
+                _ => return Err(bad(format!("expected one integer (i64[1]), got {}{:?}", t.dtype(), t.shape))),
+            };
+            let past = usize::try_from(value).map_err(|_| bad(format!("{value} tokens")))?;
+            if let Some(&cached) = syms.get(&Sym::Past).filter(|&&p| p != past) {
+                return Err(bad(format!("is {past}, but the global layers' caches hold {cached} tokens")));
+            }
+            if let Some(&recent) = syms.get(&Sym::Recent).filter(|&&r| r > past) {
+                return Err(bad(format!("is {past}, but the sliding-window caches hold {recent} tokens")));
+            }
+            syms.insert(Sym::Past, past);
+        }
+        None if syms.contains_key(&Sym::Past) => {}
+        None => match syms.get(&Sym::Recent) {
+            Some(0) | None => {
+                syms.insert(Sym::Past, 0);
+            }
+            Some(recent) => {
+                return Err(InterpError::BadInput {
+                    name: PAST_LEN.to_string(),
+                    message: format!(
+                        "must be given: the sliding-window caches hold the latest {recent} tokens, which does not say how many came before"
+                    ),
+                });
+            }
+        },
+    }
+    Ok(())
 }
 
 /// The name of the same key mask in the other polarity: `X_padding` (1 = padding) <-> `X_mask`
@@ -283,7 +335,7 @@ fn bind_cache(
     let (tensor, shape, dtype) = match given {
         Some(CacheArg::Host(t)) => (Some(t.clone()), t.shape.clone(), t.dtype()),
         Some(CacheArg::Resident(shape)) => (None, shape.to_vec(), DType::F32),
-        None if seq == Sym::Past => {
+        None if seq == Sym::Past || seq == Sym::Recent => {
             let t = Tensor::f32(vec![batch, kv_heads, 0, head_dim], vec![]);
             (Some(t.clone()), t.shape, DType::F32)
         }

@@ -446,7 +446,7 @@ fn heads_of_a_cached_step() {
     let mut g = Graph::new("t");
     let x = input(&mut g);
     let (heads, kv_heads, hd) = (2, 1, 4);
-    let role = InputRole::Cache { kv_heads, head_dim: hd };
+    let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
     let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
     let past_v = g.add(Op::Input { name: "past_v".into(), role, seq: Sym::Past }, &[]).unwrap();
     let rope = Op::Rope { theta: Scalar(10000.0), rotary_dim: hd, style: PairStyle::RotateHalf };

@@ -5,7 +5,8 @@
 //! [`CpuEngine`] (native kernels) in host memory, [`GpuEngine`] on the device. Each engine owns
 //! its cache, so a session never pairs an engine with another engine's cache; what every engine
 //! shares is the contract of [`Engine::step`]: the presents named by the session's links become
-//! the cache on success, and on an error the cache is as it was.
+//! the cache on success — a sliding-window layer's cut to its latest `window - 1` rows, so its
+//! memory is bounded (see [`InputRole::Cache`]) — and on an error the cache is as it was.
 
 use crate::cpu::CpuModel;
 use crate::cpu::cache::KvCache;
@@ -88,6 +89,38 @@ fn take_presents<T>(links: &[Link], outputs: &mut HashMap<String, T>, cache: &mu
     Ok(())
 }
 
+/// Rows a sliding-window layer's cache keeps, by past input name: `window - 1`.
+fn windows<'a>(inputs: impl Iterator<Item = (&'a str, InputRole)>) -> HashMap<String, usize> {
+    inputs
+        .filter_map(|(name, role)| match role {
+            InputRole::Cache { window: Some(w), .. } => Some((name.to_string(), w.saturating_sub(1))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// [`windows`] of a plan's inputs.
+fn plan_windows(plan: &Plan) -> HashMap<String, usize> {
+    windows(plan.values.iter().filter_map(|v| match &v.storage {
+        Storage::Input { name, role } => Some((name.as_str(), *role)),
+        _ => None,
+    }))
+}
+
+/// The latest `rows` rows of a `[b, heads, len, d]` host tensor.
+fn keep_last_rows(t: Tensor, rows: usize) -> R<Tensor> {
+    let &[b, heads, len, d] = t.shape.as_slice() else {
+        return Err(GenerateError::Invalid(format!("a cache of shape {:?} is not [b, heads, len, d]", t.shape)));
+    };
+    if len <= rows {
+        return Ok(t);
+    }
+    let data = t.as_f32().ok_or_else(|| GenerateError::Invalid("a cache is not f32".into()))?;
+    let kept =
+        data.chunks(len * d).flat_map(|head| head.get((len - rows) * d..).unwrap_or_default()).copied().collect();
+    Ok(Tensor::f32(vec![b, heads, rows, d], kept))
+}
+
 /// The token-id inputs of a plan.
 fn plan_ids(plan: &Plan) -> Vec<String> {
     plan.values
@@ -104,12 +137,14 @@ pub struct InterpEngine {
     graph: Graph,
     params: HashMap<String, Tensor>,
     cache: HashMap<String, Tensor>,
+    windows: HashMap<String, usize>,
 }
 
 impl InterpEngine {
     /// An engine running `graph` (a cached decoder step, or an encoder) with `params`.
     pub fn new(graph: Graph, params: HashMap<String, Tensor>) -> InterpEngine {
-        InterpEngine { graph, params, cache: HashMap::new() }
+        let windows = windows(graph.inputs().into_iter().map(|(_, name, role)| (name, role)));
+        InterpEngine { graph, params, cache: HashMap::new(), windows }
     }
 }
 
@@ -147,6 +182,11 @@ impl Engine for InterpEngine {
             }
         };
         take_presents(links, &mut outputs, &mut self.cache)?;
+        for (past, &rows) in &self.windows {
+            if let Some(t) = self.cache.remove(past) {
+                self.cache.insert(past.clone(), keep_last_rows(t, rows)?);
+            }
+        }
         Ok(outputs)
     }
 
@@ -164,12 +204,14 @@ impl Engine for InterpEngine {
 pub struct CpuEngine {
     model: CpuModel,
     cache: KvCache,
+    windows: HashMap<String, usize>,
 }
 
 impl CpuEngine {
     /// An engine running `model`.
     pub fn new(model: CpuModel) -> CpuEngine {
-        CpuEngine { model, cache: KvCache::new() }
+        let windows = plan_windows(model.plan());
+        CpuEngine { model, cache: KvCache::new(), windows }
     }
 
     /// The cache as it is held: by past input name, each with its length and spare capacity.
@@ -193,7 +235,13 @@ impl Engine for CpuEngine {
         _memory: &mut Memory,
         links: &[Link],
     ) -> R<HashMap<String, Tensor>> {
-        Ok(self.model.run_cached(&inputs, &mut self.cache, links)?.into_iter().collect())
+        let outputs = self.model.run_cached(&inputs, &mut self.cache, links)?;
+        for (past, &rows) in &self.windows {
+            if let Some(buf) = self.cache.get_mut(past) {
+                buf.slide(rows).map_err(|e| GenerateError::Invalid(e.to_string()))?;
+            }
+        }
+        Ok(outputs.into_iter().collect())
     }
 
     fn clear(&mut self) {
@@ -209,12 +257,14 @@ impl Engine for CpuEngine {
 pub struct GpuEngine {
     model: GpuModel,
     cache: HashMap<String, DeviceTensor>,
+    windows: HashMap<String, usize>,
 }
 
 impl GpuEngine {
     /// An engine running `model`.
     pub fn new(model: GpuModel) -> GpuEngine {
-        GpuEngine { model, cache: HashMap::new() }
+        let windows = plan_windows(model.plan());
+        GpuEngine { model, cache: HashMap::new(), windows }
     }
 }
 
@@ -251,6 +301,11 @@ impl Engine for GpuEngine {
             }
         };
         take_presents(links, &mut kept, &mut self.cache)?;
+        for (past, &rows) in &self.windows {
+            if let Some(t) = self.cache.remove(past) {
+                self.cache.insert(past.clone(), t.keep_last_rows(rows)?);
+            }
+        }
         Ok(outputs.into_iter().collect())
     }
 

@@ -8,7 +8,7 @@
 use crate::cpu::CpuError;
 use crate::engine::{Engine, Link};
 use crate::gpu::{DeviceTensor, GpuError};
-use kiln_compiler::interp::InterpError;
+use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -146,6 +146,8 @@ impl Session {
         }
         let mut inputs = self.memory.host.clone();
         inputs.insert(self.ids_input.clone(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
+        // Where positions start: sliding-window caches hold only the latest tokens.
+        inputs.insert(interp::PAST_LEN.to_string(), Tensor::i64(vec![1], vec![self.position as i64]));
         let mut outputs = self.engine.step(inputs, &mut self.memory, &self.links)?;
         self.position += ids.len();
         let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;

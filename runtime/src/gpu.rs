@@ -402,6 +402,52 @@ impl DeviceTensor {
         let data = gpu.read_staging(&staging, "a device tensor", n)?;
         Ok(Tensor::f32(self.shape.clone(), bytemuck::cast_slice::<u8, f32>(&data).to_vec()))
     }
+
+    /// The latest `rows` rows of a `[b, heads, len, d]` cache (all of it if it holds no more):
+    /// what a sliding-window layer keeps. Copied on the device, one range per head.
+    pub fn keep_last_rows(self, rows: usize) -> Result<DeviceTensor, GpuError> {
+        let &[b, heads, len, d] = self.shape.as_slice() else {
+            return Err(GpuError::Dispatch(format!("a cache of shape {:?} is not [b, heads, len, d]", self.shape)));
+        };
+        if len <= rows {
+            return Ok(self);
+        }
+        let gpu = &self.gpu;
+        let shape = vec![b, heads, rows, d];
+        let row_bytes = 4 * d as u64;
+        let buffers = gpu.chunked("the key/value cache", 4 * (b * heads * rows * d) as u64, STORAGE)?;
+        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("slide") });
+        let chunk = gpu.chunk_bytes;
+        for h in 0..(b * heads) as u64 {
+            let from = (h * len as u64 + (len - rows) as u64) * row_bytes;
+            let to = h * rows as u64 * row_bytes;
+            copy_range(&mut encoder, (&self.buffers, from), (&buffers, to), rows as u64 * row_bytes, chunk)?;
+        }
+        gpu.queue.submit([encoder.finish()]);
+        Ok(DeviceTensor { gpu: self.gpu.clone(), shape, buffers })
+    }
+}
+
+/// Records the copy of `len` bytes from byte `from` of a tensor held in `src`'s chunks of
+/// `chunk` bytes to byte `to` of one held in `dst`'s, split where either crosses a chunk.
+fn copy_range(
+    encoder: &mut wgpu::CommandEncoder,
+    (src, mut from): (&[wgpu::Buffer], u64),
+    (dst, mut to): (&[wgpu::Buffer], u64),
+    mut len: u64,
+    chunk: u64,
+) -> Result<(), GpuError> {
+    let out_of_range = || GpuError::Dispatch("internal error: a cache copy runs past its buffers".into());
+    while len > 0 {
+        let (s, d) = (
+            src.get((from / chunk) as usize).ok_or_else(out_of_range)?,
+            dst.get((to / chunk) as usize).ok_or_else(out_of_range)?,
+        );
+        let n = len.min(chunk - from % chunk).min(chunk - to % chunk);
+        encoder.copy_buffer_to_buffer(s, from % chunk, d, to % chunk, n);
+        (from, to, len) = (from + n, to + n, len - n);
+    }
+    Ok(())
 }
 
 /// Which clock [`GpuModel::profile`] read.

@@ -472,7 +472,7 @@ impl Builder<'_> {
             }
             None => {
                 let scope = self.g.scope.clone();
-                let role = InputRole::Cache { kv_heads, head_dim: hd };
+                let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
                 let k = self.input(&format!("{name}.memory_k"), role, kv.seq)?;
                 let v = self.input(&format!("{name}.memory_v"), role, kv.seq)?;
                 self.g.scope = scope;
@@ -499,9 +499,15 @@ impl Builder<'_> {
         }
         if self.cache && !is_cross {
             let scope = self.g.scope.clone();
-            let role = InputRole::Cache { kv_heads, head_dim: hd };
-            let past_k = self.input(&format!("{name}.past_k"), role, Sym::Past)?;
-            let past_v = self.input(&format!("{name}.past_v"), role, Sym::Past)?;
+            // A sliding-window layer caches only what a next query can attend.
+            let window = match mask {
+                MaskKind::SlidingWindow => a.window.map(|w| w as usize),
+                _ => None,
+            };
+            let role = InputRole::Cache { kv_heads, head_dim: hd, window };
+            let len = if window.is_some() { Sym::Recent } else { Sym::Past };
+            let past_k = self.input(&format!("{name}.past_k"), role, len)?;
+            let past_v = self.input(&format!("{name}.past_v"), role, len)?;
             self.g.scope = scope;
             k = self.g.add(Op::Concat { axis: 2 }, &[past_k, k])?;
             v = self.g.add(Op::Concat { axis: 2 }, &[past_v, v])?;

@@ -47,6 +47,12 @@ pub enum InputRole {
         kv_heads: usize,
         /// Width of a head.
         head_dim: usize,
+        /// A sliding-window layer's window: its cache holds only the latest `window - 1` tokens
+        /// (the [`Sym::Recent`](super::Sym::Recent) axis), all a next query can attend besides
+        /// itself. Engines keep it so after each step; the step's keys are contiguous positions
+        /// ending at the last query, which is all the masks assume.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        window: Option<usize>,
     },
 }
 
@@ -469,7 +475,8 @@ impl Op {
                     InputRole::TokenTypes => "token-types".to_string(),
                     InputRole::KeyMask { pad_is_one: false } => "key-mask".to_string(),
                     InputRole::KeyMask { pad_is_one: true } => "key-mask pad-is-one".to_string(),
-                    InputRole::Cache { .. } => "cache".to_string(),
+                    InputRole::Cache { window: None, .. } => "cache".to_string(),
+                    InputRole::Cache { window: Some(w), .. } => format!("cache window {w}"),
                 };
                 format!("\"{name}\" {role}")
             }

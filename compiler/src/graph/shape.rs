@@ -21,9 +21,14 @@ pub enum Sym {
     /// Tokens already in a decoder's key/value cache (0 without one). Positions, RoPE and the
     /// causal mask count from here.
     Past,
-    /// Keys attended with a cache: `Past + Seq` (the one symbolic sum, made by concatenating the
-    /// cache and the new keys).
+    /// Keys attended with a cache: `Past + Seq` (a symbolic sum, made by concatenating the cache
+    /// and the new keys).
     Ctx,
+    /// Tokens in the key/value cache of a sliding-window layer: only the latest, at most
+    /// `window - 1` (see [`InputRole::Cache`]), so it stops growing with the context.
+    Recent,
+    /// Keys a sliding-window layer attends with its cache: `Recent + Seq`.
+    RecentCtx,
 }
 
 impl Sym {
@@ -35,6 +40,8 @@ impl Sym {
             Sym::SrcSeq => "src_seq",
             Sym::Past => "past",
             Sym::Ctx => "ctx",
+            Sym::Recent => "recent",
+            Sym::RecentCtx => "recent_ctx",
         }
     }
 }
@@ -92,7 +99,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
     match op {
         Op::Input { role, seq, .. } => {
             arity(0)?;
-            if let InputRole::Cache { kv_heads, head_dim } = role {
+            if let InputRole::Cache { kv_heads, head_dim, .. } = role {
                 let shape = vec![Dim::Sym(Sym::Batch), Dim::Fixed(*kv_heads), Dim::Sym(*seq), Dim::Fixed(*head_dim)];
                 return Ok((shape, DType::F32));
             }
@@ -377,6 +384,9 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 (Some(Dim::Fixed(x)), Some(Dim::Fixed(y))) if a.len() == b.len() => Dim::Fixed(x + y),
                 // A key/value cache and the new keys.
                 (Some(Dim::Sym(Sym::Past)), Some(Dim::Sym(Sym::Seq))) if a.len() == b.len() => Dim::Sym(Sym::Ctx),
+                (Some(Dim::Sym(Sym::Recent)), Some(Dim::Sym(Sym::Seq))) if a.len() == b.len() => {
+                    Dim::Sym(Sym::RecentCtx)
+                }
                 _ => return Err(format!("cannot join {} and {} along axis {axis}", fmt_shape(a), fmt_shape(b))),
             };
             if a.iter().zip(b).enumerate().any(|(i, (x, y))| i != *axis && x != y) {

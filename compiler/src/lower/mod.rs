@@ -300,7 +300,7 @@ pub(crate) fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(Str
     for (_, o) in outputs {
         last_use.insert(root(values, *o), usize::MAX);
     }
-    let syms: HashMap<Sym, usize> = [Sym::Seq, Sym::SrcSeq, Sym::Past, Sym::Ctx]
+    let syms: HashMap<Sym, usize> = [Sym::Seq, Sym::SrcSeq, Sym::Past, Sym::Ctx, Sym::Recent, Sym::RecentCtx]
         .into_iter()
         .map(|s| (s, PLACEMENT_SEQ))
         .chain([(Sym::Batch, 1)])

@@ -178,7 +178,7 @@ pub fn match_template(template: &str, name: &str) -> Option<Vec<(char, usize)>> 
 
 /// The names of the built-in presets.
 pub const PRESETS: &[&str] =
-    &["bert", "bloom", "gemma3", "gguf-llama", "gpt2", "llama", "mixtral", "t5", "torch-transformer"];
+    &["bert", "bloom", "gemma3", "gguf-gemma3", "gguf-llama", "gpt2", "llama", "mixtral", "t5", "torch-transformer"];
 
 /// The text of a built-in preset.
 pub fn preset_source(name: &str) -> Option<&'static str> {
@@ -187,6 +187,7 @@ pub fn preset_source(name: &str) -> Option<&'static str> {
         "bloom" => include_str!("presets/bloom.toml"),
         "gemma3" => include_str!("presets/gemma3.toml"),
         "t5" => include_str!("presets/t5.toml"),
+        "gguf-gemma3" => include_str!("presets/gguf-gemma3.toml"),
         "gguf-llama" => include_str!("presets/gguf-llama.toml"),
         "gpt2" => include_str!("presets/gpt2.toml"),
         "llama" => include_str!("presets/llama.toml"),

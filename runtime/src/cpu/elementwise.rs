@@ -211,16 +211,18 @@ pub fn append_heads(op: &Op, x_shape: &[usize], x: &[f32], past: usize, buf: &mu
     if buf.shape() != [b, heads, buf.len(), d] || start + heads * d > width || x.len() != b * s * width {
         return Err(bad(format!("x {x_shape:?} does not fit the cache {:?}", buf.shape())));
     }
-    if buf.len() != past {
-        return Err(bad(format!("the cache holds {} rows, the step starts at position {past}", buf.len())));
+    // A sliding window's cache holds only the latest rows (fewer than the position).
+    let held = buf.len();
+    if held > past {
+        return Err(bad(format!("the cache holds {held} rows, the step starts at position {past}")));
     }
-    buf.reserve(past + s)?;
+    buf.reserve(held + s)?;
     let inv = rope.map(|r| (rope_frequencies(r.theta.0, r.rotary_dim), r));
     for bi in 0..b {
         for hi in 0..heads {
             for t in 0..s {
                 let from = (bi * s + t) * width + start + hi * d;
-                let o = buf.row_mut(bi, hi, past + t);
+                let o = buf.row_mut(bi, hi, held + t);
                 o.copy_from_slice(&x[from..from + d]);
                 if let Some((inv, r)) = &inv {
                     rotate(&mut o[..r.rotary_dim], (past + t) as f32, inv, r.style);
@@ -228,5 +230,5 @@ pub fn append_heads(op: &Op, x_shape: &[usize], x: &[f32], past: usize, buf: &mu
             }
         }
     }
-    Ok(past + s)
+    Ok(held + s)
 }

@@ -557,10 +557,10 @@ impl CpuModel {
         if let Some(name) = views.get(&r) {
             let buf = kv.get(name).ok_or_else(|| CpuError::Invalid(format!("the cache holds no `{name}`")))?;
             let rows = shape.get(2).copied().unwrap_or(0);
-            if shape.len() != 4 || rows > buf.capacity() || shape[..2] != buf.shape()[..2] {
+            if shape.len() != 4 || rows > buf.room() || shape[..2] != buf.shape()[..2] {
                 return Err(CpuError::Invalid(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
             }
-            let arg = if rows == buf.capacity() {
+            let arg = if rows == buf.capacity() && buf.room() == rows {
                 Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Invalid("a short cache".into()))?)
             } else {
                 Arg::Cache { data: buf.data(), cap: buf.capacity() }
