@@ -15,9 +15,12 @@
 //! the dimensions reversed.
 //!
 //! **Element types.** F32, F16, BF16 and F64 convert to f32; I8, I16, I32 and I64 to i64; the
-//! block quantizations Q4_0, Q4_1 and Q8_0 dequantize to f32. Every other type is listed, and
-//! its bytes are available through [`Gguf::raw`] when its block size is known, but it is not
-//! converted.
+//! block quantizations Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32) and Q4_K, Q6_K (super-blocks of 256)
+//! dequantize to f32, with the arithmetic of ggml's reference dequantizers (every product of an
+//! f16 scale and small integers is exact in f32, so the results are bit for bit ggml's). Every
+//! other type is listed, and its bytes are available through [`Gguf::raw`] when its block size is
+//! known, but it is not converted. The block layouts are documented on the [`GgmlType`]
+//! constants.
 
 use kiln_compiler::tensor::Tensor;
 use std::collections::BTreeMap;
@@ -189,6 +192,21 @@ pub enum GgufError {
         /// The file's length.
         len: usize,
     },
+    /// Tensor data whose length is not that of the tensor's blocks (a tensor of a known type
+    /// read from a file always has the right length; this guards every other caller).
+    #[error("tensor `{tensor}` of type {ty} and shape {shape:?} needs {expected} bytes of data, but has {found}")]
+    DataSize {
+        /// The tensor.
+        tensor: String,
+        /// Its element type.
+        ty: GgmlType,
+        /// Its row-major shape.
+        shape: Vec<usize>,
+        /// The bytes its blocks take.
+        expected: u64,
+        /// The bytes given.
+        found: usize,
+    },
     /// A tensor type kiln cannot read or convert.
     #[error("tensor `{tensor}` has type {ty}, which kiln cannot {action} (it dequantizes {SUPPORTED})")]
     UnsupportedType {
@@ -202,7 +220,7 @@ pub enum GgufError {
 }
 
 /// The element types [`Gguf::tensor`] converts, for messages.
-const SUPPORTED: &str = "F32, F16, BF16, F64, Q8_0, Q4_0, Q4_1; reads I8, I16, I32, I64";
+const SUPPORTED: &str = "F32, F16, BF16, F64, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K; reads I8, I16, I32, I64";
 
 /// A ggml element type: the numeric id a tensor info stores. Ids the format does not define are
 /// kept as they are, so a file can be listed even if one of its tensors cannot be read.
@@ -218,8 +236,24 @@ impl GgmlType {
     pub const Q4_0: Self = Self(2);
     /// Blocks of 32: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; `x = q * d + m`.
     pub const Q4_1: Self = Self(3);
+    /// Blocks of 32: f16 scale `d`, a little-endian `u32` of fifth bits (bit `j` for element
+    /// `j`), then 16 bytes of low nibbles as in Q4_0 (byte `j`: element `j` low, `j + 16` high);
+    /// `x = (q - 16) * d` with `q` the 5-bit value.
+    pub const Q5_0: Self = Self(6);
     /// Blocks of 32: f16 scale `d`, 32 signed bytes; `x = q * d`.
     pub const Q8_0: Self = Self(8);
+    /// Super-blocks of 256 (144 bytes): f16 `d`, f16 `dmin`, 12 bytes packing eight 6-bit
+    /// scales and eight 6-bit minimums (one pair per sub-block of 32; see [`q4_k_scale_min`]),
+    /// then 128 bytes of nibbles: 32 bytes per 64 elements, sub-block `2c` in the low nibbles of
+    /// bytes `32c..32c + 32` and sub-block `2c + 1` in their high nibbles;
+    /// `x = (d * scale) * q - dmin * min`.
+    pub const Q4_K: Self = Self(12);
+    /// Super-blocks of 256 (210 bytes): 128 bytes `ql` of low nibbles, 64 bytes `qh` of high
+    /// bit pairs, 16 signed 8-bit scales (one per 16 elements), then f16 `d`. Each half of 128
+    /// elements takes 64 bytes of `ql` and 32 of `qh`: its element `32c + l` (`c` in 0..4) has
+    /// low bits in nibble `c / 2` of `ql[32 (c % 2) + l]` and high bits `2c..2c + 2` of `qh[l]`;
+    /// `x = (d * scale) * (q - 32)` with `q` the 6-bit value.
+    pub const Q6_K: Self = Self(14);
     /// 8-bit signed integer.
     pub const I8: Self = Self(24);
     /// 16-bit signed integer.
@@ -825,42 +859,98 @@ pub(crate) fn dequantize_blocks(ty: GgmlType, shape: Vec<usize>, bytes: &[u8]) -
     convert(RawTensor { info: &info, bytes })
 }
 
-/// Converts a tensor's bytes: floats and quantized blocks to f32, integers to i64.
+/// Converts a tensor's bytes: floats and quantized blocks to f32, integers to i64. The bytes
+/// must be exactly the tensor's blocks ([`GgufError::DataSize`] otherwise).
 fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
-    let shape = raw.info.shape.clone();
+    let info = raw.info;
+    let Some(Block { elements: block, bytes: block_bytes }) = info.ty.block() else {
+        return Err(unsupported(info, "read"));
+    };
+    let size = (info.elements() as u64 / block.max(1)).checked_mul(block_bytes);
+    if !(info.elements() as u64).is_multiple_of(block.max(1)) || size != Some(raw.bytes.len() as u64) {
+        return Err(GgufError::DataSize {
+            tensor: info.name.clone(),
+            ty: info.ty,
+            shape: info.shape.clone(),
+            expected: size.unwrap_or(u64::MAX),
+            found: raw.bytes.len(),
+        });
+    }
+    let shape = info.shape.clone();
     let b = raw.bytes;
     let f16 = |lo: u8, hi: u8| half::f16::from_le_bytes([lo, hi]).to_f32();
-    let values: Vec<f32> = match raw.info.ty {
-        GgmlType::F32 => b.as_chunks().0.iter().map(|&c| f32::from_le_bytes(c)).collect(),
-        GgmlType::F16 => b.as_chunks().0.iter().map(|&[lo, hi]| f16(lo, hi)).collect(),
-        GgmlType::BF16 => b.as_chunks().0.iter().map(|&c| half::bf16::from_le_bytes(c).to_f32()).collect(),
-        GgmlType::F64 => b.as_chunks().0.iter().map(|&c| f64::from_le_bytes(c) as f32).collect(),
+    let mut out = Vec::with_capacity(info.elements());
+    match info.ty {
+        GgmlType::F32 => out.extend(b.as_chunks().0.iter().map(|&c| f32::from_le_bytes(c))),
+        GgmlType::F16 => out.extend(b.as_chunks().0.iter().map(|&[lo, hi]| f16(lo, hi))),
+        GgmlType::BF16 => out.extend(b.as_chunks().0.iter().map(|&c| half::bf16::from_le_bytes(c).to_f32())),
+        GgmlType::F64 => out.extend(b.as_chunks().0.iter().map(|&c| f64::from_le_bytes(c) as f32)),
         GgmlType::Q8_0 => {
-            let mut out = Vec::with_capacity(raw.info.elements());
             for [lo, hi, qs @ ..] in b.as_chunks::<34>().0 {
                 let d = f16(*lo, *hi);
                 out.extend(qs.iter().map(|&q| f32::from(q as i8) * d));
             }
-            out
         }
         GgmlType::Q4_0 => {
             // Byte j holds element j in its low nibble and element j + 16 in its high nibble.
-            let mut out = Vec::with_capacity(raw.info.elements());
             for [lo, hi, qs @ ..] in b.as_chunks::<18>().0 {
                 let d = f16(*lo, *hi);
                 out.extend(qs.iter().map(|&q| f32::from(i16::from(q & 0x0f) - 8) * d));
                 out.extend(qs.iter().map(|&q| f32::from(i16::from(q >> 4) - 8) * d));
             }
-            out
         }
         GgmlType::Q4_1 => {
-            let mut out = Vec::with_capacity(raw.info.elements());
             for [d_lo, d_hi, m_lo, m_hi, qs @ ..] in b.as_chunks::<20>().0 {
                 let (d, m) = (f16(*d_lo, *d_hi), f16(*m_lo, *m_hi));
                 out.extend(qs.iter().map(|&q| f32::from(q & 0x0f) * d + m));
                 out.extend(qs.iter().map(|&q| f32::from(q >> 4) * d + m));
             }
-            out
+        }
+        GgmlType::Q5_0 => {
+            for [lo, hi, h0, h1, h2, h3, qs @ ..] in b.as_chunks::<22>().0 {
+                let d = f16(*lo, *hi);
+                let qh = u32::from_le_bytes([*h0, *h1, *h2, *h3]);
+                // Element j's fifth bit is bit j of `qh`.
+                let x = |nibble: u8, j: usize| f32::from(i16::from(nibble) + 16 * ((qh >> j) & 1) as i16 - 16) * d;
+                out.extend(qs.iter().enumerate().map(|(j, &q)| x(q & 0x0f, j)));
+                out.extend(qs.iter().enumerate().map(|(j, &q)| x(q >> 4, j + 16)));
+            }
+        }
+        GgmlType::Q4_K => {
+            for [d_lo, d_hi, m_lo, m_hi, rest @ ..] in b.as_chunks::<144>().0 {
+                let (d, dmin) = (f16(*d_lo, *d_hi), f16(*m_lo, *m_hi));
+                let (scales, qs) = rest.split_first_chunk::<12>().unwrap_or((&[0; 12], &[]));
+                // 32 bytes per pair of sub-blocks: the low nibbles, then the high ones.
+                for (c, bytes) in qs.chunks_exact(32).enumerate() {
+                    for (s, shift) in [(2 * c, 0), (2 * c + 1, 4)] {
+                        let (scale, min) = q4_k_scale_min(scales, s);
+                        let (ds, dm) = (d * f32::from(scale), dmin * f32::from(min));
+                        out.extend(bytes.iter().map(|&q| f32::from((q >> shift) & 0x0f) * ds - dm));
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            for block in b.as_chunks::<210>().0 {
+                let (ql, rest) = block.split_at_checked(128).unwrap_or_default();
+                let (qh, rest) = rest.split_at_checked(64).unwrap_or_default();
+                let (scales, d) = rest.split_at_checked(16).unwrap_or_default();
+                let d = match d {
+                    &[lo, hi] => f16(lo, hi),
+                    _ => 0.0,
+                };
+                // Two halves of 128 elements, each of 64 bytes of `ql`, 32 of `qh`, 8 scales.
+                for ((ql, qh), scales) in ql.chunks_exact(64).zip(qh.chunks_exact(32)).zip(scales.chunks_exact(8)) {
+                    for c in 0..4 {
+                        let low = ql.get(32 * (c % 2)..).unwrap_or_default();
+                        for (l, (&lo, &hi)) in low.iter().zip(qh).enumerate() {
+                            let q = ((lo >> (4 * (c / 2))) & 0x0f) | (((hi >> (2 * c)) & 3) << 4);
+                            let scale = scales.get(2 * c + l / 16).map_or(0, |&s| s as i8);
+                            out.push(d * f32::from(scale) * f32::from(i16::from(q) - 32));
+                        }
+                    }
+                }
+            }
         }
         GgmlType::I8 => return Ok(Tensor::i64(shape, b.iter().map(|&v| i64::from(v as i8)).collect())),
         GgmlType::I16 => {
@@ -872,9 +962,22 @@ fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
         GgmlType::I64 => {
             return Ok(Tensor::i64(shape, b.as_chunks().0.iter().map(|&c| i64::from_le_bytes(c)).collect()));
         }
-        _ => return Err(unsupported(raw.info, "convert")),
-    };
-    Ok(Tensor::f32(shape, values))
+        _ => return Err(unsupported(info, "convert")),
+    }
+    Ok(Tensor::f32(shape, out))
+}
+
+/// The 6-bit scale and minimum of sub-block `j` (0..8) of a Q4_K super-block, from its 12 packed
+/// bytes: for `j < 4`, the low 6 bits of bytes `j` (scale) and `j + 4` (minimum); for `j >= 4`,
+/// the low (scale) and high (minimum) nibbles of byte `j + 4`, with bits 4-5 the top two bits of
+/// bytes `j - 4` (scale) and `j` (minimum). `(0, 0)` for `j >= 8`.
+pub(crate) fn q4_k_scale_min(scales: &[u8; 12], j: usize) -> (u8, u8) {
+    let byte = |i: usize| scales.get(i).copied().unwrap_or(0);
+    match j {
+        0..4 => (byte(j) & 63, byte(j + 4) & 63),
+        4..8 => ((byte(j + 4) & 0x0f) | ((byte(j - 4) >> 6) << 4), (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4)),
+        _ => (0, 0),
+    }
 }
 
 /// A cursor over the file's bytes whose reads report what they were reading and where.

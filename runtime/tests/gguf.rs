@@ -120,6 +120,131 @@ fn q4_0_and_q4_1_dequantize_low_nibbles_first() {
     assert_eq!(tensor(&g, "q4_1"), Tensor::f32(vec![2, 32], expected_1));
 }
 
+/// Q5_0 blocks of 32: an f16 scale, a `u32` whose bit `j` is element `j`'s fifth bit, then
+/// nibbles as in Q4_0; `x = (q - 16) * d`.
+#[test]
+fn q5_0_dequantizes_with_the_fifth_bits() {
+    // Element j of block b is (5j + 3b) mod 32: every 5-bit value, the high bit in both halves.
+    let q = |b: usize, j: usize| ((5 * j + 3 * b) % 32) as u8;
+    let mut data = Vec::new();
+    let mut expected = Vec::new();
+    for (b, d) in [0.5f32, -0.0625].into_iter().enumerate() {
+        data.extend(f16::from_f32(d).to_le_bytes());
+        let qh = (0..32).fold(0u32, |h, j| h | (u32::from(q(b, j) >> 4) << j));
+        data.extend(qh.to_le_bytes());
+        data.extend((0..16).map(|j| (q(b, j) & 0x0f) | ((q(b, j + 16) & 0x0f) << 4)));
+        expected.extend((0..32).map(|j| (f32::from(q(b, j)) - 16.0) * d));
+    }
+    let g = Builder::new().tensor("w", &[32, 2], GgmlType::Q5_0, &data).parse().unwrap();
+    assert_eq!(tensor(&g, "w"), Tensor::f32(vec![2, 32], expected));
+}
+
+/// Packs Q4_K's eight 6-bit scales and minimums into 12 bytes: bytes 0-3 hold scales 0-3 in
+/// their low 6 bits and the top 2 bits of scales 4-7 above; bytes 4-7 the same for the minimums;
+/// bytes 8-11 the low nibbles of scale 4 + i (low) and minimum 4 + i (high).
+fn pack_q4_k_scales(scales: [u8; 8], mins: [u8; 8]) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    for i in 0..4 {
+        out[i] = scales[i] | ((scales[i + 4] >> 4) << 6);
+        out[i + 4] = mins[i] | ((mins[i + 4] >> 4) << 6);
+        out[i + 8] = (scales[i + 4] & 0x0f) | ((mins[i + 4] & 0x0f) << 4);
+    }
+    out
+}
+
+/// A Q4_K super-block of 256: f16 `d` and `dmin`, packed 6-bit scales and minimums per
+/// sub-block of 32, then nibbles (sub-blocks `2c`, `2c + 1` in the low and high nibbles of bytes
+/// `32c..32c + 32`); `x = d * scale * q - dmin * min`.
+#[test]
+fn q4_k_dequantizes_with_six_bit_scales_and_minimums() {
+    // Scales and minimums across the whole 6-bit range, so their top bits are exercised.
+    let scales: [u8; 8] = std::array::from_fn(|j| 7 * j as u8 + 13);
+    let mins: [u8; 8] = std::array::from_fn(|j| 63 - 8 * j as u8);
+    let q = |s: usize, i: usize| ((i + 3 * s) % 16) as u8;
+    let (d, dmin) = (0.5f32, 0.25f32);
+    let mut data = Vec::new();
+    data.extend(f16::from_f32(d).to_le_bytes());
+    data.extend(f16::from_f32(dmin).to_le_bytes());
+    data.extend(pack_q4_k_scales(scales, mins));
+    for c in 0..4 {
+        data.extend((0..32).map(|i| q(2 * c, i) | (q(2 * c + 1, i) << 4)));
+    }
+    assert_eq!(data.len(), 144);
+    let expected: Vec<f32> = (0..256)
+        .map(|e| {
+            let (s, i) = (e / 32, e % 32);
+            d * f32::from(scales[s]) * f32::from(q(s, i)) - dmin * f32::from(mins[s])
+        })
+        .collect();
+    let g = Builder::new().tensor("w", &[256], GgmlType::Q4_K, &data).parse().unwrap();
+    assert_eq!(tensor(&g, "w"), Tensor::f32(vec![256], expected));
+}
+
+/// A Q6_K super-block of 256: low nibbles `ql`, high bit pairs `qh`, a signed scale per 16
+/// elements, then f16 `d`; in each half of 128, element `32c + l` has its low bits in nibble
+/// `c / 2` of `ql[32 (c % 2) + l]` and its high bits at `2c` of `qh[l]`; `x = d * scale * (q - 32)`.
+#[test]
+fn q6_k_dequantizes_with_signed_scales() {
+    let q = |e: usize| ((7 * e + e / 64) % 64) as u8;
+    let scales: [i8; 16] = std::array::from_fn(|i| (i as i8 - 8) * 15);
+    let d = 0.125f32;
+    let (mut ql, mut qh) = (vec![0u8; 128], vec![0u8; 64]);
+    for e in 0..256 {
+        let (half, c, l) = (e / 128, e % 128 / 32, e % 32);
+        ql[64 * half + 32 * (c % 2) + l] |= (q(e) & 0x0f) << (4 * (c / 2));
+        qh[32 * half + l] |= (q(e) >> 4) << (2 * c);
+    }
+    let mut data = [ql, qh].concat();
+    data.extend(scales.iter().map(|&s| s as u8));
+    data.extend(f16::from_f32(d).to_le_bytes());
+    assert_eq!(data.len(), 210);
+    let expected: Vec<f32> = (0..256).map(|e| d * f32::from(scales[e / 16]) * (f32::from(q(e)) - 32.0)).collect();
+    let g = Builder::new().tensor("w", &[256], GgmlType::Q6_K, &data).parse().unwrap();
+    assert_eq!(tensor(&g, "w"), Tensor::f32(vec![256], expected));
+}
+
+/// Real blocks (cut from Gemma 3 270M's Q4_K_M GGUF) and random ones of each type dequantize
+/// bit for bit to what gguf-py's `gguf.quants.dequantize` gave (`scripts/quant-fixture` wrote
+/// both into `fixtures/quants.gguf`).
+#[test]
+fn quantized_blocks_dequantize_like_gguf_py() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quants.gguf");
+    let g = Gguf::parse(std::fs::read(&path).unwrap()).unwrap();
+    for ty in ["Q5_0", "Q4_K", "Q6_K"] {
+        for part in ["real", "random"] {
+            let name = format!("{ty}.{part}");
+            assert_eq!(g.info(&name).unwrap().ty().name(), Some(ty));
+            let (got, want) = (tensor(&g, &name), tensor(&g, &format!("{name}.expected")));
+            assert_eq!(got.shape, want.shape, "{name}");
+            let bits = |t: &Tensor| t.as_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{name}");
+        }
+    }
+}
+
+/// A K-quantized tensor whose rows are not whole super-blocks of 256, or whose data the file
+/// cannot hold, is refused by name when the file is parsed.
+#[test]
+fn k_quant_rows_and_lengths_are_checked() {
+    let e = parse_err(&Builder::new().tensor("ffn", &[640, 1], GgmlType::Q4_K, &[0; 144 * 3]));
+    assert_eq!(
+        e,
+        GgufError::NotBlockMultiple {
+            tensor: "ffn".into(),
+            ty: GgmlType::Q4_K,
+            block: 256,
+            row: 640,
+            dims: vec![640, 1]
+        }
+    );
+    assert!(e.to_string().contains("Q4_K"), "{e}");
+    // Two super-blocks declared, one stored: the data runs past the end of the file.
+    let e = parse_err(&Builder::new().tensor("down", &[256, 2], GgmlType::Q6_K, &[0; 210]));
+    assert!(matches!(&e, GgufError::DataOutOfRange { tensor, size: 420, .. } if tensor == "down"), "{e:?}");
+    let e = parse_err(&Builder::new().tensor("q", &[48], GgmlType::Q5_0, &[0; 44]));
+    assert!(matches!(&e, GgufError::NotBlockMultiple { block: 32, row: 48, .. }), "{e:?}");
+}
+
 #[test]
 fn unsupported_types_are_named_when_read() {
     let g = Builder::new()
@@ -488,4 +613,25 @@ fn a_llama_cpp_layout_checkpoint_reproduces_the_golden_logits() {
     let logits = &outputs.iter().find(|(n, _)| n == "logits").unwrap().1;
     let err = logits.max_abs_diff(&io["logits"]);
     assert!(err <= 1e-4, "logits differ by {err}");
+}
+
+/// By hand, on a real checkpoint: every tensor of `KILN_GGUF` converts, and its first rows equal
+/// bit for bit what gguf-py dequantized into `KILN_GGUF_REFERENCE` (`scripts/gguf-reference`).
+#[test]
+#[ignore = "needs KILN_GGUF and KILN_GGUF_REFERENCE (see scripts/gguf-reference)"]
+fn a_real_file_dequantizes_like_gguf_py() {
+    let read = |var: &str| {
+        let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+        Gguf::parse(std::fs::read(path).unwrap()).unwrap()
+    };
+    let (model, reference) = (read("KILN_GGUF"), read("KILN_GGUF_REFERENCE"));
+    assert_eq!(model.tensors().len(), reference.tensors().len());
+    for info in model.tensors() {
+        let got = tensor(&model, info.name());
+        let want = tensor(&reference, info.name());
+        let (got, want) = (got.as_f32().unwrap(), want.as_f32().unwrap());
+        assert!(got.iter().all(|v| v.is_finite()), "{}: not finite", info.name());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got[..want.len()]), bits(want), "{} ({})", info.name(), info.ty());
+    }
 }
