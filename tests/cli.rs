@@ -327,6 +327,44 @@ fn run_reads_gguf_weights() {
     assert!(err <= 1e-3, "first_logits differ by {err}");
 }
 
+/// `kiln generate` on Gemma 3 270M's Q4_K_M GGUF (Q5_0, Q4_K, Q6_K and Q8_0 blocks, a
+/// SentencePiece tokenizer, sliding-window layers) prints the reference's continuation on the CPU
+/// backend and the interpreter, and with `--print-ids` its ids.
+#[test]
+fn generate_gemma3_270m_prints_the_reference_continuation() {
+    let weights = common::fetched("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/gemma3-270m/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<String> =
+        json["greedy_ids"].as_array().unwrap().iter().map(|id| id.as_u64().unwrap().to_string()).collect();
+    let prompt = json["prompt"].as_str().unwrap();
+    let text = json["greedy_text"].as_str().unwrap();
+    for backend in ["cpu", "interp"] {
+        let args = [
+            "generate",
+            "models/gemma3-270m.toml",
+            "--weights",
+            s(&weights),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "12",
+            "--backend",
+            backend,
+        ];
+        let o = kiln(&args);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        assert!(stdout(&o).contains(text), "{backend}: {}", stdout(&o));
+        if backend == "cpu" {
+            let o = kiln(&[&args[..], &["--print-ids"]].concat());
+            assert!(o.status.success(), "{}", stderr(&o));
+            assert_eq!(stdout(&o).trim(), ids.join(","));
+        }
+    }
+}
+
 /// Runs the GPT-2 fixture on the given input tensors and expects failure with `needles`.
 fn gpt2_rejects_inputs(name: &str, tensors: &[(String, Tensor)], needles: &[&str]) {
     let inputs = scratch("inputs").join(format!("{name}.safetensors"));

@@ -237,8 +237,33 @@ fn minilm_matches_sentence_transformers() {
 /// dequantize the same blocks to f32, but 30 layers of f32 arithmetic in a different order add up.
 const SMOLLM2_TOLERANCE: f32 = 1e-3;
 
+/// The same for Gemma 3 270M: 18 layers, logits of scale ~30 over a vocabulary of 262144.
+const GEMMA3_270M_TOLERANCE: f32 = 2e-4;
+
 /// SmolLM2-135M-Instruct from llama.cpp's GGUF (Q4_1 matrices, Q8_0 embedding, tied head) against
 /// transformers' GGUF loader: logits at the first and the last prompt position.
+#[test]
+fn gemma3_270m_gguf_matches_transformers() {
+    let weights = common::fetched("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+    let fe = spec("gemma3-270m");
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
+    let reference = tensors(&root().join("tests/fixtures/gemma3-270m/reference.safetensors"));
+    let inputs = HashMap::from([("input_ids".to_string(), reference["prompt_ids"].clone())]);
+    let outputs = interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}"));
+    let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("decoder has logits").1;
+    let values = logits.as_f32().expect("f32 logits");
+    let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
+    let positions = values.len() / vocab;
+    for (name, position) in [("first_logits", 0), ("last_logits", positions - 1)] {
+        let got = Tensor::f32(vec![vocab], values[position * vocab..(position + 1) * vocab].to_vec());
+        // The reference stores `[1, vocab]`.
+        let expected = Tensor::f32(vec![vocab], reference[name].as_f32().expect("f32 logits").to_vec());
+        let err = got.max_abs_diff(&expected);
+        println!("gemma3-270m: {name} max abs error {err:e}");
+        assert!(err <= GEMMA3_270M_TOLERANCE, "gemma3-270m: `{name}` differs by {err}");
+    }
+}
+
 #[test]
 fn smollm2_gguf_matches_transformers() {
     let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
