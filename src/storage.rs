@@ -1,5 +1,5 @@
-//! How `kiln` stores projection weights and loads a compiled model on its backend: GGUF Q8_0/Q4_1
-//! blocks kept as blocks by default on wgpu and on the CPU (`--dequantize` loads them as f32
+//! How `kiln` stores projection weights and loads a compiled model on its backend: GGUF Q8_0,
+//! Q4_1, Q5_0, Q4_K and Q6_K blocks kept as blocks by default on wgpu and on the CPU (`--dequantize` loads them as f32
 //! instead), other weights f32 or, with `--precision f16` on wgpu, f16 (see
 //! `kiln_compiler::lower::format`). The interpreter always runs on the f32 weights.
 
@@ -20,7 +20,8 @@ pub struct WeightArgs {
     /// bytes (arithmetic stays f32; needs an adapter with SHADER_F16). wgpu only.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
-    /// Load Q8_0/Q4_1 GGUF weights as f32 instead of keeping their blocks on the device (which
+    /// Load quantized GGUF weights (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) as f32 instead of keeping their
+    /// blocks on the device (which
     /// projection kernels dequantize in registers).
     #[arg(long)]
     pub dequantize: bool,
@@ -42,7 +43,7 @@ pub enum Precision {
 }
 
 /// The f32 parameters of `graph` and, unless `--dequantize`, the blocks of those a GGUF
-/// checkpoint stores as Q8_0/Q4_1; the reading is shown on `reporter`.
+/// checkpoint stores in a block format kept quantized; the reading is shown on `reporter`.
 pub fn load(
     spec: &Resolved,
     graph: &Graph,

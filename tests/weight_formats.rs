@@ -1,5 +1,6 @@
-//! Projection weights stored as Q8_0 or Q4_1 blocks (dequantized in registers) or as f16, on
-//! wgpu, against the interpreter on the f32 weights they stand for (the blocks' exact
+//! Projection weights stored as Q8_0, Q4_1 or Q5_0 blocks or Q4_K or Q6_K super-blocks
+//! (dequantized in registers) or as f16, on wgpu and on the CPU, against the interpreter on the
+//! f32 weights they stand for (the blocks' exact
 //! dequantization, or the weights rounded to f16): every kernel form (vec4 and scalar, GEMM and
 //! GEMV) with bias, activation, residual, norm prologues, gated and rotated epilogues, and
 //! projections whose weight is a load-time stack or scaling of quantized parameters.
@@ -21,10 +22,25 @@ fn ops() -> Vec<Op> {
     common::projection_ops()
 }
 
-/// One graph with every op at every shape `(rows, k, n)`: GEMM over several row tiles, GEMV
-/// (1 to 4 rows), the first row count past GEMV, `n` not a multiple of 4 (a gated one then runs
-/// the scalar form). Returns the graph and the names of its projection weights.
+/// Every block-quantized format.
+const QUANTIZED: [WeightFormat; 5] =
+    [WeightFormat::Q8_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K];
+
+/// [`graph_k`] with rows of whole blocks of `format`: `k` 32 to 96, or 256 to 768 for the
+/// K-quants' super-blocks of 256.
+fn graph_for(format: WeightFormat) -> (Graph, Vec<String>) {
+    graph_k(format.row_multiple().div_ceil(32))
+}
+
 fn graph() -> (Graph, Vec<String>) {
+    graph_k(1)
+}
+
+/// One graph with every op at every shape `(rows, k, n)` (`k` times `k_factor`): GEMM over
+/// several row tiles, GEMV (1 to 4 rows), the first row count past GEMV, `n` not a multiple of 4
+/// (a gated one then runs the scalar form). Returns the graph and the names of its projection
+/// weights.
+fn graph_k(k_factor: usize) -> (Graph, Vec<String>) {
     let shapes: [(&[usize], usize, usize); 7] = [
         (&[2, 37], 64, 24),
         (&[1, 1], 64, 24),
@@ -43,6 +59,7 @@ fn graph() -> (Graph, Vec<String>) {
                 continue; // the rotated columns are laid out for 24
             }
             let name = |p: &str| format!("op{c}.shape{s}.{p}");
+            let k = k * k_factor;
             let x: Vec<usize> = rows.iter().copied().chain([k]).collect();
             let out: Vec<usize> = rows.iter().copied().chain([n]).collect();
             let m = if glu { 2 * n } else { n };
@@ -90,8 +107,8 @@ fn assert_formats(plan: &Plan, format: WeightFormat) {
 #[test]
 fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
     let Some(gpu) = common::gpu() else { return };
-    let (g, weights) = graph();
-    for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+    for format in QUANTIZED {
+        let (g, weights) = graph_for(format);
         let mut params = interp::random_params(&g, 11).unwrap();
         let mut blocks = HashMap::new();
         for w in &weights {
@@ -120,8 +137,8 @@ fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
 /// epilogue, on 1 and 3 threads.
 #[test]
 fn quantized_projections_on_the_cpu_match_the_interpreter() {
-    let (g, weights) = graph();
-    for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+    for format in QUANTIZED {
+        let (g, weights) = graph_for(format);
         let mut params = interp::random_params(&g, 11).unwrap();
         let mut blocks = HashMap::new();
         for w in &weights {
@@ -151,39 +168,48 @@ fn quantized_projections_on_the_cpu_match_the_interpreter() {
 const INT8_TOLERANCE: f32 = 1.5e-2;
 
 /// A load-time fold of quantized weights keeps the blocks: Q, K and V stacked into one weight
-/// (as the optimizer's merged projections have) and a scaled weight.
+/// (as the optimizer's merged projections have) and a scaled weight, in every block format, on
+/// wgpu and on the CPU.
 #[test]
 fn quantized_folds_stack_and_scale_blocks() {
-    let Some(gpu) = common::gpu() else { return };
-    let mut g = Graph::new("folds");
-    // Rows gathered by input ids, so the projections are dispatched while the stacking and
-    // scaling fold.
-    let ids = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
-    let table = g.param("table", &[16, 64]);
-    let x = g.add(Op::Gather, &[table, ids]).unwrap();
-    let parts: Vec<_> = ["q", "k", "v"].iter().map(|p| g.param(&format!("{p}.weight"), &[16, 64])).collect();
-    let qk = g.add(Op::Concat { axis: 0 }, &[parts[0], parts[1]]).unwrap();
-    let qkv = g.add(Op::Concat { axis: 0 }, &[qk, parts[2]]).unwrap();
-    let scaled = g.add(Op::Scale { factor: Scalar(0.25) }, &[parts[0]]).unwrap();
-    let y = g.add(Op::linear(None, false, false), &[x, qkv]).unwrap();
-    let z = g.add(Op::linear(None, false, false), &[x, scaled]).unwrap();
-    g.outputs = vec![("y".into(), y), ("z".into(), z)];
-    g.check().unwrap();
-    let mut params = interp::random_params(&g, 3).unwrap();
-    let input = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![3, 0, 9]))]);
-    let mut blocks = HashMap::new();
-    for p in ["q.weight", "k.weight", "v.weight"] {
-        let q = QuantWeight::quantize(WeightFormat::Q4_1, &params[p]).unwrap();
-        params.insert(p.into(), q.dequantize());
-        blocks.insert(p.to_string(), q);
-    }
-    let expected = interp::run(&g, &params, &input).unwrap();
-    let formats = blocks.keys().map(|k| (k.clone(), WeightFormat::Q4_1)).collect();
-    let plan = lower_with(&g, Options { formats, ..Options::default() });
-    assert_formats(&plan, WeightFormat::Q4_1);
-    let got = GpuModel::with_blocks(gpu, plan, &params, &blocks).unwrap().run(&input).unwrap();
-    for ((name, want), (_, got)) in expected.iter().zip(&got) {
-        assert_close(&format!("Q4_1 fold: `{name}`"), want, got, TOLERANCE);
+    let gpu = common::gpu();
+    for format in [WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K] {
+        let k = 64usize.next_multiple_of(format.row_multiple());
+        let mut g = Graph::new("folds");
+        // Rows gathered by input ids, so the projections are dispatched while the stacking and
+        // scaling fold.
+        let ids = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+        let table = g.param("table", &[16, k]);
+        let x = g.add(Op::Gather, &[table, ids]).unwrap();
+        let parts: Vec<_> = ["q", "k", "v"].iter().map(|p| g.param(&format!("{p}.weight"), &[16, k])).collect();
+        let qk = g.add(Op::Concat { axis: 0 }, &[parts[0], parts[1]]).unwrap();
+        let qkv = g.add(Op::Concat { axis: 0 }, &[qk, parts[2]]).unwrap();
+        let scaled = g.add(Op::Scale { factor: Scalar(0.25) }, &[parts[0]]).unwrap();
+        let y = g.add(Op::linear(None, false, false), &[x, qkv]).unwrap();
+        let z = g.add(Op::linear(None, false, false), &[x, scaled]).unwrap();
+        g.outputs = vec![("y".into(), y), ("z".into(), z)];
+        g.check().unwrap();
+        let mut params = interp::random_params(&g, 3).unwrap();
+        let input = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![3, 0, 9]))]);
+        let mut blocks = HashMap::new();
+        for p in ["q.weight", "k.weight", "v.weight"] {
+            let q = QuantWeight::quantize(format, &params[p]).unwrap();
+            params.insert(p.into(), q.dequantize());
+            blocks.insert(p.to_string(), q);
+        }
+        let expected = interp::run(&g, &params, &input).unwrap();
+        let formats = blocks.keys().map(|k| (k.clone(), format)).collect();
+        let plan = lower_with(&g, Options { formats, ..Options::default() });
+        assert_formats(&plan, format);
+        let cpu = kiln_runtime::CpuModel::new(plan.clone(), &params, &blocks, 1, &()).unwrap().run(&input).unwrap();
+        for ((name, want), (_, got)) in expected.iter().zip(&cpu) {
+            assert_close(&format!("{format} fold on cpu: `{name}`"), want, got, TOLERANCE);
+        }
+        let Some(gpu) = &gpu else { continue };
+        let got = GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks).unwrap().run(&input).unwrap();
+        for ((name, want), (_, got)) in expected.iter().zip(&got) {
+            assert_close(&format!("{format} fold: `{name}`"), want, got, TOLERANCE);
+        }
     }
 }
 

@@ -971,7 +971,7 @@ fn convert(raw: RawTensor<'_>) -> Result<Tensor, GgufError> {
 /// bytes: for `j < 4`, the low 6 bits of bytes `j` (scale) and `j + 4` (minimum); for `j >= 4`,
 /// the low (scale) and high (minimum) nibbles of byte `j + 4`, with bits 4-5 the top two bits of
 /// bytes `j - 4` (scale) and `j` (minimum). `(0, 0)` for `j >= 8`.
-pub(crate) fn q4_k_scale_min(scales: &[u8; 12], j: usize) -> (u8, u8) {
+pub fn q4_k_scale_min(scales: &[u8; 12], j: usize) -> (u8, u8) {
     let byte = |i: usize| scales.get(i).copied().unwrap_or(0);
     match j {
         0..4 => (byte(j) & 63, byte(j + 4) & 63),

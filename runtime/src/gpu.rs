@@ -515,7 +515,7 @@ impl GpuModel {
     }
 
     /// [`GpuModel::new`] with the blocks of the parameters the plan stores quantized
-    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`/`Q4_1`), by name.
+    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`, `Q4_1`, `Q5_0`, `Q4_K`, `Q6_K`), by name.
     pub fn with_blocks(
         gpu: Arc<Gpu>,
         plan: Plan,

@@ -14,7 +14,7 @@ pub enum Phase {
     /// Reading the parameters from the checkpoint and converting them to f32 (GGUF blocks
     /// dequantized, the weight map applied); one unit per parameter.
     Read,
-    /// Repacking the Q8_0/Q4_1 blocks of the parameters kept quantized on the device; one unit
+    /// Repacking the blocks of the parameters kept quantized on the device; one unit
     /// per parameter looked at.
     Repack,
     /// Evaluating the plan's load-time folds on the host (transposed, stacked and scaled

@@ -1,27 +1,29 @@
 //! Block-quantized projection weights kept as blocks on the device.
 //!
-//! A [`QuantWeight`] is a `[rows, k]` weight (the canonical `[out, in]` layout) of GGUF Q8_0 or
-//! Q4_1 blocks, repacked from the file's 34- or 20-byte blocks into the aligned device layout the
-//! projection kernel reads (see [`kiln_compiler::lower::format`]: per row, the block scales as f32,
-//! Q4_1's block minimums as f32, then the quants as `u32` words). Its dequantization is exactly the
-//! f32 tensor [`crate::gguf`] produces, which the interpreter and every f32 path use. Row
-//! operations of the weight map (unpacking Q/K/V, undoing llama.cpp's RoPE row order) and the
-//! load-time folds that keep blocks (stacking rows, scaling) apply to the rows as they are.
-//! [`QuantWeight::quantize`] is a small reference quantizer (llama.cpp's rounding) for tests.
+//! A [`QuantWeight`] is a `[rows, k]` weight (the canonical `[out, in]` layout) of GGUF Q8_0,
+//! Q4_1 or Q5_0 blocks or Q4_K or Q6_K super-blocks, repacked from the file's blocks into the
+//! aligned device layout the projection kernels read (see [`kiln_compiler::lower::format`]: per
+//! row, the f16 scales (and minimums) widened to f32, then each other field of the blocks in turn,
+//! as `u32` words). Its dequantization is exactly the f32 tensor [`crate::gguf`] produces, which
+//! the interpreter and every f32 path use. Row operations of the weight map (unpacking Q/K/V,
+//! undoing llama.cpp's RoPE row order) and the load-time folds that keep blocks (stacking rows,
+//! scaling) apply to the rows as they are. [`block`] reads any format 32 elements at a time,
+//! as scale, minimum and integer quants, for the CPU kernels. [`QuantWeight::quantize`] is a
+//! small reference quantizer for tests.
 
 use crate::gguf::GgmlType;
 use kiln_compiler::lower::WeightFormat;
-use kiln_compiler::lower::format::BLOCK;
+use kiln_compiler::lower::format::{BLOCK, SUPER_BLOCK};
 use kiln_compiler::tensor::Tensor;
 
 /// A block-quantized weight in the device layout.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantWeight {
-    /// `Q8_0` or `Q4_1`.
+    /// A quantized format.
     pub format: WeightFormat,
     /// Rows (outputs).
     pub rows: usize,
-    /// Elements per row (inputs), a multiple of 32.
+    /// Elements per row (inputs), a multiple of the format's [`WeightFormat::row_multiple`].
     pub k: usize,
     /// `rows * format.row_words(k)` words.
     pub words: Vec<u32>,
@@ -29,38 +31,43 @@ pub struct QuantWeight {
 
 impl QuantWeight {
     /// Repacks GGUF blocks (`bytes`: the rows' blocks in order) of a `[rows, k]` tensor of type
-    /// `ty`. Errors (a message) unless `ty` is Q8_0 or Q4_1, `k` is a multiple of 32 and `bytes`
-    /// holds exactly the blocks of the shape.
+    /// `ty`. Errors (a message) unless `ty` is Q8_0, Q4_1, Q5_0, Q4_K or Q6_K, `k` is a positive
+    /// multiple of its block and `bytes` holds exactly the blocks of the shape.
     pub fn from_blocks(ty: GgmlType, rows: usize, k: usize, bytes: &[u8]) -> Result<QuantWeight, String> {
-        let (format, block_bytes) = match ty {
-            GgmlType::Q8_0 => (WeightFormat::Q8_0, 34),
-            GgmlType::Q4_1 => (WeightFormat::Q4_1, 20),
-            other => return Err(format!("type {other} cannot stay quantized on the device (only Q8_0 and Q4_1 can)")),
-        };
-        if k == 0 || !k.is_multiple_of(BLOCK) {
-            return Err(format!("rows of {k} elements are not whole blocks of {BLOCK}"));
-        }
-        let nb = k / BLOCK;
-        if bytes.len() != rows * nb * block_bytes {
+        let Some((format, block_bytes, fields)) = file_layout(ty) else {
             return Err(format!(
-                "{} bytes of {format} blocks do not fit a [{rows}, {k}] tensor ({} expected)",
-                bytes.len(),
-                rows * nb * block_bytes
+                "type {ty} cannot stay quantized on the device (only Q8_0, Q4_1, Q5_0, Q4_K and Q6_K can)"
+            ));
+        };
+        let per = format.row_multiple();
+        let stride = match format.row_words(k) {
+            Some(stride) if k > 0 => stride,
+            _ => return Err(format!("rows of {k} elements are not whole {format} blocks of {per}")),
+        };
+        let nb = k / per;
+        let expected = rows.checked_mul(nb * block_bytes).ok_or_else(|| format!("[{rows}, {k}] overflows"))?;
+        if bytes.len() != expected {
+            return Err(format!(
+                "{} bytes of {format} blocks do not fit a [{rows}, {k}] tensor ({expected} expected)",
+                bytes.len()
             ));
         }
         let f16 = |&b: &[u8; 2]| half::f16::from_le_bytes(b).to_f32().to_bits();
-        // A block holds `fields` f16s (its scale, then Q4_1's minimum), then its quants.
-        let fields = if format == WeightFormat::Q4_1 { 2 } else { 1 };
-        let stride = format.row_words(k).unwrap_or(0);
         let mut words = Vec::with_capacity(rows * stride);
         for row in bytes.chunks_exact(nb * block_bytes) {
-            let blocks = || row.chunks_exact(block_bytes);
-            for field in 0..fields {
-                words.extend(blocks().filter_map(|b| b.as_chunks().0.get(field)).map(f16));
+            // Each field of every block of the row in turn: the f16s widened, the rest as words.
+            for &(at, len, half) in fields {
+                for field in row.chunks_exact(block_bytes).filter_map(|b| b.get(at..at + len)) {
+                    if half {
+                        words.extend(field.as_chunks().0.iter().map(f16));
+                    } else {
+                        words.extend(field.as_chunks().0.iter().map(|&w| u32::from_le_bytes(w)));
+                    }
+                }
             }
-            for quants in blocks().filter_map(|b| b.get(2 * fields..)) {
-                words.extend(quants.as_chunks().0.iter().map(|&w| u32::from_le_bytes(w)));
-            }
+        }
+        if words.len() != rows * stride {
+            return Err(format!("internal error: {format} rows repacked to {} words, not {stride}", words.len()));
         }
         Ok(QuantWeight { format, rows, k, words })
     }
@@ -91,13 +98,13 @@ impl QuantWeight {
         Some(QuantWeight { format: first.format, rows: parts.iter().map(|p| p.rows).sum(), k: first.k, words })
     }
 
-    /// Every element multiplied by `factor` (the block scales and minimums are).
+    /// Every element multiplied by `factor` (the row's leading floats are: the block scales and
+    /// minimums, or a K-quant's super-block scales).
     pub fn scaled(&self, factor: f32) -> QuantWeight {
-        let nb = self.k / BLOCK;
-        let floats = if self.format == WeightFormat::Q4_1 { 2 * nb } else { nb };
+        let floats = self.format.row_floats(self.k).unwrap_or(0);
         let s = self.stride();
         let mut words = self.words.clone();
-        for row in words.chunks_exact_mut(s) {
+        for row in words.chunks_exact_mut(s.max(1)) {
             for w in row.iter_mut().take(floats) {
                 *w = (f32::from_bits(*w) * factor).to_bits();
             }
@@ -127,7 +134,8 @@ impl QuantWeight {
         }
     }
 
-    /// One row's words: the blocks' scales, Q4_1's minimums, then the quants (8 or 4 words a block).
+    /// One row's words: the blocks' scales, Q4_1's minimums, then the quants (8 or 4 words a
+    /// block); the other formats block by block through [`block`].
     fn dequantize_words(&self, row: &[u32], out: &mut Vec<f32>) {
         let nb = self.k / BLOCK;
         let (scales, rest) = row.split_at_checked(nb).unwrap_or_default();
@@ -138,13 +146,27 @@ impl QuantWeight {
                     out.extend(q.iter().flat_map(|w| w.to_le_bytes()).map(|x| f32::from(x as i8) * d));
                 }
             }
-            _ => {
+            WeightFormat::Q4_1 => {
                 let (mins, quants) = rest.split_at_checked(nb).unwrap_or_default();
                 let mins = mins.iter().map(|&m| f32::from_bits(m));
                 for ((d, m), q) in scales.zip(mins).zip(quants.chunks_exact(4)) {
                     let q: Vec<u8> = q.iter().flat_map(|w| w.to_le_bytes()).collect();
                     out.extend(q.iter().map(|&x| f32::from(x & 0x0f) * d + m));
                     out.extend(q.iter().map(|&x| f32::from(x >> 4) * d + m));
+                }
+            }
+            format => {
+                let mins = format.has_mins();
+                for b in 0..nb {
+                    let Some(blk) = block(format, row, self.k, b) else { return };
+                    let (low, high) = blk.q.split_at(BLOCK / 2);
+                    for (half, scale) in [low, high].into_iter().zip(blk.scale) {
+                        if mins {
+                            out.extend(half.iter().map(|&q| q as f32 * scale + blk.min));
+                        } else {
+                            out.extend(half.iter().map(|&q| q as f32 * scale));
+                        }
+                    }
                 }
             }
         }
@@ -155,24 +177,26 @@ impl QuantWeight {
         4 * self.words.len() as u64
     }
 
-    /// Quantizes a `[rows, k]` f32 tensor the way llama.cpp does (Q8_0: scale `max|x| / 127`,
-    /// rounded quants; Q4_1: minimum and `(max - min) / 15` per block), returning the GGUF block
-    /// bytes. For tests and the kernel benchmark; `None` unless the tensor is 2-D f32 with rows of
-    /// whole blocks and `format` is quantized.
+    /// Quantizes a `[rows, k]` f32 tensor, returning the GGUF block bytes: Q8_0 and Q4_1 the way
+    /// llama.cpp does (Q8_0: scale `max|x| / 127`, rounded quants; Q4_1: minimum and
+    /// `(max - min) / 15` per block), Q5_0 as gguf-py does (scale `-max / 16` of the element
+    /// largest in magnitude), and the K-quants by a plain rule (no search for the best scales):
+    /// Q4_K a range `[min(0, lo), hi]` per sub-block of 32, Q6_K a signed maximum per 16, with
+    /// the sub-block scales quantized against their largest. For tests and the kernel benchmark;
+    /// `None` unless the tensor is 2-D f32 with rows of whole blocks and `format` is quantized.
     pub fn quantize_blocks(format: WeightFormat, t: &Tensor) -> Option<Vec<u8>> {
         let x = t.as_f32()?;
         let [_, k] = t.shape.as_slice() else { return None };
-        if !k.is_multiple_of(BLOCK) {
+        if !format.quantized() || !k.is_multiple_of(format.row_multiple()) {
             return None;
         }
-        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
         let mut out = Vec::new();
-        for block in x.chunks_exact(BLOCK) {
+        for block in x.chunks_exact(format.row_multiple()) {
             match format {
                 WeightFormat::Q8_0 => {
                     let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
                     let d = amax / 127.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    let id = inverse(d);
                     out.extend(f16(d));
                     out.extend(block.iter().map(|v| (v * id).round().clamp(-127.0, 127.0) as i8 as u8));
                 }
@@ -180,7 +204,7 @@ impl QuantWeight {
                     let min = block.iter().copied().fold(f32::INFINITY, f32::min);
                     let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let d = (max - min) / 15.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    let id = inverse(d);
                     out.extend(f16(d));
                     out.extend(f16(min));
                     let q = |v: f32| ((v - min) * id).round().clamp(0.0, 15.0) as u8;
@@ -188,7 +212,20 @@ impl QuantWeight {
                     let (low, high) = block.split_at(BLOCK / 2);
                     out.extend(low.iter().zip(high).map(|(&l, &h)| q(l) | (q(h) << 4)));
                 }
-                _ => return None,
+                WeightFormat::Q5_0 => {
+                    let max = block.iter().copied().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+                    let d = max / -16.0;
+                    let id = inverse(d);
+                    let q: Vec<u8> = block.iter().map(|v| (v * id + 16.5).trunc().clamp(0.0, 31.0) as u8).collect();
+                    out.extend(f16(d));
+                    let qh = q.iter().enumerate().fold(0u32, |h, (j, &q)| h | (u32::from(q >> 4) << j));
+                    out.extend(qh.to_le_bytes());
+                    let (low, high) = q.split_at(BLOCK / 2);
+                    out.extend(low.iter().zip(high).map(|(&l, &h)| (l & 0x0f) | ((h & 0x0f) << 4)));
+                }
+                WeightFormat::Q4_K => out.extend(quantize_q4_k(block)?),
+                WeightFormat::Q6_K => out.extend(quantize_q6_k(block)?),
+                WeightFormat::F32 | WeightFormat::F16 => return None,
             }
         }
         Some(out)
@@ -198,9 +235,204 @@ impl QuantWeight {
     pub fn quantize(format: WeightFormat, t: &Tensor) -> Option<QuantWeight> {
         let bytes = Self::quantize_blocks(format, t)?;
         let &[rows, k] = t.shape.as_slice() else { return None };
-        let ty = if format == WeightFormat::Q8_0 { GgmlType::Q8_0 } else { GgmlType::Q4_1 };
+        let ty = match format {
+            WeightFormat::Q8_0 => GgmlType::Q8_0,
+            WeightFormat::Q4_1 => GgmlType::Q4_1,
+            WeightFormat::Q5_0 => GgmlType::Q5_0,
+            WeightFormat::Q4_K => GgmlType::Q4_K,
+            WeightFormat::Q6_K => GgmlType::Q6_K,
+            WeightFormat::F32 | WeightFormat::F16 => return None,
+        };
         Self::from_blocks(ty, rows, k, &bytes).ok()
     }
+}
+
+/// A GGUF type kept as blocks: its format, the bytes of a file block, and the block's fields in
+/// the order the device layout stores them, each `(byte offset, bytes, f16)`: an f16 field is
+/// widened to f32 words, any other is copied as little-endian words (its length a multiple of 4).
+type FileLayout = (WeightFormat, usize, &'static [(usize, usize, bool)]);
+
+/// The file layout of `ty`, or `None` if it does not stay quantized (see the layouts in
+/// [`kiln_compiler::lower::format`] and the file's in [`GgmlType`]'s constants).
+fn file_layout(ty: GgmlType) -> Option<FileLayout> {
+    Some(match ty {
+        GgmlType::Q8_0 => (WeightFormat::Q8_0, 34, &[(0, 2, true), (2, 32, false)]),
+        GgmlType::Q4_1 => (WeightFormat::Q4_1, 20, &[(0, 2, true), (2, 2, true), (4, 16, false)]),
+        GgmlType::Q5_0 => (WeightFormat::Q5_0, 22, &[(0, 2, true), (2, 4, false), (6, 16, false)]),
+        GgmlType::Q4_K => (WeightFormat::Q4_K, 144, &[(0, 2, true), (2, 2, true), (4, 12, false), (16, 128, false)]),
+        GgmlType::Q6_K => {
+            (WeightFormat::Q6_K, 210, &[(208, 2, true), (192, 16, false), (0, 128, false), (128, 64, false)])
+        }
+        _ => return None,
+    })
+}
+
+/// One block of 32 elements of a row in the device layout, as integers and their scales:
+/// element `i` is `q[i] * scale[i / 16]` (a multiply then, for formats with minimums, `+ min`;
+/// never fused), which is exactly the element [`crate::gguf`] dequantizes, bit for bit. Both
+/// halves have the block's scale except in Q6_K, whose scales are per 16 elements. A K-quant's
+/// sub-block has its scales applied: Q4_K's scale is `d * sc` and `min` is `-(dmin * m)`; Q6_K's
+/// are `d * sc` of each half, and its `q` the 6-bit quants less 32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Block {
+    /// The factor of the quants of each half (elements `0..16` and `16..32`).
+    pub scale: [f32; 2],
+    /// The term added to every element (0 without minimums).
+    pub min: f32,
+    /// The integers.
+    pub q: [i32; BLOCK],
+}
+
+/// Block `b` (elements `32 b..32 b + 32`) of `row`, a row of `k` elements in `format`'s device
+/// layout; `None` if the row is too short or `format` is a float format. Q8_0 and Q4_1 are
+/// read here too, for completeness; the kernels have their own paths for them.
+pub fn block(format: WeightFormat, row: &[u32], k: usize, b: usize) -> Option<Block> {
+    let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
+    let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
+    if b >= nb {
+        return None;
+    }
+    let mut q = [0i32; BLOCK];
+    let (scale, min) = match format {
+        WeightFormat::Q8_0 => {
+            for (q, x) in q.iter_mut().zip(le_bytes::<32>(row, nb + 8 * b)?) {
+                *q = i32::from(x as i8);
+            }
+            (f(b)?, 0.0)
+        }
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 => {
+            let quants = le_bytes::<16>(row, 2 * nb + 4 * b)?;
+            // Q5_0's fifth bits: bit `j` of the block's word is element `j`'s.
+            let (fifth, offset) = match format {
+                WeightFormat::Q5_0 => (*row.get(nb + b)?, 16),
+                _ => (0, 0),
+            };
+            let (low, high) = q.split_at_mut(BLOCK / 2);
+            for (j, ((x, lo), hi)) in quants.into_iter().zip(low).zip(high).enumerate() {
+                *lo = i32::from(x & 0x0f) + 16 * ((fifth >> j) & 1) as i32 - offset;
+                *hi = i32::from(x >> 4) + 16 * ((fifth >> (j + 16)) & 1) as i32 - offset;
+            }
+            let min = if format == WeightFormat::Q4_1 { f(nb + b)? } else { 0.0 };
+            (f(b)?, min)
+        }
+        WeightFormat::Q4_K => {
+            let s = b / 8;
+            let (sc, m) = crate::gguf::q4_k_scale_min(&le_bytes::<12>(row, 2 * ns + 3 * s)?, b % 8);
+            // Sub-blocks 2c and 2c + 1 are the low and high nibbles of 32 bytes.
+            for (q, x) in q.iter_mut().zip(le_bytes::<32>(row, 5 * ns + 8 * (b / 2))?) {
+                *q = i32::from((x >> (4 * (b % 2))) & 0x0f);
+            }
+            (f(s)? * f32::from(sc), -(f(ns + s)? * f32::from(m)))
+        }
+        WeightFormat::Q6_K => {
+            let (s, c8) = (b / 8, b % 8);
+            let (h, c) = (c8 / 4, c8 % 4);
+            let scales = le_bytes::<16>(row, ns + 4 * s)?;
+            let low = le_bytes::<32>(row, 5 * ns + 32 * s + 16 * h + 8 * (c % 2))?;
+            let high = le_bytes::<32>(row, 37 * ns + 16 * s + 8 * h)?;
+            for (q, (lo, hi)) in q.iter_mut().zip(low.into_iter().zip(high)) {
+                let v = ((lo >> (4 * (c / 2))) & 0x0f) | (((hi >> (2 * c)) & 3) << 4);
+                *q = i32::from(v) - 32;
+            }
+            // The two 16-element halves of the block have scales 2 c8 and 2 c8 + 1.
+            let d = f(s)?;
+            let (sc0, sc1) = (*scales.get(2 * c8)? as i8, *scales.get(2 * c8 + 1)? as i8);
+            return Some(Block { scale: [d * f32::from(sc0), d * f32::from(sc1)], min: 0.0, q });
+        }
+        WeightFormat::F32 | WeightFormat::F16 => return None,
+    };
+    Some(Block { scale: [scale; 2], min, q })
+}
+
+/// The `N` bytes (`N` a multiple of 4) of the words of `row` from word `at`, little-endian, or
+/// `None` past the row's end.
+fn le_bytes<const N: usize>(row: &[u32], at: usize) -> Option<[u8; N]> {
+    let words = row.get(at..at.checked_add(N / 4)?)?;
+    let mut out = [0u8; N];
+    for (o, w) in out.chunks_exact_mut(4).zip(words) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+    Some(out)
+}
+
+/// An f16's little-endian bytes.
+fn f16(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_le_bytes()
+}
+
+/// `1 / d`, or 0 for `d = 0`.
+fn inverse(d: f32) -> f32 {
+    if d != 0.0 { 1.0 / d } else { 0.0 }
+}
+
+/// One Q4_K super-block (256 values) as its 144 file bytes (see [`QuantWeight::quantize_blocks`]).
+fn quantize_q4_k(x: &[f32]) -> Option<Vec<u8>> {
+    // Per sub-block of 32: the step and the (non-negative) offset subtracted.
+    let ranges: Vec<(f32, f32)> = x
+        .chunks_exact(BLOCK)
+        .map(|b| {
+            let lo = b.iter().copied().fold(0f32, f32::min);
+            let hi = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            ((hi - lo) / 15.0, -lo)
+        })
+        .collect();
+    let d = half::f16::from_f32(ranges.iter().fold(0f32, |a, r| a.max(r.0)) / 63.0).to_f32();
+    let dmin = half::f16::from_f32(ranges.iter().fold(0f32, |a, r| a.max(r.1)) / 63.0).to_f32();
+    let six = |v: f32, unit: f32| (v * inverse(unit)).round().clamp(0.0, 63.0) as u8;
+    let scales: Vec<u8> = ranges.iter().map(|r| six(r.0, d)).collect();
+    let mins: Vec<u8> = ranges.iter().map(|r| six(r.1, dmin)).collect();
+    let mut out = Vec::with_capacity(144);
+    out.extend(f16(d));
+    out.extend(f16(dmin));
+    // The packing `gguf::q4_k_scale_min` reads.
+    let (sc, mn) = (|j: usize| scales.get(j).copied().unwrap_or(0), |j: usize| mins.get(j).copied().unwrap_or(0));
+    out.extend((0..4).map(|i| sc(i) | ((sc(i + 4) >> 4) << 6)));
+    out.extend((0..4).map(|i| mn(i) | ((mn(i + 4) >> 4) << 6)));
+    out.extend((0..4).map(|i| (sc(i + 4) & 0x0f) | ((mn(i + 4) & 0x0f) << 4)));
+    let q: Vec<u8> = x
+        .chunks_exact(BLOCK)
+        .enumerate()
+        .flat_map(|(j, b)| {
+            let step = d * f32::from(sc(j));
+            let offset = dmin * f32::from(mn(j));
+            b.iter().map(move |&v| ((v + offset) * inverse(step)).round().clamp(0.0, 15.0) as u8)
+        })
+        .collect();
+    // Sub-blocks 2c and 2c + 1 share bytes 32c..32c + 32, low and high nibbles.
+    for pair in q.chunks_exact(2 * BLOCK) {
+        let (a, b) = pair.split_at(BLOCK);
+        out.extend(a.iter().zip(b).map(|(&l, &h)| l | (h << 4)));
+    }
+    (out.len() == 144).then_some(out)
+}
+
+/// One Q6_K super-block (256 values) as its 210 file bytes (see [`QuantWeight::quantize_blocks`]).
+fn quantize_q6_k(x: &[f32]) -> Option<Vec<u8>> {
+    // Per 16 values, the scale mapping the one largest in magnitude to -32.
+    let group: Vec<f32> = x
+        .chunks_exact(16)
+        .map(|g| g.iter().copied().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a }) / -32.0)
+        .collect();
+    let d = half::f16::from_f32(group.iter().fold(0f32, |a, g| a.max(g.abs())) / 127.0).to_f32();
+    let scales: Vec<i8> = group.iter().map(|&g| (g * inverse(d)).round().clamp(-128.0, 127.0) as i8).collect();
+    let q: Vec<u8> = x
+        .chunks_exact(16)
+        .zip(&scales)
+        .flat_map(|(g, &sc)| {
+            let step = d * f32::from(sc);
+            g.iter().map(move |&v| ((v * inverse(step)).round() + 32.0).clamp(0.0, 63.0) as u8)
+        })
+        .collect();
+    let (mut ql, mut qh) = (vec![0u8; 128], vec![0u8; 64]);
+    for (e, &v) in q.iter().enumerate() {
+        let (h, c, l) = (e / 128, e % 128 / 32, e % 32);
+        *ql.get_mut(64 * h + 32 * (c % 2) + l)? |= (v & 0x0f) << (4 * (c / 2));
+        *qh.get_mut(32 * h + l)? |= (v >> 4) << (2 * c);
+    }
+    let mut out = [ql, qh].concat();
+    out.extend(scales.iter().map(|&s| s as u8));
+    out.extend(f16(d));
+    (out.len() == 210).then_some(out)
 }
 
 #[cfg(test)]
@@ -218,43 +450,77 @@ mod tests {
         Tensor::f32(vec![rows, k], v)
     }
 
+    const TYPES: [(WeightFormat, GgmlType); 5] = [
+        (WeightFormat::Q8_0, GgmlType::Q8_0),
+        (WeightFormat::Q4_1, GgmlType::Q4_1),
+        (WeightFormat::Q5_0, GgmlType::Q5_0),
+        (WeightFormat::Q4_K, GgmlType::Q4_K),
+        (WeightFormat::Q6_K, GgmlType::Q6_K),
+    ];
+
     /// The repacked blocks dequantize to what the GGUF reader's dequantizer (the reference) gives.
     #[test]
     fn repacked_blocks_dequantize_like_the_gguf_reader() {
-        for (format, ty) in [(WeightFormat::Q8_0, GgmlType::Q8_0), (WeightFormat::Q4_1, GgmlType::Q4_1)] {
-            let t = data(3, 64);
+        for (format, ty) in TYPES {
+            let k = 2 * format.row_multiple().max(BLOCK);
+            let t = data(3, k);
             let bytes = QuantWeight::quantize_blocks(format, &t).unwrap();
-            let q = QuantWeight::from_blocks(ty, 3, 64, &bytes).unwrap();
-            let reference = crate::gguf::dequantize_blocks(ty, vec![3, 64], &bytes).unwrap();
-            assert_eq!(q.dequantize(), reference, "{format}");
-            // Quantization error: Q8_0 within half a step of 1/127, Q4_1 within half of 2/15.
-            let tol = if format == WeightFormat::Q8_0 { 0.5 / 127.0 + 1e-3 } else { 1.0 / 15.0 + 2e-3 };
-            let worst = t
-                .as_f32()
-                .unwrap()
-                .iter()
-                .zip(q.dequantize().as_f32().unwrap())
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let q = QuantWeight::from_blocks(ty, 3, k, &bytes).unwrap();
+            assert_eq!(q.words.len(), 3 * format.row_words(k).unwrap());
+            let reference = crate::gguf::dequantize_blocks(ty, vec![3, k], &bytes).unwrap();
+            let bits = |t: &Tensor| t.as_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&q.dequantize()), bits(&reference), "{format}");
+            // `block` gives the same elements.
+            let x = reference.as_f32().unwrap();
+            for (r, row) in q.words.chunks_exact(format.row_words(k).unwrap()).enumerate() {
+                for b in 0..k / BLOCK {
+                    let blk = block(format, row, k, b).unwrap();
+                    for (i, &v) in blk.q.iter().enumerate() {
+                        let e = v as f32 * blk.scale[i / 16];
+                        let e = if format.has_mins() { e + blk.min } else { e };
+                        assert_eq!(e, x[r * k + b * BLOCK + i], "{format} row {r} block {b} element {i}");
+                    }
+                }
+            }
+            assert!(block(format, &q.words[..2], k, 0).is_none());
+            assert!(block(format, &q.words, k, k / BLOCK).is_none());
+            // Quantization error (data in [-1, 1)): Q8_0 within half a step of 1/127, Q4_1
+            // within half of 2/15, the others within a step of their coarsest scale.
+            let tol = match format {
+                WeightFormat::Q8_0 => 0.5 / 127.0 + 1e-3,
+                WeightFormat::Q4_1 => 1.0 / 15.0 + 2e-3,
+                WeightFormat::Q5_0 => 1.0 / 16.0 + 2e-3,
+                WeightFormat::Q4_K => 2.0 / 15.0 + 0.05,
+                _ => 1.0 / 32.0 + 0.02,
+            };
+            let worst = t.as_f32().unwrap().iter().zip(x).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst <= tol, "{format}: {worst}");
             // Row operations and scaling act on rows of the dequantized tensor.
             let rows = q.take_rows(&[2, 0]).unwrap();
-            let d = q.dequantize();
-            let x = d.as_f32().unwrap();
-            assert_eq!(rows.dequantize().as_f32().unwrap(), [&x[128..192], &x[0..64]].concat());
+            assert_eq!(rows.dequantize().as_f32().unwrap(), [&x[2 * k..3 * k], &x[0..k]].concat());
             let both = QuantWeight::stack(&[&q, &rows]).unwrap();
             assert_eq!(both.rows, 5);
             let scaled = q.scaled(0.5).dequantize();
             for (a, b) in scaled.as_f32().unwrap().iter().zip(x) {
-                assert!((a - 0.5 * b).abs() <= 1e-6 * b.abs().max(1.0));
+                assert!((a - 0.5 * b).abs() <= 1e-6 * b.abs().max(1.0), "{format}");
             }
         }
     }
 
     #[test]
     fn bad_blocks_are_errors() {
-        assert!(QuantWeight::from_blocks(GgmlType::Q8_0, 2, 48, &[0; 34 * 3]).unwrap_err().contains("whole blocks"));
+        assert!(
+            QuantWeight::from_blocks(GgmlType::Q8_0, 2, 48, &[0; 34 * 3]).unwrap_err().contains("whole Q8_0 blocks")
+        );
         assert!(QuantWeight::from_blocks(GgmlType::Q8_0, 2, 64, &[0; 34 * 3]).unwrap_err().contains("do not fit"));
         assert!(QuantWeight::from_blocks(GgmlType::F16, 2, 64, &[0; 256]).unwrap_err().contains("F16"));
+        // The K-quants' rows are whole super-blocks of 256.
+        let e = QuantWeight::from_blocks(GgmlType::Q4_K, 1, 640, &[0; 144 * 2]).unwrap_err();
+        assert!(e.contains("whole Q4_K blocks of 256"), "{e}");
+        let e = QuantWeight::from_blocks(GgmlType::Q6_K, 2, 256, &[0; 210]).unwrap_err();
+        assert!(e.contains("420 expected"), "{e}");
+        let e = QuantWeight::from_blocks(GgmlType::Q5_0, 1, 48, &[0; 22]).unwrap_err();
+        assert!(e.contains("whole Q5_0 blocks of 32"), "{e}");
+        assert!(QuantWeight::from_blocks(GgmlType(13), 1, 256, &[0; 176]).unwrap_err().contains("Q5_K"));
     }
 }

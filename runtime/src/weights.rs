@@ -245,7 +245,7 @@ pub fn load_params(spec: &Resolved, graph: &Graph, path: &Path) -> Result<HashMa
 /// Parameters as f32 by name, and the blocks of those kept quantized.
 pub type ParamsAndBlocks = (HashMap<String, Tensor>, HashMap<String, QuantWeight>);
 
-/// [`load_params`], and the Q8_0/Q4_1 blocks of every 2-D parameter a GGUF checkpoint stores in
+/// [`load_params`], and the quantized blocks (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) of every 2-D parameter a GGUF checkpoint stores in
 /// one of those types (see [`quantized_named`]), from one reading of the file.
 pub fn load_params_with_blocks(spec: &Resolved, graph: &Graph, path: &Path) -> Result<ParamsAndBlocks, WeightError> {
     let ckpt = Checkpoint::open(path)?;
@@ -253,7 +253,8 @@ pub fn load_params_with_blocks(spec: &Resolved, graph: &Graph, path: &Path) -> R
     Ok((load_named(&spec.weights, &dims, &params, &ckpt)?, quantized_named(&spec.weights, &dims, &params, &ckpt)?))
 }
 
-/// The Q8_0/Q4_1 blocks of the named 2-D parameters whose GGUF tensor has one of those types and
+/// The blocks of the named 2-D parameters whose GGUF tensor has one of the types kept quantized
+/// (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) and
 /// is read untransposed, with the weight map's row operations (unpacking, RoPE row order) applied
 /// to whole rows; other parameters (and every parameter of a safetensors file) are left out.
 /// [`load_named`] gives the same parameters as f32 (their exact dequantization) and reports the
@@ -303,7 +304,10 @@ fn quantized_one(
     };
     let Some(info) = gguf.info(&source.tensor) else { return Ok(None) };
     let ty = info.ty();
-    if expected.len() != 2 || source.transpose || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1) {
+    if expected.len() != 2
+        || source.transpose
+        || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+    {
         return Ok(None);
     }
     let error = |message: String| WeightError::Quantized { param: name.into(), tensor: source.tensor.clone(), message };

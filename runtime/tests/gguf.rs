@@ -616,7 +616,8 @@ fn a_llama_cpp_layout_checkpoint_reproduces_the_golden_logits() {
 }
 
 /// By hand, on a real checkpoint: every tensor of `KILN_GGUF` converts, and its first rows equal
-/// bit for bit what gguf-py dequantized into `KILN_GGUF_REFERENCE` (`scripts/gguf-reference`).
+/// bit for bit what gguf-py dequantized into `KILN_GGUF_REFERENCE` (`scripts/gguf-reference`);
+/// every matrix kiln keeps as blocks repacks to a device layout that dequantizes to the same.
 #[test]
 #[ignore = "needs KILN_GGUF and KILN_GGUF_REFERENCE (see scripts/gguf-reference)"]
 fn a_real_file_dequantizes_like_gguf_py() {
@@ -626,6 +627,7 @@ fn a_real_file_dequantizes_like_gguf_py() {
     };
     let (model, reference) = (read("KILN_GGUF"), read("KILN_GGUF_REFERENCE"));
     assert_eq!(model.tensors().len(), reference.tensors().len());
+    let mut repacked = 0;
     for info in model.tensors() {
         let got = tensor(&model, info.name());
         let want = tensor(&reference, info.name());
@@ -633,5 +635,20 @@ fn a_real_file_dequantizes_like_gguf_py() {
         assert!(got.iter().all(|v| v.is_finite()), "{}: not finite", info.name());
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got[..want.len()]), bits(want), "{} ({})", info.name(), info.ty());
+        // A matrix of a type kept as blocks repacks into the device layout, whose dequantization
+        // is the reader's.
+        if let &[rows, k] = info.shape()
+            && let Ok(q) = kiln_runtime::QuantWeight::from_blocks(
+                info.ty(),
+                rows,
+                k,
+                model.raw(info.name()).unwrap().unwrap().bytes,
+            )
+        {
+            assert_eq!(bits(q.dequantize().as_f32().unwrap()), bits(&got), "{} repacked as {}", info.name(), q.format);
+            repacked += 1;
+        }
     }
+    eprintln!("{repacked} matrices repacked");
+    assert!(repacked > 0, "no matrix of a type kept as blocks");
 }

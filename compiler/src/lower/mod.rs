@@ -119,10 +119,10 @@ pub struct Options {
     /// Evaluate ops on parameters alone once at load time ([`Plan::folds`]). Off, they run as
     /// dispatches like any other op (so tests can run kernels on graphs of parameters).
     pub fold_constants: bool,
-    /// Block-quantized parameters (`Q8_0`, `Q4_1`), by canonical name: a projection whose weight is
+    /// Block-quantized parameters (`Q8_0`, `Q4_1`, `Q5_0`, `Q4_K`, `Q6_K`), by canonical name: a projection whose weight is
     /// one of them (or a load-time stack of such rows, or a scaled one) reads the blocks in place
     /// of f32 (see [`mod@format`]). The runtime must then be given the blocks of each. Parameters
-    /// whose rows are not a multiple of 32 stay f32.
+    /// whose rows are not whole blocks of their format (32, or 256 for the K-quants) stay f32.
     pub formats: BTreeMap<String, WeightFormat>,
 }
 
@@ -150,7 +150,8 @@ struct Lowering<'g> {
 
 impl Lowering<'_> {
     /// The quantized view of projection weight `w` (`[rows, k]`, untransposed), if it has one: a
-    /// parameter listed in [`Options::formats`] with `k` a multiple of 32, or a load-time fold
+    /// parameter listed in [`Options::formats`] with `k` a multiple of its format's
+    /// [`WeightFormat::row_multiple`], or a load-time fold
     /// that keeps the blocks: a stack of rows (concatenation on axis 0) of views of one format, or
     /// a scaled view. The view is a value of its own (the f32 value stays, for other readers), with
     /// the same parameter or the same fold over views.
@@ -167,8 +168,8 @@ impl Lowering<'_> {
         let view = match (&v.storage, k) {
             (_, None) => None,
             (_, Some(k)) if !k.is_multiple_of(format::BLOCK) || k == 0 => None,
-            (Storage::Param(name), _) => match self.formats.get(name) {
-                Some(&f) if f.quantized() => {
+            (Storage::Param(name), Some(k)) => match self.formats.get(name) {
+                Some(&f) if f.quantized() && k.is_multiple_of(f.row_multiple()) => {
                     let value = Value { format: f, ..v.clone() };
                     self.values.push(value);
                     Some(self.values.len() - 1)

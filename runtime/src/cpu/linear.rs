@@ -5,7 +5,8 @@
 //! 2. **Product**: for an f32 weight — transposed to `[k, n]` at load when constant (see
 //!    `CpuModel::new`), else the plan's `[n, k]` read by strides — a GEMM through the `gemm` crate (packed,
 //!    cache-blocked, AVX2/AVX-512 kernels chosen at run time, threaded over the pool). For a
-//!    Q8_0/Q4_1 weight (`[rows, k]` blocks), the blocks are dequantized in registers and
+//!    block-quantized weight (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K: `[rows, k]` blocks), the blocks are
+//!    dequantized in registers and
 //!    multiplied with the f32 activations ([`super::qdot_f32`]), or, opted into, each row of `x`
 //!    is quantized to 8 bits per block of 32 and dotted with the weight rows in integer
 //!    arithmetic ([`super::qdot`]); either way the pool's threads take blocks of weight rows,

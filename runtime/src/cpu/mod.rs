@@ -6,7 +6,8 @@
 //! binding, index checks); what is its own is the kernel chosen for each step:
 //!
 //! - projections ([`linear`]): the norm prologue, then a GEMM through the `gemm` crate for f32
-//!   weights, or products straight from the quantized blocks for Q8_0/Q4_1 weights (blocks
+//!   weights, or products straight from the quantized blocks for Q8_0, Q4_1, Q5_0, Q4_K and
+//!   Q6_K weights (blocks
 //!   dequantized in registers, [`qdot_f32`]; or, opted into, activations quantized per block of
 //!   32 as llama.cpp does, [`qdot`]), then the epilogue (bias, activation, gate, RoPE, residual)
 //!   on each row while it is in cache;

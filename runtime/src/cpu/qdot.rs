@@ -7,7 +7,11 @@
 //! product, exact in `i32`. With a weight block's scale `d_w` (and Q4_1's minimum `m_w`):
 //!
 //! - Q8_0: `sum_b d_w[b] * d_x[b] * sum(q_w * q_x)`;
-//! - Q4_1: `sum_b d_w[b] * d_x[b] * sum(q4 * q_x) + m_w[b] * (d_x[b] * sum(q_x))`.
+//! - Q4_1: `sum_b d_w[b] * d_x[b] * sum(q4 * q_x) + m_w[b] * (d_x[b] * sum(q_x))`;
+//! - Q5_0, Q4_K, Q6_K: per block of 32 (a K-quant's sub-block, read by [`crate::quant::block`]),
+//!   `scale * sum(q * q_x) * d_x + min * s_x`, Q4_K's scale and minimum those of its sub-block
+//!   (`d * sc`, `-dmin * m`) and Q6_K's scale per 16 elements; Q5_0's and Q6_K's quants less 16
+//!   and 32.
 //!
 //! The only error against the f32 dot of the dequantized weight with `x` is the activation's
 //! rounding, at most half a step (`d_x / 2`) per element, plus f32 rounding of the block sums.
@@ -29,6 +33,9 @@
 //! - **`neon`** (AArch64): widening byte multiplies (`smull`/`smlal2`) and pairwise adds into
 //!   `i32` lanes (the `sdot` intrinsics are not stable in Rust yet).
 //! - **`scalar`**: portable, and the reference the others are tested against.
+//!
+//! Q5_0, Q4_K and Q6_K have the scalar kernel and one SIMD kernel, AVX-512 VNNI on 256 bits (a
+//! row at a time, see `x86::blocks`); the other implementations run the scalar one for them.
 //!
 //! Every SIMD kernel works on tiles of [`TILE`] rows, so each activation block loaded (and the
 //! per-block work on it) serves several rows, while the rows' words stream through once: decode is
@@ -211,7 +218,7 @@ pub fn kernel_name() -> &'static str {
     best().name()
 }
 
-/// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a `Q8_0` or `Q4_1` weight of `k`
+/// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a block-quantized weight of `k`
 /// elements a row in the device layout whose row `r` starts at `words[r * format.row_words(k)]`.
 ///
 /// Shapes that do not fit give NaN rather than a panic: every row when `format` is not quantized or
@@ -241,6 +248,16 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
     let (out, missing) = out.split_at_mut(rows);
     missing.fill(f32::NAN);
     let words = words.get(..rows * stride).unwrap_or_default();
+    if !matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_1) {
+        let imp = if imp.is_available() { imp } else { Impl::Scalar };
+        match imp {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `imp` is available, so the CPU has the kernel's features.
+            Impl::Avx512Vnni => unsafe { x86::blocks::rows(format, words, stride, k, x, out) },
+            _ => scalar_blocks(format, words, stride, k, x, out),
+        }
+        return;
+    }
     let q4 = format == WeightFormat::Q4_1;
     let imp = if imp.is_available() { imp } else { Impl::Scalar };
     match imp {
@@ -287,6 +304,31 @@ fn scalar_rows(q4: bool, words: &[u32], stride: usize, nb: usize, x: &Q8Acts, ou
                 let sum: i32 = qw.iter().zip(qx).map(|(&w, &x)| i32::from(w as i8) * i32::from(x)).sum();
                 acc += dw * dx * sum as f32;
             }
+        }
+        *o = acc;
+    }
+}
+
+/// The portable implementation for the formats read through [`crate::quant::block`] (Q5_0,
+/// Q4_K, Q6_K): per block of 32, `scale * sum(q * q_x) * d_x + min * s_x` (each half of 16 with
+/// its own scale in Q6_K), the integer sums exact (below `2^24` in magnitude, so also as f32).
+fn scalar_blocks(format: WeightFormat, words: &[u32], stride: usize, k: usize, x: &Q8Acts, out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(words.chunks_exact(stride)) {
+        let mut acc = 0f32;
+        for (b, ((&dx, &sx), qx)) in x.d.iter().zip(&x.s).zip(x.quant_blocks()).enumerate() {
+            let Some(blk) = crate::quant::block(format, row, k, b) else {
+                acc = f32::NAN;
+                break;
+            };
+            let (q0, q1) = blk.q.split_at(BLOCK / 2);
+            let (x0, x1) = qx.split_at(BLOCK / 2);
+            let sum = |q: &[i32], x: &[i8]| q.iter().zip(x).map(|(&w, &x)| w * i32::from(x)).sum::<i32>() as f32;
+            let ints = if blk.scale[0] == blk.scale[1] {
+                blk.scale[0] * (sum(q0, x0) + sum(q1, x1))
+            } else {
+                blk.scale[0] * sum(q0, x0) + blk.scale[1] * sum(q1, x1)
+            };
+            acc += ints * dx + blk.min * sx;
         }
         *o = acc;
     }
@@ -576,6 +618,136 @@ mod x86 {
         };
     }
 
+    pub(super) mod blocks {
+        //! Q5_0, Q4_K and Q6_K with AVX-512 VNNI on 256 bits, a row at a time and a block of 32
+        //! per step: the weight's 5-bit (Q5_0: nibbles, and the fifth bits spread from their word
+        //! by a byte mask), 4-bit (Q4_K: one nibble of 32 bytes) or 6-bit (Q6_K: a nibble and a
+        //! bit pair) quants assembled into 32 unsigned bytes in element order, then `vpdpbusd`
+        //! with the activation block. Q5_0's and Q6_K's offsets (16, 32) come off as `offset *
+        //! sum(q_x)` per lane (four elements, never across Q6_K's 16-element scales), each lane
+        //! scaled by its block's (Q6_K: its half's) `scale * d_x`; Q4_K's minimums add
+        //! `min * s_x` per block.
+
+        use super::super::{BLOCK, Q8Acts};
+        use super::hsum256;
+        use kiln_compiler::lower::WeightFormat;
+        use kiln_compiler::lower::format::SUPER_BLOCK;
+        use std::arch::x86_64::*;
+
+        /// The 32 bytes of the 8 words of `row` from word `at`, or `None` past its end.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn load256(row: &[u32], at: usize) -> Option<__m256i> {
+            let w = row.get(at..at.checked_add(8)?)?;
+            // SAFETY: `w` holds 8 words, 32 bytes.
+            Some(unsafe { _mm256_loadu_si256(w.as_ptr().cast()) })
+        }
+
+        /// `v`'s 16-bit lanes shifted right by `n`.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn shr16(v: __m256i, n: usize) -> __m256i {
+            _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+        }
+
+        /// `out[r] = dot(row r, x)` for the rows of `words` (`stride` words each, `k` elements of
+        /// `format`: Q5_0, Q4_K or Q6_K); NaN for a row whose words do not fit the layout.
+        ///
+        /// # Safety
+        ///
+        /// The CPU has AVX-512 (F, BW, VL, VNNI), AVX2 and FMA. (Shapes are checked here.)
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+        pub(in super::super) unsafe fn rows(
+            format: WeightFormat,
+            words: &[u32],
+            stride: usize,
+            k: usize,
+            x: &Q8Acts,
+            out: &mut [f32],
+        ) {
+            let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
+            let xq: Vec<__m256i> = x
+                .quant_blocks()
+                .take(nb)
+                // SAFETY: each block is 32 bytes.
+                .map(|q| unsafe { _mm256_loadu_si256(q.as_ptr().cast()) })
+                .collect();
+            if xq.len() < nb || x.d.len() < nb || x.s.len() < nb || stride == 0 {
+                out.fill(f32::NAN);
+                return;
+            }
+            let zero = _mm256_setzero_si256();
+            for (o, row) in out.iter_mut().zip(words.chunks_exact(stride)) {
+                let mut acc = _mm256_setzero_ps();
+                let mut mins = 0f32;
+                let mut ok = true;
+                for (b, ((&xv, &dx), &sx)) in xq.iter().zip(&x.d).zip(&x.s).enumerate() {
+                    let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
+                    let step = match format {
+                        WeightFormat::Q5_0 => (|| {
+                            let q = row.get(2 * nb + 4 * b..2 * nb + 4 * b + 4)?;
+                            // SAFETY: `q` holds 4 words, 16 bytes.
+                            let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
+                            // Elements 0..16 in the low nibbles, 16..32 in the high ones.
+                            let nibbles = _mm256_and_si256(
+                                _mm256_srlv_epi32(
+                                    _mm256_broadcastsi128_si256(q),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                ),
+                                _mm256_set1_epi8(0x0f),
+                            );
+                            let fifth = _mm256_maskz_mov_epi8(*row.get(nb + b)?, _mm256_set1_epi8(0x10));
+                            let q = _mm256_or_si256(nibbles, fifth);
+                            let offset = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(16), xv);
+                            let sums = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, q, xv), offset);
+                            Some((_mm256_set1_ps(f(b)? * dx), sums, 0.0))
+                        })(),
+                        WeightFormat::Q4_K => (|| {
+                            let s = b / 8;
+                            let packed: [u8; 12] =
+                                bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?)
+                                    .try_into()
+                                    .ok()?;
+                            let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
+                            let q = _mm256_and_si256(
+                                shr16(load256(row, 5 * ns + 8 * (b / 2))?, 4 * (b % 2)),
+                                _mm256_set1_epi8(0x0f),
+                            );
+                            let scale = f(s)? * f32::from(sc);
+                            let min = -(f(ns + s)? * f32::from(m));
+                            Some((_mm256_set1_ps(scale * dx), _mm256_dpbusd_epi32(zero, q, xv), min * sx))
+                        })(),
+                        _ => (|| {
+                            let (s, c8) = (b / 8, b % 8);
+                            let (h, c) = (c8 / 4, c8 % 4);
+                            let lo = load256(row, 5 * ns + 32 * s + 16 * h + 8 * (c % 2))?;
+                            let hi = load256(row, 37 * ns + 16 * s + 8 * h)?;
+                            let q = _mm256_or_si256(
+                                _mm256_and_si256(shr16(lo, 4 * (c / 2)), _mm256_set1_epi8(0x0f)),
+                                _mm256_slli_epi16::<4>(_mm256_and_si256(shr16(hi, 2 * c), _mm256_set1_epi8(3))),
+                            );
+                            let scales = bytemuck::cast_slice::<u32, u8>(row.get(ns + 4 * s..ns + 4 * s + 4)?);
+                            let sc0 = f32::from(*scales.get(2 * c8)? as i8);
+                            let sc1 = f32::from(*scales.get(2 * c8 + 1)? as i8);
+                            let d = f(s)? * dx;
+                            let (a, z) = (sc0 * d, sc1 * d);
+                            let offset = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(32), xv);
+                            let sums = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, q, xv), offset);
+                            Some((_mm256_setr_ps(a, a, a, a, z, z, z, z), sums, 0.0))
+                        })(),
+                    };
+                    let Some((scale, sums, min)) = step else {
+                        ok = false;
+                        break;
+                    };
+                    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
+                    mins += min;
+                }
+                *o = if ok { hsum256(acc) + mins } else { f32::NAN };
+            }
+        }
+    }
+
     kernel256!(Avx2, avx2, "avx2,fma", avx2_ops);
     kernel256!(AvxVnni, avx_vnni, "avx2,fma,avxvnni", vnni_ops);
 
@@ -844,8 +1016,23 @@ mod tests {
         }
     }
 
-    const FORMATS: [WeightFormat; 2] = [WeightFormat::Q8_0, WeightFormat::Q4_1];
+    const FORMATS: [WeightFormat; 5] =
+        [WeightFormat::Q8_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K];
     const KS: [usize; 7] = [32, 64, 96, 544, 576, 1536, 32 * 33];
+
+    /// The row lengths tested for `format`: [`KS`] (and Gemma's 640), or for the K-quants, whose
+    /// rows are whole super-blocks of 256, 256 to 2048.
+    fn ks(format: WeightFormat) -> Vec<usize> {
+        match format.row_multiple() {
+            32 => KS.iter().copied().chain([640]).collect(),
+            _ => vec![256, 512, 768, 1536, 2048],
+        }
+    }
+
+    /// `k` rounded up to whole blocks of `format`.
+    fn k_of(format: WeightFormat, k: usize) -> usize {
+        k.next_multiple_of(format.row_multiple())
+    }
     const ROWS: [usize; 9] = [1, 2, 3, 4, 5, 7, 8, 9, 33];
 
     fn run(imp: Impl, w: &QuantWeight, x: &Q8Acts) -> Vec<f32> {
@@ -858,24 +1045,21 @@ mod tests {
     fn magnitudes(w: &QuantWeight, x: &Q8Acts) -> Vec<f64> {
         let nb = w.k / BLOCK;
         let stride = w.format.row_words(w.k).unwrap();
-        let q4 = w.format == WeightFormat::Q4_1;
         let xq: Vec<&[i8]> = x.quant_blocks().collect();
         w.words
             .chunks_exact(stride)
             .map(|row| {
-                let f = |i: usize| f64::from(f32::from_bits(row[i]));
-                let bytes: Vec<u8> = row[if q4 { 2 * nb } else { nb }..].iter().flat_map(|w| w.to_le_bytes()).collect();
                 (0..nb)
                     .map(|b| {
-                        let qw: Vec<f64> = if q4 {
-                            let blk = &bytes[16 * b..16 * b + 16];
-                            blk.iter().map(|&v| v & 15).chain(blk.iter().map(|&v| v >> 4)).map(f64::from).collect()
-                        } else {
-                            bytes[32 * b..32 * b + 32].iter().map(|&v| f64::from(v as i8)).collect()
-                        };
-                        let ints: f64 = qw.iter().zip(xq[b]).map(|(a, &q)| (a * f64::from(q)).abs()).sum();
-                        let min = if q4 { (f(nb + b) * f64::from(x.s[b])).abs() } else { 0.0 };
-                        (f(b) * f64::from(x.d[b])).abs() * ints + min
+                        let blk = crate::quant::block(w.format, row, w.k, b).unwrap();
+                        let ints: f64 = blk
+                            .q
+                            .iter()
+                            .zip(xq[b])
+                            .enumerate()
+                            .map(|(i, (&a, &q))| (f64::from(blk.scale[i / 16]) * f64::from(a) * f64::from(q)).abs())
+                            .sum();
+                        f64::from(x.d[b]).abs() * ints + (f64::from(blk.min) * f64::from(x.s[b])).abs()
                     })
                     .sum()
             })
@@ -906,7 +1090,7 @@ mod tests {
         let mut rng = Rng(7);
         let mut x = Q8Acts::new();
         for format in FORMATS {
-            for k in KS {
+            for k in ks(format) {
                 for rows in ROWS {
                     let what = format!("{format} k={k} rows={rows}");
                     let t = Tensor::f32(vec![rows, k], rng.values(rows * k));
@@ -949,9 +1133,8 @@ mod tests {
         let mut rng = Rng(99);
         let mut x = Q8Acts::new();
         for format in FORMATS {
-            for k in KS {
-                let nb = k / BLOCK;
-                let floats = if format == WeightFormat::Q4_1 { 2 * nb } else { nb };
+            for k in ks(format) {
+                let floats = format.row_floats(k).unwrap();
                 let stride = format.row_words(k).unwrap();
                 let rows = 9;
                 let words = (0..rows * stride)
@@ -984,7 +1167,7 @@ mod tests {
         let mut rng = Rng(3);
         let mut x = Q8Acts::new();
         for format in FORMATS {
-            let k = 576;
+            let k = k_of(format, 576);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], rng.values(9 * k))).unwrap();
             x.quantize(&vec![0.0; k]);
             assert!(x.d.iter().all(|&d| d == 0.0));
@@ -999,7 +1182,7 @@ mod tests {
         let mut rng = Rng(5);
         let mut x = Q8Acts::new();
         for format in FORMATS {
-            let k = 96;
+            let k = k_of(format, 96);
             // One huge activation: the rest of its block rounds to 0, the other blocks keep theirs.
             let t = Tensor::f32(vec![5, k], rng.values(5 * k));
             let w = QuantWeight::quantize(format, &t).unwrap();
@@ -1027,8 +1210,8 @@ mod tests {
     fn nan_and_bad_shapes_do_not_panic() {
         let mut rng = Rng(11);
         let mut x = Q8Acts::new();
-        let k = 64;
         for format in FORMATS {
+            let k = k_of(format, 64);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
             // NaN in the activation propagates.
             let mut xf = rng.values(k);

@@ -9,7 +9,10 @@
 //! weight row with `x`, the f32 products the interpreter computes, up to the order of the sums.
 //!
 //! The weights are read in the device layout of [`kiln_compiler::lower::format`] (per row the
-//! block scales, Q4_1's minimums, then the quants as `u32` words). Two shapes of work:
+//! block scales, Q4_1's minimums, then the quants as `u32` words). Q5_0, Q4_K and Q6_K are read
+//! by the same drivers, but each block of 32 is dequantized by the portable
+//! [`crate::quant::block`] into a buffer the vector code then loads (exactly the same values:
+//! only Q8_0 and Q4_1 have vector dequantization so far). Two shapes of work:
 //!
 //! - **Decode** ([`dot_rows_f32`], and [`gemm_rows_f32`] with a few activation rows: up to 4
 //!   with AVX-512, 3 with AVX2): tiles of [`TILE`] weight rows stream through once. Each
@@ -122,12 +125,12 @@ pub fn kernel_name() -> &'static str {
     best().name()
 }
 
-/// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a `Q8_0` or `Q4_1` weight of `k`
+/// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a block-quantized weight of `k`
 /// elements a row in the device layout whose row `r` starts at `words[r * format.row_words(k)]`,
 /// with `x` (`k` floats) in f32.
 ///
 /// Shapes that do not fit give NaN rather than a panic: every output when `format` is not
-/// quantized, `k` is not a multiple of 32 or `x.len()` is not `k`, and the rows past the end of
+/// quantized, `k` is not whole blocks of the format (32, or 256 for the K-quants) or `x.len()` is not `k`, and the rows past the end of
 /// `words`. With `k = 0` every dot product is 0. This is [`gemm_rows_f32`] with one activation row.
 pub fn dot_rows_f32(format: WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
     dot_rows_f32_with(best(), format, words, k, x, out);
@@ -142,7 +145,7 @@ pub fn dot_rows_f32_with(imp: Impl, format: WeightFormat, words: &[u32], k: usiz
 
 /// `out[i * rows + r] = dot(weight row r, xs row i)` for `i` in `0..m` and `r` in `0..rows`:
 /// the product of `m` activation rows (`xs`, `m` rows of `k` floats, row-major) with the
-/// transpose of a `[rows, k]` `Q8_0` or `Q4_1` weight in the device layout (row `r` at
+/// transpose of a `[rows, k]` block-quantized weight in the device layout (row `r` at
 /// `words[r * format.row_words(k)]`); `out` holds `m` rows of `rows`.
 ///
 /// With a few activation rows (up to 4 with AVX-512) the weight streams through once with each
@@ -151,7 +154,7 @@ pub fn dot_rows_f32_with(imp: Impl, format: WeightFormat, words: &[u32], k: usiz
 /// weight by rows and give each part its own `out`.
 ///
 /// Shapes that do not fit give NaN rather than a panic: all of `out` when `format` is not
-/// quantized, `k` is not a multiple of 32, `xs.len()` is not `m * k` or `out.len()` is not
+/// quantized, `k` is not whole blocks of the format, `xs.len()` is not `m * k` or `out.len()` is not
 /// `m * rows`; the outputs of the rows past the end of `words`. With `k = 0` every output is 0.
 pub fn gemm_rows_f32(
     format: WeightFormat,
@@ -198,16 +201,7 @@ pub fn gemm_rows_f32_with(
             o.get_mut(valid..).unwrap_or_default().fill(f32::NAN);
         }
     }
-    let job = Job {
-        q4: format == WeightFormat::Q4_1,
-        words: words.get(..valid * stride).unwrap_or_default(),
-        stride,
-        nb,
-        k,
-        xs,
-        m,
-        rows,
-    };
+    let job = Job { format, words: words.get(..valid * stride).unwrap_or_default(), stride, nb, k, xs, m, rows };
     let imp = if imp.is_available() { imp } else { Impl::Scalar };
     match imp {
         #[cfg(target_arch = "x86_64")]
@@ -226,8 +220,8 @@ pub fn gemm_rows_f32_with(
 /// A product whose shapes were checked: `xs` holds `m` rows of `k = 32 nb` floats, `words` whole
 /// rows of `stride` words (the rows that exist), and `out` `m` rows of `rows >= words / stride`.
 struct Job<'a> {
-    /// Q4_1 (else Q8_0).
-    q4: bool,
+    /// The weight's format (quantized).
+    format: WeightFormat,
     words: &'a [u32],
     stride: usize,
     nb: usize,
@@ -238,28 +232,83 @@ struct Job<'a> {
     rows: usize,
 }
 
-/// A weight row (`nb` blocks, Q4_1 if `q4`, else Q8_0) dequantized into `w` (`32 nb` floats),
-/// as `QuantWeight::dequantize` computes it.
-fn dequant_row(q4: bool, nb: usize, row: &[u32], w: &mut [f32]) {
+/// A weight row (`nb` blocks of `format`) dequantized into `w` (`32 nb` floats), as
+/// `QuantWeight::dequantize` computes it (Q8_0 and Q4_1 directly, the other formats through
+/// [`crate::quant::block`]).
+fn dequant_row(format: WeightFormat, nb: usize, row: &[u32], w: &mut [f32]) {
     let (scales, rest) = row.split_at(nb.min(row.len()));
     let scales = scales.iter().map(|&d| f32::from_bits(d));
-    if q4 {
-        let (mins, quants) = rest.split_at(nb.min(rest.len()));
-        let mins = mins.iter().map(|&m| f32::from_bits(m));
-        for (((d, m), q), w) in scales.zip(mins).zip(quants.chunks_exact(4)).zip(w.chunks_exact_mut(BLOCK)) {
-            // Byte j holds element j (low nibble) and element j + 16 (high nibble).
-            let (lo, hi) = w.split_at_mut(BLOCK / 2);
-            for ((&b, lo), hi) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(lo).zip(hi) {
-                *lo = f32::from(b & 0x0f) * d + m;
-                *hi = f32::from(b >> 4) * d + m;
+    match format {
+        WeightFormat::Q4_1 => {
+            let (mins, quants) = rest.split_at(nb.min(rest.len()));
+            let mins = mins.iter().map(|&m| f32::from_bits(m));
+            for (((d, m), q), w) in scales.zip(mins).zip(quants.chunks_exact(4)).zip(w.chunks_exact_mut(BLOCK)) {
+                // Byte j holds element j (low nibble) and element j + 16 (high nibble).
+                let (lo, hi) = w.split_at_mut(BLOCK / 2);
+                for ((&b, lo), hi) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(lo).zip(hi) {
+                    *lo = f32::from(b & 0x0f) * d + m;
+                    *hi = f32::from(b >> 4) * d + m;
+                }
             }
         }
-    } else {
-        for ((d, q), w) in scales.zip(rest.chunks_exact(8)).zip(w.chunks_exact_mut(BLOCK)) {
-            for (&b, w) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(w) {
-                *w = f32::from(b as i8) * d;
+        WeightFormat::Q8_0 => {
+            for ((d, q), w) in scales.zip(rest.chunks_exact(8)).zip(w.chunks_exact_mut(BLOCK)) {
+                for (&b, w) in bytemuck::cast_slice::<u32, u8>(q).iter().zip(w) {
+                    *w = f32::from(b as i8) * d;
+                }
             }
         }
+        _ => {
+            for (b, w) in w.chunks_exact_mut(BLOCK).enumerate() {
+                dequant_block(format, row, nb, b, w);
+            }
+        }
+    }
+}
+
+/// Block `b` of a row (`nb` blocks of `format`) dequantized into `w` (32 floats) through
+/// [`crate::quant::block`]; NaN if the row is too short (which the callers' checks exclude).
+fn dequant_block(format: WeightFormat, row: &[u32], nb: usize, b: usize, w: &mut [f32]) {
+    let Some(blk) = crate::quant::block(format, row, BLOCK * nb, b) else {
+        w.fill(f32::NAN);
+        return;
+    };
+    for (i, (w, &q)) in w.iter_mut().zip(&blk.q).enumerate() {
+        let scale = if i < BLOCK / 2 { blk.scale[0] } else { blk.scale[1] };
+        *w = if format.has_mins() { q as f32 * scale + blk.min } else { q as f32 * scale };
+    }
+}
+
+/// The kernels' format parameter (a const generic): Q8_0 and Q4_1 have their own SIMD
+/// dequantization; the others are dequantized block by block by [`dequant_block`].
+const F_Q8_0: u8 = 0;
+/// See [`F_Q8_0`].
+const F_Q4_1: u8 = 1;
+/// See [`F_Q8_0`].
+const F_Q5_0: u8 = 2;
+/// See [`F_Q8_0`].
+const F_Q4_K: u8 = 3;
+/// See [`F_Q8_0`].
+const F_Q6_K: u8 = 4;
+
+/// The format of a kernel's format parameter.
+const fn tag_format(tag: u8) -> WeightFormat {
+    match tag {
+        F_Q8_0 => WeightFormat::Q8_0,
+        F_Q4_1 => WeightFormat::Q4_1,
+        F_Q5_0 => WeightFormat::Q5_0,
+        F_Q4_K => WeightFormat::Q4_K,
+        _ => WeightFormat::Q6_K,
+    }
+}
+
+/// The word of a row (of `nb` blocks) at which block `b`'s quants start, for prefetching (the
+/// low bits of a Q6_K block; any word of the row would do).
+const fn quant_word(tag: u8, nb: usize, b: usize) -> usize {
+    match tag {
+        F_Q8_0 => nb + 8 * b,
+        F_Q4_1 | F_Q5_0 => 2 * nb + 4 * b,
+        _ => 5 * (nb / 8) + 4 * b,
     }
 }
 
@@ -268,7 +317,7 @@ fn dequant_row(q4: bool, nb: usize, row: &[u32], w: &mut [f32]) {
 fn scalar(job: &Job<'_>, out: &mut [f32]) {
     let mut w = vec![0f32; job.k];
     for (r, row) in job.words.chunks_exact(job.stride).enumerate() {
-        dequant_row(job.q4, job.nb, row, &mut w);
+        dequant_row(job.format, job.nb, row, &mut w);
         for (x, o) in job.xs.chunks_exact(job.k).zip(out.chunks_exact_mut(job.rows)) {
             if let Some(o) = o.get_mut(r) {
                 *o = w.iter().zip(x).fold(0f32, |acc, (&w, &x)| acc + w * x);
@@ -286,8 +335,12 @@ fn scalar(job: &Job<'_>, out: &mut [f32]) {
 macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
         pub(in super::super) mod $module {
-            use super::super::{BLOCK, Job, KC, Line, PREFETCH, TILE};
+            use super::super::{
+                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, TILE, dequant_block,
+                quant_word, tag_format,
+            };
             use super::$ops as ops;
+            use kiln_compiler::lower::WeightFormat;
 
             /// The sums of the lanes of each of `a`.
             #[target_feature(enable = $features)]
@@ -306,34 +359,44 @@ macro_rules! kernels {
                 out
             }
 
-            /// The block at `q` (its quants) with scale `d` and, for Q4_1, minimum `m`, dequantized.
+            /// Block `b` of the row at `row` (`nb` blocks of the format tagged `F`) dequantized:
+            /// Q8_0 and Q4_1 in registers, the other formats by [`dequant_block`] into a buffer.
             ///
             /// # Safety
             ///
-            /// `q` points at the block's quants (8 words for Q8_0, 4 for Q4_1).
+            /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
             #[target_feature(enable = $features)]
             #[inline]
-            unsafe fn block<const Q4: bool>(q: *const u32, d: f32, m: f32) -> [ops::V; ops::BV] {
-                // SAFETY: the caller's.
-                unsafe { if Q4 { ops::q4(q, d, m) } else { ops::q8(q, d) } }
-            }
-
-            /// Block `b` of the row at `row` (`nb` blocks) dequantized.
-            ///
-            /// # Safety
-            ///
-            /// `row` is a whole row of the layout for `nb` blocks (Q4_1 if `Q4`, else Q8_0) and
-            /// `b < nb`.
-            #[target_feature(enable = $features)]
-            #[inline]
-            unsafe fn row_block<const Q4: bool>(row: *const u32, nb: usize, b: usize) -> [ops::V; ops::BV] {
-                let (quants, words) = if Q4 { (2 * nb, 4) } else { (nb, 8) };
-                // SAFETY: a row holds `nb` scales, (Q4_1) `nb` minimums, then `words` quant words a
-                // block; `b < nb`.
-                unsafe {
-                    let d = f32::from_bits(row.add(b).read());
-                    let m = if Q4 { f32::from_bits(row.add(nb + b).read()) } else { 0.0 };
-                    block::<Q4>(row.add(quants + words * b), d, m)
+            unsafe fn row_block<const F: u8>(row: *const u32, nb: usize, b: usize) -> [ops::V; ops::BV] {
+                match F {
+                    // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block; `b < nb`.
+                    F_Q8_0 => unsafe { ops::q8(row.add(nb + 8 * b), f32::from_bits(row.add(b).read())) },
+                    // SAFETY: a Q4_1 row holds `nb` scales, `nb` minimums, then 4 quant words a block.
+                    F_Q4_1 => unsafe {
+                        let (d, m) = (f32::from_bits(row.add(b).read()), f32::from_bits(row.add(nb + b).read()));
+                        ops::q4(row.add(2 * nb + 4 * b), d, m)
+                    },
+                    _ => {
+                        let format = tag_format(F);
+                        let words = format.row_words(BLOCK * nb).unwrap_or(0);
+                        // SAFETY: `row` is a whole row of the layout: `words` words.
+                        let row = unsafe { std::slice::from_raw_parts(row, words) };
+                        let mut buf = Line([0.0; 16]);
+                        let mut buf2 = Line([0.0; 16]);
+                        let mut w = [0f32; BLOCK];
+                        dequant_block(format, row, nb, b, &mut w);
+                        let (lo, hi) = w.split_at(16);
+                        buf.0.copy_from_slice(lo);
+                        buf2.0.copy_from_slice(hi);
+                        let mut out = [ops::zero(); ops::BV];
+                        for (j, v) in out.iter_mut().enumerate() {
+                            let (line, at) =
+                                if ops::LANES * j < 16 { (&buf, ops::LANES * j) } else { (&buf2, ops::LANES * j - 16) };
+                            // SAFETY: `at + LANES <= 16`, inside the line.
+                            *v = unsafe { ops::load(line.0.as_ptr().add(at)) };
+                        }
+                        out
+                    }
                 }
             }
 
@@ -346,7 +409,7 @@ macro_rules! kernels {
             /// `nb` blocks and each of `xs` at `32 nb` floats. The words `ahead` words past those
             /// read are prefetched (a hint: they need not exist).
             #[target_feature(enable = $features)]
-            unsafe fn direct<const R: usize, const M: usize, const Q4: bool>(
+            unsafe fn direct<const R: usize, const M: usize, const F: u8>(
                 rows: &[*const u32; R],
                 nb: usize,
                 xs: &[*const f32; M],
@@ -354,8 +417,6 @@ macro_rules! kernels {
             ) -> [[f32; R]; M] {
                 let mut acc = [[ops::zero(); M]; R];
                 let hoist = M * ops::BV <= ops::HOIST;
-                let quants = if Q4 { 2 * nb } else { nb };
-                let words = if Q4 { 4 } else { 8 };
                 for b in 0..nb {
                     // The activation blocks, loaded once for the tile's rows when registers allow.
                     let mut xv = [[ops::zero(); ops::BV]; M];
@@ -370,13 +431,13 @@ macro_rules! kernels {
                     for (a, &row) in acc.iter_mut().zip(rows) {
                         if b % 16 == 0 {
                             ops::prefetch(row.wrapping_add(b + ahead));
-                            if Q4 {
+                            if F == F_Q4_1 {
                                 ops::prefetch(row.wrapping_add(nb + b + ahead));
                             }
                         }
-                        ops::prefetch(row.wrapping_add(quants + words * b + ahead));
+                        ops::prefetch(row.wrapping_add(quant_word(F, nb, b) + ahead));
                         // SAFETY: `row` is a whole row and `b < nb`.
-                        let w = unsafe { row_block::<Q4>(row, nb, b) };
+                        let w = unsafe { row_block::<F>(row, nb, b) };
                         for ((a, xv), &x) in a.iter_mut().zip(&xv).zip(xs) {
                             for (j, (w, xv)) in w.iter().zip(xv).enumerate() {
                                 let xv = if hoist {
@@ -411,10 +472,10 @@ macro_rules! kernels {
             /// The CPU has the features; `row` is a whole row of the layout, `b1 <= nb`, and `dst`
             /// is writable for `32 (b1 - b0)` floats.
             #[target_feature(enable = $features)]
-            unsafe fn dequant<const Q4: bool>(row: *const u32, nb: usize, b0: usize, b1: usize, dst: *mut f32) {
+            unsafe fn dequant<const F: u8>(row: *const u32, nb: usize, b0: usize, b1: usize, dst: *mut f32) {
                 for b in b0..b1 {
                     // SAFETY: the caller's, `b < nb`.
-                    let w = unsafe { row_block::<Q4>(row, nb, b) };
+                    let w = unsafe { row_block::<F>(row, nb, b) };
                     for (j, v) in w.iter().enumerate() {
                         // SAFETY: `BLOCK * (b - b0) + LANES * (j + 1) <= 32 (b1 - b0)`.
                         unsafe { ops::store(dst.add(BLOCK * (b - b0) + ops::LANES * j), *v) };
@@ -475,7 +536,7 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             pub(in super::super) unsafe fn gemm(job: &Job<'_>, out: &mut [f32]) {
                 let fits = job.k == BLOCK * job.nb
-                    && job.stride >= if job.q4 { 6 * job.nb } else { 9 * job.nb }
+                    && job.format.row_words(job.k).is_some_and(|words| job.stride >= words)
                     && job.xs.len() >= job.m * job.k
                     && out.len() >= job.m * job.rows
                     && job.words.len() / job.stride <= job.rows;
@@ -542,10 +603,12 @@ macro_rules! kernels {
                 // least a row's words, checked by `gemm`); activation row `i < M` is
                 // `xs[i * k..][..k]`, inside `xs`.
                 let v = unsafe {
-                    if job.q4 {
-                        direct::<R, M, true>(&rows, job.nb, &xs, ahead)
-                    } else {
-                        direct::<R, M, false>(&rows, job.nb, &xs, ahead)
+                    match job.format {
+                        WeightFormat::Q4_1 => direct::<R, M, F_Q4_1>(&rows, job.nb, &xs, ahead),
+                        WeightFormat::Q5_0 => direct::<R, M, F_Q5_0>(&rows, job.nb, &xs, ahead),
+                        WeightFormat::Q4_K => direct::<R, M, F_Q4_K>(&rows, job.nb, &xs, ahead),
+                        WeightFormat::Q6_K => direct::<R, M, F_Q6_K>(&rows, job.nb, &xs, ahead),
+                        _ => direct::<R, M, F_Q8_0>(&rows, job.nb, &xs, ahead),
                     }
                 };
                 for (i, v) in v.iter().enumerate() {
@@ -603,10 +666,13 @@ macro_rules! kernels {
                             // `gemm`); `b1 <= nb`; `j < n <= NR`, so buffer row `j` (`ldw >=
                             // 32 (b1 - b0)` floats) is inside `buf`.
                             unsafe {
-                                if job.q4 {
-                                    dequant::<true>(row.as_ptr(), job.nb, b0, b1, dst.add(j * ldw));
-                                } else {
-                                    dequant::<false>(row.as_ptr(), job.nb, b0, b1, dst.add(j * ldw));
+                                let (row, dst) = (row.as_ptr(), dst.add(j * ldw));
+                                match job.format {
+                                    WeightFormat::Q4_1 => dequant::<F_Q4_1>(row, job.nb, b0, b1, dst),
+                                    WeightFormat::Q5_0 => dequant::<F_Q5_0>(row, job.nb, b0, b1, dst),
+                                    WeightFormat::Q4_K => dequant::<F_Q4_K>(row, job.nb, b0, b1, dst),
+                                    WeightFormat::Q6_K => dequant::<F_Q6_K>(row, job.nb, b0, b1, dst),
+                                    _ => dequant::<F_Q8_0>(row, job.nb, b0, b1, dst),
                                 }
                             }
                         }
@@ -1083,8 +1149,23 @@ mod tests {
         }
     }
 
-    const FORMATS: [WeightFormat; 2] = [WeightFormat::Q8_0, WeightFormat::Q4_1];
+    const FORMATS: [WeightFormat; 5] =
+        [WeightFormat::Q8_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K];
     const KS: [usize; 6] = [32, 64, 96, 576, 800, 1536];
+
+    /// The row lengths tested for `format`: [`KS`] (and Gemma's 640), or for the K-quants, whose
+    /// rows are whole super-blocks of 256, 256 to 1536.
+    fn ks(format: WeightFormat) -> Vec<usize> {
+        match format.row_multiple() {
+            32 => KS.iter().copied().chain([640]).collect(),
+            _ => vec![256, 512, 768, 1536],
+        }
+    }
+
+    /// `k` rounded up to whole blocks of `format`.
+    fn k_of(format: WeightFormat, k: usize) -> usize {
+        k.next_multiple_of(format.row_multiple())
+    }
     const ROWS: [usize; 9] = [1, 2, 3, 4, 5, 7, 8, 9, 33];
     const MS: [usize; 6] = [1, 2, 3, 4, 5, 17];
 
@@ -1144,7 +1225,7 @@ mod tests {
         assert_eq!(available().first().copied(), Some(best()));
         let mut rng = Rng(7);
         for format in FORMATS {
-            for k in KS {
+            for k in ks(format) {
                 for rows in ROWS {
                     let t = Tensor::f32(vec![rows, k], rng.values(rows * k));
                     let w = QuantWeight::quantize(format, &t).unwrap();
@@ -1162,7 +1243,7 @@ mod tests {
     fn scalar_is_the_in_order_dot_of_the_dequantized_rows() {
         let mut rng = Rng(21);
         for format in FORMATS {
-            let (rows, k, m) = (7, 576, 3);
+            let (rows, k, m) = (7, k_of(format, 576), 3);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![rows, k], rng.values(rows * k))).unwrap();
             let deq = w.dequantize();
             let xs = rng.values(m * k);
@@ -1183,9 +1264,8 @@ mod tests {
     fn raw_random_blocks() {
         let mut rng = Rng(99);
         for format in FORMATS {
-            for k in KS {
-                let nb = k / BLOCK;
-                let floats = if format == WeightFormat::Q4_1 { 2 * nb } else { nb };
+            for k in ks(format) {
+                let floats = format.row_floats(k).unwrap();
                 let stride = format.row_words(k).unwrap();
                 let rows = 9;
                 let words = (0..rows * stride)
@@ -1203,7 +1283,12 @@ mod tests {
                         let xs = vec![v; m * k];
                         assert_all(&w, &xs, m, &format!("extreme {format} k={k} x={v}"));
                         // Q8_0: -128 each; Q4_1: nibbles 0 (low) and 8 (high), plus the minimum 1.
-                        let expect = if format == WeightFormat::Q8_0 { -128.0 } else { 5.0 } * v * k as f32;
+                        let expect = match format {
+                            WeightFormat::Q8_0 => -128.0,
+                            WeightFormat::Q4_1 => 5.0,
+                            _ => continue,
+                        } * v
+                            * k as f32;
                         for imp in available() {
                             assert!(gemm(imp, &w, &xs, m).iter().all(|&g| g == expect), "{format} {}", imp.name());
                         }
@@ -1217,7 +1302,7 @@ mod tests {
     fn zeros_give_zero() {
         let mut rng = Rng(3);
         for format in FORMATS {
-            let k = 576;
+            let k = k_of(format, 576);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], rng.values(9 * k))).unwrap();
             let zero = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], vec![0.0; 9 * k])).unwrap();
             for imp in available() {
@@ -1234,7 +1319,7 @@ mod tests {
     fn huge_values() {
         let mut rng = Rng(5);
         for format in FORMATS {
-            let k = 96;
+            let k = k_of(format, 96);
             for m in [1, 2, 5] {
                 // One huge activation per row.
                 let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
@@ -1259,8 +1344,8 @@ mod tests {
     #[test]
     fn nan_and_bad_shapes_do_not_panic() {
         let mut rng = Rng(11);
-        let k = 64;
         for format in FORMATS {
+            let k = k_of(format, 64);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
             for imp in available() {
                 for m in [1, 2, 5] {

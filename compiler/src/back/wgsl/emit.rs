@@ -29,6 +29,16 @@ pub enum Elem {
     Q8_0,
     /// A projection weight of GGUF Q4_1 blocks, as `u32` words (see [`crate::lower::format`]).
     Q4_1,
+    /// A projection weight of GGUF Q5_0 blocks, as `u32` words (see [`crate::lower::format`]).
+    Q5_0,
+    // GGUF's name (ggml's `GGML_TYPE_Q4_K`), as `WeightFormat` spells it.
+    #[allow(non_camel_case_types)]
+    /// A projection weight of GGUF Q4_K super-blocks, as `u32` words (see [`crate::lower::format`]).
+    Q4_K,
+    // GGUF's name (ggml's `GGML_TYPE_Q6_K`), as `WeightFormat` spells it.
+    #[allow(non_camel_case_types)]
+    /// A projection weight of GGUF Q6_K super-blocks, as `u32` words (see [`crate::lower::format`]).
+    Q6_K,
 }
 
 impl From<WeightFormat> for Elem {
@@ -38,6 +48,9 @@ impl From<WeightFormat> for Elem {
             WeightFormat::F16 => Elem::F16,
             WeightFormat::Q8_0 => Elem::Q8_0,
             WeightFormat::Q4_1 => Elem::Q4_1,
+            WeightFormat::Q5_0 => Elem::Q5_0,
+            WeightFormat::Q4_K => Elem::Q4_K,
+            WeightFormat::Q6_K => Elem::Q6_K,
         }
     }
 }
@@ -49,7 +62,7 @@ impl Elem {
             Elem::F32 => "f32",
             Elem::I32 => "i32",
             Elem::F16 => "f16",
-            Elem::Q8_0 | Elem::Q4_1 => "u32",
+            Elem::Q8_0 | Elem::Q4_1 | Elem::Q5_0 | Elem::Q4_K | Elem::Q6_K => "u32",
         }
     }
 }

@@ -148,7 +148,11 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
                     ));
                 }
                 // Blocks are read untransposed (see `crate::lower::format`).
-                WeightFormat::Q8_0 | WeightFormat::Q4_1 => {}
+                WeightFormat::Q8_0
+                | WeightFormat::Q4_1
+                | WeightFormat::Q5_0
+                | WeightFormat::Q4_K
+                | WeightFormat::Q6_K => {}
             }
         }
         l.steps.push(step);

@@ -139,9 +139,13 @@ pub fn pads_weight(op: &Op, n: usize) -> bool {
 /// same accessors over `array<vec4<f16>>`, converting to f32 (the module starts with `enable f16;`,
 /// see [`super::kernel::kernel`]); a quantized weight (see
 /// [`crate::lower::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
-/// row's first word), `qmK(row, b)` (Q4_1: its minimum) and `qvK(row, b, t)` (elements
-/// `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts, Q4_1's
-/// nibbles by shifts and a mask).
+/// row's first word), `qmK(row, b)` (Q4_1 and Q4_K: its minimum term) and `qvK(row, b, t)`
+/// (elements `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts,
+/// Q4_1's and Q4_K's nibbles by shifts and a mask, Q5_0's nibbles with their fifth bits, less 16).
+/// A block is 32 elements, so a K-quant's block is a sub-block: Q4_K's scale is `d * sc` and its
+/// minimum `-(dmin * m)`, the 6-bit pair unpacked from the super-block's packed bytes by `qkK`;
+/// Q6_K's scale is the super-block's `d`, and its `qvK` returns the quants less 32 times their
+/// 16-element sub-block's 8-bit scale (an exact integer).
 pub fn bindings(elems: &[Elem]) -> String {
     let mut s = String::from("@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;\n");
     s += "fn st(e: u32, v: f32) { out[e >> 2u][e & 3u] = v; }\n";
@@ -171,6 +175,56 @@ pub fn bindings(elems: &[Elem]) -> String {
                  let w = in{k}[row + dim(2u) / 16u + 4u * b + (t & 3u)];\n    \
                  return vec4<f32>((vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>((t >> 2u) * 4u))) & vec4<u32>(15u));\n}}\n"
             ),
+            // Words per row: `nb` scales, `nb` words of fifth bits, then Q4_1's quant words.
+            Elem::Q5_0 => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<u32>;\n\
+                 fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b]); }}\n\
+                 fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
+                 let nb = dim(2u) / 32u;\n    \
+                 let w = in{k}[row + 2u * nb + 4u * b + (t & 3u)];\n    \
+                 let lo = (vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>((t >> 2u) * 4u))) & vec4<u32>(15u);\n    \
+                 let hi = ((vec4<u32>(in{k}[row + nb + b] >> (4u * t)) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(4u);\n    \
+                 return vec4<f32>(vec4<i32>(lo | hi) - vec4<i32>(16));\n}}\n"
+            ),
+            // Words per row: `ns = k / 256` scales `d`, `ns` minimum scales `dmin`, 3 words of
+            // packed 6-bit scales and minimums per super-block, then 32 quant words per
+            // super-block (sub-block `b` in nibble `b % 2` of words `8 (b / 2)..`).
+            Elem::Q4_K => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<u32>;\n\
+                 fn qk{k}(row: u32, b: u32) -> vec2<f32> {{\n    \
+                 let base = row + 2u * (dim(2u) / 256u) + 3u * (b / 8u);\n    \
+                 let j = b % 8u;\n    \
+                 let i = 8u * (j & 3u);\n    \
+                 let lo = (in{k}[base] >> i) & 255u;\n    \
+                 let mid = (in{k}[base + 1u] >> i) & 255u;\n    \
+                 let hi = (in{k}[base + 2u] >> i) & 255u;\n    \
+                 if (j < 4u) {{ return vec2<f32>(f32(lo & 63u), f32(mid & 63u)); }}\n    \
+                 return vec2<f32>(f32((hi & 15u) | ((lo >> 6u) << 4u)), f32((hi >> 4u) | ((mid >> 6u) << 4u)));\n}}\n\
+                 fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b / 8u]) * qk{k}(row, b).x; }}\n\
+                 fn qm{k}(row: u32, b: u32) -> f32 {{\n    \
+                 return -(bitcast<f32>(in{k}[row + dim(2u) / 256u + b / 8u]) * qk{k}(row, b).y);\n}}\n\
+                 fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
+                 let w = in{k}[row + 5u * (dim(2u) / 256u) + 8u * (b / 2u) + t];\n    \
+                 return vec4<f32>((vec4<u32>(w) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>(4u * (b & 1u)))) & vec4<u32>(15u));\n}}\n"
+            ),
+            // Words per row: `ns` scales `d`, 4 words of 8-bit scales per super-block, 32 words
+            // of `ql` per super-block, then 16 words of `qh` per super-block.
+            Elem::Q6_K => format!(
+                "@group(0) @binding({b}) var<storage, read> in{k}: array<u32>;\n\
+                 fn qs{k}(row: u32, b: u32) -> f32 {{ return bitcast<f32>(in{k}[row + b / 8u]); }}\n\
+                 fn qv{k}(row: u32, b: u32, t: u32) -> vec4<f32> {{\n    \
+                 let ns = dim(2u) / 256u;\n    \
+                 let s = b / 8u;\n    \
+                 let h = (b % 8u) / 4u;\n    \
+                 let c = b % 4u;\n    \
+                 let lo = in{k}[row + 5u * ns + 32u * s + 16u * h + 8u * (c % 2u) + t];\n    \
+                 let hi = in{k}[row + 37u * ns + 16u * s + 8u * h + t];\n    \
+                 let at = vec4<u32>(0u, 8u, 16u, 24u);\n    \
+                 let q = ((vec4<u32>(lo) >> (at + vec4<u32>(4u * (c / 2u)))) & vec4<u32>(15u)) | (((vec4<u32>(hi) >> (at + vec4<u32>(2u * c))) & vec4<u32>(3u)) << vec4<u32>(4u));\n    \
+                 let si = 2u * (b % 8u) + (t >> 2u);\n    \
+                 let sc = bitcast<i32>(in{k}[row + ns + 4u * s + si / 4u] << (24u - 8u * (si % 4u))) >> 24u;\n    \
+                 return vec4<f32>((vec4<i32>(q) - vec4<i32>(32)) * sc);\n}}\n"
+            ),
             Elem::F32 | Elem::I32 => format!(
                 "@group(0) @binding({b}) var<storage, read> in{k}: array<vec4<f32>>;\n\
                  fn ld{k}(e: u32) -> f32 {{ return in{k}[e >> 2u][e & 3u]; }}\n\
@@ -188,6 +242,9 @@ pub fn weight_format(op: &Op, elems: &[Elem]) -> WeightFormat {
         Some(Elem::F16) => WeightFormat::F16,
         Some(Elem::Q8_0) => WeightFormat::Q8_0,
         Some(Elem::Q4_1) => WeightFormat::Q4_1,
+        Some(Elem::Q5_0) => WeightFormat::Q5_0,
+        Some(Elem::Q4_K) => WeightFormat::Q4_K,
+        Some(Elem::Q6_K) => WeightFormat::Q6_K,
         _ => WeightFormat::F32,
     }
 }
@@ -247,9 +304,10 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
         "let n = dim(1u);\nlet k = dim(2u);\nlet m = dim(5u);\nlet tiles = dim(6u);\nlet form = dim(7u);\n",
     );
     s += "let wn = dim(8u);\n";
-    if let Some(words) = format.row_words(32) {
+    let per = format.row_multiple();
+    if let Some(words) = format.row_words(per) {
         // Words per row of a quantized weight (see `format`).
-        s += &format!("let rw = {words}u * (k / 32u);\n");
+        s += &format!("let rw = {words}u * (k / {per}u);\n");
     }
     let gemm_units = (GEMM_COLS / p.unit_cols()).max(1);
     let gemv_units = (GEMV_COLS / p.unit_cols()).max(1);
@@ -419,12 +477,12 @@ fn vector_x(norm: Option<Prologue>, r: usize) -> String {
 
 /// The loop of a `vec4` tile over a quantized weight's rows (see [`crate::lower::format`]): block by
 /// block, the unscaled quants of each column dotted with the inputs, then scaled once per block
-/// (`y += scale * dot(x, q)`, plus `min * sum(x)` for Q4_1). Column `c`'s row is clamped to the
+/// (`y += scale * dot(x, q)`, plus `min * sum(x)` for Q4_1 and Q4_K). Column `c`'s row is clamped to the
 /// last real column (its outputs past `n` are never stored); a gated projection's up column is
 /// row `c + n`.
 fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> String {
     let (wi, _, _) = operand_indices(p);
-    let mins = format == WeightFormat::Q4_1;
+    let mins = format.has_mins();
     let mut s = String::new();
     // Row bases of every column (and of its up column).
     for j in 0..groups {
@@ -573,7 +631,7 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format:
 /// column's row read from its own block row.
 fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], format: WeightFormat) -> String {
     let (wi, _, _) = operand_indices(p);
-    let mins = format == WeightFormat::Q4_1;
+    let mins = format.has_mins();
     let mut s = String::new();
     for r in 0..rows {
         s += &format!("let av{r} = a{r} / 4u;\n");
