@@ -902,8 +902,9 @@ mod x86 {
                     let (s, c8) = (b / 8, b % 8);
                     let (h, c) = (c8 / 4, c8 % 4);
                     let d = f32::from_bits(word(s));
-                    let scales = word(ns + 4 * s + c8 / 2).to_le_bytes();
-                    let (sc0, sc1) = (scales[2 * (c8 % 2)] as i8, scales[2 * (c8 % 2) + 1] as i8);
+                    // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
+                    let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
+                    let (sc0, sc1) = (pair as u8 as i8, (pair >> 8) as u8 as i8);
                     let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
                     let f = |half: usize, sc: i8| {
                         let l = _mm512_and_si512(shift(bytes16(low, half), 4 * (c / 2) as u32), _mm512_set1_epi32(15));
@@ -1050,9 +1051,8 @@ mod x86 {
             let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
             let mut out = [zero(); BV];
             for (j, v) in out.iter_mut().enumerate() {
-                let line = &lines[LANES * j / 16];
-                // SAFETY: `LANES * j % 16 + LANES <= 16`, inside the line.
-                *v = unsafe { load(line.0.as_ptr().add(LANES * j % 16)) };
+                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
+                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
             }
             out
         }
@@ -1208,9 +1208,8 @@ mod arm {
             let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
             let mut out = [zero(); BV];
             for (j, v) in out.iter_mut().enumerate() {
-                let line = &lines[LANES * j / 16];
-                // SAFETY: `LANES * j % 16 + LANES <= 16`, inside the line.
-                *v = unsafe { load(line.0.as_ptr().add(LANES * j % 16)) };
+                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
+                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
             }
             out
         }
