@@ -61,3 +61,23 @@ fn an_exhausted_time_limit_stops_every_phase_with_a_valid_graph() {
         }
     }
 }
+
+/// `scale-into-table` folds an embedding scale into the table only when nothing else reads it: a
+/// tied head reads Gemma 3's table, so the scale stays after the gather (folding would hold a
+/// second, scaled copy of the vocabulary's table); untied, the scale folds into the table.
+#[test]
+fn embedding_scales_fold_only_into_tables_nothing_else_reads() {
+    use kiln_compiler::graph::Op;
+    let source = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gemma3.toml")).unwrap();
+    for (tied, folded) in [(true, false), (false, true)] {
+        let source = if tied { source.clone() } else { source.replace("[ffn]", "[head]\ntied = false\n\n[ffn]") };
+        let fe = kiln_compiler::front_end("gemma3.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
+        let (opt, report) = optimize(&fe.graph).unwrap();
+        let gathers_scaled_table = opt
+            .g
+            .node_indices()
+            .any(|n| opt.g[n].op == Op::Gather && matches!(opt.g[opt.operands(n)[0]].op, Op::Scale { .. }));
+        assert_eq!(gathers_scaled_table, folded, "tied head: {tied}");
+        assert_eq!(report.applied.contains_key("scale-into-table"), folded, "tied head: {tied}");
+    }
+}

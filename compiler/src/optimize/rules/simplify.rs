@@ -2,6 +2,7 @@
 //! layout ops), and transpose / reshape elimination.
 
 use super::*;
+use egg::Language;
 use egg::rewrite as rw;
 
 /// `?f * ?g` as one factor.
@@ -40,9 +41,10 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // (x W^T) * f = x (f W)^T                     (f W is folded when the weights load)
         rw!("scale-into-weight";      "(scale ?f (matmul_t ?x ?w))"
                                    => "(matmul_t ?x (scale ?f ?w))" if is_const("?w") if is_matrix("?w")),
-        // gather(T, ids) * f = gather(f T, ids)       (embedding scales, folded at load)
+        // gather(T, ids) * f = gather(f T, ids)       (embedding scales, folded at load; not when
+        //                                              a tied head reads T too: two copies of it)
         rw!("scale-into-table";       "(scale ?f (gather ?t ?ids))"
-                                   => "(gather (scale ?f ?t) ?ids)" if is_const("?t")),
+                                   => "(gather (scale ?f ?t) ?ids)" if is_const("?t") if only_gathered("?t")),
         // (q k^T) * f = (f q) k^T                     (the logit scale moves to the queries)
         rw!("scale-into-query";       "(scale ?f (matmul_t ?q ?k))"
                                    => "(matmul_t (scale ?f ?q) ?k)" if is_scores_operand("?q")),
@@ -61,6 +63,23 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // reshape(x) = x when the shape is unchanged
         rw!("reshape-identity";       "(reshape ?r ?x)"             => "?x" if is_same_shape("?x")),
     ]
+}
+
+/// Nothing reads `?t` but gathers and scales of it (this rule's folds): folding a factor into the
+/// table then replaces it, where with another reader (a tied head's projection) the folded table
+/// would be a second copy of it, as large, for a product per gathered row saved.
+fn only_gathered(t: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
+    let t = var(t);
+    move |egraph, _, subst| {
+        let t = egraph.find(subst[t]);
+        egraph[t].parents().all(|p| {
+            egraph[p]
+                .nodes
+                .iter()
+                .filter(|n| n.children().iter().any(|&c| egraph.find(c) == t))
+                .all(|n| matches!(n, Kl::Gather(_) | Kl::Scale(_)))
+        })
+    }
 }
 
 /// `?q` is a rank-4 `[b, h, s, d]` operand of a score matmul (not a weight).
