@@ -428,6 +428,43 @@ impl DeviceTensor {
     }
 }
 
+/// The plan with every quantized parameter larger than one buffer of `gpu` read as f32 instead
+/// (the kernels that read a tensor split across buffers read f32 only: Gemma 3's 262144-row Q8_0
+/// head on lavapipe, whose bindings stop at 128 MiB), and the parameters with their f32 values
+/// added where only blocks were given.
+fn f32_where_too_large<'a>(
+    gpu: &Gpu,
+    plan: &Plan,
+    params: &'a HashMap<String, Tensor>,
+    blocks: &HashMap<String, QuantWeight>,
+) -> Result<(Plan, std::borrow::Cow<'a, HashMap<String, Tensor>>), GpuError> {
+    let mut plan = plan.clone();
+    let mut added: Vec<(String, Tensor)> = Vec::new();
+    for v in &mut plan.values {
+        let Storage::Param(name) = &v.storage else { continue };
+        let shape = resolve(&v.shape, &HashMap::new());
+        let (&[rows, k], true) = (shape.as_slice(), v.format.quantized()) else { continue };
+        if v.format.bytes(rows, k) <= gpu.chunk_bytes {
+            continue;
+        }
+        if !params.contains_key(name) && !added.iter().any(|(n, _)| n == name) {
+            let q = blocks.get(name).ok_or_else(|| {
+                GpuError::Dispatch(format!("parameter `{name}` is stored as {} but no blocks were given", v.format))
+            })?;
+            kiln_compiler::memory::check(|| format!("`{name}` in f32"), 4 * (rows * k) as u64)
+                .map_err(|e| GpuError::Dispatch(e.to_string()))?;
+            added.push((name.clone(), q.dequantize()));
+        }
+        v.format = WeightFormat::F32;
+    }
+    if added.is_empty() {
+        return Ok((plan, std::borrow::Cow::Borrowed(params)));
+    }
+    let mut all = params.clone();
+    all.extend(added);
+    Ok((plan, std::borrow::Cow::Owned(all)))
+}
+
 /// Records the copy of `len` bytes from byte `from` of a tensor held in `src`'s chunks of
 /// `chunk` bytes to byte `to` of one held in `dst`'s, split where either crosses a chunk.
 fn copy_range(
@@ -544,7 +581,9 @@ impl GpuModel {
                 gpu.info.name
             )));
         }
-        let program = wgsl::compile(plan, options).map_err(|e| GpuError::Dispatch(e.to_string()))?;
+        let (plan, params) = f32_where_too_large(&gpu, plan, params, blocks)?;
+        let params = params.as_ref();
+        let program = wgsl::compile(&plan, options).map_err(|e| GpuError::Dispatch(e.to_string()))?;
         let plan = &program.plan;
         let mut counter = Counter::start(progress, Phase::Pipelines, program.kernels.len());
         let mut pipelines = Vec::with_capacity(program.kernels.len());
