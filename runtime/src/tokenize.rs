@@ -7,8 +7,10 @@
 //! - a GGUF file's metadata ([`Tokenizer::from_gguf`]): llama.cpp's `tokenizer.ggml.*` keys,
 //!   rebuilt as the equivalent `tokenizers` pipeline. kiln reads byte-level BPE
 //!   (`tokenizer.ggml.model = "gpt2"`) split by the pre-tokenizers of [`PRE_TOKENIZERS`], and
-//!   SentencePiece BPE (`"llama"`: LLaMA, Gemma, ...; see [`sentencepiece`] for how its merges
-//!   are recovered from the vocabulary).
+//!   SentencePiece BPE (`"llama"`: LLaMA, Gemma, ...), its merges recovered from the
+//!   vocabulary: every token splits into each pair of tokens that spell it, a merge ranked by its
+//!   result's position in the vocabulary (SentencePiece stores pieces in the order its trainer
+//!   made them; the scores of control and user-defined pieces are placeholders).
 //!
 //! [`Tokenizer::encode_batch`] pads a batch to its longest sequence with an attention mask,
 //! ready to be a model's inputs; [`Tokenizer::decode`] turns ids back into text, and a

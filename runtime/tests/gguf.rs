@@ -645,7 +645,7 @@ fn a_real_file_dequantizes_like_gguf_py() {
                 model.raw(info.name()).unwrap().unwrap().bytes,
             )
         {
-            assert_eq!(bits(q.dequantize().as_f32().unwrap()), bits(&got), "{} repacked as {}", info.name(), q.format);
+            assert_eq!(bits(q.dequantize().as_f32().unwrap()), bits(got), "{} repacked as {}", info.name(), q.format);
             repacked += 1;
         }
     }
