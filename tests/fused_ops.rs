@@ -133,16 +133,21 @@ fn check(cases: &[Case], chunked: bool) {
                 }
                 y
             }
-            Op::Heads { start, heads, head_dim, rope } => {
-                let x = &case.operands[a.len() - 1].1;
-                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[a.len() - 1]);
+            Op::Heads { start, heads, head_dim, norm, rope } => {
+                let gain = usize::from(norm.is_some());
+                let xi = a.len() - 1 - gain;
+                let x = &case.operands[xi].1;
+                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[xi]);
                 let split = vec![Dim::Fixed(x[0]), Dim::Fixed(x[1]), Dim::Fixed(*heads), Dim::Fixed(*head_dim)];
                 let t = add!(Op::Reshape { shape: split }, cols);
                 let mut t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                if let Some(eps) = norm {
+                    t = add!(Op::RmsNorm { eps: *eps }, t, a[a.len() - 1]);
+                }
                 if let Some(r) = rope {
                     t = add!(Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style }, t);
                 }
-                if a.len() == 2 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
+                if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
             Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
                 let x = &case.operands[0].1;
@@ -425,8 +430,9 @@ fn linear_with_norm_prologues_gated_and_rotated_epilogues() {
     check(&cases, true);
 }
 
-/// Heads read out of packed rows at a column offset, rotated (both pair layouts, whole or partial
-/// heads) or not, alone or appended to a cache of 3 tokens; batch 2, 4 new tokens.
+/// Heads read out of packed rows at a column offset, RMS-normalized per head or not, rotated (both
+/// pair layouts, whole or partial heads) or not, alone or appended to a cache of 3 tokens; batch
+/// 2, 4 new tokens.
 #[test]
 fn heads_split_rotate_and_append() {
     let mut cases = Vec::new();
@@ -439,14 +445,20 @@ fn heads_split_rotate_and_append() {
     for (heads, start, width) in [(2, 0, 16), (3, 8, 40)] {
         for rope in rotations {
             for past in [false, true] {
-                let op = Op::Heads { start, heads, head_dim: 8, rope };
-                let (cache, x) = ([2, heads, 3, 8], [2, 4, width]);
-                let mut operands: Vec<(&str, &[usize])> = Vec::new();
-                if past {
-                    operands.push(("past", &cache));
+                for norm in [None, Some(Scalar(1e-6))] {
+                    let op = Op::Heads { start, heads, head_dim: 8, norm, rope };
+                    let (cache, x) = ([2, heads, 3, 8], [2, 4, width]);
+                    let mut operands: Vec<(&str, &[usize])> = Vec::new();
+                    if past {
+                        operands.push(("past", &cache));
+                    }
+                    operands.push(("x", &x));
+                    if norm.is_some() {
+                        operands.push(("gain", &[8]));
+                    }
+                    let name = format!("{} {} past={past}", op.name(), op.attrs());
+                    cases.push(Case::new(name, op, &operands, None));
                 }
-                operands.push(("x", &x));
-                cases.push(Case::new(format!("{} {} past={past}", op.name(), op.attrs()), op, &operands, None));
             }
         }
     }

@@ -822,8 +822,10 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
             eval(ctx, &op, &args, shape)?
         }
-        Op::Heads { start, heads, head_dim, rope } => {
-            // Slice, split, transpose, rotate, append: the chain this op stands for.
+        Op::Heads { start, heads, head_dim, norm, rope } => {
+            // Slice, split, transpose, normalize, rotate, append: the chain this op stands for.
+            let gain = norm.map(|_| a[a.len() - 1]);
+            let a = &a[..a.len() - usize::from(gain.is_some())];
             let x = a[a.len() - 1];
             let (b, s) = (x.shape[0], x.shape[1]);
             let cols = eval(
@@ -835,6 +837,9 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let split = Tensor { shape: vec![b, s, *heads, *head_dim], data: cols.data };
             let new_shape = vec![b, *heads, s, *head_dim];
             let mut new = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&split], new_shape.clone())?;
+            if let (Some(eps), Some(gain)) = (norm, gain) {
+                new = eval(ctx, &Op::RmsNorm { eps: *eps }, &[&new, gain], new_shape.clone())?;
+            }
             if let Some(r) = rope {
                 let op = Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style };
                 new = eval(ctx, &op, &[&new], new_shape)?;

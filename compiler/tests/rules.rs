@@ -480,6 +480,43 @@ fn heads_of_a_cached_step() {
     assert_eq!(dispatches(&opt), 5, "{:?}", ops(&opt));
 }
 
+/// A cached step with per-head query/key norms before the rotation (Gemma 3, Qwen3): each norm
+/// folds into its `heads`, so the attention inputs are still one projection and three `heads`.
+#[test]
+fn heads_with_query_key_norms() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let (heads, kv_heads, hd) = (2, 1, 4);
+    let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
+    let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
+    let rope = Op::Rope { theta: Scalar(10000.0), rotary_dim: hd, style: PairStyle::RotateHalf };
+    let split = |g: &mut Graph, name: &str, n: usize| {
+        let w = g.param(name, &[n * hd, D]);
+        let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+        let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(n), Dim::Fixed(hd)];
+        let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
+        let y = g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap();
+        let gain = g.param(&format!("{name}_norm"), &[hd]);
+        let y = g.add(Op::RmsNorm { eps: Scalar(1e-6) }, &[y, gain]).unwrap();
+        g.add(rope.clone(), &[y]).unwrap()
+    };
+    let q = split(&mut g, "wq", heads);
+    let k = split(&mut g, "wk", kv_heads);
+    let k = g.add(Op::Concat { axis: 2 }, &[past_k, k]).unwrap();
+    g.outputs = vec![("q".into(), q), ("present_k".into(), k)];
+    let mut given = inputs();
+    given.insert(
+        "past_k".into(),
+        Tensor::f32(vec![B, kv_heads, 3, hd], (0..B * 3 * hd).map(|i| (i as f32 * 0.7).sin()).collect()),
+    );
+    let opt = check_inputs("heads-norm", &g, &CostModel::default(), &given);
+    let fused: Vec<&Op> =
+        opt.g.node_indices().map(|n| &opt.g[n].op).filter(|op| matches!(op, Op::Heads { .. })).collect();
+    assert_eq!(fused.len(), 2, "{:?}", ops(&opt));
+    assert!(fused.iter().all(|op| matches!(op, Op::Heads { norm: Some(_), rope: Some(_), .. })), "{fused:?}");
+    assert!(!ops(&opt).iter().any(|o| o.starts_with("rms_norm") || o.starts_with("rope")), "{:?}", ops(&opt));
+}
+
 #[test]
 fn every_rule_has_a_test() {
     let source = include_str!("rules.rs");

@@ -344,11 +344,13 @@ pub enum Op {
         /// Sliding-window size.
         window: Option<usize>,
     },
-    /// Heads read out of a packed projection, optionally rotated and appended to a cache:
-    /// `([past f32[b, heads, p, head_dim],] x [b, s, width]) -> [b, heads, p + s, head_dim]`, head
-    /// `j` of token `t` being columns `start + j * head_dim ..` of row `t` of `x`, rotated as
-    /// [`Op::Rope`] at position `past + t` when `rope` is set (`past` as bound: the tokens before
-    /// these). The split/transpose/rotate/concatenate chain of a cached decoder step as one
+    /// Heads read out of a packed projection, optionally normalized, rotated and appended to a
+    /// cache: `([past f32[b, heads, p, head_dim],] x [b, s, width][, gain [head_dim]]) -> [b,
+    /// heads, p + s, head_dim]`, head `j` of token `t` being columns `start + j * head_dim ..` of
+    /// row `t` of `x`, each head RMS-normalized with `gain` when `norm` is set (a query/key norm,
+    /// [`Op::RmsNorm`] of the split heads), then rotated as [`Op::Rope`] at position `past + t`
+    /// when `rope` is set (`past` as bound: the tokens before these). The
+    /// split/transpose/normalize/rotate/concatenate chain of a decoder's attention input as one
     /// kernel.
     Heads {
         /// First column of head 0.
@@ -357,6 +359,9 @@ pub enum Op {
         heads: usize,
         /// Width of a head.
         head_dim: usize,
+        /// RMS-normalize each head with this epsilon (and the gain operand) before rotating.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        norm: Option<Scalar>,
         /// Rotate each head.
         rope: Option<Rotation>,
     },
@@ -456,7 +461,13 @@ impl Op {
                 n
             }
             Op::PackedAttention { .. } => "packed_attention".into(),
-            Op::Heads { rope, .. } => if rope.is_some() { "heads_rope" } else { "heads" }.into(),
+            Op::Heads { norm, rope, .. } => {
+                format!(
+                    "heads{}{}",
+                    if norm.is_some() { "_norm" } else { "" },
+                    if rope.is_some() { "_rope" } else { "" }
+                )
+            }
             Op::Concat { .. } => "concat".into(),
             Op::MaskedSoftmax { .. } => "masked_softmax".into(),
             Op::Attention { .. } => "attention".into(),
@@ -548,8 +559,11 @@ impl Op {
                 a
             }
             Op::Concat { axis } => format!("axis={axis}"),
-            Op::Heads { start, heads, head_dim, rope } => {
+            Op::Heads { start, heads, head_dim, norm, rope } => {
                 let mut a = format!("heads={heads} head_dim={head_dim} at={start}");
+                if let Some(eps) = norm {
+                    a += &format!(" eps={eps}");
+                }
                 if let Some(r) = rope {
                     a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, style_name(&r.style));
                 }

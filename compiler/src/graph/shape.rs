@@ -361,18 +361,25 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
         }
-        Op::Heads { start, heads, head_dim, rope } => {
-            if operands.is_empty() || operands.len() > 2 {
-                return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
+        Op::Heads { start, heads, head_dim, norm, rope } => {
+            let gain = usize::from(norm.is_some());
+            if operands.len() < 1 + gain || operands.len() > 2 + gain {
+                return Err(format!("expects {} or {} operands, got {}", 1 + gain, 2 + gain, operands.len()));
             }
-            let x = float(operands.len() - 1)?;
+            let x = float(operands.len() - 1 - gain)?;
+            if gain == 1 && *float(operands.len() - 1)? != [Dim::Fixed(*head_dim)] {
+                return Err(format!(
+                    "the norm's gain must be [{head_dim}], is {}",
+                    fmt_shape(float(operands.len() - 1)?)
+                ));
+            }
             let fits = matches!(x.last(), Some(Dim::Fixed(w)) if start + heads * head_dim <= *w);
             let rope_ok = rope.is_none_or(|r| r.rotary_dim % 2 == 0 && r.rotary_dim <= *head_dim && r.rotary_dim > 0);
             if x.len() != 3 || !fits || *heads == 0 || *head_dim == 0 || !rope_ok {
                 return Err(format!("{heads} heads of {head_dim} at column {start} do not fit {}", fmt_shape(x)));
             }
             let new = vec![x[0], Dim::Fixed(*heads), x[1], Dim::Fixed(*head_dim)];
-            if operands.len() == 1 {
+            if operands.len() == 1 + gain {
                 return Ok((new, DType::F32));
             }
             infer(&Op::Concat { axis: 2 }, &[(float(0)?, DType::F32), (&new, DType::F32)])

@@ -61,12 +61,15 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
             vec![softmax_rule(masked, *alibi), if gqa { "attention-gqa" } else { "attention" }]
         }
         Op::Concat { axis: 0 } => vec!["shared-input-merge"],
-        Op::Heads { rope, .. } => {
+        Op::Heads { norm, rope, .. } => {
             let mut r = vec!["heads-split"];
+            if norm.is_some() {
+                r.push("heads-norm");
+            }
             if rope.is_some() {
                 r.push("heads-rope");
             }
-            if g.operands(n).len() == 2 {
+            if g.operands(n).len() == 2 + usize::from(norm.is_some()) {
                 r.push("heads-append");
             }
             r

@@ -115,8 +115,9 @@ mod kl {
             "packed_attention" = PackedAttention([Id; 3]),
             // (append past new): keys or values appended to a cache (concat on axis 2)
             "append" = Append([Id; 2]),
-            // (heads op past|none x): heads read out of packed rows, rotated, appended
-            "heads" = Heads([Id; 3]),
+            // (heads op past|none x gain|none): heads read out of packed rows, normalized, rotated,
+            // appended
+            "heads" = Heads([Id; 4]),
             // (add_norm op a b gain bias|none)
             "add_norm" = AddNorm([Id; 5]),
             // (opaque op children...): any op no rule looks into
@@ -235,10 +236,11 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
         }
         Kl::Concat([a, b]) => (Op::Concat { axis: 0 }, vec![*a, *b]),
         Kl::Append([a, b]) => (Op::Concat { axis: 2 }, vec![*a, *b]),
-        Kl::Heads([c, p, x]) => match attr(egraph, *c)? {
+        Kl::Heads([c, p, x, g]) => match attr(egraph, *c)? {
             AttrValue::Op(op @ Op::Heads { .. }) => {
                 let mut ops: Vec<Id> = opt(*p).into_iter().collect();
                 ops.push(*x);
+                ops.extend(opt(*g));
                 (op.clone(), ops)
             }
             _ => return None,

@@ -195,7 +195,10 @@ pub fn append_sites(plan: &Plan) -> Vec<AppendSite> {
     };
     let mut sites = Vec::new();
     for (i, step) in plan.steps.iter().enumerate() {
-        let (Op::Heads { .. }, [cache, _]) = (&step.op, step.operands.as_slice()) else { continue };
+        let cache = match (&step.op, step.operands.as_slice()) {
+            (Op::Heads { norm: None, .. }, [cache, _]) | (Op::Heads { norm: Some(_), .. }, [cache, _, _]) => cache,
+            _ => continue,
+        };
         let past_value = root(*cache);
         let Some(Storage::Input { name: past, .. }) = plan.values.get(past_value).map(|v| &v.storage) else {
             continue;

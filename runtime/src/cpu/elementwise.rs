@@ -153,8 +153,12 @@ pub fn forward(
                 }
             });
         }
-        Op::Heads { start, heads, head_dim, rope } => {
-            // ([past [b, h, p, d],] x [b, s, width]) -> [b, h, p + s, d].
+        Op::Heads { start, heads, head_dim, norm, rope } => {
+            // ([past [b, h, p, d],] x [b, s, width][, gain [d]]) -> [b, h, p + s, d].
+            let (args, gain) = match (norm, args.split_last()) {
+                (Some(eps), Some(((_, g), rest))) => (rest, Some((eps.0, g.f32("the gain")?))),
+                _ => (args, None),
+            };
             let (x_shape, x) = match args {
                 [(s, x)] | [_, (s, x)] => (s, x.f32("x")?),
                 _ => return Ok(false),
@@ -179,6 +183,9 @@ pub fn forward(
                         let row = &x[(bi * s + t) * xw + start + hi * d..][..d];
                         let o = &mut dst[(p + t) * d..][..d];
                         o.copy_from_slice(row);
+                        if let Some((eps, gain)) = gain {
+                            rms_norm_row(o, gain, eps);
+                        }
                         if let Some((inv, r)) = &inv {
                             rotate(&mut o[..r.rotary_dim], (t + past) as f32, inv, r.style);
                         }
@@ -201,12 +208,24 @@ fn rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Se
 }
 
 /// A `heads` step appending in place: the `s` rows per head it computes from `x` (`[b, s,
-/// width]`) written into `buf` after the `past` rows it holds, rotated at positions `past + t`
-/// as the interpreter rotates them. Returns the rows per head `buf` holds once the run succeeds
+/// width]`) written into `buf` after the rows it holds, normalized with `gain` when the step has
+/// a norm and rotated at positions `past + t` as the interpreter rotates them. Returns the rows per head `buf` holds once the run succeeds
 /// (it commits them; until then the new rows are invisible).
-pub fn append_heads(op: &Op, x_shape: &[usize], x: &[f32], past: usize, buf: &mut CacheBuf) -> R<usize> {
+pub fn append_heads(
+    op: &Op,
+    x_shape: &[usize],
+    x: &[f32],
+    gain: Option<&[f32]>,
+    past: usize,
+    buf: &mut CacheBuf,
+) -> R<usize> {
     let bad = |m: String| CpuError::Invalid(m);
-    let Op::Heads { start, heads, head_dim: d, rope } = *op else { return Err(bad("not a heads step".into())) };
+    let Op::Heads { start, heads, head_dim: d, norm, rope } = *op else { return Err(bad("not a heads step".into())) };
+    let norm = match (norm, gain) {
+        (Some(eps), Some(g)) if g.len() == d => Some((eps.0, g)),
+        (None, None) => None,
+        _ => return Err(bad(format!("a heads step's norm needs one gain of {d}"))),
+    };
     let &[b, s, width] = x_shape else { return Err(bad(format!("x {x_shape:?} is not [b, s, width]"))) };
     if buf.shape() != [b, heads, buf.len(), d] || start + heads * d > width || x.len() != b * s * width {
         return Err(bad(format!("x {x_shape:?} does not fit the cache {:?}", buf.shape())));
@@ -224,6 +243,9 @@ pub fn append_heads(op: &Op, x_shape: &[usize], x: &[f32], past: usize, buf: &mu
                 let from = (bi * s + t) * width + start + hi * d;
                 let o = buf.row_mut(bi, hi, held + t);
                 o.copy_from_slice(&x[from..from + d]);
+                if let Some((eps, gain)) = norm {
+                    rms_norm_row(o, gain, eps);
+                }
                 if let Some((inv, r)) = &inv {
                     rotate(&mut o[..r.rotary_dim], (past + t) as f32, inv, r.style);
                 }

@@ -408,8 +408,17 @@ impl CpuModel {
                         kv.insert(site.past.clone(), CacheBuf::empty(b, heads, d));
                         created.push(site.past.clone());
                     }
+                    let gain = match step.operands.get(2) {
+                        Some(&g) => Some(
+                            self.arg(g, &inputs, &slots, &syms, &views, &none)?
+                                .1
+                                .f32("the gain")
+                                .map_err(|e| scoped(e, &step.scope, &step.op))?,
+                        ),
+                        None => None,
+                    };
                     let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Invalid("the cache vanished".into()))?;
-                    let rows = elementwise::append_heads(&step.op, &x.0, x.1, past, buf)
+                    let rows = elementwise::append_heads(&step.op, &x.0, x.1, gain, past, buf)
                         .map_err(|e| scoped(e, &step.scope, &step.op))?;
                     appended.insert(site.past.clone(), rows);
                     views.insert(root(plan, step.output), site.past.clone());

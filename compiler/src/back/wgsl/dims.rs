@@ -143,8 +143,8 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         }
         // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
-        Op::Heads { .. } => {
-            let x = operand(operands.len().saturating_sub(1))?;
+        Op::Heads { norm, .. } => {
+            let x = operand(operands.len().saturating_sub(1 + usize::from(norm.is_some())))?;
             let (s, width) = (axis(x, 1)?, axis(x, 2)?);
             let p =
                 axis(out, 2)?.checked_sub(s).ok_or_else(|| format!("{}: more new rows than output rows", op.name()))?;

@@ -305,20 +305,35 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 lit(scale.0)
             )
         }
-        Op::Heads { start, rope, .. } => {
-            // Token `t < p` comes from the cache; later ones from the packed rows, rotated at
-            // position `past + t - p` (the rotation partner read from the same row).
-            let x = if operands == 2 { "in1" } else { "in0" };
+        Op::Heads { start, norm, rope, .. } => {
+            // Token `t < p` comes from the cache; later ones from the packed rows, normalized over
+            // the head (each thread sums its head's squares: a head is a few hundred values) and
+            // rotated at position `past + t - p` (the rotation partner read from the same row).
+            let gain = usize::from(norm.is_some());
+            let cached = operands == 2 + gain;
+            let (x, g) = if cached { ("in1", "in2") } else { ("in0", "in1") };
             let mut body = String::from(
                 "let hn = dim(1u);\nlet p = dim(2u);\nlet s = dim(3u);\nlet d = dim(4u);\nlet w = dim(5u);\n\
                  let c = i % d;\nlet t = (i / d) % (p + s);\nlet h = (i / (d * (p + s))) % hn;\nlet b = i / (d * (p + s) * hn);\n",
             );
-            if operands == 2 {
+            if cached {
                 body += "if (t < p) { out[i] = in0[((b * hn + h) * p + t) * d + c]; return; }\n";
             }
             body += &format!("let si = t - p;\nlet row = (b * s + si) * w + {start}u + h * d;\n");
+            // Element `j` of the head as the rotation reads it.
+            let val = |j: &str| match norm {
+                Some(_) => format!("({x}[row + {j}] * r * {g}[{j}])"),
+                None => format!("{x}[row + {j}]"),
+            };
+            if let Some(eps) = norm {
+                body += &format!(
+                    "var ss = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) {{ let v = {x}[row + j]; ss = ss + v * v; }}\n\
+                     let r = 1.0 / sqrt(ss / f32(d) + {});\n",
+                    lit(eps.0)
+                );
+            }
             match rope {
-                None => body += &format!("out[i] = {x}[row + c];"),
+                None => body += &format!("out[i] = {};", val("c")),
                 Some(r) => {
                     let (freq, partner, sign) = match r.style {
                         PairStyle::RotateHalf => {
@@ -329,11 +344,14 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                         }
                     };
                     body += &format!(
-                        "let rd = {}u;\nlet half = rd / 2u;\nif (c >= rd) {{ out[i] = {x}[row + c]; return; }}\n\
+                        "let rd = {}u;\nlet half = rd / 2u;\nif (c >= rd) {{ out[i] = {}; return; }}\n\
                          let pos = f32(si + dim(6u));\nlet inv = 1.0 / pow({}, f32(2u * ({freq})) / f32(rd));\nlet angle = pos * inv;\n\
-                         out[i] = {x}[row + c] * cos(angle) + {sign} * {x}[row + {partner}] * sin(angle);",
+                         let pc = {partner};\nout[i] = {} * cos(angle) + {sign} * {} * sin(angle);",
                         r.rotary_dim,
-                        lit(r.theta.0)
+                        val("c"),
+                        lit(r.theta.0),
+                        val("c"),
+                        val("pc")
                     );
                 }
             }
