@@ -191,13 +191,14 @@ fn check(cases: &[Case], chunked: bool) {
                 y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
                 add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
             }
-            Op::AddNorm { rms, eps } => {
-                let sum = add!(Op::Add, a[0], a[1]);
-                match (rms, a.len()) {
-                    (true, _) => add!(Op::RmsNorm { eps: *eps }, sum, a[2]),
-                    (false, 3) => add!(Op::LayerNorm { eps: *eps }, sum, a[2]),
-                    (false, _) => add!(Op::LayerNorm { eps: *eps }, sum, a[2], a[3]),
-                }
+            Op::AddNorm { rms, eps, after } => {
+                let x = if *after { a[1] } else { add!(Op::Add, a[0], a[1]) };
+                let normed = match (rms, a.len()) {
+                    (true, _) => add!(Op::RmsNorm { eps: *eps }, x, a[2]),
+                    (false, 3) => add!(Op::LayerNorm { eps: *eps }, x, a[2]),
+                    (false, _) => add!(Op::LayerNorm { eps: *eps }, x, a[2], a[3]),
+                };
+                if *after { add!(Op::Add, a[0], normed) } else { normed }
             }
             other => panic!("{} is not a fused op", other.name()),
         };
@@ -359,8 +360,8 @@ fn attention_at_the_largest_head_dim() {
 fn add_norm_rms_and_layer_with_and_without_bias() {
     let mut cases = Vec::new();
     for (rms, bias) in [(true, false), (false, false), (false, true)] {
-        for eps in [1e-5, 1e-6] {
-            let op = Op::AddNorm { rms, eps: Scalar(eps) };
+        for (eps, after) in [(1e-5, false), (1e-6, false), (1e-5, true), (1e-6, true)] {
+            let op = Op::AddNorm { rms, eps: Scalar(eps), after };
             let mut operands: Vec<(&str, &[usize])> =
                 vec![("a", &[2, 3, 24]), ("b", &[2, 3, 24]), ("norm.weight", &[24])];
             if bias {

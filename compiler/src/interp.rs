@@ -895,12 +895,19 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;
             Tensor { shape, data: merged.data }
         }
-        Op::AddNorm { rms, eps } => {
-            let sum = eval(ctx, &Op::Add, &[a[0], a[1]], shape.clone())?;
-            let mut args = vec![&sum];
-            args.extend(&a[2..]);
+        Op::AddNorm { rms, eps, after } => {
             let norm = if *rms { Op::RmsNorm { eps: *eps } } else { Op::LayerNorm { eps: *eps } };
-            eval(ctx, &norm, &args, shape)?
+            if *after {
+                let mut args = vec![a[1]];
+                args.extend(&a[2..]);
+                let normed = eval(ctx, &norm, &args, shape.clone())?;
+                eval(ctx, &Op::Add, &[a[0], &normed], shape)?
+            } else {
+                let sum = eval(ctx, &Op::Add, &[a[0], a[1]], shape.clone())?;
+                let mut args = vec![&sum];
+                args.extend(&a[2..]);
+                eval(ctx, &norm, &args, shape)?
+            }
         }
         Op::L2Normalize => {
             let x = f(a[0]);

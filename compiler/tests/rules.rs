@@ -346,6 +346,40 @@ fn add_norm() {
     assert!(!report.applied.contains_key("add-norm-rms"), "{:?}", report.applied);
 }
 
+/// `a + norm(b)` (a sandwich block's post-norm and residual) with `a`, `b` two embeddings of the
+/// ids, the sum written either way round.
+fn norm_add_graph(rms: bool, norm_first: bool) -> Graph {
+    let mut g = Graph::new("t");
+    let a = input(&mut g);
+    let ids = g.inputs()[0].0;
+    let t2 = g.param("table2", &[16, D]);
+    let b = g.add(Op::Gather, &[t2, ids]).unwrap();
+    let gain = g.param("norm.weight", &[D]);
+    let normed = if rms {
+        g.add(Op::RmsNorm { eps: Scalar(1e-6) }, &[b, gain]).unwrap()
+    } else {
+        let beta = g.param("norm.bias", &[D]);
+        g.add(Op::LayerNorm { eps: Scalar(1e-5) }, &[b, gain, beta]).unwrap()
+    };
+    let y = if norm_first { g.add(Op::Add, &[normed, a]) } else { g.add(Op::Add, &[a, normed]) }.unwrap();
+    g.outputs.push(("y".into(), y));
+    g
+}
+
+#[test]
+fn norm_add() {
+    for (rule, rms, norm_first) in [
+        ("norm-add-rms", true, false),
+        ("norm-add-rms-r", true, true),
+        ("norm-add-ln", false, false),
+        ("norm-add-ln-r", false, true),
+    ] {
+        let opt = check(rule, &norm_add_graph(rms, norm_first));
+        let fused = if rms { "rms_norm_add" } else { "layer_norm_add" };
+        assert!(ops(&opt).contains(&fused.to_string()), "{rule}: {:?}", ops(&opt));
+    }
+}
+
 /// `scale(f, q q^T)` with `q` a rotated head split of a projection: the scale moves through the
 /// head split into the projection's weight, which is folded at load time.
 fn scaled_scores_graph() -> Graph {

@@ -391,13 +391,17 @@ pub enum Op {
         /// First column of the value heads.
         v: usize,
     },
-    /// `norm(a + b)`: `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
+    /// `norm(a + b)`, or with `after` `a + norm(b)` (a sandwich block's post-sublayer norm and
+    /// its residual): `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
     /// or the RMSNorm of the given epsilon.
     AddNorm {
         /// RMSNorm instead of LayerNorm.
         rms: bool,
         /// Epsilon.
         eps: Scalar,
+        /// Normalize `b` alone and add `a` after: `a + norm(b)`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        after: bool,
     },
 }
 
@@ -471,8 +475,10 @@ impl Op {
             Op::Concat { .. } => "concat".into(),
             Op::MaskedSoftmax { .. } => "masked_softmax".into(),
             Op::Attention { .. } => "attention".into(),
-            Op::AddNorm { rms: false, .. } => "add_layer_norm".into(),
-            Op::AddNorm { rms: true, .. } => "add_rms_norm".into(),
+            Op::AddNorm { rms: false, after: false, .. } => "add_layer_norm".into(),
+            Op::AddNorm { rms: true, after: false, .. } => "add_rms_norm".into(),
+            Op::AddNorm { rms: false, after: true, .. } => "layer_norm_add".into(),
+            Op::AddNorm { rms: true, after: true, .. } => "rms_norm_add".into(),
         }
     }
 

@@ -504,7 +504,7 @@ mod tests {
         // A fold read from an artifact may hold any op on any operands; this one used to index
         // the last axis of a rank-0 shape.
         let scalar: Shape = vec![];
-        let op = Op::AddNorm { rms: true, eps: Scalar(1e-5) };
+        let op = Op::AddNorm { rms: true, eps: Scalar(1e-5), after: false };
         let operands = [(&scalar, DType::F32), (&scalar, DType::F32), (&scalar, DType::F32)];
         let err = infer(&op, &operands).unwrap_err();
         assert!(err.contains("summands must have rank >= 1"), "{err}");

@@ -49,7 +49,8 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
                 if rope { "attention-packed-rope" } else { "attention-packed" },
             ]
         }
-        Op::AddNorm { rms, .. } => vec![if *rms { "add-norm-rms" } else { "add-norm-ln" }],
+        Op::AddNorm { rms, after: false, .. } => vec![if *rms { "add-norm-rms" } else { "add-norm-ln" }],
+        Op::AddNorm { rms, after: true, .. } => vec![if *rms { "norm-add-rms" } else { "norm-add-ln" }],
         Op::MaskedSoftmax { alibi, causal, window, .. } => {
             let masked = *causal || window.is_some() || g.operands(n).len() > 1;
             vec![softmax_rule(masked, *alibi)]

@@ -42,19 +42,30 @@ pub fn forward(
                 layer_norm_row(o, gain, bias, eps.0);
             });
         }
-        Op::AddNorm { rms, eps } => {
+        Op::AddNorm { rms, eps, after } => {
             let (x, y, gain) = (f(0)?, f(1)?, f(2)?);
             if x.len() != y.len() {
                 return Ok(false);
             }
             let bias = if args.len() > 3 { Some(f(3)?) } else { None };
+            let norm = |o: &mut [f32]| match rms {
+                true => rms_norm_row(o, gain, eps.0),
+                false => layer_norm_row(o, gain, bias, eps.0),
+            };
             rows(out.get(), width, |r, o| {
-                for ((o, &a), &b) in o.iter_mut().zip(&x[r * width..][..width]).zip(&y[r * width..][..width]) {
-                    *o = a + b;
-                }
-                match rms {
-                    true => rms_norm_row(o, gain, eps.0),
-                    false => layer_norm_row(o, gain, bias, eps.0),
+                let (a, b) = (&x[r * width..][..width], &y[r * width..][..width]);
+                if *after {
+                    // a + norm(b): the norm of b in the output row, then a added.
+                    o.copy_from_slice(b);
+                    norm(o);
+                    for (o, &a) in o.iter_mut().zip(a) {
+                        *o += a;
+                    }
+                } else {
+                    for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                        *o = a + b;
+                    }
+                    norm(o);
                 }
             });
         }

@@ -404,7 +404,24 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 lit(scale.0)
             )
         }
-        Op::AddNorm { rms, eps } => {
+        Op::AddNorm { rms, eps, after: true } => {
+            // `b`'s row statistics first, then `a + norm(b)` per element.
+            let bias = if operands == 4 { " + in3[j]" } else { "" };
+            let stats = if *rms {
+                "var mean = 0.0;\nvar ms = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) { let x = in1[base + j]; ms = ms + x * x; }\n\
+                 ms = ms / f32(d);\n"
+            } else {
+                "var mean = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) { mean = mean + in1[base + j]; }\nmean = mean / f32(d);\n\
+                 var ms = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) { let c = in1[base + j] - mean; ms = ms + c * c; }\n\
+                 ms = ms / f32(d);\n"
+            };
+            format!(
+                "let d = dim(1u);\nlet base = i * d;\n{stats}let inv = 1.0 / sqrt(ms + {});\n\
+                 for (var j = 0u; j < d; j = j + 1u) {{ out[base + j] = in0[base + j] + ((in1[base + j] - mean) * inv * in2[j]{bias}); }}",
+                lit(eps.0)
+            )
+        }
+        Op::AddNorm { rms, eps, .. } => {
             // The sum is written to the output row first, then normalised in place.
             if *rms {
                 format!(

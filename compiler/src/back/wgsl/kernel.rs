@@ -258,7 +258,9 @@ mod tests {
             }
         }
         for (rms, n) in [(true, 3), (false, 3), (false, 4)] {
-            ops.push((Op::AddNorm { rms, eps: Scalar(1e-5) }, n));
+            for after in [false, true] {
+                ops.push((Op::AddNorm { rms, eps: Scalar(1e-5), after }, n));
+            }
         }
         // Projections with a norm prologue, gated, rotated.
         let rope = RopeCols {

@@ -38,7 +38,15 @@ fn layer(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrVal
 /// The `add_norm` op of a norm with epsilon `?e`.
 fn add_norm(egraph: &KGraph, _: Id, s: &Subst, rms: bool) -> Option<Vec<(&'static str, AttrValue)>> {
     let eps = scalar_of(egraph, s, "?e")?;
-    Some(vec![("?cfg", AttrValue::Op(Op::AddNorm { rms, eps }))])
+    Some(vec![("?cfg", AttrValue::Op(Op::AddNorm { rms, eps, after: false }))])
+}
+
+/// The `add_norm` op adding `?a` after the norm of `?b` (epsilon `?e`), when the two have one
+/// shape (a residual, not a broadcast).
+fn norm_add(egraph: &KGraph, _: Id, s: &Subst, rms: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    let eps = scalar_of(egraph, s, "?e")?;
+    let (a, b) = (shape(egraph, s[var("?a")])?, shape(egraph, s[var("?b")])?);
+    (a == b).then(|| vec![("?cfg", AttrValue::Op(Op::AddNorm { rms, eps, after: true }))])
 }
 
 #[rustfmt::skip]
@@ -62,6 +70,17 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         rw!("add-norm-ln";         "(layer_norm ?e (add ?a ?b) ?g ?nb)"
                                 => { derive("(add_norm ?cfg ?a ?b ?g ?nb)", |e, i, s| add_norm(e, i, s, false)) }
                                    if sum_single_use()),
+        // a + rms_norm(b) = add_norm(a, b) after      (a sandwich block's post-norm and residual;
+        //                                              `add` is matched both ways round)
+        rw!("norm-add-rms";        "(add ?a (rms_norm ?e ?b ?g))"
+                                => { derive("(add_norm ?cfg ?a ?b ?g none)", |e, i, s| norm_add(e, i, s, true)) }),
+        rw!("norm-add-rms-r";      "(add (rms_norm ?e ?b ?g) ?a)"
+                                => { derive("(add_norm ?cfg ?a ?b ?g none)", |e, i, s| norm_add(e, i, s, true)) }),
+        // a + layer_norm(b) = add_norm(a, b) after
+        rw!("norm-add-ln";         "(add ?a (layer_norm ?e ?b ?g ?nb))"
+                                => { derive("(add_norm ?cfg ?a ?b ?g ?nb)", |e, i, s| norm_add(e, i, s, false)) }),
+        rw!("norm-add-ln-r";       "(add (layer_norm ?e ?b ?g ?nb) ?a)"
+                                => { derive("(add_norm ?cfg ?a ?b ?g ?nb)", |e, i, s| norm_add(e, i, s, false)) }),
     ]
 }
 
