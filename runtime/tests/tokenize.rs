@@ -153,12 +153,54 @@ fn missing_metadata_is_named() {
 
 #[test]
 fn unsupported_models_and_pre_tokenizers_are_named() {
-    let llama = Builder::new().kv_str("tokenizer.ggml.model", "llama");
-    let err = build_err(&llama);
-    assert!(matches!(&err, TokenizeError::UnsupportedModel { model } if model == "llama"), "{err}");
+    let unigram = Builder::new().kv_str("tokenizer.ggml.model", "t5");
+    let err = build_err(&unigram);
+    assert!(matches!(&err, TokenizeError::UnsupportedModel { model } if model == "t5"), "{err}");
+    assert!(err.to_string().contains("`llama`, SentencePiece BPE"), "the message lists what kiln builds: {err}");
     let err = build_err(&metadata("qwen2"));
     assert!(matches!(&err, TokenizeError::UnsupportedPreTokenizer { pre } if pre == "qwen2"), "{err}");
     assert!(err.to_string().contains("`smollm`"), "the message lists the known names: {err}");
+}
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`): spaces become `▁` (one put
+/// before the text unless `add_space_prefix` is false), merges follow the tokens' order in the
+/// vocabulary, a byte no piece covers falls back to its `<0xAB>` token, a token of spaces is
+/// reached through `▁`s, BOS is added by default, and decoding undoes it all.
+#[test]
+fn sentencepiece_vocabularies_merge_in_vocabulary_order() {
+    const SP_TOKENS: &[&str] =
+        &["<unk>", "<s>", "</s>", "\u{2581}", "a", "b", "c", "ab", "\u{2581}c", "bc", "<0x21>", "  ", "<ctl>"];
+    // Normal 1, unknown 2, control 3, byte 6.
+    const SP_TYPES: &[i32] = &[2, 3, 3, 1, 1, 1, 1, 1, 1, 1, 6, 1, 3];
+    let sp = |prefix: Option<bool>| {
+        let b = Builder::new()
+            .kv_str("tokenizer.ggml.model", "llama")
+            .kv_strs("tokenizer.ggml.tokens", SP_TOKENS)
+            .kv_i32s("tokenizer.ggml.token_type", SP_TYPES)
+            .kv_u32("tokenizer.ggml.bos_token_id", 1)
+            .kv_u32("tokenizer.ggml.eos_token_id", 2)
+            .kv_u32("tokenizer.ggml.unknown_token_id", 0);
+        tokenizer(&match prefix {
+            Some(p) => b.kv_bool("tokenizer.ggml.add_space_prefix", p),
+            None => b,
+        })
+    };
+    let t = sp(None);
+    // "▁abc▁c": `ab` merges before `bc` (vocabulary order), then `▁c`.
+    assert_eq!(t.encode("abc c", true).unwrap(), [1, 3, 7, 6, 8]);
+    assert_eq!(t.decode(&[7, 6, 8], false).unwrap(), "abc c", "the prefix space is stripped again");
+    // `!` is no piece: its byte token. `▁c` (id 8) merges before `▁▁` (id 11).
+    assert_eq!(t.encode("a!", false).unwrap(), [3, 4, 10]);
+    assert_eq!(t.encode("c  c", false).unwrap(), [8, 3, 8]);
+    assert_eq!(t.decode(&[8, 3, 8, 10], false).unwrap(), "c  c!", "the prefix space is stripped");
+    assert_eq!(t.encode("<ctl>a", false).unwrap(), [12, 3, 4], "control tokens are matched whole");
+    // Without the prefix space (Gemma), the text starts as written.
+    let t = sp(Some(false));
+    assert_eq!(t.encode("abc c", true).unwrap(), [1, 7, 6, 8]);
+    assert_eq!(t.decode(&[7, 6, 8], false).unwrap(), "abc c");
+    // The two-space token, stored with real spaces, is reached through `▁▁`.
+    assert_eq!(t.encode("a  b", false).unwrap(), [4, 11, 5]);
+    assert_eq!(t.decode(&[4, 11, 5], false).unwrap(), "a  b");
 }
 
 #[test]
