@@ -90,9 +90,9 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             v.extend(bstrides(operand(1)?));
             v
         }
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::TopK { .. } | Op::L2Normalize => {
-            vec![rows(out), last(out)]
-        }
+        // A workgroup per row (`emit::cooperative`).
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
+        Op::Softmax | Op::TopK { .. } | Op::L2Normalize => vec![rows(out), last(out)],
         Op::Permute { perm } => {
             let st = strides(operand(0)?);
             let mut o = vec![1; 4usize.saturating_sub(out.len())];
@@ -168,7 +168,7 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
                 attention::dims(attention::Geometry { heads: h, kv_heads: kv, head_dim: d }, b, s, t, 0)
             }
         }
-        Op::AddNorm { .. } => vec![rows(out), last(out)],
+        Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
     };
     if total == 0

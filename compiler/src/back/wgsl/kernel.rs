@@ -175,15 +175,20 @@ fn statement_end(s: &str, from: usize) -> usize {
 }
 
 /// The part every kernel shares after its bindings: `dim`, the helpers, and `main` running `body`
-/// once per thread `i < dim(0)`. A projection's body instead runs once per invocation of the
-/// `dim(0) / 64` workgroups, with `wg` the workgroup's index and `lane` the invocation's index in it
-/// (see [`super::projection`]): it finds its tile from the workgroup, which the shader compiler can
-/// then see as uniform.
+/// once per thread `i < dim(0)`. A projection's body, and a norm's (a workgroup per row, see
+/// [`super::emit::cooperative`]), instead runs once per invocation of the `dim(0) / 64`
+/// workgroups, with `wg` the workgroup's index and `lane` the invocation's index in it (see
+/// [`super::projection`]): it finds its tile or row from the workgroup, which the shader compiler
+/// can then see as uniform.
 fn entry(op: &Op, body: &str) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
-    if matches!(op, Op::Linear { .. }) {
-        s += &projection::unit_fn(op);
+    if matches!(op, Op::Linear { .. }) || super::emit::cooperative(op) {
+        if super::emit::cooperative(op) {
+            s += super::emit::ROW_SUM;
+        } else {
+            s += &projection::unit_fn(op);
+        }
         s += &format!(
             "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let wg = wid.x + wid.y * nwg.x;\n    if (wg >= dim(0u) / {WORKGROUP}u) {{ return; }}\n    let lane = lid.x;\n"
         );
