@@ -234,14 +234,29 @@ pub fn run_cli(
     if interrupted() {
         reporter.info(format_args!("interrupted: stopped after {} tokens", stats.new_tokens));
     }
-    reporter.info(format_args!(
-        "prefill: {} tokens, {:.1} tok/s; decode: {} tokens, {:.1} tok/s",
-        stats.prompt_tokens,
-        stats.prefill_tok_s(),
-        stats.new_tokens,
-        stats.decode_tok_s()
-    ));
+    if stats.prefill_s == 0.0 {
+        reporter.info(format_args!("nothing generated: --max-new-tokens is 0, so the prompt was not run"));
+    } else {
+        reporter.info(format_args!(
+            "prefill: {} tokens, {:.1} tok/s; decode: {} tokens, {:.1} tok/s; stopped: {}",
+            stats.prompt_tokens,
+            stats.prefill_tok_s(),
+            stats.new_tokens,
+            stats.decode_tok_s(),
+            stop_reason(stats.stop).replace('_', " ")
+        ));
+    }
     Ok(())
+}
+
+/// Why generation stopped, as `--json` names it.
+fn stop_reason(stop: Stop) -> &'static str {
+    match stop {
+        Stop::MaxNewTokens => "max_new_tokens",
+        Stop::StopId => "stop_id",
+        Stop::ContextFull => "context_full",
+        Stop::Caller => "interrupted",
+    }
 }
 
 /// `kiln generate --json`: `model`, `prompt_ids` (after tokenization; an encoder-decoder's
@@ -251,12 +266,7 @@ pub fn run_cli(
 /// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `prefill_tok_s` and `decode_tok_s` (and `backend`,
 /// added by the caller).
 fn json(model: &str, prompt: &[i64], ids: &[i64], text: Option<&str>, stats: &Stats) -> serde_json::Value {
-    let stop_reason = match stats.stop {
-        Stop::MaxNewTokens => "max_new_tokens",
-        Stop::StopId => "stop_id",
-        Stop::ContextFull => "context_full",
-        Stop::Caller => "interrupted",
-    };
+    let stop_reason = stop_reason(stats.stop);
     serde_json::json!({
         "model": model,
         "prompt_ids": prompt,

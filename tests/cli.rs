@@ -367,6 +367,37 @@ fn generate_gemma3_270m_prints_the_reference_continuation() {
     }
 }
 
+/// `kiln generate` says why it stopped, and with nothing to generate says so instead of a rate
+/// (the prompt is not run, so there is no prefill time to divide by).
+#[test]
+fn generate_reports_why_it_stopped_and_nothing_for_no_tokens() {
+    let run = |n: &str| {
+        kiln(&[
+            "generate",
+            "models/llama.toml",
+            "--weights",
+            "tests/fixtures/llama/model.safetensors",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            n,
+            "--backend",
+            "cpu",
+        ])
+    };
+    let o = run("4");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("decode: 4 tokens") && stderr(&o).contains("stopped: max new tokens"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run("0");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("nothing generated: --max-new-tokens is 0"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("tok/s"), "no rate without a timed run: {}", stderr(&o));
+}
+
 /// Runs the GPT-2 fixture on the given input tensors and expects failure with `needles`.
 fn gpt2_rejects_inputs(name: &str, tensors: &[(String, Tensor)], needles: &[&str]) {
     let inputs = scratch("inputs").join(format!("{name}.safetensors"));
@@ -531,6 +562,7 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), "The capital of France is Paris.\n");
     assert!(stderr(&o).contains("prefill: 37 tokens"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("stopped: stop id"), "the text mode says why it stopped: {}", stderr(&o));
     // As JSON, quietly: the same text in one document, stopped by the end-of-sequence id.
     let o = kiln(&[
         "generate",

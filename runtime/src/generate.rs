@@ -307,9 +307,9 @@ pub enum Stop {
 }
 
 impl Stats {
-    /// Prompt tokens per second.
+    /// Prompt tokens per second; 0 when the prompt was not run (nothing to generate).
     pub fn prefill_tok_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prefill_s.max(1e-9)
+        if self.prefill_s > 0.0 { self.prompt_tokens as f64 / self.prefill_s } else { 0.0 }
     }
 
     /// Generated tokens per second (each after the first needs one decode step).
