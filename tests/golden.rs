@@ -240,51 +240,43 @@ const SMOLLM2_TOLERANCE: f32 = 1e-3;
 /// The same for Gemma 3 270M: 18 layers, logits of scale ~30 over a vocabulary of 262144.
 const GEMMA3_270M_TOLERANCE: f32 = 2e-4;
 
-/// SmolLM2-135M-Instruct from llama.cpp's GGUF (Q4_1 matrices, Q8_0 embedding, tied head) against
-/// transformers' GGUF loader: logits at the first and the last prompt position.
-#[test]
-fn gemma3_270m_gguf_matches_transformers() {
-    let weights = common::fetched("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
-    let fe = spec("gemma3-270m");
-    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
-    let reference = tensors(&root().join("tests/fixtures/gemma3-270m/reference.safetensors"));
-    let inputs = HashMap::from([("input_ids".to_string(), reference["prompt_ids"].clone())]);
-    let outputs = interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}"));
-    let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("decoder has logits").1;
-    let values = logits.as_f32().expect("f32 logits");
-    let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
-    let positions = values.len() / vocab;
-    for (name, position) in [("first_logits", 0), ("last_logits", positions - 1)] {
-        let got = Tensor::f32(vec![vocab], values[position * vocab..(position + 1) * vocab].to_vec());
-        // The reference stores `[1, vocab]`.
-        let expected = Tensor::f32(vec![vocab], reference[name].as_f32().expect("f32 logits").to_vec());
-        let err = got.max_abs_diff(&expected);
-        println!("gemma3-270m: {name} max abs error {err:e}");
-        assert!(err <= GEMMA3_270M_TOLERANCE, "gemma3-270m: `{name}` differs by {err}");
-    }
-}
-
-#[test]
-fn smollm2_gguf_matches_transformers() {
-    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
-    let fe = spec("smollm2-135m");
+/// A real model's GGUF (`file` in the cache's `dir`, fetched as `model`) against transformers'
+/// GGUF loader, on the interpreter: logits at the first and the last prompt position within
+/// `tolerance`.
+fn check_gguf_logits(model: &str, dir: &str, file: &str, tolerance: f32) {
+    let weights = common::fetched(model, dir, file);
+    let fe = spec(dir);
     let start = std::time::Instant::now();
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
-    println!("smollm2-135m: weights loaded in {:.1?}", start.elapsed());
-    let reference = tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors"));
+    println!("{dir}: weights loaded in {:.1?}", start.elapsed());
+    let reference = tensors(&root().join(format!("tests/fixtures/{dir}/reference.safetensors")));
     let ids = &reference["prompt_ids"];
     let start = std::time::Instant::now();
     let inputs = HashMap::from([("input_ids".to_string(), ids.clone())]);
     let outputs = interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}"));
-    println!("smollm2-135m: {} positions in {:.1?}", ids.len(), start.elapsed());
+    println!("{dir}: {} positions in {:.1?}", ids.len(), start.elapsed());
     let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("decoder has logits").1;
     let values = logits.as_f32().expect("f32 logits");
     let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
     let positions = values.len() / vocab;
     for (name, position) in [("first_logits", 0), ("last_logits", positions - 1)] {
         let got = Tensor::f32(vec![vocab], values[position * vocab..(position + 1) * vocab].to_vec());
-        let err = got.max_abs_diff(&reference[name]);
-        println!("smollm2-135m: {name} max abs error {err:e}");
-        assert!(err <= SMOLLM2_TOLERANCE, "smollm2-135m: `{name}` differs by {err}");
+        // The references store `[vocab]` (SmolLM2) or `[1, vocab]` (Gemma 3).
+        let expected = Tensor::f32(vec![vocab], reference[name].as_f32().expect("f32 logits").to_vec());
+        let err = got.max_abs_diff(&expected);
+        println!("{dir}: {name} max abs error {err:e}");
+        assert!(err <= tolerance, "{dir}: `{name}` differs by {err}");
     }
+}
+
+/// Gemma 3 270M from llama.cpp's Q4_K_M GGUF (Q5_0, Q4_K, Q6_K and Q8_0 matrices, tied head).
+#[test]
+fn gemma3_270m_gguf_matches_transformers() {
+    check_gguf_logits("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf", GEMMA3_270M_TOLERANCE);
+}
+
+/// SmolLM2-135M-Instruct from llama.cpp's GGUF (Q4_1 matrices, Q8_0 embedding, tied head).
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    check_gguf_logits("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2_TOLERANCE);
 }

@@ -245,6 +245,11 @@ impl QuantWeight {
         };
         Self::from_blocks(ty, rows, k, &bytes).ok()
     }
+
+    /// The device format a GGUF type is kept in as blocks, or `None` if it is read as f32.
+    pub fn format_of(ty: GgmlType) -> Option<WeightFormat> {
+        file_layout(ty).map(|(format, ..)| format)
+    }
 }
 
 /// A GGUF type kept as blocks: its format, the bytes of a file block, and the block's fields in

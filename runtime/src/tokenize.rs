@@ -616,14 +616,19 @@ impl DecodeStream<'_> {
     }
 }
 
-/// The BPE model of a vocabulary and its merges (`"left right"`, highest priority first).
-fn bpe(tokens: &[String], merges: &[String]) -> Result<BPE, TokenizeError> {
+/// Token to id; a repeated token keeps its first id, as llama.cpp's lookup does.
+fn vocab(tokens: &[String]) -> Result<Vocab, TokenizeError> {
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (i, token) in tokens.iter().enumerate() {
         let id = u32::try_from(i).map_err(|_| inconsistent(format!("{} tokens do not fit u32 ids", tokens.len())))?;
-        // A repeated token keeps its first id, as llama.cpp's lookup does.
         vocab.entry(token.clone()).or_insert(id);
     }
+    Ok(vocab)
+}
+
+/// The BPE model of a vocabulary and its merges (`"left right"`, highest priority first).
+fn bpe(tokens: &[String], merges: &[String]) -> Result<BPE, TokenizeError> {
+    let vocab = vocab(tokens)?;
     let pairs = merges
         .iter()
         .enumerate()
@@ -666,11 +671,7 @@ fn sentencepiece(
         .iter()
         .map(|t| if !t.is_empty() && t.chars().all(|c| c == ' ') { SPACE.repeat(t.chars().count()) } else { t.clone() })
         .collect();
-    let mut vocab = Vocab::with_capacity(spelled.len());
-    for (i, token) in spelled.iter().enumerate() {
-        let id = u32::try_from(i).map_err(|_| inconsistent(format!("{} tokens do not fit u32 ids", tokens.len())))?;
-        vocab.entry(token.clone()).or_insert(id);
-    }
+    let vocab = vocab(&spelled)?;
     // (priority, left, right): every split of a token into two tokens.
     let mut merges: Vec<(u32, &str, &str)> = Vec::new();
     for (i, token) in spelled.iter().enumerate() {

@@ -6,7 +6,7 @@
 //! of one, put back in rotate-half row order if it comes from llama.cpp, and checked against the
 //! shape the graph expects. Every failure names the parameter, the tensor and what was expected.
 
-use crate::gguf::{self, GgmlType, Gguf, GgufError};
+use crate::gguf::{self, Gguf, GgufError};
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
 use kiln_compiler::graph::Graph;
@@ -304,10 +304,7 @@ fn quantized_one(
     };
     let Some(info) = gguf.info(&source.tensor) else { return Ok(None) };
     let ty = info.ty();
-    if expected.len() != 2
-        || source.transpose
-        || !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K)
-    {
+    if expected.len() != 2 || source.transpose || QuantWeight::format_of(ty).is_none() {
         return Ok(None);
     }
     let error = |message: String| WeightError::Quantized { param: name.into(), tensor: source.tensor.clone(), message };

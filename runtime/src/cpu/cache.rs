@@ -100,7 +100,12 @@ impl CacheBuf {
             self.start = 0;
             return Ok(());
         }
-        let cap = rows.max(2 * self.cap).max(16);
+        self.relocate(rows.max(2 * self.cap).max(16))
+    }
+
+    /// Moves the held rows to the start of a new buffer with room for `cap >= len` rows per head.
+    fn relocate(&mut self, cap: usize) -> Result<(), kiln_compiler::memory::MemoryError> {
+        let (heads, d, len) = (self.b * self.heads, self.d, self.len);
         kiln_compiler::memory::check(|| "the key/value cache".to_string(), 4 * (heads * cap * d) as u64)?;
         let mut data = vec![0.0f32; heads * cap * d];
         for h in 0..heads {
@@ -138,18 +143,7 @@ impl CacheBuf {
         self.start += self.len - rows;
         self.len = rows;
         let room = (2 * rows).max(16);
-        if self.cap != room {
-            let heads = self.b * self.heads;
-            kiln_compiler::memory::check(|| "the key/value cache".to_string(), 4 * (heads * room * self.d) as u64)?;
-            let mut data = vec![0.0f32; heads * room * self.d];
-            for (h, held) in contiguous(self.data(), heads, rows, self.cap, self.d).chunks(rows * self.d).enumerate() {
-                data[h * room * self.d..][..held.len()].copy_from_slice(held);
-            }
-            self.data = data;
-            self.cap = room;
-            self.start = 0;
-        }
-        Ok(())
+        if self.cap != room { self.relocate(room) } else { Ok(()) }
     }
 
     /// The rows held, as a contiguous tensor.

@@ -304,6 +304,33 @@ unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line
     lines
 }
 
+/// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (AVX2,
+/// NEON): the block through [`buffered_block`], loaded from its lines. Expanded inside the
+/// module, whose `V`, `BV`, `LANES`, `zero` and `load` it uses, for `$features`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! buffered_kquant {
+    ($features:literal) => {
+        /// A block of the formats without vector dequantization here (Q5_0, Q4_K, Q6_K), through
+        /// [`buffered_block`](super::super::buffered_block).
+        ///
+        /// # Safety
+        ///
+        /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+        #[target_feature(enable = $features)]
+        #[inline]
+        pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+            // SAFETY: the caller's.
+            let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
+            let mut out = [zero(); BV];
+            for (j, v) in out.iter_mut().enumerate() {
+                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
+                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
+            }
+            out
+        }
+    };
+}
+
 /// The kernels' format parameter (a const generic): Q8_0 and Q4_1 have their own SIMD
 /// dequantization; the others are dequantized block by block by [`dequant_block`].
 const F_Q8_0: u8 = 0;
@@ -1038,24 +1065,7 @@ mod x86 {
             ]
         }
 
-        /// A block of the formats without vector dequantization here (Q5_0, Q4_K, Q6_K), through
-        /// [`buffered_block`](super::super::buffered_block).
-        ///
-        /// # Safety
-        ///
-        /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
-        #[target_feature(enable = "avx")]
-        #[inline]
-        pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
-            // SAFETY: the caller's.
-            let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
-            let mut out = [zero(); BV];
-            for (j, v) in out.iter_mut().enumerate() {
-                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
-                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
-            }
-            out
-        }
+        buffered_kquant!("avx");
 
         /// The lane sums of `a[0..4]`.
         #[target_feature(enable = "avx")]
@@ -1195,24 +1205,7 @@ mod arm {
             [a0, a1, a2, a3, b0, b1, b2, b3].map(|v| vaddq_f32(vmulq_n_f32(v, d), m))
         }
 
-        /// A block of the formats without vector dequantization here (Q5_0, Q4_K, Q6_K), through
-        /// [`buffered_block`](super::super::buffered_block).
-        ///
-        /// # Safety
-        ///
-        /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
-        #[target_feature(enable = "neon")]
-        #[inline]
-        pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
-            // SAFETY: the caller's.
-            let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
-            let mut out = [zero(); BV];
-            for (j, v) in out.iter_mut().enumerate() {
-                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
-                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
-            }
-            out
-        }
+        buffered_kquant!("neon");
 
         /// The lane sums of `a[0..4]`.
         #[target_feature(enable = "neon")]
