@@ -546,6 +546,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
         alibi: false,
         causal: true,
         window: None,
+        mods: Default::default(),
         heads: s.heads,
         kv_heads: s.kv_heads,
         head_dim: s.head_dim,

@@ -16,7 +16,7 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
+use crate::graph::{Dim, Graph, InputRole, Op, ScoreMods, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::spec::{Activation, PairStyle};
 use crate::tensor::{DType, Data, Tensor};
@@ -484,27 +484,28 @@ fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: imp
 /// `z = (z ^ z >> 27) * 0x94D049BB133111EB`, `r = z ^ z >> 31` (all mod 2^64), taking and
 /// removing `candidates[r % len]`.
 pub fn block_pattern(blocks: usize, global: usize, window: usize, random: usize, seed: u64) -> Vec<bool> {
-    let mut allowed = vec![false; blocks * blocks];
-    for i in 0..blocks {
-        for j in 0..blocks {
-            allowed[i * blocks + j] = i < global || j < global || i.abs_diff(j) <= window;
-        }
+    (0..blocks).flat_map(|i| block_pattern_row(blocks, i, global, window, random, seed)).collect()
+}
+
+/// Row `i` of [`block_pattern`]: the key blocks query block `i` attends.
+pub fn block_pattern_row(blocks: usize, i: usize, global: usize, window: usize, random: usize, seed: u64) -> Vec<bool> {
+    let mut allowed: Vec<bool> = (0..blocks).map(|j| i < global || j < global || i.abs_diff(j) <= window).collect();
+    if i < global {
+        return allowed;
     }
-    for i in global..blocks {
-        let mut candidates: Vec<usize> = (0..blocks).filter(|&j| !allowed[i * blocks + j]).collect();
-        let mut state = seed.wrapping_mul(1 << 32).wrapping_add(i as u64);
-        for _ in 0..random {
-            if candidates.is_empty() {
-                break;
-            }
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let r = z ^ (z >> 31);
-            let j = candidates.remove((r % candidates.len() as u64) as usize);
-            allowed[i * blocks + j] = true;
+    let mut candidates: Vec<usize> = (0..blocks).filter(|&j| !allowed[j]).collect();
+    let mut state = seed.wrapping_mul(1 << 32).wrapping_add(i as u64);
+    for _ in 0..random {
+        if candidates.is_empty() {
+            break;
         }
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let r = z ^ (z >> 31);
+        let j = candidates.remove((r % candidates.len() as u64) as usize);
+        allowed[j] = true;
     }
     allowed
 }
@@ -529,6 +530,16 @@ pub fn relative_bucket(rel: i64, bidirectional: bool, buckets: usize, max_distan
         (large as u64).min((n as u64).saturating_sub(1))
     };
     (offset + bucket as usize).min(buckets.saturating_sub(1))
+}
+
+/// A fused softmax's or attention's operands after its scores (or q, k, v): the key mask, if
+/// any, then the relative position bias's table when `mods` has one.
+pub fn score_operands<'a, T>(rest: &'a [T], mods: &ScoreMods) -> (Option<&'a T>, Option<&'a T>) {
+    let (rest, table) = match (mods.relative, rest.split_last()) {
+        (Some(_), Some((table, rest))) => (rest, Some(table)),
+        _ => (rest, None),
+    };
+    (rest.first(), table)
 }
 
 /// The graph and operand nodes of the op being evaluated, when there is one (for error
@@ -801,7 +812,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             y
         }
-        Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
             // Split the heads out of the packed rows, then attend as `attention` does.
             let x = a[0];
             let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
@@ -818,8 +829,8 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             debug_assert!(width >= q + heads * head_dim);
             let (qh, kh, vh) = (split(*q, *heads)?, split(*k, *kv_heads)?, split(*v, *kv_heads)?);
             let mut args = vec![&qh, &kh, &vh];
-            args.extend(a.get(1).copied());
-            let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
+            args.extend(&a[1..]);
+            let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
             eval(ctx, &op, &args, shape)?
         }
         Op::Heads { start, heads, head_dim, norm, rope } => {
@@ -860,19 +871,39 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             Tensor::f32(shape, out)
         }
-        Op::MaskedSoftmax { scale, alibi, causal, window } => {
+        Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
+            let (key_mask, table) = score_operands(&a[1..], mods);
+            let (key_mask, table) = (key_mask.copied(), table.copied());
             let mut y = eval(ctx, &Op::Scale { factor: *scale }, &[a[0]], shape.clone())?;
+            if let Some(cap) = mods.softcap {
+                y = eval(ctx, &Op::SoftCap { cap }, &[&y], shape.clone())?;
+            }
             if *alibi {
                 y = eval(ctx, &Op::Alibi, &[&y], shape.clone())?;
             }
-            if *causal || a.len() > 1 || window.is_some() {
-                let mut args = vec![&y];
-                args.extend(a.get(1).copied());
+            if let (Some(r), Some(table)) = (mods.relative, table) {
+                let (q, k) = (Dim::Fixed(shape[2]), Dim::Fixed(shape[3]));
+                let op = Op::RelativeBias { buckets: r.buckets, max_distance: r.max_distance, bidirectional: r.bidirectional, q, k };
+                let bias = eval(ctx, &op, &[table], vec![1, shape[1], shape[2], shape[3]])?;
+                y = eval(ctx, &Op::Add, &[&y, &bias], shape.clone())?;
+            }
+            let mut args = vec![&y];
+            args.extend(key_mask);
+            if let Some(p) = mods.sparse {
+                let op = Op::BlockSparseMask {
+                    block: p.block,
+                    global: p.global,
+                    window: p.window,
+                    random: p.random,
+                    seed: p.seed,
+                };
+                y = eval(ctx, &op, &args, shape.clone())?;
+            } else if *causal || key_mask.is_some() || window.is_some() {
                 y = eval(ctx, &Op::Mask { causal: *causal, window: *window }, &args, shape.clone())?;
             }
             eval(ctx, &Op::Softmax, &[&y], shape)?
         }
-        Op::Attention { scale, alibi, causal, window } => {
+        Op::Attention { scale, alibi, causal, window, mods } => {
             let (q, k, v) = (a[0], a[1], a[2]);
             let (b, h, s, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
             let (kv, t) = (k.shape[1], k.shape[2]);
@@ -888,8 +919,8 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             };
             let scores = eval(ctx, &Op::MatMul { transpose_b: true }, &[q, &k], vec![b, h, s, t])?;
             let mut args = vec![&scores];
-            args.extend(a.get(3).copied());
-            let soft = Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
+            args.extend(&a[3..]);
+            let soft = Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
             let p = eval(ctx, &soft, &args, vec![b, h, s, t])?;
             let heads = eval(ctx, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
             let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;

@@ -28,7 +28,7 @@ mod op;
 pub mod print;
 mod shape;
 
-pub use op::{InputRole, Op, Prologue, RopeCols, Rotation, Scalar};
+pub use op::{BlockPattern, Bucketing, InputRole, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods};
 pub use shape::{Dim, Shape, Sym, broadcast, fmt_shape, infer, resolve};
 
 use crate::tensor::DType;

@@ -26,6 +26,88 @@ impl fmt::Display for Scalar {
     }
 }
 
+/// What a fused softmax or attention does to its scores besides the scale, ALiBi and the
+/// causal/window mask, in this order after the scale: soft-capping, a relative position bias, then
+/// a block-sparse mask in place of the causal/window one. The default does none of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct ScoreMods {
+    /// `cap * tanh(x / cap)` ([`Op::SoftCap`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub softcap: Option<Scalar>,
+    /// T5's relative position bias ([`Op::RelativeBias`]) read from a `[buckets, heads]` table,
+    /// the op's last operand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relative: Option<Bucketing>,
+    /// BigBird's block-sparse pattern ([`Op::BlockSparseMask`]): the kernel visits only the key
+    /// blocks a query block attends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse: Option<BlockPattern>,
+}
+
+impl ScoreMods {
+    /// Whether it does nothing (plain scores).
+    pub fn is_plain(&self) -> bool {
+        *self == ScoreMods::default()
+    }
+
+    /// Attributes as ` key=value` text, each with a leading space (empty when plain).
+    fn attrs(&self) -> String {
+        let mut a = String::new();
+        if let Some(cap) = self.softcap {
+            a += &format!(" softcap={cap}");
+        }
+        if let Some(r) = self.relative {
+            a += &format!(
+                " relative=[buckets={} max_distance={}{}]",
+                r.buckets,
+                r.max_distance,
+                if r.bidirectional { " bidirectional" } else { "" }
+            );
+        }
+        if let Some(p) = self.sparse {
+            a += &format!(
+                " sparse=[block={} global={} window={} random={} seed={}]",
+                p.block, p.global, p.window, p.random, p.seed
+            );
+        }
+        a
+    }
+}
+
+/// How T5's relative position bias buckets a distance (see [`Op::RelativeBias`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Bucketing {
+    /// Buckets of the table.
+    pub buckets: usize,
+    /// Distances from here on share the last bucket.
+    pub max_distance: usize,
+    /// Later keys get buckets of their own (an encoder) rather than distance 0.
+    pub bidirectional: bool,
+}
+
+/// BigBird's block pattern (see [`crate::interp::block_pattern`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct BlockPattern {
+    /// Positions per block.
+    pub block: usize,
+    /// Leading global blocks.
+    pub global: usize,
+    /// Neighbour blocks on each side.
+    pub window: usize,
+    /// Random blocks per query block.
+    pub random: usize,
+    /// Their seed.
+    pub seed: u64,
+}
+
+impl BlockPattern {
+    /// Key blocks query block `qb` attends, ascending, of `blocks` (every block for a global one).
+    pub fn attended(&self, qb: usize, blocks: usize) -> Vec<usize> {
+        let allowed = crate::interp::block_pattern_row(blocks, qb, self.global, self.window, self.random, self.seed);
+        (0..blocks).filter(|&kb| allowed.get(kb).copied().unwrap_or(false)).collect()
+    }
+}
+
 /// What an input tensor is, which decides how the runtime binds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum InputRole {
@@ -318,8 +400,10 @@ pub enum Op {
         /// Rotate heads of the output.
         rope: Option<RopeCols>,
     },
-    /// `softmax(mask(alibi(scores * scale)))` over the last axis: `(scores [b, h, q, k][, key_mask
-    /// f32[b, k]])`. The mask hides what [`Op::Mask`] hides; `alibi` adds [`Op::Alibi`]'s biases.
+    /// `softmax(mask(bias(alibi(softcap(scores * scale)))))` over the last axis: `(scores [b, h, q,
+    /// k][, key_mask f32[b, k]][, table f32[buckets, h]])`. The mask hides what [`Op::Mask`] hides
+    /// (or, with `mods.sparse`, what [`Op::BlockSparseMask`] hides); `alibi` adds [`Op::Alibi`]'s
+    /// biases; `mods` adds the soft-cap and the relative position bias of the `table` operand.
     MaskedSoftmax {
         /// Logit scale.
         scale: Scalar,
@@ -329,11 +413,15 @@ pub enum Op {
         causal: bool,
         /// Sliding-window size.
         window: Option<usize>,
+        /// Soft-capping, relative bias, block sparsity.
+        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+        mods: ScoreMods,
     },
     /// Whole attention with the head merge: `(q [b, h, s, d], k [b, kv, t, d], v [b, kv, t, d][,
-    /// key_mask f32[b, t]]) -> [b, s, h * d]`, query head `j` reading key/value head
-    /// `j / (h / kv)`; scores are masked and normalised as [`Op::MaskedSoftmax`] does. The kernel
-    /// never materialises the score matrix (online softmax).
+    /// key_mask f32[b, t]][, table f32[buckets, h]]) -> [b, s, h * d]`, query head `j` reading
+    /// key/value head `j / (h / kv)`; scores are masked and normalised as [`Op::MaskedSoftmax`]
+    /// does. The kernel never materialises the score matrix (online softmax), and with
+    /// `mods.sparse` visits only the key blocks each query block attends.
     Attention {
         /// Logit scale.
         scale: Scalar,
@@ -343,6 +431,9 @@ pub enum Op {
         causal: bool,
         /// Sliding-window size.
         window: Option<usize>,
+        /// Soft-capping, relative bias, block sparsity.
+        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+        mods: ScoreMods,
     },
     /// Heads read out of a packed projection, optionally normalized, rotated and appended to a
     /// cache: `([past f32[b, heads, p, head_dim],] x [b, s, width][, gain [head_dim]]) -> [b,
@@ -368,7 +459,8 @@ pub enum Op {
     /// Attention reading its heads straight out of one packed projection `qkv [b, s, width]`:
     /// query head `j` is columns `q + j * head_dim ..` of each row, key/value head `j` columns
     /// `k + j * head_dim ..` and `v + j * head_dim ..`; `(qkv[, key_mask f32[b, s]]) -> [b, s,
-    /// heads * head_dim]`. Equal to [`Op::Attention`] over the split, head-transposed tensors.
+    /// heads * head_dim]` (a relative position bias's table last, as [`Op::Attention`] takes it).
+    /// Equal to [`Op::Attention`] over the split, head-transposed tensors.
     PackedAttention {
         /// Logit scale.
         scale: Scalar,
@@ -378,6 +470,9 @@ pub enum Op {
         causal: bool,
         /// Sliding-window size.
         window: Option<usize>,
+        /// Soft-capping, relative bias, block sparsity.
+        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+        mods: ScoreMods,
         /// Query heads.
         heads: usize,
         /// Key/value heads (dividing `heads`).
@@ -523,7 +618,8 @@ impl Op {
             },
             Op::TopK { k, renormalize } => format!("k={k} renormalize={renormalize}"),
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
-            Op::MaskedSoftmax { scale, alibi, causal, window } | Op::Attention { scale, alibi, causal, window } => {
+            Op::MaskedSoftmax { scale, alibi, causal, window, mods }
+            | Op::Attention { scale, alibi, causal, window, mods } => {
                 let mut a = format!("scale={scale} causal={causal}");
                 if let Some(w) = window {
                     a += &format!(" window={w}");
@@ -531,7 +627,7 @@ impl Op {
                 if *alibi {
                     a += " alibi";
                 }
-                a
+                a + &mods.attrs()
             }
             Op::AddNorm { eps, .. } => format!("eps={eps}"),
             Op::Linear { norm, rope, .. } => {
@@ -552,7 +648,7 @@ impl Op {
                 }
                 a.join(" ")
             }
-            Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
                 let mut a = format!(
                     "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
                 );
@@ -562,7 +658,7 @@ impl Op {
                 if *alibi {
                     a += " alibi";
                 }
-                a
+                a + &mods.attrs()
             }
             Op::Concat { axis } => format!("axis={axis}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {

@@ -86,6 +86,20 @@ pub fn fmt_shape(shape: &[Dim]) -> String {
 
 /// Shape and dtype rules of every op.
 pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    if let Some((plain, buckets)) = without_relative_bias(op) {
+        // The table comes last; the rest are typed as the op without the bias.
+        let Some(((table, dtype), rest)) = operands.split_last() else { return Err("expects a bias table".into()) };
+        let (out, t) = infer(&plain, rest)?;
+        let heads = match (&plain, out.get(1)) {
+            (Op::MaskedSoftmax { .. }, Some(h)) => *h,
+            (Op::PackedAttention { heads, .. }, _) => Dim::Fixed(*heads),
+            _ => rest.first().and_then(|(q, _)| q.get(1)).copied().unwrap_or(Dim::Fixed(0)),
+        };
+        if *dtype != DType::F32 || table.as_slice() != [Dim::Fixed(buckets), heads] {
+            return Err(format!("the bias table must be f32[{buckets}, {heads}], is {dtype}{}", fmt_shape(table)));
+        }
+        return Ok((out, t));
+    }
     let arity = |n: usize| -> Result<(), String> {
         if operands.len() == n { Ok(()) } else { Err(format!("expects {n} operand(s), got {}", operands.len())) }
     };
@@ -509,4 +523,16 @@ mod tests {
         let err = infer(&op, &operands).unwrap_err();
         assert!(err.contains("summands must have rank >= 1"), "{err}");
     }
+}
+
+/// A fused softmax or attention with a relative position bias as the same op without it, and the
+/// bias's bucket count.
+fn without_relative_bias(op: &Op) -> Option<(Op, usize)> {
+    let mut plain = op.clone();
+    let mods = match &mut plain {
+        Op::MaskedSoftmax { mods, .. } | Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => mods,
+        _ => return None,
+    };
+    let r = mods.relative.take()?;
+    Some((plain, r.buckets))
 }

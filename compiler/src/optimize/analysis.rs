@@ -37,6 +37,7 @@ impl Default for KAnalysis {
         a.intern(AttrValue::Bool(false));
         a.intern(AttrValue::Bool(true));
         a.intern(AttrValue::Window(None));
+        a.intern(AttrValue::Scores(crate::graph::ScoreMods::default()));
         a
     }
 }

@@ -6,7 +6,7 @@
     reason = "`explain` indexes nodes and operands of a graph that `Graph::check` accepted"
 )]
 
-use crate::graph::{Graph, Op};
+use crate::graph::{Graph, Op, ScoreMods};
 use petgraph::graph::NodeIndex;
 
 /// The rules that produce a fused op, read off its attributes (a provenance record: each fused form
@@ -39,11 +39,11 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
             }
             r
         }
-        Op::PackedAttention { alibi, causal, window, .. } => {
-            let masked = *causal || window.is_some() || g.operands(n).len() > 1;
+        Op::PackedAttention { alibi, causal, window, mods, .. } => {
+            let masked = *causal || window.is_some() || g.operands(n).len() > 1 + usize::from(mods.relative.is_some());
             let rope = matches!(g.g[g.operands(n)[0]].op, Op::Linear { rope: Some(_), .. });
             vec![
-                softmax_rule(masked, *alibi),
+                softmax_rule(masked, *alibi, mods),
                 "attention",
                 "shared-input-merge",
                 if rope { "attention-packed-rope" } else { "attention-packed" },
@@ -51,15 +51,15 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
         }
         Op::AddNorm { rms, after: false, .. } => vec![if *rms { "add-norm-rms" } else { "add-norm-ln" }],
         Op::AddNorm { rms, after: true, .. } => vec![if *rms { "norm-add-rms" } else { "norm-add-ln" }],
-        Op::MaskedSoftmax { alibi, causal, window, .. } => {
-            let masked = *causal || window.is_some() || g.operands(n).len() > 1;
-            vec![softmax_rule(masked, *alibi)]
+        Op::MaskedSoftmax { alibi, causal, window, mods, .. } => {
+            let masked = *causal || window.is_some() || g.operands(n).len() > 1 + usize::from(mods.relative.is_some());
+            vec![softmax_rule(masked, *alibi, mods)]
         }
-        Op::Attention { alibi, causal, window, .. } => {
+        Op::Attention { alibi, causal, window, mods, .. } => {
             let operands = g.operands(n);
-            let masked = *causal || window.is_some() || operands.len() > 3;
+            let masked = *causal || window.is_some() || operands.len() > 3 + usize::from(mods.relative.is_some());
             let gqa = g.g[operands[1]].shape.get(1) != g.g[operands[0]].shape.get(1);
-            vec![softmax_rule(masked, *alibi), if gqa { "attention-gqa" } else { "attention" }]
+            vec![softmax_rule(masked, *alibi, mods), if gqa { "attention-gqa" } else { "attention" }]
         }
         Op::Concat { axis: 0 } => vec!["shared-input-merge"],
         Op::Heads { norm, rope, .. } => {
@@ -79,7 +79,16 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
     }
 }
 
-fn softmax_rule(masked: bool, alibi: bool) -> &'static str {
+fn softmax_rule(masked: bool, alibi: bool, mods: &ScoreMods) -> &'static str {
+    if mods.sparse.is_some() {
+        return if masked { "sparse-softmax" } else { "sparse-softmax-unmasked" };
+    }
+    if mods.softcap.is_some() {
+        return if masked { "masked-softmax-softcap" } else { "scaled-softmax-softcap" };
+    }
+    if mods.relative.is_some() {
+        return if masked { "masked-softmax-relative" } else { "scaled-softmax-relative" };
+    }
     match (masked, alibi) {
         (true, false) => "masked-softmax",
         (true, true) => "masked-softmax-alibi",

@@ -1,6 +1,6 @@
 //! The e-graph language: [`Kl`], one e-node per graph op, every op attribute an interned [`Attr`]
 //! leaf standing for an [`AttrValue`] (so rewrite rules are plain s-expression patterns whose
-//! variables range over attributes too; [`FALSE`], [`TRUE`] and [`NO_WINDOW`] are interned up front
+//! variables range over attributes too; [`FALSE`], [`TRUE`], [`NO_WINDOW`] and [`PLAIN_SCORES`] are interned up front
 //! so patterns can name them); and the translation between graph ops and e-nodes: [`to_op`] reads
 //! the op an e-node stands for, `add_op` adds a graph node's op, and `attr`, `is_none` and the other
 //! attribute readers serve both and the rules' side conditions.
@@ -11,7 +11,7 @@
 )]
 
 use super::KGraph;
-use crate::graph::{Node, Op, Scalar, Shape};
+use crate::graph::{Node, Op, Scalar, ScoreMods, Shape};
 use crate::spec::Activation;
 use crate::tensor::DType;
 use egg::Id;
@@ -48,6 +48,8 @@ pub enum AttrValue {
     Act(Activation),
     /// A count (repeat times).
     Count(usize),
+    /// What a fused softmax does to its scores besides scale, ALiBi and mask.
+    Scores(ScoreMods),
     /// A whole op whose attributes rules do not inspect (permute, reshape, opaque ops).
     Op(Op),
     /// A leaf tensor: a parameter, an input or positions, with its type.
@@ -55,12 +57,14 @@ pub enum AttrValue {
 }
 
 /// Attributes interned up front so patterns can name them: `a0` = false, `a1` = true, `a2` = no
-/// window.
+/// window, `a3` = plain scores (no [`ScoreMods`]).
 pub const FALSE: &str = "a0";
 /// See [`FALSE`].
 pub const TRUE: &str = "a1";
 /// See [`FALSE`].
 pub const NO_WINDOW: &str = "a2";
+/// See [`FALSE`].
+pub const PLAIN_SCORES: &str = "a3";
 
 pub use kl::Kl;
 
@@ -97,10 +101,10 @@ mod kl {
             "rms_norm" = RmsNorm([Id; 3]),
             // (linear act|none x w bias|none residual|none)
             "linear" = Linear([Id; 5]),
-            // (masked_softmax scale alibi causal window scores key_mask|none)
-            "masked_softmax" = MaskedSoftmax([Id; 6]),
-            // (attention scale alibi causal window q k v key_mask|none)
-            "attention" = Attention([Id; 8]),
+            // (masked_softmax scale alibi causal window mods scores key_mask|none table|none)
+            "masked_softmax" = MaskedSoftmax([Id; 8]),
+            // (attention scale alibi causal window mods q k v key_mask|none table|none)
+            "attention" = Attention([Id; 10]),
             // (concat a b): weights stacked along axis 0
             "concat" = Concat([Id; 2]),
             // (slice op x), (rope op x): the op attribute carries the range / the rotation
@@ -111,8 +115,8 @@ mod kl {
             // (xlinear op x gain|none norm_bias|none w bias|none residual|none): a projection with
             // a prologue or a gated / rotated epilogue; the op attribute is the whole `Op::Linear`
             "xlinear" = XLinear([Id; 7]),
-            // (packed_attention op qkv key_mask|none)
-            "packed_attention" = PackedAttention([Id; 3]),
+            // (packed_attention op qkv key_mask|none table|none)
+            "packed_attention" = PackedAttention([Id; 4]),
             // (append past new): keys or values appended to a cache (concat on axis 2)
             "append" = Append([Id; 2]),
             // (heads op past|none x gain|none): heads read out of packed rows, normalized, rotated,
@@ -155,6 +159,13 @@ fn scalar(egraph: &KGraph, id: Id) -> Option<Scalar> {
 fn window(egraph: &KGraph, id: Id) -> Option<Option<usize>> {
     match attr(egraph, id)? {
         AttrValue::Window(w) => Some(*w),
+        _ => None,
+    }
+}
+
+fn mods(egraph: &KGraph, id: Id) -> Option<ScoreMods> {
+    match attr(egraph, id)? {
+        AttrValue::Scores(m) => Some(*m),
         _ => None,
     }
 }
@@ -212,25 +223,29 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             ops.extend(opt(*r));
             (Op::linear(act, opt(*b).is_some(), opt(*r).is_some()), ops)
         }
-        Kl::MaskedSoftmax([f, al, c, w, s, m]) => {
+        Kl::MaskedSoftmax([f, al, c, w, x, s, m, t]) => {
             let mut ops = vec![*s];
             ops.extend(opt(*m));
+            ops.extend(opt(*t));
             let op = Op::MaskedSoftmax {
                 scale: scalar(egraph, *f)?,
                 alibi: flag(egraph, *al)?,
                 causal: flag(egraph, *c)?,
                 window: window(egraph, *w)?,
+                mods: mods(egraph, *x)?,
             };
             (op, ops)
         }
-        Kl::Attention([f, al, c, w, q, k, v, m]) => {
+        Kl::Attention([f, al, c, w, x, q, k, v, m, t]) => {
             let mut ops = vec![*q, *k, *v];
             ops.extend(opt(*m));
+            ops.extend(opt(*t));
             let op = Op::Attention {
                 scale: scalar(egraph, *f)?,
                 alibi: flag(egraph, *al)?,
                 causal: flag(egraph, *c)?,
                 window: window(egraph, *w)?,
+                mods: mods(egraph, *x)?,
             };
             (op, ops)
         }
@@ -271,10 +286,11 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             };
             (op, ops)
         }
-        Kl::PackedAttention([c, x, m]) => match attr(egraph, *c)? {
+        Kl::PackedAttention([c, x, m, t]) => match attr(egraph, *c)? {
             AttrValue::Op(op @ Op::PackedAttention { .. }) => {
                 let mut ops = vec![*x];
                 ops.extend(opt(*m));
+                ops.extend(opt(*t));
                 (op.clone(), ops)
             }
             _ => return None,

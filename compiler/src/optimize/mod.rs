@@ -34,7 +34,7 @@ pub mod rules;
 pub use analysis::{Data, KAnalysis, KGraph, Type};
 pub use cost::{CostModel, Work};
 pub use explain::explain;
-pub use lang::{Attr, AttrValue, FALSE, Kl, NO_WINDOW, TRUE, to_op};
+pub use lang::{Attr, AttrValue, FALSE, Kl, NO_WINDOW, PLAIN_SCORES, TRUE, to_op};
 
 use crate::graph::{Dim, Graph, GraphError, Op};
 use egg::{Id, Runner};

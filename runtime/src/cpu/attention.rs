@@ -22,8 +22,8 @@
 //! projection `[b, s, width]` are the same loop.
 
 use super::{Arg, CpuError, R};
-use kiln_compiler::graph::Op;
-use kiln_compiler::interp::alibi_slopes;
+use kiln_compiler::graph::{Op, ScoreMods};
+use kiln_compiler::interp::{alibi_slopes, relative_bucket, score_operands};
 use rayon::prelude::*;
 
 /// Where element `d` of head `h`, row `t`, batch `b` of a tensor is: `b * batch + h * head + t *
@@ -63,13 +63,14 @@ struct Geometry {
     alibi: bool,
     causal: bool,
     window: Option<usize>,
+    mods: ScoreMods,
 }
 
 /// Runs an attention step into `out` (`[b, s, heads * d]`).
 pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
     let bad = |m: &str| CpuError::Invalid(m.to_string());
     match *op {
-        Op::Attention { scale, alibi, causal, window } => {
+        Op::Attention { scale, alibi, causal, window, mods } => {
             let [(qs, q), (ks, k), (vs, v), rest @ ..] = args else { return Err(bad("attention needs q, k and v")) };
             let (&[b, h, s, d], &[_, kv, t, _]) = (qs.as_slice(), ks.as_slice()) else {
                 return Err(bad("q must be [b, h, s, d] and k [b, kv, t, d]"));
@@ -77,12 +78,13 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             if kv == 0 || h % kv != 0 || vs != ks {
                 return Err(bad("key/value heads must divide the query heads, and v be shaped as k"));
             }
-            let g = Geometry { b, heads: h, kv_heads: kv, d, s, t, scale: scale.0, alibi, causal, window };
+            let g = Geometry { b, heads: h, kv_heads: kv, d, s, t, scale: scale.0, alibi, causal, window, mods };
             let ql = Layout { batch: h * s * d, head: s * d, row: d, col: 0 };
-            let mask = mask_of(rest, b, t)?;
-            run(&g, (q.f32("q")?, ql), heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?, mask, out, shape)
+            let (mask, table) = optional(rest, &g)?;
+            let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
+            run(&g, (q.f32("q")?, ql), k, v, mask, table, out, shape)
         }
-        Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
             let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };
             let d = head_dim;
@@ -94,11 +96,11 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             {
                 return Err(bad("the heads do not fit the packed projection"));
             }
-            let g = Geometry { b, heads, kv_heads, d, s, t: s, scale: scale.0, alibi, causal, window };
+            let g = Geometry { b, heads, kv_heads, d, s, t: s, scale: scale.0, alibi, causal, window, mods };
             let at = |col| Layout { batch: s * width, head: d, row: width, col };
             let x = x.f32("qkv")?;
-            let mask = mask_of(rest, b, s)?;
-            run(&g, (x, at(q)), (x, at(k)), (x, at(v)), mask, out, shape)
+            let (mask, table) = optional(rest, &g)?;
+            run(&g, (x, at(q)), (x, at(k)), (x, at(v)), mask, table, out, shape)
         }
         _ => Err(bad("not an attention op")),
     }
@@ -115,27 +117,45 @@ fn heads_of<'a>(x: &Arg<'a>, heads: usize, rows: usize, d: usize, what: &str) ->
     }
 }
 
-/// The optional key mask `[b, t]`.
-fn mask_of<'a>(rest: &[(Vec<usize>, Arg<'a>)], b: usize, t: usize) -> R<Option<&'a [f32]>> {
-    match rest {
-        [] => Ok(None),
-        [(_, m)] => {
-            let m = m.f32("the key mask")?;
-            if m.len() != b * t {
-                return Err(CpuError::Invalid(format!("a key mask of {} elements for [{b}, {t}] keys", m.len())));
-            }
-            Ok(Some(m))
-        }
-        _ => Err(CpuError::Invalid("attention takes at most one key mask".into())),
+/// The optional key mask `[b, t]` and relative bias table `[buckets, heads]` (last, when the
+/// geometry's modifiers have one).
+fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<(Option<&'a [f32]>, Option<&'a [f32]>)> {
+    let (mask, table) = score_operands(rest, &g.mods);
+    if rest.len() > 1 + usize::from(table.is_some()) {
+        return Err(CpuError::Invalid("attention takes at most a key mask and a bias table".into()));
     }
+    let mask = match mask {
+        None => None,
+        Some((_, m)) => {
+            let m = m.f32("the key mask")?;
+            if m.len() != g.b * g.t {
+                return Err(CpuError::Invalid(format!("a key mask of {} elements for [{}, {}] keys", m.len(), g.b, g.t)));
+            }
+            Some(m)
+        }
+    };
+    let table = match (table, g.mods.relative) {
+        (Some((_, t)), Some(r)) => {
+            let t = t.f32("the bias table")?;
+            if t.len() != r.buckets * g.heads {
+                return Err(CpuError::Invalid(format!("a bias table of {} elements for [{}, {}]", t.len(), r.buckets, g.heads)));
+            }
+            Some(t)
+        }
+        (None, Some(_)) => return Err(CpuError::Invalid("a relative bias without its table".into())),
+        _ => None,
+    };
+    Ok((mask, table))
 }
 
+#[expect(clippy::too_many_arguments, reason = "the operands of one attention step, each with its layout")]
 fn run(
     g: &Geometry,
     (q, ql): (&[f32], Layout),
     (k, kl): (&[f32], Layout),
     (v, vl): (&[f32], Layout),
     mask: Option<&[f32]>,
+    table: Option<&[f32]>,
     out: &mut [f32],
     shape: &[usize],
 ) -> R<()> {
@@ -159,8 +179,9 @@ fn run(
     let slopes = if g.alibi { alibi_slopes(h) } else { Vec::new() };
     // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
     let offset = t - s.min(t);
-    let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, slopes: &slopes, group, offset };
-    if s >= MIN_BLOCK_ROWS {
+    let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, table, slopes: &slopes, group, offset };
+    // A block-sparse pattern takes the row form, which visits only the attended key blocks.
+    if s >= MIN_BLOCK_ROWS && g.mods.sparse.is_none() {
         // Prefill: blocks of query rows per key/value head, keys transposed once per block.
         let blocks = s.div_ceil(TILE_ROWS);
         let parts: Vec<Vec<f32>> = (0..b * kv * blocks)
@@ -194,6 +215,7 @@ struct Rows<'a> {
     k: (&'a [f32], Layout),
     v: (&'a [f32], Layout),
     mask: Option<&'a [f32]>,
+    table: Option<&'a [f32]>,
     slopes: &'a [f32],
     group: usize,
     offset: usize,
@@ -296,10 +318,19 @@ impl Rows<'_> {
                 let (a, z) = (lo - k0, hi - k0);
                 row[..a].fill(f32::NEG_INFINITY);
                 row[z..].fill(f32::NEG_INFINITY);
+                if let Some(cap) = g.mods.softcap {
+                    row[a..z].iter_mut().for_each(|x| *x = cap.0 * (*x / cap.0).tanh());
+                }
                 if g.alibi {
                     let slope = self.slopes[hq];
                     for (ti, x) in (lo..hi).zip(&mut row[a..z]) {
                         *x += slope * (ti as f32 - qi as f32);
+                    }
+                }
+                if let (Some(table), Some(r)) = (self.table, g.mods.relative) {
+                    for (ti, x) in (lo..hi).zip(&mut row[a..z]) {
+                        let bucket = relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance);
+                        *x += table[bucket * g.heads + hq];
                     }
                 }
                 if let Some(keys) = &keys {
@@ -361,31 +392,51 @@ impl Rows<'_> {
         let (s, t, d) = (g.s, g.t, g.d);
         let (bi, si) = (row / s, row % s);
         let qi = si + self.offset;
-        // Keys this row attends by position; a key mask hides more within the range.
+        // Keys this row attends, as ranges: by position, or the key blocks of its query block
+        // under a block pattern (only those are visited); a key mask hides more within them.
         let hi = if g.causal { (qi + 1).min(t) } else { t };
         let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+        let ranges: Vec<(usize, usize)> = match g.mods.sparse {
+            Some(p) => {
+                let block = p.block.max(1);
+                let blocks = s.max(t).div_ceil(block);
+                p.attended(qi / block, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
+            }
+            None => vec![(lo, hi)],
+        };
+        let n: usize = ranges.iter().map(|&(a, z)| z.saturating_sub(a)).sum();
+        let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
         for kvh in 0..g.kv_heads {
             let heads = kvh * self.group..(kvh + 1) * self.group;
             // Scores for every head of the group, one key row at a time.
-            for ti in lo..hi {
+            for (e, ti) in keys().enumerate() {
                 let krow = &k[kl.at(bi, kvh, ti)..][..d];
                 let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
+                let bucket = g.mods.relative.map(|r| {
+                    relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance)
+                });
                 for (j, hq) in heads.clone().enumerate() {
                     let qrow = &q[ql.at(bi, hq, si)..][..d];
                     let mut x = dot(qrow, krow) * g.scale;
+                    if let Some(cap) = g.mods.softcap {
+                        x = cap.0 * (x / cap.0).tanh();
+                    }
                     if g.alibi {
                         x += self.slopes[hq] * (ti as f32 - qi as f32);
                     }
-                    scores[j * t + ti] = if masked { f32::MIN } else { x };
+                    if let (Some(b), Some(table)) = (bucket, self.table) {
+                        x += table[b * g.heads + hq];
+                    }
+                    scores[j * t + e] = if masked { f32::MIN } else { x };
                 }
             }
             for (j, hq) in heads.enumerate() {
-                let sc = &mut scores[j * t..][lo..hi];
+                let sc = &mut scores[j * t..][..n];
                 let max = max_of(sc);
                 let a = &mut acc[j * d..][..d];
                 a.fill(0.0);
                 let o = &mut o[hq * d..][..d];
-                if hi == lo || max == f32::MIN {
+                if n == 0 || max == f32::MIN {
                     // Every key masked: the interpreter's softmax is uniform over all keys.
                     for ti in 0..t {
                         add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
@@ -397,7 +448,7 @@ impl Rows<'_> {
                 }
                 super::math::exp_shifted(sc, max);
                 let sum = sum_of(sc);
-                for (ti, &p) in (lo..hi).zip(sc.iter()) {
+                for (ti, &p) in keys().zip(sc.iter()) {
                     let p = (p as f64 / sum) as f32;
                     add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
                 }

@@ -29,7 +29,8 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::emit::lit;
-use crate::graph::Op;
+use super::scores;
+use crate::graph::{Op, ScoreMods};
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 4;
@@ -68,10 +69,11 @@ impl Geometry {
 
 /// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
 /// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
-/// `rows` query rows (prefill) and 0 for one row per invocation.
-pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize) -> Vec<usize> {
+/// `rows` query rows (prefill) and 0 for one row per invocation (always, when `sparse`: an
+/// invocation then serves one query block, whose key blocks it visits).
+pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool) -> Vec<usize> {
     let (qb, gc) = g.block();
-    let (form, rows) = if s >= qb && qb > 1 { (1, qb) } else { (0, 1) };
+    let (form, rows) = if s >= qb && qb > 1 && !sparse { (1, qb) } else { (0, 1) };
     let threads = batch * s.div_ceil(rows) * (g.heads / gc);
     vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, form, rows]
 }
@@ -88,22 +90,32 @@ struct Layout {
     k: Box<dyn Fn(&str) -> String>,
     /// The same for its value.
     v: Box<dyn Fn(&str) -> String>,
-    /// Buffers of queries, keys, values and the key mask, if any.
+    /// Buffers of queries, keys, values, the key mask and the relative bias table, if any.
     qbuf: &'static str,
     kbuf: &'static str,
     vbuf: &'static str,
-    mask: Option<&'static str>,
+    mask: Option<String>,
+    table: Option<String>,
+}
+
+/// The key mask and bias table buffers of an op with `fixed` operands before them and `operands`
+/// in all.
+fn optional_operands(mods: &ScoreMods, fixed: usize, operands: usize) -> (Option<String>, Option<String>) {
+    let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
+    let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
+    ((masks > 0).then(|| format!("in{fixed}")), table)
 }
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
 /// geometry `g`. `None` for any other op.
 pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
-    let (scale, alibi, causal, window, layout) = match *op {
-        Op::Attention { scale, alibi, causal, window } => (
+    let (scale, alibi, causal, window, mods, layout) = match *op {
+        Op::Attention { scale, alibi, causal, window, mods } => (
             scale,
             alibi,
             causal,
             window,
+            mods,
             Layout {
                 q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
                 k: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
@@ -111,14 +123,16 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                 qbuf: "in0",
                 kbuf: "in1",
                 vbuf: "in2",
-                mask: (operands == 4).then_some("in3"),
+                mask: optional_operands(&mods, 3, operands).0,
+                table: optional_operands(&mods, 3, operands).1,
             },
         ),
-        Op::PackedAttention { scale, alibi, causal, window, q, k, v, .. } => (
+        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => (
             scale,
             alibi,
             causal,
             window,
+            mods,
             Layout {
                 q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
                 k: Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
@@ -126,17 +140,18 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                 qbuf: "in0",
                 kbuf: "in0",
                 vbuf: "in0",
-                mask: (operands == 2).then_some("in1"),
+                mask: optional_operands(&mods, 1, operands).0,
+                table: optional_operands(&mods, 1, operands).1,
             },
         ),
         _ => return None,
     };
     let (qb, gc) = g.block();
-    let form = |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window }, &layout);
+    let form = |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
     let mut s = String::from(
         "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
     );
-    if qb > 1 {
+    if qb > 1 && mods.sparse.is_none() {
         s += &format!("if (dim(7u) == 1u) {{\n{}}} else {{\n{}}}\n", indent(&form(qb)), indent(&form(1)));
     } else {
         s += &form(1);
@@ -157,6 +172,7 @@ struct Block {
     alibi: bool,
     causal: bool,
     window: Option<usize>,
+    mods: ScoreMods,
 }
 
 fn block(f: &Block, l: &Layout) -> String {
@@ -203,8 +219,24 @@ fn block(f: &Block, l: &Layout) -> String {
             scale = lit(f.scale),
         );
     }
-    // The key tiles.
-    s += &format!("for (var kt = lo; kt < hi; kt = kt + {t}u) {{\n");
+    // The key tiles: of [lo, hi), or of each key block the query block attends.
+    let key_end = match f.mods.sparse {
+        Some(p) => {
+            s += &scores::sparse_setup(&f.mods, "qi0", "s_len", "k");
+            s += &scores::sparse_list(&p);
+            s += &format!(
+                "for (var e = 0u; e < sp_n; e = e + 1u) {{\nlet blo = {} * {b}u;\nlet bhi = min(blo + {b}u, k);\n\
+                 for (var kt = blo; kt < bhi; kt = kt + {t}u) {{\n",
+                scores::sparse_block(&p, "e"),
+                b = p.block
+            );
+            "bhi"
+        }
+        None => {
+            s += &format!("for (var kt = lo; kt < hi; kt = kt + {t}u) {{\n");
+            "hi"
+        }
+    };
     let mut tile = String::new();
     for u in 0..t {
         tile += &format!(
@@ -232,8 +264,8 @@ fn block(f: &Block, l: &Layout) -> String {
     tile += "}\n";
     // Which keys each slot attends.
     for u in 0..t {
-        let mut keep = format!("key{u} < hi");
-        if let Some(m) = l.mask {
+        let mut keep = format!("key{u} < {key_end}");
+        if let Some(m) = &l.mask {
             keep += &format!(" && {m}[b * k + kk{u}] != 0.0");
         }
         tile += &format!("let keep{u} = {keep};\n");
@@ -248,8 +280,12 @@ fn block(f: &Block, l: &Layout) -> String {
             if let Some(w) = f.window {
                 keep += &format!(" && key{u} + {w}u > qi{r}");
             }
+            tile += &scores::softcap(&f.mods, &format!("x{r}_{u}"));
             if f.alibi {
                 tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
+            }
+            if let Some(table) = &l.table {
+                tile += &scores::relative(&f.mods, &format!("x{r}_{u}"), &format!("key{u}"), &format!("qi{r}"), &format!("h{r}"), "heads", table);
             }
             tile += &format!("let on{r}_{u} = {keep};\nx{r}_{u} = select(-3.40282347e38, x{r}_{u}, on{r}_{u});\n");
             mt = format!("max({mt}, x{r}_{u})");
@@ -273,7 +309,7 @@ fn block(f: &Block, l: &Layout) -> String {
     }
     tile += "}\n";
     s += &indent(&tile);
-    s += "}\n";
+    s += if f.mods.sparse.is_some() { "}\n}\n" } else { "}\n" };
     // Store the rows of the block that exist.
     for r in 0..slots {
         let j = r / gc;

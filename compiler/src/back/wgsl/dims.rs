@@ -136,10 +136,10 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             vec![b * s * heads, *heads, s, s, *head_dim, *kv_heads, width]
         }
         // Blocks of query rows and heads: see `attention::dims`.
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+        Op::PackedAttention { heads, kv_heads, head_dim, mods, .. } => {
             let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
             let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-            attention::dims(g, b, s, s, width)
+            attention::dims(g, b, s, s, width, mods.sparse.is_some())
         }
         // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
@@ -158,14 +158,15 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         // One thread per row of scores [b, h, q, k].
         Op::MaskedSoftmax { .. } => vec![rows(out), axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
         // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
-        Op::Attention { .. } => {
+        Op::Attention { mods, .. } => {
             let (&[b, h, s, d], &[_, kv, t, ..]) = (operand(0)?, operand(1)?) else {
                 return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, t, d]", op.name()));
             };
             if chunked {
                 vec![b * h * s, h, s, t, d, kv]
             } else {
-                attention::dims(attention::Geometry { heads: h, kv_heads: kv, head_dim: d }, b, s, t, 0)
+                let g = attention::Geometry { heads: h, kv_heads: kv, head_dim: d };
+                attention::dims(g, b, s, t, 0, mods.sparse.is_some())
             }
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],

@@ -6,7 +6,8 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use crate::graph::Op;
+use super::scores;
+use crate::graph::{BlockPattern, Bucketing, Op, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
 // kernel does, `super::attention::MAX_ATTENTION_HEAD_DIM`).
@@ -155,24 +156,12 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         Op::SoftCap { cap } => format!("out[i] = {c} * tanh_(in0[i] / {c});", c = lit(cap.0)),
         // The first rows of a row-major matrix are its first elements.
         Op::Truncate { .. } => "out[i] = in0[i];".into(),
-        Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
-            // See `interp::relative_bucket`: the same arithmetic, the logarithm in f32.
-            let n = if *bidirectional { buckets / 2 } else { *buckets };
-            let max_exact = (n / 2).max(1);
-            let ln_ratio = (*max_distance as f64 / max_exact as f64).ln() as f32;
-            let direction = if *bidirectional {
-                "if (rel > 0) { off = n; }\ndist = u32(abs(rel));"
-            } else {
-                "dist = u32(max(-rel, 0));"
-            };
+        &Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
+            let mods = ScoreMods { relative: Some(Bucketing { buckets, max_distance, bidirectional }), ..ScoreMods::default() };
             format!(
-                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet j = i % k;\nlet qi = (i / k) % q;\nlet h = i / (q * k);\n\
-                 let rel = i32(j) - i32(qi + k - min(q, k));\nlet n = {n}u;\nvar off = 0u;\nvar dist = 0u;\n{direction}\n\
-                 let max_exact = {max_exact}u;\nvar b = dist;\nif (dist >= max_exact) {{\n    \
-                 let large = f32(max_exact) + log(f32(dist) / f32(max_exact)) / {} * f32(select(0u, n - max_exact, n > max_exact));\n    \
-                 b = min(u32(large), max(n, 1u) - 1u);\n}}\nb = min(off + b, {}u);\nout[i] = in0[b * heads + h];",
-                lit(ln_ratio),
-                buckets.saturating_sub(1)
+                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\nlet qi = (i / k) % q + (k - min(q, k));\n\
+                 let h = i / (q * k);\nvar x = 0.0;\n{}out[i] = x;",
+                scores::relative(&mods, "x", "ki", "qi", "h", "heads", "in0")
             )
         }
         Op::Act(act) => format!("let x = in0[i];\nout[i] = {};", activation(*act, "x")),
@@ -226,57 +215,22 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             .to_string()
             .replace("alibi_slope(h, heads)", ALIBI_SLOPE),
         Op::Mask { causal, window } => {
-            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
+            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"), &ScoreMods::default());
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
                  let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n\
                  out[i] = select(-3.40282347e38, in0[i], {keep});"
             )
         }
-        Op::BlockSparseMask { block, global, window, random, seed } => {
-            // `interp::block_pattern` for this element's (query block, key block), its SplitMix64
-            // in pairs of u32 (WGSL has no 64-bit integers): (lo, hi).
-            let key = if operands == 2 { " && in1[b * k + ki] != 0.0" } else { "" };
-            let mul = |v: &str, c: u64| {
-                let (lo, hi) = (c as u32, (c >> 32) as u32);
-                format!(
-                    "{{ let a0 = {v}.x & 0xFFFFu; let a1 = {v}.x >> 16u; let b0 = {lo}u & 0xFFFFu; let b1 = {lo}u >> 16u;\n\
-                     let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0; let p11 = a1 * b1;\n\
-                     let mid = (p00 >> 16u) + (p01 & 0xFFFFu) + (p10 & 0xFFFFu);\n\
-                     {v} = vec2<u32>((p00 & 0xFFFFu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u) + {v}.x * {hi}u + {v}.y * {lo}u); }}\n"
-                )
-            };
-            let shift = |v: &str, s: u32| format!("{v} = {v} ^ vec2<u32>(({v}.x >> {s}u) | ({v}.y << {}u), {v}.y >> {s}u);\n", 32 - s);
-            let golden = 0x9E37_79B9_7F4A_7C15u64;
+        &Op::BlockSparseMask { block, global, window, random, seed } => {
+            // `interp::block_pattern` for this element's (query block, key block).
+            let mods = ScoreMods { sparse: Some(BlockPattern { block, global, window, random, seed }), ..ScoreMods::default() };
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
-                 let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n\
-                 let nb = (max(q, k) + {block}u - 1u) / {block}u;\nlet qb = qi / {block}u;\nlet kb = ki / {block}u;\n\
-                 let g = {global}u;\nlet w = {window}u;\n\
-                 var keep = qb < g || kb < g || max(qb, kb) - min(qb, kb) <= w;\n\
-                 if (!keep && {random}u > 0u) {{\n\
-                 var base = 0u;\nfor (var c = 0u; c < nb; c = c + 1u) {{ if (!(c < g || max(qb, c) - min(qb, c) <= w)) {{ base = base + 1u; }} }}\n\
-                 var picks: array<u32, 8>;\nvar state = vec2<u32>(qb, {seed_lo}u);\n\
-                 for (var d = 0u; d < {random}u; d = d + 1u) {{\n\
-                 let len = base - d;\nif (len == 0u) {{ break; }}\n\
-                 let sum = state.x + {g_lo}u;\nstate = vec2<u32>(sum, state.y + {g_hi}u + select(0u, 1u, sum < state.x));\n\
-                 var z = state;\n{s30}{m1}{s27}{m2}{s31}\
-                 let pow32 = (0xFFFFFFFFu % len + 1u) % len;\nvar idx = ((z.y % len) * pow32 % len + z.x % len) % len;\n\
-                 var pick = 0u;\n\
-                 for (var c = 0u; c < nb; c = c + 1u) {{\n\
-                 if (c < g || max(qb, c) - min(qb, c) <= w) {{ continue; }}\n\
-                 var taken = false;\nfor (var e = 0u; e < d; e = e + 1u) {{ if (picks[e] == c) {{ taken = true; }} }}\n\
-                 if (taken) {{ continue; }}\nif (idx == 0u) {{ pick = c; break; }}\nidx = idx - 1u;\n}}\n\
-                 picks[d] = pick;\nif (pick == kb) {{ keep = true; }}\n}}\n}}\n\
-                 out[i] = select(-3.40282347e38, in0[i], keep{key});",
-                seed_lo = *seed as u32,
-                g_lo = golden as u32,
-                g_hi = (golden >> 32) as u32,
-                s30 = shift("z", 30),
-                m1 = mul("z", 0xBF58_476D_1CE4_E5B9),
-                s27 = shift("z", 27),
-                m2 = mul("z", 0x94D0_49BB_1331_11EB),
-                s31 = shift("z", 31),
+                 let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n{}\
+                 out[i] = select(-3.40282347e38, in0[i], {});",
+                scores::sparse_setup(&mods, "qi", "q", "k"),
+                keep_condition(false, None, (operands == 2).then_some("in1"), &mods),
             )
         }
         Op::TopK { k, renormalize } => {
@@ -302,20 +256,21 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
         Op::Linear { .. } => return None,
-        Op::PackedAttention { scale, alibi, causal, window, q, k, v, .. } => {
+        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => {
             // As `attention`, with heads read in place from the packed rows (stride `w` per token).
-            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
-            let alibi = if *alibi { format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n") } else { String::new() };
+            let m = Mods::new(mods, 1, operands);
+            let keep = keep_condition(*causal, *window, m.mask.as_deref(), mods);
+            let logit = m.logit(*alibi);
             format!(
                 "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n\
                  let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
                  let qi = si + (k - min(s_len, k));\nlet q0 = (b * s_len + si) * w + {q}u + h * d;\n\
-                 let kvh = h / (heads / kv);\nlet k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n\
+                 let kvh = h / (heads / kv);\nlet k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n{setup}\
                  // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
                  var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
                  for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
                  let r = k0 + ki * w;\n    var x = 0.0;\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in0[r + c]; }}\n    x = x * {};\n{alibi}    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in0[r + c]; }}\n    x = x * {};\n{logit}    \
                  let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
                  let rv = v0 + ki * w;\n    \
                  for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * in0[rv + c]; }}\n    m = m1;\n}}\n\
@@ -323,7 +278,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
                  for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + in0[v0 + ki * w + c]; }}\n    }}\n    \
                  l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
-                lit(scale.0)
+                lit(scale.0),
+                setup = scores::sparse_setup(mods, "qi", "s_len", "k"),
             )
         }
         Op::Heads { start, norm, rope, .. } => {
@@ -382,47 +338,49 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let r = i % inner;\nlet j = (i / inner) % (na + nb);\nlet o = i / (inner * (na + nb));\n\
              if (j < na) { out[i] = in0[(o * na + j) * inner + r]; } else { out[i] = in1[(o * nb + j - na) * inner + r]; }"
             .into(),
-        Op::MaskedSoftmax { scale, alibi, causal, window } => {
+        Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
             // One thread per row of `k` scores; the output row holds the masked logits, then their
             // exponentials, then the probabilities.
+            let m = Mods::new(mods, 1, operands);
             let mut logit = format!("    var x = in0[base + ki] * {};\n", lit(scale.0));
-            if *alibi {
-                logit += &format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
-            }
-            let keep = keep_condition(*causal, *window, (operands == 2).then_some("in1"));
+            logit += &m.logit(*alibi);
+            let keep = keep_condition(*causal, *window, m.mask.as_deref(), mods);
             if keep != "true" {
                 logit += &format!("    x = select(-3.40282347e38, x, {keep});\n");
             }
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet base = i * k;\n\
-                 let qi = i % q + (k - min(q, k));\nlet h = (i / q) % heads;\nlet b = i / (q * heads);\n\
+                 let qi = i % q + (k - min(q, k));\nlet h = (i / q) % heads;\nlet b = i / (q * heads);\n{}\
                  var mx = -3.40282347e38;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}    out[base + ki] = x;\n    mx = max(mx, x);\n}}\n\
                  var sum = 0.0;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{ let e = exp(out[base + ki] - mx); out[base + ki] = e; sum = sum + e; }}\n\
-                 for (var ki = 0u; ki < k; ki = ki + 1u) {{ out[base + ki] = out[base + ki] / sum; }}"
+                 for (var ki = 0u; ki < k; ki = ki + 1u) {{ out[base + ki] = out[base + ki] / sum; }}",
+                scores::sparse_setup(mods, "qi", "q", "k"),
             )
         }
-        Op::Attention { scale, alibi, causal, window } => {
+        Op::Attention { scale, alibi, causal, window, mods } => {
             // One thread per query row (b, s, h), threads in output order: online softmax over the
             // keys, masked keys skipped, the weighted sum of values kept in a private array.
-            let keep = keep_condition(*causal, *window, (operands == 4).then_some("in3"));
-            let alibi = if *alibi { format!("    x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n") } else { String::new() };
+            let m = Mods::new(mods, 3, operands);
+            let keep = keep_condition(*causal, *window, m.mask.as_deref(), mods);
+            let logit = m.logit(*alibi);
             format!(
                 "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\n\
                  let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
                  let qi = si + (k - min(s_len, k));\nlet q0 = ((b * heads + h) * s_len + si) * d;\n\
-                 let kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+                 let kv0 = (b * kv + h / (heads / kv)) * k * d;\n{setup}\
                  // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
                  var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
                  for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
                  let r = kv0 + ki * d;\n    var x = 0.0;\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in1[r + c]; }}\n    x = x * {};\n{alibi}    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in1[r + c]; }}\n    x = x * {};\n{logit}    \
                  let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
                  for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * in2[r + c]; }}\n    m = m1;\n}}\n\
                  // Every key masked: the reference softmax over equal masked logits is uniform over all keys.\n\
                  if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
                  for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + in2[kv0 + ki * d + c]; }}\n    }}\n    \
                  l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
-                lit(scale.0)
+                lit(scale.0),
+                setup = scores::sparse_setup(mods, "qi", "s_len", "k"),
             )
         }
         Op::AddNorm { rms, eps, after: true } => {
@@ -471,18 +429,56 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
 
 /// The WGSL condition under which key `ki` is attended by query `qi` (of batch `b`, with `k` keys),
 /// as [`Op::Mask`] decides it; `key_mask` names the `f32[b, k]` key-mask buffer, if any.
-fn keep_condition(causal: bool, window: Option<usize>, key_mask: Option<&str>) -> String {
-    let mut keep = String::from("true");
+/// Where a fused softmax's or attention's optional operands are, and the statements its score
+/// modifiers add after the scale.
+struct Mods<'a> {
+    mods: &'a ScoreMods,
+    /// The key mask's buffer, if there is one.
+    mask: Option<String>,
+    /// The relative bias table's buffer, if there is one.
+    table: Option<String>,
+}
+
+impl<'a> Mods<'a> {
+    /// For an op with `fixed` operands before the optional key mask and table, and `operands` in all.
+    fn new(mods: &'a ScoreMods, fixed: usize, operands: usize) -> Self {
+        let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
+        let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
+        Mods { mods, mask: (masks > 0).then(|| format!("in{fixed}")), table }
+    }
+
+    /// Statements turning the scaled score `x` of key `ki` for query position `qi`, head `h` into
+    /// its logit: soft-cap, ALiBi when `alibi`, relative bias.
+    fn logit(&self, alibi: bool) -> String {
+        let mut s = scores::softcap(self.mods, "x");
+        if alibi {
+            s += &format!("x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
+        }
+        if let Some(t) = &self.table {
+            s += &scores::relative(self.mods, "x", "ki", "qi", "h", "heads", t);
+        }
+        s.lines().map(|l| format!("    {l}\n")).collect()
+    }
+}
+
+/// Whether key `ki` is kept for query position `qi`: by the causal and window mask, the key mask
+/// in buffer `key_mask`, and a block pattern in `mods` (whose [`scores::sparse_setup`] the kernel
+/// ran). `true` when nothing is masked.
+fn keep_condition(causal: bool, window: Option<usize>, key_mask: Option<&str>, mods: &ScoreMods) -> String {
+    let mut keep = Vec::new();
     if causal {
-        keep += " && ki <= qi";
+        keep.push("ki <= qi".to_string());
     }
     if let Some(w) = window {
-        keep += &format!(" && ki + {w}u > qi");
+        keep.push(format!("ki + {w}u > qi"));
     }
     if let Some(m) = key_mask {
-        keep += &format!(" && {m}[b * k + ki] != 0.0");
+        keep.push(format!("{m}[b * k + ki] != 0.0"));
     }
-    keep
+    if mods.sparse.is_some() {
+        keep.push(scores::sparse_keep(mods, "ki"));
+    }
+    if keep.is_empty() { "true".into() } else { keep.join(" && ") }
 }
 
 /// ALiBi slope of head `h` of `heads` (Press et al.), computed in the kernel so the text does not

@@ -21,6 +21,7 @@ pub mod attention;
 mod dims;
 pub mod emit;
 mod kernel;
+mod scores;
 pub mod projection;
 
 pub use dims::{dispatch, dispatch_chunked, workgroups};

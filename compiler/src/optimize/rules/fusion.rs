@@ -1,9 +1,10 @@
 //! Fusion rules: epilogues into `linear`, scale + mask + softmax into `masked_softmax`, the whole
 //! attention into `attention` (or `packed_attention`, reading a merged Q/K/V projection in place,
 //! with RoPE moved into that projection's epilogue), and gated feed-forward projections.
-//! `a0` = false, `a1` = true, `a2` = no window (see `optimize::FALSE`).
+//! `a0` = false, `a1` = true, `a2` = no window, `a3` = plain scores (see `optimize::FALSE`).
 
 use super::*;
+use crate::graph::{BlockPattern, Bucketing, ScoreMods};
 use egg::rewrite as rw;
 
 /// Matmul epilogues.
@@ -34,36 +35,86 @@ pub fn attention() -> Vec<Rewrite<Kl, KAnalysis>> {
     vec![
         // softmax(mask(s * f)) = masked_softmax(s)
         rw!("masked-softmax";         "(softmax (mask ?c ?wn (scale ?f ?s) ?m))"
-                                   => "(masked_softmax ?f a0 ?c ?wn ?s ?m)" if is_scores("?s")),
+                                   => "(masked_softmax ?f a0 ?c ?wn a3 ?s ?m none)" if is_scores("?s")),
         // softmax(mask(alibi(s * f))) = masked_softmax(s, alibi)
         rw!("masked-softmax-alibi";   "(softmax (mask ?c ?wn (alibi (scale ?f ?s)) ?m))"
-                                   => "(masked_softmax ?f a1 ?c ?wn ?s ?m)" if is_scores("?s")),
+                                   => "(masked_softmax ?f a1 ?c ?wn a3 ?s ?m none)" if is_scores("?s")),
         // softmax(s * f) = masked_softmax(s) with nothing masked
         rw!("scaled-softmax";         "(softmax (scale ?f ?s))"
-                                   => "(masked_softmax ?f a0 a0 a2 ?s none)" if is_scores("?s")),
+                                   => "(masked_softmax ?f a0 a0 a2 a3 ?s none none)" if is_scores("?s")),
         // softmax(alibi(s * f)) = masked_softmax(s, alibi) with nothing masked
         rw!("scaled-softmax-alibi";   "(softmax (alibi (scale ?f ?s)))"
-                                   => "(masked_softmax ?f a1 a0 a2 ?s none)" if is_scores("?s")),
+                                   => "(masked_softmax ?f a1 a0 a2 a3 ?s none none)" if is_scores("?s")),
+        // softmax(mask(softcap(s * f))) = masked_softmax(s, softcap)
+        rw!("masked-softmax-softcap"; "(softmax (mask ?c ?wn (opaque ?sc (scale ?f ?s)) ?m))"
+                                   => { derive("(masked_softmax ?f a0 ?c ?wn ?sm ?s ?m none)", softcap) }),
+        // softmax(softcap(s * f)) = masked_softmax(s, softcap) with nothing masked
+        rw!("scaled-softmax-softcap"; "(softmax (opaque ?sc (scale ?f ?s)))"
+                                   => { derive("(masked_softmax ?f a0 a0 a2 ?sm ?s none none)", softcap) }),
+        // softmax(mask(s * f + relative_bias(T))) = masked_softmax(s, bias from T)
+        rw!("masked-softmax-relative"; "(softmax (mask ?c ?wn (add (scale ?f ?s) (opaque ?rb ?t)) ?m))"
+                                   => { derive("(masked_softmax ?f a0 ?c ?wn ?sm ?s ?m ?t)", relative) }),
+        // softmax(s * f + relative_bias(T)) = masked_softmax(s, bias from T) with nothing masked
+        rw!("scaled-softmax-relative"; "(softmax (add (scale ?f ?s) (opaque ?rb ?t)))"
+                                   => { derive("(masked_softmax ?f a0 a0 a2 ?sm ?s none ?t)", relative) }),
+        // softmax(block_sparse_mask(s * f, m)) = masked_softmax(s, block pattern, m)
+        rw!("sparse-softmax";         "(softmax (opaque ?bs (scale ?f ?s) ?m))"
+                                   => { derive("(masked_softmax ?f a0 a0 a2 ?sm ?s ?m none)", sparse) }),
+        // softmax(block_sparse_mask(s * f)) = masked_softmax(s, block pattern)
+        rw!("sparse-softmax-unmasked"; "(softmax (opaque ?bs (scale ?f ?s)))"
+                                   => { derive("(masked_softmax ?f a0 a0 a2 ?sm ?s none none)", sparse) }),
         // merge_heads(masked_softmax(q k^T) v) = attention(q, k, v)
-        rw!("attention";              "(reshape ?r (permute ?p (matmul (masked_softmax ?f ?al ?c ?wn (matmul_t ?q ?k) ?m) ?v)))"
-                                   => "(attention ?f ?al ?c ?wn ?q ?k ?v ?m)" if merges_heads("?p", "?q")),
+        rw!("attention";              "(reshape ?r (permute ?p (matmul (masked_softmax ?f ?al ?c ?wn ?sm (matmul_t ?q ?k) ?m ?t) ?v)))"
+                                   => "(attention ?f ?al ?c ?wn ?sm ?q ?k ?v ?m ?t)" if merges_heads("?p", "?q")),
         // the same with grouped key/value heads repeated: the fused kernel indexes kv heads itself
-        rw!("attention-gqa";          "(reshape ?r (permute ?p (matmul (masked_softmax ?f ?al ?c ?wn (matmul_t ?q (repeat_heads ?t ?k)) ?m) (repeat_heads ?t ?v))))"
-                                   => "(attention ?f ?al ?c ?wn ?q ?k ?v ?m)" if merges_heads("?p", "?q")),
+        rw!("attention-gqa";          "(reshape ?r (permute ?p (matmul (masked_softmax ?f ?al ?c ?wn ?sm (matmul_t ?q (repeat_heads ?n ?k)) ?m ?t) (repeat_heads ?n ?v))))"
+                                   => "(attention ?f ?al ?c ?wn ?sm ?q ?k ?v ?m ?t)" if merges_heads("?p", "?q")),
         // attention over head splits of column slices of one projection = packed attention on it
-        rw!("attention-packed";       "(attention ?f ?al ?c ?wn (permute ?p (reshape ?rq (slice ?sq ?C))) (permute ?p (reshape ?rk (slice ?sk ?C))) (permute ?p (reshape ?rv (slice ?sv ?C))) ?m)"
-                                   => { derive("(packed_attention ?cfg ?C ?m)", packed) }),
+        rw!("attention-packed";       "(attention ?f ?al ?c ?wn ?sm (permute ?p (reshape ?rq (slice ?sq ?C))) (permute ?p (reshape ?rk (slice ?sk ?C))) (permute ?p (reshape ?rv (slice ?sv ?C))) ?m ?t)"
+                                   => { derive("(packed_attention ?cfg ?C ?m ?t)", packed) }),
         // the same with RoPE on the query and key heads: the rotation moves into the projection
-        rw!("attention-packed-rope";  "(attention ?f ?al ?c ?wn (rope ?ro (permute ?p (reshape ?rq (slice ?sq (matmul_t ?x ?w))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (matmul_t ?x ?w))))) (permute ?p (reshape ?rv (slice ?sv (matmul_t ?x ?w)))) ?m)"
-                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w none none) ?m)", packed_rope) }),
-        rw!("attention-packed-rope-bias"; "(attention ?f ?al ?c ?wn (rope ?ro (permute ?p (reshape ?rq (slice ?sq (linear none ?x ?w ?b none))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (linear none ?x ?w ?b none))))) (permute ?p (reshape ?rv (slice ?sv (linear none ?x ?w ?b none)))) ?m)"
-                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w ?b none) ?m)", packed_rope) }),
+        rw!("attention-packed-rope";  "(attention ?f ?al ?c ?wn ?sm (rope ?ro (permute ?p (reshape ?rq (slice ?sq (matmul_t ?x ?w))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (matmul_t ?x ?w))))) (permute ?p (reshape ?rv (slice ?sv (matmul_t ?x ?w)))) ?m ?t)"
+                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w none none) ?m ?t)", packed_rope) }),
+        rw!("attention-packed-rope-bias"; "(attention ?f ?al ?c ?wn ?sm (rope ?ro (permute ?p (reshape ?rq (slice ?sq (linear none ?x ?w ?b none))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (linear none ?x ?w ?b none))))) (permute ?p (reshape ?rv (slice ?sv (linear none ?x ?w ?b none)))) ?m ?t)"
+                                   => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w ?b none) ?m ?t)", packed_rope) }),
         // act(x Wg^T) * (x Wu^T), Wg and Wu the halves of one stacked weight = gated linear
         rw!("gated-linear";           "(mul (act ?k (slice ?s1 (matmul_t ?x ?w))) (slice ?s2 (matmul_t ?x ?w)))"
                                    => { derive("(xlinear ?cfg ?x none none ?w none none)", gated) }),
         rw!("gated-linear-bias";      "(mul (act ?k (slice ?s1 (linear none ?x ?w ?b none))) (slice ?s2 (linear none ?x ?w ?b none)))"
                                    => { derive("(xlinear ?cfg ?x none none ?w ?b none)", gated) }),
     ]
+}
+
+/// The score modifiers `?sm` of a `*-softcap` match: the soft-cap of the opaque op `?sc`.
+fn softcap(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let Op::SoftCap { cap } = op_of(egraph, s, "?sc")? else { return None };
+    scores(egraph, s)?;
+    Some(vec![("?sm", AttrValue::Scores(ScoreMods { softcap: Some(*cap), ..ScoreMods::default() }))])
+}
+
+/// The score modifiers of a `*-relative` match: the bucketing of the relative bias `?rb`, whose
+/// query and key lengths must be the scores'.
+fn relative(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let Op::RelativeBias { buckets, max_distance, bidirectional, q, k } = op_of(egraph, s, "?rb")? else { return None };
+    match scores(egraph, s)? {
+        [_, _, sq, sk] if sq == q && sk == k => {}
+        _ => return None,
+    }
+    let relative = Some(Bucketing { buckets: *buckets, max_distance: *max_distance, bidirectional: *bidirectional });
+    Some(vec![("?sm", AttrValue::Scores(ScoreMods { relative, ..ScoreMods::default() }))])
+}
+
+/// The score modifiers of a `sparse-softmax*` match: the block pattern of `?bs`.
+fn sparse(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let &Op::BlockSparseMask { block, global, window, random, seed } = op_of(egraph, s, "?bs")? else { return None };
+    scores(egraph, s)?;
+    let sparse = Some(BlockPattern { block, global, window, random, seed });
+    Some(vec![("?sm", AttrValue::Scores(ScoreMods { sparse, ..ScoreMods::default() }))])
+}
+
+/// The shape of the scores `?s`, when they are a rank-4 `[b, h, q, k]` tensor.
+fn scores<'a>(egraph: &'a KGraph, s: &Subst) -> Option<&'a [Dim]> {
+    shape(egraph, s[var("?s")]).map(Vec::as_slice).filter(|sh| sh.len() == 4)
 }
 
 /// Columns `start .. start + heads * head_dim` of the last axis, split as heads by the reshape:
@@ -95,8 +146,8 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
         return None;
     }
     let AttrValue::F(scale) = attr_of(egraph, s, "?f")? else { return None };
-    let (AttrValue::Bool(alibi), AttrValue::Bool(causal), AttrValue::Window(window)) =
-        (attr_of(egraph, s, "?al")?, attr_of(egraph, s, "?c")?, attr_of(egraph, s, "?wn")?)
+    let (AttrValue::Bool(alibi), AttrValue::Bool(causal), AttrValue::Window(window), AttrValue::Scores(mods)) =
+        (attr_of(egraph, s, "?al")?, attr_of(egraph, s, "?c")?, attr_of(egraph, s, "?wn")?, attr_of(egraph, s, "?sm")?)
     else {
         return None;
     };
@@ -105,6 +156,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
         alibi: *alibi,
         causal: *causal,
         window: *window,
+        mods: *mods,
         heads,
         kv_heads,
         head_dim,
