@@ -10,7 +10,9 @@
 
 mod common;
 
-use kiln_compiler::graph::{Dim, Graph, Op, Prologue, RopeCols, Rotation, Scalar};
+use kiln_compiler::graph::{
+    BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
+};
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Options, lower_with};
 use kiln_compiler::spec::Activation;
@@ -53,6 +55,57 @@ struct Case {
 impl Case {
     fn new(name: String, op: Op, operands: &[(&'static str, &[usize])], key_mask: Option<Vec<f32>>) -> Case {
         Case { name, op, operands: operands.iter().map(|(n, s)| (*n, s.to_vec())).collect(), key_mask }
+    }
+}
+
+/// A fused softmax's attributes, to compose from primitive ops.
+struct Softmax {
+    scale: Scalar,
+    alibi: bool,
+    causal: bool,
+    window: Option<usize>,
+    mods: ScoreMods,
+}
+
+impl Softmax {
+    /// `softmax(mask(bias(alibi(softcap(scores * scale)))))` over scores `[b, heads, q, k]`,
+    /// `rest` the optional key mask and bias table.
+    fn compose(&self, g: &mut Graph, scores: NodeIndex, rest: &[NodeIndex], (q, k): (usize, usize)) -> NodeIndex {
+        let mut add = |op: Op, operands: &[NodeIndex]| g.add(op, operands).unwrap_or_else(|e| panic!("{e}"));
+        let (mask, table) = interp::score_operands(rest, &self.mods);
+        let mut y = add(Op::Scale { factor: self.scale }, &[scores]);
+        if let Some(cap) = self.mods.softcap {
+            y = add(Op::SoftCap { cap }, &[y]);
+        }
+        if self.alibi {
+            y = add(Op::Alibi, &[y]);
+        }
+        if let (Some(r), Some(&table)) = (self.mods.relative, table) {
+            let op = Op::RelativeBias {
+                buckets: r.buckets,
+                max_distance: r.max_distance,
+                bidirectional: r.bidirectional,
+                q: Dim::Fixed(q),
+                k: Dim::Fixed(k),
+            };
+            let bias = add(op, &[table]);
+            y = add(Op::Add, &[y, bias]);
+        }
+        let operands: Vec<NodeIndex> = std::iter::once(y).chain(mask.copied()).collect();
+        y = match self.mods.sparse {
+            Some(p) => {
+                let op = Op::BlockSparseMask {
+                    block: p.block,
+                    global: p.global,
+                    window: p.window,
+                    random: p.random,
+                    seed: p.seed,
+                };
+                add(op, &operands)
+            }
+            None => add(Op::Mask { causal: self.causal, window: self.window }, &operands),
+        };
+        add(Op::Softmax, &[y])
     }
 }
 
@@ -149,7 +202,7 @@ fn check(cases: &[Case], chunked: bool) {
                 }
                 if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
-            Op::PackedAttention { scale, alibi, causal, window, heads, kv_heads, head_dim, q, k, v } => {
+            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
                 let x = &case.operands[0].1;
                 let (b, s) = (x[0], x[1]);
                 let mut split = |start: usize, count: usize| {
@@ -159,34 +212,26 @@ fn check(cases: &[Case], chunked: bool) {
                     add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
                 };
                 let (qh, kh, vh) = (split(*q, *heads), split(*k, *kv_heads), split(*v, *kv_heads));
-                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window };
-                if a.len() == 2 { add!(op, qh, kh, vh, a[1]) } else { add!(op, qh, kh, vh) }
+                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let operands: Vec<_> = [qh, kh, vh].into_iter().chain(a[1..].iter().copied()).collect();
+                g.add(op, &operands).unwrap_or_else(|e| panic!("{name}: {e}"))
             }
-            Op::MaskedSoftmax { scale, alibi, causal, window } => {
-                let mut y = add!(Op::Scale { factor: *scale }, a[0]);
-                if *alibi {
-                    y = add!(Op::Alibi, y);
-                }
-                let mask = Op::Mask { causal: *causal, window: *window };
-                y = if a.len() == 2 { add!(mask, y, a[1]) } else { add!(mask, y) };
-                add!(Op::Softmax, y)
+            Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
+                let sh = &case.operands[0].1;
+                let soft = Softmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                soft.compose(&mut g, a[0], &a[1..], (sh[2], sh[3]))
             }
-            Op::Attention { scale, alibi, causal, window } => {
+            Op::Attention { scale, alibi, causal, window, mods } => {
                 let (q, k) = (&case.operands[0].1, &case.operands[1].1);
-                let (b, h, s, d, kv) = (q[0], q[1], q[2], q[3], k[1]);
+                let (b, h, s, d, kv, t) = (q[0], q[1], q[2], q[3], k[1], k[2]);
                 let (mut k, mut v) = (a[1], a[2]);
                 if kv < h {
                     k = add!(Op::RepeatHeads { times: h / kv }, k);
                     v = add!(Op::RepeatHeads { times: h / kv }, v);
                 }
-                let mut y = add!(Op::MatMul { transpose_b: true }, a[0], k);
-                y = add!(Op::Scale { factor: *scale }, y);
-                if *alibi {
-                    y = add!(Op::Alibi, y);
-                }
-                let mask = Op::Mask { causal: *causal, window: *window };
-                y = if a.len() == 4 { add!(mask, y, a[3]) } else { add!(mask, y) };
-                y = add!(Op::Softmax, y);
+                let y = add!(Op::MatMul { transpose_b: true }, a[0], k);
+                let soft = Softmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let mut y = soft.compose(&mut g, y, &a[3..], (s, t));
                 y = add!(Op::MatMul { transpose_b: false }, y, v);
                 y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
                 add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
@@ -293,7 +338,7 @@ fn masked_softmax_with_every_mask() {
         for alibi in [false, true] {
             for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(1))] {
                 for masked in [false, true] {
-                    let op = Op::MaskedSoftmax { scale, alibi, causal, window };
+                    let op = Op::MaskedSoftmax { scale, alibi, causal, window, mods: ScoreMods::default() };
                     let (scores, mask) = ([2, h, q, k], [2, k]);
                     let mut operands: Vec<(&str, &[usize])> = vec![("scores", &scores)];
                     if masked {
@@ -329,7 +374,7 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         for alibi in [false, true] {
             for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(3))] {
                 for masked in [false, true] {
-                    let op = Op::Attention { scale, alibi, causal, window };
+                    let op = Op::Attention { scale, alibi, causal, window, mods: ScoreMods::default() };
                     let (q, k, mask) = ([b, h, s, d], [b, kv, t, d], [b, t]);
                     let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];
                     if masked {
@@ -346,10 +391,108 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
     check(&blocked, false);
 }
 
+/// The score modifiers the tests combine with every form: a soft-cap, a relative position bias
+/// both ways, and a block pattern (bidirectional only; with global, window and random blocks).
+fn modifiers() -> Vec<(bool, ScoreMods)> {
+    let relative = |bidirectional| Some(Bucketing { buckets: 6, max_distance: 5, bidirectional });
+    let sparse = Some(BlockPattern { block: 2, global: 1, window: 1, random: 2, seed: 5 });
+    vec![
+        (true, ScoreMods { softcap: Some(Scalar(1.5)), ..ScoreMods::default() }),
+        (false, ScoreMods { softcap: Some(Scalar(1.5)), ..ScoreMods::default() }),
+        (true, ScoreMods { relative: relative(false), ..ScoreMods::default() }),
+        (false, ScoreMods { relative: relative(true), ..ScoreMods::default() }),
+        (false, ScoreMods { sparse, ..ScoreMods::default() }),
+        (false, ScoreMods { softcap: Some(Scalar(2.0)), relative: relative(true), sparse }),
+    ]
+}
+
+#[test]
+fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    for (causal, mods) in modifiers() {
+        let heads = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
+        for masked in [false, true] {
+            // The masked softmax, over more keys than queries (a cache) and fewer.
+            for (h, q, k) in [(4, 3, 5), (2, 5, 3)] {
+                let op = Op::MaskedSoftmax { scale: Scalar(1.3), alibi: false, causal, window: None, mods };
+                let (scores, mask, table) = ([2, h, q, k], [2, k], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("scores", &scores)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} {} h={h} q={q} k={k} masked={masked}", op.name(), op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, k))));
+            }
+            if !masked {
+                // The attention kernels run with the key mask only (its paths include the
+                // others'), to keep the number of distinct kernels lavapipe compiles down.
+                continue;
+            }
+            // Attention: a decode step, a short prompt, blocks of query rows (wgpu) and the CPU's
+            // prefill form.
+            for (b, h, kv, s, t, d) in
+                [(2, 4, 2, 1, 9, 8), (2, 4, 4, 3, 5, 8), (1, 4, 4, 19, 23, 16), (1, 3, 1, 70, 75, 8)]
+            {
+                let cases = if s > 5 { &mut blocked } else { &mut cases };
+                let op = Op::Attention { scale: Scalar(0.6), alibi: false, causal, window: None, mods };
+                let (q, k, mask, table) = ([b, h, s, d], [b, kv, t, d], [b, t], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} {} b={b} h={h} kv={kv} s={s} t={t} masked={masked}", op.name(), op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(b, t))));
+            }
+            // Packed attention, short and in blocks of rows.
+            for seq in [5, 13] {
+                let cases = if seq > 5 { &mut blocked } else { &mut cases };
+                let (h, kv, d) = (4, 2, 8);
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window: None,
+                    mods,
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q: 0,
+                    k: h * d,
+                    v: (h + kv) * d,
+                };
+                let (x, mask, table) = ([2, seq, (h + 2 * kv) * d], [2, seq], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} seq={seq} masked={masked}", op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, seq))));
+            }
+        }
+    }
+    check(&cases, true);
+    check(&blocked, false);
+}
+
 #[test]
 fn attention_at_the_largest_head_dim() {
     let d = kiln_compiler::back::wgsl::attention::MAX_ATTENTION_HEAD_DIM;
-    let op = Op::Attention { scale: Scalar(1.0 / (d as f32).sqrt()), alibi: false, causal: true, window: None };
+    let op = Op::Attention {
+        scale: Scalar(1.0 / (d as f32).sqrt()),
+        alibi: false,
+        causal: true,
+        window: None,
+        mods: ScoreMods::default(),
+    };
     let operands: [(&str, &[usize]); 4] =
         [("q", &[2, 2, 3, d]), ("k", &[2, 1, 4, d]), ("v", &[2, 1, 4, d]), ("key_mask", &[2, 4])];
     // Not chunked: at 64 floats a chunk, this needs more storage buffers than adapters allow.
@@ -486,6 +629,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     alibi: false,
                     causal,
                     window,
+                    mods: ScoreMods::default(),
                     heads: h,
                     kv_heads: kv,
                     head_dim: d,

@@ -883,7 +883,13 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             if let (Some(r), Some(table)) = (mods.relative, table) {
                 let (q, k) = (Dim::Fixed(shape[2]), Dim::Fixed(shape[3]));
-                let op = Op::RelativeBias { buckets: r.buckets, max_distance: r.max_distance, bidirectional: r.bidirectional, q, k };
+                let op = Op::RelativeBias {
+                    buckets: r.buckets,
+                    max_distance: r.max_distance,
+                    bidirectional: r.bidirectional,
+                    q,
+                    k,
+                };
                 let bias = eval(ctx, &op, &[table], vec![1, shape[1], shape[2], shape[3]])?;
                 y = eval(ctx, &Op::Add, &[&y, &bias], shape.clone())?;
             }
@@ -920,7 +926,8 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let scores = eval(ctx, &Op::MatMul { transpose_b: true }, &[q, &k], vec![b, h, s, t])?;
             let mut args = vec![&scores];
             args.extend(&a[3..]);
-            let soft = Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+            let soft =
+                Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
             let p = eval(ctx, &soft, &args, vec![b, h, s, t])?;
             let heads = eval(ctx, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
             let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;

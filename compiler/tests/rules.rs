@@ -241,6 +241,127 @@ fn attention_packed_rope() {
     }
 }
 
+/// What a score test puts between the scale and the softmax.
+#[derive(Clone, Copy)]
+enum Modifier {
+    SoftCap,
+    Relative { bidirectional: bool },
+    Sparse,
+}
+
+/// Attention over projections of one input (or, unless `whole`, only its probabilities) with
+/// `modifier` after the scale, a causal mask (not with a block pattern) and a key mask when `masked`.
+fn modified_graph(modifier: Modifier, masked: bool, whole: bool) -> Graph {
+    let (heads, hd) = (2, D / 2);
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let mask = masked.then(|| {
+        let role = InputRole::KeyMask { pad_is_one: false };
+        g.add(Op::Input { name: "attention_mask".into(), role, seq: Sym::Seq }, &[]).unwrap()
+    });
+    let split = |g: &mut Graph, name: &str| {
+        let w = g.param(name, &[D, D]);
+        let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+        let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(heads), Dim::Fixed(hd)];
+        let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
+        g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap()
+    };
+    let (q, k, v) = (split(&mut g, "q"), split(&mut g, "k"), split(&mut g, "v"));
+    let s = g.add(Op::MatMul { transpose_b: true }, &[q, k]).unwrap();
+    let mut s = g.add(Op::Scale { factor: Scalar(0.9) }, &[s]).unwrap();
+    let mut causal = true;
+    match modifier {
+        Modifier::SoftCap => s = g.add(Op::SoftCap { cap: Scalar(1.5) }, &[s]).unwrap(),
+        Modifier::Relative { bidirectional } => {
+            causal = !bidirectional;
+            let table = g.param("bias_table", &[6, heads]);
+            let (q, k) = (Dim::Sym(Sym::Seq), Dim::Sym(Sym::Seq));
+            let op = Op::RelativeBias { buckets: 6, max_distance: 4, bidirectional, q, k };
+            let bias = g.add(op, &[table]).unwrap();
+            s = g.add(Op::Add, &[s, bias]).unwrap();
+        }
+        Modifier::Sparse => {
+            let op = Op::BlockSparseMask { block: 2, global: 1, window: 0, random: 1, seed: 3 };
+            let operands: Vec<NodeIndex> = std::iter::once(s).chain(mask).collect();
+            s = g.add(op, &operands).unwrap();
+        }
+    }
+    if !matches!(modifier, Modifier::Sparse) && (masked || causal) {
+        let operands: Vec<NodeIndex> = std::iter::once(s).chain(mask).collect();
+        s = g.add(Op::Mask { causal, window: None }, &operands).unwrap();
+    }
+    let p = g.add(Op::Softmax, &[s]).unwrap();
+    if !whole {
+        g.outputs.push(("p".into(), p));
+        return g;
+    }
+    let c = g.add(Op::MatMul { transpose_b: false }, &[p, v]).unwrap();
+    let c = g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[c]).unwrap();
+    let c = g.add(Op::Reshape { shape: vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(D)] }, &[c]).unwrap();
+    g.outputs.push(("c".into(), c));
+    g
+}
+
+/// The rule inputs plus a key mask hiding the last token of the second sequence.
+fn masked_inputs() -> HashMap<String, Tensor> {
+    let mut i = inputs();
+    let mask = (0..B * S).map(|j| if j == B * S - 1 { 0.0 } else { 1.0 }).collect();
+    i.insert("attention_mask".into(), Tensor::f32(vec![B, S], mask));
+    i
+}
+
+/// Checks `rule` on the probabilities alone (the fused softmax) and on the whole attention (the
+/// modifier carried into the attention kernel, packed or not).
+fn check_modified(rule: &str, modifier: Modifier, masked: bool) {
+    let model = CostModel::default();
+    let opt = check_inputs(rule, &modified_graph(modifier, masked, false), &model, &masked_inputs());
+    assert!(ops(&opt).contains(&"masked_softmax".to_string()), "{:?}", ops(&opt));
+    let opt = check_inputs(rule, &modified_graph(modifier, masked, true), &model, &masked_inputs());
+    let attention = opt.g.node_weights().find(|n| matches!(n.op, Op::Attention { .. } | Op::PackedAttention { .. }));
+    let Some(attention) = attention else { panic!("`{rule}`: no attention kernel in {:?}", ops(&opt)) };
+    let mods = match &attention.op {
+        Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => *mods,
+        _ => unreachable!(),
+    };
+    assert!(!mods.is_plain(), "`{rule}`: the attention kernel lost the modifier: {:?}", attention.op);
+    assert!(
+        !ops(&opt).iter().any(|o| o == "softcap" || o == "relative_bias" || o == "block_sparse_mask"),
+        "{:?}",
+        ops(&opt)
+    );
+}
+
+#[test]
+fn softcap_fuses_into_attention() {
+    check_modified("masked-softmax-softcap", Modifier::SoftCap, false);
+    check_modified("masked-softmax-softcap", Modifier::SoftCap, true);
+}
+
+#[test]
+fn scaled_softmax_softcap() {
+    // Soft-capped scores with nothing masked (an encoder without padding).
+    let mut g = softmax_graph(false, None);
+    let softmax = g.outputs[0].1;
+    let scaled = g.operands(softmax)[0];
+    let capped = g.add(Op::SoftCap { cap: Scalar(2.0) }, &[scaled]).unwrap();
+    let p = g.add(Op::Softmax, &[capped]).unwrap();
+    g.outputs[0].1 = p;
+    check("scaled-softmax-softcap", &g);
+}
+
+#[test]
+fn relative_bias_fuses_into_attention() {
+    check_modified("masked-softmax-relative", Modifier::Relative { bidirectional: false }, false);
+    check_modified("masked-softmax-relative", Modifier::Relative { bidirectional: true }, true);
+    check_modified("scaled-softmax-relative", Modifier::Relative { bidirectional: true }, false);
+}
+
+#[test]
+fn block_sparsity_fuses_into_attention() {
+    check_modified("sparse-softmax", Modifier::Sparse, true);
+    check_modified("sparse-softmax-unmasked", Modifier::Sparse, false);
+}
+
 /// `act(x Wg^T [+ bg]) * (x Wu^T [+ bu])`, after a norm if asked.
 fn gated_graph(bias: bool, norm: Option<bool>) -> Graph {
     let mut g = Graph::new("t");

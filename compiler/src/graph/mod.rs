@@ -33,7 +33,8 @@ pub use shape::{Dim, Shape, Sym, broadcast, fmt_shape, infer, resolve};
 
 use crate::tensor::DType;
 use petgraph::Direction;
-use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::graph::DiGraph;
+pub use petgraph::graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

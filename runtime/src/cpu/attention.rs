@@ -129,7 +129,12 @@ fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<(Option<&'a [
         Some((_, m)) => {
             let m = m.f32("the key mask")?;
             if m.len() != g.b * g.t {
-                return Err(CpuError::Invalid(format!("a key mask of {} elements for [{}, {}] keys", m.len(), g.b, g.t)));
+                return Err(CpuError::Invalid(format!(
+                    "a key mask of {} elements for [{}, {}] keys",
+                    m.len(),
+                    g.b,
+                    g.t
+                )));
             }
             Some(m)
         }
@@ -138,7 +143,12 @@ fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<(Option<&'a [
         (Some((_, t)), Some(r)) => {
             let t = t.f32("the bias table")?;
             if t.len() != r.buckets * g.heads {
-                return Err(CpuError::Invalid(format!("a bias table of {} elements for [{}, {}]", t.len(), r.buckets, g.heads)));
+                return Err(CpuError::Invalid(format!(
+                    "a bias table of {} elements for [{}, {}]",
+                    t.len(),
+                    r.buckets,
+                    g.heads
+                )));
             }
             Some(t)
         }
@@ -412,9 +422,10 @@ impl Rows<'_> {
             for (e, ti) in keys().enumerate() {
                 let krow = &k[kl.at(bi, kvh, ti)..][..d];
                 let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
-                let bucket = g.mods.relative.map(|r| {
-                    relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance)
-                });
+                let bucket = g
+                    .mods
+                    .relative
+                    .map(|r| relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance));
                 for (j, hq) in heads.clone().enumerate() {
                     let qrow = &q[ql.at(bi, hq, si)..][..d];
                     let mut x = dot(qrow, krow) * g.scale;

@@ -147,7 +147,8 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
         _ => return None,
     };
     let (qb, gc) = g.block();
-    let form = |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
+    let form =
+        |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
     let mut s = String::from(
         "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
     );
@@ -285,7 +286,15 @@ fn block(f: &Block, l: &Layout) -> String {
                 tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
             }
             if let Some(table) = &l.table {
-                tile += &scores::relative(&f.mods, &format!("x{r}_{u}"), &format!("key{u}"), &format!("qi{r}"), &format!("h{r}"), "heads", table);
+                tile += &scores::relative(
+                    &f.mods,
+                    &format!("x{r}_{u}"),
+                    &format!("key{u}"),
+                    &format!("qi{r}"),
+                    &format!("h{r}"),
+                    "heads",
+                    table,
+                );
             }
             tile += &format!("let on{r}_{u} = {keep};\nx{r}_{u} = select(-3.40282347e38, x{r}_{u}, on{r}_{u});\n");
             mt = format!("max({mt}, x{r}_{u})");

@@ -21,8 +21,8 @@ pub mod attention;
 mod dims;
 pub mod emit;
 mod kernel;
-mod scores;
 pub mod projection;
+mod scores;
 
 pub use dims::{dispatch, dispatch_chunked, workgroups};
 pub use emit::{Elem, WORKGROUP};

@@ -68,7 +68,8 @@ pub fn sparse_setup(mods: &ScoreMods, qi: &str, q: &str, k: &str) -> String {
              {v} = vec2<u32>((p00 & 0xFFFFu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u) + {v}.x * {hi}u + {v}.y * {lo}u); }}\n"
         )
     };
-    let shift = |v: &str, s: u32| format!("{v} = {v} ^ vec2<u32>(({v}.x >> {s}u) | ({v}.y << {}u), {v}.y >> {s}u);\n", 32 - s);
+    let shift =
+        |v: &str, s: u32| format!("{v} = {v} ^ vec2<u32>(({v}.x >> {s}u) | ({v}.y << {}u), {v}.y >> {s}u);\n", 32 - s);
     let golden = 0x9E37_79B9_7F4A_7C15u64;
     let fixed = format!("(c < {global}u || max(sp_qb, c) - min(sp_qb, c) <= {window}u)");
     format!(
@@ -108,7 +109,11 @@ pub fn sparse_keep(mods: &ScoreMods, ki: &str) -> String {
     let Some(p) = mods.sparse else { return "true".into() };
     let kb = format!("(({ki}) / {}u)", p.block);
     let picks: String = (0..p.random.min(MAX_RANDOM)).map(|e| format!(" || sp_p[{e}] == {kb}")).collect();
-    format!("(sp_qb < {g}u || {kb} < {g}u || max(sp_qb, {kb}) - min(sp_qb, {kb}) <= {w}u{picks})", g = p.global, w = p.window)
+    format!(
+        "(sp_qb < {g}u || {kb} < {g}u || max(sp_qb, {kb}) - min(sp_qb, {kb}) <= {w}u{picks})",
+        g = p.global,
+        w = p.window
+    )
 }
 
 /// Statements declaring the attended key blocks of [`sparse_setup`]'s query block as a list
