@@ -6,7 +6,7 @@ use crate::progress::Reporter;
 use crate::storage::{Target, WeightArgs};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
-use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
+use kiln_compiler::graph::{BlockPattern, Graph, InputRole, Op, Scalar, ScoreMods, Sym};
 use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
@@ -561,6 +561,34 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
     Ok((ms, 4.0 * (s.heads * s.head_dim * pairs) as f64 / (ms.max(1e-6) * 1e6)))
 }
 
+/// The BigBird pattern `kiln bench --attention` times: BigBird-base's blocks of 64 with three
+/// random blocks, one global block and one neighbour on each side.
+const BIGBIRD: BlockPattern = BlockPattern { block: 64, global: 1, window: 1, random: 3, seed: 7 };
+
+/// The time (ms) of bidirectional packed attention (12 heads of 64) over `seq` tokens, block-sparse
+/// with [`BIGBIRD`]'s pattern or dense: the graph with it minus the graph without it.
+fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs: usize) -> Result<f64> {
+    let (heads, head_dim) = (12, 64);
+    let width = 3 * heads * head_dim;
+    let mods = ScoreMods { sparse: sparse.then_some(BIGBIRD), ..ScoreMods::default() };
+    let attention = Op::PackedAttention {
+        scale: Scalar(1.0 / (head_dim as f32).sqrt()),
+        alibi: false,
+        causal: false,
+        window: None,
+        mods,
+        heads,
+        kv_heads: heads,
+        head_dim,
+        q: 0,
+        k: heads * head_dim,
+        v: 2 * heads * head_dim,
+    };
+    let options = lower::Options::default();
+    let base = time_plan(target, &chain(width, &[]), &options, WeightFormat::F32, seq, runs)?;
+    Ok(time_plan(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)? - base)
+}
+
 /// One attention shape of `kiln bench --kernels`.
 struct AttentionShape {
     what: &'static str,
@@ -586,6 +614,13 @@ pub fn attention_kernels(target: &Target, runs: usize, json: bool) -> Result<()>
         let (ms, gflops) = attention_time(target, s, runs)?;
         rows.push((s, ms, gflops));
     }
+    // Block-sparse against dense: time per token flat against growing linearly.
+    let mut sparse_rows = Vec::new();
+    for seq in [256, 512, 1024, 2048, 4096] {
+        let sparse = bidirectional_attention_time(target, seq, true, runs)?;
+        let dense = bidirectional_attention_time(target, seq, false, runs)?;
+        sparse_rows.push((seq, sparse, dense));
+    }
     if json {
         let rows: Vec<serde_json::Value> = rows
             .iter()
@@ -594,7 +629,17 @@ pub fn attention_kernels(target: &Target, runs: usize, json: bool) -> Result<()>
                     "head_dim": s.head_dim, "seq": s.seq, "causal": true, "ms": ms, "gflops": gflops})
             })
             .collect();
-        let out = serde_json::json!({"adapter": target.describe(), "runs": runs, "attention": rows});
+        let sparse: Vec<serde_json::Value> = sparse_rows
+            .iter()
+            .map(|(seq, sparse, dense)| {
+                serde_json::json!({"seq": seq, "heads": 12, "head_dim": 64, "block": BIGBIRD.block,
+                    "global": BIGBIRD.global, "window": BIGBIRD.window, "random": BIGBIRD.random,
+                    "sparse_ms": sparse, "dense_ms": dense,
+                    "sparse_us_per_token": sparse * 1e3 / *seq as f64, "dense_us_per_token": dense * 1e3 / *seq as f64})
+            })
+            .collect();
+        let out =
+            serde_json::json!({"adapter": target.describe(), "runs": runs, "attention": rows, "block_sparse": sparse});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
@@ -607,6 +652,18 @@ pub fn attention_kernels(target: &Target, runs: usize, json: bool) -> Result<()>
                 "  {:<20} {:>6} {:>4} {:>4} {:>6} {:>10.2} {:>8.2}",
                 s.what, s.heads, s.kv_heads, s.head_dim, s.seq, ms, gflops
             );
+        }
+        println!(
+            "block-sparse (BigBird: blocks of {}, {} global, window {}, {} random) vs dense bidirectional attention, 12 heads of 64",
+            BIGBIRD.block, BIGBIRD.global, BIGBIRD.window, BIGBIRD.random
+        );
+        println!(
+            "  {:>6} {:>10} {:>10} {:>12} {:>12}",
+            "seq", "sparse ms", "dense ms", "sparse µs/tok", "dense µs/tok"
+        );
+        for (seq, sparse, dense) in &sparse_rows {
+            let per = |ms: f64| ms * 1e3 / *seq as f64;
+            println!("  {seq:>6} {sparse:>10.2} {dense:>10.2} {:>12.2} {:>12.2}", per(*sparse), per(*dense));
         }
     }
     Ok(())

@@ -189,7 +189,8 @@ enum Command {
         #[arg(long)]
         kernels: bool,
         /// Instead: time and GFLOPS of the fused causal attention kernel at prefill shapes (MHA
-        /// and grouped-query, sequences 128 to 1024).
+        /// and grouped-query, sequences 128 to 1024), and block-sparse (BigBird) against dense
+        /// bidirectional attention per token from 256 to 4096 tokens.
         #[arg(long)]
         attention: bool,
         /// Instead: a summary table over `--models` at `--seqs` (forward ms, tok/s, decode tok/s,

@@ -236,6 +236,17 @@ fn check(cases: &[Case], chunked: bool) {
                 y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
                 add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
             }
+            Op::LowRank { start, heads, head_dim } => {
+                let x = &case.operands[0].1;
+                let (b, n) = (x[0], x[1]);
+                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[0]);
+                let shape = vec![Dim::Fixed(b), Dim::Fixed(n), Dim::Fixed(*heads), Dim::Fixed(*head_dim)];
+                let y = add!(Op::Reshape { shape }, cols);
+                let y = add!(Op::Permute { perm: vec![0, 2, 3, 1] }, y);
+                let cut = add!(Op::Truncate { len: Dim::Fixed(n) }, a[1]);
+                let y = add!(Op::MatMul { transpose_b: false }, y, cut);
+                add!(Op::Permute { perm: vec![0, 1, 3, 2] }, y)
+            }
             Op::AddNorm { rms, eps, after } => {
                 let x = if *after { a[1] } else { add!(Op::Add, a[0], a[1]) };
                 let normed = match (rms, a.len()) {
@@ -481,6 +492,20 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
     }
     check(&cases, true);
     check(&blocked, false);
+}
+
+#[test]
+fn low_rank_projection() {
+    // (heads, head_dim, first column, width, sequence, rows of e, r): whole rows, a column range
+    // of wider rows, and a sequence shorter than e.
+    let mut cases = Vec::new();
+    for (heads, hd, start, width, n, rows, r) in [(2, 4, 0, 8, 5, 5, 3), (3, 4, 8, 24, 4, 7, 2), (1, 8, 4, 12, 6, 9, 5)]
+    {
+        let op = Op::LowRank { start, heads, head_dim: hd };
+        let (x, e) = ([2, n, width], [rows, r]);
+        cases.push(Case::new(format!("{} {}", op.name(), op.attrs()), op, &[("x", &x), ("e", &e)], None));
+    }
+    check(&cases, true);
 }
 
 #[test]

@@ -5,6 +5,7 @@ mod common;
 
 use common::{root, spec};
 
+use kiln_compiler::graph::Op;
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
@@ -164,6 +165,35 @@ fn linformer_intermediates_grow_linearly() {
         (bytes(&source, 4096) / bytes(&source, 1024), bytes(&dense_source, 4096) / bytes(&dense_source, 1024));
     assert!(low <= 4.1, "linformer: 4x the tokens, {low:.2}x the live bytes");
     assert!(dense > 4.5, "dense attention grows faster: {dense:.2}x");
+}
+
+/// BigBird's fused attention visits only the attended blocks and holds no score matrix: the
+/// optimized plan's intermediates grow linearly with the sequence (4x the tokens, at most ~4x the
+/// bytes live at once), where the unoptimized graph's block-sparse mask over a dense score matrix
+/// grows quadratically.
+#[test]
+fn bigbird_intermediates_grow_linearly() {
+    let source = std::fs::read_to_string(root().join("models/bigbird.toml"))
+        .unwrap()
+        .replace("max_positions = 64", "max_positions = 4096")
+        .replace("block = 4", "block = 64");
+    let fe = kiln_compiler::front_end("bigbird.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let optimized = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+    let bytes = |graph: &kiln_compiler::graph::Graph, seq: usize| {
+        let plan = kiln_compiler::lower::lower(graph);
+        let syms = HashMap::from([(kiln_compiler::graph::Sym::Batch, 1), (kiln_compiler::graph::Sym::Seq, seq)]);
+        plan.peak_live(&syms) as f64
+    };
+    let fused = bytes(&optimized, 4096) / bytes(&optimized, 1024);
+    let dense = bytes(&fe.graph, 4096) / bytes(&fe.graph, 1024);
+    assert!(fused <= 4.1, "bigbird, fused: 4x the tokens, {fused:.2}x the live bytes");
+    assert!(dense > 8.0, "the unfused score matrix grows quadratically: {dense:.2}x");
+    assert!(
+        optimized.g.node_weights().any(
+            |n| matches!(&n.op, Op::PackedAttention { mods, .. } | Op::Attention { mods, .. } if mods.sparse.is_some())
+        ),
+        "the block pattern is not fused into the attention"
+    );
 }
 
 /// The BigBird-style encoder, and its block pattern equal to the fixture's `allowed_blocks`.

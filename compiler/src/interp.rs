@@ -833,6 +833,22 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
             eval(ctx, &op, &args, shape)?
         }
+        Op::LowRank { start, heads, head_dim } => {
+            // Slice, split, transpose the heads to [b, h, d, n], then times `e`'s first n rows.
+            let (x, e) = (a[0], a[1]);
+            let (b, n, r) = (x.shape[0], x.shape[1], e.shape[1]);
+            let cols = eval(
+                ctx,
+                &Op::Slice { axis: 2, start: *start, len: heads * head_dim },
+                &[x],
+                vec![b, n, heads * head_dim],
+            )?;
+            let split = Tensor { shape: vec![b, n, *heads, *head_dim], data: cols.data };
+            let t = eval(ctx, &Op::Permute { perm: vec![0, 2, 3, 1] }, &[&split], vec![b, *heads, *head_dim, n])?;
+            let cut = eval(ctx, &Op::Truncate { len: Dim::Fixed(n) }, &[e], vec![n, r])?;
+            let y = eval(ctx, &Op::MatMul { transpose_b: false }, &[&t, &cut], vec![b, *heads, *head_dim, r])?;
+            eval(ctx, &Op::Permute { perm: vec![0, 1, 3, 2] }, &[&y], shape)?
+        }
         Op::Heads { start, heads, head_dim, norm, rope } => {
             // Slice, split, transpose, normalize, rotate, append: the chain this op stands for.
             let gain = norm.map(|_| a[a.len() - 1]);

@@ -362,6 +362,35 @@ fn block_sparsity_fuses_into_attention() {
     check_modified("sparse-softmax-unmasked", Modifier::Sparse, false);
 }
 
+/// Linformer's key and value projections of one input, each projected along the sequence by
+/// its own `[rows, r]` matrix cut to the sequence, as the graph builder writes them.
+fn low_rank_graph() -> Graph {
+    let (heads, hd, r) = (2, D / 2, 3);
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    for name in ["k", "v"] {
+        let w = g.param(name, &[D, D]);
+        let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+        let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(heads), Dim::Fixed(hd)];
+        let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
+        let y = g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap();
+        let e = g.param(&format!("{name}.proj"), &[8, r]);
+        let e = g.add(Op::Truncate { len: Dim::Sym(Sym::Seq) }, &[e]).unwrap();
+        let t = g.add(Op::Permute { perm: vec![0, 1, 3, 2] }, &[y]).unwrap();
+        let p = g.add(Op::MatMul { transpose_b: false }, &[t, e]).unwrap();
+        let p = g.add(Op::Permute { perm: vec![0, 1, 3, 2] }, &[p]).unwrap();
+        g.outputs.push((name.into(), p));
+    }
+    g
+}
+
+#[test]
+fn low_rank() {
+    let opt = check("low-rank", &low_rank_graph());
+    assert_eq!(ops(&opt).iter().filter(|o| *o == "low_rank").count(), 2, "{:?}", ops(&opt));
+    check("low-rank-slice", &low_rank_graph());
+}
+
 /// `act(x Wg^T [+ bg]) * (x Wu^T [+ bu])`, after a norm if asked.
 fn gated_graph(bias: bool, norm: Option<bool>) -> Graph {
     let mut g = Graph::new("t");

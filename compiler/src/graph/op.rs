@@ -486,6 +486,19 @@ pub enum Op {
         /// First column of the value heads.
         v: usize,
     },
+    /// Linformer's low-rank projection of heads along the sequence, read out of packed rows:
+    /// `(x [b, n, width], e [rows, r]) -> [b, heads, r, head_dim]`, element `(b, j, i, c)` being
+    /// `sum over t < n of e[t, i] * x[b, t, start + j * head_dim + c]` (`e` cut to its first `n`
+    /// rows, `n` at most `rows`): the split, transpose, truncate and matmul chain of a Linformer
+    /// key or value projection as one kernel, O(n r) per head and no `n x n` matrix.
+    LowRank {
+        /// First column of head 0.
+        start: usize,
+        /// Heads read.
+        heads: usize,
+        /// Width of a head.
+        head_dim: usize,
+    },
     /// `norm(a + b)`, or with `after` `a + norm(b)` (a sandwich block's post-sublayer norm and
     /// its residual): `(a, b, gain[, bias])` with the LayerNorm (with bias operand, or without)
     /// or the RMSNorm of the given epsilon.
@@ -560,6 +573,7 @@ impl Op {
                 n
             }
             Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::LowRank { .. } => "low_rank".into(),
             Op::Heads { norm, rope, .. } => {
                 format!(
                     "heads{}{}",
@@ -661,6 +675,7 @@ impl Op {
                 a + &mods.attrs()
             }
             Op::Concat { axis } => format!("axis={axis}"),
+            Op::LowRank { start, heads, head_dim } => format!("heads={heads} head_dim={head_dim} at={start}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {
                 let mut a = format!("heads={heads} head_dim={head_dim} at={start}");
                 if let Some(eps) = norm {

@@ -375,6 +375,25 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
         }
+        Op::LowRank { start, heads, head_dim } => {
+            arity(2)?;
+            let (x, e) = (float(0)?, float(1)?);
+            match (x.as_slice(), e.as_slice()) {
+                ([b, n, Dim::Fixed(w)], [rows, r]) if start + heads * head_dim <= *w => {
+                    if let (Dim::Fixed(n), Dim::Fixed(rows)) = (n, rows)
+                        && n > rows
+                    {
+                        return Err(format!("{n} rows asked of a projection of {rows}"));
+                    }
+                    Ok((vec![*b, Dim::Fixed(*heads), *r, Dim::Fixed(*head_dim)], DType::F32))
+                }
+                _ => Err(format!(
+                    "expects x [b, n, width] holding {heads} heads of {head_dim} at column {start} and e [rows, r]; got {} and {}",
+                    fmt_shape(x),
+                    fmt_shape(e)
+                )),
+            }
+        }
         Op::Heads { start, heads, head_dim, norm, rope } => {
             let gain = usize::from(norm.is_some());
             if operands.len() < 1 + gain || operands.len() > 2 + gain {

@@ -81,6 +81,11 @@ impl CostModel {
         let bytes_in: f64 = match op {
             // Reads only its heads' columns (and the cache), as many as it writes.
             Op::Heads { .. } => bytes_out,
+            // Reads its heads' columns of `x`, and `e`.
+            Op::LowRank { heads, head_dim, .. } => {
+                let n = operands.first().and_then(|x| x.get(1)).map_or(1.0, |n| self.elements(&vec![*n]));
+                4.0 * n * (heads * head_dim) as f64 + operands.get(1).map_or(0.0, |e| 4.0 * self.elements(e))
+            }
             _ => operands.iter().map(|s| 4.0 * self.elements(s)).sum(),
         };
         let last = |s: &Shape| s.last().map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
@@ -101,6 +106,11 @@ impl CostModel {
             Op::PackedAttention { heads, head_dim, .. } => {
                 let tokens = self.elements(out) / last(out).max(1.0);
                 4.0 * tokens * (*heads * *head_dim) as f64 * self.seq as f64
+            }
+            // Every output sums over the sequence (the rows of `x`).
+            Op::LowRank { .. } => {
+                2.0 * self.elements(out)
+                    * operands.first().and_then(|x| x.get(1)).map_or(1.0, |n| self.elements(&vec![*n]))
             }
             Op::Attention { .. } => {
                 let (q, k) = (operands[0], operands[1]);

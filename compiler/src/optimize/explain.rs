@@ -62,6 +62,10 @@ pub fn explain(g: &Graph, n: NodeIndex) -> Vec<&'static str> {
             vec![softmax_rule(masked, *alibi, mods), if gqa { "attention-gqa" } else { "attention" }]
         }
         Op::Concat { axis: 0 } => vec!["shared-input-merge"],
+        Op::LowRank { start, heads, head_dim } => {
+            let whole = g.g[g.operands(n)[0]].shape.last() == Some(&crate::graph::Dim::Fixed(heads * head_dim));
+            if *start == 0 && whole { vec!["low-rank"] } else { vec!["shared-input-merge", "low-rank-slice"] }
+        }
         Op::Heads { norm, rope, .. } => {
             let mut r = vec!["heads-split"];
             if norm.is_some() {

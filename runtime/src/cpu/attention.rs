@@ -106,6 +106,58 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
     }
 }
 
+/// Linformer's low-rank projection ([`Op::LowRank`]) into `out` (`[b, heads, r, head_dim]`): per
+/// batch and head, one GEMM `E[..n]^T X_h` reading the head's columns of the packed rows in place.
+pub fn low_rank(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
+    let bad = |m: String| CpuError::Invalid(m);
+    let &Op::LowRank { start, heads, head_dim } = op else { return Err(bad("not a low-rank projection".into())) };
+    let [(xs, x), (es, e)] = args else { return Err(bad("low_rank takes x and e".into())) };
+    let (&[b, n, width], &[rows, r]) = (xs.as_slice(), es.as_slice()) else {
+        return Err(bad("x must be [b, n, width] and e [rows, r]".into()));
+    };
+    let (x, e) = (x.f32("x")?, e.f32("e")?);
+    if n > rows {
+        return Err(bad(format!("{n} rows asked of a low-rank projection of {rows}: the sequence is longer than it")));
+    }
+    if start + heads * head_dim > width
+        || shape != [b, heads, r, head_dim]
+        || out.len() != b * heads * r * head_dim
+        || x.len() != b * n * width
+        || e.len() != rows * r
+    {
+        return Err(bad(format!("operands do not fit low_rank into {shape:?}")));
+    }
+    out.par_chunks_mut((r * head_dim).max(1)).enumerate().for_each(|(bh, o)| {
+        let (bi, h) = (bh / heads, bh % heads);
+        // SAFETY: `o` holds r x head_dim; `e` holds n x r (n <= rows), read transposed; `x` holds
+        // the n rows of batch `bi`, this head's head_dim columns at stride `width` (all checked above).
+        unsafe {
+            gemm::gemm(
+                r,
+                head_dim,
+                n,
+                o.as_mut_ptr(),
+                1,
+                head_dim as isize,
+                false,
+                e.as_ptr(),
+                r as isize,
+                1,
+                x.as_ptr().add(bi * n * width + start + h * head_dim),
+                1,
+                width as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
+    Ok(())
+}
+
 /// A `[b, heads, rows, d]` operand and its layout: contiguous, or a cache buffer with room for
 /// more rows per head (read in place through its head stride).
 fn heads_of<'a>(x: &Arg<'a>, heads: usize, rows: usize, d: usize, what: &str) -> R<(&'a [f32], Layout)> {

@@ -619,6 +619,7 @@ impl CpuModel {
                 Op::Attention { .. } | Op::PackedAttention { .. } => {
                     return attention::forward(op, args, lazy.get(), shape);
                 }
+                Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),
                 _ => {
                     if elementwise::forward(op, args, &mut lazy, shape, past)? {
                         return Ok(());

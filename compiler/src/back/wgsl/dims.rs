@@ -141,6 +141,14 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
             attention::dims(g, b, s, s, width, mods.sparse.is_some())
         }
+        // One thread per output element: [total, n, r, width] from x [b, n, width], e [rows, r].
+        Op::LowRank { .. } => {
+            let (x, e) = (operand(0)?, operand(1)?);
+            if axis(x, 1)? > axis(e, 0)? {
+                return Err(format!("{}: {} rows asked of a projection of {}", op.name(), axis(x, 1)?, axis(e, 0)?));
+            }
+            vec![total, axis(x, 1)?, axis(e, 1)?, axis(x, 2)?]
+        }
         // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
         Op::Heads { norm, .. } => {

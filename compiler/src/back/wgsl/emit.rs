@@ -282,6 +282,12 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 setup = scores::sparse_setup(mods, "qi", "s_len", "k"),
             )
         }
+        Op::LowRank { start, heads, head_dim } => format!(
+            "let n = dim(1u);\nlet r = dim(2u);\nlet w = dim(3u);\nlet c = i % {head_dim}u;\nlet ri = (i / {head_dim}u) % r;\n\
+             let h = (i / ({head_dim}u * r)) % {heads}u;\nlet b = i / ({head_dim}u * r * {heads}u);\n\
+             let col = {start}u + h * {head_dim}u + c;\nvar acc = 0.0;\n\
+             for (var t = 0u; t < n; t = t + 1u) {{ acc = acc + in1[t * r + ri] * in0[(b * n + t) * w + col]; }}\nout[i] = acc;"
+        ),
         Op::Heads { start, norm, rope, .. } => {
             // Token `t < p` comes from the cache; later ones from the packed rows, normalized over
             // the head (each thread sums its head's squares: a head is a few hundred values) and

@@ -77,6 +77,12 @@ pub fn attention() -> Vec<Rewrite<Kl, KAnalysis>> {
                                    => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w none none) ?m ?t)", packed_rope) }),
         rw!("attention-packed-rope-bias"; "(attention ?f ?al ?c ?wn ?sm (rope ?ro (permute ?p (reshape ?rq (slice ?sq (linear none ?x ?w ?b none))))) (rope ?ro (permute ?p (reshape ?rk (slice ?sk (linear none ?x ?w ?b none))))) (permute ?p (reshape ?rv (slice ?sv (linear none ?x ?w ?b none)))) ?m ?t)"
                                    => { derive("(packed_attention ?cfg (xlinear ?lin ?x none none ?w ?b none) ?m ?t)", packed_rope) }),
+        // heads(x)^T E[..n] transposed back = low_rank(x, E): a Linformer projection in one kernel
+        rw!("low-rank";               "(permute ?p2 (matmul (permute ?p1 (reshape ?r ?x)) (opaque ?tr ?e)))"
+                                   => { derive("(opaque ?cfg ?x ?e)", |e, _, s| low_rank(e, s, false)) }),
+        // the same over a column slice of a merged projection, read in place
+        rw!("low-rank-slice";         "(permute ?p2 (matmul (permute ?p1 (reshape ?r (slice ?sl ?x))) (opaque ?tr ?e)))"
+                                   => { derive("(opaque ?cfg ?x ?e)", |e, _, s| low_rank(e, s, true)) }),
         // act(x Wg^T) * (x Wu^T), Wg and Wu the halves of one stacked weight = gated linear
         rw!("gated-linear";           "(mul (act ?k (slice ?s1 (matmul_t ?x ?w))) (slice ?s2 (matmul_t ?x ?w)))"
                                    => { derive("(xlinear ?cfg ?x none none ?w none none)", gated) }),
@@ -110,6 +116,35 @@ fn sparse(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrVa
     scores(egraph, s)?;
     let sparse = Some(BlockPattern { block, global, window, random, seed });
     Some(vec![("?sm", AttrValue::Scores(ScoreMods { sparse, ..ScoreMods::default() }))])
+}
+
+/// The low-rank projection of a `low-rank*` match: `?p1` moves the sequence last, `?p2` swaps
+/// the result's last two axes, `?r` splits `?x`'s (or its column slice `?sl`'s) last axis into
+/// heads, and `?tr` cuts `?e` to the sequence.
+fn low_rank(egraph: &KGraph, s: &Subst, sliced: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    let (Op::Permute { perm: p1 }, Op::Permute { perm: p2 }) = (op_of(egraph, s, "?p1")?, op_of(egraph, s, "?p2")?)
+    else {
+        return None;
+    };
+    let Op::Reshape { shape: r } = op_of(egraph, s, "?r")? else { return None };
+    let Op::Truncate { len } = op_of(egraph, s, "?tr")? else { return None };
+    let x = shape(egraph, s[var("?x")])?;
+    let e = shape(egraph, s[var("?e")])?;
+    let (start, cols) = if sliced {
+        let &Op::Slice { axis: 2, start, len } = op_of(egraph, s, "?sl")? else { return None };
+        (start, len)
+    } else {
+        let Some(Dim::Fixed(w)) = x.get(2) else { return None };
+        (0, *w)
+    };
+    let ([b, n, Dim::Fixed(_)], [rb, rn, Dim::Fixed(heads), Dim::Fixed(head_dim)], [_, _]) =
+        (x.as_slice(), r.as_slice(), e.as_slice())
+    else {
+        return None;
+    };
+    let ok = p1 == &[0, 2, 3, 1] && p2 == &[0, 1, 3, 2] && rb == b && rn == n && len == n && heads * head_dim == cols;
+    let op = Op::LowRank { start, heads: *heads, head_dim: *head_dim };
+    ok.then(|| vec![("?cfg", AttrValue::Op(op))])
 }
 
 /// The shape of the scores `?s`, when they are a rank-4 `[b, h, q, k]` tensor.
