@@ -168,9 +168,8 @@ fn import_gguf(path: &Path) -> Result<Checkpointed, ImportFailure> {
         file.metadata().iter().map(|(k, v)| (k.clone(), meta_value(v))).collect();
     let tensors: BTreeMap<String, Vec<usize>> =
         file.tensors().iter().map(|t| (t.name().to_string(), t.shape().to_vec())).collect();
-    let hints = Hints { name: path.file_stem().map(|n| n.to_string_lossy().into_owned()), ..Hints::default() };
     let imported =
-        import::gguf(&meta, &tensors, &hints).map_err(|error| ImportFailure::Import { path: path.into(), error })?;
+        import::gguf(&meta, &tensors, &Hints::default()).map_err(|error| ImportFailure::Import { path: path.into(), error })?;
     Ok(Checkpointed { imported, weights: path.into(), checkpoint })
 }
 

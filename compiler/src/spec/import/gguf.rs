@@ -52,6 +52,19 @@ pub fn gguf(
     };
     let mut hints = hints.clone();
     hints.tensors = Some(tensors.keys().cloned().collect());
+    if hints.name.is_none() {
+        // `general.basename` and `general.size_label` (`smollm2-135m`), else the architecture.
+        let text = |key: &str| match meta.get(key) {
+            Some(MetaValue::Str(s)) if !s.is_empty() => Some(s.to_lowercase()),
+            _ => None,
+        };
+        let name = match (text("general.basename"), text("general.size_label")) {
+            (Some(base), Some(size)) => format!("{base}-{size}"),
+            (Some(base), None) => base,
+            _ => arch.clone(),
+        };
+        hints.name = Some(name);
+    }
     if let Some(MetaValue::Str(name)) = meta.get("general.name") {
         d.comment(format!("general.name = \"{name}\""));
     }
@@ -154,10 +167,10 @@ fn sizes(d: &mut Draft, m: &Meta) -> Result<u64> {
         d.set("attention", "kv_heads", kv, m.from("attention.head_count_kv"));
     }
     d.set("ffn", "d_ff", m.need_uint("feed_forward_length")?, m.from("feed_forward_length"));
+    d.set("norm", "kind", "rmsnorm", m.fixed("RMSNorm"));
     if let Some(eps) = m.float("attention.layer_norm_rms_epsilon")? {
         d.set("norm", "eps", eps, m.from("attention.layer_norm_rms_epsilon"));
     }
-    d.set("norm", "kind", "rmsnorm", m.fixed("RMSNorm"));
     if let Some(kind) = m.str("rope.scaling.type").filter(|t| *t != "none") {
         return Err(ImportError::new(format!(
             "GGUF: `{} = \"{kind}\"` is not supported (kiln's RoPE has no frequency scaling)",
