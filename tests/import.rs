@@ -34,7 +34,11 @@ fn check_case(dir: &Path, name: &str) {
     let imported = import(dir, name);
     let text = &imported.imported.text;
     let report = kiln_runtime::import::check(text, &imported.checkpoint).unwrap();
-    assert!(report.problems.is_empty(), "{name}: {:?}", report.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>());
+    assert!(
+        report.problems.is_empty(),
+        "{name}: {:?}",
+        report.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>()
+    );
     let fe = kiln_compiler::front_end(name, text).unwrap_or_else(|e| panic!("{}", e.render()));
     let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &imported.weights).unwrap_or_else(|e| panic!("{e}"));
     let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
@@ -63,18 +67,9 @@ fn golden_cases_from_their_configs() {
 
 #[test]
 fn close_relatives_match_transformers() {
-    for name in [
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "phi3",
-        "olmo2",
-        "starcoder2",
-        "gemma2",
-        "gpt_neox",
-        "gpt_bigcode",
-        "falcon",
-    ] {
+    for name in
+        ["mistral", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "gemma2", "gpt_neox", "gpt_bigcode", "falcon"]
+    {
         check_case(&root().join("tests/fixtures/import").join(name), name);
     }
 }
@@ -101,7 +96,9 @@ fn cached(dir: &str, file: &str) -> Option<std::path::PathBuf> {
 /// The real GGUF models import to their hand-written specs.
 #[test]
 fn real_gguf_models_import_to_their_specs() {
-    for (dir, file) in [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")] {
+    for (dir, file) in
+        [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")]
+    {
         let Some(path) = cached(dir, file) else { continue };
         let imported = import(&path, dir);
         let report = kiln_runtime::import::check(&imported.imported.text, &imported.checkpoint).unwrap();
@@ -171,21 +168,33 @@ const LLAMA: &str = r#""model_type": "llama", "vocab_size": 128, "hidden_size": 
 #[test]
 fn unsupported_configurations_are_refused_by_name() {
     let cases = [
-        (format!(r#"{{{LLAMA}, "rope_scaling": {{"type": "yarn", "factor": 4.0}}}}"#), "`rope_scaling.type = \"yarn\"` is not supported"),
+        (
+            format!(r#"{{{LLAMA}, "rope_scaling": {{"type": "yarn", "factor": 4.0}}}}"#),
+            "`rope_scaling.type = \"yarn\"` is not supported",
+        ),
         (
             format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 5e5}}}}"#),
             "`rope_parameters.rope_type = \"llama3\"` is not supported",
         ),
         (format!(r#"{{{LLAMA}, "hidden_act": "gelu_10"}}"#), "`hidden_act = \"gelu_10\"` is not supported"),
         (r#"{"model_type": "mamba", "vocab_size": 128}"#.into(), "`model_type = \"mamba\"` is not supported"),
-        (r#"{"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": true}"#.into(), "`scale_attn_by_inverse_layer_idx = true` is not supported"),
-        (r#"{"model_type": "falcon", "new_decoder_architecture": true}"#.into(), "`new_decoder_architecture = true` is not supported"),
+        (
+            r#"{"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": true}"#.into(),
+            "`scale_attn_by_inverse_layer_idx = true` is not supported",
+        ),
+        (
+            r#"{"model_type": "falcon", "new_decoder_architecture": true}"#.into(),
+            "`new_decoder_architecture = true` is not supported",
+        ),
         (r#"{"model_type": "falcon", "alibi": true}"#.into(), "`alibi = true` is not supported"),
         (
             r#"{"model_type": "bloom", "apply_residual_connection_post_layernorm": true}"#.into(),
             "`apply_residual_connection_post_layernorm = true` is not supported",
         ),
-        (r#"{"model_type": "bert", "position_embedding_type": "relative_key"}"#.into(), "`position_embedding_type = \"relative_key\"` is not supported"),
+        (
+            r#"{"model_type": "bert", "position_embedding_type": "relative_key"}"#.into(),
+            "`position_embedding_type = \"relative_key\"` is not supported",
+        ),
         (
             format!(
                 r#"{{{}, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}}"#,
@@ -202,7 +211,10 @@ fn unsupported_configurations_are_refused_by_name() {
         ),
         (r#"{"model_type": "gemma3", "text_config": {}}"#.into(), "vision tower"),
         (
-            format!(r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#, LLAMA.replace("llama", "qwen2")),
+            format!(
+                r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#,
+                LLAMA.replace("llama", "qwen2")
+            ),
             "`use_sliding_window = true` with `max_window_layers = 1`",
         ),
         (r#"[1, 2]"#.into(), "config.json is not a JSON object"),
@@ -296,7 +308,8 @@ fn cli_imports_and_runs_a_checkpoint_directory() {
     // A refusal is an error naming the option, exit code 1.
     let bad = std::env::temp_dir().join(format!("kiln-import-bad-{}", std::process::id()));
     std::fs::create_dir_all(&bad).unwrap();
-    std::fs::write(bad.join("config.json"), format!(r#"{{{LLAMA}, "rope_scaling": {{"rope_type": "yarn"}}}}"#)).unwrap();
+    std::fs::write(bad.join("config.json"), format!(r#"{{{LLAMA}, "rope_scaling": {{"rope_type": "yarn"}}}}"#))
+        .unwrap();
     std::fs::copy(dir.join("model.safetensors"), bad.join("model.safetensors")).unwrap();
     let out = std::process::Command::new(kiln).arg("import").arg(&bad).output().unwrap();
     assert_eq!(out.status.code(), Some(1));

@@ -164,12 +164,11 @@ fn import_gguf(path: &Path) -> Result<Checkpointed, ImportFailure> {
             path.display()
         )));
     };
-    let meta: BTreeMap<String, MetaValue> =
-        file.metadata().iter().map(|(k, v)| (k.clone(), meta_value(v))).collect();
+    let meta: BTreeMap<String, MetaValue> = file.metadata().iter().map(|(k, v)| (k.clone(), meta_value(v))).collect();
     let tensors: BTreeMap<String, Vec<usize>> =
         file.tensors().iter().map(|t| (t.name().to_string(), t.shape().to_vec())).collect();
-    let imported =
-        import::gguf(&meta, &tensors, &Hints::default()).map_err(|error| ImportFailure::Import { path: path.into(), error })?;
+    let imported = import::gguf(&meta, &tensors, &Hints::default())
+        .map_err(|error| ImportFailure::Import { path: path.into(), error })?;
     Ok(Checkpointed { imported, weights: path.into(), checkpoint })
 }
 

@@ -37,7 +37,9 @@ pub fn gguf(
 ) -> Result<Imported> {
     let arch = match meta.get("general.architecture") {
         Some(MetaValue::Str(a)) => a.clone(),
-        Some(other) => return Err(ImportError::new(format!("GGUF: `general.architecture` = {other:?} is not a string"))),
+        Some(other) => {
+            return Err(ImportError::new(format!("GGUF: `general.architecture` = {other:?} is not a string")));
+        }
         None => return Err(ImportError::new("GGUF: the file has no `general.architecture`")),
     };
     let m = Meta { meta, tensors, arch: &arch };

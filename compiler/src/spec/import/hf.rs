@@ -6,7 +6,7 @@
 //! architecture. Both transformers 4 keys (`rope_theta`, `rope_scaling`) and transformers 5 keys
 //! (`rope_parameters`, `layer_types`) are read.
 
-use super::{Draft, Hints, Val, ImportError, Imported, Result, SentencePooling, activation, global_period};
+use super::{Draft, Hints, ImportError, Imported, Result, SentencePooling, Val, activation, global_period};
 use crate::spec::weightmap::{Pack, PackPart, Source};
 use serde_json::{Map, Value};
 
@@ -162,7 +162,9 @@ fn header(family: &str, cfg: &Config) -> Result<String> {
         Some(Value::String(a)) => format!(", {a}"),
         _ => String::new(),
     };
-    Ok(format!("Imported by `kiln import` from config.json (model_type \"{family}\"{arch}); each note says where its value came from."))
+    Ok(format!(
+        "Imported by `kiln import` from config.json (model_type \"{family}\"{arch}); each note says where its value came from."
+    ))
 }
 
 /// `[model]` of a decoder-only family with the usual key names.
@@ -224,8 +226,7 @@ fn rope(d: &mut Draft, cfg: &Config, family: &str, default_theta: f64) -> Result
         refuse_rope_scaling(params, "rope_parameters")?;
         let sub = Config { map: params.as_object().unwrap_or(cfg.map) };
         theta = sub.float("rope_theta")?.map(|t| (t, from("rope_parameters.rope_theta")));
-        fraction =
-            sub.float("partial_rotary_factor")?.map(|f| (f, from("rope_parameters.partial_rotary_factor")));
+        fraction = sub.float("partial_rotary_factor")?.map(|f| (f, from("rope_parameters.partial_rotary_factor")));
     }
     let theta = match theta {
         Some(t) => t,
@@ -272,9 +273,9 @@ fn windows(d: &mut Draft, cfg: &Config, sliding: &[bool], note: &str) -> Result<
     if !sliding.iter().any(|&s| s) {
         return Ok(());
     }
-    let window = cfg
-        .uint("sliding_window")?
-        .ok_or_else(|| ImportError::new("layers use sliding-window attention but config.json has no `sliding_window`"))?;
+    let window = cfg.uint("sliding_window")?.ok_or_else(|| {
+        ImportError::new("layers use sliding-window attention but config.json has no `sliding_window`")
+    })?;
     d.set("attention", "mask", "sliding-window", note.to_string());
     d.set("attention", "window", window, from("sliding_window"));
     if sliding.iter().all(|&s| s) {
@@ -565,7 +566,11 @@ struct Val64(f64);
 
 impl std::fmt::Display for Val64 {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        if self.0.fract() == 0.0 && self.0.abs() < 1e15 { write!(f, "{}", self.0 as i64) } else { write!(f, "{:?}", self.0) }
+        if self.0.fract() == 0.0 && self.0.abs() < 1e15 {
+            write!(f, "{}", self.0 as i64)
+        } else {
+            write!(f, "{:?}", self.0)
+        }
     }
 }
 
@@ -621,7 +626,10 @@ fn gpt_bigcode(cfg: &Config) -> Result<Draft> {
     for w in ["weight", "bias"] {
         d.named(&format!("layers.{{i}}.attn_norm.{w}"), &format!("{h}.ln_1.{w}"));
         for (p, part) in [("q", PackPart::Q), ("k", PackPart::K), ("v", PackPart::V)] {
-            d.tensor(&format!("layers.{{i}}.attn.{p}.{w}"), packed(&format!("{h}.attn.c_attn.{w}"), Pack::QkvBlocks, part));
+            d.tensor(
+                &format!("layers.{{i}}.attn.{p}.{w}"),
+                packed(&format!("{h}.attn.c_attn.{w}"), Pack::QkvBlocks, part),
+            );
         }
         d.named(&format!("layers.{{i}}.attn.o.{w}"), &format!("{h}.attn.c_proj.{w}"));
         d.named(&format!("layers.{{i}}.ffn_norm.{w}"), &format!("{h}.ln_2.{w}"));
@@ -1025,7 +1033,13 @@ fn bigbird(cfg: &Config) -> Result<Draft> {
     d.set("ffn", "d_ff", d_ff, from(fk));
     d.set("ffn", "bias", true, fixed(family));
     d.set("outputs", "hidden_states", true, fixed(family));
-    let sparse = [("block", "block"), ("global", "global_blocks"), ("window", "window_blocks"), ("random", "random_blocks"), ("seed", "seed")];
+    let sparse = [
+        ("block", "block"),
+        ("global", "global_blocks"),
+        ("window", "window_blocks"),
+        ("random", "random_blocks"),
+        ("seed", "seed"),
+    ];
     let mut fields = Vec::new();
     for (field, key) in sparse {
         let (v, _) = cfg.need_uint(&[key])?;

@@ -241,8 +241,7 @@ impl Draft {
             map.entries.extend(entries.iter().cloned());
             if let Some(prefix) = common_prefix(&map, &params, tensors) {
                 // Write every entry the graph uses out with the prefix, in place of the preset.
-                let mut all: Vec<(String, Source)> =
-                    map.entries.into_iter().filter(|(t, _)| used(t)).collect();
+                let mut all: Vec<(String, Source)> = map.entries.into_iter().filter(|(t, _)| used(t)).collect();
                 for (_, source) in &mut all {
                     source.tensor = format!("{prefix}{}", source.tensor);
                 }
@@ -257,7 +256,10 @@ impl Draft {
         }
         let text = self.render(preset.as_ref(), &entries);
         crate::front_end("imported spec", &text).map_err(|e| {
-            ImportError::new(format!("internal error, please report: the imported spec does not check:\n{}", e.render()))
+            ImportError::new(format!(
+                "internal error, please report: the imported spec does not check:\n{}",
+                e.render()
+            ))
         })?;
         Ok(Imported { text, family: self.family })
     }
@@ -365,6 +367,9 @@ mod tests {
         s.transpose = true;
         s.pack = Some(weightmap::Pack::QkvBlocks);
         s.part = Some(weightmap::PackPart::K);
-        assert_eq!(render_source(&s), "{ tensor = \"a.{i}.w\", transpose = true, pack = \"qkv-blocks\", part = \"k\" }");
+        assert_eq!(
+            render_source(&s),
+            "{ tensor = \"a.{i}.w\", transpose = true, pack = \"qkv-blocks\", part = \"k\" }"
+        );
     }
 }
