@@ -143,7 +143,8 @@ fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure
     let config_path = dir.join(sub).join("config.json");
     let config: serde_json::Value = serde_json::from_str(&read(&config_path)?)
         .map_err(|e| ImportFailure::Layout(format!("`{}`: not valid JSON: {e}", config_path.display())))?;
-    let modes = config.as_object().into_iter().flatten().filter(|(k, v)| k.starts_with("pooling_mode_") && v == &&true);
+    let on = serde_json::Value::Bool(true);
+    let modes = config.as_object().into_iter().flatten().filter(|(k, v)| k.starts_with("pooling_mode_") && *v == &on);
     for (mode, _) in modes {
         if mode != "pooling_mode_mean_tokens" {
             return Err(ImportFailure::Layout(format!(

@@ -199,12 +199,12 @@ fn sizes(d: &mut Draft, m: &Meta) -> Result<u64> {
 /// The per-head width when the file states it (`attention.key_length`).
 fn head_dim(d: &mut Draft, m: &Meta) -> Result<Option<u64>> {
     let key = m.uint("attention.key_length")?;
-    if let (Some(k), Some(v)) = (key, m.uint("attention.value_length")?) {
-        if k != v {
-            return Err(ImportError::new(format!(
-                "GGUF: key_length {k} differs from value_length {v}, which kiln does not support"
-            )));
-        }
+    if let (Some(k), Some(v)) = (key, m.uint("attention.value_length")?)
+        && k != v
+    {
+        return Err(ImportError::new(format!(
+            "GGUF: key_length {k} differs from value_length {v}, which kiln does not support"
+        )));
     }
     if let Some(k) = key {
         d.set("attention", "head_dim", k, m.from("attention.key_length"));
@@ -305,10 +305,10 @@ fn gemma(m: &Meta) -> Result<Draft> {
     d.set("positions", "kind", "rope", m.fixed("rotary positions"));
     if let (Some(window), true) = (window, any_sliding) {
         d.set("positions", "theta", local_theta.0, local_theta.1);
-        if global.iter().any(|&g| g) {
-            if let Some(g) = global_theta.filter(|&g| g != local_theta.0) {
-                d.set("positions", "global_theta", g, m.from("rope.freq_base"));
-            }
+        if global.iter().any(|&g| g)
+            && let Some(g) = global_theta.filter(|&g| g != local_theta.0)
+        {
+            d.set("positions", "global_theta", g, m.from("rope.freq_base"));
         }
         d.set("attention", "mask", "sliding-window", note.clone());
         d.set("attention", "window", window, m.from("attention.sliding_window"));

@@ -511,10 +511,11 @@ fn gemma(cfg: &Config, family: &str) -> Result<Draft> {
     let first = if any_sliding { local.clone() } else { global.clone() };
     let (theta, note) = first.unwrap_or((10000.0, default_of(family, "rope_theta")));
     d.set("positions", "theta", theta, note);
-    if any_sliding && any_global {
-        if let Some((g, note)) = global.filter(|(g, _)| *g != theta) {
-            d.set("positions", "global_theta", g, note);
-        }
+    if any_sliding
+        && any_global
+        && let Some((g, note)) = global.filter(|(g, _)| *g != theta)
+    {
+        d.set("positions", "global_theta", g, note);
     }
 
     d.set("norm", "kind", "rmsnorm", fixed(family));
@@ -911,10 +912,8 @@ fn torch_transformer(cfg: &Config) -> Result<Draft> {
     }
     d.set("embedding", "scale", "sqrt-d-model", "the module scales the embeddings by sqrt(d_model)");
     d.set("embedding", "shared", false, "the module's src_embed and tgt_embed");
-    if let Some(p) = cfg.str("positional")? {
-        if !p.starts_with("sinusoidal, interleaved") {
-            return Err(ImportError::new(format!("`positional = \"{p}\"` is not supported")));
-        }
+    if let Some(p) = cfg.str("positional")?.filter(|p| !p.starts_with("sinusoidal, interleaved")) {
+        return Err(ImportError::new(format!("`positional = \"{p}\"` is not supported")));
     }
     d.set("positions", "kind", "sinusoidal", from("positional"));
     d.set("positions", "style", "interleaved", from("positional"));
