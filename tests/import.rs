@@ -11,8 +11,7 @@ mod common;
 use common::root;
 use kiln_compiler::interp;
 use kiln_compiler::spec::import::{Hints, MetaValue, gguf, hf_config};
-use kiln_compiler::tensor::Tensor;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The largest absolute error allowed against a reference output (as in `tests/golden.rs`).
@@ -316,5 +315,4 @@ fn cli_imports_and_runs_a_checkpoint_directory() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("`rope_scaling.rope_type = \"yarn\"` is not supported"), "{stderr}");
     std::fs::remove_dir_all(&bad).unwrap();
-    let _: HashMap<String, Tensor> = HashMap::new();
 }
