@@ -18,15 +18,17 @@ const LEADING: usize = 6;
 /// Arguments of `kiln embed`.
 #[derive(clap::Args)]
 pub struct EmbedArgs {
-    /// The spec (TOML) of an encoder with `outputs.pooling = "mean"`.
+    /// The spec (TOML) of an encoder with `outputs.pooling = "mean"`, or a checkpoint (a
+    /// sentence-transformers model directory) whose spec is imported in memory.
     spec: PathBuf,
     /// Checkpoint (safetensors or GGUF) holding the weights under the names the spec's weight
-    /// map gives.
+    /// map gives (default: SPEC's, if a checkpoint).
     #[arg(long)]
-    weights: PathBuf,
-    /// The tokenizer: a Hugging Face `tokenizer.json`, or a GGUF file whose metadata has one.
+    weights: Option<PathBuf>,
+    /// The tokenizer: a Hugging Face `tokenizer.json`, or a GGUF file whose metadata has one
+    /// (default: the checkpoint's, if SPEC is one).
     #[arg(long)]
-    tokenizer: PathBuf,
+    tokenizer: Option<PathBuf>,
     /// The sentences, embedded as one batch.
     #[arg(required = true)]
     sentences: Vec<String>,
@@ -49,6 +51,11 @@ impl EmbedArgs {
     pub fn spec(&self) -> &std::path::Path {
         &self.spec
     }
+
+    /// Whether `--print-spec` was given.
+    pub fn print_spec(&self) -> bool {
+        self.exec.print_spec
+    }
 }
 
 /// Runs `kiln embed`, showing the loading on `reporter`.
@@ -61,7 +68,10 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
         );
     }
     let max_len = usize::try_from(fe.spec.spec.model.max_positions).unwrap_or(usize::MAX);
-    let tokenizer = Tokenizer::open(&args.tokenizer)?.with_max_len(max_len)?;
+    let Some(tokenizer_path) = crate::import::tokenizer_for(args.tokenizer.clone(), &args.spec) else {
+        bail!("--tokenizer is required with a spec (a checkpoint directory's tokenizer.json is used by default)");
+    };
+    let tokenizer = Tokenizer::open(&tokenizer_path)?.with_max_len(max_len)?;
     let batch = tokenizer.encode_batch(&args.sentences)?;
     if batch.seq == 0 {
         bail!("the sentences encode to no tokens");
@@ -70,11 +80,11 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     if let Some(id) = batch.input_ids.iter().find(|&&id| id as u64 >= vocab) {
         bail!(
             "the tokenizer gave id {id}, outside the model's vocabulary of {vocab}: is `{}` the tokenizer of this model?",
-            args.tokenizer.display()
+            tokenizer_path.display()
         );
     }
 
-    let ckpt = Checkpoint::open(&args.weights)?;
+    let ckpt = Checkpoint::open(&crate::import::weights_for(args.weights.clone(), &args.spec)?)?;
     let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
     if !args.exec.no_optimize {
         let target = backend.optimizer_target();

@@ -17,6 +17,7 @@ mod diagnose;
 mod embed;
 mod generate;
 mod html;
+mod import;
 mod inspect;
 mod progress;
 mod report;
@@ -51,6 +52,9 @@ enum Command {
     /// Print a stage of the compiled model (text, DOT, SVG or PNG), optimizer statistics, or an
     /// HTML report.
     Inspect(inspect::InspectArgs),
+    /// Write the spec of a checkpoint (a Hugging Face model directory or a GGUF file), each value
+    /// noting where it came from, and check it against the checkpoint's tensors.
+    Import(import::ImportArgs),
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
         /// The spec (TOML).
@@ -71,12 +75,13 @@ enum Command {
     },
     /// Run a model on inputs from a safetensors file and write its outputs to another.
     Run {
-        /// A spec (TOML, compiled in memory) or an artifact from `kiln compile`.
+        /// A spec (TOML, compiled in memory), an artifact from `kiln compile`, or a checkpoint (a
+        /// Hugging Face model directory or a GGUF file) whose spec is imported in memory.
         model: PathBuf,
         /// Checkpoint (safetensors, or GGUF: detected by its magic or a `.gguf` name) holding the
-        /// weights under the names the spec's weight map gives.
+        /// weights under the names the spec's weight map gives (default: MODEL's, if a checkpoint).
         #[arg(long)]
-        weights: PathBuf,
+        weights: Option<PathBuf>,
         /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,
         /// `src_padding`, `tgt_ids`; other tensors are ignored.
         #[arg(long)]
@@ -92,11 +97,12 @@ enum Command {
     },
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate {
-        /// The spec (TOML).
+        /// The spec (TOML), or a checkpoint (a Hugging Face model directory or a GGUF file) whose
+        /// spec is imported in memory.
         spec: PathBuf,
-        /// Checkpoint (safetensors or GGUF).
+        /// Checkpoint (safetensors or GGUF); default: SPEC's, if a checkpoint.
         #[arg(long)]
-        weights: PathBuf,
+        weights: Option<PathBuf>,
         /// The prompt text (tokenized with `--tokenizer`, or the GGUF weights' own tokenizer).
         #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
         prompt: Option<String>,
@@ -242,6 +248,9 @@ struct Exec {
     /// Run the graph as built, without the e-graph optimizer.
     #[arg(long)]
     no_optimize: bool,
+    /// Print the spec that runs (a checkpoint's imported spec) on stderr first.
+    #[arg(long)]
+    print_spec: bool,
     #[command(flatten)]
     weights: storage::WeightArgs,
 }
@@ -355,7 +364,7 @@ fn spec_of(command: &Command) -> Option<&Path> {
         Command::Run { model, .. } => Some(model),
         Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
         Command::Embed(args) => Some(args.spec()),
-        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } => None,
+        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } | Command::Import(_) => None,
     }
 }
 
@@ -364,16 +373,10 @@ fn load_spec(path: &Path) -> Result<FrontEnd> {
 }
 
 /// Reads a spec file and runs the front end; returns the source too.
+/// A checkpoint directory or GGUF file stands for its imported spec.
 fn read_spec(path: &Path) -> Result<(String, FrontEnd)> {
-    let source = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
-    let source = String::from_utf8(source).map_err(|e| {
-        anyhow::anyhow!(
-            "spec `{}` is not UTF-8 text (invalid byte at offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })?;
-    let fe = kiln_compiler::front_end(&path.display().to_string(), &source)?;
+    let (source, label) = import::spec_text(path)?;
+    let fe = kiln_compiler::front_end(&label, &source)?;
     Ok((source, fe))
 }
 
@@ -431,7 +434,13 @@ fn load_f32(
 
 fn run(cli: Cli) -> Result<()> {
     let reporter = Reporter::new(cli.quiet);
+    import::print_specs(match &cli.command {
+        Command::Run { exec, .. } | Command::Generate { exec, .. } => exec.print_spec,
+        Command::Embed(args) => args.print_spec(),
+        _ => false,
+    });
     match cli.command {
+        Command::Import(args) => import::run(args, &reporter)?,
         Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
         Command::Inspect(args) => inspect::run(args, &reporter)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
@@ -449,7 +458,7 @@ fn run(cli: Cli) -> Result<()> {
             let Exec { backend, ref adapter, no_optimize, weights: storage, .. } = exec;
             let backend = backend.resolve(adapter.as_deref(), exec.threads()?, &reporter, json);
             let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
-            let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
+            let ckpt = kiln_runtime::Checkpoint::open(&import::weights_for(weights, &model)?)?;
             let outputs = if Artifact::sniff(&model) {
                 let art = Artifact::read(&model)?;
                 match backend {
@@ -534,6 +543,7 @@ fn run(cli: Cli) -> Result<()> {
             let Exec { backend, adapter, no_optimize, weights: storage, .. } = exec;
             let backend = backend.resolve(adapter.as_deref(), threads, &reporter, json);
             let fe = load_spec(&spec)?;
+            let (weights, tokenizer) = (import::weights_for(weights, &spec)?, import::tokenizer_for(tokenizer, &spec));
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
             let text = prompt.as_deref().map(|text| generate::TextPrompt { text, chat, system: system.as_deref() });
             let req = generate::Request {

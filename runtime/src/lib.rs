@@ -13,6 +13,7 @@
 pub mod cpu;
 pub mod engine;
 pub mod gguf;
+pub mod import;
 pub mod model;
 pub mod prepare;
 pub mod progress;

@@ -9,6 +9,7 @@
 //! plain GPT-style block (pre-norm LayerNorm, learned positions, GELU feed-forward of `4 * d_model`,
 //! tied head). The full reference of keys lives in the README's spec reference.
 
+pub mod import;
 mod parse;
 mod validate;
 pub mod weightmap;
