@@ -397,15 +397,18 @@ struct Projection {
 }
 
 /// A graph `ids -> gather (x [1, rows, k]) -> x @ w^T -> one column`, or without the projection
-/// (`n = None`), whose time is subtracted.
+/// (`n = None`).
 fn projection_graph(k: usize, n: Option<usize>) -> Graph {
     let projection = n.map(|n| (Op::MatMul { transpose_b: true }, Some(vec![n, k])));
     chain(k, projection.as_slice())
 }
 
-/// Times a plan at `seq` rows (median of `runs`), in milliseconds, with its projection weights
-/// (`w*`) stored in `format` (quantized from the random ones).
-fn time_plan(
+/// The time (ms, median of `runs`) of the kernels of a [`chain`] graph's measured ops alone — its
+/// steps but the gather and the slice that frame them — each step timed by itself: on wgpu
+/// between timestamps the device writes where it has them, else by the host around that step's
+/// submission alone (see [`GpuModel::profile`]); on the CPU by the host around the step. A
+/// kernel's own time, never the difference of two runs (which load can make negative).
+fn time_kernel(
     target: &Target,
     g: &Graph,
     options: &lower::Options,
@@ -413,6 +416,32 @@ fn time_plan(
     seq: usize,
     runs: usize,
 ) -> Result<f64> {
+    let (model, inputs) = chain_model(target, g, options, format, seq)?;
+    model.run(&inputs)?;
+    let measured: Vec<usize> = (model.plan().steps.iter().enumerate())
+        .filter(|(_, step)| !matches!(step.op, Op::Gather | Op::Slice { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let mut t = Vec::new();
+    for _ in 0..runs.max(1) {
+        let seconds: Vec<f64> = match &model {
+            kiln_runtime::Model::Gpu(m) => m.profile(&inputs)?.seconds.into_iter().map(|s| s.unwrap_or(0.0)).collect(),
+            kiln_runtime::Model::Cpu(m) => m.profile(&inputs)?,
+        };
+        t.push(measured.iter().map(|&i| seconds.get(i).copied().unwrap_or(0.0)).sum::<f64>() * 1e3);
+    }
+    Ok(median(t))
+}
+
+/// A [`chain`] graph loaded on `target` with random weights (projection weights `w*` stored in
+/// `format`), and its input of `seq` ids.
+fn chain_model(
+    target: &Target,
+    g: &Graph,
+    options: &lower::Options,
+    format: WeightFormat,
+    seq: usize,
+) -> Result<(kiln_runtime::Model, HashMap<String, Tensor>)> {
     let mut params = interp::random_params(g, 2)?;
     let mut blocks = HashMap::new();
     let mut options = options.clone();
@@ -436,18 +465,12 @@ fn time_plan(
             kiln_runtime::Model::Cpu(Box::new(kiln_runtime::CpuModel::new(plan, &params, &blocks, *threads, &())?))
         }
     };
-    model.run(&inputs)?;
-    let mut t = Vec::new();
-    for _ in 0..runs.max(1) {
-        t.push(time_ms(|| model.run(&inputs).map(|_| ()).map_err(Into::into))?);
-    }
-    Ok(median(t))
+    Ok((model, inputs))
 }
 
 /// `kiln bench --kernels`: GFLOPS of the projection kernel against the reference
 /// one-thread-per-output kernel (`matmul_t` over `[out, in]` weights), same shapes, same run: a
-/// prefill GEMM and decode GEMVs. Each time is the graph's minus that of the same graph without
-/// the projection (its gather and slice).
+/// prefill GEMM and decode GEMVs. Each time is the projection's kernel alone (see [`time_kernel`]).
 pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     let shapes = [
         Projection { what: "prefill GEMM", rows: 1024, k: 1024, n: 1024 },
@@ -460,10 +483,9 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     let f32 = WeightFormat::F32;
     let mut rows = Vec::new();
     for s in &shapes {
-        let base = time_plan(target, &projection_graph(s.k, None), &fast, f32, s.rows, runs)?;
         let g = projection_graph(s.k, Some(s.n));
-        let old = time_plan(target, &g, &reference, f32, s.rows, runs)? - base;
-        let new = time_plan(target, &g, &fast, f32, s.rows, runs)? - base;
+        let old = time_kernel(target, &g, &reference, f32, s.rows, runs)?;
+        let new = time_kernel(target, &g, &fast, f32, s.rows, runs)?;
         let gflops = |ms: f64| 2.0 * (s.rows * s.k * s.n) as f64 / (ms.max(1e-6) * 1e6);
         rows.push((s, old, new, gflops(old), gflops(new)));
     }
@@ -472,10 +494,9 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     let mut by_format = Vec::new();
     for (what, m) in [("decode GEMV", 1), ("prefill GEMM", 128)] {
         let (k, n) = (576, 1536);
-        let base = time_plan(target, &projection_graph(k, None), &fast, f32, m, runs)?;
         let g = projection_graph(k, Some(n));
         for format in crate::storage::formats(target) {
-            let ms = time_plan(target, &g, &fast, format, m, runs)? - base;
+            let ms = time_kernel(target, &g, &fast, format, m, runs)?;
             let bytes = format.bytes(n, k);
             let gb_s = bytes as f64 / (ms.max(1e-6) * 1e6);
             let gflops = 2.0 * (m * k * n) as f64 / (ms.max(1e-6) * 1e6);
@@ -536,8 +557,8 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// The time (ms) and GFLOPS of causal packed attention at shape `s`: the graph with it minus the
-/// graph without it. GFLOPS count the `q k` and `p v` products of the attended (query, key) pairs
+/// The time (ms) and GFLOPS of causal packed attention at shape `s`, its kernel alone (see
+/// [`time_kernel`]). GFLOPS count the `q k` and `p v` products of the attended (query, key) pairs
 /// only: `4 d` per pair and head.
 fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
     let width = (s.heads + 2 * s.kv_heads) * s.head_dim;
@@ -555,8 +576,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
         v: (s.heads + s.kv_heads) * s.head_dim,
     };
     let options = lower::Options::default();
-    let base = time_plan(target, &chain(width, &[]), &options, WeightFormat::F32, s.seq, runs)?;
-    let ms = time_plan(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)? - base;
+    let ms = time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)?;
     let pairs = s.seq * (s.seq + 1) / 2;
     Ok((ms, 4.0 * (s.heads * s.head_dim * pairs) as f64 / (ms.max(1e-6) * 1e6)))
 }
@@ -566,7 +586,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
 const BIGBIRD: BlockPattern = BlockPattern { block: 64, global: 1, window: 1, random: 3, seed: 7 };
 
 /// The time (ms) of bidirectional packed attention (12 heads of 64) over `seq` tokens, block-sparse
-/// with [`BIGBIRD`]'s pattern or dense: the graph with it minus the graph without it.
+/// with [`BIGBIRD`]'s pattern or dense, its kernel alone (see [`time_kernel`]).
 fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs: usize) -> Result<f64> {
     let (heads, head_dim) = (12, 64);
     let width = 3 * heads * head_dim;
@@ -585,8 +605,7 @@ fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs:
         v: 2 * heads * head_dim,
     };
     let options = lower::Options::default();
-    let base = time_plan(target, &chain(width, &[]), &options, WeightFormat::F32, seq, runs)?;
-    Ok(time_plan(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)? - base)
+    time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)
 }
 
 /// One attention shape of `kiln bench --kernels`.
@@ -758,8 +777,7 @@ pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs
     let gqa = AttentionShape { what: "smollm2", heads: 9, kv_heads: 3, head_dim: 64, seq: 512 };
     let fast = lower::Options::default();
     let projection = |rows: usize, k: usize, n: usize| -> Result<f64> {
-        let base = time_plan(target, &projection_graph(k, None), &fast, WeightFormat::F32, rows, runs)?;
-        let ms = time_plan(target, &projection_graph(k, Some(n)), &fast, WeightFormat::F32, rows, runs)? - base;
+        let ms = time_kernel(target, &projection_graph(k, Some(n)), &fast, WeightFormat::F32, rows, runs)?;
         Ok(2.0 * (rows * k * n) as f64 / (ms.max(1e-6) * 1e6))
     };
     let (gemm, gemv) = (projection(1024, 1024, 1024)?, projection(1, 576, 1536)?);
