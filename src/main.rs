@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 mod bench;
 mod diagnose;
+mod diff;
 mod embed;
 mod generate;
 mod html;
@@ -51,6 +52,9 @@ enum Command {
     /// Print a stage of the compiled model (text, DOT, SVG or PNG), optimizer statistics, or an
     /// HTML report.
     Inspect(inspect::InspectArgs),
+    /// Compare two variants of a model (specs or artifacts): ops added, removed and changed per
+    /// block, parameters, FLOPs per token, dispatches and intermediate bytes.
+    Diff(diff::DiffArgs),
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
         /// The spec (TOML).
@@ -354,7 +358,7 @@ fn spec_of(command: &Command) -> Option<&Path> {
         Command::Run { model, .. } => Some(model),
         Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
         Command::Embed(args) => Some(args.spec()),
-        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } => None,
+        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } | Command::Diff(_) => None,
     }
 }
 
@@ -433,6 +437,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
         Command::Inspect(args) => inspect::run(args, &reporter)?,
+        Command::Diff(args) => diff::run(args)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
