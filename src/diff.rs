@@ -19,7 +19,8 @@ use clap::ValueEnum;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::artifact::Artifact;
 use kiln_compiler::graph::print::{self, block_of};
-use kiln_compiler::graph::{Graph, Op, Sym, fmt_shape};
+use kiln_compiler::graph::{Graph, Op, Shape, Sym, fmt_shape};
+use kiln_compiler::optimize::CostModel;
 use kiln_compiler::{lower, optimize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -134,7 +135,8 @@ pub fn names(g: &Graph) -> HashMap<usize, String> {
 struct Totals {
     /// Parameter elements.
     parameters: u64,
-    /// Matmul FLOPs per token at batch 1.
+    /// FLOPs per token at batch 1, as the cost model estimates them for every op computed at run
+    /// time (so that fused ops count what they compute).
     flops_per_token: f64,
     /// Kernel dispatches.
     dispatches: usize,
@@ -148,11 +150,34 @@ impl Totals {
         let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
         Totals {
             parameters: summary.parameters,
-            flops_per_token: summary.flops_per_token,
+            flops_per_token: flops(g, seq) / seq as f64,
             dispatches: optimize::dispatches(g),
             intermediate_bytes: lower::lower(g).memory(&syms).0,
         }
     }
+}
+
+/// The FLOPs of a forward pass over `seq` tokens at batch 1: [`CostModel::work`] of every op but
+/// those on parameters alone (folded at load time).
+fn flops(g: &Graph, seq: usize) -> f64 {
+    let model = CostModel { seq, ..CostModel::default() };
+    let mut konst: HashMap<usize, bool> = HashMap::new();
+    let mut total = 0.0;
+    for n in g.order() {
+        let node = &g.g[n];
+        let operands = g.operands(n);
+        let k = match node.op {
+            Op::Param { .. } => true,
+            Op::Input { .. } | Op::Positions { .. } => false,
+            _ => !operands.is_empty() && operands.iter().all(|o| konst.get(&o.index()).copied().unwrap_or(false)),
+        };
+        konst.insert(n.index(), k);
+        if !k {
+            let shapes: Vec<&Shape> = operands.iter().map(|&o| &g.g[o].shape).collect();
+            total += model.work(&node.op, &shapes, &node.shape).flops;
+        }
+    }
+    total
 }
 
 /// What happened to a node.
@@ -365,7 +390,7 @@ impl Diff {
         vec![
             int("parameters", a.parameters, b.parameters),
             [
-                format!("FLOPs/token (seq {})", self.seq),
+                format!("FLOPs/token (est., seq {})", self.seq),
                 format!("{:.4e}", a.flops_per_token),
                 format!("{:.4e}", b.flops_per_token),
                 signed(b.flops_per_token - a.flops_per_token, a.flops_per_token, |d| format!("{d:+.4e}")),
