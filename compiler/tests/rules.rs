@@ -3,7 +3,7 @@
 
 use kiln_compiler::graph::{Dim, Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::interp::{random_params, run};
-use kiln_compiler::optimize::{CostModel, Limits, dispatches, optimize_with, rules};
+use kiln_compiler::optimize::{CostModel, Limits, dispatches, explain, optimize_with, rules};
 use kiln_compiler::spec::{Activation, PairStyle};
 use kiln_compiler::tensor::Tensor;
 use petgraph::graph::NodeIndex;
@@ -57,6 +57,7 @@ fn check_with(rule: &str, g: &Graph, model: &CostModel) -> Graph {
 fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<String, Tensor>) -> Graph {
     let (opt, report) = optimize_with(g, &Limits::default(), model, &rules::phases()).unwrap();
     assert!(report.applied.get(rule).copied().unwrap_or(0) > 0, "`{rule}` did not fire: {:?}", report.applied);
+    check_provenance(rule, &opt, &report);
     let params = random_params(g, 3).unwrap();
     let before = run(g, &params, inputs).unwrap();
     let after = run(&opt, &params, inputs).unwrap();
@@ -65,6 +66,25 @@ fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<Strin
         assert!(err <= 1e-5, "`{rule}`: outputs differ by {err}");
     }
     opt
+}
+
+/// Rules that fire without adding a node the optimized graph keeps: an elimination's result is a
+/// node the graph already had (`permute(permute(x)) = x`), so nothing records it.
+const ELIMINATIONS: &[&str] = &["permute-permute", "permute-identity", "reshape-reshape", "reshape-identity"];
+
+/// Provenance: every rule `explain` names for an op of `opt` fired, and `rule` (which fired) is
+/// named by the op it made, unless it is an elimination.
+fn check_provenance(rule: &str, opt: &Graph, report: &kiln_compiler::optimize::Report) {
+    let mut named = std::collections::BTreeSet::new();
+    for n in opt.g.node_indices() {
+        for r in explain(opt, n) {
+            assert!(report.applied.contains_key(r), "`{r}` is named but did not fire: {:?}", report.applied);
+            named.insert(r);
+        }
+    }
+    if !ELIMINATIONS.contains(&rule) {
+        assert!(named.contains(rule), "`{rule}` fired but no op names it: {named:?}");
+    }
 }
 
 /// The names of the optimized graph's ops.

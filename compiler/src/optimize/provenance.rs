@@ -143,9 +143,11 @@ impl Recorded {
         extend(&mut below, &[name]);
 
         let first = egraph.nodes().len();
-        // The inner applier is given no left-hand side, as egg's runner does without explanations
-        // (a pattern applier reads one as a request to record an explanation).
-        let changed = self.inner.apply_one(egraph, eclass, subst, None, rule);
+        // One match at a time through the inner applier's own `apply_matches` (a pattern unions
+        // in its own order there, which decides the classes' ids and so extraction's ties), with
+        // no left-hand side, as egg's runner passes none without explanations.
+        let one = SearchMatches { eclass, substs: vec![subst.clone()], ast: None };
+        let changed = self.inner.apply_matches(egraph, &[one], rule);
         let root = egraph.find(eclass);
         for i in first..egraph.nodes().len() {
             let id = Id::from(i);
