@@ -147,7 +147,8 @@ struct Totals {
 impl Totals {
     fn of(g: &Graph, seq: usize) -> Totals {
         let summary = print::summary(g, seq);
-        let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
+        let syms =
+            HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
         Totals {
             parameters: summary.parameters,
             flops_per_token: flops(g, seq) / seq as f64,
@@ -323,9 +324,7 @@ impl Diff {
                     *last = *i;
                     None
                 }
-                (Place::Block(stack, i), _) => {
-                    Some(Group { title: format!("{stack}.{i}"), blocks: 1, changes })
-                }
+                (Place::Block(stack, i), _) => Some(Group { title: format!("{stack}.{i}"), blocks: 1, changes }),
                 (Place::Scope(scope), _) => {
                     let title = if scope.is_empty() { "(top level)".to_string() } else { scope.clone() };
                     Some(Group { title, blocks: 1, changes })
@@ -385,15 +384,22 @@ impl Diff {
     fn total_rows(&self) -> Vec<[String; 4]> {
         let (a, b) = &self.totals;
         let int = |name: &str, x: u64, y: u64| {
-            [name.to_string(), x.to_string(), y.to_string(), signed(y as f64 - x as f64, x as f64, |d| format!("{d:+}"))]
+            [
+                name.to_string(),
+                x.to_string(),
+                y.to_string(),
+                signed(y as f64 - x as f64, x as f64, |d| format!("{d:+}")),
+            ]
         };
         vec![
             int("parameters", a.parameters, b.parameters),
             [
                 format!("FLOPs/token (est., seq {})", self.seq),
-                format!("{:.4e}", a.flops_per_token),
-                format!("{:.4e}", b.flops_per_token),
-                signed(b.flops_per_token - a.flops_per_token, a.flops_per_token, |d| format!("{d:+.4e}")),
+                si(a.flops_per_token),
+                si(b.flops_per_token),
+                signed(b.flops_per_token - a.flops_per_token, a.flops_per_token, |d| {
+                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, si(d.abs()))
+                }),
             ],
             int("dispatches", a.dispatches as u64, b.dispatches as u64),
             int(&format!("intermediate bytes (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
@@ -426,6 +432,17 @@ impl Diff {
             push_changes(&mut s, &self.outputs);
         }
         s
+    }
+}
+
+/// `271872` -> `271.87 k`; below a thousand, rounded to a whole number.
+fn si(x: f64) -> String {
+    match x.abs() {
+        a if a >= 1e12 => format!("{:.2} T", x / 1e12),
+        a if a >= 1e9 => format!("{:.2} G", x / 1e9),
+        a if a >= 1e6 => format!("{:.2} M", x / 1e6),
+        a if a >= 1e3 => format!("{:.2} k", x / 1e3),
+        _ => format!("{x:.0}"),
     }
 }
 
@@ -505,7 +522,12 @@ fn html(args: &DiffArgs, a: &Graph, b: &Graph, diff: &Diff) -> Result<String> {
         escape(&pa),
         escape(&pb)
     );
-    let _ = writeln!(h, "<h1>kiln diff</h1>\n<p><span class=\"a\">A</span> <code>{}</code> · <span class=\"b\">B</span> <code>{}</code></p>", escape(&pa), escape(&pb));
+    let _ = writeln!(
+        h,
+        "<h1>kiln diff</h1>\n<p><span class=\"a\">A</span> <code>{}</code> · <span class=\"b\">B</span> <code>{}</code></p>",
+        escape(&pa),
+        escape(&pb)
+    );
     h += "<table>\n<tr><th></th><th>A</th><th>B</th><th>change</th></tr>\n";
     for row in diff.total_rows() {
         let _ = writeln!(h, "<tr>{}</tr>", row.iter().map(|c| format!("<td>{}</td>", escape(c))).collect::<String>());

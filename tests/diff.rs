@@ -90,7 +90,8 @@ fn an_artifact_compares_like_its_spec() {
 fn html_draws_both_variants_side_by_side() {
     let b = llama_alibi("html");
     let page = scratch("html").join("diff.html");
-    let o = kiln(&["diff", "models/llama.toml", b.to_str().unwrap(), "--html", page.to_str().unwrap(), "--layers", "0"]);
+    let o =
+        kiln(&["diff", "models/llama.toml", b.to_str().unwrap(), "--html", page.to_str().unwrap(), "--layers", "0"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let html = std::fs::read_to_string(&page).unwrap();
     assert!(html.starts_with("<!DOCTYPE html>"));
