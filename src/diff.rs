@@ -303,7 +303,17 @@ impl Diff {
             }
         }
 
-        // Each place's changes as text relative to it, then runs of equal blocks merged.
+        // Places in the order the graphs compute them (B's, then what only A has), each place's
+        // changes as text relative to it, then runs of equal blocks merged.
+        let mut rank: HashMap<Place, usize> = HashMap::new();
+        for g in [b, a] {
+            for n in g.order() {
+                let next = rank.len();
+                rank.entry(place(&g.g[n].scope)).or_insert(next);
+            }
+        }
+        let mut by_place: Vec<(Place, Vec<Change>)> = by_place.into_iter().collect();
+        by_place.sort_by_key(|(p, _)| (rank.get(p).copied().unwrap_or(usize::MAX), p.clone()));
         let mut groups: Vec<(Place, Group)> = Vec::new();
         for (place, changes) in by_place {
             let mut changes: Vec<Change> = changes
@@ -423,8 +433,15 @@ impl Diff {
             return s;
         }
         for group in &self.groups {
-            let each = if group.blocks > 1 { format!(" (each of {} blocks)", group.blocks) } else { String::new() };
-            let _ = writeln!(s, "\n{}{each}", group.title);
+            let count = |kind: Kind| group.changes.iter().filter(|c| c.kind == kind).count();
+            let counts = format!(
+                "{} added, {} removed, {} changed",
+                count(Kind::Added),
+                count(Kind::Removed),
+                count(Kind::Changed)
+            );
+            let each = if group.blocks > 1 { format!("each of {} blocks: ", group.blocks) } else { String::new() };
+            let _ = writeln!(s, "\n{} ({each}{counts})", group.title);
             push_changes(&mut s, &group.changes);
         }
         if !self.outputs.is_empty() {

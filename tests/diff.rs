@@ -47,7 +47,7 @@ fn rope_to_alibi_reads_as_the_ops_it_touches() {
     let b = b.to_str().unwrap();
     let text = ok(&["diff", "models/llama.toml", b]).replace(b, "llama-alibi.toml");
     // Every block's attention loses its two rotations and gains ALiBi; nothing else moves.
-    assert!(text.contains("layers.0..2 (each of 2 blocks)"), "{text}");
+    assert!(text.contains("layers.0..2 (each of 2 blocks: 1 added, 2 removed, 3 changed)"), "{text}");
     let changes = text.lines().filter(|l| l.starts_with("  - ") || l.starts_with("  + ") || l.starts_with("  ~ "));
     assert!(changes.count() <= 8, "a one-knob change reads as a few lines:\n{text}");
     snapshot("diff_llama_rope_to_alibi", &text);
@@ -74,7 +74,7 @@ fn changes_in_one_block_stay_in_that_block() {
     std::fs::write(&path, deeper).unwrap();
     let text = ok(&["diff", "models/llama.toml", path.to_str().unwrap()]);
     assert!(!text.contains("\nlayers.0") && !text.contains("\nlayers.1"), "{text}");
-    assert!(text.contains("\nlayers.2\n") && text.contains("+ attn/"), "{text}");
+    assert!(text.contains("\nlayers.2 (") && text.contains("+ attn/"), "{text}");
 }
 
 #[test]
