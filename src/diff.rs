@@ -48,6 +48,10 @@ pub struct DiffArgs {
     /// drawn side by side (changed ops outlined).
     #[arg(long)]
     html: Option<PathBuf>,
+    /// Print one JSON document on stdout instead of text (the totals of both, and the changes
+    /// per block or scope).
+    #[arg(long, conflicts_with = "html")]
+    json: bool,
     /// With `--html`: draw only these blocks (`0..2`, half-open, or `3` for one).
     #[arg(long, requires = "html", value_parser = crate::inspect::parse_layers)]
     layers: Option<Range<usize>>,
@@ -76,6 +80,10 @@ pub fn run(args: DiffArgs) -> Result<()> {
             kiln_compiler::file::write_atomic(path, page.as_bytes())
                 .with_context(|| format!("cannot write `{}`", path.display()))?;
             eprintln!("wrote {}", path.display());
+        }
+        None if args.json => {
+            let doc = diff.json(&args.a.display().to_string(), &args.b.display().to_string());
+            println!("{}", serde_json::to_string_pretty(&doc)?);
         }
         None => print!("{}", diff.text(&args.a.display().to_string(), &args.b.display().to_string())),
     }
@@ -414,6 +422,44 @@ impl Diff {
             int("dispatches", a.dispatches as u64, b.dispatches as u64),
             int(&format!("intermediate bytes (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
         ]
+    }
+
+    /// The diff as one JSON document (`--json`).
+    fn json(&self, a: &str, b: &str) -> serde_json::Value {
+        let totals = |t: &Totals| {
+            serde_json::json!({
+                "parameters": t.parameters,
+                "flops_per_token": t.flops_per_token,
+                "dispatches": t.dispatches,
+                "intermediate_bytes": t.intermediate_bytes,
+            })
+        };
+        let changes = |changes: &[Change]| -> Vec<serde_json::Value> {
+            changes
+                .iter()
+                .map(|c| {
+                    let kind = match c.kind {
+                        Kind::Added => "added",
+                        Kind::Removed => "removed",
+                        Kind::Changed => "changed",
+                    };
+                    serde_json::json!({ "kind": kind, "name": c.name, "detail": c.detail })
+                })
+                .collect()
+        };
+        let (added, removed, changed) = self.counts();
+        serde_json::json!({
+            "a": { "path": a, "totals": totals(&self.totals.0) },
+            "b": { "path": b, "totals": totals(&self.totals.1) },
+            "at": format!("batch 1, seq {}", self.seq),
+            "ops": { "added": added, "removed": removed, "changed": changed },
+            "groups": self.groups.iter().map(|g| serde_json::json!({
+                "title": g.title,
+                "blocks": g.blocks,
+                "changes": changes(&g.changes),
+            })).collect::<Vec<_>>(),
+            "outputs": changes(&self.outputs),
+        })
     }
 
     /// The diff as text.

@@ -58,6 +58,20 @@ fn rope_to_alibi_reads_as_the_ops_it_touches() {
 }
 
 #[test]
+fn json_holds_the_totals_and_the_changes() {
+    let b = llama_alibi("json");
+    let text = ok(&["diff", "models/llama.toml", b.to_str().unwrap(), "--json"]);
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(doc["a"]["totals"]["dispatches"], 55, "{doc}");
+    assert_eq!(doc["b"]["totals"]["dispatches"], 53, "{doc}");
+    assert_eq!(doc["ops"]["added"], 2, "{doc}");
+    let group = &doc["groups"][0];
+    assert_eq!(group["title"], "layers.0..2");
+    assert_eq!(group["blocks"], 2);
+    assert!(group["changes"].as_array().unwrap().iter().any(|c| c["kind"] == "added" && c["name"] == "attn/alibi#0"));
+}
+
+#[test]
 fn identical_variants_have_no_changes() {
     let text = ok(&["diff", "models/gpt2.toml", "models/gpt2.toml", "--stage", "optimized"]);
     assert!(text.contains("ops: 0 added, 0 removed, 0 changed"), "{text}");
@@ -108,6 +122,8 @@ fn bad_arguments_are_errors() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("nonexistent.toml"));
     let o = kiln(&["diff", "models/llama.toml", "models/gpt2.toml", "--layers", "0"]);
     assert_eq!(o.status.code(), Some(2), "--layers applies to --html only");
+    let o = kiln(&["diff", "models/llama.toml", "models/gpt2.toml", "--json", "--html", "x.html"]);
+    assert_eq!(o.status.code(), Some(2), "--json and --html conflict");
     let o = kiln(&["diff", "models/llama.toml", "models/gpt2.toml", "--seq", "0"]);
     assert_eq!(o.status.code(), Some(1));
 }
