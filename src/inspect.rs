@@ -118,7 +118,7 @@ enum Format {
 }
 
 /// `3` -> `3..4`; `0..2` -> `0..2`.
-fn parse_layers(s: &str) -> Result<Range<usize>, String> {
+pub(crate) fn parse_layers(s: &str) -> Result<Range<usize>, String> {
     let number = |t: &str| {
         t.trim().parse::<usize>().map_err(|_| {
             format!("`{s}` is not a block index (`3`) or a half-open range of them (`0..2`): `{t}` is not a number")

@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 mod bench;
 mod diagnose;
+mod diff;
 mod embed;
 mod generate;
 mod html;
@@ -55,6 +56,9 @@ enum Command {
     /// Write the spec of a checkpoint (a Hugging Face model directory or a GGUF file), each value
     /// noting where it came from, and check it against the checkpoint's tensors.
     Import(import::ImportArgs),
+    /// Compare two variants of a model (specs or artifacts): ops added, removed and changed per
+    /// block, parameters, FLOPs per token, dispatches and intermediate bytes.
+    Diff(diff::DiffArgs),
     /// Compile a spec into a runnable artifact (plan + spec + weight map; weights stay in their files).
     Compile {
         /// The spec (TOML).
@@ -364,7 +368,11 @@ fn spec_of(command: &Command) -> Option<&Path> {
         Command::Run { model, .. } => Some(model),
         Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
         Command::Embed(args) => Some(args.spec()),
-        Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } | Command::Import(_) => None,
+        Command::Check { .. }
+        | Command::Inspect { .. }
+        | Command::Compile { .. }
+        | Command::Import(_)
+        | Command::Diff(_) => None,
     }
 }
 
@@ -443,6 +451,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Import(args) => import::run(args, &reporter)?,
         Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
         Command::Inspect(args) => inspect::run(args, &reporter)?,
+        Command::Diff(args) => diff::run(args)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {

@@ -1,8 +1,10 @@
 //! The optimizer on every model: the optimized graph computes what the unoptimized one does (on
 //! the reference interpreter), with fewer dispatches.
 
+use kiln_compiler::graph::Op;
+use kiln_compiler::graph::print::block_of;
 use kiln_compiler::interp::{random_params, run, sample_inputs};
-use kiln_compiler::optimize::optimize;
+use kiln_compiler::optimize::{explain, optimize};
 
 #[test]
 fn optimized_graphs_agree_with_unoptimized_ones() {
@@ -80,4 +82,65 @@ fn embedding_scales_fold_only_into_tables_nothing_else_reads() {
         assert_eq!(gathers_scaled_table, folded, "tied head: {tied}");
         assert_eq!(report.applied.contains_key("scale-into-table"), folded, "tied head: {tied}");
     }
+}
+
+/// Every model's specs, parsed.
+fn models() -> Vec<kiln_compiler::FrontEnd> {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models");
+    let mut paths: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    paths.sort();
+    paths
+        .iter()
+        .map(|path| kiln_compiler::front_end(&path.display().to_string(), &std::fs::read_to_string(path).unwrap()))
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// Provenance is what fired: on every model, each rule `explain` names for an op fired, and an op
+/// of a kind the graph as built lacks (a fused op) names the rules that made it.
+#[test]
+fn explain_names_the_rules_that_fired() {
+    for fe in models() {
+        let name = &fe.graph.name;
+        let (opt, report) = optimize(&fe.graph).unwrap();
+        let built: std::collections::HashSet<(String, String)> =
+            fe.graph.g.node_weights().map(|n| (n.op.name(), n.op.attrs())).collect();
+        for n in opt.g.node_indices() {
+            let node = &opt.g[n];
+            let rules = explain(&opt, n);
+            for r in &rules {
+                assert!(report.applied.contains_key(*r), "{name}: `{r}` is named but did not fire");
+            }
+            if rules.is_empty() {
+                let kind = (node.op.name(), node.op.attrs());
+                assert!(built.contains(&kind), "{name}: {} in `{}` names no rule", kind.0, node.scope);
+            }
+        }
+    }
+}
+
+/// With post-norm blocks the fused Q/K/V projection reads the previous block's output, and is
+/// still credited to the attention it serves (the scope of the ops it replaces), never to the
+/// block it reads from.
+#[test]
+fn fused_ops_take_the_scope_of_the_ops_they_replace() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2.toml");
+    let source = std::fs::read_to_string(path).unwrap().replace("placement = \"pre\"", "placement = \"post\"");
+    assert!(source.contains("placement = \"post\""));
+    let fe = kiln_compiler::front_end("gpt2-post.toml", &source).unwrap();
+    let (opt, _) = optimize(&fe.graph).unwrap();
+    let mut projections = 0;
+    for n in opt.g.node_indices() {
+        let node = &opt.g[n];
+        let rules = explain(&opt, n);
+        if rules.contains(&"shared-input-merge-bias") && matches!(node.op, Op::Linear { .. }) {
+            projections += 1;
+            let part = block_of(&node.scope).map(|(_, _, part)| part);
+            assert_eq!(part, Some("attn"), "the merged Q/K/V projection is in `{}`", node.scope);
+        }
+        if !rules.is_empty() {
+            assert!(block_of(&node.scope).is_some() || node.scope == "head", "{} in `{}`", node.op.name(), node.scope);
+        }
+    }
+    assert_eq!(projections, fe.spec.layers() as usize, "one merged projection per block");
 }

@@ -50,6 +50,9 @@ pub struct Node {
     pub dtype: DType,
     /// Where in the model this node belongs (for dumps, clusters and errors).
     pub scope: String,
+    /// The rewrite rules that made this node, in the order they applied (its provenance, recorded
+    /// by the optimizer; empty for a node of the graph as built). See [`crate::optimize::explain`].
+    pub rules: Vec<&'static str>,
 }
 
 /// A shape or type error while building or checking a graph.
@@ -88,7 +91,7 @@ impl Graph {
         let types: Vec<(&Shape, DType)> = operands.iter().map(|&i| (&self.g[i].shape, self.g[i].dtype)).collect();
         let (shape, dtype) =
             infer(&op, &types).map_err(|message| GraphError { op: op.name(), scope: self.scope.clone(), message })?;
-        let node = self.g.add_node(Node { op, shape, dtype, scope: self.scope.clone() });
+        let node = self.g.add_node(Node { op, shape, dtype, scope: self.scope.clone(), rules: Vec::new() });
         for (pos, &operand) in operands.iter().enumerate() {
             self.g.add_edge(operand, node, pos);
         }
@@ -102,6 +105,7 @@ impl Graph {
             shape: shape.iter().map(|&d| Dim::Fixed(d)).collect(),
             dtype: DType::F32,
             scope: self.scope.clone(),
+            rules: Vec::new(),
         })
     }
 

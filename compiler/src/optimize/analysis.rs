@@ -24,6 +24,8 @@ pub struct KAnalysis {
     /// The widest attention head the target's fused attention takes
     /// ([`crate::target::Target::max_attention_head_dim`]).
     pub max_attention_head_dim: usize,
+    /// How each e-node a rule added was made (see [`super::provenance`]).
+    pub provenance: super::Provenance,
 }
 
 impl Default for KAnalysis {
@@ -33,6 +35,7 @@ impl Default for KAnalysis {
             index: HashMap::new(),
             uses: HashMap::new(),
             max_attention_head_dim: crate::target::WGPU_MAX_ATTENTION_HEAD_DIM,
+            provenance: super::Provenance::default(),
         };
         a.intern(AttrValue::Bool(false));
         a.intern(AttrValue::Bool(true));

@@ -2,7 +2,8 @@
 //! shared values (charged to none of their readers, see `Cost`) is stable; `extractor` keeps the
 //! cheaper, each value counted once (`dag_cost`), of two such extractions, the second of which
 //! starts with merged projections charged in shares to their slices (`sliced_classes`); `rebuild`
-//! turns the chosen terms back into graph nodes, sharing identical ones.
+//! turns the chosen terms back into graph nodes, sharing identical ones, each with the scope of the
+//! ops it replaces and the rules that made it.
 
 #![expect(
     clippy::indexing_slicing,
@@ -12,7 +13,7 @@
 
 use super::analysis::{enode_konst, enode_shape};
 use super::cost::Cost;
-use super::{CostModel, KAnalysis, KGraph, Kl, Type, to_op};
+use super::{CostModel, KAnalysis, KGraph, Kl, Made, Type, to_op};
 use crate::graph::{Graph, GraphError, Node, Op, Shape};
 use egg::{Id, Language, RecExpr};
 use petgraph::graph::NodeIndex;
@@ -161,18 +162,24 @@ pub(super) fn rebuild(
         let n = match built.get(&key) {
             Some(&n) => n,
             None => {
-                // Ops the rules created take the scope of their first scoped operand.
-                out.scope = scopes.get(&egraph.find(id)).cloned().unwrap_or_else(|| {
+                // Ops the rules created take the scope of the ops they replace (the class their
+                // rule rewrote), else of their first scoped operand.
+                let made = egraph.analysis.provenance.of(&in_graph);
+                out.scope = scope_of(egraph, scopes, id, made).unwrap_or_else(|| {
                     operands.iter().map(|&o| out.g[o].scope.clone()).find(|s| !s.is_empty()).unwrap_or_default()
                 });
                 let n = match &op {
                     Op::Param { .. } | Op::Input { .. } | Op::Positions { .. } if operands.is_empty() => {
                         let Type { shape, dtype, .. } =
                             egraph[id].data.clone().ok_or_else(|| broken("a leaf has no type"))?;
-                        out.g.add_node(Node { op: op.clone(), shape, dtype, scope: out.scope.clone() })
+                        let scope = out.scope.clone();
+                        out.g.add_node(Node { op: op.clone(), shape, dtype, scope, rules: Vec::new() })
                     }
                     _ => out.add(op.clone(), &operands)?,
                 };
+                if let Some(made) = made {
+                    out.g[n].rules.clone_from(&made.rules);
+                }
                 built.insert(key, n);
                 n
             }
@@ -180,4 +187,22 @@ pub(super) fn rebuild(
         index[i] = Some(n);
     }
     index.last().copied().flatten().ok_or_else(|| broken("the root is not a tensor"))
+}
+
+/// Most classes [`scope_of`] follows from a rule-made class to a class of the input graph.
+const SCOPE_HOPS: usize = 4;
+
+/// The scope of class `id`: that of the input graph's ops in it or, for a class the rules made
+/// (its node `made`), that of the class the rule rewrote, followed through classes the rules made
+/// in turn.
+fn scope_of(egraph: &KGraph, scopes: &HashMap<Id, String>, id: Id, made: Option<&Made>) -> Option<String> {
+    let (mut class, mut made) = (id, made);
+    for _ in 0..SCOPE_HOPS {
+        if let Some(scope) = scopes.get(&egraph.find(class)) {
+            return Some(scope.clone());
+        }
+        class = made?.at;
+        made = egraph[class].nodes.iter().find_map(|n| egraph.analysis.provenance.of(n));
+    }
+    None
 }

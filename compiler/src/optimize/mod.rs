@@ -14,7 +14,8 @@
 //! One concept per file, re-exported here: `lang.rs` the language [`Kl`] and its attributes
 //! ([`Attr`]) with the translation from and to graph ops; `analysis.rs` the e-class types
 //! ([`KAnalysis`]); `cost.rs` the [`CostModel`]; `extract.rs` the extraction and the rebuilt graph;
-//! `explain.rs` the provenance of fused ops ([`explain`]). This file holds the entry points
+//! `provenance.rs` records which rules made each e-node ([`Provenance`]), and `explain.rs` reads it
+//! off the rebuilt graph ([`explain`]). This file holds the entry points
 //! ([`optimize`], [`optimize_for`], [`optimize_with`], [`optimize_target`]), their [`Limits`] and
 //! [`Report`], and [`dispatches`].
 
@@ -29,12 +30,14 @@ mod cost;
 mod explain;
 mod extract;
 mod lang;
+mod provenance;
 pub mod rules;
 
 pub use analysis::{Data, KAnalysis, KGraph, Type};
 pub use cost::{CostModel, Work};
 pub use explain::explain;
 pub use lang::{Attr, AttrValue, FALSE, Kl, NO_WINDOW, PLAIN_SCORES, TRUE, to_op};
+pub use provenance::{Made, Provenance};
 
 use crate::graph::{Dim, Graph, GraphError, Op};
 use egg::{Id, Runner};
@@ -138,6 +141,11 @@ pub fn optimize_target(
 
     let mut report = Report::default();
     for (name, rules) in phases {
+        let rules: Vec<_> = rules
+            .iter()
+            .map(provenance::record)
+            .collect::<Result<_, _>>()
+            .map_err(|message| GraphError { op: "optimize".into(), scope: String::new(), message })?;
         let runner = Runner::default()
             .with_egraph(egraph)
             .with_node_limit(limits.nodes)
@@ -154,10 +162,13 @@ pub fn optimize_target(
         report.phases.push((name.to_string(), runner.iterations.len(), format!("{reason}, {ms:.1} ms")));
         egraph = runner.egraph;
     }
+    egraph.rebuild();
+    Provenance::canonicalize(&mut egraph);
     report.egraph_nodes = egraph.total_number_of_nodes();
     report.egraph_classes = egraph.number_of_classes();
 
-    // Scopes follow the classes through merges.
+    // Scopes follow the classes through merges; a class the rules made takes the scope of the
+    // class its first node's rule rewrote (see `extract::rebuild`).
     let scopes: HashMap<Id, String> = scope_of.into_iter().map(|(id, s)| (egraph.find(id), s)).collect();
     let extractor = extract::extractor(&egraph, model, &roots);
     let mut out = Graph::new(&g.name);

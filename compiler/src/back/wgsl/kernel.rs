@@ -242,7 +242,7 @@ mod tests {
 
     #[test]
     fn fused_kernels_validate_plain_and_chunked() {
-        use crate::graph::{Prologue, RopeCols, Scalar};
+        use crate::graph::{Prologue, RopeCols, Scalar, ScoreMods};
         let mut ops = Vec::new();
         for act in
             [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)]
@@ -255,11 +255,28 @@ mod tests {
             [(false, false, None), (true, true, None), (false, true, Some(3)), (true, false, Some(2))]
         {
             let scale = Scalar(0.125);
+            let mods = ScoreMods::default();
             for n in [1, 2] {
-                ops.push((Op::MaskedSoftmax { scale, alibi, causal, window }, n));
+                ops.push((Op::MaskedSoftmax { scale, alibi, causal, window, mods }, n));
             }
             for n in [3, 4] {
-                ops.push((Op::Attention { scale, alibi, causal, window }, n));
+                ops.push((Op::Attention { scale, alibi, causal, window, mods }, n));
+            }
+        }
+        // Score modifiers: soft-cap, relative bias (a table operand last), block pattern.
+        let relative = Some(crate::graph::Bucketing { buckets: 8, max_distance: 20, bidirectional: true });
+        let sparse = Some(crate::graph::BlockPattern { block: 4, global: 1, window: 1, random: 2, seed: 7 });
+        for (mods, table) in [
+            (ScoreMods { softcap: Some(Scalar(50.0)), ..ScoreMods::default() }, 0),
+            (ScoreMods { relative, ..ScoreMods::default() }, 1),
+            (ScoreMods { sparse, ..ScoreMods::default() }, 0),
+        ] {
+            let (scale, alibi, causal, window) = (Scalar(0.125), false, false, None);
+            for n in [1, 2] {
+                ops.push((Op::MaskedSoftmax { scale, alibi, causal, window, mods }, n + table));
+            }
+            for n in [3, 4] {
+                ops.push((Op::Attention { scale, alibi, causal, window, mods }, n + table));
             }
         }
         for (rms, n) in [(true, 3), (false, 3), (false, 4)] {
