@@ -3,11 +3,11 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use kiln_compiler::artifact::{self, Artifact};
+use kiln_compiler::artifact;
 use kiln_compiler::diag::SpecError;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, interp, lower, optimize};
+use kiln_compiler::{FrontEnd, lower, optimize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,6 +20,7 @@ mod html;
 mod inspect;
 mod progress;
 mod report;
+mod run;
 mod storage;
 mod view;
 
@@ -41,9 +42,15 @@ enum Command {
     Check {
         /// The spec (TOML).
         spec: PathBuf,
-        /// Sequence length at which FLOPs per token are counted.
-        #[arg(long, default_value_t = 128)]
-        seq: usize,
+        /// Sequence length at which FLOPs per token are counted (1 to `max_positions`; default
+        /// 128, or `max_positions` if smaller).
+        #[arg(long)]
+        seq: Option<usize>,
+        /// Also read every parameter from this checkpoint (safetensors or GGUF) through the weight
+        /// map and check it as a run would, without running; warn about the checkpoint's tensors
+        /// the spec never reads.
+        #[arg(long)]
+        weights: Option<PathBuf>,
         /// Print one JSON document on stdout instead of text.
         #[arg(long)]
         json: bool,
@@ -69,27 +76,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run a model on inputs from a safetensors file and write its outputs to another.
-    Run {
-        /// A spec (TOML, compiled in memory) or an artifact from `kiln compile`.
-        model: PathBuf,
-        /// Checkpoint (safetensors, or GGUF: detected by its magic or a `.gguf` name) holding the
-        /// weights under the names the spec's weight map gives.
-        #[arg(long)]
-        weights: PathBuf,
-        /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,
-        /// `src_padding`, `tgt_ids`; other tensors are ignored.
-        #[arg(long)]
-        inputs: PathBuf,
-        /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
-        #[arg(long)]
-        output: PathBuf,
-        /// Print one JSON document on stdout instead of text.
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        exec: Exec,
-    },
+    /// Run a model on inputs (a safetensors file, or ids given inline) with a checkpoint's
+    /// weights or random ones, and write its outputs to a safetensors file.
+    Run(run::RunArgs),
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate {
         /// The spec (TOML).
@@ -351,9 +340,10 @@ fn main() -> ExitCode {
 /// The spec (or artifact) file a command reads weights for, if any.
 fn spec_of(command: &Command) -> Option<&Path> {
     match command {
-        Command::Run { model, .. } => Some(model),
+        Command::Run(args) => Some(args.model()),
         Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
         Command::Embed(args) => Some(args.spec()),
+        Command::Check { spec, weights: Some(_), .. } => Some(spec),
         Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } => None,
     }
 }
@@ -431,7 +421,12 @@ fn load_f32(
 fn run(cli: Cli) -> Result<()> {
     let reporter = Reporter::new(cli.quiet);
     match cli.command {
-        Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
+        Command::Check { spec, seq, weights, json } => {
+            let fe = load_spec(&spec)?;
+            let seq = report::check_seq(&fe, seq)?;
+            let weights = weights.map(|w| report::check_weights(&fe, &w, &reporter)).transpose()?;
+            report::check(&spec, &fe, seq, weights.as_ref(), json)?
+        }
         Command::Inspect(args) => inspect::run(args, &reporter)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
             let (source, mut fe) = read_spec(&spec)?;
@@ -444,71 +439,7 @@ fn run(cli: Cli) -> Result<()> {
             artifact.write(&output)?;
             report::compile(&output, &artifact.plan, !no_optimize, json)?;
         }
-        Command::Run { model, weights, inputs, output, json, exec } => {
-            let Exec { backend, ref adapter, no_optimize, weights: storage, .. } = exec;
-            let backend = backend.resolve(adapter.as_deref(), exec.threads()?, &reporter, json);
-            let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
-            let ckpt = kiln_runtime::Checkpoint::open(&weights)?;
-            let outputs = if Artifact::sniff(&model) {
-                let art = Artifact::read(&model)?;
-                match backend {
-                    Backend::Wgpu => {
-                        if storage.precision != storage::Precision::F32 {
-                            bail!(
-                                "an artifact's plan stores its weights as f32; give the spec to run with --precision f16"
-                            );
-                        }
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        run_plan_wgpu(art.plan, &params, &given, adapter.as_deref(), &reporter)?
-                    }
-                    Backend::Cpu | Backend::Auto => {
-                        if storage.precision != storage::Precision::F32 {
-                            bail!(
-                                "the CPU backend keeps weights as f32 or quantized blocks; --precision f16 is wgpu's"
-                            );
-                        }
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        let model = kiln_runtime::CpuModel::new(
-                            art.plan,
-                            &params,
-                            &HashMap::new(),
-                            exec.threads()?,
-                            &reporter,
-                        )?;
-                        model.run(&given)?
-                    }
-                    Backend::Interp => {
-                        // The artifact's own plan, each step by the interpreter's definition.
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        kiln_runtime::CpuModel::reference(art.plan, params, &reporter)?.run(&given)?
-                    }
-                }
-            } else {
-                let mut fe = load_spec(&model)?;
-                if !no_optimize {
-                    let target = backend.optimizer_target();
-                    fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
-                }
-                match backend {
-                    Backend::Wgpu | Backend::Cpu | Backend::Auto => {
-                        run_compiled(&fe.spec, &fe.graph, &ckpt, &given, &exec, backend, &reporter)?
-                    }
-                    Backend::Interp => {
-                        let names = kiln_runtime::weights::graph_params(&fe.graph);
-                        let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
-                        interp::run(&fe.graph, &params, &given).context("run failed")?
-                    }
-                }
-            };
-            if outputs.is_empty() {
-                bail!("the model has no outputs");
-            }
-            kiln_runtime::write_tensors(&output, &outputs)?;
-            report::run(&output, &outputs, backend.name(), json)?;
-        }
+        Command::Run(args) => run::run(args, &reporter)?,
         Command::Generate {
             spec,
             weights,

@@ -32,6 +32,18 @@ pub struct WeightArgs {
     pub int8_activations: bool,
 }
 
+/// Refuses the flags about quantized blocks (`--dequantize`, `--int8-activations`) for weights
+/// that hold none (`what`: a safetensors file, random weights), where they would do nothing.
+pub fn check_blocks(args: WeightArgs, what: &str) -> Result<()> {
+    if args.dequantize {
+        bail!("--dequantize has no effect: {what} holds no quantized blocks (only GGUF files do)");
+    }
+    if args.int8_activations {
+        bail!("--int8-activations has no effect: {what} holds no quantized projections (only GGUF files do)");
+    }
+    Ok(())
+}
+
 /// `--precision`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {

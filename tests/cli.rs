@@ -427,7 +427,7 @@ fn bad_inputs_are_reported() {
     gpt2_rejects_inputs(
         "long",
         &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))],
-        &["position 32 is out of range for `embed.positions` (32 rows)"],
+        &["input `input_ids` has 40 tokens per sequence, more than the model's `max_positions` = 32"],
     );
     gpt2_rejects_inputs(
         "none",
@@ -857,4 +857,104 @@ fn quiet_silences_information_but_not_errors() {
         &["generate", "models/llama.toml", "--weights", s(&weights), "--prompt-ids", "1,999", "-q"],
         &["999", "outside the vocabulary"],
     );
+}
+
+/// `kiln run --random-weights --input-ids`: a spec runs with no file but the spec. The same seed
+/// gives the same model on every backend (drawn for the graph as built, before the optimizer);
+/// another seed another one; the ids are checked.
+#[test]
+fn run_with_random_weights_and_inline_ids() {
+    let dir = scratch("random");
+    let run = |backend: &str, seed: &str, out: &str| {
+        let out = dir.join(out);
+        let o = kiln(&[
+            "run",
+            "models/llama.toml",
+            "--random-weights",
+            "--seed",
+            seed,
+            "--input-ids",
+            "1,2,3;4,5,6",
+            "--output",
+            s(&out),
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap()
+    };
+    let interp = run("interp", "7", "interp.safetensors");
+    assert_eq!(interp.shape, [2, 3, 128]);
+    let cpu = run("cpu", "7", "cpu.safetensors");
+    assert!(cpu.max_abs_diff(&interp) <= 1e-4, "{}", cpu.max_abs_diff(&interp));
+    let other = run("cpu", "8", "other.safetensors");
+    assert!(other.max_abs_diff(&cpu) > 1e-3, "another seed draws other weights");
+    // An artifact runs with random weights too: those of its spec.
+    let art = dir.join("llama.kiln");
+    assert!(kiln(&["compile", "models/llama.toml", "-o", s(&art)]).status.success());
+    let out = dir.join("art.safetensors");
+    let args = ["run", s(&art), "--random-weights", "--seed", "7", "--input-ids", "1,2,3;4,5,6", "--output", s(&out)];
+    let o = kiln(&[&args[..], &["--backend", "cpu"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap();
+    assert!(got.max_abs_diff(&interp) <= 1e-4);
+    // An encoder takes the ids with its mask and token types defaulted.
+    let o = kiln(&["run", "models/bert.toml", "--random-weights", "--input-ids", "5,6,7", "--output", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("last_hidden_state: f32[1, 3, 64]"), "{}", stdout(&o));
+
+    let base = ["run", "models/llama.toml", "--random-weights", "--output", "/dev/null"];
+    fails_with(&[&base[..], &["--input-ids", "1,2,3;4,5"]].concat(), &["sequence 2 has 2 ids, the first has 3"]);
+    fails_with(&[&base[..], &["--input-ids", "1,two"]].concat(), &["`two` (sequence 1) is not a token id"]);
+    fails_with(&[&base[..], &["--input-ids", "1,999"]].concat(), &["999"]);
+    fails_with(
+        &["run", "models/vaswani.toml", "--random-weights", "--input-ids", "1,2", "--output", "/dev/null"],
+        &["--input-ids gives `input_ids`", "src_ids", "--inputs"],
+    );
+    // A seed without random weights, or no weights at all, is a usage error.
+    let o = kiln(&["run", "models/llama.toml", "--seed", "3", "--input-ids", "1", "--output", "/dev/null"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = kiln(&["run", "models/llama.toml", "--input-ids", "1", "--output", "/dev/null"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--weights"), "{}", stderr(&o));
+}
+
+/// `kiln check --weights` reads and checks every parameter without running, and warns about the
+/// checkpoint's tensors the spec never reads: GPT-2 with post-norm has no final norm, so its
+/// checkpoint's `transformer.ln_f.*` would be dropped silently.
+#[test]
+fn check_weights_warns_about_tensors_the_spec_never_reads() {
+    let weights = "tests/fixtures/gpt2/model.safetensors";
+    let o = kiln(&["check", "models/gpt2.toml", "--weights", weights]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("weights      36 parameters from 28 tensors"), "{}", stdout(&o));
+    assert!(stderr(&o).is_empty(), "the pre-norm spec reads every tensor: {}", stderr(&o));
+
+    let spec = scratch("post-norm").join("gpt2-post.toml");
+    let source = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap();
+    std::fs::write(&spec, source.replace("placement = \"pre\"", "placement = \"post\"")).unwrap();
+    let o = kiln(&["check", s(&spec), "--weights", weights]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "warning: `tests/fixtures/gpt2/model.safetensors` holds 2 tensors the spec never reads: `transformer.ln_f.bias`, `transformer.ln_f.weight`"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = kiln(&["check", s(&spec), "--weights", weights, "--json"]);
+    let v = json_of(&o);
+    assert!(stderr(&o).is_empty(), "--json keeps stderr clean: {}", stderr(&o));
+    assert_eq!(v["weights"]["unused"], serde_json::json!(["transformer.ln_f.bias", "transformer.ln_f.weight"]));
+    assert_eq!(v["weights"]["parameters"], 34);
+
+    // A checkpoint that does not fit is refused at the map entry, as `run` refuses it.
+    fails_with(
+        &["check", "models/gpt2.toml", "--weights", "tests/fixtures/llama/model.safetensors"],
+        &["tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in", "--> models/gpt2.toml:"],
+    );
+    // FLOPs are counted at a length the model can run.
+    fails_with(&["check", "models/gpt2.toml", "--seq", "0"], &["--seq 0", "`max_positions` = 32"]);
+    fails_with(&["check", "models/gpt2.toml", "--seq", "33"], &["--seq 33", "`max_positions` = 32"]);
+    assert!(stdout(&kiln(&["check", "models/gpt2.toml"])).contains("forward at seq 32"));
 }
