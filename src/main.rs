@@ -40,7 +40,7 @@ struct Cli {
 enum Command {
     /// Validate a spec and print a summary (parameters, FLOPs per token, graph size).
     Check {
-        /// The spec (TOML).
+        /// The spec (TOML), or an artifact from `kiln compile` (the spec it stores).
         spec: PathBuf,
         /// Sequence length at which FLOPs per token are counted (1 to `max_positions`; default
         /// 128, or `max_positions` if smaller).
@@ -81,7 +81,8 @@ enum Command {
     Run(run::RunArgs),
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate {
-        /// The spec (TOML).
+        /// The spec (TOML), or an artifact from `kiln compile` (the spec it stores: generation
+        /// runs the decoder's step graph with its key/value cache, built from it).
         spec: PathBuf,
         /// Checkpoint (safetensors or GGUF).
         #[arg(long)]
@@ -352,8 +353,14 @@ fn load_spec(path: &Path) -> Result<FrontEnd> {
     Ok(read_spec(path)?.1)
 }
 
-/// Reads a spec file and runs the front end; returns the source too.
+/// Reads a spec file and runs the front end; returns the source too. An artifact from `kiln
+/// compile` (told by its magic) stands for the spec it stores.
 fn read_spec(path: &Path) -> Result<(String, FrontEnd)> {
+    if artifact::Artifact::sniff(path) {
+        let art = artifact::Artifact::read(path)?;
+        let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
+        return Ok((art.spec_source, fe));
+    }
     let source = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
     let source = String::from_utf8(source).map_err(|e| {
         anyhow::anyhow!(
@@ -461,8 +468,9 @@ fn run(cli: Cli) -> Result<()> {
             exec,
         } => {
             let threads = exec.threads()?;
-            let Exec { backend, adapter, no_optimize, weights: storage, .. } = exec;
-            let backend = backend.resolve(adapter.as_deref(), threads, &reporter, json);
+            let backend = exec.backend.resolve(exec.adapter.as_deref(), threads, &reporter, json);
+            run::check_exec(&exec, backend)?;
+            let Exec { adapter, no_optimize, weights: storage, .. } = exec;
             let fe = load_spec(&spec)?;
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
             let text = prompt.as_deref().map(|text| generate::TextPrompt { text, chat, system: system.as_deref() });

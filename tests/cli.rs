@@ -392,6 +392,10 @@ fn generate_reports_why_it_stopped_and_nothing_for_no_tokens() {
         "{}",
         stderr(&o)
     );
+    // The load is reported apart from the prefill it would otherwise inflate; one is one token.
+    assert!(stderr(&o).contains("load: ") && stderr(&o).contains("; prefill: 3 tokens"), "{}", stderr(&o));
+    let o = run("1");
+    assert!(stderr(&o).contains("decode: 1 token,"), "{}", stderr(&o));
     let o = run("0");
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("nothing generated: --max-new-tokens is 0"), "{}", stderr(&o));
@@ -827,7 +831,16 @@ fn generate_json_reports_ids_stop_reason_and_speed() {
     assert_eq!((&v["prompt_tokens"], &v["new_tokens"]), (&serde_json::json!(3), &serde_json::json!(4)));
     assert!(v["prefill_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     assert!(v["decode_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
-    assert!(stderr(&o).contains("decode: 4 tokens"), "{}", stderr(&o));
+    // Every figure is in the document, the time before the prompt ran apart from the prefill;
+    // nothing is on stderr.
+    for field in ["load_s", "compile_s", "prefill_s", "decode_s"] {
+        assert!(v[field].as_f64().is_some_and(|x| x >= 0.0), "{field}: {v}");
+    }
+    assert!(v["load_s"].as_f64() > Some(0.0), "{v}");
+    assert_eq!(v["compile_s"], 0.0, "the interpreter compiles no kernels: {v}");
+    let rate = v["prompt_tokens"].as_f64().unwrap() / v["prefill_s"].as_f64().unwrap();
+    assert!((rate / v["prefill_tok_s"].as_f64().unwrap() - 1.0).abs() < 1e-6, "{v}");
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     // A stop id ends it there.
     let stop = ids[1].to_string();
     let v = json_of(&kiln(&[&args[..], &["--json", "--stop-ids", &stop]].concat()));
@@ -957,4 +970,76 @@ fn check_weights_warns_about_tensors_the_spec_never_reads() {
     fails_with(&["check", "models/gpt2.toml", "--seq", "0"], &["--seq 0", "`max_positions` = 32"]);
     fails_with(&["check", "models/gpt2.toml", "--seq", "33"], &["--seq 33", "`max_positions` = 32"]);
     assert!(stdout(&kiln(&["check", "models/gpt2.toml"])).contains("forward at seq 32"));
+}
+
+/// A flag that would have no effect in its combination is refused, with the reason, before
+/// anything runs.
+#[test]
+fn flags_without_effect_are_refused() {
+    let llama = ["inspect", "models/llama.toml"];
+    let cases: &[(&[&str], &str)] = &[
+        (&["--explain"], "--explain lists the fused ops of the optimized graph: add --stage optimized"),
+        (&["--stage", "optimized", "--explain", "--format", "dot"], "--explain prints a text list"),
+        (&["--stats", "--format", "svg"], "--stats compares the graph before and after optimization"),
+        (&["--stats", "--stage", "optimized"], "drop --stage"),
+        (&["--html", "/dev/null", "--stage", "wgsl"], "the HTML report shows every stage"),
+        (&["--stage", "graph", "--backend", "cpu"], "the graph stage is not optimized"),
+        (&["--stage", "wgsl", "--backend", "cpu"], "the wgsl stage is wgpu's"),
+        (&["--layers", "0"], "--layers applies to drawings"),
+    ];
+    for (args, needle) in cases {
+        fails_with(&[&llama[..], args].concat(), &[needle]);
+    }
+    let o = kiln(&["inspect", "models/llama.toml", "--seq", "8"]);
+    assert_eq!(o.status.code(), Some(2), "--seq is the HTML report's: {}", stderr(&o));
+
+    let dir = scratch("no-effect");
+    let art = dir.join("gpt2.kiln");
+    assert!(kiln(&["compile", "models/gpt2.toml", "-o", s(&art)]).status.success());
+    fn run<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let base = ["run", model, "--weights", "tests/fixtures/gpt2/model.safetensors"];
+        [&base[..], &["--inputs", "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"], extra].concat()
+    }
+    let cases: &[(&[&str], &str, &str)] = &[
+        (&["--no-optimize"], s(&art), "--no-optimize has no effect on an artifact"),
+        (&["--precision", "f16", "--backend", "interp"], "models/gpt2.toml", "the interpreter computes with f32"),
+        (&["--dequantize", "--backend", "interp"], "models/gpt2.toml", "--dequantize has no effect on the interpreter"),
+        (&["--dequantize", "--backend", "cpu"], "models/gpt2.toml", "holds no quantized blocks"),
+        (&["--int8-activations", "--backend", "cpu"], "models/gpt2.toml", "holds no quantized projections"),
+        (&["--threads", "2", "--backend", "interp"], "models/gpt2.toml", "--threads sets the CPU backend's threads"),
+        (&["--adapter", "x", "--backend", "cpu"], "models/gpt2.toml", "--adapter picks wgpu's GPU adapter"),
+    ];
+    for (extra, model, needle) in cases {
+        fails_with(&run(model, extra), &[needle]);
+    }
+    // An unwritable output is refused before the model runs, as a write.
+    let missing = dir.join("missing").join("out.safetensors");
+    let mut args = run("models/gpt2.toml", &[]);
+    *args.last_mut().unwrap() = s(&missing);
+    fails_with(&args, &["cannot write the outputs to"]);
+}
+
+/// An artifact goes wherever a spec goes: `check` and `inspect` read the spec it stores (`--stage
+/// wgsl` shows the artifact's own plan), `generate` builds its step graph from it.
+#[test]
+fn artifacts_go_where_specs_go() {
+    let dir = scratch("artifact-everywhere");
+    let art = dir.join("llama.kiln");
+    assert!(kiln(&["compile", "models/llama.toml", "-o", s(&art), "--for", "cpu"]).status.success());
+    let spec_check = stdout(&kiln(&["check", "models/llama.toml"]));
+    let o = kiln(&["check", s(&art)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().skip(1).collect::<Vec<_>>(), spec_check.lines().skip(1).collect::<Vec<_>>());
+    let graph = kiln(&["inspect", s(&art)]);
+    assert!(graph.status.success(), "{}", stderr(&graph));
+    assert_eq!(stdout(&graph), stdout(&kiln(&["inspect", "models/llama.toml"])));
+    let wgsl = stdout(&kiln(&["inspect", s(&art), "--stage", "wgsl"]));
+    let plan = kiln_compiler::artifact::Artifact::read(&art).unwrap().plan;
+    assert!(wgsl.starts_with(&format!("// plan `llama`: {} steps", plan.steps.len())), "{wgsl}");
+    assert!(wgsl.contains("// step 0: ") && wgsl.contains("// ---- kernel 0: "), "{wgsl}");
+    let args = ["--weights", "tests/fixtures/llama/model.safetensors", "--prompt-ids", "1,2,3", "--print-ids"];
+    let from_spec = kiln(&[&["generate", "models/llama.toml"][..], &args, &["--backend", "cpu"]].concat());
+    let from_artifact = kiln(&[&["generate", s(&art)][..], &args, &["--backend", "cpu"]].concat());
+    assert!(from_artifact.status.success(), "{}", stderr(&from_artifact));
+    assert_eq!(stdout(&from_artifact), stdout(&from_spec));
 }
