@@ -365,7 +365,7 @@ fn interrupted() -> bool {
 }
 
 /// Whether a file is GGUF (by its magic).
-fn is_gguf(path: &Path) -> Result<bool> {
+pub(crate) fn is_gguf(path: &Path) -> Result<bool> {
     use std::io::Read;
     let mut magic = [0u8; 4];
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open `{}`", path.display()))?;

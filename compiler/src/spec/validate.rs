@@ -473,7 +473,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             c.error(
                 "outputs.max_seq_length",
                 "max_seq_length applies to a pooled output",
-                "`outputs.max_seq_length` is set but `outputs.pooling` is \"none\": only `kiln embed` truncates there".into(),
+                "`outputs.max_seq_length` is set but `outputs.pooling` is \"none\": only `kiln embed` truncates there"
+                    .into(),
             );
         } else if len == 0 || len > spec.model.max_positions {
             c.error(
