@@ -142,9 +142,9 @@ enum Command {
     /// Measure (never a test): forward time of a spec unoptimized vs optimized on wgpu, side by
     /// side; or the optimizer's time at several depths; or the cost model's constants.
     Bench {
-        /// The spec (random weights). Default: a GPT-2-small-sized decoder.
-        #[arg(default_value = "benches/specs/gpt2-small.toml")]
-        spec: PathBuf,
+        /// The spec (random weights). Default: a GPT-2-small-sized decoder
+        /// (`benches/specs/gpt2-small.toml`, built into kiln, so any directory will do).
+        spec: Option<PathBuf>,
         /// Tokens per sequence.
         #[arg(long, default_value_t = 128)]
         seq: usize,
@@ -186,12 +186,9 @@ enum Command {
         /// dispatches, device memory) and the kernels' GFLOPS.
         #[arg(long)]
         table: bool,
-        /// Specs of `--table`.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "benches/specs/gpt2-small.toml,models/smollm2-135m.toml,models/minilm-l6.toml"
-        )]
+        /// Specs of `--table`. Default: `benches/specs/gpt2-small.toml`, `models/smollm2-135m.toml`
+        /// and `models/minilm-l6.toml` (built into kiln, so any directory will do).
+        #[arg(long, value_delimiter = ',')]
         models: Vec<PathBuf>,
         /// Sequence lengths of `--table`.
         #[arg(long, value_delimiter = ',', default_value = "32,128")]
@@ -342,7 +339,8 @@ fn main() -> ExitCode {
 fn spec_of(command: &Command) -> Option<&Path> {
     match command {
         Command::Run(args) => Some(args.model()),
-        Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
+        Command::Generate { spec, .. } => Some(spec),
+        Command::Bench { spec, .. } => spec.as_deref(),
         Command::Embed(args) => Some(args.spec()),
         Command::Check { spec, weights: Some(_), .. } => Some(spec),
         Command::Check { .. } | Command::Inspect { .. } | Command::Compile { .. } => None,
@@ -531,18 +529,27 @@ fn run(cli: Cli) -> Result<()> {
                 return bench::kernels(&target, runs, json);
             }
             if table {
-                let specs = models
-                    .iter()
-                    .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
-                    .collect::<Result<Vec<_>>>()?;
+                let specs = match models.is_empty() {
+                    true => bench::BUILT_IN
+                        .iter()
+                        .map(|&(name, _)| Ok((name.to_string(), bench::built_in(name)?.1)))
+                        .collect(),
+                    false => models
+                        .iter()
+                        .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
+                        .collect::<Result<Vec<_>>>(),
+                }?;
                 return bench::table(&specs, &target, &seqs, runs, json);
             }
             if attention {
                 return bench::attention_kernels(&target, runs, json);
             }
-            let (source, fe) = read_spec(&spec)?;
+            let (name, (source, fe)) = match &spec {
+                Some(path) => (path.display().to_string(), read_spec(path)?),
+                None => (bench::BUILT_IN[0].0.to_string(), bench::built_in(bench::BUILT_IN[0].0)?),
+            };
             if !optimize_layers.is_empty() {
-                return bench::optimize_time(&source, &spec.display().to_string(), &optimize_layers, json);
+                return bench::optimize_time(&source, &name, &optimize_layers, json);
             }
             if let Some(steps) = decode {
                 return bench::decode(&fe, &target, weights.as_deref(), storage, seq, steps, runs, json);

@@ -157,8 +157,18 @@ pub fn compile(path: &Path, plan: &Plan, optimized: bool, json: bool) -> Result<
             "memory": { "batch": batch, "seq": seq, "placed_bytes": placed, "unshared_bytes": sum },
         }));
     }
-    println!("{}: {} kernels, {} dispatches, {} shared buffers", path.display(), kernels, plan.steps.len(), plan.slots);
-    println!("  intermediates at batch {batch}, seq {seq}: {placed} bytes placed, {sum} bytes if unshared");
+    println!(
+        "{}: {}, {}, {}",
+        path.display(),
+        count(kernels, "kernel"),
+        count(plan.steps.len(), "dispatch"),
+        count(plan.slots, "shared buffer")
+    );
+    println!(
+        "  intermediates at batch {batch}, seq {seq}: {} placed, {} if unshared",
+        kiln_compiler::memory::human(placed),
+        kiln_compiler::memory::human(sum)
+    );
     Ok(())
 }
 
@@ -179,9 +189,14 @@ pub fn run(path: &Path, outputs: &[(String, Tensor)], backend: &str, json: bool)
     Ok(())
 }
 
-/// `1 token`, `3 tokens`: a count with its noun, plural unless one (`noun` takes an `s`).
+/// `1 token`, `3 tokens`, `2 dispatches`: a count with its noun, plural unless one (English's
+/// regular plural: `-es` after a sibilant).
 pub fn count(n: usize, noun: &str) -> String {
-    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+    match n {
+        1 => format!("1 {noun}"),
+        _ if ["s", "x", "ch", "sh"].iter().any(|end| noun.ends_with(end)) => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
+    }
 }
 
 /// `1234567` -> `1.23M`.
@@ -194,4 +209,16 @@ pub fn human(x: f64) -> String {
         x => (x, ""),
     };
     format!("{v:.2}{unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_are_plural_unless_one() {
+        assert_eq!(count(1, "token"), "1 token");
+        assert_eq!(count(0, "token"), "0 tokens");
+        assert_eq!(count(2, "dispatch"), "2 dispatches");
+    }
 }

@@ -6,6 +6,7 @@
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::print::{self, DotOptions};
 use kiln_compiler::graph::{Graph, Sym};
+use kiln_compiler::memory::human;
 use kiln_compiler::{lower, optimize};
 use std::collections::HashMap;
 use std::io::Write;
@@ -99,8 +100,11 @@ impl Stats {
         let mut s = format!("{}: {} blocks\n", self.model, self.blocks);
         s += &format!("  dispatches    {} -> {}\n", r.dispatches.0, r.dispatches.1);
         s += &format!(
-            "  intermediates {} -> {} bytes (batch 1, seq 128; live peak {} -> {})\n",
-            self.intermediate_bytes.0, self.intermediate_bytes.1, self.live_peak_bytes.0, self.live_peak_bytes.1
+            "  intermediates {} -> {} (batch 1, seq 128; live peak {} -> {})\n",
+            human(self.intermediate_bytes.0),
+            human(self.intermediate_bytes.1),
+            human(self.live_peak_bytes.0),
+            human(self.live_peak_bytes.1)
         );
         s += &format!("  e-graph       {} nodes, {} classes\n", r.egraph_nodes, r.egraph_classes);
         s += &format!("  optimize      {:.1} ms\n", r.optimize_ms);

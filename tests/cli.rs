@@ -1043,3 +1043,18 @@ fn artifacts_go_where_specs_go() {
     assert!(from_artifact.status.success(), "{}", stderr(&from_artifact));
     assert_eq!(stdout(&from_artifact), stdout(&from_spec));
 }
+
+/// `kiln bench`'s default specs are built in: it runs from any directory (here the optimizer's
+/// time on the default spec at one block, the cheapest of its measurements).
+#[test]
+fn bench_runs_from_any_directory() {
+    let dir = scratch("elsewhere");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["bench", "--optimize-layers", "1", "--json"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let v = json_of(&o);
+    assert_eq!(v[0]["layers"], 1, "{v}");
+    assert!(v[0]["dispatches"]["optimized"].as_u64() < v[0]["dispatches"]["unoptimized"].as_u64(), "{v}");
+}
