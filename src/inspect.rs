@@ -250,7 +250,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     if args.explain {
         let mut text = String::new();
         for (op, scope, rules) in explanations(&graph) {
-            text += &format!("{op} in `{scope}` <- {}\n", rules.join(", "));
+            text += &format!("{op} in {} <- {}\n", kiln_compiler::graph::scope_name(&scope), rules.join(", "));
         }
         return emit(text.as_bytes(), out, false);
     }
@@ -294,7 +294,7 @@ fn wgsl_text(program: &wgsl::Program) -> String {
     );
     for (i, step) in plan.steps.iter().enumerate() {
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
-        let scope = if step.scope.is_empty() { "(top level)" } else { &step.scope };
+        let scope = kiln_compiler::graph::scope_name(&step.scope);
         text += &format!("// step {i}: {} in {scope} -> {kernel}\n", step.op.name());
     }
     text + &program.kernels_text()

@@ -623,7 +623,11 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
         &["bad sampling settings: temperature inf is not a finite number >= 0"],
     );
     let bert = root().join("models/bert.toml");
-    fails_with(&["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"], &["needs a decoder"]);
+    // The whole model is at fault, and its name is the location (never an empty "in ``").
+    fails_with(
+        &["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"],
+        &["kv_cache in `bert`: ", "needs a decoder"],
+    );
     fails_with(
         &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--decoder-start-id", "2"],
         &["--decoder-start-id is for encoder-decoder"],
