@@ -273,6 +273,6 @@ mod tests {
         assert_eq!(zero, [0.0; 3]);
         let m = cosine_matrix(&[vec![1.0, 0.0], vec![1.0, 1.0], vec![0.0, 0.0]]);
         assert!((m[0][1] - std::f32::consts::FRAC_1_SQRT_2).abs() < 1e-6 && m[1][1] > 0.999_999 && m[2][0] == 0.0);
-        assert_eq!(matrix_text(&m).lines().nth(2), Some("   2  0.7071  1.0000  0.0000"));
+        assert_eq!(matrix_text(&m).lines().nth(3), Some("   2  0.7071  1.0000  0.0000"));
     }
 }

@@ -193,7 +193,8 @@ pub fn check_layers(graph: &Graph, layers: &Option<Range<usize>>) -> Result<()> 
     match print::block_count(graph) {
         0 => bail!("--layers {}..{}: `{}` has no blocks", range.start, range.end, graph.name),
         n if range.end > n => {
-            bail!("--layers {}..{} is out of range: `{}` has {n} blocks (0..{n})", range.start, range.end, graph.name)
+            let blocks = crate::report::count(n, "block");
+            bail!("--layers {}..{} is out of range: `{}` has {blocks} (0..{n})", range.start, range.end, graph.name)
         }
         _ => Ok(()),
     }
@@ -216,6 +217,9 @@ fn emit(bytes: &[u8], output: Option<&Path>, binary: bool) -> Result<()> {
 /// Runs `kiln inspect`.
 pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     args.check()?;
+    for path in [&args.output, &args.html].into_iter().flatten() {
+        kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
+    }
     let (source, mut fe) = crate::read_spec(&args.spec)?;
     let artifact = kiln_compiler::artifact::Artifact::sniff(&args.spec);
     match args.graph {

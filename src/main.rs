@@ -434,6 +434,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect(args) => inspect::run(args, &reporter)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
+            kiln_compiler::file::check_writable(&output)
+                .with_context(|| format!("cannot write the artifact to `{}`", output.display()))?;
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
                 let target = target.resolve(None, 1, &reporter, json).optimizer_target();

@@ -54,10 +54,10 @@ pub fn check(path: &Path, fe: &FrontEnd, seq: usize, weights: Option<&WeightChec
     }
     println!("{}: ok", path.display());
     println!(
-        "  model        {} ({:?}, {} layers, d_model {}, vocab {})",
+        "  model        {} ({:?}, {}, d_model {}, vocab {})",
         m.name,
         m.kind,
-        fe.spec.layers(),
+        count(fe.spec.layers() as usize, "layer"),
         m.d_model,
         m.vocab
     );

@@ -97,7 +97,7 @@ impl Stats {
     /// As `--stats` prints them.
     pub fn text(&self) -> String {
         let r = &self.report;
-        let mut s = format!("{}: {} blocks\n", self.model, self.blocks);
+        let mut s = format!("{}: {}\n", self.model, crate::report::count(self.blocks as usize, "block"));
         s += &format!("  dispatches    {} -> {}\n", r.dispatches.0, r.dispatches.1);
         s += &format!(
             "  intermediates {} -> {} (batch 1, seq 128; live peak {} -> {})\n",
@@ -109,7 +109,7 @@ impl Stats {
         s += &format!("  e-graph       {} nodes, {} classes\n", r.egraph_nodes, r.egraph_classes);
         s += &format!("  optimize      {:.1} ms\n", r.optimize_ms);
         for (phase, iterations, why) in &r.phases {
-            s += &format!("  phase {phase:<10} {iterations} iterations ({why})\n");
+            s += &format!("  phase {phase:<10} {} ({why})\n", crate::report::count(*iterations, "iteration"));
         }
         for (rule, n) in &r.applied {
             s += &format!("  rule {rule:<22} fired {n}x\n");

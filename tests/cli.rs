@@ -1021,6 +1021,8 @@ fn flags_without_effect_are_refused() {
     let mut args = run("models/gpt2.toml", &[]);
     *args.last_mut().unwrap() = s(&missing);
     fails_with(&args, &["cannot write the outputs to"]);
+    fails_with(&["compile", "models/gpt2.toml", "-o", s(&missing)], &["cannot write the artifact to"]);
+    fails_with(&["inspect", "models/gpt2.toml", "-o", s(&missing)], &["cannot write `"]);
 }
 
 /// An artifact goes wherever a spec goes: `check` and `inspect` read the spec it stores (`--stage
