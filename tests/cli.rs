@@ -1048,6 +1048,11 @@ fn artifacts_go_where_specs_go() {
     let from_artifact = kiln(&[&["generate", s(&art)][..], &args, &["--backend", "cpu"]].concat());
     assert!(from_artifact.status.success(), "{}", stderr(&from_artifact));
     assert_eq!(stdout(&from_artifact), stdout(&from_spec));
+    // A weight error is shown at the map entry of the spec the artifact stores.
+    fails_with(
+        &["check", s(&art), "--weights", "tests/fixtures/gpt2/model.safetensors"],
+        &["(for parameter `embed.tokens`) is not in", "--> models/llama.toml:", "key: weights.preset"],
+    );
 }
 
 /// `kiln bench`'s default specs are built in: it runs from any directory (here the optimizer's
