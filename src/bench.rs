@@ -17,6 +17,23 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
+/// The specs `kiln bench` measures when none is named (the first by default, all three for
+/// `--table`), by their paths in the repository; built into the binary so that it runs from any
+/// directory.
+pub const BUILT_IN: [(&str, &str); 3] = [
+    ("benches/specs/gpt2-small.toml", include_str!("../benches/specs/gpt2-small.toml")),
+    ("models/smollm2-135m.toml", include_str!("../models/smollm2-135m.toml")),
+    ("models/minilm-l6.toml", include_str!("../models/minilm-l6.toml")),
+];
+
+/// A built-in spec's source and front end, by its name in [`BUILT_IN`].
+pub fn built_in(name: &str) -> Result<(String, FrontEnd)> {
+    let Some((_, source)) = BUILT_IN.iter().find(|(n, _)| *n == name) else {
+        bail!("no built-in spec `{name}`");
+    };
+    Ok((source.to_string(), kiln_compiler::front_end(name, source)?))
+}
+
 /// No progress bars: a benchmark's output is its figures.
 fn quiet() -> Reporter {
     Reporter::new(true)

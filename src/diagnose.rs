@@ -1,7 +1,7 @@
 //! Errors that belong to a line of the spec. A tensor the weight map names wrongly (missing from
 //! the checkpoint, misshapen, or not storable in its quantized form) is the fault of a weight-map
 //! entry: it is rendered like a spec error, at that entry in `[weights.tensors]`, or at
-//! `weights.preset` when the entry is the preset's.
+//! `weights.preset` when the entry is the preset's (for an artifact, in the spec it stores).
 
 use kiln_compiler::diag::Diagnostic;
 use kiln_compiler::spec::SpanIndex;
@@ -21,9 +21,14 @@ pub fn weight_error(err: &anyhow::Error, spec: &Path) -> Option<String> {
         WeightError::Shape { param, .. } | WeightError::Quantized { param, .. } => (param, weight.to_string(), None),
         _ => return None,
     };
-    // An artifact, or a file that is not a spec, has no line to point at.
-    let source = std::fs::read_to_string(spec).ok()?;
-    let file = spec.display().to_string();
+    // An artifact points into the spec it stores; a file that is neither has no line to point at.
+    let (file, source) = match kiln_compiler::artifact::Artifact::sniff(spec) {
+        true => {
+            let art = kiln_compiler::artifact::Artifact::read(spec).ok()?;
+            (art.spec_file, art.spec_source)
+        }
+        false => (spec.display().to_string(), std::fs::read_to_string(spec).ok()?),
+    };
     let resolved = kiln_compiler::spec::load(&file, &source).ok()?;
     let entry = resolved.weights.resolve(param)?;
     let index = SpanIndex::new(&source);

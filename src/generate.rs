@@ -3,6 +3,7 @@
 //! (or, with `--json`, printed once at the end as one JSON document).
 
 use crate::progress::Reporter;
+use crate::report::count;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
@@ -10,11 +11,12 @@ use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
 use kiln_runtime::generate::{Memory, Sampler, Session, Stats, Stop, generate};
-use kiln_runtime::{Engine, InterpEngine};
+use kiln_runtime::{Engine, InterpEngine, Phase};
 use kiln_runtime::{Message, Tokenizer, weights};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
+use std::time::Instant;
 
 /// What to run and how to sample.
 pub struct Request<'a> {
@@ -42,6 +44,16 @@ pub struct Request<'a> {
     pub storage: crate::storage::WeightArgs,
 }
 
+/// The time spent before the prompt runs, apart from the prefill it would otherwise inflate.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timings {
+    /// Optimizing, lowering, reading and uploading the weights, in seconds.
+    pub load_s: f64,
+    /// Compiling the kernels' shaders (wgpu): building the pipelines, and a warm-up step that
+    /// makes the driver finish what it defers to a first dispatch, in seconds.
+    pub compile_s: f64,
+}
+
 /// Builds the session (its loading shown on `reporter`) and generates, calling `on_token` with
 /// each new id.
 pub fn run(
@@ -49,7 +61,7 @@ pub fn run(
     req: Request,
     reporter: &Reporter,
     on_token: impl FnMut(i64) -> bool,
-) -> Result<(Vec<i64>, Stats)> {
+) -> Result<(Vec<i64>, Stats, Timings)> {
     if req.prompt.is_empty() {
         bail!("the prompt is empty: give --prompt or --prompt-ids");
     }
@@ -69,7 +81,12 @@ pub fn run(
         (false, None) => req.prompt.clone(),
         (false, Some(_)) => bail!("--decoder-start-id is for encoder-decoder specs; this one is a decoder"),
     };
+    let start = Instant::now();
+    let compiled_before = reporter.seconds_in(Phase::Pipelines);
     let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
+    if ckpt.gguf().is_none() {
+        crate::storage::check_blocks(req.storage, &format!("`{}` (safetensors)", req.weights.display()))?;
+    }
     let target = match req.backend {
         crate::Backend::Interp => None,
         backend => Some(crate::storage::Target::new(backend, req.adapter, req.threads)?),
@@ -95,14 +112,36 @@ pub fn run(
     let decoder = build_cached(&fe.spec)?;
     let outputs: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
     let mut session = Session::new(engine_of(decoder)?, &outputs, fe.spec.spec.model.max_positions as usize)?;
-    if seq2seq {
+    let encoder = match seq2seq {
+        true => Some(engine_of(build_encoder(&fe.spec)?)?),
+        false => None,
+    };
+    let mut timings = Timings::default();
+    let pipelines = reporter.seconds_in(Phase::Pipelines) - compiled_before;
+    timings.load_s = start.elapsed().as_secs_f64() - pipelines;
+    let encoding = Instant::now();
+    if let Some(encoder) = encoder {
         // Encode the source once; the decoder reads its keys and values at every step.
-        let encoder = engine_of(build_encoder(&fe.spec)?)?;
         let src = Tensor::i64(vec![1, req.prompt.len()], req.prompt.clone());
         session = session.with_memory(Memory::encode(&encoder, &HashMap::from([("src_ids".to_string(), src)]))?);
     }
+    let encode_s = encoding.elapsed().as_secs_f64();
+    // A GPU driver may compile a pipeline's shader only at its first dispatch: one step before the
+    // prompt, forgotten after, keeps that out of the prefill.
+    timings.compile_s = pipelines;
+    if req.backend == crate::Backend::Wgpu && req.max_new > 0 {
+        let warm_up = Instant::now();
+        session.forward(&prompt[..1])?;
+        session.reset();
+        timings.compile_s += warm_up.elapsed().as_secs_f64();
+    }
     let mut sampler = req.sampler;
-    Ok(generate(&mut session, &prompt, req.max_new, &mut sampler, &req.stop, on_token)?)
+    let (ids, mut stats) = generate(&mut session, &prompt, req.max_new, &mut sampler, &req.stop, on_token)?;
+    if stats.prefill_s > 0.0 {
+        // An encoder-decoder's prompt is its source: encoding it is part of the prefill.
+        stats.prefill_s += encode_s;
+    }
+    Ok((ids, stats, timings))
 }
 
 /// A prompt given as text.
@@ -182,7 +221,7 @@ pub fn run_cli(
     let prompt = req.prompt.clone();
     let mut out = std::io::stdout();
     let backend = req.backend.name();
-    let (ids, stats) = match (output, tokenizer.as_ref()) {
+    let (ids, stats, timings) = match (output, tokenizer.as_ref()) {
         (Output::Json, _) => run(fe, req, reporter, |_| !interrupted())?,
         (Output::Text, Some(tok)) => {
             let mut stream = tok.decode_stream(true);
@@ -225,23 +264,29 @@ pub fn run_cli(
             }
             None => None,
         };
-        let mut value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats);
+        let mut value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats, &timings);
         value["backend"] = backend.into();
+        // Every figure is in the document: nothing on stderr.
         let _ = writeln!(out, "{}", serde_json::to_string_pretty(&value)?);
-    } else {
-        let _ = writeln!(out);
+        return Ok(());
     }
+    let _ = writeln!(out);
     if interrupted() {
-        reporter.info(format_args!("interrupted: stopped after {} tokens", stats.new_tokens));
+        reporter.info(format_args!("interrupted: stopped after {}", count(stats.new_tokens, "token")));
     }
+    let compile = match timings.compile_s > 0.0 {
+        true => format!(" (compiling kernels {:.2} s)", timings.compile_s),
+        false => String::new(),
+    };
+    let load = format!("load: {:.2} s{compile}", timings.load_s + timings.compile_s);
     if stats.prefill_s == 0.0 {
-        reporter.info(format_args!("nothing generated: --max-new-tokens is 0, so the prompt was not run"));
+        reporter.info(format_args!("{load}; nothing generated: --max-new-tokens is 0, so the prompt was not run"));
     } else {
         reporter.info(format_args!(
-            "prefill: {} tokens, {:.1} tok/s; decode: {} tokens, {:.1} tok/s; stopped: {}",
-            stats.prompt_tokens,
+            "{load}; prefill: {}, {:.1} tok/s; decode: {}, {:.1} tok/s; stopped: {}",
+            count(stats.prompt_tokens, "token"),
             stats.prefill_tok_s(),
-            stats.new_tokens,
+            count(stats.new_tokens, "token"),
             stats.decode_tok_s(),
             stop_reason(stats.stop).replace('_', " ")
         ));
@@ -263,9 +308,18 @@ fn stop_reason(stop: Stop) -> &'static str {
 /// source), `generated_ids`, `text` (the generated ids decoded, special tokens skipped; `null`
 /// without a tokenizer), `stop_reason` (`max_new_tokens`, `stop_id` (a `--stop-ids` id or the
 /// tokenizer's end of sequence), `context_full` (`max_positions` reached) or `interrupted`
-/// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `prefill_tok_s` and `decode_tok_s` (and `backend`,
-/// added by the caller).
-fn json(model: &str, prompt: &[i64], ids: &[i64], text: Option<&str>, stats: &Stats) -> serde_json::Value {
+/// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `load_s` (optimizing, lowering, reading and
+/// uploading weights), `compile_s` (compiling kernels; 0 but on wgpu), `prefill_s`, `decode_s`,
+/// `prefill_tok_s` and `decode_tok_s` (0 when nothing was generated) (and `backend`, added by the
+/// caller).
+fn json(
+    model: &str,
+    prompt: &[i64],
+    ids: &[i64],
+    text: Option<&str>,
+    stats: &Stats,
+    timings: &Timings,
+) -> serde_json::Value {
     let stop_reason = stop_reason(stats.stop);
     serde_json::json!({
         "model": model,
@@ -275,6 +329,10 @@ fn json(model: &str, prompt: &[i64], ids: &[i64], text: Option<&str>, stats: &St
         "stop_reason": stop_reason,
         "prompt_tokens": stats.prompt_tokens,
         "new_tokens": stats.new_tokens,
+        "load_s": timings.load_s,
+        "compile_s": timings.compile_s,
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
         "prefill_tok_s": stats.prefill_tok_s(),
         "decode_tok_s": stats.decode_tok_s(),
     })
@@ -307,7 +365,7 @@ fn interrupted() -> bool {
 }
 
 /// Whether a file is GGUF (by its magic).
-fn is_gguf(path: &Path) -> Result<bool> {
+pub(crate) fn is_gguf(path: &Path) -> Result<bool> {
     use std::io::Read;
     let mut magic = [0u8; 4];
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open `{}`", path.display()))?;

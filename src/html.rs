@@ -62,14 +62,9 @@ fn si(x: f64) -> String {
     }
 }
 
-/// Bytes in binary units.
+/// Bytes in binary units, as every kiln command writes them ([`kiln_compiler::memory::human`]).
 fn bytes(x: f64) -> String {
-    match x {
-        x if x >= 1024.0 * 1024.0 * 1024.0 => format!("{:.2} GiB", x / (1024.0 * 1024.0 * 1024.0)),
-        x if x >= 1024.0 * 1024.0 => format!("{:.2} MiB", x / (1024.0 * 1024.0)),
-        x if x >= 1024.0 => format!("{:.1} KiB", x / 1024.0),
-        x => format!("{x:.0} B"),
-    }
+    kiln_compiler::memory::human(x as u64)
 }
 
 /// Seconds in µs below a millisecond, else in ms.

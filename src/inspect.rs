@@ -17,14 +17,15 @@ use crate::view::{Stats, dot, explanations, graphviz};
 /// `kiln inspect`'s arguments.
 #[derive(clap::Args)]
 pub struct InspectArgs {
-    /// The spec (TOML).
+    /// The spec (TOML), or an artifact from `kiln compile` (its stored spec; `--stage wgsl`: its
+    /// own plan).
     spec: PathBuf,
-    /// Which stage to print.
-    #[arg(long, value_enum, default_value_t = Stage::Graph)]
-    stage: Stage,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Text)]
-    format: Format,
+    /// Which stage to print (default: graph).
+    #[arg(long, value_enum)]
+    stage: Option<Stage>,
+    /// Output format (default: text).
+    #[arg(long, value_enum)]
+    format: Option<Format>,
     /// Write to this file instead of standard output.
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -57,28 +58,76 @@ pub struct InspectArgs {
     /// on the values).
     #[arg(long, requires = "profile")]
     weights: Option<PathBuf>,
-    /// With `--html`: tokens of the (batch 1) input that bytes, FLOPs and times are given for.
-    #[arg(long, default_value_t = 32)]
-    seq: usize,
+    /// With `--html`: tokens of the (batch 1) input that bytes, FLOPs and times are given for
+    /// (default 32).
+    #[arg(long, requires = "html")]
+    seq: Option<usize>,
     /// With `--profile`: GPU adapter (as for `run`).
     #[arg(long, requires = "profile")]
     adapter: Option<String>,
-    /// The backend the optimized graph is extracted for (its cost model and kernel limits), as
-    /// `kiln run` picks it by default; the HTML report and the `wgsl` stage are wgpu's.
-    #[arg(long, value_enum, default_value_t = crate::Backend::Auto)]
-    backend: crate::Backend,
+    /// With `--stage optimized` or `--stats`: the backend the optimized graph is extracted for
+    /// (its cost model and kernel limits; default: as `kiln run` picks it). The HTML report and
+    /// the `wgsl` stage are wgpu's.
+    #[arg(long, value_enum)]
+    backend: Option<crate::Backend>,
 }
 
 impl InspectArgs {
     /// The optimizer's target: the named backend's, or for `auto` the one `kiln run` would pick.
     fn target(&self) -> Result<kiln_compiler::target::Target> {
-        let backend = match self.backend {
+        let backend = match self.backend.unwrap_or(crate::Backend::Auto) {
             crate::Backend::Auto if kiln_runtime::Gpu::hardware_adapter().is_some() => crate::Backend::Wgpu,
             crate::Backend::Auto => crate::Backend::Cpu,
             crate::Backend::Interp => bail!("the interpreter is not a compilation target: --backend cpu or wgpu"),
             other => other,
         };
         Ok(backend.optimizer_target())
+    }
+
+    /// Refuses the flags that would have no effect in the combination given, naming why.
+    fn check(&self) -> Result<()> {
+        let stage = self.stage.unwrap_or(Stage::Graph);
+        let format = self.format.unwrap_or(Format::Text);
+        if self.html.is_some() {
+            if self.stage.is_some() || self.format.is_some() {
+                bail!("the HTML report shows every stage in its own form: drop --stage and --format with --html");
+            }
+            if self.backend.is_some() {
+                bail!("the HTML report shows the graph optimized for wgpu, whose kernels it lists: drop --backend");
+            }
+            return Ok(());
+        }
+        if self.stats {
+            if self.stage.is_some() || self.format.is_some() || self.layers.is_some() {
+                bail!(
+                    "--stats compares the graph before and after optimization as text (--json: JSON): drop --stage, --format and --layers"
+                );
+            }
+            return Ok(());
+        }
+        if self.explain {
+            if !matches!(stage, Stage::Optimized) {
+                bail!("--explain lists the fused ops of the optimized graph: add --stage optimized");
+            }
+            if self.format.is_some() || self.layers.is_some() {
+                bail!(
+                    "--explain prints a text list of fused ops: drop --format and --layers (drawings mark fused ops themselves)"
+                );
+            }
+        }
+        if self.layers.is_some() && format == Format::Text {
+            bail!("--layers applies to drawings: use --format dot, svg or png");
+        }
+        match stage {
+            Stage::Graph if self.backend.is_some() => {
+                bail!(
+                    "--backend chooses what the optimizer extracts for; the graph stage is not optimized: add --stage optimized"
+                )
+            }
+            Stage::Wgsl if self.backend.is_some() => bail!("the wgsl stage is wgpu's plan and kernels: drop --backend"),
+            Stage::Wgsl if format != Format::Text => bail!("the wgsl stage is text only; use --format text"),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -100,7 +149,8 @@ enum Stage {
     Graph,
     /// The graph after the e-graph optimizer.
     Optimized,
-    /// The lowered plan: steps, buffers and the WGSL of every kernel.
+    /// The plan lowered for wgpu: its steps (op, scope, kernel), buffers, and the WGSL of every
+    /// kernel (of the graph optimized for wgpu).
     Wgsl,
 }
 
@@ -111,9 +161,9 @@ enum Format {
     Text,
     /// Graphviz DOT.
     Dot,
-    /// SVG drawn by Graphviz `dot` (DOT text when `dot` is not installed).
+    /// SVG drawn by Graphviz `dot` (which must be installed).
     Svg,
-    /// PNG drawn by Graphviz `dot` (DOT text when `dot` is not installed).
+    /// PNG drawn by Graphviz `dot` (which must be installed).
     Png,
 }
 
@@ -143,7 +193,8 @@ pub fn check_layers(graph: &Graph, layers: &Option<Range<usize>>) -> Result<()> 
     match print::block_count(graph) {
         0 => bail!("--layers {}..{}: `{}` has no blocks", range.start, range.end, graph.name),
         n if range.end > n => {
-            bail!("--layers {}..{} is out of range: `{}` has {n} blocks (0..{n})", range.start, range.end, graph.name)
+            let blocks = crate::report::count(n, "block");
+            bail!("--layers {}..{} is out of range: `{}` has {blocks} (0..{n})", range.start, range.end, graph.name)
         }
         _ => Ok(()),
     }
@@ -165,7 +216,12 @@ fn emit(bytes: &[u8], output: Option<&Path>, binary: bool) -> Result<()> {
 
 /// Runs `kiln inspect`.
 pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
+    args.check()?;
+    for path in [&args.output, &args.html].into_iter().flatten() {
+        kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
+    }
     let (source, mut fe) = crate::read_spec(&args.spec)?;
+    let artifact = kiln_compiler::artifact::Artifact::sniff(&args.spec);
     match args.graph {
         Which::Model => {}
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
@@ -184,21 +240,25 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         };
         return emit(text.as_bytes(), out, false);
     }
-    let graph = match args.stage {
+    let (stage, format) = (args.stage.unwrap_or(Stage::Graph), args.format.unwrap_or(Format::Text));
+    if artifact && !matches!((stage, args.graph), (Stage::Wgsl, Which::Model) | (Stage::Graph, _)) {
+        reporter.info(format_args!(
+            "note: `{}` is an artifact: this is its spec's graph, optimized anew (`--stage wgsl` shows the artifact's own plan)",
+            args.spec.display()
+        ));
+    }
+    let graph = match stage {
         Stage::Optimized => optimize::optimize_for(&fe.graph, &args.target()?)?.0,
         _ => fe.graph.clone(),
     };
     if args.explain {
         let mut text = String::new();
         for (op, scope, rules) in explanations(&graph) {
-            text += &format!("{op} in `{scope}` <- {}\n", rules.join(", "));
+            text += &format!("{op} in {} <- {}\n", kiln_compiler::graph::scope_name(&scope), rules.join(", "));
         }
         return emit(text.as_bytes(), out, false);
     }
-    if args.layers.is_some() && matches!(args.format, Format::Text) {
-        bail!("--layers applies to drawings: use --format dot, svg or png");
-    }
-    match (args.stage, args.format) {
+    match (stage, format) {
         (Stage::Graph | Stage::Optimized, Format::Text) => emit(print::text(&graph).as_bytes(), out, false),
         (Stage::Graph | Stage::Optimized, Format::Dot) => emit(dot(&graph, &args.layers).as_bytes(), out, false),
         (Stage::Graph | Stage::Optimized, format @ (Format::Svg | Format::Png)) => {
@@ -206,21 +266,42 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
             let name = if format == Format::Svg { "svg" } else { "png" };
             match graphviz(&text, name)? {
                 Some(bytes) => emit(&bytes, out, format == Format::Png),
-                None => {
-                    eprintln!(
-                        "note: Graphviz `dot` is not on the PATH, so this is the DOT text instead of {}; install graphviz to draw it",
-                        name.to_uppercase()
-                    );
-                    emit(text.as_bytes(), out, false)
-                }
+                None => bail!(
+                    "Graphviz `dot` is not on the PATH, so there is no {} to write: install graphviz, or use --format dot for the DOT text",
+                    name.to_uppercase()
+                ),
             }
         }
         (Stage::Wgsl, Format::Text) => {
-            let plan = lower::lower(&optimize::optimize(&fe.graph)?.0);
-            emit(wgsl::compile(&plan, &wgsl::Options::default())?.kernels_text().as_bytes(), out, false)
+            // An artifact's own plan (the graph `kiln run` runs for it), else the spec's for wgpu.
+            let plan = match artifact && matches!(args.graph, Which::Model) {
+                true => kiln_compiler::artifact::Artifact::read(&args.spec)?.plan,
+                false => lower::lower(&optimize::optimize(&fe.graph)?.0),
+            };
+            emit(wgsl_text(&wgsl::compile(&plan, &wgsl::Options::default())?).as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),
     }
+}
+
+/// `--stage wgsl`: the plan's steps (each with its op, scope and kernel) and buffers, then every
+/// kernel's WGSL.
+fn wgsl_text(program: &wgsl::Program) -> String {
+    let plan = &program.plan;
+    let mut text = format!(
+        "// plan `{}`: {}, {}, {} shared buffers, {}\n",
+        plan.name,
+        crate::report::count(plan.steps.len(), "step"),
+        crate::report::count(plan.folds.len(), "load-time fold"),
+        plan.slots,
+        crate::report::count(program.kernels.len(), "kernel"),
+    );
+    for (i, step) in plan.steps.iter().enumerate() {
+        let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
+        let scope = kiln_compiler::graph::scope_name(&step.scope);
+        text += &format!("// step {i}: {} in {scope} -> {kernel}\n", step.op.name());
+    }
+    text + &program.kernels_text()
 }
 
 /// Profiles taken for `--profile`; the report gives each step's median.
@@ -241,12 +322,13 @@ fn median(runs: Vec<kiln_runtime::Profile>) -> kiln_runtime::Profile {
 
 /// `--html`: builds the report (profiling the optimized plan with `--profile`) and writes it.
 fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: &Reporter) -> Result<()> {
-    if args.seq == 0 {
+    let seq = args.seq.unwrap_or(32);
+    if seq == 0 {
         bail!("--seq must be at least 1");
     }
     let max = fe.spec.spec.model.max_positions as usize;
-    if args.seq > max {
-        bail!("--seq {} exceeds the model's {max} positions", args.seq);
+    if seq > max {
+        bail!("--seq {seq} exceeds the model's {max} positions");
     }
     let stats = Stats::of(&fe.graph, fe.spec.layers(), &kiln_compiler::target::Target::wgpu())?;
     let program = wgsl::compile(&lower::lower(&stats.optimized), &wgsl::Options::default())?;
@@ -257,8 +339,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
             let storage = crate::storage::WeightArgs::default();
             let (params, blocks) = crate::bench::params_for(fe, &stats.optimized, args.weights.as_deref(), storage)?;
             let model = crate::storage::gpu_model(&gpu, &stats.optimized, &params, &blocks, storage, reporter)?;
-            let inputs =
-                kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, args.seq)?;
+            let inputs = kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq)?;
             let mut runs = Vec::with_capacity(PROFILE_RUNS);
             for _ in 0..PROFILE_RUNS {
                 runs.push(model.profile(&inputs).context("profiling the optimized plan")?);
@@ -275,7 +356,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         graph: &fe.graph,
         stats: &stats,
         program: profile.as_ref().map_or(&program, |(_, program, _)| program),
-        seq: args.seq,
+        seq,
         layers: &args.layers,
         profile: profile.as_ref().map(|(adapter, _, p)| (adapter.as_str(), p)),
     }

@@ -3,11 +3,11 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use kiln_compiler::artifact::{self, Artifact};
+use kiln_compiler::artifact;
 use kiln_compiler::diag::SpecError;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{FrontEnd, interp, lower, optimize};
+use kiln_compiler::{FrontEnd, lower, optimize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -22,6 +22,7 @@ mod import;
 mod inspect;
 mod progress;
 mod report;
+mod run;
 mod storage;
 mod view;
 
@@ -41,11 +42,17 @@ struct Cli {
 enum Command {
     /// Validate a spec and print a summary (parameters, FLOPs per token, graph size).
     Check {
-        /// The spec (TOML).
+        /// The spec (TOML), or an artifact from `kiln compile` (the spec it stores).
         spec: PathBuf,
-        /// Sequence length at which FLOPs per token are counted.
-        #[arg(long, default_value_t = 128)]
-        seq: usize,
+        /// Sequence length at which FLOPs per token are counted (1 to `max_positions`; default
+        /// 128, or `max_positions` if smaller).
+        #[arg(long)]
+        seq: Option<usize>,
+        /// Also read every parameter from this checkpoint (safetensors or GGUF) through the weight
+        /// map and check it as a run would, without running; warn about the checkpoint's tensors
+        /// the spec never reads.
+        #[arg(long)]
+        weights: Option<PathBuf>,
         /// Print one JSON document on stdout instead of text.
         #[arg(long)]
         json: bool,
@@ -77,32 +84,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run a model on inputs from a safetensors file and write its outputs to another.
-    Run {
-        /// A spec (TOML, compiled in memory), an artifact from `kiln compile`, or a checkpoint (a
-        /// Hugging Face model directory or a GGUF file) whose spec is imported in memory.
-        model: PathBuf,
-        /// Checkpoint (safetensors, or GGUF: detected by its magic or a `.gguf` name) holding the
-        /// weights under the names the spec's weight map gives (default: MODEL's, if a checkpoint).
-        #[arg(long)]
-        weights: Option<PathBuf>,
-        /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,
-        /// `src_padding`, `tgt_ids`; other tensors are ignored.
-        #[arg(long)]
-        inputs: PathBuf,
-        /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
-        #[arg(long)]
-        output: PathBuf,
-        /// Print one JSON document on stdout instead of text.
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        exec: Exec,
-    },
+    /// Run a model on inputs (a safetensors file, or ids given inline) with a checkpoint's
+    /// weights or random ones, and write its outputs to a safetensors file.
+    Run(run::RunArgs),
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate {
-        /// The spec (TOML), or a checkpoint (a Hugging Face model directory or a GGUF file) whose
-        /// spec is imported in memory.
+        /// The spec (TOML), an artifact from `kiln compile` (the spec it stores: generation runs
+        /// the decoder's step graph with its key/value cache, built from it), or a checkpoint (a
+        /// Hugging Face model directory or a GGUF file) whose spec is imported in memory.
         spec: PathBuf,
         /// Checkpoint (safetensors or GGUF); default: SPEC's, if a checkpoint.
         #[arg(long)]
@@ -162,9 +151,9 @@ enum Command {
     /// Measure (never a test): forward time of a spec unoptimized vs optimized on wgpu, side by
     /// side; or the optimizer's time at several depths; or the cost model's constants.
     Bench {
-        /// The spec (random weights). Default: a GPT-2-small-sized decoder.
-        #[arg(default_value = "benches/specs/gpt2-small.toml")]
-        spec: PathBuf,
+        /// The spec (random weights). Default: a GPT-2-small-sized decoder
+        /// (`benches/specs/gpt2-small.toml`, built into kiln, so any directory will do).
+        spec: Option<PathBuf>,
         /// Tokens per sequence.
         #[arg(long, default_value_t = 128)]
         seq: usize,
@@ -207,12 +196,9 @@ enum Command {
         /// dispatches, device memory) and the kernels' GFLOPS.
         #[arg(long)]
         table: bool,
-        /// Specs of `--table`.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "benches/specs/gpt2-small.toml,models/smollm2-135m.toml,models/minilm-l6.toml"
-        )]
+        /// Specs of `--table`. Default: `benches/specs/gpt2-small.toml`, `models/smollm2-135m.toml`
+        /// and `models/minilm-l6.toml` (built into kiln, so any directory will do).
+        #[arg(long, value_delimiter = ',')]
         models: Vec<PathBuf>,
         /// Sequence lengths of `--table`.
         #[arg(long, value_delimiter = ',', default_value = "32,128")]
@@ -365,9 +351,11 @@ fn main() -> ExitCode {
 /// The spec (or artifact) file a command reads weights for, if any.
 fn spec_of(command: &Command) -> Option<&Path> {
     match command {
-        Command::Run { model, .. } => Some(model),
-        Command::Generate { spec, .. } | Command::Bench { spec, .. } => Some(spec),
+        Command::Run(args) => Some(args.model()),
+        Command::Generate { spec, .. } => Some(spec),
+        Command::Bench { spec, .. } => spec.as_deref(),
         Command::Embed(args) => Some(args.spec()),
+        Command::Check { spec, weights: Some(_), .. } => Some(spec),
         Command::Check { .. }
         | Command::Inspect { .. }
         | Command::Compile { .. }
@@ -380,9 +368,15 @@ fn load_spec(path: &Path) -> Result<FrontEnd> {
     Ok(read_spec(path)?.1)
 }
 
-/// Reads a spec file and runs the front end; returns the source too.
-/// A checkpoint directory or GGUF file stands for its imported spec.
+/// Reads a spec file and runs the front end; returns the source too. An artifact from `kiln
+/// compile` (told by its magic) stands for the spec it stores; a checkpoint directory or GGUF file
+/// for its imported spec.
 fn read_spec(path: &Path) -> Result<(String, FrontEnd)> {
+    if artifact::Artifact::sniff(path) {
+        let art = artifact::Artifact::read(path)?;
+        let fe = kiln_compiler::front_end(&art.spec_file, &art.spec_source)?;
+        return Ok((art.spec_source, fe));
+    }
     let (source, label) = import::spec_text(path)?;
     let fe = kiln_compiler::front_end(&label, &source)?;
     Ok((source, fe))
@@ -443,16 +437,24 @@ fn load_f32(
 fn run(cli: Cli) -> Result<()> {
     let reporter = Reporter::new(cli.quiet);
     import::print_specs(match &cli.command {
-        Command::Run { exec, .. } | Command::Generate { exec, .. } => exec.print_spec,
+        Command::Run(args) => args.print_spec(),
+        Command::Generate { exec, .. } => exec.print_spec,
         Command::Embed(args) => args.print_spec(),
         _ => false,
     });
     match cli.command {
         Command::Import(args) => import::run(args, &reporter)?,
-        Command::Check { spec, seq, json } => report::check(&spec, &load_spec(&spec)?, seq, json)?,
+        Command::Check { spec, seq, weights, json } => {
+            let fe = load_spec(&spec)?;
+            let seq = report::check_seq(&fe, seq)?;
+            let weights = weights.map(|w| report::check_weights(&fe, &w, &reporter)).transpose()?;
+            report::check(&spec, &fe, seq, weights.as_ref(), json)?
+        }
         Command::Inspect(args) => inspect::run(args, &reporter)?,
         Command::Diff(args) => diff::run(args)?,
         Command::Compile { spec, output, no_optimize, target, json } => {
+            kiln_compiler::file::check_writable(&output)
+                .with_context(|| format!("cannot write the artifact to `{}`", output.display()))?;
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
                 let target = target.resolve(None, 1, &reporter, json).optimizer_target();
@@ -463,71 +465,7 @@ fn run(cli: Cli) -> Result<()> {
             artifact.write(&output)?;
             report::compile(&output, &artifact.plan, !no_optimize, json)?;
         }
-        Command::Run { model, weights, inputs, output, json, exec } => {
-            let Exec { backend, ref adapter, no_optimize, weights: storage, .. } = exec;
-            let backend = backend.resolve(adapter.as_deref(), exec.threads()?, &reporter, json);
-            let given: HashMap<_, _> = kiln_runtime::read_tensors(&inputs)?;
-            let ckpt = kiln_runtime::Checkpoint::open(&import::weights_for(weights, &model)?)?;
-            let outputs = if Artifact::sniff(&model) {
-                let art = Artifact::read(&model)?;
-                match backend {
-                    Backend::Wgpu => {
-                        if storage.precision != storage::Precision::F32 {
-                            bail!(
-                                "an artifact's plan stores its weights as f32; give the spec to run with --precision f16"
-                            );
-                        }
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        run_plan_wgpu(art.plan, &params, &given, adapter.as_deref(), &reporter)?
-                    }
-                    Backend::Cpu | Backend::Auto => {
-                        if storage.precision != storage::Precision::F32 {
-                            bail!(
-                                "the CPU backend keeps weights as f32 or quantized blocks; --precision f16 is wgpu's"
-                            );
-                        }
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        let model = kiln_runtime::CpuModel::new(
-                            art.plan,
-                            &params,
-                            &HashMap::new(),
-                            exec.threads()?,
-                            &reporter,
-                        )?;
-                        model.run(&given)?
-                    }
-                    Backend::Interp => {
-                        // The artifact's own plan, each step by the interpreter's definition.
-                        let names = plan_params(&art.plan);
-                        let params = load_f32(&art.weights, &art.pack_dims, &names, &ckpt, &reporter)?;
-                        kiln_runtime::CpuModel::reference(art.plan, params, &reporter)?.run(&given)?
-                    }
-                }
-            } else {
-                let mut fe = load_spec(&model)?;
-                if !no_optimize {
-                    let target = backend.optimizer_target();
-                    fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
-                }
-                match backend {
-                    Backend::Wgpu | Backend::Cpu | Backend::Auto => {
-                        run_compiled(&fe.spec, &fe.graph, &ckpt, &given, &exec, backend, &reporter)?
-                    }
-                    Backend::Interp => {
-                        let names = kiln_runtime::weights::graph_params(&fe.graph);
-                        let params = load_f32(&fe.spec.weights, &PackDims::of(&fe.spec), &names, &ckpt, &reporter)?;
-                        interp::run(&fe.graph, &params, &given).context("run failed")?
-                    }
-                }
-            };
-            if outputs.is_empty() {
-                bail!("the model has no outputs");
-            }
-            kiln_runtime::write_tensors(&output, &outputs)?;
-            report::run(&output, &outputs, backend.name(), json)?;
-        }
+        Command::Run(args) => run::run(args, &reporter)?,
         Command::Generate {
             spec,
             weights,
@@ -549,8 +487,9 @@ fn run(cli: Cli) -> Result<()> {
             exec,
         } => {
             let threads = exec.threads()?;
-            let Exec { backend, adapter, no_optimize, weights: storage, .. } = exec;
-            let backend = backend.resolve(adapter.as_deref(), threads, &reporter, json);
+            let backend = exec.backend.resolve(exec.adapter.as_deref(), threads, &reporter, json);
+            run::check_exec(&exec, backend)?;
+            let Exec { adapter, no_optimize, weights: storage, .. } = exec;
             let fe = load_spec(&spec)?;
             let (weights, tokenizer) = (import::weights_for(weights, &spec)?, import::tokenizer_for(tokenizer, &spec));
             let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
@@ -612,18 +551,27 @@ fn run(cli: Cli) -> Result<()> {
                 return bench::kernels(&target, runs, json);
             }
             if table {
-                let specs = models
-                    .iter()
-                    .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
-                    .collect::<Result<Vec<_>>>()?;
+                let specs = match models.is_empty() {
+                    true => bench::BUILT_IN
+                        .iter()
+                        .map(|&(name, _)| Ok((name.to_string(), bench::built_in(name)?.1)))
+                        .collect(),
+                    false => models
+                        .iter()
+                        .map(|p| Ok((p.display().to_string(), read_spec(p)?.1)))
+                        .collect::<Result<Vec<_>>>(),
+                }?;
                 return bench::table(&specs, &target, &seqs, runs, json);
             }
             if attention {
                 return bench::attention_kernels(&target, runs, json);
             }
-            let (source, fe) = read_spec(&spec)?;
+            let (name, (source, fe)) = match &spec {
+                Some(path) => (path.display().to_string(), read_spec(path)?),
+                None => (bench::BUILT_IN[0].0.to_string(), bench::built_in(bench::BUILT_IN[0].0)?),
+            };
             if !optimize_layers.is_empty() {
-                return bench::optimize_time(&source, &spec.display().to_string(), &optimize_layers, json);
+                return bench::optimize_time(&source, &name, &optimize_layers, json);
             }
             if let Some(steps) = decode {
                 return bench::decode(&fe, &target, weights.as_deref(), storage, seq, steps, runs, json);

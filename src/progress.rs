@@ -11,7 +11,8 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln_runtime::{Phase, Progress};
 use std::cell::RefCell;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 /// The layout of a phase's bar: label, bar, units done of the total, time so far.
 const BAR: &str = "{msg:>18} [{bar:32}] {pos}/{len} ({elapsed})";
@@ -28,12 +29,39 @@ pub struct Reporter {
     quiet: bool,
     /// The phase being shown and its bar.
     bar: RefCell<Option<(Phase, ProgressBar)>>,
+    /// The phase being timed and when it started (timed quiet or not).
+    timing: RefCell<Option<(Phase, Instant)>>,
+    /// Time spent in each phase so far, over every model loaded.
+    spent: RefCell<HashMap<Phase, Duration>>,
 }
 
 impl Reporter {
     /// A reporter that shows everything (`quiet = false`) or nothing.
     pub fn new(quiet: bool) -> Reporter {
-        Reporter { quiet, bar: RefCell::new(None) }
+        Reporter { quiet, bar: RefCell::new(None), timing: RefCell::new(None), spent: RefCell::new(HashMap::new()) }
+    }
+
+    /// Seconds spent so far in `phase` (every model loaded through this reporter).
+    pub fn seconds_in(&self, phase: Phase) -> f64 {
+        self.spent.borrow().get(&phase).map_or(0.0, Duration::as_secs_f64)
+    }
+
+    /// Times `phase`: a report of another phase (or of this one's end) closes the one timed.
+    fn time(&self, phase: Phase, done: usize, total: usize) {
+        let mut timing = self.timing.borrow_mut();
+        if timing.is_some_and(|(p, _)| p != phase)
+            && let Some((p, start)) = timing.take()
+        {
+            *self.spent.borrow_mut().entry(p).or_default() += start.elapsed();
+        }
+        if timing.is_none() {
+            *timing = Some((phase, Instant::now()));
+        }
+        if done >= total
+            && let Some((p, start)) = timing.take()
+        {
+            *self.spent.borrow_mut().entry(p).or_default() += start.elapsed();
+        }
     }
 
     /// Runs `f`, a compile stage with no steps to count (`"optimizing"`), under a spinner.
@@ -67,6 +95,7 @@ impl Reporter {
 
 impl Progress for Reporter {
     fn update(&self, phase: Phase, done: usize, total: usize) {
+        self.time(phase, done, total);
         if self.quiet {
             return;
         }

@@ -32,6 +32,18 @@ pub struct WeightArgs {
     pub int8_activations: bool,
 }
 
+/// Refuses the flags about quantized blocks (`--dequantize`, `--int8-activations`) for weights
+/// that hold none (`what`: a safetensors file, random weights), where they would do nothing.
+pub fn check_blocks(args: WeightArgs, what: &str) -> Result<()> {
+    if args.dequantize {
+        bail!("--dequantize has no effect: {what} holds no quantized blocks (only GGUF files do)");
+    }
+    if args.int8_activations {
+        bail!("--int8-activations has no effect: {what} holds no quantized projections (only GGUF files do)");
+    }
+    Ok(())
+}
+
 /// `--precision`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
@@ -196,12 +208,13 @@ impl Target {
     }
 }
 
-/// `12.3 MiB (Q4_1 9.0, f32 3.3)`: the weight bytes where the backend keeps them, by format.
+/// `12.3 MiB (Q4_1 9.0 MiB, f32 3.3 MiB)`: the weight bytes where the backend keeps them, by
+/// format.
 pub fn describe(model: &Model) -> String {
-    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-    let parts: Vec<String> = model.weight_bytes().iter().map(|(f, b)| format!("{f} {:.1}", mib(*b))).collect();
+    let human = kiln_compiler::memory::human;
+    let parts: Vec<String> = model.weight_bytes().iter().map(|(f, b)| format!("{f} {}", human(*b))).collect();
     let total: u64 = model.weight_bytes().iter().map(|(_, b)| b).sum();
-    format!("{:.1} MiB ({})", mib(total), parts.join(", "))
+    format!("{} ({})", human(total), parts.join(", "))
 }
 
 /// The bytes of the weights by format, as JSON (`{"Q4_1": 123, ...}`).

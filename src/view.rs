@@ -6,6 +6,7 @@
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::print::{self, DotOptions};
 use kiln_compiler::graph::{Graph, Sym};
+use kiln_compiler::memory::human;
 use kiln_compiler::{lower, optimize};
 use std::collections::HashMap;
 use std::io::Write;
@@ -96,16 +97,19 @@ impl Stats {
     /// As `--stats` prints them.
     pub fn text(&self) -> String {
         let r = &self.report;
-        let mut s = format!("{}: {} blocks\n", self.model, self.blocks);
+        let mut s = format!("{}: {}\n", self.model, crate::report::count(self.blocks as usize, "block"));
         s += &format!("  dispatches    {} -> {}\n", r.dispatches.0, r.dispatches.1);
         s += &format!(
-            "  intermediates {} -> {} bytes (batch 1, seq 128; live peak {} -> {})\n",
-            self.intermediate_bytes.0, self.intermediate_bytes.1, self.live_peak_bytes.0, self.live_peak_bytes.1
+            "  intermediates {} -> {} (batch 1, seq 128; live peak {} -> {})\n",
+            human(self.intermediate_bytes.0),
+            human(self.intermediate_bytes.1),
+            human(self.live_peak_bytes.0),
+            human(self.live_peak_bytes.1)
         );
         s += &format!("  e-graph       {} nodes, {} classes\n", r.egraph_nodes, r.egraph_classes);
         s += &format!("  optimize      {:.1} ms\n", r.optimize_ms);
         for (phase, iterations, why) in &r.phases {
-            s += &format!("  phase {phase:<10} {iterations} iterations ({why})\n");
+            s += &format!("  phase {phase:<10} {} ({why})\n", crate::report::count(*iterations, "iteration"));
         }
         for (rule, n) in &r.applied {
             s += &format!("  rule {rule:<22} fired {n}x\n");

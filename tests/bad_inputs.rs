@@ -72,13 +72,20 @@ fn sequences_longer_than_the_positions() {
         "gpt2",
         "long",
         &[("input_ids", ids(vec![1, 33], vec![1; 33]))],
-        &["position 32 is out of range for `embed.positions` (32 rows)"],
+        &["input `input_ids` has 33 tokens per sequence, more than the model's `max_positions` = 32"],
     );
     refused(
         "bert",
         "long",
         &[("input_ids", ids(vec![2, 65], vec![1; 130]))],
-        &["position 64 is out of range for `embed.positions` (64 rows)"],
+        &["input `input_ids` has 65 tokens per sequence, more than the model's `max_positions` = 64"],
+    );
+    // RoPE has no table to run out of: `max_positions` is enforced all the same.
+    refused(
+        "llama",
+        "long",
+        &[("input_ids", ids(vec![1, 65], vec![1; 65]))],
+        &["input `input_ids` has 65 tokens per sequence, more than the model's `max_positions` = 64"],
     );
 }
 

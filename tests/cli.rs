@@ -392,6 +392,10 @@ fn generate_reports_why_it_stopped_and_nothing_for_no_tokens() {
         "{}",
         stderr(&o)
     );
+    // The load is reported apart from the prefill it would otherwise inflate; one is one token.
+    assert!(stderr(&o).contains("load: ") && stderr(&o).contains("; prefill: 3 tokens"), "{}", stderr(&o));
+    let o = run("1");
+    assert!(stderr(&o).contains("decode: 1 token,"), "{}", stderr(&o));
     let o = run("0");
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("nothing generated: --max-new-tokens is 0"), "{}", stderr(&o));
@@ -427,7 +431,7 @@ fn bad_inputs_are_reported() {
     gpt2_rejects_inputs(
         "long",
         &[("input_ids".into(), Tensor::i64(vec![1, 40], vec![1; 40]))],
-        &["position 32 is out of range for `embed.positions` (32 rows)"],
+        &["input `input_ids` has 40 tokens per sequence, more than the model's `max_positions` = 32"],
     );
     gpt2_rejects_inputs(
         "none",
@@ -619,7 +623,11 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
         &["bad sampling settings: temperature inf is not a finite number >= 0"],
     );
     let bert = root().join("models/bert.toml");
-    fails_with(&["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"], &["needs a decoder"]);
+    // The whole model is at fault, and its name is the location (never an empty "in ``").
+    fails_with(
+        &["generate", s(&bert), "--weights", s(&weights), "--prompt-ids", "1"],
+        &["kv_cache in `bert`: ", "needs a decoder"],
+    );
     fails_with(
         &["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1", "--decoder-start-id", "2"],
         &["--decoder-start-id is for encoder-decoder"],
@@ -827,7 +835,16 @@ fn generate_json_reports_ids_stop_reason_and_speed() {
     assert_eq!((&v["prompt_tokens"], &v["new_tokens"]), (&serde_json::json!(3), &serde_json::json!(4)));
     assert!(v["prefill_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     assert!(v["decode_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
-    assert!(stderr(&o).contains("decode: 4 tokens"), "{}", stderr(&o));
+    // Every figure is in the document, the time before the prompt ran apart from the prefill;
+    // nothing is on stderr.
+    for field in ["load_s", "compile_s", "prefill_s", "decode_s"] {
+        assert!(v[field].as_f64().is_some_and(|x| x >= 0.0), "{field}: {v}");
+    }
+    assert!(v["load_s"].as_f64() > Some(0.0), "{v}");
+    assert_eq!(v["compile_s"], 0.0, "the interpreter compiles no kernels: {v}");
+    let rate = v["prompt_tokens"].as_f64().unwrap() / v["prefill_s"].as_f64().unwrap();
+    assert!((rate / v["prefill_tok_s"].as_f64().unwrap() - 1.0).abs() < 1e-6, "{v}");
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     // A stop id ends it there.
     let stop = ids[1].to_string();
     let v = json_of(&kiln(&[&args[..], &["--json", "--stop-ids", &stop]].concat()));
@@ -857,4 +874,199 @@ fn quiet_silences_information_but_not_errors() {
         &["generate", "models/llama.toml", "--weights", s(&weights), "--prompt-ids", "1,999", "-q"],
         &["999", "outside the vocabulary"],
     );
+}
+
+/// `kiln run --random-weights --input-ids`: a spec runs with no file but the spec. The same seed
+/// gives the same model on every backend (drawn for the graph as built, before the optimizer);
+/// another seed another one; the ids are checked.
+#[test]
+fn run_with_random_weights_and_inline_ids() {
+    let dir = scratch("random");
+    let run = |backend: &str, seed: &str, out: &str| {
+        let out = dir.join(out);
+        let o = kiln(&[
+            "run",
+            "models/llama.toml",
+            "--random-weights",
+            "--seed",
+            seed,
+            "--input-ids",
+            "1,2,3;4,5,6",
+            "--output",
+            s(&out),
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap()
+    };
+    let interp = run("interp", "7", "interp.safetensors");
+    assert_eq!(interp.shape, [2, 3, 128]);
+    let cpu = run("cpu", "7", "cpu.safetensors");
+    assert!(cpu.max_abs_diff(&interp) <= 1e-4, "{}", cpu.max_abs_diff(&interp));
+    let other = run("cpu", "8", "other.safetensors");
+    assert!(other.max_abs_diff(&cpu) > 1e-3, "another seed draws other weights");
+    // An artifact runs with random weights too: those of its spec.
+    let art = dir.join("llama.kiln");
+    assert!(kiln(&["compile", "models/llama.toml", "-o", s(&art)]).status.success());
+    let out = dir.join("art.safetensors");
+    let args = ["run", s(&art), "--random-weights", "--seed", "7", "--input-ids", "1,2,3;4,5,6", "--output", s(&out)];
+    let o = kiln(&[&args[..], &["--backend", "cpu"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap();
+    assert!(got.max_abs_diff(&interp) <= 1e-4);
+    // An encoder takes the ids with its mask and token types defaulted.
+    let o = kiln(&["run", "models/bert.toml", "--random-weights", "--input-ids", "5,6,7", "--output", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("last_hidden_state: f32[1, 3, 64]"), "{}", stdout(&o));
+
+    let base = ["run", "models/llama.toml", "--random-weights", "--output", "/dev/null"];
+    fails_with(&[&base[..], &["--input-ids", "1,2,3;4,5"]].concat(), &["sequence 2 has 2 ids, the first has 3"]);
+    fails_with(&[&base[..], &["--input-ids", "1,two"]].concat(), &["`two` (sequence 1) is not a token id"]);
+    fails_with(&[&base[..], &["--input-ids", "1,999"]].concat(), &["999"]);
+    fails_with(
+        &["run", "models/vaswani.toml", "--random-weights", "--input-ids", "1,2", "--output", "/dev/null"],
+        &["--input-ids gives `input_ids`", "src_ids", "--inputs"],
+    );
+    // A seed without random weights, or no weights at all, is a usage error.
+    let o = kiln(&["run", "models/llama.toml", "--seed", "3", "--input-ids", "1", "--output", "/dev/null"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    fails_with(
+        &["run", "models/llama.toml", "--input-ids", "1", "--output", "/dev/null"],
+        &["--weights", "--random-weights"],
+    );
+}
+
+/// `kiln check --weights` reads and checks every parameter without running, and warns about the
+/// checkpoint's tensors the spec never reads: GPT-2 with post-norm has no final norm, so its
+/// checkpoint's `transformer.ln_f.*` would be dropped silently.
+#[test]
+fn check_weights_warns_about_tensors_the_spec_never_reads() {
+    let weights = "tests/fixtures/gpt2/model.safetensors";
+    let o = kiln(&["check", "models/gpt2.toml", "--weights", weights]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("weights      36 parameters from 28 tensors"), "{}", stdout(&o));
+    assert!(stderr(&o).is_empty(), "the pre-norm spec reads every tensor: {}", stderr(&o));
+
+    let spec = scratch("post-norm").join("gpt2-post.toml");
+    let source = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap();
+    std::fs::write(&spec, source.replace("placement = \"pre\"", "placement = \"post\"")).unwrap();
+    let o = kiln(&["check", s(&spec), "--weights", weights]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "warning: `tests/fixtures/gpt2/model.safetensors` holds 2 tensors the spec never reads: `transformer.ln_f.bias`, `transformer.ln_f.weight`"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = kiln(&["check", s(&spec), "--weights", weights, "--json"]);
+    let v = json_of(&o);
+    assert!(stderr(&o).is_empty(), "--json keeps stderr clean: {}", stderr(&o));
+    assert_eq!(v["weights"]["unused"], serde_json::json!(["transformer.ln_f.bias", "transformer.ln_f.weight"]));
+    assert_eq!(v["weights"]["parameters"], 34);
+
+    // A checkpoint that does not fit is refused at the map entry, as `run` refuses it.
+    fails_with(
+        &["check", "models/gpt2.toml", "--weights", "tests/fixtures/llama/model.safetensors"],
+        &["tensor `transformer.wte.weight` (for parameter `embed.tokens`) is not in", "--> models/gpt2.toml:"],
+    );
+    // FLOPs are counted at a length the model can run.
+    fails_with(&["check", "models/gpt2.toml", "--seq", "0"], &["--seq 0", "`max_positions` = 32"]);
+    fails_with(&["check", "models/gpt2.toml", "--seq", "33"], &["--seq 33", "`max_positions` = 32"]);
+    assert!(stdout(&kiln(&["check", "models/gpt2.toml"])).contains("forward at seq 32"));
+}
+
+/// A flag that would have no effect in its combination is refused, with the reason, before
+/// anything runs.
+#[test]
+fn flags_without_effect_are_refused() {
+    let llama = ["inspect", "models/llama.toml"];
+    let cases: &[(&[&str], &str)] = &[
+        (&["--explain"], "--explain lists the fused ops of the optimized graph: add --stage optimized"),
+        (&["--stage", "optimized", "--explain", "--format", "dot"], "--explain prints a text list"),
+        (&["--stats", "--format", "svg"], "--stats compares the graph before and after optimization"),
+        (&["--stats", "--stage", "optimized"], "drop --stage"),
+        (&["--html", "/dev/null", "--stage", "wgsl"], "the HTML report shows every stage"),
+        (&["--stage", "graph", "--backend", "cpu"], "the graph stage is not optimized"),
+        (&["--stage", "wgsl", "--backend", "cpu"], "the wgsl stage is wgpu's"),
+        (&["--layers", "0"], "--layers applies to drawings"),
+    ];
+    for (args, needle) in cases {
+        fails_with(&[&llama[..], args].concat(), &[needle]);
+    }
+    let o = kiln(&["inspect", "models/llama.toml", "--seq", "8"]);
+    assert_eq!(o.status.code(), Some(2), "--seq is the HTML report's: {}", stderr(&o));
+
+    let dir = scratch("no-effect");
+    let art = dir.join("gpt2.kiln");
+    assert!(kiln(&["compile", "models/gpt2.toml", "-o", s(&art)]).status.success());
+    fn run<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let base = ["run", model, "--weights", "tests/fixtures/gpt2/model.safetensors"];
+        [&base[..], &["--inputs", "tests/fixtures/gpt2/io.safetensors", "--output", "/dev/null"], extra].concat()
+    }
+    let cases: &[(&[&str], &str, &str)] = &[
+        (&["--no-optimize"], s(&art), "--no-optimize has no effect on an artifact"),
+        (&["--precision", "f16", "--backend", "interp"], "models/gpt2.toml", "the interpreter computes with f32"),
+        (&["--dequantize", "--backend", "interp"], "models/gpt2.toml", "--dequantize has no effect on the interpreter"),
+        (&["--dequantize", "--backend", "cpu"], "models/gpt2.toml", "holds no quantized blocks"),
+        (&["--int8-activations", "--backend", "cpu"], "models/gpt2.toml", "holds no quantized projections"),
+        (&["--threads", "2", "--backend", "interp"], "models/gpt2.toml", "--threads sets the CPU backend's threads"),
+        (&["--adapter", "x", "--backend", "cpu"], "models/gpt2.toml", "--adapter picks wgpu's GPU adapter"),
+    ];
+    for (extra, model, needle) in cases {
+        fails_with(&run(model, extra), &[needle]);
+    }
+    // An unwritable output is refused before the model runs, as a write.
+    let missing = dir.join("missing").join("out.safetensors");
+    let mut args = run("models/gpt2.toml", &[]);
+    *args.last_mut().unwrap() = s(&missing);
+    fails_with(&args, &["cannot write the outputs to"]);
+    fails_with(&["compile", "models/gpt2.toml", "-o", s(&missing)], &["cannot write the artifact to"]);
+    fails_with(&["inspect", "models/gpt2.toml", "-o", s(&missing)], &["cannot write `"]);
+}
+
+/// An artifact goes wherever a spec goes: `check` and `inspect` read the spec it stores (`--stage
+/// wgsl` shows the artifact's own plan), `generate` builds its step graph from it.
+#[test]
+fn artifacts_go_where_specs_go() {
+    let dir = scratch("artifact-everywhere");
+    let art = dir.join("llama.kiln");
+    assert!(kiln(&["compile", "models/llama.toml", "-o", s(&art), "--for", "cpu"]).status.success());
+    let spec_check = stdout(&kiln(&["check", "models/llama.toml"]));
+    let o = kiln(&["check", s(&art)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().skip(1).collect::<Vec<_>>(), spec_check.lines().skip(1).collect::<Vec<_>>());
+    let graph = kiln(&["inspect", s(&art)]);
+    assert!(graph.status.success(), "{}", stderr(&graph));
+    assert_eq!(stdout(&graph), stdout(&kiln(&["inspect", "models/llama.toml"])));
+    let wgsl = stdout(&kiln(&["inspect", s(&art), "--stage", "wgsl"]));
+    let plan = kiln_compiler::artifact::Artifact::read(&art).unwrap().plan;
+    assert!(wgsl.starts_with(&format!("// plan `llama`: {} steps", plan.steps.len())), "{wgsl}");
+    assert!(wgsl.contains("// step 0: ") && wgsl.contains("// ---- kernel 0: "), "{wgsl}");
+    let args = ["--weights", "tests/fixtures/llama/model.safetensors", "--prompt-ids", "1,2,3", "--print-ids"];
+    let from_spec = kiln(&[&["generate", "models/llama.toml"][..], &args, &["--backend", "cpu"]].concat());
+    let from_artifact = kiln(&[&["generate", s(&art)][..], &args, &["--backend", "cpu"]].concat());
+    assert!(from_artifact.status.success(), "{}", stderr(&from_artifact));
+    assert_eq!(stdout(&from_artifact), stdout(&from_spec));
+    // A weight error is shown at the map entry of the spec the artifact stores.
+    fails_with(
+        &["check", s(&art), "--weights", "tests/fixtures/gpt2/model.safetensors"],
+        &["(for parameter `embed.tokens`) is not in", "--> models/llama.toml:", "key: weights.preset"],
+    );
+}
+
+/// `kiln bench`'s default specs are built in: it runs from any directory (here the optimizer's
+/// time on the default spec at one block, the cheapest of its measurements).
+#[test]
+fn bench_runs_from_any_directory() {
+    let dir = scratch("elsewhere");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["bench", "--optimize-layers", "1", "--json"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let v = json_of(&o);
+    assert_eq!(v[0]["layers"], 1, "{v}");
+    assert!(v[0]["dispatches"]["optimized"].as_u64() < v[0]["dispatches"]["unoptimized"].as_u64(), "{v}");
 }

@@ -132,6 +132,8 @@ fn sentence_transformers_directory() {
             {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]"#,
     )
     .unwrap();
+    std::fs::write(dir.join("sentence_bert_config.json"), r#"{"max_seq_length": 256, "do_lower_case": false}"#)
+        .unwrap();
     std::fs::write(
         dir.join("1_Pooling/config.json"),
         r#"{"word_embedding_dimension": 384, "pooling_mode_cls_token": false, "pooling_mode_mean_tokens": true}"#,

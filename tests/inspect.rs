@@ -190,12 +190,19 @@ fn svg_and_png_are_drawn_by_graphviz() {
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG file");
 }
 
+/// Without Graphviz there is no SVG or PNG: the command fails (nothing written, not DOT text in a
+/// `.svg`) and says how to get the DOT text instead.
 #[test]
-fn without_graphviz_svg_falls_back_to_dot_text() {
-    let o = kiln_without_graphviz(&["inspect", "models/llama.toml", "--format", "svg"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).starts_with("digraph \"llama\" {"), "{}", stdout(&o));
-    assert!(stderr(&o).contains("Graphviz `dot` is not on the PATH"), "{}", stderr(&o));
+fn without_graphviz_svg_is_refused() {
+    let out = scratch("no-dot").join("g.svg");
+    for args in [&["--format", "svg"][..], &["--format", "png", "-o", out.to_str().unwrap()]] {
+        let o = kiln_without_graphviz(&[&["inspect", "models/llama.toml"][..], args].concat());
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+        assert!(stderr(&o).contains("Graphviz `dot` is not on the PATH"), "{}", stderr(&o));
+        assert!(stderr(&o).contains("--format dot"), "{}", stderr(&o));
+    }
+    assert!(!out.exists(), "nothing is written");
 }
 
 #[test]

@@ -30,6 +30,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     written
 }
 
+/// Whether [`write_atomic`] could write `path`, checked without touching it: a device is
+/// opened for writing (not truncated); otherwise the temporary file `write_atomic` would make
+/// next to it is created and removed. Commands call it before long work, so that an unwritable
+/// output is refused at once rather than after the model ran. A directory is an error.
+pub fn check_writable(path: &Path) -> io::Result<()> {
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)?,
+        _ => path.to_path_buf(),
+    };
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => {
+            return Err(io::Error::new(io::ErrorKind::IsADirectory, "it is a directory, not a file"));
+        }
+        Ok(m) if !m.is_file() => return std::fs::OpenOptions::new().write(true).open(&path).map(drop),
+        _ => {}
+    }
+    let tmp = temporary(&path)?;
+    std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    std::fs::remove_file(&tmp)
+}
+
 /// `dir/.NAME.tmp-PID` for `dir/NAME`.
 fn temporary(path: &Path) -> io::Result<PathBuf> {
     let name = path.file_name().ok_or_else(|| {
@@ -90,5 +111,22 @@ mod tests {
         let path = dir.join("missing-dir").join("out.bin");
         assert!(write_atomic(&path, b"x").is_err());
         assert!(write_atomic(Path::new("/"), b"x").is_err());
+    }
+
+    #[test]
+    fn writability_is_checked_without_a_trace() {
+        let dir = scratch("writable");
+        let path = dir.join("out.bin");
+        check_writable(&path).unwrap();
+        assert!(!path.exists(), "nothing is left behind");
+        std::fs::write(&path, b"old").unwrap();
+        check_writable(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert!(check_writable(&dir.join("missing-dir").join("out.bin")).is_err());
+        assert!(check_writable(&dir).is_err());
+        #[cfg(unix)]
+        check_writable(Path::new("/dev/null")).unwrap();
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["out.bin"]);
     }
 }

@@ -153,7 +153,16 @@ fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure
             )));
         }
     }
-    Ok(Some(SentencePooling { normalize }))
+    // The longest input the pipeline embeds, where its config says.
+    let st_config = dir.join("sentence_bert_config.json");
+    let max_seq_length = if st_config.is_file() {
+        let config: serde_json::Value = serde_json::from_str(&read(&st_config)?)
+            .map_err(|e| ImportFailure::Layout(format!("`{}`: not valid JSON: {e}", st_config.display())))?;
+        config.get("max_seq_length").and_then(serde_json::Value::as_u64)
+    } else {
+        None
+    };
+    Ok(Some(SentencePooling { normalize, max_seq_length }))
 }
 
 /// A GGUF file: the spec from its metadata.

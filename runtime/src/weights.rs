@@ -93,6 +93,14 @@ pub enum WeightError {
     /// A tensor, or the file, would not fit in memory.
     #[error(transparent)]
     Memory(#[from] memory::MemoryError),
+    /// A file could not be written.
+    #[error("cannot write `{path}`: {error}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        error: std::io::Error,
+    },
     /// The tensor holds NaN or infinite values.
     #[error("tensor `{tensor}` holds a non-finite value ({value}) at element {index}")]
     NonFinite {
@@ -544,7 +552,7 @@ pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>, WeightError>
 
 /// Writes f32/i64 tensors to a safetensors file, atomically ([`kiln_compiler::file::write_atomic`]).
 pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), WeightError> {
-    let io = |error| WeightError::Io { path: path.into(), error };
+    let io = |error| WeightError::Write { path: path.into(), error };
     let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| match &t.data {

@@ -31,8 +31,9 @@ pub fn build(r: &Resolved) -> R<Graph> {
 /// `src_padding` when the spec has padding masks. Decoder-only specs with padding masks are not
 /// supported here (a cache holds one unpadded sequence).
 pub fn build_cached(r: &Resolved) -> R<Graph> {
+    // The whole model is at fault: its name is the scope.
     let unsupported =
-        |message: &str| GraphError { op: "kv_cache".into(), scope: String::new(), message: message.into() };
+        |message: &str| GraphError { op: "kv_cache".into(), scope: r.spec.model.name.clone(), message: message.into() };
     match r.spec.model.kind {
         BlockKind::Encoder => Err(unsupported(
             "generation with a key/value cache needs a decoder (kind = \"decoder\" or \"encoder-decoder\")",
@@ -56,7 +57,7 @@ pub fn build_encoder(r: &Resolved) -> R<Graph> {
     if spec.model.kind != BlockKind::EncoderDecoder {
         return Err(GraphError {
             op: "encoder".into(),
-            scope: String::new(),
+            scope: spec.model.name.clone(),
             message: "only an encoder-decoder spec has a separate encoder".into(),
         });
     }

@@ -57,7 +57,7 @@ pub struct Node {
 
 /// A shape or type error while building or checking a graph.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("{op} in `{scope}`: {message}")]
+#[error("{op} in {}: {message}", scope_name(.scope))]
 pub struct GraphError {
     /// The op that could not be typed.
     pub op: String,
@@ -65,6 +65,15 @@ pub struct GraphError {
     pub scope: String,
     /// What is wrong, with the operand shapes.
     pub message: String,
+}
+
+/// A scope for a message: `` `layers.0.attn` ``, or for a node outside every scope, what that is
+/// (never an empty `` `` ``).
+pub fn scope_name(scope: &str) -> String {
+    match scope {
+        "" => "the model's top level".into(),
+        scope => format!("`{scope}`"),
+    }
 }
 
 /// A dataflow graph with named outputs.
@@ -165,7 +174,7 @@ impl Graph {
         if self.order().len() != self.g.node_count() {
             return Err(GraphError {
                 op: "graph".into(),
-                scope: String::new(),
+                scope: self.name.clone(),
                 message: "the graph has a cycle".into(),
             });
         }

@@ -528,6 +528,11 @@ pub struct Outputs {
     /// Scale the pooled vector to unit L2 norm (sentence-transformers' `Normalize` module).
     #[serde(default)]
     pub normalize: bool,
+    /// The longest input, in tokens, that the model's own pipeline embeds (sentence-transformers'
+    /// `max_seq_length`: all-MiniLM-L6-v2 stops at 256 of its 512 positions); `kiln embed`
+    /// truncates there. `None`: `model.max_positions`.
+    #[serde(default)]
+    pub max_seq_length: Option<u64>,
 }
 
 impl Default for Outputs {
@@ -538,6 +543,7 @@ impl Default for Outputs {
             encoder_hidden_state: false,
             pooling: Pooling::None,
             normalize: false,
+            max_seq_length: None,
         }
     }
 }

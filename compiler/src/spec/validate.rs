@@ -132,6 +132,9 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             format!("each key/value head serves the same number of query heads; use one of {}", divisors.join(", ")),
         );
     }
+    // Whether `head_dim` is what the spec means: written, or d_model split evenly. Rules that
+    // derive from it are not checked otherwise, so the root cause is the one error shown.
+    let head_dim_sound = a.head_dim.is_some() || (a.heads > 0 && m.d_model.is_multiple_of(a.heads));
     let head_dim = match a.head_dim {
         Some(hd) => {
             c.bounded("attention.head_dim", hd, limits.d_model);
@@ -253,7 +256,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             } else {
                 let rotated = head_dim as f64 * p.fraction;
                 rotary_dim = rotated.round() as u64;
-                if (rotated - rotated.round()).abs() > 1e-9 || rotary_dim % 2 != 0 || rotary_dim == 0 {
+                let bad = (rotated - rotated.round()).abs() > 1e-9 || rotary_dim % 2 != 0 || rotary_dim == 0;
+                if bad && head_dim_sound {
                     // Blame the fraction if it is written, else the head width it multiplies.
                     let key = if index.value("positions.fraction").is_some() {
                         "positions.fraction"
@@ -463,6 +467,25 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "normalize applies to a pooled output",
             "`outputs.normalize` is set but `outputs.pooling` is \"none\"".into(),
         );
+    }
+    if let Some(len) = o.max_seq_length {
+        if o.pooling == Pooling::None {
+            c.error(
+                "outputs.max_seq_length",
+                "max_seq_length applies to a pooled output",
+                "`outputs.max_seq_length` is set but `outputs.pooling` is \"none\": only `kiln embed` truncates there"
+                    .into(),
+            );
+        } else if len == 0 || len > spec.model.max_positions {
+            c.error(
+                "outputs.max_seq_length",
+                "max_seq_length is within the positions",
+                format!(
+                    "`outputs.max_seq_length` = {len} must be from 1 to `model.max_positions` = {}",
+                    spec.model.max_positions
+                ),
+            );
+        }
     }
     for (key, cap) in [("attention.softcap", spec.attention.softcap), ("head.softcap", spec.head.softcap)] {
         if let Some(cap) = cap {

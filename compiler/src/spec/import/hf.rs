@@ -825,6 +825,9 @@ fn sentence_pooling(d: &mut Draft, pooling: SentencePooling) {
     if pooling.normalize {
         d.set("outputs", "normalize", true, format!("{note} (a Normalize module)"));
     }
+    if let Some(len) = pooling.max_seq_length {
+        d.set("outputs", "max_seq_length", len, "sentence-transformers: sentence_bert_config.json: max_seq_length");
+    }
 }
 
 /// T5 (v1.0 and v1.1) and mT5: relative position bias, RMSNorm, no biases.

@@ -61,6 +61,8 @@ pub struct Hints {
 pub struct SentencePooling {
     /// A `Normalize` module follows the pooling.
     pub normalize: bool,
+    /// The longest input the pipeline embeds (`sentence_bert_config.json`: `max_seq_length`).
+    pub max_seq_length: Option<u64>,
 }
 
 /// An imported spec.
