@@ -242,22 +242,28 @@ fn run(
     // The absolute position of query row 0 among the keys (queries are the last `s` of `t`).
     let offset = t - s.min(t);
     let rows = Rows { g, q: (q, ql), k: (k, kl), v: (v, vl), mask, table, slopes: &slopes, group, offset };
-    // A block-sparse pattern takes the row form, which visits only the attended key blocks.
-    if s >= MIN_BLOCK_ROWS && g.mods.sparse.is_none() {
-        // Prefill: blocks of query rows per key/value head, keys transposed once per block.
-        let blocks = s.div_ceil(TILE_ROWS);
+    // Prefill: blocks of query rows per key/value head, each against the keys its rows attend —
+    // one range for a causal or windowed block, the attended key blocks of a block pattern (its
+    // query blocks are the row blocks, so every row of one attends the same keys).
+    let tile = match g.mods.sparse {
+        Some(p) => p.block.max(1),
+        None => TILE_ROWS,
+    };
+    // (A block pattern's row blocks are its query blocks only when the queries start on a block.)
+    if s >= MIN_BLOCK_ROWS && offset % tile == 0 {
+        let blocks = s.div_ceil(tile);
         let parts: Vec<Vec<f32>> = (0..b * kv * blocks)
             .into_par_iter()
             .map_init(Vec::new, |scratch, task| {
                 let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
-                rows.block(bi, kvh, rb * TILE_ROWS..((rb + 1) * TILE_ROWS).min(s), scratch)
+                rows.block(bi, kvh, rb * tile..((rb + 1) * tile).min(s), scratch)
             })
             .collect();
         for (task, part) in parts.iter().enumerate() {
             let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
             let cols = group * d;
             for (i, p) in part.chunks(cols).enumerate() {
-                let row = bi * s + rb * TILE_ROWS + i;
+                let row = bi * s + rb * tile + i;
                 out[row * width + kvh * cols..][..cols].copy_from_slice(p);
             }
         }
@@ -322,62 +328,93 @@ impl Rows<'_> {
         self.block_inner(bi, kvh, rows, p)
     }
 
+    /// The keys a row attends, as ascending ranges: by position (causal, window), or the key
+    /// blocks of its query block under a block pattern.
+    fn key_ranges(&self, si: usize) -> Vec<(usize, usize)> {
+        let (g, t) = (self.g, self.g.t);
+        let qi = si + self.offset;
+        match g.mods.sparse {
+            Some(p) => {
+                let block = p.block.max(1);
+                let blocks = g.s.max(t).div_ceil(block);
+                p.attended(qi / block, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
+            }
+            None => {
+                let hi = if g.causal { (qi + 1).min(t) } else { t };
+                let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+                vec![(lo, hi)]
+            }
+        }
+    }
+
     /// [`Rows::block`]'s body, built for the baseline and for AVX2/FMA.
     #[inline(always)]
     fn block_inner(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
         let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
         let (t, d, group) = (g.t, g.d, self.group);
-        let range = |si: usize| {
-            let qi = si + self.offset;
-            let hi = if g.causal { (qi + 1).min(t) } else { t };
-            let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
-            (lo, hi)
+        // The block's keys: the union of its rows' ranges (one range by position; a block
+        // pattern's rows all share their query block's), each range at a column offset of `p`.
+        let ranges: Vec<(usize, usize)> = match g.mods.sparse {
+            Some(_) => self.key_ranges(rows.start),
+            None => {
+                let (first, last) = (self.key_ranges(rows.start)[0], self.key_ranges(rows.end - 1)[0]);
+                vec![(first.0.min(last.0), first.1.max(last.1))]
+            }
         };
-        let (first, last) = (range(rows.start), range(rows.end - 1));
-        let (k0, k1) = (first.0.min(last.0), first.1.max(last.1));
-        let (m, n) = (rows.len(), k1 - k0);
+        let n: usize = ranges.iter().map(|&(a, z)| z - a).sum();
+        let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
+        let m = rows.len();
         let mut out = vec![0.0f32; m * group * d];
         p.clear();
         p.resize(m * n, 0.0);
         // Per row of the block: 1 / the softmax's sum (1 for a row with every key masked).
         let mut inv = vec![1.0f32; m];
         // The key mask of this sequence over the block's keys, once per block.
-        let keys: Option<Vec<bool>> = self.mask.map(|mask| (k0..k1).map(|ti| mask[bi * t + ti] != 0.0).collect());
+        let masked: Option<Vec<bool>> = self.mask.map(|mask| keys().map(|ti| mask[bi * t + ti] != 0.0).collect());
         for j in 0..group {
             let hq = kvh * group + j;
-            // SAFETY: `q` holds the block's rows of head `hq` at stride `ql.row`, `k` and `v` its
-            // keys `k0..k1` of head `kvh` at strides `kl.row` / `vl.row` (checked by `run`), `p`
-            // holds m x n and `out` m rows of `group * d`; the destinations alias nothing read.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    d,
-                    p.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    q.as_ptr().add(ql.at(bi, hq, rows.start)),
-                    1,
-                    ql.row as isize,
-                    k.as_ptr().add(kl.at(bi, kvh, k0)),
-                    kl.row as isize,
-                    1,
-                    0.0,
-                    g.scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            let mut col = 0;
+            for &(k0, k1) in &ranges {
+                // SAFETY: `q` holds the block's rows of head `hq` at stride `ql.row`, `k` and `v`
+                // its keys `k0..k1` of head `kvh` at strides `kl.row` / `vl.row` (checked by
+                // `run`), `p` holds m x n with these keys' columns at `col..col + k1 - k0`.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        k1 - k0,
+                        d,
+                        p.as_mut_ptr().add(col),
+                        1,
+                        n as isize,
+                        false,
+                        q.as_ptr().add(ql.at(bi, hq, rows.start)),
+                        1,
+                        ql.row as isize,
+                        k.as_ptr().add(kl.at(bi, kvh, k0)),
+                        kl.row as isize,
+                        1,
+                        0.0,
+                        g.scale,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += k1 - k0;
             }
             for (i, si) in rows.clone().enumerate() {
                 let qi = si + self.offset;
-                let (lo, hi) = range(si);
                 let row = &mut p[i * n..][..n];
-                // Keys outside the row's range, or masked, at -inf; ALiBi on the others. (Whole
-                // slices and branch-free selects, so each pass vectorizes.)
-                let (a, z) = (lo - k0, hi - k0);
+                // Keys outside the row's own range (by position), or masked, at -inf; the score
+                // modifiers on the others. (Whole slices and branch-free selects where it can.)
+                let (a, z) = match g.mods.sparse {
+                    Some(_) => (0, n),
+                    None => {
+                        let (lo, hi) = self.key_ranges(si)[0];
+                        (lo - ranges[0].0, hi - ranges[0].0)
+                    }
+                };
                 row[..a].fill(f32::NEG_INFINITY);
                 row[z..].fill(f32::NEG_INFINITY);
                 if let Some(cap) = g.mods.softcap {
@@ -385,23 +422,23 @@ impl Rows<'_> {
                 }
                 if g.alibi {
                     let slope = self.slopes[hq];
-                    for (ti, x) in (lo..hi).zip(&mut row[a..z]) {
+                    for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
                         *x += slope * (ti as f32 - qi as f32);
                     }
                 }
                 if let (Some(table), Some(r)) = (self.table, g.mods.relative) {
-                    for (ti, x) in (lo..hi).zip(&mut row[a..z]) {
+                    for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
                         let bucket = relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance);
                         *x += table[bucket * g.heads + hq];
                     }
                 }
-                if let Some(keys) = &keys {
-                    for (x, &keep) in row[a..z].iter_mut().zip(&keys[a..z]) {
+                if let Some(keep) = &masked {
+                    for (x, &keep) in row[a..z].iter_mut().zip(&keep[a..z]) {
                         *x = if keep { *x } else { f32::NEG_INFINITY };
                     }
                 }
                 let max = max_of(row);
-                if hi == lo || max <= f32::MIN {
+                if z == a || max <= f32::MIN {
                     // Every key masked: uniform over all keys, as the interpreter's softmax.
                     row.fill(0.0);
                     let o = &mut out[(i * group + j) * d..][..d];
@@ -417,29 +454,33 @@ impl Rows<'_> {
                 inv[i] = (1.0 / sum_of(row)) as f32;
             }
             // Rows whose keys were all masked are zero in `p` and were written above: add to them.
-            // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    d,
-                    n,
-                    out.as_mut_ptr().add(j * d),
-                    1,
-                    (group * d) as isize,
-                    true,
-                    p.as_ptr(),
-                    1,
-                    n as isize,
-                    v.as_ptr().add(vl.at(bi, kvh, k0)),
-                    1,
-                    vl.row as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            let mut col = 0;
+            for &(k0, k1) in &ranges {
+                // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        d,
+                        k1 - k0,
+                        out.as_mut_ptr().add(j * d),
+                        1,
+                        (group * d) as isize,
+                        true,
+                        p.as_ptr().add(col),
+                        1,
+                        n as isize,
+                        v.as_ptr().add(vl.at(bi, kvh, k0)),
+                        1,
+                        vl.row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += k1 - k0;
             }
             for (i, &r) in inv.iter().enumerate() {
                 out[(i * group + j) * d..][..d].iter_mut().for_each(|x| *x *= r);
@@ -454,18 +495,8 @@ impl Rows<'_> {
         let (s, t, d) = (g.s, g.t, g.d);
         let (bi, si) = (row / s, row % s);
         let qi = si + self.offset;
-        // Keys this row attends, as ranges: by position, or the key blocks of its query block
-        // under a block pattern (only those are visited); a key mask hides more within them.
-        let hi = if g.causal { (qi + 1).min(t) } else { t };
-        let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
-        let ranges: Vec<(usize, usize)> = match g.mods.sparse {
-            Some(p) => {
-                let block = p.block.max(1);
-                let blocks = s.max(t).div_ceil(block);
-                p.attended(qi / block, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
-            }
-            None => vec![(lo, hi)],
-        };
+        // Keys this row attends (only those are visited); a key mask hides more within them.
+        let ranges = self.key_ranges(si);
         let n: usize = ranges.iter().map(|&(a, z)| z.saturating_sub(a)).sum();
         let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
         for kvh in 0..g.kv_heads {
