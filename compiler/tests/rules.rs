@@ -404,7 +404,8 @@ fn low_rank_graph(both: bool) -> Graph {
         let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(heads), Dim::Fixed(hd)];
         let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
         let y = g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap();
-        let e = g.param(&format!("{name}.proj"), &[8, r]);
+        // More rows than the cost model's sequence: only the first `n` are read.
+        let e = g.param(&format!("{name}.proj"), &[4096, r]);
         let e = g.add(Op::Truncate { len: Dim::Sym(Sym::Seq) }, &[e]).unwrap();
         let t = g.add(Op::Permute { perm: vec![0, 1, 3, 2] }, &[y]).unwrap();
         let p = g.add(Op::MatMul { transpose_b: false }, &[t, e]).unwrap();

@@ -81,10 +81,11 @@ impl CostModel {
         let bytes_in: f64 = match op {
             // Reads only its heads' columns (and the cache), as many as it writes.
             Op::Heads { .. } => bytes_out,
-            // Reads its heads' columns of `x`, and `e`.
+            // Reads its heads' columns of `x`, and the first `n` rows of `e`.
             Op::LowRank { heads, head_dim, .. } => {
                 let n = operands.first().and_then(|x| x.get(1)).map_or(1.0, |n| self.elements(&vec![*n]));
-                4.0 * n * (heads * head_dim) as f64 + operands.get(1).map_or(0.0, |e| 4.0 * self.elements(e))
+                let r = operands.get(1).and_then(|e| e.get(1)).map_or(1.0, |r| self.elements(&vec![*r]));
+                4.0 * n * ((heads * head_dim) as f64 + r)
             }
             _ => operands.iter().map(|s| 4.0 * self.elements(s)).sum(),
         };
