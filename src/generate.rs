@@ -29,7 +29,7 @@ pub struct Request<'a> {
     /// Most tokens to generate.
     pub max_new: usize,
     /// Token choice.
-    pub sampler: Sampler,
+    pub sampling: Sampling,
     /// Generation stops after any of these.
     pub stop: Vec<i64>,
     /// The backend (resolved: `wgpu`, `cpu` or `interp`).
@@ -44,7 +44,117 @@ pub struct Request<'a> {
     pub storage: crate::storage::WeightArgs,
 }
 
-/// The time spent before the prompt runs, apart from the prefill it would otherwise inflate.
+/// How `kiln generate` chooses tokens: greedily unless asked to sample; a chat samples by default,
+/// with the model's recommended settings where its files carry them ([`recommended`]), else
+/// [`CHAT_DEFAULTS`]. Each flag overrides its setting.
+#[derive(clap::Args)]
+pub struct SamplingArgs {
+    /// Decode greedily (the most likely token at each step): the default without `--chat`.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "repetition_penalty", "seed"])]
+    greedy: bool,
+    /// Sampling temperature (0 = greedy). Default: 0, or with `--chat` the model's recommended one
+    /// (its `generation_config.json`), else 0.7.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample among the k most likely tokens only (0 = all). Chat default: recommended, else 40.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens holding this much probability. Chat default:
+    /// recommended, else 0.9.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Penalise tokens already in the sequence (1 = off). Chat default: recommended, else 1.1.
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Seed of the sampler (default: from the clock; reported, so a run can be repeated).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+/// A chat's sampling settings when the model's files recommend none: `(temperature, top_k,
+/// top_p, repetition_penalty)`, what chat front ends commonly default to (a mild repetition
+/// penalty keeps a small model out of loops).
+pub const CHAT_DEFAULTS: (f32, usize, f32, f32) = (0.7, 40, 0.9, 1.1);
+
+/// The sampler a generation uses and how to report it.
+pub struct Sampling {
+    /// The sampler.
+    pub sampler: Sampler,
+    /// Its settings and where they came from, for `--json` (`null` fields when greedy).
+    pub report: serde_json::Value,
+    /// The same as one line of text.
+    pub line: String,
+}
+
+impl SamplingArgs {
+    /// The sampler for a generation (`chat`: the prompt is a chat turn) with weights at `weights`.
+    pub fn resolve(&self, chat: bool, weights: &Path) -> Result<Sampling> {
+        let explicit = self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some();
+        if self.greedy || (!chat && !explicit && self.repetition_penalty.is_none()) || self.temperature == Some(0.0) {
+            let why = if self.greedy || self.temperature == Some(0.0) { "asked" } else { "the default without --chat" };
+            return Ok(Sampling {
+                sampler: Sampler::greedy(),
+                report: serde_json::json!({"greedy": true}),
+                line: format!("sampling: greedy ({why})"),
+            });
+        }
+        let (base, source) = match (chat, recommended(weights)?) {
+            (true, Some((settings, path))) => (settings, format!("recommended by {}", path.display())),
+            (true, None) => (CHAT_DEFAULTS, "chat defaults".to_string()),
+            // Sampling asked without a chat: unset settings off, as the flags' neutral values.
+            (false, _) => ((0.0, 0, 1.0, 1.0), "flags".to_string()),
+        };
+        let temperature = self.temperature.unwrap_or(if chat { base.0 } else { 1.0 });
+        let (top_k, top_p) = (self.top_k.unwrap_or(base.1), self.top_p.unwrap_or(base.2));
+        let repetition_penalty = self.repetition_penalty.unwrap_or(base.3);
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        let sampler = Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
+        if sampler.temperature == 0.0 {
+            return Ok(Sampling {
+                sampler,
+                report: serde_json::json!({"greedy": true, "source": source}),
+                line: format!("sampling: greedy ({source})"),
+            });
+        }
+        Ok(Sampling {
+            report: serde_json::json!({"greedy": false, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                "repetition_penalty": repetition_penalty, "seed": seed, "source": source}),
+            line: format!(
+                "sampling: temperature {temperature}, top-k {top_k}, top-p {top_p}, repetition penalty \
+                 {repetition_penalty}, seed {seed} ({source}; --greedy decodes greedily)"
+            ),
+            sampler,
+        })
+    }
+}
+
+/// The sampling settings a model's files recommend: `generation_config.json` beside the weights
+/// (a Hugging Face model directory), read as transformers reads it (`do_sample = false`: greedy).
+/// `None` when there is no such file.
+pub fn recommended(weights: &Path) -> Result<Option<((f32, usize, f32, f32), std::path::PathBuf)>> {
+    let dir = if weights.is_dir() { weights } else { weights.parent().unwrap_or(Path::new(".")) };
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("`{}` is not valid JSON", path.display()))?;
+    let f = |key: &str, default: f64| cfg.get(key).and_then(serde_json::Value::as_f64).unwrap_or(default);
+    // A file that names no sampling setting recommends none (it may hold only special ids).
+    if !["do_sample", "temperature", "top_k", "top_p", "repetition_penalty"].iter().any(|k| cfg.get(*k).is_some()) {
+        return Ok(None);
+    }
+    if cfg.get("do_sample").and_then(serde_json::Value::as_bool) == Some(false) {
+        return Ok(Some(((0.0, 0, 1.0, f("repetition_penalty", 1.0) as f32), path)));
+    }
+    let top_k = cfg.get("top_k").and_then(serde_json::Value::as_u64).unwrap_or(50) as usize;
+    Ok(Some(((f("temperature", 1.0) as f32, top_k, f("top_p", 1.0) as f32, f("repetition_penalty", 1.0) as f32), path)))
+}
+
+/// The time spent before the prompt runs/// The time spent before the prompt runs, apart from the prefill it would otherwise inflate.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Timings {
     /// Optimizing, lowering, reading and uploading the weights, in seconds.
@@ -135,7 +245,7 @@ pub fn run(
         session.reset();
         timings.compile_s += warm_up.elapsed().as_secs_f64();
     }
-    let mut sampler = req.sampler;
+    let mut sampler = req.sampling.sampler.clone();
     let (ids, mut stats) = generate(&mut session, &prompt, req.max_new, &mut sampler, &req.stop, on_token)?;
     if stats.prefill_s > 0.0 {
         // An encoder-decoder's prompt is its source: encoding it is part of the prefill.
@@ -221,6 +331,10 @@ pub fn run_cli(
     let prompt = req.prompt.clone();
     let mut out = std::io::stdout();
     let backend = req.backend.name();
+    let sampling = req.sampling.report.clone();
+    if output != Output::Json {
+        reporter.info(format_args!("{}", req.sampling.line));
+    }
     let (ids, stats, timings) = match (output, tokenizer.as_ref()) {
         (Output::Json, _) => run(fe, req, reporter, |_| !interrupted())?,
         (Output::Text, Some(tok)) => {
@@ -266,6 +380,7 @@ pub fn run_cli(
         };
         let mut value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats, &timings);
         value["backend"] = backend.into();
+        value["sampling"] = sampling;
         // Every figure is in the document: nothing on stderr.
         let _ = writeln!(out, "{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
@@ -310,8 +425,9 @@ fn stop_reason(stop: Stop) -> &'static str {
 /// tokenizer's end of sequence), `context_full` (`max_positions` reached) or `interrupted`
 /// (Ctrl-C)), `prompt_tokens`, `new_tokens`, `load_s` (optimizing, lowering, reading and
 /// uploading weights), `compile_s` (compiling kernels; 0 but on wgpu), `prefill_s`, `decode_s`,
-/// `prefill_tok_s` and `decode_tok_s` (0 when nothing was generated) (and `backend`, added by the
-/// caller).
+/// `prefill_tok_s` and `decode_tok_s` (0 when nothing was generated) (and `backend` and `sampling`
+/// (`greedy`, and when sampling `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`,
+/// `source`), added by the caller).
 fn json(
     model: &str,
     prompt: &[i64],

@@ -120,21 +120,8 @@ enum Command {
         /// Most tokens to generate.
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
-        /// Sampling temperature (0 = greedy).
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f32,
-        /// Sample among the k most likely tokens only (0 = all).
-        #[arg(long, default_value_t = 0)]
-        top_k: usize,
-        /// Sample among the most likely tokens holding this much probability.
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f32,
-        /// Penalise tokens already in the sequence (1 = off).
-        #[arg(long, default_value_t = 1.0)]
-        repetition_penalty: f32,
-        /// Seed of the sampler.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
+        #[command(flatten)]
+        sampling: generate::SamplingArgs,
         /// Stop after any of these token ids, comma-separated.
         #[arg(long, value_delimiter = ',')]
         stop_ids: Vec<i64>,
@@ -477,11 +464,7 @@ fn run(cli: Cli) -> Result<()> {
             tokenizer,
             print_ids,
             max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            repetition_penalty,
-            seed,
+            sampling,
             stop_ids,
             json,
             exec,
@@ -492,14 +475,14 @@ fn run(cli: Cli) -> Result<()> {
             let Exec { adapter, no_optimize, weights: storage, .. } = exec;
             let fe = load_spec(&spec)?;
             let (weights, tokenizer) = (import::weights_for(weights, &spec)?, import::tokenizer_for(tokenizer, &spec));
-            let sampler = kiln_runtime::Sampler::new(temperature, top_k, top_p, repetition_penalty, seed)?;
+            let sampling = sampling.resolve(chat, &weights)?;
             let text = prompt.as_deref().map(|text| generate::TextPrompt { text, chat, system: system.as_deref() });
             let req = generate::Request {
                 weights: &weights,
                 prompt: prompt_ids,
                 decoder_start: decoder_start_id,
                 max_new: max_new_tokens,
-                sampler,
+                sampling,
                 stop: stop_ids,
                 backend,
                 adapter: adapter.as_deref(),

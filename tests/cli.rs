@@ -543,6 +543,44 @@ fn a_closed_pipe_is_not_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A chat samples by default (chat defaults here: the GGUF's directory has no
+/// `generation_config.json`), reproducibly for one seed, and reports its settings; `--greedy` is
+/// one flag away and refuses sampling flags beside it.
+#[test]
+fn generate_chat_samples_by_default() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> =
+            ["generate", "models/smollm2-135m.toml", "--weights", s(&weights)].iter().map(|x| x.to_string()).collect();
+        a.extend(
+            ["--prompt", "Write a haiku about the sea.", "--chat", "--max-new-tokens", "12", "--backend", "cpu"]
+                .map(String::from),
+        );
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let run = |extra: &[&str]| {
+        let a = args(extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        json_of(&kiln(&a))
+    };
+    let (one, two) = (run(&["--seed", "7", "--json"]), run(&["--seed", "7", "--json"]));
+    assert_eq!(one["sampling"]["greedy"], false, "{one}");
+    assert_eq!(one["sampling"]["source"], "chat defaults", "{one}");
+    assert_eq!(one["sampling"]["seed"], 7, "{one}");
+    assert_eq!(one["generated_ids"], two["generated_ids"], "one seed, one continuation");
+    let greedy = run(&["--greedy", "--json"]);
+    assert_eq!(greedy["sampling"]["greedy"], true, "{greedy}");
+    // In text mode the settings are said on stderr.
+    let a = args(&["--seed", "7"]);
+    let o = kiln(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(stderr(&o).contains("sampling: temperature 0.7, top-k 40, top-p 0.9"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--greedy decodes greedily"), "{}", stderr(&o));
+    let a = args(&["--greedy", "--temperature", "0.5"]);
+    let o = kiln(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
 /// The quick-start path: a chat prompt as text, the GGUF weights' own tokenizer and chat
 /// template, greedy on wgpu, streamed as text; `<|im_end|>` (the GGUF's end-of-sequence id) stops
 /// it and is not printed.
@@ -558,6 +596,7 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
         "--prompt",
         "What is the capital of France?",
         "--chat",
+        "--greedy",
         "--max-new-tokens",
         "16",
         "--backend",
@@ -576,6 +615,7 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
         "--prompt",
         "What is the capital of France?",
         "--chat",
+        "--greedy",
         "--max-new-tokens",
         "16",
         "--backend",
