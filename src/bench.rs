@@ -364,6 +364,50 @@ fn slope(
 /// see [`slope`]). Prints them in the cost model's unit (one byte moved) next to the defaults.
 pub fn calibrate(target: &Target, json: bool) -> Result<()> {
     let runs = 5;
+    let (t_dispatch, t_byte, t_flop) = constants(target, runs)?;
+    let dispatch = t_dispatch / t_byte;
+    let flop = t_flop / t_byte;
+    let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
+    // A GPU adapter's constants are kept for the optimizer (see `costs`).
+    let saved = match target {
+        Target::Gpu(gpu) => {
+            Some(crate::costs::save(gpu.adapter_name(), &CostModel { dispatch, flop, ..CostModel::default() })?)
+        }
+        Target::Cpu { .. } => None,
+    };
+    if json {
+        let out = serde_json::json!({
+            "backend": target.backend(),
+            "adapter": target.describe(),
+            "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
+            "measured": {"dispatch": dispatch, "flop": flop},
+            "default": {"dispatch": default.dispatch, "flop": default.flop},
+            "saved": saved,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("cost model calibration on {} (medians of {runs})", target.describe());
+        println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
+        println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
+        println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
+        println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}");
+        println!("  defaults:  dispatch = {:.0}  flop = {:.3}", default.dispatch, default.flop);
+        if let Some(path) = saved {
+            println!("  saved as this adapter's cost model: {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// The cost model measured on `target` (see [`calibrate`]), as the optimizer takes it.
+pub fn measure(target: &Target) -> Result<CostModel> {
+    let (t_dispatch, t_byte, t_flop) = constants(target, 3)?;
+    Ok(CostModel { dispatch: t_dispatch / t_byte, flop: t_flop / t_byte, ..CostModel::default() })
+}
+
+/// The time (ms) of one dispatch, of one byte moved and of one projection FLOP on `target`,
+/// medians of `runs`.
+fn constants(target: &Target, runs: usize) -> Result<(f64, f64, f64)> {
     let scale = || (Op::Scale { factor: Scalar(1.0001) }, None);
     // Dispatch: 201 vs 1 scale of 64 floats.
     let small = |n: usize| chain(64, &vec![scale(); n]);
@@ -382,27 +426,7 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
         runs,
         "a matmul FLOP",
     )?;
-    let dispatch = t_dispatch / t_byte;
-    let flop = t_flop / t_byte;
-    let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
-    if json {
-        let out = serde_json::json!({
-            "backend": target.backend(),
-            "adapter": target.describe(),
-            "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
-            "measured": {"dispatch": dispatch, "flop": flop},
-            "default": {"dispatch": default.dispatch, "flop": default.flop},
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        println!("cost model calibration on {} (medians of {runs})", target.describe());
-        println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
-        println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
-        println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
-        println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}");
-        println!("  defaults:  dispatch = {:.0}  flop = {:.3}", default.dispatch, default.flop);
-    }
-    Ok(())
+    Ok((t_dispatch, t_byte, t_flop))
 }
 
 /// One projection shape of `kiln bench --kernels`.

@@ -201,13 +201,12 @@ pub fn run(
         crate::Backend::Interp => None,
         backend => Some(crate::storage::Target::new(backend, req.adapter, req.threads)?),
     };
+    let optimizer = req.backend.optimizer_target(req.adapter, reporter)?;
     // Builds, optimizes and loads one graph on the chosen engine.
     let engine_of = |graph: Graph| -> Result<Box<dyn Engine>> {
         let graph = match req.no_optimize {
             true => graph,
-            false => {
-                reporter.stage("optimizing", || optimize::optimize_for(&graph, &req.backend.optimizer_target()))?.0
-            }
+            false => reporter.stage("optimizing", || optimize::optimize_for(&graph, &optimizer))?.0,
         };
         Ok(match &target {
             None => {

@@ -62,8 +62,10 @@ pub struct InspectArgs {
     /// (default 32).
     #[arg(long, requires = "html")]
     seq: Option<usize>,
-    /// With `--profile`: GPU adapter (as for `run`).
-    #[arg(long, requires = "profile")]
+    /// With `--profile`: GPU adapter (as for `run`). With `--stage optimized` or `--stats`: the
+    /// graph as optimized for that adapter's cost model (cached by `kiln bench --calibrate` or its
+    /// first use; the adapter need not be on this machine).
+    #[arg(long)]
     adapter: Option<String>,
     /// With `--stage optimized` or `--stats`: the backend the optimized graph is extracted for
     /// (its cost model and kernel limits; default: as `kiln run` picks it). The HTML report and
@@ -75,19 +77,41 @@ pub struct InspectArgs {
 impl InspectArgs {
     /// The optimizer's target: the named backend's, or for `auto` the one `kiln run` would pick.
     fn target(&self) -> Result<kiln_compiler::target::Target> {
+        if let Some(adapter) = &self.adapter {
+            return crate::costs::cached_target(adapter);
+        }
         let backend = match self.backend.unwrap_or(crate::Backend::Auto) {
             crate::Backend::Auto if kiln_runtime::Gpu::hardware_adapter().is_some() => crate::Backend::Wgpu,
             crate::Backend::Auto => crate::Backend::Cpu,
             crate::Backend::Interp => bail!("the interpreter is not a compilation target: --backend cpu or wgpu"),
             other => other,
         };
-        Ok(backend.optimizer_target())
+        Ok(match backend {
+            // This machine's adapter's cached model, if any (inspecting calibrates nothing).
+            crate::Backend::Wgpu => match kiln_runtime::Gpu::chosen_adapter(None) {
+                Ok((name, _)) => crate::costs::load(&name)?.map_or_else(kiln_compiler::target::Target::wgpu, |cost| {
+                    kiln_compiler::target::Target { cost, ..kiln_compiler::target::Target::wgpu() }
+                }),
+                Err(_) => kiln_compiler::target::Target::wgpu(),
+            },
+            _ => kiln_compiler::target::Target::cpu(),
+        })
     }
 
     /// Refuses the flags that would have no effect in the combination given, naming why.
     fn check(&self) -> Result<()> {
         let stage = self.stage.unwrap_or(Stage::Graph);
         let format = self.format.unwrap_or(Format::Text);
+        if self.adapter.is_some() && !self.profile {
+            if !(self.stats || matches!(stage, Stage::Optimized)) {
+                bail!(
+                    "--adapter picks the cost model the graph is optimized with: add --stage optimized or --stats (or, with --html, --profile)"
+                );
+            }
+            if self.backend.is_some_and(|b| b != crate::Backend::Wgpu) {
+                bail!("--adapter names a GPU adapter's cost model, which is wgpu's: drop --backend");
+            }
+        }
         if self.html.is_some() {
             if self.stage.is_some() || self.format.is_some() {
                 bail!("the HTML report shows every stage in its own form: drop --stage and --format with --html");

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod bench;
+mod costs;
 mod diagnose;
 mod diff;
 mod embed;
@@ -266,13 +267,15 @@ impl Backend {
     }
 
     /// What the optimizer compiles for on this (resolved) backend: the CPU's cost model and limits
-    /// for `cpu`, wgpu's otherwise (the interpreter runs any graph; it gets wgpu's, as artifacts
-    /// do).
-    fn optimizer_target(self) -> kiln_compiler::target::Target {
-        match self {
+    /// for `cpu`; for `wgpu`, the cost model of the adapter `adapter` selects (cached by
+    /// `costs`, calibrated at a hardware adapter's first use); the interpreter runs any graph and
+    /// gets wgpu's built-in target, as artifacts do.
+    fn optimizer_target(self, adapter: Option<&str>, reporter: &Reporter) -> Result<kiln_compiler::target::Target> {
+        Ok(match self {
             Backend::Cpu => kiln_compiler::target::Target::cpu(),
-            _ => kiln_compiler::target::Target::wgpu(),
-        }
+            Backend::Wgpu => costs::wgpu_target(adapter, reporter)?,
+            Backend::Auto | Backend::Interp => kiln_compiler::target::Target::wgpu(),
+        })
     }
 
     pub(crate) fn name(self) -> &'static str {
@@ -444,7 +447,7 @@ fn run(cli: Cli) -> Result<()> {
                 .with_context(|| format!("cannot write the artifact to `{}`", output.display()))?;
             let (source, mut fe) = read_spec(&spec)?;
             if !no_optimize {
-                let target = target.resolve(None, 1, &reporter, json).optimizer_target();
+                let target = target.resolve(None, 1, &reporter, json).optimizer_target(None, &reporter)?;
                 fe.graph = reporter.stage("optimizing", || optimize::optimize_for(&fe.graph, &target))?.0;
             }
             let artifact =

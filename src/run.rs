@@ -157,7 +157,7 @@ pub fn execute(
     let Some(art) = model.artifact else {
         let FrontEnd { spec, mut graph } = model.fe;
         if !exec.no_optimize {
-            let target = backend.optimizer_target();
+            let target = backend.optimizer_target(exec.adapter.as_deref(), reporter)?;
             graph = reporter.stage("optimizing", || optimize::optimize_for(&graph, &target))?.0;
         }
         return Ok(match (backend, params, random) {

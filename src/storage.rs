@@ -125,9 +125,13 @@ impl Target {
     }
 
     /// What the optimizer compiles for here: the backend's cost model and kernel limits.
+    /// A GPU's is its adapter's cached cost model (see `costs`), else the built-in one.
     pub fn optimizer(&self) -> kiln_compiler::target::Target {
         match self {
-            Target::Gpu(_) => kiln_compiler::target::Target::wgpu(),
+            Target::Gpu(gpu) => match crate::costs::load(gpu.adapter_name()) {
+                Ok(Some(cost)) => kiln_compiler::target::Target { cost, ..kiln_compiler::target::Target::wgpu() },
+                _ => kiln_compiler::target::Target::wgpu(),
+            },
             Target::Cpu { .. } => kiln_compiler::target::Target::cpu(),
         }
     }

@@ -1110,3 +1110,38 @@ fn bench_runs_from_any_directory() {
     assert_eq!(v[0]["layers"], 1, "{v}");
     assert!(v[0]["dispatches"]["optimized"].as_u64() < v[0]["dispatches"]["unoptimized"].as_u64(), "{v}");
 }
+
+/// Per-adapter cost models: `kiln inspect --adapter NAME` optimizes with the model cached for
+/// that adapter (here a made-up GPU whose dispatches are dear, so more fuses than under lavapipe's
+/// built-in model), and an adapter with no cached model is refused with the command that makes one.
+#[test]
+fn inspect_uses_an_adapters_cached_cost_model() {
+    let data = scratch("cost-models");
+    std::fs::create_dir_all(data.join("cost-models")).unwrap();
+    std::fs::write(
+        data.join("cost-models/fake-gpu-9000.json"),
+        r#"{"adapter": "Fake GPU 9000", "dispatch": 10000000.0, "flop": 1.0}"#,
+    )
+    .unwrap();
+    let inspect = |extra: &[&str]| {
+        let mut args = vec!["inspect", "models/llama.toml", "--stats", "--json"];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .current_dir(root())
+            .env("KILN_DATA", &data)
+            .env_remove("XDG_RUNTIME_DIR")
+            .output()
+            .expect("kiln runs")
+    };
+    let dispatches = |o: &Output| json_of(o)["dispatches"]["optimized"].as_u64().unwrap();
+    let (gpu, lavapipe) =
+        (dispatches(&inspect(&["--adapter", "fake gpu"])), dispatches(&inspect(&["--backend", "wgpu"])));
+    assert!(gpu < lavapipe, "dear dispatches fuse more: {gpu} vs {lavapipe}");
+    let o = inspect(&["--adapter", "h100"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("kiln bench --calibrate --adapter h100"), "{}", stderr(&o));
+    let o = kiln(&["inspect", "models/llama.toml", "--adapter", "fake"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("add --stage optimized or --stats"), "{}", stderr(&o));
+}

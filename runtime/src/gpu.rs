@@ -120,37 +120,7 @@ impl Gpu {
     /// `NODEVICE_SELECT=1` before its first thread starts, as the `kiln` binary does; the layer
     /// only reorders adapters, and this function ranks them itself.
     pub fn new(choice: Option<&str>) -> Result<Gpu, GpuError> {
-        let env = std::env::var("KILN_ADAPTER").ok();
-        let choice = choice.map(str::to_string).or(env).filter(|c| !c.is_empty());
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
-        if adapters.is_empty() {
-            return Err(GpuError::NoAdapter(INSTALL_HINT.into()));
-        }
-        let rank = |t: wgpu::DeviceType| match t {
-            wgpu::DeviceType::DiscreteGpu => 0,
-            wgpu::DeviceType::IntegratedGpu => 1,
-            wgpu::DeviceType::VirtualGpu => 2,
-            wgpu::DeviceType::Cpu => 3,
-            wgpu::DeviceType::Other => 4,
-        };
-        let mut candidates: Vec<wgpu::Adapter> = adapters;
-        if let Some(c) = &choice {
-            let c = c.to_lowercase();
-            let names: Vec<String> = candidates.iter().map(|a| a.get_info().name).collect();
-            candidates.retain(|a| {
-                let info = a.get_info();
-                info.name.to_lowercase().contains(&c) || format!("{:?}", info.device_type).to_lowercase().contains(&c)
-            });
-            if candidates.is_empty() {
-                return Err(GpuError::NoAdapter(format!(
-                    "no adapter matches `{c}` (KILN_ADAPTER / --adapter); available: {}",
-                    names.join(", ")
-                )));
-            }
-        }
-        candidates.sort_by_key(|a| rank(a.get_info().device_type));
-        let adapter = candidates.swap_remove(0);
+        let adapter = Gpu::choose(choice)?;
         let info = adapter.get_info();
         let limits = adapter.limits();
         // f16 storage (`--precision f16`) and timestamp queries (`GpuModel::profile`) where the
@@ -194,6 +164,59 @@ impl Gpu {
             f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
         })
+    }
+
+    /// The adapter [`Gpu::new`] opens for `choice` (see there), without opening a device: its name
+    /// and whether it is a software one (lavapipe).
+    pub fn chosen_adapter(choice: Option<&str>) -> Result<(String, bool), GpuError> {
+        let info = Gpu::choose(choice)?.get_info();
+        Ok((info.name, info.device_type == wgpu::DeviceType::Cpu))
+    }
+
+    /// The adapter for `choice` (or `KILN_ADAPTER`): the best-ranked one whose name or device type
+    /// contains it, hardware before software.
+    fn choose(choice: Option<&str>) -> Result<wgpu::Adapter, GpuError> {
+        let env = std::env::var("KILN_ADAPTER").ok();
+        let choice = choice.map(str::to_string).or(env).filter(|c| !c.is_empty());
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        if adapters.is_empty() {
+            return Err(GpuError::NoAdapter(INSTALL_HINT.into()));
+        }
+        let rank = |t: wgpu::DeviceType| match t {
+            wgpu::DeviceType::DiscreteGpu => 0,
+            wgpu::DeviceType::IntegratedGpu => 1,
+            wgpu::DeviceType::VirtualGpu => 2,
+            wgpu::DeviceType::Cpu => 3,
+            wgpu::DeviceType::Other => 4,
+        };
+        let mut candidates: Vec<wgpu::Adapter> = adapters;
+        if let Some(c) = &choice {
+            let c = c.to_lowercase();
+            let names: Vec<String> = candidates.iter().map(|a| a.get_info().name).collect();
+            candidates.retain(|a| {
+                let info = a.get_info();
+                info.name.to_lowercase().contains(&c) || format!("{:?}", info.device_type).to_lowercase().contains(&c)
+            });
+            if candidates.is_empty() {
+                return Err(GpuError::NoAdapter(format!(
+                    "no adapter matches `{c}` (KILN_ADAPTER / --adapter); available: {}",
+                    names.join(", ")
+                )));
+            }
+        }
+        candidates.sort_by_key(|a| rank(a.get_info().device_type));
+        Ok(candidates.swap_remove(0))
+    }
+
+    /// The name of the adapter in use.
+    pub fn adapter_name(&self) -> &str {
+        &self.info.name
+    }
+
+    /// Whether the adapter is a software one (lavapipe: Vulkan on the CPU).
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
     }
 
     /// The name of the first hardware GPU adapter (discrete, else integrated) this machine has,
