@@ -74,7 +74,10 @@ pub struct SamplingArgs {
 /// A chat's sampling settings when the model's files recommend none: `(temperature, top_k,
 /// top_p, repetition_penalty)`, what chat front ends commonly default to (a mild repetition
 /// penalty keeps a small model out of loops).
-pub const CHAT_DEFAULTS: (f32, usize, f32, f32) = (0.7, 40, 0.9, 1.1);
+pub const CHAT_DEFAULTS: Settings = (0.7, 40, 0.9, 1.1);
+
+/// Sampling settings: `(temperature, top_k, top_p, repetition_penalty)`.
+pub type Settings = (f32, usize, f32, f32);
 
 /// The sampler a generation uses and how to report it.
 pub struct Sampling {
@@ -133,7 +136,7 @@ impl SamplingArgs {
 /// The sampling settings a model's files recommend: `generation_config.json` beside the weights
 /// (a Hugging Face model directory), read as transformers reads it (`do_sample = false`: greedy).
 /// `None` when there is no such file.
-pub fn recommended(weights: &Path) -> Result<Option<((f32, usize, f32, f32), std::path::PathBuf)>> {
+pub fn recommended(weights: &Path) -> Result<Option<(Settings, std::path::PathBuf)>> {
     let dir = if weights.is_dir() { weights } else { weights.parent().unwrap_or(Path::new(".")) };
     let path = dir.join("generation_config.json");
     if !path.is_file() {

@@ -527,6 +527,18 @@ fn numel(shape: &Shape) -> Result<(usize, Vec<Sym>), String> {
     Ok((n, syms))
 }
 
+/// A fused softmax or attention with a relative position bias as the same op without it, and the
+/// bias's bucket count.
+fn without_relative_bias(op: &Op) -> Option<(Op, usize)> {
+    let mut plain = op.clone();
+    let mods = match &mut plain {
+        Op::MaskedSoftmax { mods, .. } | Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => mods,
+        _ => return None,
+    };
+    let r = mods.relative.take()?;
+    Some((plain, r.buckets))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,16 +554,4 @@ mod tests {
         let err = infer(&op, &operands).unwrap_err();
         assert!(err.contains("summands must have rank >= 1"), "{err}");
     }
-}
-
-/// A fused softmax or attention with a relative position bias as the same op without it, and the
-/// bias's bucket count.
-fn without_relative_bias(op: &Op) -> Option<(Op, usize)> {
-    let mut plain = op.clone();
-    let mods = match &mut plain {
-        Op::MaskedSoftmax { mods, .. } | Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => mods,
-        _ => return None,
-    };
-    let r = mods.relative.take()?;
-    Some((plain, r.buckets))
 }

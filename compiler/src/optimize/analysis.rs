@@ -24,7 +24,7 @@ pub struct KAnalysis {
     /// The widest attention head the target's fused attention takes
     /// ([`crate::target::Target::max_attention_head_dim`]).
     pub max_attention_head_dim: usize,
-    /// How each e-node a rule added was made (see [`super::provenance`]).
+    /// How each e-node a rule added was made (see [`Provenance`](super::Provenance)).
     pub provenance: super::Provenance,
 }
 

@@ -169,9 +169,12 @@ fn heads_of<'a>(x: &Arg<'a>, heads: usize, rows: usize, d: usize, what: &str) ->
     }
 }
 
+/// An attention step's key mask and relative bias table, each if it has one.
+type Optional<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
+
 /// The optional key mask `[b, t]` and relative bias table `[buckets, heads]` (last, when the
 /// geometry's modifiers have one).
-fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<(Option<&'a [f32]>, Option<&'a [f32]>)> {
+fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<Optional<'a>> {
     let (mask, table) = score_operands(rest, &g.mods);
     if rest.len() > 1 + usize::from(table.is_some()) {
         return Err(CpuError::Invalid("attention takes at most a key mask and a bias table".into()));

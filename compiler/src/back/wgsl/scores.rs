@@ -91,7 +91,7 @@ pub fn sparse_setup(mods: &ScoreMods, qi: &str, q: &str, k: &str) -> String {
          var taken = false;\nfor (var e = 0u; e < d; e = e + 1u) {{ if (sp_p[e] == c) {{ taken = true; }} }}\n\
          if (taken) {{ continue; }}\nif (idx == 0u) {{ pick = c; break; }}\nidx = idx - 1u;\n}}\n\
          sp_p[d] = pick;\nsp_np = d + 1u;\n}}\n}}\n",
-        unused = vec!["0xFFFFFFFFu"; MAX_RANDOM].join(", "),
+        unused = ["0xFFFFFFFFu"; MAX_RANDOM].join(", "),
         seed_lo = seed as u32,
         g_lo = golden as u32,
         g_hi = (golden >> 32) as u32,
