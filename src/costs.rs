@@ -136,11 +136,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kiln-costs-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let good = dir.join("good.json");
-        std::fs::write(&good, r#"{"adapter": "A", "dispatch": 5000.0, "flop": 0.5}"#).unwrap();
+        kiln_compiler::file::write_atomic(&good, br#"{"adapter": "A", "dispatch": 5000.0, "flop": 0.5}"#).unwrap();
         let model = read(&good).unwrap().unwrap();
         assert_eq!((model.dispatch, model.flop), (5000.0, 0.5));
         let bad = dir.join("bad.json");
-        std::fs::write(&bad, r#"{"adapter": "B", "dispatch": -1.0}"#).unwrap();
+        kiln_compiler::file::write_atomic(&bad, br#"{"adapter": "B", "dispatch": -1.0}"#).unwrap();
         assert!(read(&bad).unwrap_err().to_string().contains("delete it to recalibrate"));
         assert!(read(&dir.join("none.json")).unwrap().is_none());
         std::fs::remove_dir_all(&dir).unwrap();
