@@ -2,7 +2,8 @@
 //! cost on the device (`CostModel`); the built-in wgpu model was measured on lavapipe, where a
 //! dispatch is cheap next to arithmetic, and a discrete GPU wants the opposite trades. So the
 //! constants `kiln bench --calibrate` measures on an adapter are cached by the adapter's name
-//! under `$KILN_DATA/cost-models/` (default `~/.cache/kiln`), one small JSON file each, and every
+//! under `cost-models/` in kiln's data directory (`$KILN_DATA`, default `~/.cache/kiln`), one
+//! small JSON file each, and every
 //! command that optimizes for wgpu extracts with the cached model of the adapter it will run on.
 //! A hardware adapter without one is calibrated at its first use (a few seconds, once); a
 //! software one (lavapipe) uses the built-in model, which was measured on it.
@@ -13,18 +14,16 @@ use kiln_compiler::optimize::CostModel;
 use kiln_compiler::target::Target;
 use std::path::PathBuf;
 
-/// Where cached cost models live: `$KILN_DATA/cost-models`, `KILN_DATA` defaulting to
-/// `~/.cache/kiln` (where `scripts/fetch-models` keeps the models).
-pub fn dir() -> PathBuf {
-    let data = std::env::var_os("KILN_DATA")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kiln"));
-    data.join("cost-models")
+/// Where cached cost models live: `cost-models` in kiln's data directory
+/// ([`kiln_runtime::data_dir`], where `scripts/fetch-models` keeps the models); `None` when the
+/// environment names none.
+pub fn dir() -> Option<PathBuf> {
+    kiln_runtime::data_dir().map(|d| d.join("cost-models"))
 }
 
-/// The file name of an adapter's model: its name in lowercase, runs of other characters as `-`.
-fn file_of(adapter: &str) -> PathBuf {
+/// The file name of an adapter's model in `dir`: its name in lowercase, runs of other characters
+/// as `-`.
+fn file_of(dir: &std::path::Path, adapter: &str) -> PathBuf {
     let mut slug = String::new();
     for c in adapter.chars() {
         if c.is_ascii_alphanumeric() {
@@ -33,12 +32,21 @@ fn file_of(adapter: &str) -> PathBuf {
             slug.push('-');
         }
     }
-    dir().join(format!("{}.json", slug.trim_matches('-')))
+    dir.join(format!("{}.json", slug.trim_matches('-')))
 }
 
 /// The cached model of the adapter named exactly `adapter`, if one was saved.
 pub fn load(adapter: &str) -> Result<Option<CostModel>> {
-    read(&file_of(adapter))
+    match dir() {
+        Some(dir) => read(&file_of(&dir, adapter)),
+        None => Ok(None),
+    }
+}
+
+/// wgpu's target with the cost model cached for the adapter named exactly `adapter`, else the
+/// built-in one.
+pub fn target_of(adapter: &str) -> Result<Target> {
+    Ok(load(adapter)?.map_or_else(Target::wgpu, |cost| Target { cost, ..Target::wgpu() }))
 }
 
 fn read(path: &std::path::Path) -> Result<Option<CostModel>> {
@@ -57,8 +65,9 @@ fn read(path: &std::path::Path) -> Result<Option<CostModel>> {
 
 /// Saves `model` as the cost model of `adapter`; returns the file.
 pub fn save(adapter: &str, model: &CostModel) -> Result<PathBuf> {
-    let path = file_of(adapter);
-    std::fs::create_dir_all(dir()).with_context(|| format!("cannot create `{}`", dir().display()))?;
+    let Some(dir) = dir() else { bail!("no data directory to keep the cost model in: set KILN_DATA") };
+    let path = file_of(&dir, adapter);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
     let doc = serde_json::json!({"adapter": adapter, "dispatch": model.dispatch, "flop": model.flop});
     kiln_compiler::file::write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
         .with_context(|| format!("cannot write the cost model `{}`", path.display()))?;
@@ -68,7 +77,7 @@ pub fn save(adapter: &str, model: &CostModel) -> Result<PathBuf> {
 /// The cached models whose adapter name contains `pattern` (case-insensitive), by name.
 pub fn find(pattern: &str) -> Result<Vec<(String, CostModel)>> {
     let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir()) else { return Ok(found) };
+    let Some(Ok(entries)) = dir().map(std::fs::read_dir) else { return Ok(found) };
     for entry in entries.flatten() {
         let path = entry.path();
         let text = std::fs::read_to_string(&path).unwrap_or_default();
@@ -90,11 +99,8 @@ pub fn find(pattern: &str) -> Result<Vec<(String, CostModel)>> {
 /// (lavapipe, or no adapter) the built-in model.
 pub fn wgpu_target(choice: Option<&str>, reporter: &Reporter) -> Result<Target> {
     let Ok((name, software)) = kiln_runtime::Gpu::chosen_adapter(choice) else { return Ok(Target::wgpu()) };
-    if let Some(cost) = load(&name)? {
-        return Ok(Target { cost, ..Target::wgpu() });
-    }
-    if software {
-        return Ok(Target::wgpu());
+    if software || load(&name)?.is_some() {
+        return target_of(&name);
     }
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(choice)?);
     let started = std::time::Instant::now();
@@ -118,7 +124,7 @@ pub fn cached_target(pattern: &str) -> Result<Target> {
         [] => bail!(
             "no cost model is cached for an adapter matching `{pattern}` (in {}): run `kiln bench --calibrate \
              --adapter {pattern}` on the machine that has it, or copy its file here",
-            dir().display()
+            dir().map_or_else(|| "no data directory".to_string(), |d| d.display().to_string())
         ),
         many => bail!(
             "`{pattern}` matches several cached adapters: {}",
@@ -148,7 +154,8 @@ mod tests {
 
     #[test]
     fn adapter_names_become_file_names() {
-        assert!(file_of("NVIDIA H100 80GB HBM3").ends_with("nvidia-h100-80gb-hbm3.json"));
-        assert!(file_of("llvmpipe (LLVM 15.0.6, 256 bits)").ends_with("llvmpipe-llvm-15-0-6-256-bits.json"));
+        let dir = std::path::Path::new("models");
+        assert_eq!(file_of(dir, "NVIDIA H100 80GB HBM3"), dir.join("nvidia-h100-80gb-hbm3.json"));
+        assert_eq!(file_of(dir, "llvmpipe (LLVM 15.0.6, 256 bits)"), dir.join("llvmpipe-llvm-15-0-6-256-bits.json"));
     }
 }

@@ -89,9 +89,7 @@ impl InspectArgs {
         Ok(match backend {
             // This machine's adapter's cached model, if any (inspecting calibrates nothing).
             crate::Backend::Wgpu => match kiln_runtime::Gpu::chosen_adapter(None) {
-                Ok((name, _)) => crate::costs::load(&name)?.map_or_else(kiln_compiler::target::Target::wgpu, |cost| {
-                    kiln_compiler::target::Target { cost, ..kiln_compiler::target::Target::wgpu() }
-                }),
+                Ok((name, _)) => crate::costs::target_of(&name)?,
                 Err(_) => kiln_compiler::target::Target::wgpu(),
             },
             _ => kiln_compiler::target::Target::cpu(),

@@ -128,10 +128,9 @@ impl Target {
     /// A GPU's is its adapter's cached cost model (see `costs`), else the built-in one.
     pub fn optimizer(&self) -> kiln_compiler::target::Target {
         match self {
-            Target::Gpu(gpu) => match crate::costs::load(gpu.adapter_name()) {
-                Ok(Some(cost)) => kiln_compiler::target::Target { cost, ..kiln_compiler::target::Target::wgpu() },
-                _ => kiln_compiler::target::Target::wgpu(),
-            },
+            Target::Gpu(gpu) => {
+                crate::costs::target_of(gpu.adapter_name()).unwrap_or_else(|_| kiln_compiler::target::Target::wgpu())
+            }
             Target::Cpu { .. } => kiln_compiler::target::Target::cpu(),
         }
     }
