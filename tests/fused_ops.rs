@@ -81,28 +81,13 @@ impl Softmax {
             y = add(Op::Alibi, &[y]);
         }
         if let (Some(r), Some(&table)) = (self.mods.relative, table) {
-            let op = Op::RelativeBias {
-                buckets: r.buckets,
-                max_distance: r.max_distance,
-                bidirectional: r.bidirectional,
-                q: Dim::Fixed(q),
-                k: Dim::Fixed(k),
-            };
+            let op = r.bias(Dim::Fixed(q), Dim::Fixed(k));
             let bias = add(op, &[table]);
             y = add(Op::Add, &[y, bias]);
         }
         let operands: Vec<NodeIndex> = std::iter::once(y).chain(mask.copied()).collect();
         y = match self.mods.sparse {
-            Some(p) => {
-                let op = Op::BlockSparseMask {
-                    block: p.block,
-                    global: p.global,
-                    window: p.window,
-                    random: p.random,
-                    seed: p.seed,
-                };
-                add(op, &operands)
-            }
+            Some(p) => add(p.mask(), &operands),
             None => add(Op::Mask { causal: self.causal, window: self.window }, &operands),
         };
         add(Op::Softmax, &[y])

@@ -460,6 +460,15 @@ pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> 
 /// Scores `[b, h, q, k]` with every entry `keep(query position, key)` refuses, or at a masked key
 /// (`key_mask [b, k]`, 0 = masked), set to the most negative float. Queries are the last `q` of
 /// the `k` positions.
+/// Heads `0..heads` of width `head_dim` read out of packed rows `x [b, s, width]` from column
+/// `start` on, as `[b, s, heads, head_dim]`: the slice and split that `packed_attention`, `heads`
+/// and `low_rank` stand for.
+fn head_columns(ctx: Ctx, x: &Tensor, start: usize, heads: usize, head_dim: usize) -> R<Tensor> {
+    let (b, s) = (x.shape[0], x.shape[1]);
+    let cols = eval(ctx, &Op::Slice { axis: 2, start, len: heads * head_dim }, &[x], vec![b, s, heads * head_dim])?;
+    Ok(Tensor { shape: vec![b, s, heads, head_dim], data: cols.data })
+}
+
 fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: impl Fn(usize, usize) -> bool) -> Tensor {
     let mut x = x.to_vec();
     let (heads, q, k) = (shape[1], shape[2], shape[3]);
@@ -817,13 +826,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let x = a[0];
             let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
             let split = |start: usize, count: usize| -> R<Tensor> {
-                let cols = eval(
-                    ctx,
-                    &Op::Slice { axis: 2, start, len: count * head_dim },
-                    &[x],
-                    vec![b, s, count * head_dim],
-                )?;
-                let t = Tensor { shape: vec![b, s, count, *head_dim], data: cols.data };
+                let t = head_columns(ctx, x, start, count, *head_dim)?;
                 eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, *head_dim])
             };
             debug_assert!(width >= q + heads * head_dim);
@@ -837,13 +840,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             // Slice, split, transpose the heads to [b, h, d, n], then times `e`'s first n rows.
             let (x, e) = (a[0], a[1]);
             let (b, n, r) = (x.shape[0], x.shape[1], e.shape[1]);
-            let cols = eval(
-                ctx,
-                &Op::Slice { axis: 2, start: *start, len: heads * head_dim },
-                &[x],
-                vec![b, n, heads * head_dim],
-            )?;
-            let split = Tensor { shape: vec![b, n, *heads, *head_dim], data: cols.data };
+            let split = head_columns(ctx, x, *start, *heads, *head_dim)?;
             let t = eval(ctx, &Op::Permute { perm: vec![0, 2, 3, 1] }, &[&split], vec![b, *heads, *head_dim, n])?;
             let cut = eval(ctx, &Op::Truncate { len: Dim::Fixed(n) }, &[e], vec![n, r])?;
             let y = eval(ctx, &Op::MatMul { transpose_b: false }, &[&t, &cut], vec![b, *heads, *head_dim, r])?;
@@ -855,13 +852,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let a = &a[..a.len() - usize::from(gain.is_some())];
             let x = a[a.len() - 1];
             let (b, s) = (x.shape[0], x.shape[1]);
-            let cols = eval(
-                ctx,
-                &Op::Slice { axis: 2, start: *start, len: heads * head_dim },
-                &[x],
-                vec![b, s, heads * head_dim],
-            )?;
-            let split = Tensor { shape: vec![b, s, *heads, *head_dim], data: cols.data };
+            let split = head_columns(ctx, x, *start, *heads, *head_dim)?;
             let new_shape = vec![b, *heads, s, *head_dim];
             let mut new = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&split], new_shape.clone())?;
             if let (Some(eps), Some(gain)) = (norm, gain) {
@@ -898,28 +889,14 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 y = eval(ctx, &Op::Alibi, &[&y], shape.clone())?;
             }
             if let (Some(r), Some(table)) = (mods.relative, table) {
-                let (q, k) = (Dim::Fixed(shape[2]), Dim::Fixed(shape[3]));
-                let op = Op::RelativeBias {
-                    buckets: r.buckets,
-                    max_distance: r.max_distance,
-                    bidirectional: r.bidirectional,
-                    q,
-                    k,
-                };
+                let op = r.bias(Dim::Fixed(shape[2]), Dim::Fixed(shape[3]));
                 let bias = eval(ctx, &op, &[table], vec![1, shape[1], shape[2], shape[3]])?;
                 y = eval(ctx, &Op::Add, &[&y, &bias], shape.clone())?;
             }
             let mut args = vec![&y];
             args.extend(key_mask);
             if let Some(p) = mods.sparse {
-                let op = Op::BlockSparseMask {
-                    block: p.block,
-                    global: p.global,
-                    window: p.window,
-                    random: p.random,
-                    seed: p.seed,
-                };
-                y = eval(ctx, &op, &args, shape.clone())?;
+                y = eval(ctx, &p.mask(), &args, shape.clone())?;
             } else if *causal || key_mask.is_some() || window.is_some() {
                 y = eval(ctx, &Op::Mask { causal: *causal, window: *window }, &args, shape.clone())?;
             }

@@ -85,6 +85,24 @@ pub struct Bucketing {
     pub bidirectional: bool,
 }
 
+impl Bucketing {
+    /// The bucketing of a [`Op::RelativeBias`].
+    pub fn of(op: &Op) -> Option<Bucketing> {
+        match *op {
+            Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
+                Some(Bucketing { buckets, max_distance, bidirectional })
+            }
+            _ => None,
+        }
+    }
+
+    /// The [`Op::RelativeBias`] of `q` queries over `k` keys with this bucketing.
+    pub fn bias(self, q: Dim, k: Dim) -> Op {
+        let Bucketing { buckets, max_distance, bidirectional } = self;
+        Op::RelativeBias { buckets, max_distance, bidirectional, q, k }
+    }
+}
+
 /// BigBird's block pattern (see [`crate::interp::block_pattern`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct BlockPattern {
@@ -101,6 +119,22 @@ pub struct BlockPattern {
 }
 
 impl BlockPattern {
+    /// The pattern of a [`Op::BlockSparseMask`].
+    pub fn of(op: &Op) -> Option<BlockPattern> {
+        match *op {
+            Op::BlockSparseMask { block, global, window, random, seed } => {
+                Some(BlockPattern { block, global, window, random, seed })
+            }
+            _ => None,
+        }
+    }
+
+    /// The [`Op::BlockSparseMask`] of this pattern.
+    pub fn mask(self) -> Op {
+        let BlockPattern { block, global, window, random, seed } = self;
+        Op::BlockSparseMask { block, global, window, random, seed }
+    }
+
     /// Key blocks query block `qb` attends, ascending, of `blocks` (every block for a global one).
     pub fn attended(&self, qb: usize, blocks: usize) -> Vec<usize> {
         let allowed = crate::interp::block_pattern_row(blocks, qb, self.global, self.window, self.random, self.seed);

@@ -331,22 +331,27 @@ impl Rows<'_> {
         self.block_inner(bi, kvh, rows, p)
     }
 
-    /// The keys a row attends, as ascending ranges: by position (causal, window), or the key
-    /// blocks of its query block under a block pattern.
+    /// The keys query row `si` may attend by position, `[lo, hi)`: causal rows stop at their own
+    /// position, window rows start at their earliest key.
+    fn positions(&self, si: usize) -> (usize, usize) {
+        let (g, qi) = (self.g, si + self.offset);
+        let hi = if g.causal { (qi + 1).min(g.t) } else { g.t };
+        let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
+        (lo, hi)
+    }
+
+    /// The keys a row attends, as ascending ranges: by position, or the key blocks of its query
+    /// block under a block pattern.
     fn key_ranges(&self, si: usize) -> Vec<(usize, usize)> {
         let (g, t) = (self.g, self.g.t);
-        let qi = si + self.offset;
         match g.mods.sparse {
             Some(p) => {
                 let block = p.block.max(1);
                 let blocks = g.s.max(t).div_ceil(block);
-                p.attended(qi / block, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
+                let qb = (si + self.offset) / block;
+                p.attended(qb, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
             }
-            None => {
-                let hi = if g.causal { (qi + 1).min(t) } else { t };
-                let lo = g.window.map_or(0, |w| (qi + 1).saturating_sub(w)).min(hi);
-                vec![(lo, hi)]
-            }
+            None => vec![self.positions(si)],
         }
     }
 
@@ -360,7 +365,7 @@ impl Rows<'_> {
         let ranges: Vec<(usize, usize)> = match g.mods.sparse {
             Some(_) => self.key_ranges(rows.start),
             None => {
-                let (first, last) = (self.key_ranges(rows.start)[0], self.key_ranges(rows.end - 1)[0]);
+                let (first, last) = (self.positions(rows.start), self.positions(rows.end - 1));
                 vec![(first.0.min(last.0), first.1.max(last.1))]
             }
         };
@@ -414,7 +419,7 @@ impl Rows<'_> {
                 let (a, z) = match g.mods.sparse {
                     Some(_) => (0, n),
                     None => {
-                        let (lo, hi) = self.key_ranges(si)[0];
+                        let (lo, hi) = self.positions(si);
                         (lo - ranges[0].0, hi - ranges[0].0)
                     }
                 };

@@ -90,20 +90,11 @@ struct Layout {
     k: Box<dyn Fn(&str) -> String>,
     /// The same for its value.
     v: Box<dyn Fn(&str) -> String>,
-    /// Buffers of queries, keys, values, the key mask and the relative bias table, if any.
+    /// Buffers of queries, keys, values, then of the key mask and the relative bias table, if any.
     qbuf: &'static str,
     kbuf: &'static str,
     vbuf: &'static str,
-    mask: Option<String>,
-    table: Option<String>,
-}
-
-/// The key mask and bias table buffers of an op with `fixed` operands before them and `operands`
-/// in all.
-fn optional_operands(mods: &ScoreMods, fixed: usize, operands: usize) -> (Option<String>, Option<String>) {
-    let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
-    let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
-    ((masks > 0).then(|| format!("in{fixed}")), table)
+    buffers: (Option<String>, Option<String>),
 }
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
@@ -123,8 +114,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                 qbuf: "in0",
                 kbuf: "in1",
                 vbuf: "in2",
-                mask: optional_operands(&mods, 3, operands).0,
-                table: optional_operands(&mods, 3, operands).1,
+                buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
         Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => (
@@ -140,8 +130,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                 qbuf: "in0",
                 kbuf: "in0",
                 vbuf: "in0",
-                mask: optional_operands(&mods, 1, operands).0,
-                table: optional_operands(&mods, 1, operands).1,
+                buffers: scores::optional_buffers(&mods, 1, operands),
             },
         ),
         _ => return None,
@@ -266,7 +255,7 @@ fn block(f: &Block, l: &Layout) -> String {
     // Which keys each slot attends.
     for u in 0..t {
         let mut keep = format!("key{u} < {key_end}");
-        if let Some(m) = &l.mask {
+        if let Some(m) = &l.buffers.0 {
             keep += &format!(" && {m}[b * k + kk{u}] != 0.0");
         }
         tile += &format!("let keep{u} = {keep};\n");
@@ -285,7 +274,7 @@ fn block(f: &Block, l: &Layout) -> String {
             if f.alibi {
                 tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
             }
-            if let Some(table) = &l.table {
+            if let Some(table) = &l.buffers.1 {
                 tile += &scores::relative(
                     &f.mods,
                     &format!("x{r}_{u}"),

@@ -156,8 +156,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         Op::SoftCap { cap } => format!("out[i] = {c} * tanh_(in0[i] / {c});", c = lit(cap.0)),
         // The first rows of a row-major matrix are its first elements.
         Op::Truncate { .. } => "out[i] = in0[i];".into(),
-        &Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
-            let mods = ScoreMods { relative: Some(Bucketing { buckets, max_distance, bidirectional }), ..ScoreMods::default() };
+        Op::RelativeBias { .. } => {
+            let mods = ScoreMods { relative: Bucketing::of(op), ..ScoreMods::default() };
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\nlet qi = (i / k) % q + (k - min(q, k));\n\
                  let h = i / (q * k);\nvar x = 0.0;\n{}out[i] = x;",
@@ -222,9 +222,9 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  out[i] = select(-3.40282347e38, in0[i], {keep});"
             )
         }
-        &Op::BlockSparseMask { block, global, window, random, seed } => {
+        Op::BlockSparseMask { .. } => {
             // `interp::block_pattern` for this element's (query block, key block).
-            let mods = ScoreMods { sparse: Some(BlockPattern { block, global, window, random, seed }), ..ScoreMods::default() };
+            let mods = ScoreMods { sparse: BlockPattern::of(op), ..ScoreMods::default() };
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
                  let qi = (i / k) % q + (k - min(q, k));\nlet b = i / (k * q * heads);\n{}\
@@ -448,9 +448,8 @@ struct Mods<'a> {
 impl<'a> Mods<'a> {
     /// For an op with `fixed` operands before the optional key mask and table, and `operands` in all.
     fn new(mods: &'a ScoreMods, fixed: usize, operands: usize) -> Self {
-        let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
-        let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
-        Mods { mods, mask: (masks > 0).then(|| format!("in{fixed}")), table }
+        let (mask, table) = scores::optional_buffers(mods, fixed, operands);
+        Mods { mods, mask, table }
     }
 
     /// Statements turning the scaled score `x` of key `ki` for query position `qi`, head `h` into

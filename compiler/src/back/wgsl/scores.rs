@@ -18,6 +18,15 @@ use crate::graph::{BlockPattern, Bucketing, ScoreMods};
 /// The most random blocks per query block (the spec's limit, `attention.block_sparse.random`).
 pub const MAX_RANDOM: usize = 8;
 
+/// The buffers of a fused softmax's or attention's optional operands — the key mask, then the
+/// relative bias table when `mods` has one — for an op with `fixed` operands before them and
+/// `operands` in all (as `interp::score_operands` reads them).
+pub fn optional_buffers(mods: &ScoreMods, fixed: usize, operands: usize) -> (Option<String>, Option<String>) {
+    let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
+    let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
+    ((masks > 0).then(|| format!("in{fixed}")), table)
+}
+
 /// Statement: `x = cap * tanh(x / cap)` when `mods` soft-caps, else nothing.
 pub fn softcap(mods: &ScoreMods, x: &str) -> String {
     match mods.softcap {

@@ -101,20 +101,19 @@ fn softcap(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrV
 /// The score modifiers of a `*-relative` match: the bucketing of the relative bias `?rb`, whose
 /// query and key lengths must be the scores'.
 fn relative(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
-    let Op::RelativeBias { buckets, max_distance, bidirectional, q, k } = op_of(egraph, s, "?rb")? else { return None };
+    let op = op_of(egraph, s, "?rb")?;
+    let Op::RelativeBias { q, k, .. } = op else { return None };
     match scores(egraph, s)? {
         [_, _, sq, sk] if sq == q && sk == k => {}
         _ => return None,
     }
-    let relative = Some(Bucketing { buckets: *buckets, max_distance: *max_distance, bidirectional: *bidirectional });
-    Some(vec![("?sm", AttrValue::Scores(ScoreMods { relative, ..ScoreMods::default() }))])
+    Some(vec![("?sm", AttrValue::Scores(ScoreMods { relative: Bucketing::of(op), ..ScoreMods::default() }))])
 }
 
 /// The score modifiers of a `sparse-softmax*` match: the block pattern of `?bs`.
 fn sparse(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
-    let &Op::BlockSparseMask { block, global, window, random, seed } = op_of(egraph, s, "?bs")? else { return None };
+    let sparse = Some(BlockPattern::of(op_of(egraph, s, "?bs")?)?);
     scores(egraph, s)?;
-    let sparse = Some(BlockPattern { block, global, window, random, seed });
     Some(vec![("?sm", AttrValue::Scores(ScoreMods { sparse, ..ScoreMods::default() }))])
 }
 
