@@ -7,13 +7,16 @@
 //!
 //! - **Rows** (a decode step, short prompts): a task owns one query row, walks the keys its row
 //!   may attend (causal rows stop at their own position, window rows start at their earliest
-//!   key), and keeps one row of scores per query head of a key/value group, so every key and
-//!   value row loaded serves all the group's heads (grouped-query attention shares its loads).
+//!   key; under a block pattern, the key blocks of its query block), and keeps one row of scores
+//!   per query head of a key/value group, so every key and value row loaded serves all the
+//!   group's heads (grouped-query attention shares its loads).
 //! - **Blocks** (prefill, from `MIN_BLOCK_ROWS` (16) rows): a task owns up to `TILE_ROWS` (64) query
-//!   rows of one key/value head, and per query head runs two GEMMs through the `gemm` crate —
-//!   scores against only the keys some row of the block attends, then probabilities times values
+//!   rows of one key/value head — under a block pattern, one query block — and per query head
+//!   runs two GEMMs through the `gemm` crate per range of keys the block attends (one range by
+//!   position; a block pattern's attended key blocks) — scores, then probabilities times values
 //!   — with each row's softmax over its own keys in between. At most `TILE_ROWS` rows of scores
-//!   exist at once per task; the full score matrix never does.
+//!   exist at once per task; the full score matrix never does, and a block pattern's time per
+//!   token does not grow with the sequence.
 //!
 //! The pool's threads take rows or blocks.
 //!
