@@ -6,7 +6,7 @@ use crate::progress::Reporter;
 use crate::storage::{Target, WeightArgs};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
-use kiln_compiler::graph::{BlockPattern, Graph, InputRole, Op, Scalar, ScoreMods, Sym};
+use kiln_compiler::graph::{BlockPattern, Graph, InputRole, Op, Prologue, RopeCols, Scalar, ScoreMods, Sym};
 use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
@@ -367,12 +367,14 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
     let (t_dispatch, t_byte, t_flop) = constants(target, runs)?;
     let dispatch = t_dispatch / t_byte;
     let flop = t_flop / t_byte;
+    let scalar_projection = scalar_projection(target, runs)?;
     let default = kiln_compiler::target::Target::named(target.backend()).map_or_else(CostModel::default, |t| t.cost);
     // A GPU adapter's constants are kept for the optimizer (see `costs`).
     let saved = match target {
-        Target::Gpu(gpu) => {
-            Some(crate::costs::save(gpu.adapter_name(), &CostModel { dispatch, flop, ..CostModel::default() })?)
-        }
+        Target::Gpu(gpu) => Some(crate::costs::save(
+            gpu.adapter_name(),
+            &CostModel { dispatch, flop, scalar_projection, ..CostModel::default() },
+        )?),
         Target::Cpu { .. } => None,
     };
     if json {
@@ -380,8 +382,8 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
             "backend": target.backend(),
             "adapter": target.describe(),
             "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
-            "measured": {"dispatch": dispatch, "flop": flop},
-            "default": {"dispatch": default.dispatch, "flop": default.flop},
+            "measured": {"dispatch": dispatch, "flop": flop, "scalar_projection": scalar_projection},
+            "default": {"dispatch": default.dispatch, "flop": default.flop, "scalar_projection": default.scalar_projection},
             "saved": saved,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -390,8 +392,12 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
         println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
         println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
         println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
-        println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}");
-        println!("  defaults:  dispatch = {:.0}  flop = {:.3}", default.dispatch, default.flop);
+        println!("  scalar projection {scalar_projection:>10.2} x the vec4 form's time");
+        println!("  in bytes:  dispatch = {dispatch:.0}  flop = {flop:.3}  scalar projection = {scalar_projection:.2}");
+        println!(
+            "  defaults:  dispatch = {:.0}  flop = {:.3}  scalar projection = {:.2}",
+            default.dispatch, default.flop, default.scalar_projection
+        );
         if let Some(path) = saved {
             println!("  saved as this adapter's cost model: {}", path.display());
         }
@@ -402,7 +408,29 @@ pub fn calibrate(target: &Target, json: bool) -> Result<()> {
 /// The cost model measured on `target` (see [`calibrate`]), as the optimizer takes it.
 pub fn measure(target: &Target) -> Result<CostModel> {
     let (t_dispatch, t_byte, t_flop) = constants(target, 3)?;
-    Ok(CostModel { dispatch: t_dispatch / t_byte, flop: t_flop / t_byte, ..CostModel::default() })
+    let scalar_projection = scalar_projection(target, 3)?;
+    Ok(CostModel { dispatch: t_dispatch / t_byte, flop: t_flop / t_byte, scalar_projection, ..CostModel::default() })
+}
+
+/// [`CostModel::scalar_projection`] on `target`: the time of a projection with a RoPE epilogue
+/// in the scalar form over that in the `vec4` form (SmolLM2's packed QKV at 128 rows; the rotated
+/// columns start at column 4 or 0, see [`fusion_graph`]), at least 1; 1 on the CPU, whose kernels
+/// do not have the two forms.
+fn scalar_projection(target: &Target, runs: usize) -> Result<f64> {
+    if matches!(target, Target::Cpu { .. }) {
+        return Ok(1.0);
+    }
+    let time = |start| {
+        time_kernel(
+            target,
+            &fusion_graph(576, 960, true, Some(start)),
+            &lower::Options::default(),
+            WeightFormat::F32,
+            128,
+            runs,
+        )
+    };
+    Ok((time(4)? / time(0)?.max(1e-9)).max(1.0))
 }
 
 /// The time (ms) of one dispatch, of one byte moved and of one projection FLOP on `target`,
@@ -435,6 +463,44 @@ struct Projection {
     rows: usize,
     k: usize,
     n: usize,
+}
+
+/// A graph `ids -> gather (x [1, rows, k]) -> rms_norm -> x @ w^T -> one column`, with the norm
+/// in the projection's prologue when `fused`, and with a RoPE epilogue (heads of 64 from column
+/// `rope`, over all but the last `n / 5` columns: the queries and keys of a packed QKV
+/// projection; a column not a multiple of 8 takes the scalar form) when `rope` is given: the
+/// prologue and epilogue of a decoder's attention input, for `kiln bench --kernels`.
+fn fusion_graph(k: usize, n: usize, fused: bool, rope: Option<usize>) -> Graph {
+    let mut g = Graph::new("fusion");
+    let ids = g
+        .add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[])
+        .expect("an input has no operands");
+    let table = g.param("table", &[16, k]);
+    let x = g.add(Op::Gather, &[table, ids]).expect("gather types");
+    let gain = g.param("gain", &[k]);
+    let w = g.param("w0", &[n, k]);
+    let eps = Scalar(1e-5);
+    let rotated = n - n / 5;
+    let cols = RopeCols {
+        theta: Scalar(10000.0),
+        rotary_dim: 64,
+        style: kiln_compiler::spec::PairStyle::RotateHalf,
+        head_dim: 64,
+        start: rope.unwrap_or(0),
+        len: rotated - rotated % 64 - 64,
+    };
+    let linear = |norm, rope| Op::Linear { act: None, bias: false, residual: false, norm, glu: false, rope };
+    let rope = rope.map(|_| cols);
+    let y = if fused {
+        let prologue = Some(Prologue { rms: true, eps, bias: false });
+        g.add(linear(prologue, rope), &[x, gain, w]).expect("projection types")
+    } else {
+        let normed = g.add(Op::RmsNorm { eps }, &[x, gain]).expect("norm types");
+        g.add(linear(None, rope), &[normed, w]).expect("projection types")
+    };
+    let y = g.add(Op::Slice { axis: 2, start: 0, len: 1 }, &[y]).expect("slice types");
+    g.outputs.push(("y".into(), y));
+    g
 }
 
 /// A graph `ids -> gather (x [1, rows, k]) -> x @ w^T -> one column`, or without the projection
@@ -530,6 +596,15 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
         let gflops = |ms: f64| 2.0 * (s.rows * s.k * s.n) as f64 / (ms.max(1e-6) * 1e6);
         rows.push((s, old, new, gflops(old), gflops(new)));
     }
+    // The norm prologue and the RoPE epilogue at SmolLM2's packed QKV projection (576 -> 960):
+    // the norm as its own kernel, then in the projection's prologue, then with the rotation too.
+    let mut fusions = Vec::new();
+    for m in [1, 16, 128] {
+        let (k, n) = (576, 960);
+        let time = |fused, rope| time_kernel(target, &fusion_graph(k, n, fused, rope), &fast, f32, m, runs);
+        let scalar_rope = time(true, Some(4))?;
+        fusions.push((m, k, n, time(false, None)?, time(true, None)?, time(true, Some(0))?, scalar_rope));
+    }
     // Weight formats at the decode GEMV and a prefill GEMM of SmolLM2's MLP (576 -> 1536): GB/s
     // counts the weight's bytes on the device (what a GEMV is bound by).
     let mut by_format = Vec::new();
@@ -559,7 +634,15 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
                     "weight_bytes": bytes, "weight_gb_s": gb_s, "gflops": gflops})
             })
             .collect();
-        let out = serde_json::json!({"adapter": target.describe(), "runs": runs, "projections": rows, "weight_formats": formats});
+        let fusions: Vec<serde_json::Value> = fusions
+            .iter()
+            .map(|(m, k, n, apart, prologue, rope, scalar)| {
+                serde_json::json!({"m": m, "k": k, "n": n, "norm_then_projection_ms": apart,
+                    "prologue_ms": prologue, "prologue_rope_ms": rope, "prologue_rope_scalar_ms": scalar})
+            })
+            .collect();
+        let out = serde_json::json!({"adapter": target.describe(), "runs": runs, "projections": rows,
+            "weight_formats": formats, "fusions": fusions});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", target.describe());
@@ -579,6 +662,17 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
                 new,
                 gn,
                 old / new
+            );
+        }
+        println!("norm prologue and RoPE epilogue (fast kernel; ms of every kernel between input and output)");
+        println!(
+            "  {:>5} {:>5} {:>5} {:>15} {:>12} {:>9} {:>16} {:>14}",
+            "m", "k", "n", "norm + proj ms", "prologue ms", "+rope ms", "+rope scalar ms", "prologue gain"
+        );
+        for (m, k, n, apart, prologue, rope, scalar) in &fusions {
+            println!(
+                "  {m:>5} {k:>5} {n:>5} {apart:>15.3} {prologue:>12.3} {rope:>9.3} {scalar:>16.3} {:>13.2}x",
+                apart / prologue
             );
         }
         println!("weight formats (fast kernel; GB/s = weight bytes / time)");

@@ -60,7 +60,9 @@ fn read(path: &std::path::Path) -> Result<Option<CostModel>> {
     let (Some(dispatch), Some(flop)) = (field("dispatch"), field("flop")) else {
         bail!("the cost model `{}` lacks positive `dispatch` and `flop`: delete it to recalibrate", path.display());
     };
-    Ok(Some(CostModel { dispatch, flop, ..CostModel::default() }))
+    // A model saved before `scalar_projection` was measured keeps the built-in one's.
+    let scalar_projection = field("scalar_projection").unwrap_or(CostModel::default().scalar_projection);
+    Ok(Some(CostModel { dispatch, flop, scalar_projection, ..CostModel::default() }))
 }
 
 /// Saves `model` as the cost model of `adapter`; returns the file.
@@ -68,7 +70,8 @@ pub fn save(adapter: &str, model: &CostModel) -> Result<PathBuf> {
     let Some(dir) = dir() else { bail!("no data directory to keep the cost model in: set KILN_DATA") };
     let path = file_of(&dir, adapter);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
-    let doc = serde_json::json!({"adapter": adapter, "dispatch": model.dispatch, "flop": model.flop});
+    let doc = serde_json::json!({"adapter": adapter, "dispatch": model.dispatch, "flop": model.flop,
+        "scalar_projection": model.scalar_projection});
     kiln_compiler::file::write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
         .with_context(|| format!("cannot write the cost model `{}`", path.display()))?;
     Ok(path)

@@ -83,5 +83,30 @@ pub fn projection_ops() -> Vec<kiln_compiler::graph::Op> {
         Op::Linear { act: None, bias: true, residual: false, norm: layer, glu: false, rope: None },
         Op::Linear { act: Some(Activation::Silu), bias: false, residual: true, norm: rms, glu: true, rope: None },
         Op::Linear { act: None, bias: true, residual: true, norm: rms, glu: false, rope: Some(rope) },
+        // Whole `vec4` pairs (the `vec4` forms): a partial rotate-half rotation of heads of 16, and
+        // interleaved pairs.
+        Op::Linear {
+            act: None,
+            bias: true,
+            residual: false,
+            norm: rms,
+            glu: false,
+            rope: Some(RopeCols { rotary_dim: 8, head_dim: 16, start: 8, len: 16, ..rope }),
+        },
+        Op::Linear {
+            act: None,
+            bias: false,
+            residual: true,
+            norm: None,
+            glu: false,
+            rope: Some(RopeCols {
+                theta: Scalar(500.0),
+                rotary_dim: 4,
+                style: PairStyle::Interleaved,
+                head_dim: 8,
+                start: 0,
+                len: 24,
+            }),
+        },
     ]
 }

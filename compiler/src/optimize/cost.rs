@@ -20,6 +20,11 @@ const CPU_DISPATCH: f64 = 10000.0;
 /// [`CostModel::cpu`]'s FLOP constant (in bytes moved).
 const CPU_FLOP: f64 = 0.15;
 
+/// [`CostModel::scalar_projection`] on lavapipe: SmolLM2's packed QKV projection with a RoPE
+/// epilogue took 7 times as long at 128 rows in the scalar form as in the `vec4` one, and 22 times
+/// at 16 (`kiln bench --kernels`, on a busy machine; the same at 1 row, where both are GEMVs).
+pub const LAVAPIPE_SCALAR_PROJECTION: f64 = 7.0;
+
 /// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
 #[derive(Clone, Debug)]
 pub struct CostModel {
@@ -29,6 +34,11 @@ pub struct CostModel {
     pub dispatch: f64,
     /// Cost of one floating-point operation, in the unit of one byte moved.
     pub flop: f64,
+    /// How many times its FLOPs cost in a projection the WGSL back end runs in a scalar form
+    /// rather than a `vec4` one ([`crate::back::wgsl::projection::vector_form`]: `k` not a
+    /// multiple of 4, a RoPE epilogue whose pairs are not whole `vec4`s). 1 for the CPU, whose
+    /// kernels have no such forms.
+    pub scalar_projection: f64,
 }
 
 impl Default for CostModel {
@@ -38,7 +48,7 @@ impl Default for CostModel {
     /// 13 000 bytes and a FLOP about 1.1 bytes. (On a discrete GPU both ratios are far larger:
     /// rerun the calibration there before trusting choices that trade dispatches for FLOPs.)
     fn default() -> Self {
-        CostModel { seq: 128, dispatch: 13000.0, flop: 1.1 }
+        CostModel { seq: 128, dispatch: 13000.0, flop: 1.1, scalar_projection: LAVAPIPE_SCALAR_PROJECTION }
     }
 }
 
@@ -49,7 +59,7 @@ impl CostModel {
     /// moving about 10 000 bytes (7 300-13 500 over three runs) and a FLOP 0.15 bytes (0.13-0.21):
     /// arithmetic is seven times cheaper, relative to memory, than on lavapipe. See BENCHMARKS.md.
     pub fn cpu() -> Self {
-        CostModel { seq: 128, dispatch: CPU_DISPATCH, flop: CPU_FLOP }
+        CostModel { seq: 128, dispatch: CPU_DISPATCH, flop: CPU_FLOP, scalar_projection: 1.0 }
     }
 
     fn elements(&self, shape: &Shape) -> f64 {
@@ -97,10 +107,20 @@ impl CostModel {
                 let rows = self.elements(out) / last(out).max(1.0);
                 let n = last(out);
                 let m = if *glu { 2.0 * n } else { n };
-                let mut f = 2.0 * rows * m * k;
-                // The kernel recomputes the row statistics in every thread of the row.
-                if let Some(p) = norm {
-                    f += rows * n * k * if p.rms { 2.0 } else { 4.0 };
+                let vector = crate::back::wgsl::projection::vector_form(op, k as usize, n as usize);
+                let mut f = 2.0 * rows * m * k * if vector { 1.0 } else { self.scalar_projection };
+                match norm {
+                    // One pass: the sum of squares accumulates beside the dot products from the
+                    // values already loaded, and scales the sums after (the WGSL projection's
+                    // `rms_load`; the CPU's normalises each row once): the statistics' own
+                    // arithmetic, as the separate norm does it, and no second read of the row.
+                    // `kiln bench --kernels` measures it at least as fast as the norm's own
+                    // kernel and the projection on lavapipe (at 1, 16 and 128 rows).
+                    Some(p) if p.rms => f += 2.0 * rows * k,
+                    // Two passes over its rows' inputs for the mean and variance, in every
+                    // invocation that shares the rows.
+                    Some(_) => f += rows * n * k * 4.0,
+                    None => {}
                 }
                 f
             }

@@ -6,8 +6,10 @@
 //! load-time fold for a constant weight, and pads `w` to a multiple of 4 for a plain projection), so that the
 //! columns an invocation computes are adjacent floats of one weight row. Each invocation
 //! accumulates its tile in registers over the whole of `k`, then gives each output its epilogue
-//! (bias, activation, gate, rotation, residual). A norm prologue computes the statistics of each of
-//! an invocation's rows once, before its tile. No workgroup memory or barriers (slow to
+//! (bias, activation, gate, rotation, residual). An RMSNorm prologue accumulates each row's sum of
+//! squares in the same loop, from the values it loads anyway, and scales the sums after it (see
+//! [`rms_load`]); a LayerNorm prologue computes the statistics of each of an invocation's rows
+//! once, before its tile. No workgroup memory or barriers (slow to
 //! synchronise on lavapipe).
 //!
 //! - **`vec4` GEMM** (prefill): [`VEC_GEMM_ROWS`] rows x [`VEC_GEMM_GROUPS`] groups of 4 columns,
@@ -15,8 +17,10 @@
 //!   by lane, one bounds check per component, so what counts is FMAs per component loaded: a
 //!   tile of `R x C` does `R * C` per `R + C`.
 //! - **`vec4` GEMV** (decode, up to [`GEMV_MAX_ROWS`] rows): one row x [`VEC_GEMV_GROUPS`] groups.
+//! - A **RoPE epilogue** runs in the `vec4` forms when each rotation pair lies in an invocation's
+//!   two groups of 4 columns (see [`group_pair_fn`]: heads starting on whole pairs of `vec4`s).
 //! - **scalar GEMM / GEMV**: for `k` not a multiple of 4, a gated projection with `n` not one, or a
-//!   RoPE epilogue. Invocations compute *units*: one output column, or the two columns an
+//!   RoPE epilogue whose pairs are not whole `vec4`s. Invocations compute *units*: one output column, or the two columns an
 //!   epilogue combines (the gate and up columns; the two columns of a rotation, or two adjacent
 //!   unrotated ones). In the GEMM form the 64 lanes of a workgroup take 64 rows and share their
 //!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
@@ -83,6 +87,23 @@ impl Linear {
     fn units(self, n: usize) -> usize {
         if self.rope.is_some() { n / 2 } else { n }
     }
+
+    /// Groups of 4 columns per invocation of the `vec4` GEMV form: a rotation's two groups (see
+    /// [`group_pair_fn`]).
+    fn gemv_groups(self) -> usize {
+        if self.rope.is_some() { 2 } else { VEC_GEMV_GROUPS }
+    }
+}
+
+/// Whether a RoPE epilogue of `r` runs in the `vec4` forms: every rotated head starts on a pair of
+/// whole `vec4`s, and a rotate-half head's pairs are whole `vec4`s apart, so an invocation's two
+/// groups of 4 columns hold both columns of each rotation pair (see [`group_pair_fn`]).
+fn vector_rope(r: RopeCols) -> bool {
+    let aligned = r.start % 8 == 0 && r.head_dim % 8 == 0 && r.len % r.head_dim == 0;
+    match r.style {
+        PairStyle::RotateHalf => aligned && r.rotary_dim % 8 == 0,
+        PairStyle::Interleaved => aligned && r.rotary_dim % 4 == 0,
+    }
 }
 
 /// The sizes of a projection dispatch (see [`super::dispatch`]):
@@ -110,9 +131,9 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
     let m = out.iter().product::<usize>() / n.max(1);
     let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
     let gemv = m <= GEMV_MAX_ROWS;
-    let vector = vectors && p.rope.is_none() && k % 4 == 0 && w % 4 == 0 && (!p.glu || n % 4 == 0);
+    let vector = vectors && vector_ok(p, k, w, n);
     let (form, tiles, groups) = if vector {
-        let (rows, cols) = if gemv { (1, VEC_GEMV_GROUPS) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
+        let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
         let tiles = n.div_ceil(4).div_ceil(cols);
         (if gemv { 3 } else { 2 }, tiles, (tiles * m.div_ceil(rows)).div_ceil(64))
     } else if gemv {
@@ -124,6 +145,27 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
     };
     let threads = groups * WORKGROUP as usize;
     vec![threads, n, k, seq, past, m, tiles, form, w]
+}
+
+/// Whether the `vec4` forms serve projection `p` of `k` inputs and `n` outputs whose transposed
+/// weight rows are `w` wide.
+fn vector_ok(p: Linear, k: usize, w: usize, n: usize) -> bool {
+    k % 4 == 0 && w % 4 == 0 && (!p.glu || n % 4 == 0) && p.rope.is_none_or(|r| vector_rope(r) && n % 4 == 0)
+}
+
+/// Whether projection `op` (an [`Op::Linear`]) from `k` inputs to `n` outputs runs a `vec4`
+/// form here (at any number of rows) rather than a scalar one, which is several times slower
+/// (`kiln bench --kernels`): what the cost model needs to price the op as it will run.
+pub fn vector_form(op: &Op, k: usize, n: usize) -> bool {
+    let p = Linear::of(op);
+    let w = if p.glu {
+        2 * n
+    } else if pads_weight(op, n) {
+        n.next_multiple_of(4)
+    } else {
+        n
+    };
+    vector_ok(p, k, w, n)
 }
 
 /// Whether lowering pads the transposed weight of `op` from `n` columns to a multiple of 4, so the
@@ -280,9 +322,53 @@ pub fn unit_fn(op: &Op) -> String {
     } else {
         "    return vec4<u32>(u, 0u, 0u, 0u);\n".to_string()
     };
-    format!(
+    let mut s = format!(
         "// The output columns of unit `u` of a row of `n`: (c0, c1, rotated, t).\nfn unit_cols(u: u32, n: u32) -> vec4<u32> {{\n{body}}}\n"
-    )
+    );
+    if let Some(r) = p.rope.filter(|&r| vector_rope(r)) {
+        s += &group_pair_fn(r);
+    }
+    s
+}
+
+/// Module-scope functions of a `vec4` form with a RoPE epilogue, whose invocations each compute
+/// two groups of 4 columns (a *unit*): `group_pair(u)`, unit `u`'s groups as `(g0, g1, rotated,
+/// f)`, and, for interleaved pairs, `rot_group(y, g, pos)`, group `g`'s values rotated in place.
+///
+/// Rotate-half pairs column `i` of a head with column `i + rotary_dim / 2`, so a rotated unit is
+/// group `t` of a head and the group `rotary_dim / 8` after it, `f = 4 t` being the frequency
+/// index of its first column; the unrotated columns of a head (past `rotary_dim`) and those outside
+/// the rotated range are units of two adjacent groups. Interleaved pairs are adjacent columns,
+/// inside one group, so every unit is two adjacent groups, each rotated by itself.
+fn group_pair_fn(r: RopeCols) -> String {
+    let (start, end, hd, rd) = (r.start, r.start + r.len, r.head_dim, r.rotary_dim);
+    match r.style {
+        PairStyle::RotateHalf => format!(
+            "fn group_pair(u: u32) -> vec4<u32> {{\n    var g0 = 2u * u;\n    var g1 = g0 + 1u;\n    var rot = 0u;\n    var f = 0u;\n    \
+             if (g0 >= {gs}u && g0 < {ge}u) {{\n        let rel = u - {us}u;\n        \
+             let base = {gs}u + (rel / {hu}u) * {hg}u;\n        let t = rel % {hu}u;\n        \
+             if (t < {ru}u) {{\n            rot = 1u;\n            g0 = base + t;\n            g1 = g0 + {ru}u;\n            f = 4u * t;\n        \
+             }} else {{\n            g0 = base + {rg}u + 2u * (t - {ru}u);\n            g1 = g0 + 1u;\n        }}\n    }}\n    \
+             return vec4<u32>(g0, g1, rot, f);\n}}\n",
+            gs = start / 4,
+            ge = end / 4,
+            us = start / 8,
+            hu = hd / 8,
+            hg = hd / 4,
+            ru = rd / 8,
+            rg = rd / 4,
+        ),
+        PairStyle::Interleaved => format!(
+            "fn group_pair(u: u32) -> vec4<u32> {{ return vec4<u32>(2u * u, 2u * u + 1u, 0u, 0u); }}\n\
+             fn rot_group(y: vec4<f32>, g: u32, pos: f32) -> vec4<f32> {{\n    let c = 4u * g;\n    \
+             if (c < {start}u || c >= {end}u || (c - {start}u) % {hd}u >= {rd}u) {{ return y; }}\n    \
+             let i = f32(((c - {start}u) % {hd}u) / 2u);\n    \
+             let angle = pos / pow(vec2<f32>({theta}), vec2<f32>(2.0 * i, 2.0 * i + 2.0) / {rd}.0);\n    \
+             let cs = cos(angle);\n    let sn = sin(angle);\n    \
+             return vec4<f32>(y.x * cs.x - y.y * sn.x, y.y * cs.x + y.x * sn.x, y.z * cs.y - y.w * sn.y, y.w * cs.y + y.z * sn.y);\n}}\n",
+            theta = lit(r.theta.0),
+        ),
+    }
 }
 
 /// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
@@ -324,11 +410,11 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
     s += &indent(&(scalar_head.clone() + &scalar_tile(p, pair, &gemm_rows, &gemm_unit, format)));
     s += "} else if (form == 1u) {\n";
     s += &indent(&(scalar_head + &scalar_tile(p, pair, &["grp".to_string()], &gemv_unit, format)));
-    if vectors && p.rope.is_none() {
+    if vectors && p.rope.is_none_or(vector_rope) {
         s += "} else if (form == 2u) {\n";
         s += &indent(&vector_tile(p, VEC_GEMM_ROWS, VEC_GEMM_GROUPS, format));
         s += "} else {\n";
-        s += &indent(&vector_tile(p, 1, VEC_GEMV_GROUPS, format));
+        s += &indent(&vector_tile(p, 1, p.gemv_groups(), format));
     }
     s += "}";
     s
@@ -357,8 +443,13 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
         s += &format!("let a{r} = min(r0 + {r}u, m - 1u) * kq;\n");
         s += &vector_stats(p.norm, r);
     }
-    for j in 0..groups {
-        s += &format!("let g{j} = min(gb + {j}u, nq - 1u);\n");
+    if p.rope.is_some() {
+        // One unit of two groups (see `group_pair_fn`).
+        s += "let pg = group_pair(t % tiles);\nlet g0 = min(pg.x, nq - 1u);\nlet g1 = min(pg.y, nq - 1u);\n";
+    } else {
+        for j in 0..groups {
+            s += &format!("let g{j} = min(gb + {j}u, nq - 1u);\n");
+        }
     }
     for r in 0..rows {
         for j in 0..groups {
@@ -373,6 +464,13 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
     } else {
         s += &vector_loop(p, rows, groups);
     }
+    for r in 0..rows {
+        let accs = (0..groups).flat_map(|j| {
+            let gate = p.glu.then(|| format!("z{r}_{j}"));
+            std::iter::once(format!("y{r}_{j}")).chain(gate)
+        });
+        s += &rms_scale(p.norm, r, "dot(ss{r}, vec4<f32>(1.0))", accs);
+    }
     let act = |a: Activation, v: &str| {
         format!(
             "vec4<f32>({}, {}, {}, {})",
@@ -382,6 +480,12 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
             activation(a, &format!("{v}.w"))
         )
     };
+    if let Some(rope) = p.rope {
+        for r in 0..rows {
+            s += &vector_rope_epilogue(p, rope, r);
+        }
+        return s;
+    }
     for r in 0..rows {
         for j in 0..groups {
             s += &format!("if (r0 + {r}u < m && gb + {j}u < nq) {{\n    let row = r0 + {r}u;\n    var y = y{r}_{j};\n");
@@ -429,6 +533,43 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
     s
 }
 
+/// The epilogue of row `r` of a `vec4` tile with a RoPE epilogue: its two groups `g0`, `g1`
+/// (from `pg = group_pair(..)`) with bias and activation, rotated together (rotate-half) or each
+/// by itself (interleaved), the residual added.
+fn vector_rope_epilogue(p: Linear, rope: RopeCols, r: usize) -> String {
+    let (_, bi, ri) = operand_indices(p);
+    let mut s =
+        format!("if (r0 + {r}u < m) {{\n    let row = r0 + {r}u;\n    var ya = y{r}_0;\n    var yb = y{r}_1;\n");
+    if p.bias {
+        s += &format!("    ya = ya + ld{bi}v(g0);\n    yb = yb + ld{bi}v(g1);\n");
+    }
+    if let Some(a) = p.act {
+        let act = |v: &str| {
+            let c = |f: &str| activation(a, &format!("{v}.{f}"));
+            format!("vec4<f32>({}, {}, {}, {})", c("x"), c("y"), c("z"), c("w"))
+        };
+        s += &format!("    ya = {};\n    yb = {};\n", act("ya"), act("yb"));
+    }
+    s += "    let pos = f32(row % dim(3u) + dim(4u));\n";
+    match rope.style {
+        PairStyle::RotateHalf => {
+            s += &format!(
+                "    if (pg.z == 1u) {{\n        let f = vec4<f32>(f32(pg.w), f32(pg.w + 1u), f32(pg.w + 2u), f32(pg.w + 3u));\n        \
+                 let angle = pos / pow(vec4<f32>({}), 2.0 * f / {}.0);\n        let c = cos(angle);\n        let sn = sin(angle);\n        \
+                 let ra = ya * c - yb * sn;\n        yb = yb * c + ya * sn;\n        ya = ra;\n    }}\n",
+                lit(rope.theta.0),
+                rope.rotary_dim
+            );
+        }
+        PairStyle::Interleaved => s += "    ya = rot_group(ya, g0, pos);\n    yb = rot_group(yb, g1, pos);\n",
+    }
+    if p.residual {
+        s += &format!("    ya = ya + ld{ri}v(row * nq + g0);\n    yb = yb + ld{ri}v(row * nq + g1);\n");
+    }
+    s += "    if (pg.x < nq) { stv(row * nq + g0, ya); }\n    if (pg.y < nq) { stv(row * nq + g1, yb); }\n}\n";
+    s
+}
+
 /// The loop of a `vec4` tile over a transposed f32/f16 weight: `k` 4 at a time.
 fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
     let (wi, _, _) = operand_indices(p);
@@ -436,6 +577,7 @@ fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
     s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
     s += &norm_loads(p.norm, "    ");
     for r in 0..rows {
+        s += &rms_load(p.norm, r, &format!("ld0v(a{r} + kk)"), "v", "    ");
         s += &format!("    let x{r} = {};\n", vector_x(p.norm, r));
     }
     s += "    let wr = kk * 4u * wq;\n";
@@ -469,7 +611,7 @@ fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
 fn vector_x(norm: Option<Prologue>, r: usize) -> String {
     match norm {
         None => format!("ld0v(a{r} + kk)"),
-        Some(n) if n.rms => format!("ld0v(a{r} + kk) * inv{r} * gain"),
+        Some(n) if n.rms => format!("v{r} * gain"),
         Some(n) if n.bias => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain + shift"),
         Some(_) => format!("(ld0v(a{r} + kk) - mean{r}) * inv{r} * gain"),
     }
@@ -508,6 +650,7 @@ fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> St
     s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
     s += &norm_loads(p.norm, "        ");
     for r in 0..rows {
+        s += &rms_load(p.norm, r, &format!("ld0v(a{r} + kk)"), "v", "        ");
         s += &format!("        let x{r} = {};\n", vector_x(p.norm, r));
         if mins {
             s += &format!("        xs{r} = xs{r} + x{r};\n");
@@ -553,11 +696,8 @@ fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> St
 fn vector_stats(norm: Option<Prologue>, r: usize) -> String {
     match norm {
         None => String::new(),
-        Some(p) if p.rms => format!(
-            "var ss{r} = vec4<f32>(0.0);\nfor (var kk = 0u; kk < kq; kk = kk + 1u) {{ let v = ld0v(a{r} + kk); ss{r} = ss{r} + v * v; }}\n\
-             let inv{r} = 1.0 / sqrt(dot(ss{r}, vec4<f32>(1.0)) / f32(k) + {});\n",
-            lit(p.eps.0)
-        ),
+        // One pass: the sum of squares accumulates beside the dot products (see `rms_load`).
+        Some(p) if p.rms => format!("var ss{r} = vec4<f32>(0.0);\n"),
         Some(p) => format!(
             "var sum{r} = vec4<f32>(0.0);\nfor (var kk = 0u; kk < kq; kk = kk + 1u) {{ sum{r} = sum{r} + ld0v(a{r} + kk); }}\n\
              let mean{r} = dot(sum{r}, vec4<f32>(1.0)) / f32(k);\nvar sq{r} = vec4<f32>(0.0);\n\
@@ -593,6 +733,7 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format:
     } else {
         s += "for (var kk = 0u; kk < k; kk = kk + 1u) {\n";
         for r in 0..rows.len() {
+            s += &rms_load(p.norm, r, &format!("ld0(a{r} + kk)"), "s", "    ");
             s += &format!("    let x{r} = {};\n", x_value(p.norm, r));
         }
         s += "    let wr = kk * wn;\n";
@@ -606,6 +747,10 @@ fn scalar_tile(p: Linear, pair: bool, rows: &[String], units: &[String], format:
             }
         }
         s += "}\n";
+    }
+    for r in 0..rows.len() {
+        let accs = (0..units.len()).flat_map(|j| halves.iter().map(move |h| format!("y{r}_{j}_{h}")));
+        s += &rms_scale(p.norm, r, "ss{r}", accs);
     }
     for r in 0..rows.len() {
         for j in 0..units.len() {
@@ -656,6 +801,7 @@ fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], for
     s += "    for (var qt = 0u; qt < 8u; qt = qt + 1u) {\n        let kk = b * 8u + qt;\n";
     s += &norm_loads(p.norm, "        ");
     for r in 0..rows {
+        s += &rms_load(p.norm, r, &format!("ld0v(av{r} + kk)"), "d", "        ");
         s += &format!(
             "        let x{r} = {};\n",
             vector_x(p.norm, r).replace(&format!("a{r} + kk"), &format!("av{r} + kk"))
@@ -690,11 +836,7 @@ fn scalar_quant_loop(p: Linear, rows: usize, units: usize, halves: &[usize], for
 fn norm_stats(norm: Option<Prologue>, r: usize) -> String {
     match norm {
         None => String::new(),
-        Some(p) if p.rms => format!(
-            "var ss{r} = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ let v = ld0(a{r} + kk); ss{r} = ss{r} + v * v; }}\n\
-             let inv{r} = 1.0 / sqrt(ss{r} / f32(k) + {});\n",
-            lit(p.eps.0)
-        ),
+        Some(p) if p.rms => format!("var ss{r} = 0.0;\n"),
         Some(p) => format!(
             "var mean{r} = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{ mean{r} = mean{r} + ld0(a{r} + kk); }}\n\
              mean{r} = mean{r} / f32(k);\nvar sq{r} = 0.0;\n\
@@ -709,7 +851,7 @@ fn norm_stats(norm: Option<Prologue>, r: usize) -> String {
 fn x_value(norm: Option<Prologue>, r: usize) -> String {
     match norm {
         None => format!("ld0(a{r} + kk)"),
-        Some(p) if p.rms => format!("ld0(a{r} + kk) * inv{r} * ld1(kk)"),
+        Some(p) if p.rms => format!("v{r} * ld1(kk)"),
         Some(p) if p.bias => format!("(ld0(a{r} + kk) - mean{r}) * inv{r} * ld1(kk) + ld2(kk)"),
         Some(_) => format!("(ld0(a{r} + kk) - mean{r}) * inv{r} * ld1(kk)"),
     }
@@ -756,11 +898,67 @@ fn epilogue(p: Linear) -> String {
     s
 }
 
+/// An RMSNorm prologue's load of element (or `vec4`) `load` of row `r` as `v{r}`, its square
+/// added to the row's sum of squares `ss{r}`: `sum` says how (`"v"`: a `vec4` sum of `vec4`s,
+/// `"s"`: a float sum of floats, `"d"`: a float sum of `vec4`s). Nothing for other prologues.
+///
+/// RMSNorm scales a row by one factor, so the projection of the normalised row is the
+/// projection of `x * gain` times that factor: the kernel reads each row once, accumulating
+/// the dot products and the sum of squares together, and scales the sums after the loop
+/// ([`rms_scale`]). No invocation makes a second pass over its rows for their statistics.
+fn rms_load(norm: Option<Prologue>, r: usize, load: &str, sum: &str, indent: &str) -> String {
+    if !norm.is_some_and(|n| n.rms) {
+        return String::new();
+    }
+    let add = if sum == "d" { format!("dot(v{r}, v{r})") } else { format!("v{r} * v{r}") };
+    format!("{indent}let v{r} = {load};\n{indent}ss{r} = ss{r} + {add};\n")
+}
+
+/// After the loop of an RMSNorm prologue: row `r`'s factor `inv{r}` from its sum of squares
+/// (`total`, a WGSL expression in `{r}`), and each accumulator of the row in `accs` scaled by it.
+fn rms_scale(norm: Option<Prologue>, r: usize, total: &str, accs: impl Iterator<Item = String>) -> String {
+    let Some(p) = norm.filter(|n| n.rms) else { return String::new() };
+    let total = total.replace("{r}", &r.to_string());
+    let mut s = format!("let inv{r} = 1.0 / sqrt({total} / f32(k) + {});\n", lit(p.eps.0));
+    for a in accs {
+        s += &format!("{a} = {a} * inv{r};\n");
+    }
+    s
+}
+
 /// The loads of a norm prologue's gain (and shift) `vec4`s at `kk`, indented by `indent`.
 fn norm_loads(norm: Option<Prologue>, indent: &str) -> String {
     match norm {
         None => String::new(),
         Some(n) if n.bias => format!("{indent}let gain = ld1v(kk);\n{indent}let shift = ld2v(kk);\n"),
         Some(_) => format!("{indent}let gain = ld1v(kk);\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Scalar;
+
+    fn rope(style: PairStyle, start: usize, head_dim: usize, rotary_dim: usize) -> Op {
+        let rope = RopeCols { theta: Scalar(1e4), rotary_dim, style, head_dim, start, len: 8 * head_dim };
+        Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) }
+    }
+
+    #[test]
+    fn rotations_of_whole_vec4_pairs_run_the_vec4_forms() {
+        // SmolLM2's packed QKV (heads of 64 from column 0), and a partial rotation.
+        assert!(vector_form(&rope(PairStyle::RotateHalf, 0, 64, 64), 576, 960));
+        assert!(vector_form(&rope(PairStyle::RotateHalf, 64, 64, 32), 576, 960));
+        assert!(vector_form(&rope(PairStyle::Interleaved, 0, 64, 4), 576, 960));
+        // Pairs split across `vec4`s, or inputs not whole `vec4`s: the scalar forms.
+        assert!(!vector_form(&rope(PairStyle::RotateHalf, 4, 64, 64), 576, 960));
+        assert!(!vector_form(&rope(PairStyle::RotateHalf, 0, 64, 4), 576, 960));
+        assert!(!vector_form(&rope(PairStyle::RotateHalf, 0, 2, 2), 8, 16));
+        assert!(!vector_form(&rope(PairStyle::RotateHalf, 0, 64, 64), 578, 960));
+        // The dispatch sizes agree: form 2 (`vec4` GEMM) at 128 rows, 3 (`vec4` GEMV) at one.
+        let op = rope(PairStyle::RotateHalf, 0, 64, 64);
+        let at = |rows: usize| dims(&op, &[vec![1, rows, 576], vec![576, 960]], &[1, rows, 960], 0)[7];
+        assert_eq!((at(128), at(1)), (2, 3));
     }
 }
