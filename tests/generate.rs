@@ -446,7 +446,7 @@ fn sampling_on_the_device_gives_the_host_tokens() {
         }
     }
     // The logits, only when asked for.
-    let mut step = |session: &mut Session, logits: bool| {
+    let step = |session: &mut Session, logits: bool| {
         session.reset();
         let mut sampler = Sampler::new(0.9, 20, 0.95, 1.2, 7).unwrap();
         session.sample(&prompt, Pick { sampler: &mut sampler, seen: &prompt, logits }).unwrap()

@@ -64,10 +64,8 @@ fn compare(device: &mut DeviceSampler, vocab: usize, rows: usize, draws: usize, 
             let mut on_device = host.clone();
             for d in 0..draws {
                 let want = host.sample(&logits, &seen);
-                let got = device
-                    .sample(&logits, Pick { sampler: &mut on_device, seen: &seen, logits: false })
-                    .unwrap()
-                    .token;
+                let got =
+                    device.sample(&logits, Pick { sampler: &mut on_device, seen: &seen, logits: false }).unwrap().token;
                 if got != want {
                     mismatches.push(format!(
                         "vocab {vocab}, row {r} (ties {ties}, masked {masked}), settings {:?}, draw {d}: device {got}, host {want}",
@@ -137,7 +135,8 @@ fn device_sampler_follows_the_host_on_edge_rows() {
             let mut on_device = host.clone();
             for _ in 0..3 {
                 let want = host.sample(logits, &[1, 2]);
-                let got = device.sample(logits, Pick { sampler: &mut on_device, seen: &[1, 2], logits: false }).unwrap();
+                let got =
+                    device.sample(logits, Pick { sampler: &mut on_device, seen: &[1, 2], logits: false }).unwrap();
                 assert_eq!(got.token, want, "row {r}, settings {:?}", (t, k, p, penalty));
             }
         }

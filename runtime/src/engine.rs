@@ -325,7 +325,6 @@ impl GpuEngine {
         links: &[Link],
         lend: Option<Lend<'_>>,
     ) -> R<HashMap<String, Tensor>> {
-
         // Past and memory stay on the device; so do the presents, the next past.
         let keep: Vec<String> = links.iter().map(|(present, _)| present.clone()).collect();
         let resident: HashMap<String, DeviceTensor> =

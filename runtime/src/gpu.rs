@@ -545,8 +545,7 @@ pub(crate) struct Lent<'a> {
 }
 
 /// The output [`GpuModel::run_lending`] lends, by name, and the callback it lends it to.
-pub(crate) type Lend<'a> =
-    (&'a str, &'a mut dyn FnMut(&mut wgpu::CommandEncoder, Lent<'_>) -> Result<(), GpuError>);
+pub(crate) type Lend<'a> = (&'a str, &'a mut dyn FnMut(&mut wgpu::CommandEncoder, Lent<'_>) -> Result<(), GpuError>);
 
 /// A plan with its pipelines built and its weights on the device.
 pub struct GpuModel {

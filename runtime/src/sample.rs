@@ -53,7 +53,8 @@ impl DeviceSampler {
     /// Builds the kernel's pipeline on `gpu`.
     pub fn new(gpu: Arc<Gpu>) -> Result<DeviceSampler, GpuError> {
         let pipeline = gpu.pipeline("sample", KERNEL);
-        let settings = gpu.buffer("sampler settings", 32, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
+        let settings =
+            gpu.buffer("sampler settings", 32, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
         let picked = gpu.buffer("sampled token", 4, STORAGE)?;
         let staging = gpu.buffer("sampled token", 4, READ)?;
         gpu.check_lost()?;
@@ -136,8 +137,8 @@ impl DeviceSampler {
             }
         };
         {
-            let mut pass =
-                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("sample"), timestamp_writes: None });
+            let mut pass = encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("sample"), timestamp_writes: None });
             pass.set_pipeline(&self.pipeline);
             pass.set_bind_group(0, &group, &[]);
             pass.dispatch_workgroups(1, 1, 1);
