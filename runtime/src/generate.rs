@@ -143,7 +143,8 @@ impl Session {
 
     /// Runs `ids` after the cached tokens and picks the next token as `pick` says, where the
     /// engine chooses to (on wgpu, on the device: see [`Engine::step_sample`]); the logits are
-    /// returned only when `pick.logits` asks for them. On an error the session is as it was.
+    /// returned only when `pick.logits` asks for them. On an error the session is as it was
+    /// (the sampler may have drawn its uniform).
     pub fn sample(&mut self, ids: &[i64], pick: Pick<'_>) -> R<Sampled> {
         let inputs = self.inputs(ids)?;
         let sampled = self.engine.step_sample(inputs, &mut self.memory, &self.links, pick)?;
@@ -351,7 +352,7 @@ pub struct Stats {
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub new_tokens: usize,
-    /// Time of the prefill, in seconds.
+    /// Time of the prefill (the prompt's forward pass and the first pick), in seconds.
     pub prefill_s: f64,
     /// Time of the decode steps, in seconds.
     pub decode_s: f64,
