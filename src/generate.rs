@@ -10,7 +10,7 @@ use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::spec::{BlockKind, PackDims};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
-use kiln_runtime::generate::{Memory, Sampler, Session, Stats, Stop, generate};
+use kiln_runtime::generate::{Memory, Pick, Sampler, Session, Stats, Stop, generate};
 use kiln_runtime::{Engine, InterpEngine, Phase};
 use kiln_runtime::{Message, Tokenizer, weights};
 use std::collections::HashMap;
@@ -243,7 +243,8 @@ pub fn run(
     timings.compile_s = pipelines;
     if req.backend == crate::Backend::Wgpu && req.max_new > 0 {
         let warm_up = Instant::now();
-        session.forward(&prompt[..1])?;
+        // The sampling kernel too: the pick is part of every step.
+        session.sample(&prompt[..1], Pick { sampler: &mut Sampler::greedy(), seen: &[], logits: false })?;
         session.reset();
         timings.compile_s += warm_up.elapsed().as_secs_f64();
     }

@@ -641,6 +641,28 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
     );
 }
 
+/// `kiln generate` samples on the device on wgpu (one id read back per step) and on the host on
+/// the CPU backend: for the same seed and settings, the same ids.
+#[test]
+fn generate_samples_the_same_ids_on_wgpu_and_on_the_cpu() {
+    if common::gpu().is_none() {
+        return;
+    }
+    let weights = root().join("tests/fixtures/llama/model.safetensors");
+    let spec = root().join("models/llama.toml");
+    let mut args = vec!["generate", s(&spec), "--weights", s(&weights), "--prompt-ids", "1,2,3", "--print-ids"];
+    args.extend(["--max-new-tokens", "20", "--temperature", "0.8", "--top-k", "30", "--top-p", "0.9"]);
+    args.extend(["--repetition-penalty", "1.3", "--seed", "11"]);
+    let ids = |backend: &str| {
+        let o = kiln(&[&args[..], &["--backend", backend]].concat());
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        stdout(&o).trim().to_string()
+    };
+    let on_cpu = ids("cpu");
+    assert_eq!(on_cpu.split(',').count(), 20, "{on_cpu}");
+    assert_eq!(ids("wgpu"), on_cpu);
+}
+
 #[test]
 fn generate_streams_ids_and_rejects_bad_prompts() {
     let weights = root().join("tests/fixtures/llama/model.safetensors");

@@ -407,3 +407,53 @@ fn sliding_caches_need_the_position_once_full() {
     let logits = &stepped.iter().find(|(n, _)| n == "logits").unwrap().1;
     assert_eq!(logits.as_f32().unwrap(), from_session.as_slice());
 }
+
+/// A sampled generation picks the same tokens whether the next token is picked on the device
+/// (the default on wgpu: one id read back per step), on the host from the device's logits, or
+/// on the CPU backend, for every seed; a step returns its logits only when asked for, equal to
+/// the host-sampled step's.
+#[test]
+fn sampling_on_the_device_gives_the_host_tokens() {
+    use kiln_runtime::{CpuEngine, CpuModel, Pick};
+    let Some(gpu) = common::gpu() else { return };
+    let fe = spec("llama");
+    let params =
+        kiln_runtime::load_params(&fe.spec, &fe.graph, &root().join("tests/fixtures/llama/model.safetensors")).unwrap();
+    let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let max = fe.spec.spec.model.max_positions as usize;
+    let gpu_engine = || GpuEngine::new(GpuModel::new(gpu.clone(), lower(&cached), &params).unwrap());
+    let engines: [(&str, Box<dyn Engine>); 3] = [
+        ("wgpu, device sampling", Box::new(gpu_engine())),
+        ("wgpu, host sampling", Box::new(gpu_engine().sample_on_host())),
+        ("cpu", Box::new(CpuEngine::new(CpuModel::new(lower(&cached), &params, &HashMap::new(), 2, &()).unwrap()))),
+    ];
+    let mut sessions: Vec<(&str, Session)> =
+        engines.into_iter().map(|(label, e)| (label, Session::new(e, &names, max).unwrap())).collect();
+    let prompt = [1, 2, 3];
+    for seed in 0..4 {
+        let mut runs = Vec::new();
+        for (label, session) in &mut sessions {
+            session.reset();
+            let mut sampler = Sampler::new(0.9, 20, 0.95, 1.2, seed).unwrap();
+            let (ids, _) = generate(session, &prompt, 24, &mut sampler, &[], |_| true).unwrap();
+            runs.push((*label, ids));
+        }
+        let (_, first) = &runs[0];
+        assert!(first.iter().collect::<std::collections::HashSet<_>>().len() > 4, "a varied sample: {first:?}");
+        for (label, ids) in &runs[1..] {
+            assert_eq!(ids, first, "seed {seed}: {label} against {}", runs[0].0);
+        }
+    }
+    // The logits, only when asked for.
+    let step = |session: &mut Session, logits: bool| {
+        session.reset();
+        let mut sampler = Sampler::new(0.9, 20, 0.95, 1.2, 7).unwrap();
+        session.sample(&prompt, Pick { sampler: &mut sampler, seen: &prompt, logits }).unwrap()
+    };
+    let (device, host) = sessions.split_at_mut(1);
+    assert_eq!(step(&mut device[0].1, false).logits, None);
+    let (on_device, on_host) = (step(&mut device[0].1, true), step(&mut host[0].1, true));
+    assert_eq!(on_device, on_host);
+    assert_eq!(on_device.logits.map(|l| l.len()), Some(fe.spec.spec.model.vocab as usize));
+}

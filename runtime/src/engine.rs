@@ -7,12 +7,15 @@
 //! shares is the contract of [`Engine::step`]: the presents named by the session's links become
 //! the cache on success — a sliding-window layer's cut to its latest `window - 1` rows, so its
 //! memory is bounded (see [`InputRole::Cache`]) — and on an error the cache is as it was.
+//! [`Engine::step_sample`] also picks the next token where the logits are: on the host for the
+//! CPU engines, on the device for [`GpuEngine`] (see [`crate::sample`]).
 
 use crate::cpu::CpuModel;
 use crate::cpu::cache::KvCache;
-use crate::generate::{GenerateError, Memory};
-use crate::gpu::{DeviceTensor, GpuModel};
-use kiln_compiler::graph::{Graph, InputRole};
+use crate::generate::{GenerateError, Memory, Pick, Sampled, last_logits};
+use crate::gpu::{DeviceTensor, GpuModel, Lend, Lent};
+use crate::sample::DeviceSampler;
+use kiln_compiler::graph::{Dim, Graph, InputRole};
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Plan, Storage};
 use kiln_compiler::tensor::Tensor;
@@ -43,6 +46,21 @@ pub trait Engine {
         links: &[Link],
     ) -> R<HashMap<String, Tensor>>;
 
+    /// [`Engine::step`], then the next token picked as `pick` says from the logits of the last
+    /// position (the `logits` output, which is not returned). The default picks on the host;
+    /// an engine that keeps the logits elsewhere picks there ([`GpuEngine`]: on the device,
+    /// reading back one id, and the logits only when `pick.logits` asks for them).
+    fn step_sample(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+        pick: Pick<'_>,
+    ) -> R<Sampled> {
+        let outputs = self.step(inputs, memory, links)?;
+        Ok(pick.on_host(last_logits(outputs)?))
+    }
+
     /// Forgets the cache.
     fn clear(&mut self);
 
@@ -67,6 +85,16 @@ impl<E: Engine + ?Sized> Engine for Box<E> {
         links: &[Link],
     ) -> R<HashMap<String, Tensor>> {
         (**self).step(inputs, memory, links)
+    }
+
+    fn step_sample(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+        pick: Pick<'_>,
+    ) -> R<Sampled> {
+        (**self).step_sample(inputs, memory, links, pick)
     }
 
     fn clear(&mut self) {
@@ -253,18 +281,73 @@ impl Engine for CpuEngine {
     }
 }
 
-/// A compiled plan on a GPU; the cache and an encoder's memory stay on the device between steps.
+/// A compiled plan on a GPU; the cache and an encoder's memory stay on the device between steps,
+/// and [`Engine::step_sample`] picks the next token on the device.
 pub struct GpuEngine {
     model: GpuModel,
     cache: HashMap<String, DeviceTensor>,
     windows: HashMap<String, usize>,
+    /// The sampling kernel, built at the first pick on the device.
+    sampler: Option<DeviceSampler>,
+    /// Pick on the host instead (see [`GpuEngine::sample_on_host`]).
+    host_sampling: bool,
 }
 
 impl GpuEngine {
     /// An engine running `model`.
     pub fn new(model: GpuModel) -> GpuEngine {
         let windows = plan_windows(model.plan());
-        GpuEngine { model, cache: HashMap::new(), windows }
+        GpuEngine { model, cache: HashMap::new(), windows, sampler: None, host_sampling: false }
+    }
+
+    /// Makes [`Engine::step_sample`] read the logits back and pick on the host, as the CPU
+    /// engines do (to compare the two samplers, or to rule the device's out).
+    pub fn sample_on_host(mut self) -> GpuEngine {
+        self.host_sampling = true;
+        self
+    }
+
+    /// Tokens in a row of the plan's `logits` output, when fixed.
+    fn vocab(&self) -> Option<usize> {
+        let plan = self.model.plan();
+        let (_, v) = plan.outputs.iter().find(|(name, _)| name == "logits")?;
+        match plan.values.get(*v)?.shape.last()? {
+            Dim::Fixed(n) => Some(*n),
+            Dim::Sym(_) => None,
+        }
+    }
+
+    /// [`Engine::step`], lending an output to a callback (see [`GpuModel::run_lending`]).
+    fn step_lending(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+        lend: Option<Lend<'_>>,
+    ) -> R<HashMap<String, Tensor>> {
+        // Past and memory stay on the device; so do the presents, the next past.
+        let keep: Vec<String> = links.iter().map(|(present, _)| present.clone()).collect();
+        let resident: HashMap<String, DeviceTensor> =
+            std::mem::take(&mut self.cache).into_iter().chain(memory.take_device()).collect();
+        let run = self.model.run_lending(&inputs, &resident, &keep, lend);
+        // Give the memory back whatever happened, and the old cache on an error.
+        let (pasts, device): (HashMap<_, _>, HashMap<_, _>) =
+            resident.into_iter().partition(|(name, _)| links.iter().any(|(_, past)| past == name));
+        memory.put_device(device);
+        let (outputs, mut kept) = match run {
+            Ok(r) => r,
+            Err(e) => {
+                self.cache = pasts;
+                return Err(e.into());
+            }
+        };
+        take_presents(links, &mut kept, &mut self.cache)?;
+        for (past, &rows) in &self.windows {
+            if let Some(t) = self.cache.remove(past) {
+                self.cache.insert(past.clone(), t.keep_last_rows(rows)?);
+            }
+        }
+        Ok(outputs.into_iter().collect())
     }
 }
 
@@ -284,29 +367,40 @@ impl Engine for GpuEngine {
         memory: &mut Memory,
         links: &[Link],
     ) -> R<HashMap<String, Tensor>> {
-        // Past and memory stay on the device; so do the presents, the next past.
-        let keep: Vec<String> = links.iter().map(|(present, _)| present.clone()).collect();
-        let resident: HashMap<String, DeviceTensor> =
-            std::mem::take(&mut self.cache).into_iter().chain(memory.take_device()).collect();
-        let run = self.model.run_resident(&inputs, &resident, &keep);
-        // Give the memory back whatever happened, and the old cache on an error.
-        let (pasts, device): (HashMap<_, _>, HashMap<_, _>) =
-            resident.into_iter().partition(|(name, _)| links.iter().any(|(_, past)| past == name));
-        memory.put_device(device);
-        let (outputs, mut kept) = match run {
-            Ok(r) => r,
-            Err(e) => {
-                self.cache = pasts;
-                return Err(e.into());
-            }
-        };
-        take_presents(links, &mut kept, &mut self.cache)?;
-        for (past, &rows) in &self.windows {
-            if let Some(t) = self.cache.remove(past) {
-                self.cache.insert(past.clone(), t.keep_last_rows(rows)?);
-            }
+        self.step_lending(inputs, memory, links, None)
+    }
+
+    fn step_sample(
+        &mut self,
+        inputs: HashMap<String, Tensor>,
+        memory: &mut Memory,
+        links: &[Link],
+        pick: Pick<'_>,
+    ) -> R<Sampled> {
+        let gpu = self.model.gpu().clone();
+        if self.host_sampling || !self.vocab().is_some_and(|v| DeviceSampler::fits(&gpu, v)) {
+            let outputs = self.step(inputs, memory, links)?;
+            return Ok(pick.on_host(last_logits(outputs)?));
         }
-        Ok(outputs.into_iter().collect())
+        let mut sampler = match self.sampler.take() {
+            Some(s) => s,
+            None => DeviceSampler::new(gpu)?,
+        };
+        // The pick is recorded after the forward pass, in its submission; the logits stay there.
+        let mut pick = Some(pick);
+        let mut pending = None;
+        let mut record = |encoder: &mut wgpu::CommandEncoder, logits: Lent<'_>| {
+            let pick = pick.take().ok_or_else(|| crate::gpu::GpuError::Dispatch("`logits` lent twice".into()))?;
+            pending = Some(sampler.record(encoder, logits, pick)?);
+            Ok(())
+        };
+        let run = self.step_lending(inputs, memory, links, Some(("logits", &mut record)));
+        let sampled = run.and_then(|_| {
+            let pending = pending.ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
+            Ok(sampler.finish(pending)?)
+        });
+        self.sampler = Some(sampler);
+        sampled
     }
 
     fn clear(&mut self) {

@@ -2,8 +2,10 @@
 //! [`kiln_compiler::graph::build::build_cached`]) once over the prompt (prefill), then one token at
 //! a time, feeding each step's `present_k`/`present_v` outputs back as the next step's
 //! `past_k`/`past_v` inputs, so the prefix is never recomputed. A [`Sampler`] picks each token
-//! (greedy, temperature, top-k, top-p, repetition penalty, seeded); [`generate`] drives the loop
-//! with stop tokens and a per-token callback for streaming.
+//! (greedy, temperature, top-k, top-p, repetition penalty, seeded) — on the host from the
+//! logits, or where the engine keeps them: on wgpu a kernel after the head picks it and a step
+//! reads back one id ([`Session::sample`], [`crate::sample`]); [`generate`] drives the loop with
+//! stop tokens and a per-token callback for streaming.
 
 use crate::cpu::CpuError;
 use crate::engine::{Engine, Link};
@@ -133,6 +135,25 @@ impl Session {
     /// Runs `ids` after the cached tokens; returns the logits of the last one. On an error the
     /// session is as it was.
     pub fn forward(&mut self, ids: &[i64]) -> R<Vec<f32>> {
+        let inputs = self.inputs(ids)?;
+        let outputs = self.engine.step(inputs, &mut self.memory, &self.links)?;
+        self.position += ids.len();
+        last_logits(outputs)
+    }
+
+    /// Runs `ids` after the cached tokens and picks the next token as `pick` says, where the
+    /// engine chooses to (on wgpu, on the device: see [`Engine::step_sample`]); the logits are
+    /// returned only when `pick.logits` asks for them. On an error the session is as it was
+    /// (the sampler may have drawn its uniform).
+    pub fn sample(&mut self, ids: &[i64], pick: Pick<'_>) -> R<Sampled> {
+        let inputs = self.inputs(ids)?;
+        let sampled = self.engine.step_sample(inputs, &mut self.memory, &self.links, pick)?;
+        self.position += ids.len();
+        Ok(sampled)
+    }
+
+    /// The inputs of a step running `ids` after the cached tokens.
+    fn inputs(&self, ids: &[i64]) -> R<HashMap<String, Tensor>> {
         if ids.is_empty() {
             return Err(GenerateError::Invalid("nothing to run: no token ids".into()));
         }
@@ -148,13 +169,7 @@ impl Session {
         inputs.insert(self.ids_input.clone(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));
         // Where positions start: sliding-window caches hold only the latest tokens.
         inputs.insert(interp::PAST_LEN.to_string(), Tensor::i64(vec![1], vec![self.position as i64]));
-        let mut outputs = self.engine.step(inputs, &mut self.memory, &self.links)?;
-        self.position += ids.len();
-        let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
-        let vocab = logits.shape.last().copied().unwrap_or(0);
-        let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
-        let last = data.get(data.len().saturating_sub(vocab)..).unwrap_or_default();
-        Ok(last.to_vec())
+        Ok(inputs)
     }
 
     /// Forgets the cache: the next [`forward`](Self::forward) starts a new sequence (with the
@@ -169,6 +184,42 @@ impl Session {
     pub fn cache(&self) -> R<HashMap<String, Tensor>> {
         self.engine.cache()
     }
+}
+
+/// The logits of the last position of a step's outputs.
+pub(crate) fn last_logits(mut outputs: HashMap<String, Tensor>) -> R<Vec<f32>> {
+    let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
+    let vocab = logits.shape.last().copied().unwrap_or(0);
+    let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
+    let last = data.get(data.len().saturating_sub(vocab)..).unwrap_or_default();
+    Ok(last.to_vec())
+}
+
+/// How a step picks the next token ([`Session::sample`], [`Engine::step_sample`]).
+pub struct Pick<'a> {
+    /// The settings and the random state.
+    pub sampler: &'a mut Sampler,
+    /// The tokens so far (for the repetition penalty).
+    pub seen: &'a [i64],
+    /// Return the logits too (on wgpu, read back only then).
+    pub logits: bool,
+}
+
+impl Pick<'_> {
+    /// Picks on the host from the last position's logits.
+    pub(crate) fn on_host(self, logits: Vec<f32>) -> Sampled {
+        let token = self.sampler.sample(&logits, self.seen);
+        Sampled { token, logits: self.logits.then_some(logits) }
+    }
+}
+
+/// The token a step picked, and the last position's logits when [`Pick::logits`] asked for them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The next token.
+    pub token: i64,
+    /// The logits it was picked from (before the repetition penalty).
+    pub logits: Option<Vec<f32>>,
 }
 
 /// How the next token is chosen. `temperature == 0` is greedy (ties to the lowest id).
@@ -211,6 +262,29 @@ impl Sampler {
         Ok(Sampler { temperature, top_k, top_p, repetition_penalty, state: seed })
     }
 
+    /// Whether it takes the argmax (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// The ids whose logits the repetition penalty changes: the `seen` ones that can index a
+    /// logit, each once, in increasing order; none when the penalty is off.
+    pub(crate) fn penalized(&self, seen: &[i64]) -> Vec<usize> {
+        if self.repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        let mut ids: Vec<usize> = seen.iter().filter_map(|&t| usize::try_from(t).ok()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The draw of a step: `None` when greedy, else the next uniform of the random state (one
+    /// per sampled token, wherever it is sampled, so a seed gives one stream of tokens).
+    pub(crate) fn draw(&mut self) -> Option<f64> {
+        (!self.is_greedy()).then(|| self.uniform())
+    }
+
     /// SplitMix64 (Steele, Lea, Flood 2014): a uniform float in [0, 1).
     fn uniform(&mut self) -> f64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -221,17 +295,13 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// Picks a token from `logits`, given the tokens so far (for the repetition penalty).
+    /// Picks a token from `logits`, given the tokens so far (for the repetition penalty). The
+    /// device's sampler (`back::wgsl::sample`) has these semantics.
     pub fn sample(&mut self, logits: &[f32], seen: &[i64]) -> i64 {
         let mut l = logits.to_vec();
-        if self.repetition_penalty != 1.0 {
-            let mut seen: Vec<usize> = seen.iter().filter_map(|&t| usize::try_from(t).ok()).collect();
-            seen.sort_unstable();
-            seen.dedup();
-            for t in seen {
-                if let Some(v) = l.get_mut(t) {
-                    *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
-                }
+        for t in self.penalized(seen) {
+            if let Some(v) = l.get_mut(t) {
+                *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
             }
         }
         let argmax = || {
@@ -240,9 +310,7 @@ impl Sampler {
                 .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
                 .0
         };
-        if self.temperature == 0.0 {
-            return argmax() as i64;
-        }
+        let Some(r) = self.draw() else { return argmax() as i64 };
         // Candidates (token, logit) by decreasing logit, cut by top-k, softmax at the temperature,
         // cut by top-p.
         let mut order: Vec<(usize, f32)> = l.iter().copied().enumerate().filter(|(_, v)| v.is_finite()).collect();
@@ -264,7 +332,7 @@ impl Sampler {
             }
         }
         // The first kept candidate at which the cumulative mass passes `r` (else the last kept).
-        let mut r = self.uniform() * mass;
+        let mut r = r * mass;
         let mut picked = best;
         for (&(i, _), p) in order.iter().zip(&probs).take(kept) {
             picked = i;
@@ -284,7 +352,7 @@ pub struct Stats {
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub new_tokens: usize,
-    /// Time of the prefill, in seconds.
+    /// Time of the prefill (the prompt's forward pass and the first pick), in seconds.
     pub prefill_s: f64,
     /// Time of the decode steps, in seconds.
     pub decode_s: f64,
@@ -335,12 +403,12 @@ pub fn generate(
     if max_new == 0 {
         return Ok((out, stats));
     }
+    // Each step picks the next token where its engine keeps the logits (on wgpu, on the device).
     let t = Instant::now();
-    let mut logits = session.forward(prompt)?;
+    let mut token = session.sample(prompt, Pick { sampler: &mut *sampler, seen: &seen, logits: false })?.token;
     stats.prefill_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     loop {
-        let token = sampler.sample(&logits, &seen);
         out.push(token);
         seen.push(token);
         let go_on = on_token(token);
@@ -359,7 +427,7 @@ pub fn generate(
             stats.stop = reason;
             break;
         }
-        logits = session.forward(&[token])?;
+        token = session.sample(&[token], Pick { sampler: &mut *sampler, seen: &seen, logits: false })?.token;
     }
     stats.decode_s = t.elapsed().as_secs_f64();
     stats.new_tokens = out.len();

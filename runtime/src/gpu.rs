@@ -92,8 +92,8 @@ impl From<crate::prepare::PrepareError> for GpuError {
 
 /// An opened device.
 pub struct Gpu {
-    device: wgpu::Device,
-    queue: wgpu::Queue,
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     lost: Arc<Mutex<Option<String>>>,
@@ -307,7 +307,7 @@ impl Gpu {
 
     /// Waits for the work submitted so far and returns the first `n` 4-byte words held by mappable
     /// staging buffers, one after the other (`what` names them in errors).
-    fn read_staging(&self, staging: &[wgpu::Buffer], what: &str, n: usize) -> Result<Vec<u8>, GpuError> {
+    pub(crate) fn read_staging(&self, staging: &[wgpu::Buffer], what: &str, n: usize) -> Result<Vec<u8>, GpuError> {
         let (tx, rx) = std::sync::mpsc::channel();
         for buffer in staging {
             let tx = tx.clone();
@@ -339,7 +339,7 @@ impl Gpu {
     }
 
     /// Fails once the device is lost, or once wgpu reported an error outside an error scope.
-    fn check_lost(&self) -> Result<(), GpuError> {
+    pub(crate) fn check_lost(&self) -> Result<(), GpuError> {
         if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
             return Err(GpuError::Lost(reason));
         }
@@ -358,7 +358,7 @@ impl Gpu {
         let _ = self.device.poll(wgpu::PollType::Poll);
     }
 
-    fn pipeline(&self, label: &str, wgsl: &str) -> wgpu::ComputePipeline {
+    pub(crate) fn pipeline(&self, label: &str, wgsl: &str) -> wgpu::ComputePipeline {
         let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(label),
             source: wgpu::ShaderSource::Wgsl(std::borrow::Cow::Borrowed(wgsl)),
@@ -376,7 +376,7 @@ impl Gpu {
     /// Creates a buffer, turning allocation failures into [`GpuError::OutOfMemory`] and
     /// requests over the adapter's limits into [`GpuError::TooLarge`] (tensors are split into
     /// chunks below both limits, see [`Gpu::chunked`]).
-    fn buffer(&self, what: &str, bytes: u64, usage: wgpu::BufferUsages) -> Result<wgpu::Buffer, GpuError> {
+    pub(crate) fn buffer(&self, what: &str, bytes: u64, usage: wgpu::BufferUsages) -> Result<wgpu::Buffer, GpuError> {
         let limit = if usage.contains(wgpu::BufferUsages::STORAGE) {
             self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
         } else {
@@ -490,7 +490,7 @@ fn f32_where_too_large<'a>(
 
 /// Records the copy of `len` bytes from byte `from` of a tensor held in `src`'s chunks of
 /// `chunk` bytes to byte `to` of one held in `dst`'s, split where either crosses a chunk.
-fn copy_range(
+pub(crate) fn copy_range(
     encoder: &mut wgpu::CommandEncoder,
     (src, mut from): (&[wgpu::Buffer], u64),
     (dst, mut to): (&[wgpu::Buffer], u64),
@@ -532,6 +532,20 @@ pub struct Profile {
 
 /// Outputs kept on the device, by name.
 pub type Kept = HashMap<String, DeviceTensor>;
+
+/// An output lent by [`GpuModel::run_lending`]: its buffers hold it until the next run (they are
+/// the plan's slots), so the callback copies out what it needs on the encoder it is given.
+pub(crate) struct Lent<'a> {
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// Its chunks, of `chunk_bytes` each but the last.
+    pub buffers: &'a [wgpu::Buffer],
+    /// Bytes of a chunk.
+    pub chunk_bytes: u64,
+}
+
+/// The output [`GpuModel::run_lending`] lends, by name, and the callback it lends it to.
+pub(crate) type Lend<'a> = (&'a str, &'a mut dyn FnMut(&mut wgpu::CommandEncoder, Lent<'_>) -> Result<(), GpuError>);
 
 /// A plan with its pipelines built and its weights on the device.
 pub struct GpuModel {
@@ -664,6 +678,11 @@ impl GpuModel {
         &self.weight_bytes
     }
 
+    /// The device it runs on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// The plan being run (legalized for wgpu: see [`GpuModel::program`]).
     pub fn plan(&self) -> &Plan {
         &self.program.plan
@@ -689,6 +708,20 @@ impl GpuModel {
         given: &HashMap<String, Tensor>,
         resident: &HashMap<String, DeviceTensor>,
         keep: &[String],
+    ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
+        self.run_lending(given, resident, keep, None)
+    }
+
+    /// [`GpuModel::run_resident`], where one output is neither read back nor kept but lent to a
+    /// callback (`lend`: its name and the callback), which records what it does with it (see
+    /// [`Lent`]) on the run's command encoder, after the forward pass and before the run's one
+    /// submission: how a generation step samples its next token on the device.
+    pub(crate) fn run_lending(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<String, DeviceTensor>,
+        keep: &[String],
+        mut lend: Option<Lend<'_>>,
     ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
         let gpu = &self.gpu;
         gpu.check_lost()?;
@@ -896,6 +929,12 @@ impl GpuModel {
         let mut kept = HashMap::new();
         for (name, v) in &plan.outputs {
             let shape = resolve(&plan.values[*v].shape, &syms);
+            if let Some((lent, then)) = lend.as_mut()
+                && *lent == name.as_str()
+            {
+                (*then)(&mut encoder, Lent { shape: &shape, buffers: buffers_of(*v), chunk_bytes: gpu.chunk_bytes })?;
+                continue;
+            }
             if keep.contains(name) {
                 // Kept on the device: copied into buffers of its own (a slot is reused next run).
                 let bytes = 4 * shape.iter().product::<usize>() as u64;

@@ -35,9 +35,11 @@ pub use gpu::{Clock, DeviceTensor, Gpu, GpuError, GpuModel, Profile};
 pub use model::{Model, ModelError};
 
 pub mod generate;
+pub mod sample;
 
 pub use engine::{CpuEngine, Engine, GpuEngine, InterpEngine};
-pub use generate::{GenerateError, Memory, Sampler, Session, Stats, Stop};
+pub use generate::{GenerateError, Memory, Pick, Sampled, Sampler, Session, Stats, Stop};
+pub use sample::DeviceSampler;
 
 /// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
 /// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.

@@ -22,6 +22,7 @@ mod dims;
 pub mod emit;
 mod kernel;
 pub mod projection;
+pub mod sample;
 mod scores;
 
 pub use dims::{dispatch, dispatch_chunked, workgroups};

@@ -1,0 +1,403 @@
+//! The sampling kernel: picks the next token from the logits row of a decoder step's last
+//! position without reading the row back, so a generation step on wgpu reads back one id.
+//!
+//! It lives with the other WGSL because naga validates it here, in the crate that owns every
+//! kernel's text; unlike them it is not a step of a plan (it runs after the head, once per
+//! generation step, on a row the runtime copies out of the `logits` output), so it takes its own
+//! bindings (below) rather than the 16 sizes of [`super::kernel`]'s convention, and is one fixed
+//! module: the vocabulary and the settings are uniforms.
+//!
+//! **Semantics** — those of the host sampler (`kiln_runtime::Sampler::sample`), step by step:
+//!
+//! 1. Repetition penalty: each seen id (given once each) below the vocabulary has its logit `v`
+//!    replaced by `v / penalty` when `v > 0`, else `v * penalty`.
+//! 2. Greedy (`temperature == 0`), or no finite logit: the argmax, ties to the lowest id (NaN and
+//!    `-inf` never win; `0` when nothing does).
+//! 3. Otherwise the candidates are the finite logits in *candidate order*: decreasing logit, ties
+//!    by increasing id, where logits compare as IEEE `totalOrder` (`-0.0` before `+0.0`), as
+//!    Rust's `f32::total_cmp` does. Each candidate `i` weighs `exp((v_i - max) / temperature)`,
+//!    `max` the largest finite logit. Top-k keeps the first `k` (`k = 0`: all); top-p keeps the
+//!    shortest prefix of those whose weight reaches `top_p` of theirs (`top_p >= 1`: all); the
+//!    pick is the first kept candidate at which the running weight reaches `uniform` times the
+//!    kept weight (the last kept candidate with a positive weight when rounding leaves the target
+//!    unreached). `uniform` is drawn on the host from the sampler's SplitMix64 state, so a seed
+//!    gives one stream of draws on either side.
+//!
+//! No sort: one workgroup finds each cut with a radix search. The candidate order is the order of
+//! a 64-bit key, `(order_key(v), !id)` descending, and "the first candidate at which a running
+//! count (top-k) or weight (top-p, the draw) reaches a target" is found four bits at a time from
+//! the top: each pass over the row sums the count and weight of the candidates in each of 16
+//! bins of the next digit (among those matching the digits fixed so far), fixes the digit of the
+//! bin where the running sum crosses, and stops as soon as that bin holds one candidate — a few
+//! passes for real logits; the id digits are needed only for equal logits. The cuts are therefore
+//! exact in candidate order, ties included; the weights and their sums are f32 (the host's are
+//! f64), so the two samplers can differ only where a cut or the draw falls within rounding of a
+//! boundary between two candidates.
+//!
+//! Bindings: `0` the [`Settings`] uniform, `1` the picked id (one `u32`, written by invocation
+//! 0), `2` the logits row (read-write: the penalty is applied in place), `3` the seen ids (`u32`,
+//! each once; at least one element, unread when `seen == 0`). Dispatch one workgroup.
+
+/// Invocations of the kernel's one workgroup.
+pub const INVOCATIONS: u32 = 256;
+
+/// The most tokens the kernel samples from: counts are summed in f32, exact below 2^24.
+pub const MAX_VOCAB: u32 = 1 << 24;
+
+/// The sampler's settings, as the kernel's uniform (binding 0) holds them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Settings {
+    /// Logits in the row (at most [`MAX_VOCAB`]).
+    pub vocab: u32,
+    /// Keep the `top_k` first candidates (0 = all).
+    pub top_k: u32,
+    /// Seen ids in binding 3 (0: no repetition penalty).
+    pub seen: u32,
+    /// Take the argmax (temperature 0).
+    pub greedy: bool,
+    /// Softmax temperature (> 0 unless greedy).
+    pub temperature: f32,
+    /// Keep candidates up to this share of the weight (1 = all).
+    pub top_p: f32,
+    /// Repetition penalty of the seen ids.
+    pub penalty: f32,
+    /// The draw, uniform in [0, 1).
+    pub uniform: f32,
+}
+
+impl Settings {
+    /// The uniform's eight words, in the order of the WGSL struct.
+    pub fn words(&self) -> [u32; 8] {
+        [
+            self.vocab,
+            self.top_k,
+            self.seen,
+            u32::from(self.greedy),
+            self.temperature.to_bits(),
+            self.top_p.to_bits(),
+            self.penalty.to_bits(),
+            self.uniform.to_bits(),
+        ]
+    }
+}
+
+/// The kernel's WGSL module (see the module docs).
+pub const KERNEL: &str = r#"// kiln: sample one token from a logits row (see compiler/src/back/wgsl/sample.rs)
+struct Settings {
+    vocab: u32,
+    top_k: u32,
+    seen: u32,
+    greedy: u32,
+    temperature: f32,
+    top_p: f32,
+    penalty: f32,
+    uniform: f32,
+}
+
+@group(0) @binding(0) var<uniform> s: Settings;
+@group(0) @binding(1) var<storage, read_write> picked: array<u32>;
+@group(0) @binding(2) var<storage, read_write> row: array<f32>;
+@group(0) @binding(3) var<storage, read> seen: array<u32>;
+
+const WG: u32 = 256u;
+const NONE: u32 = 0xffffffffu;
+const F32_MAX: f32 = 3.40282347e38;
+
+// Tree reductions: 8 bins of WG lanes at a time, or one (value, id) pair and one value per lane.
+var<workgroup> red_f: array<f32, 2048>;
+var<workgroup> red_u: array<u32, 256>;
+// Per bin of a search pass: candidates, lowest id, weight.
+var<workgroup> counts: array<atomic<u32>, 16>;
+var<workgroup> firsts: array<atomic<u32>, 16>;
+var<workgroup> bin_weight: array<f32, 16>;
+var<workgroup> finite: atomic<u32>;
+// A search's state, written by lane 0: the digits fixed so far (key bits, key mask, id bits, id
+// mask), what is left of the target, and the candidate found (NONE while searching).
+var<workgroup> prefix: vec4<u32>;
+var<workgroup> goal: f32;
+var<workgroup> found: u32;
+
+fn is_finite(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+fn is_nan(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// A u32 in the order of the logits (IEEE totalOrder): sign-flipped bits.
+fn order_key(v: f32) -> u32 {
+    let b = bitcast<u32>(v);
+    return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}
+
+// Whether token `i` of logit `v` comes at or before `bound` (a key, !id) in candidate order.
+fn within(v: f32, i: u32, bound: vec2<u32>) -> bool {
+    let key = order_key(v);
+    return key > bound.x || (key == bound.x && ~i >= bound.y);
+}
+
+fn weight(v: f32, top: f32) -> f32 {
+    return exp((v - top) / s.temperature);
+}
+
+// Whether (v, i) wins the argmax over the best (bv, bi) so far (bi = NONE: nothing yet).
+fn beats(v: f32, i: u32, bv: f32, bi: u32) -> bool {
+    if i == NONE || is_nan(v) {
+        return false;
+    }
+    if bi == NONE {
+        return bitcast<u32>(v) != 0xff800000u;
+    }
+    return v > bv || (v == bv && i < bi);
+}
+
+// The sum of every lane's `x`, in a fixed tree order.
+fn sum_all(lane: u32, x: f32) -> f32 {
+    workgroupBarrier();
+    red_f[lane] = x;
+    workgroupBarrier();
+    for (var n = WG / 2u; n > 0u; n >>= 1u) {
+        if lane < n {
+            red_f[lane] += red_f[lane + n];
+        }
+        workgroupBarrier();
+    }
+    let total = red_f[0];
+    workgroupBarrier();
+    return total;
+}
+
+// Sums every lane's 16 bin weights into `bin_weight`, 8 bins at a time.
+fn sum_bins(lane: u32, w: ptr<function, array<f32, 16>>) {
+    for (var half = 0u; half < 2u; half++) {
+        for (var b = 0u; b < 8u; b++) {
+            red_f[b * WG + lane] = (*w)[half * 8u + b];
+        }
+        workgroupBarrier();
+        for (var n = WG / 2u; n > 0u; n >>= 1u) {
+            for (var j = lane; j < 8u * n; j += WG) {
+                let at = (j / n) * WG + j % n;
+                red_f[at] += red_f[at + n];
+            }
+            workgroupBarrier();
+        }
+        if lane < 8u {
+            bin_weight[half * 8u + lane] = red_f[lane * WG];
+        }
+        workgroupBarrier();
+    }
+}
+
+// The first candidate at or before `bound` at which the running count (`by_weight` false) or
+// weight of the candidates in candidate order reaches `aim`; the last candidate with a
+// positive weight when none does. Needs one such candidate.
+fn search(lane: u32, by_weight: bool, aim: f32, bound: vec2<u32>, top: f32) -> u32 {
+    // Digits of 4 bits: 8 of the key, then as many of !id as ids below the vocabulary have.
+    let id_digits = firstLeadingBit(max(s.vocab, 2u) - 1u) / 4u + 1u;
+    let digits = 8u + id_digits;
+    workgroupBarrier();
+    if lane == 0u {
+        prefix = vec4<u32>(0u);
+        goal = aim;
+        found = NONE;
+    }
+    for (var d = 0u; d < digits; d++) {
+        if lane < 16u {
+            atomicStore(&counts[lane], 0u);
+            atomicStore(&firsts[lane], NONE);
+        }
+        workgroupBarrier();
+        let p = prefix;
+        let of_id = d >= 8u;
+        let shift = select(28u - 4u * d, 4u * (digits - 1u - d), of_id);
+        var n: array<u32, 16>;
+        var first: array<u32, 16>;
+        var w: array<f32, 16>;
+        for (var b = 0u; b < 16u; b++) {
+            first[b] = NONE;
+        }
+        for (var i = lane; i < s.vocab; i += WG) {
+            let v = row[i];
+            if !is_finite(v) || !within(v, i, bound) {
+                continue;
+            }
+            let x = select(1.0, weight(v, top), by_weight);
+            let key = order_key(v);
+            if x <= 0.0 || (key & p.y) != p.x || (~i & p.w) != p.z {
+                continue;
+            }
+            let digit = (select(key, ~i, of_id) >> shift) & 15u;
+            n[digit] += 1u;
+            first[digit] = min(first[digit], i);
+            w[digit] += x;
+        }
+        for (var b = 0u; b < 16u; b++) {
+            if n[b] > 0u {
+                atomicAdd(&counts[b], n[b]);
+                atomicMin(&firsts[b], first[b]);
+            }
+        }
+        sum_bins(lane, &w);
+        if lane == 0u {
+            // Bins in candidate order: the highest digit first.
+            var acc = 0.0;
+            var pick = NONE;
+            var last = NONE;
+            for (var b = 15i; b >= 0i; b--) {
+                let c = atomicLoad(&counts[b]);
+                if c == 0u {
+                    continue;
+                }
+                last = u32(b);
+                let x = select(f32(c), bin_weight[b], by_weight);
+                if acc + x >= goal {
+                    pick = u32(b);
+                    break;
+                }
+                acc += x;
+            }
+            if pick == NONE {
+                // Never reached (rounding): the last candidate.
+                pick = last;
+                goal = F32_MAX;
+            } else {
+                goal -= acc;
+            }
+            if pick == NONE {
+                found = 0u;
+            } else {
+                if of_id {
+                    prefix.z |= pick << shift;
+                    prefix.w |= 15u << shift;
+                } else {
+                    prefix.x |= pick << shift;
+                    prefix.y |= 15u << shift;
+                }
+                if atomicLoad(&counts[pick]) == 1u || d + 1u == digits {
+                    found = atomicLoad(&firsts[pick]);
+                }
+            }
+        }
+        if workgroupUniformLoad(&found) != NONE {
+            break;
+        }
+    }
+    return workgroupUniformLoad(&found);
+}
+
+// Sum of the weights of the candidates at or before `bound`.
+fn kept_weight(lane: u32, bound: vec2<u32>, top: f32) -> f32 {
+    var x = 0.0;
+    for (var i = lane; i < s.vocab; i += WG) {
+        let v = row[i];
+        if is_finite(v) && within(v, i, bound) {
+            x += weight(v, top);
+        }
+    }
+    return sum_all(lane, x);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lane: u32) {
+    // 1. The repetition penalty, once per seen id.
+    for (var j = lane; j < s.seen; j += WG) {
+        let t = seen[j];
+        if t < s.vocab {
+            let v = row[t];
+            row[t] = select(v * s.penalty, v / s.penalty, v > 0.0);
+        }
+    }
+    if lane == 0u {
+        atomicStore(&finite, 0u);
+    }
+    storageBarrier();
+    workgroupBarrier();
+
+    // 2. The argmax, the largest finite logit and the number of finite logits.
+    var bv = 0.0;
+    var bi = NONE;
+    var top = -F32_MAX;
+    var n = 0u;
+    for (var i = lane; i < s.vocab; i += WG) {
+        let v = row[i];
+        if beats(v, i, bv, bi) {
+            bv = v;
+            bi = i;
+        }
+        if is_finite(v) {
+            top = max(top, v);
+            n += 1u;
+        }
+    }
+    atomicAdd(&finite, n);
+    red_f[lane] = bv;
+    red_u[lane] = bi;
+    red_f[WG + lane] = top;
+    workgroupBarrier();
+    for (var h = WG / 2u; h > 0u; h >>= 1u) {
+        if lane < h {
+            if beats(red_f[lane + h], red_u[lane + h], red_f[lane], red_u[lane]) {
+                red_f[lane] = red_f[lane + h];
+                red_u[lane] = red_u[lane + h];
+            }
+            red_f[WG + lane] = max(red_f[WG + lane], red_f[WG + lane + h]);
+        }
+        workgroupBarrier();
+    }
+    let argmax = red_u[0];
+    top = red_f[WG];
+    let candidates = workgroupUniformLoad(&finite);
+    if s.greedy != 0u || candidates == 0u {
+        if lane == 0u {
+            picked[0] = select(argmax, 0u, argmax == NONE);
+        }
+        return;
+    }
+
+    // 3. Top-k, top-p, then the draw, each a cut in candidate order.
+    let all = vec2<u32>(0u, 0u);
+    var bound = all;
+    if s.top_k != 0u && s.top_k < candidates {
+        let k = search(lane, false, f32(s.top_k), all, top);
+        bound = vec2<u32>(order_key(row[k]), ~k);
+    }
+    var kept = kept_weight(lane, bound, top);
+    if s.top_p < 1.0 {
+        let p = search(lane, true, s.top_p * kept, bound, top);
+        bound = vec2<u32>(order_key(row[p]), ~p);
+        kept = kept_weight(lane, bound, top);
+    }
+    let id = search(lane, true, s.uniform * kept, bound, top);
+    if lane == 0u {
+        picked[0] = id;
+    }
+}
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_validates() {
+        super::super::validate(KERNEL).unwrap_or_else(|e| panic!("{e}"));
+        assert!(KERNEL.contains(&format!("@workgroup_size({INVOCATIONS})")));
+        assert!(KERNEL.contains(&format!("const WG: u32 = {INVOCATIONS}u;")));
+    }
+
+    #[test]
+    fn settings_are_eight_words_in_struct_order() {
+        let s = Settings {
+            vocab: 7,
+            top_k: 3,
+            seen: 2,
+            greedy: true,
+            temperature: 0.5,
+            top_p: 0.9,
+            penalty: 1.1,
+            uniform: 0.25,
+        };
+        assert_eq!(s.words(), [7, 3, 2, 1, 0.5f32.to_bits(), 0.9f32.to_bits(), 1.1f32.to_bits(), 0.25f32.to_bits()]);
+    }
+}
