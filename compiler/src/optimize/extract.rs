@@ -62,13 +62,13 @@ fn settle<'a>(
     extractor
 }
 
-/// Classes sliced by two or more different slices (the merged projections), with the number of
-/// slices: each consumer is charged that share of its cost.
+/// Classes sliced by two or more different slices or `heads` (the merged projections, whose
+/// columns they read), with the number of them: each consumer is charged that share of its cost.
 fn sliced_classes(egraph: &KGraph) -> HashMap<Id, f64> {
     let mut slices: HashMap<Id, HashSet<Id>> = HashMap::new();
     for class in egraph.classes() {
         for node in &class.nodes {
-            if let Kl::Slice([_, x]) = node {
+            if let Kl::Slice([_, x]) | Kl::Heads([_, _, x, _]) = node {
                 slices.entry(egraph.find(*x)).or_default().insert(class.id);
             }
         }

@@ -27,6 +27,18 @@ fn with_norm(egraph: &KGraph, s: &Subst, rms: bool) -> Option<Vec<(&'static str,
     Some(vec![("?lin", AttrValue::Op(lin))])
 }
 
+/// A plain projection with the norm of epsilon `?e` in its prologue, from a `matmul_t` by a
+/// weight matrix `?w` (a projection the merge phase made, after `matmul-to-linear` ran).
+fn matmul_with_norm(egraph: &KGraph, s: &Subst, rms: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    if shape(egraph, s[var("?w")])?.len() != 2 {
+        return None;
+    }
+    let eps = scalar_of(egraph, s, "?e")?;
+    let norm = Some(Prologue { rms, eps, bias: false });
+    let lin = Op::Linear { act: None, bias: false, residual: false, norm, glu: false, rope: None };
+    Some(vec![("?lin", AttrValue::Op(lin))])
+}
+
 fn rms(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
     with_norm(egraph, s, true)
 }
@@ -57,6 +69,11 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
                                 => { derive("(xlinear ?lin ?h ?g none ?w ?b ?r)", rms) }),
         rw!("norm-prologue-rms-x"; "(xlinear ?cfg (rms_norm ?e ?h ?g) none none ?w ?b ?r)"
                                 => { derive("(xlinear ?lin ?h ?g none ?w ?b ?r)", rms) }),
+        // rms_norm(h, g) @ W^T = linear with the norm in its prologue (a merged projection)
+        rw!("norm-prologue-rms-m"; "(matmul_t (rms_norm ?e ?h ?g) ?w)"
+                                => { derive("(xlinear ?lin ?h ?g none ?w none none)", |e, _, s| matmul_with_norm(e, s, true)) }),
+        rw!("norm-prologue-ln-m";  "(matmul_t (layer_norm ?e ?h ?g ?nb) ?w)"
+                                => { derive("(xlinear ?lin ?h ?g ?nb ?w none none)", |e, _, s| matmul_with_norm(e, s, false)) }),
         // linear(layer_norm(h, g, beta), W, ...) = linear with the norm in its prologue
         rw!("norm-prologue-ln";    "(linear ?a (layer_norm ?e ?h ?g ?nb) ?w ?b ?r)"
                                 => { derive("(xlinear ?lin ?h ?g ?nb ?w ?b ?r)", layer) }),
