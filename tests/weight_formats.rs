@@ -261,7 +261,7 @@ fn f16_model(
     plan: &kiln_compiler::lower::Plan,
     params: &HashMap<String, Tensor>,
 ) -> Result<GpuModel, Box<kiln_runtime::GpuError>> {
-    let options = kiln_compiler::back::wgsl::Options { f16_weights: true };
+    let options = kiln_compiler::back::wgsl::Options { f16_weights: true, ..gpu.options() };
     GpuModel::with_progress(gpu, plan, &options, params, &HashMap::new(), &()).map_err(Box::new)
 }
 
