@@ -215,7 +215,10 @@ pub fn check_exec(exec: &Exec, backend: Backend) -> Result<()> {
     if backend == Backend::Interp {
         let w = exec.weights;
         if w.precision != storage::Precision::F32 {
-            bail!("--precision {} stores weights for wgpu; the interpreter computes with f32 weights", w.precision.name());
+            bail!(
+                "--precision {} stores weights for wgpu; the interpreter computes with f32 weights",
+                w.precision.name()
+            );
         }
         if w.dequantize {
             bail!("--dequantize has no effect on the interpreter, which always reads weights as f32");

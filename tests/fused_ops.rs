@@ -760,7 +760,8 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let rms = Some(Prologue { rms: true, eps, bias: false });
     let layer = Some(Prologue { rms: false, eps, bias: true });
     add("gemv", Op::linear(None, false, false), &[x1, w]);
-    let gated = Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm: rms, glu: true, rope: None };
+    let gated =
+        Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm: rms, glu: true, rope: None };
     add("gemv rms-norm gated", gated, &[x1, gain, wg]);
     let normed =
         Op::Linear { act: Some(Activation::Gelu), bias: true, residual: false, norm: layer, glu: false, rope: None };
@@ -791,10 +792,14 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let subgroups = wgsl::Options { subgroups: true, ..plain };
     let f16 = wgsl::Options { f16_weights: true, ..plain };
     let f16_math = wgsl::Options { f16_math: true, ..f16 };
-    let forms = [plain, subgroups, f16, wgsl::Options { subgroups: true, ..f16 }, f16_math, wgsl::Options {
-        subgroups: true,
-        ..f16_math
-    }];
+    let forms = [
+        plain,
+        subgroups,
+        f16,
+        wgsl::Options { subgroups: true, ..f16 },
+        f16_math,
+        wgsl::Options { subgroups: true, ..f16_math },
+    ];
     let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
     for options in forms {
         let form = options.describe();
@@ -815,11 +820,11 @@ fn every_device_form_of_norms_softmax_and_gemv() {
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
         let want = if options.f16_weights { &expected_f16 } else { &expected };
         for ((out, want), (_, got)) in want.iter().zip(&got) {
-            let tolerance = if options.f16_math && out.starts_with("gemv") { F16_MATH_TOLERANCE } else { GPU_TOLERANCE };
+            let tolerance =
+                if options.f16_math && out.starts_with("gemv") { F16_MATH_TOLERANCE } else { GPU_TOLERANCE };
             let scale = want.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
             println!("{form}: `{out}` differs by {:e} relative", want.max_abs_diff(got) / scale);
             assert_close(&format!("`{out}` ({form})"), want, got, tolerance);
         }
     }
 }
-

@@ -26,7 +26,10 @@ const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 /// `row_sum` and `row_max` ([`super::reduce`]). One thread per row, as on a CPU adapter, leaves a
 /// GPU's row a few hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
-    matches!(op, Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddNorm { .. } | Op::Softmax | Op::MaskedSoftmax { .. })
+    matches!(
+        op,
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddNorm { .. } | Op::Softmax | Op::MaskedSoftmax { .. }
+    )
 }
 
 /// Element type of a buffer as the kernel sees it.

@@ -204,7 +204,9 @@ fn entry(op: &Op, body: &str, options: &Options) -> String {
             s += "    ";
             s += reduce::ENTRY_SETUP;
         }
-        s += &format!("    let wg = wid.x + wid.y * nwg.x;\n    if (wg >= dim(0u) / {WORKGROUP}u) {{ return; }}\n    let lane = lid.x;\n");
+        s += &format!(
+            "    let wg = wid.x + wid.y * nwg.x;\n    if (wg >= dim(0u) / {WORKGROUP}u) {{ return; }}\n    let lane = lid.x;\n"
+        );
     } else {
         s += &format!(
             "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let i = gid.x + gid.y * nwg.x * {WORKGROUP}u;\n    if (i >= dim(0u)) {{ return; }}\n"
@@ -332,7 +334,13 @@ mod tests {
     fn reducing_kernels_validate_in_every_form() {
         use crate::graph::{Prologue, Scalar, ScoreMods};
         let eps = Scalar(1e-5);
-        let softmax = Op::MaskedSoftmax { scale: Scalar(0.125), alibi: true, causal: true, window: None, mods: ScoreMods::default() };
+        let softmax = Op::MaskedSoftmax {
+            scale: Scalar(0.125),
+            alibi: true,
+            causal: true,
+            window: None,
+            mods: ScoreMods::default(),
+        };
         let rows = [
             (Op::LayerNorm { eps }, 3),
             (Op::RmsNorm { eps }, 2),
@@ -357,7 +365,17 @@ mod tests {
             (Op::linear(None, false, false), 2),
             (Op::linear(Some(Activation::Gelu), true, true), 4),
             (Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm, glu: true, rope: None }, 3),
-            (Op::Linear { act: None, bias: true, residual: false, norm: Some(Prologue { rms: false, eps, bias: true }), glu: false, rope: None }, 5),
+            (
+                Op::Linear {
+                    act: None,
+                    bias: true,
+                    residual: false,
+                    norm: Some(Prologue { rms: false, eps, bias: true }),
+                    glu: false,
+                    rope: None,
+                },
+                5,
+            ),
         ];
         for (op, n) in projections {
             let weight = projection_weight(&op);

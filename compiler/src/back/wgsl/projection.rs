@@ -26,8 +26,9 @@
 //!   [`SPLIT_GEMV_GROUPS`] groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
 //!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
 //!   `row_sum4` ([`super::reduce`]), through subgroup operations, and the first lane writes the
-//!   outputs. `m * n / 4` lanes of work become `64 m n / 4 / SPLIT_GEMV_GROUPS`, which a GPU
-//!   needs to fill its cores at one row; a norm prologue's statistics are reduced the same way.
+//!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
+//!   split form runs `16 n / SPLIT_GEMV_GROUPS`. A norm prologue's statistics are reduced the
+//!   same way.
 //!   The form exists only in a module compiled with subgroups (the plain one keeps the `vec4`
 //!   GEMV, whose invocations each walk the whole of `k`), and [`dims`] picks it only then.
 //!
@@ -103,8 +104,8 @@ impl Linear {
 /// The sizes of a projection dispatch (see [`super::dispatch`]):
 /// `[threads, n, k, seq, past, m, tiles, form, w]`, where `m` is the number of rows, `w` the
 /// width of the (transposed, possibly padded) weight's rows and `form` picks the code path:
-/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV, 4 split GEMV (in place of 3 in a
-/// kernel compiled with [`Options::subgroups`], which `options` must be). The `vec4` forms need `k` and `w`
+/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV, 4 split GEMV (in place of 3 when
+/// `options`, the kernel's, have [`Options::subgroups`]). The `vec4` forms need `k` and `w`
 /// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
 /// `n` a multiple of 4) and no RoPE epilogue. `tiles` is the number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
@@ -406,8 +407,8 @@ impl Tile {
 
 /// A `vec4` tile (see [`Tile`]), `k` read 4 at a time. Invocations (workgroups when split) are
 /// numbered across workgroups, column groups fastest. A quantized weight is read by
-/// [`quant_loop`] instead of the transposed-weight loop, in f16 with `f16_math` (see
-/// [`Options::f16_math`]).
+/// [`quant_loop`] instead of the transposed-weight loop ([`vector_loop`], which multiplies in
+/// f16 with `f16_math`, see [`Options::f16_math`]).
 fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> String {
     let (_, bi, ri) = operand_indices(p);
     let Tile { rows, groups, .. } = tile;
@@ -536,7 +537,8 @@ fn vector_loop(p: Linear, tile: Tile, f16_math: bool) -> String {
     for r in 0..rows {
         for j in 0..groups {
             let sum = |acc: &str, w: &str| {
-                let dot = format!("{x}{r}.x * {w}0_{j} + {x}{r}.y * {w}1_{j} + {x}{r}.z * {w}2_{j} + {x}{r}.w * {w}3_{j}");
+                let dot =
+                    format!("{x}{r}.x * {w}0_{j} + {x}{r}.y * {w}1_{j} + {x}{r}.z * {w}2_{j} + {x}{r}.w * {w}3_{j}");
                 let dot = if f16_math { format!("vec4<f32>({dot})") } else { dot };
                 format!("    {acc}{r}_{j} = {acc}{r}_{j} + {dot};\n")
             };
