@@ -564,7 +564,7 @@ fn chain_model(
     let plan = lower::lower_with(g, options);
     let model = match target {
         Target::Gpu(gpu) => {
-            let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: format == WeightFormat::F16 };
+            let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: format == WeightFormat::F16, ..gpu.options() };
             let model = GpuModel::with_progress(gpu.clone(), &plan, &wgsl, &params, &blocks, &())?;
             kiln_runtime::Model::Gpu(Box::new(model))
         }

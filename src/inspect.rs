@@ -72,6 +72,11 @@ pub struct InspectArgs {
     /// the `wgsl` stage are wgpu's.
     #[arg(long, value_enum)]
     backend: Option<crate::Backend>,
+    /// With `--stage wgsl`: the kernels as compiled for a device with subgroups (as `run` compiles
+    /// them where the adapter has the SUBGROUP feature): row reductions through subgroup
+    /// operations, and the split GEMV projection form.
+    #[arg(long)]
+    subgroups: bool,
 }
 
 impl InspectArgs {
@@ -100,6 +105,9 @@ impl InspectArgs {
     fn check(&self) -> Result<()> {
         let stage = self.stage.unwrap_or(Stage::Graph);
         let format = self.format.unwrap_or(Format::Text);
+        if self.subgroups && !(matches!(stage, Stage::Wgsl) && self.html.is_none()) {
+            bail!("--subgroups shows the WGSL kernels compiled for a device with subgroups: add --stage wgsl");
+        }
         if self.adapter.is_some() && !self.profile {
             if !(self.stats || matches!(stage, Stage::Optimized)) {
                 bail!(
@@ -300,23 +308,25 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
                 true => kiln_compiler::artifact::Artifact::read(&args.spec)?.plan,
                 false => lower::lower(&optimize::optimize(&fe.graph)?.0),
             };
-            emit(wgsl_text(&wgsl::compile(&plan, &wgsl::Options::default())?).as_bytes(), out, false)
+            let options = wgsl::Options { subgroups: args.subgroups, ..wgsl::Options::default() };
+            emit(wgsl_text(&wgsl::compile(&plan, &options)?).as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),
     }
 }
 
 /// `--stage wgsl`: the plan's steps (each with its op, scope and kernel) and buffers, then every
-/// kernel's WGSL.
+/// kernel's WGSL; the first line says which device features the kernels use.
 fn wgsl_text(program: &wgsl::Program) -> String {
     let plan = &program.plan;
     let mut text = format!(
-        "// plan `{}`: {}, {}, {} shared buffers, {}\n",
+        "// plan `{}`: {}, {}, {} shared buffers, {} ({})\n",
         plan.name,
         crate::report::count(plan.steps.len(), "step"),
         crate::report::count(plan.folds.len(), "load-time fold"),
         plan.slots,
         crate::report::count(program.kernels.len(), "kernel"),
+        program.options.describe(),
     );
     for (i, step) in plan.steps.iter().enumerate() {
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));

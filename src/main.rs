@@ -392,7 +392,7 @@ fn run_plan_wgpu(
     reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
     let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(adapter)?);
-    let options = kiln_compiler::back::wgsl::Options::default();
+    let options = gpu.options();
     let model = kiln_runtime::GpuModel::with_progress(gpu, &plan, &options, params, &HashMap::new(), reporter)?;
     Ok(model.run(given)?)
 }

@@ -181,7 +181,10 @@ pub fn execute(
         );
     }
     if exec.weights.precision != storage::Precision::F32 {
-        bail!("an artifact's plan stores its weights as f32; run the spec to use --precision f16");
+        bail!(
+            "an artifact's plan stores its weights as f32; run the spec to use --precision {}",
+            exec.weights.precision.name()
+        );
     }
     let names = plan_params(&art.plan);
     let params = match (params, random) {
@@ -212,7 +215,10 @@ pub fn check_exec(exec: &Exec, backend: Backend) -> Result<()> {
     if backend == Backend::Interp {
         let w = exec.weights;
         if w.precision != storage::Precision::F32 {
-            bail!("--precision f16 stores weights for wgpu; the interpreter computes with f32 weights");
+            bail!(
+                "--precision {} stores weights for wgpu; the interpreter computes with f32 weights",
+                w.precision.name()
+            );
         }
         if w.dequantize {
             bail!("--dequantize has no effect on the interpreter, which always reads weights as f32");

@@ -1,7 +1,8 @@
 //! How `kiln` stores projection weights and loads a compiled model on its backend: GGUF Q8_0,
 //! Q4_1, Q5_0, Q4_K and Q6_K blocks kept as blocks by default on wgpu and on the CPU (`--dequantize` loads them as f32
 //! instead), other weights f32 or, with `--precision f16` on wgpu, f16 (see
-//! `kiln_compiler::lower::format`). The interpreter always runs on the f32 weights.
+//! `kiln_compiler::lower::format`), multiplied in f16 with `--precision f16-math`. The interpreter
+//! always runs on the f32 weights.
 
 use crate::progress::Reporter;
 use anyhow::{Result, bail};
@@ -17,7 +18,8 @@ use std::sync::Arc;
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct WeightArgs {
     /// Precision of projection weights that are not kept as quantized blocks: f16 halves their
-    /// bytes (arithmetic stays f32; needs an adapter with SHADER_F16). wgpu only.
+    /// bytes (arithmetic stays f32), f16-math also multiplies them in f16 (see `--help`). Both need
+    /// an adapter with SHADER_F16. wgpu only.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
     /// Load quantized GGUF weights (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) as f32 instead of keeping their
@@ -52,6 +54,27 @@ pub enum Precision {
     F32,
     /// 16-bit floats.
     F16,
+    /// 16-bit floats, multiplied in f16: activations rounded to f16, the products of each 4
+    /// elements of a row summed in f16, accumulated in f32 (logits move by about 1e-3 of their
+    /// range; an activation beyond 65504 overflows).
+    #[value(name = "f16-math")]
+    F16Math,
+}
+
+impl Precision {
+    /// Whether projection weights are stored as f16.
+    pub fn f16(self) -> bool {
+        self != Precision::F32
+    }
+
+    /// The flag's value, as written.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::F16Math => "f16-math",
+        }
+    }
 }
 
 /// The f32 parameters of `graph` and, unless `--dequantize`, the blocks of those a GGUF
@@ -83,14 +106,19 @@ pub fn gpu_model(
     args: WeightArgs,
     reporter: &Reporter,
 ) -> Result<GpuModel> {
-    let f16 = args.precision == Precision::F16;
+    let f16 = args.precision.f16();
     if f16 && !gpu.supports_f16() {
-        bail!("--precision f16 needs an adapter with the SHADER_F16 feature; {} has none", gpu.describe());
+        bail!(
+            "--precision {} needs an adapter with the SHADER_F16 feature; {} has none",
+            args.precision.name(),
+            gpu.describe()
+        );
     }
     let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
     let options = lower::Options { formats, ..lower::Options::default() };
     let plan = reporter.stage("lowering", || lower::lower_with(graph, options));
-    let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: f16 };
+    let f16_math = args.precision == Precision::F16Math;
+    let wgsl = kiln_compiler::back::wgsl::Options { f16_weights: f16, f16_math, ..gpu.options() };
     Ok(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, params, blocks, reporter)?)
 }
 
@@ -160,8 +188,11 @@ impl Target {
             let (params, blocks) = load(spec, graph, ckpt, args, reporter)?;
             return self.model(graph, &params, &blocks, args, reporter);
         };
-        if args.precision == Precision::F16 {
-            bail!("--precision f16 stores weights for wgpu; the CPU backend keeps f32 or quantized blocks");
+        if args.precision.f16() {
+            bail!(
+                "--precision {} stores weights for wgpu; the CPU backend keeps f32 or quantized blocks",
+                args.precision.name()
+            );
         }
         let names = weights::graph_params(graph);
         let dims = PackDims::of(spec);
@@ -198,8 +229,11 @@ impl Target {
                 Model::Gpu(Box::new(gpu_model(gpu, graph, params, blocks, args, reporter)?))
             }
             Target::Cpu { threads } => {
-                if args.precision == Precision::F16 {
-                    bail!("--precision f16 stores weights for wgpu; the CPU backend keeps f32 or quantized blocks");
+                if args.precision.f16() {
+                    bail!(
+                        "--precision {} stores weights for wgpu; the CPU backend keeps f32 or quantized blocks",
+                        args.precision.name()
+                    );
                 }
                 let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
                 let options = lower::Options { formats, ..lower::Options::default() };

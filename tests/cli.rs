@@ -100,13 +100,22 @@ fn run_writes_outputs_under_the_fixture_names() {
     assert!(!dir.join("out.safetensors.tmp").exists(), "no temporary file is left behind");
 }
 
-/// `kiln run --precision f16` on wgpu: gpt2's logits within the tolerance `tests/weight_formats.rs`
-/// documents (or a clear error on an adapter without SHADER_F16); an unknown precision is refused.
+/// `kiln run --precision f16` and `f16-math` on wgpu: gpt2's logits within the tolerance
+/// `tests/weight_formats.rs` documents (or a clear error on an adapter without SHADER_F16); an
+/// unknown precision is refused.
 #[test]
 fn run_with_f16_weights() {
     let Some(gpu) = common::gpu() else { return };
     let dir = scratch("f16");
     let out = dir.join("out.safetensors");
+    for precision in ["f16", "f16-math"] {
+        run_with_precision(&gpu, &out, precision);
+    }
+    let o = kiln(&["run", "models/gpt2.toml", "--weights", "w", "--inputs", "i", "--output", "o", "--precision", "f8"]);
+    assert!(!o.status.success() && stderr(&o).contains("f8"), "{}", stderr(&o));
+}
+
+fn run_with_precision(gpu: &kiln_runtime::Gpu, out: &Path, precision: &str) {
     let o = kiln(&[
         "run",
         "models/gpt2.toml",
@@ -115,9 +124,9 @@ fn run_with_f16_weights() {
         "--inputs",
         "tests/fixtures/gpt2/io.safetensors",
         "--output",
-        s(&out),
+        s(out),
         "--precision",
-        "f16",
+        precision,
         "--backend",
         "wgpu",
     ]);
@@ -126,14 +135,23 @@ fn run_with_f16_weights() {
         return;
     }
     assert!(o.status.success(), "{}", stderr(&o));
-    let got = &kiln_runtime::read_tensors(&out).unwrap()["logits"];
+    let got = &kiln_runtime::read_tensors(out).unwrap()["logits"];
     let expected = &kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/io.safetensors")).unwrap()["logits"];
     let scale = expected.as_f32().unwrap().iter().fold(0f32, |m, x| m.max(x.abs()));
     let err = got.max_abs_diff(expected);
-    assert!(err > 0.0, "f16 weights should not give the f32 logits bit for bit");
-    assert!(err <= 3e-3 * scale, "{err}");
-    let o = kiln(&["run", "models/gpt2.toml", "--weights", "w", "--inputs", "i", "--output", "o", "--precision", "f8"]);
-    assert!(!o.status.success() && stderr(&o).contains("f8"), "{}", stderr(&o));
+    assert!(err > 0.0, "{precision} should not give the f32 logits bit for bit");
+    assert!(err <= 3e-3 * scale, "{precision}: {err}");
+}
+
+/// `kiln inspect --stage wgsl --subgroups`: the kernels a device with subgroups runs, said on the
+/// first line; without the flag, plain WGSL.
+#[test]
+fn inspect_wgsl_with_subgroups() {
+    let plain = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl"]));
+    let sub = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl", "--subgroups"]));
+    assert!(plain.lines().next().unwrap().ends_with("(plain)") && !plain.contains("subgroupAdd"), "{plain}");
+    assert!(sub.lines().next().unwrap().ends_with("(subgroups)"), "{sub}");
+    assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
 }
 
 #[test]
@@ -1053,6 +1071,7 @@ fn flags_without_effect_are_refused() {
         (&["--stage", "graph", "--backend", "cpu"], "the graph stage is not optimized"),
         (&["--stage", "wgsl", "--backend", "cpu"], "the wgsl stage is wgpu's"),
         (&["--layers", "0"], "--layers applies to drawings"),
+        (&["--subgroups"], "--subgroups shows the WGSL kernels compiled for a device with subgroups: add --stage wgsl"),
     ];
     for (args, needle) in cases {
         fails_with(&[&llama[..], args].concat(), &[needle]);
@@ -1135,7 +1154,7 @@ fn bench_runs_from_any_directory() {
 
 /// Per-adapter cost models: `kiln inspect --adapter NAME` optimizes with the model cached for
 /// that adapter (here a made-up GPU whose dispatches are dear, so more fuses than under lavapipe's
-/// built-in model), and an adapter with no cached model is refused with the command that makes one.
+/// built-in model: GPT-2's LayerNorms into the projections' prologues), and an adapter with no cached model is refused with the command that makes one.
 #[test]
 fn inspect_uses_an_adapters_cached_cost_model() {
     let data = scratch("cost-models");
@@ -1146,7 +1165,7 @@ fn inspect_uses_an_adapters_cached_cost_model() {
     )
     .unwrap();
     let inspect = |extra: &[&str]| {
-        let mut args = vec!["inspect", "models/llama.toml", "--stats", "--json"];
+        let mut args = vec!["inspect", "models/gpt2.toml", "--stats", "--json"];
         args.extend_from_slice(extra);
         Command::new(env!("CARGO_BIN_EXE_kiln"))
             .args(&args)

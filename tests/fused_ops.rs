@@ -721,3 +721,110 @@ fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case
     }
     cases
 }
+
+/// Allowed difference of the f16-math projection form from the interpreter on the weights rounded
+/// to f16 (the activations rounded to f16 too, each 4 products summed in f16), relative to
+/// `max(1, max |value|)`: measured 1.9e-4 to 5.5e-4 on lavapipe (k = 320).
+const F16_MATH_TOLERANCE: f32 = 2e-3;
+
+/// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, and
+/// the projection's GEMV forms (one row and three, with a norm prologue, gated) — in every form
+/// the device features allow (plain WGSL, subgroup reductions, f16 weights, f16 arithmetic, with
+/// and without subgroups), against the interpreter. Rows are wider than a workgroup and not a
+/// multiple of it, so lanes take uneven shares; `k` = 320 gives the split GEMV's lanes 1 or 2
+/// `vec4`s each. Each model's kernels are checked to be the form asked for.
+#[test]
+fn every_device_form_of_norms_softmax_and_gemv() {
+    use kiln_compiler::back::wgsl;
+    let Some(gpu) = common::gpu() else { return };
+    let (k, n, d) = (320, 40, 300);
+    let mut g = Graph::new("forms");
+    let eps = Scalar(1e-5);
+    let x1 = g.param("x1", &[1, 1, k]);
+    let x3 = g.param("x3", &[3, k]);
+    let gain = g.param("gain", &[k]);
+    let shift = g.param("shift", &[k]);
+    let w = g.param("w", &[n, k]);
+    let wg = g.param("wg", &[2 * n, k]);
+    let b = g.param("b", &[n]);
+    let rows = g.param("rows", &[4, d]);
+    let other = g.param("other", &[4, d]);
+    let dgain = g.param("dgain", &[d]);
+    let dshift = g.param("dshift", &[d]);
+    let scores = g.param("scores", &[2, 2, 3, 130]);
+    let mask = g.param("key_mask", &[2, 130]);
+    let mut add = |name: &str, op: Op, operands: &[NodeIndex]| {
+        let y = g.add(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
+        g.outputs.push((name.to_string(), y));
+    };
+    let rms = Some(Prologue { rms: true, eps, bias: false });
+    let layer = Some(Prologue { rms: false, eps, bias: true });
+    add("gemv", Op::linear(None, false, false), &[x1, w]);
+    let gated =
+        Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm: rms, glu: true, rope: None };
+    add("gemv rms-norm gated", gated, &[x1, gain, wg]);
+    let normed =
+        Op::Linear { act: Some(Activation::Gelu), bias: true, residual: false, norm: layer, glu: false, rope: None };
+    add("gemv 3 rows layer-norm", normed, &[x3, gain, shift, w, b]);
+    add("layer_norm", Op::LayerNorm { eps }, &[rows, dgain, dshift]);
+    add("rms_norm", Op::RmsNorm { eps }, &[rows, dgain]);
+    add("add_norm", Op::AddNorm { rms: false, eps, after: false }, &[rows, other, dgain, dshift]);
+    add("add_norm after", Op::AddNorm { rms: true, eps, after: true }, &[rows, other, dgain]);
+    add("softmax", Op::Softmax, &[rows]);
+    let masked =
+        Op::MaskedSoftmax { scale: Scalar(0.5), alibi: true, causal: true, window: None, mods: ScoreMods::default() };
+    add("masked_softmax", masked, &[scores, mask]);
+    g.check().unwrap();
+
+    let mut params = interp::random_params(&g, 11).unwrap();
+    params.insert("key_mask".into(), Tensor::f32(vec![2, 130], key_mask(2, 130)));
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    // The interpreter on the projection weights rounded to f16, for the f16 forms.
+    let mut rounded = params.clone();
+    for name in ["w", "wg"] {
+        let t = &params[name];
+        let values = t.as_f32().unwrap().iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        rounded.insert(name.into(), Tensor::f32(t.shape.clone(), values));
+    }
+    let expected_f16 = interp::run(&g, &rounded, &HashMap::new()).unwrap();
+
+    let plain = wgsl::Options::default();
+    let subgroups = wgsl::Options { subgroups: true, ..plain };
+    let f16 = wgsl::Options { f16_weights: true, ..plain };
+    let f16_math = wgsl::Options { f16_math: true, ..f16 };
+    let forms = [
+        plain,
+        subgroups,
+        f16,
+        wgsl::Options { subgroups: true, ..f16 },
+        f16_math,
+        wgsl::Options { subgroups: true, ..f16_math },
+    ];
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for options in forms {
+        let form = options.describe();
+        let needs = (options.f16_weights && !gpu.supports_f16()) || (options.subgroups && !gpu.supports_subgroups());
+        let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &());
+        if needs {
+            let e = model.err().expect("refused without the device feature").to_string();
+            assert!(e.contains("feature"), "{form}: {e}");
+            eprintln!("skipping {form}: the adapter lacks it");
+            continue;
+        }
+        let model = model.unwrap_or_else(|e| panic!("{form}: {e}"));
+        // The kernels are the form asked for.
+        let wgsl: String = model.program().kernels.iter().map(|k| k.wgsl.as_str()).collect();
+        assert_eq!(wgsl.contains("subgroupAdd"), options.subgroups, "{form}");
+        assert_eq!(wgsl.contains("form == 4u"), options.subgroups, "{form}: the split GEMV form");
+        assert_eq!(wgsl.contains("vec4<f16>(x0)"), options.f16_math, "{form}: f16 arithmetic");
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
+        let want = if options.f16_weights { &expected_f16 } else { &expected };
+        for ((out, want), (_, got)) in want.iter().zip(&got) {
+            let tolerance =
+                if options.f16_math && out.starts_with("gemv") { F16_MATH_TOLERANCE } else { GPU_TOLERANCE };
+            let scale = want.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            println!("{form}: `{out}` differs by {:e} relative", want.max_abs_diff(got) / scale);
+            assert_close(&format!("`{out}` ({form})"), want, got, tolerance);
+        }
+    }
+}

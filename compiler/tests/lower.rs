@@ -32,7 +32,8 @@ fn every_model_lowers_with_valid_kernels() {
 
 #[test]
 fn broadcast_dims_use_zero_strides() {
-    let d = dispatch(&kiln_compiler::graph::Op::Add, &[vec![2, 3, 4], vec![4]], &[2, 3, 4], 0).unwrap();
+    let d = dispatch(&kiln_compiler::graph::Op::Add, &[vec![2, 3, 4], vec![4]], &[2, 3, 4], 0, &Default::default())
+        .unwrap();
     assert_eq!(&d[..13], &[24, 1, 2, 3, 4, 0, 12, 4, 1, 0, 0, 0, 1]);
 }
 
@@ -110,12 +111,13 @@ fn optimized_intermediates_grow_linearly_to_1024_tokens() {
 fn dispatch_sizes_of_an_ill_typed_step_are_an_error() {
     // A plan read from a file may hold any op on any operands; sizing its steps must not panic.
     use kiln_compiler::graph::Op;
-    let e = dispatch(&Op::MatMul { transpose_b: false }, &[vec![3]], &[3], 0).unwrap_err();
+    let e = dispatch(&Op::MatMul { transpose_b: false }, &[vec![3]], &[3], 0, &Default::default()).unwrap_err();
     assert!(e.contains("no operand 1"), "{e}");
-    let e = dispatch(&Op::MatMul { transpose_b: false }, &[vec![3], vec![3, 2]], &[3], 0).unwrap_err();
+    let e =
+        dispatch(&Op::MatMul { transpose_b: false }, &[vec![3], vec![3, 2]], &[3], 0, &Default::default()).unwrap_err();
     assert!(e.contains("fewer than 2 axes"), "{e}");
-    let e = dispatch(&Op::Permute { perm: vec![0, 5] }, &[vec![2, 3]], &[3, 2], 0).unwrap_err();
+    let e = dispatch(&Op::Permute { perm: vec![0, 5] }, &[vec![2, 3]], &[3, 2], 0, &Default::default()).unwrap_err();
     assert!(e.contains("no axis 5"), "{e}");
-    let e = dispatch(&Op::Alibi, &[], &[1], 0).unwrap_err();
+    let e = dispatch(&Op::Alibi, &[], &[1], 0, &Default::default()).unwrap_err();
     assert!(e.contains("no axis 1"), "{e}");
 }

@@ -104,6 +104,8 @@ pub struct Gpu {
     chunk_bytes: u64,
     /// Whether `SHADER_F16` is enabled.
     f16: bool,
+    /// Whether `SUBGROUP` is enabled.
+    subgroups: bool,
     /// Whether `TIMESTAMP_QUERY` is enabled (see [`GpuModel::profile`]).
     timestamps: bool,
 }
@@ -123,9 +125,11 @@ impl Gpu {
         let adapter = Gpu::choose(choice)?;
         let info = adapter.get_info();
         let limits = adapter.limits();
-        // f16 storage (`--precision f16`) and timestamp queries (`GpuModel::profile`) where the
-        // adapter has them; nothing else is needed.
-        let features = adapter.features() & (wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY);
+        // f16 storage and arithmetic (`--precision f16`, `f16-math`), subgroup reductions (see
+        // `Gpu::options`) and timestamp queries (`GpuModel::profile`) where the adapter has them;
+        // nothing else is needed.
+        let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::TIMESTAMP_QUERY;
+        let features = adapter.features() & wanted;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kiln"),
             required_features: features,
@@ -162,6 +166,7 @@ impl Gpu {
             uncaptured,
             chunk_bytes,
             f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
         })
     }
@@ -235,6 +240,18 @@ impl Gpu {
     /// Whether the device was opened with `SHADER_F16`, so weights can be stored as f16.
     pub fn supports_f16(&self) -> bool {
         self.f16
+    }
+
+    /// Whether the device was opened with `SUBGROUP`, so kernels can reduce with subgroup
+    /// operations.
+    pub fn supports_subgroups(&self) -> bool {
+        self.subgroups
+    }
+
+    /// The WGSL back end's options for this device's features: subgroup reductions where it has
+    /// them; f32 weights (f16 is a precision the caller chooses, [`wgsl::Options::f16_weights`]).
+    pub fn options(&self) -> wgsl::Options {
+        wgsl::Options { subgroups: self.subgroups, ..wgsl::Options::default() }
     }
 
     /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with
@@ -596,11 +613,13 @@ impl GpuModel {
         params: &HashMap<String, Tensor>,
         blocks: &HashMap<String, QuantWeight>,
     ) -> Result<GpuModel, GpuError> {
-        GpuModel::with_progress(gpu, &plan, &wgsl::Options::default(), params, blocks, &())
+        let options = gpu.options();
+        GpuModel::with_progress(gpu, &plan, &options, params, blocks, &())
     }
 
     /// [`GpuModel::with_blocks`] with the back end's `options` (f16 weights: converted from
-    /// `params` at upload; the device must support f16, see [`Gpu::supports_f16`]), reporting to
+    /// `params` at upload; the device must support f16, see [`Gpu::supports_f16`], and subgroups
+    /// for subgroup reductions, see [`Gpu::options`]), reporting to
     /// `progress` as the pipelines are built ([`Phase::Pipelines`], the slow part on a CPU
     /// adapter), the load-time folds evaluated ([`Phase::Fold`]) and the weights uploaded
     /// ([`Phase::Upload`]).
@@ -615,6 +634,18 @@ impl GpuModel {
         if options.f16_weights && !gpu.supports_f16() {
             return Err(GpuError::Dispatch(format!(
                 "f16 weights need the SHADER_F16 feature, which adapter `{}` does not have; use f32 weights",
+                gpu.info.name
+            )));
+        }
+        if options.f16_math && !gpu.supports_f16() {
+            return Err(GpuError::Dispatch(format!(
+                "f16 arithmetic needs the SHADER_F16 feature, which adapter `{}` does not have; use f32",
+                gpu.info.name
+            )));
+        }
+        if options.subgroups && !gpu.supports_subgroups() {
+            return Err(GpuError::Dispatch(format!(
+                "subgroup reductions need the SUBGROUP feature, which adapter `{}` does not have",
                 gpu.info.name
             )));
         }
@@ -822,8 +853,11 @@ impl GpuModel {
                 std::iter::once(step.output).chain(step.operands.iter().copied()).map(buffers_of).collect();
             let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
             let chunked = counts.iter().any(|&c| c > 1);
-            let dims = if chunked { dispatch_chunked } else { dispatch }(&step.op, &operand_shapes, &out_shape, past)
-                .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
+            let dims = match chunked {
+                true => dispatch_chunked(&step.op, &operand_shapes, &out_shape, past),
+                false => dispatch(&step.op, &operand_shapes, &out_shape, past, &self.program.options),
+            }
+            .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
 

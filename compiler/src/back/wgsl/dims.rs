@@ -9,7 +9,7 @@
 
 use super::attention;
 use super::emit::WORKGROUP;
-use super::projection;
+use super::{Options, projection};
 use crate::graph::Op;
 
 /// Row-major strides.
@@ -22,22 +22,36 @@ fn strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// The `Dims` uniform of a step (16 `u32`s, `[0]` = threads) for concrete operand and output shapes
-/// and `past` cached tokens (where positions start). Errors if a size does not fit the kernels'
-/// 32-bit indexing.
-pub fn dispatch(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
-    dims_of(op, operands, out, past, false)
+/// and `past` cached tokens (where positions start), for the kernel compiled with `options` (the
+/// program's, [`super::Program::options`]: a projection's forms depend on them). Errors if a size
+/// does not fit the kernels' 32-bit indexing.
+pub fn dispatch(
+    op: &Op,
+    operands: &[Vec<usize>],
+    out: &[usize],
+    past: usize,
+    options: &Options,
+) -> Result<[u32; 16], String> {
+    dims_of(op, operands, out, past, Some(options))
 }
 
 /// [`dispatch`] for the step's chunked kernel variant ([`super::kernel_chunked`]), which runs a
 /// projection in its scalar forms only and attention one query row per invocation.
 pub fn dispatch_chunked(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Result<[u32; 16], String> {
-    dims_of(op, operands, out, past, true)
+    dims_of(op, operands, out, past, None)
 }
 
 // A plan read from a file holds any op on any operands (`Plan::check` bounds indices, not
 // typing), so this reads operands and axes with `operand` and `axis`: an ill-typed step is an
-// error, not a panic.
-fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked: bool) -> Result<[u32; 16], String> {
+// error, not a panic. `options` is `None` for the chunked variant.
+fn dims_of(
+    op: &Op,
+    operands: &[Vec<usize>],
+    out: &[usize],
+    past: usize,
+    options: Option<&Options>,
+) -> Result<[u32; 16], String> {
+    let chunked = options.is_none();
     let total: usize = out.iter().product();
     let last = |s: &[usize]| s.last().copied().unwrap_or(1);
     let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
@@ -91,8 +105,8 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             v
         }
         // A workgroup per row (`emit::cooperative`).
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
-        Op::Softmax | Op::TopK { .. } | Op::L2Normalize => vec![rows(out), last(out)],
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax => vec![rows(out) * WORKGROUP as usize, last(out)],
+        Op::TopK { .. } | Op::L2Normalize => vec![rows(out), last(out)],
         Op::Permute { perm } => {
             let st = strides(operand(0)?);
             let mut o = vec![1; 4usize.saturating_sub(out.len())];
@@ -129,7 +143,7 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
         }
         // Tiles of outputs per invocation, whole workgroups: see `projection::dims`.
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
-        Op::Linear { .. } => projection::dims(op, operands, out, past),
+        Op::Linear { .. } => projection::dims(op, operands, out, past, options.unwrap_or(&Options::default())),
         // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
         Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
             let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
@@ -163,8 +177,10 @@ fn dims_of(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, chunked
             let inner: usize = x.iter().skip(a + 1).product();
             vec![total, axis(x, *a)?, axis(y, *a)?, inner]
         }
-        // One thread per row of scores [b, h, q, k].
-        Op::MaskedSoftmax { .. } => vec![rows(out), axis(out, 1)?, axis(out, 2)?, axis(out, 3)?],
+        // A workgroup per row of scores [b, h, q, k] (`emit::cooperative`).
+        Op::MaskedSoftmax { .. } => {
+            vec![rows(out) * WORKGROUP as usize, axis(out, 1)?, axis(out, 2)?, axis(out, 3)?]
+        }
         // Chunked: one thread per query row, [b * s * h, h, s, t, d, kv] from q [b, h, s, d], k [b, kv, t, d].
         Op::Attention { mods, .. } => {
             let (&[b, h, s, d], &[_, kv, t, ..]) = (operand(0)?, operand(1)?) else {

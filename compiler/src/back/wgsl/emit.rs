@@ -21,20 +21,16 @@ pub const WORKGROUP: u32 = 64;
 /// [`cooperative`]).
 const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
-/// Whether `op`'s kernel runs a workgroup per row (the norms): its body runs with `wg`, the row,
-/// and `lane`, the invocation's index in the workgroup, and reduces the row with `row_sum` (see
-/// [`ROW_SUM`]). One thread per row, as on a CPU adapter, leaves a GPU's row a few hundred
-/// dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
+/// Whether `op`'s kernel runs a workgroup per row (the norms and softmaxes): its body runs with
+/// `wg`, the row, and `lane`, the invocation's index in the workgroup, and reduces the row with
+/// `row_sum` and `row_max` ([`super::reduce`]). One thread per row, as on a CPU adapter, leaves a
+/// GPU's row a few hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
-    matches!(op, Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddNorm { .. })
+    matches!(
+        op,
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddNorm { .. } | Op::Softmax | Op::MaskedSoftmax { .. }
+    )
 }
-
-/// The sum over a cooperative kernel's workgroup of each lane's `v`, by halving in workgroup
-/// memory; every lane calls it (in uniform control flow) and gets the total.
-pub const ROW_SUM: &str = "var<workgroup> red: array<f32, 64>;\n\
-fn row_sum(lane: u32, v: f32) -> f32 {\n    workgroupBarrier();\n    red[lane] = v;\n    workgroupBarrier();\n    \
-for (var off = 32u; off > 0u; off = off >> 1u) {\n        if (lane < off) { red[lane] = red[lane] + red[lane + off]; }\n        \
-workgroupBarrier();\n    }\n    return red[0];\n}\n";
 
 /// Element type of a buffer as the kernel sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,7 +162,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::Act(act) => format!("let x = in0[i];\nout[i] = {};", activation(*act, "x")),
         // The norms run a workgroup per row ([`cooperative`]): lane `lane` takes elements `lane,
-        // lane + 64, ...`, and `row_sum` adds the lanes' partial sums in workgroup memory.
+        // lane + 64, ...`, and `row_sum` adds the lanes' partial sums ([`super::reduce`]).
         Op::LayerNorm { eps } => {
             let bias = if operands == 3 { " + in2[j]" } else { "" };
             format!(
@@ -182,11 +178,14 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / sqrt(row_sum(lane, ms) / f32(d) + {});\n{LANES} {{ out[base + j] = in0[base + j] * inv * in1[j]; }}",
             lit(eps.0)
         ),
-        Op::Softmax => "let d = dim(1u);\nlet base = i * d;\nvar mx = in0[base];\n\
-             for (var j = 1u; j < d; j = j + 1u) { mx = max(mx, in0[base + j]); }\nvar sum = 0.0;\n\
-             for (var j = 0u; j < d; j = j + 1u) { let e = exp(in0[base + j] - mx); out[base + j] = e; sum = sum + e; }\n\
-             for (var j = 0u; j < d; j = j + 1u) { out[base + j] = out[base + j] / sum; }"
-            .into(),
+        // A workgroup per row, as the norms: the row's maximum, then its exponentials (each lane
+        // reads back only what it wrote) and their sum.
+        Op::Softmax => format!(
+            "let d = dim(1u);\nlet base = wg * d;\nvar mx = -3.40282347e38;\n{LANES} {{ mx = max(mx, in0[base + j]); }}\n\
+             mx = row_max(lane, mx);\nvar sum = 0.0;\n\
+             {LANES} {{ let e = exp(in0[base + j] - mx); out[base + j] = e; sum = sum + e; }}\n\
+             sum = row_sum(lane, sum);\n{LANES} {{ out[base + j] = out[base + j] / sum; }}"
+        ),
         Op::Permute { .. } => "var rem = i;\nvar src = 0u;\nfor (var ax: i32 = 3; ax >= 0; ax = ax - 1) {\n    \
              let u = u32(ax);\n    let c = rem % dim(1u + u);\n    rem = rem / dim(1u + u);\n    src = src + c * dim(5u + u);\n}\n\
              out[i] = in0[src];"
@@ -345,8 +344,9 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              if (j < na) { out[i] = in0[(o * na + j) * inner + r]; } else { out[i] = in1[(o * nb + j - na) * inner + r]; }"
             .into(),
         Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
-            // One thread per row of `k` scores; the output row holds the masked logits, then their
-            // exponentials, then the probabilities.
+            // A workgroup per row `i` of `k` scores ([`cooperative`]), lanes striding it; the
+            // output row holds the masked logits, then their exponentials, then the probabilities
+            // (each lane reads back only what it wrote).
             let m = Mods::new(mods, 1, operands);
             let mut logit = format!("    var x = in0[base + ki] * {};\n", lit(scale.0));
             logit += &m.logit(*alibi);
@@ -354,12 +354,14 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             if keep != "true" {
                 logit += &format!("    x = select(-3.40282347e38, x, {keep});\n");
             }
+            let keys = "for (var ki = lane; ki < k; ki = ki + 64u)";
             format!(
-                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet base = i * k;\n\
+                "let i = wg;\nlet heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet base = i * k;\n\
                  let qi = i % q + (k - min(q, k));\nlet h = (i / q) % heads;\nlet b = i / (q * heads);\n{}\
-                 var mx = -3.40282347e38;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}    out[base + ki] = x;\n    mx = max(mx, x);\n}}\n\
-                 var sum = 0.0;\nfor (var ki = 0u; ki < k; ki = ki + 1u) {{ let e = exp(out[base + ki] - mx); out[base + ki] = e; sum = sum + e; }}\n\
-                 for (var ki = 0u; ki < k; ki = ki + 1u) {{ out[base + ki] = out[base + ki] / sum; }}",
+                 var mx = -3.40282347e38;\n{keys} {{\n{logit}    out[base + ki] = x;\n    mx = max(mx, x);\n}}\n\
+                 mx = row_max(lane, mx);\n\
+                 var sum = 0.0;\n{keys} {{ let e = exp(out[base + ki] - mx); out[base + ki] = e; sum = sum + e; }}\n\
+                 sum = row_sum(lane, sum);\n{keys} {{ out[base + ki] = out[base + ki] / sum; }}",
                 scores::sparse_setup(mods, "qi", "q", "k"),
             )
         }

@@ -18,17 +18,18 @@
 
 use super::attention::{self, Geometry};
 use super::emit::{Elem, HELPERS, WORKGROUP, body};
-use super::projection;
+use super::{Options, projection, reduce};
 use crate::graph::Op;
 
 /// The WGSL module of `op` with operand element types `inputs` and output element type `out`.
 /// Returns `None` for ops that need no kernel (inputs, parameters, reshapes). An attention op
 /// given its head `geometry` gets the blocked kernel ([`super::attention`]), whose dispatch
 /// sizes [`super::dispatch`] computes; without one, the one-row-per-invocation body of the
-/// chunked variant.
-pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>) -> Option<String> {
+/// chunked variant. `options` say which device features the kernel may use (subgroup
+/// reductions, f16 arithmetic); a kernel that has no use for them is the same text either way.
+pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, options: &Options) -> Option<String> {
     let body = match (op, geometry) {
-        (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs)),
+        (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
         (_, Some(g)) => attention::body(op, inputs.len(), g).or_else(|| body(op, inputs.len()))?,
         (_, None) => body(op, inputs.len())?,
     };
@@ -48,7 +49,7 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>) -
             s += &format!("@group(0) @binding({}) var<storage, read> in{k}: array<{}>;\n", k + 2, e.wgsl());
         }
     }
-    s += &entry(op, &body);
+    s += &entry(op, &body, options);
     Some(s)
 }
 
@@ -96,7 +97,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
         }
     }
 
-    s += &entry(op, &body);
+    s += &entry(op, &body, &Options::default());
     Some(s)
 }
 
@@ -175,22 +176,36 @@ fn statement_end(s: &str, from: usize) -> usize {
 }
 
 /// The part every kernel shares after its bindings: `dim`, the helpers, and `main` running `body`
-/// once per thread `i < dim(0)`. A projection's body, and a norm's (a workgroup per row, see
+/// once per thread `i < dim(0)`. A projection's body, and a row kernel's (a workgroup per row, see
 /// [`super::emit::cooperative`]), instead runs once per invocation of the `dim(0) / 64`
 /// workgroups, with `wg` the workgroup's index and `lane` the invocation's index in it (see
 /// [`super::projection`]): it finds its tile or row from the workgroup, which the shader compiler
-/// can then see as uniform.
-fn entry(op: &Op, body: &str) -> String {
+/// can then see as uniform. Those bodies that reduce across the workgroup get the reductions of
+/// [`super::reduce`], in the subgroup form with [`Options::subgroups`].
+fn entry(op: &Op, body: &str, options: &Options) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
     if matches!(op, Op::Linear { .. }) || super::emit::cooperative(op) {
-        if super::emit::cooperative(op) {
-            s += super::emit::ROW_SUM;
-        } else {
+        // A projection reduces only in its split GEMV form.
+        let linear = matches!(op, Op::Linear { .. });
+        let reduces = if linear { projection::splits(op, options) } else { super::emit::cooperative(op) };
+        let subgroups = options.subgroups && reduces;
+        if reduces {
+            s += &reduce::functions(subgroups, linear);
+        }
+        if linear {
             s += &projection::unit_fn(op);
         }
+        let builtins = if subgroups { reduce::ENTRY_BUILTINS } else { "" };
         s += &format!(
-            "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let wg = wid.x + wid.y * nwg.x;\n    if (wg >= dim(0u) / {WORKGROUP}u) {{ return; }}\n    let lane = lid.x;\n"
+            "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
+        );
+        if subgroups {
+            s += "    ";
+            s += reduce::ENTRY_SETUP;
+        }
+        s += &format!(
+            "    let wg = wid.x + wid.y * nwg.x;\n    if (wg >= dim(0u) / {WORKGROUP}u) {{ return; }}\n    let lane = lid.x;\n"
         );
     } else {
         s += &format!(
@@ -304,12 +319,104 @@ mod tests {
         }
         for (op, n) in ops {
             let geometry = Geometry { heads: 4, kv_heads: 2, head_dim: 16 };
-            let text = kernel(&op, &vec![Elem::F32; n], Elem::F32, Some(geometry)).unwrap();
+            let text = kernel(&op, &vec![Elem::F32; n], Elem::F32, Some(geometry), &Options::default()).unwrap();
             super::super::validate(&text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", op.name()));
             let text = kernel_chunked(&op, &vec![Elem::F32; n], Elem::F32, &vec![3; n + 1], 1024).unwrap();
             super::super::validate(&text).unwrap_or_else(|e| panic!("chunked {}: {e}\n{text}", op.name()));
             // Every storage access goes through an accessor in the chunked variant.
             assert!(!text.contains("out[") && !text.contains("in0["), "{}: {text}", op.name());
+        }
+    }
+
+    /// Every form of the kernels that reduce a row — plain, subgroups, f16 weights, f16 math — is
+    /// what its options ask for, and naga validates it.
+    #[test]
+    fn reducing_kernels_validate_in_every_form() {
+        use crate::graph::{Prologue, Scalar, ScoreMods};
+        let eps = Scalar(1e-5);
+        let softmax = Op::MaskedSoftmax {
+            scale: Scalar(0.125),
+            alibi: true,
+            causal: true,
+            window: None,
+            mods: ScoreMods::default(),
+        };
+        let rows = [
+            (Op::LayerNorm { eps }, 3),
+            (Op::RmsNorm { eps }, 2),
+            (Op::AddNorm { rms: false, eps, after: false }, 4),
+            (Op::AddNorm { rms: true, eps, after: true }, 3),
+            (Op::Softmax, 1),
+            (softmax, 2),
+        ];
+        let subgroups = Options { subgroups: true, ..Options::default() };
+        for (op, n) in rows {
+            let inputs = vec![Elem::F32; n];
+            let plain = kernel(&op, &inputs, Elem::F32, None, &Options::default()).unwrap();
+            let sub = kernel(&op, &inputs, Elem::F32, None, &subgroups).unwrap();
+            for text in [&plain, &sub] {
+                super::super::validate(text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", op.name()));
+            }
+            assert!(!plain.contains("subgroup") && plain.contains("workgroupBarrier"), "{}: {plain}", op.name());
+            assert!(sub.contains("subgroupAdd(v)") && sub.contains("subgroup_id"), "{}: {sub}", op.name());
+        }
+        let norm = Some(Prologue { rms: true, eps, bias: false });
+        let projections = [
+            (Op::linear(None, false, false), 2),
+            (Op::linear(Some(Activation::Gelu), true, true), 4),
+            (Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm, glu: true, rope: None }, 3),
+            (
+                Op::Linear {
+                    act: None,
+                    bias: true,
+                    residual: false,
+                    norm: Some(Prologue { rms: false, eps, bias: true }),
+                    glu: false,
+                    rope: None,
+                },
+                5,
+            ),
+        ];
+        for (op, n) in projections {
+            let weight = projection_weight(&op);
+            for w in [Elem::F32, Elem::F16, Elem::Q8_0, Elem::Q4_K] {
+                let mut inputs = vec![Elem::F32; n];
+                inputs[weight] = w;
+                for subgroups in [false, true] {
+                    for f16_math in [false, true] {
+                        let options = Options { subgroups, f16_math, f16_weights: w == Elem::F16 };
+                        let text = kernel(&op, &inputs, Elem::F32, None, &options).unwrap();
+                        super::super::validate(&text)
+                            .unwrap_or_else(|e| panic!("{} {w:?} {options:?}: {e}\n{text}", op.name()));
+                        assert_eq!(text.contains("form == 4u"), subgroups, "{text}");
+                        assert_eq!(text.contains("subgroupAdd(v)"), subgroups, "{text}");
+                        assert_eq!(text.contains("vec4<f16>(x0)"), f16_math && w == Elem::F16, "{text}");
+                    }
+                }
+            }
+        }
+        // A projection without the split form (a RoPE epilogue) is the same text with subgroups.
+        let rope = crate::graph::RopeCols {
+            theta: Scalar(1e4),
+            rotary_dim: 8,
+            style: PairStyle::RotateHalf,
+            head_dim: 16,
+            start: 0,
+            len: 16,
+        };
+        let op = Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) };
+        let inputs = [Elem::F32; 2];
+        assert_eq!(
+            kernel(&op, &inputs, Elem::F32, None, &Options::default()),
+            kernel(&op, &inputs, Elem::F32, None, &subgroups)
+        );
+    }
+
+    /// The weight operand's index of a projection without a norm prologue's shift.
+    fn projection_weight(op: &Op) -> usize {
+        match op {
+            Op::Linear { norm: Some(p), .. } => 2 + usize::from(p.bias),
+            _ => 1,
         }
     }
 }

@@ -10,6 +10,12 @@
 //! it generates each step's module ([`kernel`]), deduplicated by text and validated by naga with
 //! every validation flag: a module that fails is a compiler bug, reported with the op and model
 //! named. The runtime computes each dispatch's sizes from run-time shapes ([`dispatch`]).
+//!
+//! [`Options`] say what the device has beyond WebGPU's baseline: subgroups
+//! ([`Options::subgroups`]: the row reductions of norms and softmaxes, and a GEMV form splitting
+//! `k` over a workgroup, reduce through subgroup operations; see [`reduce`]) and f16
+//! ([`Options::f16_weights`], [`Options::f16_math`]). Each is the runtime's choice from the
+//! features it opened the device with; without them the kernels are plain WGSL.
 
 #![expect(
     clippy::indexing_slicing,
@@ -22,6 +28,7 @@ mod dims;
 pub mod emit;
 mod kernel;
 pub mod projection;
+mod reduce;
 pub mod sample;
 mod scores;
 
@@ -46,11 +53,42 @@ pub struct Kernel {
     pub operands: usize,
 }
 
-/// Choices of the wgpu back end.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// Choices of the wgpu back end: the device features its kernels may use. The default is plain
+/// WGSL, which every adapter runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Options {
     /// Store every constant f32 projection weight as f16 (needs `SHADER_F16` on the device).
+    /// Arithmetic stays f32: each weight is widened as it is loaded.
     pub f16_weights: bool,
+    /// With [`Options::f16_weights`], the `vec4` projection forms multiply in f16: each `vec4` of
+    /// activations is rounded to f16 and dotted with the four f16 weight rows it meets, the four
+    /// products of each column summed in f16, and that partial sum added to an f32 accumulator.
+    /// Halves the conversions and doubles the arithmetic width where a device has fast f16; costs
+    /// the activations' rounding to 11 significant bits (a relative error of up to 2^-11 per
+    /// product, about 5e-4, on top of the weights' own) and an activation beyond f16's range
+    /// (65504) becomes infinite. Quantized weights and the scalar forms are unaffected. Needs
+    /// `SHADER_F16`.
+    pub f16_math: bool,
+    /// Reduce rows with subgroup operations (needs `SUBGROUP` on the device): the norms' and
+    /// softmaxes' row sums and maxima, and the projection's split GEMV form (see [`reduce`] and
+    /// [`projection`]), which only this option enables.
+    pub subgroups: bool,
+}
+
+impl Options {
+    /// The options in words, for reports: `plain`, or the features used (`subgroups, f16 weights`).
+    pub fn describe(&self) -> String {
+        let mut used = Vec::new();
+        if self.subgroups {
+            used.push("subgroups");
+        }
+        match (self.f16_weights, self.f16_math) {
+            (true, true) => used.push("f16 weights and arithmetic"),
+            (true, false) => used.push("f16 weights"),
+            _ => {}
+        }
+        if used.is_empty() { "plain".into() } else { used.join(", ") }
+    }
 }
 
 /// A plan compiled for wgpu.
@@ -63,6 +101,8 @@ pub struct Program {
     pub kernels: Vec<Kernel>,
     /// The kernel of each step of [`Program::plan`], by index into [`Program::kernels`].
     pub step_kernels: Vec<usize>,
+    /// The options it was compiled with, which [`dispatch`] needs too.
+    pub options: Options,
 }
 
 impl Program {
@@ -99,8 +139,9 @@ pub struct CompileError {
 /// Parses and validates a WGSL module with every validation flag.
 pub fn validate(text: &str) -> Result<(), String> {
     let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
-    // f16 is the one capability a kernel may use (only where a weight is stored as f16).
-    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::SHADER_FLOAT16)
+    // f16 and subgroups are the capabilities a kernel may use, each only where its `Options` say.
+    let capabilities = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::SUBGROUP;
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities)
         .validate(&module)
         .map_err(|e| e.emit_to_string(text))?;
     Ok(())
@@ -174,7 +215,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
             message,
         };
         let elems: Vec<Elem> = step.operands.iter().map(|&v| device_elem(&plan.values[v])).collect();
-        let text = kernel(&step.op, &elems, device_elem(&plan.values[step.output]), geometry(&plan, step))
+        let text = kernel(&step.op, &elems, device_elem(&plan.values[step.output]), geometry(&plan, step), options)
             .ok_or_else(|| error("no kernel runs this op".into()))?;
         let k = match kernel_of.get(&text) {
             Some(&k) => k,
@@ -188,7 +229,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
         };
         step_kernels.push(k);
     }
-    Ok(Program { plan, kernels, step_kernels })
+    Ok(Program { plan, kernels, step_kernels, options: *options })
 }
 
 /// The head geometry of an attention step, which its kernel is specialised to (shape inference

@@ -26,6 +26,19 @@
 //!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
 //!   in the GEMV form lanes take adjacent units of one row.
 //!
+//! - **split GEMV** (decode, with [`Options::subgroups`]): a workgroup per row and
+//!   [`SPLIT_GEMV_GROUPS`] groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
+//!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
+//!   `row_sum4` ([`super::reduce`]), through subgroup operations, and the first lane writes the
+//!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
+//!   split form runs `16 n / SPLIT_GEMV_GROUPS`. A norm prologue's statistics are reduced the
+//!   same way.
+//!   The form exists only in a module compiled with subgroups (the plain one keeps the `vec4`
+//!   GEMV, whose invocations each walk the whole of `k`), and [`dims`] picks it only then.
+//!
+//! With [`Options::f16_math`] and an f16 weight, the `vec4` loops (GEMM, GEMV and split GEMV)
+//! multiply in f16: see [`Options::f16_math`] for what that costs.
+//!
 //! Every shape is handled (tiles past the last row or column compute clamped indices and skip
 //! their stores), so there is no fallback kernel. Buffers are accessed through `ldK`/`ldKv`/`st`/
 //! `stv` accessors (see [`bindings`]), which the chunked variant
@@ -34,6 +47,7 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
+use super::Options;
 use super::emit::{Elem, WORKGROUP, activation, lit};
 use crate::graph::{Op, Prologue, RopeCols};
 use crate::lower::WeightFormat;
@@ -54,6 +68,8 @@ pub const VEC_GEMM_ROWS: usize = 8;
 pub const VEC_GEMM_GROUPS: usize = 2;
 /// Groups of 4 columns per invocation in the `vec4` GEMV form (one row each).
 pub const VEC_GEMV_GROUPS: usize = 1;
+/// Groups of 4 columns per workgroup in the split GEMV form (one row each).
+pub const SPLIT_GEMV_GROUPS: usize = 2;
 
 /// The attributes of a projection.
 #[derive(Clone, Copy)]
@@ -109,20 +125,26 @@ fn vector_rope(r: RopeCols) -> bool {
 /// The sizes of a projection dispatch (see [`super::dispatch`]):
 /// `[threads, n, k, seq, past, m, tiles, form, w]`, where `m` is the number of rows, `w` the
 /// width of the (transposed, possibly padded) weight's rows and `form` picks the code path:
-/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV. The `vec4` forms need `k` and `w`
+/// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV, 4 split GEMV (in place of 3 when
+/// `options`, the kernel's, have [`Options::subgroups`]). The `vec4` forms need `k` and `w`
 /// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
 /// `n` a multiple of 4) and no RoPE epilogue. `tiles` is the number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
-pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
-    dims_with(op, operands, out, past, true)
+pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
+    dims_with(op, operands, out, past, true, splits(op, options))
+}
+
+/// Whether the kernel of projection `op` compiled with `options` has the split GEMV form.
+pub fn splits(op: &Op, options: &Options) -> bool {
+    options.subgroups && Linear::of(op).rope.is_none()
 }
 
 /// [`dims`] restricted to the scalar forms, the only ones of the chunked kernel ([`body_scalar`]).
 pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
-    dims_with(op, operands, out, past, false)
+    dims_with(op, operands, out, past, false, false)
 }
 
-fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool) -> Vec<usize> {
+fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool, split: bool) -> Vec<usize> {
     let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
     let last_dim = |i: usize| operands.get(i).and_then(|shape| shape.last()).copied().unwrap_or(1);
@@ -132,7 +154,10 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
     let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
     let gemv = m <= GEMV_MAX_ROWS;
     let vector = vectors && vector_ok(p, k, w, n);
-    let (form, tiles, groups) = if vector {
+    let (form, tiles, groups) = if vector && gemv && split {
+        let tiles = n.div_ceil(4).div_ceil(SPLIT_GEMV_GROUPS);
+        (4, tiles, tiles * m)
+    } else if vector {
         let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
         let tiles = n.div_ceil(4).div_ceil(cols);
         (if gemv { 3 } else { 2 }, tiles, (tiles * m.div_ceil(rows)).div_ceil(64))
@@ -179,7 +204,7 @@ pub fn pads_weight(op: &Op, n: usize) -> bool {
 /// float), `ldKv(q)` (the `q`-th `vec4`), `st(e, v)`, `stv(q, v)`. Buffers are allocated in
 /// multiples of 16 bytes, so every float of a tensor is inside some `vec4`. An f16 weight has the
 /// same accessors over `array<vec4<f16>>`, converting to f32 (the module starts with `enable f16;`,
-/// see [`super::kernel::kernel`]); a quantized weight (see
+/// see [`super::kernel::kernel`]), and `ldKh(q)`, the `vec4<f16>` unconverted; a quantized weight (see
 /// [`crate::lower::format`]) is an `array<u32>` read through `qsK(row, b)` (block `b`'s scale, `row` the
 /// row's first word), `qmK(row, b)` (Q4_1 and Q4_K: its minimum term) and `qvK(row, b, t)`
 /// (elements `4t .. 4t + 4` of block `b`, unscaled: Q8_0's signed bytes sign-extended by shifts,
@@ -198,7 +223,8 @@ pub fn bindings(elems: &[Elem]) -> String {
             Elem::F16 => format!(
                 "@group(0) @binding({b}) var<storage, read> in{k}: array<vec4<f16>>;\n\
                  fn ld{k}(e: u32) -> f32 {{ return f32(in{k}[e >> 2u][e & 3u]); }}\n\
-                 fn ld{k}v(q: u32) -> vec4<f32> {{ return vec4<f32>(in{k}[q]); }}\n"
+                 fn ld{k}v(q: u32) -> vec4<f32> {{ return vec4<f32>(in{k}[q]); }}\n\
+                 fn ld{k}h(q: u32) -> vec4<f16> {{ return in{k}[q]; }}\n"
             ),
             // Words per row: `nb = k / 32` scales, then the quants (see `format`).
             Elem::Q8_0 => format!(
@@ -372,18 +398,19 @@ fn group_pair_fn(r: RopeCols) -> String {
 }
 
 /// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
-/// the workgroup) defined.
-pub fn body(op: &Op, format: WeightFormat) -> String {
-    body_with(op, true, format)
+/// the workgroup) defined, and, with the split GEMV form ([`splits`]), the reductions of
+/// [`super::reduce`].
+pub fn body(op: &Op, format: WeightFormat, options: &Options) -> String {
+    body_with(op, true, format, options)
 }
 
 /// The kernel body with the scalar forms only: the chunked variant, whose every load selects a
 /// chunk, stays small enough for lavapipe to compile quickly (see [`scalar_dims`]).
 pub fn body_scalar(op: &Op) -> String {
-    body_with(op, false, WeightFormat::F32)
+    body_with(op, false, WeightFormat::F32, &Options::default())
 }
 
-fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
+fn body_with(op: &Op, vectors: bool, format: WeightFormat, options: &Options) -> String {
     let p = Linear::of(op);
     let pair = p.unit_cols() == 2;
     let mut s = String::from(
@@ -411,10 +438,15 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat) -> String {
     s += "} else if (form == 1u) {\n";
     s += &indent(&(scalar_head + &scalar_tile(p, pair, &["grp".to_string()], &gemv_unit, format)));
     if vectors && p.rope.is_none_or(vector_rope) {
+        let f16_math = options.f16_math && format == WeightFormat::F16;
         s += "} else if (form == 2u) {\n";
-        s += &indent(&vector_tile(p, VEC_GEMM_ROWS, VEC_GEMM_GROUPS, format));
+        s += &indent(&vector_tile(p, Tile::rows(VEC_GEMM_ROWS, VEC_GEMM_GROUPS), format, f16_math));
+        if splits(op, options) {
+            s += "} else if (form == 4u) {\n";
+            s += &indent(&vector_tile(p, Tile::split(), format, f16_math));
+        }
         s += "} else {\n";
-        s += &indent(&vector_tile(p, 1, p.gemv_groups(), format));
+        s += &indent(&vector_tile(p, Tile::rows(1, p.gemv_groups()), format, f16_math));
     }
     s += "}";
     s
@@ -430,18 +462,51 @@ fn operand_indices(p: Linear) -> (usize, usize, usize) {
     (wi, wi + 1, wi + 1 + usize::from(p.bias))
 }
 
-/// A `vec4` tile: `rows` consecutive rows times `groups` consecutive groups of 4 columns, `k`
-/// read 4 at a time. Invocations are numbered across workgroups, column groups fastest. A
-/// quantized weight is read by [`quant_loop`] instead of the transposed-weight loop.
-fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> String {
+/// The shape of a `vec4` tile: `rows` consecutive rows times `groups` consecutive groups of 4
+/// columns, an invocation's own (`split` false) or, split, its workgroup's, each lane taking `k`
+/// 64 apart.
+#[derive(Clone, Copy)]
+struct Tile {
+    rows: usize,
+    groups: usize,
+    split: bool,
+}
+
+impl Tile {
+    fn rows(rows: usize, groups: usize) -> Tile {
+        Tile { rows, groups, split: false }
+    }
+
+    /// The split GEMV form's tile.
+    fn split() -> Tile {
+        Tile { rows: 1, groups: SPLIT_GEMV_GROUPS, split: true }
+    }
+
+    /// The header of a loop over `index` below `end` (the lane's share when split).
+    fn walk(self, index: &str, end: &str) -> String {
+        match self.split {
+            true => format!("for (var {index} = lane; {index} < {end}; {index} = {index} + 64u)"),
+            false => format!("for (var {index} = 0u; {index} < {end}; {index} = {index} + 1u)"),
+        }
+    }
+}
+
+/// A `vec4` tile (see [`Tile`]), `k` read 4 at a time. Invocations (workgroups when split) are
+/// numbered across workgroups, column groups fastest. A quantized weight is read by
+/// [`quant_loop`] instead of the transposed-weight loop ([`vector_loop`], which multiplies in
+/// f16 with `f16_math`, see [`Options::f16_math`]).
+fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> String {
     let (_, bi, ri) = operand_indices(p);
-    let mut s = format!(
-        "let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n\
-         let nq = (n + 3u) / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n"
-    );
+    let Tile { rows, groups, .. } = tile;
+    let mut s = if tile.split {
+        format!("let t = wg;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = t / tiles;\n")
+    } else {
+        format!("let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n")
+    };
+    s += "let nq = (n + 3u) / 4u;\nlet kq = k / 4u;\nlet wq = wn / 4u;\n";
     for r in 0..rows {
         s += &format!("let a{r} = min(r0 + {r}u, m - 1u) * kq;\n");
-        s += &vector_stats(p.norm, r);
+        s += &if tile.split { split_stats(p.norm, r) } else { vector_stats(p.norm, r) };
     }
     if p.rope.is_some() {
         // One unit of two groups (see `group_pair_fn`).
@@ -460,10 +525,26 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
         }
     }
     if format.quantized() {
-        s += &quant_loop(p, rows, groups, format);
+        s += &quant_loop(p, tile, format);
     } else {
-        s += &vector_loop(p, rows, groups);
+        s += &vector_loop(p, tile, f16_math);
     }
+    let last = if tile.split {
+        // Every lane's partial sums added (an RMSNorm prologue's sum of squares too); the first
+        // lane finishes.
+        if p.norm.is_some_and(|n| n.rms) {
+            s += "ss0 = row_sum4(lane, ss0);\n";
+        }
+        for j in 0..groups {
+            s += &format!("y0_{j} = row_sum4(lane, y0_{j});\n");
+            if p.glu {
+                s += &format!("z0_{j} = row_sum4(lane, z0_{j});\n");
+            }
+        }
+        " && lane == 0u"
+    } else {
+        ""
+    };
     for r in 0..rows {
         let accs = (0..groups).flat_map(|j| {
             let gate = p.glu.then(|| format!("z{r}_{j}"));
@@ -488,7 +569,9 @@ fn vector_tile(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> S
     }
     for r in 0..rows {
         for j in 0..groups {
-            s += &format!("if (r0 + {r}u < m && gb + {j}u < nq) {{\n    let row = r0 + {r}u;\n    var y = y{r}_{j};\n");
+            s += &format!(
+                "if (r0 + {r}u < m && gb + {j}u < nq{last}) {{\n    let row = r0 + {r}u;\n    var y = y{r}_{j};\n"
+            );
             // The aligned epilogue, whole `vec4`s.
             let mut aligned = String::new();
             if p.bias {
@@ -570,31 +653,40 @@ fn vector_rope_epilogue(p: Linear, rope: RopeCols, r: usize) -> String {
     s
 }
 
-/// The loop of a `vec4` tile over a transposed f32/f16 weight: `k` 4 at a time.
-fn vector_loop(p: Linear, rows: usize, groups: usize) -> String {
+/// The loop of a `vec4` tile over a transposed f32/f16 weight: `k` 4 at a time. With `f16_math`
+/// (an f16 weight), the weights stay f16, each `x` is rounded to f16 and the four products of a
+/// column are summed in f16 before the f32 accumulator takes them.
+fn vector_loop(p: Linear, tile: Tile, f16_math: bool) -> String {
     let (wi, _, _) = operand_indices(p);
+    let Tile { rows, groups, .. } = tile;
+    let (load, x) = if f16_math { ("h", "xh") } else { ("v", "x") };
     let mut s = String::new();
-    s += "for (var kk = 0u; kk < kq; kk = kk + 1u) {\n";
+    s += &tile.walk("kk", "kq");
+    s += " {\n";
     s += &norm_loads(p.norm, "    ");
     for r in 0..rows {
         s += &rms_load(p.norm, r, &format!("ld0v(a{r} + kk)"), "v", "    ");
         s += &format!("    let x{r} = {};\n", vector_x(p.norm, r));
+        if f16_math {
+            s += &format!("    let xh{r} = vec4<f16>(x{r});\n");
+        }
     }
     s += "    let wr = kk * 4u * wq;\n";
     for i in 0..4 {
         for j in 0..groups {
-            s += &format!("    let w{i}_{j} = ld{wi}v(wr + {i}u * wq + g{j});\n");
+            s += &format!("    let w{i}_{j} = ld{wi}{load}(wr + {i}u * wq + g{j});\n");
             if p.glu {
-                s += &format!("    let u{i}_{j} = ld{wi}v(wr + {i}u * wq + nq + g{j});\n");
+                s += &format!("    let u{i}_{j} = ld{wi}{load}(wr + {i}u * wq + nq + g{j});\n");
             }
         }
     }
     for r in 0..rows {
         for j in 0..groups {
             let sum = |acc: &str, w: &str| {
-                format!(
-                    "    {acc}{r}_{j} = {acc}{r}_{j} + x{r}.x * {w}0_{j} + x{r}.y * {w}1_{j} + x{r}.z * {w}2_{j} + x{r}.w * {w}3_{j};\n"
-                )
+                let dot =
+                    format!("{x}{r}.x * {w}0_{j} + {x}{r}.y * {w}1_{j} + {x}{r}.z * {w}2_{j} + {x}{r}.w * {w}3_{j}");
+                let dot = if f16_math { format!("vec4<f32>({dot})") } else { dot };
+                format!("    {acc}{r}_{j} = {acc}{r}_{j} + {dot};\n")
             };
             s += &sum("y", "w");
             if p.glu {
@@ -622,8 +714,9 @@ fn vector_x(norm: Option<Prologue>, r: usize) -> String {
 /// (`y += scale * dot(x, q)`, plus `min * sum(x)` for Q4_1 and Q4_K). Column `c`'s row is clamped to the
 /// last real column (its outputs past `n` are never stored); a gated projection's up column is
 /// row `c + n`.
-fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> String {
+fn quant_loop(p: Linear, tile: Tile, format: WeightFormat) -> String {
     let (wi, _, _) = operand_indices(p);
+    let Tile { rows, groups, .. } = tile;
     let mins = format.has_mins();
     let mut s = String::new();
     // Row bases of every column (and of its up column).
@@ -636,7 +729,8 @@ fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> St
         }
     }
     let accs: &[&str] = if p.glu { &["y", "z"] } else { &["y"] };
-    s += "for (var b = 0u; b < k / 32u; b = b + 1u) {\n";
+    s += &tile.walk("b", "k / 32u");
+    s += " {\n";
     for r in 0..rows {
         if mins {
             s += &format!("    var xs{r} = vec4<f32>(0.0);\n");
@@ -690,6 +784,24 @@ fn quant_loop(p: Linear, rows: usize, groups: usize, format: WeightFormat) -> St
     }
     s += "}\n";
     s
+}
+
+/// Row statistics of the norm prologue for row `r` of a split tile: as [`vector_stats`], the
+/// workgroup's lanes taking the row's `vec4`s 64 apart and adding their shares with `row_sum`.
+fn split_stats(norm: Option<Prologue>, r: usize) -> String {
+    let lanes = "for (var kk = lane; kk < kq; kk = kk + 64u)";
+    match norm {
+        None => String::new(),
+        // One pass, as `vector_stats`: each lane's sum of squares, added after the loop.
+        Some(p) if p.rms => format!("var ss{r} = vec4<f32>(0.0);\n"),
+        Some(p) => format!(
+            "var sum{r} = vec4<f32>(0.0);\n{lanes} {{ sum{r} = sum{r} + ld0v(a{r} + kk); }}\n\
+             let mean{r} = row_sum(lane, dot(sum{r}, vec4<f32>(1.0))) / f32(k);\nvar sq{r} = vec4<f32>(0.0);\n\
+             {lanes} {{ let c = ld0v(a{r} + kk) - mean{r}; sq{r} = sq{r} + c * c; }}\n\
+             let inv{r} = 1.0 / sqrt(row_sum(lane, dot(sq{r}, vec4<f32>(1.0))) / f32(k) + {});\n",
+            lit(p.eps.0)
+        ),
+    }
 }
 
 /// Row statistics of the norm prologue for row `r` of a `vec4` tile (its `vec4`s at `a{r}`).
