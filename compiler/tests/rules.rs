@@ -715,6 +715,51 @@ fn heads_of_a_cached_step() {
     assert_eq!(dispatches(&opt), 5, "{:?}", ops(&opt));
 }
 
+/// A cached step whose input is normalized: after the merge the norm folds into the prologue of the
+/// merged projection (`matmul_t` over the stacked weights, which `matmul-to-linear` never saw).
+#[test]
+fn norms_fold_into_a_merged_projection() {
+    for rms in [true, false] {
+        let mut g = Graph::new("t");
+        let x = input(&mut g);
+        let gain = g.param("norm.weight", &[D]);
+        let x = if rms {
+            g.add(Op::RmsNorm { eps: Scalar(1e-6) }, &[x, gain]).unwrap()
+        } else {
+            let beta = g.param("norm.bias", &[D]);
+            g.add(Op::LayerNorm { eps: Scalar(1e-5) }, &[x, gain, beta]).unwrap()
+        };
+        let (heads, kv_heads, hd) = (2, 1, 4);
+        let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
+        let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
+        let split = |g: &mut Graph, name: &str, n: usize| {
+            let w = g.param(name, &[n * hd, D]);
+            let y = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+            let shape = vec![Dim::Sym(Sym::Batch), Dim::Sym(Sym::Seq), Dim::Fixed(n), Dim::Fixed(hd)];
+            let y = g.add(Op::Reshape { shape }, &[y]).unwrap();
+            g.add(Op::Permute { perm: vec![0, 2, 1, 3] }, &[y]).unwrap()
+        };
+        let q = split(&mut g, "wq", heads);
+        let k = split(&mut g, "wk", kv_heads);
+        let k = g.add(Op::Concat { axis: 2 }, &[past_k, k]).unwrap();
+        g.outputs = vec![("q".into(), q), ("present_k".into(), k)];
+        let mut given = inputs();
+        given.insert(
+            "past_k".into(),
+            Tensor::f32(vec![B, kv_heads, 3, hd], (0..B * 3 * hd).map(|i| (i as f32 * 0.7).sin()).collect()),
+        );
+        // A LayerNorm prologue pays where dispatches are dear (see `norm_prologues`).
+        let (rule, model) = if rms {
+            ("norm-prologue-rms-m", CostModel::default())
+        } else {
+            ("norm-prologue-ln-m", CostModel { dispatch: 1e7, ..CostModel::default() })
+        };
+        let opt = check_inputs(rule, &g, &model, &given);
+        let fused = if rms { "rms_norm_linear" } else { "layer_norm_linear" };
+        assert!(ops(&opt).contains(&fused.to_string()), "{:?}", ops(&opt));
+    }
+}
+
 /// A cached step with per-head query/key norms before the rotation (Gemma 3, Qwen3): each norm
 /// folds into its `heads`, so the attention inputs are still one projection and three `heads`.
 #[test]

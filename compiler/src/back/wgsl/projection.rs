@@ -1070,7 +1070,8 @@ mod tests {
         assert!(!vector_form(&rope(PairStyle::RotateHalf, 0, 64, 64), 578, 960));
         // The dispatch sizes agree: form 2 (`vec4` GEMM) at 128 rows, 3 (`vec4` GEMV) at one.
         let op = rope(PairStyle::RotateHalf, 0, 64, 64);
-        let at = |rows: usize| dims(&op, &[vec![1, rows, 576], vec![576, 960]], &[1, rows, 960], 0)[7];
+        let at =
+            |rows: usize| dims(&op, &[vec![1, rows, 576], vec![576, 960]], &[1, rows, 960], 0, &Options::default())[7];
         assert_eq!((at(128), at(1)), (2, 3));
     }
 }
