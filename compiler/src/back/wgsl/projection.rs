@@ -115,10 +115,10 @@ impl Linear {
 /// whole `vec4`s, and a rotate-half head's pairs are whole `vec4`s apart, so an invocation's two
 /// groups of 4 columns hold both columns of each rotation pair (see [`group_pair_fn`]).
 fn vector_rope(r: RopeCols) -> bool {
-    let aligned = r.start % 8 == 0 && r.head_dim % 8 == 0 && r.len % r.head_dim == 0;
+    let aligned = r.start.is_multiple_of(8) && r.head_dim.is_multiple_of(8) && r.len.is_multiple_of(r.head_dim);
     match r.style {
-        PairStyle::RotateHalf => aligned && r.rotary_dim % 8 == 0,
-        PairStyle::Interleaved => aligned && r.rotary_dim % 4 == 0,
+        PairStyle::RotateHalf => aligned && r.rotary_dim.is_multiple_of(8),
+        PairStyle::Interleaved => aligned && r.rotary_dim.is_multiple_of(4),
     }
 }
 
@@ -175,7 +175,7 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
 /// Whether the `vec4` forms serve projection `p` of `k` inputs and `n` outputs whose transposed
 /// weight rows are `w` wide.
 fn vector_ok(p: Linear, k: usize, w: usize, n: usize) -> bool {
-    k % 4 == 0 && w % 4 == 0 && (!p.glu || n % 4 == 0) && p.rope.is_none_or(|r| vector_rope(r) && n % 4 == 0)
+    k.is_multiple_of(4) && w.is_multiple_of(4) && (!p.glu || n.is_multiple_of(4)) && p.rope.is_none_or(|r| vector_rope(r) && n.is_multiple_of(4))
 }
 
 /// Whether projection `op` (an [`Op::Linear`]) from `k` inputs to `n` outputs runs a `vec4`
