@@ -23,7 +23,7 @@ const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
 /// Whether `op`'s kernel runs a workgroup per row (the norms and softmaxes): its body runs with
 /// `wg`, the row, and `lane`, the invocation's index in the workgroup, and reduces the row with
-/// `row_sum` and `row_max` ([`super::reduce`]). One thread per row, as on a CPU adapter, leaves a
+/// `row_sum` and `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a
 /// GPU's row a few hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
     matches!(

@@ -13,7 +13,7 @@
 //!
 //! [`Options`] say what the device has beyond WebGPU's baseline: subgroups
 //! ([`Options::subgroups`]: the row reductions of norms and softmaxes, and a GEMV form splitting
-//! `k` over a workgroup, reduce through subgroup operations; see [`reduce`]) and f16
+//! `k` over a workgroup, reduce through subgroup operations; see `reduce`) and f16
 //! ([`Options::f16_weights`], [`Options::f16_math`]). Each is the runtime's choice from the
 //! features it opened the device with; without them the kernels are plain WGSL.
 
@@ -70,7 +70,7 @@ pub struct Options {
     /// `SHADER_F16`.
     pub f16_math: bool,
     /// Reduce rows with subgroup operations (needs `SUBGROUP` on the device): the norms' and
-    /// softmaxes' row sums and maxima, and the projection's split GEMV form (see [`reduce`] and
+    /// softmaxes' row sums and maxima, and the projection's split GEMV form (see `reduce` and
     /// [`projection`]), which only this option enables.
     pub subgroups: bool,
 }

@@ -8,7 +8,7 @@
 //! accumulates its tile in registers over the whole of `k`, then gives each output its epilogue
 //! (bias, activation, gate, rotation, residual). An RMSNorm prologue accumulates each row's sum of
 //! squares in the same loop, from the values it loads anyway, and scales the sums after it (see
-//! [`rms_load`]); a LayerNorm prologue computes the statistics of each of an invocation's rows
+//! `rms_load`); a LayerNorm prologue computes the statistics of each of an invocation's rows
 //! once, before its tile. No workgroup memory or barriers (slow to
 //! synchronise on lavapipe).
 //!
@@ -18,7 +18,7 @@
 //!   tile of `R x C` does `R * C` per `R + C`.
 //! - **`vec4` GEMV** (decode, up to [`GEMV_MAX_ROWS`] rows): one row x [`VEC_GEMV_GROUPS`] groups.
 //! - A **RoPE epilogue** runs in the `vec4` forms when each rotation pair lies in an invocation's
-//!   two groups of 4 columns (see [`group_pair_fn`]: heads starting on whole pairs of `vec4`s).
+//!   two groups of 4 columns (see `group_pair_fn`: heads starting on whole pairs of `vec4`s).
 //! - **scalar GEMM / GEMV**: for `k` not a multiple of 4, a gated projection with `n` not one, or a
 //!   RoPE epilogue whose pairs are not whole `vec4`s. Invocations compute *units*: one output column, or the two columns an
 //!   epilogue combines (the gate and up columns; the two columns of a rotation, or two adjacent
@@ -29,7 +29,7 @@
 //! - **split GEMV** (decode, with [`Options::subgroups`]): a workgroup per row and
 //!   [`SPLIT_GEMV_GROUPS`] groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
 //!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
-//!   `row_sum4` ([`super::reduce`]), through subgroup operations, and the first lane writes the
+//!   `row_sum4` (`super::reduce`), through subgroup operations, and the first lane writes the
 //!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
 //!   split form runs `16 n / SPLIT_GEMV_GROUPS`. A norm prologue's statistics are reduced the
 //!   same way.
@@ -175,7 +175,10 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
 /// Whether the `vec4` forms serve projection `p` of `k` inputs and `n` outputs whose transposed
 /// weight rows are `w` wide.
 fn vector_ok(p: Linear, k: usize, w: usize, n: usize) -> bool {
-    k.is_multiple_of(4) && w.is_multiple_of(4) && (!p.glu || n.is_multiple_of(4)) && p.rope.is_none_or(|r| vector_rope(r) && n.is_multiple_of(4))
+    k.is_multiple_of(4)
+        && w.is_multiple_of(4)
+        && (!p.glu || n.is_multiple_of(4))
+        && p.rope.is_none_or(|r| vector_rope(r) && n.is_multiple_of(4))
 }
 
 /// Whether projection `op` (an [`Op::Linear`]) from `k` inputs to `n` outputs runs a `vec4`
@@ -399,7 +402,7 @@ fn group_pair_fn(r: RopeCols) -> String {
 
 /// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
 /// the workgroup) defined, and, with the split GEMV form ([`splits`]), the reductions of
-/// [`super::reduce`].
+/// `super::reduce`.
 pub fn body(op: &Op, format: WeightFormat, options: &Options) -> String {
     body_with(op, true, format, options)
 }
