@@ -475,17 +475,22 @@ fn gated_linear() {
     check("gated-linear-bias", &gated_graph(true, None));
 }
 
-/// `norm(x) W^T`, norm given by `rms`.
-fn norm_linear_graph(rms: bool) -> Graph {
-    let mut g = Graph::new("t");
-    let x = input(&mut g);
+/// `norm(x)`: an RMSNorm if `rms`, else a LayerNorm with a bias.
+fn normed(g: &mut Graph, x: NodeIndex, rms: bool) -> NodeIndex {
     let gain = g.param("norm.weight", &[D]);
-    let h = if rms {
+    if rms {
         g.add(Op::RmsNorm { eps: Scalar(1e-6) }, &[x, gain]).unwrap()
     } else {
         let beta = g.param("norm.bias", &[D]);
         g.add(Op::LayerNorm { eps: Scalar(1e-5) }, &[x, gain, beta]).unwrap()
-    };
+    }
+}
+
+/// `norm(x) W^T`, norm given by `rms`.
+fn norm_linear_graph(rms: bool) -> Graph {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let h = normed(&mut g, x, rms);
     let w = g.param("w", &[12, D]);
     let y = g.add(Op::MatMul { transpose_b: true }, &[h, w]).unwrap();
     let y = g.add(Op::Act(Activation::Gelu), &[y]).unwrap();
@@ -722,13 +727,7 @@ fn norms_fold_into_a_merged_projection() {
     for rms in [true, false] {
         let mut g = Graph::new("t");
         let x = input(&mut g);
-        let gain = g.param("norm.weight", &[D]);
-        let x = if rms {
-            g.add(Op::RmsNorm { eps: Scalar(1e-6) }, &[x, gain]).unwrap()
-        } else {
-            let beta = g.param("norm.bias", &[D]);
-            g.add(Op::LayerNorm { eps: Scalar(1e-5) }, &[x, gain, beta]).unwrap()
-        };
+        let x = normed(&mut g, x, rms);
         let (heads, kv_heads, hd) = (2, 1, 4);
         let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
         let past_k = g.add(Op::Input { name: "past_k".into(), role, seq: Sym::Past }, &[]).unwrap();
