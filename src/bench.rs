@@ -709,6 +709,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
         q: 0,
         k: s.heads * s.head_dim,
         v: (s.heads + s.kv_heads) * s.head_dim,
+        cached: false,
     };
     let options = lower::Options::default();
     let ms = time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)?;
@@ -738,6 +739,7 @@ fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs:
         q: 0,
         k: heads * head_dim,
         v: 2 * heads * head_dim,
+        cached: false,
     };
     let options = lower::Options::default();
     time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)

@@ -821,8 +821,9 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             y
         }
-        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
-            // Split the heads out of the packed rows, then attend as `attention` does.
+        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
+            // Split the heads out of the packed rows, then attend as `attention` does (to the
+            // cache's keys and values when `cached`).
             let x = a[0];
             let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
             let split = |start: usize, count: usize| -> R<Tensor> {
@@ -830,9 +831,18 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, *head_dim])
             };
             debug_assert!(width >= q + heads * head_dim);
-            let (qh, kh, vh) = (split(*q, *heads)?, split(*k, *kv_heads)?, split(*v, *kv_heads)?);
-            let mut args = vec![&qh, &kh, &vh];
-            args.extend(&a[1..]);
+            let qh = split(*q, *heads)?;
+            let (kh, vh, rest) = if *cached {
+                (std::borrow::Cow::Borrowed(a[1]), std::borrow::Cow::Borrowed(a[2]), &a[3..])
+            } else {
+                (
+                    std::borrow::Cow::Owned(split(*k, *kv_heads)?),
+                    std::borrow::Cow::Owned(split(*v, *kv_heads)?),
+                    &a[1..],
+                )
+            };
+            let mut args = vec![&qh, &*kh, &*vh];
+            args.extend(rest);
             let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
             eval(ctx, &op, &args, shape)?
         }

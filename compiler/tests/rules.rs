@@ -196,6 +196,12 @@ fn attention_graph(kv_heads: usize) -> Graph {
 
 /// Attention over projections of one input, with biases and RoPE if asked.
 fn attention_graph_with(kv_heads: usize, bias: bool, rope: Option<PairStyle>) -> Graph {
+    attention_step_graph(kv_heads, bias, rope, false)
+}
+
+/// [`attention_graph_with`], and with `cached` a decoder step's: the keys and values appended to
+/// caches `past_k`, `past_v` (the presents are outputs too).
+fn attention_step_graph(kv_heads: usize, bias: bool, rope: Option<PairStyle>, cached: bool) -> Graph {
     let heads = 4;
     let hd = D / heads;
     let mut g = Graph::new("t");
@@ -222,6 +228,14 @@ fn attention_graph_with(kv_heads: usize, bias: bool, rope: Option<PairStyle>) ->
         let op = Op::Rope { theta: Scalar(100.0), rotary_dim: hd, style };
         q = g.add(op.clone(), &[q]).unwrap();
         k = g.add(op, &[k]).unwrap();
+    }
+    if cached {
+        let role = InputRole::Cache { kv_heads, head_dim: hd, window: None };
+        for (name, x) in [("past_k", &mut k), ("past_v", &mut v)] {
+            let past = g.add(Op::Input { name: name.into(), role, seq: Sym::Past }, &[]).unwrap();
+            *x = g.add(Op::Concat { axis: 2 }, &[past, *x]).unwrap();
+            g.outputs.push((name.replace("past", "present"), *x));
+        }
     }
     if kv_heads < heads {
         k = g.add(Op::RepeatHeads { times: heads / kv_heads }, &[k]).unwrap();
@@ -279,6 +293,32 @@ fn attention_packed_rope() {
         )
         .unwrap();
         assert!(!ops(&opt).contains(&"linear_rope".to_string()), "{:?}", ops(&opt));
+    }
+}
+
+/// A decoder step's attention over a cache: the rotation moves into the projection's epilogue,
+/// the attention reads the rotated queries in place, and the caches append the rotated keys and
+/// the values straight from the projection (the three rewritten together).
+#[test]
+fn attention_cached_rope() {
+    let alike = CostModel { scalar_projection: 1.0, ..CostModel::default() };
+    let mut given = inputs();
+    for (name, seed) in [("past_k", 0.7f32), ("past_v", 1.3)] {
+        let values = (0..B * 2 * 3 * 2).map(|i| (i as f32 * seed).sin()).collect();
+        given.insert(name.into(), Tensor::f32(vec![B, 2, 3, 2], values));
+    }
+    for style in [PairStyle::RotateHalf, PairStyle::Interleaved] {
+        for (rule, bias, fused) in
+            [("attention-cached-rope", false, "linear_rope"), ("attention-cached-rope-bias", true, "linear_bias_rope")]
+        {
+            let g = attention_step_graph(2, bias, Some(style), true);
+            let opt = check_inputs(rule, &g, &alike, &given);
+            let names = ops(&opt);
+            assert!(names.contains(&fused.to_string()) && names.contains(&"packed_attention".to_string()), "{names:?}");
+            // Past the embedding: the projection, two appends and the attention.
+            assert_eq!(dispatches(&opt), 5, "{names:?}");
+            assert!(!opt.g.node_weights().any(|n| matches!(n.op, Op::Heads { rope: Some(_), .. })), "{names:?}");
+        }
     }
 }
 

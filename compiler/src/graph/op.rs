@@ -495,6 +495,12 @@ pub enum Op {
     /// `k + j * head_dim ..` and `v + j * head_dim ..`; `(qkv[, key_mask f32[b, s]]) -> [b, s,
     /// heads * head_dim]` (a relative position bias's table last, as [`Op::Attention`] takes it).
     /// Equal to [`Op::Attention`] over the split, head-transposed tensors.
+    ///
+    /// With `cached` (a decoder step over a key/value cache), the keys and values are operands of
+    /// their own, `(qkv, k [b, kv, t, d], v [b, kv, t, d][, key_mask f32[b, t]][, table])`: the
+    /// cache the step's `heads` appended this projection's key and value columns (`k`, `v`) to;
+    /// only the query columns of `qkv` are read here. Equal to [`Op::Attention`] over the split
+    /// query heads and those tensors.
     PackedAttention {
         /// Logit scale.
         scale: Scalar,
@@ -519,6 +525,9 @@ pub enum Op {
         k: usize,
         /// First column of the value heads.
         v: usize,
+        /// Keys and values come from operands (a cache), not from `qkv`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cached: bool,
     },
     /// Linformer's low-rank projection of heads along the sequence, read out of packed rows:
     /// `(x [b, n, width], e [rows, r]) -> [b, heads, r, head_dim]`, element `(b, j, i, c)` being
@@ -696,10 +705,13 @@ impl Op {
                 }
                 a.join(" ")
             }
-            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
+            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
                 let mut a = format!(
                     "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
                 );
+                if *cached {
+                    a += " cached";
+                }
                 if let Some(w) = window {
                     a += &format!(" window={w}");
                 }

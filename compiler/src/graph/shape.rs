@@ -350,9 +350,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((out, DType::F32))
         }
-        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, .. } => {
-            if operands.is_empty() || operands.len() > 2 {
-                return Err(format!("expects 1 or 2 operands, got {}", operands.len()));
+        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, cached, .. } => {
+            let caches = if *cached { 2 } else { 0 };
+            if operands.len() < 1 + caches || operands.len() > 2 + caches {
+                return Err(format!("expects {} or {} operands, got {}", 1 + caches, 2 + caches, operands.len()));
             }
             let x = float(0)?;
             let fits =
@@ -370,8 +371,25 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                     fmt_shape(x)
                 ));
             }
-            if operands.len() == 2 && float(1)?.as_slice() != [x[0], x[1]] {
-                return Err(format!("key mask must be [{}, {}], is {}", x[0], x[1], fmt_shape(float(1)?)));
+            // Keys: the packed rows, or the cache's.
+            let mut keys = x[1];
+            if *cached {
+                let (kc, vc) = (float(1)?, float(2)?);
+                let want = |c: &Shape| matches!(c.as_slice(), [b, Dim::Fixed(h), _, Dim::Fixed(d)] if *b == x[0] && h == kv_heads && d == head_dim);
+                if !want(kc) || vc != kc {
+                    return Err(format!(
+                        "keys and values must be [{}, {kv_heads}, t, {head_dim}] alike, are {} and {}",
+                        x[0],
+                        fmt_shape(kc),
+                        fmt_shape(vc)
+                    ));
+                }
+                keys = kc[2];
+            }
+            if let Some(m) = operands.get(1 + caches) {
+                if m.1 != DType::F32 || m.0.as_slice() != [x[0], keys] {
+                    return Err(format!("key mask must be f32[{}, {}], is {}", x[0], keys, fmt_shape(m.0)));
+                }
             }
             Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
         }

@@ -26,6 +26,10 @@ pub struct KAnalysis {
     pub max_attention_head_dim: usize,
     /// How each e-node a rule added was made (see [`Provenance`](super::Provenance)).
     pub provenance: super::Provenance,
+    /// Choices a multi-class rule made to be taken together: e-nodes it added, each with the class
+    /// it rewrote. They pay only together (one op serving several values), which a tree
+    /// extraction cannot see; extraction tries each group as a whole (see `extract::regroup`).
+    pub groups: Vec<Vec<(Id, Kl)>>,
 }
 
 impl Default for KAnalysis {
@@ -36,6 +40,7 @@ impl Default for KAnalysis {
             uses: HashMap::new(),
             max_attention_head_dim: crate::target::WGPU_MAX_ATTENTION_HEAD_DIM,
             provenance: super::Provenance::default(),
+            groups: Vec::new(),
         };
         a.intern(AttrValue::Bool(false));
         a.intern(AttrValue::Bool(true));

@@ -124,14 +124,25 @@ impl CostModel {
                 }
                 f
             }
-            Op::PackedAttention { heads, head_dim, .. } => {
+            Op::PackedAttention { heads, head_dim, cached, .. } => {
                 let tokens = self.elements(out) / last(out).max(1.0);
-                4.0 * tokens * (*heads * *head_dim) as f64 * self.seq as f64
+                // Keys: the packed rows', or a cache's (`[b, kv, t, d]`).
+                let keys = match operands.get(1) {
+                    Some(k) if *cached => k.get(2).map_or(1.0, |t| self.elements(&vec![*t])),
+                    _ => self.seq as f64,
+                };
+                4.0 * tokens * (*heads * *head_dim) as f64 * keys
             }
             // Every output sums over the sequence (the rows of `x`).
             Op::LowRank { .. } => {
                 2.0 * self.elements(out)
                     * operands.first().and_then(|x| x.get(1)).map_or(1.0, |n| self.elements(&vec![*n]))
+            }
+            // A copy, plus a rotation's angle, sine, cosine and two products per element, and a
+            // norm's square and scale.
+            Op::Heads { norm, rope, .. } => {
+                self.elements(out)
+                    * (1.0 + if rope.is_some() { 4.0 } else { 0.0 } + if norm.is_some() { 2.0 } else { 0.0 })
             }
             Op::Attention { .. } => {
                 let (q, k) = (operands[0], operands[1]);

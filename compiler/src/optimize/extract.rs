@@ -1,7 +1,8 @@
 //! Extraction: the cheapest graph out of the saturated e-graph. `settle` re-extracts until the set of
-//! shared values (charged to none of their readers, see `Cost`) is stable; `extractor` keeps the
+//! shared values (charged to none of their readers, see `Cost`) is stable; `extract` keeps the
 //! cheaper, each value counted once (`dag_cost`), of two such extractions, the second of which
-//! starts with merged projections charged in shares to their slices (`sliced_classes`); `rebuild`
+//! starts with merged projections charged in shares to their slices (`sliced_classes`), then
+//! takes each group of choices a multi-class rule made where that lowers the cost (`regroup`); `rebuild`
 //! turns the chosen terms back into graph nodes, sharing identical ones, each with the scope of the
 //! ops it replaces and the rules that made it.
 
@@ -19,13 +20,44 @@ use egg::{Id, Language, RecExpr};
 use petgraph::graph::NodeIndex;
 use std::collections::{HashMap, HashSet};
 
-/// The extractor the optimized graph is rebuilt from: of two [`settle`]d extractions, the one whose
-/// graph costs less ([`dag_cost`]).
-pub(super) fn extractor<'a>(
-    egraph: &'a KGraph,
-    model: &'a CostModel,
-    roots: &[Id],
-) -> egg::Extractor<'a, Cost<'a>, Kl, KAnalysis> {
+/// What extraction chose: one e-node per class (canonical ids), from which [`Choices::term`]
+/// builds each root's term.
+pub(super) struct Choices {
+    best: HashMap<Id, Kl>,
+}
+
+impl Choices {
+    /// The chosen node of `class`.
+    fn node(&self, egraph: &KGraph, class: Id) -> &Kl {
+        &self.best[&egraph.find(class)]
+    }
+
+    /// The term rooted at `root`, each class's chosen node once, children before parents.
+    pub(super) fn term(&self, egraph: &KGraph, root: Id) -> RecExpr<Kl> {
+        let mut expr = RecExpr::default();
+        let mut at: HashMap<Id, Id> = HashMap::new();
+        // Post-order without recursion (a deep model's graph is thousands of classes deep).
+        let mut stack = vec![(egraph.find(root), false)];
+        while let Some((class, expanded)) = stack.pop() {
+            if at.contains_key(&class) {
+                continue;
+            }
+            let node = self.node(egraph, class);
+            if expanded {
+                let built = node.clone().map_children(|c| at[&egraph.find(c)]);
+                at.insert(class, expr.add(built));
+            } else {
+                stack.push((class, true));
+                stack.extend(node.children().iter().map(|&c| (egraph.find(c), false)));
+            }
+        }
+        expr
+    }
+}
+
+/// The choices the optimized graph is rebuilt from: of two [`settle`]d extractions, the one whose
+/// graph costs less ([`dag_cost`]), then improved by the rules' groups ([`regroup`]).
+pub(super) fn extract(egraph: &KGraph, model: &CostModel, roots: &[Id]) -> Choices {
     // Shared values: first those of the input graph; then, a few rounds, those of the graph the
     // previous round extracted (a norm read by two projections is no longer shared once both
     // became one), until the set is stable. Values the rules made to be read several times (a
@@ -36,9 +68,52 @@ pub(super) fn extractor<'a>(
         egraph.analysis.uses.iter().filter(|(_, u)| **u > 1).map(|(id, _)| egraph.find(*id)).collect();
     let starts = [(input_shared.clone(), HashMap::new()), (input_shared, sliced_classes(egraph))];
     let extractors = starts.map(|(shared, split)| settle(egraph, model, roots, shared, split));
-    let costs = extractors.each_ref().map(|e| dag_cost(egraph, model, e, roots));
-    let [first, second] = extractors;
-    if costs[1] < costs[0] { second } else { first }
+    let costed = costed(egraph);
+    let choices =
+        extractors.map(|e| Choices { best: costed.iter().map(|&c| (c, e.find_best_node(c).clone())).collect() });
+    let costs = choices.each_ref().map(|c| dag_cost(egraph, model, c, roots));
+    let [first, second] = choices;
+    let (best, cost) = if costs[1] < costs[0] { (second, costs[1]) } else { (first, costs[0]) };
+    regroup(egraph, model, roots, best, cost)
+}
+
+/// Takes each group of choices a multi-class rule made ([`KAnalysis::groups`]) where the whole
+/// graph then costs less, one group at a time. A group's op serves several values (a decoder
+/// step's attention that also appends to the caches): a tree extraction charges it to each of
+/// them and never picks it, while counting each value once shows what it saves.
+fn regroup(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choices, mut cost: f64) -> Choices {
+    for group in &egraph.analysis.groups {
+        let mut trial = Choices { best: choices.best.clone() };
+        for (class, node) in group {
+            let node = node.clone().map_children(|c| egraph.find(c));
+            if !node.all(|c| trial.best.contains_key(&c)) {
+                continue;
+            }
+            trial.best.insert(egraph.find(*class), node);
+        }
+        let trial_cost = dag_cost(egraph, model, &trial, roots);
+        if trial_cost < cost {
+            (choices, cost) = (trial, trial_cost);
+        }
+    }
+    choices
+}
+
+/// The classes an extractor finds a term for: those with a node whose children all have one
+/// (`egg::Extractor` has a best node for these and only these).
+fn costed(egraph: &KGraph) -> HashSet<Id> {
+    let mut costed: HashSet<Id> = HashSet::new();
+    loop {
+        let before = costed.len();
+        for class in egraph.classes() {
+            if !costed.contains(&class.id) && class.nodes.iter().any(|n| n.all(|c| costed.contains(&egraph.find(c)))) {
+                costed.insert(class.id);
+            }
+        }
+        if costed.len() == before {
+            return costed;
+        }
+    }
 }
 
 /// An extractor whose shared set is stable: extraction from `shared`, re-derived from the result
@@ -77,7 +152,7 @@ fn sliced_classes(egraph: &KGraph) -> HashMap<Id, f64> {
 }
 
 /// The cost of the graph an extractor extracts, each class counted once (what running it costs).
-fn dag_cost(egraph: &KGraph, model: &CostModel, extractor: &egg::Extractor<Cost, Kl, KAnalysis>, roots: &[Id]) -> f64 {
+fn dag_cost(egraph: &KGraph, model: &CostModel, choices: &Choices, roots: &[Id]) -> f64 {
     let mut seen: HashSet<Id> = HashSet::new();
     let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
     let mut total = 0.0;
@@ -85,7 +160,7 @@ fn dag_cost(egraph: &KGraph, model: &CostModel, extractor: &egg::Extractor<Cost,
         if !seen.insert(class) {
             continue;
         }
-        let node = extractor.find_best_node(class);
+        let node = choices.node(egraph, class);
         stack.extend(node.children().iter().map(|&c| egraph.find(c)));
         let Some((op, operands)) = to_op(egraph, node) else { continue };
         if enode_konst(egraph, node) {

@@ -170,11 +170,11 @@ pub fn optimize_target(
     // Scopes follow the classes through merges; a class the rules made takes the scope of the
     // class its first node's rule rewrote (see `extract::rebuild`).
     let scopes: HashMap<Id, String> = scope_of.into_iter().map(|(id, s)| (egraph.find(id), s)).collect();
-    let extractor = extract::extractor(&egraph, model, &roots);
+    let choices = extract::extract(&egraph, model, &roots);
     let mut out = Graph::new(&g.name);
     let mut built: HashMap<(Op, Vec<NodeIndex>), NodeIndex> = HashMap::new();
     for ((name, _), root) in g.outputs.iter().zip(&roots) {
-        let (_, expr) = extractor.find_best(*root);
+        let expr = choices.term(&egraph, *root);
         let n = extract::rebuild(&egraph, &expr, &scopes, &mut out, &mut built)?;
         out.outputs.push((name.clone(), n));
     }

@@ -87,7 +87,39 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
             run(&g, (q.f32("q")?, ql), k, v, mask, table, out, shape)
         }
-        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
+        Op::PackedAttention {
+            scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, cached: true, ..
+        } => {
+            // Queries in place in the packed rows; keys and values from the cache operands.
+            let [(xs, x), (ks, k), (vs, v), rest @ ..] = args else {
+                return Err(bad("cached packed attention needs its projection, keys and values"));
+            };
+            let (&[b, s, width], &[_, kv, t, d]) = (xs.as_slice(), ks.as_slice()) else {
+                return Err(bad("qkv must be [b, s, width] and k [b, kv, t, d]"));
+            };
+            if kv != kv_heads || d != head_dim || heads % kv != 0 || vs != ks || q + heads * d > width {
+                return Err(bad("the heads do not fit the packed projection and the cache"));
+            }
+            let g = Geometry { b, heads, kv_heads, d, s, t, scale: scale.0, alibi, causal, window, mods };
+            let ql = Layout { batch: s * width, head: d, row: width, col: q };
+            let (mask, table) = optional(rest, &g)?;
+            let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
+            run(&g, (x.f32("qkv")?, ql), k, v, mask, table, out, shape)
+        }
+        Op::PackedAttention {
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            heads,
+            kv_heads,
+            head_dim,
+            q,
+            k,
+            v,
+            cached: false,
+        } => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
             let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };
             let d = head_dim;

@@ -528,7 +528,7 @@ impl CpuModel {
                 .collect::<R<_>>()?;
             // Only attention reads a cache through its strides; every other op gets a contiguous
             // copy.
-            let attention = matches!(step.op, Op::Attention { .. });
+            let attention = matches!(step.op, Op::Attention { .. } | Op::PackedAttention { cached: true, .. });
             let copies: Vec<Option<Vec<f32>>> = args
                 .iter()
                 .map(|(shape, a)| match (a, shape.as_slice()) {

@@ -117,6 +117,23 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
+        // The queries read in place, keys and values from a cache: the two layouts mixed.
+        Op::PackedAttention { scale, alibi, causal, window, mods, q, cached: true, .. } => (
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            Layout {
+                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+                k: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                v: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                qbuf: "in0",
+                kbuf: "in1",
+                vbuf: "in2",
+                buffers: scores::optional_buffers(&mods, 3, operands),
+            },
+        ),
         Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => (
             scale,
             alibi,

@@ -145,15 +145,17 @@ fn dims_of(
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past, options.unwrap_or(&Options::default())),
         // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } if chunked => {
+        Op::PackedAttention { heads, kv_heads, head_dim, mods, cached, .. } => {
             let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
-            vec![b * s * heads, *heads, s, s, *head_dim, *kv_heads, width]
-        }
-        // Blocks of query rows and heads: see `attention::dims`.
-        Op::PackedAttention { heads, kv_heads, head_dim, mods, .. } => {
-            let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
-            let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-            attention::dims(g, b, s, s, width, mods.sparse.is_some())
+            // Keys: the packed rows', or (cached) the key operand's `[b, kv, t, d]`.
+            let t = if *cached { axis(operand(1)?, 2)? } else { s };
+            if chunked {
+                vec![b * s * heads, *heads, s, t, *head_dim, *kv_heads, width]
+            } else {
+                // Blocks of query rows and heads: see `attention::dims`.
+                let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
+                attention::dims(g, b, s, t, width, mods.sparse.is_some())
+            }
         }
         // One thread per output element: [total, n, r, width] from x [b, n, width], e [rows, r].
         Op::LowRank { .. } => {

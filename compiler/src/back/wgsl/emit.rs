@@ -255,27 +255,33 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
         Op::Linear { .. } => return None,
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => {
-            // As `attention`, with heads read in place from the packed rows (stride `w` per token).
-            let m = Mods::new(mods, 1, operands);
+        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, .. } => {
+            // As `attention`, with heads read in place from the packed rows (stride `w` per token);
+            // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands.
+            let m = Mods::new(mods, if *cached { 3 } else { 1 }, operands);
+            let (keys, kb, vb, stride) = if *cached {
+                ("let k0 = (b * kv + kvh) * k * d;\nlet v0 = k0;\n".to_string(), "in1", "in2", "d")
+            } else {
+                (format!("let k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n"), "in0", "in0", "w")
+            };
             let keep = keep_condition(*causal, *window, m.mask.as_deref(), mods);
             let logit = m.logit(*alibi);
             format!(
                 "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n\
                  let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
                  let qi = si + (k - min(s_len, k));\nlet q0 = (b * s_len + si) * w + {q}u + h * d;\n\
-                 let kvh = h / (heads / kv);\nlet k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n{setup}\
+                 let kvh = h / (heads / kv);\n{keys}{setup}\
                  // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
                  var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
                  for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
-                 let r = k0 + ki * w;\n    var x = 0.0;\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * in0[r + c]; }}\n    x = x * {};\n{logit}    \
+                 let r = k0 + ki * {stride};\n    var x = 0.0;\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * {kb}[r + c]; }}\n    x = x * {};\n{logit}    \
                  let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
-                 let rv = v0 + ki * w;\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * in0[rv + c]; }}\n    m = m1;\n}}\n\
+                 let rv = v0 + ki * {stride};\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * {vb}[rv + c]; }}\n    m = m1;\n}}\n\
                  // Every key masked: the reference softmax over equal masked logits is uniform over all keys.\n\
                  if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
-                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + in0[v0 + ki * w + c]; }}\n    }}\n    \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + {vb}[v0 + ki * {stride} + c]; }}\n    }}\n    \
                  l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
                 lit(scale.0),
                 setup = scores::sparse_setup(mods, "qi", "s_len", "k"),

@@ -3,8 +3,14 @@
 //! reads the heads in place out of the (merged) projection. With Q/K/V merged by
 //! `shared-input-merge`, a step's attention sublayer is then one projection, three `heads` and
 //! one `attention`, query/key norms (Gemma 3, Qwen3, OLMo2) included.
+//!
+//! Without query/key norms the rotation then moves into the projection's epilogue
+//! (`attention-cached-rope`): the step's attention reads its rotated queries in place out of the
+//! projection (a cached `packed_attention`) and the keys and values out of the caches that two
+//! plain `heads` appends fill from the same projection.
 
 use super::*;
+use crate::graph::{RopeCols, Rotation};
 use egg::rewrite as rw;
 
 #[rustfmt::skip]
@@ -25,7 +31,127 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // append(past, heads(x)) = heads(past, x)
         rw!("heads-append";       "(append ?past (heads ?h none ?x ?g))"
                                => "(heads ?h ?past ?x ?g)"),
+        // attention(rope(q of P), past_k ++ rope(k of P), past_v ++ v of P), P = x W^T:
+        // P' = rope(x W^T) over the query and key columns; packed_attention over P' (its queries
+        // read in place) and the caches past_k ++ k of P', past_v ++ v of P' (the presents,
+        // rewritten too)
+        rw!("attention-cached-rope";
+            "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (matmul_t ?x ?w) none) (heads ?hk ?pk (matmul_t ?x ?w) none) (heads ?hv ?pv (matmul_t ?x ?w) none) ?m ?t)"
+            => { CachedRope { bias: false } }),
+        rw!("attention-cached-rope-bias";
+            "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (linear none ?x ?w ?b none) none) (heads ?hk ?pk (linear none ?x ?w ?b none) none) (heads ?hv ?pv (linear none ?x ?w ?b none) none) ?m ?t)"
+            => { CachedRope { bias: true } }),
     ]
+}
+
+/// The applier of `attention-cached-rope`: a decoder step's attention whose query and key heads
+/// are rotated as they are read out of one (merged) projection and whose keys and values are
+/// appended to caches. It rewrites three classes: the attention, and the two presents (the key
+/// cache now appends the projection's already rotated key columns). Fires when the query and key
+/// heads are adjacent columns with one rotation, the value heads unrotated, and nothing normalizes
+/// the heads (a query/key norm comes before the rotation, so the rotation cannot move into the
+/// projection).
+struct CachedRope {
+    bias: bool,
+}
+
+impl Applier<Kl, KAnalysis> for CachedRope {
+    fn apply_one(&self, egraph: &mut KGraph, eclass: Id, s: &Subst, _: Option<&PatternAst<Kl>>, _: Symbol) -> Vec<Id> {
+        self.rewrite(egraph, eclass, s).unwrap_or_default()
+    }
+}
+
+impl CachedRope {
+    fn rewrite(&self, egraph: &mut KGraph, attention: Id, s: &Subst) -> Option<Vec<Id>> {
+        let heads = |v: &str| match op_of(egraph, s, v)? {
+            Op::Heads { start, heads, head_dim, norm: None, rope } => Some((*start, *heads, *head_dim, *rope)),
+            _ => None,
+        };
+        let ((q, h, d, qr), (k, kv, kd, kr), (v, vh, vd, vr)) = (heads("?hq")?, heads("?hk")?, heads("?hv")?);
+        let rot = qr.filter(|_| kr == qr && vr.is_none())?;
+        let geometry_ok = kv > 0 && h % kv == 0 && vh == kv && kd == d && vd == d;
+        if !geometry_ok
+            || d > egraph.analysis.max_attention_head_dim
+            || is_none(egraph, s, "?pk")
+            || is_none(egraph, s, "?pv")
+        {
+            return None;
+        }
+        // The rotated columns: the query and key heads, adjacent.
+        let start = if k == q + h * d {
+            q
+        } else if q == k + kv * d {
+            k
+        } else {
+            return None;
+        };
+        let Rotation { theta, rotary_dim, style } = rot;
+        let rope = RopeCols { theta, rotary_dim, style, head_dim: d, start, len: (h + kv) * d };
+        let AttrValue::F(scale) = *attr_of(egraph, s, "?f")? else { return None };
+        let (AttrValue::Bool(alibi), AttrValue::Bool(causal), AttrValue::Window(window), AttrValue::Scores(mods)) = (
+            attr_of(egraph, s, "?al")?,
+            attr_of(egraph, s, "?c")?,
+            attr_of(egraph, s, "?wn")?,
+            attr_of(egraph, s, "?sm")?,
+        ) else {
+            return None;
+        };
+        let packed = Op::PackedAttention {
+            scale,
+            alibi: *alibi,
+            causal: *causal,
+            window: *window,
+            mods: *mods,
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+            q,
+            k,
+            v,
+            cached: true,
+        };
+        let (x, w) = (s[var("?x")], s[var("?w")]);
+        let none = egraph.add(Kl::None);
+        let bias = if self.bias { s[var("?b")] } else { none };
+        // The classes matched below the attention: the projection and the two presents.
+        let projection = if self.bias {
+            egraph.lookup(Kl::Linear([none, x, w, bias, none]))?
+        } else {
+            egraph.lookup(Kl::MatMulT([x, w]))?
+        };
+        let (pk, pv) = (s[var("?pk")], s[var("?pv")]);
+        let present_k = egraph.lookup(Kl::Heads([s[var("?hk")], pk, projection, none]))?;
+        let present_v = egraph.lookup(Kl::Heads([s[var("?hv")], pv, projection, none]))?;
+
+        let attr = |egraph: &mut KGraph, value: AttrValue| {
+            let a = egraph.analysis.intern(value);
+            egraph.add(Kl::Attr(a))
+        };
+        let lin = Op::Linear { act: None, bias: self.bias, residual: false, norm: None, glu: false, rope: Some(rope) };
+        let lin = attr(egraph, AttrValue::Op(lin));
+        let rotated = egraph.add(Kl::XLinear([lin, x, none, none, w, bias, none]));
+        let append = |egraph: &mut KGraph, start: usize, past: Id| {
+            let op = attr(egraph, AttrValue::Op(Op::Heads { start, heads: kv, head_dim: d, norm: None, rope: None }));
+            let node = Kl::Heads([op, past, rotated, none]);
+            (egraph.add(node.clone()), node)
+        };
+        let ((k_new, k_node), (v_new, v_node)) = (append(egraph, k, pk), append(egraph, v, pv));
+        let mut children = vec![attr(egraph, AttrValue::Op(packed)), rotated, k_new, v_new];
+        children.extend([s[var("?m")], s[var("?t")]].into_iter().filter(|&c| !super::super::lang::is_none(egraph, c)));
+        let fused_node = Kl::Opaque(children.into_boxed_slice());
+        let fused = egraph.add(fused_node.clone());
+        let mut changed = Vec::new();
+        for (class, new) in [(present_k, k_new), (present_v, v_new), (attention, fused)] {
+            if egraph.union(class, new) {
+                changed.push(class);
+            }
+        }
+        if !changed.is_empty() {
+            // The three pay only together: the projection's rotation serves all of them.
+            egraph.analysis.groups.push(vec![(present_k, k_node), (present_v, v_node), (attention, fused_node)]);
+        }
+        Some(changed)
+    }
 }
 
 /// `[b, s, heads, head_dim]` of a reshape followed by the `[0, 2, 1, 3]` transpose.

@@ -197,6 +197,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
         q,
         k,
         v,
+        cached: false,
     })
 }
 
