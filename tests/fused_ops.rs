@@ -187,7 +187,7 @@ fn check(cases: &[Case], chunked: bool) {
                 }
                 if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
-            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v } => {
+            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
                 let x = &case.operands[0].1;
                 let (b, s) = (x[0], x[1]);
                 let mut split = |start: usize, count: usize| {
@@ -196,9 +196,14 @@ fn check(cases: &[Case], chunked: bool) {
                     let t = add!(Op::Reshape { shape }, cols);
                     add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
                 };
-                let (qh, kh, vh) = (split(*q, *heads), split(*k, *kv_heads), split(*v, *kv_heads));
+                let qh = split(*q, *heads);
+                // Cached: keys and values are operands of their own.
+                let (kh, vh, rest) = match cached {
+                    true => (a[1], a[2], &a[3..]),
+                    false => (split(*k, *kv_heads), split(*v, *kv_heads), &a[1..]),
+                };
                 let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
-                let operands: Vec<_> = [qh, kh, vh].into_iter().chain(a[1..].iter().copied()).collect();
+                let operands: Vec<_> = [qh, kh, vh].into_iter().chain(rest.iter().copied()).collect();
                 g.add(op, &operands).unwrap_or_else(|e| panic!("{name}: {e}"))
             }
             Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
@@ -461,6 +466,7 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
                     q: 0,
                     k: h * d,
                     v: (h + kv) * d,
+                    cached: false,
                 };
                 let (x, mask, table) = ([2, seq, (h + 2 * kv) * d], [2, seq], heads(h));
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
@@ -622,6 +628,7 @@ fn heads_split_rotate_and_append() {
 #[test]
 fn packed_attention_mha_and_gqa_with_masks() {
     let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    let (mut steps, mut small_steps) = (Vec::new(), Vec::new());
     // (heads, kv heads, head_dim, q, k, v column offsets, width, sequence), batch 2.
     for (h, kv, d, q, k, v, width, seq) in [
         (4, 4, 8, 0, 32, 64, 96, 5),
@@ -646,6 +653,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     q,
                     k,
                     v,
+                    cached: false,
                 };
                 let (x, mask) = ([2, seq, width], [2, seq]);
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
@@ -654,15 +662,37 @@ fn packed_attention_mha_and_gqa_with_masks() {
                 }
                 cases.push(Case::new(
                     format!("{} masked={masked}", op.attrs()),
-                    op,
+                    op.clone(),
                     &operands,
                     masked.then(|| key_mask(2, seq)),
+                ));
+                // A decoder step's: the queries packed, the keys and values a cache of 3 earlier
+                // tokens and these.
+                let mut cached = op;
+                if let Op::PackedAttention { cached: c, .. } = &mut cached {
+                    *c = true;
+                }
+                let (t, cache) = (3 + seq, [2, kv, 3 + seq, d]);
+                let mask = [2, t];
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x), ("k", &cache), ("v", &cache)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                // Only the narrowest fits the chunked test's bindings.
+                let steps = if kv * d <= 4 { &mut small_steps } else { &mut steps };
+                steps.push(Case::new(
+                    format!("{} masked={masked}", cached.attrs()),
+                    cached,
+                    &operands,
+                    masked.then(|| key_mask(2, t)),
                 ));
             }
         }
     }
     check(&cases, true);
     check(&blocked, false);
+    check(&small_steps, true);
+    check(&steps, false);
 }
 
 /// The projection kernel's forms (see `kiln_compiler::back::wgsl::projection`): `vec4` GEMM and GEMV
