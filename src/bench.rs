@@ -710,6 +710,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
         k: s.heads * s.head_dim,
         v: (s.heads + s.kv_heads) * s.head_dim,
         cached: false,
+        appends: false,
     };
     let options = lower::Options::default();
     let ms = time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)?;
@@ -740,6 +741,7 @@ fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs:
         k: heads * head_dim,
         v: 2 * heads * head_dim,
         cached: false,
+        appends: false,
     };
     let options = lower::Options::default();
     time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)

@@ -331,7 +331,17 @@ fn wgsl_text(program: &wgsl::Program) -> String {
     for (i, step) in plan.steps.iter().enumerate() {
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
         let scope = kiln_compiler::graph::scope_name(&step.scope);
-        text += &format!("// step {i}: {} in {scope} -> {kernel}\n", step.op.name());
+        // What a step writes besides its output: the caches a cached attention appends to.
+        let also: Vec<String> = step
+            .also
+            .iter()
+            .map(|&v| match plan.outputs.iter().find(|(_, o)| *o == v) {
+                Some((name, _)) => format!("`{name}`"),
+                None => format!("value {v}"),
+            })
+            .collect();
+        let also = if also.is_empty() { String::new() } else { format!(" (also writes {})", also.join(", ")) };
+        text += &format!("// step {i}: {} in {scope} -> {kernel}{also}\n", step.op.name());
     }
     text + &program.kernels_text()
 }

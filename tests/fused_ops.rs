@@ -187,7 +187,21 @@ fn check(cases: &[Case], chunked: bool) {
                 }
                 if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
-            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
+            Op::PackedAttention {
+                scale,
+                alibi,
+                causal,
+                window,
+                mods,
+                heads,
+                kv_heads,
+                head_dim,
+                q,
+                k,
+                v,
+                cached,
+                ..
+            } => {
                 let x = &case.operands[0].1;
                 let (b, s) = (x[0], x[1]);
                 let mut split = |start: usize, count: usize| {
@@ -467,6 +481,7 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
                     k: h * d,
                     v: (h + kv) * d,
                     cached: false,
+                    appends: false,
                 };
                 let (x, mask, table) = ([2, seq, (h + 2 * kv) * d], [2, seq], heads(h));
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
@@ -654,6 +669,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     k,
                     v,
                     cached: false,
+                    appends: false,
                 };
                 let (x, mask) = ([2, seq, width], [2, seq]);
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
@@ -855,6 +871,88 @@ fn every_device_form_of_norms_softmax_and_gemv() {
             let scale = want.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
             println!("{form}: `{out}` differs by {:e} relative", want.max_abs_diff(got) / scale);
             assert_close(&format!("`{out}` ({form})"), want, got, tolerance);
+        }
+    }
+}
+
+/// A decoder step's cached attention and the two cache appends it reads, which the WGSL back end
+/// runs as one dispatch (`appends`: the attention reads the caches before the step and this
+/// step's rows in place, and its threads past the attention's write the caches after it): the
+/// attention and both caches equal the interpreter's, plainly and chunked, with an empty cache
+/// or not, causal, windowed or not, with a key mask or not.
+#[test]
+fn cached_attention_appends_in_its_own_dispatch() {
+    // (heads, kv heads, head_dim, batch, rows, cached rows, on the chunked device too)
+    let shapes = [
+        (2, 1, 4, 1, 5, 3, true),
+        (2, 1, 4, 1, 1, 6, true),
+        (4, 2, 8, 2, 1, 6, false),
+        (4, 2, 8, 2, 4, 0, false),
+        (6, 2, 16, 2, 7, 2, false),
+        (4, 4, 8, 2, 13, 5, false),
+    ];
+    for (h, kv, d, b, s, p, chunked) in shapes {
+        for (causal, window) in [(true, None), (true, Some(3)), (false, None)] {
+            for masked in [false, true] {
+                let what = format!(
+                    "h={h} kv={kv} d={d} b={b} s={s} past={p} causal={causal} window={window:?} masked={masked}"
+                );
+                let width = (h + 2 * kv) * d;
+                let mut g = Graph::new("step");
+                let qkv = g.param("qkv", &[b, s, width]);
+                let mut append = |name: &str, start: usize| {
+                    let past = g.param(name, &[b, kv, p, d]);
+                    g.add(Op::Heads { start, heads: kv, head_dim: d, norm: None, rope: None }, &[past, qkv]).unwrap()
+                };
+                let (present_k, present_v) = (append("past_k", h * d), append("past_v", (h + kv) * d));
+                let mut operands = vec![qkv, present_k, present_v];
+                if masked {
+                    operands.push(g.param("key_mask", &[b, p + s]));
+                }
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window,
+                    mods: ScoreMods::default(),
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q: 0,
+                    k: h * d,
+                    v: (h + kv) * d,
+                    cached: true,
+                    appends: false,
+                };
+                let attention = g.add(op, &operands).unwrap();
+                g.outputs = vec![
+                    ("attention".into(), attention),
+                    ("present_k".into(), present_k),
+                    ("present_v".into(), present_v),
+                ];
+                let mut params = interp::random_params(&g, 5).unwrap();
+                if masked {
+                    params.insert("key_mask".into(), Tensor::f32(vec![b, p + s], key_mask(b, p + s)));
+                }
+                let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+                let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+                let program = kiln_compiler::back::wgsl::compile(&plan, &Default::default()).unwrap();
+                let steps: Vec<(String, usize)> =
+                    program.plan.steps.iter().map(|s| (s.op.attrs(), s.also.len())).collect();
+                assert!(
+                    matches!(steps.as_slice(), [(attrs, 2)] if attrs.contains("cached appends")),
+                    "{what}: {steps:?}"
+                );
+                let devices = [("wgpu", common::gpu()), ("wgpu, chunked", chunked.then(chunked_gpu).flatten())];
+                for (device, gpu) in devices {
+                    let Some(gpu) = gpu else { continue };
+                    let model = GpuModel::new(gpu, plan.clone(), &params).unwrap();
+                    let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
+                    for ((name, want), (_, got)) in expected.iter().zip(&got) {
+                        assert_close(&format!("{what}: `{name}` on {device}"), want, got, GPU_TOLERANCE);
+                    }
+                }
+            }
         }
     }
 }

@@ -821,7 +821,21 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             y
         }
-        Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
+        Op::PackedAttention {
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            heads,
+            kv_heads,
+            head_dim,
+            q,
+            k,
+            v,
+            cached,
+            appends,
+        } => {
             // Split the heads out of the packed rows, then attend as `attention` does (to the
             // cache's keys and values when `cached`).
             let x = a[0];
@@ -832,7 +846,16 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             };
             debug_assert!(width >= q + heads * head_dim);
             let qh = split(*q, *heads)?;
-            let (kh, vh, rest) = if *cached {
+            let (kh, vh, rest) = if *appends {
+                // The caches before this step, with this step's keys and values appended.
+                let append = |past: &Tensor, start: usize| -> R<Tensor> {
+                    let new = split(start, *kv_heads)?;
+                    let mut shape = past.shape.clone();
+                    shape[2] += s;
+                    eval(ctx, &Op::Concat { axis: 2 }, &[past, &new], shape)
+                };
+                (std::borrow::Cow::Owned(append(a[1], *k)?), std::borrow::Cow::Owned(append(a[2], *v)?), &a[3..])
+            } else if *cached {
                 (std::borrow::Cow::Borrowed(a[1]), std::borrow::Cow::Borrowed(a[2]), &a[3..])
             } else {
                 (

@@ -853,8 +853,12 @@ impl GpuModel {
                 step.operands.iter().map(|&o| resolve(&plan.values[o].shape, &syms)).collect();
             let out_shape = resolve(&plan.values[step.output].shape, &syms);
             let past = syms.get(&Sym::Past).copied().unwrap_or(0);
-            let bound: Vec<&[wgpu::Buffer]> =
-                std::iter::once(step.output).chain(step.operands.iter().copied()).map(buffers_of).collect();
+            // The kernel's calling convention: the output, the operands, then what else it writes.
+            let bound: Vec<&[wgpu::Buffer]> = std::iter::once(step.output)
+                .chain(step.operands.iter().copied())
+                .chain(step.also.iter().copied())
+                .map(buffers_of)
+                .collect();
             let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
             let chunked = counts.iter().any(|&c| c > 1);
             let dims = match chunked {

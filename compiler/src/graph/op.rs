@@ -528,6 +528,13 @@ pub enum Op {
         /// Keys and values come from operands (a cache), not from `qkv`.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         cached: bool,
+        /// With `cached`, in a back end's plan only (never in a graph): the key and value operands
+        /// are the caches *before* this step, `[b, kv, past, d]`, and the step also writes the
+        /// caches after it, each `past` followed by this step's key (value) columns of `qkv`, as
+        /// its two [`Step::also`](crate::lower::Step::also) values: the cache appends done by the
+        /// attention's own kernel (see `back::wgsl::fold_appends`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        appends: bool,
     },
     /// Linformer's low-rank projection of heads along the sequence, read out of packed rows:
     /// `(x [b, n, width], e [rows, r]) -> [b, heads, r, head_dim]`, element `(b, j, i, c)` being
@@ -705,12 +712,29 @@ impl Op {
                 }
                 a.join(" ")
             }
-            Op::PackedAttention { scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, k, v, cached } => {
+            Op::PackedAttention {
+                scale,
+                alibi,
+                causal,
+                window,
+                mods,
+                heads,
+                kv_heads,
+                head_dim,
+                q,
+                k,
+                v,
+                cached,
+                appends,
+            } => {
                 let mut a = format!(
                     "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
                 );
                 if *cached {
                     a += " cached";
+                }
+                if *appends {
+                    a += " appends";
                 }
                 if let Some(w) = window {
                     a += &format!(" window={w}");

@@ -350,7 +350,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((out, DType::F32))
         }
-        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, cached, .. } => {
+        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, cached, appends, .. } => {
+            if *appends && !*cached {
+                return Err("appends to caches it does not read (`appends` without `cached`)".into());
+            }
             let caches = if *cached { 2 } else { 0 };
             if operands.len() < 1 + caches || operands.len() > 2 + caches {
                 return Err(format!("expects {} or {} operands, got {}", 1 + caches, 2 + caches, operands.len()));
@@ -385,6 +388,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                     ));
                 }
                 keys = kc[2];
+                if *appends {
+                    // The caches before this step, then this step's rows.
+                    keys = match (keys, x[1]) {
+                        (Dim::Sym(Sym::Past), Dim::Sym(Sym::Seq)) => Dim::Sym(Sym::Ctx),
+                        (Dim::Sym(Sym::Recent), Dim::Sym(Sym::Seq)) => Dim::Sym(Sym::RecentCtx),
+                        (Dim::Fixed(p), Dim::Fixed(s)) => Dim::Fixed(p + s),
+                        (p, s) => return Err(format!("cannot append {s} rows to a cache of {p}")),
+                    };
+                }
             }
             if let Some(m) = operands.get(1 + caches) {
                 if m.1 != DType::F32 || m.0.as_slice() != [x[0], keys] {

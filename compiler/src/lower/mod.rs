@@ -76,8 +76,21 @@ pub struct Step {
     pub operands: Vec<usize>,
     /// Result value.
     pub output: usize,
+    /// Values the step writes besides [`Step::output`], bound after its operands. Only a back
+    /// end's legalized plan has them, where one kernel does the work of several steps (the WGSL
+    /// back end's cached attention that also appends to the key/value caches, see
+    /// [`Op::PackedAttention`]); a neutral plan has none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub also: Vec<usize>,
     /// The scope of the graph node, for errors and profiles.
     pub scope: String,
+}
+
+impl Step {
+    /// Every value the step writes: its output, then [`Step::also`].
+    pub fn outputs(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.output).chain(self.also.iter().copied())
+    }
 }
 
 /// A computation on parameters alone, evaluated once at load time by the reference interpreter
@@ -259,7 +272,7 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
         {
             operands[wi] = q;
         }
-        l.steps.push(Step { op, operands, output: id, scope: node.scope.clone() });
+        l.steps.push(Step { op, operands, output: id, also: Vec::new(), scope: node.scope.clone() });
     }
     let Lowering { mut values, steps, folds, .. } = l;
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
@@ -310,9 +323,10 @@ pub(crate) fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(Str
     let lives: Vec<(usize, usize, usize, usize)> = steps
         .iter()
         .enumerate()
-        .map(|(i, s)| {
-            let size = resolve(&values[s.output].shape, &syms).iter().product::<usize>();
-            (s.output, i, last_use.get(&s.output).copied().unwrap_or(i).max(i), size)
+        .flat_map(|(i, s)| s.outputs().map(move |v| (i, v)))
+        .map(|(i, v)| {
+            let size = resolve(&values[v].shape, &syms).iter().product::<usize>();
+            (v, i, last_use.get(&v).copied().unwrap_or(i).max(i), size)
         })
         .collect();
     let (step_order, sized) = (in_step_order(values, &lives), by_size(&lives));
@@ -336,7 +350,7 @@ fn in_step_order(values: &[Value], lives: &[(usize, usize, usize, usize)]) -> (V
     let mut slots = 0;
     let mut dying: HashMap<usize, Vec<(usize, &Shape)>> = HashMap::new();
     let mut out = Vec::with_capacity(lives.len());
-    for &(v, first, last, _) in lives {
+    for (i, &(v, first, last, _)) in lives.iter().enumerate() {
         let shape = &values[v].shape;
         let pick = free.iter().position(|(_, sh)| *sh == shape).or(if free.is_empty() { None } else { Some(0) });
         let slot = match pick {
@@ -350,7 +364,11 @@ fn in_step_order(values: &[Value], lives: &[(usize, usize, usize, usize)]) -> (V
         if last != usize::MAX {
             dying.entry(last).or_default().push((slot, shape));
         }
-        free.extend(dying.remove(&first).unwrap_or_default());
+        // The slots of the values a step reads last are free once all its outputs have theirs
+        // (a step with several outputs must not write one over an operand).
+        if lives.get(i + 1).is_none_or(|next| next.1 != first) {
+            free.extend(dying.remove(&first).unwrap_or_default());
+        }
     }
     (out, slots)
 }
@@ -418,7 +436,7 @@ impl Plan {
             if v < n { Ok(()) } else { Err(format!("{what} reads value {v} of {n}")) }
         };
         for (i, step) in self.steps.iter().enumerate() {
-            for &o in step.operands.iter().chain([&step.output]) {
+            for o in step.operands.iter().copied().chain(step.outputs()) {
                 value(o, &format!("step {i}"))?;
             }
         }
@@ -474,8 +492,10 @@ impl Plan {
         let mut peak: u64 = 0;
         let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
         for (i, step) in self.steps.iter().enumerate() {
-            let v = step.output;
-            if matches!(self.values[v].storage, Storage::Slot(_)) {
+            for v in step.outputs() {
+                if !matches!(self.values[v].storage, Storage::Slot(_)) {
+                    continue;
+                }
                 live += bytes(v);
                 peak = peak.max(live);
                 let end = last_use.get(&v).copied().unwrap_or(i);

@@ -186,8 +186,10 @@ pub fn optimize_target(
 }
 
 /// Kernel dispatches a graph lowers to: every op but inputs, parameters, reshapes and constants
-/// (ops on parameters alone, folded at load time as the lowering does).
+/// (ops on parameters alone, folded at load time as the lowering does), and but the cache appends
+/// the WGSL back end folds into the cached attention reading them ([`folded_appends`]).
 pub fn dispatches(g: &Graph) -> usize {
+    let folded = folded_appends(g);
     let mut konst = vec![false; g.g.node_count()];
     let mut count = 0;
     for n in g.order() {
@@ -202,9 +204,36 @@ pub fn dispatches(g: &Graph) -> usize {
                     && node.shape.iter().all(|d| matches!(d, Dim::Fixed(_)))
             }
         };
-        if !konst[n.index()] && !matches!(node.op, Op::Input { .. } | Op::Reshape { .. }) {
+        if !konst[n.index()] && !matches!(node.op, Op::Input { .. } | Op::Reshape { .. }) && !folded.contains(&n) {
             count += 1;
         }
     }
     count
+}
+
+/// The cache appends a decoder step's cached attention does in its own dispatch on wgpu (the
+/// graph-level view of `back::wgsl::fold_appends`, which folds them in the plan): a pair of
+/// `heads` appends, neither normalizing nor rotating, of the attention's key and value heads of
+/// the projection it reads its queries from, each read by the attention alone.
+pub fn folded_appends(g: &Graph) -> std::collections::HashSet<NodeIndex> {
+    let mut folded = std::collections::HashSet::new();
+    for n in g.g.node_indices() {
+        let Op::PackedAttention { kv_heads, head_dim, k, v, mods, cached: true, appends: false, .. } = g.g[n].op else {
+            continue;
+        };
+        let operands = g.operands(n);
+        let (Some(&qkv), None) = (operands.first(), mods.sparse) else { continue };
+        let append = |i: usize, start: usize| -> Option<NodeIndex> {
+            let c = *operands.get(i)?;
+            let appends = matches!(g.g[c].op,
+                Op::Heads { start: s, heads, head_dim: d, norm: None, rope: None }
+                    if s == start && heads == kv_heads && d == head_dim);
+            let readers = g.g.neighbors_directed(c, petgraph::Direction::Outgoing).count();
+            (appends && g.operands(c).len() == 2 && g.operands(c).get(1) == Some(&qkv) && readers == 1).then_some(c)
+        };
+        if let (Some(kc), Some(vc)) = (append(1, k), append(2, v)) {
+            folded.extend([kc, vc]);
+        }
+    }
+    folded
 }

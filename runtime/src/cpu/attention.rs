@@ -87,6 +87,10 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
             run(&g, (q.f32("q")?, ql), k, v, mask, table, out, shape)
         }
+        // The WGSL back end's form; a neutral plan, which the CPU runs, never has it.
+        Op::PackedAttention { appends: true, .. } => {
+            Err(bad("appends to the caches, which only the WGSL back end's plans do"))
+        }
         Op::PackedAttention {
             scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, cached: true, ..
         } => {
@@ -119,6 +123,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             k,
             v,
             cached: false,
+            appends: false,
         } => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
             let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };

@@ -86,15 +86,35 @@ struct Layout {
     /// Element index of query head `h` of row `si`, from WGSL expressions for `si` and `h` (and
     /// `b`, `s_len`, `heads`, `w` in scope).
     q: RowHeadIndex,
-    /// Element index of key `kk` of key/value head `kvh`, from an expression for `kk`.
-    k: Box<dyn Fn(&str) -> String>,
-    /// The same for its value.
-    v: Box<dyn Fn(&str) -> String>,
-    /// Buffers of queries, keys, values, then of the key mask and the relative bias table, if any.
+    /// Buffer of the queries.
     qbuf: &'static str,
+    /// Where the keys and values are: one range of keys, or (appending to a cache) the cache's
+    /// keys, then this step's.
+    keys: Vec<Keys>,
+    /// Buffers of the key mask and the relative bias table, if any.
+    buffers: (Option<String>, Option<String>),
+}
+
+/// An element index from a WGSL expression for a key.
+type KeyIndex = Box<dyn Fn(&str) -> String>;
+
+/// Keys `from..to` (WGSL expressions) and their values, read from one buffer each.
+struct Keys {
+    /// Element index of key `kk` of key/value head `kvh`, from an expression for `kk`.
+    k: KeyIndex,
+    /// The same for its value.
+    v: KeyIndex,
     kbuf: &'static str,
     vbuf: &'static str,
-    buffers: (Option<String>, Option<String>),
+    from: &'static str,
+    to: &'static str,
+}
+
+impl Keys {
+    /// All `k` keys, from one buffer each.
+    fn all(k: KeyIndex, v: KeyIndex, kbuf: &'static str, vbuf: &'static str) -> Vec<Keys> {
+        vec![Keys { k, v, kbuf, vbuf, from: "0u", to: "k" }]
+    }
 }
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
@@ -109,11 +129,58 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
             mods,
             Layout {
                 q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
-                k: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                v: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
                 qbuf: "in0",
-                kbuf: "in1",
-                vbuf: "in2",
+                keys: Keys::all(
+                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                    "in1",
+                    "in2",
+                ),
+                buffers: scores::optional_buffers(&mods, 3, operands),
+            },
+        ),
+        // The queries read in place; the keys and values of the caches before this step (`pr`
+        // rows), then this step's, read in place too (the threads past the attention's append
+        // them to the caches, see `append_copy`).
+        Op::PackedAttention {
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            q,
+            k: kc,
+            v: vc,
+            cached: true,
+            appends: true,
+            ..
+        } => (
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            Layout {
+                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+                qbuf: "in0",
+                keys: vec![
+                    Keys {
+                        k: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                        v: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                        kbuf: "in1",
+                        vbuf: "in2",
+                        from: "0u",
+                        to: "pr",
+                    },
+                    Keys {
+                        k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
+                        v: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {vc}u + kvh * d")),
+                        kbuf: "in0",
+                        vbuf: "in0",
+                        from: "pr",
+                        to: "k",
+                    },
+                ],
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
@@ -126,11 +193,13 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
             mods,
             Layout {
                 q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                k: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                v: Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
                 qbuf: "in0",
-                kbuf: "in1",
-                vbuf: "in2",
+                keys: Keys::all(
+                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
+                    "in1",
+                    "in2",
+                ),
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
@@ -142,11 +211,13 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
             mods,
             Layout {
                 q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                k: Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
-                v: Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
                 qbuf: "in0",
-                kbuf: "in0",
-                vbuf: "in0",
+                keys: Keys::all(
+                    Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
+                    Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
+                    "in0",
+                    "in0",
+                ),
                 buffers: scores::optional_buffers(&mods, 1, operands),
             },
         ),
@@ -158,12 +229,38 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
     let mut s = String::from(
         "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
     );
-    if qb > 1 && mods.sparse.is_none() {
-        s += &format!("if (dim(7u) == 1u) {{\n{}}} else {{\n{}}}\n", indent(&form(qb)), indent(&form(1)));
+    let forms = if qb > 1 && mods.sparse.is_none() {
+        format!("if (dim(7u) == 1u) {{\n{}}} else {{\n{}}}\n", indent(&form(qb)), indent(&form(1)))
     } else {
-        s += &form(1);
+        form(1)
+    };
+    match *op {
+        Op::PackedAttention { k, v, appends: true, .. } => {
+            s += "let pr = k - min(s_len, k);\n";
+            s += &format!("if (i < dim(9u)) {{\n{}}} else {{\n{}}}\n", indent(&forms), indent(&append_copy(k, v)));
+        }
+        _ => s += &forms,
     }
     Some(s)
+}
+
+/// The threads a cached attention that appends to the caches runs past its own (`i >=
+/// dim(9u)`): one per element of the two caches after the step (`dim(10u)` elements each, `out1`
+/// and `out2`), each the cache's row before the step (`pr` of them, `in1` and `in2`) or this
+/// step's key (value) columns `kc..` (`vc..`) of the packed rows `in0`. With `s_len`, `k`, `d`,
+/// `kv`, `w` and `pr` in scope.
+pub(super) fn append_copy(kc: usize, vc: usize) -> String {
+    let mut s = String::from(
+        "let j = i - dim(9u);\nlet n = dim(10u);\nlet e = j % n;\nlet c = e % d;\nlet t = (e / d) % k;\n\
+         let bh = e / (d * k);\nlet row = (bh / kv) * s_len + t - pr;\nlet h = bh % kv;\n",
+    );
+    for (which, past, col) in [("j < n", 1, kc), ("j >= n", 2, vc)] {
+        s += &format!(
+            "if ({which}) {{\n    if (t < pr) {{ out{past}[e] = in{past}[(bh * pr + t) * d + c]; }} \
+             else {{ out{past}[e] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
+        );
+    }
+    s
 }
 
 fn indent(text: &str) -> String {
@@ -226,105 +323,117 @@ fn block(f: &Block, l: &Layout) -> String {
             scale = lit(f.scale),
         );
     }
-    // The key tiles: of [lo, hi), or of each key block the query block attends.
-    let key_end = match f.mods.sparse {
-        Some(p) => {
-            s += &scores::sparse_setup(&f.mods, "qi0", "s_len", "k");
-            s += &scores::sparse_list(&p);
-            s += &format!(
-                "for (var e = 0u; e < sp_n; e = e + 1u) {{\nlet blo = {} * {b}u;\nlet bhi = min(blo + {b}u, k);\n\
+    // The key tiles: of [lo, hi) (of each range of keys a buffer holds, within it), or of each
+    // key block the query block attends.
+    for keys in &l.keys {
+        let split = keys.from != "0u" || keys.to != "k";
+        let key_end = match f.mods.sparse {
+            Some(p) => {
+                s += &scores::sparse_setup(&f.mods, "qi0", "s_len", "k");
+                s += &scores::sparse_list(&p);
+                s += &format!(
+                    "for (var e = 0u; e < sp_n; e = e + 1u) {{\nlet blo = {} * {b}u;\nlet bhi = min(blo + {b}u, k);\n\
                  for (var kt = blo; kt < bhi; kt = kt + {t}u) {{\n",
-                scores::sparse_block(&p, "e"),
-                b = p.block
-            );
-            "bhi"
-        }
-        None => {
-            s += &format!("for (var kt = lo; kt < hi; kt = kt + {t}u) {{\n");
-            "hi"
-        }
-    };
-    let mut tile = String::new();
-    for u in 0..t {
-        tile += &format!(
-            "let key{u} = kt + {u}u;\nlet kk{u} = min(key{u}, k - 1u);\nlet kr{u} = {};\nlet vr{u} = {};\n",
-            (l.k)(&format!("kk{u}")),
-            (l.v)(&format!("kk{u}"))
-        );
-    }
-    for r in 0..slots {
-        for u in 0..t {
-            tile += &format!("var x{r}_{u} = 0.0;\n");
-        }
-    }
-    // Scores: each key element loaded once for every slot.
-    tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
-    for u in 0..t {
-        tile += &format!("    let k{u} = {}[kr{u} + c];\n", l.kbuf);
-    }
-    for r in 0..slots {
-        tile += &format!("    let q{r} = qv[{}u + c];\n", r * d);
-        for u in 0..t {
-            tile += &format!("    x{r}_{u} = x{r}_{u} + q{r} * k{u};\n");
-        }
-    }
-    tile += "}\n";
-    // Which keys each slot attends.
-    for u in 0..t {
-        let mut keep = format!("key{u} < {key_end}");
-        if let Some(m) = &l.buffers.0 {
-            keep += &format!(" && {m}[b * k + kk{u}] != 0.0");
-        }
-        tile += &format!("let keep{u} = {keep};\n");
-    }
-    for r in 0..slots {
-        let mut mt = String::from("-3.40282347e38");
-        for u in 0..t {
-            let mut keep = format!("keep{u}");
-            if f.causal {
-                keep += &format!(" && key{u} <= qi{r}");
-            }
-            if let Some(w) = f.window {
-                keep += &format!(" && key{u} + {w}u > qi{r}");
-            }
-            tile += &scores::softcap(&f.mods, &format!("x{r}_{u}"));
-            if f.alibi {
-                tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
-            }
-            if let Some(table) = &l.buffers.1 {
-                tile += &scores::relative(
-                    &f.mods,
-                    &format!("x{r}_{u}"),
-                    &format!("key{u}"),
-                    &format!("qi{r}"),
-                    &format!("h{r}"),
-                    "heads",
-                    table,
+                    scores::sparse_block(&p, "e"),
+                    b = p.block
                 );
+                "bhi"
             }
-            tile += &format!("let on{r}_{u} = {keep};\nx{r}_{u} = select(-3.40282347e38, x{r}_{u}, on{r}_{u});\n");
-            mt = format!("max({mt}, x{r}_{u})");
-        }
-        tile += &format!("let m{r}n = max(m{r}, {mt});\nlet corr{r} = exp(m{r} - m{r}n);\nm{r} = m{r}n;\n");
-        let mut sum = String::from("0.0");
+            None if !split => {
+                s += &format!("for (var kt = lo; kt < hi; kt = kt + {t}u) {{\n");
+                "hi"
+            }
+            None => {
+                s += &format!(
+                    "{{\nlet end = min(hi, {});\nfor (var kt = max(lo, {}); kt < end; kt = kt + {t}u) {{\n",
+                    keys.to, keys.from
+                );
+                "end"
+            }
+        };
+        let mut tile = String::new();
         for u in 0..t {
-            tile += &format!("let p{r}_{u} = select(0.0, exp(x{r}_{u} - m{r}), on{r}_{u});\n");
-            sum = format!("{sum} + p{r}_{u}");
+            tile += &format!(
+                "let key{u} = kt + {u}u;\nlet kk{u} = min(key{u}, {} - 1u);\nlet kr{u} = {};\nlet vr{u} = {};\n",
+                keys.to,
+                (keys.k)(&format!("kk{u}")),
+                (keys.v)(&format!("kk{u}"))
+            );
         }
-        tile += &format!("l{r} = l{r} * corr{r} + {sum};\n");
+        for r in 0..slots {
+            for u in 0..t {
+                tile += &format!("var x{r}_{u} = 0.0;\n");
+            }
+        }
+        // Scores: each key element loaded once for every slot.
+        tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
+        for u in 0..t {
+            tile += &format!("    let k{u} = {}[kr{u} + c];\n", keys.kbuf);
+        }
+        for r in 0..slots {
+            tile += &format!("    let q{r} = qv[{}u + c];\n", r * d);
+            for u in 0..t {
+                tile += &format!("    x{r}_{u} = x{r}_{u} + q{r} * k{u};\n");
+            }
+        }
+        tile += "}\n";
+        // Which keys each slot attends.
+        for u in 0..t {
+            let mut keep = format!("key{u} < {key_end}");
+            if let Some(m) = &l.buffers.0 {
+                keep += &format!(" && {m}[b * k + kk{u}] != 0.0");
+            }
+            tile += &format!("let keep{u} = {keep};\n");
+        }
+        for r in 0..slots {
+            let mut mt = String::from("-3.40282347e38");
+            for u in 0..t {
+                let mut keep = format!("keep{u}");
+                if f.causal {
+                    keep += &format!(" && key{u} <= qi{r}");
+                }
+                if let Some(w) = f.window {
+                    keep += &format!(" && key{u} + {w}u > qi{r}");
+                }
+                tile += &scores::softcap(&f.mods, &format!("x{r}_{u}"));
+                if f.alibi {
+                    tile += &format!("x{r}_{u} = x{r}_{u} + slope{r} * (f32(key{u}) - f32(qi{r}));\n");
+                }
+                if let Some(table) = &l.buffers.1 {
+                    tile += &scores::relative(
+                        &f.mods,
+                        &format!("x{r}_{u}"),
+                        &format!("key{u}"),
+                        &format!("qi{r}"),
+                        &format!("h{r}"),
+                        "heads",
+                        table,
+                    );
+                }
+                tile += &format!("let on{r}_{u} = {keep};\nx{r}_{u} = select(-3.40282347e38, x{r}_{u}, on{r}_{u});\n");
+                mt = format!("max({mt}, x{r}_{u})");
+            }
+            tile += &format!("let m{r}n = max(m{r}, {mt});\nlet corr{r} = exp(m{r} - m{r}n);\nm{r} = m{r}n;\n");
+            let mut sum = String::from("0.0");
+            for u in 0..t {
+                tile += &format!("let p{r}_{u} = select(0.0, exp(x{r}_{u} - m{r}), on{r}_{u});\n");
+                sum = format!("{sum} + p{r}_{u}");
+            }
+            tile += &format!("l{r} = l{r} * corr{r} + {sum};\n");
+        }
+        // Values: each element loaded once for every slot.
+        tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
+        for u in 0..t {
+            tile += &format!("    let v{u} = {}[vr{u} + c];\n", keys.vbuf);
+        }
+        for r in 0..slots {
+            let terms: String = (0..t).map(|u| format!(" + p{r}_{u} * v{u}")).collect();
+            tile += &format!("    acc[{o}u + c] = acc[{o}u + c] * corr{r}{terms};\n", o = r * d);
+        }
+        tile += "}\n";
+        s += &indent(&tile);
+        s += if f.mods.sparse.is_some() || split { "}\n}\n" } else { "}\n" };
     }
-    // Values: each element loaded once for every slot.
-    tile += "for (var c = 0u; c < d; c = c + 1u) {\n";
-    for u in 0..t {
-        tile += &format!("    let v{u} = {}[vr{u} + c];\n", l.vbuf);
-    }
-    for r in 0..slots {
-        let terms: String = (0..t).map(|u| format!(" + p{r}_{u} * v{u}")).collect();
-        tile += &format!("    acc[{o}u + c] = acc[{o}u + c] * corr{r}{terms};\n", o = r * d);
-    }
-    tile += "}\n";
-    s += &indent(&tile);
-    s += if f.mods.sparse.is_some() { "}\n}\n" } else { "}\n" };
     // Store the rows of the block that exist.
     for r in 0..slots {
         let j = r / gc;
@@ -332,14 +441,19 @@ fn block(f: &Block, l: &Layout) -> String {
             "if (row0 + {j}u < s_len) {{\n    let si = row0 + {j}u;\n    let h = h{r};\n    let o0 = ((b * s_len + si) * heads + h) * d;\n"
         );
         // Every key masked: the mean of all values, as the reference softmax of equal logits.
-        s += &format!(
-            "    if (l{r} == 0.0) {{\n        for (var kk = 0u; kk < k; kk = kk + 1u) {{\n            let vr = {};\n            \
-             for (var c = 0u; c < d; c = c + 1u) {{ acc[{o}u + c] = acc[{o}u + c] + {}[vr + c]; }}\n        }}\n        \
-             l{r} = f32(k);\n    }}\n",
-            (l.v)("kk"),
-            l.vbuf,
-            o = r * d
-        );
+        s += &format!("    if (l{r} == 0.0) {{\n");
+        for keys in &l.keys {
+            s += &format!(
+                "        for (var kk = {}; kk < {}; kk = kk + 1u) {{\n            let vr = {};\n            \
+                 for (var c = 0u; c < d; c = c + 1u) {{ acc[{o}u + c] = acc[{o}u + c] + {}[vr + c]; }}\n        }}\n",
+                keys.from,
+                keys.to,
+                (keys.v)("kk"),
+                keys.vbuf,
+                o = r * d
+            );
+        }
+        s += &format!("        l{r} = f32(k);\n    }}\n");
         s += &format!("    for (var c = 0u; c < d; c = c + 1u) {{ out[o0 + c] = acc[{}u + c] / l{r}; }}\n}}\n", r * d);
     }
     s

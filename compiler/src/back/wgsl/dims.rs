@@ -145,17 +145,28 @@ fn dims_of(
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past, options.unwrap_or(&Options::default())),
         // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
-        Op::PackedAttention { heads, kv_heads, head_dim, mods, cached, .. } => {
+        Op::PackedAttention { heads, kv_heads, head_dim, mods, cached, appends, .. } => {
             let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
-            // Keys: the packed rows', or (cached) the key operand's `[b, kv, t, d]`.
+            // Keys: the packed rows', or (cached) the key operand's `[b, kv, t, d]`, which
+            // (appending) this step's rows follow.
             let t = if *cached { axis(operand(1)?, 2)? } else { s };
-            if chunked {
+            let t = if *appends { t + s } else { t };
+            let mut dims = if chunked {
                 vec![b * s * heads, *heads, s, t, *head_dim, *kv_heads, width]
             } else {
                 // Blocks of query rows and heads: see `attention::dims`.
                 let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
                 attention::dims(g, b, s, t, width, mods.sparse.is_some())
+            };
+            if *appends {
+                // The attention's threads, then one per element of each cache after the step
+                // (see `attention::append_copy`): [.., 9: attention threads, 10: cache elements].
+                let n = b * kv_heads * t * head_dim;
+                dims.resize(9, 0);
+                dims.extend([dims[0], n]);
+                dims[0] += 2 * n;
             }
+            dims
         }
         // One thread per output element: [total, n, r, width] from x [b, n, width], e [rows, r].
         Op::LowRank { .. } => {

@@ -255,37 +255,79 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
         Op::Linear { .. } => return None,
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, .. } => {
+        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, appends, .. } => {
             // As `attention`, with heads read in place from the packed rows (stride `w` per token);
-            // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands.
+            // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands;
+            // `appends`: those the `pr` rows before this step's, read in place in the packed rows,
+            // and the threads past the attention's append them (see `attention::append_copy`).
             let m = Mods::new(mods, if *cached { 3 } else { 1 }, operands);
-            let (keys, kb, vb, stride) = if *cached {
-                ("let k0 = (b * kv + kvh) * k * d;\nlet v0 = k0;\n".to_string(), "in1", "in2", "d")
+            let score = |r: &str, buf: &str| {
+                format!("let r = {r};\n    for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * {buf}[r + c]; }}")
+            };
+            let value = |r: &str, buf: &str| {
+                format!(
+                    "let rv = {r};\n    for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * {buf}[rv + c]; }}"
+                )
+            };
+            let mean = |r: &str, buf: &str| format!("for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + {buf}[{r} + c]; }}");
+            let (keys, score, value, mean) = if *appends {
+                let new = |col: usize| format!("(b * s_len + ki - pr) * w + {col}u + kvh * d");
+                let either = |f: &dyn Fn(&str, &str) -> String, buf: &str, col: usize| {
+                    format!("if (ki < pr) {{\n    {}\n    }} else {{\n    {}\n    }}", f("k0 + ki * d", buf), f(&new(col), "in0"))
+                };
+                (
+                    "let k0 = (b * kv + kvh) * pr * d;\n".to_string(),
+                    either(&score, "in1", *k),
+                    either(&value, "in2", *v),
+                    either(&mean, "in2", *v),
+                )
+            } else if *cached {
+                let r = |base: &str| format!("{base} + ki * d");
+                (
+                    "let k0 = (b * kv + kvh) * k * d;\nlet v0 = k0;\n".to_string(),
+                    score(&r("k0"), "in1"),
+                    value(&r("v0"), "in2"),
+                    mean(&r("v0"), "in2"),
+                )
             } else {
-                (format!("let k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n"), "in0", "in0", "w")
+                let r = |base: &str| format!("{base} + ki * w");
+                (
+                    format!("let k0 = b * k * w + {k}u + kvh * d;\nlet v0 = b * k * w + {v}u + kvh * d;\n"),
+                    score(&r("k0"), "in0"),
+                    value(&r("v0"), "in0"),
+                    mean(&r("v0"), "in0"),
+                )
             };
             let keep = keep_condition(*causal, *window, m.mask.as_deref(), mods);
             let logit = m.logit(*alibi);
-            format!(
-                "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n\
-                 let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
+            let attention = format!(
+                "let h = i % heads;\nlet si = (i / heads) % s_len;\nlet b = i / (heads * s_len);\n\
                  let qi = si + (k - min(s_len, k));\nlet q0 = (b * s_len + si) * w + {q}u + h * d;\n\
                  let kvh = h / (heads / kv);\n{keys}{setup}\
                  // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
                  var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\nvar m = -3.40282347e38;\nvar l = 0.0;\n\
                  for (var ki = 0u; ki < k; ki = ki + 1u) {{\n    if (!({keep})) {{ continue; }}\n    \
-                 let r = k0 + ki * {stride};\n    var x = 0.0;\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * {kb}[r + c]; }}\n    x = x * {};\n{logit}    \
+                 var x = 0.0;\n    {score}\n    x = x * {};\n{logit}    \
                  let m1 = max(m, x);\n    let corr = exp(m - m1);\n    let p = exp(x - m1);\n    l = l * corr + p;\n    \
-                 let rv = v0 + ki * {stride};\n    \
-                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] * corr + p * {vb}[rv + c]; }}\n    m = m1;\n}}\n\
+                 {value}\n    m = m1;\n}}\n\
                  // Every key masked: the reference softmax over equal masked logits is uniform over all keys.\n\
                  if (l == 0.0) {{\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n        \
-                 for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + {vb}[v0 + ki * {stride} + c]; }}\n    }}\n    \
+                 {mean}\n    }}\n    \
                  l = f32(k);\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c] / l; }}",
                 lit(scale.0),
                 setup = scores::sparse_setup(mods, "qi", "s_len", "k"),
-            )
+            );
+            let dims = "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n";
+            if *appends {
+                let indent = |t: &str| t.lines().map(|l| format!("    {l}\n")).collect::<String>();
+                format!(
+                    "{dims}let pr = k - min(s_len, k);\nif (i < dim(9u)) {{\n{}}} else {{\n{}}}",
+                    indent(&attention),
+                    indent(&super::attention::append_copy(*k, *v))
+                )
+            } else {
+                format!("{dims}{attention}")
+            }
         }
         Op::LowRank { start, heads, head_dim } => format!(
             "let n = dim(1u);\nlet r = dim(2u);\nlet w = dim(3u);\nlet c = i % {head_dim}u;\nlet ri = (i / {head_dim}u) % r;\n\

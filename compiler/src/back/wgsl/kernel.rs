@@ -48,9 +48,22 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
         for (k, e) in inputs.iter().enumerate() {
             s += &format!("@group(0) @binding({}) var<storage, read> in{k}: array<{}>;\n", k + 2, e.wgsl());
         }
+        for j in 1..=extra_outputs(op) {
+            let binding = inputs.len() + 1 + j;
+            s += &format!("@group(0) @binding({binding}) var<storage, read_write> out{j}: array<{}>;\n", out.wgsl());
+        }
     }
     s += &entry(op, &body, options);
     Some(s)
+}
+
+/// Outputs `op`'s kernel writes besides `out` (`out1`, `out2`, ..., bound after the operands,
+/// as [`crate::lower::Step::also`] lists them): the two caches a cached attention appends to.
+pub fn extra_outputs(op: &Op) -> usize {
+    match op {
+        Op::PackedAttention { appends: true, .. } => 2,
+        _ => 0,
+    }
 }
 
 /// The kernel of `op` for buffers split into chunks: binding `b` (0 = output, `k + 1` = operand
@@ -72,6 +85,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
     let mut binding = 1;
     let names: Vec<(String, Elem, &str)> = std::iter::once(("out".to_string(), out, "read_write"))
         .chain(inputs.iter().enumerate().map(|(k, e)| (format!("in{k}"), *e, "read")))
+        .chain((1..=extra_outputs(op)).map(|j| (format!("out{j}"), out, "read_write")))
         .collect();
     for (b, (name, elem, access)) in names.iter().enumerate() {
         let n = chunks.get(b).copied().unwrap_or(1).max(1);
@@ -90,10 +104,10 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
             t += "    }\n";
             t
         };
-        let ld = if name == "out" { "ldo".to_string() } else { format!("ld{}", &name[2..]) };
+        let (ld, st) = accessor_names(name);
         s += &format!("fn {ld}(e: u32) -> {ty} {{\n{}}}\n", select(&|c| format!("return {name}_c{c}[r];")));
-        if name == "out" {
-            s += &format!("fn st(e: u32, v: {ty}) {{\n{}}}\n", select(&|c| format!("{name}_c{c}[r] = v;")));
+        if let Some(st) = st {
+            s += &format!("fn {st}(e: u32, v: {ty}) {{\n{}}}\n", select(&|c| format!("{name}_c{c}[r] = v;")));
         }
     }
 
@@ -101,8 +115,18 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
     Some(s)
 }
 
+/// The load and (for an output) store accessors of binding `name` in a chunked kernel: `inK` ->
+/// `ldK`; `out` -> `ldo`, `st`; `outJ` -> `ldoJ`, `stJ`.
+fn accessor_names(name: &str) -> (String, Option<String>) {
+    match name.strip_prefix("out") {
+        Some(j) => (format!("ldo{j}"), Some(format!("st{j}"))),
+        None => (format!("ld{}", name.trim_start_matches("in")), None),
+    }
+}
+
 /// Rewrites array accesses of a kernel body into accessor calls: `inK[e]` -> `ldK(e)`,
-/// `out[e] = v;` -> `st(e, v);`, any other `out[e]` -> `ldo(e)`.
+/// `out[e] = v;` -> `st(e, v);`, any other `out[e]` -> `ldo(e)` (and `outJ` alike, see
+/// [`accessor_names`]).
 fn accessors(body: &str) -> String {
     let bytes = body.as_bytes();
     let mut out = String::new();
@@ -110,8 +134,9 @@ fn accessors(body: &str) -> String {
     while i < body.len() {
         let prev = i.checked_sub(1).and_then(|j| bytes.get(j));
         let boundary = !prev.is_some_and(|&b| b.is_ascii_alphanumeric() || b == b'_');
-        let name_len = if boundary && body[i..].starts_with("out[") {
-            3
+        let name_len = if boundary && body[i..].starts_with("out") {
+            let digits = body[i + 3..].bytes().take_while(u8::is_ascii_digit).count();
+            if body[i + 3 + digits..].starts_with('[') { 3 + digits } else { 0 }
         } else if boundary && body[i..].starts_with("in") {
             let digits = body[i + 2..].bytes().take_while(u8::is_ascii_digit).count();
             if digits > 0 && body[i + 2 + digits..].starts_with('[') { 2 + digits } else { 0 }
@@ -130,16 +155,19 @@ fn accessors(body: &str) -> String {
         let index = accessors(&body[open + 1..close]);
         let rest = &body[close + 1..];
         let trimmed = rest.trim_start();
-        if name == "out" && trimmed.starts_with('=') && !trimmed.starts_with("==") {
-            let eq = close + 1 + (rest.len() - trimmed.len());
-            let semi = statement_end(body, eq + 1);
-            let value = accessors(body[eq + 1..semi].trim());
-            out += &format!("st({index}, {value});");
-            i = semi + 1;
-        } else {
-            let f = if name == "out" { "ldo".to_string() } else { format!("ld{}", &name[2..]) };
-            out += &format!("{f}({index})");
-            i = close + 1;
+        let (ld, st) = accessor_names(name);
+        match st {
+            Some(st) if trimmed.starts_with('=') && !trimmed.starts_with("==") => {
+                let eq = close + 1 + (rest.len() - trimmed.len());
+                let semi = statement_end(body, eq + 1);
+                let value = accessors(body[eq + 1..semi].trim());
+                out += &format!("{st}({index}, {value});");
+                i = semi + 1;
+            }
+            _ => {
+                out += &format!("{ld}({index})");
+                i = close + 1;
+            }
         }
     }
     out

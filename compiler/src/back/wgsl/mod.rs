@@ -201,6 +201,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
         l.steps.push(step);
     }
     let Legalize { mut values, folds, steps, .. } = l;
+    let steps = fold_appends(&values, steps);
     let slots = assign_slots(&mut values, &steps, &plan.outputs);
     let plan = Plan { name: plan.name.clone(), values, folds, steps, slots, outputs: plan.outputs.clone() };
 
@@ -252,6 +253,66 @@ fn geometry(plan: &Plan, step: &Step) -> Option<attention::Geometry> {
     }
 }
 
+/// Folds the two cache appends of each decoder step's cached attention into the attention's own
+/// dispatch, a horizontal fusion: its kernel runs, past the attention's threads, one thread per
+/// element of the two caches after the step (see [`Op::PackedAttention`]'s `appends`). Folded:
+/// an append (`heads`, neither normalizing nor rotating) of the attention's key (value) heads of
+/// the projection the attention reads its queries from, whose cache no other step reads (the
+/// plan's outputs may). The attention then reads the caches *before* the step and this step's
+/// keys and values in place, so nothing it writes is read in the same dispatch. A graph's
+/// [`crate::optimize::dispatches`] counts such an append as no dispatch of its own.
+fn fold_appends(values: &[Value], mut steps: Vec<Step>) -> Vec<Step> {
+    let producer: HashMap<usize, usize> = steps.iter().enumerate().map(|(i, s)| (s.output, i)).collect();
+    // Readers of each value, through the reshapes aliasing it.
+    let root = |mut v: usize| {
+        while let Some(Storage::Alias(a)) = values.get(v).map(|x| &x.storage) {
+            v = *a;
+        }
+        v
+    };
+    let mut readers: HashMap<usize, usize> = HashMap::new();
+    for step in &steps {
+        for &o in &step.operands {
+            *readers.entry(root(o)).or_default() += 1;
+        }
+    }
+    let mut folded: Vec<bool> = vec![false; steps.len()];
+    for i in 0..steps.len() {
+        let Op::PackedAttention { kv_heads, head_dim, k, v, mods, cached: true, appends: false, .. } = steps[i].op
+        else {
+            continue;
+        };
+        // BigBird's pattern visits key blocks, not ranges a buffer holds.
+        if mods.sparse.is_some() {
+            continue;
+        }
+        let attention = &steps[i];
+        let append = |operand: usize, start: usize| -> Option<(usize, usize)> {
+            let cache = *attention.operands.get(operand)?;
+            let &p = producer.get(&cache)?;
+            let appends = matches!(steps[p].op,
+                Op::Heads { start: s, heads, head_dim: d, norm: None, rope: None }
+                    if s == start && heads == kv_heads && d == head_dim);
+            match steps[p].operands.as_slice() {
+                &[past, x] if appends && Some(&x) == attention.operands.first() && readers.get(&cache) == Some(&1) => {
+                    Some((p, past))
+                }
+                _ => None,
+            }
+        };
+        let (Some((pk, past_k)), Some((pv, past_v))) = (append(1, k), append(2, v)) else { continue };
+        let presents = vec![steps[pk].output, steps[pv].output];
+        let step = &mut steps[i];
+        if let Op::PackedAttention { appends, .. } = &mut step.op {
+            *appends = true;
+        }
+        (step.operands[1], step.operands[2]) = (past_k, past_v);
+        step.also = presents;
+        (folded[pk], folded[pv]) = (true, true);
+    }
+    steps.into_iter().zip(folded).filter(|(_, f)| !f).map(|(s, _)| s).collect()
+}
+
 /// The state of one legalization: the plan's values, folds and steps as extended so far.
 struct Legalize<'p> {
     model: &'p str,
@@ -283,7 +344,7 @@ impl Legalize<'_> {
             if is_constant {
                 l.folds.push(Fold { op, operands, output: v });
             } else {
-                l.steps.push(Step { op, operands, output: v, scope: scope.to_string() });
+                l.steps.push(Step { op, operands, output: v, also: Vec::new(), scope: scope.to_string() });
             }
             v
         };

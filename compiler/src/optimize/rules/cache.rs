@@ -7,7 +7,8 @@
 //! Without query/key norms the rotation then moves into the projection's epilogue
 //! (`attention-cached-rope`): the step's attention reads its rotated queries in place out of the
 //! projection (a cached `packed_attention`) and the keys and values out of the caches that two
-//! plain `heads` appends fill from the same projection.
+//! plain `heads` appends fill from the same projection (`attention-cached`, where nothing is
+//! rotated). The WGSL back end then runs those appends in the attention's own dispatch.
 
 use super::*;
 use crate::graph::{RopeCols, Rotation};
@@ -37,10 +38,18 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // rewritten too)
         rw!("attention-cached-rope";
             "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (matmul_t ?x ?w) none) (heads ?hk ?pk (matmul_t ?x ?w) none) (heads ?hv ?pv (matmul_t ?x ?w) none) ?m ?t)"
-            => { CachedRope { bias: false } }),
+            => { Cached { bias: false, rope: true } }),
         rw!("attention-cached-rope-bias";
             "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (linear none ?x ?w ?b none) none) (heads ?hk ?pk (linear none ?x ?w ?b none) none) (heads ?hv ?pv (linear none ?x ?w ?b none) none) ?m ?t)"
-            => { CachedRope { bias: true } }),
+            => { Cached { bias: true, rope: true } }),
+        // The same without rotations (learned or no positions, ALiBi): only the attention is
+        // rewritten, its queries read in place out of the projection the caches append from.
+        rw!("attention-cached";
+            "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (matmul_t ?x ?w) none) (heads ?hk ?pk (matmul_t ?x ?w) none) (heads ?hv ?pv (matmul_t ?x ?w) none) ?m ?t)"
+            => { Cached { bias: false, rope: false } }),
+        rw!("attention-cached-bias";
+            "(attention ?f ?al ?c ?wn ?sm (heads ?hq none (linear none ?x ?w ?b none) none) (heads ?hk ?pk (linear none ?x ?w ?b none) none) (heads ?hv ?pv (linear none ?x ?w ?b none) none) ?m ?t)"
+            => { Cached { bias: true, rope: false } }),
     ]
 }
 
@@ -50,25 +59,30 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
 /// cache now appends the projection's already rotated key columns). Fires when the query and key
 /// heads are adjacent columns with one rotation, the value heads unrotated, and nothing normalizes
 /// the heads (a query/key norm comes before the rotation, so the rotation cannot move into the
-/// projection).
-struct CachedRope {
+/// projection). Without `rope` (`attention-cached`), when no head is rotated: the attention alone.
+struct Cached {
     bias: bool,
+    rope: bool,
 }
 
-impl Applier<Kl, KAnalysis> for CachedRope {
+impl Applier<Kl, KAnalysis> for Cached {
     fn apply_one(&self, egraph: &mut KGraph, eclass: Id, s: &Subst, _: Option<&PatternAst<Kl>>, _: Symbol) -> Vec<Id> {
         self.rewrite(egraph, eclass, s).unwrap_or_default()
     }
 }
 
-impl CachedRope {
+impl Cached {
     fn rewrite(&self, egraph: &mut KGraph, attention: Id, s: &Subst) -> Option<Vec<Id>> {
         let heads = |v: &str| match op_of(egraph, s, v)? {
             Op::Heads { start, heads, head_dim, norm: None, rope } => Some((*start, *heads, *head_dim, *rope)),
             _ => None,
         };
         let ((q, h, d, qr), (k, kv, kd, kr), (v, vh, vd, vr)) = (heads("?hq")?, heads("?hk")?, heads("?hv")?);
-        let rot = qr.filter(|_| kr == qr && vr.is_none())?;
+        let rot = match (qr, kr, vr) {
+            (Some(r), Some(k), None) if self.rope && k == r => Some(r),
+            (None, None, None) if !self.rope => None,
+            _ => return None,
+        };
         let geometry_ok = kv > 0 && h % kv == 0 && vh == kv && kd == d && vd == d;
         if !geometry_ok
             || d > egraph.analysis.max_attention_head_dim
@@ -77,16 +91,6 @@ impl CachedRope {
         {
             return None;
         }
-        // The rotated columns: the query and key heads, adjacent.
-        let start = if k == q + h * d {
-            q
-        } else if q == k + kv * d {
-            k
-        } else {
-            return None;
-        };
-        let Rotation { theta, rotary_dim, style } = rot;
-        let rope = RopeCols { theta, rotary_dim, style, head_dim: d, start, len: (h + kv) * d };
         let AttrValue::F(scale) = *attr_of(egraph, s, "?f")? else { return None };
         let (AttrValue::Bool(alibi), AttrValue::Bool(causal), AttrValue::Window(window), AttrValue::Scores(mods)) = (
             attr_of(egraph, s, "?al")?,
@@ -109,6 +113,7 @@ impl CachedRope {
             k,
             v,
             cached: true,
+            appends: false,
         };
         let (x, w) = (s[var("?x")], s[var("?w")]);
         let none = egraph.add(Kl::None);
@@ -127,6 +132,36 @@ impl CachedRope {
             let a = egraph.analysis.intern(value);
             egraph.add(Kl::Attr(a))
         };
+        let extra = [s[var("?m")], s[var("?t")]].into_iter().filter(|&c| !super::super::lang::is_none(egraph, c));
+        let extra: Vec<Id> = extra.collect();
+        let Some(Rotation { theta, rotary_dim, style }) = rot else {
+            // Nothing to rotate: the queries read in place out of the projection the caches
+            // append from.
+            let mut children = vec![attr(egraph, AttrValue::Op(packed)), projection, present_k, present_v];
+            children.extend(extra);
+            let fused_node = Kl::Opaque(children.into_boxed_slice());
+            let fused = egraph.add(fused_node.clone());
+            if !egraph.union(attention, fused) {
+                return Some(Vec::new());
+            }
+            // The appends pay with the attention when they read the same projection (not a
+            // slice of it, which a tree extraction may find as cheap).
+            let appends = [(present_k, s[var("?hk")], pk), (present_v, s[var("?hv")], pv)]
+                .map(|(class, op, past)| (class, Kl::Heads([op, past, projection, none])));
+            let mut group = vec![(attention, fused_node)];
+            group.extend(appends);
+            egraph.analysis.groups.push(group);
+            return Some(vec![attention]);
+        };
+        // The rotated columns: the query and key heads, adjacent.
+        let start = if k == q + h * d {
+            q
+        } else if q == k + kv * d {
+            k
+        } else {
+            return None;
+        };
+        let rope = RopeCols { theta, rotary_dim, style, head_dim: d, start, len: (h + kv) * d };
         let lin = Op::Linear { act: None, bias: self.bias, residual: false, norm: None, glu: false, rope: Some(rope) };
         let lin = attr(egraph, AttrValue::Op(lin));
         let rotated = egraph.add(Kl::XLinear([lin, x, none, none, w, bias, none]));
@@ -137,7 +172,7 @@ impl CachedRope {
         };
         let ((k_new, k_node), (v_new, v_node)) = (append(egraph, k, pk), append(egraph, v, pv));
         let mut children = vec![attr(egraph, AttrValue::Op(packed)), rotated, k_new, v_new];
-        children.extend([s[var("?m")], s[var("?t")]].into_iter().filter(|&c| !super::super::lang::is_none(egraph, c)));
+        children.extend(extra);
         let fused_node = Kl::Opaque(children.into_boxed_slice());
         let fused = egraph.add(fused_node.clone());
         let mut changed = Vec::new();

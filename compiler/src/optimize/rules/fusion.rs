@@ -198,6 +198,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
         k,
         v,
         cached: false,
+        appends: false,
     })
 }
 
