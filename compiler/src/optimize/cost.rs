@@ -124,12 +124,17 @@ impl CostModel {
                 }
                 f
             }
-            Op::PackedAttention { heads, head_dim, cached, .. } => {
+            Op::PackedAttention { heads, head_dim, cached, appends, .. } => {
                 let tokens = self.elements(out) / last(out).max(1.0);
-                // Keys: the packed rows', or a cache's (`[b, kv, t, d]`).
-                let keys = match operands.get(1) {
-                    Some(k) if *cached => k.get(2).map_or(1.0, |t| self.elements(&vec![*t])),
-                    _ => self.seq as f64,
+                // Keys: the packed rows', or a cache's (`[b, kv, t, d]`), which this step's rows
+                // follow when it appends to it.
+                let rows = |shape: Option<&Shape>, axis: usize| {
+                    shape.and_then(|x| x.get(axis)).map_or(1.0, |t| self.elements(&vec![*t]))
+                };
+                let keys = match *cached {
+                    true if *appends => rows(operands.get(1).copied(), 2) + rows(operands.first().copied(), 1),
+                    true => rows(operands.get(1).copied(), 2),
+                    false => self.seq as f64,
                 };
                 4.0 * tokens * (*heads * *head_dim) as f64 * keys
             }

@@ -172,6 +172,17 @@ fn dag_cost(egraph: &KGraph, model: &CostModel, choices: &Choices, roots: &[Id])
             None => return f64::INFINITY,
         }
     }
+    // A group taken whole is one op serving several values: a cached attention whose cache
+    // appends the WGSL back end runs in its own dispatch (see `optimize::folded_appends`).
+    for group in &egraph.analysis.groups {
+        let taken = group.iter().all(|(class, node)| {
+            let class = egraph.find(*class);
+            seen.contains(&class) && *choices.node(egraph, class) == node.clone().map_children(|c| egraph.find(c))
+        });
+        if taken {
+            total -= model.dispatch * (group.len() - 1) as f64;
+        }
+    }
     total
 }
 
