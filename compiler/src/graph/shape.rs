@@ -398,10 +398,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                     };
                 }
             }
-            if let Some(m) = operands.get(1 + caches) {
-                if m.1 != DType::F32 || m.0.as_slice() != [x[0], keys] {
-                    return Err(format!("key mask must be f32[{}, {}], is {}", x[0], keys, fmt_shape(m.0)));
-                }
+            if let Some(m) = operands.get(1 + caches)
+                && (m.1 != DType::F32 || m.0.as_slice() != [x[0], keys])
+            {
+                return Err(format!("key mask must be f32[{}, {}], is {}", x[0], keys, fmt_shape(m.0)));
             }
             Ok((vec![x[0], x[1], Dim::Fixed(heads * head_dim)], DType::F32))
         }
