@@ -72,9 +72,9 @@ pub struct InspectArgs {
     /// the `wgsl` stage are wgpu's.
     #[arg(long, value_enum)]
     backend: Option<crate::Backend>,
-    /// With `--stage wgsl`: the kernels as compiled for a device with subgroups (as `run` compiles
-    /// them where the adapter has the SUBGROUP feature): row reductions through subgroup
-    /// operations, and the split GEMV projection form.
+    /// With `--stage wgsl`: the program as compiled for a hardware adapter with subgroups (as `run`
+    /// compiles it there): row reductions through subgroup operations, the split GEMV projection
+    /// form, and a decoder step's cache appends run in its attention's dispatch.
     #[arg(long)]
     subgroups: bool,
 }
@@ -308,7 +308,8 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
                 true => kiln_compiler::artifact::Artifact::read(&args.spec)?.plan,
                 false => lower::lower(&optimize::optimize(&fe.graph)?.0),
             };
-            let options = wgsl::Options { subgroups: args.subgroups, ..wgsl::Options::default() };
+            let hardware = args.subgroups;
+            let options = wgsl::Options { subgroups: hardware, fold_appends: hardware, ..wgsl::Options::default() };
             emit(wgsl_text(&wgsl::compile(&plan, &options)?).as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),

@@ -150,8 +150,18 @@ fn inspect_wgsl_with_subgroups() {
     let plain = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl"]));
     let sub = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl", "--subgroups"]));
     assert!(plain.lines().next().unwrap().ends_with("(plain)") && !plain.contains("subgroupAdd"), "{plain}");
-    assert!(sub.lines().next().unwrap().ends_with("(subgroups)"), "{sub}");
+    assert!(sub.lines().next().unwrap().ends_with("(subgroups, cache appends in the attention)"), "{sub}");
     assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
+    // A decoder step as a hardware adapter runs it: the cache appends in the attention's dispatch.
+    let step = |extra: &[&str]| {
+        let mut args = vec!["inspect", "models/llama.toml", "--stage", "wgsl", "--graph", "step"];
+        args.extend(extra);
+        stdout(&kiln(&args))
+    };
+    let (plain, hardware) = (step(&[]), step(&["--subgroups"]));
+    assert!(!plain.contains("also writes"), "{plain}");
+    assert!(hardware.contains("packed_attention in `layers.0.attn` -> kernel"), "{hardware}");
+    assert!(hardware.contains("(also writes `layers.0.attn.present_k`, `layers.0.attn.present_v`)"), "{hardware}");
 }
 
 #[test]

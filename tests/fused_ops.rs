@@ -936,7 +936,8 @@ fn cached_attention_appends_in_its_own_dispatch() {
                 }
                 let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
                 let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
-                let program = kiln_compiler::back::wgsl::compile(&plan, &Default::default()).unwrap();
+                let options = kiln_compiler::back::wgsl::Options { fold_appends: true, ..Default::default() };
+                let program = kiln_compiler::back::wgsl::compile(&plan, &options).unwrap();
                 let steps: Vec<(String, usize)> =
                     program.plan.steps.iter().map(|s| (s.op.attrs(), s.also.len())).collect();
                 assert!(
@@ -946,7 +947,8 @@ fn cached_attention_appends_in_its_own_dispatch() {
                 let devices = [("wgpu", common::gpu()), ("wgpu, chunked", chunked.then(chunked_gpu).flatten())];
                 for (device, gpu) in devices {
                     let Some(gpu) = gpu else { continue };
-                    let model = GpuModel::new(gpu, plan.clone(), &params).unwrap();
+                    let model = GpuModel::with_progress(gpu, &plan, &options, &params, &HashMap::new(), &()).unwrap();
+                    assert_eq!(model.program().plan.steps.len(), 1, "{what}: folded");
                     let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
                     for ((name, want), (_, got)) in expected.iter().zip(&got) {
                         assert_close(&format!("{what}: `{name}` on {device}"), want, got, GPU_TOLERANCE);

@@ -253,9 +253,11 @@ impl Gpu {
     /// [`wgsl::Options::f16_weights`]). A software adapter (lavapipe, whose subgroups are 8 lanes
     /// emulated on the CPU) keeps the plain forms: there `kiln bench --kernels` measured the split
     /// GEMV at half the speed of the `vec4` GEMV (SmolLM2's QKV projection at one row: 1.29 ms
-    /// against 0.65 ms). Tests ask for the subgroup forms explicitly.
+    /// against 0.65 ms); and a decoder step's cache appends in their own dispatches
+    /// ([`wgsl::Options::fold_appends`], slower there). Tests ask for those forms explicitly.
     pub fn options(&self) -> wgsl::Options {
-        wgsl::Options { subgroups: self.subgroups && !self.is_software(), ..wgsl::Options::default() }
+        let hardware = !self.is_software();
+        wgsl::Options { subgroups: self.subgroups && hardware, fold_appends: hardware, ..wgsl::Options::default() }
     }
 
     /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with

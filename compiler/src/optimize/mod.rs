@@ -187,7 +187,8 @@ pub fn optimize_target(
 
 /// Kernel dispatches a graph lowers to: every op but inputs, parameters, reshapes and constants
 /// (ops on parameters alone, folded at load time as the lowering does), and but the cache appends
-/// the WGSL back end folds into the cached attention reading them ([`folded_appends`]).
+/// the WGSL back end folds into the cached attention reading them ([`folded_appends`]; on a
+/// hardware adapter, `back::wgsl::Options::fold_appends`: lavapipe runs them apart).
 pub fn dispatches(g: &Graph) -> usize {
     let folded = folded_appends(g);
     let mut konst = vec![false; g.g.node_count()];
