@@ -111,6 +111,12 @@ struct Keys {
 }
 
 impl Keys {
+    /// All `k` keys of the `[b, kv, k, d]` operands 1 and 2.
+    fn heads() -> Vec<Keys> {
+        let at: fn(&str) -> String = |kk| format!("((b * kv + kvh) * k + {kk}) * d");
+        Keys::all(Box::new(at), Box::new(at), "in1", "in2")
+    }
+
     /// All `k` keys, from one buffer each.
     fn all(k: KeyIndex, v: KeyIndex, kbuf: &'static str, vbuf: &'static str) -> Vec<Keys> {
         vec![Keys { k, v, kbuf, vbuf, from: "0u", to: "k" }]
@@ -130,12 +136,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
             Layout {
                 q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
                 qbuf: "in0",
-                keys: Keys::all(
-                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                    "in1",
-                    "in2",
-                ),
+                keys: Keys::heads(),
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
@@ -194,12 +195,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
             Layout {
                 q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
                 qbuf: "in0",
-                keys: Keys::all(
-                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                    Box::new(|kk| format!("((b * kv + kvh) * k + {kk}) * d")),
-                    "in1",
-                    "in2",
-                ),
+                keys: Keys::heads(),
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
