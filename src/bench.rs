@@ -148,8 +148,11 @@ pub fn forward(
     Ok(())
 }
 
-/// `kiln bench --profile`: every step of the optimized plan timed once on the CPU backend (after
-/// a warm-up run), summed by op, largest first.
+/// `kiln bench --profile`: every step of each variant's plan (unoptimized and optimized, or the
+/// optimized one only) timed by itself after a warm-up run, summed by op, largest first: on the
+/// CPU by the host around each step, on wgpu as [`GpuModel::profile`] times each dispatch (device
+/// timestamps where the adapter has them). Where the optimizer loses time, this says which ops.
+#[allow(clippy::too_many_arguments)]
 pub fn profile(
     fe: &FrontEnd,
     target: &Target,
@@ -157,32 +160,50 @@ pub fn profile(
     storage: WeightArgs,
     batch: usize,
     seq: usize,
+    optimized_only: bool,
 ) -> Result<()> {
-    let Target::Cpu { .. } = target else { bail!("--profile times the CPU backend's steps; add --backend cpu") };
     let optimized = optimize::optimize_for(&fe.graph, &target.optimizer())?.0;
-    let (params, blocks) = params_for(fe, &optimized, weights, storage)?;
-    let kiln_runtime::Model::Cpu(model) = target.model(&optimized, &params, &blocks, storage, &quiet())? else {
-        bail!("internal error: the CPU target built another model");
-    };
+    let (params, blocks) = params_for(fe, &fe.graph, weights, storage)?;
     let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, batch, seq)?;
-    model.run(&inputs)?;
-    let times = model.profile(&inputs)?;
-    let mut by_op: Vec<(String, f64, usize)> = Vec::new();
-    for (step, t) in model.plan().steps.iter().zip(&times) {
-        let name = step.op.name();
-        match by_op.iter_mut().find(|(n, _, _)| *n == name) {
-            Some((_, total, count)) => {
-                *total += t;
-                *count += 1;
+    let all = [("unoptimized", &fe.graph), ("optimized", &optimized)];
+    for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
+        let model = target.model(graph, &params, &blocks, storage, &quiet())?;
+        model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
+        let (times, clock): (Vec<f64>, &str) = match &model {
+            kiln_runtime::Model::Gpu(m) => {
+                let p = m.profile(&inputs)?;
+                let clock = match p.clock {
+                    kiln_runtime::gpu::Clock::Device => "device timestamps",
+                    kiln_runtime::gpu::Clock::Host => "host clock per dispatch",
+                };
+                (p.seconds.into_iter().map(|s| s.unwrap_or(0.0)).collect(), clock)
             }
-            None => by_op.push((name, *t, 1)),
+            kiln_runtime::Model::Cpu(m) => (m.profile(&inputs)?, "host clock per step"),
+        };
+        let mut by_op: Vec<(String, f64, usize)> = Vec::new();
+        for (step, t) in model.plan().steps.iter().zip(&times) {
+            let name = step.op.name();
+            match by_op.iter_mut().find(|(n, _, _)| *n == name) {
+                Some((_, total, count)) => {
+                    *total += t;
+                    *count += 1;
+                }
+                None => by_op.push((name, *t, 1)),
+            }
         }
-    }
-    by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let total: f64 = times.iter().sum();
-    println!("  profile (one run, {:.2} ms in steps):", total * 1e3);
-    for (name, t, count) in by_op {
-        println!("    {:<28} {:>5} steps {:>10.3} ms {:>6.1}%", name, count, t * 1e3, 100.0 * t / total.max(1e-12));
+        by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let total: f64 = times.iter().sum();
+        println!("  profile of the {name} plan (one run, {clock}, {:.2} ms in steps):", total * 1e3);
+        for (name, t, count) in by_op {
+            println!("    {:<32} {:>5} steps {:>10.3} ms {:>6.1}%", name, count, t * 1e3, 100.0 * t / total.max(1e-12));
+        }
+        let mut slowest: Vec<(usize, f64)> = times.iter().copied().enumerate().collect();
+        slowest.sort_by(|a, b| b.1.total_cmp(&a.1));
+        println!("    slowest steps:");
+        for (i, t) in slowest.into_iter().take(5) {
+            let step = &model.plan().steps[i];
+            println!("      step {i:<5} {:<32} {:<24} {:>10.3} ms", step.op.name(), step.scope, t * 1e3);
+        }
     }
     Ok(())
 }

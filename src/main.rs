@@ -164,8 +164,9 @@ enum Command {
         /// Time the optimized graph only (no unoptimized run beside it).
         #[arg(long)]
         optimized_only: bool,
-        /// With the CPU backend: after the timed runs, time every step of the optimized plan once
-        /// and print the time by op (where a forward pass spends it).
+        /// After the timed runs, time every step of each plan (unoptimized and optimized) by
+        /// itself and print the time by op: where a forward pass spends it (wgpu: each dispatch,
+        /// between device timestamps where the adapter has them).
         #[arg(long)]
         profile: bool,
         /// Real weights (safetensors or GGUF) instead of random ones.
@@ -564,7 +565,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             bench::forward(&fe, &target, weights.as_deref(), storage, batch, seq, runs, optimized_only, json)?;
             if profile {
-                bench::profile(&fe, &target, weights.as_deref(), storage, batch, seq)?;
+                bench::profile(&fe, &target, weights.as_deref(), storage, batch, seq, optimized_only)?;
             }
         }
     }

@@ -357,8 +357,9 @@ fn run_reads_gguf_weights() {
 
 /// `kiln generate` on Gemma 3 270M's Q4_K_M GGUF (Q5_0, Q4_K, Q6_K and Q8_0 blocks, a
 /// SentencePiece tokenizer, sliding-window layers) prints the reference's continuation on the CPU
-/// backend, the interpreter and wgpu (quantized; on lavapipe the 262144-row head exceeds one
-/// buffer and is read as f32), and with `--print-ids` its ids.
+/// backend, the interpreter and wgpu (quantized; on lavapipe the tied 262144-row table exceeds
+/// one buffer, so it is read as f32: in chunks by the gather, and by the head in row slices that
+/// each fit, see `wgsl::Options::binding_bytes`), and with `--print-ids` its ids.
 #[test]
 fn generate_gemma3_270m_prints_the_reference_continuation() {
     let weights = common::fetched("gemma3", "gemma3-270m", "gemma-3-270m-q4_k_m.gguf");

@@ -607,37 +607,42 @@ fn linear_with_norm_prologues_gated_and_rotated_epilogues() {
 
 /// Heads read out of packed rows at a column offset, RMS-normalized per head or not, rotated (both
 /// pair layouts, whole or partial heads) or not, alone or appended to a cache of 3 tokens; batch
-/// 2, 4 new tokens.
+/// 2, 4 new tokens. Heads of 8 and of 72 (wider than the 64 lanes of the normalizing kernel's
+/// workgroup, so each lane takes several elements).
 #[test]
 fn heads_split_rotate_and_append() {
-    let mut cases = Vec::new();
+    let (mut cases, mut wide) = (Vec::new(), Vec::new());
     let rotations = [
         None,
         Some(Rotation { theta: Scalar(10000.0), rotary_dim: 8, style: PairStyle::RotateHalf }),
         Some(Rotation { theta: Scalar(100.0), rotary_dim: 4, style: PairStyle::Interleaved }),
         Some(Rotation { theta: Scalar(500.0), rotary_dim: 6, style: PairStyle::RotateHalf }),
     ];
-    for (heads, start, width) in [(2, 0, 16), (3, 8, 40)] {
+    for (heads, start, width, head_dim) in [(2, 0, 16, 8), (3, 8, 40, 8), (2, 4, 150, 72)] {
         for rope in rotations {
             for past in [false, true] {
                 for norm in [None, Some(Scalar(1e-6))] {
-                    let op = Op::Heads { start, heads, head_dim: 8, norm, rope };
-                    let (cache, x) = ([2, heads, 3, 8], [2, 4, width]);
+                    let op = Op::Heads { start, heads, head_dim, norm, rope };
+                    let (cache, x) = ([2, heads, 3, head_dim], [2, 4, width]);
                     let mut operands: Vec<(&str, &[usize])> = Vec::new();
                     if past {
                         operands.push(("past", &cache));
                     }
                     operands.push(("x", &x));
+                    let gain = [head_dim];
                     if norm.is_some() {
-                        operands.push(("gain", &[8]));
+                        operands.push(("gain", &gain));
                     }
                     let name = format!("{} {} past={past}", op.name(), op.attrs());
+                    let cases = if head_dim > 8 { &mut wide } else { &mut cases };
                     cases.push(Case::new(name, op, &operands, None));
                 }
             }
         }
     }
     check(&cases, true);
+    // Too large for the chunked test's 256-byte buffers.
+    check(&wide, false);
 }
 
 #[test]
@@ -773,8 +778,8 @@ fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case
 /// `max(1, max |value|)`: measured 1.9e-4 to 5.5e-4 on lavapipe (k = 320).
 const F16_MATH_TOLERANCE: f32 = 2e-3;
 
-/// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, and
-/// the projection's GEMV forms (one row and three, with a norm prologue, gated) — in every form
+/// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, heads
+/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue, gated) — in every form
 /// the device features allow (plain WGSL, subgroup reductions, f16 weights, f16 arithmetic, with
 /// and without subgroups), against the interpreter. Rows are wider than a workgroup and not a
 /// multiple of it, so lanes take uneven shares; `k` = 320 gives the split GEMV's lanes 1 or 2
@@ -799,6 +804,8 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let dshift = g.param("dshift", &[d]);
     let scores = g.param("scores", &[2, 2, 3, 130]);
     let mask = g.param("key_mask", &[2, 130]);
+    let packed = g.param("packed", &[1, 3, d]);
+    let hgain = g.param("hgain", &[d / 2]);
     let mut add = |name: &str, op: Op, operands: &[NodeIndex]| {
         let y = g.add(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
         g.outputs.push((name.to_string(), y));
@@ -817,6 +824,11 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     add("add_norm", Op::AddNorm { rms: false, eps, after: false }, &[rows, other, dgain, dshift]);
     add("add_norm after", Op::AddNorm { rms: true, eps, after: true }, &[rows, other, dgain]);
     add("softmax", Op::Softmax, &[rows]);
+    add(
+        "heads rms-norm",
+        Op::Heads { start: 0, heads: 2, head_dim: d / 2, norm: Some(eps), rope: None },
+        &[packed, hgain],
+    );
     let masked =
         Op::MaskedSoftmax { scale: Scalar(0.5), alibi: true, causal: true, window: None, mods: ScoreMods::default() };
     add("masked_softmax", masked, &[scores, mask]);

@@ -213,6 +213,109 @@ fn quantized_folds_stack_and_scale_blocks() {
     }
 }
 
+/// A projection whose weight is larger than the device binds runs as projections onto ranges of
+/// its output columns, each reading a row slice of the weight in the weight's own format, joined
+/// by concatenations (`wgsl::Options::binding_bytes`): plain, with bias and activation, with an
+/// RMSNorm prologue, in f32 and two block formats, the last piece shorter (f32: padded). A gated
+/// projection, which does not split, still runs (on chunked bindings, its blocks read as f32).
+/// Each against the interpreter on the dequantized weights; without the split, the same plan
+/// must agree too.
+#[test]
+fn projections_over_the_binding_limit_run_in_pieces() {
+    use kiln_compiler::graph::{Prologue, Scalar};
+    use kiln_compiler::spec::Activation;
+    let Some(gpu) = common::gpu_with_buffer_limit(8192) else { return };
+    for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_K] {
+        let k = 64usize.next_multiple_of(format.row_multiple());
+        // Rows over 3 of the limit's worth, not a multiple of 4.
+        let n = (3 * 8192 / format.bytes(1, k) as usize + 5) | 1;
+        let mut g = Graph::new("pieces");
+        let ids = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+        let table = g.param("table", &[16, k]);
+        let x = g.add(Op::Gather, &[table, ids]).unwrap();
+        let gain = g.param("gain", &[k]);
+        let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
+        let cases = [
+            ("plain", Op::linear(None, false, false), false),
+            ("bias gelu", Op::linear(Some(Activation::Gelu), true, false), false),
+            (
+                "rms-norm",
+                Op::Linear { act: None, bias: false, residual: false, norm: rms, glu: false, rope: None },
+                false,
+            ),
+            (
+                "gated",
+                Op::Linear {
+                    act: Some(Activation::Silu),
+                    bias: false,
+                    residual: false,
+                    norm: None,
+                    glu: true,
+                    rope: None,
+                },
+                true,
+            ),
+        ];
+        let mut weights = Vec::new();
+        for (name, op, glu) in &cases {
+            // The gated weight over the limit by half (two chunks: a kernel binds every chunk).
+            let rows = if *glu { 3 * 8192 / format.bytes(2, k) as usize / 2 * 2 } else { n };
+            let w = g.param(&format!("{name}.w"), &[rows, k]);
+            weights.push(format!("{name}.w"));
+            let mut operands = vec![x];
+            if matches!(op, Op::Linear { norm: Some(_), .. }) {
+                operands.push(gain);
+            }
+            operands.push(w);
+            if matches!(op, Op::Linear { bias: true, .. }) {
+                operands.push(g.param(&format!("{name}.b"), &[n]));
+            }
+            let y = g.add(op.clone(), &operands).unwrap();
+            g.outputs.push((name.to_string(), y));
+        }
+        g.check().unwrap();
+        let mut params = interp::random_params(&g, 5).unwrap();
+        let mut blocks = HashMap::new();
+        for w in &weights {
+            if let Some(q) = QuantWeight::quantize(format, &params[w]) {
+                params.insert(w.clone(), q.dequantize());
+                blocks.insert(w.clone(), q);
+            }
+        }
+        let input = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![2, 3], vec![3, 0, 9, 15, 1, 2]))]);
+        let expected = interp::run(&g, &params, &input).unwrap();
+        let formats = blocks.keys().map(|k| (k.clone(), format)).collect();
+        let plan = lower_with(&g, Options { formats, ..Options::default() });
+        let split = gpu.options();
+        assert_eq!(split.binding_bytes, Some(8192));
+        let unsplit = kiln_compiler::back::wgsl::Options { binding_bytes: None, ..split };
+        for options in [split, unsplit] {
+            let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &blocks, &()).unwrap();
+            let program = model.plan();
+            let pieces: Vec<_> = program.steps.iter().filter(|s| s.op.linear_weight().is_some()).collect();
+            let concats = program.steps.iter().filter(|s| matches!(s.op, Op::Concat { .. })).count();
+            if options.binding_bytes.is_some() {
+                // Three split projections of 4 pieces each (3 concatenations each), the gated one whole.
+                assert_eq!((pieces.len(), concats), (13, 9), "{format}");
+                for step in pieces.iter().filter(|s| !matches!(s.op, Op::Linear { glu: true, .. })) {
+                    let w = &program.values[step.operands[step.op.linear_weight().unwrap()]];
+                    let shape = kiln_compiler::lower::resolve(&w.shape, &HashMap::new());
+                    let bytes = w.format.bytes(shape[0], shape[1]);
+                    assert!(bytes <= 8192, "{format}: a piece of {bytes} bytes");
+                    // f32 weights are read transposed, blocks as they are.
+                    assert_eq!(w.format, format, "{format}: a piece's weight format");
+                }
+            } else {
+                assert_eq!((pieces.len(), concats), (4, 0), "{format}");
+            }
+            let got = model.run(&input).unwrap();
+            for ((name, want), (_, got)) in expected.iter().zip(&got) {
+                assert_close(&format!("{format} ({}): `{name}`", options.describe()), want, got, TOLERANCE);
+            }
+        }
+    }
+}
+
 #[test]
 fn missing_or_mismatched_blocks_are_errors() {
     let Some(gpu) = common::gpu() else { return };

@@ -257,7 +257,12 @@ impl Gpu {
     /// ([`wgsl::Options::fold_appends`], slower there). Tests ask for those forms explicitly.
     pub fn options(&self) -> wgsl::Options {
         let hardware = !self.is_software();
-        wgsl::Options { subgroups: self.subgroups && hardware, fold_appends: hardware, ..wgsl::Options::default() }
+        wgsl::Options {
+            subgroups: self.subgroups && hardware,
+            fold_appends: hardware,
+            binding_bytes: Some(self.chunk_bytes),
+            ..wgsl::Options::default()
+        }
     }
 
     /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with
@@ -475,22 +480,38 @@ impl DeviceTensor {
 }
 
 /// The plan with every quantized parameter larger than one buffer of `gpu` read as f32 instead
-/// (the kernels that read a tensor split across buffers read f32 only: Gemma 3's 262144-row Q8_0
-/// head on lavapipe, whose bindings stop at 128 MiB), and the parameters with their f32 values
-/// added where only blocks were given.
+/// (the kernels that read a tensor split across buffers read f32 only: Gemma 3's tied 262144-row
+/// Q8_0 embedding and head on lavapipe, whose bindings stop at 128 MiB), and the parameters with
+/// their f32 values added where only blocks were given. A parameter only projections read, as
+/// their weight, keeps its blocks when `options` split such projections into pieces that each fit
+/// ([`wgsl::Options::binding_bytes`]).
 fn f32_where_too_large<'a>(
     gpu: &Gpu,
     plan: &Plan,
+    options: &wgsl::Options,
     params: &'a HashMap<String, Tensor>,
     blocks: &HashMap<String, QuantWeight>,
 ) -> Result<(Plan, std::borrow::Cow<'a, HashMap<String, Tensor>>), GpuError> {
     let mut plan = plan.clone();
     let mut added: Vec<(String, Tensor)> = Vec::new();
-    for v in &mut plan.values {
+    // Values some step reads other than as the weight of a projection the back end splits.
+    let split = options.binding_bytes.is_some_and(|b| b <= gpu.chunk_bytes);
+    let whole: std::collections::HashSet<usize> = plan
+        .steps
+        .iter()
+        .flat_map(|s| {
+            let weight = s.op.linear_weight().filter(|_| split && wgsl::column_divisible(&s.op));
+            s.operands.iter().enumerate().filter(move |(i, _)| Some(*i) != weight).map(|(_, &o)| o)
+        })
+        .map(|o| crate::prepare::root(&plan, o))
+        .chain(plan.folds.iter().flat_map(|f| f.operands.iter().copied()))
+        .chain(plan.outputs.iter().map(|(_, o)| crate::prepare::root(&plan, *o)))
+        .collect();
+    for (id, v) in plan.values.iter_mut().enumerate() {
         let Storage::Param(name) = &v.storage else { continue };
         let shape = resolve(&v.shape, &HashMap::new());
         let (&[rows, k], true) = (shape.as_slice(), v.format.quantized()) else { continue };
-        if v.format.bytes(rows, k) <= gpu.chunk_bytes {
+        if v.format.bytes(rows, k) <= gpu.chunk_bytes || !whole.contains(&id) {
             continue;
         }
         if !params.contains_key(name) && !added.iter().any(|(n, _)| n == name) {
@@ -655,7 +676,7 @@ impl GpuModel {
                 gpu.info.name
             )));
         }
-        let (plan, params) = f32_where_too_large(&gpu, plan, params, blocks)?;
+        let (plan, params) = f32_where_too_large(&gpu, plan, options, params, blocks)?;
         let params = params.as_ref();
         let program = wgsl::compile(&plan, options).map_err(|e| GpuError::Dispatch(e.to_string()))?;
         let plan = &program.plan;

@@ -156,6 +156,7 @@ pub fn constants_except<'a>(
             let q = match (&fold.op, args.as_slice()) {
                 (Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
                 (Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
+                (Op::Slice { axis: 0, start, len }, [a]) => a.rows(*start, *len),
                 _ => None,
             }
             .ok_or_else(|| {

@@ -98,6 +98,13 @@ impl QuantWeight {
         Some(QuantWeight { format: first.format, rows: parts.iter().map(|p| p.rows).sum(), k: first.k, words })
     }
 
+    /// Rows `start..start + len` (`None` past the end).
+    pub fn rows(&self, start: usize, len: usize) -> Option<QuantWeight> {
+        let s = self.stride();
+        let words = self.words.get(start.checked_mul(s)?..start.checked_add(len)?.checked_mul(s)?)?.to_vec();
+        Some(QuantWeight { format: self.format, rows: len, k: self.k, words })
+    }
+
     /// Every element multiplied by `factor` (the row's leading floats are: the block scales and
     /// minimums, or a K-quant's super-block scales).
     pub fn scaled(&self, factor: f32) -> QuantWeight {

@@ -176,14 +176,16 @@ fn dims_of(
             }
             vec![total, axis(x, 1)?, axis(e, 1)?, axis(x, 2)?]
         }
-        // One thread per output element: [total, heads, p, s, d, width, past] with `p` tokens
+        // One thread per output element: [threads, heads, p, s, d, width, past] with `p` tokens
         // from the cache operand (0 without one), `s` new ones from x [b, s, width].
         Op::Heads { norm, .. } => {
             let x = operand(operands.len().saturating_sub(1 + usize::from(norm.is_some())))?;
             let (s, width) = (axis(x, 1)?, axis(x, 2)?);
             let p =
                 axis(out, 2)?.checked_sub(s).ok_or_else(|| format!("{}: more new rows than output rows", op.name()))?;
-            vec![total, axis(out, 1)?, p, s, axis(out, 3)?, width, past]
+            // Normalized: a workgroup per head row (`emit::cooperative`).
+            let threads = if norm.is_some() { rows(out) * WORKGROUP as usize } else { total };
+            vec![threads, axis(out, 1)?, p, s, axis(out, 3)?, width, past]
         }
         Op::Concat { axis: a } => {
             let (x, y) = (operand(0)?, operand(1)?);

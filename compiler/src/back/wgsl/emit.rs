@@ -14,6 +14,11 @@ use crate::lower::WeightFormat;
 use crate::spec::{Activation, PairStyle};
 use crate::target::WGPU_MAX_ATTENTION_HEAD_DIM as MAX_ATTENTION_HEAD_DIM;
 
+/// `text` with every line indented by four spaces.
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}\n")).collect()
+}
+
 /// Threads per workgroup of every kernel.
 pub const WORKGROUP: u32 = 64;
 
@@ -21,14 +26,20 @@ pub const WORKGROUP: u32 = 64;
 /// [`cooperative`]).
 const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
-/// Whether `op`'s kernel runs a workgroup per row (the norms and softmaxes): its body runs with
+/// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, and the heads
+/// normalized per head): its body runs with
 /// `wg`, the row, and `lane`, the invocation's index in the workgroup, and reduces the row with
 /// `row_sum` and `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a
 /// GPU's row a few hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
     matches!(
         op,
-        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddNorm { .. } | Op::Softmax | Op::MaskedSoftmax { .. }
+        Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::AddNorm { .. }
+            | Op::Softmax
+            | Op::MaskedSoftmax { .. }
+            | Op::Heads { norm: Some(_), .. }
     )
 }
 
@@ -336,34 +347,24 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              for (var t = 0u; t < n; t = t + 1u) {{ acc = acc + in1[t * r + ri] * in0[(b * n + t) * w + col]; }}\nout[i] = acc;"
         ),
         Op::Heads { start, norm, rope, .. } => {
-            // Token `t < p` comes from the cache; later ones from the packed rows, normalized over
-            // the head (each thread sums its head's squares: a head is a few hundred values) and
-            // rotated at position `past + t - p` (the rotation partner read from the same row).
+            // Token `t < p` comes from the cache; later ones from the packed rows, rotated at
+            // position `past + t - p` (the rotation partner read from the same row). Without a
+            // norm, one thread per output element; with one, a workgroup per head row
+            // ([`cooperative`]): the lanes sum the row's squares once, then each writes its
+            // elements `lane, lane + 64, ...`, normalized.
             let gain = usize::from(norm.is_some());
             let cached = operands == 2 + gain;
             let (x, g) = if cached { ("in1", "in2") } else { ("in0", "in1") };
-            let mut body = String::from(
-                "let hn = dim(1u);\nlet p = dim(2u);\nlet s = dim(3u);\nlet d = dim(4u);\nlet w = dim(5u);\n\
-                 let c = i % d;\nlet t = (i / d) % (p + s);\nlet h = (i / (d * (p + s))) % hn;\nlet b = i / (d * (p + s) * hn);\n",
-            );
-            if cached {
-                body += "if (t < p) { out[i] = in0[((b * hn + h) * p + t) * d + c]; return; }\n";
-            }
-            body += &format!("let si = t - p;\nlet row = (b * s + si) * w + {start}u + h * d;\n");
+            let mut body = String::from("let hn = dim(1u);\nlet p = dim(2u);\nlet s = dim(3u);\nlet d = dim(4u);\nlet w = dim(5u);\n");
+            // The element `c` of output row `t` of head `h` of sequence `b`, stored at `o`.
+            let row = format!("let row = (b * s + t - p) * w + {start}u + h * d;\n");
             // Element `j` of the head as the rotation reads it.
             let val = |j: &str| match norm {
                 Some(_) => format!("({x}[row + {j}] * r * {g}[{j}])"),
                 None => format!("{x}[row + {j}]"),
             };
-            if let Some(eps) = norm {
-                body += &format!(
-                    "var ss = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) {{ let v = {x}[row + j]; ss = ss + v * v; }}\n\
-                     let r = 1.0 / sqrt(ss / f32(d) + {});\n",
-                    lit(eps.0)
-                );
-            }
-            match rope {
-                None => body += &format!("out[i] = {};", val("c")),
+            let new = match rope {
+                None => format!("{row}out[o] = {};\n", val("c")),
                 Some(r) => {
                     let (freq, partner, sign) = match r.style {
                         PairStyle::RotateHalf => {
@@ -373,15 +374,38 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                             ("c / 2u", "select(c - 1u, c + 1u, (c % 2u) == 0u)", "select(1.0, -1.0, (c % 2u) == 0u)")
                         }
                     };
-                    body += &format!(
-                        "let rd = {}u;\nlet half = rd / 2u;\nif (c >= rd) {{ out[i] = {}; return; }}\n\
-                         let pos = f32(si + dim(6u));\nlet inv = 1.0 / pow({}, f32(2u * ({freq})) / f32(rd));\nlet angle = pos * inv;\n\
-                         let pc = {partner};\nout[i] = {} * cos(angle) + {sign} * {} * sin(angle);",
+                    format!(
+                        "{row}let rd = {}u;\nlet half = rd / 2u;\nif (c >= rd) {{\n    out[o] = {};\n}} else {{\n    \
+                         let pos = f32(t - p + dim(6u));\n    let inv = 1.0 / pow({}, f32(2u * ({freq})) / f32(rd));\n    \
+                         let angle = pos * inv;\n    let pc = {partner};\n    out[o] = {} * cos(angle) + {sign} * {} * sin(angle);\n}}\n",
                         r.rotary_dim,
                         val("c"),
                         lit(r.theta.0),
                         val("c"),
                         val("pc")
+                    )
+                }
+            };
+            let element = match cached {
+                true => format!(
+                    "if (t < p) {{\n    out[o] = in0[((b * hn + h) * p + t) * d + c];\n}} else {{\n{}}}\n",
+                    indent(&new)
+                ),
+                false => new,
+            };
+            match norm {
+                None => {
+                    body += "let c = i % d;\nlet t = (i / d) % (p + s);\nlet h = (i / (d * (p + s))) % hn;\nlet b = i / (d * (p + s) * hn);\nlet o = i;\n";
+                    body += &element;
+                }
+                Some(eps) => {
+                    body += &format!(
+                        "let t = wg % (p + s);\nlet h = (wg / (p + s)) % hn;\nlet b = wg / ((p + s) * hn);\n\
+                         var ss = 0.0;\nif (t >= p) {{\n    {}    {LANES} {{ let v = {x}[row + j]; ss = ss + v * v; }}\n}}\n\
+                         let r = 1.0 / sqrt(row_sum(lane, ss) / f32(d) + {});\n{LANES} {{\n    let c = j;\n    let o = wg * d + c;\n{}}}",
+                        row,
+                        lit(eps.0),
+                        indent(&element)
                     );
                 }
             }

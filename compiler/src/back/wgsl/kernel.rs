@@ -412,7 +412,13 @@ mod tests {
                 inputs[weight] = w;
                 for subgroups in [false, true] {
                     for f16_math in [false, true] {
-                        let options = Options { subgroups, f16_math, f16_weights: w == Elem::F16, fold_appends: false };
+                        let options = Options {
+                            subgroups,
+                            f16_math,
+                            f16_weights: w == Elem::F16,
+                            fold_appends: false,
+                            binding_bytes: None,
+                        };
                         let text = kernel(&op, &inputs, Elem::F32, None, &options).unwrap();
                         super::super::validate(&text)
                             .unwrap_or_else(|e| panic!("{} {w:?} {options:?}: {e}\n{text}", op.name()));
