@@ -297,6 +297,8 @@ fn projections_over_the_binding_limit_run_in_pieces() {
             if options.binding_bytes.is_some() {
                 // Three split projections of 4 pieces each (3 concatenations each), the gated one whole.
                 assert_eq!((pieces.len(), concats), (13, 9), "{format}");
+                // The rms-norm prologue runs once, before its pieces.
+                assert_eq!(program.steps.iter().filter(|s| matches!(s.op, Op::RmsNorm { .. })).count(), 1);
                 for step in pieces.iter().filter(|s| !matches!(s.op, Op::Linear { glu: true, .. })) {
                     let w = &program.values[step.operands[step.op.linear_weight().unwrap()]];
                     let shape = kiln_compiler::lower::resolve(&w.shape, &HashMap::new());
