@@ -273,6 +273,12 @@ fn projections_over_the_binding_limit_run_in_pieces() {
             let y = g.add(op.clone(), &operands).unwrap();
             g.outputs.push((name.to_string(), y));
         }
+        // A tied table: gathered from (bound in chunks, as f32) and the weight of a split head.
+        let tied = g.param("tied", &[n, k]);
+        weights.push("tied".into());
+        let xt = g.add(Op::Gather, &[tied, ids]).unwrap();
+        let y = g.add(Op::linear(None, false, false), &[xt, tied]).unwrap();
+        g.outputs.push(("tied".into(), y));
         g.check().unwrap();
         let mut params = interp::random_params(&g, 5).unwrap();
         let mut blocks = HashMap::new();
@@ -295,8 +301,13 @@ fn projections_over_the_binding_limit_run_in_pieces() {
             let pieces: Vec<_> = program.steps.iter().filter(|s| s.op.linear_weight().is_some()).collect();
             let concats = program.steps.iter().filter(|s| matches!(s.op, Op::Concat { .. })).count();
             if options.binding_bytes.is_some() {
-                // Three split projections of 4 pieces each (3 concatenations each), the gated one whole.
-                assert_eq!((pieces.len(), concats), (13, 9), "{format}");
+                // Four split projections of 4 pieces each (3 concatenations each), the gated one whole.
+                assert_eq!((pieces.len(), concats), (17, 12), "{format}");
+                let table = (program.steps.iter().filter(|s| matches!(s.op, Op::Gather)))
+                    .map(|s| &program.values[s.operands[0]])
+                    .find(|v| v.shape.first() == Some(&kiln_compiler::graph::Dim::Fixed(n)))
+                    .expect("the tied table's gather");
+                assert!(table.format.is_f32(), "{format}: the gather reads the tied table as f32");
                 // The rms-norm prologue runs once, before its pieces.
                 assert_eq!(program.steps.iter().filter(|s| matches!(s.op, Op::RmsNorm { .. })).count(), 1);
                 for step in pieces.iter().filter(|s| !matches!(s.op, Op::Linear { glu: true, .. })) {
@@ -308,7 +319,7 @@ fn projections_over_the_binding_limit_run_in_pieces() {
                     assert_eq!(w.format, format, "{format}: a piece's weight format");
                 }
             } else {
-                assert_eq!((pieces.len(), concats), (4, 0), "{format}");
+                assert_eq!((pieces.len(), concats), (5, 0), "{format}");
             }
             let got = model.run(&input).unwrap();
             for ((name, want), (_, got)) in expected.iter().zip(&got) {
