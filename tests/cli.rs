@@ -1163,6 +1163,31 @@ fn bench_runs_from_any_directory() {
     assert!(v[0]["dispatches"]["optimized"].as_u64() < v[0]["dispatches"]["unoptimized"].as_u64(), "{v}");
 }
 
+/// `kiln bench --profile` times every step of both plans by itself, on the CPU backend and on
+/// wgpu, and says by op where each spends its time and which steps are slowest; with
+/// `--optimized-only`, the optimized plan's alone.
+#[test]
+fn bench_profiles_both_plans_by_op() {
+    let backends: &[&str] = if common::gpu().is_some() { &["cpu", "wgpu"] } else { &["cpu"] };
+    for &backend in backends {
+        let args = ["bench", "models/llama.toml", "--seq", "8", "--runs", "1", "--profile", "-q", "--backend", backend];
+        let o = kiln(&args);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let out = stdout(&o);
+        let unoptimized = out.find("profile of the unoptimized plan").unwrap_or_else(|| panic!("{backend}: {out}"));
+        let optimized = out.find("profile of the optimized plan").unwrap_or_else(|| panic!("{backend}: {out}"));
+        assert!(unoptimized < optimized, "{backend}: {out}");
+        // The unoptimized plan's ops are unfused; the optimized plan's fused attention shows.
+        assert!(out[unoptimized..optimized].contains("softmax"), "{backend}: {out}");
+        assert!(out[optimized..].contains("attention"), "{backend}: {out}");
+        assert_eq!(out.matches("slowest steps:").count(), 2, "{backend}: {out}");
+        let o = kiln(&[&args[..], &["--optimized-only"]].concat());
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let out = stdout(&o);
+        assert!(!out.contains("unoptimized plan") && out.contains("profile of the optimized plan"), "{backend}: {out}");
+    }
+}
+
 /// Per-adapter cost models: `kiln inspect --adapter NAME` optimizes with the model cached for
 /// that adapter (here a made-up GPU whose dispatches are dear, so more fuses than under lavapipe's
 /// built-in model: GPT-2's LayerNorms into the projections' prologues), and an adapter with no cached model is refused with the command that makes one.

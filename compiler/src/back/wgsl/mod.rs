@@ -81,7 +81,7 @@ pub struct Options {
     pub fold_appends: bool,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
-    /// whose weights each fit, joined by concatenations ([`split_projection`]): each piece runs
+    /// whose weights each fit, joined by concatenations (see [`column_divisible`]): each piece runs
     /// the fast projection forms, where a weight split over several bindings would run the scalar
     /// chunked kernel (Gemma 3 270M's head on lavapipe: 22 s of a 22.7 s forward pass). `None`:
     /// no limit (the runtime binds larger tensors in chunks).
