@@ -279,6 +279,9 @@ fn projections_over_the_binding_limit_run_in_pieces() {
         let xt = g.add(Op::Gather, &[tied, ids]).unwrap();
         let y = g.add(Op::linear(None, false, false), &[xt, tied]).unwrap();
         g.outputs.push(("tied".into(), y));
+        // A second projection by the same weight reads the same slices.
+        let y = g.add(Op::linear(None, false, false), &[x, tied]).unwrap();
+        g.outputs.push(("tied again".into(), y));
         g.check().unwrap();
         let mut params = interp::random_params(&g, 5).unwrap();
         let mut blocks = HashMap::new();
@@ -301,8 +304,14 @@ fn projections_over_the_binding_limit_run_in_pieces() {
             let pieces: Vec<_> = program.steps.iter().filter(|s| s.op.linear_weight().is_some()).collect();
             let concats = program.steps.iter().filter(|s| matches!(s.op, Op::Concat { .. })).count();
             if options.binding_bytes.is_some() {
-                // Four split projections of 4 pieces each (3 concatenations each), the gated one whole.
-                assert_eq!((pieces.len(), concats), (17, 12), "{format}");
+                // Five split projections of 4 pieces each (3 concatenations each), the gated one whole.
+                assert_eq!((pieces.len(), concats), (21, 15), "{format}");
+                // The tied weight is sliced once for both its projections.
+                let tied = kiln_compiler::lower::Storage::Param("tied".into());
+                let slices = (program.folds.iter())
+                    .filter(|f| matches!(f.op, Op::Slice { .. }) && program.values[f.operands[0]].storage == tied)
+                    .count();
+                assert_eq!(slices, 4, "{format}");
                 let table = (program.steps.iter().filter(|s| matches!(s.op, Op::Gather)))
                     .map(|s| &program.values[s.operands[0]])
                     .find(|v| v.shape.first() == Some(&kiln_compiler::graph::Dim::Fixed(n)))
@@ -319,7 +328,7 @@ fn projections_over_the_binding_limit_run_in_pieces() {
                     assert_eq!(w.format, format, "{format}: a piece's weight format");
                 }
             } else {
-                assert_eq!((pieces.len(), concats), (5, 0), "{format}");
+                assert_eq!((pieces.len(), concats), (6, 0), "{format}");
             }
             let got = model.run(&input).unwrap();
             for ((name, want), (_, got)) in expected.iter().zip(&got) {

@@ -187,6 +187,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
         folds: plan.folds.clone(),
         steps: Vec::with_capacity(plan.steps.len()),
         transposed: HashMap::new(),
+        slices: HashMap::new(),
     };
     for step in &plan.steps {
         match options.binding_bytes.and_then(|limit| l.split_projection(step, limit)) {
@@ -319,6 +320,9 @@ struct Legalize<'p> {
     steps: Vec<Step>,
     /// (Weight value, padded) -> its transpose (shared by every projection reading the weight).
     transposed: HashMap<(usize, bool), usize>,
+    /// (Value, first row, rows) -> its row slice (a piece of a split projection's weight or bias,
+    /// shared likewise).
+    slices: HashMap<(usize, usize, usize), usize>,
 }
 
 impl Legalize<'_> {
@@ -399,7 +403,11 @@ impl Legalize<'_> {
             return None;
         }
         let fold = |l: &mut Self, from: usize, shape: Shape, start: usize, len: usize| {
+            if let Some(&v) = l.slices.get(&(from, start, len)) {
+                return v;
+            }
             let v = l.values.len();
+            l.slices.insert((from, start, len), v);
             let (dtype, format) = (l.values[from].dtype, l.values[from].format);
             l.values.push(Value { shape, dtype, storage: Storage::Const, format });
             l.folds.push(Fold { op: Op::Slice { axis: 0, start, len }, operands: vec![from], output: v });
