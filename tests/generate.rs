@@ -65,6 +65,83 @@ fn check(name: &str) {
     }
 }
 
+/// On wgpu the cache is appended in place too: the optimized cached step's `heads` steps write
+/// only the new rows into a buffer with room for more (doubling when it runs out), which the
+/// attentions read through row strides. Over up to 40 steps the device's logits and cache equal
+/// the CPU engine's (which appends in place on the host), a cache's room doubles as it fills (16
+/// -> 32 -> 64 rows), and a failed step leaves it as it was. Gemma 3's sliding-window layers keep their
+/// latest rows in a contiguous buffer; the other layers' caches keep their room.
+#[test]
+fn the_device_cache_is_appended_in_place() {
+    let Some(gpu) = common::gpu() else { return };
+    for name in ["llama", "gpt2", "gemma3"] {
+        let fe = spec(name);
+        let params = interp::random_params(&fe.graph, 7).unwrap();
+        let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
+        let links: Vec<(String, String)> = optimized
+            .outputs
+            .iter()
+            .filter_map(|(o, _)| {
+                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
+                past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v"))).map(|p| (o.clone(), p))
+            })
+            .collect();
+        let plan = lower(&optimized);
+        let model = GpuModel::new(gpu.clone(), plan.clone(), &params).unwrap();
+        let mut engine = GpuEngine::new(model);
+        let mut cpu =
+            kiln_runtime::CpuEngine::new(kiln_runtime::CpuModel::new(plan, &params, &HashMap::new(), 2, &()).unwrap());
+        let ids = |v: &[i64]| HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, v.len()], v.to_vec()))]);
+        let logits = |out: HashMap<String, Tensor>| out["logits"].clone();
+        let mut memory = Memory::default();
+        let rooms =
+            |e: &GpuEngine| -> Vec<Option<usize>> { links.iter().map(|(_, p)| e.buffers()[p].room()).collect() };
+        engine.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        cpu.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        let steps = (fe.spec.spec.model.max_positions as i64 - 5).min(40);
+        let mut growths = vec![0; links.len()];
+        for step in 0..steps {
+            let before = rooms(&engine);
+            let got = logits(engine.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            let want = logits(cpu.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            let err = got.max_abs_diff(&want);
+            assert!(err <= 1e-4, "{name}: logits at step {step} differ by {err}");
+            let after = rooms(&engine);
+            // Every cache appended in place (those of sliding layers are cut to their window).
+            assert!(after.iter().filter(|r| r.is_some()).count() >= links.len() / 3, "{name}: {after:?}");
+            for (c, (before, after)) in before.iter().zip(&after).enumerate() {
+                if let (Some(b), Some(a)) = (before, after)
+                    && a != b
+                {
+                    growths[c] += 1;
+                    assert_eq!(*a, 2 * b, "{name}: the room doubles");
+                }
+            }
+            if step == 10 {
+                assert!(engine.step(ids(&[1_000_000]), &mut memory, &links).is_err());
+                assert_eq!(rooms(&engine), after, "{name}: a failed step left the cache as it was");
+            }
+        }
+        // Room for 16 rows at the prompt, doubled whenever a step needs more.
+        let (mut room, mut expected) = (16, 0);
+        while room < 5 + steps {
+            (room, expected) = (2 * room, expected + 1);
+        }
+        // The caches of global layers (those of sliding layers end without room, cut to their window).
+        let global: Vec<usize> = (0..links.len()).filter(|&c| rooms(&engine)[c].is_some()).collect();
+        assert!(!global.is_empty(), "{name}: no cache kept its room");
+        for c in global {
+            assert_eq!(growths[c], expected, "{name}: `{}`'s room over {} rows", links[c].1, 5 + steps);
+        }
+        // The caches read back (their rows only) equal the CPU's.
+        let (device, host) = (engine.cache().unwrap(), cpu.cache().unwrap());
+        for (_, past) in &links {
+            assert_eq!(device[past].shape, host[past].shape, "{name}: `{past}`");
+            assert!(device[past].max_abs_diff(&host[past]) <= 1e-4, "{name}: `{past}` differs");
+        }
+    }
+}
+
 #[test]
 fn gpt2_cached_decoding() {
     check("gpt2");

@@ -300,6 +300,12 @@ impl GpuEngine {
         GpuEngine { model, cache: HashMap::new(), windows, sampler: None, host_sampling: false }
     }
 
+    /// The cache as it is held on the device, by past input name: each a [`DeviceTensor`], with
+    /// room for more rows where the steps append to it in place.
+    pub fn buffers(&self) -> &HashMap<String, DeviceTensor> {
+        &self.cache
+    }
+
     /// Makes [`Engine::step_sample`] read the logits back and pick on the host, as the CPU
     /// engines do (to compare the two samplers, or to rule the device's out).
     pub fn sample_on_host(mut self) -> GpuEngine {

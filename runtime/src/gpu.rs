@@ -429,11 +429,15 @@ impl Gpu {
 }
 
 /// An f32 tensor that lives on the device (see [`GpuModel::run_resident`]), split over buffers
-/// as large tensors are.
+/// as large tensors are. A key/value cache appended in place (see [`GpuModel::run_resident`]) is
+/// a `[b, heads, len, d]` tensor in one buffer with room for more rows per head than it holds:
+/// its heads lie `room` rows apart, and rows past `len` are not part of it.
 pub struct DeviceTensor {
     gpu: Arc<Gpu>,
     shape: Vec<usize>,
     buffers: Vec<wgpu::Buffer>,
+    /// Rows of room per head (the head stride), when more than the rows it holds.
+    room: Option<usize>,
 }
 
 impl DeviceTensor {
@@ -442,40 +446,63 @@ impl DeviceTensor {
         &self.shape
     }
 
+    /// Rows per head its buffer has room for, if it is a cache with room for more rows than it
+    /// holds (see [`DeviceTensor`]).
+    pub fn room(&self) -> Option<usize> {
+        self.room
+    }
+
+    /// `[b * heads, len, d]` of a 4-D tensor, and the rows of room per head.
+    fn heads(&self) -> Result<(usize, usize, usize, usize), GpuError> {
+        let &[b, heads, len, d] = self.shape.as_slice() else {
+            return Err(GpuError::Dispatch(format!("a cache of shape {:?} is not [b, heads, len, d]", self.shape)));
+        };
+        Ok((b * heads, len, d, self.room.unwrap_or(len)))
+    }
+
     /// Reads it back.
     pub fn read(&self) -> Result<Tensor, GpuError> {
         let gpu = &self.gpu;
-        let n: usize = self.shape.iter().product();
+        let n = match self.room {
+            Some(_) => self.heads().map(|(heads, _, d, room)| heads * room * d)?,
+            None => self.shape.iter().product(),
+        };
         let bytes = 4 * n as u64;
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
         let staging = gpu.stage("readback", &self.buffers, bytes, &mut encoder)?;
         gpu.queue.submit([encoder.finish()]);
         let data = gpu.read_staging(&staging, "a device tensor", n)?;
-        Ok(Tensor::f32(self.shape.clone(), bytemuck::cast_slice::<u8, f32>(&data).to_vec()))
+        let data: &[f32] = bytemuck::cast_slice::<u8, f32>(&data);
+        let data = match self.room {
+            Some(_) => {
+                let (heads, len, d, room) = self.heads()?;
+                (0..heads).flat_map(|h| data.iter().skip(h * room * d).take(len * d)).copied().collect()
+            }
+            None => data.to_vec(),
+        };
+        Ok(Tensor::f32(self.shape.clone(), data))
     }
 
     /// The latest `rows` rows of a `[b, heads, len, d]` cache (all of it if it holds no more):
     /// what a sliding-window layer keeps. Copied on the device, one range per head.
     pub fn keep_last_rows(self, rows: usize) -> Result<DeviceTensor, GpuError> {
-        let &[b, heads, len, d] = self.shape.as_slice() else {
-            return Err(GpuError::Dispatch(format!("a cache of shape {:?} is not [b, heads, len, d]", self.shape)));
-        };
+        let (heads, len, d, room) = self.heads()?;
         if len <= rows {
             return Ok(self);
         }
         let gpu = &self.gpu;
-        let shape = vec![b, heads, rows, d];
+        let shape = vec![self.shape[0], self.shape[1], rows, d];
         let row_bytes = 4 * d as u64;
-        let buffers = gpu.chunked("the key/value cache", 4 * (b * heads * rows * d) as u64, STORAGE)?;
+        let buffers = gpu.chunked("the key/value cache", 4 * (heads * rows * d) as u64, STORAGE)?;
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("slide") });
         let chunk = gpu.chunk_bytes;
-        for h in 0..(b * heads) as u64 {
-            let from = (h * len as u64 + (len - rows) as u64) * row_bytes;
+        for h in 0..heads as u64 {
+            let from = (h * room as u64 + (len - rows) as u64) * row_bytes;
             let to = h * rows as u64 * row_bytes;
             copy_range(&mut encoder, (&self.buffers, from), (&buffers, to), rows as u64 * row_bytes, chunk)?;
         }
         gpu.queue.submit([encoder.finish()]);
-        Ok(DeviceTensor { gpu: self.gpu.clone(), shape, buffers })
+        Ok(DeviceTensor { gpu: self.gpu.clone(), shape, buffers, room: None })
     }
 }
 
@@ -633,6 +660,8 @@ pub struct GpuModel {
     weight_bytes: Vec<(WeightFormat, u64)>,
     /// What one run leaves for the next.
     state: Mutex<RunState>,
+    /// The steps that append to a session's cache in place, when it lives on the device.
+    in_place: Vec<InPlace>,
 }
 
 /// Device objects kept from one run to the next, so a generation step allocates and uploads
@@ -648,6 +677,61 @@ struct RunState {
     dims: Vec<u8>,
     /// By step: the pipeline and buffers its bind group was built for, and the bind group.
     bind_groups: Vec<Option<(wgpu::ComputePipeline, Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
+    /// A buffer bound where a kernel reads nothing: the cache operand of a step appending in
+    /// place, whose output is the cache itself.
+    unread: Option<wgpu::Buffer>,
+}
+
+/// A step that appends to a cache in place on the device ([`crate::prepare::append_sites`]),
+/// whose present only attentions read as keys or values, through the row strides their sizes
+/// give (`wgsl::reads_strided_keys`): they then read the cache buffer itself, with room for more
+/// rows than it holds, and the step writes only its new rows there.
+#[derive(Clone, Debug)]
+struct InPlace {
+    site: crate::prepare::AppendSite,
+    /// The present's value (the step's output, through reshapes).
+    present_value: usize,
+    /// The steps reading the present, and as which of their operands (1: keys, 2: values).
+    readers: Vec<(usize, usize)>,
+}
+
+/// A cache one run appends to in place.
+struct Append<'m> {
+    site: &'m InPlace,
+    /// The cache's buffer, with room for `room` rows per head.
+    buffer: wgpu::Buffer,
+    room: usize,
+    /// `[b * heads, .., d]` of the cache, and the rows it holds before the step.
+    heads: usize,
+    d: usize,
+    held: usize,
+    /// The buffer (and its room) the held rows are copied from first, when it grew.
+    grown_from: Option<(Vec<wgpu::Buffer>, usize)>,
+}
+
+/// The appends of `plan` (a legalized plan) that can run in place.
+fn in_place_sites(plan: &Plan) -> Vec<InPlace> {
+    let root = |v: usize| crate::prepare::root(plan, v);
+    let mut sites = Vec::new();
+    for site in crate::prepare::append_sites(plan) {
+        let present_value = root(plan.steps[site.step].output);
+        let mut readers = Vec::new();
+        let mut strided = true;
+        for (i, step) in plan.steps.iter().enumerate() {
+            for (j, &o) in step.operands.iter().enumerate() {
+                if root(o) == present_value {
+                    strided &= (j == 1 || j == 2) && wgsl::reads_strided_keys(plan, step);
+                    readers.push((i, j));
+                }
+            }
+            strided &= !step.also.iter().any(|&a| root(a) == present_value);
+        }
+        strided &= !plan.folds.iter().any(|f| f.operands.iter().any(|&o| root(o) == present_value));
+        if strided {
+            sites.push(InPlace { site, present_value, readers });
+        }
+    }
+    sites
 }
 
 const STORAGE: wgpu::BufferUsages =
@@ -749,6 +833,7 @@ impl GpuModel {
         }
         weight_bytes.sort_by_key(|(f, _)| *f as u8);
         gpu.check_lost()?;
+        let in_place = in_place_sites(&program.plan);
         Ok(GpuModel {
             gpu,
             program,
@@ -757,7 +842,63 @@ impl GpuModel {
             params: uploaded,
             weight_bytes,
             state: Mutex::new(RunState::default()),
+            in_place,
         })
+    }
+
+    /// The caches this run appends to in place: each site whose past is held on the device
+    /// (`resident`, by value) or not given at all (empty), and whose present is kept, where the
+    /// cache and every binding of the attentions reading it fit in one buffer (the chunked
+    /// kernels take no strides). A cache without room for the new rows moves to a buffer with
+    /// twice the room (amortized O(1) per row), at least 16 rows.
+    fn appends_in_place(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<usize, &DeviceTensor>,
+        keep: &[String],
+        syms: &HashMap<Sym, usize>,
+    ) -> Result<Vec<Append<'_>>, GpuError> {
+        let plan = &self.program.plan;
+        let gpu = &self.gpu;
+        let fits =
+            |v: usize| 4 * resolve(&plan.values[v].shape, syms).iter().product::<usize>() as u64 <= gpu.chunk_bytes;
+        let mut appends = Vec::new();
+        for site in &self.in_place {
+            if !keep.contains(&site.site.present) || given.contains_key(&site.site.past) {
+                continue;
+            }
+            let &[b, h, rows, d] = resolve(&plan.values[site.present_value].shape, syms).as_slice() else { continue };
+            let held = resident.get(&site.site.past_value);
+            let (len, room) = match held {
+                Some(t) => match t.heads()? {
+                    (heads, len, hd, room) if heads == b * h && hd == d => (len, room),
+                    _ => continue,
+                },
+                None => (0, 0),
+            };
+            let readers_fit = site.readers.iter().all(|&(r, _)| {
+                let step = &plan.steps[r];
+                fits(step.output)
+                    && step.operands.iter().all(|&o| crate::prepare::root(plan, o) == site.present_value || fits(o))
+            });
+            let reuse = held.filter(|t| room >= rows && t.buffers.len() == 1);
+            let new_room = if reuse.is_some() { room } else { rows.max(2 * room).max(16) };
+            let bytes = 4 * (b * h * new_room * d) as u64;
+            if !readers_fit || bytes > gpu.chunk_bytes || len > rows {
+                continue;
+            }
+            let (buffer, grown_from) = match reuse {
+                Some(t) => (t.buffers[0].clone(), None),
+                None => {
+                    kiln_compiler::memory::check(|| "the key/value cache".to_string(), bytes)
+                        .map_err(|e| GpuError::Dispatch(e.to_string()))?;
+                    let buffer = gpu.buffer("the key/value cache", bytes, STORAGE)?;
+                    (buffer, held.filter(|_| len > 0).map(|t| (t.buffers.clone(), room)))
+                }
+            };
+            appends.push(Append { site, buffer, room: new_room, heads: b * h, d, held: len, grown_from });
+        }
+        Ok(appends)
     }
 
     /// Bytes of the weights on the device (parameters and folded constants), by storage format.
@@ -820,7 +961,7 @@ impl GpuModel {
         let bound = crate::prepare::bind(plan, given, &resident_shapes)?;
         let syms = bound.syms;
         let mut inputs: HashMap<usize, Tensor> = HashMap::new();
-        let mut resident_inputs: HashMap<usize, &[wgpu::Buffer]> = HashMap::new();
+        let mut resident_inputs: HashMap<usize, &DeviceTensor> = HashMap::new();
         for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
             match tensor {
                 Some(t) => {
@@ -831,12 +972,32 @@ impl GpuModel {
                     if !Arc::ptr_eq(&t.gpu, gpu) {
                         return Err(GpuError::Dispatch(format!("input `{name}` lives on another device")));
                     }
-                    resident_inputs.insert(id, &t.buffers);
+                    resident_inputs.insert(id, t);
                 }
             }
         }
         let by_value: HashMap<usize, &Tensor> = inputs.iter().map(|(&id, t)| (id, t)).collect();
         crate::prepare::check_indices(plan, &by_value, &syms)?;
+        let appends = self.appends_in_place(given, &resident_inputs, keep, &syms)?;
+        // Buffers bound instead of a value's own: a cache appended in place for its present, and
+        // a contiguous copy of a cache with room that is read another way (copied on the device
+        // before the forward pass, by `copies`: (from, its rows of room, to, its rows of room,
+        // [b * heads, rows, d])).
+        let mut bound_instead: HashMap<usize, Vec<wgpu::Buffer>> = HashMap::new();
+        let mut copies: Vec<(Vec<wgpu::Buffer>, usize, Vec<wgpu::Buffer>, usize, [usize; 3])> = Vec::new();
+        for a in &appends {
+            bound_instead.insert(a.site.present_value, vec![a.buffer.clone()]);
+            if let Some((from, room)) = &a.grown_from {
+                copies.push((from.clone(), *room, vec![a.buffer.clone()], a.room, [a.heads, a.held, a.d]));
+            }
+        }
+        for (&id, t) in &resident_inputs {
+            let Some(room) = t.room.filter(|_| !appends.iter().any(|a| a.site.site.past_value == id)) else { continue };
+            let (heads, len, d, _) = t.heads()?;
+            let to = gpu.chunked("the key/value cache", 4 * (heads * len * d) as u64, STORAGE)?;
+            copies.push((t.buffers.clone(), room, to.clone(), len, [heads, len, d]));
+            bound_instead.insert(id, to);
+        }
 
         // Buffers: inputs and slots (kept, grown as needed), one uniform for every step's Dims.
         let mut state = self.state.lock().map_err(|_| GpuError::Dispatch("run state poisoned".into()))?;
@@ -874,6 +1035,13 @@ impl GpuModel {
             )?);
         }
         state.bind_groups.resize_with(plan.steps.len(), || None);
+        if state.unread.is_none() && !appends.is_empty() {
+            state.unread = Some(gpu.buffer("an operand read by nothing", 16, STORAGE)?);
+        }
+        for a in &appends {
+            let unread = state.unread.clone().ok_or_else(|| GpuError::Dispatch("no unread buffer".into()))?;
+            bound_instead.insert(a.site.site.past_value, vec![unread]);
+        }
         #[expect(clippy::expect_used, reason = "the buffer is made just above when absent")]
         let (slots, input_buffers, uniform) =
             (&state.slots, &state.inputs, state.uniform.as_ref().expect("made above"));
@@ -884,9 +1052,10 @@ impl GpuModel {
                 v = a;
             }
             let all: &[wgpu::Buffer] = match &plan.values[v].storage {
+                _ if bound_instead.contains_key(&v) => &bound_instead[&v],
                 Storage::Param(_) | Storage::Const => &self.params[&v],
                 Storage::Input { .. } => match resident_inputs.get(&v) {
-                    Some(buffers) => buffers,
+                    Some(t) => &t.buffers,
                     None => &input_buffers[&v].1,
                 },
                 Storage::Slot(s) => &slots[*s].1,
@@ -913,11 +1082,28 @@ impl GpuModel {
                 .collect();
             let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
             let chunked = counts.iter().any(|&c| c > 1);
-            let dims = match chunked {
+            let mut dims = match chunked {
                 true => dispatch_chunked(&step.op, &operand_shapes, &out_shape, past),
                 false => dispatch(&step.op, &operand_shapes, &out_shape, past, &self.program.options),
             }
             .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
+            for a in &appends {
+                let room = a.room as u32;
+                if a.site.site.step == i {
+                    wgsl::heads_in_place(&step.op, &mut dims, room)
+                        .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
+                }
+                for &(_, operand) in a.site.readers.iter().filter(|(r, _)| *r == i) {
+                    if chunked {
+                        return Err(GpuError::Dispatch(format!(
+                            "internal error: `{}` reads a cache appended in place through chunked bindings",
+                            step.scope
+                        )));
+                    }
+                    let strides = wgsl::attention::KEY_STRIDES;
+                    dims[if operand == 1 { strides.0 } else { strides.1 }] = room;
+                }
+            }
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
 
@@ -1006,6 +1192,14 @@ impl GpuModel {
         // One encoder, one compute pass, one submission.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
+        // Caches moved to a larger buffer, or made contiguous, first: one range per head.
+        for (from, from_room, to, to_room, [heads, rows, d]) in &copies {
+            let row_bytes = 4 * *d as u64;
+            for h in 0..*heads as u64 {
+                let (src, dst) = (h * *from_room as u64 * row_bytes, h * *to_room as u64 * row_bytes);
+                copy_range(&mut encoder, (from, src), (to, dst), *rows as u64 * row_bytes, gpu.chunk_bytes)?;
+            }
+        }
         {
             let mut pass =
                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
@@ -1029,6 +1223,12 @@ impl GpuModel {
                 (*then)(&mut encoder, Lent { shape: &shape, buffers: buffers_of(*v), chunk_bytes: gpu.chunk_bytes })?;
                 continue;
             }
+            if let Some(a) = appends.iter().find(|a| a.site.site.present == *name) {
+                // Already where it is kept: the cache, with room for more rows.
+                let buffers = vec![a.buffer.clone()];
+                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers, room: Some(a.room) });
+                continue;
+            }
             if keep.contains(name) {
                 // Kept on the device: copied into buffers of its own (a slot is reused next run).
                 let bytes = 4 * shape.iter().product::<usize>() as u64;
@@ -1040,7 +1240,7 @@ impl GpuModel {
                         encoder.copy_buffer_to_buffer(chunk, 0, to, 0, len);
                     }
                 }
-                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers });
+                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers, room: None });
                 continue;
             }
             let bytes = 4 * shape.iter().product::<usize>() as u64;

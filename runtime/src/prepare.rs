@@ -6,7 +6,8 @@
 //! - [`bind`]: run-time inputs bound exactly as the interpreter binds them (defaults, mask
 //!   polarity, symbol values), inputs already held by the engine (a cache) by shape only;
 //! - [`check_indices`]: token ids and positions checked against the tables they index, which a
-//!   kernel would otherwise clamp (wgpu) or read out of bounds of.
+//!   kernel would otherwise clamp (wgpu) or read out of bounds of;
+//! - [`append_sites`]: the steps that can append to a session's cache in place.
 
 #![expect(
     clippy::indexing_slicing,
@@ -294,4 +295,45 @@ pub fn check_indices(
         }
     }
     Ok(())
+}
+
+/// A step that appends in place: a `heads` step whose cache operand is the past input `past`
+/// (read by nothing else), producing the plan output `present`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AppendSite {
+    /// Index of the step in [`Plan::steps`].
+    pub step: usize,
+    /// The past input's value.
+    pub past_value: usize,
+    /// The past input's name.
+    pub past: String,
+    /// The output's name.
+    pub present: String,
+}
+
+/// Every step of `plan` that can append to a cache in place.
+pub fn append_sites(plan: &Plan) -> Vec<AppendSite> {
+    let root = |v: usize| root(plan, v);
+    let readers = |value: usize| {
+        plan.steps.iter().flat_map(|s| &s.operands).filter(|&&o| root(o) == value).count()
+            + plan.folds.iter().flat_map(|f| &f.operands).filter(|&&o| root(o) == value).count()
+            + plan.outputs.iter().filter(|(_, o)| root(*o) == value).count()
+    };
+    let mut sites = Vec::new();
+    for (i, step) in plan.steps.iter().enumerate() {
+        let cache = match (&step.op, step.operands.as_slice()) {
+            (Op::Heads { norm: None, .. }, [cache, _]) | (Op::Heads { norm: Some(_), .. }, [cache, _, _]) => cache,
+            _ => continue,
+        };
+        let past_value = root(*cache);
+        let Some(Storage::Input { name: past, .. }) = plan.values.get(past_value).map(|v| &v.storage) else {
+            continue;
+        };
+        let presents: Vec<&String> =
+            plan.outputs.iter().filter(|(_, o)| root(*o) == step.output).map(|(name, _)| name).collect();
+        if let ([present], 1) = (presents.as_slice(), readers(past_value)) {
+            sites.push(AppendSite { step: i, past_value, past: past.clone(), present: (*present).clone() });
+        }
+    }
+    sites
 }

@@ -20,8 +20,6 @@
     reason = "rows and heads are indexed within `[b, heads, cap, d]`, which `reserve` keeps the buffer at"
 )]
 
-use kiln_compiler::graph::Op;
-use kiln_compiler::lower::{Plan, Storage};
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -165,46 +163,7 @@ pub fn contiguous(data: &[f32], heads: usize, rows: usize, cap: usize, d: usize)
 /// A session's cache on the CPU, by past input name.
 pub type KvCache = HashMap<String, CacheBuf>;
 
-/// A step that appends in place: a `heads` step whose cache operand is the past input `past`
-/// (read by nothing else), producing the plan output `present`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AppendSite {
-    /// Index of the step in [`Plan::steps`].
-    pub step: usize,
-    /// The past input's value.
-    pub past_value: usize,
-    /// The past input's name.
-    pub past: String,
-    /// The output's name.
-    pub present: String,
-}
-
-/// Every step of `plan` that can append to a cache in place.
-pub fn append_sites(plan: &Plan) -> Vec<AppendSite> {
-    let root = |v: usize| crate::prepare::root(plan, v);
-    let readers = |value: usize| {
-        plan.steps.iter().flat_map(|s| &s.operands).filter(|&&o| root(o) == value).count()
-            + plan.folds.iter().flat_map(|f| &f.operands).filter(|&&o| root(o) == value).count()
-            + plan.outputs.iter().filter(|(_, o)| root(*o) == value).count()
-    };
-    let mut sites = Vec::new();
-    for (i, step) in plan.steps.iter().enumerate() {
-        let cache = match (&step.op, step.operands.as_slice()) {
-            (Op::Heads { norm: None, .. }, [cache, _]) | (Op::Heads { norm: Some(_), .. }, [cache, _, _]) => cache,
-            _ => continue,
-        };
-        let past_value = root(*cache);
-        let Some(Storage::Input { name: past, .. }) = plan.values.get(past_value).map(|v| &v.storage) else {
-            continue;
-        };
-        let presents: Vec<&String> =
-            plan.outputs.iter().filter(|(_, o)| root(*o) == step.output).map(|(name, _)| name).collect();
-        if let ([present], 1) = (presents.as_slice(), readers(past_value)) {
-            sites.push(AppendSite { step: i, past_value, past: past.clone(), present: (*present).clone() });
-        }
-    }
-    sites
-}
+pub use crate::prepare::{AppendSite, append_sites};
 
 #[cfg(test)]
 mod tests {

@@ -67,6 +67,11 @@ impl Geometry {
     }
 }
 
+/// Where an attention dispatch's sizes say how far apart the heads of its `[b, kv, k, d]` key and
+/// value operands lie, in rows: `dims[KEY_STRIDES.0]` and `dims[KEY_STRIDES.1]`, each `k` when 0. A cache
+/// appended in place has room for more rows than it holds (see `kiln_runtime`'s device cache).
+pub const KEY_STRIDES: (usize, usize) = (11, 12);
+
 /// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
 /// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
 /// `rows` query rows (prefill) and 0 for one row per invocation (always, when `sparse`: an
@@ -111,10 +116,15 @@ struct Keys {
 }
 
 impl Keys {
-    /// All `k` keys of the `[b, kv, k, d]` operands 1 and 2.
+    /// All `k` keys of the `[b, kv, k, d]` operands 1 and 2, whose heads lie `ks` and `vs` rows
+    /// apart (see [`KEY_STRIDES`]).
     fn heads() -> Vec<Keys> {
-        let at: fn(&str) -> String = |kk| format!("((b * kv + kvh) * k + {kk}) * d");
-        Keys::all(Box::new(at), Box::new(at), "in1", "in2")
+        Keys::all(
+            Box::new(|kk| format!("((b * kv + kvh) * ks + {kk}) * d")),
+            Box::new(|kk| format!("((b * kv + kvh) * vs + {kk}) * d")),
+            "in1",
+            "in2",
+        )
     }
 
     /// All `k` keys, from one buffer each.
@@ -225,6 +235,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
     let mut s = String::from(
         "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
     );
+    s += "let ks = select(k, dim(11u), dim(11u) != 0u);\nlet vs = select(k, dim(12u), dim(12u) != 0u);\n";
     let forms = if qb > 1 && mods.sparse.is_none() {
         format!("if (dim(7u) == 1u) {{\n{}}} else {{\n{}}}\n", indent(&form(qb)), indent(&form(1)))
     } else {

@@ -236,3 +236,21 @@ pub fn workgroups(threads: u32, max_x: u32) -> (u32, u32) {
     let groups = threads.div_ceil(WORKGROUP).max(1);
     if groups <= max_x { (groups, 1) } else { (max_x, groups.div_ceil(max_x)) }
 }
+
+/// Makes the sizes `dims` of a `heads` step that appends to a cache (`op`, reading `p` cached
+/// rows) append in place: its output is then the cache, with room for `cap >= p + s` rows per
+/// head, which holds the `p` rows already, so only the `s` new rows of each head are computed and
+/// written there (`dims[7]`, 0 otherwise; see `emit.rs`).
+pub fn heads_in_place(op: &Op, dims: &mut [u32; 16], cap: u32) -> Result<(), String> {
+    let Op::Heads { norm, .. } = op else { return Err(format!("{} does not append to a cache", op.name())) };
+    let [threads, heads, p, s, d, ..] = *dims;
+    let per_row = if norm.is_some() { WORKGROUP } else { d };
+    let rows = heads.checked_mul(p + s).and_then(|r| r.checked_mul(per_row)).filter(|&r| r > 0);
+    let Some(batch) = rows.map(|r| threads / r) else { return Ok(()) };
+    if cap < p + s {
+        return Err(format!("a cache with room for {cap} rows cannot hold {}", p + s));
+    }
+    dims[0] = batch * heads * s * per_row;
+    dims[7] = cap;
+    Ok(())
+}

@@ -393,16 +393,22 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 ),
                 false => new,
             };
+            // Appending in place (`dim(7u)`, the cache's rows of room per head, not 0): the output
+            // is the cache itself, its heads that many rows apart, and only the `s` new rows are
+            // written, after the `p` it holds (see `dims::heads_in_place`).
+            body += "let cap = dim(7u);\nlet rows = select(p + s, s, cap != 0u);\nlet skip = select(0u, p, cap != 0u);\n";
             match norm {
                 None => {
-                    body += "let c = i % d;\nlet t = (i / d) % (p + s);\nlet h = (i / (d * (p + s))) % hn;\nlet b = i / (d * (p + s) * hn);\nlet o = i;\n";
+                    body += "let c = i % d;\nlet t = (i / d) % rows + skip;\nlet h = (i / (d * rows)) % hn;\nlet b = i / (d * rows * hn);\n\
+                             let o = select(i, ((b * hn + h) * cap + t) * d + c, cap != 0u);\n";
                     body += &element;
                 }
                 Some(eps) => {
                     body += &format!(
-                        "let t = wg % (p + s);\nlet h = (wg / (p + s)) % hn;\nlet b = wg / ((p + s) * hn);\n\
+                        "let t = wg % rows + skip;\nlet h = (wg / rows) % hn;\nlet b = wg / (rows * hn);\n\
+                         let o0 = select(wg * d, ((b * hn + h) * cap + t) * d, cap != 0u);\n\
                          var ss = 0.0;\nif (t >= p) {{\n    {}    {LANES} {{ let v = {x}[row + j]; ss = ss + v * v; }}\n}}\n\
-                         let r = 1.0 / sqrt(row_sum(lane, ss) / f32(d) + {});\n{LANES} {{\n    let c = j;\n    let o = wg * d + c;\n{}}}",
+                         let r = 1.0 / sqrt(row_sum(lane, ss) / f32(d) + {});\n{LANES} {{\n    let c = j;\n    let o = o0 + c;\n{}}}",
                         row,
                         lit(eps.0),
                         indent(&element)

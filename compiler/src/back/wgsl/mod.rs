@@ -32,7 +32,7 @@ mod reduce;
 pub mod sample;
 mod scores;
 
-pub use dims::{dispatch, dispatch_chunked, workgroups};
+pub use dims::{dispatch, dispatch_chunked, heads_in_place, workgroups};
 pub use emit::{Elem, WORKGROUP};
 pub use kernel::{kernel, kernel_chunked};
 
@@ -230,6 +230,21 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
         step_kernels.push(k);
     }
     Ok(Program { plan, kernels, step_kernels, options: *options })
+}
+
+/// Whether step `step` of `plan` reads its key and value operands (1 and 2) through the row
+/// strides its sizes give ([`attention::KEY_STRIDES`]), so a cache appended in place can be bound as they
+/// are: an attention over `[b, kv, k, d]` operands (a cached packed one not appending itself)
+/// whose kernel is specialised to its head geometry, not visiting blocks of keys, and not bound
+/// in chunks (the chunked variants take no strides; the caller checks that).
+pub fn reads_strided_keys(plan: &Plan, step: &Step) -> bool {
+    let plain = match step.op {
+        Op::Attention { mods, .. } | Op::PackedAttention { mods, cached: true, appends: false, .. } => {
+            mods.sparse.is_none()
+        }
+        _ => false,
+    };
+    plain && geometry(plan, step).is_some()
 }
 
 /// The head geometry of an attention step, which its kernel is specialised to (shape inference
