@@ -77,7 +77,8 @@ pub struct Options {
     /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. On lavapipe
     /// the folded kernel measured 1.6x slower per decode step than the three dispatches (SmolLM2,
     /// `kiln bench --decode 32 --seq 16 --backend wgpu`: 5.8 against 8.9 tok/s), so a software
-    /// adapter keeps them apart (see `Gpu::options`).
+    /// adapter keeps them apart (see `Gpu::options`). Folded, the appends copy the whole cache
+    /// each step; apart, the runtime appends only the new rows, in place.
     pub fold_appends: bool,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
