@@ -695,6 +695,16 @@ struct InPlace {
     readers: Vec<(usize, usize)>,
 }
 
+/// The `rows` rows of each of `heads` heads of width `d` copied from one cache buffer to another,
+/// each given with its rows of room per head.
+struct CacheCopy {
+    from: (Vec<wgpu::Buffer>, usize),
+    to: (Vec<wgpu::Buffer>, usize),
+    heads: usize,
+    rows: usize,
+    d: usize,
+}
+
 /// A cache one run appends to in place.
 struct Append<'m> {
     site: &'m InPlace,
@@ -981,21 +991,27 @@ impl GpuModel {
         let appends = self.appends_in_place(given, &resident_inputs, keep, &syms)?;
         // Buffers bound instead of a value's own: a cache appended in place for its present, and
         // a contiguous copy of a cache with room that is read another way (copied on the device
-        // before the forward pass, by `copies`: (from, its rows of room, to, its rows of room,
-        // [b * heads, rows, d])).
+        // before the forward pass, by `copies`).
         let mut bound_instead: HashMap<usize, Vec<wgpu::Buffer>> = HashMap::new();
-        let mut copies: Vec<(Vec<wgpu::Buffer>, usize, Vec<wgpu::Buffer>, usize, [usize; 3])> = Vec::new();
+        let mut copies: Vec<CacheCopy> = Vec::new();
         for a in &appends {
             bound_instead.insert(a.site.present_value, vec![a.buffer.clone()]);
             if let Some((from, room)) = &a.grown_from {
-                copies.push((from.clone(), *room, vec![a.buffer.clone()], a.room, [a.heads, a.held, a.d]));
+                let to = vec![a.buffer.clone()];
+                copies.push(CacheCopy {
+                    from: (from.clone(), *room),
+                    to: (to, a.room),
+                    heads: a.heads,
+                    rows: a.held,
+                    d: a.d,
+                });
             }
         }
         for (&id, t) in &resident_inputs {
             let Some(room) = t.room.filter(|_| !appends.iter().any(|a| a.site.site.past_value == id)) else { continue };
-            let (heads, len, d, _) = t.heads()?;
-            let to = gpu.chunked("the key/value cache", 4 * (heads * len * d) as u64, STORAGE)?;
-            copies.push((t.buffers.clone(), room, to.clone(), len, [heads, len, d]));
+            let (heads, rows, d, _) = t.heads()?;
+            let to = gpu.chunked("the key/value cache", 4 * (heads * rows * d) as u64, STORAGE)?;
+            copies.push(CacheCopy { from: (t.buffers.clone(), room), to: (to.clone(), rows), heads, rows, d });
             bound_instead.insert(id, to);
         }
 
@@ -1193,11 +1209,11 @@ impl GpuModel {
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
         // Caches moved to a larger buffer, or made contiguous, first: one range per head.
-        for (from, from_room, to, to_room, [heads, rows, d]) in &copies {
-            let row_bytes = 4 * *d as u64;
-            for h in 0..*heads as u64 {
-                let (src, dst) = (h * *from_room as u64 * row_bytes, h * *to_room as u64 * row_bytes);
-                copy_range(&mut encoder, (from, src), (to, dst), *rows as u64 * row_bytes, gpu.chunk_bytes)?;
+        for c in &copies {
+            let row_bytes = 4 * c.d as u64;
+            for h in 0..c.heads as u64 {
+                let (src, dst) = (h * c.from.1 as u64 * row_bytes, h * c.to.1 as u64 * row_bytes);
+                copy_range(&mut encoder, (&c.from.0, src), (&c.to.0, dst), c.rows as u64 * row_bytes, gpu.chunk_bytes)?;
             }
         }
         {
