@@ -69,12 +69,15 @@ fn check(name: &str) {
 /// only the new rows into a buffer with room for more (doubling when it runs out), which the
 /// attentions read through row strides. Over up to 40 steps the device's logits and cache equal
 /// the CPU engine's (which appends in place on the host), a cache's room doubles as it fills (16
-/// -> 32 -> 64 rows), and a failed step leaves it as it was. Gemma 3's sliding-window layers keep their
-/// latest rows in a contiguous buffer; the other layers' caches keep their room.
+/// -> 32 -> 64 rows), and a failed step leaves it as it was. Gemma 3's sliding-window layers keep
+/// their latest rows in a contiguous buffer; the other layers' caches keep their room. The same
+/// holds for the hardware program, whose cached attentions append to both caches themselves
+/// (`fold_appends`, forced here): they then write only the new rows too.
 #[test]
 fn the_device_cache_is_appended_in_place() {
     let Some(gpu) = common::gpu() else { return };
-    for name in ["llama", "gpt2", "gemma3"] {
+    let cases = [("llama", false), ("gpt2", false), ("gemma3", false), ("llama", true), ("gpt2", true)];
+    for (name, fold) in cases {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
@@ -87,7 +90,13 @@ fn the_device_cache_is_appended_in_place() {
             })
             .collect();
         let plan = lower(&optimized);
-        let model = GpuModel::new(gpu.clone(), plan.clone(), &params).unwrap();
+        let options = kiln_compiler::back::wgsl::Options { fold_appends: fold, ..gpu.options() };
+        let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();
+        let folded = (model.plan().steps.iter())
+            .filter(|s| matches!(s.op, kiln_compiler::graph::Op::PackedAttention { appends: true, .. }))
+            .count();
+        assert_eq!(folded > 0, fold, "{name}: {folded} attentions appending themselves");
+        let name = &format!("{name}{}", if fold { ", appends folded" } else { "" });
         let mut engine = GpuEngine::new(model);
         let mut cpu =
             kiln_runtime::CpuEngine::new(kiln_runtime::CpuModel::new(plan, &params, &HashMap::new(), 2, &()).unwrap());

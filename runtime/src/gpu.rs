@@ -693,6 +693,9 @@ struct InPlace {
     present_value: usize,
     /// The steps reading the present, and as which of their operands (1: keys, 2: values).
     readers: Vec<(usize, usize)>,
+    /// The step is a cached attention that appends to both caches itself (`fold_appends`), the
+    /// present one of its extra outputs: it appends to both in place or to neither.
+    folded: bool,
 }
 
 /// The `rows` rows of each of `heads` heads of width `d` copied from one cache buffer to another,
@@ -738,7 +741,32 @@ fn in_place_sites(plan: &Plan) -> Vec<InPlace> {
         }
         strided &= !plan.folds.iter().any(|f| f.operands.iter().any(|&o| root(o) == present_value));
         if strided {
-            sites.push(InPlace { site, present_value, readers });
+            sites.push(InPlace { site, present_value, readers, folded: false });
+        }
+    }
+    // Cached attentions appending themselves: their pasts read by nothing else, their presents
+    // only outputs.
+    let read = |v: usize| {
+        plan.steps.iter().flat_map(|s| &s.operands).filter(|&&o| root(o) == v).count()
+            + plan.folds.iter().flat_map(|f| &f.operands).filter(|&&o| root(o) == v).count()
+    };
+    for (i, step) in plan.steps.iter().enumerate() {
+        let (kiln_compiler::graph::Op::PackedAttention { appends: true, .. }, [_, pk, pv, ..], &[ak, av]) =
+            (&step.op, step.operands.as_slice(), step.also.as_slice())
+        else {
+            continue;
+        };
+        let site = |past_operand: usize, present: usize| -> Option<InPlace> {
+            let (past_value, present_value) = (root(past_operand), root(present));
+            let Storage::Input { name: past, .. } = &plan.values[past_value].storage else { return None };
+            let names: Vec<&String> =
+                plan.outputs.iter().filter(|(_, o)| root(*o) == present_value).map(|(n, _)| n).collect();
+            let ([name], 1, 0) = (names.as_slice(), read(past_value), read(present_value)) else { return None };
+            let site = crate::prepare::AppendSite { step: i, past_value, past: past.clone(), present: (*name).clone() };
+            Some(InPlace { site, present_value, readers: Vec::new(), folded: true })
+        };
+        if let (Some(k), Some(v)) = (site(*pk, ak), site(*pv, av)) {
+            sites.extend([k, v]);
         }
     }
     sites
@@ -886,10 +914,15 @@ impl GpuModel {
                 },
                 None => (0, 0),
             };
-            let readers_fit = site.readers.iter().all(|&(r, _)| {
+            // The steps whose kernels take the room: every binding in one buffer.
+            let past = site.site.past_value;
+            let mut steps = site.readers.iter().map(|&(r, _)| r).chain(site.folded.then_some(site.site.step));
+            let readers_fit = steps.all(|r| {
                 let step = &plan.steps[r];
                 fits(step.output)
-                    && step.operands.iter().all(|&o| crate::prepare::root(plan, o) == site.present_value || fits(o))
+                    && (step.operands.iter())
+                        .map(|&o| crate::prepare::root(plan, o))
+                        .all(|o| o == site.present_value || o == past || fits(o))
             });
             let reuse = held.filter(|t| room >= rows && t.buffers.len() == 1);
             let new_room = if reuse.is_some() { room } else { rows.max(2 * room).max(16) };
@@ -908,7 +941,14 @@ impl GpuModel {
             };
             appends.push(Append { site, buffer, room: new_room, heads: b * h, d, held: len, grown_from });
         }
-        Ok(appends)
+        // A folded attention appends to both its caches in place, with one room, or to neither.
+        let paired = |a: &Append<'_>| {
+            let same: Vec<usize> =
+                appends.iter().filter(|b| b.site.site.step == a.site.site.step).map(|b| b.room).collect();
+            !a.site.folded || (same.len() == 2 && same[0] == same[1])
+        };
+        let keep: Vec<bool> = appends.iter().map(paired).collect();
+        Ok(appends.into_iter().zip(keep).filter(|(_, k)| *k).map(|(a, _)| a).collect())
     }
 
     /// Bytes of the weights on the device (parameters and folded constants), by storage format.
@@ -1103,12 +1143,17 @@ impl GpuModel {
                 false => dispatch(&step.op, &operand_shapes, &out_shape, past, &self.program.options),
             }
             .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
+            if let Some(a) = appends.iter().find(|a| a.site.site.step == i) {
+                let room = a.room as u32;
+                match a.site.folded {
+                    true if chunked => Err("a cache appended in place through chunked bindings".to_string()),
+                    true => wgsl::appends_in_place(&step.op, &mut dims, room),
+                    false => wgsl::heads_in_place(&step.op, &mut dims, room),
+                }
+                .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
+            }
             for a in &appends {
                 let room = a.room as u32;
-                if a.site.site.step == i {
-                    wgsl::heads_in_place(&step.op, &mut dims, room)
-                        .map_err(|m| GpuError::Dispatch(format!("`{}`: {m}", step.scope)))?;
-                }
                 for &(_, operand) in a.site.readers.iter().filter(|(r, _)| *r == i) {
                     if chunked {
                         return Err(GpuError::Dispatch(format!(

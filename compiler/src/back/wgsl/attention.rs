@@ -181,7 +181,16 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
                         kbuf: "in1",
                         vbuf: "in2",
                         from: "0u",
-                        to: "pr",
+                        to: "pa",
+                    },
+                    // Appending in place: the caches are the outputs, `room` rows per head.
+                    Keys {
+                        k: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                        v: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                        kbuf: "out1",
+                        vbuf: "out2",
+                        from: "0u",
+                        to: "pb",
                     },
                     Keys {
                         k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
@@ -243,7 +252,10 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
     };
     match *op {
         Op::PackedAttention { k, v, appends: true, .. } => {
-            s += "let pr = k - min(s_len, k);\n";
+            // The caches' `pr` rows: in the operands, or (appending in place, `room` not 0) in
+            // the outputs already, which then get only this step's rows.
+            s += "let pr = k - min(s_len, k);\nlet room = dim(13u);\n\
+                  let pa = select(pr, 0u, room != 0u);\nlet pb = select(0u, pr, room != 0u);\n";
             s += &format!("if (i < dim(9u)) {{\n{}}} else {{\n{}}}\n", indent(&forms), indent(&append_copy(k, v)));
         }
         _ => s += &forms,
@@ -254,17 +266,21 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
 /// The threads a cached attention that appends to the caches runs past its own (`i >=
 /// dim(9u)`): one per element of the two caches after the step (`dim(10u)` elements each, `out1`
 /// and `out2`), each the cache's row before the step (`pr` of them, `in1` and `in2`) or this
-/// step's key (value) columns `kc..` (`vc..`) of the packed rows `in0`. With `s_len`, `k`, `d`,
-/// `kv`, `w` and `pr` in scope.
+/// step's key (value) columns `kc..` (`vc..`) of the packed rows `in0`. Appending in place
+/// (`room`, `dim(13u)`, not 0: see `dims::appends_in_place`), the outputs hold the `pr` rows
+/// already, `room` rows apart, and the threads write only this step's. With `s_len`, `k`, `d`,
+/// `kv`, `w`, `pr` and `room` in scope.
 pub(super) fn append_copy(kc: usize, vc: usize) -> String {
     let mut s = String::from(
-        "let j = i - dim(9u);\nlet n = dim(10u);\nlet e = j % n;\nlet c = e % d;\nlet t = (e / d) % k;\n\
-         let bh = e / (d * k);\nlet row = (bh / kv) * s_len + t - pr;\nlet h = bh % kv;\n",
+        "let j = i - dim(9u);\nlet n = dim(10u);\nlet e = j % n;\nlet c = e % d;\n\
+         let rows = select(k, k - pr, room != 0u);\nlet t = (e / d) % rows + select(0u, pr, room != 0u);\n\
+         let bh = e / (d * rows);\nlet row = (bh / kv) * s_len + t - pr;\nlet h = bh % kv;\n\
+         let o = (bh * select(k, room, room != 0u) + t) * d + c;\n",
     );
     for (which, past, col) in [("j < n", 1, kc), ("j >= n", 2, vc)] {
         s += &format!(
-            "if ({which}) {{\n    if (t < pr) {{ out{past}[e] = in{past}[(bh * pr + t) * d + c]; }} \
-             else {{ out{past}[e] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
+            "if ({which}) {{\n    if (t < pr) {{ out{past}[o] = in{past}[(bh * pr + t) * d + c]; }} \
+             else {{ out{past}[o] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
         );
     }
     s

@@ -254,3 +254,26 @@ pub fn heads_in_place(op: &Op, dims: &mut [u32; 16], cap: u32) -> Result<(), Str
     dims[7] = cap;
     Ok(())
 }
+
+/// Makes the sizes `dims` of a cached attention that appends to the caches (`op`,
+/// [`Op::PackedAttention`] with `appends`) append in place: its two extra outputs are then the
+/// caches, with room for `room` rows per head, which hold the rows before the step already, so
+/// its copying threads write only the step's new rows (`dims[13]`, 0 otherwise; see
+/// `attention::append_copy`).
+pub fn appends_in_place(op: &Op, dims: &mut [u32; 16], room: u32) -> Result<(), String> {
+    let Op::PackedAttention { appends: true, .. } = op else {
+        return Err(format!("{} does not append to a cache", op.name()));
+    };
+    let (s, k, d, kv, attention, n) = (dims[2], dims[3], dims[4], dims[5], dims[9], dims[10]);
+    if room < k {
+        return Err(format!("a cache with room for {room} rows cannot hold {k}"));
+    }
+    let Some(batch) = kv.checked_mul(k).and_then(|r| r.checked_mul(d)).filter(|&r| r > 0).map(|r| n / r) else {
+        return Ok(());
+    };
+    let new = batch * kv * s.min(k) * d;
+    dims[10] = new;
+    dims[0] = attention + 2 * new;
+    dims[13] = room;
+    Ok(())
+}

@@ -332,7 +332,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             if *appends {
                 let indent = |t: &str| t.lines().map(|l| format!("    {l}\n")).collect::<String>();
                 format!(
-                    "{dims}let pr = k - min(s_len, k);\nif (i < dim(9u)) {{\n{}}} else {{\n{}}}",
+                    "{dims}let pr = k - min(s_len, k);\n// Never in place (see `attention::append_copy`).\nlet room = 0u;\n\
+                     if (i < dim(9u)) {{\n{}}} else {{\n{}}}",
                     indent(&attention),
                     indent(&super::attention::append_copy(*k, *v))
                 )

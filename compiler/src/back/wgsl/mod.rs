@@ -32,7 +32,7 @@ mod reduce;
 pub mod sample;
 mod scores;
 
-pub use dims::{dispatch, dispatch_chunked, heads_in_place, workgroups};
+pub use dims::{appends_in_place, dispatch, dispatch_chunked, heads_in_place, workgroups};
 pub use emit::{Elem, WORKGROUP};
 pub use kernel::{kernel, kernel_chunked};
 
