@@ -74,11 +74,12 @@ pub struct Options {
     /// [`projection`]), which only this option enables.
     pub subgroups: bool,
     /// Run a decoder step's two cache appends in its cached attention's own dispatch
-    /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. On lavapipe
-    /// the folded kernel measured 1.6x slower per decode step than the three dispatches (SmolLM2,
-    /// `kiln bench --decode 32 --seq 16 --backend wgpu`: 5.8 against 8.9 tok/s), so a software
-    /// adapter keeps them apart (see `Gpu::options`). Folded, the appends copy the whole cache
-    /// each step; apart, the runtime appends only the new rows, in place.
+    /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. Where the
+    /// runtime appends to a cache in place, the folded kernel's threads write only the new rows
+    /// (see `attention::append_copy`). On lavapipe it decodes as fast as the three dispatches but
+    /// prefills 1.5x slower (SmolLM2, `kiln bench --decode 32 --seq 16 --backend wgpu`: 10.1
+    /// against 10.5 decode tok/s, 38.8 against 57.2 prefill), so a software adapter keeps them
+    /// apart (see `Gpu::options`).
     pub fold_appends: bool,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
