@@ -169,17 +169,7 @@ pub fn profile(
     for (name, graph) in all.into_iter().skip(usize::from(optimized_only)) {
         let model = target.model(graph, &params, &blocks, storage, &quiet())?;
         model.run(&inputs).with_context(|| format!("warm-up run of the {name} plan"))?;
-        let (times, clock): (Vec<f64>, &str) = match &model {
-            kiln_runtime::Model::Gpu(m) => {
-                let p = m.profile(&inputs)?;
-                let clock = match p.clock {
-                    kiln_runtime::gpu::Clock::Device => "device timestamps",
-                    kiln_runtime::gpu::Clock::Host => "host clock per dispatch",
-                };
-                (p.seconds.into_iter().map(|s| s.unwrap_or(0.0)).collect(), clock)
-            }
-            kiln_runtime::Model::Cpu(m) => (m.profile(&inputs)?, "host clock per step"),
-        };
+        let (times, clock) = step_seconds(&model, &inputs)?;
         let mut by_op: Vec<(String, f64, usize)> = Vec::new();
         for (step, t) in model.plan().steps.iter().zip(&times) {
             let name = step.op.name();
@@ -206,6 +196,23 @@ pub fn profile(
         }
     }
     Ok(())
+}
+
+/// The seconds each step of `model`'s plan takes, each timed by itself (0 for a step with nothing
+/// to compute), and the clock read: on wgpu [`GpuModel::profile`]'s, on the CPU the host's
+/// around each step.
+fn step_seconds(model: &kiln_runtime::Model, inputs: &HashMap<String, Tensor>) -> Result<(Vec<f64>, &'static str)> {
+    Ok(match model {
+        kiln_runtime::Model::Gpu(m) => {
+            let p = m.profile(inputs)?;
+            let clock = match p.clock {
+                kiln_runtime::gpu::Clock::Device => "device timestamps",
+                kiln_runtime::gpu::Clock::Host => "host clock per dispatch",
+            };
+            (p.seconds.into_iter().map(|s| s.unwrap_or(0.0)).collect(), clock)
+        }
+        kiln_runtime::Model::Cpu(m) => (m.profile(inputs)?, "host clock per step"),
+    })
 }
 
 /// Generation with the key/value cache on the device (optimized graph, greedy): a prompt of
@@ -552,10 +559,7 @@ fn time_kernel(
         .collect();
     let mut t = Vec::new();
     for _ in 0..runs.max(1) {
-        let seconds: Vec<f64> = match &model {
-            kiln_runtime::Model::Gpu(m) => m.profile(&inputs)?.seconds.into_iter().map(|s| s.unwrap_or(0.0)).collect(),
-            kiln_runtime::Model::Cpu(m) => m.profile(&inputs)?,
-        };
+        let seconds = step_seconds(&model, &inputs)?.0;
         t.push(measured.iter().map(|&i| seconds.get(i).copied().unwrap_or(0.0)).sum::<f64>() * 1e3);
     }
     Ok(median(t))

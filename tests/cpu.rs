@@ -379,14 +379,8 @@ fn the_cache_is_appended_in_place() {
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let cached = build_cached(&fe.spec).unwrap();
         let optimized = optimize::optimize(&cached).unwrap().0;
-        let links: Vec<(String, String)> = optimized
-            .outputs
-            .iter()
-            .filter_map(|(o, _)| {
-                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
-                past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v"))).map(|p| (o.clone(), p))
-            })
-            .collect();
+        let outputs: Vec<String> = optimized.outputs.iter().map(|(o, _)| o.clone()).collect();
+        let links = kiln_runtime::generate::links(&outputs);
         let plan = lower(&optimized);
         assert_eq!(append_sites(&plan).len(), links.len(), "{name}: every cached tensor appended in place");
         assert!(append_sites(&lower(&cached)).is_empty(), "{name}: the unoptimized step concatenates");

@@ -81,14 +81,8 @@ fn the_device_cache_is_appended_in_place() {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
-        let links: Vec<(String, String)> = optimized
-            .outputs
-            .iter()
-            .filter_map(|(o, _)| {
-                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
-                past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v"))).map(|p| (o.clone(), p))
-            })
-            .collect();
+        let outputs: Vec<String> = optimized.outputs.iter().map(|(o, _)| o.clone()).collect();
+        let links = kiln_runtime::generate::links(&outputs);
         let plan = lower(&optimized);
         let options = kiln_compiler::back::wgsl::Options { fold_appends: fold, ..gpu.options() };
         let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();

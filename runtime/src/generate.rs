@@ -88,6 +88,19 @@ impl Memory {
     }
 }
 
+/// The `(present output, past input)` name pairs of a cached decoder graph's outputs: each
+/// `L.present_k` / `L.present_v` output feeds the next step's `L.past_k` / `L.past_v` input.
+pub fn links(outputs: &[String]) -> Vec<Link> {
+    outputs
+        .iter()
+        .filter_map(|o| {
+            let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
+            let past = past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v")));
+            past.map(|p| (o.clone(), p))
+        })
+        .collect()
+}
+
 /// One sequence being generated: the engine (which holds the cache so far) and the memory.
 pub struct Session {
     engine: Box<dyn Engine>,
@@ -107,14 +120,7 @@ impl Session {
     /// `*.present_k`/`*.present_v` ones are the cache, `logits` the scores). The engine keeps the
     /// cache where its kernels read it (on a GPU, on the device).
     pub fn new(engine: Box<dyn Engine>, outputs: &[String], max_positions: usize) -> R<Session> {
-        let links: Vec<Link> = outputs
-            .iter()
-            .filter_map(|o| {
-                let past = o.strip_suffix(".present_k").map(|l| format!("{l}.past_k"));
-                let past = past.or_else(|| o.strip_suffix(".present_v").map(|l| format!("{l}.past_v")));
-                past.map(|p| (o.clone(), p))
-            })
-            .collect();
+        let links = links(outputs);
         if links.is_empty() || !outputs.iter().any(|o| o == "logits") {
             return Err(GenerateError::Invalid(
                 "generation needs a decoder graph built with a key/value cache and a `logits` output".into(),

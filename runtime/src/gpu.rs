@@ -492,15 +492,10 @@ impl DeviceTensor {
         }
         let gpu = &self.gpu;
         let shape = vec![self.shape[0], self.shape[1], rows, d];
-        let row_bytes = 4 * d as u64;
         let buffers = gpu.chunked("the key/value cache", 4 * (heads * rows * d) as u64, STORAGE)?;
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("slide") });
-        let chunk = gpu.chunk_bytes;
-        for h in 0..heads as u64 {
-            let from = (h * room as u64 + (len - rows) as u64) * row_bytes;
-            let to = h * rows as u64 * row_bytes;
-            copy_range(&mut encoder, (&self.buffers, from), (&buffers, to), rows as u64 * row_bytes, chunk)?;
-        }
+        let copy = CacheCopy { from: (self.buffers.clone(), room), to: (buffers.clone(), rows), heads, rows, d };
+        copy.record(&mut encoder, len - rows, gpu.chunk_bytes)?;
         gpu.queue.submit([encoder.finish()]);
         Ok(DeviceTensor { gpu: self.gpu.clone(), shape, buffers, room: None })
     }
@@ -706,6 +701,20 @@ struct CacheCopy {
     heads: usize,
     rows: usize,
     d: usize,
+}
+
+impl CacheCopy {
+    /// Records the copy on `encoder`, one range per head, the rows read from row `skip` of each
+    /// source head; buffers are chunks of `chunk` bytes.
+    fn record(&self, encoder: &mut wgpu::CommandEncoder, skip: usize, chunk: u64) -> Result<(), GpuError> {
+        let row_bytes = 4 * self.d as u64;
+        for h in 0..self.heads as u64 {
+            let from = (h * self.from.1 as u64 + skip as u64) * row_bytes;
+            let to = h * self.to.1 as u64 * row_bytes;
+            copy_range(encoder, (&self.from.0, from), (&self.to.0, to), self.rows as u64 * row_bytes, chunk)?;
+        }
+        Ok(())
+    }
 }
 
 /// A cache one run appends to in place.
@@ -1146,7 +1155,9 @@ impl GpuModel {
             if let Some(a) = appends.iter().find(|a| a.site.site.step == i) {
                 let room = a.room as u32;
                 match a.site.folded {
-                    true if chunked => Err("a cache appended in place through chunked bindings".to_string()),
+                    true if chunked => {
+                        Err("internal error: a cache appended in place through chunked bindings".to_string())
+                    }
                     true => wgsl::appends_in_place(&step.op, &mut dims, room),
                     false => wgsl::heads_in_place(&step.op, &mut dims, room),
                 }
@@ -1253,13 +1264,9 @@ impl GpuModel {
         // One encoder, one compute pass, one submission.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
-        // Caches moved to a larger buffer, or made contiguous, first: one range per head.
+        // Caches moved to a larger buffer, or made contiguous, first.
         for c in &copies {
-            let row_bytes = 4 * c.d as u64;
-            for h in 0..c.heads as u64 {
-                let (src, dst) = (h * c.from.1 as u64 * row_bytes, h * c.to.1 as u64 * row_bytes);
-                copy_range(&mut encoder, (&c.from.0, src), (&c.to.0, dst), c.rows as u64 * row_bytes, gpu.chunk_bytes)?;
-            }
+            c.record(&mut encoder, 0, gpu.chunk_bytes)?;
         }
         {
             let mut pass =
