@@ -39,3 +39,137 @@ fn past_crashes_stay_fixed() {
         replay("regressions", name, target);
     }
 }
+
+/// Bytes for the differential target from a seed (SplitMix64), a few hundred of them: enough
+/// for every decision of a spec, its inputs and a cached decoding.
+fn seeded_bytes(seed: u64) -> Vec<u8> {
+    let mut rng = targets::differential::SplitMix(seed);
+    let len = 64 + (rng.next_u64() % 448) as usize;
+    (0..len).map(|_| rng.next_u64() as u8).collect()
+}
+
+/// A fixed set of seeded differential cases, so the suite draws specs beyond the seed corpus:
+/// every engine agrees with the interpreter on each (see `targets::differential`).
+#[test]
+fn differential_seeded_cases() {
+    let mut accepted = 0;
+    for seed in 0..40 {
+        let data = seeded_bytes(seed);
+        let outcome = std::panic::catch_unwind(|| targets::differential::run(&data));
+        let tally = outcome.unwrap_or_else(|_| panic!("differential case {seed} failed (bytes: {data:?})"));
+        accepted += usize::from(tally.refused_spec.is_none());
+    }
+    assert!(accepted >= 20, "only {accepted} of 40 drawn specs front-end");
+}
+
+/// The differential target on stable Rust, without libFuzzer: random inputs for
+/// `KILN_FUZZ_SECS` seconds (default 60) from `KILN_FUZZ_SEED` on; each failing input is written
+/// to `fuzz/artifacts/differential/` and the campaign goes on. `cargo test --release --test
+/// fuzz_regressions differential_campaign -- --ignored --nocapture` (see fuzz/README.md).
+#[test]
+#[ignore = "a fuzzing campaign: run it on purpose"]
+fn differential_campaign() {
+    let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (secs, first) = (env("KILN_FUZZ_SECS", 60), env("KILN_FUZZ_SEED", 1 << 32));
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/artifacts/differential");
+    let start = std::time::Instant::now();
+    let (mut runs, mut ran, mut refused_runs, mut steps, mut failed) = (0, 0, 0, 0, Vec::new());
+    let mut refusals: std::collections::BTreeMap<&str, usize> = Default::default();
+    let mut seed = first;
+    while runs == 0 || start.elapsed().as_secs() < secs {
+        let data = seeded_bytes(seed);
+        match std::panic::catch_unwind(|| targets::differential::run(&data)) {
+            Ok(t) => {
+                if let Some((rule, message)) = &t.refused_spec {
+                    if std::env::var("KILN_FUZZ_SHOW").is_ok_and(|r| r == *rule) {
+                        println!("refused ({rule}): {message}\n{}", t.spec);
+                    }
+                    *refusals.entry(*rule).or_default() += 1;
+                }
+                (ran, refused_runs, steps) = (ran + t.ran, refused_runs + t.refused_runs, steps + t.cached_steps);
+            }
+            Err(payload) => {
+                let message = (payload.downcast_ref::<String>().cloned())
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                std::fs::create_dir_all(&out).unwrap();
+                std::fs::write(out.join(format!("seed-{seed}")), &data).unwrap();
+                let spec = targets::differential::spec(&data);
+                std::fs::write(out.join(format!("seed-{seed}.txt")), format!("{message}\n--- drawn ---\n{spec}"))
+                    .unwrap();
+                failed.push(seed);
+            }
+        }
+        runs += 1;
+        seed += 1;
+    }
+    let refused_specs: usize = refusals.values().sum();
+    println!(
+        "differential: {runs} cases in {:.0} s (seeds {first}..{seed}): {} specs accepted, {refused_specs} \
+         refused; {ran} runs compared, {refused_runs} refused by every engine; {steps} cached steps; \
+         failed: {failed:?}\nrefusals by rule: {refusals:?}",
+        start.elapsed().as_secs_f64(),
+        runs - refused_specs
+    );
+    assert!(failed.is_empty(), "{} failing inputs written to {}", failed.len(), out.display());
+}
+
+/// Shrinks a failing differential input: `KILN_FUZZ_INPUT` names the file, `KILN_FUZZ_EXPECT` a
+/// text the failure's message contains; bytes are cut from the end, then runs of them zeroed
+/// (a decision's plainest value) while it still fails so, and the result is written beside the
+/// input as `NAME.min`. Runs every check, the known bugs' too (`run_all`).
+#[test]
+#[ignore = "a tool: shrinks a failing input"]
+fn differential_minimize() {
+    let input = std::path::PathBuf::from(std::env::var("KILN_FUZZ_INPUT").expect("KILN_FUZZ_INPUT names a file"));
+    let expect = std::env::var("KILN_FUZZ_EXPECT").unwrap_or_default();
+    let failure = |data: &[u8]| match std::panic::catch_unwind(|| targets::differential::run_all(data)) {
+        Ok(_) => None,
+        Err(payload) => (payload.downcast_ref::<String>().cloned())
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .filter(|m| m.contains(&expect)),
+    };
+    let fails = |data: &[u8]| failure(data).is_some();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut data = std::fs::read(&input).unwrap();
+    if !fails(&data) {
+        let _ = std::panic::take_hook();
+        panic!("{} does not fail with `{expect}`", input.display());
+    }
+    while data.len() > 1 && fails(&data[..data.len() - 1]) {
+        data.pop();
+    }
+    for width in [16, 4, 1] {
+        let mut at = 0;
+        while at < data.len() {
+            let end = (at + width).min(data.len());
+            if data[at..end].iter().any(|&b| b != 0) {
+                let mut tried = data.clone();
+                tried[at..end].fill(0);
+                if fails(&tried) {
+                    data = tried;
+                }
+            }
+            at = end;
+        }
+    }
+    let _ = std::panic::take_hook();
+    let out = input.with_extension("min");
+    std::fs::write(&out, &data).unwrap();
+    println!("{} bytes written to {}: {}", data.len(), out.display(), failure(&data).unwrap_or_default());
+}
+
+/// Replays a differential input on a spec file instead of the spec it draws: `KILN_FUZZ_SPEC`
+/// names the TOML, `KILN_FUZZ_INPUT` the input (or `KILN_FUZZ_SEED` a seeded one). With
+/// `KILN_FUZZ_VERBOSE=1` every comparison's difference is printed: to see which knob a finding
+/// needs, edit the spec the failure printed and replay.
+#[test]
+#[ignore = "a tool: replays an input on a spec file"]
+fn differential_replay_spec() {
+    let spec = std::fs::read_to_string(std::env::var("KILN_FUZZ_SPEC").expect("KILN_FUZZ_SPEC names a spec")).unwrap();
+    let data = match std::env::var("KILN_FUZZ_INPUT") {
+        Ok(path) => std::fs::read(path).unwrap(),
+        Err(_) => seeded_bytes(std::env::var("KILN_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0)),
+    };
+    println!("{:?}", targets::differential::run_spec(&spec, &data));
+}

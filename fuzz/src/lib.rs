@@ -5,6 +5,8 @@
 //! input that once crashed (`fuzz/regressions/`). Each function must return normally for any
 //! input: a panic is a bug, whatever the bytes.
 
+pub mod differential;
+
 use arbitrary::{Arbitrary, Unstructured};
 use kiln_compiler::FrontEnd;
 use kiln_compiler::artifact::Artifact;
@@ -23,8 +25,14 @@ use std::sync::LazyLock;
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets by name, for the regression runner.
-pub const TARGETS: [(&str, Target); 5] =
-    [("spec", spec), ("safetensors", safetensors), ("gguf", gguf), ("artifact", artifact), ("generate", generate)];
+pub const TARGETS: [(&str, Target); 6] = [
+    ("spec", spec),
+    ("safetensors", safetensors),
+    ("gguf", gguf),
+    ("artifact", artifact),
+    ("generate", generate),
+    ("differential", differential),
+];
 
 /// Larger graphs are only front-ended: lowering them is slow and exercises nothing new.
 const LOWER_NODES: usize = 400;
@@ -206,4 +214,15 @@ pub fn generate(data: &[u8]) {
         let ids: Vec<u32> = ids.iter().filter_map(|&id| u32::try_from(id).ok()).collect();
         let _ = model.tokenizer.decode(&ids, true);
     }
+}
+
+/// A spec drawn from the whole language (see [`differential`]) through the front end (a refusal
+/// is fine) and, when accepted, run at random weights on inputs of drawn lengths, batches and
+/// padding by every engine on the unoptimized and the optimized graph: the interpreter, the CPU
+/// back end at 1 and 3 threads, and wgpu where an adapter opens. They must agree on accepting or
+/// refusing each run and on its outputs within [`differential::TOLERANCE`] of their scale; a
+/// decoder's cached decoding (an encoder-decoder's with its encoder run once) must equal
+/// recomputing the whole model, on every engine.
+pub fn differential(data: &[u8]) {
+    differential::run(data);
 }
