@@ -222,7 +222,7 @@ fn draw_spec(d: &mut Draw) -> String {
     t.table("attention");
     t.key("heads", heads);
     if d.chance(1, 2) {
-        let divisors: Vec<u64> = (1..=heads.max(1)).filter(|k| heads % k == 0).collect();
+        let divisors: Vec<u64> = (1..=heads.max(1)).filter(|k| heads.is_multiple_of(*k)).collect();
         let kv = d.pick(&divisors);
         t.key("kv_heads", d.int(kv, kv));
     }
@@ -583,17 +583,34 @@ pub struct Tally {
 /// each, the checks it would fail, and whether a spec meets it. [`run`] leaves those checks out
 /// of such a spec, so a campaign looks for new bugs; [`run_all`] does not (the `#[ignore]`d
 /// regression tests named after them in `tests/fuzz_regressions.rs`). Remove an entry with its fix.
-pub const KNOWN: [(&str, Voids, fn(&Resolved) -> bool); 2] = [
+pub const KNOWN: [Known; 2] = [
     // `build_cached` accepts a decoder whose self-attention sees later tokens (a bidirectional
     // mask), whose cached steps cannot equal recomputation past one layer.
-    ("cached-decoder-with-bidirectional-mask", Voids::Cached, |r| r.mask == MaskKind::Bidirectional),
+    Known {
+        name: "cached-decoder-with-bidirectional-mask",
+        voids: Voids::Cached,
+        meets: |r| r.mask == MaskKind::Bidirectional,
+    },
     // `norm.parallel_residual` in an encoder-decoder builds a decoder without cross-attention,
     // while `build_encoder` and `build_cached` keep it (its parameters are missing); the unused
     // encoder is all the optimizer removes, bad source ids with it.
-    ("parallel-residual-drops-cross-attention", Voids::All, |r| {
-        r.spec.norm.parallel_residual && r.spec.model.kind == BlockKind::EncoderDecoder
-    }),
+    Known {
+        name: "parallel-residual-drops-cross-attention",
+        voids: Voids::All,
+        meets: |r| r.spec.norm.parallel_residual && r.spec.model.kind == BlockKind::EncoderDecoder,
+    },
 ];
+
+/// A [`KNOWN`] bug.
+#[derive(Clone, Copy, Debug)]
+pub struct Known {
+    /// Its regression name: its input in `fuzz/regressions/differential/`, its test.
+    pub name: &'static str,
+    /// The checks it fails.
+    pub voids: Voids,
+    /// Whether a spec meets it.
+    pub meets: fn(&Resolved) -> bool,
+}
 
 /// The checks a [`KNOWN`] bug fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -649,7 +666,7 @@ fn run_with(data: &[u8], skip_known: bool, given: Option<&str>) -> Tally {
         }
     };
     tally.spec = spec.clone();
-    let voids = |what| skip_known && KNOWN.iter().any(|&(_, voids, meets)| voids == what && meets(&fe.spec));
+    let voids = |what| skip_known && KNOWN.iter().any(|k| k.voids == what && (k.meets)(&fe.spec));
     if voids(Voids::All) {
         return tally;
     }
@@ -691,6 +708,9 @@ fn run_with(data: &[u8], skip_known: bool, given: Option<&str>) -> Tally {
     }
     tally
 }
+
+/// The last position's logits after a chunk of cached decoding, or its refusal.
+type Step = Result<Vec<f32>, String>;
 
 /// A decoder engine and, for an encoder-decoder, its encoder's.
 type EnginePair = (String, Box<dyn Engine>, Option<Box<dyn Engine>>);
@@ -786,7 +806,7 @@ fn cached(
         ends.push((end + d.tame(1, 3) as usize).min(total));
     }
     // The reference: the whole model recomputed on the tokens so far, last position's logits.
-    let reference: Vec<Result<Vec<f32>, String>> = ends
+    let reference: Vec<Step> = ends
         .iter()
         .map(|&end| {
             let mut inputs = source.clone();
@@ -802,7 +822,7 @@ fn cached(
     let engines = cached_engines(&step, encoder.as_ref(), params, gpu).unwrap_or_else(|e| fail(spec, e));
     // Each engine's logits after each chunk; a chunk refused ends its session (it is as it was,
     // and the tokens after are not its own).
-    let mut decoded: Vec<(String, Vec<Result<Vec<f32>, String>>)> = Vec::new();
+    let mut decoded: Vec<(String, Vec<Step>)> = Vec::new();
     for (label, engine, enc) in engines {
         let memory = match &enc {
             Some(enc) => match Memory::encode(enc.as_ref(), &source) {
