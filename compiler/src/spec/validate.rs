@@ -82,6 +82,23 @@ impl Checker<'_> {
     fn positive_finite(&mut self, key: &str, value: f64) {
         if !(value.is_finite() && value > 0.0) {
             self.error(key, "positive finite number", format!("`{key}` = {value} must be a positive finite number"));
+        } else {
+            self.single(key, value);
+        }
+    }
+
+    /// A finite float setting as the kernels use it: in f32, where it must stay finite and, unless
+    /// it is 0, normal (a subnormal is flushed to zero on some GPUs, so engines would disagree;
+    /// 1e300 would be infinite and 1e-300 zero, neither what was written).
+    fn single(&mut self, key: &str, value: f64) {
+        let single = value as f32;
+        if value != 0.0 && !single.is_normal() {
+            self.error_help(
+                key,
+                "float settings fit f32",
+                format!("`{key}` = {value:e} is {single:?} in f32, which the kernels compute in"),
+                format!("use a magnitude between {:e} and {:e}", f32::MIN_POSITIVE, f32::MAX),
+            );
         }
     }
 }
@@ -352,6 +369,53 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         }
     }
 
+    // Combinations without a meaning. Low-rank attention's keys are projections along the
+    // sequence, mixtures of every position: they have no position of their own to take a block,
+    // a distance or a slope from.
+    if let Some(rank) = a.low_rank {
+        let positional = match p.kind {
+            PositionKind::RelativeBias => Some(("positions.kind", "a relative position bias")),
+            PositionKind::Alibi => Some(("positions.kind", "ALiBi")),
+            _ => None,
+        };
+        for (key, what) in
+            a.block_sparse.map(|_| ("attention.block_sparse", "a block pattern")).into_iter().chain(positional)
+        {
+            c.error_at(
+                key,
+                "attention.low_rank",
+                "low-rank keys have no position",
+                format!("{what} needs each key's position, but `attention.low_rank` projects the keys along the sequence into {rank} mixtures of every position"),
+                format!("use `low_rank` or {what}, not both"),
+            );
+        }
+        if rank > m.max_positions {
+            c.error_help(
+                "attention.low_rank",
+                "a projection keeps fewer rows than the sequence",
+                format!(
+                    "`attention.low_rank` = {rank} is more rows than any input has (`model.max_positions` = {})",
+                    m.max_positions
+                ),
+                format!("use at most {} rows", m.max_positions),
+            );
+        }
+    }
+    if let Some(every) = a.global_every {
+        let layers = match m.kind {
+            BlockKind::EncoderDecoder => encoder_layers.max(decoder_layers),
+            _ => m.layers,
+        };
+        if every > layers && layers > 0 {
+            c.error_help(
+                "attention.global_every",
+                "some layer is global",
+                format!("`attention.global_every` = {every} is more than the {layers} layers: no layer would attend globally"),
+                format!("use at most {layers}, or remove `global_every` to make every layer a sliding-window one"),
+            );
+        }
+    }
+
     // Norm.
     let n = &spec.norm;
     c.positive_finite("norm.eps", n.eps);
@@ -375,6 +439,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     let final_norm = n.final_norm.unwrap_or(matches!(n.placement, Placement::Pre) || n.placement.post_sublayer());
     if !n.gain_offset.is_finite() {
         c.error("norm.gain_offset", "finite number", format!("`norm.gain_offset` = {} must be finite", n.gain_offset));
+    } else {
+        c.single("norm.gain_offset", n.gain_offset);
     }
     if n.parallel_residual && n.placement != Placement::Pre {
         c.error(
@@ -394,6 +460,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                     "positive finite number",
                     format!("`embedding.scale` = {v} must be finite and non-zero"),
                 );
+            } else {
+                c.single("embedding.scale", v);
             }
             v
         }
@@ -498,6 +566,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "positive finite number",
             format!("`head.scale` = {} must be finite and non-zero", spec.head.scale),
         );
+    } else {
+        c.single("head.scale", spec.head.scale);
     }
     if spec.head.bias && !logits {
         c.error("head.bias", "a head bias needs logits", "`head.bias` is set but the model produces no logits".into());
