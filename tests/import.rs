@@ -318,3 +318,122 @@ fn cli_imports_and_runs_a_checkpoint_directory() {
     assert!(stderr.contains("`rope_scaling.rope_type = \"yarn\"` is not supported"), "{stderr}");
     std::fs::remove_dir_all(&bad).unwrap();
 }
+
+/// A small deterministic generator of weights in [-0.5, 0.5) (SplitMix64).
+fn random_values(count: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// Writes `tensors` (name, shape) as an f32 safetensors file of random values.
+fn write_random_checkpoint(path: &Path, tensors: &[(String, Vec<usize>)]) -> BTreeMap<String, Vec<f32>> {
+    let values: BTreeMap<String, Vec<f32>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| (name.clone(), random_values(shape.iter().product(), i as u64 + 1)))
+        .collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape)| (name.clone(), shape.clone(), values[name].iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes.iter().map(|(name, shape, data)| {
+        (name.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+    });
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+    values
+}
+
+/// Regression (issue 28): an original T5 (v1.0, `feed_forward_proj = "relu"`) stores one input
+/// projection per feed-forward, `DenseReluDense.wi`, not v1.1's `wi_0`/`wi_1`; its import must
+/// read it (the `t5` preset's feed-forward names follow `ffn.gated`) and the spec must run.
+#[test]
+fn import_relu_t5_v1_0() {
+    let (vocab, d, d_kv, heads, d_ff, buckets, layers) = (64, 32, 8, 4, 48, 32, 2);
+    let config = format!(
+        r#"{{"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "vocab_size": {vocab},
+            "d_model": {d}, "d_kv": {d_kv}, "d_ff": {d_ff}, "num_layers": {layers}, "num_heads": {heads},
+            "relative_attention_num_buckets": {buckets}, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-06,
+            "initializer_factor": 1.0, "feed_forward_proj": "relu", "is_gated_act": false,
+            "is_encoder_decoder": true, "n_positions": 512, "pad_token_id": 0, "eos_token_id": 1,
+            "decoder_start_token_id": 0}}"#
+    );
+    let mut tensors = vec![("shared.weight".to_string(), vec![vocab, d])];
+    let inner = heads * d_kv;
+    for (stack, ffn_layer) in [("encoder", 1), ("decoder", 2)] {
+        tensors.push((
+            format!("{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+            vec![buckets, heads],
+        ));
+        tensors.push((format!("{stack}.final_layer_norm.weight"), vec![d]));
+        for i in 0..layers {
+            let block = format!("{stack}.block.{i}");
+            let mut attention = vec![("layer.0", "SelfAttention")];
+            if stack == "decoder" {
+                attention.push(("layer.1", "EncDecAttention"));
+            }
+            for (layer, module) in attention {
+                tensors.push((format!("{block}.{layer}.layer_norm.weight"), vec![d]));
+                for p in ["q", "k", "v"] {
+                    tensors.push((format!("{block}.{layer}.{module}.{p}.weight"), vec![inner, d]));
+                }
+                tensors.push((format!("{block}.{layer}.{module}.o.weight"), vec![d, inner]));
+            }
+            tensors.push((format!("{block}.layer.{ffn_layer}.layer_norm.weight"), vec![d]));
+            tensors.push((format!("{block}.layer.{ffn_layer}.DenseReluDense.wi.weight"), vec![d_ff, d]));
+            tensors.push((format!("{block}.layer.{ffn_layer}.DenseReluDense.wo.weight"), vec![d, d_ff]));
+        }
+    }
+    // The directory's name is the spec's `model.name`.
+    let parent = std::env::temp_dir().join(format!("kiln-import-t5-{}", std::process::id()));
+    let dir = parent.join("t5-v1_0");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let values = write_random_checkpoint(&dir.join("model.safetensors"), &tensors);
+
+    let imported = import(&dir, "t5-v1_0");
+    let text = &imported.imported.text;
+    assert!(text.contains("activation = \"relu\"") && text.contains("gated = false"), "{text}");
+    let report = kiln_runtime::import::check(text, &imported.checkpoint).unwrap();
+    let problems: Vec<String> = report.problems.iter().map(|p| p.to_string()).collect();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert!(report.unused.is_empty(), "every tensor is read: {:?}", report.unused);
+
+    let fe = kiln_compiler::front_end("t5-v1_0", text).unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &imported.weights).unwrap_or_else(|e| panic!("{e}"));
+    for (param, tensor) in [
+        ("encoder.layers.1.ffn.up.weight", "encoder.block.1.layer.1.DenseReluDense.wi.weight"),
+        ("decoder.layers.0.ffn.up.weight", "decoder.block.0.layer.2.DenseReluDense.wi.weight"),
+    ] {
+        assert_eq!(params[param].as_f32().unwrap(), values[tensor].as_slice(), "{param}");
+    }
+    let (batch, src, tgt) = (2, 7, 5);
+    let ids = |len: usize, salt: i64| {
+        kiln_compiler::tensor::Tensor::i64(
+            vec![batch, len],
+            (0..(batch * len) as i64).map(|i| (i * 5 + salt) % 64).collect(),
+        )
+    };
+    let padding = kiln_compiler::tensor::Tensor::i64(vec![batch, src], vec![0; batch * src]);
+    let inputs = std::collections::HashMap::from([
+        ("src_ids".to_string(), ids(src, 3)),
+        ("tgt_ids".to_string(), ids(tgt, 1)),
+        ("src_padding".to_string(), padding),
+    ]);
+    let outputs: BTreeMap<String, kiln_compiler::tensor::Tensor> =
+        interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}")).into_iter().collect();
+    assert_eq!(outputs["logits"].shape, vec![batch, tgt, vocab]);
+    assert_eq!(outputs["encoder_hidden_state"].shape, vec![batch, src, d]);
+    for (name, t) in &outputs {
+        assert!(t.as_f32().unwrap().iter().all(|v| v.is_finite()), "{name} is not finite");
+    }
+    std::fs::remove_dir_all(&parent).unwrap();
+}

@@ -506,7 +506,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     // Weight map.
     let mut weights = WeightMap::default();
     if let Some(name) = &spec.weights.preset {
-        match weightmap::preset(name) {
+        match weightmap::preset(name, weightmap::Variant::of(&spec)) {
             Some(entries) => {
                 weights.preset = Some(name.clone());
                 weights.entries = entries;

@@ -257,7 +257,8 @@ fn llama_like(m: &Meta) -> Result<Draft> {
     } else {
         // llama.cpp stores Qwen's Q/K rows as trained (rotate-half RoPE), so the names are
         // llama's without the un-permutation.
-        for (template, source) in crate::spec::weightmap::preset("gguf-llama").unwrap_or_default() {
+        let swiglu = crate::spec::weightmap::Variant { gated_ffn: true };
+        for (template, source) in crate::spec::weightmap::preset("gguf-llama", swiglu).unwrap_or_default() {
             d.tensor(&template, Source { rope_unpermute: false, ..source });
         }
         d.named("layers.{i}.attn.q_norm.weight", "blk.{i}.attn_q_norm.weight");

@@ -7,7 +7,7 @@
 //! (`rope_parameters`, `layer_types`) are read.
 
 use super::{Draft, Hints, ImportError, Imported, Result, SentencePooling, Val, activation, global_period};
-use crate::spec::weightmap::{Pack, PackPart, Source};
+use crate::spec::weightmap::{Pack, PackPart, Source, Variant};
 use serde_json::{Map, Value};
 
 /// The families this module maps, for the refusal of any other `model_type`.
@@ -810,7 +810,8 @@ fn bert(cfg: &Config, hints: &Hints) -> Result<Draft> {
             .is_some_and(|a| a != "BertModel");
         if headed {
             d.comment("A task model (architectures): its encoder's tensors are read under `bert.`.");
-            for (template, source) in crate::spec::weightmap::preset("bert").unwrap_or_default() {
+            let ungated = Variant { gated_ffn: false };
+            for (template, source) in crate::spec::weightmap::preset("bert", ungated).unwrap_or_default() {
                 d.tensor(&template, Source { tensor: format!("bert.{}", source.tensor), ..source });
             }
         }
@@ -889,7 +890,13 @@ fn t5(cfg: &Config, family: &str) -> Result<Draft> {
     if scaled {
         d.set("head", "scale", 1.0 / (width as f64).sqrt(), format!("d_model^-0.5, {note}"));
     }
-    d.preset("t5", "T5's tensor names");
+    d.set(
+        "outputs",
+        "encoder_hidden_state",
+        true,
+        format!("{family}: transformers returns the encoder's output too (encoder_last_hidden_state)"),
+    );
+    d.preset("t5", "T5's tensor names (the feed-forward's follow `ffn.gated`)");
     Ok(d)
 }
 

@@ -238,7 +238,7 @@ impl Draft {
         if let Some(tensors) = &hints.tensors {
             let mut map = WeightMap::default();
             if let Some((name, _)) = &preset {
-                map.entries = weightmap::preset(name).unwrap_or_default();
+                map.entries = weightmap::preset(name, weightmap::Variant::of(&fe.spec.spec)).unwrap_or_default();
             }
             map.entries.extend(entries.iter().cloned());
             if let Some(prefix) = common_prefix(&map, &params, tensors) {
