@@ -273,6 +273,9 @@ fn a_tensor_prefix_is_written_out() {
     let text = hf_config(&config, &hints).unwrap().text;
     assert!(!text.contains("preset ="), "{text}");
     assert!(text.contains(r#""embed.tokens" = "bert.embeddings.word_embeddings.weight""#), "{text}");
+    // Without a preset the entries stand alone: no empty `[weights]` table before them.
+    assert!(!text.contains("[weights]"), "{text}");
+    assert!(text.contains("\n[weights.tensors]\n"), "{text}");
 }
 
 /// `kiln import` writes the spec and reports the check; `kiln run` takes the directory itself.

@@ -217,9 +217,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     }
     if let Some(rank) = a.low_rank {
         c.bounded("attention.low_rank", rank, limits.max_positions);
-        if rank == 0 {
-            c.error("attention.low_rank", "a projection keeps rows", "`attention.low_rank` must be at least 1".into());
-        }
         if mask != MaskKind::Bidirectional {
             c.error_help(
                 "attention.low_rank",
@@ -302,13 +299,15 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     }
     let (buckets, max_distance) = (p.buckets.unwrap_or(32), p.max_distance.unwrap_or(128));
     if p.kind == PositionKind::RelativeBias {
-        c.bounded("positions.buckets", buckets, 1024);
+        // One rule for the lower end (zero included), the common bound for the upper.
         if buckets < 4 || !buckets.is_multiple_of(2) {
             c.error(
                 "positions.buckets",
                 "relative-bias buckets are even, at least 4",
                 format!("`positions.buckets` = {buckets}: a bidirectional stack splits them by direction, then into exact and log-spaced halves; use an even number of at least 4"),
             );
+        } else {
+            c.bounded("positions.buckets", buckets, 1024);
         }
         c.bounded("positions.max_distance", max_distance, limits.max_positions);
         if max_distance <= buckets / 2 {

@@ -200,16 +200,15 @@ impl Draft {
                 }
             }
         }
-        if preset.is_some() || !entries.is_empty() {
+        // `[weights]` only holds a preset; entries alone go under `[weights.tensors]`.
+        if let Some((name, note)) = preset {
             let _ = writeln!(out, "\n[weights]");
-            if let Some((name, note)) = preset {
-                let _ = writeln!(out, "{:<32} # {note}", format!("preset = {}", quote(name)));
-            }
-            if !entries.is_empty() {
-                let _ = writeln!(out, "\n[weights.tensors]");
-                for (template, source) in entries {
-                    let _ = writeln!(out, "{} = {}", quote(template), render_source(source));
-                }
+            let _ = writeln!(out, "{:<32} # {note}", format!("preset = {}", quote(name)));
+        }
+        if !entries.is_empty() {
+            let _ = writeln!(out, "\n[weights.tensors]");
+            for (template, source) in entries {
+                let _ = writeln!(out, "{} = {}", quote(template), render_source(source));
             }
         }
         out
