@@ -10,6 +10,7 @@ mod common;
 
 use common::root;
 use kiln_compiler::interp;
+use kiln_compiler::spec::LayerKind;
 use kiln_compiler::spec::import::{Hints, MetaValue, gguf, hf_config};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -203,21 +204,7 @@ fn unsupported_configurations_are_refused_by_name() {
             ),
             "",
         ),
-        (
-            r#"{"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3,
-               "num_attention_heads": 4, "intermediate_size": 96, "sliding_window": 4,
-               "layer_types": ["sliding_attention", "full_attention", "full_attention"]}"#
-                .into(),
-            "the full-attention layers (1, 2) are not every n-th layer",
-        ),
         (r#"{"model_type": "gemma3", "text_config": {}}"#.into(), "vision tower"),
-        (
-            format!(
-                r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#,
-                LLAMA.replace("llama", "qwen2")
-            ),
-            "`use_sliding_window = true` with `max_window_layers = 1`",
-        ),
         (r#"[1, 2]"#.into(), "config.json is not a JSON object"),
         (r#"{"model_type": "llama", "vocab_size": -3}"#.into(), "`vocab_size` = -3 is not a non-negative integer"),
         (r#"{"model_type": "llama", "vocab_size": 128}"#.into(), "config.json has no `hidden_size`"),
@@ -230,6 +217,44 @@ fn unsupported_configurations_are_refused_by_name() {
         }
         let error = refusal(&config);
         assert!(error.contains(expected), "{config}\ngave: {error}\nexpected: {expected}");
+    }
+}
+
+/// A layer pattern no period gives is imported as the list `attention.layer_types`: a config's
+/// `layer_types`, or Qwen's full attention below `max_window_layers` and a window above.
+#[test]
+fn layer_patterns_import_as_lists() {
+    let cases = [
+        (
+            r#"{"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "intermediate_size": 96, "sliding_window": 4,
+               "layer_types": ["sliding_attention", "full_attention", "full_attention"]}"#
+                .to_string(),
+            r#"layer_types = ["sliding-window", "global", "global"] # config.json: layer_types"#,
+            vec![LayerKind::SlidingWindow, LayerKind::Global, LayerKind::Global],
+        ),
+        (
+            format!(
+                r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#,
+                LLAMA.replace("llama", "qwen2")
+            ),
+            r#"layer_types = ["global", "sliding-window"] # config.json: use_sliding_window, max_window_layers"#,
+            vec![LayerKind::Global, LayerKind::SlidingWindow],
+        ),
+        (
+            // A periodic list stays the period.
+            format!(
+                r#"{{{}, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}}"#,
+                LLAMA.replace("llama", "mistral")
+            ),
+            "global_every = 2                 # config.json: layer_types",
+            vec![LayerKind::SlidingWindow, LayerKind::Global],
+        ),
+    ];
+    for (config, line, kinds) in cases {
+        let text = hf_config(&config, &Hints::default()).unwrap_or_else(|e| panic!("{e}")).text;
+        assert!(text.lines().any(|l| l.split_whitespace().eq(line.split_whitespace())), "{line}\nnot in:\n{text}");
+        assert_eq!(resolved(&text).layer_kinds, kinds, "{text}");
     }
 }
 

@@ -83,6 +83,8 @@ pub(crate) enum Val {
     Str(String),
     /// An inline table, its fields already written (`block = 4, global = 1`).
     Table(String),
+    /// An array.
+    List(Vec<Val>),
 }
 
 impl From<u64> for Val {
@@ -116,6 +118,7 @@ impl Val {
             Val::Bool(v) => v.to_string(),
             Val::Str(s) => quote(s),
             Val::Table(fields) => format!("{{ {fields} }}"),
+            Val::List(items) => format!("[{}]", items.iter().map(Val::render).collect::<Vec<_>>().join(", ")),
         }
     }
 }
