@@ -535,3 +535,50 @@ hidden_states = true
         }
     }
 }
+
+
+/// `attention.layer_types` on the CPU backend: Gemma 3's pattern spelled as a list (three
+/// sliding-window layers, then a global one) is `global_every = 4`, on the golden fixture's
+/// weights, exactly; a pattern no period gives decodes with its cache (each sliding layer's
+/// bounded by the window) as the interpreter recomputes it.
+#[test]
+fn layer_types_on_cpu() {
+    let source = std::fs::read_to_string(root().join("models/gemma3.toml")).unwrap();
+    let listed = |kinds: &str| {
+        let text = source.replace("global_every = 4", &format!("layer_types = {kinds}"));
+        assert_ne!(text, source);
+        kiln_compiler::front_end("gemma3-listed.toml", &text).unwrap_or_else(|e| panic!("{}", e.render()))
+    };
+    let periodic = spec("gemma3");
+    let same = listed(r#"["sliding-window", "sliding-window", "sliding-window", "global"]"#);
+    let dir = root().join("tests/fixtures/gemma3");
+    let params = kiln_runtime::load_params(&periodic.spec, &periodic.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let a = cpu(lower(&periodic.graph), &params, 2).run(&io).unwrap();
+    let b = cpu(lower(&same.graph), &params, 2).run(&io).unwrap();
+    assert_eq!(a, b);
+    let (_, logits) = b.iter().find(|(n, _)| n == "logits").unwrap();
+    let err = logits.max_abs_diff(&io["logits"]);
+    assert!(err <= TOLERANCE, "listed gemma3: logits differ by {err}");
+
+    let other = listed(r#"["global", "sliding-window", "global", "sliding-window"]"#);
+    let cached = build_cached(&other.spec).unwrap();
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let max = other.spec.spec.model.max_positions as usize;
+    let engine = Box::new(CpuEngine::new(cpu(lower(&cached), &params, 2)));
+    let mut session = Session::new(engine, &names, max).unwrap();
+    let mut seq: Vec<i64> = vec![3, 17, 9, 40, 2, 77];
+    let mut logits = session.forward(&seq).unwrap();
+    for step in 0..6 {
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, seq.len()], seq.clone()))]);
+        let full = interp::run(&other.graph, &params, &inputs).unwrap();
+        let all = &full.iter().find(|(n, _)| n == "logits").unwrap().1;
+        let vocab = *all.shape.last().unwrap();
+        let last = &all.as_f32().unwrap()[(seq.len() - 1) * vocab..];
+        let err = last.iter().zip(&logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-4, "cached logits at {} differ by {err}", seq.len() - 1);
+        let next = (step * 13 + 5) % vocab as i64;
+        seq.push(next);
+        logits = session.forward(&[next]).unwrap();
+    }
+}
