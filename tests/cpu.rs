@@ -536,7 +536,6 @@ hidden_states = true
     }
 }
 
-
 /// `attention.layer_types` on the CPU backend: Gemma 3's pattern spelled as a list (three
 /// sliding-window layers, then a global one) is `global_every = 4`, on the golden fixture's
 /// weights, exactly; a pattern no period gives decodes with its cache (each sliding layer's
