@@ -572,11 +572,11 @@ fn a_closed_pipe_is_not_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// A chat samples by default (chat defaults here: the GGUF's directory has no
-/// `generation_config.json`), reproducibly for one seed, and reports its settings; `--greedy` is
-/// one flag away and refuses sampling flags beside it.
+/// A chat without recommended settings (the GGUF's directory has no `generation_config.json`)
+/// decodes greedily with a repetition penalty, and says so; `--temperature` samples, reproducibly
+/// for one seed; `--greedy` is one flag away and refuses sampling flags beside it.
 #[test]
-fn generate_chat_samples_by_default() {
+fn generate_chat_defaults_and_sampling() {
     let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
     let args = |extra: &[&str]| -> Vec<String> {
         let mut a: Vec<String> =
@@ -593,15 +593,26 @@ fn generate_chat_samples_by_default() {
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         json_of(&kiln(&a))
     };
-    let (one, two) = (run(&["--seed", "7", "--json"]), run(&["--seed", "7", "--json"]));
+    let defaults = run(&["--json"]);
+    assert_eq!(defaults["sampling"]["greedy"], true, "{defaults}");
+    assert_eq!(defaults["sampling"]["repetition_penalty"], 1.1f32 as f64, "{defaults}");
+    assert_eq!(defaults["sampling"]["source"], "chat defaults", "{defaults}");
+    let (one, two) = (
+        run(&["--temperature", "0.7", "--seed", "7", "--json"]),
+        run(&["--temperature", "0.7", "--seed", "7", "--json"]),
+    );
     assert_eq!(one["sampling"]["greedy"], false, "{one}");
-    assert_eq!(one["sampling"]["source"], "chat defaults", "{one}");
+    assert_eq!(one["sampling"]["top_k"], 40, "the chat defaults' other settings: {one}");
     assert_eq!(one["sampling"]["seed"], 7, "{one}");
     assert_eq!(one["generated_ids"], two["generated_ids"], "one seed, one continuation");
+    let top_k = run(&["--top-k", "5", "--seed", "7", "--json"]);
+    assert_eq!(top_k["sampling"]["temperature"], 1.0, "top-k alone samples at temperature 1: {top_k}");
     let greedy = run(&["--greedy", "--json"]);
     assert_eq!(greedy["sampling"]["greedy"], true, "{greedy}");
     // In text mode the settings are said on stderr.
-    let a = args(&["--seed", "7"]);
+    let o = kiln(&args(&[]).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(stderr(&o).contains("sampling: greedy, repetition penalty 1.1 (chat defaults;"), "{}", stderr(&o));
+    let a = args(&["--temperature", "0.7", "--seed", "7"]);
     let o = kiln(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(stderr(&o).contains("sampling: temperature 0.7, top-k 40, top-p 0.9"), "{}", stderr(&o));
     assert!(stderr(&o).contains("--greedy decodes greedily"), "{}", stderr(&o));
@@ -1221,4 +1232,66 @@ fn inspect_uses_an_adapters_cached_cost_model() {
     let o = kiln(&["inspect", "models/llama.toml", "--adapter", "fake"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("add --stage optimized or --stats"), "{}", stderr(&o));
+}
+
+/// Issue 28: `kiln generate` never passes an encoder-decoder's source mask, and an absent
+/// `src_padding` (1 = padding) was filled with ones, so every source position was padding and T5
+/// decoded `61,102,108,...`. Absent, a mask means "every position is a token" in either polarity:
+/// greedy decoding of the fixture's first source row (no padding) from start id 0 gives the
+/// fixture's `greedy_ids` on every backend.
+#[test]
+fn encoder_decoder_generation_without_a_source_mask() {
+    let io = kiln_runtime::read_tensors(&root().join("tests/fixtures/t5/io.safetensors")).unwrap();
+    let src_len = io["src_ids"].shape[1];
+    let source: Vec<String> = io["src_ids"].to_f32_vec()[..src_len].iter().map(|x| (*x as i64).to_string()).collect();
+    let expected: Vec<String> = io["greedy_ids"].as_i64().unwrap().iter().map(|x| x.to_string()).collect();
+    let backends: &[&str] = if common::gpu().is_some() { &["cpu", "interp", "wgpu"] } else { &["cpu", "interp"] };
+    for &backend in backends {
+        let max = expected.len().to_string();
+        let o = kiln(&[
+            "generate",
+            "models/t5.toml",
+            "--weights",
+            "tests/fixtures/t5/model.safetensors",
+            "--prompt-ids",
+            &source.join(","),
+            "--greedy",
+            "--max-new-tokens",
+            &max,
+            "--print-ids",
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        assert_eq!(stdout(&o).trim(), expected.join(","), "{backend}: t5 greedy ids without a source mask");
+    }
+}
+
+/// Issue 28: the quick start's question, asked with the chat defaults (SmolLM2's GGUF carries no
+/// sampling settings), is answered right whatever the seed: with the former default, temperature
+/// 0.7, 2 seeds of 10 said Paris (the first answer token is a near tie between "The" and "L").
+#[test]
+fn quick_start_chat_answers_right_over_seeds() {
+    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    for seed in 10..20 {
+        let seed = seed.to_string();
+        let o = kiln(&[
+            "generate",
+            "models/smollm2-135m.toml",
+            "--weights",
+            s(&weights),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "8",
+            "--backend",
+            "cpu",
+            "--seed",
+            &seed,
+        ]);
+        assert!(o.status.success(), "seed {seed}: {}", stderr(&o));
+        assert!(stderr(&o).contains("(chat defaults;"), "the settings are printed with the answer: {}", stderr(&o));
+        assert!(stdout(&o).contains("The capital of France is Paris"), "seed {seed}: {}", stdout(&o));
+    }
 }

@@ -476,3 +476,108 @@ fn profile_times_every_step() {
         }
     }
 }
+
+/// Issue 28: a BigBird block pattern at sequences its block size does not divide (the last block
+/// is shorter: README, `attention.block_sparse`), with more random blocks than are left to draw
+/// (a query block then attends all of them), padded, agrees on every engine: the interpreter, the
+/// CPU back end at 1 and 3 threads and wgpu, unoptimized and optimized, at 1 to 13 tokens.
+#[test]
+fn block_pattern_edges_agree_on_every_engine() {
+    let source = r#"
+[model]
+kind = "encoder"
+vocab = 64
+d_model = 32
+layers = 2
+max_positions = 16
+
+[attention]
+heads = 2
+padding_mask = true
+
+[attention.block_sparse]
+block = 4
+global = 1
+window = 0
+random = 8
+seed = 3
+
+[outputs]
+hidden_states = true
+"#;
+    let fe = kiln_compiler::front_end("block-edges.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = interp::random_params(&fe.graph, 5).unwrap();
+    let optimized = optimize::optimize(&fe.graph).unwrap().0;
+    for seq in [1, 3, 5, 10, 13] {
+        let mut inputs = interp::sample_inputs(&fe.graph, 64, 2, seq).unwrap();
+        // The second sequence's last two positions are padding.
+        let mask: Vec<f32> =
+            (0..2 * seq).map(|i| if i >= seq && i + 2 >= 2 * seq && seq > 2 { 0.0 } else { 1.0 }).collect();
+        inputs.insert("attention_mask".into(), Tensor::f32(vec![2, seq], mask));
+        let expected = interp::run(&fe.graph, &params, &inputs).unwrap();
+        for (label, graph) in [("unoptimized", &fe.graph), ("optimized", &optimized)] {
+            let mut runs: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
+            for threads in [1, 3] {
+                let got = cpu(lower(graph), &params, threads).run(&inputs).unwrap_or_else(|e| panic!("{e}"));
+                runs.push((format!("cpu, {threads} threads"), got));
+            }
+            if let Some(gpu) = common::gpu() {
+                let model = kiln_runtime::GpuModel::new(gpu, lower(graph), &params).unwrap();
+                runs.push(("wgpu".into(), model.run(&inputs).unwrap_or_else(|e| panic!("{e}"))));
+            }
+            for (engine, got) in runs {
+                for ((n, a), (m, b)) in expected.iter().zip(&got) {
+                    assert_eq!(n, m);
+                    let err = a.max_abs_diff(b);
+                    assert!(err <= 1e-4, "{engine}, {label}, {seq} tokens: `{n}` differs by {err}");
+                }
+            }
+        }
+    }
+}
+
+/// `attention.layer_types` on the CPU backend: Gemma 3's pattern spelled as a list (three
+/// sliding-window layers, then a global one) is `global_every = 4`, on the golden fixture's
+/// weights, exactly; a pattern no period gives decodes with its cache (each sliding layer's
+/// bounded by the window) as the interpreter recomputes it.
+#[test]
+fn layer_types_on_cpu() {
+    let source = std::fs::read_to_string(root().join("models/gemma3.toml")).unwrap();
+    let listed = |kinds: &str| {
+        let text = source.replace("global_every = 4", &format!("layer_types = {kinds}"));
+        assert_ne!(text, source);
+        kiln_compiler::front_end("gemma3-listed.toml", &text).unwrap_or_else(|e| panic!("{}", e.render()))
+    };
+    let periodic = spec("gemma3");
+    let same = listed(r#"["sliding-window", "sliding-window", "sliding-window", "global"]"#);
+    let dir = root().join("tests/fixtures/gemma3");
+    let params = kiln_runtime::load_params(&periodic.spec, &periodic.graph, &dir.join("model.safetensors")).unwrap();
+    let io = kiln_runtime::read_tensors(&dir.join("io.safetensors")).unwrap();
+    let a = cpu(lower(&periodic.graph), &params, 2).run(&io).unwrap();
+    let b = cpu(lower(&same.graph), &params, 2).run(&io).unwrap();
+    assert_eq!(a, b);
+    let (_, logits) = b.iter().find(|(n, _)| n == "logits").unwrap();
+    let err = logits.max_abs_diff(&io["logits"]);
+    assert!(err <= TOLERANCE, "listed gemma3: logits differ by {err}");
+
+    let other = listed(r#"["global", "sliding-window", "global", "sliding-window"]"#);
+    let cached = build_cached(&other.spec).unwrap();
+    let names: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let max = other.spec.spec.model.max_positions as usize;
+    let engine = Box::new(CpuEngine::new(cpu(lower(&cached), &params, 2)));
+    let mut session = Session::new(engine, &names, max).unwrap();
+    let mut seq: Vec<i64> = vec![3, 17, 9, 40, 2, 77];
+    let mut logits = session.forward(&seq).unwrap();
+    for step in 0..6 {
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, seq.len()], seq.clone()))]);
+        let full = interp::run(&other.graph, &params, &inputs).unwrap();
+        let all = &full.iter().find(|(n, _)| n == "logits").unwrap().1;
+        let vocab = *all.shape.last().unwrap();
+        let last = &all.as_f32().unwrap()[(seq.len() - 1) * vocab..];
+        let err = last.iter().zip(&logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-4, "cached logits at {} differ by {err}", seq.len() - 1);
+        let next = (step * 13 + 5) % vocab as i64;
+        seq.push(next);
+        logits = session.forward(&[next]).unwrap();
+    }
+}

@@ -140,6 +140,31 @@ fn linformer_logits_at_two_lengths() {
     assert!(interp::run(&fe.graph, &params, &long).is_err());
 }
 
+/// Two parameters may read one tensor: Linformer with `proj_v` mapped to each layer's `proj_k`
+/// tensor is Linformer with one shared projection (`low_rank_shared`, whose graph has no `proj_v`).
+#[test]
+fn two_parameters_may_map_to_one_tensor() {
+    let source = std::fs::read_to_string(root().join("models/linformer.toml")).unwrap();
+    let proj_v = "\"layers.{i}.attn.proj_v\" = \"linformer.net.layers.{i}.0.fn.proj_v\"";
+    assert!(source.contains(proj_v));
+    let mapped = source.replace(proj_v, "\"layers.{i}.attn.proj_v\" = \"linformer.net.layers.{i}.0.fn.proj_k\"");
+    let shared =
+        source.replace(&format!("{proj_v}\n"), "").replace("low_rank = 8", "low_rank = 8\nlow_rank_shared = true");
+    let weights = root().join("tests/fixtures/linformer/model.safetensors");
+    let io = tensors(&root().join("tests/fixtures/linformer/io.safetensors"));
+    let inputs = HashMap::from([("input_ids".to_string(), io["input_ids"].clone())]);
+    let logits = |text: &str| {
+        let fe = kiln_compiler::front_end("linformer.toml", text).unwrap_or_else(|e| panic!("{}", e.render()));
+        let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &weights).unwrap_or_else(|e| panic!("{e}"));
+        (params.len(), interp::run(&fe.graph, &params, &inputs).unwrap().remove(0).1)
+    };
+    let ((mapped_params, a), (shared_params, b)) = (logits(&mapped), logits(&shared));
+    assert_eq!(a, b);
+    assert_eq!(mapped_params, shared_params + 2, "one `proj_v` per layer more, read from `proj_k`");
+    let (_, original) = logits(&source);
+    assert_ne!(a, original, "the fixture's `proj_v` differs from its `proj_k`");
+}
+
 /// Linformer's attention holds no n x n matrix, even unfused: the intermediates of its plan grow
 /// linearly with the sequence (4x the tokens, at most ~4x the bytes live at once), where dense
 /// attention's grow quadratically.

@@ -10,6 +10,7 @@ mod common;
 
 use common::root;
 use kiln_compiler::interp;
+use kiln_compiler::spec::LayerKind;
 use kiln_compiler::spec::import::{Hints, MetaValue, gguf, hf_config};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -203,21 +204,7 @@ fn unsupported_configurations_are_refused_by_name() {
             ),
             "",
         ),
-        (
-            r#"{"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3,
-               "num_attention_heads": 4, "intermediate_size": 96, "sliding_window": 4,
-               "layer_types": ["sliding_attention", "full_attention", "full_attention"]}"#
-                .into(),
-            "the full-attention layers (1, 2) are not every n-th layer",
-        ),
         (r#"{"model_type": "gemma3", "text_config": {}}"#.into(), "vision tower"),
-        (
-            format!(
-                r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#,
-                LLAMA.replace("llama", "qwen2")
-            ),
-            "`use_sliding_window = true` with `max_window_layers = 1`",
-        ),
         (r#"[1, 2]"#.into(), "config.json is not a JSON object"),
         (r#"{"model_type": "llama", "vocab_size": -3}"#.into(), "`vocab_size` = -3 is not a non-negative integer"),
         (r#"{"model_type": "llama", "vocab_size": 128}"#.into(), "config.json has no `hidden_size`"),
@@ -230,6 +217,44 @@ fn unsupported_configurations_are_refused_by_name() {
         }
         let error = refusal(&config);
         assert!(error.contains(expected), "{config}\ngave: {error}\nexpected: {expected}");
+    }
+}
+
+/// A layer pattern no period gives is imported as the list `attention.layer_types`: a config's
+/// `layer_types`, or Qwen's full attention below `max_window_layers` and a window above.
+#[test]
+fn layer_patterns_import_as_lists() {
+    let cases = [
+        (
+            r#"{"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "intermediate_size": 96, "sliding_window": 4,
+               "layer_types": ["sliding_attention", "full_attention", "full_attention"]}"#
+                .to_string(),
+            r#"layer_types = ["sliding-window", "global", "global"] # config.json: layer_types"#,
+            vec![LayerKind::SlidingWindow, LayerKind::Global, LayerKind::Global],
+        ),
+        (
+            format!(
+                r#"{{{}, "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}}"#,
+                LLAMA.replace("llama", "qwen2")
+            ),
+            r#"layer_types = ["global", "sliding-window"] # config.json: use_sliding_window, max_window_layers"#,
+            vec![LayerKind::Global, LayerKind::SlidingWindow],
+        ),
+        (
+            // A periodic list stays the period.
+            format!(
+                r#"{{{}, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}}"#,
+                LLAMA.replace("llama", "mistral")
+            ),
+            "global_every = 2                 # config.json: layer_types",
+            vec![LayerKind::SlidingWindow, LayerKind::Global],
+        ),
+    ];
+    for (config, line, kinds) in cases {
+        let text = hf_config(&config, &Hints::default()).unwrap_or_else(|e| panic!("{e}")).text;
+        assert!(text.lines().any(|l| l.split_whitespace().eq(line.split_whitespace())), "{line}\nnot in:\n{text}");
+        assert_eq!(resolved(&text).layer_kinds, kinds, "{text}");
     }
 }
 
@@ -273,6 +298,9 @@ fn a_tensor_prefix_is_written_out() {
     let text = hf_config(&config, &hints).unwrap().text;
     assert!(!text.contains("preset ="), "{text}");
     assert!(text.contains(r#""embed.tokens" = "bert.embeddings.word_embeddings.weight""#), "{text}");
+    // Without a preset the entries stand alone: no empty `[weights]` table before them.
+    assert!(!text.contains("[weights]"), "{text}");
+    assert!(text.contains("\n[weights.tensors]\n"), "{text}");
 }
 
 /// `kiln import` writes the spec and reports the check; `kiln run` takes the directory itself.
@@ -317,4 +345,123 @@ fn cli_imports_and_runs_a_checkpoint_directory() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("`rope_scaling.rope_type = \"yarn\"` is not supported"), "{stderr}");
     std::fs::remove_dir_all(&bad).unwrap();
+}
+
+/// A small deterministic generator of weights in [-0.5, 0.5) (SplitMix64).
+fn random_values(count: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// Writes `tensors` (name, shape) as an f32 safetensors file of random values.
+fn write_random_checkpoint(path: &Path, tensors: &[(String, Vec<usize>)]) -> BTreeMap<String, Vec<f32>> {
+    let values: BTreeMap<String, Vec<f32>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| (name.clone(), random_values(shape.iter().product(), i as u64 + 1)))
+        .collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape)| (name.clone(), shape.clone(), values[name].iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes.iter().map(|(name, shape, data)| {
+        (name.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+    });
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+    values
+}
+
+/// Regression (issue 28): an original T5 (v1.0, `feed_forward_proj = "relu"`) stores one input
+/// projection per feed-forward, `DenseReluDense.wi`, not v1.1's `wi_0`/`wi_1`; its import must
+/// read it (the `t5` preset's feed-forward names follow `ffn.gated`) and the spec must run.
+#[test]
+fn import_relu_t5_v1_0() {
+    let (vocab, d, d_kv, heads, d_ff, buckets, layers) = (64, 32, 8, 4, 48, 32, 2);
+    let config = format!(
+        r#"{{"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "vocab_size": {vocab},
+            "d_model": {d}, "d_kv": {d_kv}, "d_ff": {d_ff}, "num_layers": {layers}, "num_heads": {heads},
+            "relative_attention_num_buckets": {buckets}, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-06,
+            "initializer_factor": 1.0, "feed_forward_proj": "relu", "is_gated_act": false,
+            "is_encoder_decoder": true, "n_positions": 512, "pad_token_id": 0, "eos_token_id": 1,
+            "decoder_start_token_id": 0}}"#
+    );
+    let mut tensors = vec![("shared.weight".to_string(), vec![vocab, d])];
+    let inner = heads * d_kv;
+    for (stack, ffn_layer) in [("encoder", 1), ("decoder", 2)] {
+        tensors.push((
+            format!("{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+            vec![buckets, heads],
+        ));
+        tensors.push((format!("{stack}.final_layer_norm.weight"), vec![d]));
+        for i in 0..layers {
+            let block = format!("{stack}.block.{i}");
+            let mut attention = vec![("layer.0", "SelfAttention")];
+            if stack == "decoder" {
+                attention.push(("layer.1", "EncDecAttention"));
+            }
+            for (layer, module) in attention {
+                tensors.push((format!("{block}.{layer}.layer_norm.weight"), vec![d]));
+                for p in ["q", "k", "v"] {
+                    tensors.push((format!("{block}.{layer}.{module}.{p}.weight"), vec![inner, d]));
+                }
+                tensors.push((format!("{block}.{layer}.{module}.o.weight"), vec![d, inner]));
+            }
+            tensors.push((format!("{block}.layer.{ffn_layer}.layer_norm.weight"), vec![d]));
+            tensors.push((format!("{block}.layer.{ffn_layer}.DenseReluDense.wi.weight"), vec![d_ff, d]));
+            tensors.push((format!("{block}.layer.{ffn_layer}.DenseReluDense.wo.weight"), vec![d, d_ff]));
+        }
+    }
+    // The directory's name is the spec's `model.name`.
+    let parent = std::env::temp_dir().join(format!("kiln-import-t5-{}", std::process::id()));
+    let dir = parent.join("t5-v1_0");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let values = write_random_checkpoint(&dir.join("model.safetensors"), &tensors);
+
+    let imported = import(&dir, "t5-v1_0");
+    let text = &imported.imported.text;
+    assert!(text.contains("activation = \"relu\"") && text.contains("gated = false"), "{text}");
+    let report = kiln_runtime::import::check(text, &imported.checkpoint).unwrap();
+    let problems: Vec<String> = report.problems.iter().map(|p| p.to_string()).collect();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert!(report.unused.is_empty(), "every tensor is read: {:?}", report.unused);
+
+    let fe = kiln_compiler::front_end("t5-v1_0", text).unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &imported.weights).unwrap_or_else(|e| panic!("{e}"));
+    for (param, tensor) in [
+        ("encoder.layers.1.ffn.up.weight", "encoder.block.1.layer.1.DenseReluDense.wi.weight"),
+        ("decoder.layers.0.ffn.up.weight", "decoder.block.0.layer.2.DenseReluDense.wi.weight"),
+    ] {
+        assert_eq!(params[param].as_f32().unwrap(), values[tensor].as_slice(), "{param}");
+    }
+    let (batch, src, tgt) = (2, 7, 5);
+    let ids = |len: usize, salt: i64| {
+        kiln_compiler::tensor::Tensor::i64(
+            vec![batch, len],
+            (0..(batch * len) as i64).map(|i| (i * 5 + salt) % 64).collect(),
+        )
+    };
+    let padding = kiln_compiler::tensor::Tensor::i64(vec![batch, src], vec![0; batch * src]);
+    let inputs = std::collections::HashMap::from([
+        ("src_ids".to_string(), ids(src, 3)),
+        ("tgt_ids".to_string(), ids(tgt, 1)),
+        ("src_padding".to_string(), padding),
+    ]);
+    let outputs: BTreeMap<String, kiln_compiler::tensor::Tensor> =
+        interp::run(&fe.graph, &params, &inputs).unwrap_or_else(|e| panic!("{e}")).into_iter().collect();
+    assert_eq!(outputs["logits"].shape, vec![batch, tgt, vocab]);
+    assert_eq!(outputs["encoder_hidden_state"].shape, vec![batch, src, d]);
+    for (name, t) in &outputs {
+        assert!(t.as_f32().unwrap().iter().all(|v| v.is_finite()), "{name} is not finite");
+    }
+    std::fs::remove_dir_all(&parent).unwrap();
 }

@@ -73,3 +73,25 @@ fn the_corpus_is_not_trivially_small() {
         .count();
     assert!(count >= 20, "{CORPUS} holds {count} specs; the corpus should have at least 20");
 }
+
+/// A zero that breaks a knob's own rule and the rule that sizes are positive is reported once.
+#[test]
+fn a_zero_size_is_one_error() {
+    for name in ["low-rank-zero.toml", "relative-bias-zero-buckets.toml"] {
+        let source = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(CORPUS).join(name)).unwrap();
+        let err = kiln_compiler::front_end(name, &source).err().unwrap_or_else(|| panic!("{name} is accepted"));
+        assert_eq!(err.diagnostics.len(), 1, "{name}:\n{}", err.render());
+    }
+}
+
+/// An unknown kind in a per-layer list is shown at its own line, not at the key.
+#[test]
+fn an_unknown_layer_type_is_shown_at_its_line() {
+    let name = "layer-types-unknown-kind.toml";
+    let source = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(CORPUS).join(name)).unwrap();
+    let err = kiln_compiler::front_end(name, &source).err().unwrap_or_else(|| panic!("{name} is accepted"));
+    let [d] = err.diagnostics.as_slice() else { panic!("{}", err.render()) };
+    let span = d.span.clone().unwrap();
+    assert_eq!(&source[span], "\"chunked_attention\"", "{}", err.render());
+    assert_eq!(d.key.as_deref(), Some("attention.layer_types"));
+}

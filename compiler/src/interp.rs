@@ -205,8 +205,11 @@ pub fn bind_named_with(
                     (Some(b), Some(s)) => (*b, *s),
                     _ => return Err(InterpError::MissingInput(name.to_string())),
                 };
+                // An absent mask means every position is a token: ones in the "1 = token"
+                // polarity (`X_mask`), zeros in the "1 = padding" one (`X_padding`).
                 match role {
                     InputRole::TokenTypes => Tensor::i64(vec![b, s], vec![0; b * s]),
+                    InputRole::KeyMask { pad_is_one: true } => Tensor::f32(vec![b, s], vec![0.0; b * s]),
                     _ => Tensor::f32(vec![b, s], vec![1.0; b * s]),
                 }
             }

@@ -249,3 +249,78 @@ fn bad_run_inputs_are_errors_not_panics() {
     let missing = run(&fe.graph, &params, &HashMap::new()).unwrap_err().to_string();
     assert_eq!(missing, "missing input `input_ids`");
 }
+
+/// A sliding-window decoder of four layers at RoPE bases 1e4 (window) and 1e6 (global), with
+/// `pattern` (`global_every = ...` or `layer_types = [...]`) saying which layers are global.
+fn layered(pattern: &str) -> FrontEnd {
+    let source = BASE.replace("layers = 2", "layers = 4")
+        + "[positions]\nkind = \"rope\"\nglobal_theta = 1000000.0\n"
+        + "[attention]\nheads = 4\nmask = \"sliding-window\"\nwindow = 3\n"
+        + pattern;
+    front_end("t.toml", &source).unwrap_or_else(|e| panic!("{}\n{source}", e.render()))
+}
+
+/// Per attention scope, the window of its mask and the RoPE base of its rotations.
+fn attention_layers(graph: &kiln_compiler::graph::Graph) -> Vec<(String, Option<usize>, Vec<u32>)> {
+    use kiln_compiler::graph::Op;
+    let mut layers: std::collections::BTreeMap<String, (Option<usize>, Vec<u32>)> = Default::default();
+    for n in graph.g.node_indices() {
+        let node = &graph.g[n];
+        match &node.op {
+            Op::Mask { window, .. } => layers.entry(node.scope.clone()).or_default().0 = *window,
+            Op::Rope { theta, .. } => layers.entry(node.scope.clone()).or_default().1.push(theta.0.to_bits()),
+            _ => {}
+        }
+    }
+    layers.into_iter().map(|(scope, (window, thetas))| (scope, window, thetas)).collect()
+}
+
+/// `attention.layer_types`: the window and the window's RoPE base exactly at the layers listed
+/// `sliding-window`, every earlier key and the global base at those listed `global` (or under the
+/// names Hugging Face configs give them), in the graph as built and in the cached decoder's.
+#[test]
+fn layer_types_put_the_window_at_the_listed_layers() {
+    let fe = layered("layer_types = [\"global\", \"sliding-window\", \"sliding_attention\", \"full_attention\"]\n");
+    let (local, global) = (10000.0f32.to_bits(), 1000000.0f32.to_bits());
+    let layers = attention_layers(&fe.graph);
+    let expected: Vec<(String, Option<usize>, Vec<u32>)> =
+        [(None, global), (Some(3), local), (Some(3), local), (None, global)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (window, theta))| (format!("layers.{i}.attn"), window, vec![theta, theta]))
+            .collect();
+    assert_eq!(layers, expected);
+    let cached = kiln_compiler::graph::build::build_cached(&fe.spec).unwrap();
+    let windows: Vec<(String, Option<usize>)> = cached
+        .inputs()
+        .into_iter()
+        .filter_map(|(_, name, role)| match role {
+            kiln_compiler::graph::InputRole::Cache { window, .. } if name.ends_with("past_k") => {
+                Some((name.to_string(), window))
+            }
+            _ => None,
+        })
+        .collect();
+    let expected: Vec<(String, Option<usize>)> = [None, Some(3), Some(3), None]
+        .into_iter()
+        .enumerate()
+        .map(|(i, w)| (format!("layers.{i}.attn.past_k"), w))
+        .collect();
+    assert_eq!(windows, expected);
+}
+
+/// A list that spells out a period is the periodic spec: the same graph and the same outputs;
+/// another list is another model.
+#[test]
+fn a_periodic_layer_list_equals_global_every() {
+    let periodic = layered("global_every = 2\n");
+    let listed = layered("layer_types = [\"sliding-window\", \"global\", \"sliding-window\", \"global\"]\n");
+    let other = layered("layer_types = [\"global\", \"sliding-window\", \"global\", \"sliding-window\"]\n");
+    let print = kiln_compiler::graph::print::text;
+    assert_eq!(print(&periodic.graph), print(&listed.graph));
+    assert_eq!(periodic.spec.layer_kinds, listed.spec.layer_kinds);
+    let params = random_params(&periodic.graph, 12).unwrap();
+    let run_on = |fe: &FrontEnd| outputs(fe, &params, vec![("input_ids", ids(2, 9, 5))]).remove("logits").unwrap();
+    assert_eq!(run_on(&periodic), run_on(&listed));
+    assert_ne!(run_on(&periodic), run_on(&other));
+}

@@ -9,7 +9,9 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
-use crate::spec::{BlockKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, QkNorm, Resolved};
+use crate::spec::{
+    BlockKind, LayerKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, QkNorm, Resolved,
+};
 use petgraph::graph::NodeIndex;
 
 type R<T> = Result<T, GraphError>;
@@ -291,9 +293,9 @@ impl Builder<'_> {
         cross: Option<(Option<NodeIndex>, Option<NodeIndex>)>,
     ) -> R<NodeIndex> {
         for i in 0..layers {
-            // With `global_every`, every such layer attends globally (causally), at its own theta.
-            let global = mask == MaskKind::SlidingWindow
-                && self.r.spec.attention.global_every.is_some_and(|every| (i + 1) % every.max(1) == 0);
+            // Under a window, a global layer (`layer_types`, `global_every`) attends to every
+            // earlier key, at its own theta.
+            let global = mask == MaskKind::SlidingWindow && self.r.layer_kind(i) == LayerKind::Global;
             let p = &self.r.spec.positions;
             let (mask, theta) =
                 if global { (MaskKind::Causal, p.global_theta.unwrap_or(p.theta)) } else { (mask, p.theta) };

@@ -360,6 +360,10 @@ pub struct Attention {
     /// 1`, ...) attends to every earlier key, the others through the sliding window (Gemma 3: 6).
     #[serde(default)]
     pub global_every: Option<u64>,
+    /// With `window`: the attention of each layer of the stack that follows `mask`, in order (the
+    /// decoder's in an encoder-decoder): any pattern, where `global_every` is a periodic one.
+    #[serde(default)]
+    pub layer_types: Option<Vec<LayerKind>>,
     /// A norm on the queries and keys of self-attention before RoPE, of the `[norm]` kind: over
     /// each head's width (`"head"`) or over the whole projection (`"width"`).
     #[serde(default)]
@@ -401,6 +405,29 @@ pub struct BlockSparse {
     /// Seed of the random blocks.
     #[serde(default)]
     pub seed: u64,
+}
+
+/// The attention of one layer under a sliding-window mask (`attention.layer_types`). The names
+/// Hugging Face configs give in their `layer_types` are accepted too.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum LayerKind {
+    /// Through the window (`attention.window`), at `positions.theta`.
+    #[serde(alias = "sliding_attention")]
+    SlidingWindow,
+    /// Every earlier key, at `positions.global_theta`.
+    #[serde(alias = "full_attention")]
+    Global,
+}
+
+impl LayerKind {
+    /// The name used in specs.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::SlidingWindow => "sliding-window",
+            LayerKind::Global => "global",
+        }
+    }
 }
 
 /// Where a query/key norm normalises.
@@ -584,6 +611,9 @@ pub struct Resolved {
     pub d_ff: u64,
     /// The attention mask of self-attention in the main stack (decoder stack for encoder-decoder).
     pub mask: MaskKind,
+    /// Under a sliding-window mask, each main-stack layer's attention (from `attention.layer_types`
+    /// or `attention.global_every`); empty otherwise.
+    pub layer_kinds: Vec<LayerKind>,
     /// Whether a final norm is applied.
     pub final_norm: bool,
     /// The logit scale.
@@ -610,6 +640,11 @@ impl Resolved {
     /// Number of blocks of the stack that produces the outputs.
     pub fn layers(&self) -> u64 {
         self.encoder_layers + self.decoder_layers
+    }
+
+    /// The attention of layer `i` of the main stack under a sliding-window mask.
+    pub fn layer_kind(&self, i: u64) -> LayerKind {
+        usize::try_from(i).ok().and_then(|i| self.layer_kinds.get(i)).copied().unwrap_or(LayerKind::SlidingWindow)
     }
 }
 

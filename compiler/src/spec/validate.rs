@@ -82,6 +82,23 @@ impl Checker<'_> {
     fn positive_finite(&mut self, key: &str, value: f64) {
         if !(value.is_finite() && value > 0.0) {
             self.error(key, "positive finite number", format!("`{key}` = {value} must be a positive finite number"));
+        } else {
+            self.single(key, value);
+        }
+    }
+
+    /// A finite float setting as the kernels use it: in f32, where it must stay finite and, unless
+    /// it is 0, normal (a subnormal is flushed to zero on some GPUs, so engines would disagree;
+    /// 1e300 would be infinite and 1e-300 zero, neither what was written).
+    fn single(&mut self, key: &str, value: f64) {
+        let single = value as f32;
+        if value != 0.0 && !single.is_normal() {
+            self.error_help(
+                key,
+                "float settings fit f32",
+                format!("`{key}` = {value:e} is {single:?} in f32, which the kernels compute in"),
+                format!("use a magnitude between {:e} and {:e}", f32::MIN_POSITIVE, f32::MAX),
+            );
         }
     }
 }
@@ -197,6 +214,47 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             );
         }
     }
+    // Each main-stack layer's attention under the window: listed, or every `global_every`-th.
+    let stack_layers = match m.kind {
+        BlockKind::EncoderDecoder => ("model.decoder_layers", decoder_layers),
+        _ => ("model.layers", m.layers),
+    };
+    let layer_kinds = match (&a.layer_types, a.global_every) {
+        (Some(kinds), every) => {
+            if every.is_some() {
+                c.error_help(
+                    "attention.layer_types",
+                    "one per-layer pattern",
+                    "`attention.layer_types` and `attention.global_every` both say which layers are global".into(),
+                    "keep one: `layer_types` lists any pattern, `global_every` a periodic one".into(),
+                );
+            }
+            if mask != MaskKind::SlidingWindow {
+                c.error_help(
+                    "attention.layer_types",
+                    "global layers interleave with sliding-window ones",
+                    "`attention.layer_types` is set but `attention.mask` is not \"sliding-window\"".into(),
+                    "set `mask = \"sliding-window\"` and `window` in [attention]: the layers listed as \"sliding-window\" use the window".into(),
+                );
+            }
+            let (key, count) = stack_layers;
+            if kinds.len() as u64 != count {
+                let which = if m.kind == BlockKind::EncoderDecoder { "the decoder has" } else { "the model has" };
+                c.error_help(
+                    "attention.layer_types",
+                    "one layer type per layer",
+                    format!("`attention.layer_types` lists {} layers, but {which} {count} (`{key}`)", kinds.len()),
+                    "list one kind per layer, \"sliding-window\" or \"global\", in order".into(),
+                );
+            }
+            kinds.clone()
+        }
+        (None, Some(every)) if mask == MaskKind::SlidingWindow => (1..=stack_layers.1)
+            .map(|n| if n.is_multiple_of(every.max(1)) { LayerKind::Global } else { LayerKind::SlidingWindow })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let layer_kinds = if mask == MaskKind::SlidingWindow { layer_kinds } else { Vec::new() };
     if let Some(bs) = a.block_sparse {
         c.bounded("attention.block_sparse.block", bs.block, limits.max_positions);
         if bs.random > 8 {
@@ -217,9 +275,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     }
     if let Some(rank) = a.low_rank {
         c.bounded("attention.low_rank", rank, limits.max_positions);
-        if rank == 0 {
-            c.error("attention.low_rank", "a projection keeps rows", "`attention.low_rank` must be at least 1".into());
-        }
         if mask != MaskKind::Bidirectional {
             c.error_help(
                 "attention.low_rank",
@@ -290,25 +345,29 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     // Options of another scheme would be silently ignored.
     if let Some(theta) = p.global_theta {
         c.positive_finite("positions.global_theta", theta);
-        if spec.attention.global_every.is_none() && p.kind == PositionKind::Rope {
+        let a = &spec.attention;
+        if a.global_every.is_none() && a.layer_types.is_none() && p.kind == PositionKind::Rope {
             c.error_help(
                 "positions.global_theta",
                 "a global theta needs global layers",
-                "`positions.global_theta` is set but `attention.global_every` is not".into(),
-                "set `global_every` in [attention] to say which layers attend globally, or remove `global_theta`"
+                "`positions.global_theta` is set but neither `attention.global_every` nor `attention.layer_types` is"
+                    .into(),
+                "set `global_every` or `layer_types` in [attention] to say which layers attend globally, or remove `global_theta`"
                     .into(),
             );
         }
     }
     let (buckets, max_distance) = (p.buckets.unwrap_or(32), p.max_distance.unwrap_or(128));
     if p.kind == PositionKind::RelativeBias {
-        c.bounded("positions.buckets", buckets, 1024);
+        // One rule for the lower end (zero included), the common bound for the upper.
         if buckets < 4 || !buckets.is_multiple_of(2) {
             c.error(
                 "positions.buckets",
                 "relative-bias buckets are even, at least 4",
                 format!("`positions.buckets` = {buckets}: a bidirectional stack splits them by direction, then into exact and log-spaced halves; use an even number of at least 4"),
             );
+        } else {
+            c.bounded("positions.buckets", buckets, 1024);
         }
         c.bounded("positions.max_distance", max_distance, limits.max_positions);
         if max_distance <= buckets / 2 {
@@ -352,6 +411,53 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         }
     }
 
+    // Combinations without a meaning. Low-rank attention's keys are projections along the
+    // sequence, mixtures of every position: they have no position of their own to take a block,
+    // a distance or a slope from.
+    if let Some(rank) = a.low_rank {
+        let positional = match p.kind {
+            PositionKind::RelativeBias => Some(("positions.kind", "a relative position bias")),
+            PositionKind::Alibi => Some(("positions.kind", "ALiBi")),
+            _ => None,
+        };
+        for (key, what) in
+            a.block_sparse.map(|_| ("attention.block_sparse", "a block pattern")).into_iter().chain(positional)
+        {
+            c.error_at(
+                key,
+                "attention.low_rank",
+                "low-rank keys have no position",
+                format!("{what} needs each key's position, but `attention.low_rank` projects the keys along the sequence into {rank} mixtures of every position"),
+                format!("use `low_rank` or {what}, not both"),
+            );
+        }
+        if rank > m.max_positions {
+            c.error_help(
+                "attention.low_rank",
+                "a projection keeps fewer rows than the sequence",
+                format!(
+                    "`attention.low_rank` = {rank} is more rows than any input has (`model.max_positions` = {})",
+                    m.max_positions
+                ),
+                format!("use at most {} rows", m.max_positions),
+            );
+        }
+    }
+    if let Some(every) = a.global_every {
+        let layers = match m.kind {
+            BlockKind::EncoderDecoder => encoder_layers.max(decoder_layers),
+            _ => m.layers,
+        };
+        if every > layers && layers > 0 {
+            c.error_help(
+                "attention.global_every",
+                "some layer is global",
+                format!("`attention.global_every` = {every} is more than the {layers} layers: no layer would attend globally"),
+                format!("use at most {layers}, or remove `global_every` to make every layer a sliding-window one"),
+            );
+        }
+    }
+
     // Norm.
     let n = &spec.norm;
     c.positive_finite("norm.eps", n.eps);
@@ -375,6 +481,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     let final_norm = n.final_norm.unwrap_or(matches!(n.placement, Placement::Pre) || n.placement.post_sublayer());
     if !n.gain_offset.is_finite() {
         c.error("norm.gain_offset", "finite number", format!("`norm.gain_offset` = {} must be finite", n.gain_offset));
+    } else {
+        c.single("norm.gain_offset", n.gain_offset);
     }
     if n.parallel_residual && n.placement != Placement::Pre {
         c.error(
@@ -394,6 +502,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                     "positive finite number",
                     format!("`embedding.scale` = {v} must be finite and non-zero"),
                 );
+            } else {
+                c.single("embedding.scale", v);
             }
             v
         }
@@ -498,6 +608,8 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "positive finite number",
             format!("`head.scale` = {} must be finite and non-zero", spec.head.scale),
         );
+    } else {
+        c.single("head.scale", spec.head.scale);
     }
     if spec.head.bias && !logits {
         c.error("head.bias", "a head bias needs logits", "`head.bias` is set but the model produces no logits".into());
@@ -506,7 +618,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     // Weight map.
     let mut weights = WeightMap::default();
     if let Some(name) = &spec.weights.preset {
-        match weightmap::preset(name) {
+        match weightmap::preset(name, weightmap::Variant::of(&spec)) {
             Some(entries) => {
                 weights.preset = Some(name.clone());
                 weights.entries = entries;
@@ -571,6 +683,7 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         kv_heads,
         d_ff,
         mask,
+        layer_kinds,
         final_norm,
         attn_scale,
         embed_scale,

@@ -7,7 +7,9 @@
 //! Conv1D), and whether it is one part of a packed tensor (fused Q/K/V, gate/up).
 //!
 //! Presets are the weight maps of common families, written as TOML data in `presets/*.toml` and
-//! read with the same code as a spec's `[weights.tensors]` overrides.
+//! read with the same code as a spec's `[weights.tensors]` overrides. A family whose tensor names
+//! depend on a knob of the spec writes those entries per [`Variant`] (`[ffn.gated]`,
+//! `[ffn.ungated]`), so one preset serves every spec of the family.
 
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -197,13 +199,53 @@ pub fn preset_source(name: &str) -> Option<&'static str> {
     })
 }
 
-/// Parses a built-in preset (they are tested to parse, so an error here is a bug in kiln).
+/// The spec's choices a preset's entries may depend on: a family whose checkpoints name a tensor
+/// by the variant it belongs to (T5 v1.0's one `wi` against v1.1's `wi_0`/`wi_1`) has one preset
+/// whose entries follow the spec.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Variant {
+    /// The feed-forward is gated (`ffn.gated`).
+    pub gated_ffn: bool,
+}
+
+impl Variant {
+    /// The variant a spec asks for.
+    pub fn of(spec: &super::Spec) -> Self {
+        Variant { gated_ffn: spec.ffn.gated }
+    }
+}
+
+/// A preset file: entries for every spec at the top level, and the entries that depend on the
+/// feed-forward kind under `[ffn.gated]` and `[ffn.ungated]`.
+#[derive(Deserialize)]
+struct PresetFile {
+    #[serde(default)]
+    ffn: FfnEntries,
+    #[serde(flatten)]
+    entries: BTreeMap<String, SourceSpec>,
+}
+
+/// A preset's entries by feed-forward kind.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FfnEntries {
+    /// With `ffn.gated = true`.
+    #[serde(default)]
+    gated: BTreeMap<String, SourceSpec>,
+    /// With `ffn.gated = false`.
+    #[serde(default)]
+    ungated: BTreeMap<String, SourceSpec>,
+}
+
+/// A built-in preset's entries for a spec of `variant` (they are tested to parse, so an error here
+/// is a bug in kiln).
 #[expect(clippy::panic, reason = "built-in presets are part of the program; tests parse every one")]
-pub fn preset(name: &str) -> Option<BTreeMap<String, Source>> {
+pub fn preset(name: &str, variant: Variant) -> Option<BTreeMap<String, Source>> {
     let text = preset_source(name)?;
-    let table: BTreeMap<String, SourceSpec> =
+    let file: PresetFile =
         toml::from_str(text).unwrap_or_else(|e| panic!("built-in preset `{name}` does not parse: {e}"));
-    Some(table.into_iter().map(|(k, v)| (k, v.0)).collect())
+    let chosen = if variant.gated_ffn { file.ffn.gated } else { file.ffn.ungated };
+    Some(file.entries.into_iter().chain(chosen).map(|(k, v)| (k, v.0)).collect())
 }
 
 /// Every parameter template the graph builder can produce. An override naming anything else is an
@@ -302,11 +344,35 @@ mod tests {
     #[test]
     fn every_preset_parses_and_names_known_templates() {
         for name in PRESETS {
-            let entries = preset(name).expect("listed preset exists");
-            assert!(!entries.is_empty(), "{name}");
-            for template in entries.keys() {
-                assert!(is_known_template(template), "preset {name}: unknown template {template}");
+            let file: PresetFile = toml::from_str(preset_source(name).expect("listed preset exists")).unwrap();
+            assert!(!file.entries.is_empty(), "{name}");
+            for variant in [&file.ffn.gated, &file.ffn.ungated] {
+                for template in variant.keys() {
+                    assert!(!file.entries.contains_key(template), "preset {name}: {template} given twice");
+                }
+            }
+            for gated_ffn in [false, true] {
+                for template in preset(name, Variant { gated_ffn }).expect("listed preset exists").keys() {
+                    assert!(is_known_template(template), "preset {name}: unknown template {template}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn the_t5_preset_names_the_feed_forward_of_its_kind() {
+        let up = "encoder.layers.{i}.ffn.up.weight";
+        let gated = preset("t5", Variant { gated_ffn: true }).unwrap();
+        assert_eq!(gated[up].tensor, "encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight");
+        assert!(gated.contains_key("decoder.layers.{i}.ffn.gate.weight"));
+        let plain = preset("t5", Variant { gated_ffn: false }).unwrap();
+        assert_eq!(plain[up].tensor, "encoder.block.{i}.layer.1.DenseReluDense.wi.weight");
+        assert_eq!(
+            plain["decoder.layers.{i}.ffn.up.weight"].tensor,
+            "decoder.block.{i}.layer.2.DenseReluDense.wi.weight"
+        );
+        assert!(!plain.contains_key("encoder.layers.{i}.ffn.gate.weight"));
+        // Entries that do not depend on the kind are in both.
+        assert_eq!(gated["head.weight"], plain["head.weight"]);
     }
 }

@@ -24,7 +24,7 @@
 //! column — so `attention` over `[b, h, s, d]` tensors and `packed_attention` over one packed
 //! projection `[b, s, width]` are the same loop.
 
-use super::{Arg, CpuError, R};
+use super::{Arg, CpuError, R, debug_span};
 use kiln_compiler::graph::{Op, ScoreMods};
 use kiln_compiler::interp::{alibi_slopes, relative_bucket, score_operands};
 use rayon::prelude::*;
@@ -171,6 +171,9 @@ pub fn low_rank(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape:
         let (bi, h) = (bh / heads, bh % heads);
         // SAFETY: `o` holds r x head_dim; `e` holds n x r (n <= rows), read transposed; `x` holds
         // the n rows of batch `bi`, this head's head_dim columns at stride `width` (all checked above).
+        debug_span("low-rank output", o.len(), 0, (r, head_dim), (head_dim, 1));
+        debug_span("low-rank projection", e.len(), 0, (n, r), (r, 1));
+        debug_span("low-rank rows", x.len(), bi * n * width + start + h * head_dim, (n, width), (head_dim, 1));
         unsafe {
             gemm::gemm(
                 r,
@@ -389,7 +392,11 @@ impl Rows<'_> {
                 let block = p.block.max(1);
                 let blocks = g.s.max(t).div_ceil(block);
                 let qb = (si + self.offset) / block;
-                p.attended(qb, blocks).into_iter().map(|kb| (kb * block, ((kb + 1) * block).min(t))).collect()
+                // Blocks past the keys (a query block beyond them) attend nothing there.
+                (p.attended(qb, blocks).into_iter())
+                    .map(|kb| ((kb * block).min(t), ((kb + 1) * block).min(t)))
+                    .filter(|(a, z)| a < z)
+                    .collect()
             }
             None => vec![self.positions(si)],
         }
@@ -426,6 +433,13 @@ impl Rows<'_> {
                 // SAFETY: `q` holds the block's rows of head `hq` at stride `ql.row`, `k` and `v`
                 // its keys `k0..k1` of head `kvh` at strides `kl.row` / `vl.row` (checked by
                 // `run`), `p` holds m x n with these keys' columns at `col..col + k1 - k0`.
+                debug_assert!(
+                    k0 <= k1 && k1 <= t && col + (k1 - k0) <= n,
+                    "keys {k0}..{k1} of {t}, column {col} of {n}"
+                );
+                debug_span("attention scores", p.len(), col, (m, n), (k1 - k0, 1));
+                debug_span("attention queries", q.len(), ql.at(bi, hq, rows.start), (m, ql.row), (d, 1));
+                debug_span("attention keys", k.len(), kl.at(bi, kvh, k0), (k1 - k0, kl.row), (d, 1));
                 unsafe {
                     gemm::gemm(
                         m,
@@ -505,6 +519,9 @@ impl Rows<'_> {
             let mut col = 0;
             for &(k0, k1) in &ranges {
                 // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
+                debug_span("attention output", out.len(), j * d, (m, group * d), (d, 1));
+                debug_span("attention probabilities", p.len(), col, (m, n), (k1 - k0, 1));
+                debug_span("attention values", v.len(), vl.at(bi, kvh, k0), (k1 - k0, vl.row), (d, 1));
                 unsafe {
                     gemm::gemm(
                         m,

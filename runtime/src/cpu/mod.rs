@@ -141,6 +141,28 @@ pub struct CpuModel {
     appends: Vec<AppendSite>,
 }
 
+/// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
+/// cols` elements from `offset`, `row_stride` and `col_stride` apart. The kernels' raw-pointer
+/// ranges (the `gemm` crate's operands, SIMD loads) state this bound in their SAFETY comments;
+/// this checks it where an out-of-bounds access would otherwise corrupt memory silently.
+#[inline(always)]
+pub(crate) fn debug_span(
+    what: &str,
+    len: usize,
+    offset: usize,
+    (rows, row_stride): (usize, usize),
+    (cols, col_stride): (usize, usize),
+) {
+    if cfg!(debug_assertions) && rows > 0 && cols > 0 {
+        let last = (rows - 1).checked_mul(row_stride).and_then(|r| (cols - 1).checked_mul(col_stride).map(|c| (r, c)));
+        let end = last.and_then(|(r, c)| offset.checked_add(r)?.checked_add(c));
+        assert!(
+            end.is_some_and(|e| e < len),
+            "{what}: {rows} x {cols} elements from {offset} (strides {row_stride}, {col_stride}) overrun a slice of {len}"
+        );
+    }
+}
+
 /// The threads a model uses by default: one per core the process may run on.
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

@@ -5,7 +5,8 @@
 //! holds, and what llama.cpp fixes in code for an architecture (Gemma 3's layer pattern and the
 //! RoPE base of its sliding layers) is noted as such.
 
-use super::{Draft, Hints, ImportError, Imported, Result, global_period};
+use super::{Draft, Hints, ImportError, Imported, Result, Val, global_period};
+use crate::spec::LayerKind;
 use crate::spec::weightmap::Source;
 use std::collections::BTreeMap;
 
@@ -257,7 +258,8 @@ fn llama_like(m: &Meta) -> Result<Draft> {
     } else {
         // llama.cpp stores Qwen's Q/K rows as trained (rotate-half RoPE), so the names are
         // llama's without the un-permutation.
-        for (template, source) in crate::spec::weightmap::preset("gguf-llama").unwrap_or_default() {
+        let swiglu = crate::spec::weightmap::Variant { gated_ffn: true };
+        for (template, source) in crate::spec::weightmap::preset("gguf-llama", swiglu).unwrap_or_default() {
             d.tensor(&template, Source { rope_unpermute: false, ..source });
         }
         d.named("layers.{i}.attn.q_norm.weight", "blk.{i}.attn_q_norm.weight");
@@ -312,8 +314,13 @@ fn gemma(m: &Meta) -> Result<Draft> {
         }
         d.set("attention", "mask", "sliding-window", note.clone());
         d.set("attention", "window", window, m.from("attention.sliding_window"));
-        if let Some(every) = global_period(&global) {
-            d.set("attention", "global_every", every, note);
+        match global_period(&global) {
+            Some(every) => d.set("attention", "global_every", every, note),
+            None if global.iter().any(|&g| g) => {
+                let kinds = global.iter().map(|&g| if g { LayerKind::Global } else { LayerKind::SlidingWindow });
+                d.set("attention", "layer_types", Val::List(kinds.map(|k| Val::from(k.name())).collect()), note);
+            }
+            None => {}
         }
     } else if let Some(t) = global_theta {
         d.set("positions", "theta", t, m.from("rope.freq_base"));

@@ -7,7 +7,8 @@
 //! (`rope_parameters`, `layer_types`) are read.
 
 use super::{Draft, Hints, ImportError, Imported, Result, SentencePooling, Val, activation, global_period};
-use crate::spec::weightmap::{Pack, PackPart, Source};
+use crate::spec::LayerKind;
+use crate::spec::weightmap::{Pack, PackPart, Source, Variant};
 use serde_json::{Map, Value};
 
 /// The families this module maps, for the refusal of any other `model_type`.
@@ -268,7 +269,8 @@ fn layer_types(cfg: &Config) -> Result<Option<Vec<bool>>> {
         .map(Some)
 }
 
-/// `attention.mask`, `window` and `global_every` from the layers that slide.
+/// `attention.mask`, `window`, and which layers are global: `global_every` for a periodic
+/// pattern, else the list `layer_types`.
 fn windows(d: &mut Draft, cfg: &Config, sliding: &[bool], note: &str) -> Result<()> {
     if !sliding.iter().any(|&s| s) {
         return Ok(());
@@ -282,14 +284,18 @@ fn windows(d: &mut Draft, cfg: &Config, sliding: &[bool], note: &str) -> Result<
         return Ok(());
     }
     let global: Vec<bool> = sliding.iter().map(|&s| !s).collect();
-    let every = global_period(&global).ok_or_else(|| {
-        ImportError::new(format!(
-            "{note}: the full-attention layers ({}) are not every n-th layer (n - 1, 2n - 1, ...), the one \
-             pattern kiln expresses (`attention.global_every`)",
-            global.iter().enumerate().filter(|(_, g)| **g).map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(", ")
-        ))
-    })?;
-    d.set("attention", "global_every", every, note.to_string());
+    match global_period(&global) {
+        Some(every) => d.set("attention", "global_every", every, note.to_string()),
+        None => {
+            let kinds = sliding.iter().map(|&s| if s { LayerKind::SlidingWindow } else { LayerKind::Global });
+            d.set(
+                "attention",
+                "layer_types",
+                Val::List(kinds.map(|k| Val::from(k.name())).collect()),
+                note.to_string(),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -308,12 +314,6 @@ fn uniform_window(d: &mut Draft, cfg: &Config, family: &str, layers: u64) -> Res
         // Layers from `max_window_layers` on slide.
         let from_layer = cfg.uint("max_window_layers")?.unwrap_or(0);
         let sliding: Vec<bool> = (0..layers).map(|i| i >= from_layer).collect();
-        if sliding.iter().any(|&s| s) && !sliding.iter().all(|&s| s) {
-            return Err(ImportError::new(format!(
-                "`use_sliding_window = true` with `max_window_layers = {from_layer}` (full attention below that \
-                 layer, a window above) is not supported"
-            )));
-        }
         return windows(d, cfg, &sliding, "config.json: use_sliding_window, max_window_layers");
     }
     if cfg.uint("sliding_window")?.is_some() {
@@ -810,7 +810,8 @@ fn bert(cfg: &Config, hints: &Hints) -> Result<Draft> {
             .is_some_and(|a| a != "BertModel");
         if headed {
             d.comment("A task model (architectures): its encoder's tensors are read under `bert.`.");
-            for (template, source) in crate::spec::weightmap::preset("bert").unwrap_or_default() {
+            let ungated = Variant { gated_ffn: false };
+            for (template, source) in crate::spec::weightmap::preset("bert", ungated).unwrap_or_default() {
                 d.tensor(&template, Source { tensor: format!("bert.{}", source.tensor), ..source });
             }
         }
@@ -889,7 +890,13 @@ fn t5(cfg: &Config, family: &str) -> Result<Draft> {
     if scaled {
         d.set("head", "scale", 1.0 / (width as f64).sqrt(), format!("d_model^-0.5, {note}"));
     }
-    d.preset("t5", "T5's tensor names");
+    d.set(
+        "outputs",
+        "encoder_hidden_state",
+        true,
+        format!("{family}: transformers returns the encoder's output too (encoder_last_hidden_state)"),
+    );
+    d.preset("t5", "T5's tensor names (the feed-forward's follow `ffn.gated`)");
     Ok(d)
 }
 

@@ -83,6 +83,8 @@ pub(crate) enum Val {
     Str(String),
     /// An inline table, its fields already written (`block = 4, global = 1`).
     Table(String),
+    /// An array.
+    List(Vec<Val>),
 }
 
 impl From<u64> for Val {
@@ -116,6 +118,7 @@ impl Val {
             Val::Bool(v) => v.to_string(),
             Val::Str(s) => quote(s),
             Val::Table(fields) => format!("{{ {fields} }}"),
+            Val::List(items) => format!("[{}]", items.iter().map(Val::render).collect::<Vec<_>>().join(", ")),
         }
     }
 }
@@ -200,16 +203,15 @@ impl Draft {
                 }
             }
         }
-        if preset.is_some() || !entries.is_empty() {
+        // `[weights]` only holds a preset; entries alone go under `[weights.tensors]`.
+        if let Some((name, note)) = preset {
             let _ = writeln!(out, "\n[weights]");
-            if let Some((name, note)) = preset {
-                let _ = writeln!(out, "{:<32} # {note}", format!("preset = {}", quote(name)));
-            }
-            if !entries.is_empty() {
-                let _ = writeln!(out, "\n[weights.tensors]");
-                for (template, source) in entries {
-                    let _ = writeln!(out, "{} = {}", quote(template), render_source(source));
-                }
+            let _ = writeln!(out, "{:<32} # {note}", format!("preset = {}", quote(name)));
+        }
+        if !entries.is_empty() {
+            let _ = writeln!(out, "\n[weights.tensors]");
+            for (template, source) in entries {
+                let _ = writeln!(out, "{} = {}", quote(template), render_source(source));
             }
         }
         out
@@ -238,7 +240,7 @@ impl Draft {
         if let Some(tensors) = &hints.tensors {
             let mut map = WeightMap::default();
             if let Some((name, _)) = &preset {
-                map.entries = weightmap::preset(name).unwrap_or_default();
+                map.entries = weightmap::preset(name, weightmap::Variant::of(&fe.spec.spec)).unwrap_or_default();
             }
             map.entries.extend(entries.iter().cloned());
             if let Some(prefix) = common_prefix(&map, &params, tensors) {
