@@ -150,10 +150,16 @@ fn draw_spec(d: &mut Draw) -> String {
     t.key("vocab", d.int(2, 64));
     t.key("d_model", d_model);
     t.key("layers", layers);
+    // The layers of the stack the mask applies to (an encoder-decoder's decoder).
+    let mut masked_layers = layers;
     if kind == "encoder-decoder" || d.stray() {
         for key in ["encoder_layers", "decoder_layers"] {
             if d.chance(1, 3) {
-                t.key(key, d.int(1, 3));
+                let n = d.int(1, 3);
+                t.key(key, n);
+                if key == "decoder_layers" {
+                    masked_layers = n;
+                }
             }
         }
     }
@@ -240,11 +246,23 @@ fn draw_spec(d: &mut Draw) -> String {
     };
     if mask == "sliding-window" || d.stray() {
         t.key("window", d.int(1, max_positions));
-        if d.chance(1, 3) {
-            t.key("global_every", d.int(1, 3));
-            if positions == "rope" && d.chance(1, 2) {
-                t.float("global_theta", d.pick(&[1e6, 500.0]));
+        // Global layers: periodic, or each layer's kind listed (in either spelling).
+        let global = match d.pick(&[0u8, 0, 1, 2]) {
+            1 => {
+                t.key("global_every", d.int(1, 3));
+                true
             }
+            2 => {
+                let n = d.int(masked_layers, masked_layers);
+                let kinds = ["\"sliding-window\"", "\"global\"", "\"sliding_attention\"", "\"full_attention\""];
+                let list: Vec<&str> = (0..n.min(8)).map(|_| d.pick(&kinds)).collect();
+                t.key("layer_types", format!("[{}]", list.join(", ")));
+                true
+            }
+            _ => false,
+        };
+        if (global || d.stray()) && positions == "rope" && d.chance(1, 2) {
+            t.float("global_theta", d.pick(&[1e6, 500.0]));
         }
     }
     if d.chance(1, 4) {
