@@ -779,7 +779,8 @@ fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case
 const F16_MATH_TOLERANCE: f32 = 2e-3;
 
 /// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, heads
-/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue, gated) — in every form
+/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue,
+/// gated, rotating) — in every form
 /// the device features allow (plain WGSL, subgroup reductions, f16 weights, f16 arithmetic, with
 /// and without subgroups), against the interpreter. Rows are wider than a workgroup and not a
 /// multiple of it, so lanes take uneven shares; `k` = 320 gives the split GEMV's lanes 1 or 2
@@ -793,6 +794,8 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let eps = Scalar(1e-5);
     let x1 = g.param("x1", &[1, 1, k]);
     let x3 = g.param("x3", &[3, k]);
+    let x13 = g.param("x13", &[1, 3, k]);
+    let r13 = g.param("r13", &[1, 3, n]);
     let gain = g.param("gain", &[k]);
     let shift = g.param("shift", &[k]);
     let w = g.param("w", &[n, k]);
@@ -819,6 +822,15 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let normed =
         Op::Linear { act: Some(Activation::Gelu), bias: true, residual: false, norm: layer, glu: false, rope: None };
     add("gemv 3 rows layer-norm", normed, &[x3, gain, shift, w, b]);
+    // Rotating GEMVs (a decoder's QKV projection) over 3 positions: heads of 16, the last 8
+    // columns unrotated; rotate-half with a norm prologue, interleaved with bias and residual.
+    let rope =
+        RopeCols { theta: Scalar(1e4), rotary_dim: 8, style: PairStyle::RotateHalf, head_dim: 16, start: 0, len: 32 };
+    let rotating = Op::Linear { act: None, bias: false, residual: false, norm: rms, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rms-norm rope", rotating, &[x13, gain, w]);
+    let rope = RopeCols { style: PairStyle::Interleaved, rotary_dim: 16, start: 8, ..rope };
+    let rotating = Op::Linear { act: None, bias: true, residual: true, norm: None, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rope interleaved", rotating, &[x13, w, b, r13]);
     add("layer_norm", Op::LayerNorm { eps }, &[rows, dgain, dshift]);
     add("rms_norm", Op::RmsNorm { eps }, &[rows, dgain]);
     add("add_norm", Op::AddNorm { rms: false, eps, after: false }, &[rows, other, dgain, dshift]);
@@ -874,6 +886,9 @@ fn every_device_form_of_norms_softmax_and_gemv() {
         let wgsl: String = model.program().kernels.iter().map(|k| k.wgsl.as_str()).collect();
         assert_eq!(wgsl.contains("subgroupAdd"), options.subgroups, "{form}");
         assert_eq!(wgsl.contains("form == 4u"), options.subgroups, "{form}: the split GEMV form");
+        for kernel in model.program().kernels.iter().filter(|k| k.name.contains("rope")) {
+            assert_eq!(kernel.wgsl.contains("form == 4u"), options.subgroups, "{form}: the rotating split GEMV");
+        }
         assert_eq!(wgsl.contains("vec4<f16>(x0)"), options.f16_math, "{form}: f16 arithmetic");
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
         let want = if options.f16_weights { &expected_f16 } else { &expected };

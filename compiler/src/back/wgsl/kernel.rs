@@ -429,7 +429,9 @@ mod tests {
                 }
             }
         }
-        // A projection without the split form (a RoPE epilogue) is the same text with subgroups.
+        // A RoPE epilogue in whole `vec4`s has the split form (both pair layouts); one whose pairs
+        // are not (heads starting at column 4) has no `vec4` forms, and is the same text with
+        // subgroups.
         let rope = crate::graph::RopeCols {
             theta: Scalar(1e4),
             rotary_dim: 8,
@@ -438,12 +440,18 @@ mod tests {
             start: 0,
             len: 16,
         };
-        let op = Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) };
-        let inputs = [Elem::F32; 2];
-        assert_eq!(
-            kernel(&op, &inputs, Elem::F32, None, &Options::default()),
-            kernel(&op, &inputs, Elem::F32, None, &subgroups)
-        );
+        let rotating =
+            |rope| Op::Linear { act: None, bias: false, residual: false, norm, glu: false, rope: Some(rope) };
+        let inputs = [Elem::F32; 3];
+        for rope in [rope, crate::graph::RopeCols { style: PairStyle::Interleaved, ..rope }] {
+            let text = kernel(&rotating(rope), &inputs, Elem::F32, None, &subgroups).unwrap();
+            super::super::validate(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert!(text.contains("form == 4u") && text.contains("group_pair(t % tiles)"), "{text}");
+        }
+        let unaligned = rotating(crate::graph::RopeCols { start: 4, ..rope });
+        let text = kernel(&unaligned, &inputs, Elem::F32, None, &subgroups).unwrap();
+        assert!(!text.contains("form == 4u"), "{text}");
+        assert_eq!(Some(text), kernel(&unaligned, &inputs, Elem::F32, None, &Options::default()));
     }
 
     /// The weight operand's index of a projection without a norm prologue's shift.
