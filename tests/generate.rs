@@ -72,25 +72,46 @@ fn check(name: &str) {
 /// -> 32 -> 64 rows), and a failed step leaves it as it was. Gemma 3's sliding-window layers keep
 /// their latest rows in a contiguous buffer; the other layers' caches keep their room. The same
 /// holds for the hardware program, whose cached attentions append to both caches themselves
-/// (`fold_appends`, forced here): they then write only the new rows too.
+/// (`fold_appends`, forced here): they then write only the new rows too; and with the
+/// attentions in their workgroup form (`attention_workgroups`, forced too), which read the caches
+/// in place the same way, folded or not.
 #[test]
 fn the_device_cache_is_appended_in_place() {
     let Some(gpu) = common::gpu() else { return };
-    let cases = [("llama", false), ("gpt2", false), ("gemma3", false), ("llama", true), ("gpt2", true)];
-    for (name, fold) in cases {
+    // (model, appends folded, attention in workgroups)
+    let cases = [
+        ("llama", false, false),
+        ("gpt2", false, false),
+        ("gemma3", false, false),
+        ("llama", true, false),
+        ("gpt2", true, false),
+        ("llama", true, true),
+        ("gemma3", false, true),
+    ];
+    for (name, fold, workgroups) in cases {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
         let outputs: Vec<String> = optimized.outputs.iter().map(|(o, _)| o.clone()).collect();
         let links = kiln_runtime::generate::links(&outputs);
         let plan = lower(&optimized);
-        let options = kiln_compiler::back::wgsl::Options { fold_appends: fold, ..gpu.options() };
+        let options = kiln_compiler::back::wgsl::Options {
+            fold_appends: fold,
+            attention_workgroups: workgroups,
+            ..gpu.options()
+        };
         let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();
         let folded = (model.plan().steps.iter())
             .filter(|s| matches!(s.op, kiln_compiler::graph::Op::PackedAttention { appends: true, .. }))
             .count();
         assert_eq!(folded > 0, fold, "{name}: {folded} attentions appending themselves");
-        let name = &format!("{name}{}", if fold { ", appends folded" } else { "" });
+        let wide = model.program().kernels.iter().filter(|k| k.wgsl.contains("dim(7u) == 2u")).count();
+        assert_eq!(wide > 0, workgroups, "{name}: {wide} attention kernels with the workgroup form");
+        let name = &format!(
+            "{name}{}{}",
+            if fold { ", appends folded" } else { "" },
+            if workgroups { ", attention in workgroups" } else { "" }
+        );
         let mut engine = GpuEngine::new(model);
         let mut cpu =
             kiln_runtime::CpuEngine::new(kiln_runtime::CpuModel::new(plan, &params, &HashMap::new(), 2, &()).unwrap());
