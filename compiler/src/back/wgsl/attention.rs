@@ -103,10 +103,14 @@ impl Geometry {
 pub const KEY_STRIDES: (usize, usize) = (11, 12);
 
 /// Invocations of the blocked forms below which a kernel with the workgroup form runs that
-/// instead: fewer than a large GPU runs at once (an H200's 132 multiprocessors take 2048
-/// invocations each), where the blocked forms' invocations, each walking all of its keys alone,
-/// leave it idle. A decode step's attention runs `batch x kv` of them (3 for SmolLM2).
-pub const WORKGROUP_FORM_BELOW: usize = 16_384;
+/// instead: where the blocked forms' few invocations, each walking all of its keys alone, leave a
+/// GPU idle. A decode step's attention runs `batch x kv` of them (3 for SmolLM2). Measured on an
+/// NVIDIA H200 (BENCHMARKS.md, 2026-11-26): at 48 invocations (SmolLM2's prefill of 128 tokens)
+/// the workgroup form took a forward pass from 106.6 to 68.0 ms; at 6 144 (MiniLM, 32 sentences
+/// of 128 tokens) it was slower, 22.8 -> 40.0 ms, one workgroup per query row being more work
+/// than the blocked forms' shared key loads. 2 048 (16 per multiprocessor of that device) lies
+/// between; a per-adapter choice is issue 33's tuner.
+pub const WORKGROUP_FORM_BELOW: usize = 2_048;
 
 /// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
 /// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
