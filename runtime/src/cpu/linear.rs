@@ -182,10 +182,11 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: 
     let (rhs_cs, rhs_rs) = if transposed { (1, n) } else { (k, 1) };
     // SAFETY: `gemm` writes `y[i * n + j]` for i < m, j < n, and reads `x[i * k + l]` and
     // `w[l * rhs_rs + j * rhs_cs]` for l < k: the spans below, inside the slices (the caller's
-    // shapes; checked here in debug builds). `y` does not alias the inputs (a distinct `&mut`).
-    super::debug_span("linear output", y.len(), 0, (m, n), (n, 1));
-    super::debug_span("linear input", x.len(), 0, (m, k), (k, 1));
-    super::debug_span("linear weight", w.len(), 0, (k, rhs_rs), (n, rhs_cs));
+    // shapes, checked here in every build: this is a safe public function). `y` does not alias
+    // the inputs (a distinct `&mut`).
+    super::check_span("linear output", y.len(), 0, (m, n), (n, 1));
+    super::check_span("linear input", x.len(), 0, (m, k), (k, 1));
+    super::check_span("linear weight", w.len(), 0, (k, rhs_rs), (n, rhs_cs));
     let (rhs_cs, rhs_rs) = (rhs_cs as isize, rhs_rs as isize);
     unsafe {
         gemm::gemm(
@@ -301,10 +302,9 @@ mod tests {
         }
     }
 
-    /// Debug builds check every operand's span before the `gemm` crate's raw-pointer access.
-    #[cfg(debug_assertions)]
+    /// Every build checks every operand's span before the `gemm` crate's raw-pointer access.
     #[test]
-    fn gemm_f32_operands_one_short_fire_in_debug_builds() {
+    fn gemm_f32_operands_one_short_are_refused() {
         let (x, w) = (vec![1.0f32; 6], vec![1.0f32; 6]);
         for (what, xl, wl, yl, transposed) in [
             ("linear input", 5, 6, 4, false),
