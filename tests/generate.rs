@@ -558,3 +558,20 @@ fn sampling_on_the_device_gives_the_host_tokens() {
     assert_eq!(on_device, on_host);
     assert_eq!(on_device.logits.map(|l| l.len()), Some(fe.spec.spec.model.vocab as usize));
 }
+
+/// Found by the differential fuzzer (issue 28): a decoder with a bidirectional mask was cached as
+/// if causal, and its cached steps differed from recomputation (an earlier position attends to
+/// later tokens, so it changes as tokens are added). Generation refuses it, saying why; the
+/// forward pass still runs it.
+#[test]
+fn cached_decoder_with_bidirectional_mask_is_refused() {
+    let source = "[model]\nkind = \"decoder\"\nvocab = 8\nd_model = 8\nlayers = 2\nmax_positions = 8\n\n\
+                  [attention]\nheads = 1\nmask = \"bidirectional\"\n";
+    let fe =
+        kiln_compiler::front_end("bidirectional-decoder.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let err = build_cached(&fe.spec).expect_err("a bidirectional decoder has no cached form");
+    assert!(err.to_string().contains("needs a causal or sliding-window mask"), "{err}");
+    let params = interp::random_params(&fe.graph, 1).unwrap();
+    let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]);
+    assert!(interp::run(&fe.graph, &params, &inputs).is_ok());
+}
