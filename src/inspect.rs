@@ -74,7 +74,8 @@ pub struct InspectArgs {
     backend: Option<crate::Backend>,
     /// With `--stage wgsl`: the program as compiled for a hardware adapter with subgroups (as `run`
     /// compiles it there): row reductions through subgroup operations, the split GEMV projection
-    /// form, and a decoder step's cache appends run in its attention's dispatch.
+    /// form, a decoder step's cache appends run in its attention's dispatch, and the attention's
+    /// workgroup form.
     #[arg(long)]
     subgroups: bool,
 }
@@ -308,8 +309,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
                 true => kiln_compiler::artifact::Artifact::read(&args.spec)?.plan,
                 false => lower::lower(&optimize::optimize(&fe.graph)?.0),
             };
-            let hardware = args.subgroups;
-            let options = wgsl::Options { subgroups: hardware, fold_appends: hardware, ..wgsl::Options::default() };
+            let options = if args.subgroups { wgsl::Options::hardware() } else { wgsl::Options::default() };
             emit(wgsl_text(&wgsl::compile(&plan, &options)?).as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),

@@ -150,7 +150,8 @@ fn inspect_wgsl_with_subgroups() {
     let plain = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl"]));
     let sub = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl", "--subgroups"]));
     assert!(plain.lines().next().unwrap().ends_with("(plain)") && !plain.contains("subgroupAdd"), "{plain}");
-    assert!(sub.lines().next().unwrap().ends_with("(subgroups, cache appends in the attention)"), "{sub}");
+    let first = sub.lines().next().unwrap();
+    assert!(first.ends_with("(subgroups, cache appends in the attention, attention in workgroups)"), "{sub}");
     assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
     // A decoder step as a hardware adapter runs it: the cache appends in the attention's dispatch.
     let step = |extra: &[&str]| {
@@ -162,6 +163,16 @@ fn inspect_wgsl_with_subgroups() {
     assert!(!plain.contains("also writes"), "{plain}");
     assert!(hardware.contains("packed_attention in `layers.0.attn` -> kernel"), "{hardware}");
     assert!(hardware.contains("(also writes `layers.0.attn.present_k`, `layers.0.attn.present_v`)"), "{hardware}");
+    // Its attention has the workgroup form; its rotating QKV projection, the split GEMV.
+    assert!(hardware.contains("dim(7u) == 2u") && !plain.contains("dim(7u) == 2u"), "{hardware}");
+    let kernels = |text: &str, name: &str| -> Vec<String> {
+        text.split("// ---- kernel ")
+            .filter(|k| k.lines().next().is_some_and(|l| l.contains(name)))
+            .map(String::from)
+            .collect()
+    };
+    let rotating = kernels(&hardware, "_rope (");
+    assert!(!rotating.is_empty() && rotating.iter().all(|k| k.contains("form == 4u")), "{hardware}");
 }
 
 #[test]

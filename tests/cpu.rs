@@ -41,6 +41,19 @@ fn golden(name: &str) {
     }
 }
 
+/// The kernels' bounds (`debug_span` and `debug_assert!` beside each unsafe access) are checked
+/// while these tests run: the test profile keeps debug assertions (`[profile.test]` in
+/// Cargo.toml). A release build (`cargo test --release`) has none, and skips this.
+#[test]
+#[cfg_attr(not(debug_assertions), ignore = "a release build has no debug assertions")]
+fn the_tests_check_the_kernel_bounds() {
+    let (x, w) = ([1.0f32; 6], [1.0f32; 6]);
+    let short = std::panic::catch_unwind(|| {
+        kiln_runtime::cpu::linear::gemm_f32(2, 2, 3, &x[..5], &w, false, &mut [0.0; 4], 1);
+    });
+    assert!(cfg!(debug_assertions) && short.is_err(), "an input one element short of a projection's passed unchecked");
+}
+
 #[test]
 fn gpt2_on_cpu() {
     golden("gpt2");

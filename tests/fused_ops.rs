@@ -98,6 +98,57 @@ impl Softmax {
 /// compiles each distinct kernel once), checks each pair against each other on the interpreter
 /// and both against the interpreter on wgpu, plainly and, if `chunked`, over small buffers.
 fn check(cases: &[Case], chunked: bool) {
+    let (g, params, expected) = evaluate(cases);
+    let devices = [("wgpu", common::gpu()), ("wgpu, chunked", if chunked { chunked_gpu() } else { None })];
+    for (device, gpu) in devices {
+        let Some(gpu) = gpu else { continue };
+        // Unfolded: every op here reads parameters alone, and would otherwise be evaluated at load
+        // time by the interpreter instead of running its kernel.
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+        let model = GpuModel::new(gpu, plan, &params).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
+        }
+    }
+    // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
+    // split unevenly).
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for threads in [1, 3] {
+        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            let what = format!("{}: `{out}` on cpu, {threads} threads", cases[k / 2].name);
+            assert_close(&what, want, got, GPU_TOLERANCE);
+        }
+    }
+}
+
+/// The fused ops of [`check`]'s cases on wgpu alone (their compositions checked on the
+/// interpreter only), the kernels compiled with each of `forms` (forms the adapter would not be
+/// given by default, such as a hardware adapter's); the model of each.
+fn check_forms(cases: &[Case], forms: &[kiln_compiler::back::wgsl::Options]) -> Vec<GpuModel> {
+    let (mut g, params, expected) = evaluate(cases);
+    g.outputs.retain(|(name, _)| name.ends_with(".fused"));
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    let gpu = common::gpu().expect("the caller checked for an adapter");
+    let mut models = Vec::new();
+    for options in forms {
+        let form = options.describe();
+        let model = GpuModel::with_progress(gpu.clone(), &plan, options, &params, &HashMap::new(), &())
+            .unwrap_or_else(|e| panic!("{form}: {e}"));
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
+        for ((case, want), (out, got)) in cases.iter().zip(expected.iter().step_by(2)).zip(&got) {
+            assert_close(&format!("{}: `{out}` on wgpu ({form})", case.name), &want.1, got, GPU_TOLERANCE);
+        }
+        models.push(model);
+    }
+    models
+}
+
+/// The graph of [`check`]'s cases (outputs `caseN.fused`, `caseN.unfused`), its parameters, and
+/// its outputs on the interpreter, each fused op checked against its composition there.
+fn evaluate(cases: &[Case]) -> (Graph, HashMap<String, Tensor>, Vec<(String, Tensor)>) {
     let mut g = Graph::new("fused");
     for (c, case) in cases.iter().enumerate() {
         let name = &case.name;
@@ -280,30 +331,7 @@ fn check(cases: &[Case], chunked: bool) {
         let what = format!("{}: fused vs unfused on the interpreter", case.name);
         assert_close(&what, &pair[1].1, &pair[0].1, INTERP_TOLERANCE);
     }
-
-    let devices = [("wgpu", common::gpu()), ("wgpu, chunked", if chunked { chunked_gpu() } else { None })];
-    for (device, gpu) in devices {
-        let Some(gpu) = gpu else { continue };
-        // Unfolded: every op here reads parameters alone, and would otherwise be evaluated at load
-        // time by the interpreter instead of running its kernel.
-        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
-        let model = GpuModel::new(gpu, plan, &params).unwrap();
-        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
-        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
-            assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
-        }
-    }
-    // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
-    // split unevenly).
-    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
-    for threads in [1, 3] {
-        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
-        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
-        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
-            let what = format!("{}: `{out}` on cpu, {threads} threads", cases[k / 2].name);
-            assert_close(&what, want, got, GPU_TOLERANCE);
-        }
-    }
+    (g, params, expected)
 }
 
 #[test]
@@ -716,6 +744,106 @@ fn packed_attention_mha_and_gqa_with_masks() {
     check(&steps, false);
 }
 
+/// The options of a hardware adapter (with the attention's workgroup form), in plain and, where
+/// the adapter has them, subgroup reductions.
+fn hardware_forms(gpu: &Gpu) -> Vec<kiln_compiler::back::wgsl::Options> {
+    let hardware = kiln_compiler::back::wgsl::Options::hardware();
+    let plain = kiln_compiler::back::wgsl::Options { subgroups: false, ..hardware };
+    if gpu.supports_subgroups() { vec![plain, hardware] } else { vec![plain] }
+}
+
+/// Asserts that every attention step of `model` (compiled with `options`) ran the workgroup form:
+/// its kernel has it and its dispatch, at the step's shapes, picks it.
+fn assert_workgroup_form(model: &GpuModel, options: &kiln_compiler::back::wgsl::Options) {
+    use kiln_compiler::back::wgsl;
+    let program = model.program();
+    let plan = &program.plan;
+    let mut attentions = 0;
+    for (i, step) in plan.steps.iter().enumerate() {
+        if !matches!(step.op, Op::Attention { .. } | Op::PackedAttention { .. }) {
+            continue;
+        }
+        attentions += 1;
+        let kernel = program.kernel_of(i).unwrap();
+        assert!(kernel.wgsl.contains("dim(7u) == 2u"), "{}: no workgroup form", step.op.attrs());
+        let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, &HashMap::new());
+        let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+        let dims = wgsl::dispatch(&step.op, &operands, &shape(step.output), 0, options).unwrap();
+        assert_eq!(dims[7], 2, "{}: form {} dispatched", step.op.attrs(), dims[7]);
+    }
+    assert!(attentions > 0, "no attention step");
+}
+
+/// The attention kernels' workgroup form (a hardware adapter's, forced here: a workgroup per
+/// query row and head, its lanes taking the keys 64 at a time) against the interpreter, on every
+/// layout — attention, packed, a decoder step's packed attention over its caches — with
+/// multi-head, grouped-query and multi-query heads, heads wider than the workgroup (80: two
+/// columns a lane), one query row (a decode step) and a few, over 1 key, keys short of a chunk,
+/// a chunk, one past it and two chunks and a part, under every mask (causal, sliding window, a
+/// key padding mask that hides every key of one batch row) and score modifier (ALiBi, soft-cap,
+/// relative bias both ways, block pattern), with plain and subgroup reductions.
+#[test]
+fn attention_workgroup_form_on_every_layout_and_modifier() {
+    let Some(gpu) = common::gpu() else { return };
+    let plain = ScoreMods::default();
+    // (alibi, causal, window, modifiers)
+    let mut variants = vec![(false, false, None, plain), (true, true, None, plain), (false, true, Some(3), plain)];
+    variants.push((true, false, Some(70), plain));
+    variants.extend(modifiers().into_iter().map(|(causal, mods)| (false, causal, None, mods)));
+    let mut cases = Vec::new();
+    for (alibi, causal, window, mods) in variants {
+        let table = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
+        let mut push = |name: String, op: Op, mut operands: Vec<(&'static str, Vec<usize>)>, b: usize, t: usize| {
+            operands.push(("key_mask", vec![b, t]));
+            let heads = match &op {
+                Op::Attention { .. } => operands[0].1[1],
+                Op::PackedAttention { heads, .. } => *heads,
+                _ => unreachable!(),
+            };
+            let table = table(heads);
+            if !table.is_empty() {
+                operands.push(("table", table));
+            }
+            let operands: Vec<(&str, &[usize])> = operands.iter().map(|(n, s)| (*n, s.as_slice())).collect();
+            cases.push(Case::new(format!("{name} {}", op.attrs()), op, &operands, Some(key_mask(b, t))));
+        };
+        // Attention: (batch, heads, kv heads, rows, keys, head_dim).
+        for (b, h, kv, s, t, d) in [(2, 4, 4, 3, 130, 16), (2, 3, 1, 1, 64, 80)] {
+            let op = Op::Attention { scale: Scalar(0.7), alibi, causal, window, mods };
+            let operands = vec![("q", vec![b, h, s, d]), ("k", vec![b, kv, t, d]), ("v", vec![b, kv, t, d])];
+            push(format!("attention b={b} h={h} kv={kv} s={s} t={t} d={d}"), op, operands, b, t);
+        }
+        // Packed attention: a decoder step's over its caches (1, 7, 64, 65 and 130 keys with
+        // this step's), and a few rows attending each other.
+        let (h, kv, d) = (6, 2, 8);
+        let width = (h + 2 * kv) * d;
+        let packed = |cached| Op::PackedAttention {
+            scale: Scalar(0.4),
+            alibi,
+            causal,
+            window,
+            mods,
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+            q: 0,
+            k: h * d,
+            v: (h + kv) * d,
+            cached,
+            appends: false,
+        };
+        for t in [1, 7, 64, 65, 130] {
+            let operands = vec![("qkv", vec![2, 1, width]), ("k", vec![2, kv, t, d]), ("v", vec![2, kv, t, d])];
+            push(format!("cached decode past={}", t - 1), packed(true), operands, 2, t);
+        }
+        push("packed seq=5".into(), packed(false), vec![("qkv", vec![2, 5, width])], 2, 5);
+    }
+    let forms = hardware_forms(&gpu);
+    for (model, options) in check_forms(&cases, &forms).iter().zip(&forms) {
+        assert_workgroup_form(model, options);
+    }
+}
+
 /// The projection kernel's forms (see `kiln_compiler::back::wgsl::projection`): `vec4` GEMM and GEMV
 /// (`k` and `n` multiples of 4), scalar GEMM and GEMV (`k` or `n` not, or a RoPE epilogue), at
 /// row counts that leave partial tiles, plainly and chunked.
@@ -779,7 +907,8 @@ fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case
 const F16_MATH_TOLERANCE: f32 = 2e-3;
 
 /// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, heads
-/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue, gated) — in every form
+/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue,
+/// gated, rotating) — in every form
 /// the device features allow (plain WGSL, subgroup reductions, f16 weights, f16 arithmetic, with
 /// and without subgroups), against the interpreter. Rows are wider than a workgroup and not a
 /// multiple of it, so lanes take uneven shares; `k` = 320 gives the split GEMV's lanes 1 or 2
@@ -793,6 +922,8 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let eps = Scalar(1e-5);
     let x1 = g.param("x1", &[1, 1, k]);
     let x3 = g.param("x3", &[3, k]);
+    let x13 = g.param("x13", &[1, 3, k]);
+    let r13 = g.param("r13", &[1, 3, n]);
     let gain = g.param("gain", &[k]);
     let shift = g.param("shift", &[k]);
     let w = g.param("w", &[n, k]);
@@ -819,6 +950,15 @@ fn every_device_form_of_norms_softmax_and_gemv() {
     let normed =
         Op::Linear { act: Some(Activation::Gelu), bias: true, residual: false, norm: layer, glu: false, rope: None };
     add("gemv 3 rows layer-norm", normed, &[x3, gain, shift, w, b]);
+    // Rotating GEMVs (a decoder's QKV projection) over 3 positions: heads of 16, the last 8
+    // columns unrotated; rotate-half with a norm prologue, interleaved with bias and residual.
+    let rope =
+        RopeCols { theta: Scalar(1e4), rotary_dim: 8, style: PairStyle::RotateHalf, head_dim: 16, start: 0, len: 32 };
+    let rotating = Op::Linear { act: None, bias: false, residual: false, norm: rms, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rms-norm rope", rotating, &[x13, gain, w]);
+    let rope = RopeCols { style: PairStyle::Interleaved, rotary_dim: 16, start: 8, ..rope };
+    let rotating = Op::Linear { act: None, bias: true, residual: true, norm: None, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rope interleaved", rotating, &[x13, w, b, r13]);
     add("layer_norm", Op::LayerNorm { eps }, &[rows, dgain, dshift]);
     add("rms_norm", Op::RmsNorm { eps }, &[rows, dgain]);
     add("add_norm", Op::AddNorm { rms: false, eps, after: false }, &[rows, other, dgain, dshift]);
@@ -874,6 +1014,9 @@ fn every_device_form_of_norms_softmax_and_gemv() {
         let wgsl: String = model.program().kernels.iter().map(|k| k.wgsl.as_str()).collect();
         assert_eq!(wgsl.contains("subgroupAdd"), options.subgroups, "{form}");
         assert_eq!(wgsl.contains("form == 4u"), options.subgroups, "{form}: the split GEMV form");
+        for kernel in model.program().kernels.iter().filter(|k| k.name.contains("rope")) {
+            assert_eq!(kernel.wgsl.contains("form == 4u"), options.subgroups, "{form}: the rotating split GEMV");
+        }
         assert_eq!(wgsl.contains("vec4<f16>(x0)"), options.f16_math, "{form}: f16 arithmetic");
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
         let want = if options.f16_weights { &expected_f16 } else { &expected };
@@ -891,7 +1034,8 @@ fn every_device_form_of_norms_softmax_and_gemv() {
 /// runs as one dispatch (`appends`: the attention reads the caches before the step and this
 /// step's rows in place, and its threads past the attention's write the caches after it): the
 /// attention and both caches equal the interpreter's, plainly and chunked, with an empty cache
-/// or not, causal, windowed or not, with a key mask or not.
+/// or not, causal, windowed or not, with a key mask or not; and as a hardware adapter's program
+/// runs it, the attention in its workgroup form, over 1 key and caches past a chunk of 64.
 #[test]
 fn cached_attention_appends_in_its_own_dispatch() {
     // (heads, kv heads, head_dim, batch, rows, cached rows, on the chunked device too)
@@ -902,6 +1046,10 @@ fn cached_attention_appends_in_its_own_dispatch() {
         (4, 2, 8, 2, 4, 0, false),
         (6, 2, 16, 2, 7, 2, false),
         (4, 4, 8, 2, 13, 5, false),
+        // A first token (1 key), and caches past a chunk of the workgroup form's 64 keys.
+        (4, 2, 8, 2, 1, 0, false),
+        (4, 2, 8, 2, 1, 70, false),
+        (4, 2, 8, 1, 2, 63, false),
     ];
     for (h, kv, d, b, s, p, chunked) in shapes {
         for (causal, window) in [(true, None), (true, Some(3)), (false, None)] {
@@ -956,11 +1104,21 @@ fn cached_attention_appends_in_its_own_dispatch() {
                     matches!(steps.as_slice(), [(attrs, 2)] if attrs.contains("cached appends")),
                     "{what}: {steps:?}"
                 );
-                let devices = [("wgpu", common::gpu()), ("wgpu, chunked", chunked.then(chunked_gpu).flatten())];
-                for (device, gpu) in devices {
+                let mut devices = vec![
+                    ("wgpu", common::gpu(), options),
+                    ("wgpu, chunked", chunked.then(chunked_gpu).flatten(), options),
+                ];
+                // A hardware adapter's program: the attention in its workgroup form.
+                if let Some(hardware) = common::gpu().and_then(|gpu| hardware_forms(&gpu).pop()) {
+                    devices.push(("wgpu, workgroup form", common::gpu(), hardware));
+                }
+                for (device, gpu, options) in devices {
                     let Some(gpu) = gpu else { continue };
                     let model = GpuModel::with_progress(gpu, &plan, &options, &params, &HashMap::new(), &()).unwrap();
                     assert_eq!(model.program().plan.steps.len(), 1, "{what}: folded");
+                    if options.attention_workgroups {
+                        assert_workgroup_form(&model, &options);
+                    }
                     let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
                     for ((name, want), (_, got)) in expected.iter().zip(&got) {
                         assert_close(&format!("{what}: `{name}` on {device}"), want, got, GPU_TOLERANCE);

@@ -72,25 +72,46 @@ fn check(name: &str) {
 /// -> 32 -> 64 rows), and a failed step leaves it as it was. Gemma 3's sliding-window layers keep
 /// their latest rows in a contiguous buffer; the other layers' caches keep their room. The same
 /// holds for the hardware program, whose cached attentions append to both caches themselves
-/// (`fold_appends`, forced here): they then write only the new rows too.
+/// (`fold_appends`, forced here): they then write only the new rows too; and with the
+/// attentions in their workgroup form (`attention_workgroups`, forced too), which read the caches
+/// in place the same way, folded or not.
 #[test]
 fn the_device_cache_is_appended_in_place() {
     let Some(gpu) = common::gpu() else { return };
-    let cases = [("llama", false), ("gpt2", false), ("gemma3", false), ("llama", true), ("gpt2", true)];
-    for (name, fold) in cases {
+    // (model, appends folded, attention in workgroups)
+    let cases = [
+        ("llama", false, false),
+        ("gpt2", false, false),
+        ("gemma3", false, false),
+        ("llama", true, false),
+        ("gpt2", true, false),
+        ("llama", true, true),
+        ("gemma3", false, true),
+    ];
+    for (name, fold, workgroups) in cases {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
         let outputs: Vec<String> = optimized.outputs.iter().map(|(o, _)| o.clone()).collect();
         let links = kiln_runtime::generate::links(&outputs);
         let plan = lower(&optimized);
-        let options = kiln_compiler::back::wgsl::Options { fold_appends: fold, ..gpu.options() };
+        let options = kiln_compiler::back::wgsl::Options {
+            fold_appends: fold,
+            attention_workgroups: workgroups,
+            ..gpu.options()
+        };
         let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();
         let folded = (model.plan().steps.iter())
             .filter(|s| matches!(s.op, kiln_compiler::graph::Op::PackedAttention { appends: true, .. }))
             .count();
         assert_eq!(folded > 0, fold, "{name}: {folded} attentions appending themselves");
-        let name = &format!("{name}{}", if fold { ", appends folded" } else { "" });
+        let wide = model.program().kernels.iter().filter(|k| k.wgsl.contains("dim(7u) == 2u")).count();
+        assert_eq!(wide > 0, workgroups, "{name}: {wide} attention kernels with the workgroup form");
+        let name = &format!(
+            "{name}{}{}",
+            if fold { ", appends folded" } else { "" },
+            if workgroups { ", attention in workgroups" } else { "" }
+        );
         let mut engine = GpuEngine::new(model);
         let mut cpu =
             kiln_runtime::CpuEngine::new(kiln_runtime::CpuModel::new(plan, &params, &HashMap::new(), 2, &()).unwrap());
@@ -536,4 +557,21 @@ fn sampling_on_the_device_gives_the_host_tokens() {
     let (on_device, on_host) = (step(&mut device[0].1, true), step(&mut host[0].1, true));
     assert_eq!(on_device, on_host);
     assert_eq!(on_device.logits.map(|l| l.len()), Some(fe.spec.spec.model.vocab as usize));
+}
+
+/// Found by the differential fuzzer (issue 28): a decoder with a bidirectional mask was cached as
+/// if causal, and its cached steps differed from recomputation (an earlier position attends to
+/// later tokens, so it changes as tokens are added). Generation refuses it, saying why; the
+/// forward pass still runs it.
+#[test]
+fn cached_decoder_with_bidirectional_mask_is_refused() {
+    let source = "[model]\nkind = \"decoder\"\nvocab = 8\nd_model = 8\nlayers = 2\nmax_positions = 8\n\n\
+                  [attention]\nheads = 1\nmask = \"bidirectional\"\n";
+    let fe =
+        kiln_compiler::front_end("bidirectional-decoder.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let err = build_cached(&fe.spec).expect_err("a bidirectional decoder has no cached form");
+    assert!(err.to_string().contains("needs a causal or sliding-window mask"), "{err}");
+    let params = interp::random_params(&fe.graph, 1).unwrap();
+    let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, 3], vec![1, 2, 3]))]);
+    assert!(interp::run(&fe.graph, &params, &inputs).is_ok());
 }

@@ -121,3 +121,49 @@ fn dispatch_sizes_of_an_ill_typed_step_are_an_error() {
     let e = dispatch(&Op::Alibi, &[], &[1], 0, &Default::default()).unwrap_err();
     assert!(e.contains("no axis 1"), "{e}");
 }
+
+/// A decode step on a GPU: SmolLM2's optimized cached step (one token), compiled with a hardware
+/// adapter's options, launches enough workgroups in every attention and projection dispatch to
+/// spread over a GPU, at several cache lengths: an attention a workgroup per query head at
+/// least (not one invocation per key/value head), a projection a workgroup per 8 output columns
+/// (the split GEMV, a rotating one included; not `n / 8` invocations).
+#[test]
+fn decode_step_dispatches_launch_enough_workgroups() {
+    use kiln_compiler::graph::Op;
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/smollm2-135m.toml");
+    let fe = kiln_compiler::front_end(path, &std::fs::read_to_string(path).unwrap()).unwrap();
+    let cached = kiln_compiler::graph::build::build_cached(&fe.spec).unwrap();
+    let target = kiln_compiler::target::Target::wgpu();
+    let optimized = kiln_compiler::optimize::optimize_for(&cached, &target).unwrap().0;
+    let options = wgsl::Options::hardware();
+    let program = wgsl::compile(&lower(&optimized), &options).unwrap_or_else(|e| panic!("{e}"));
+    let plan = &program.plan;
+    let (mut attentions, mut projections) = (0, 0);
+    for past in [0, 1, 47, 64, 300] {
+        let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 1), (Sym::Past, past), (Sym::Ctx, past + 1)]);
+        for step in &plan.steps {
+            let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, &syms);
+            let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+            let out = shape(step.output);
+            let dims = dispatch(&step.op, &operands, &out, past, &options).unwrap();
+            let what = format!("`{}` ({}) at past {past}", step.scope, step.op.attrs());
+            match step.op {
+                // Appending to the caches: the attention's threads are the first `dims[9]`.
+                Op::PackedAttention { heads, appends, .. } => {
+                    let threads = if appends { dims[9] } else { dims[0] };
+                    assert!(threads as usize >= heads * wgsl::WORKGROUP as usize, "{what}: {threads} threads");
+                    attentions += 1;
+                }
+                Op::Linear { .. } => {
+                    let n = *out.last().unwrap();
+                    let workgroups = dims[0] / wgsl::WORKGROUP;
+                    assert!(workgroups as usize * 8 >= n, "{what}: {workgroups} workgroups for {n} columns");
+                    projections += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    // 30 layers of an attention and four projections (QKV, output, gate/up, down), the head.
+    assert_eq!((attentions, projections), (5 * 30, 5 * (4 * 30 + 1)));
+}

@@ -254,15 +254,15 @@ impl Gpu {
     /// emulated on the CPU) keeps the plain forms: there `kiln bench --kernels` measured the split
     /// GEMV at half the speed of the `vec4` GEMV (SmolLM2's QKV projection at one row: 1.29 ms
     /// against 0.65 ms); and a decoder step's cache appends in their own dispatches
-    /// ([`wgsl::Options::fold_appends`], slower there). Tests ask for those forms explicitly.
+    /// ([`wgsl::Options::fold_appends`], slower there); and the attention's blocked forms only,
+    /// where a hardware adapter runs a decode step's attention a workgroup per head
+    /// ([`wgsl::Options::attention_workgroups`]). Tests ask for those forms explicitly.
     pub fn options(&self) -> wgsl::Options {
-        let hardware = !self.is_software();
-        wgsl::Options {
-            subgroups: self.subgroups && hardware,
-            fold_appends: hardware,
-            binding_bytes: Some(self.chunk_bytes),
-            ..wgsl::Options::default()
-        }
+        let options = match self.is_software() {
+            true => wgsl::Options::default(),
+            false => wgsl::Options { subgroups: self.subgroups, ..wgsl::Options::hardware() },
+        };
+        wgsl::Options { binding_bytes: Some(self.chunk_bytes), ..options }
     }
 
     /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with

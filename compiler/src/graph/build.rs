@@ -46,6 +46,12 @@ pub fn build_cached(r: &Resolved) -> R<Graph> {
         _ if r.spec.attention.low_rank.is_some() => Err(unsupported(
             "generation with a key/value cache does not support attention.low_rank (its keys mix every position)",
         )),
+        // A cached step computes each position once, from the keys before it: a bidirectional
+        // self-attention's earlier positions would change with every later token.
+        _ if r.mask == MaskKind::Bidirectional => Err(unsupported(
+            "generation with a key/value cache needs a causal or sliding-window mask: under a bidirectional one, \
+             earlier positions attend to later tokens, so they change as tokens are added",
+        )),
         _ => build_with(r, true),
     }
 }

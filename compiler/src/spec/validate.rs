@@ -484,6 +484,14 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     } else {
         c.single("norm.gain_offset", n.gain_offset);
     }
+    if n.parallel_residual && m.kind == BlockKind::EncoderDecoder {
+        c.error_help(
+            "norm.parallel_residual",
+            "parallel residual is a single-stack block",
+            "`norm.parallel_residual` adds attention and feed-forward side by side; a decoder block with cross-attention has no such form".into(),
+            "remove `parallel_residual`, or use `kind = \"decoder\"` or `\"encoder\"`".into(),
+        );
+    }
     if n.parallel_residual && n.placement != Placement::Pre {
         c.error(
             "norm.parallel_residual",

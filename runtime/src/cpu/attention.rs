@@ -341,7 +341,8 @@ impl Rows<'_> {
     fn run(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if super::math::has_avx2() {
-            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
+            // compiled with them (checked indexing only): no bound to state.
             unsafe { self.row_avx2(row, o, scores, acc) };
             return;
         }
@@ -362,7 +363,8 @@ impl Rows<'_> {
     fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         if super::math::has_avx2() {
-            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
+            // compiled with them (its `gemm` calls state and check their own bounds).
             return unsafe { self.block_avx2(bi, kvh, rows, p) };
         }
         self.block_inner(bi, kvh, rows, p)

@@ -177,13 +177,17 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: 
     if m == 0 || n == 0 {
         return;
     }
-    debug_assert!(x.len() >= m * k && w.len() >= n * k && y.len() >= m * n);
     // The k x n right-hand side: `w` [k, n] (column stride 1, row stride n), or `w` [n, k] read
     // by strides (column stride k, row stride 1).
-    let (rhs_cs, rhs_rs) = if transposed { (1, n as isize) } else { (k as isize, 1) };
-    // SAFETY: `x` holds m rows of k, `w` n * k elements in the layout above, `y` m rows of n
-    // (checked by the caller, asserted above in debug builds); the strides stay inside them, and
-    // `y` does not alias the inputs (it is a distinct `&mut`).
+    let (rhs_cs, rhs_rs) = if transposed { (1, n) } else { (k, 1) };
+    // SAFETY: `gemm` writes `y[i * n + j]` for i < m, j < n, and reads `x[i * k + l]` and
+    // `w[l * rhs_rs + j * rhs_cs]` for l < k: the spans below, inside the slices (the caller's
+    // shapes, checked here in every build: this is a safe public function). `y` does not alias
+    // the inputs (a distinct `&mut`).
+    super::check_span("linear output", y.len(), 0, (m, n), (n, 1));
+    super::check_span("linear input", x.len(), 0, (m, k), (k, 1));
+    super::check_span("linear weight", w.len(), 0, (k, rhs_rs), (n, rhs_cs));
+    let (rhs_cs, rhs_rs) = (rhs_cs as isize, rhs_rs as isize);
     unsafe {
         gemm::gemm(
             m,
@@ -277,6 +281,44 @@ fn scatter(blocks: &[Vec<f32>], m: usize, rows: usize, y: &mut [f32]) {
         let len = ROW_BLOCK.min(rows - r0);
         for (i, p) in part.chunks(len).take(m).enumerate() {
             y[i * rows + r0..][..len].copy_from_slice(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm_f32;
+
+    #[test]
+    fn gemm_f32_reads_the_layouts_it_is_given() {
+        // x [2, 3] @ w^T for w [2, 3], and the same with w stored transposed ([3, 2]).
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let w = [1.0, 0.0, -1.0, 0.5, 0.5, 0.5];
+        let wt = [1.0, 0.5, 0.0, 0.5, -1.0, 0.5];
+        for (w, transposed) in [(&w, false), (&wt, true)] {
+            let mut y = [0.0; 4];
+            gemm_f32(2, 2, 3, &x, w, transposed, &mut y, 1);
+            assert_eq!(y, [-2.0, 3.0, -2.0, 7.5]);
+        }
+    }
+
+    /// Every build checks every operand's span before the `gemm` crate's raw-pointer access.
+    #[test]
+    fn gemm_f32_operands_one_short_are_refused() {
+        let (x, w) = (vec![1.0f32; 6], vec![1.0f32; 6]);
+        for (what, xl, wl, yl, transposed) in [
+            ("linear input", 5, 6, 4, false),
+            ("linear weight", 6, 5, 4, false),
+            ("linear weight", 6, 5, 4, true),
+            ("linear output", 6, 6, 3, false),
+        ] {
+            let err = std::panic::catch_unwind(|| {
+                let mut y = vec![0.0f32; yl];
+                gemm_f32(2, 2, 3, &x[..xl], &w[..wl], transposed, &mut y, 1);
+            })
+            .expect_err(what);
+            let msg = err.downcast_ref::<String>().map_or("", String::as_str);
+            assert!(msg.starts_with(what), "{what}: {msg}");
         }
     }
 }

@@ -146,14 +146,23 @@ pub struct CpuModel {
 /// ranges (the `gemm` crate's operands, SIMD loads) state this bound in their SAFETY comments;
 /// this checks it where an out-of-bounds access would otherwise corrupt memory silently.
 #[inline(always)]
-pub(crate) fn debug_span(
+pub(crate) fn debug_span(what: &str, len: usize, offset: usize, rows: (usize, usize), cols: (usize, usize)) {
+    if cfg!(debug_assertions) {
+        check_span(what, len, offset, rows, cols);
+    }
+}
+
+/// [`debug_span`] in every build: for a safe function whose callers' shapes are not otherwise
+/// checked (one comparison per call, not per element).
+#[inline(always)]
+pub(crate) fn check_span(
     what: &str,
     len: usize,
     offset: usize,
     (rows, row_stride): (usize, usize),
     (cols, col_stride): (usize, usize),
 ) {
-    if cfg!(debug_assertions) && rows > 0 && cols > 0 {
+    if rows > 0 && cols > 0 {
         let last = (rows - 1).checked_mul(row_stride).and_then(|r| (cols - 1).checked_mul(col_stride).map(|c| (r, c)));
         let end = last.and_then(|(r, c)| offset.checked_add(r)?.checked_add(c));
         assert!(

@@ -139,6 +139,13 @@ impl Q8Acts {
         self.blocks == 0
     }
 
+    /// Whether the row has at least `nb` blocks in every buffer the SIMD kernels read: `nb`
+    /// scales and sums, and the `nb.div_ceil(2)` lines of quants in both orders.
+    fn fits(&self, nb: usize) -> bool {
+        let lines = nb.div_ceil(2);
+        self.blocks >= nb && self.d.len() >= nb && self.s.len() >= nb && self.q.len() >= lines && self.qh.len() >= lines
+    }
+
     /// The blocks' quants, 32 each.
     fn quant_blocks(&self) -> impl Iterator<Item = &[i8]> {
         self.q.iter().flat_map(|l| l.0.chunks_exact(BLOCK)).take(self.blocks)
@@ -263,7 +270,8 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
     match imp {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `imp` is available, so the CPU has the kernel's features; `words` holds the
-        // `out.len()` rows of `stride` words each, and `x` has `nb` blocks (`k == x.len()`).
+        // `out.len()` rows of `stride` words each, and `x` has `nb` blocks (`k == x.len()`)
+        // (what `drive` asserts in debug builds; `tile` checks it in every build).
         Impl::Avx512Vnni => unsafe { drive::<x86::Avx512Vnni>(q4, words, stride, nb, x, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -354,9 +362,17 @@ trait Kernel {
 ///
 /// # Safety
 ///
-/// The CPU has `K`'s features. (Shapes are checked here.)
+/// The CPU has `K`'s features. (Shapes are checked by `tile`; debug builds assert here that the
+/// caller's fit, so that no tile is skipped.)
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 unsafe fn drive<K: Kernel>(q4: bool, words: &[u32], stride: usize, nb: usize, x: &Q8Acts, out: &mut [f32]) {
+    debug_assert!(
+        stride >= if q4 { 6 * nb } else { 9 * nb } && words.len() >= out.len() * stride && x.fits(nb),
+        "{} rows of {nb} blocks: {} words at stride {stride}, activations of {} blocks",
+        out.len(),
+        words.len(),
+        x.blocks
+    );
     for (o, w) in out.chunks_mut(TILE).zip(words.chunks(TILE * stride)) {
         // SAFETY: the caller's (features); `tile` checks the shapes.
         unsafe {
@@ -385,8 +401,13 @@ unsafe fn tile<K: Kernel, const R: usize>(q4: bool, w: &[u32], stride: usize, nb
     // The rows' words stream through once; the hardware prefetcher follows the tile's streams
     // poorly, so each kernel also asks for the words at the same place `PREFETCH` tiles further.
     let ahead = PREFETCH * TILE * stride;
-    // SAFETY: row `r < R` starts at `w[r * stride]` and has `stride >= row_words` words inside `w`;
-    // `x` has `nb` blocks; the caller vouches for the features.
+    // SAFETY: the kernel reads words `0..row_words` of row `r < R`, which starts at
+    // `w[r * stride]`: inside `w` (`stride >= row_words`, `w.len() >= R * stride`, checked just
+    // above); and `x`'s first `nb` blocks: scales and sums (checked above) and quant lines
+    // (`x.q`, `x.qh`: `blocks.div_ceil(2)` each, as `quantize` makes them). Both asserted here in
+    // debug builds. The caller vouches for the features.
+    super::debug_span("quantized weight tile", w.len(), 0, (R, stride), (row_words, 1));
+    debug_assert!(x.fits(nb), "activations of {} blocks read for {nb}", x.blocks);
     let v = unsafe { if q4 { K::q4_1::<R>(rows, nb, x, ahead) } else { K::q8_0::<R>(rows, nb, x, ahead) } };
     for (o, v) in o.iter_mut().zip(v) {
         *o = v;
@@ -524,8 +545,9 @@ mod x86 {
                     let xq = x.q.as_ptr().cast::<__m256i>();
                     let mut acc = [_mm256_setzero_ps(); R];
                     for (b, &dx) in x.d.iter().enumerate().take(nb) {
-                        // SAFETY: `b < nb <= x.blocks`; the lines hold 32 bytes a block, each block
-                        // 32-byte aligned.
+                        // SAFETY: block `b < nb` of `x.q`, which holds at least `nb.div_ceil(2)`
+                        // lines of two 32-byte blocks (the contract, asserted in `tile`); each
+                        // block is 32-byte aligned (`Line` is 64-byte aligned).
                         let xv = unsafe { _mm256_load_si256(xq.add(b)) };
                         let dx = _mm256_set1_ps(dx);
                         let prep = ops::q8_prep(xv);
@@ -534,7 +556,9 @@ mod x86 {
                                 prefetch(row.wrapping_add(b + ahead));
                             }
                             prefetch(row.wrapping_add(nb + 8 * b + ahead));
-                            // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block.
+                            // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block:
+                            // word `b < nb` and words `nb + 8 b .. nb + 8 b + 8 <= 9 nb` (the
+                            // contract; each row's span asserted in `tile`).
                             let (dw, w) =
                                 unsafe { (row.add(b).read(), _mm256_loadu_si256(row.add(nb + 8 * b).cast())) };
                             let scale = _mm256_mul_ps(_mm256_set1_ps(f32::from_bits(dw)), dx);
@@ -569,7 +593,8 @@ mod x86 {
                             }
                             prefetch(row.wrapping_add(2 * nb + 4 * b + ahead));
                             // SAFETY: a Q4_1 row holds `nb` scales, `nb` minimums, then 4 quant
-                            // words a block.
+                            // words a block: word `b < nb` and words `2 nb + 4 b .. 2 nb + 4 b + 4
+                            // <= 6 nb` (the contract; each row's span asserted in `tile`).
                             let (dw, w) =
                                 unsafe { (row.add(b).read(), _mm_loadu_si128(row.add(2 * nb + 4 * b).cast())) };
                             let q = ops::nibbles(_mm256_broadcastsi128_si256(w));
@@ -586,13 +611,15 @@ mod x86 {
                         let mins = row.wrapping_add(nb).cast::<f32>();
                         let mut m = _mm256_setzero_ps();
                         for b in (0..whole).step_by(8) {
-                            // SAFETY: `b + 8 <= nb`: the row has `nb` minimums and `x` `nb` sums.
+                            // SAFETY: `b + 8 <= nb`: minimums `nb + b .. nb + b + 8` of the row's
+                            // `nb` (words `nb .. 2 nb`), and 8 of `x`'s `nb` sums (the contract,
+                            // asserted in `tile`).
                             let (mw, s) = unsafe { (_mm256_loadu_ps(mins.add(b)), _mm256_loadu_ps(sx.add(b))) };
                             m = _mm256_fmadd_ps(mw, s, m);
                         }
                         let mut tail = 0f32;
                         for b in whole..nb {
-                            // SAFETY: `b < nb`, as above.
+                            // SAFETY: `b < nb`: minimum `b` and sum `b`, as above.
                             tail += unsafe { mins.add(b).read() * sx.add(b).read() };
                         }
                         *o = hsum256(_mm256_fmadd_ps(a, unscale, m)) + tail;
@@ -639,7 +666,8 @@ mod x86 {
         #[inline]
         fn load256(row: &[u32], at: usize) -> Option<__m256i> {
             let w = row.get(at..at.checked_add(8)?)?;
-            // SAFETY: `w` holds 8 words, 32 bytes.
+            // SAFETY: `w` holds 8 words, 32 bytes (a checked `get`, in every build).
+            debug_assert_eq!(w.len(), 8);
             Some(unsafe { _mm256_loadu_si256(w.as_ptr().cast()) })
         }
 
@@ -669,8 +697,11 @@ mod x86 {
             let xq: Vec<__m256i> = x
                 .quant_blocks()
                 .take(nb)
-                // SAFETY: each block is 32 bytes.
-                .map(|q| unsafe { _mm256_loadu_si256(q.as_ptr().cast()) })
+                .map(|q| {
+                    // SAFETY: `q` is one block, 32 bytes (`chunks_exact(BLOCK)` of the lines).
+                    debug_assert_eq!(q.len(), BLOCK);
+                    unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+                })
                 .collect();
             if xq.len() < nb || x.d.len() < nb || x.s.len() < nb || stride == 0 {
                 out.fill(f32::NAN);
@@ -686,7 +717,8 @@ mod x86 {
                     let step = match format {
                         WeightFormat::Q5_0 => (|| {
                             let q = row.get(2 * nb + 4 * b..2 * nb + 4 * b + 4)?;
-                            // SAFETY: `q` holds 4 words, 16 bytes.
+                            // SAFETY: `q` holds 4 words, 16 bytes (a checked `get`, in every build).
+                            debug_assert_eq!(q.len(), 4);
                             let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
                             // Elements 0..16 in the low nibbles, 16..32 in the high ones.
                             let nibbles = _mm256_and_si256(
@@ -805,7 +837,8 @@ mod x86 {
             while g0 < nb {
                 let g = (nb - g0).min(GROUP);
                 let gmask = ((1u32 << g) - 1) as __mmask16;
-                // SAFETY: the `g` blocks from `g0` are within `x`'s `nb` (masked load).
+                // SAFETY: `g0 + g <= nb`: the `g` scales from `g0` are within `x`'s `nb` (the
+                // contract, asserted in `tile`); the masked-off lanes are not read.
                 let dx = unsafe { _mm512_maskz_loadu_ps(gmask, xd.add(g0)) };
                 let mut scales = [_mm512_setzero_ps(); R];
                 for ((s, m), &row) in scales.iter_mut().zip(mins.iter_mut()).zip(&rows) {
@@ -813,10 +846,11 @@ mod x86 {
                     if Q4 {
                         prefetch(row.wrapping_add(nb + g0 + ahead));
                     }
-                    // SAFETY: the `g` blocks from `g0` are within the row's `nb` scales.
+                    // SAFETY: words `g0 .. g0 + g <= nb` of the row: its scales (masked load).
                     *s = _mm512_mul_ps(unsafe { _mm512_maskz_loadu_ps(gmask, row.add(g0).cast()) }, dx);
                     if Q4 {
-                        // SAFETY: and within its `nb` minimums and `x`'s `nb` sums.
+                        // SAFETY: words `nb + g0 .. nb + g0 + g <= 2 nb`, its minimums, and `x`'s
+                        // sums `g0 .. g0 + g <= nb` (masked loads).
                         let (mw, sx) = unsafe {
                             (
                                 _mm512_maskz_loadu_ps(gmask, row.add(nb + g0).cast()),
@@ -869,8 +903,10 @@ mod x86 {
             x: &Q8Acts,
             ahead: usize,
         ) {
+            debug_assert!(b.is_multiple_of(2) && b + usize::from(TWO) < nb, "block {b} of {nb}");
             let line = if Q4 { x.qh.as_ptr() } else { x.q.as_ptr() }.cast::<__m512i>();
-            // SAFETY: `b / 2 < nb.div_ceil(2)`, the lines `x` holds (64-byte aligned).
+            // SAFETY: `b < nb`, so line `b / 2 < nb.div_ceil(2)` of `x.q` or `x.qh` (at least
+            // that many, the contract asserted in `tile`; 64-byte aligned).
             let xv = unsafe { _mm512_load_si512(line.add(b / 2)) };
             let zero = _mm512_setzero_si512();
             let offset = _mm512_set1_epi8(-128);
@@ -891,12 +927,14 @@ mod x86 {
                 prefetch(w.wrapping_add(ahead));
                 let w = w.cast::<i32>();
                 let q = if Q4 {
-                    // SAFETY: block `b` (and `b + 1` when `TWO`) is within the row.
+                    // SAFETY: words `2 nb + 4 b ..` plus 8 (`TWO`: `b + 1 < nb`) or 4 (masked) are
+                    // within the row's `6 nb` (the contract; each row's span asserted in `tile`).
                     let w =
                         unsafe { if TWO { _mm256_loadu_si256(w.cast()) } else { _mm256_maskz_loadu_epi32(0x0f, w) } };
                     _mm512_and_si512(_mm512_broadcast_i64x4(w), nibbles)
                 } else {
-                    // SAFETY: as above.
+                    // SAFETY: words `nb + 8 b ..` plus 16 (`TWO`: `b + 1 < nb`) or 8 (masked) are
+                    // within the row's `9 nb` (the contract; each row's span asserted in `tile`).
                     let w =
                         unsafe { if TWO { _mm512_loadu_si512(w.cast()) } else { _mm512_maskz_loadu_epi32(0x00ff, w) } };
                     _mm512_xor_si512(w, offset)
@@ -933,20 +971,21 @@ mod arm {
         let xq = x.q.as_ptr().cast::<i8>();
         let mut acc = [vdupq_n_f32(0.0); R];
         for (b, &dx) in x.d.iter().enumerate().take(nb) {
-            // SAFETY: `b < nb <= x.blocks`; the lines hold 32 bytes a block.
+            // SAFETY: block `b < nb` of `x.q`, at least `nb.div_ceil(2)` lines of two 32-byte
+            // blocks (the contract, asserted in `tile`).
             let (x0, x1) = unsafe { (vld1q_s8(xq.add(32 * b)), vld1q_s8(xq.add(32 * b + 16))) };
             for (a, &row) in acc.iter_mut().zip(&rows) {
-                // SAFETY: a row holds `nb` scales, (Q4_1) `nb` minimums, then the blocks' quants.
+                // SAFETY: word `b < nb`, a scale (the contract; each row's span asserted in `tile`).
                 let dw = f32::from_bits(unsafe { row.add(b).read() });
                 let sums = if Q4 {
-                    // SAFETY: as above (4 words a block).
+                    // SAFETY: words `2 nb + 4 b .. 2 nb + 4 b + 4 <= 6 nb` of the Q4_1 row.
                     let w = unsafe { vld1q_u8(row.add(2 * nb + 4 * b).cast()) };
                     let lo = vreinterpretq_s8_u8(vandq_u8(w, vdupq_n_u8(0x0f)));
                     let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(w));
                     dot32(lo, hi, x0, x1)
                 } else {
                     let w = row.wrapping_add(nb + 8 * b).cast::<i8>();
-                    // SAFETY: as above (8 words a block).
+                    // SAFETY: words `nb + 8 b .. nb + 8 b + 8 <= 9 nb` of the Q8_0 row.
                     let (w0, w1) = unsafe { (vld1q_s8(w), vld1q_s8(w.add(16))) };
                     dot32(w0, w1, x0, x1)
                 };
@@ -959,7 +998,7 @@ mod arm {
             if Q4 {
                 let mins = row.wrapping_add(nb).cast::<f32>();
                 for (b, &sx) in x.s.iter().enumerate().take(nb) {
-                    // SAFETY: `b < nb`, within the row's minimums.
+                    // SAFETY: word `nb + b < 2 nb`, within the Q4_1 row's minimums.
                     sum += unsafe { mins.add(b).read() } * sx;
                 }
             }
@@ -1247,6 +1286,43 @@ mod tests {
                 assert!(empty.is_empty());
                 dot_rows_with(imp, format, &[], 0, &empty, &mut out);
                 assert!(out.iter().all(|&v| v == 0.0));
+            }
+        }
+    }
+
+    /// Debug builds: weight words one short of the rows fire `drive`'s bound (a release build
+    /// skips the short tile, leaving its outputs unwritten).
+    #[cfg(all(debug_assertions, target_arch = "x86_64"))]
+    #[test]
+    fn words_one_short_fire_in_debug_builds() {
+        type Drive = unsafe fn(bool, &[u32], usize, usize, &Q8Acts, &mut [f32]);
+        let kernels: [(Impl, Drive); 3] = [
+            (Impl::Avx2, drive::<x86::Avx2>),
+            (Impl::AvxVnni, drive::<x86::AvxVnni>),
+            (Impl::Avx512Vnni, drive::<x86::Avx512Vnni>),
+        ];
+        let (k, rows) = (64, 5);
+        let mut x = Q8Acts::new();
+        x.quantize(&Rng(13).values(k));
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+            let t = Tensor::f32(vec![rows, k], Rng(17).values(rows * k));
+            let w = QuantWeight::quantize(format, &t).unwrap();
+            let stride = format.row_words(k).unwrap();
+            let q4 = format == WeightFormat::Q4_1;
+            for (imp, drive) in kernels.into_iter().filter(|(imp, _)| imp.is_available()) {
+                let mut out = vec![0.0; rows];
+                // SAFETY: `imp` is available (the words fit).
+                unsafe { drive(q4, &w.words, stride, k / BLOCK, &x, &mut out) };
+                assert_eq!(out, run(imp, &w, &x), "{format} {}", imp.name());
+                let short = &w.words[..w.words.len() - 1];
+                let err = std::panic::catch_unwind(|| {
+                    // SAFETY: `imp` is available; the words are one short, which the bound catches
+                    // before any tile runs.
+                    unsafe { drive(q4, short, stride, k / BLOCK, &x, &mut vec![0.0; rows]) }
+                })
+                .expect_err(imp.name());
+                let msg = err.downcast_ref::<String>().map_or("", String::as_str);
+                assert!(msg.contains("words at stride"), "{format} {}: {msg}", imp.name());
             }
         }
     }

@@ -205,18 +205,25 @@ pub fn gemm_rows_f32_with(
         }
     }
     let job = Job { format, words: words.get(..valid * stride).unwrap_or_default(), stride, nb, k, xs, m, rows };
+    run_job(imp, &job, out);
+}
+
+/// Runs `job` into `out` with `imp` ([`Impl::Scalar`] instead if this machine cannot run it).
+/// The SIMD drivers check the job's shapes (and assert them in debug builds).
+fn run_job(imp: Impl, job: &Job<'_>, out: &mut [f32]) {
     let imp = if imp.is_available() { imp } else { Impl::Scalar };
     match imp {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `imp` is available, so the CPU has the kernel's features.
-        Impl::Avx512 => unsafe { x86::avx512::gemm(&job, out) },
+        // SAFETY: `imp` is available, so the CPU has the kernel's features (the driver checks
+        // the job's shapes in every build, and asserts them in debug builds).
+        Impl::Avx512 => unsafe { x86::avx512::gemm(job, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Impl::Avx2 => unsafe { x86::avx2::gemm(&job, out) },
+        Impl::Avx2 => unsafe { x86::avx2::gemm(job, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above.
-        Impl::Neon => unsafe { arm::neon::gemm(&job, out) },
-        _ => scalar(&job, out),
+        Impl::Neon => unsafe { arm::neon::gemm(job, out) },
+        _ => scalar(job, out),
     }
 }
 
@@ -293,7 +300,8 @@ fn dequant_block(format: WeightFormat, row: &[u32], nb: usize, b: usize, w: &mut
 unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line; 2] {
     let format = tag_format(tag);
     let words = format.row_words(BLOCK * nb).unwrap_or(0);
-    // SAFETY: the caller's: `row` is a whole row of the layout, `words` words.
+    // SAFETY: the caller's: `row` is a whole row of the layout, `words` words (each row's span
+    // asserted in debug builds where the rows are slices: `direct_tile`, `buffered`).
     let row = unsafe { std::slice::from_raw_parts(row, words) };
     let mut w = [0f32; BLOCK];
     dequant_block(format, row, nb, b, &mut w);
@@ -324,6 +332,7 @@ macro_rules! buffered_kquant {
             let mut out = [zero(); BV];
             for (j, v) in out.iter_mut().enumerate() {
                 // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
+                debug_assert!(LANES * j < 32 && LANES * j % 16 + LANES <= 16);
                 *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
             }
             out
@@ -391,6 +400,7 @@ macro_rules! kernels {
                 BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, TILE, quant_word,
             };
             use super::$ops as ops;
+            use crate::cpu::debug_span;
             use kiln_compiler::lower::WeightFormat;
 
             /// The sums of the lanes of each of `a`.
@@ -419,10 +429,13 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             #[inline]
             unsafe fn row_block<const F: u8>(row: *const u32, nb: usize, b: usize) -> [ops::V; ops::BV] {
+                debug_assert!(b < nb, "block {b} of {nb}");
                 match F {
-                    // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block; `b < nb`.
+                    // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block: word
+                    // `b < nb` and words `nb + 8 b .. nb + 8 b + 8 <= 9 nb` (the caller's whole row).
                     F_Q8_0 => unsafe { ops::q8(row.add(nb + 8 * b), f32::from_bits(row.add(b).read())) },
-                    // SAFETY: a Q4_1 row holds `nb` scales, `nb` minimums, then 4 quant words a block.
+                    // SAFETY: a Q4_1 row holds `nb` scales, `nb` minimums, then 4 quant words a
+                    // block: words `b`, `nb + b` and `2 nb + 4 b .. 2 nb + 4 b + 4 <= 6 nb`.
                     F_Q4_1 => unsafe {
                         let (d, m) = (f32::from_bits(row.add(b).read()), f32::from_bits(row.add(nb + b).read()));
                         ops::q4(row.add(2 * nb + 4 * b), d, m)
@@ -455,7 +468,9 @@ macro_rules! kernels {
                     if hoist {
                         for (v, &x) in xv.iter_mut().zip(xs) {
                             for (j, v) in v.iter_mut().enumerate() {
-                                // SAFETY: `x` holds `32 nb` floats and `b < nb`, `j < BV`.
+                                // SAFETY: `x` holds `32 nb` floats (the contract, asserted in
+                                // `direct_tile`) and `BLOCK * b + LANES * (j + 1) <= 32 nb`
+                                // (`b < nb`, `j < BV = 32 / LANES`).
                                 *v = unsafe { ops::load(x.add(BLOCK * b + ops::LANES * j)) };
                             }
                         }
@@ -505,11 +520,13 @@ macro_rules! kernels {
             /// is writable for `32 (b1 - b0)` floats.
             #[target_feature(enable = $features)]
             unsafe fn dequant<const F: u8>(row: *const u32, nb: usize, b0: usize, b1: usize, dst: *mut f32) {
+                debug_assert!(b1 <= nb, "blocks {b0}..{b1} of {nb}");
                 for b in b0..b1 {
                     // SAFETY: the caller's, `b < nb`.
                     let w = unsafe { row_block::<F>(row, nb, b) };
                     for (j, v) in w.iter().enumerate() {
-                        // SAFETY: `BLOCK * (b - b0) + LANES * (j + 1) <= 32 (b1 - b0)`.
+                        // SAFETY: `BLOCK * (b - b0) + LANES * (j + 1) <= 32 (b1 - b0)`, the floats
+                        // `dst` is writable for (the contract, asserted in `buffered`).
                         unsafe { ops::store(dst.add(BLOCK * (b - b0) + ops::LANES * j), *v) };
                     }
                 }
@@ -537,15 +554,18 @@ macro_rules! kernels {
                 // Fresh accumulators, added to `acc` at the end: starting from `acc`'s values
                 // can make LLVM shuffle the registers around the loop.
                 let mut a = [[ops::zero(); G]; SUB];
+                debug_assert!(kc.is_multiple_of(ops::LANES), "{kc} floats in vectors of {}", ops::LANES);
                 let mut s = 0;
                 while s < kc {
                     let mut xv = [ops::zero(); G];
                     for (v, &x) in xv.iter_mut().zip(xs) {
-                        // SAFETY: `s + LANES <= kc`.
+                        // SAFETY: `s + LANES <= kc` (`kc` whole vectors): inside `x`'s `kc` floats
+                        // (the contract, asserted in `buffered`).
                         *v = unsafe { ops::load(x.add(s)) };
                     }
                     for (j, a) in a.iter_mut().enumerate() {
-                        // SAFETY: `j < SUB` and `s + LANES <= kc`.
+                        // SAFETY: `j < SUB` and `s + LANES <= kc`: inside row `j` of `w`'s `SUB`
+                        // rows of `kc` floats (the contract, asserted in `buffered`).
                         let wv = unsafe { ops::load(w.add(j * ldw + s)) };
                         for (a, x) in a.iter_mut().zip(&xv) {
                             *a = ops::fma(wv, *x, *a);
@@ -572,6 +592,22 @@ macro_rules! kernels {
                     && job.xs.len() >= job.m * job.k
                     && out.len() >= job.m * job.rows
                     && job.words.len() / job.stride <= job.rows;
+                // The kernels below rely on these shapes (and a release build returns without
+                // writing `out` when they do not hold); every job `gemm_rows_f32` makes fits.
+                debug_assert!(
+                    fits,
+                    "a job of {} rows of {} {} floats ({} blocks) at stride {} against {} activations of {} rows, \
+                     into {} outputs of {} a row",
+                    job.words.len() / job.stride.max(1),
+                    job.k,
+                    job.format,
+                    job.nb,
+                    job.stride,
+                    job.xs.len(),
+                    job.m,
+                    out.len(),
+                    job.rows
+                );
                 if !fits || job.m == 0 {
                     return;
                 }
@@ -631,9 +667,13 @@ macro_rules! kernels {
                 let rows: [*const u32; R] = std::array::from_fn(|r| w.as_ptr().wrapping_add(r * job.stride));
                 let xs: [*const f32; M] = std::array::from_fn(|i| job.xs.as_ptr().wrapping_add(i * job.k));
                 let ahead = PREFETCH * TILE * job.stride;
-                // SAFETY: row `r < R` starts at `w[r * stride]`, whole inside `w` (`stride` is at
-                // least a row's words, checked by `gemm`); activation row `i < M` is
-                // `xs[i * k..][..k]`, inside `xs`.
+                // SAFETY: the kernel reads words `0..row_words` of row `r < R`, which starts at
+                // `w[r * stride]`: inside `w` (`w.len() >= R * stride` checked above, `stride >=
+                // row_words` by `gemm`); and floats `0..k` of activation row `i < M`, `xs[i * k..]`,
+                // inside `xs` (`xs.len() >= M * k`, checked above). Both asserted in debug builds.
+                let row_words = job.format.row_words(job.k).unwrap_or(usize::MAX);
+                debug_span("f32 weight tile", w.len(), 0, (R, job.stride), (row_words, 1));
+                debug_span("f32 activations", job.xs.len(), 0, (M, job.k), (job.k, 1));
                 let v = unsafe {
                     match job.format {
                         WeightFormat::Q4_1 => direct::<R, M, F_Q4_1>(&rows, job.nb, &xs, ahead),
@@ -696,7 +736,17 @@ macro_rules! kernels {
                         for (j, row) in w.chunks_exact(job.stride).enumerate() {
                             // SAFETY: `row` is a whole row (`stride` at least its words, checked by
                             // `gemm`); `b1 <= nb`; `j < n <= NR`, so buffer row `j` (`ldw >=
-                            // 32 (b1 - b0)` floats) is inside `buf`.
+                            // 32 (b1 - b0)` floats) is inside `buf`. Asserted in debug builds.
+                            debug_assert!(
+                                job.format.row_words(job.k).is_some_and(|words| row.len() >= words) && b1 <= job.nb
+                            );
+                            debug_span(
+                                "dequantization buffer",
+                                16 * buf.len(),
+                                j * ldw,
+                                (1, ldw),
+                                (BLOCK * (b1 - b0), 1),
+                            );
                             unsafe {
                                 let (row, dst) = (row.as_ptr(), dst.add(j * ldw));
                                 match job.format {
@@ -710,8 +760,19 @@ macro_rules! kernels {
                         }
                         let panel = Panel { w: buf.as_ptr().cast::<f32>(), ldw, k0: BLOCK * b0, kc: BLOCK * (b1 - b0) };
                         for (&(i0, g), acc) in groups.iter().zip(accs.iter_mut()) {
-                            // SAFETY: the features; `i0 + g <= m`, `g <= MR`; the buffer holds `NR`
-                            // rows of `kc` floats `ldw` apart; `k0 + kc <= k`.
+                            // SAFETY: the features; `i0 + g <= m`, `g <= MR`: the micro-kernel reads
+                            // floats `k0..k0 + kc` (`<= k`) of activation rows `i0..i0 + g`, and
+                            // `kc` floats of each of the buffer's `NR` rows, `ldw` apart. Asserted in
+                            // debug builds.
+                            debug_assert!(g <= ops::MR && panel.kc.is_multiple_of(BLOCK));
+                            debug_span(
+                                "prefill activations",
+                                job.xs.len(),
+                                i0 * job.k + panel.k0,
+                                (g, job.k),
+                                (panel.kc, 1),
+                            );
+                            debug_span("prefill panel", 16 * buf.len(), 0, (nr, ldw), (panel.kc, 1));
                             unsafe {
                                 match g {
                                     1 => group::<1>(job, &panel, i0, acc),
@@ -889,8 +950,14 @@ mod x86 {
         #[inline]
         pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
             use super::super::{F_Q4_K, F_Q5_0};
+            debug_assert!(b < nb, "block {b} of {nb}");
             let ns = nb / 8;
-            // SAFETY (all reads): the layouts of `kiln_compiler::lower::format`, `b < nb`.
+            // SAFETY (all reads): words of the caller's whole row, in the layouts of
+            // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
+            // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
+            // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
+            // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
+            // at `half` 0 or 1 of its 8 words).
             let word = |i: usize| unsafe { row.add(i).read() };
             let bytes16 = |at: usize, half: usize| unsafe {
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(at).cast::<__m128i>().add(half)))
@@ -1494,6 +1561,37 @@ mod tests {
                 let mut out = vec![0.0; 3];
                 dot_rows_f32_with(imp, format, &w.words, k, &rng.values(k + 1), &mut out);
                 assert!(out.iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+
+    /// Debug builds: a job whose activations or outputs are one element short fires the SIMD
+    /// driver's bound (a release build returns without writing, as before).
+    #[cfg(debug_assertions)]
+    #[test]
+    fn a_job_one_short_fires_in_debug_builds() {
+        let (k, rows) = (64, 6);
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_K] {
+            let k = k_of(format, k);
+            let w = QuantWeight::quantize(format, &Tensor::f32(vec![rows, k], Rng(5).values(rows * k))).unwrap();
+            let stride = format.row_words(k).unwrap();
+            for m in [1, 9] {
+                let xs = Rng(9).values(m * k);
+                let job = Job { format, words: &w.words, stride, nb: k / BLOCK, k, xs: &xs, m, rows };
+                for imp in available().into_iter().filter(|&imp| imp != Impl::Scalar) {
+                    let mut out = vec![0.0; m * rows];
+                    run_job(imp, &job, &mut out);
+                    assert_eq!(out, gemm(imp, &w, &xs, m), "{format} m={m} {}", imp.name());
+                    for (what, short_xs, short_out) in [("activations", 1, 0), ("outputs", 0, 1)] {
+                        let err = std::panic::catch_unwind(|| {
+                            let mut out = vec![0.0; m * rows - short_out];
+                            run_job(imp, &Job { xs: &xs[..m * k - short_xs], ..job }, &mut out);
+                        })
+                        .expect_err(what);
+                        let msg = err.downcast_ref::<String>().map_or("", String::as_str);
+                        assert!(msg.starts_with("a job of"), "{format} m={m} {} {what}: {msg}", imp.name());
+                    }
+                }
             }
         }
     }

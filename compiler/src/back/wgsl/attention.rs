@@ -19,8 +19,33 @@
 //! literal: with literal bounds LLVM (lavapipe) unrolls them whole and scalarises the private
 //! arrays, and one kernel took over ten seconds to compile.
 //!
-//! Two forms, chosen per dispatch by `dims[7]` (see [`dims`]): `QB` rows per invocation for a
-//! prefill, one row for a decode step (one query, so a block of rows would idle).
+//! Three forms, chosen per dispatch by `dims[7]` (see [`dims`]): `QB` rows per invocation for a
+//! prefill, one row for a decode step (one query, so a block of rows would idle), and, in a
+//! kernel compiled with [`Options::attention_workgroups`] (a hardware adapter's), the
+//! **workgroup form** wherever those two would run fewer invocations than a GPU runs at once
+//! ([`WORKGROUP_FORM_BELOW`]): a decode step's blocked forms run `batch x kv_heads` invocations
+//! (3 for SmolLM2), each walking every key alone.
+//!
+//! The workgroup form runs a workgroup of [`WIDE_LANES`] per (batch, query row, query head) and
+//! walks the keys in chunks of 64, each in two passes:
+//!
+//! - *scores*: lane `j` takes key `c0 + j`, dots the query (in workgroup memory, read whole by
+//!   every lane) with the key's row and applies the modifiers and masks, as the blocked forms do.
+//!   The chunk's maximum (`row_max`) updates the running maximum, which every lane then holds, so
+//!   each lane keeps its own share of the softmax's denominator, added once at the end (`row_sum`);
+//! - *values*: the chunk's probabilities and key rows go through workgroup memory, and the lanes
+//!   switch to owning output columns (`lane`, `lane + 64`, ... below the head width), each
+//!   walking the chunk's keys, so adjacent lanes read adjacent floats of a value row.
+//!
+//! Chosen over an online softmax per lane over a strided share of the keys: combining those
+//! states needs every lane's accumulator of the head in workgroup memory (`64 x d` floats, 64 KiB
+//! at `d` = 256) or a reduction per column, and each lane's value loads would lie a row apart from
+//! its neighbours'. Here a chunk of 64 keys costs one reduction and two barriers. Grouped-query
+//! heads do not share their key/value loads (each head's workgroup reads its group's rows; a GPU's
+//! caches serve the repeats), and a head narrower than 64 leaves lanes idle in the value pass. A
+//! block pattern's attended key blocks are walked as one list of keys, 64 at a time. Appending to
+//! the caches, the copying threads follow the attention's whole workgroups, so which threads
+//! attend is decided per workgroup, as barriers need (uniform control flow).
 //!
 //! A row whose every key is masked gets the reference's answer (the softmax of equal logits):
 //! the mean of all values.
@@ -28,12 +53,17 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::emit::lit;
+use super::Options;
+use super::emit::{WORKGROUP, lit};
 use super::scores;
 use crate::graph::{Op, ScoreMods};
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 4;
+
+/// Lanes of the workgroup form's workgroups, which take the keys this many at a time (a
+/// *chunk*).
+pub const WIDE_LANES: usize = WORKGROUP as usize;
 
 /// The largest head dimension the fused attention kernel handles: each thread accumulates its output
 /// row in a private array of this many floats. The optimizer fuses attention only below it (the
@@ -72,15 +102,38 @@ impl Geometry {
 /// appended in place has room for more rows than it holds (see `kiln_runtime`'s device cache).
 pub const KEY_STRIDES: (usize, usize) = (11, 12);
 
+/// Invocations of the blocked forms below which a kernel with the workgroup form runs that
+/// instead: where the blocked forms' few invocations, each walking all of its keys alone, leave a
+/// GPU idle. A decode step's attention runs `batch x kv` of them (3 for SmolLM2). Measured on an
+/// NVIDIA H200 (BENCHMARKS.md, 2026-11-26): at 48 invocations (SmolLM2's prefill of 128 tokens)
+/// the workgroup form took a forward pass from 106.6 to 68.0 ms; at 6 144 (MiniLM, 32 sentences
+/// of 128 tokens) it was slower, 22.8 -> 40.0 ms, one workgroup per query row being more work
+/// than the blocked forms' shared key loads. 2 048 (16 per multiprocessor of that device) lies
+/// between; a per-adapter choice is issue 33's tuner.
+pub const WORKGROUP_FORM_BELOW: usize = 2_048;
+
 /// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
 /// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
-/// `rows` query rows (prefill) and 0 for one row per invocation (always, when `sparse`: an
-/// invocation then serves one query block, whose key blocks it visits).
-pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool) -> Vec<usize> {
+/// `rows` query rows (prefill), 0 for one row per invocation (always, when `sparse`: an
+/// invocation then serves one query block, whose key blocks it visits), and 2 for the workgroup
+/// form (a kernel that has it, `workgroups`: see [`has_workgroup_form`]), a workgroup of 64 per
+/// query row and head, where the blocked forms would run fewer than [`WORKGROUP_FORM_BELOW`]
+/// invocations.
+pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool, workgroups: bool) -> Vec<usize> {
     let (qb, gc) = g.block();
     let (form, rows) = if s >= qb && qb > 1 && !sparse { (1, qb) } else { (0, 1) };
     let threads = batch * s.div_ceil(rows) * (g.heads / gc);
+    if workgroups && threads < WORKGROUP_FORM_BELOW {
+        let threads = batch * s * g.heads * WIDE_LANES;
+        return vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, 2, 1];
+    }
     vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, form, rows]
+}
+
+/// Whether the kernel of `op` compiled with `options` has the workgroup form
+/// ([`Options::attention_workgroups`], an attention specialised to its head geometry).
+pub fn has_workgroup_form(op: &Op, options: &Options) -> bool {
+    options.attention_workgroups && matches!(op, Op::Attention { .. } | Op::PackedAttention { .. })
 }
 
 /// A WGSL element index from WGSL expressions for a row and a head.
@@ -134,8 +187,9 @@ impl Keys {
 }
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
-/// geometry `g`. `None` for any other op.
-pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
+/// geometry `g`, with the workgroup form if `workgroups` (then run with `wg`, `lane` and `i`
+/// defined and no thread returned early: see `kernel::entry`). `None` for any other op.
+pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<String> {
     let (scale, alibi, causal, window, mods, layout) = match *op {
         Op::Attention { scale, alibi, causal, window, mods } => (
             scale,
@@ -250,17 +304,48 @@ pub fn body(op: &Op, operands: usize, g: Geometry) -> Option<String> {
     } else {
         form(1)
     };
-    match *op {
+    // The threads past the attention's (`dim(9u)` of them) append to the caches.
+    let copy = match *op {
         Op::PackedAttention { k, v, appends: true, .. } => {
             // The caches' `pr` rows: in the operands, or (appending in place, `room` not 0) in
             // the outputs already, which then get only this step's rows.
             s += "let pr = k - min(s_len, k);\nlet room = dim(13u);\n\
                   let pa = select(pr, 0u, room != 0u);\nlet pb = select(0u, pr, room != 0u);\n";
-            s += &format!("if (i < dim(9u)) {{\n{}}} else {{\n{}}}\n", indent(&forms), indent(&append_copy(k, v)));
+            Some(append_copy(k, v))
         }
-        _ => s += &forms,
+        _ => None,
+    };
+    let forms = match &copy {
+        Some(copy) => format!("if (i < dim(9u)) {{\n{}}} else {{\n{}}}\n", indent(&forms), indent(copy)),
+        None => forms,
+    };
+    if !workgroups {
+        s += &forms;
+        return Some(s);
     }
+    // The workgroup form's attention threads are whole workgroups, so which threads attend is a
+    // question of the workgroup alone (uniform, as its barriers need).
+    let wide =
+        workgroup_form(&Block { rows: 1, gc: 1, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
+    let mut inner = format!(
+        "if (wg < {} / {WIDE_LANES}u) {{\n{}}}",
+        if copy.is_some() { "dim(9u)" } else { "dim(0u)" },
+        indent(&wide)
+    );
+    if let Some(copy) = &copy {
+        inner += &format!(" else if (i < dim(0u)) {{\n{}}}", indent(copy));
+    }
+    s += &format!("if (dim(7u) == 2u) {{\n{}}} else if (i < dim(0u)) {{\n{}}}\n", indent(&inner), indent(&forms));
     Some(s)
+}
+
+/// The module-scope declarations of the workgroup form for heads of `head_dim`: the query
+/// (`wq`), and a chunk's probabilities (`wp`) and keys (`wk`), in workgroup memory.
+pub fn workgroup_declarations(head_dim: usize) -> String {
+    format!(
+        "var<workgroup> wq: array<f32, {head_dim}>;\nvar<workgroup> wp: array<f32, {WIDE_LANES}>;\n\
+         var<workgroup> wk: array<u32, {WIDE_LANES}>;\n"
+    )
 }
 
 /// The threads a cached attention that appends to the caches runs past its own (`i >=
@@ -282,6 +367,133 @@ pub(super) fn append_copy(kc: usize, vc: usize) -> String {
             "if ({which}) {{\n    if (t < pr) {{ out{past}[o] = in{past}[(bh * pr + t) * d + c]; }} \
              else {{ out{past}[o] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
         );
+    }
+    s
+}
+
+/// The workgroup form (see the module docs): a workgroup per (batch, query row, query head),
+/// `wg` its index and `lane` its invocation's, with `heads`, `s_len`, `k`, `d`, `kv`, `w`, `ks`,
+/// `vs` (and the appending layout's `pr`, `room`, `pa`, `pb`) in scope. Every statement that
+/// reaches a barrier (the reductions, `workgroupBarrier`) depends only on the workgroup, so
+/// control flow is uniform there.
+fn workgroup_form(f: &Block, l: &Layout) -> String {
+    let cols = f.d.div_ceil(WIDE_LANES);
+    let lanes = WIDE_LANES;
+    let mut s = String::from(
+        "let h = wg % heads;\nlet si = (wg / heads) % s_len;\nlet b = wg / (heads * s_len);\n\
+         let kvh = h / (heads / kv);\n\
+         // The query's position among the keys (queries are the last `s_len` of `k`).\n\
+         let qi = si + k - min(s_len, k);\n",
+    );
+    s += &format!("let hi = {};\n", if f.causal { "min(k, qi + 1u)" } else { "k" });
+    s += &match f.window {
+        Some(w) => format!("let lo = select(0u, qi + 1u - {w}u, qi + 1u > {w}u);\n"),
+        None => "let lo = 0u;\n".into(),
+    };
+    if f.alibi {
+        s += &format!("let slope = {};\n", super::emit::ALIBI_SLOPE);
+    }
+    // The scaled query, which every lane reads whole, in workgroup memory.
+    s += &format!(
+        "let q0 = {};\nfor (var c = lane; c < d; c = c + {lanes}u) {{ wq[c] = {}[q0 + c] * {}; }}\nworkgroupBarrier();\n",
+        (l.q)("si", "h"),
+        l.qbuf,
+        lit(f.scale)
+    );
+    s += "var m = -3.40282347e38;\n// This lane's share of the softmax's denominator.\nvar l = 0.0;\n";
+    for c in 0..cols {
+        s += &format!("var acc{c} = 0.0;\n");
+    }
+    for keys in &l.keys {
+        // Each chunk: key `c0 + lane` (of those this range holds, or, block-sparse, of the
+        // attended blocks' keys in turn) is this lane's, `kk` its row in the range's buffers.
+        let (count, key, mut chunk) = match f.mods.sparse {
+            Some(p) => {
+                s += "{\n";
+                s += &scores::sparse_setup(&f.mods, "qi", "s_len", "k");
+                s += &scores::sparse_list(&p);
+                s += &format!(
+                    "let count = sp_n * {}u;\nfor (var c0 = 0u; c0 < count; c0 = c0 + {lanes}u) {{\n",
+                    p.block
+                );
+                let key = format!(
+                    "let vi = c0 + lane;\nlet e = min(vi / {b}u, max(sp_n, 1u) - 1u);\n\
+                     let key = {} * {b}u + vi % {b}u;\nlet valid = vi < count && key < k;\nlet kk = min(key, k - 1u);\n",
+                    scores::sparse_block(&p, "e"),
+                    b = p.block
+                );
+                ("count", "key", key)
+            }
+            None => {
+                s += &format!(
+                    "{{\nlet first = max(lo, {});\nlet end = min(hi, {});\n\
+                     for (var c0 = first; c0 < end; c0 = c0 + {lanes}u) {{\n",
+                    keys.from, keys.to
+                );
+                let key = "let key = c0 + lane;\nlet valid = key < end;\nlet kk = min(key, end - 1u);\n".to_string();
+                ("end", "key", key)
+            }
+        };
+        chunk += &format!("let kr = {};\nvar x = 0.0;\n", (keys.k)("kk"));
+        chunk += &format!("for (var c = 0u; c < d; c = c + 1u) {{ x = x + wq[c] * {}[kr + c]; }}\n", keys.kbuf);
+        chunk += &scores::softcap(&f.mods, "x");
+        if f.alibi {
+            chunk += &format!("x = x + slope * (f32({key}) - f32(qi));\n");
+        }
+        if let Some(table) = &l.buffers.1 {
+            chunk += &scores::relative(&f.mods, "x", key, "qi", "h", "heads", table);
+        }
+        let mut on = String::from("valid");
+        if let Some(m) = &l.buffers.0 {
+            on += &format!(" && {m}[b * k + kk] != 0.0");
+        }
+        if f.causal {
+            on += &format!(" && {key} <= qi");
+        }
+        if let Some(w) = f.window {
+            on += &format!(" && {key} + {w}u > qi");
+        }
+        chunk += &format!(
+            "let on = {on};\nx = select(-3.40282347e38, x, on);\n\
+             // One maximum for the workgroup, so every lane rescales by the same factor.\n\
+             let mn = max(m, row_max(lane, x));\nlet corr = exp(m - mn);\nm = mn;\n\
+             let p = select(0.0, exp(x - m), on);\nl = l * corr + p;\nwp[lane] = p;\nwk[lane] = kk;\nworkgroupBarrier();\n"
+        );
+        // The value pass: lanes own columns, so a value row is read by adjacent lanes.
+        for c in 0..cols {
+            chunk += &format!("acc{c} = acc{c} * corr;\n");
+        }
+        chunk += &format!(
+            "let n = min({lanes}u, {count} - c0);\nfor (var j = 0u; j < n; j = j + 1u) {{\n    let pj = wp[j];\n    let vr = {};\n",
+            (keys.v)("wk[j]")
+        );
+        for c in 0..cols {
+            chunk += &format!(
+                "    let col{c} = lane + {}u;\n    if (col{c} < d) {{ acc{c} = acc{c} + pj * {}[vr + col{c}]; }}\n",
+                c * lanes,
+                keys.vbuf
+            );
+        }
+        chunk +=
+            "}\n// Every lane done with this chunk's probabilities before the next writes them.\nworkgroupBarrier();\n";
+        s += &indent(&chunk);
+        s += "}\n}\n";
+    }
+    s += "let total = row_sum(lane, l);\nlet o0 = ((b * s_len + si) * heads + h) * d;\n";
+    for c in 0..cols {
+        s += &format!("let col{c} = lane + {}u;\nif (col{c} < d) {{\n    var y = acc{c} / total;\n", c * lanes);
+        // Every key masked: the mean of all values, as the reference softmax of equal logits.
+        s += "    if (total == 0.0) {\n        y = 0.0;\n";
+        for keys in &l.keys {
+            s += &format!(
+                "        for (var kk = {}; kk < {}; kk = kk + 1u) {{ y = y + {}[{} + col{c}]; }}\n",
+                keys.from,
+                keys.to,
+                keys.vbuf,
+                (keys.v)("kk")
+            );
+        }
+        s += &format!("        y = y / f32(k);\n    }}\n    out[o0 + col{c}] = y;\n}}\n");
     }
     s
 }

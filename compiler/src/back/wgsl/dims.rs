@@ -156,7 +156,8 @@ fn dims_of(
             } else {
                 // Blocks of query rows and heads: see `attention::dims`.
                 let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-                attention::dims(g, b, s, t, width, mods.sparse.is_some())
+                let workgroups = options.is_some_and(|o| attention::has_workgroup_form(op, o));
+                attention::dims(g, b, s, t, width, mods.sparse.is_some(), workgroups)
             };
             if *appends {
                 // The attention's threads, then one per element of each cache after the step
@@ -205,7 +206,8 @@ fn dims_of(
                 vec![b * h * s, h, s, t, d, kv]
             } else {
                 let g = attention::Geometry { heads: h, kv_heads: kv, head_dim: d };
-                attention::dims(g, b, s, t, 0, mods.sparse.is_some())
+                let workgroups = options.is_some_and(|o| attention::has_workgroup_form(op, o));
+                attention::dims(g, b, s, t, 0, mods.sparse.is_some(), workgroups)
             }
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],

@@ -30,7 +30,8 @@ use crate::graph::Op;
 pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, options: &Options) -> Option<String> {
     let body = match (op, geometry) {
         (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
-        (_, Some(g)) => attention::body(op, inputs.len(), g).or_else(|| body(op, inputs.len()))?,
+        (_, Some(g)) => attention::body(op, inputs.len(), g, attention::has_workgroup_form(op, options))
+            .or_else(|| body(op, inputs.len()))?,
         (_, None) => body(op, inputs.len())?,
     };
     let mut s = String::new();
@@ -53,7 +54,8 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
             s += &format!("@group(0) @binding({binding}) var<storage, read_write> out{j}: array<{}>;\n", out.wgsl());
         }
     }
-    s += &entry(op, &body, options);
+    let workgroup_attention = geometry.filter(|_| attention::has_workgroup_form(op, options));
+    s += &entry(op, &body, options, workgroup_attention);
     Some(s)
 }
 
@@ -111,7 +113,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
         }
     }
 
-    s += &entry(op, &body, &Options::default());
+    s += &entry(op, &body, &Options::default(), None);
     Some(s)
 }
 
@@ -209,11 +211,29 @@ fn statement_end(s: &str, from: usize) -> usize {
 /// workgroups, with `wg` the workgroup's index and `lane` the invocation's index in it (see
 /// [`super::projection`]): it finds its tile or row from the workgroup, which the shader compiler
 /// can then see as uniform. Those bodies that reduce across the workgroup get the reductions of
-/// [`super::reduce`], in the subgroup form with [`Options::subgroups`].
-fn entry(op: &Op, body: &str, options: &Options) -> String {
+/// [`super::reduce`], in the subgroup form with [`Options::subgroups`]. An attention with the
+/// workgroup form (`workgroup_attention`, its head geometry) gets the reductions, its workgroup
+/// memory and `wg`, `lane` and `i` (`wg * 64 + lane`), and no thread returns early, since the
+/// workgroup form's barriers need every invocation of its workgroups (its body sorts out which
+/// threads run, see [`super::attention::body`]).
+fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geometry>) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
-    if matches!(op, Op::Linear { .. }) || super::emit::cooperative(op) {
+    if let Some(g) = workgroup_attention {
+        s += &reduce::functions(options.subgroups, false);
+        s += &attention::workgroup_declarations(g.head_dim);
+        let builtins = if options.subgroups { reduce::ENTRY_BUILTINS } else { "" };
+        s += &format!(
+            "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
+        );
+        if options.subgroups {
+            s += "    ";
+            s += reduce::ENTRY_SETUP;
+        }
+        s += &format!(
+            "    let wg = wid.x + wid.y * nwg.x;\n    let lane = lid.x;\n    let i = wg * {WORKGROUP}u + lane;\n"
+        );
+    } else if matches!(op, Op::Linear { .. }) || super::emit::cooperative(op) {
         // A projection reduces only in its split GEMV form.
         let linear = matches!(op, Op::Linear { .. });
         let reduces = if linear { projection::splits(op, options) } else { super::emit::cooperative(op) };
@@ -412,13 +432,8 @@ mod tests {
                 inputs[weight] = w;
                 for subgroups in [false, true] {
                     for f16_math in [false, true] {
-                        let options = Options {
-                            subgroups,
-                            f16_math,
-                            f16_weights: w == Elem::F16,
-                            fold_appends: false,
-                            binding_bytes: None,
-                        };
+                        let options =
+                            Options { subgroups, f16_math, f16_weights: w == Elem::F16, ..Options::default() };
                         let text = kernel(&op, &inputs, Elem::F32, None, &options).unwrap();
                         super::super::validate(&text)
                             .unwrap_or_else(|e| panic!("{} {w:?} {options:?}: {e}\n{text}", op.name()));
@@ -429,7 +444,9 @@ mod tests {
                 }
             }
         }
-        // A projection without the split form (a RoPE epilogue) is the same text with subgroups.
+        // A RoPE epilogue in whole `vec4`s has the split form (both pair layouts); one whose pairs
+        // are not (heads starting at column 4) has no `vec4` forms, and is the same text with
+        // subgroups.
         let rope = crate::graph::RopeCols {
             theta: Scalar(1e4),
             rotary_dim: 8,
@@ -438,12 +455,76 @@ mod tests {
             start: 0,
             len: 16,
         };
-        let op = Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) };
-        let inputs = [Elem::F32; 2];
-        assert_eq!(
-            kernel(&op, &inputs, Elem::F32, None, &Options::default()),
-            kernel(&op, &inputs, Elem::F32, None, &subgroups)
-        );
+        let rotating =
+            |rope| Op::Linear { act: None, bias: false, residual: false, norm, glu: false, rope: Some(rope) };
+        let inputs = [Elem::F32; 3];
+        for rope in [rope, crate::graph::RopeCols { style: PairStyle::Interleaved, ..rope }] {
+            let text = kernel(&rotating(rope), &inputs, Elem::F32, None, &subgroups).unwrap();
+            super::super::validate(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert!(text.contains("form == 4u") && text.contains("group_pair(t % tiles)"), "{text}");
+        }
+        let unaligned = rotating(crate::graph::RopeCols { start: 4, ..rope });
+        let text = kernel(&unaligned, &inputs, Elem::F32, None, &subgroups).unwrap();
+        assert!(!text.contains("form == 4u"), "{text}");
+        assert_eq!(Some(text), kernel(&unaligned, &inputs, Elem::F32, None, &Options::default()));
+    }
+
+    /// The attention kernels with the workgroup form, for every layout (attention, packed,
+    /// cached, appending to the caches) and score modifier, with plain and subgroup reductions:
+    /// naga validates them (barriers in uniform control flow included), and a kernel without the
+    /// option is the text it was.
+    #[test]
+    fn attention_workgroup_forms_validate() {
+        use crate::graph::{BlockPattern, Bucketing, Scalar, ScoreMods};
+        let relative = Some(Bucketing { buckets: 8, max_distance: 20, bidirectional: true });
+        let sparse = Some(BlockPattern { block: 4, global: 1, window: 1, random: 2, seed: 7 });
+        let all = [
+            ScoreMods::default(),
+            ScoreMods { softcap: Some(Scalar(30.0)), relative, ..ScoreMods::default() },
+            ScoreMods { sparse, ..ScoreMods::default() },
+        ];
+        let mut ops = Vec::new();
+        for mods in all {
+            let table = usize::from(mods.relative.is_some());
+            for (alibi, causal, window) in [(false, true, None), (true, false, Some(3))] {
+                let scale = Scalar(0.125);
+                ops.push((Op::Attention { scale, alibi, causal, window, mods }, 4 + table));
+                let packed = |cached, appends| Op::PackedAttention {
+                    scale,
+                    alibi,
+                    causal,
+                    window,
+                    mods,
+                    heads: 4,
+                    kv_heads: 2,
+                    head_dim: 80,
+                    q: 0,
+                    k: 320,
+                    v: 480,
+                    cached,
+                    appends,
+                };
+                ops.push((packed(false, false), 2 + table));
+                ops.push((packed(true, false), 3 + table));
+                if mods.sparse.is_none() {
+                    ops.push((packed(true, true), 4 + table));
+                }
+            }
+        }
+        for (op, n) in ops {
+            let head_dim = if let Op::PackedAttention { head_dim, .. } = op { head_dim } else { 16 };
+            let geometry = Some(Geometry { heads: 4, kv_heads: 2, head_dim });
+            let inputs = vec![Elem::F32; n];
+            let plain = kernel(&op, &inputs, Elem::F32, geometry, &Options::default()).unwrap();
+            assert!(!plain.contains("dim(7u) == 2u") && !plain.contains("workgroupBarrier"), "{plain}");
+            for subgroups in [false, true] {
+                let options = Options { subgroups, attention_workgroups: true, ..Options::default() };
+                let text = kernel(&op, &inputs, Elem::F32, geometry, &options).unwrap();
+                super::super::validate(&text).unwrap_or_else(|e| panic!("{} {}: {e}\n{text}", op.name(), op.attrs()));
+                assert!(text.contains("dim(7u) == 2u") && text.contains("wq[c]"), "{text}");
+                assert_eq!(text.contains("subgroupMax"), subgroups, "{text}");
+            }
+        }
     }
 
     /// The weight operand's index of a projection without a norm prologue's shift.

@@ -81,6 +81,14 @@ pub struct Options {
     /// against 10.5 decode tok/s, 38.8 against 57.2 prefill), so a software adapter keeps them
     /// apart (see `Gpu::options`).
     pub fold_appends: bool,
+    /// Give the attention kernels their workgroup form (see [`attention`]): where the blocked
+    /// forms would run too few invocations to fill a GPU (a decode step's attention runs one per
+    /// key/value head), a workgroup per query row and head, its lanes splitting the keys. For a
+    /// hardware adapter (see `Gpu::options`). Lavapipe keeps the blocked forms: it has a few CPU
+    /// threads to fill, not thousands of lanes, and there the blocked forms' loads serve several
+    /// heads and rows while the workgroup form's barriers and reductions cost a synchronisation of
+    /// its 64 lanes per chunk of keys.
+    pub attention_workgroups: bool,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
     /// whose weights each fit, joined by concatenations (see [`column_divisible`]): each piece runs
@@ -91,6 +99,13 @@ pub struct Options {
 }
 
 impl Options {
+    /// The options of a hardware adapter with subgroups (what `Gpu::options` gives one, less the
+    /// binding limit): subgroup reductions, the cache appends in the attention's dispatch, the
+    /// attention's workgroup form.
+    pub fn hardware() -> Options {
+        Options { subgroups: true, fold_appends: true, attention_workgroups: true, ..Options::default() }
+    }
+
     /// The options in words, for reports: `plain`, or the features used (`subgroups, f16 weights`).
     pub fn describe(&self) -> String {
         let mut used = Vec::new();
@@ -104,6 +119,9 @@ impl Options {
         }
         if self.fold_appends {
             used.push("cache appends in the attention");
+        }
+        if self.attention_workgroups {
+            used.push("attention in workgroups");
         }
         if used.is_empty() { "plain".into() } else { used.join(", ") }
     }

@@ -32,7 +32,11 @@
 //!   `row_sum4` (`super::reduce`), through subgroup operations, and the first lane writes the
 //!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
 //!   split form runs `16 n / SPLIT_GEMV_GROUPS`. A norm prologue's statistics are reduced the
-//!   same way.
+//!   same way. A RoPE epilogue in whole `vec4`s runs it too: its unit of two groups (both columns
+//!   of each pair, see `group_pair_fn`) is the split tile, so a rotating projection (a decoder's
+//!   QKV) launches as many workgroups as a plain one of its shape. (Without it the rotating
+//!   projection ran the `vec4` GEMV, `n / 8` invocations each walking all of `k`: two workgroups
+//!   for SmolLM2's QKV, 43% of an H200's decode step.)
 //!   The form exists only in a module compiled with subgroups (the plain one keeps the `vec4`
 //!   GEMV, whose invocations each walk the whole of `k`), and [`dims`] picks it only then.
 //!
@@ -128,16 +132,23 @@ fn vector_rope(r: RopeCols) -> bool {
 /// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV, 4 split GEMV (in place of 3 when
 /// `options`, the kernel's, have [`Options::subgroups`]). The `vec4` forms need `k` and `w`
 /// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
-/// `n` a multiple of 4) and no RoPE epilogue. `tiles` is the number of column tiles of a row
+/// `n` a multiple of 4) and a RoPE epilogue's pairs in whole `vec4`s, if any. `tiles` is the
+/// number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
 pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
     dims_with(op, operands, out, past, true, splits(op, options))
 }
 
-/// Whether the kernel of projection `op` compiled with `options` has the split GEMV form.
+/// Whether the kernel of projection `op` compiled with `options` has the split GEMV form: with
+/// subgroups, wherever it has the `vec4` forms (a RoPE epilogue's pairs in whole `vec4`s, see
+/// [`vector_rope`]).
 pub fn splits(op: &Op, options: &Options) -> bool {
-    options.subgroups && Linear::of(op).rope.is_none()
+    options.subgroups && Linear::of(op).rope.is_none_or(vector_rope)
 }
+
+// A rotated unit is two groups of 4 columns (see `group_pair_fn`): the split tile's width, so a
+// rotating split GEMV runs as many workgroups as a plain one of the same shape.
+const _: () = assert!(SPLIT_GEMV_GROUPS == 2);
 
 /// [`dims`] restricted to the scalar forms, the only ones of the chunked kernel ([`body_scalar`]).
 pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
@@ -566,7 +577,7 @@ fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> S
     };
     if let Some(rope) = p.rope {
         for r in 0..rows {
-            s += &vector_rope_epilogue(p, rope, r);
+            s += &vector_rope_epilogue(p, rope, r, last);
         }
         return s;
     }
@@ -621,11 +632,12 @@ fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> S
 
 /// The epilogue of row `r` of a `vec4` tile with a RoPE epilogue: its two groups `g0`, `g1`
 /// (from `pg = group_pair(..)`) with bias and activation, rotated together (rotate-half) or each
-/// by itself (interleaved), the residual added.
-fn vector_rope_epilogue(p: Linear, rope: RopeCols, r: usize) -> String {
+/// by itself (interleaved), the residual added; `last` a further condition of the store (the
+/// split form's first lane).
+fn vector_rope_epilogue(p: Linear, rope: RopeCols, r: usize, last: &str) -> String {
     let (_, bi, ri) = operand_indices(p);
     let mut s =
-        format!("if (r0 + {r}u < m) {{\n    let row = r0 + {r}u;\n    var ya = y{r}_0;\n    var yb = y{r}_1;\n");
+        format!("if (r0 + {r}u < m{last}) {{\n    let row = r0 + {r}u;\n    var ya = y{r}_0;\n    var yb = y{r}_1;\n");
     if p.bias {
         s += &format!("    ya = ya + ld{bi}v(g0);\n    yb = yb + ld{bi}v(g1);\n");
     }
@@ -1076,5 +1088,13 @@ mod tests {
         let at =
             |rows: usize| dims(&op, &[vec![1, rows, 576], vec![576, 960]], &[1, rows, 960], 0, &Options::default())[7];
         assert_eq!((at(128), at(1)), (2, 3));
+        // With subgroups, one row runs the split GEMV (form 4), as many workgroups as the same
+        // projection without the rotation.
+        let subgroups = Options { subgroups: true, ..Options::default() };
+        let split = |op: &Op| dims(op, &[vec![1, 1, 576], vec![576, 960]], &[1, 1, 960], 0, &subgroups);
+        let (rotating, plain) = (split(&op), split(&Op::linear(None, false, false)));
+        assert_eq!((rotating[7], plain[7]), (4, 4));
+        assert_eq!(rotating[0], plain[0]);
+        assert_eq!(rotating[0] / WORKGROUP as usize, 960 / 8);
     }
 }
