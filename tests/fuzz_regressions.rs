@@ -181,12 +181,13 @@ fn differential_replay() {
 }
 
 /// Runs every differential check (`run_all`) on `spec` with the other decisions of seeded input 1.
-fn differential_on(spec: &str) {
-    targets::differential::run_spec(spec, &seeded_bytes(1));
+fn differential_on(spec: &str) -> targets::differential::Tally {
+    targets::differential::run_spec(spec, &seeded_bytes(1))
 }
 
 /// Every known, unfixed bug the differential target skips has its input in
-/// `fuzz/regressions/differential/` and a regression test below, `#[ignore]`d until its fix.
+/// `fuzz/regressions/differential/` (and a regression test, `#[ignore]`d until its fix), and
+/// still fails: one that passes is fixed and leaves `KNOWN`.
 #[test]
 fn known_differential_bugs_keep_their_inputs() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/differential");
@@ -198,10 +199,10 @@ fn known_differential_bugs_keep_their_inputs() {
     }
 }
 
-/// Kiln bug (reported, not fixed): `build_cached` accepts a decoder with a bidirectional mask;
-/// its cached steps differ from recomputation once a layer's keys depend on later tokens.
+/// Found by the differential target: `build_cached` accepted a decoder with a bidirectional
+/// mask, whose cached steps differed from recomputation once a layer's keys depend on later
+/// tokens. Generation now refuses it; the rest of the model still runs on every engine.
 #[test]
-#[ignore = "kiln bug found by the differential fuzzer, reported, not fixed yet"]
 fn cached_decoder_with_bidirectional_mask() {
     differential_on(
         "[model]\nkind = \"decoder\"\nvocab = 8\nd_model = 8\nlayers = 2\nmax_positions = 8\n\n\
@@ -209,14 +210,16 @@ fn cached_decoder_with_bidirectional_mask() {
     );
 }
 
-/// Kiln bug (reported, not fixed): `norm.parallel_residual` in an encoder-decoder builds a
-/// decoder without cross-attention (the encoder is unused), while `build_encoder` and
-/// `build_cached` keep it, so a cached session asks for `decoder.layers.0.cross.k.weight`.
+/// Found by the differential target: `norm.parallel_residual` in an encoder-decoder built a
+/// decoder without cross-attention (the encoder unused), while `build_encoder` and
+/// `build_cached` kept it, so a cached session asked for `decoder.layers.0.cross.k.weight`, and
+/// the optimized graph, without the dead encoder, ran source ids the interpreter refused. The
+/// front end now refuses the spec.
 #[test]
-#[ignore = "kiln bug found by the differential fuzzer, reported, not fixed yet"]
 fn parallel_residual_drops_cross_attention() {
-    differential_on(
+    let tally = differential_on(
         "[model]\nkind = \"encoder-decoder\"\nvocab = 8\nd_model = 8\nlayers = 1\nmax_positions = 8\n\n\
          [norm]\nparallel_residual = true\n\n[attention]\nheads = 1\n",
     );
+    assert!(tally.refused_spec.is_some(), "a parallel residual in an encoder-decoder is refused");
 }

@@ -11,7 +11,7 @@ use arbitrary::Unstructured;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::graph::{Graph, InputRole, Op, Sym};
-use kiln_compiler::spec::{BlockKind, MaskKind, PositionKind, Resolved};
+use kiln_compiler::spec::{BlockKind, PositionKind, Resolved};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{interp, lower::lower, optimize};
 use kiln_runtime::generate::Session;
@@ -626,22 +626,10 @@ pub struct Tally {
 /// each, the checks it would fail, and whether a spec meets it. [`run`] leaves those checks out
 /// of such a spec, so a campaign looks for new bugs; [`run_all`] does not (the `#[ignore]`d
 /// regression tests named after them in `tests/fuzz_regressions.rs`). Remove an entry with its fix.
-pub const KNOWN: [Known; 2] = [
-    // `build_cached` accepts a decoder whose self-attention sees later tokens (a bidirectional
-    // mask), whose cached steps cannot equal recomputation past one layer.
-    Known {
-        name: "cached-decoder-with-bidirectional-mask",
-        voids: Voids::Cached,
-        meets: |r| r.mask == MaskKind::Bidirectional,
-    },
-    // `norm.parallel_residual` in an encoder-decoder builds a decoder without cross-attention,
-    // while `build_encoder` and `build_cached` keep it (its parameters are missing); the unused
-    // encoder is all the optimizer removes, bad source ids with it.
-    Known {
-        name: "parallel-residual-drops-cross-attention",
-        voids: Voids::All,
-        meets: |r| r.spec.norm.parallel_residual && r.spec.model.kind == BlockKind::EncoderDecoder,
-    },
+pub const KNOWN: [Known; 0] = [
+    // Fixed on main: `cached-decoder-with-bidirectional-mask` (generation refuses a decoder with
+    // a bidirectional mask) and `parallel-residual-drops-cross-attention` (`check` refuses a
+    // parallel residual in an encoder-decoder); their inputs stay in the regressions.
 ];
 
 /// A [`KNOWN`] bug.
