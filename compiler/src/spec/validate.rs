@@ -413,16 +413,16 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
 
     // Combinations without a meaning. Low-rank attention's keys are projections along the
     // sequence, mixtures of every position: they have no position of their own to take a block,
-    // a distance or a slope from.
+    // a distance, a slope or a padding flag from.
     if let Some(rank) = a.low_rank {
         let positional = match p.kind {
             PositionKind::RelativeBias => Some(("positions.kind", "a relative position bias")),
             PositionKind::Alibi => Some(("positions.kind", "ALiBi")),
             _ => None,
         };
-        for (key, what) in
-            a.block_sparse.map(|_| ("attention.block_sparse", "a block pattern")).into_iter().chain(positional)
-        {
+        let padding = a.padding_mask.then_some(("attention.padding_mask", "a key padding mask"));
+        let keyed = a.block_sparse.map(|_| ("attention.block_sparse", "a block pattern"));
+        for (key, what) in keyed.into_iter().chain(positional).chain(padding) {
             c.error_at(
                 key,
                 "attention.low_rank",
@@ -577,6 +577,14 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             "a model has an output",
             "the model would produce no output".into(),
             "enable one in [outputs]: `logits = true`, `hidden_states = true` or `pooling = \"mean\"`".into(),
+        );
+    }
+    if o.pooling != Pooling::None && m.kind == BlockKind::EncoderDecoder {
+        c.error_help(
+            "outputs.pooling",
+            "pooling is of a single stack",
+            "`outputs.pooling` averages one stack's hidden states over its attention mask; an encoder-decoder has two stacks and no pooled output".into(),
+            "remove `pooling`, or use `kind = \"encoder\"` for sentence embeddings".into(),
         );
     }
     if o.normalize && o.pooling == Pooling::None {
