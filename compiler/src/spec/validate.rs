@@ -203,8 +203,22 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         ),
         _ => {}
     }
+    // Each main-stack layer's attention under the window: listed, or every `global_every`-th.
+    let stack_layers = match m.kind {
+        BlockKind::EncoderDecoder => ("model.decoder_layers", decoder_layers),
+        _ => ("model.layers", m.layers),
+    };
     if let Some(every) = a.global_every {
         c.bounded("attention.global_every", every, limits.layers);
+        let layers = stack_layers.1;
+        if every > layers && layers > 0 {
+            c.error_help(
+                "attention.global_every",
+                "some layer is global",
+                format!("`attention.global_every` = {every} is more than the {layers} layers: no layer would attend globally"),
+                format!("use at most {layers}, or remove `global_every` to make every layer a sliding-window one"),
+            );
+        }
         if mask != MaskKind::SlidingWindow {
             c.error_help(
                 "attention.global_every",
@@ -214,11 +228,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             );
         }
     }
-    // Each main-stack layer's attention under the window: listed, or every `global_every`-th.
-    let stack_layers = match m.kind {
-        BlockKind::EncoderDecoder => ("model.decoder_layers", decoder_layers),
-        _ => ("model.layers", m.layers),
-    };
     let layer_kinds = match (&a.layer_types, a.global_every) {
         (Some(kinds), every) => {
             if every.is_some() {
@@ -440,20 +449,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
                     m.max_positions
                 ),
                 format!("use at most {} rows", m.max_positions),
-            );
-        }
-    }
-    if let Some(every) = a.global_every {
-        let layers = match m.kind {
-            BlockKind::EncoderDecoder => encoder_layers.max(decoder_layers),
-            _ => m.layers,
-        };
-        if every > layers && layers > 0 {
-            c.error_help(
-                "attention.global_every",
-                "some layer is global",
-                format!("`attention.global_every` = {every} is more than the {layers} layers: no layer would attend globally"),
-                format!("use at most {layers}, or remove `global_every` to make every layer a sliding-window one"),
             );
         }
     }
