@@ -6,7 +6,7 @@
 //! imported to the same resolved spec as their hand-written ones. Unsupported configurations are
 //! refused by name. The imported specs are snapshotted (`snapshots/import@*.snap`).
 
-mod common;
+use crate::common;
 
 use common::root;
 use kiln_compiler::interp;
@@ -22,7 +22,7 @@ const TOLERANCE: f32 = 1e-4;
 fn import(dir: &Path, name: &str) -> kiln_runtime::import::Checkpointed {
     let imported = kiln_runtime::import::import(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| insta::assert_snapshot!(format!("import@{name}"), imported.imported.text));
     imported

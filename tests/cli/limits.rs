@@ -3,18 +3,12 @@
 //! and no abort, instead of the allocator killing the process; a failed device allocation is
 //! reported as out of GPU memory.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{root, scratch};
 use kiln_compiler::tensor::Tensor;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-limits-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// `models/NAME.toml` with some lines replaced, written to `dir`.
 fn spec_with(dir: &Path, name: &str, replace: &[(&str, &str)]) -> PathBuf {

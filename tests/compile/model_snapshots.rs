@@ -7,10 +7,10 @@ use kiln_compiler::graph::print;
 #[test]
 fn graph_of_every_model() {
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| {
-        insta::glob!("../models", "*.toml", |path| {
+        insta::glob!("../../models", "*.toml", |path| {
             let name = format!("models/{}", path.file_name().unwrap().to_string_lossy());
             let source = std::fs::read_to_string(path).unwrap();
             let fe = front_end(&name, &source).unwrap_or_else(|e| panic!("{}", e.render()));

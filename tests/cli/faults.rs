@@ -4,7 +4,7 @@
 //! (No adapter at all: `tests/cli.rs` `an_unknown_adapter_is_a_clear_error`. Out of host memory:
 //! `tests/limits.rs`. A kill while writing: `tests/atomic_writes.rs`.)
 
-mod common;
+use crate::common;
 
 use common::{root, spec};
 

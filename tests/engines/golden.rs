@@ -1,7 +1,7 @@
 //! Golden numerics: kiln's reference interpreter against the outputs of independent
 //! implementations (HF transformers, torch.nn), stored under `tests/fixtures/` (see its README).
 
-mod common;
+use crate::common;
 
 use common::{root, spec};
 

@@ -2,18 +2,12 @@
 //! be refused with a message naming the file and what is wrong with it, exit code 1, no panic, and
 //! no allocation sized by a lying header.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{root, scratch};
 use kiln_compiler::tensor::Tensor;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-
-fn scratch() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-bad-weights-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// A safetensors file from a header (JSON text, written as is) and a data section.
 fn safetensors(header: &str, data: &[u8]) -> Vec<u8> {
@@ -36,7 +30,7 @@ fn fixture_with(edit: impl Fn(&mut Vec<(String, Tensor)>)) -> Vec<(String, Tenso
 }
 
 fn encoded(tensors: &[(String, Tensor)]) -> Vec<u8> {
-    let path = scratch().join(format!("encode-{}.safetensors", tensors.len()));
+    let path = scratch("bad-weights").join(format!("encode-{}.safetensors", tensors.len()));
     kiln_runtime::write_tensors(&path, tensors).unwrap();
     std::fs::read(path).unwrap()
 }
@@ -51,7 +45,7 @@ fn set_f32(all: &mut [(String, Tensor)], name: &str, index: usize, value: f32) {
 /// Runs `kiln run models/gpt2.toml` with `bytes` as the weights (in a file called `name`) and
 /// expects a clean failure whose message has every needle.
 fn refused(name: &str, bytes: &[u8], needles: &[&str]) {
-    let path = scratch().join(name);
+    let path = scratch("bad-weights").join(name);
     std::fs::write(&path, bytes).unwrap();
     refused_path(&path, needles);
 }
@@ -187,5 +181,5 @@ fn files_of_another_kind_are_refused() {
     let artifact = std::fs::read(root().join("fuzz/seeds/artifact/gpt2.kiln")).unwrap();
     refused("artifact.safetensors", &artifact, &["artifact.safetensors` is not a valid safetensors file"]);
     // A directory.
-    refused_path(&scratch(), &["cannot read"]);
+    refused_path(&scratch("bad-weights"), &["cannot read"]);
 }

@@ -1,7 +1,7 @@
 //! The WGSL kernels on wgpu (lavapipe in CI): golden outputs, and agreement with the reference
 //! interpreter on every spec of `models/` at random weights.
 
-mod common;
+use crate::common;
 
 use common::{root, spec};
 

@@ -8,7 +8,7 @@
 //! that hide some keys and every key of some rows) feeding the fused op, output `fused`, and the
 //! same computation from primitive ops, output `unfused`.
 
-mod common;
+use crate::common;
 
 use kiln_compiler::graph::{
     BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods,

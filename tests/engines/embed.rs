@@ -3,19 +3,15 @@
 //! tokenizer, a GGUF without one, a spec that does not pool) is a specific message and a non-zero
 //! exit, never a panic.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{kiln, root};
 
 use std::path::Path;
 use std::process::{Command, Output};
 
 /// The largest absolute error allowed against sentence-transformers.
 const TOLERANCE: f32 = 1e-4;
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
@@ -88,15 +84,6 @@ fn text_output_has_one_line_per_sentence() {
     }
 }
 
-/// Runs kiln and expects failure with a message containing `needle`.
-fn fails_with(args: &[&str], needle: &str) {
-    let o = kiln(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "kiln {args:?} should fail");
-    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
-    assert!(err.contains(needle), "kiln {args:?}: stderr lacks {needle:?}:\n{err}");
-}
-
 #[test]
 fn bad_tokenizers_and_specs_are_reported() {
     let weights = common::fetched("minilm", "minilm-l6", "model.safetensors");
@@ -107,7 +94,7 @@ fn bad_tokenizers_and_specs_are_reported() {
     let spec = "models/minilm-l6.toml";
 
     let missing = dir.join("missing.json");
-    fails_with(&["embed", spec, "--weights", w, "--tokenizer", s(&missing), "hi"], "cannot read tokenizer");
+    common::failure(&["embed", spec, "--weights", w, "--tokenizer", s(&missing), "hi"], &["cannot read tokenizer"]);
 
     // A valid GGUF file (header only: no tensors, no metadata) that carries no tokenizer.
     let bare = dir.join("bare.gguf");
@@ -115,10 +102,16 @@ fn bad_tokenizers_and_specs_are_reported() {
     header.extend(3u32.to_le_bytes());
     header.extend([0u8; 16]);
     std::fs::write(&bare, header).unwrap();
-    fails_with(&["embed", spec, "--weights", w, "--tokenizer", s(&bare), "hi"], "no `tokenizer.ggml.model` metadata");
+    common::failure(
+        &["embed", spec, "--weights", w, "--tokenizer", s(&bare), "hi"],
+        &["no `tokenizer.ggml.model` metadata"],
+    );
 
-    fails_with(&["embed", "models/bert.toml", "--weights", w, "--tokenizer", t, "hi"], "has no `sentence_embedding`");
-    fails_with(&["embed", spec, "--weights", w, "--tokenizer", t], "<SENTENCES>");
+    common::failure(
+        &["embed", "models/bert.toml", "--weights", w, "--tokenizer", t, "hi"],
+        &["has no `sentence_embedding`"],
+    );
+    common::failure(&["embed", spec, "--weights", w, "--tokenizer", t], &["<SENTENCES>"]);
 }
 
 /// The sentences come from a file or stdin (`-`) as from arguments; `--similarity` adds the
@@ -172,10 +165,10 @@ fn sentences_from_a_file_or_stdin_and_the_similarity_matrix() {
     assert!(from_artifact.status.success(), "{}", String::from_utf8_lossy(&from_artifact.stderr));
     assert!(json_error(&from_artifact) <= TOLERANCE);
 
-    fails_with(&[&base[..], &["--file", s(&dir.join("none.txt"))]].concat(), "cannot read the sentences in");
+    common::failure(&[&base[..], &["--file", s(&dir.join("none.txt"))]].concat(), &["cannot read the sentences in"]);
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "\n\n").unwrap();
-    fails_with(&[&base[..], &["--file", s(&empty)]].concat(), "holds no sentences");
+    common::failure(&[&base[..], &["--file", s(&empty)]].concat(), &["holds no sentences"]);
 }
 
 /// A text longer than the model's pipeline takes is truncated where sentence-transformers
@@ -204,9 +197,9 @@ fn long_sentences_are_truncated_where_the_pipeline_truncates_and_said_so() {
 
     // Without --tokenizer the weights' own is used when they are GGUF (as `generate` does); a
     // safetensors checkpoint has none.
-    fails_with(
+    common::failure(
         &["embed", "models/minilm-l6.toml", "--weights", s(&weights), "hi"],
-        "needs a tokenizer: give --tokenizer",
+        &["needs a tokenizer: give --tokenizer"],
     );
     let gguf = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
     let o = kiln(&["embed", "models/minilm-l6.toml", "--weights", s(&gguf), "hi", "--backend", "cpu"]);

@@ -1,52 +1,13 @@
 //! The `kiln` command line, end to end: what each command prints, and that bad input gives a
 //! specific message and a non-zero exit code, never a panic.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{fails_with, kiln, root, scratch, stderr, stdout};
 
 use kiln_compiler::tensor::Tensor;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-/// Runs the kiln binary from the repository root. The child gets no display session
-/// (`XDG_RUNTIME_DIR` unset), as on CI, so a test that wants a quiet stderr also proves that
-/// kiln keeps the Vulkan layers' display probing off it.
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("XDG_RUNTIME_DIR")
-        .env_remove("NODEVICE_SELECT")
-        .output()
-        .expect("kiln runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Runs kiln and expects failure with a message containing every `needle`.
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let o = kiln(args);
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "kiln {args:?} should fail cleanly; stderr:\n{err}");
-    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
-    for needle in needles {
-        assert!(err.contains(needle), "kiln {args:?}: stderr lacks {needle:?}:\n{err}");
-    }
-}
-
-/// A scratch directory unique to one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

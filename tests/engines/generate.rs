@@ -2,7 +2,7 @@
 //! recomputing the whole sequence, and greedy decoding must reproduce the fixtures' `greedy_ids`,
 //! on the interpreter and on wgpu, unoptimized and optimized.
 
-mod common;
+use crate::common;
 
 use common::{root, spec};
 
@@ -49,19 +49,7 @@ fn check(name: &str) {
         assert_eq!(stats.new_tokens, expected.len());
         // Step by step against a full recomputation of the sequence so far.
         let mut fresh = sessions(&fe, &params).into_iter().find(|(l, _)| *l == label).unwrap().1;
-        let mut seq = prompt.clone();
-        let mut cached = fresh.forward(&prompt).unwrap();
-        for &next in &expected {
-            let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, seq.len()], seq.clone()))]);
-            let full = interp::run(&fe.graph, &params, &inputs).unwrap();
-            let logits = &full.iter().find(|(n, _)| n == "logits").unwrap().1;
-            let vocab = *logits.shape.last().unwrap();
-            let last = &logits.as_f32().unwrap()[(seq.len() - 1) * vocab..];
-            let err = last.iter().zip(&cached).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(err <= 1e-4, "{name} ({label}): cached logits at position {} differ by {err}", seq.len() - 1);
-            seq.push(next);
-            cached = fresh.forward(&[next]).unwrap();
-        }
+        common::check_cached_steps(&format!("{name} ({label})"), &mut fresh, &fe.graph, &params, &prompt, &expected);
     }
 }
 

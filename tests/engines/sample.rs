@@ -3,7 +3,7 @@
 //! many random logits rows and every kind of setting — greedy, temperature alone, top-k, top-p,
 //! the repetition penalty, all combined — at vocabularies from one token to Gemma 3's 262144.
 
-mod common;
+use crate::common;
 
 use kiln_runtime::{DeviceSampler, Pick, Sampler};
 

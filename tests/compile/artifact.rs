@@ -1,27 +1,21 @@
 //! Artifacts: compile -> write -> read -> run equals running from the spec; corrupt, truncated,
 //! foreign and version-mismatched files give clear errors.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{root, scratch};
 
 use kiln_compiler::artifact::{self, Artifact, ArtifactError, FORMAT_VERSION};
 use kiln_compiler::front_end;
 use kiln_compiler::lower::lower;
 use kiln_runtime::GpuModel;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 fn compiled(name: &str) -> (Artifact, kiln_compiler::FrontEnd) {
     let file = format!("models/{name}.toml");
     let source = std::fs::read_to_string(root().join(&file)).unwrap();
     let fe = front_end(&file, &source).unwrap();
     (artifact::compile(&file, &source, &fe).unwrap(), fe)
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-artifact-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 #[test]

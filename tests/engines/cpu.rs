@@ -4,7 +4,7 @@
 //! greedy continuation), cached decoding equal to recomputation, and artifacts compiled for wgpu
 //! running unchanged.
 
-mod common;
+use crate::common;
 
 use common::{root, spec};
 
@@ -361,20 +361,14 @@ fn cached_decoding_equals_recomputation() {
             let (ids, _) =
                 generate(&mut session(), &prompt, expected.len(), &mut Sampler::greedy(), &[], |_| true).unwrap();
             assert_eq!(ids, expected, "{name} ({label}): greedy continuation on cpu");
-            let mut fresh = session();
-            let mut seq = prompt.clone();
-            let mut logits = fresh.forward(&prompt).unwrap();
-            for &next in &expected {
-                let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, seq.len()], seq.clone()))]);
-                let full = interp::run(&fe.graph, &params, &inputs).unwrap();
-                let all = &full.iter().find(|(n, _)| n == "logits").unwrap().1;
-                let vocab = *all.shape.last().unwrap();
-                let last = &all.as_f32().unwrap()[(seq.len() - 1) * vocab..];
-                let err = last.iter().zip(&logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(err <= 1e-4, "{name} ({label}): cached logits at {} differ by {err}", seq.len() - 1);
-                seq.push(next);
-                logits = fresh.forward(&[next]).unwrap();
-            }
+            common::check_cached_steps(
+                &format!("{name} ({label})"),
+                &mut session(),
+                &fe.graph,
+                &params,
+                &prompt,
+                &expected,
+            );
         }
     }
 }

@@ -2,7 +2,7 @@
 //! positions), on the interpreter, the CPU backend and wgpu: each is refused before anything
 //! runs, with a message naming the input and what is wrong, exit code 1 and no panic.
 
-mod common;
+use crate::common;
 
 use common::root;
 use kiln_compiler::tensor::Tensor;

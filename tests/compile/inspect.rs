@@ -5,18 +5,13 @@
 //! Graphviz is required like the GPU is: CI installs it (`scripts/test`); without `dot` on the
 //! PATH the tests that draw fail, unless `KILN_SKIP_GRAPHVIZ=1` says to skip them.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{kiln, ok, root, scratch, stderr, stdout};
 use kiln_compiler::graph::print::{self, DotOptions, block_of};
 use kiln_compiler::graph::{Graph, Op};
 use kiln_compiler::{interp, lower, optimize};
-use std::path::PathBuf;
 use std::process::{Command, Output};
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
-}
 
 /// Runs kiln with a `PATH` holding nothing, so Graphviz's `dot` cannot be found.
 fn kiln_without_graphviz(args: &[&str]) -> Output {
@@ -27,38 +22,6 @@ fn kiln_without_graphviz(args: &[&str]) -> Output {
         .env("PATH", &empty)
         .output()
         .expect("kiln runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Succeeds and returns standard output.
-fn ok(args: &[&str]) -> String {
-    let o = kiln(args);
-    assert!(o.status.success(), "kiln {args:?} failed:\n{}", stderr(&o));
-    stdout(&o)
-}
-
-/// Fails (clap's usage errors exit with 2, kiln's with 1) without panicking, with every needle.
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let o = kiln(args);
-    let err = stderr(&o);
-    assert!(matches!(o.status.code(), Some(1 | 2)), "kiln {args:?} should fail cleanly; stderr:\n{err}");
-    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
-    for needle in needles {
-        assert!(err.contains(needle), "kiln {args:?}: stderr lacks {needle:?}:\n{err}");
-    }
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-inspect-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Whether Graphviz is installed; without it, a failure unless `KILN_SKIP_GRAPHVIZ=1`.
@@ -164,15 +127,15 @@ fn layers_collapses_the_other_blocks_into_summaries() {
 
 #[test]
 fn layers_out_of_range_or_malformed_is_an_error() {
-    fails_with(
+    common::failure(
         &["inspect", "models/llama.toml", "--format", "dot", "--layers", "0..40"],
         &["--layers 0..40 is out of range", "has 2 blocks (0..2)"],
     );
-    fails_with(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "2"], &["out of range"]);
-    fails_with(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "1..1"], &["selects no blocks"]);
-    fails_with(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "a..2"], &["`a` is not a number"]);
-    fails_with(&["inspect", "models/llama.toml", "--format", "dot", "--layers=-1"], &["is not a number"]);
-    fails_with(&["inspect", "models/llama.toml", "--layers", "0"], &["--layers applies to drawings"]);
+    common::failure(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "2"], &["out of range"]);
+    common::failure(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "1..1"], &["selects no blocks"]);
+    common::failure(&["inspect", "models/llama.toml", "--format", "dot", "--layers", "a..2"], &["`a` is not a number"]);
+    common::failure(&["inspect", "models/llama.toml", "--format", "dot", "--layers=-1"], &["is not a number"]);
+    common::failure(&["inspect", "models/llama.toml", "--layers", "0"], &["--layers applies to drawings"]);
 }
 
 #[test]
@@ -300,10 +263,16 @@ fn html_report_escapes_the_spec() {
 
 #[test]
 fn html_report_options_are_checked() {
-    fails_with(&["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--seq", "0"], &["--seq must be at least 1"]);
-    fails_with(&["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--seq", "100000"], &["exceeds the model's"]);
-    fails_with(&["inspect", "models/llama.toml", "--profile"], &["--html"]);
-    fails_with(&["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--stats"], &["cannot be used with"]);
+    common::failure(
+        &["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--seq", "0"],
+        &["--seq must be at least 1"],
+    );
+    common::failure(
+        &["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--seq", "100000"],
+        &["exceeds the model's"],
+    );
+    common::failure(&["inspect", "models/llama.toml", "--profile"], &["--html"]);
+    common::failure(&["inspect", "models/llama.toml", "--html", "/tmp/x.html", "--stats"], &["cannot be used with"]);
 }
 
 #[test]
@@ -363,7 +332,7 @@ fn dot_of_one_optimized_block() {
     let dot = print::dot_with(&optimized, &options);
     assert_eq!(dot, print::dot_with(&optimized, &options), "the drawing is not deterministic");
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| insta::assert_snapshot!("dot_llama_optimized_layers_0", dot));
 }

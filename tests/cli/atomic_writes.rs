@@ -24,12 +24,20 @@ fn child_writer() {
     }
 }
 
+/// `child_writer`'s name in this test binary: its module path without the crate's name.
+fn child_test_name() -> String {
+    match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::child_writer"),
+        None => "child_writer".to_string(),
+    }
+}
+
 /// Runs `child_writer` in a new process writing to `path`. With `kill_at`, kills it (SIGKILL: no
 /// destructor or cleanup runs) as soon as its temporary file holds that many bytes; returns
 /// whether it was killed so, before the rename.
 fn run_child(path: &Path, kill_at: Option<u64>) -> bool {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_writer", "--test-threads=1", "--quiet"])
+        .args(["--exact", &child_test_name(), "--test-threads=1", "--quiet"])
         .env(CHILD, path)
         .stdout(std::process::Stdio::null())
         .spawn()

@@ -5,7 +5,7 @@
 //! GEMV) with bias, activation, residual, norm prologues, gated and rotated epilogues, and
 //! projections whose weight is a load-time stack or scaling of quantized parameters.
 
-mod common;
+use crate::common;
 
 use kiln_compiler::graph::{Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::interp;

@@ -3,7 +3,7 @@
 //! rebuilt from its GGUF metadata, renders and tokenizes the chat prompt as transformers does and
 //! decodes the greedy continuation to its text.
 
-mod common;
+use crate::common;
 
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::tokenize::{Message, Tokenizer};

@@ -1,28 +1,10 @@
 //! `kiln diff`: a one-knob change reads as the few ops it touches (stable node names), identical
 //! variants as none, artifacts compare like their specs, and the HTML page draws both sides.
 
-mod common;
+use crate::common;
 
-use common::root;
+use common::{kiln, ok, root, scratch};
 use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
-}
-
-/// Succeeds and returns standard output.
-fn ok(args: &[&str]) -> String {
-    let o = kiln(args);
-    assert!(o.status.success(), "kiln {args:?} failed:\n{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-diff-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// `models/llama.toml` with ALiBi instead of RoPE, written to a scratch file.
 fn llama_alibi(dir: &str) -> PathBuf {
@@ -36,7 +18,7 @@ fn llama_alibi(dir: &str) -> PathBuf {
 
 fn snapshot(name: &str, text: &str) {
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| insta::assert_snapshot!(name, text));
 }
@@ -103,7 +85,7 @@ fn an_artifact_compares_like_its_spec() {
 #[test]
 fn html_draws_both_variants_side_by_side() {
     let b = llama_alibi("html");
-    let page = scratch("html").join("diff.html");
+    let page = scratch("diff-html").join("diff.html");
     let o =
         kiln(&["diff", "models/llama.toml", b.to_str().unwrap(), "--html", page.to_str().unwrap(), "--layers", "0"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
