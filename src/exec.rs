@@ -41,6 +41,7 @@ pub struct Exec {
     pub weights: WeightArgs,
 }
 
+/// `--backend`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// The fastest present: a hardware GPU adapter when there is one, else `cpu`.

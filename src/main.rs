@@ -52,8 +52,8 @@ enum Command {
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
     /// vectors.
     Embed(embed::EmbedArgs),
-    /// Measure (never a test): forward time of a spec unoptimized vs optimized on wgpu, side by
-    /// side; or the optimizer's time at several depths; or the cost model's constants.
+    /// Measure (never a test): forward and decode times, where a forward spends them, the
+    /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
 }
 

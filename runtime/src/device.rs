@@ -404,7 +404,7 @@ fn lower_with_blocks(graph: &Graph, blocks: &HashMap<String, QuantWeight>) -> Pl
 }
 
 /// The parameters a plan needs, with their shapes.
-pub fn plan_params(plan: &Plan) -> Vec<(String, Vec<usize>)> {
+fn plan_params(plan: &Plan) -> Vec<(String, Vec<usize>)> {
     plan.values
         .iter()
         .filter_map(|v| match &v.storage {
