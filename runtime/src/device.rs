@@ -111,8 +111,8 @@ impl<'a> Reading<'a> {
         })
     }
 
-    /// The f32 parameters of `graph` and (see [`Reading::blocks`]) the blocks of the quantized
-    /// ones.
+    /// The f32 parameters of `graph` and, unless `storage.dequantize`, the blocks of those the
+    /// checkpoint stores in a block format kept quantized.
     pub fn params_and_blocks(
         &self,
         graph: &Graph,

@@ -95,8 +95,7 @@ pub fn time_ms<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
 }
 
 /// Measures the cost model's constants on `device`, medians of `runs`: each as the difference
-/// between runs that differ only in that quantity (grown until the difference is clear of noise:
-/// see [`slope`]).
+/// between runs that differ only in that quantity (grown until the difference is clear of noise).
 pub fn constants(device: &Device, runs: usize) -> R<Constants> {
     let scale = || (Op::Scale { factor: Scalar(1.0001) }, None);
     // Dispatch: 201 vs 1 scale of 64 floats.
