@@ -1137,7 +1137,7 @@ fn artifacts_go_where_specs_go() {
 fn bench_runs_from_any_directory() {
     let dir = scratch("elsewhere");
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["bench", "--optimize-layers", "1", "--json"])
+        .args(["bench", "optimize", "--layers", "1", "--json"])
         .current_dir(&dir)
         .output()
         .unwrap();
@@ -1146,14 +1146,14 @@ fn bench_runs_from_any_directory() {
     assert!(v[0]["dispatches"]["optimized"].as_u64() < v[0]["dispatches"]["unoptimized"].as_u64(), "{v}");
 }
 
-/// `kiln bench --profile` times every step of both plans by itself, on the CPU backend and on
+/// `kiln bench profile` times every step of both plans by itself, on the CPU backend and on
 /// wgpu, and says by op where each spends its time and which steps are slowest; with
 /// `--optimized-only`, the optimized plan's alone.
 #[test]
 fn bench_profiles_both_plans_by_op() {
     let backends: &[&str] = if common::gpu().is_some() { &["cpu", "wgpu"] } else { &["cpu"] };
     for &backend in backends {
-        let args = ["bench", "models/llama.toml", "--seq", "8", "--runs", "1", "--profile", "-q", "--backend", backend];
+        let args = ["bench", "profile", "models/llama.toml", "--seq", "8", "--runs", "1", "-q", "--backend", backend];
         let o = kiln(&args);
         assert!(o.status.success(), "{backend}: {}", stderr(&o));
         let out = stdout(&o);
@@ -1200,7 +1200,7 @@ fn inspect_uses_an_adapters_cached_cost_model() {
     assert!(gpu < lavapipe, "dear dispatches fuse more: {gpu} vs {lavapipe}");
     let o = inspect(&["--adapter", "h100"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("kiln bench --calibrate --adapter h100"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("kiln bench calibrate --adapter h100"), "{}", stderr(&o));
     let o = kiln(&["inspect", "models/llama.toml", "--adapter", "fake"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("add --stage optimized or --stats"), "{}", stderr(&o));

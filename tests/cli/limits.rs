@@ -42,7 +42,7 @@ fn random_parameters_larger_than_memory_are_refused() {
         &[("vocab = 128", "vocab = 4000000"), ("d_model = 64", "d_model = 65536"), ("heads = 4", "heads = 64")],
     );
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["--quiet", "bench", "--seq", "4", "--runs", "1"])
+        .args(["--quiet", "bench", "forward", "--seq", "4", "--runs", "1"])
         .arg(&spec)
         .current_dir(root())
         .output()
@@ -120,7 +120,7 @@ fn a_device_allocation_that_fails_is_out_of_gpu_memory() {
 fn benchmark_sizes_are_checked_before_anything_runs() {
     let bench = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["--quiet", "bench", "models/gpt2.toml", "--runs", "1"])
+            .args(["--quiet", "bench", "forward", "models/gpt2.toml", "--runs", "1"])
             .args(extra)
             .current_dir(root())
             .output()

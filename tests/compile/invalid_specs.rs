@@ -16,7 +16,7 @@ fn refusal(path: &Path) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {file}: {e}"));
     let source = match String::from_utf8(bytes) {
         Ok(source) => source,
-        // The CLI refuses such a file before the compiler sees it (src/main.rs, `load_spec`).
+        // The CLI refuses such a file before the compiler sees it (src/model_file.rs, `spec_text`).
         Err(e) => {
             return format!(
                 "error: spec `{file}` is not UTF-8 text (invalid byte at offset {})\n",

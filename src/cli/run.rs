@@ -1,17 +1,19 @@
 //! `kiln run`: a spec (compiled in memory) or an artifact run once on inputs from a safetensors
 //! file or given inline (`--input-ids`), with a checkpoint's weights or random ones
 //! (`--random-weights`), its outputs written to a safetensors file. What `embed` shares with it:
-//! running a model file on a backend ([`execute`]), and refusing the execution flags that would
-//! have no effect ([`check_exec`]).
+//! running a model file on a backend ([`execute`]).
 
+use crate::exec::{Backend, Exec, Precision, check_exec, optimizer_target};
+use crate::model_file::ModelFile;
 use crate::progress::Reporter;
-use crate::{Backend, Exec, load_f32, plan_params, run_compiled, storage};
+use crate::report::print_json;
 use anyhow::{Context, Result, anyhow, bail};
-use kiln_compiler::artifact::Artifact;
-use kiln_compiler::spec::{PackDims, Resolved};
+use kiln_compiler::spec::Resolved;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::Checkpoint;
+use kiln_runtime::device::{Reading, Storage, Weights};
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -71,27 +73,6 @@ pub enum Params<'a> {
     Random(u64),
 }
 
-/// A model file as `run` and `embed` read it: its spec's front end (an artifact's from the spec it
-/// stores) and, for an artifact, the artifact, whose plan is what runs.
-pub struct ModelFile {
-    /// The spec, checked, and its unoptimized graph.
-    pub fe: FrontEnd,
-    /// The artifact, when the file is one.
-    pub artifact: Option<Artifact>,
-}
-
-impl ModelFile {
-    /// Reads a spec or an artifact (told apart by the artifact's magic).
-    pub fn read(path: &Path) -> Result<ModelFile> {
-        if Artifact::sniff(path) {
-            let artifact = Artifact::read(path)?;
-            let fe = kiln_compiler::front_end(&artifact.spec_file, &artifact.spec_source)?;
-            return Ok(ModelFile { fe, artifact: Some(artifact) });
-        }
-        Ok(ModelFile { fe: crate::load_spec(path)?, artifact: None })
-    }
-}
-
 /// Runs `kiln run`.
 pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
     // An output that cannot be written is refused before any work.
@@ -111,7 +92,7 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
             "give the weights: --weights CHECKPOINT, or --random-weights (a checkpoint directory or GGUF file \
              given as the model brings its own)"
         ),
-        (weights, _) => Some(crate::import::weights_for(weights, &args.model)?),
+        (weights, _) => Some(crate::model_file::weights_for(weights, &args.model)?),
     };
     let ckpt = weights.as_deref().map(Checkpoint::open).transpose()?;
     let params = match &ckpt {
@@ -123,7 +104,24 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
         bail!("the model has no outputs");
     }
     kiln_runtime::write_tensors(&args.output, &outputs)?;
-    crate::report::run(&args.output, &outputs, backend.name(), args.json)
+    print(&args.output, &outputs, backend.name(), args.json)
+}
+
+/// `kiln run`: the outputs written to `path`. JSON: `path`, `outputs` (per output in the order
+/// written: `name`, `dtype`, `shape`).
+fn print(path: &Path, outputs: &[(String, Tensor)], backend: &str, json: bool) -> Result<()> {
+    if json {
+        let outputs: Vec<serde_json::Value> = outputs
+            .iter()
+            .map(|(name, t)| json!({ "name": name, "dtype": t.dtype().to_string(), "shape": t.shape }))
+            .collect();
+        return print_json(&json!({ "path": path.display().to_string(), "backend": backend, "outputs": outputs }));
+    }
+    for (name, t) in outputs {
+        println!("{name}: {}{:?}", t.dtype(), t.shape);
+    }
+    println!("wrote {}", path.display());
+    Ok(())
 }
 
 /// Runs a model file once on `given` on `backend` (resolved): a spec optimized for it unless
@@ -146,88 +144,46 @@ pub fn execute(
             Params::Checkpoint(ckpt) => format!("`{}` (safetensors)", ckpt.path().display()),
             Params::Random(_) => "random weights".into(),
         };
-        storage::check_blocks(exec.weights, &what)?;
+        crate::exec::check_blocks(exec.weights, &what)?;
     }
     // Random parameters are drawn for the graph as built, so that they are the same whatever the
     // optimizer makes of it (and for an artifact, the same as for its spec).
     let random = match params {
-        Params::Random(seed) => Some(interp::random_params(&model.fe.graph, *seed)?),
-        Params::Checkpoint(_) => None,
+        Params::Random(seed) => interp::random_params(&model.fe.graph, *seed)?,
+        Params::Checkpoint(_) => HashMap::new(),
     };
+    let given_random = Weights::Given { params: &random, blocks: &HashMap::new() };
     let Some(art) = model.artifact else {
         let FrontEnd { spec, mut graph } = model.fe;
+        let device = exec.device(backend)?;
         if !exec.no_optimize {
-            let target = backend.optimizer_target(exec.adapter.as_deref(), reporter)?;
+            let target = optimizer_target(&device, reporter)?;
             graph = reporter.stage("optimizing", || optimize::optimize_for(&graph, &target))?.0;
         }
-        return Ok(match (backend, params, random) {
-            (Backend::Interp, _, Some(random)) => interp::run(&graph, &random, given).context("run failed")?,
-            (Backend::Interp, Params::Checkpoint(ckpt), _) => {
-                let names = kiln_runtime::weights::graph_params(&graph);
-                let params = load_f32(&spec.weights, &PackDims::of(&spec), &names, ckpt, reporter)?;
-                interp::run(&graph, &params, given).context("run failed")?
-            }
-            (_, Params::Checkpoint(ckpt), _) => run_compiled(&spec, &graph, ckpt, given, exec, backend, reporter)?,
-            (_, _, random) => {
-                let target = storage::Target::new(backend, exec.adapter.as_deref(), exec.threads()?)?;
-                let random = random.unwrap_or_default();
-                target.model(&graph, &random, &HashMap::new(), exec.weights, reporter)?.run(given)?
-            }
-        });
+        let weights = match params {
+            Params::Checkpoint(ckpt) => Weights::Checkpoint(Reading::of(&spec, ckpt)),
+            Params::Random(_) => given_random,
+        };
+        return Ok(device.load(&graph, weights, exec.weights.storage(), reporter)?.run(given)?);
     };
     if exec.no_optimize {
         bail!(
             "--no-optimize has no effect on an artifact: its plan was compiled by `kiln compile` (give --no-optimize there, or run the spec)"
         );
     }
-    if exec.weights.precision != storage::Precision::F32 {
+    if exec.weights.precision != Precision::F32 {
         bail!(
             "an artifact's plan stores its weights as f32; run the spec to use --precision {}",
-            exec.weights.precision.name()
+            exec.weights.storage().precision.name()
         );
     }
-    let names = plan_params(&art.plan);
-    let params = match (params, random) {
-        (Params::Checkpoint(ckpt), _) => load_f32(&art.weights, &art.pack_dims, &names, ckpt, reporter)?,
-        (_, random) => random.unwrap_or_default(),
+    let weights = match params {
+        Params::Checkpoint(ckpt) => Weights::Checkpoint(Reading { ckpt, map: &art.weights, dims: art.pack_dims }),
+        Params::Random(_) => given_random,
     };
-    Ok(match backend {
-        Backend::Wgpu => crate::run_plan_wgpu(art.plan, &params, given, exec.adapter.as_deref(), reporter)?,
-        Backend::Cpu | Backend::Auto => {
-            kiln_runtime::CpuModel::new(art.plan, &params, &HashMap::new(), exec.threads()?, reporter)?.run(given)?
-        }
-        // The artifact's own plan, each step by the interpreter's definition.
-        Backend::Interp => kiln_runtime::CpuModel::reference(art.plan, params, reporter)?.run(given)?,
-    })
-}
-
-/// Refuses the execution flags that would have no effect on `backend` (resolved), naming why.
-pub fn check_exec(exec: &Exec, backend: Backend) -> Result<()> {
-    let on = backend.name();
-    if exec.threads.is_some() && backend != Backend::Cpu {
-        bail!(
-            "--threads sets the CPU backend's threads, but this runs on `{on}`: add --backend cpu, or drop --threads"
-        );
-    }
-    if exec.adapter.is_some() && backend != Backend::Wgpu {
-        bail!("--adapter picks wgpu's GPU adapter, but this runs on `{on}`: drop --adapter or --backend");
-    }
-    if backend == Backend::Interp {
-        let w = exec.weights;
-        if w.precision != storage::Precision::F32 {
-            bail!(
-                "--precision {} stores weights for wgpu; the interpreter computes with f32 weights",
-                w.precision.name()
-            );
-        }
-        if w.dequantize {
-            bail!("--dequantize has no effect on the interpreter, which always reads weights as f32");
-        }
-        if w.int8_activations {
-            bail!("--int8-activations is the CPU backend's; the interpreter computes in f32");
-        }
-    }
-    Ok(())
+    // The artifact's own plan; on the interpreter, each step by the interpreter's definition.
+    let device = exec.device(backend)?;
+    Ok(device.load_plan(art.plan, weights, Storage::default(), reporter)?.run(given)?)
 }
 
 /// `--input-ids`: `1,2,3;4,5,6` as the model's token-id input (`[2, 3]`).

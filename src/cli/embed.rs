@@ -5,9 +5,10 @@
 //! through the model, and each row of its `sentence_embedding` is printed: the first values and
 //! the norm, every value, or JSON; with `--similarity`, their cosine similarities too.
 
-use crate::Exec;
+use crate::cli::run::{Params, execute};
+use crate::exec::Exec;
+use crate::model_file::{ModelFile, is_gguf, tokenizer_for, weights_for};
 use crate::progress::Reporter;
-use crate::run::{ModelFile, Params, execute};
 use anyhow::{Context, Result, bail};
 use kiln_runtime::Tokenizer;
 use kiln_runtime::weights::Checkpoint;
@@ -88,10 +89,10 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
         None => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
     };
     let max_len = usize::try_from(max_len).unwrap_or(usize::MAX);
-    let weights = crate::import::weights_for(args.weights.clone(), &args.spec)?;
-    let tokenizer_path = match crate::import::tokenizer_for(args.tokenizer.clone(), &args.spec) {
+    let weights = weights_for(args.weights.clone(), &args.spec)?;
+    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec) {
         Some(path) => path,
-        None if crate::generate::is_gguf(&weights)? => weights.clone(),
+        None if is_gguf(&weights)? => weights.clone(),
         None => bail!("`kiln embed` needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file)"),
     };
     let open = || Tokenizer::open(&tokenizer_path);

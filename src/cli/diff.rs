@@ -53,7 +53,7 @@ pub struct DiffArgs {
     #[arg(long, conflicts_with = "html")]
     json: bool,
     /// With `--html`: draw only these blocks (`0..2`, half-open, or `3` for one).
-    #[arg(long, requires = "html", value_parser = crate::inspect::parse_layers)]
+    #[arg(long, requires = "html", value_parser = crate::cli::inspect::parse_layers)]
     layers: Option<Range<usize>>,
 }
 
@@ -599,7 +599,7 @@ fn html(args: &DiffArgs, a: &Graph, b: &Graph, diff: &Diff) -> Result<String> {
     let _ = writeln!(h, "<h2>Changes</h2>\n<pre>{}</pre>", escape(&diff.text(&pa, &pb)));
     h += "<h2>Graphs</h2>\n<p class=\"note\">Ops removed or changed are outlined in A, ops added or changed in B.</p>\n<div class=\"sides\">\n";
     for (label, path, graph, marked) in [("A", &pa, a, &diff.marked.0), ("B", &pb, b, &diff.marked.1)] {
-        crate::inspect::check_layers(graph, &args.layers)?;
+        crate::cli::inspect::check_layers(graph, &args.layers)?;
         let text = outlined(&dot(graph, &args.layers), graph, marked, &args.layers);
         let drawing = match graphviz(&text, "svg")? {
             Some(svg) => String::from_utf8_lossy(&svg).into_owned(),

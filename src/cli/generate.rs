@@ -2,21 +2,129 @@
 //! the interpreter) through a [`Session`]: prefill, then one token per step, streamed as it comes
 //! (or, with `--json`, printed once at the end as one JSON document).
 
+use crate::exec::{Backend, Exec, WeightArgs, optimizer_target};
 use crate::progress::Reporter;
 use crate::report::count;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
-use kiln_compiler::spec::{BlockKind, PackDims};
+use kiln_compiler::spec::BlockKind;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
+use kiln_runtime::device::{Reading, Weights};
 use kiln_runtime::generate::{Memory, Pick, Sampler, Session, Stats, Stop, generate};
-use kiln_runtime::{Engine, InterpEngine, Phase};
-use kiln_runtime::{Message, Tokenizer, weights};
+use kiln_runtime::{Engine, Message, Phase, Tokenizer};
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// Arguments of `kiln generate`.
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// The spec (TOML), an artifact from `kiln compile` (the spec it stores: generation runs
+    /// the decoder's step graph with its key/value cache, built from it), or a checkpoint (a
+    /// Hugging Face model directory or a GGUF file) whose spec is imported in memory.
+    spec: PathBuf,
+    /// Checkpoint (safetensors or GGUF); default: SPEC's, if a checkpoint.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// The prompt text (tokenized with `--tokenizer`, or the GGUF weights' own tokenizer).
+    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Wrap the prompt as a user message in the tokenizer's chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// With `--chat`: a system message (the template's default otherwise).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Prompt token ids, comma-separated (no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Vec<i64>,
+    /// An encoder-decoder's first decoder token (its prompt is the source). Default 0.
+    #[arg(long)]
+    decoder_start_id: Option<i64>,
+    /// The tokenizer: a `tokenizer.json`, or a GGUF file. Default: the weights, when GGUF.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Print the generated ids (comma-separated) instead of text.
+    #[arg(long)]
+    print_ids: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Stop after any of these token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    stop_ids: Vec<i64>,
+    /// Print one JSON document on stdout at the end instead of streaming (ids, text, why
+    /// generation stopped, tokens/s).
+    #[arg(long, conflicts_with = "print_ids")]
+    json: bool,
+    #[command(flatten)]
+    exec: Exec,
+}
+
+impl GenerateArgs {
+    /// The model file.
+    pub fn spec(&self) -> &Path {
+        &self.spec
+    }
+
+    /// Whether `--print-spec` was given.
+    pub fn print_spec(&self) -> bool {
+        self.exec.print_spec
+    }
+}
+
+/// Runs `kiln generate`.
+pub fn run(args: GenerateArgs, reporter: &Reporter) -> Result<()> {
+    let GenerateArgs {
+        spec,
+        weights,
+        prompt,
+        chat,
+        system,
+        prompt_ids,
+        decoder_start_id,
+        tokenizer,
+        print_ids,
+        max_new_tokens,
+        sampling,
+        stop_ids,
+        json,
+        exec,
+    } = args;
+    let threads = exec.threads()?;
+    let backend = exec.backend.resolve(exec.adapter.as_deref(), threads, reporter, json);
+    crate::exec::check_exec(&exec, backend)?;
+    let Exec { adapter, no_optimize, weights: storage, .. } = exec;
+    let fe = crate::model_file::load_spec(&spec)?;
+    let weights = crate::model_file::weights_for(weights, &spec)?;
+    let tokenizer = crate::model_file::tokenizer_for(tokenizer, &spec);
+    let sampling = sampling.resolve(chat, &weights)?;
+    let text = prompt.as_deref().map(|text| TextPrompt { text, chat, system: system.as_deref() });
+    let req = Request {
+        weights: &weights,
+        prompt: prompt_ids,
+        decoder_start: decoder_start_id,
+        max_new: max_new_tokens,
+        sampling,
+        stop: stop_ids,
+        backend,
+        adapter: adapter.as_deref(),
+        threads,
+        no_optimize,
+        storage,
+    };
+    let output = match (json, print_ids) {
+        (true, _) => Output::Json,
+        (false, true) => Output::Ids,
+        (false, false) => Output::Text,
+    };
+    run_cli(&fe, req, text, tokenizer.as_deref(), output, reporter)
+}
 
 /// What to run and how to sample.
 pub struct Request<'a> {
@@ -33,7 +141,7 @@ pub struct Request<'a> {
     /// Generation stops after any of these.
     pub stop: Vec<i64>,
     /// The backend (resolved: `wgpu`, `cpu` or `interp`).
-    pub backend: crate::Backend,
+    pub backend: Backend,
     /// GPU adapter.
     pub adapter: Option<&'a str>,
     /// Threads of the CPU backend.
@@ -41,7 +149,7 @@ pub struct Request<'a> {
     /// Skip the optimizer.
     pub no_optimize: bool,
     /// How weights are stored on the device.
-    pub storage: crate::storage::WeightArgs,
+    pub storage: WeightArgs,
 }
 
 /// How `kiln generate` chooses tokens: greedily unless asked to sample; a chat uses the model's
@@ -181,7 +289,7 @@ pub struct Timings {
 
 /// Builds the session (its loading shown on `reporter`) and generates, calling `on_token` with
 /// each new id.
-pub fn run(
+fn generate_with(
     fe: &FrontEnd,
     req: Request,
     reporter: &Reporter,
@@ -210,28 +318,18 @@ pub fn run(
     let compiled_before = reporter.seconds_in(Phase::Pipelines);
     let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
     if ckpt.gguf().is_none() {
-        crate::storage::check_blocks(req.storage, &format!("`{}` (safetensors)", req.weights.display()))?;
+        crate::exec::check_blocks(req.storage, &format!("`{}` (safetensors)", req.weights.display()))?;
     }
-    let target = match req.backend {
-        crate::Backend::Interp => None,
-        backend => Some(crate::storage::Target::new(backend, req.adapter, req.threads)?),
-    };
-    let optimizer = req.backend.optimizer_target(req.adapter, reporter)?;
-    // Builds, optimizes and loads one graph on the chosen engine.
+    let device = crate::exec::open(req.backend, req.adapter, req.threads)?;
+    let optimizer = optimizer_target(&device, reporter)?;
+    // Builds, optimizes and loads one graph on the device.
     let engine_of = |graph: Graph| -> Result<Box<dyn Engine>> {
         let graph = match req.no_optimize {
             true => graph,
             false => reporter.stage("optimizing", || optimize::optimize_for(&graph, &optimizer))?.0,
         };
-        Ok(match &target {
-            None => {
-                let names = weights::graph_params(&graph);
-                let dims = PackDims::of(&fe.spec);
-                let params = weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?;
-                Box::new(InterpEngine::new(graph, params))
-            }
-            Some(target) => target.load(&fe.spec, &graph, &ckpt, req.storage, reporter)?.into(),
-        })
+        let weights = Weights::Checkpoint(Reading::of(&fe.spec, &ckpt));
+        Ok(device.load(&graph, weights, req.storage.storage(), reporter)?.into_engine())
     };
     let decoder = build_cached(&fe.spec)?;
     let outputs: Vec<String> = decoder.outputs.iter().map(|(n, _)| n.clone()).collect();
@@ -253,7 +351,7 @@ pub fn run(
     // A GPU driver may compile a pipeline's shader only at its first dispatch: one step before the
     // prompt, forgotten after, keeps that out of the prefill.
     timings.compile_s = pipelines;
-    if req.backend == crate::Backend::Wgpu && req.max_new > 0 {
+    if req.backend == Backend::Wgpu && req.max_new > 0 {
         let warm_up = Instant::now();
         // The sampling kernel too: the pick is part of every step.
         session.sample(&prompt[..1], Pick { sampler: &mut Sampler::greedy(), seen: &[], logits: false })?;
@@ -294,7 +392,7 @@ pub enum Output {
 /// as `output` says: streamed to stdout as text (with a tokenizer) or comma-separated ids, or as
 /// one JSON document at the end. A tokenizer's end-of-sequence id stops generation too. The
 /// throughput line goes to stderr through `reporter` (which `--quiet` silences).
-pub fn run_cli(
+fn run_cli(
     fe: &FrontEnd,
     mut req: Request,
     text: Option<TextPrompt>,
@@ -305,7 +403,9 @@ pub fn run_cli(
     // The tokenizer: the one named, or the GGUF weights' own (unless only ids are printed).
     let tokenizer_path = match tokenizer {
         Some(path) => Some(path),
-        None if (text.is_some() || output != Output::Ids) && is_gguf(req.weights)? => Some(req.weights),
+        None if (text.is_some() || output != Output::Ids) && crate::model_file::is_gguf(req.weights)? => {
+            Some(req.weights)
+        }
         None => None,
     };
     let tokenizer = match tokenizer_path {
@@ -351,11 +451,11 @@ pub fn run_cli(
         reporter.info(format_args!("{}", req.sampling.line));
     }
     let (ids, stats, timings) = match (output, tokenizer.as_ref()) {
-        (Output::Json, _) => run(fe, req, reporter, |_| !interrupted())?,
+        (Output::Json, _) => generate_with(fe, req, reporter, |_| !interrupted())?,
         (Output::Text, Some(tok)) => {
             let mut stream = tok.decode_stream(true);
             let mut failed = None;
-            let generated = run(fe, req, reporter, |id| {
+            let generated = generate_with(fe, req, reporter, |id| {
                 let piece = u32::try_from(id).map_err(|_| anyhow::anyhow!("negative token id {id}"));
                 match piece.and_then(|id| Ok(stream.step(id)?)) {
                     Ok(Some(text)) => {
@@ -377,7 +477,7 @@ pub fn run_cli(
         }
         (Output::Text | Output::Ids, _) => {
             let mut first = true;
-            run(fe, req, reporter, |id| {
+            generate_with(fe, req, reporter, |id| {
                 let _ = write!(out, "{}{id}", if first { "" } else { "," });
                 let _ = out.flush();
                 first = false;
@@ -493,12 +593,4 @@ fn catch_interrupt() {
 
 fn interrupted() -> bool {
     INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
-}
-
-/// Whether a file is GGUF (by its magic).
-pub(crate) fn is_gguf(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).with_context(|| format!("cannot open `{}`", path.display()))?;
-    Ok(file.read(&mut magic)? == 4 && kiln_runtime::gguf::sniff(&magic))
 }

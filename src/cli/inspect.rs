@@ -7,10 +7,12 @@ use clap::ValueEnum;
 use kiln_compiler::back::wgsl;
 use kiln_compiler::graph::{Graph, print};
 use kiln_compiler::{FrontEnd, lower, optimize};
+use kiln_runtime::{Storage, Weights};
 use std::io::{IsTerminal, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use crate::exec::Backend;
 use crate::progress::Reporter;
 use crate::view::{Stats, dot, explanations, graphviz};
 
@@ -63,7 +65,7 @@ pub struct InspectArgs {
     #[arg(long, requires = "html")]
     seq: Option<usize>,
     /// With `--profile`: GPU adapter (as for `run`). With `--stage optimized` or `--stats`: the
-    /// graph as optimized for that adapter's cost model (cached by `kiln bench --calibrate` or its
+    /// graph as optimized for that adapter's cost model (cached by `kiln bench calibrate` or its
     /// first use; the adapter need not be on this machine).
     #[arg(long)]
     adapter: Option<String>,
@@ -71,7 +73,7 @@ pub struct InspectArgs {
     /// (its cost model and kernel limits; default: as `kiln run` picks it). The HTML report and
     /// the `wgsl` stage are wgpu's.
     #[arg(long, value_enum)]
-    backend: Option<crate::Backend>,
+    backend: Option<Backend>,
     /// With `--stage wgsl`: the program as compiled for a hardware adapter with subgroups (as `run`
     /// compiles it there): row reductions through subgroup operations, the split GEMV projection
     /// form, a decoder step's cache appends run in its attention's dispatch, and the attention's
@@ -84,18 +86,18 @@ impl InspectArgs {
     /// The optimizer's target: the named backend's, or for `auto` the one `kiln run` would pick.
     fn target(&self) -> Result<kiln_compiler::target::Target> {
         if let Some(adapter) = &self.adapter {
-            return crate::costs::cached_target(adapter);
+            return Ok(kiln_runtime::costs::cached_target(adapter)?);
         }
-        let backend = match self.backend.unwrap_or(crate::Backend::Auto) {
-            crate::Backend::Auto if kiln_runtime::Gpu::hardware_adapter().is_some() => crate::Backend::Wgpu,
-            crate::Backend::Auto => crate::Backend::Cpu,
-            crate::Backend::Interp => bail!("the interpreter is not a compilation target: --backend cpu or wgpu"),
+        let backend = match self.backend.unwrap_or(Backend::Auto) {
+            Backend::Auto if kiln_runtime::Gpu::hardware_adapter().is_some() => Backend::Wgpu,
+            Backend::Auto => Backend::Cpu,
+            Backend::Interp => bail!("the interpreter is not a compilation target: --backend cpu or wgpu"),
             other => other,
         };
         Ok(match backend {
             // This machine's adapter's cached model, if any (inspecting calibrates nothing).
-            crate::Backend::Wgpu => match kiln_runtime::Gpu::chosen_adapter(None) {
-                Ok((name, _)) => crate::costs::target_of(&name)?,
+            Backend::Wgpu => match kiln_runtime::Gpu::chosen_adapter(None) {
+                Ok((name, _)) => kiln_runtime::costs::target_of(&name)?,
                 Err(_) => kiln_compiler::target::Target::wgpu(),
             },
             _ => kiln_compiler::target::Target::cpu(),
@@ -115,7 +117,7 @@ impl InspectArgs {
                     "--adapter picks the cost model the graph is optimized with: add --stage optimized or --stats (or, with --html, --profile)"
                 );
             }
-            if self.backend.is_some_and(|b| b != crate::Backend::Wgpu) {
+            if self.backend.is_some_and(|b| b != Backend::Wgpu) {
                 bail!("--adapter names a GPU adapter's cost model, which is wgpu's: drop --backend");
             }
         }
@@ -251,7 +253,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     for path in [&args.output, &args.html].into_iter().flatten() {
         kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
     }
-    let (source, mut fe) = crate::read_spec(&args.spec)?;
+    let (source, mut fe) = crate::model_file::read_spec(&args.spec)?;
     let artifact = kiln_compiler::artifact::Artifact::sniff(&args.spec);
     match args.graph {
         Which::Model => {}
@@ -378,10 +380,15 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
     let profile = match args.profile {
         false => None,
         true => {
-            let gpu = std::sync::Arc::new(kiln_runtime::Gpu::new(args.adapter.as_deref())?);
-            let storage = crate::storage::WeightArgs::default();
-            let (params, blocks) = crate::bench::params_for(fe, &stats.optimized, args.weights.as_deref(), storage)?;
-            let model = crate::storage::gpu_model(&gpu, &stats.optimized, &params, &blocks, storage, reporter)?;
+            let device = kiln_runtime::Device::gpu(args.adapter.as_deref())?;
+            let (params, blocks) =
+                crate::exec::params_for(fe, &stats.optimized, args.weights.as_deref(), Storage::default())?;
+            let weights = Weights::Given { params: &params, blocks: &blocks };
+            let (kiln_runtime::Device::Gpu(gpu), kiln_runtime::Model::Gpu(model)) =
+                (&device, device.model(&stats.optimized, weights, Storage::default(), reporter)?)
+            else {
+                bail!("the profile is wgpu's");
+            };
             let inputs = kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq)?;
             let mut runs = Vec::with_capacity(PROFILE_RUNS);
             for _ in 0..PROFILE_RUNS {
