@@ -15,6 +15,7 @@ use kiln_compiler::graph::{
 };
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Options, lower_with};
+use kiln_compiler::semantics;
 use kiln_compiler::spec::Activation;
 use kiln_compiler::spec::PairStyle;
 use kiln_compiler::tensor::Tensor;
@@ -72,7 +73,7 @@ impl Softmax {
     /// `rest` the optional key mask and bias table.
     fn compose(&self, g: &mut Graph, scores: NodeIndex, rest: &[NodeIndex], (q, k): (usize, usize)) -> NodeIndex {
         let mut add = |op: Op, operands: &[NodeIndex]| g.add(op, operands).unwrap_or_else(|e| panic!("{e}"));
-        let (mask, table) = interp::score_operands(rest, &self.mods);
+        let (mask, table) = semantics::score_operands(rest, &self.mods);
         let mut y = add(Op::Scale { factor: self.scale }, &[scores]);
         if let Some(cap) = self.mods.softcap {
             y = add(Op::SoftCap { cap }, &[y]);

@@ -227,7 +227,7 @@ fn bigbird_hidden_state_and_pattern() {
     check_fixture("bigbird");
     let io = tensors(&root().join("tests/fixtures/bigbird/io.safetensors"));
     let expected: Vec<bool> = io["allowed_blocks"].to_f32_vec().iter().map(|&x| x != 0.0).collect();
-    assert_eq!(kiln_compiler::interp::block_pattern(8, 1, 1, 1, 7), expected);
+    assert_eq!(kiln_compiler::semantics::block_pattern(8, 1, 1, 1, 7), expected);
 }
 
 #[test]

@@ -28,6 +28,9 @@
 //! An [`artifact`] stores a plan with its spec and weight map in one versioned, checksummed file.
 //! The [`interp`] module executes any graph, before or after optimization, in f32 on the CPU: the
 //! definition of each op's meaning and the oracle for the optimizer and the kernels.
+//! The pieces of that meaning the back ends compute the same way (block patterns, relative
+//! buckets, norm rows, rotations, ALiBi slopes, activations) live in [`semantics`], which the
+//! interpreter, the WGSL kernels and the CPU engine all follow.
 //!
 //! [`front_end`] runs stages 1 and 2 as one function; the CLI and the tests use it.
 //!
@@ -48,6 +51,7 @@ pub mod interp;
 pub mod lower;
 pub mod memory;
 pub mod optimize;
+pub mod semantics;
 pub mod spec;
 pub mod target;
 pub mod tensor;

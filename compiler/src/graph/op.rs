@@ -103,7 +103,7 @@ impl Bucketing {
     }
 }
 
-/// BigBird's block pattern (see [`crate::interp::block_pattern`]).
+/// BigBird's block pattern (see [`crate::semantics::block_pattern`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct BlockPattern {
     /// Positions per block.
@@ -133,12 +133,6 @@ impl BlockPattern {
     pub fn mask(self) -> Op {
         let BlockPattern { block, global, window, random, seed } = self;
         Op::BlockSparseMask { block, global, window, random, seed }
-    }
-
-    /// Key blocks query block `qb` attends, ascending, of `blocks` (every block for a global one).
-    pub fn attended(&self, qb: usize, blocks: usize) -> Vec<usize> {
-        let allowed = crate::interp::block_pattern_row(blocks, qb, self.global, self.window, self.random, self.seed);
-        (0..blocks).filter(|&kb| allowed.get(kb).copied().unwrap_or(false)).collect()
     }
 }
 
@@ -308,7 +302,7 @@ pub enum Op {
         len: Dim,
     },
     /// BigBird's block-sparse mask over scores `[b, h, q, k]` (`(scores[, key_mask f32[b, k]])`):
-    /// entries outside the blocks [`crate::interp::block_pattern`] allows, or at masked keys,
+    /// entries outside the blocks [`crate::semantics::block_pattern`] allows, or at masked keys,
     /// become the most negative float.
     BlockSparseMask {
         /// Positions per block.

@@ -26,7 +26,7 @@
 
 use super::{Arg, CpuError, R, debug_span};
 use kiln_compiler::graph::{Op, ScoreMods};
-use kiln_compiler::interp::{alibi_slopes, relative_bucket, score_operands};
+use kiln_compiler::semantics::{alibi_slopes, attended_blocks, relative_bucket, score_operands};
 use rayon::prelude::*;
 
 /// Where element `d` of head `h`, row `t`, batch `b` of a tensor is: `b * batch + h * head + t *
@@ -395,7 +395,7 @@ impl Rows<'_> {
                 let blocks = g.s.max(t).div_ceil(block);
                 let qb = (si + self.offset) / block;
                 // Blocks past the keys (a query block beyond them) attend nothing there.
-                (p.attended(qb, blocks).into_iter())
+                (attended_blocks(&p, qb, blocks).into_iter())
                     .map(|kb| ((kb * block).min(t), ((kb + 1) * block).min(t)))
                     .filter(|(a, z)| a < z)
                     .collect()

@@ -233,7 +233,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         Op::BlockSparseMask { .. } => {
-            // `interp::block_pattern` for this element's (query block, key block).
+            // `semantics::block_pattern` for this element's (query block, key block).
             let mods = ScoreMods { sparse: BlockPattern::of(op), ..ScoreMods::default() };
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
