@@ -10,14 +10,13 @@
 
 mod common;
 
+use kiln_compiler::graph::{Activation, PairStyle};
 use kiln_compiler::graph::{
     BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
 };
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Options, lower_with};
 use kiln_compiler::semantics;
-use kiln_compiler::spec::Activation;
-use kiln_compiler::spec::PairStyle;
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::{Gpu, GpuModel};
 use std::collections::HashMap;

@@ -16,13 +16,12 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Dim, Graph, InputRole, Op, Sym, resolve};
+use crate::graph::{Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::semantics::{
     activation, alibi_slopes, block_pattern, layer_norm_row, relative_bucket, rms_norm_row, rope_frequencies, rotate,
     score_operands,
 };
-use crate::spec::PairStyle;
 use crate::tensor::{DType, Data, Tensor};
 use petgraph::graph::NodeIndex;
 use std::collections::HashMap;

@@ -8,8 +8,7 @@
 //! **Architecture invariant**: this module reads the IR's types ([`crate::graph`]) and nothing
 //! downstream of it; the IR never calls back into it or into the interpreter.
 
-use crate::graph::{BlockPattern, ScoreMods};
-use crate::spec::{Activation, PairStyle};
+use crate::graph::{Activation, BlockPattern, PairStyle, ScoreMods};
 
 /// BigBird's block pattern over `blocks` blocks, row-major `[query block, key block]`: the first
 /// `global` blocks attend to and are attended by every block; query block `i` attends key blocks

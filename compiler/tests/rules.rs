@@ -1,10 +1,10 @@
 //! One differential test per rewrite rule: a small graph where the rule fires, run on the reference
 //! interpreter before and after optimization (agreeing within 1e-5), and a check that it fired.
 
+use kiln_compiler::graph::{Activation, PairStyle};
 use kiln_compiler::graph::{Dim, Graph, InputRole, Op, Scalar, Sym};
 use kiln_compiler::interp::{random_params, run};
 use kiln_compiler::optimize::{CostModel, Limits, dispatches, explain, optimize_with, rules};
-use kiln_compiler::spec::{Activation, PairStyle};
 use kiln_compiler::tensor::Tensor;
 use petgraph::graph::NodeIndex;
 use std::collections::HashMap;

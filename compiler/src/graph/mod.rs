@@ -28,7 +28,9 @@ mod op;
 pub mod print;
 mod shape;
 
-pub use op::{BlockPattern, Bucketing, InputRole, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods};
+pub use op::{
+    Activation, BlockPattern, Bucketing, InputRole, Op, PairStyle, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
+};
 pub use shape::{Dim, Shape, Sym, broadcast, fmt_shape, infer, resolve};
 
 use crate::tensor::DType;

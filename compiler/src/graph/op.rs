@@ -1,13 +1,12 @@
 //! The ops of the graph IR: [`Op`], one variant per tensor-level operation with its operands
-//! documented in order; the attributes ops carry ([`Scalar`], [`InputRole`], [`Prologue`],
-//! [`RopeCols`], [`Rotation`]); and the names and `key=value` attributes that printers show
+//! documented in order; the attributes ops carry ([`Scalar`], [`Activation`], [`PairStyle`],
+//! [`InputRole`], [`Prologue`], [`RopeCols`], [`Rotation`]); and the names and `key=value` attributes that printers show
 //! ([`Op::name`], [`Op::attrs`]).
 
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
 use super::{Dim, Shape, Sym, fmt_shape};
-use crate::spec::{Activation, PairStyle};
 use std::fmt;
 
 /// A float attribute, compared and hashed by its bits so ops can be keys (e-graph nodes).
@@ -177,6 +176,55 @@ pub struct Prologue {
     pub bias: bool,
 }
 
+/// An elementwise activation function (see [`crate::semantics::activation`] for each one's
+/// definition). The IR's own type: the spec's `ffn.activation` is converted to it when the graph
+/// is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Activation {
+    /// `max(0, x)`.
+    Relu,
+    /// Exact GELU, `x * Phi(x)` with the error function.
+    Gelu,
+    /// GELU's tanh approximation.
+    GeluTanh,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// The name printers and kernels show (the spec's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu-tanh",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+/// How the two halves of a rotation (or of a sinusoid) are laid out over the dimensions. The
+/// IR's own type: the spec's `positions.style` is converted to it when the graph is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PairStyle {
+    /// First half / second half (HF's `rotate_half`; sin block then cos block).
+    RotateHalf,
+    /// Adjacent pairs (2i, 2i+1) (GPT-J, llama.cpp; sin, cos interleaved).
+    Interleaved,
+}
+
+impl PairStyle {
+    /// The name printers show (the spec's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            PairStyle::RotateHalf => "rotate-half",
+            PairStyle::Interleaved => "interleaved",
+        }
+    }
+}
+
 /// RoPE applied to output columns `start .. start + len` of rows `[.., seq, n]`, taken as heads of
 /// `head_dim` columns, each rotated as [`Op::Rope`] rotates a head at the row's sequence position.
 /// `start` and `n` are even (the kernel computes the columns in pairs).
@@ -220,13 +268,6 @@ impl Op {
     /// A plain fused projection: `act(x @ w^T + bias) + residual`.
     pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
         Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }
-    }
-}
-
-fn style_name(s: &PairStyle) -> &'static str {
-    match s {
-        PairStyle::RotateHalf => "rotate-half",
-        PairStyle::Interleaved => "interleaved",
     }
 }
 
@@ -637,7 +678,6 @@ impl Op {
 
     /// Attributes as `key=value` text (empty when none), deterministic.
     pub fn attrs(&self) -> String {
-        let style = style_name;
         match self {
             Op::Input { name, role, .. } => {
                 let role = match role {
@@ -652,7 +692,7 @@ impl Op {
             }
             Op::Param { name } => format!("\"{name}\""),
             Op::Positions { len } => format!("len={len}"),
-            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
+            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", s.name()),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
             Op::BlockSparseMask { block, global, window, random, seed } => {
@@ -667,7 +707,7 @@ impl Op {
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),
             Op::Rope { theta, rotary_dim, style: s } => {
-                format!("theta={theta} rotary_dim={rotary_dim} style={}", style(s))
+                format!("theta={theta} rotary_dim={rotary_dim} style={}", s.name())
             }
             Op::RepeatHeads { times } => format!("times={times}"),
             Op::Mask { causal, window } => match window {
@@ -701,7 +741,7 @@ impl Op {
                         r.head_dim,
                         r.theta,
                         r.rotary_dim,
-                        style_name(&r.style)
+                        r.style.name()
                     ));
                 }
                 a.join(" ")
@@ -746,7 +786,7 @@ impl Op {
                     a += &format!(" eps={eps}");
                 }
                 if let Some(r) = rope {
-                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, style_name(&r.style));
+                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, r.style.name());
                 }
                 a
             }

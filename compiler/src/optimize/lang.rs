@@ -11,8 +11,8 @@
 )]
 
 use super::KGraph;
+use crate::graph::Activation;
 use crate::graph::{Node, Op, Scalar, ScoreMods, Shape};
-use crate::spec::Activation;
 use crate::tensor::DType;
 use egg::Id;
 use std::fmt;

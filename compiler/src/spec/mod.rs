@@ -487,18 +487,6 @@ pub enum Activation {
     Silu,
 }
 
-impl Activation {
-    /// The name used in specs and dumps.
-    pub fn name(self) -> &'static str {
-        match self {
-            Activation::Relu => "relu",
-            Activation::Gelu => "gelu",
-            Activation::GeluTanh => "gelu-tanh",
-            Activation::Silu => "silu",
-        }
-    }
-}
-
 /// `[moe]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -9,7 +9,7 @@
 //! The loops are compiled twice, for the baseline target and with AVX2 and FMA enabled, and the
 //! second runs where the CPU has them (chosen once).
 
-use kiln_compiler::spec::Activation;
+use kiln_compiler::graph::Activation;
 use std::sync::OnceLock;
 
 /// `exp(x)` for f32, relative error below 2e-7 on the range where the result is a normal float;

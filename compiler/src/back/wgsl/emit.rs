@@ -11,7 +11,7 @@ use crate::graph::{BlockPattern, Bucketing, Op, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
 // kernel does, `super::attention::MAX_ATTENTION_HEAD_DIM`).
-use crate::spec::{Activation, PairStyle};
+use crate::graph::{Activation, PairStyle};
 use crate::target::WGPU_MAX_ATTENTION_HEAD_DIM as MAX_ATTENTION_HEAD_DIM;
 
 /// `text` with every line indented by four spaces.

@@ -272,7 +272,7 @@ fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Activation, PairStyle};
+    use crate::graph::{Activation, PairStyle};
 
     #[test]
     fn accessors_rewrite_loads_and_stores() {
