@@ -544,7 +544,7 @@ fn low_rank_projection() {
 
 #[test]
 fn attention_at_the_largest_head_dim() {
-    let d = kiln_compiler::back::wgsl::attention::MAX_ATTENTION_HEAD_DIM;
+    let d = kiln_compiler::back::wgsl::target::MAX_ATTENTION_HEAD_DIM;
     let op = Op::Attention {
         scale: Scalar(1.0 / (d as f32).sqrt()),
         alibi: false,

@@ -42,6 +42,8 @@
 // indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+#[cfg(test)]
+mod architecture;
 pub mod artifact;
 pub mod back;
 pub mod diag;

@@ -65,11 +65,6 @@ pub const KEY_TILE: usize = 4;
 /// *chunk*).
 pub const WIDE_LANES: usize = WORKGROUP as usize;
 
-/// The largest head dimension the fused attention kernel handles: each thread accumulates its output
-/// row in a private array of this many floats. The optimizer fuses attention only below it (the
-/// wgpu target's fact, [`crate::target::WGPU_MAX_ATTENTION_HEAD_DIM`]).
-pub const MAX_ATTENTION_HEAD_DIM: usize = crate::target::WGPU_MAX_ATTENTION_HEAD_DIM;
-
 /// Floats of one invocation's private query (and accumulator) array: bounds the slots per
 /// invocation to `SLOT_FLOATS / head_dim`.
 const SLOT_FLOATS: usize = 512;

@@ -7,12 +7,12 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::scores;
+use crate::graph::{Activation, PairStyle};
 use crate::graph::{BlockPattern, Bucketing, Op, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
-// kernel does, `super::attention::MAX_ATTENTION_HEAD_DIM`).
-use crate::graph::{Activation, PairStyle};
-use crate::target::WGPU_MAX_ATTENTION_HEAD_DIM as MAX_ATTENTION_HEAD_DIM;
+// kernel does, `super::attention`).
+use super::target::MAX_ATTENTION_HEAD_DIM;
 
 /// `text` with every line indented by four spaces.
 fn indent(text: &str) -> String {

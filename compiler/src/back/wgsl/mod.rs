@@ -31,6 +31,7 @@ pub mod projection;
 mod reduce;
 pub mod sample;
 mod scores;
+pub mod target;
 
 pub use dims::{appends_in_place, dispatch, dispatch_chunked, heads_in_place, workgroups};
 pub use emit::{Elem, WORKGROUP};
