@@ -51,3 +51,8 @@ fn the_optimizer_names_no_back_end() {
 fn the_ir_never_calls_the_interpreter() {
     check_absent("graph", &["interp::", "crate::interp"], "the IR's shared op semantics live in `semantics`");
 }
+
+#[test]
+fn the_spec_never_builds_the_graph() {
+    check_absent("spec", &["graph::build", "build::"], "checks on a built graph are the front end's, not validation's");
+}
