@@ -27,7 +27,7 @@ pub fn block_pattern_row(blocks: usize, i: usize, global: usize, window: usize, 
     if i < global {
         return allowed;
     }
-    let mut candidates: Vec<usize> = (0..blocks).filter(|&j| !allowed[j]).collect();
+    let mut candidates: Vec<usize> = allowed.iter().enumerate().filter(|&(_, &a)| !a).map(|(j, _)| j).collect();
     let mut state = seed.wrapping_mul(1 << 32).wrapping_add(i as u64);
     for _ in 0..random {
         if candidates.is_empty() {
@@ -39,7 +39,9 @@ pub fn block_pattern_row(blocks: usize, i: usize, global: usize, window: usize, 
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         let r = z ^ (z >> 31);
         let j = candidates.remove((r % candidates.len() as u64) as usize);
-        allowed[j] = true;
+        if let Some(a) = allowed.get_mut(j) {
+            *a = true;
+        }
     }
     allowed
 }
@@ -91,7 +93,7 @@ pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: 
     let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d;
     let inv = 1.0 / (var + eps as f64).sqrt();
     for (j, (v, &g)) in row.iter_mut().zip(gain).enumerate() {
-        *v = ((*v as f64 - mean) * inv) as f32 * g + bias.map_or(0.0, |b| b[j]);
+        *v = ((*v as f64 - mean) * inv) as f32 * g + bias.and_then(|b| b.get(j)).copied().unwrap_or(0.0);
     }
 }
 
@@ -111,6 +113,11 @@ pub fn rope_frequencies(theta: f32, rotary_dim: usize) -> Vec<f32> {
 }
 
 /// Rotates the leading `2 * inv.len()` dimensions of one head at position `pos`.
+#[expect(
+    clippy::indexing_slicing,
+    reason = "a head is at least `2 * inv.len()` wide: `inv` is `rope_frequencies` of a rotary width \
+              that `graph::infer` bounds by the head width"
+)]
 pub fn rotate(head: &mut [f32], pos: f32, inv: &[f32], style: PairStyle) {
     let half = inv.len();
     for (i, &freq) in inv.iter().enumerate() {
