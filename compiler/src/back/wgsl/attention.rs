@@ -53,9 +53,9 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::Options;
 use super::emit::{WORKGROUP, lit};
 use super::scores;
+use super::{Options, append};
 use crate::graph::{Op, ScoreMods};
 
 /// Keys per tile.
@@ -201,7 +201,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
         ),
         // The queries read in place; the keys and values of the caches before this step (`pr`
         // rows), then this step's, read in place too (the threads past the attention's append
-        // them to the caches, see `append_copy`).
+        // them to the caches, see `append::append_copy`).
         Op::PackedAttention {
             scale,
             alibi,
@@ -306,7 +306,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
             // the outputs already, which then get only this step's rows.
             s += "let pr = k - min(s_len, k);\nlet room = dim(13u);\n\
                   let pa = select(pr, 0u, room != 0u);\nlet pb = select(0u, pr, room != 0u);\n";
-            Some(append_copy(k, v))
+            Some(append::append_copy(k, v))
         }
         _ => None,
     };
@@ -341,29 +341,6 @@ pub fn workgroup_declarations(head_dim: usize) -> String {
         "var<workgroup> wq: array<f32, {head_dim}>;\nvar<workgroup> wp: array<f32, {WIDE_LANES}>;\n\
          var<workgroup> wk: array<u32, {WIDE_LANES}>;\n"
     )
-}
-
-/// The threads a cached attention that appends to the caches runs past its own (`i >=
-/// dim(9u)`): one per element of the two caches after the step (`dim(10u)` elements each, `out1`
-/// and `out2`), each the cache's row before the step (`pr` of them, `in1` and `in2`) or this
-/// step's key (value) columns `kc..` (`vc..`) of the packed rows `in0`. Appending in place
-/// (`room`, `dim(13u)`, not 0: see `dims::appends_in_place`), the outputs hold the `pr` rows
-/// already, `room` rows apart, and the threads write only this step's. With `s_len`, `k`, `d`,
-/// `kv`, `w`, `pr` and `room` in scope.
-pub(super) fn append_copy(kc: usize, vc: usize) -> String {
-    let mut s = String::from(
-        "let j = i - dim(9u);\nlet n = dim(10u);\nlet e = j % n;\nlet c = e % d;\n\
-         let rows = select(k, k - pr, room != 0u);\nlet t = (e / d) % rows + select(0u, pr, room != 0u);\n\
-         let bh = e / (d * rows);\nlet row = (bh / kv) * s_len + t - pr;\nlet h = bh % kv;\n\
-         let o = (bh * select(k, room, room != 0u) + t) * d + c;\n",
-    );
-    for (which, past, col) in [("j < n", 1, kc), ("j >= n", 2, vc)] {
-        s += &format!(
-            "if ({which}) {{\n    if (t < pr) {{ out{past}[o] = in{past}[(bh * pr + t) * d + c]; }} \
-             else {{ out{past}[o] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
-        );
-    }
-    s
 }
 
 /// The workgroup form (see the module docs): a workgroup per (batch, query row, query head),

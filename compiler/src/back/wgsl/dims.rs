@@ -161,7 +161,7 @@ fn dims_of(
             };
             if *appends {
                 // The attention's threads, then one per element of each cache after the step
-                // (see `attention::append_copy`): [.., 9: attention threads, 10: cache elements].
+                // (see `append::append_copy`): [.., 9: attention threads, 10: cache elements].
                 let n = b * kv_heads * t * head_dim;
                 dims.resize(9, 0);
                 dims.extend([dims[0], n]);
@@ -261,7 +261,7 @@ pub fn heads_in_place(op: &Op, dims: &mut [u32; 16], cap: u32) -> Result<(), Str
 /// [`Op::PackedAttention`] with `appends`) append in place: its two extra outputs are then the
 /// caches, with room for `room` rows per head, which hold the rows before the step already, so
 /// its copying threads write only the step's new rows (`dims[13]`, 0 otherwise; see
-/// `attention::append_copy`).
+/// `append::append_copy`).
 pub fn appends_in_place(op: &Op, dims: &mut [u32; 16], room: u32) -> Result<(), String> {
     let Op::PackedAttention { appends: true, .. } = op else {
         return Err(format!("{} does not append to a cache", op.name()));

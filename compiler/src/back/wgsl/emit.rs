@@ -270,7 +270,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             // As `attention`, with heads read in place from the packed rows (stride `w` per token);
             // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands;
             // `appends`: those the `pr` rows before this step's, read in place in the packed rows,
-            // and the threads past the attention's append them (see `attention::append_copy`).
+            // and the threads past the attention's append them (see `append::append_copy`).
             let m = Mods::new(mods, if *cached { 3 } else { 1 }, operands);
             let score = |r: &str, buf: &str| {
                 format!("let r = {r};\n    for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * {buf}[r + c]; }}")
@@ -332,10 +332,10 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             if *appends {
                 let indent = |t: &str| t.lines().map(|l| format!("    {l}\n")).collect::<String>();
                 format!(
-                    "{dims}let pr = k - min(s_len, k);\n// Never in place (see `attention::append_copy`).\nlet room = 0u;\n\
+                    "{dims}let pr = k - min(s_len, k);\n// Never in place (see `append::append_copy`).\nlet room = 0u;\n\
                      if (i < dim(9u)) {{\n{}}} else {{\n{}}}",
                     indent(&attention),
-                    indent(&super::attention::append_copy(*k, *v))
+                    indent(&super::append::append_copy(*k, *v))
                 )
             } else {
                 format!("{dims}{attention}")

@@ -23,6 +23,7 @@
               value indices are in range; operand lists and shapes are read with checked access"
 )]
 
+mod append;
 pub mod attention;
 mod dims;
 pub mod emit;
@@ -77,7 +78,7 @@ pub struct Options {
     /// Run a decoder step's two cache appends in its cached attention's own dispatch
     /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. Where the
     /// runtime appends to a cache in place, the folded kernel's threads write only the new rows
-    /// (see `attention::append_copy`). On lavapipe it decodes as fast as the three dispatches but
+    /// (see `append::append_copy`). On lavapipe it decodes as fast as the three dispatches but
     /// prefills 1.5x slower (SmolLM2, `kiln bench --decode 32 --seq 16 --backend wgpu`: 10.1
     /// against 10.5 decode tok/s, 38.8 against 57.2 prefill), so a software adapter keeps them
     /// apart (see `Gpu::options`).
