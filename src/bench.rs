@@ -6,7 +6,9 @@ use crate::progress::Reporter;
 use crate::storage::{Target, WeightArgs};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::graph::build::build_cached;
-use kiln_compiler::graph::{BlockPattern, Graph, InputRole, Op, Prologue, RopeCols, Scalar, ScoreMods, Sym};
+use kiln_compiler::graph::{
+    BlockPattern, Graph, InputRole, Op, PackedAttention, Prologue, RopeCols, Scalar, ScoreMods, Sym,
+};
 use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::{self, lower};
 use kiln_compiler::optimize::{self, CostModel};
@@ -722,7 +724,7 @@ pub fn kernels(target: &Target, runs: usize, json: bool) -> Result<()> {
 /// only: `4 d` per pair and head.
 fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
     let width = (s.heads + 2 * s.kv_heads) * s.head_dim;
-    let attention = Op::PackedAttention {
+    let attention = Op::PackedAttention(PackedAttention {
         scale: Scalar(1.0 / (s.head_dim as f32).sqrt()),
         alibi: false,
         causal: true,
@@ -736,7 +738,7 @@ fn attention_time(target: &Target, s: &AttentionShape, runs: usize) -> Result<(f
         v: (s.heads + s.kv_heads) * s.head_dim,
         cached: false,
         appends: false,
-    };
+    });
     let options = lower::Options::default();
     let ms = time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, s.seq, runs)?;
     let pairs = s.seq * (s.seq + 1) / 2;
@@ -753,7 +755,7 @@ fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs:
     let (heads, head_dim) = (12, 64);
     let width = 3 * heads * head_dim;
     let mods = ScoreMods { sparse: sparse.then_some(BIGBIRD), ..ScoreMods::default() };
-    let attention = Op::PackedAttention {
+    let attention = Op::PackedAttention(PackedAttention {
         scale: Scalar(1.0 / (head_dim as f32).sqrt()),
         alibi: false,
         causal: false,
@@ -767,7 +769,7 @@ fn bidirectional_attention_time(target: &Target, seq: usize, sparse: bool, runs:
         v: 2 * heads * head_dim,
         cached: false,
         appends: false,
-    };
+    });
     let options = lower::Options::default();
     time_kernel(target, &chain(width, &[(attention, None)]), &options, WeightFormat::F32, seq, runs)
 }

@@ -5,7 +5,7 @@ mod common;
 
 use common::{root, spec};
 
-use kiln_compiler::graph::Op;
+use kiln_compiler::graph::{Op, PackedAttention};
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
@@ -215,7 +215,7 @@ fn bigbird_intermediates_grow_linearly() {
     assert!(dense > 8.0, "the unfused score matrix grows quadratically: {dense:.2}x");
     assert!(
         optimized.g.node_weights().any(
-            |n| matches!(&n.op, Op::PackedAttention { mods, .. } | Op::Attention { mods, .. } if mods.sparse.is_some())
+            |n| matches!(&n.op, Op::PackedAttention(PackedAttention { mods, .. }) | Op::Attention { mods, .. } if mods.sparse.is_some())
         ),
         "the block pattern is not fused into the attention"
     );

@@ -16,7 +16,7 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
+use crate::graph::{Dim, Graph, InputRole, Op, PackedAttention, PairStyle, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::semantics::{
     activation, alibi_slopes, block_pattern, layer_norm_row, relative_bucket, rms_norm_row, rope_frequencies, rotate,
@@ -761,7 +761,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             y
         }
-        Op::PackedAttention {
+        Op::PackedAttention(PackedAttention {
             scale,
             alibi,
             causal,
@@ -775,7 +775,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             v,
             cached,
             appends,
-        } => {
+        }) => {
             // Split the heads out of the packed rows, then attend as `attention` does (to the
             // cache's keys and values when `cached`).
             let x = a[0];

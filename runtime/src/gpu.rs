@@ -760,8 +760,11 @@ fn in_place_sites(plan: &Plan) -> Vec<InPlace> {
             + plan.folds.iter().flat_map(|f| &f.operands).filter(|&&o| root(o) == v).count()
     };
     for (i, step) in plan.steps.iter().enumerate() {
-        let (kiln_compiler::graph::Op::PackedAttention { appends: true, .. }, [_, pk, pv, ..], &[ak, av]) =
-            (&step.op, step.operands.as_slice(), step.also.as_slice())
+        let (
+            kiln_compiler::graph::Op::PackedAttention(kiln_compiler::graph::PackedAttention { appends: true, .. }),
+            [_, pk, pv, ..],
+            &[ak, av],
+        ) = (&step.op, step.operands.as_slice(), step.also.as_slice())
         else {
             continue;
         };

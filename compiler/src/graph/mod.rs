@@ -29,7 +29,8 @@ pub mod print;
 mod shape;
 
 pub use op::{
-    Activation, BlockPattern, Bucketing, InputRole, Op, PairStyle, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
+    Activation, BlockPattern, Bucketing, InputRole, Op, PackedAttention, PairStyle, Prologue, RopeCols, Rotation,
+    Scalar, ScoreMods,
 };
 pub use shape::{Dim, Shape, Sym, broadcast, fmt_shape, infer, resolve};
 

@@ -135,6 +135,46 @@ impl BlockPattern {
     }
 }
 
+/// The configuration of an attention over packed rows ([`Op::PackedAttention`]): its score
+/// modifiers, its heads and where they sit in the projection's columns, and whether it reads a
+/// cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct PackedAttention {
+    /// Logit scale.
+    pub scale: Scalar,
+    /// Add ALiBi biases.
+    pub alibi: bool,
+    /// Hide later keys.
+    pub causal: bool,
+    /// Sliding-window size.
+    pub window: Option<usize>,
+    /// Soft-capping, relative bias, block sparsity.
+    #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+    pub mods: ScoreMods,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// First column of the query heads.
+    pub q: usize,
+    /// First column of the key heads.
+    pub k: usize,
+    /// First column of the value heads.
+    pub v: usize,
+    /// Keys and values come from operands (a cache), not from `qkv`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cached: bool,
+    /// With `cached`, in a back end's plan only (never in a graph): the key and value operands
+    /// are the caches *before* this step, `[b, kv, past, d]`, and the step also writes the
+    /// caches after it, each `past` followed by this step's key (value) columns of `qkv`, as
+    /// its two [`Step::also`](crate::lower::Step::also) values: the cache appends done by the
+    /// attention's own kernel (see `back::wgsl::fold_appends`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub appends: bool,
+}
+
 /// What an input tensor is, which decides how the runtime binds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum InputRole {
@@ -536,41 +576,7 @@ pub enum Op {
     /// cache the step's `heads` appended this projection's key and value columns (`k`, `v`) to;
     /// only the query columns of `qkv` are read here. Equal to [`Op::Attention`] over the split
     /// query heads and those tensors.
-    PackedAttention {
-        /// Logit scale.
-        scale: Scalar,
-        /// Add ALiBi biases.
-        alibi: bool,
-        /// Hide later keys.
-        causal: bool,
-        /// Sliding-window size.
-        window: Option<usize>,
-        /// Soft-capping, relative bias, block sparsity.
-        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
-        mods: ScoreMods,
-        /// Query heads.
-        heads: usize,
-        /// Key/value heads (dividing `heads`).
-        kv_heads: usize,
-        /// Width of a head.
-        head_dim: usize,
-        /// First column of the query heads.
-        q: usize,
-        /// First column of the key heads.
-        k: usize,
-        /// First column of the value heads.
-        v: usize,
-        /// Keys and values come from operands (a cache), not from `qkv`.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        cached: bool,
-        /// With `cached`, in a back end's plan only (never in a graph): the key and value operands
-        /// are the caches *before* this step, `[b, kv, past, d]`, and the step also writes the
-        /// caches after it, each `past` followed by this step's key (value) columns of `qkv`, as
-        /// its two [`Step::also`](crate::lower::Step::also) values: the cache appends done by the
-        /// attention's own kernel (see `back::wgsl::fold_appends`).
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        appends: bool,
-    },
+    PackedAttention(PackedAttention),
     /// Linformer's low-rank projection of heads along the sequence, read out of packed rows:
     /// `(x [b, n, width], e [rows, r]) -> [b, heads, r, head_dim]`, element `(b, j, i, c)` being
     /// `sum over t < n of e[t, i] * x[b, t, start + j * head_dim + c]` (`e` cut to its first `n`
@@ -657,7 +663,7 @@ impl Op {
                 }
                 n
             }
-            Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::PackedAttention(_) => "packed_attention".into(),
             Op::LowRank { .. } => "low_rank".into(),
             Op::Heads { norm, rope, .. } => {
                 format!(
@@ -746,7 +752,7 @@ impl Op {
                 }
                 a.join(" ")
             }
-            Op::PackedAttention {
+            Op::PackedAttention(PackedAttention {
                 scale,
                 alibi,
                 causal,
@@ -760,7 +766,7 @@ impl Op {
                 v,
                 cached,
                 appends,
-            } => {
+            }) => {
                 let mut a = format!(
                     "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
                 );

@@ -11,7 +11,7 @@
 
 use super::analysis::{enode_konst, enode_shape};
 use super::{KGraph, Kl, to_op};
-use crate::graph::{Dim, Op, Shape, Sym};
+use crate::graph::{Dim, Op, PackedAttention, Shape, Sym};
 use egg::{Id, Language};
 use std::collections::{HashMap, HashSet};
 
@@ -116,7 +116,7 @@ impl CostModel {
                 }
                 f
             }
-            Op::PackedAttention { heads, head_dim, cached, appends, .. } => {
+            Op::PackedAttention(PackedAttention { heads, head_dim, cached, appends, .. }) => {
                 let tokens = self.elements(out) / last(out).max(1.0);
                 // Keys: the packed rows', or a cache's (`[b, kv, t, d]`), which this step's rows
                 // follow when it appends to it.

@@ -287,7 +287,7 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             (op, ops)
         }
         Kl::PackedAttention([c, x, m, t]) => match attr(egraph, *c)? {
-            AttrValue::Op(op @ Op::PackedAttention { .. }) => {
+            AttrValue::Op(op @ Op::PackedAttention(_)) => {
                 let mut ops = vec![*x];
                 ops.extend(opt(*m));
                 ops.extend(opt(*t));

@@ -39,7 +39,7 @@ pub use explain::explain;
 pub use lang::{Attr, AttrValue, FALSE, Kl, NO_WINDOW, PLAIN_SCORES, TRUE, to_op};
 pub use provenance::{Made, Provenance};
 
-use crate::graph::{Dim, Graph, GraphError, Op};
+use crate::graph::{Dim, Graph, GraphError, Op, PackedAttention};
 use egg::{Id, Runner};
 use petgraph::graph::NodeIndex;
 use std::collections::{BTreeMap, HashMap};
@@ -219,7 +219,10 @@ pub fn dispatches(g: &Graph) -> usize {
 pub fn folded_appends(g: &Graph) -> std::collections::HashSet<NodeIndex> {
     let mut folded = std::collections::HashSet::new();
     for n in g.g.node_indices() {
-        let Op::PackedAttention { kv_heads, head_dim, k, v, mods, cached: true, appends: false, .. } = g.g[n].op else {
+        let Op::PackedAttention(PackedAttention {
+            kv_heads, head_dim, k, v, mods, cached: true, appends: false, ..
+        }) = g.g[n].op
+        else {
             continue;
         };
         let operands = g.operands(n);

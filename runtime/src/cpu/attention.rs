@@ -25,7 +25,7 @@
 //! projection `[b, s, width]` are the same loop.
 
 use super::{Arg, CpuError, R, debug_span};
-use kiln_compiler::graph::{Op, ScoreMods};
+use kiln_compiler::graph::{Op, PackedAttention, ScoreMods};
 use kiln_compiler::semantics::{alibi_slopes, attended_blocks, relative_bucket, score_operands};
 use rayon::prelude::*;
 
@@ -88,12 +88,22 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             run(&g, (q.f32("q")?, ql), k, v, mask, table, out, shape)
         }
         // The WGSL back end's form; a neutral plan, which the CPU runs, never has it.
-        Op::PackedAttention { appends: true, .. } => {
+        Op::PackedAttention(PackedAttention { appends: true, .. }) => {
             Err(bad("appends to the caches, which only the WGSL back end's plans do"))
         }
-        Op::PackedAttention {
-            scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, cached: true, ..
-        } => {
+        Op::PackedAttention(PackedAttention {
+            scale,
+            alibi,
+            causal,
+            window,
+            mods,
+            heads,
+            kv_heads,
+            head_dim,
+            q,
+            cached: true,
+            ..
+        }) => {
             // Queries in place in the packed rows; keys and values from the cache operands.
             let [(xs, x), (ks, k), (vs, v), rest @ ..] = args else {
                 return Err(bad("cached packed attention needs its projection, keys and values"));
@@ -110,7 +120,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
             run(&g, (x.f32("qkv")?, ql), k, v, mask, table, out, shape)
         }
-        Op::PackedAttention {
+        Op::PackedAttention(PackedAttention {
             scale,
             alibi,
             causal,
@@ -124,7 +134,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             v,
             cached: false,
             appends: false,
-        } => {
+        }) => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
             let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };
             let d = head_dim;

@@ -44,7 +44,7 @@ use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
-use kiln_compiler::graph::{Dim, Op, Sym};
+use kiln_compiler::graph::{Dim, Op, PackedAttention, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
@@ -559,7 +559,8 @@ impl CpuModel {
                 .collect::<R<_>>()?;
             // Only attention reads a cache through its strides; every other op gets a contiguous
             // copy.
-            let attention = matches!(step.op, Op::Attention { .. } | Op::PackedAttention { cached: true, .. });
+            let attention =
+                matches!(step.op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
             let copies: Vec<Option<Vec<f32>>> = args
                 .iter()
                 .map(|(shape, a)| match (a, shape.as_slice()) {
@@ -647,7 +648,7 @@ impl CpuModel {
                 Op::Linear { .. } => {
                     return linear::forward(op, args, lazy.get(), shape, past, self.threads, self.int8);
                 }
-                Op::Attention { .. } | Op::PackedAttention { .. } => {
+                Op::Attention { .. } | Op::PackedAttention(_) => {
                     return attention::forward(op, args, lazy.get(), shape);
                 }
                 Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),

@@ -56,7 +56,7 @@
 use super::emit::{WORKGROUP, lit};
 use super::scores;
 use super::{Options, append};
-use crate::graph::{Op, ScoreMods};
+use crate::graph::{Op, PackedAttention, ScoreMods};
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 4;
@@ -128,7 +128,7 @@ pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse:
 /// Whether the kernel of `op` compiled with `options` has the workgroup form
 /// ([`Options::attention_workgroups`], an attention specialised to its head geometry).
 pub fn has_workgroup_form(op: &Op, options: &Options) -> bool {
-    options.attention_workgroups && matches!(op, Op::Attention { .. } | Op::PackedAttention { .. })
+    options.attention_workgroups && matches!(op, Op::Attention { .. } | Op::PackedAttention(_))
 }
 
 /// A WGSL element index from WGSL expressions for a row and a head.
@@ -202,7 +202,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
         // The queries read in place; the keys and values of the caches before this step (`pr`
         // rows), then this step's, read in place too (the threads past the attention's append
         // them to the caches, see `append::append_copy`).
-        Op::PackedAttention {
+        Op::PackedAttention(PackedAttention {
             scale,
             alibi,
             causal,
@@ -214,7 +214,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
             cached: true,
             appends: true,
             ..
-        } => (
+        }) => (
             scale,
             alibi,
             causal,
@@ -254,7 +254,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
             },
         ),
         // The queries read in place, keys and values from a cache: the two layouts mixed.
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, cached: true, .. } => (
+        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, cached: true, .. }) => (
             scale,
             alibi,
             causal,
@@ -267,7 +267,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
                 buffers: scores::optional_buffers(&mods, 3, operands),
             },
         ),
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => (
+        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. }) => (
             scale,
             alibi,
             causal,
@@ -301,7 +301,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
     };
     // The threads past the attention's (`dim(9u)` of them) append to the caches.
     let copy = match *op {
-        Op::PackedAttention { k, v, appends: true, .. } => {
+        Op::PackedAttention(PackedAttention { k, v, appends: true, .. }) => {
             // The caches' `pr` rows: in the operands, or (appending in place, `room` not 0) in
             // the outputs already, which then get only this step's rows.
             s += "let pr = k - min(s_len, k);\nlet room = dim(13u);\n\

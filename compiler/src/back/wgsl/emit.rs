@@ -7,8 +7,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::scores;
-use crate::graph::{Activation, PairStyle};
-use crate::graph::{BlockPattern, Bucketing, Op, ScoreMods};
+use crate::graph::{Activation, BlockPattern, Bucketing, Op, PackedAttention, PairStyle, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
 // kernel does, `super::attention`).
@@ -266,7 +265,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
         Op::Linear { .. } => return None,
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, appends, .. } => {
+        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, appends, .. }) => {
             // As `attention`, with heads read in place from the packed rows (stride `w` per token);
             // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands;
             // `appends`: those the `pr` rows before this step's, read in place in the packed rows,
