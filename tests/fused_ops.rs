@@ -238,36 +238,22 @@ fn evaluate(cases: &[Case]) -> (Graph, HashMap<String, Tensor>, Vec<(String, Ten
                 }
                 if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
-            Op::PackedAttention(PackedAttention {
-                scale,
-                alibi,
-                causal,
-                window,
-                mods,
-                heads,
-                kv_heads,
-                head_dim,
-                q,
-                k,
-                v,
-                cached,
-                ..
-            }) => {
+            Op::PackedAttention(p) => {
                 let x = &case.operands[0].1;
                 let (b, s) = (x[0], x[1]);
                 let mut split = |start: usize, count: usize| {
-                    let cols = add!(Op::Slice { axis: 2, start, len: count * head_dim }, a[0]);
-                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(*head_dim)];
+                    let cols = add!(Op::Slice { axis: 2, start, len: count * p.head_dim }, a[0]);
+                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(p.head_dim)];
                     let t = add!(Op::Reshape { shape }, cols);
                     add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
                 };
-                let qh = split(*q, *heads);
+                let qh = split(p.q, p.heads);
                 // Cached: keys and values are operands of their own.
-                let (kh, vh, rest) = match cached {
+                let (kh, vh, rest) = match p.cached {
                     true => (a[1], a[2], &a[3..]),
-                    false => (split(*k, *kv_heads), split(*v, *kv_heads), &a[1..]),
+                    false => (split(p.k, p.kv_heads), split(p.v, p.kv_heads), &a[1..]),
                 };
-                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let op = p.unpacked();
                 let operands: Vec<_> = [qh, kh, vh].into_iter().chain(rest.iter().copied()).collect();
                 g.add(op, &operands).unwrap_or_else(|e| panic!("{name}: {e}"))
             }

@@ -16,7 +16,7 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Dim, Graph, InputRole, Op, PackedAttention, PairStyle, Sym, resolve};
+use crate::graph::{Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::semantics::{
     activation, alibi_slopes, block_pattern, layer_norm_row, relative_bucket, rms_norm_row, rope_frequencies, rotate,
@@ -761,53 +761,38 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             }
             y
         }
-        Op::PackedAttention(PackedAttention {
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            heads,
-            kv_heads,
-            head_dim,
-            q,
-            k,
-            v,
-            cached,
-            appends,
-        }) => {
+        Op::PackedAttention(p) => {
             // Split the heads out of the packed rows, then attend as `attention` does (to the
             // cache's keys and values when `cached`).
             let x = a[0];
             let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
             let split = |start: usize, count: usize| -> R<Tensor> {
-                let t = head_columns(ctx, x, start, count, *head_dim)?;
-                eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, *head_dim])
+                let t = head_columns(ctx, x, start, count, p.head_dim)?;
+                eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, p.head_dim])
             };
-            debug_assert!(width >= q + heads * head_dim);
-            let qh = split(*q, *heads)?;
-            let (kh, vh, rest) = if *appends {
+            debug_assert!(width >= p.q + p.heads * p.head_dim);
+            let qh = split(p.q, p.heads)?;
+            let (kh, vh, rest) = if p.appends {
                 // The caches before this step, with this step's keys and values appended.
                 let append = |past: &Tensor, start: usize| -> R<Tensor> {
-                    let new = split(start, *kv_heads)?;
+                    let new = split(start, p.kv_heads)?;
                     let mut shape = past.shape.clone();
                     shape[2] += s;
                     eval(ctx, &Op::Concat { axis: 2 }, &[past, &new], shape)
                 };
-                (std::borrow::Cow::Owned(append(a[1], *k)?), std::borrow::Cow::Owned(append(a[2], *v)?), &a[3..])
-            } else if *cached {
+                (std::borrow::Cow::Owned(append(a[1], p.k)?), std::borrow::Cow::Owned(append(a[2], p.v)?), &a[3..])
+            } else if p.cached {
                 (std::borrow::Cow::Borrowed(a[1]), std::borrow::Cow::Borrowed(a[2]), &a[3..])
             } else {
                 (
-                    std::borrow::Cow::Owned(split(*k, *kv_heads)?),
-                    std::borrow::Cow::Owned(split(*v, *kv_heads)?),
+                    std::borrow::Cow::Owned(split(p.k, p.kv_heads)?),
+                    std::borrow::Cow::Owned(split(p.v, p.kv_heads)?),
                     &a[1..],
                 )
             };
             let mut args = vec![&qh, &*kh, &*vh];
             args.extend(rest);
-            let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
-            eval(ctx, &op, &args, shape)?
+            eval(ctx, &p.unpacked(), &args, shape)?
         }
         Op::LowRank { start, heads, head_dim } => {
             // Slice, split, transpose the heads to [b, h, d, n], then times `e`'s first n rows.

@@ -175,6 +175,41 @@ pub struct PackedAttention {
     pub appends: bool,
 }
 
+impl PackedAttention {
+    /// The [`Op::Attention`] it equals over its split heads (the same scores, modifiers and mask).
+    pub fn unpacked(&self) -> Op {
+        Op::Attention {
+            scale: self.scale,
+            alibi: self.alibi,
+            causal: self.causal,
+            window: self.window,
+            mods: self.mods,
+        }
+    }
+
+    /// Its `key=value` attributes, as [`Op::attrs`] prints them.
+    fn attrs(&self) -> String {
+        let PackedAttention { scale, heads, kv_heads, head_dim, q, k, v, .. } = self;
+        let mut a = format!(
+            "scale={scale} causal={} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}",
+            self.causal
+        );
+        if self.cached {
+            a += " cached";
+        }
+        if self.appends {
+            a += " appends";
+        }
+        if let Some(w) = self.window {
+            a += &format!(" window={w}");
+        }
+        if self.alibi {
+            a += " alibi";
+        }
+        a + &self.mods.attrs()
+    }
+}
+
 /// What an input tensor is, which decides how the runtime binds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum InputRole {
@@ -752,38 +787,7 @@ impl Op {
                 }
                 a.join(" ")
             }
-            Op::PackedAttention(PackedAttention {
-                scale,
-                alibi,
-                causal,
-                window,
-                mods,
-                heads,
-                kv_heads,
-                head_dim,
-                q,
-                k,
-                v,
-                cached,
-                appends,
-            }) => {
-                let mut a = format!(
-                    "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
-                );
-                if *cached {
-                    a += " cached";
-                }
-                if *appends {
-                    a += " appends";
-                }
-                if let Some(w) = window {
-                    a += &format!(" window={w}");
-                }
-                if *alibi {
-                    a += " alibi";
-                }
-                a + &mods.attrs()
-            }
+            Op::PackedAttention(p) => p.attrs(),
             Op::Concat { axis } => format!("axis={axis}"),
             Op::LowRank { start, heads, head_dim } => format!("heads={heads} head_dim={head_dim} at={start}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {

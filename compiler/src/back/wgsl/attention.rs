@@ -185,107 +185,74 @@ impl Keys {
 /// geometry `g`, with the workgroup form if `workgroups` (then run with `wg`, `lane` and `i`
 /// defined and no thread returned early: see `kernel::entry`). `None` for any other op.
 pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<String> {
-    let (scale, alibi, causal, window, mods, layout) = match *op {
-        Op::Attention { scale, alibi, causal, window, mods } => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
-                qbuf: "in0",
-                keys: Keys::heads(),
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
+    let layout = match *op {
+        Op::Attention { mods, .. } => Layout {
+            q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
+            qbuf: "in0",
+            keys: Keys::heads(),
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
         // The queries read in place; the keys and values of the caches before this step (`pr`
         // rows), then this step's, read in place too (the threads past the attention's append
         // them to the caches, see `append::append_copy`).
-        Op::PackedAttention(PackedAttention {
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            q,
-            k: kc,
-            v: vc,
-            cached: true,
-            appends: true,
-            ..
-        }) => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: vec![
-                    Keys {
-                        k: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
-                        v: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
-                        kbuf: "in1",
-                        vbuf: "in2",
-                        from: "0u",
-                        to: "pa",
-                    },
-                    // Appending in place: the caches are the outputs, `room` rows per head.
-                    Keys {
-                        k: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
-                        v: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
-                        kbuf: "out1",
-                        vbuf: "out2",
-                        from: "0u",
-                        to: "pb",
-                    },
-                    Keys {
-                        k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
-                        v: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {vc}u + kvh * d")),
-                        kbuf: "in0",
-                        vbuf: "in0",
-                        from: "pr",
-                        to: "k",
-                    },
-                ],
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
+        Op::PackedAttention(PackedAttention { mods, q, k: kc, v: vc, cached: true, appends: true, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: vec![
+                Keys {
+                    k: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                    v: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                    kbuf: "in1",
+                    vbuf: "in2",
+                    from: "0u",
+                    to: "pa",
+                },
+                // Appending in place: the caches are the outputs, `room` rows per head.
+                Keys {
+                    k: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                    v: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                    kbuf: "out1",
+                    vbuf: "out2",
+                    from: "0u",
+                    to: "pb",
+                },
+                Keys {
+                    k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
+                    v: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {vc}u + kvh * d")),
+                    kbuf: "in0",
+                    vbuf: "in0",
+                    from: "pr",
+                    to: "k",
+                },
+            ],
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
         // The queries read in place, keys and values from a cache: the two layouts mixed.
-        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, cached: true, .. }) => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: Keys::heads(),
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
-        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. }) => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: Keys::all(
-                    Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
-                    Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
-                    "in0",
-                    "in0",
-                ),
-                buffers: scores::optional_buffers(&mods, 1, operands),
-            },
-        ),
+        Op::PackedAttention(PackedAttention { mods, q, cached: true, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: Keys::heads(),
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
+        Op::PackedAttention(PackedAttention { mods, q, k, v, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: Keys::all(
+                Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
+                Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
+                "in0",
+                "in0",
+            ),
+            buffers: scores::optional_buffers(&mods, 1, operands),
+        },
         _ => return None,
+    };
+    // The scores as the unfused attention computes them (a packed attention's are its own).
+    let Op::Attention { scale, alibi, causal, window, mods } = (match op {
+        Op::PackedAttention(p) => p.unpacked(),
+        other => other.clone(),
+    }) else {
+        return None;
     };
     let (qb, gc) = g.block();
     let form =
