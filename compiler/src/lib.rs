@@ -28,6 +28,9 @@
 //! An [`artifact`] stores a plan with its spec and weight map in one versioned, checksummed file.
 //! The [`interp`] module executes any graph, before or after optimization, in f32 on the CPU: the
 //! definition of each op's meaning and the oracle for the optimizer and the kernels.
+//! The pieces of that meaning the back ends compute the same way (block patterns, relative
+//! buckets, norm rows, rotations, ALiBi slopes, activations) live in [`semantics`], which the
+//! interpreter, the WGSL kernels and the CPU engine all follow.
 //!
 //! [`front_end`] runs stages 1 and 2 as one function; the CLI and the tests use it.
 //!
@@ -39,6 +42,8 @@
 // indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+#[cfg(test)]
+mod architecture;
 pub mod artifact;
 pub mod back;
 pub mod diag;
@@ -48,6 +53,7 @@ pub mod interp;
 pub mod lower;
 pub mod memory;
 pub mod optimize;
+pub mod semantics;
 pub mod spec;
 pub mod target;
 pub mod tensor;
@@ -72,24 +78,69 @@ pub fn front_end(file: &str, source: &str) -> Result<FrontEnd, SpecError> {
     let graph = graph::build::build(&spec).map_err(|e| {
         fail(Diagnostic::new("shapes are consistent", format!("impossible shape: {e}")).with_span(0..0))
     })?;
+    let index = spec::SpanIndex::new(source);
+    let fail_all = |diagnostics: Vec<Diagnostic>| SpecError { file: file.into(), source: source.into(), diagnostics };
+    check_built(&spec, &graph, &index, &spec::Limits::default()).map_err(fail_all)?;
     graph.check().map_err(|e| {
         fail(Diagnostic::new("the graph is well-formed", format!("internal error, please report: {e}")))
     })?;
-    check_weight_map(&spec, &graph, source).map_err(|d| SpecError {
-        file: file.into(),
-        source: source.into(),
-        diagnostics: d,
-    })?;
+    check_weight_map(&spec, &graph, &index).map_err(fail_all)?;
     Ok(FrontEnd { spec, graph })
 }
 
+/// The spec's rules only its graph can check, all reported, in source order: the parameter count
+/// bounds everything that will ever be allocated for weights (building is symbolic, so this is
+/// cheap even for a huge spec), and every weight-map override names a parameter of the graph.
+fn check_built(
+    spec: &Resolved,
+    graph: &Graph,
+    index: &spec::SpanIndex,
+    limits: &spec::Limits,
+) -> Result<(), Vec<Diagnostic>> {
+    let mut errors = Vec::new();
+    let params = graph::build::param_elements(graph);
+    if params > limits.parameters {
+        errors.push(
+            Diagnostic::new(
+                "the parameter count is bounded",
+                format!("the model would have {params} parameters, more than the limit {}", limits.parameters),
+            )
+            .with_key("model")
+            .with_span(index.locate("model"))
+            .with_help("check `model.d_model`, `model.vocab`, `model.layers` and `ffn.d_ff` for an extra digit"),
+        );
+    }
+    // An override the graph never looks up is a mistake that would otherwise pass silently (a
+    // tied head has no `head.weight`, a decoder-only model no `encoder.` parameters).
+    let params = graph.params();
+    let used: std::collections::BTreeSet<String> = params.iter().map(|(_, name)| template_of(name)).collect();
+    for template in spec.spec.weights.tensors.keys() {
+        if !params.iter().any(|(_, name)| spec::weightmap::match_template(template, name).is_some()) {
+            let key = format!("weights.tensors.{template}");
+            let help = diag::did_you_mean(template, used.iter().map(String::as_str))
+                .map(|s| format!("did you mean `{s}`?"))
+                .unwrap_or_else(|| "remove the entry; `kiln inspect` lists the model's parameters".into());
+            errors.push(
+                Diagnostic::new(
+                    "weight-map keys name graph parameters",
+                    format!("`{template}` is not a parameter of this model"),
+                )
+                .with_key(key.clone())
+                .with_span(index.key(&key).unwrap_or_else(|| index.locate(&key)))
+                .with_help(help),
+            );
+        }
+    }
+    errors.sort_by_key(|d| d.span.as_ref().map(|s| s.start));
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
 /// Every parameter of the graph must have a weight-map entry (when the spec names a map at all).
-fn check_weight_map(spec: &Resolved, graph: &Graph, source: &str) -> Result<(), Vec<Diagnostic>> {
+fn check_weight_map(spec: &Resolved, graph: &Graph, index: &spec::SpanIndex) -> Result<(), Vec<Diagnostic>> {
     if spec.weights.entries.is_empty() {
         // No map: parameters are looked up under their canonical names (kiln's own checkpoints).
         return Ok(());
     }
-    let index = spec::SpanIndex::new(source);
     // One error per missing template, not per layer.
     let mut seen = std::collections::HashSet::new();
     let templates: Vec<String> = graph

@@ -3,13 +3,12 @@
 //! extraction read these facts from the target they are given, never from a back end's module, so
 //! a fusion that pays on a GPU and not on a CPU is not forced on the CPU, and a kernel limit of one
 //! back end does not constrain another.
+//!
+//! Each back end states its own facts: the wgpu back end's are `back::wgsl::target`
+//! (`Target::wgpu`, also the default target, and the lavapipe `CostModel::default`); the CPU's
+//! need no kernel limits, so [`Target::cpu`] is stated here.
 
 use crate::optimize::CostModel;
-
-/// The largest head width wgpu's fused attention kernel handles: each invocation accumulates its
-/// output rows in a private array of this many floats per query slot
-/// ([`crate::back::wgsl::attention`]). The optimizer fuses attention for wgpu only up to it.
-pub const WGPU_MAX_ATTENTION_HEAD_DIM: usize = 256;
 
 /// A back end's facts, as the optimizer uses them.
 #[derive(Clone, Debug)]
@@ -23,11 +22,6 @@ pub struct Target {
 }
 
 impl Target {
-    /// wgpu, with the cost model measured on lavapipe ([`CostModel::default`]).
-    pub fn wgpu() -> Target {
-        Target { name: "wgpu", cost: CostModel::default(), max_attention_head_dim: WGPU_MAX_ATTENTION_HEAD_DIM }
-    }
-
     /// The native CPU back end, with its measured cost model ([`CostModel::cpu`]); its fused
     /// attention keeps one score row per query head of a group on the heap, so any head width fits.
     pub fn cpu() -> Target {
@@ -41,11 +35,5 @@ impl Target {
             "cpu" => Some(Target::cpu()),
             _ => None,
         }
-    }
-}
-
-impl Default for Target {
-    fn default() -> Target {
-        Target::wgpu()
     }
 }

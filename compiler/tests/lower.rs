@@ -2,7 +2,7 @@
 //! shared by liveness.
 
 use kiln_compiler::back::wgsl::{self, dispatch};
-use kiln_compiler::graph::Sym;
+use kiln_compiler::graph::{PackedAttention, Sym};
 use kiln_compiler::lower::lower;
 use std::collections::HashMap;
 
@@ -149,7 +149,7 @@ fn decode_step_dispatches_launch_enough_workgroups() {
             let what = format!("`{}` ({}) at past {past}", step.scope, step.op.attrs());
             match step.op {
                 // Appending to the caches: the attention's threads are the first `dims[9]`.
-                Op::PackedAttention { heads, appends, .. } => {
+                Op::PackedAttention(PackedAttention { heads, appends, .. }) => {
                     let threads = if appends { dims[9] } else { dims[0] };
                     assert!(threads as usize >= heads * wgsl::WORKGROUP as usize, "{what}: {threads} threads");
                     attentions += 1;

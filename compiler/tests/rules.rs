@@ -1,10 +1,9 @@
 //! One differential test per rewrite rule: a small graph where the rule fires, run on the reference
 //! interpreter before and after optimization (agreeing within 1e-5), and a check that it fired.
 
-use kiln_compiler::graph::{Dim, Graph, InputRole, Op, Scalar, Sym};
+use kiln_compiler::graph::{Activation, Dim, Graph, InputRole, Op, PackedAttention, PairStyle, Scalar, Sym};
 use kiln_compiler::interp::{random_params, run};
 use kiln_compiler::optimize::{CostModel, Limits, dispatches, explain, optimize_with, rules};
-use kiln_compiler::spec::{Activation, PairStyle};
 use kiln_compiler::tensor::Tensor;
 use petgraph::graph::NodeIndex;
 use std::collections::HashMap;
@@ -413,10 +412,10 @@ fn check_modified(rule: &str, modifier: Modifier, masked: bool) {
     let opt = check_inputs(rule, &modified_graph(modifier, masked, false), &model, &masked_inputs());
     assert!(ops(&opt).contains(&"masked_softmax".to_string()), "{:?}", ops(&opt));
     let opt = check_inputs(rule, &modified_graph(modifier, masked, true), &model, &masked_inputs());
-    let attention = opt.g.node_weights().find(|n| matches!(n.op, Op::Attention { .. } | Op::PackedAttention { .. }));
+    let attention = opt.g.node_weights().find(|n| matches!(n.op, Op::Attention { .. } | Op::PackedAttention(_)));
     let Some(attention) = attention else { panic!("`{rule}`: no attention kernel in {:?}", ops(&opt)) };
     let mods = match &attention.op {
-        Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => *mods,
+        Op::Attention { mods, .. } | Op::PackedAttention(PackedAttention { mods, .. }) => *mods,
         _ => unreachable!(),
     };
     assert!(!mods.is_plain(), "`{rule}`: the attention kernel lost the modifier: {:?}", attention.op);

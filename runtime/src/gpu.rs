@@ -26,7 +26,7 @@ use kiln_compiler::back::wgsl::{
 };
 use kiln_compiler::graph::Sym;
 use kiln_compiler::interp::InterpError;
-use kiln_compiler::lower::{Plan, Step, Storage, Value, WeightFormat, resolve};
+use kiln_compiler::lower::{Plan, PlanError, Step, Storage, Value, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -38,6 +38,10 @@ const DIMS_STRIDE: u64 = 256;
 /// What can go wrong on the device.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
+    /// The plan breaks a guarantee of lowering ([`Plan::check`]: an index out of range, an
+    /// ill-typed step).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
     /// No adapter at all (or none matching the request).
     #[error("{0}")]
     NoAdapter(String),
@@ -760,8 +764,11 @@ fn in_place_sites(plan: &Plan) -> Vec<InPlace> {
             + plan.folds.iter().flat_map(|f| &f.operands).filter(|&&o| root(o) == v).count()
     };
     for (i, step) in plan.steps.iter().enumerate() {
-        let (kiln_compiler::graph::Op::PackedAttention { appends: true, .. }, [_, pk, pv, ..], &[ak, av]) =
-            (&step.op, step.operands.as_slice(), step.also.as_slice())
+        let (
+            kiln_compiler::graph::Op::PackedAttention(kiln_compiler::graph::PackedAttention { appends: true, .. }),
+            [_, pk, pv, ..],
+            &[ak, av],
+        ) = (&step.op, step.operands.as_slice(), step.also.as_slice())
         else {
             continue;
         };
@@ -818,6 +825,7 @@ impl GpuModel {
         blocks: &HashMap<String, QuantWeight>,
         progress: &dyn Progress,
     ) -> Result<GpuModel, GpuError> {
+        plan.check()?;
         if options.f16_weights && !gpu.supports_f16() {
             return Err(GpuError::Dispatch(format!(
                 "f16 weights need the SHADER_F16 feature, which adapter `{}` does not have; use f32 weights",

@@ -234,7 +234,7 @@ pub fn fusion_graph(k: usize, n: usize, fused: bool, rope: Option<usize>) -> Res
     let cols = RopeCols {
         theta: Scalar(10000.0),
         rotary_dim: 64,
-        style: kiln_compiler::spec::PairStyle::RotateHalf,
+        style: kiln_compiler::graph::PairStyle::RotateHalf,
         head_dim: 64,
         start: rope.unwrap_or(0),
         len: rotated - rotated % 64 - 64,

@@ -65,8 +65,8 @@ pub fn spec(name: &str) -> FrontEnd {
 /// Projections covering the kernel's forms and epilogues: plain; GELU with bias and residual; a
 /// LayerNorm prologue; a gated SiLU with an RMSNorm prologue; a RoPE epilogue.
 pub fn projection_ops() -> Vec<kiln_compiler::graph::Op> {
+    use kiln_compiler::graph::{Activation, PairStyle};
     use kiln_compiler::graph::{Op, Prologue, RopeCols, Scalar};
-    use kiln_compiler::spec::{Activation, PairStyle};
     let rms = Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false });
     let layer = Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true });
     let rope = RopeCols {

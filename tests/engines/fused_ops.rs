@@ -11,12 +11,12 @@
 use crate::common;
 
 use kiln_compiler::graph::{
-    BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
+    Activation, BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, PackedAttention, PairStyle, Prologue, RopeCols,
+    Rotation, Scalar, ScoreMods,
 };
 use kiln_compiler::interp;
 use kiln_compiler::lower::{Options, lower_with};
-use kiln_compiler::spec::Activation;
-use kiln_compiler::spec::PairStyle;
+use kiln_compiler::semantics;
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::{Gpu, GpuModel};
 use std::collections::HashMap;
@@ -72,7 +72,7 @@ impl Softmax {
     /// `rest` the optional key mask and bias table.
     fn compose(&self, g: &mut Graph, scores: NodeIndex, rest: &[NodeIndex], (q, k): (usize, usize)) -> NodeIndex {
         let mut add = |op: Op, operands: &[NodeIndex]| g.add(op, operands).unwrap_or_else(|e| panic!("{e}"));
-        let (mask, table) = interp::score_operands(rest, &self.mods);
+        let (mask, table) = semantics::score_operands(rest, &self.mods);
         let mut y = add(Op::Scale { factor: self.scale }, &[scores]);
         if let Some(cap) = self.mods.softcap {
             y = add(Op::SoftCap { cap }, &[y]);
@@ -238,36 +238,22 @@ fn evaluate(cases: &[Case]) -> (Graph, HashMap<String, Tensor>, Vec<(String, Ten
                 }
                 if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
             }
-            Op::PackedAttention {
-                scale,
-                alibi,
-                causal,
-                window,
-                mods,
-                heads,
-                kv_heads,
-                head_dim,
-                q,
-                k,
-                v,
-                cached,
-                ..
-            } => {
+            Op::PackedAttention(p) => {
                 let x = &case.operands[0].1;
                 let (b, s) = (x[0], x[1]);
                 let mut split = |start: usize, count: usize| {
-                    let cols = add!(Op::Slice { axis: 2, start, len: count * head_dim }, a[0]);
-                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(*head_dim)];
+                    let cols = add!(Op::Slice { axis: 2, start, len: count * p.head_dim }, a[0]);
+                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(p.head_dim)];
                     let t = add!(Op::Reshape { shape }, cols);
                     add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
                 };
-                let qh = split(*q, *heads);
+                let qh = split(p.q, p.heads);
                 // Cached: keys and values are operands of their own.
-                let (kh, vh, rest) = match cached {
+                let (kh, vh, rest) = match p.cached {
                     true => (a[1], a[2], &a[3..]),
-                    false => (split(*k, *kv_heads), split(*v, *kv_heads), &a[1..]),
+                    false => (split(p.k, p.kv_heads), split(p.v, p.kv_heads), &a[1..]),
                 };
-                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let op = p.unpacked();
                 let operands: Vec<_> = [qh, kh, vh].into_iter().chain(rest.iter().copied()).collect();
                 g.add(op, &operands).unwrap_or_else(|e| panic!("{name}: {e}"))
             }
@@ -496,7 +482,7 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
             for seq in [5, 13] {
                 let cases = if seq > 5 { &mut blocked } else { &mut cases };
                 let (h, kv, d) = (4, 2, 8);
-                let op = Op::PackedAttention {
+                let op = Op::PackedAttention(PackedAttention {
                     scale: Scalar(0.4),
                     alibi: false,
                     causal,
@@ -510,7 +496,7 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
                     v: (h + kv) * d,
                     cached: false,
                     appends: false,
-                };
+                });
                 let (x, mask, table) = ([2, seq, (h + 2 * kv) * d], [2, seq], heads(h));
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
                 if masked {
@@ -544,7 +530,7 @@ fn low_rank_projection() {
 
 #[test]
 fn attention_at_the_largest_head_dim() {
-    let d = kiln_compiler::back::wgsl::attention::MAX_ATTENTION_HEAD_DIM;
+    let d = kiln_compiler::back::wgsl::target::MAX_ATTENTION_HEAD_DIM;
     let op = Op::Attention {
         scale: Scalar(1.0 / (d as f32).sqrt()),
         alibi: false,
@@ -689,7 +675,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
         let cases = if seq > 5 { &mut blocked } else { &mut cases };
         for (causal, window) in [(false, None), (true, None), (true, Some(2))] {
             for masked in [false, true] {
-                let op = Op::PackedAttention {
+                let op = Op::PackedAttention(PackedAttention {
                     scale: Scalar(0.4),
                     alibi: false,
                     causal,
@@ -703,7 +689,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                     v,
                     cached: false,
                     appends: false,
-                };
+                });
                 let (x, mask) = ([2, seq, width], [2, seq]);
                 let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
                 if masked {
@@ -718,7 +704,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
                 // A decoder step's: the queries packed, the keys and values a cache of 3 earlier
                 // tokens and these.
                 let mut cached = op;
-                if let Op::PackedAttention { cached: c, .. } = &mut cached {
+                if let Op::PackedAttention(PackedAttention { cached: c, .. }) = &mut cached {
                     *c = true;
                 }
                 let (t, cache) = (3 + seq, [2, kv, 3 + seq, d]);
@@ -760,7 +746,7 @@ fn assert_workgroup_form(model: &GpuModel, options: &kiln_compiler::back::wgsl::
     let plan = &program.plan;
     let mut attentions = 0;
     for (i, step) in plan.steps.iter().enumerate() {
-        if !matches!(step.op, Op::Attention { .. } | Op::PackedAttention { .. }) {
+        if !matches!(step.op, Op::Attention { .. } | Op::PackedAttention(_)) {
             continue;
         }
         attentions += 1;
@@ -797,7 +783,7 @@ fn attention_workgroup_form_on_every_layout_and_modifier() {
             operands.push(("key_mask", vec![b, t]));
             let heads = match &op {
                 Op::Attention { .. } => operands[0].1[1],
-                Op::PackedAttention { heads, .. } => *heads,
+                Op::PackedAttention(PackedAttention { heads, .. }) => *heads,
                 _ => unreachable!(),
             };
             let table = table(heads);
@@ -817,20 +803,22 @@ fn attention_workgroup_form_on_every_layout_and_modifier() {
         // this step's), and a few rows attending each other.
         let (h, kv, d) = (6, 2, 8);
         let width = (h + 2 * kv) * d;
-        let packed = |cached| Op::PackedAttention {
-            scale: Scalar(0.4),
-            alibi,
-            causal,
-            window,
-            mods,
-            heads: h,
-            kv_heads: kv,
-            head_dim: d,
-            q: 0,
-            k: h * d,
-            v: (h + kv) * d,
-            cached,
-            appends: false,
+        let packed = |cached| {
+            Op::PackedAttention(PackedAttention {
+                scale: Scalar(0.4),
+                alibi,
+                causal,
+                window,
+                mods,
+                heads: h,
+                kv_heads: kv,
+                head_dim: d,
+                q: 0,
+                k: h * d,
+                v: (h + kv) * d,
+                cached,
+                appends: false,
+            })
         };
         for t in [1, 7, 64, 65, 130] {
             let operands = vec![("qkv", vec![2, 1, width]), ("k", vec![2, kv, t, d]), ("v", vec![2, kv, t, d])];
@@ -1069,7 +1057,7 @@ fn cached_attention_appends_in_its_own_dispatch() {
                 if masked {
                     operands.push(g.param("key_mask", &[b, p + s]));
                 }
-                let op = Op::PackedAttention {
+                let op = Op::PackedAttention(PackedAttention {
                     scale: Scalar(0.4),
                     alibi: false,
                     causal,
@@ -1083,7 +1071,7 @@ fn cached_attention_appends_in_its_own_dispatch() {
                     v: (h + kv) * d,
                     cached: true,
                     appends: false,
-                };
+                });
                 let attention = g.add(op, &operands).unwrap();
                 g.outputs = vec![
                     ("attention".into(), attention),

@@ -90,7 +90,15 @@ fn the_device_cache_is_appended_in_place() {
         };
         let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();
         let folded = (model.plan().steps.iter())
-            .filter(|s| matches!(s.op, kiln_compiler::graph::Op::PackedAttention { appends: true, .. }))
+            .filter(|s| {
+                matches!(
+                    s.op,
+                    kiln_compiler::graph::Op::PackedAttention(kiln_compiler::graph::PackedAttention {
+                        appends: true,
+                        ..
+                    })
+                )
+            })
             .count();
         assert_eq!(folded > 0, fold, "{name}: {folded} attentions appending themselves");
         let wide = model.program().kernels.iter().filter(|k| k.wgsl.contains("dim(7u) == 2u")).count();

@@ -5,7 +5,7 @@ use crate::common;
 
 use common::{root, spec};
 
-use kiln_compiler::graph::Op;
+use kiln_compiler::graph::{Op, PackedAttention};
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
@@ -215,7 +215,7 @@ fn bigbird_intermediates_grow_linearly() {
     assert!(dense > 8.0, "the unfused score matrix grows quadratically: {dense:.2}x");
     assert!(
         optimized.g.node_weights().any(
-            |n| matches!(&n.op, Op::PackedAttention { mods, .. } | Op::Attention { mods, .. } if mods.sparse.is_some())
+            |n| matches!(&n.op, Op::PackedAttention(PackedAttention { mods, .. }) | Op::Attention { mods, .. } if mods.sparse.is_some())
         ),
         "the block pattern is not fused into the attention"
     );
@@ -227,7 +227,7 @@ fn bigbird_hidden_state_and_pattern() {
     check_fixture("bigbird");
     let io = tensors(&root().join("tests/fixtures/bigbird/io.safetensors"));
     let expected: Vec<bool> = io["allowed_blocks"].to_f32_vec().iter().map(|&x| x != 0.0).collect();
-    assert_eq!(kiln_compiler::interp::block_pattern(8, 1, 1, 1, 7), expected);
+    assert_eq!(kiln_compiler::semantics::block_pattern(8, 1, 1, 1, 7), expected);
 }
 
 #[test]

@@ -222,8 +222,8 @@ fn quantized_folds_stack_and_scale_blocks() {
 /// must agree too.
 #[test]
 fn projections_over_the_binding_limit_run_in_pieces() {
+    use kiln_compiler::graph::Activation;
     use kiln_compiler::graph::{Prologue, Scalar};
-    use kiln_compiler::spec::Activation;
     let Some(gpu) = common::gpu_with_buffer_limit(8192) else { return };
     for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_K] {
         let k = 64usize.next_multiple_of(format.row_multiple());

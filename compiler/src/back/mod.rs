@@ -6,8 +6,9 @@
 //! - The native CPU back end needs no compilation step of its own: `kiln-runtime`'s `cpu` module
 //!   picks a kernel per step when it loads a plan, and reads weights in the plan's layout.
 //!
-//! What a back end tells the optimizer (its cost model, the widest attention head it fuses) is a
-//! [`Target`](crate::target::Target), so rules and extraction depend on the target's facts, never
-//! on a back end's module.
+//! What a back end tells the optimizer (its cost model, which projections run in a scalar form,
+//! the widest attention head it fuses) is a [`Target`](crate::target::Target) it fills in
+//! ([`wgsl::target`]), so rules and extraction depend on the target's facts, never on a back
+//! end's module.
 
 pub mod wgsl;

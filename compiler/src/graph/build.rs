@@ -8,10 +8,8 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
-use crate::spec::{
-    BlockKind, LayerKind, MaskKind, NormKind, PairStyle, Placement, Pooling, PositionKind, QkNorm, Resolved,
-};
+use super::{Activation, Dim, Graph, GraphError, InputRole, Op, PairStyle, Scalar, Sym};
+use crate::spec::{self, BlockKind, LayerKind, MaskKind, NormKind, Placement, Pooling, PositionKind, QkNorm, Resolved};
 use petgraph::graph::NodeIndex;
 
 type R<T> = Result<T, GraphError>;
@@ -268,7 +266,7 @@ impl Builder<'_> {
             }
             PositionKind::Sinusoidal => {
                 let pos = self.g.add(Op::Positions { len: Dim::Sym(seq) }, &[])?;
-                let style = spec.positions.style.unwrap_or(PairStyle::Interleaved);
+                let style = spec.positions.style.map_or(PairStyle::Interleaved, pair_style);
                 let p = self.g.add(Op::Sinusoid { dim: self.d(), style }, &[pos])?;
                 x = self.g.add(Op::Add, &[x, p])?;
             }
@@ -493,7 +491,7 @@ impl Builder<'_> {
             let rope = Op::Rope {
                 theta: Scalar(layer.theta as f32),
                 rotary_dim: r.rotary_dim as usize,
-                style: positions.style.unwrap_or(PairStyle::RotateHalf),
+                style: positions.style.map_or(PairStyle::RotateHalf, pair_style),
             };
             q = self.g.add(rope.clone(), &[q])?;
             k = self.g.add(rope, &[k])?;
@@ -621,12 +619,30 @@ impl Builder<'_> {
         let h = if f.gated {
             let gate = self.linear(x, &format!("{name}.gate"), d_ff, d, f.bias)?;
             let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
-            let act = self.g.add(Op::Act(f.activation), &[gate])?;
+            let act = self.g.add(Op::Act(activation(f.activation)), &[gate])?;
             self.g.add(Op::Mul, &[act, up])?
         } else {
             let up = self.linear(x, &format!("{name}.up"), d_ff, d, f.bias)?;
-            self.g.add(Op::Act(f.activation), &[up])?
+            self.g.add(Op::Act(activation(f.activation)), &[up])?
         };
         self.linear(h, &format!("{name}.down"), d, d_ff, f.bias)
+    }
+}
+
+/// The IR's activation for the spec's.
+fn activation(a: spec::Activation) -> Activation {
+    match a {
+        spec::Activation::Relu => Activation::Relu,
+        spec::Activation::Gelu => Activation::Gelu,
+        spec::Activation::GeluTanh => Activation::GeluTanh,
+        spec::Activation::Silu => Activation::Silu,
+    }
+}
+
+/// The IR's pair layout for the spec's.
+fn pair_style(s: spec::PairStyle) -> PairStyle {
+    match s {
+        spec::PairStyle::RotateHalf => PairStyle::RotateHalf,
+        spec::PairStyle::Interleaved => PairStyle::Interleaved,
     }
 }

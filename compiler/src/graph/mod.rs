@@ -7,7 +7,7 @@
 //!
 //! The ops are deliberately small and unfused (matmul, add, softmax, norm, rope, ...): fusion is the
 //! optimizer's business. Each op's meaning is defined once, by the CPU reference interpreter
-//! ([`crate::interp`]); shape rules are defined once, by [`infer`], which [`Graph::add`] applies.
+//! (the crate's `interp` module); shape rules are defined once, by [`infer`], which [`Graph::add`] applies.
 //!
 //! **Invariant**: the graph is acyclic and every node's shape is what [`infer`] gives for its op and
 //! operands; [`Graph::check`] verifies both.
@@ -28,7 +28,10 @@ mod op;
 pub mod print;
 mod shape;
 
-pub use op::{BlockPattern, Bucketing, InputRole, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods};
+pub use op::{
+    Activation, BlockPattern, Bucketing, InputRole, Op, PackedAttention, PairStyle, Prologue, RopeCols, Rotation,
+    Scalar, ScoreMods,
+};
 pub use shape::{Dim, Shape, Sym, broadcast, fmt_shape, infer, resolve};
 
 use crate::tensor::DType;

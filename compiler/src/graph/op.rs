@@ -1,13 +1,12 @@
 //! The ops of the graph IR: [`Op`], one variant per tensor-level operation with its operands
-//! documented in order; the attributes ops carry ([`Scalar`], [`InputRole`], [`Prologue`],
-//! [`RopeCols`], [`Rotation`]); and the names and `key=value` attributes that printers show
+//! documented in order; the attributes ops carry ([`Scalar`], [`Activation`], [`PairStyle`],
+//! [`InputRole`], [`Prologue`], [`RopeCols`], [`Rotation`]); and the names and `key=value` attributes that printers show
 //! ([`Op::name`], [`Op::attrs`]).
 
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
 use super::{Dim, Shape, Sym, fmt_shape};
-use crate::spec::{Activation, PairStyle};
 use std::fmt;
 
 /// A float attribute, compared and hashed by its bits so ops can be keys (e-graph nodes).
@@ -103,7 +102,7 @@ impl Bucketing {
     }
 }
 
-/// BigBird's block pattern (see [`crate::interp::block_pattern`]).
+/// BigBird's block pattern (see [`crate::semantics::block_pattern`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct BlockPattern {
     /// Positions per block.
@@ -134,11 +133,80 @@ impl BlockPattern {
         let BlockPattern { block, global, window, random, seed } = self;
         Op::BlockSparseMask { block, global, window, random, seed }
     }
+}
 
-    /// Key blocks query block `qb` attends, ascending, of `blocks` (every block for a global one).
-    pub fn attended(&self, qb: usize, blocks: usize) -> Vec<usize> {
-        let allowed = crate::interp::block_pattern_row(blocks, qb, self.global, self.window, self.random, self.seed);
-        (0..blocks).filter(|&kb| allowed.get(kb).copied().unwrap_or(false)).collect()
+/// The configuration of an attention over packed rows ([`Op::PackedAttention`]): its score
+/// modifiers, its heads and where they sit in the projection's columns, and whether it reads a
+/// cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct PackedAttention {
+    /// Logit scale.
+    pub scale: Scalar,
+    /// Add ALiBi biases.
+    pub alibi: bool,
+    /// Hide later keys.
+    pub causal: bool,
+    /// Sliding-window size.
+    pub window: Option<usize>,
+    /// Soft-capping, relative bias, block sparsity.
+    #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+    pub mods: ScoreMods,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// First column of the query heads.
+    pub q: usize,
+    /// First column of the key heads.
+    pub k: usize,
+    /// First column of the value heads.
+    pub v: usize,
+    /// Keys and values come from operands (a cache), not from `qkv`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cached: bool,
+    /// With `cached`, in a back end's plan only (never in a graph): the key and value operands
+    /// are the caches *before* this step, `[b, kv, past, d]`, and the step also writes the
+    /// caches after it, each `past` followed by this step's key (value) columns of `qkv`, as
+    /// its two [`Step::also`](crate::lower::Step::also) values: the cache appends done by the
+    /// attention's own kernel (see `back::wgsl::fold_appends`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub appends: bool,
+}
+
+impl PackedAttention {
+    /// The [`Op::Attention`] it equals over its split heads (the same scores, modifiers and mask).
+    pub fn unpacked(&self) -> Op {
+        Op::Attention {
+            scale: self.scale,
+            alibi: self.alibi,
+            causal: self.causal,
+            window: self.window,
+            mods: self.mods,
+        }
+    }
+
+    /// Its `key=value` attributes, as [`Op::attrs`] prints them.
+    fn attrs(&self) -> String {
+        let PackedAttention { scale, heads, kv_heads, head_dim, q, k, v, .. } = self;
+        let mut a = format!(
+            "scale={scale} causal={} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}",
+            self.causal
+        );
+        if self.cached {
+            a += " cached";
+        }
+        if self.appends {
+            a += " appends";
+        }
+        if let Some(w) = self.window {
+            a += &format!(" window={w}");
+        }
+        if self.alibi {
+            a += " alibi";
+        }
+        a + &self.mods.attrs()
     }
 }
 
@@ -181,6 +249,55 @@ pub struct Prologue {
     pub eps: Scalar,
     /// A LayerNorm bias operand follows the gain.
     pub bias: bool,
+}
+
+/// An elementwise activation function (see [`crate::semantics::activation`] for each one's
+/// definition). The IR's own type: the spec's `ffn.activation` is converted to it when the graph
+/// is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Activation {
+    /// `max(0, x)`.
+    Relu,
+    /// Exact GELU, `x * Phi(x)` with the error function.
+    Gelu,
+    /// GELU's tanh approximation.
+    GeluTanh,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// The name printers and kernels show (the spec's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu-tanh",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+/// How the two halves of a rotation (or of a sinusoid) are laid out over the dimensions. The
+/// IR's own type: the spec's `positions.style` is converted to it when the graph is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PairStyle {
+    /// First half / second half (HF's `rotate_half`; sin block then cos block).
+    RotateHalf,
+    /// Adjacent pairs (2i, 2i+1) (GPT-J, llama.cpp; sin, cos interleaved).
+    Interleaved,
+}
+
+impl PairStyle {
+    /// The name printers show (the spec's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            PairStyle::RotateHalf => "rotate-half",
+            PairStyle::Interleaved => "interleaved",
+        }
+    }
 }
 
 /// RoPE applied to output columns `start .. start + len` of rows `[.., seq, n]`, taken as heads of
@@ -226,13 +343,6 @@ impl Op {
     /// A plain fused projection: `act(x @ w^T + bias) + residual`.
     pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
         Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }
-    }
-}
-
-fn style_name(s: &PairStyle) -> &'static str {
-    match s {
-        PairStyle::RotateHalf => "rotate-half",
-        PairStyle::Interleaved => "interleaved",
     }
 }
 
@@ -308,7 +418,7 @@ pub enum Op {
         len: Dim,
     },
     /// BigBird's block-sparse mask over scores `[b, h, q, k]` (`(scores[, key_mask f32[b, k]])`):
-    /// entries outside the blocks [`crate::interp::block_pattern`] allows, or at masked keys,
+    /// entries outside the blocks [`crate::semantics::block_pattern`] allows, or at masked keys,
     /// become the most negative float.
     BlockSparseMask {
         /// Positions per block.
@@ -501,41 +611,7 @@ pub enum Op {
     /// cache the step's `heads` appended this projection's key and value columns (`k`, `v`) to;
     /// only the query columns of `qkv` are read here. Equal to [`Op::Attention`] over the split
     /// query heads and those tensors.
-    PackedAttention {
-        /// Logit scale.
-        scale: Scalar,
-        /// Add ALiBi biases.
-        alibi: bool,
-        /// Hide later keys.
-        causal: bool,
-        /// Sliding-window size.
-        window: Option<usize>,
-        /// Soft-capping, relative bias, block sparsity.
-        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
-        mods: ScoreMods,
-        /// Query heads.
-        heads: usize,
-        /// Key/value heads (dividing `heads`).
-        kv_heads: usize,
-        /// Width of a head.
-        head_dim: usize,
-        /// First column of the query heads.
-        q: usize,
-        /// First column of the key heads.
-        k: usize,
-        /// First column of the value heads.
-        v: usize,
-        /// Keys and values come from operands (a cache), not from `qkv`.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        cached: bool,
-        /// With `cached`, in a back end's plan only (never in a graph): the key and value operands
-        /// are the caches *before* this step, `[b, kv, past, d]`, and the step also writes the
-        /// caches after it, each `past` followed by this step's key (value) columns of `qkv`, as
-        /// its two [`Step::also`](crate::lower::Step::also) values: the cache appends done by the
-        /// attention's own kernel (see `back::wgsl::fold_appends`).
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        appends: bool,
-    },
+    PackedAttention(PackedAttention),
     /// Linformer's low-rank projection of heads along the sequence, read out of packed rows:
     /// `(x [b, n, width], e [rows, r]) -> [b, heads, r, head_dim]`, element `(b, j, i, c)` being
     /// `sum over t < n of e[t, i] * x[b, t, start + j * head_dim + c]` (`e` cut to its first `n`
@@ -622,7 +698,7 @@ impl Op {
                 }
                 n
             }
-            Op::PackedAttention { .. } => "packed_attention".into(),
+            Op::PackedAttention(_) => "packed_attention".into(),
             Op::LowRank { .. } => "low_rank".into(),
             Op::Heads { norm, rope, .. } => {
                 format!(
@@ -643,7 +719,6 @@ impl Op {
 
     /// Attributes as `key=value` text (empty when none), deterministic.
     pub fn attrs(&self) -> String {
-        let style = style_name;
         match self {
             Op::Input { name, role, .. } => {
                 let role = match role {
@@ -658,7 +733,7 @@ impl Op {
             }
             Op::Param { name } => format!("\"{name}\""),
             Op::Positions { len } => format!("len={len}"),
-            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", style(s)),
+            Op::Sinusoid { dim, style: s } => format!("dim={dim} style={}", s.name()),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::Offset { value } => format!("value={value}"),
             Op::BlockSparseMask { block, global, window, random, seed } => {
@@ -673,7 +748,7 @@ impl Op {
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),
             Op::Rope { theta, rotary_dim, style: s } => {
-                format!("theta={theta} rotary_dim={rotary_dim} style={}", style(s))
+                format!("theta={theta} rotary_dim={rotary_dim} style={}", s.name())
             }
             Op::RepeatHeads { times } => format!("times={times}"),
             Op::Mask { causal, window } => match window {
@@ -707,43 +782,12 @@ impl Op {
                         r.head_dim,
                         r.theta,
                         r.rotary_dim,
-                        style_name(&r.style)
+                        r.style.name()
                     ));
                 }
                 a.join(" ")
             }
-            Op::PackedAttention {
-                scale,
-                alibi,
-                causal,
-                window,
-                mods,
-                heads,
-                kv_heads,
-                head_dim,
-                q,
-                k,
-                v,
-                cached,
-                appends,
-            } => {
-                let mut a = format!(
-                    "scale={scale} causal={causal} heads={heads} kv_heads={kv_heads} head_dim={head_dim} q@{q} k@{k} v@{v}"
-                );
-                if *cached {
-                    a += " cached";
-                }
-                if *appends {
-                    a += " appends";
-                }
-                if let Some(w) = window {
-                    a += &format!(" window={w}");
-                }
-                if *alibi {
-                    a += " alibi";
-                }
-                a + &mods.attrs()
-            }
+            Op::PackedAttention(p) => p.attrs(),
             Op::Concat { axis } => format!("axis={axis}"),
             Op::LowRank { start, heads, head_dim } => format!("heads={heads} head_dim={head_dim} at={start}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {
@@ -752,7 +796,7 @@ impl Op {
                     a += &format!(" eps={eps}");
                 }
                 if let Some(r) = rope {
-                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, style_name(&r.style));
+                    a += &format!(" theta={} rotary_dim={} style={}", r.theta, r.rotary_dim, r.style.name());
                 }
                 a
             }

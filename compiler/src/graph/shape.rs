@@ -5,7 +5,7 @@
 
 #![expect(clippy::indexing_slicing, reason = "`infer` indexes operands and axes only after its arity and rank checks")]
 
-use super::{InputRole, Op};
+use super::{InputRole, Op, PackedAttention};
 use crate::tensor::DType;
 use std::fmt;
 
@@ -92,7 +92,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
         let (out, t) = infer(&plain, rest)?;
         let heads = match (&plain, out.get(1)) {
             (Op::MaskedSoftmax { .. }, Some(h)) => *h,
-            (Op::PackedAttention { heads, .. }, _) => Dim::Fixed(*heads),
+            (Op::PackedAttention(PackedAttention { heads, .. }), _) => Dim::Fixed(*heads),
             _ => rest.first().and_then(|(q, _)| q.get(1)).copied().unwrap_or(Dim::Fixed(0)),
         };
         if *dtype != DType::F32 || table.as_slice() != [Dim::Fixed(buckets), heads] {
@@ -350,7 +350,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((out, DType::F32))
         }
-        Op::PackedAttention { heads, kv_heads, head_dim, q, k, v, cached, appends, .. } => {
+        Op::PackedAttention(PackedAttention { heads, kv_heads, head_dim, q, k, v, cached, appends, .. }) => {
             if *appends && !*cached {
                 return Err("appends to caches it does not read (`appends` without `cached`)".into());
             }
@@ -562,7 +562,9 @@ fn numel(shape: &Shape) -> Result<(usize, Vec<Sym>), String> {
 fn without_relative_bias(op: &Op) -> Option<(Op, usize)> {
     let mut plain = op.clone();
     let mods = match &mut plain {
-        Op::MaskedSoftmax { mods, .. } | Op::Attention { mods, .. } | Op::PackedAttention { mods, .. } => mods,
+        Op::MaskedSoftmax { mods, .. }
+        | Op::Attention { mods, .. }
+        | Op::PackedAttention(PackedAttention { mods, .. }) => mods,
         _ => return None,
     };
     let r = mods.relative.take()?;

@@ -21,8 +21,10 @@
               `dims_of` with checked access"
 )]
 
+mod check;
 pub mod format;
 
+pub use check::{PlanError, Reader};
 pub use format::WeightFormat;
 
 use crate::graph::{Graph, InputRole, Op, Shape, Sym};
@@ -406,54 +408,6 @@ pub use crate::graph::resolve;
 pub const MAX_FIXED_ELEMENTS: u64 = 1 << 40;
 
 impl Plan {
-    /// Checks a plan that did not come from [`lower`] (an artifact's) for what lowering guarantees
-    /// and the runtime relies on: every index (value, slot) in range, aliases pointing to earlier
-    /// values (so alias chains end), folds producing constants and shapes within
-    /// [`MAX_FIXED_ELEMENTS`]. Returns what is wrong. (Each back end checks at load what it needs
-    /// beyond this, such as the operands of the ops it compiles.)
-    pub fn check(&self) -> Result<(), String> {
-        let n = self.values.len();
-        if self.slots > n {
-            return Err(format!("{} shared buffers for {n} values", self.slots));
-        }
-        for (i, v) in self.values.iter().enumerate() {
-            match v.storage {
-                Storage::Slot(s) if s >= self.slots => {
-                    return Err(format!("value {i} is in buffer {s} of {}", self.slots));
-                }
-                Storage::Alias(a) if a >= i => return Err(format!("value {i} aliases value {a}, not an earlier one")),
-                _ => {}
-            }
-            let fixed = v.shape.iter().try_fold(1u64, |acc, d| match d {
-                crate::graph::Dim::Fixed(k) => acc.checked_mul(*k as u64).filter(|&e| e <= MAX_FIXED_ELEMENTS),
-                crate::graph::Dim::Sym(_) => Some(acc),
-            });
-            if fixed.is_none() {
-                return Err(format!("value {i} has more than {MAX_FIXED_ELEMENTS} elements"));
-            }
-        }
-        let value = |v: usize, what: &str| -> Result<(), String> {
-            if v < n { Ok(()) } else { Err(format!("{what} reads value {v} of {n}")) }
-        };
-        for (i, step) in self.steps.iter().enumerate() {
-            for o in step.operands.iter().copied().chain(step.outputs()) {
-                value(o, &format!("step {i}"))?;
-            }
-        }
-        for (i, fold) in self.folds.iter().enumerate() {
-            for &o in fold.operands.iter().chain([&fold.output]) {
-                value(o, &format!("fold {i}"))?;
-            }
-            if self.values[fold.output].storage != Storage::Const {
-                return Err(format!("fold {i} writes value {}, which is not a constant", fold.output));
-            }
-        }
-        for (name, v) in &self.outputs {
-            value(*v, &format!("output `{name}`"))?;
-        }
-        Ok(())
-    }
-
     /// Bytes of every intermediate if none shared a buffer, and bytes of the slots as placed, at
     /// the given symbol values.
     pub fn memory(&self, syms: &HashMap<Sym, usize>) -> (u64, u64) {

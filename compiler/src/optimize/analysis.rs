@@ -38,7 +38,7 @@ impl Default for KAnalysis {
             attrs: Vec::new(),
             index: HashMap::new(),
             uses: HashMap::new(),
-            max_attention_head_dim: crate::target::WGPU_MAX_ATTENTION_HEAD_DIM,
+            max_attention_head_dim: crate::target::Target::default().max_attention_head_dim,
             provenance: super::Provenance::default(),
             groups: Vec::new(),
         };

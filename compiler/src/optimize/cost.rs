@@ -1,6 +1,6 @@
 //! What extraction minimises: the [`CostModel`] (a per-dispatch overhead, bytes moved and FLOPs, at
 //! batch 1 and a reference sequence length, with constants measured for lavapipe and for the CPU
-//! back end), the [`Work`] of one op that it prices, and `Cost`, egg's cost function, which charges
+//! back end; the wgpu back end's are its `CostModel::default`), the [`Work`] of one op that it prices, and `Cost`, egg's cost function, which charges
 //! a value read by several ops to none of them.
 
 #![expect(
@@ -11,7 +11,7 @@
 
 use super::analysis::{enode_konst, enode_shape};
 use super::{KGraph, Kl, to_op};
-use crate::graph::{Dim, Op, Shape, Sym};
+use crate::graph::{Dim, Op, PackedAttention, Shape, Sym};
 use egg::{Id, Language};
 use std::collections::{HashMap, HashSet};
 
@@ -19,11 +19,6 @@ use std::collections::{HashMap, HashSet};
 const CPU_DISPATCH: f64 = 10000.0;
 /// [`CostModel::cpu`]'s FLOP constant (in bytes moved).
 const CPU_FLOP: f64 = 0.15;
-
-/// [`CostModel::scalar_projection`] on lavapipe: SmolLM2's packed QKV projection with a RoPE
-/// epilogue took 7 times as long at 128 rows in the scalar form as in the `vec4` one, and 22 times
-/// at 16 (`kiln bench --kernels`, on a busy machine; the same at 1 row, where both are GEMVs).
-pub const LAVAPIPE_SCALAR_PROJECTION: f64 = 7.0;
 
 /// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
 #[derive(Clone, Debug)]
@@ -34,22 +29,13 @@ pub struct CostModel {
     pub dispatch: f64,
     /// Cost of one floating-point operation, in the unit of one byte moved.
     pub flop: f64,
-    /// How many times its FLOPs cost in a projection the WGSL back end runs in a scalar form
-    /// rather than a `vec4` one ([`crate::back::wgsl::projection::vector_form`]: `k` not a
-    /// multiple of 4, a RoPE epilogue whose pairs are not whole `vec4`s). 1 for the CPU, whose
-    /// kernels have no such forms.
+    /// How many times its FLOPs cost in a projection the back end runs in a scalar form rather
+    /// than a vector one (the WGSL back end's `vec4` forms need `k` a multiple of 4 and a RoPE
+    /// epilogue's pairs in whole `vec4`s). 1 for the CPU, whose kernels have no such forms.
     pub scalar_projection: f64,
-}
-
-impl Default for CostModel {
-    /// Constants measured on lavapipe (Mesa llvmpipe, LLVM 15, 256-bit, on 2 CPU cores) with
-    /// `kiln bench --calibrate`: one dispatch took 32 us, one byte moved by an elementwise kernel
-    /// 2.5 ns and one FLOP of a projection 2.7 ns, i.e. a dispatch costs as much as moving about
-    /// 13 000 bytes and a FLOP about 1.1 bytes. (On a discrete GPU both ratios are far larger:
-    /// rerun the calibration there before trusting choices that trade dispatches for FLOPs.)
-    fn default() -> Self {
-        CostModel { seq: 128, dispatch: 13000.0, flop: 1.1, scalar_projection: LAVAPIPE_SCALAR_PROJECTION }
-    }
+    /// The back end's fact of which projections run in the vector form: whether projection `op`
+    /// (an [`Op::Linear`]) from `k` inputs to `n` outputs does. The CPU's are all vector.
+    pub vector_projection: fn(op: &Op, k: usize, n: usize) -> bool,
 }
 
 impl CostModel {
@@ -59,7 +45,13 @@ impl CostModel {
     /// moving about 10 000 bytes (7 300-13 500 over three runs) and a FLOP 0.15 bytes (0.13-0.21):
     /// arithmetic is seven times cheaper, relative to memory, than on lavapipe. See BENCHMARKS.md.
     pub fn cpu() -> Self {
-        CostModel { seq: 128, dispatch: CPU_DISPATCH, flop: CPU_FLOP, scalar_projection: 1.0 }
+        CostModel {
+            seq: 128,
+            dispatch: CPU_DISPATCH,
+            flop: CPU_FLOP,
+            scalar_projection: 1.0,
+            vector_projection: |_, _, _| true,
+        }
     }
 
     fn elements(&self, shape: &Shape) -> f64 {
@@ -107,7 +99,7 @@ impl CostModel {
                 let rows = self.elements(out) / last(out).max(1.0);
                 let n = last(out);
                 let m = if *glu { 2.0 * n } else { n };
-                let vector = crate::back::wgsl::projection::vector_form(op, k as usize, n as usize);
+                let vector = (self.vector_projection)(op, k as usize, n as usize);
                 let mut f = 2.0 * rows * m * k * if vector { 1.0 } else { self.scalar_projection };
                 match norm {
                     // One pass: the sum of squares accumulates beside the dot products from the
@@ -124,7 +116,7 @@ impl CostModel {
                 }
                 f
             }
-            Op::PackedAttention { heads, head_dim, cached, appends, .. } => {
+            Op::PackedAttention(PackedAttention { heads, head_dim, cached, appends, .. }) => {
                 let tokens = self.elements(out) / last(out).max(1.0);
                 // Keys: the packed rows', or a cache's (`[b, kv, t, d]`), which this step's rows
                 // follow when it appends to it.

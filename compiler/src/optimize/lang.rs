@@ -11,8 +11,8 @@
 )]
 
 use super::KGraph;
+use crate::graph::Activation;
 use crate::graph::{Node, Op, Scalar, ScoreMods, Shape};
-use crate::spec::Activation;
 use crate::tensor::DType;
 use egg::Id;
 use std::fmt;
@@ -287,7 +287,7 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             (op, ops)
         }
         Kl::PackedAttention([c, x, m, t]) => match attr(egraph, *c)? {
-            AttrValue::Op(op @ Op::PackedAttention { .. }) => {
+            AttrValue::Op(op @ Op::PackedAttention(_)) => {
                 let mut ops = vec![*x];
                 ops.extend(opt(*m));
                 ops.extend(opt(*t));

@@ -39,7 +39,7 @@ pub use explain::explain;
 pub use lang::{Attr, AttrValue, FALSE, Kl, NO_WINDOW, PLAIN_SCORES, TRUE, to_op};
 pub use provenance::{Made, Provenance};
 
-use crate::graph::{Dim, Graph, GraphError, Op};
+use crate::graph::{Dim, Graph, GraphError, Op, PackedAttention};
 use egg::{Id, Runner};
 use petgraph::graph::NodeIndex;
 use std::collections::{BTreeMap, HashMap};
@@ -188,7 +188,7 @@ pub fn optimize_target(
 /// Kernel dispatches a graph lowers to: every op but inputs, parameters, reshapes and constants
 /// (ops on parameters alone, folded at load time as the lowering does), and but the cache appends
 /// the WGSL back end folds into the cached attention reading them ([`folded_appends`]; on a
-/// hardware adapter, `back::wgsl::Options::fold_appends`: lavapipe runs them apart).
+/// hardware adapter, with the wgpu back end's `Options::fold_appends`: lavapipe runs them apart).
 pub fn dispatches(g: &Graph) -> usize {
     let folded = folded_appends(g);
     let mut konst = vec![false; g.g.node_count()];
@@ -213,13 +213,16 @@ pub fn dispatches(g: &Graph) -> usize {
 }
 
 /// The cache appends a decoder step's cached attention does in its own dispatch on wgpu (the
-/// graph-level view of `back::wgsl::fold_appends`, which folds them in the plan): a pair of
+/// graph-level view of the wgpu back end's `fold_appends`, which folds them in the plan): a pair of
 /// `heads` appends, neither normalizing nor rotating, of the attention's key and value heads of
 /// the projection it reads its queries from, each read by the attention alone.
 pub fn folded_appends(g: &Graph) -> std::collections::HashSet<NodeIndex> {
     let mut folded = std::collections::HashSet::new();
     for n in g.g.node_indices() {
-        let Op::PackedAttention { kv_heads, head_dim, k, v, mods, cached: true, appends: false, .. } = g.g[n].op else {
+        let Op::PackedAttention(PackedAttention {
+            kv_heads, head_dim, k, v, mods, cached: true, appends: false, ..
+        }) = g.g[n].op
+        else {
             continue;
         };
         let operands = g.operands(n);

@@ -387,7 +387,7 @@ pub struct Attention {
 /// `[attention.block_sparse]`: which blocks of keys a block of queries attends (BigBird): the
 /// global blocks see and are seen by every block, each block sees its `window` neighbours on each
 /// side, and `random` more blocks drawn per query block by SplitMix64 from `seed` (the rule of
-/// [`crate::interp::block_pattern`]). Every layer and head shares the pattern.
+/// [`crate::semantics::block_pattern`]). Every layer and head shares the pattern.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct BlockSparse {
@@ -485,18 +485,6 @@ pub enum Activation {
     GeluTanh,
     /// `x * sigmoid(x)`.
     Silu,
-}
-
-impl Activation {
-    /// The name used in specs and dumps.
-    pub fn name(self) -> &'static str {
-        match self {
-            Activation::Relu => "relu",
-            Activation::Gelu => "gelu",
-            Activation::GeluTanh => "gelu-tanh",
-            Activation::Silu => "silu",
-        }
-    }
 }
 
 /// `[moe]`.

@@ -2,7 +2,9 @@
 //!
 //! Every error is located at the key it concerns. All rules are checked and all failures reported,
 //! so a person fixes a spec in one pass. Every dimension is bounded by [`Limits`] so that absurd
-//! sizes are refused here, before anything is allocated.
+//! sizes are refused here, before anything is allocated. The rules only a built graph can check
+//! (the parameter count, weight-map keys naming parameters) are the front end's
+//! ([`crate::front_end`]), which runs them on the graph it builds from the spec resolved here.
 
 use super::weightmap::{self, WeightMap};
 use super::*;
@@ -29,7 +31,7 @@ pub struct Limits {
     pub experts: u64,
     /// `embedding.token_types`.
     pub token_types: u64,
-    /// Total parameter count.
+    /// Total parameter count (checked by the front end, on the built graph).
     pub parameters: u64,
 }
 
@@ -688,7 +690,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         weights.entries.insert(template.clone(), s.clone());
     }
 
-    // The parameter count bounds everything that will ever be allocated for weights.
     let resolved = Resolved {
         head_dim,
         kv_heads,
@@ -707,41 +708,6 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         weights,
         spec,
     };
-    // Building the graph is symbolic (no weights), so it is cheap even for a huge spec.
-    let graph = if c.errors.is_empty() { crate::graph::build::build(&resolved).ok() } else { None };
-    if let Some(graph) = &graph {
-        let params = crate::graph::build::param_elements(graph);
-        if params > limits.parameters {
-            c.error_help(
-                "model",
-                "the parameter count is bounded",
-                format!("the model would have {params} parameters, more than the limit {}", limits.parameters),
-                "check `model.d_model`, `model.vocab`, `model.layers` and `ffn.d_ff` for an extra digit".into(),
-            );
-        }
-        // An override the graph never looks up is a mistake that would otherwise pass silently
-        // (a tied head has no `head.weight`, a decoder-only model no `encoder.` parameters).
-        let params = graph.params();
-        let used: std::collections::BTreeSet<String> =
-            params.iter().map(|(_, name)| crate::template_of(name)).collect();
-        for template in resolved.spec.weights.tensors.keys() {
-            if !params.iter().any(|(_, name)| weightmap::match_template(template, name).is_some()) {
-                let key = format!("weights.tensors.{template}");
-                let help = did_you_mean(template, used.iter().map(String::as_str))
-                    .map(|s| format!("did you mean `{s}`?"))
-                    .unwrap_or_else(|| "remove the entry; `kiln inspect` lists the model's parameters".into());
-                c.errors.push(
-                    Diagnostic::new(
-                        "weight-map keys name graph parameters",
-                        format!("`{template}` is not a parameter of this model"),
-                    )
-                    .with_key(key.clone())
-                    .with_span(index.key(&key).unwrap_or_else(|| index.locate(&key)))
-                    .with_help(help),
-                );
-            }
-        }
-    }
     if c.errors.is_empty() {
         Ok(resolved)
     } else {

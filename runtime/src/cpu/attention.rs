@@ -25,8 +25,8 @@
 //! projection `[b, s, width]` are the same loop.
 
 use super::{Arg, CpuError, R, debug_span};
-use kiln_compiler::graph::{Op, ScoreMods};
-use kiln_compiler::interp::{alibi_slopes, relative_bucket, score_operands};
+use kiln_compiler::graph::{Op, PackedAttention, ScoreMods};
+use kiln_compiler::semantics::{alibi_slopes, attended_blocks, relative_bucket, score_operands};
 use rayon::prelude::*;
 
 /// Where element `d` of head `h`, row `t`, batch `b` of a tensor is: `b * batch + h * head + t *
@@ -69,6 +69,14 @@ struct Geometry {
     mods: ScoreMods,
 }
 
+impl Geometry {
+    /// The geometry of packed attention `p` over `b` batches of `s` query rows and `t` key rows.
+    fn packed(p: &PackedAttention, b: usize, s: usize, t: usize) -> Geometry {
+        let PackedAttention { heads, kv_heads, head_dim: d, alibi, causal, window, mods, .. } = *p;
+        Geometry { b, heads, kv_heads, d, s, t, scale: p.scale.0, alibi, causal, window, mods }
+    }
+}
+
 /// Runs an attention step into `out` (`[b, s, heads * d]`).
 pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
     let bad = |m: &str| CpuError::Invalid(m.to_string());
@@ -88,12 +96,10 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             run(&g, (q.f32("q")?, ql), k, v, mask, table, out, shape)
         }
         // The WGSL back end's form; a neutral plan, which the CPU runs, never has it.
-        Op::PackedAttention { appends: true, .. } => {
+        Op::PackedAttention(PackedAttention { appends: true, .. }) => {
             Err(bad("appends to the caches, which only the WGSL back end's plans do"))
         }
-        Op::PackedAttention {
-            scale, alibi, causal, window, mods, heads, kv_heads, head_dim, q, cached: true, ..
-        } => {
+        Op::PackedAttention(p) if p.cached => {
             // Queries in place in the packed rows; keys and values from the cache operands.
             let [(xs, x), (ks, k), (vs, v), rest @ ..] = args else {
                 return Err(bad("cached packed attention needs its projection, keys and values"));
@@ -101,46 +107,32 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
             let (&[b, s, width], &[_, kv, t, d]) = (xs.as_slice(), ks.as_slice()) else {
                 return Err(bad("qkv must be [b, s, width] and k [b, kv, t, d]"));
             };
-            if kv != kv_heads || d != head_dim || heads % kv != 0 || vs != ks || q + heads * d > width {
+            if kv != p.kv_heads || d != p.head_dim || p.heads % kv != 0 || vs != ks || p.q + p.heads * d > width {
                 return Err(bad("the heads do not fit the packed projection and the cache"));
             }
-            let g = Geometry { b, heads, kv_heads, d, s, t, scale: scale.0, alibi, causal, window, mods };
-            let ql = Layout { batch: s * width, head: d, row: width, col: q };
+            let g = Geometry::packed(&p, b, s, t);
+            let ql = Layout { batch: s * width, head: d, row: width, col: p.q };
             let (mask, table) = optional(rest, &g)?;
             let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
             run(&g, (x.f32("qkv")?, ql), k, v, mask, table, out, shape)
         }
-        Op::PackedAttention {
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            heads,
-            kv_heads,
-            head_dim,
-            q,
-            k,
-            v,
-            cached: false,
-            appends: false,
-        } => {
+        Op::PackedAttention(p) => {
             let [(xs, x), rest @ ..] = args else { return Err(bad("packed attention needs its projection")) };
             let &[b, s, width] = xs.as_slice() else { return Err(bad("qkv must be [b, s, width]")) };
-            let d = head_dim;
-            if kv_heads == 0
-                || heads % kv_heads != 0
-                || q + heads * d > width
-                || k + kv_heads * d > width
-                || v + kv_heads * d > width
+            let d = p.head_dim;
+            if p.kv_heads == 0
+                || p.heads % p.kv_heads != 0
+                || p.q + p.heads * d > width
+                || p.k + p.kv_heads * d > width
+                || p.v + p.kv_heads * d > width
             {
                 return Err(bad("the heads do not fit the packed projection"));
             }
-            let g = Geometry { b, heads, kv_heads, d, s, t: s, scale: scale.0, alibi, causal, window, mods };
+            let g = Geometry::packed(&p, b, s, s);
             let at = |col| Layout { batch: s * width, head: d, row: width, col };
             let x = x.f32("qkv")?;
             let (mask, table) = optional(rest, &g)?;
-            run(&g, (x, at(q)), (x, at(k)), (x, at(v)), mask, table, out, shape)
+            run(&g, (x, at(p.q)), (x, at(p.k)), (x, at(p.v)), mask, table, out, shape)
         }
         _ => Err(bad("not an attention op")),
     }
@@ -395,7 +387,7 @@ impl Rows<'_> {
                 let blocks = g.s.max(t).div_ceil(block);
                 let qb = (si + self.offset) / block;
                 // Blocks past the keys (a query block beyond them) attend nothing there.
-                (p.attended(qb, blocks).into_iter())
+                (attended_blocks(&p, qb, blocks).into_iter())
                     .map(|kb| ((kb * block).min(t), ((kb + 1) * block).min(t)))
                     .filter(|(a, z)| a < z)
                     .collect()

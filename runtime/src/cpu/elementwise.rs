@@ -7,7 +7,7 @@
 use super::cache::CacheBuf;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::interp::{layer_norm_row, rms_norm_row, rope_frequencies, rotate};
+use kiln_compiler::semantics::{layer_norm_row, rms_norm_row, rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Rows handed to one task at least (a decode step's few rows stay on one thread).

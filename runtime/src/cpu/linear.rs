@@ -19,7 +19,7 @@ use super::qdot::{self, Q8Acts};
 use super::qdot_f32;
 use super::{Arg, CpuError, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::interp::{activation, layer_norm_row, rms_norm_row, rope_frequencies, rotate};
+use kiln_compiler::semantics::{activation, layer_norm_row, rms_norm_row, rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Weight rows one task computes (for every row of `x`): 64 rows of a 576-wide Q4_1 weight are

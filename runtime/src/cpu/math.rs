@@ -2,14 +2,14 @@
 //! reduction and a degree-6 polynomial, `tanh` and the logistic function from it, `erf` by a
 //! rational approximation — all branch-free, so a row of a projection's epilogue runs in SIMD
 //! lanes instead of one libm call per element. Each agrees with the interpreter's libm-based
-//! [`kiln_compiler::interp::activation`] to a few units in the last place of f32 (relative error
+//! [`kiln_compiler::semantics::activation`] to a few units in the last place of f32 (relative error
 //! below 1e-6; `tests` below check every activation against it over a wide range), far inside the
 //! engines' tolerance.
 //!
 //! The loops are compiled twice, for the baseline target and with AVX2 and FMA enabled, and the
 //! second runs where the CPU has them (chosen once).
 
-use kiln_compiler::spec::Activation;
+use kiln_compiler::graph::Activation;
 use std::sync::OnceLock;
 
 /// `exp(x)` for f32, relative error below 2e-7 on the range where the result is a normal float;
@@ -186,7 +186,7 @@ pub fn gate(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_compiler::interp::activation;
+    use kiln_compiler::semantics::activation;
 
     #[test]
     fn every_activation_matches_the_interpreter() {

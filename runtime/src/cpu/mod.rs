@@ -44,9 +44,9 @@ use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
-use kiln_compiler::graph::{Dim, Op, Sym};
+use kiln_compiler::graph::{Op, PackedAttention, Sym};
 use kiln_compiler::interp::{self, InterpError};
-use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
+use kiln_compiler::lower::{Plan, PlanError, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -58,7 +58,11 @@ pub enum CpuError {
     /// Bad inputs or parameters, or an op the interpreter refused.
     #[error(transparent)]
     Interp(#[from] InterpError),
-    /// The plan cannot run here (an ill-typed step, a missing constant, a pool that cannot start).
+    /// The plan breaks a guarantee of lowering ([`Plan::check`]: an index out of range, an
+    /// ill-typed step).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The plan cannot run here (a missing constant, a pool that cannot start).
     #[error("{0}")]
     Invalid(String),
     /// Not enough host memory for an intermediate.
@@ -227,7 +231,7 @@ impl CpuModel {
                 "the CPU back end stores projection weights as f32 or blocks, not f16".into(),
             ));
         }
-        check_steps(&plan)?;
+        plan.check()?;
         let tables = gather_tables(&plan, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
         let provided: HashSet<usize> = tables.keys().copied().collect();
         // Constants by value: folds own their results; parameters are named, and moved out of
@@ -559,7 +563,8 @@ impl CpuModel {
                 .collect::<R<_>>()?;
             // Only attention reads a cache through its strides; every other op gets a contiguous
             // copy.
-            let attention = matches!(step.op, Op::Attention { .. } | Op::PackedAttention { cached: true, .. });
+            let attention =
+                matches!(step.op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
             let copies: Vec<Option<Vec<f32>>> = args
                 .iter()
                 .map(|(shape, a)| match (a, shape.as_slice()) {
@@ -647,7 +652,7 @@ impl CpuModel {
                 Op::Linear { .. } => {
                     return linear::forward(op, args, lazy.get(), shape, past, self.threads, self.int8);
                 }
-                Op::Attention { .. } | Op::PackedAttention { .. } => {
+                Op::Attention { .. } | Op::PackedAttention(_) => {
                     return attention::forward(op, args, lazy.get(), shape);
                 }
                 Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),
@@ -714,25 +719,6 @@ fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
         CpuError::Invalid(m) => CpuError::Invalid(format!("`{scope}` ({}): {m}", op.name())),
         e => e,
     }
-}
-
-/// Every step's op must accept its operands' shapes (a plan read from a file is not
-/// type-checked): the kernels rely on it. Symbolic dimensions are checked as symbols.
-fn check_steps(plan: &Plan) -> R<()> {
-    for (i, step) in plan.steps.iter().enumerate() {
-        let typed: Vec<(&Vec<Dim>, DType)> =
-            step.operands.iter().map(|&o| (&plan.values[o].shape, plan.values[o].dtype)).collect();
-        let (inferred, dtype) = kiln_compiler::graph::infer(&step.op, &typed)
-            .map_err(|m| CpuError::Invalid(format!("step {i} (`{}`): {m}", step.scope)))?;
-        let out = &plan.values[step.output];
-        if inferred != out.shape || dtype != out.dtype {
-            return Err(CpuError::Invalid(format!(
-                "step {i} (`{}`): its operands give {inferred:?}, the plan says {:?}",
-                step.scope, out.shape
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The CPU back end's legalization: every constant f32 projection weight (`[n, k]`) transposed to

@@ -4,7 +4,7 @@
 use super::KernelArgs;
 use crate::progress::Reporter;
 use anyhow::Result;
-use kiln_compiler::graph::{BlockPattern, Op, Scalar, ScoreMods};
+use kiln_compiler::graph::{BlockPattern, Op, PackedAttention, Scalar, ScoreMods};
 use kiln_compiler::lower::{self, WeightFormat};
 use kiln_runtime::Device;
 use kiln_runtime::measure::{chain, time_kernel};
@@ -28,7 +28,7 @@ pub(super) struct AttentionShape {
 /// only: `4 d` per pair and head.
 pub(super) fn attention_time(device: &Device, s: &AttentionShape, runs: usize) -> Result<(f64, f64)> {
     let width = (s.heads + 2 * s.kv_heads) * s.head_dim;
-    let attention = Op::PackedAttention {
+    let attention = Op::PackedAttention(PackedAttention {
         scale: Scalar(1.0 / (s.head_dim as f32).sqrt()),
         alibi: false,
         causal: true,
@@ -42,7 +42,7 @@ pub(super) fn attention_time(device: &Device, s: &AttentionShape, runs: usize) -
         v: (s.heads + s.kv_heads) * s.head_dim,
         cached: false,
         appends: false,
-    };
+    });
     let options = lower::Options::default();
     let ms = time_kernel(device, &chain(width, &[(attention, None)])?, &options, WeightFormat::F32, s.seq, runs)?;
     let pairs = s.seq * (s.seq + 1) / 2;
@@ -59,7 +59,7 @@ fn bidirectional_attention_time(device: &Device, seq: usize, sparse: bool, runs:
     let (heads, head_dim) = (12, 64);
     let width = 3 * heads * head_dim;
     let mods = ScoreMods { sparse: sparse.then_some(BIGBIRD), ..ScoreMods::default() };
-    let attention = Op::PackedAttention {
+    let attention = Op::PackedAttention(PackedAttention {
         scale: Scalar(1.0 / (head_dim as f32).sqrt()),
         alibi: false,
         causal: false,
@@ -73,7 +73,7 @@ fn bidirectional_attention_time(device: &Device, seq: usize, sparse: bool, runs:
         v: 2 * heads * head_dim,
         cached: false,
         appends: false,
-    };
+    });
     let options = lower::Options::default();
     Ok(time_kernel(device, &chain(width, &[(attention, None)])?, &options, WeightFormat::F32, seq, runs)?)
 }

@@ -53,10 +53,10 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::Options;
 use super::emit::{WORKGROUP, lit};
 use super::scores;
-use crate::graph::{Op, ScoreMods};
+use super::{Options, append};
+use crate::graph::{Op, PackedAttention, ScoreMods};
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 4;
@@ -64,11 +64,6 @@ pub const KEY_TILE: usize = 4;
 /// Lanes of the workgroup form's workgroups, which take the keys this many at a time (a
 /// *chunk*).
 pub const WIDE_LANES: usize = WORKGROUP as usize;
-
-/// The largest head dimension the fused attention kernel handles: each thread accumulates its output
-/// row in a private array of this many floats. The optimizer fuses attention only below it (the
-/// wgpu target's fact, [`crate::target::WGPU_MAX_ATTENTION_HEAD_DIM`]).
-pub const MAX_ATTENTION_HEAD_DIM: usize = crate::target::WGPU_MAX_ATTENTION_HEAD_DIM;
 
 /// Floats of one invocation's private query (and accumulator) array: bounds the slots per
 /// invocation to `SLOT_FLOATS / head_dim`.
@@ -133,7 +128,7 @@ pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse:
 /// Whether the kernel of `op` compiled with `options` has the workgroup form
 /// ([`Options::attention_workgroups`], an attention specialised to its head geometry).
 pub fn has_workgroup_form(op: &Op, options: &Options) -> bool {
-    options.attention_workgroups && matches!(op, Op::Attention { .. } | Op::PackedAttention { .. })
+    options.attention_workgroups && matches!(op, Op::Attention { .. } | Op::PackedAttention(_))
 }
 
 /// A WGSL element index from WGSL expressions for a row and a head.
@@ -190,107 +185,74 @@ impl Keys {
 /// geometry `g`, with the workgroup form if `workgroups` (then run with `wg`, `lane` and `i`
 /// defined and no thread returned early: see `kernel::entry`). `None` for any other op.
 pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<String> {
-    let (scale, alibi, causal, window, mods, layout) = match *op {
-        Op::Attention { scale, alibi, causal, window, mods } => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
-                qbuf: "in0",
-                keys: Keys::heads(),
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
+    let layout = match *op {
+        Op::Attention { mods, .. } => Layout {
+            q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
+            qbuf: "in0",
+            keys: Keys::heads(),
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
         // The queries read in place; the keys and values of the caches before this step (`pr`
         // rows), then this step's, read in place too (the threads past the attention's append
-        // them to the caches, see `append_copy`).
-        Op::PackedAttention {
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            q,
-            k: kc,
-            v: vc,
-            cached: true,
-            appends: true,
-            ..
-        } => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: vec![
-                    Keys {
-                        k: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
-                        v: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
-                        kbuf: "in1",
-                        vbuf: "in2",
-                        from: "0u",
-                        to: "pa",
-                    },
-                    // Appending in place: the caches are the outputs, `room` rows per head.
-                    Keys {
-                        k: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
-                        v: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
-                        kbuf: "out1",
-                        vbuf: "out2",
-                        from: "0u",
-                        to: "pb",
-                    },
-                    Keys {
-                        k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
-                        v: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {vc}u + kvh * d")),
-                        kbuf: "in0",
-                        vbuf: "in0",
-                        from: "pr",
-                        to: "k",
-                    },
-                ],
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
+        // them to the caches, see `append::append_copy`).
+        Op::PackedAttention(PackedAttention { mods, q, k: kc, v: vc, cached: true, appends: true, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: vec![
+                Keys {
+                    k: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                    v: Box::new(|kk| format!("((b * kv + kvh) * pr + {kk}) * d")),
+                    kbuf: "in1",
+                    vbuf: "in2",
+                    from: "0u",
+                    to: "pa",
+                },
+                // Appending in place: the caches are the outputs, `room` rows per head.
+                Keys {
+                    k: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                    v: Box::new(|kk| format!("((b * kv + kvh) * room + {kk}) * d")),
+                    kbuf: "out1",
+                    vbuf: "out2",
+                    from: "0u",
+                    to: "pb",
+                },
+                Keys {
+                    k: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {kc}u + kvh * d")),
+                    v: Box::new(move |kk| format!("(b * s_len + {kk} - pr) * w + {vc}u + kvh * d")),
+                    kbuf: "in0",
+                    vbuf: "in0",
+                    from: "pr",
+                    to: "k",
+                },
+            ],
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
         // The queries read in place, keys and values from a cache: the two layouts mixed.
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, cached: true, .. } => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: Keys::heads(),
-                buffers: scores::optional_buffers(&mods, 3, operands),
-            },
-        ),
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, .. } => (
-            scale,
-            alibi,
-            causal,
-            window,
-            mods,
-            Layout {
-                q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
-                qbuf: "in0",
-                keys: Keys::all(
-                    Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
-                    Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
-                    "in0",
-                    "in0",
-                ),
-                buffers: scores::optional_buffers(&mods, 1, operands),
-            },
-        ),
+        Op::PackedAttention(PackedAttention { mods, q, cached: true, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: Keys::heads(),
+            buffers: scores::optional_buffers(&mods, 3, operands),
+        },
+        Op::PackedAttention(PackedAttention { mods, q, k, v, .. }) => Layout {
+            q: Box::new(move |si, h| format!("(b * s_len + {si}) * w + {q}u + {h} * d")),
+            qbuf: "in0",
+            keys: Keys::all(
+                Box::new(move |kk| format!("(b * k + {kk}) * w + {k}u + kvh * d")),
+                Box::new(move |kk| format!("(b * k + {kk}) * w + {v}u + kvh * d")),
+                "in0",
+                "in0",
+            ),
+            buffers: scores::optional_buffers(&mods, 1, operands),
+        },
         _ => return None,
+    };
+    // The scores as the unfused attention computes them (a packed attention's are its own).
+    let Op::Attention { scale, alibi, causal, window, mods } = (match op {
+        Op::PackedAttention(p) => p.unpacked(),
+        other => other.clone(),
+    }) else {
+        return None;
     };
     let (qb, gc) = g.block();
     let form =
@@ -306,12 +268,12 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
     };
     // The threads past the attention's (`dim(9u)` of them) append to the caches.
     let copy = match *op {
-        Op::PackedAttention { k, v, appends: true, .. } => {
+        Op::PackedAttention(PackedAttention { k, v, appends: true, .. }) => {
             // The caches' `pr` rows: in the operands, or (appending in place, `room` not 0) in
             // the outputs already, which then get only this step's rows.
             s += "let pr = k - min(s_len, k);\nlet room = dim(13u);\n\
                   let pa = select(pr, 0u, room != 0u);\nlet pb = select(0u, pr, room != 0u);\n";
-            Some(append_copy(k, v))
+            Some(append::append_copy(k, v))
         }
         _ => None,
     };
@@ -346,29 +308,6 @@ pub fn workgroup_declarations(head_dim: usize) -> String {
         "var<workgroup> wq: array<f32, {head_dim}>;\nvar<workgroup> wp: array<f32, {WIDE_LANES}>;\n\
          var<workgroup> wk: array<u32, {WIDE_LANES}>;\n"
     )
-}
-
-/// The threads a cached attention that appends to the caches runs past its own (`i >=
-/// dim(9u)`): one per element of the two caches after the step (`dim(10u)` elements each, `out1`
-/// and `out2`), each the cache's row before the step (`pr` of them, `in1` and `in2`) or this
-/// step's key (value) columns `kc..` (`vc..`) of the packed rows `in0`. Appending in place
-/// (`room`, `dim(13u)`, not 0: see `dims::appends_in_place`), the outputs hold the `pr` rows
-/// already, `room` rows apart, and the threads write only this step's. With `s_len`, `k`, `d`,
-/// `kv`, `w`, `pr` and `room` in scope.
-pub(super) fn append_copy(kc: usize, vc: usize) -> String {
-    let mut s = String::from(
-        "let j = i - dim(9u);\nlet n = dim(10u);\nlet e = j % n;\nlet c = e % d;\n\
-         let rows = select(k, k - pr, room != 0u);\nlet t = (e / d) % rows + select(0u, pr, room != 0u);\n\
-         let bh = e / (d * rows);\nlet row = (bh / kv) * s_len + t - pr;\nlet h = bh % kv;\n\
-         let o = (bh * select(k, room, room != 0u) + t) * d + c;\n",
-    );
-    for (which, past, col) in [("j < n", 1, kc), ("j >= n", 2, vc)] {
-        s += &format!(
-            "if ({which}) {{\n    if (t < pr) {{ out{past}[o] = in{past}[(bh * pr + t) * d + c]; }} \
-             else {{ out{past}[o] = in0[row * w + {col}u + h * d + c]; }}\n}}\n"
-        );
-    }
-    s
 }
 
 /// The workgroup form (see the module docs): a workgroup per (batch, query row, query head),

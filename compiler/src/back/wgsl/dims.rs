@@ -10,7 +10,7 @@
 use super::attention;
 use super::emit::WORKGROUP;
 use super::{Options, projection};
-use crate::graph::Op;
+use crate::graph::{Op, PackedAttention};
 
 /// Row-major strides.
 fn strides(shape: &[usize]) -> Vec<usize> {
@@ -145,7 +145,7 @@ fn dims_of(
         Op::Linear { .. } if chunked => projection::scalar_dims(op, operands, out, past),
         Op::Linear { .. } => projection::dims(op, operands, out, past, options.unwrap_or(&Options::default())),
         // Chunked: one thread per query row, [b * s * h, h, s, s, d, kv, width] from qkv [b, s, width].
-        Op::PackedAttention { heads, kv_heads, head_dim, mods, cached, appends, .. } => {
+        Op::PackedAttention(PackedAttention { heads, kv_heads, head_dim, mods, cached, appends, .. }) => {
             let &[b, s, width] = operand(0)? else { return Err(format!("{}: qkv must be [b, s, width]", op.name())) };
             // Keys: the packed rows', or (cached) the key operand's `[b, kv, t, d]`, which
             // (appending) this step's rows follow.
@@ -161,7 +161,7 @@ fn dims_of(
             };
             if *appends {
                 // The attention's threads, then one per element of each cache after the step
-                // (see `attention::append_copy`): [.., 9: attention threads, 10: cache elements].
+                // (see `append::append_copy`): [.., 9: attention threads, 10: cache elements].
                 let n = b * kv_heads * t * head_dim;
                 dims.resize(9, 0);
                 dims.extend([dims[0], n]);
@@ -261,9 +261,9 @@ pub fn heads_in_place(op: &Op, dims: &mut [u32; 16], cap: u32) -> Result<(), Str
 /// [`Op::PackedAttention`] with `appends`) append in place: its two extra outputs are then the
 /// caches, with room for `room` rows per head, which hold the rows before the step already, so
 /// its copying threads write only the step's new rows (`dims[13]`, 0 otherwise; see
-/// `attention::append_copy`).
+/// `append::append_copy`).
 pub fn appends_in_place(op: &Op, dims: &mut [u32; 16], room: u32) -> Result<(), String> {
-    let Op::PackedAttention { appends: true, .. } = op else {
+    let Op::PackedAttention(PackedAttention { appends: true, .. }) = op else {
         return Err(format!("{} does not append to a cache", op.name()));
     };
     let (s, k, d, kv, attention, n) = (dims[2], dims[3], dims[4], dims[5], dims[9], dims[10]);

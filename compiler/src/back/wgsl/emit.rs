@@ -7,12 +7,11 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::scores;
-use crate::graph::{BlockPattern, Bucketing, Op, ScoreMods};
+use crate::graph::{Activation, BlockPattern, Bucketing, Op, PackedAttention, PairStyle, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
-// kernel does, `super::attention::MAX_ATTENTION_HEAD_DIM`).
-use crate::spec::{Activation, PairStyle};
-use crate::target::WGPU_MAX_ATTENTION_HEAD_DIM as MAX_ATTENTION_HEAD_DIM;
+// kernel does, `super::attention`).
+use super::target::MAX_ATTENTION_HEAD_DIM;
 
 /// `text` with every line indented by four spaces.
 fn indent(text: &str) -> String {
@@ -233,7 +232,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         Op::BlockSparseMask { .. } => {
-            // `interp::block_pattern` for this element's (query block, key block).
+            // `semantics::block_pattern` for this element's (query block, key block).
             let mods = ScoreMods { sparse: BlockPattern::of(op), ..ScoreMods::default() };
             format!(
                 "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet ki = i % k;\n\
@@ -266,11 +265,11 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              let inv = 1.0 / max(sqrt(ss), 1e-12);\nfor (var j = 0u; j < d; j = j + 1u) { out[base + j] = in0[base + j] * inv; }"
             .into(),
         Op::Linear { .. } => return None,
-        Op::PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, appends, .. } => {
+        Op::PackedAttention(PackedAttention { scale, alibi, causal, window, mods, q, k, v, cached, appends, .. }) => {
             // As `attention`, with heads read in place from the packed rows (stride `w` per token);
             // `cached`: the queries only, keys and values from their own `[b, kv, t, d]` operands;
             // `appends`: those the `pr` rows before this step's, read in place in the packed rows,
-            // and the threads past the attention's append them (see `attention::append_copy`).
+            // and the threads past the attention's append them (see `append::append_copy`).
             let m = Mods::new(mods, if *cached { 3 } else { 1 }, operands);
             let score = |r: &str, buf: &str| {
                 format!("let r = {r};\n    for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + c] * {buf}[r + c]; }}")
@@ -332,10 +331,10 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             if *appends {
                 let indent = |t: &str| t.lines().map(|l| format!("    {l}\n")).collect::<String>();
                 format!(
-                    "{dims}let pr = k - min(s_len, k);\n// Never in place (see `attention::append_copy`).\nlet room = 0u;\n\
+                    "{dims}let pr = k - min(s_len, k);\n// Never in place (see `append::append_copy`).\nlet room = 0u;\n\
                      if (i < dim(9u)) {{\n{}}} else {{\n{}}}",
                     indent(&attention),
-                    indent(&super::attention::append_copy(*k, *v))
+                    indent(&super::append::append_copy(*k, *v))
                 )
             } else {
                 format!("{dims}{attention}")

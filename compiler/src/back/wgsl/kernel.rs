@@ -19,7 +19,7 @@
 use super::attention::{self, Geometry};
 use super::emit::{Elem, HELPERS, WORKGROUP, body};
 use super::{Options, projection, reduce};
-use crate::graph::Op;
+use crate::graph::{Op, PackedAttention};
 
 /// The WGSL module of `op` with operand element types `inputs` and output element type `out`.
 /// Returns `None` for ops that need no kernel (inputs, parameters, reshapes). An attention op
@@ -63,7 +63,7 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
 /// as [`crate::lower::Step::also`] lists them): the two caches a cached attention appends to.
 pub fn extra_outputs(op: &Op) -> usize {
     match op {
-        Op::PackedAttention { appends: true, .. } => 2,
+        Op::PackedAttention(PackedAttention { appends: true, .. }) => 2,
         _ => 0,
     }
 }
@@ -272,7 +272,7 @@ fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Activation, PairStyle};
+    use crate::graph::{Activation, PairStyle};
 
     #[test]
     fn accessors_rewrite_loads_and_stores() {
@@ -489,20 +489,22 @@ mod tests {
             for (alibi, causal, window) in [(false, true, None), (true, false, Some(3))] {
                 let scale = Scalar(0.125);
                 ops.push((Op::Attention { scale, alibi, causal, window, mods }, 4 + table));
-                let packed = |cached, appends| Op::PackedAttention {
-                    scale,
-                    alibi,
-                    causal,
-                    window,
-                    mods,
-                    heads: 4,
-                    kv_heads: 2,
-                    head_dim: 80,
-                    q: 0,
-                    k: 320,
-                    v: 480,
-                    cached,
-                    appends,
+                let packed = |cached, appends| {
+                    Op::PackedAttention(PackedAttention {
+                        scale,
+                        alibi,
+                        causal,
+                        window,
+                        mods,
+                        heads: 4,
+                        kv_heads: 2,
+                        head_dim: 80,
+                        q: 0,
+                        k: 320,
+                        v: 480,
+                        cached,
+                        appends,
+                    })
                 };
                 ops.push((packed(false, false), 2 + table));
                 ops.push((packed(true, false), 3 + table));
@@ -512,7 +514,7 @@ mod tests {
             }
         }
         for (op, n) in ops {
-            let head_dim = if let Op::PackedAttention { head_dim, .. } = op { head_dim } else { 16 };
+            let head_dim = if let Op::PackedAttention(PackedAttention { head_dim, .. }) = op { head_dim } else { 16 };
             let geometry = Some(Geometry { heads: 4, kv_heads: 2, head_dim });
             let inputs = vec![Elem::F32; n];
             let plain = kernel(&op, &inputs, Elem::F32, geometry, &Options::default()).unwrap();

@@ -23,6 +23,7 @@
               value indices are in range; operand lists and shapes are read with checked access"
 )]
 
+mod append;
 pub mod attention;
 mod dims;
 pub mod emit;
@@ -31,12 +32,13 @@ pub mod projection;
 mod reduce;
 pub mod sample;
 mod scores;
+pub mod target;
 
 pub use dims::{appends_in_place, dispatch, dispatch_chunked, heads_in_place, workgroups};
 pub use emit::{Elem, WORKGROUP};
 pub use kernel::{kernel, kernel_chunked};
 
-use crate::graph::{Dim, Op, Shape};
+use crate::graph::{Dim, Op, PackedAttention, Shape};
 use crate::lower::{Fold, Plan, Step, Storage, Value, WeightFormat, assign_slots, constant};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -76,7 +78,7 @@ pub struct Options {
     /// Run a decoder step's two cache appends in its cached attention's own dispatch
     /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. Where the
     /// runtime appends to a cache in place, the folded kernel's threads write only the new rows
-    /// (see `attention::append_copy`). On lavapipe it decodes as fast as the three dispatches but
+    /// (see `append::append_copy`). On lavapipe it decodes as fast as the three dispatches but
     /// prefills 1.5x slower (SmolLM2, `kiln bench --decode 32 --seq 16 --backend wgpu`: 10.1
     /// against 10.5 decode tok/s, 38.8 against 57.2 prefill), so a software adapter keeps them
     /// apart (see `Gpu::options`).
@@ -259,9 +261,8 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
 /// in chunks (the chunked variants take no strides; the caller checks that).
 pub fn reads_strided_keys(plan: &Plan, step: &Step) -> bool {
     let plain = match step.op {
-        Op::Attention { mods, .. } | Op::PackedAttention { mods, cached: true, appends: false, .. } => {
-            mods.sparse.is_none()
-        }
+        Op::Attention { mods, .. }
+        | Op::PackedAttention(PackedAttention { mods, cached: true, appends: false, .. }) => mods.sparse.is_none(),
         _ => false,
     };
     plain && geometry(plan, step).is_some()
@@ -271,7 +272,7 @@ pub fn reads_strided_keys(plan: &Plan, step: &Step) -> bool {
 /// keeps head counts and widths fixed).
 fn geometry(plan: &Plan, step: &Step) -> Option<attention::Geometry> {
     match step.op {
-        Op::PackedAttention { heads, kv_heads, head_dim, .. } => {
+        Op::PackedAttention(PackedAttention { heads, kv_heads, head_dim, .. }) => {
             Some(attention::Geometry { heads, kv_heads, head_dim })
         }
         Op::Attention { .. } => {
@@ -312,7 +313,9 @@ fn fold_appends(values: &[Value], mut steps: Vec<Step>) -> Vec<Step> {
     }
     let mut folded: Vec<bool> = vec![false; steps.len()];
     for i in 0..steps.len() {
-        let Op::PackedAttention { kv_heads, head_dim, k, v, mods, cached: true, appends: false, .. } = steps[i].op
+        let Op::PackedAttention(PackedAttention {
+            kv_heads, head_dim, k, v, mods, cached: true, appends: false, ..
+        }) = steps[i].op
         else {
             continue;
         };
@@ -337,7 +340,7 @@ fn fold_appends(values: &[Value], mut steps: Vec<Step>) -> Vec<Step> {
         let (Some((pk, past_k)), Some((pv, past_v))) = (append(1, k), append(2, v)) else { continue };
         let presents = vec![steps[pk].output, steps[pv].output];
         let step = &mut steps[i];
-        if let Op::PackedAttention { appends, .. } = &mut step.op {
+        if let Op::PackedAttention(PackedAttention { appends, .. }) = &mut step.op {
             *appends = true;
         }
         (step.operands[1], step.operands[2]) = (past_k, past_v);

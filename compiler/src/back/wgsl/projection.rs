@@ -53,9 +53,9 @@
 
 use super::Options;
 use super::emit::{Elem, WORKGROUP, activation, lit};
+use crate::graph::{Activation, PairStyle};
 use crate::graph::{Op, Prologue, RopeCols};
 use crate::lower::WeightFormat;
-use crate::spec::{Activation, PairStyle};
 
 /// Rows per invocation in the scalar GEMM form (the workgroup covers `64 x GEMM_ROWS` rows).
 pub const GEMM_ROWS: usize = 1;

@@ -4,7 +4,7 @@
 //! attention kernels, the block-sparse mask) takes its code from here, so they agree with each
 //! other and with `interp` by construction.
 //!
-//! The block pattern is computed in the kernel, per query block, as `interp::block_pattern_row`
+//! The block pattern is computed in the kernel, per query block, as `semantics::block_pattern_row`
 //! does: SplitMix64 in pairs of u32 (WGSL has no 64-bit integers), the random picks kept in
 //! registers (at most 8, the spec's limit), so the attended key blocks are known before any key
 //! is read.
@@ -20,7 +20,7 @@ pub const MAX_RANDOM: usize = 8;
 
 /// The buffers of a fused softmax's or attention's optional operands — the key mask, then the
 /// relative bias table when `mods` has one — for an op with `fixed` operands before them and
-/// `operands` in all (as `interp::score_operands` reads them).
+/// `operands` in all (as `semantics::score_operands` reads them).
 pub fn optional_buffers(mods: &ScoreMods, fixed: usize, operands: usize) -> (Option<String>, Option<String>) {
     let table = mods.relative.is_some().then(|| format!("in{}", operands.saturating_sub(1)));
     let masks = operands.saturating_sub(fixed + usize::from(table.is_some()));
@@ -37,7 +37,7 @@ pub fn softcap(mods: &ScoreMods, x: &str) -> String {
 
 /// Statement: adds the relative position bias of key `ki` for a query at key position `qi`, head
 /// `h` of `heads`, read from buffer `table` (`[buckets, heads]`), when `mods` has one. The bucket
-/// is `interp::relative_bucket`'s arithmetic, the logarithm in f32.
+/// is `semantics::relative_bucket`'s arithmetic, the logarithm in f32.
 pub fn relative(mods: &ScoreMods, x: &str, ki: &str, qi: &str, h: &str, heads: &str, table: &str) -> String {
     let Some(Bucketing { buckets, max_distance, bidirectional }) = mods.relative else { return String::new() };
     let n = if bidirectional { buckets / 2 } else { buckets };

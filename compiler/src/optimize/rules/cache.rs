@@ -11,7 +11,7 @@
 //! rotated). The WGSL back end then runs those appends in the attention's own dispatch.
 
 use super::*;
-use crate::graph::{RopeCols, Rotation};
+use crate::graph::{PackedAttention, RopeCols, Rotation};
 use egg::rewrite as rw;
 
 #[rustfmt::skip]
@@ -100,7 +100,7 @@ impl Cached {
         ) else {
             return None;
         };
-        let packed = Op::PackedAttention {
+        let packed = Op::PackedAttention(PackedAttention {
             scale,
             alibi: *alibi,
             causal: *causal,
@@ -114,7 +114,7 @@ impl Cached {
             v,
             cached: true,
             appends: false,
-        };
+        });
         let (x, w) = (s[var("?x")], s[var("?w")]);
         let none = egraph.add(Kl::None);
         let bias = if self.bias { s[var("?b")] } else { none };

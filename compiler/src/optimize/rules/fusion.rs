@@ -4,7 +4,7 @@
 //! `a0` = false, `a1` = true, `a2` = no window, `a3` = plain scores (see `optimize::FALSE`).
 
 use super::*;
-use crate::graph::{BlockPattern, Bucketing, ScoreMods};
+use crate::graph::{BlockPattern, Bucketing, PackedAttention, ScoreMods};
 use egg::rewrite as rw;
 
 /// Matmul epilogues.
@@ -185,7 +185,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
     else {
         return None;
     };
-    Some(Op::PackedAttention {
+    Some(Op::PackedAttention(PackedAttention {
         scale: *scale,
         alibi: *alibi,
         causal: *causal,
@@ -199,7 +199,7 @@ fn packed_config(egraph: &KGraph, s: &Subst) -> Option<Op> {
         v,
         cached: false,
         appends: false,
-    })
+    }))
 }
 
 fn packed(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
@@ -209,7 +209,7 @@ fn packed(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrVa
 /// As [`packed`], plus the projection rotating the query and key columns, which must be adjacent.
 fn packed_rope(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
     let cfg = packed_config(egraph, s)?;
-    let Op::PackedAttention { heads, kv_heads, head_dim, q, k, .. } = cfg else { return None };
+    let Op::PackedAttention(PackedAttention { heads, kv_heads, head_dim, q, k, .. }) = cfg else { return None };
     let Op::Rope { theta, rotary_dim, style } = op_of(egraph, s, "?ro")? else { return None };
     let (start, len) = if k == q + heads * head_dim {
         (q, (heads + kv_heads) * head_dim)
