@@ -35,10 +35,13 @@
 pub mod attention;
 pub mod cache;
 pub mod elementwise;
+pub mod isa;
 pub mod linear;
 pub mod math;
 pub mod qdot;
 pub mod qdot_f32;
+#[cfg(test)]
+mod testing;
 
 use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
@@ -58,19 +61,82 @@ pub enum CpuError {
     /// Bad inputs or parameters, or an op the interpreter refused.
     #[error(transparent)]
     Interp(#[from] InterpError),
-    /// The plan cannot run here (an ill-typed step, a missing constant, a pool that cannot start).
-    #[error("{0}")]
-    Invalid(String),
     /// Not enough host memory for an intermediate.
     #[error(transparent)]
     Memory(#[from] kiln_compiler::memory::MemoryError),
+    /// A step's operands do not fit its kernel (their number, shapes or element types), in the
+    /// kernel's words.
+    #[error("{0}")]
+    Operands(String),
+    /// An error of one step, with the step named.
+    #[error("`{scope}` ({op}): {error}")]
+    Step {
+        /// The step's scope.
+        scope: String,
+        /// The name of its op.
+        op: String,
+        /// What went wrong.
+        error: Box<CpuError>,
+    },
+    /// Step `step`'s op does not accept its operands' types (a plan read from a file is not
+    /// type-checked).
+    #[error("step {step} (`{scope}`): {message}")]
+    IllTyped {
+        /// The step's index in the plan.
+        step: usize,
+        /// Its scope.
+        scope: String,
+        /// The type checker's message.
+        message: String,
+    },
+    /// Step `step`'s operands give another result type than the plan's.
+    #[error("step {step} (`{scope}`): its operands give {inferred:?}, the plan says {planned:?}")]
+    WrongShape {
+        /// The step's index in the plan.
+        step: usize,
+        /// Its scope.
+        scope: String,
+        /// The shape its operands give.
+        inferred: Vec<Dim>,
+        /// The shape the plan gives its output.
+        planned: Vec<Dim>,
+    },
+    /// The plan stores a weight as f16, which this back end does not hold.
+    #[error("the CPU back end stores projection weights as f32 or blocks, not f16")]
+    F16Weights,
+    /// A quantized parameter the plan reads was not among the blocks given.
+    #[error("the blocks of `{0}` were not given")]
+    MissingBlocks(String),
+    /// An input the plan reads was neither given nor held in the cache.
+    #[error("input `{0}` was not given")]
+    MissingInput(String),
+    /// The thread pool could not start.
+    #[error("cannot start {threads} threads: {source}")]
+    Threads {
+        /// The threads asked for.
+        threads: usize,
+        /// Why not.
+        source: rayon::ThreadPoolBuildError,
+    },
+    /// An earlier run panicked while holding the model's buffers.
+    #[error("run state poisoned")]
+    Poisoned,
+    /// The key/value cache does not hold what a step reads or writes.
+    #[error("{0}")]
+    Cache(String),
+    /// The plan's constants or inputs could not be prepared ([`PrepareError::Invalid`]).
+    #[error("{0}")]
+    Prepare(String),
+    /// A broken invariant of this back end: a bug, not a bad plan or input.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl From<PrepareError> for CpuError {
     fn from(e: PrepareError) -> Self {
         match e {
             PrepareError::Interp(e) => CpuError::Interp(e),
-            PrepareError::Invalid(m) => CpuError::Invalid(m),
+            PrepareError::Invalid(m) => CpuError::Prepare(m),
         }
     }
 }
@@ -112,7 +178,7 @@ impl<'a> Arg<'a> {
     pub fn f32(self, what: &str) -> R<&'a [f32]> {
         match self {
             Arg::F32(x) => Ok(x),
-            _ => Err(CpuError::Invalid(format!("{what} must be an f32 tensor"))),
+            _ => Err(CpuError::Operands(format!("{what} must be an f32 tensor"))),
         }
     }
 }
@@ -223,9 +289,7 @@ impl CpuModel {
     ) -> R<CpuModel> {
         let threads = threads.max(1);
         if plan.values.iter().any(|v| v.format == WeightFormat::F16) {
-            return Err(CpuError::Invalid(
-                "the CPU back end stores projection weights as f32 or blocks, not f16".into(),
-            ));
+            return Err(CpuError::F16Weights);
         }
         check_steps(&plan)?;
         let tables = gather_tables(&plan, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
@@ -259,7 +323,7 @@ impl CpuModel {
         for (id, t) in move_shared(host_params, &mut params, |n| InterpError::MissingParam(n).into())? {
             consts.insert(id, Const::F32(t));
         }
-        let missing = |n| CpuError::Invalid(format!("the blocks of `{n}` were not given"));
+        let missing = CpuError::MissingBlocks;
         for (id, q) in move_shared(quant_params, &mut blocks, missing)? {
             consts.insert(id, Const::Quant(q));
         }
@@ -292,7 +356,7 @@ impl CpuModel {
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
-            .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
+            .map_err(|source| CpuError::Threads { threads, source })?;
         let appends = if reference { Vec::new() } else { cache::append_sites(&plan) };
         Ok(CpuModel {
             plan,
@@ -399,7 +463,7 @@ impl CpuModel {
             match tensor {
                 Some(t) => drop(inputs.insert(id, Cow::Owned(t))),
                 None if held_shapes.contains_key(name) => drop(held.insert(id, name.clone())),
-                None => return Err(CpuError::Invalid(format!("input `{name}` was not given"))),
+                None => return Err(CpuError::MissingInput(name.clone())),
             }
         }
         let syms = bound.syms;
@@ -407,7 +471,7 @@ impl CpuModel {
         prepare::check_indices(plan, &by_value, &syms)?;
         let past = syms.get(&Sym::Past).copied().unwrap_or(0);
 
-        let mut state = self.slots.lock().map_err(|_| CpuError::Invalid("run state poisoned".into()))?;
+        let mut state = self.slots.lock().map_err(|_| CpuError::Poisoned)?;
         // The buffers move into the pool's closure (a lock guard cannot) and back after it.
         let mut slots = std::mem::take(&mut *state);
         if slots.len() < plan.slots {
@@ -434,7 +498,7 @@ impl CpuModel {
                     if !kv.contains_key(&site.past) {
                         let (b, heads, d) = match (&step.op, x.0.first()) {
                             (Op::Heads { heads, head_dim, .. }, Some(&b)) => (b, *heads, *head_dim),
-                            _ => return Err(CpuError::Invalid(format!("`{}`: not a heads step", step.scope))),
+                            _ => return Err(CpuError::Internal(format!("`{}`: not a heads step", step.scope))),
                         };
                         kv.insert(site.past.clone(), CacheBuf::empty(b, heads, d));
                         created.push(site.past.clone());
@@ -448,7 +512,7 @@ impl CpuModel {
                         ),
                         None => None,
                     };
-                    let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Invalid("the cache vanished".into()))?;
+                    let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Cache("the cache vanished".into()))?;
                     let rows = elementwise::append_heads(&step.op, &x.0, x.1, gain, past, buf)
                         .map_err(|e| scoped(e, &step.scope, &step.op))?;
                     appended.insert(site.past.clone(), rows);
@@ -483,7 +547,7 @@ impl CpuModel {
                         Tensor::f32(shape, cache::contiguous(data, heads, rows, cap, d))
                     }
                     Arg::Transposed(_) => {
-                        return Err(CpuError::Invalid("internal error: an output is a weight".into()));
+                        return Err(CpuError::Internal("an output is a weight".into()));
                     }
                 };
                 match past_name {
@@ -496,7 +560,7 @@ impl CpuModel {
                     && !replaced.iter().any(|(p, _)| p == *past)
                     && !plan.outputs.iter().any(|(n, _)| n == *present)
             }) {
-                return Err(CpuError::Invalid(format!("the step did not produce `{present}`")));
+                return Err(CpuError::Cache(format!("the step did not produce `{present}`")));
             }
             Ok((outputs, replaced))
         });
@@ -510,7 +574,7 @@ impl CpuModel {
                 }
                 for (past_name, t) in replaced {
                     let buf = CacheBuf::from_tensor(t).ok_or_else(|| {
-                        CpuError::Invalid(format!("`{past_name}` is not an f32 [b, heads, len, d] tensor"))
+                        CpuError::Cache(format!("`{past_name}` is not an f32 [b, heads, len, d] tensor"))
                     })?;
                     kv.insert(past_name, buf);
                 }
@@ -541,7 +605,7 @@ impl CpuModel {
         let out_shape = resolve(&plan.values[step.output].shape, syms);
         let n: usize = out_shape.iter().product();
         let Storage::Slot(s) = plan.values[step.output].storage else {
-            return Err(CpuError::Invalid(format!("`{}`: a step writes a value that is not in a slot", step.scope)));
+            return Err(CpuError::Internal(format!("`{}`: a step writes a value that is not in a slot", step.scope)));
         };
         kiln_compiler::memory::check(|| format!("`{}`: a {} result", step.scope, step.op.name()), 4 * n as u64)?;
         let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
@@ -596,19 +660,19 @@ impl CpuModel {
         let n: usize = shape.iter().product();
         let r = root(&self.plan, v);
         if let Some(name) = views.get(&r) {
-            let buf = kv.get(name).ok_or_else(|| CpuError::Invalid(format!("the cache holds no `{name}`")))?;
+            let buf = kv.get(name).ok_or_else(|| CpuError::Cache(format!("the cache holds no `{name}`")))?;
             let rows = shape.get(2).copied().unwrap_or(0);
             if shape.len() != 4 || rows > buf.room() || shape[..2] != buf.shape()[..2] {
-                return Err(CpuError::Invalid(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
+                return Err(CpuError::Cache(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
             }
             let arg = if rows == buf.capacity() && buf.room() == rows {
-                Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Invalid("a short cache".into()))?)
+                Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Cache("a short cache".into()))?)
             } else {
                 Arg::Cache { data: buf.data(), cap: buf.capacity() }
             };
             return Ok((shape, arg));
         }
-        let missing = || CpuError::Invalid(format!("internal error: value {v} has no data"));
+        let missing = || CpuError::Internal(format!("value {v} has no data"));
         let tensor = |t: &'a Tensor| -> R<Arg<'a>> {
             match &t.data {
                 Data::F32(x) => x.get(..n).map(Arg::F32),
@@ -666,12 +730,10 @@ impl CpuModel {
                 Arg::F32(x) => Ok(Tensor::f32(s.clone(), x.to_vec())),
                 Arg::I64(x) => Ok(Tensor::i64(s.clone(), x.to_vec())),
                 Arg::Quant(q) => Ok(q.dequantize()),
-                Arg::Transposed(_) => {
-                    Err(CpuError::Invalid(format!("internal error: {} read a transposed weight", op.name())))
-                }
+                Arg::Transposed(_) => Err(CpuError::Internal(format!("{} read a transposed weight", op.name()))),
                 Arg::Cache { data, cap } => match s.as_slice() {
                     &[b, h, rows, d] => Ok(Tensor::f32(s.clone(), cache::contiguous(data, b * h, rows, *cap, d))),
-                    _ => Err(CpuError::Invalid(format!("internal error: a cache read as {s:?}"))),
+                    _ => Err(CpuError::Internal(format!("a cache read as {s:?}"))),
                 },
             })
             .collect::<R<_>>()?;
@@ -711,8 +773,8 @@ impl LazyOut<'_> {
 /// An error of a step, with the step named.
 fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
     match e {
-        CpuError::Invalid(m) => CpuError::Invalid(format!("`{scope}` ({}): {m}", op.name())),
-        e => e,
+        e @ (CpuError::Interp(_) | CpuError::Memory(_)) => e,
+        e => CpuError::Step { scope: scope.to_string(), op: op.name(), error: Box::new(e) },
     }
 }
 
@@ -723,13 +785,15 @@ fn check_steps(plan: &Plan) -> R<()> {
         let typed: Vec<(&Vec<Dim>, DType)> =
             step.operands.iter().map(|&o| (&plan.values[o].shape, plan.values[o].dtype)).collect();
         let (inferred, dtype) = kiln_compiler::graph::infer(&step.op, &typed)
-            .map_err(|m| CpuError::Invalid(format!("step {i} (`{}`): {m}", step.scope)))?;
+            .map_err(|message| CpuError::IllTyped { step: i, scope: step.scope.clone(), message })?;
         let out = &plan.values[step.output];
         if inferred != out.shape || dtype != out.dtype {
-            return Err(CpuError::Invalid(format!(
-                "step {i} (`{}`): its operands give {inferred:?}, the plan says {:?}",
-                step.scope, out.shape
-            )));
+            return Err(CpuError::WrongShape {
+                step: i,
+                scope: step.scope.clone(),
+                inferred,
+                planned: out.shape.clone(),
+            });
         }
     }
     Ok(())
