@@ -224,36 +224,23 @@ fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<Optional<'a>>
     }
     let mask = match mask {
         None => None,
-        Some((_, m)) => {
-            let m = m.f32("the key mask")?;
-            if m.len() != g.b * g.t {
-                return Err(CpuError::Operands(format!(
-                    "a key mask of {} elements for [{}, {}] keys",
-                    m.len(),
-                    g.b,
-                    g.t
-                )));
-            }
-            Some(m)
-        }
+        Some((_, m)) => Some(sized(m.f32("the key mask")?, "a key mask", [g.b, g.t], " keys")?),
     };
     let table = match (table, g.mods.relative) {
-        (Some((_, t)), Some(r)) => {
-            let t = t.f32("the bias table")?;
-            if t.len() != r.buckets * g.heads {
-                return Err(CpuError::Operands(format!(
-                    "a bias table of {} elements for [{}, {}]",
-                    t.len(),
-                    r.buckets,
-                    g.heads
-                )));
-            }
-            Some(t)
-        }
+        (Some((_, t)), Some(r)) => Some(sized(t.f32("the bias table")?, "a bias table", [r.buckets, g.heads], "")?),
         (None, Some(_)) => return Err(CpuError::Operands("a relative bias without its table".into())),
         _ => None,
     };
     Ok((mask, table))
+}
+
+/// `x`, the elements of a `[rows, cols]` operand, if it holds that many; the error names it
+/// (`what`, then `unit` after the shape).
+fn sized<'a>(x: &'a [f32], what: &str, [rows, cols]: [usize; 2], unit: &str) -> R<&'a [f32]> {
+    if x.len() != rows * cols {
+        return Err(CpuError::Operands(format!("{what} of {} elements for [{rows}, {cols}]{unit}", x.len())));
+    }
+    Ok(x)
 }
 
 #[expect(clippy::too_many_arguments, reason = "the operands of one attention step, each with its layout")]

@@ -2,7 +2,7 @@
 //!
 //! The kernels are compiled for several instruction sets (`#[target_feature]` functions) and pick
 //! one at run time; [`isa`] is where they learn what the CPU (and the OS, which must save the wider
-//! registers) offers. Each kernel family maps these features to its own implementations
+//! registers) offers. Each kernel family lists its implementations as an [`Implementation`]
 //! ([`super::qdot::Impl`], [`super::qdot_f32::Impl`]); the vectorized loops of [`super::math`] and
 //! [`super::attention`] run their AVX2 build where [`Isa::avx2`] holds.
 //!
@@ -55,6 +55,35 @@ impl Isa {
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(Isa::detect)
+}
+
+/// The implementations of a kernel family, each for the instruction sets it was compiled for.
+pub trait Implementation: Copy + 'static {
+    /// Every implementation, the preferred first.
+    const ALL: &'static [Self];
+    /// The portable one, which runs everywhere (the reference the others are tested against).
+    const PORTABLE: Self;
+
+    /// Its name in reports (`"avx512"`, `"scalar"`, ...).
+    fn name(self) -> &'static str;
+
+    /// Whether it runs on a CPU with `isa`.
+    fn runs_on(self, isa: Isa) -> bool;
+
+    /// Whether this machine (CPU and OS) can run it.
+    fn is_available(self) -> bool {
+        self.runs_on(isa())
+    }
+
+    /// The implementations this machine can run, the preferred first ([`Self::PORTABLE`] last).
+    fn available() -> Vec<Self> {
+        Self::ALL.iter().copied().filter(|i| i.is_available()).collect()
+    }
+
+    /// The preferred implementation this machine can run: the one the family's entry points use.
+    fn best() -> Self {
+        Self::ALL.iter().copied().find(|i| i.is_available()).unwrap_or(Self::PORTABLE)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

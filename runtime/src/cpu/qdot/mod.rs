@@ -18,7 +18,8 @@
 //!
 //! The weights are read in the device layout of [`kiln_compiler::lower::format`] (per row the
 //! block scales, Q4_1's minimums, then the quants as `u32` words), so the CPU streams the same
-//! buffers the GPU reads. Implementations, chosen once at run time ([`kernel_name`]):
+//! buffers the GPU reads. Implementations, the best this CPU runs chosen at run time
+//! ([`Implementation::best`], [`kernel_name`]):
 //!
 //! - **`avx512-vnni`**: two blocks per 512-bit step. `vpdpbusd` multiplies unsigned by signed
 //!   bytes, so Q8_0's signed weights are offset to unsigned (`w ^ 0x80 = w + 128`) and the sums
@@ -46,9 +47,9 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
+use super::isa::{Implementation, Isa};
 use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::format::BLOCK;
-use std::sync::OnceLock;
 
 /// Rows a SIMD kernel computes together.
 pub const TILE: usize = 4;
@@ -167,12 +168,11 @@ pub enum Impl {
     Neon,
 }
 
-impl Impl {
-    /// Every implementation, the preferred first.
-    pub const ALL: [Impl; 5] = [Impl::Avx512Vnni, Impl::AvxVnni, Impl::Avx2, Impl::Neon, Impl::Scalar];
+impl Implementation for Impl {
+    const ALL: &'static [Impl] = &[Impl::Avx512Vnni, Impl::AvxVnni, Impl::Avx2, Impl::Neon, Impl::Scalar];
+    const PORTABLE: Impl = Impl::Scalar;
 
-    /// The name [`kernel_name`] reports.
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Impl::Scalar => "scalar",
             Impl::Avx2 => "avx2",
@@ -182,9 +182,7 @@ impl Impl {
         }
     }
 
-    /// Whether this machine (CPU and OS) can run it ([`super::isa`]).
-    pub fn is_available(self) -> bool {
-        let isa = super::isa::isa();
+    fn runs_on(self, isa: Isa) -> bool {
         match self {
             Impl::Scalar => true,
             Impl::Avx2 => isa.avx2,
@@ -195,21 +193,10 @@ impl Impl {
     }
 }
 
-/// The implementations this machine can run, the preferred first ([`Impl::Scalar`] last).
-pub fn available() -> Vec<Impl> {
-    Impl::ALL.into_iter().filter(|i| i.is_available()).collect()
-}
-
-/// The implementation [`dot_rows`] uses: the preferred available one, chosen on the first call.
-pub fn best() -> Impl {
-    static BEST: OnceLock<Impl> = OnceLock::new();
-    *BEST.get_or_init(|| available().first().copied().unwrap_or(Impl::Scalar))
-}
-
-/// The name of the implementation [`dot_rows`] uses (`"avx512-vnni"`, `"avx-vnni"`, `"avx2"` or
-/// `"scalar"`).
+/// The name of the implementation [`dot_rows`] uses (`"avx512-vnni"`, `"avx-vnni"`, `"avx2"`,
+/// `"neon"` or `"scalar"`).
 pub fn kernel_name() -> &'static str {
-    best().name()
+    Impl::best().name()
 }
 
 /// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a block-quantized weight of `k`
@@ -219,7 +206,7 @@ pub fn kernel_name() -> &'static str {
 /// `k` is not `x.len()` (a multiple of 32), and the rows past the end of `words`. With `k = 0`
 /// every dot product is 0.
 pub fn dot_rows(format: WeightFormat, words: &[u32], k: usize, x: &Q8Acts, out: &mut [f32]) {
-    dot_rows_with(best(), format, words, k, x, out);
+    dot_rows_with(Impl::best(), format, words, k, x, out);
 }
 
 /// [`dot_rows`] with the implementation `imp` ([`Impl::Scalar`] instead if this machine cannot run
@@ -467,7 +454,7 @@ mod tests {
     fn assert_impls_agree(w: &QuantWeight, x: &Q8Acts, what: &str) {
         let reference = run(Impl::Scalar, w, x);
         let mags = magnitudes(w, x);
-        for imp in available() {
+        for imp in Impl::available() {
             let got = run(imp, w, x);
             for (r, ((&a, &b), &m)) in got.iter().zip(&reference).zip(&mags).enumerate() {
                 let tol = 1e-5 * m + 1e-30;
@@ -482,8 +469,8 @@ mod tests {
 
     #[test]
     fn implementations_agree_and_match_f32() {
-        assert!(available().contains(&Impl::Scalar));
-        assert_eq!(available().first().copied(), Some(best()));
+        assert!(Impl::available().contains(&Impl::Scalar));
+        assert_eq!(Impl::available().first().copied(), Some(Impl::best()));
         let mut rng = Rng(7);
         let mut x = Q8Acts::new();
         for format in FORMATS {
@@ -568,7 +555,7 @@ mod tests {
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], rng.values(9 * k))).unwrap();
             x.quantize(&vec![0.0; k]);
             assert!(x.d.iter().all(|&d| d == 0.0));
-            for imp in available() {
+            for imp in Impl::available() {
                 assert!(run(imp, &w, &x).iter().all(|&v| v == 0.0), "{format} {}", imp.name());
             }
         }
@@ -614,7 +601,7 @@ mod tests {
             let mut xf = rng.values(k);
             xf[3] = f32::NAN;
             x.quantize(&xf);
-            for imp in available() {
+            for imp in Impl::available() {
                 assert!(run(imp, &w, &x).iter().all(|v| v.is_nan()), "{}", imp.name());
             }
             // A partial last block is padded with zeros.
@@ -624,7 +611,7 @@ mod tests {
             let padded = run(Impl::Scalar, &w, &x);
             x.quantize(&[xf, vec![0.0; 5]].concat());
             assert_eq!(run(Impl::Scalar, &w, &x), padded);
-            for imp in available() {
+            for imp in Impl::available() {
                 let mut out = vec![0.0; 7];
                 // Rows past the end of the words are NaN.
                 dot_rows_with(imp, format, &w.words, k, &x, &mut out);
@@ -687,6 +674,6 @@ mod tests {
 
     #[test]
     fn kernel_name_is_an_available_implementation() {
-        assert!(available().iter().any(|i| i.name() == kernel_name()));
+        assert!(Impl::available().iter().any(|i| i.name() == kernel_name()));
     }
 }

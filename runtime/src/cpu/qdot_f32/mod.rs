@@ -29,7 +29,8 @@
 //!   lanes once per pair by a transposing reduction (4 vectors to 4 sums in a few shuffles).
 //!   Activation rows aligned to 64 bytes run about 10% faster here.
 //!
-//! Implementations, chosen once at run time ([`kernel_name`]):
+//! Implementations, the best this CPU runs chosen at run time ([`Implementation::best`],
+//! [`kernel_name`]):
 //!
 //! - **`avx512`** (AVX-512F with AVX2 and FMA): 16 lanes. Q8_0 bytes are sign-extended to `i32`
 //!   (`vpmovsxbd`), converted and multiplied by the scale; Q4_1 looks its nibbles up in a table of
@@ -48,9 +49,9 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
+use super::isa::{Implementation, Isa};
 use kiln_compiler::lower::WeightFormat;
 use kiln_compiler::lower::format::BLOCK;
-use std::sync::OnceLock;
 
 /// Weight rows a SIMD kernel computes together when streaming (decode).
 pub const TILE: usize = 4;
@@ -80,12 +81,11 @@ pub enum Impl {
     Neon,
 }
 
-impl Impl {
-    /// Every implementation, the preferred first.
-    pub const ALL: [Impl; 4] = [Impl::Avx512, Impl::Avx2, Impl::Neon, Impl::Scalar];
+impl Implementation for Impl {
+    const ALL: &'static [Impl] = &[Impl::Avx512, Impl::Avx2, Impl::Neon, Impl::Scalar];
+    const PORTABLE: Impl = Impl::Scalar;
 
-    /// The name [`kernel_name`] reports.
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Impl::Scalar => "scalar",
             Impl::Avx2 => "avx2",
@@ -94,9 +94,7 @@ impl Impl {
         }
     }
 
-    /// Whether this machine (CPU and OS) can run it ([`super::isa`]).
-    pub fn is_available(self) -> bool {
-        let isa = super::isa::isa();
+    fn runs_on(self, isa: Isa) -> bool {
         match self {
             Impl::Scalar => true,
             Impl::Avx2 => isa.avx2,
@@ -106,21 +104,10 @@ impl Impl {
     }
 }
 
-/// The implementations this machine can run, the preferred first ([`Impl::Scalar`] last).
-pub fn available() -> Vec<Impl> {
-    Impl::ALL.into_iter().filter(|i| i.is_available()).collect()
-}
-
-/// The implementation [`gemm_rows_f32`] uses: the preferred available one, chosen on first use.
-pub fn best() -> Impl {
-    static BEST: OnceLock<Impl> = OnceLock::new();
-    *BEST.get_or_init(|| available().first().copied().unwrap_or(Impl::Scalar))
-}
-
 /// The name of the implementation [`gemm_rows_f32`] uses (`"avx512"`, `"avx2"`, `"neon"` or
 /// `"scalar"`).
 pub fn kernel_name() -> &'static str {
-    best().name()
+    Impl::best().name()
 }
 
 /// `out[r] = dot(row r, x)` for `r` in `0..out.len()`, of a block-quantized weight of `k`
@@ -131,7 +118,7 @@ pub fn kernel_name() -> &'static str {
 /// quantized, `k` is not whole blocks of the format (32, or 256 for the K-quants) or `x.len()` is not `k`, and the rows past the end of
 /// `words`. With `k = 0` every dot product is 0. This is [`gemm_rows_f32`] with one activation row.
 pub fn dot_rows_f32(format: WeightFormat, words: &[u32], k: usize, x: &[f32], out: &mut [f32]) {
-    dot_rows_f32_with(best(), format, words, k, x, out);
+    dot_rows_f32_with(Impl::best(), format, words, k, x, out);
 }
 
 /// [`dot_rows_f32`] with the implementation `imp` ([`Impl::Scalar`] instead if this machine
@@ -163,7 +150,7 @@ pub fn gemm_rows_f32(
     out: &mut [f32],
     rows: usize,
 ) {
-    gemm_rows_f32_with(best(), format, words, k, xs, m, out, rows);
+    gemm_rows_f32_with(Impl::best(), format, words, k, xs, m, out, rows);
 }
 
 /// [`gemm_rows_f32`] with the implementation `imp` ([`Impl::Scalar`] instead if this machine
@@ -420,7 +407,7 @@ mod tests {
     /// the dot products, against the f64 dot of the dequantized weight.
     fn assert_all(w: &QuantWeight, xs: &[f32], m: usize, what: &str) {
         let (exact, mags) = reference(w, xs);
-        for imp in available() {
+        for imp in Impl::available() {
             let what = format!("{what} {}", imp.name());
             let got = gemm(imp, w, xs, m);
             assert_close(&got, &exact, &mags, &what);
@@ -437,8 +424,8 @@ mod tests {
 
     #[test]
     fn implementations_match_the_dequantized_dot() {
-        assert!(available().contains(&Impl::Scalar));
-        assert_eq!(available().first().copied(), Some(best()));
+        assert!(Impl::available().contains(&Impl::Scalar));
+        assert_eq!(Impl::available().first().copied(), Some(Impl::best()));
         let mut rng = Rng(7);
         for format in FORMATS {
             for k in ks(format) {
@@ -505,7 +492,7 @@ mod tests {
                             _ => continue,
                         } * v
                             * k as f32;
-                        for imp in available() {
+                        for imp in Impl::available() {
                             assert!(gemm(imp, &w, &xs, m).iter().all(|&g| g == expect), "{format} {}", imp.name());
                         }
                     }
@@ -521,7 +508,7 @@ mod tests {
             let k = k_of(format, 576);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], rng.values(9 * k))).unwrap();
             let zero = QuantWeight::quantize(format, &Tensor::f32(vec![9, k], vec![0.0; 9 * k])).unwrap();
-            for imp in available() {
+            for imp in Impl::available() {
                 for m in MS {
                     assert!(gemm(imp, &w, &vec![0.0; m * k], m).iter().all(|&v| v == 0.0), "{format} {}", imp.name());
                     let xs = rng.values(m * k);
@@ -550,7 +537,7 @@ mod tests {
                 let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], wf)).unwrap();
                 let xs = rng.values(m * k);
                 assert_all(&w, &xs, m, &format!("{format} huge w m={m}"));
-                for imp in available() {
+                for imp in Impl::available() {
                     assert!(gemm(imp, &w, &xs, m).iter().all(|v| v.is_finite()));
                 }
             }
@@ -563,7 +550,7 @@ mod tests {
         for format in FORMATS {
             let k = k_of(format, 64);
             let w = QuantWeight::quantize(format, &Tensor::f32(vec![5, k], rng.values(5 * k))).unwrap();
-            for imp in available() {
+            for imp in Impl::available() {
                 for m in [1, 2, 5] {
                     // NaN in an activation row gives NaN in that row's outputs only.
                     let mut xs = rng.values(m * k);
@@ -621,7 +608,7 @@ mod tests {
             for m in [1, 9] {
                 let xs = Rng(9).values(m * k);
                 let job = Job { format, words: &w.words, stride, nb: k / BLOCK, k, xs: &xs, m, rows };
-                for imp in available().into_iter().filter(|&imp| imp != Impl::Scalar) {
+                for imp in Impl::available().into_iter().filter(|&imp| imp != Impl::Scalar) {
                     let mut out = vec![0.0; m * rows];
                     run_job(imp, &job, &mut out);
                     assert_eq!(out, gemm(imp, &w, &xs, m), "{format} m={m} {}", imp.name());
@@ -641,6 +628,6 @@ mod tests {
 
     #[test]
     fn kernel_name_is_an_available_implementation() {
-        assert!(available().iter().any(|i| i.name() == kernel_name()));
+        assert!(Impl::available().iter().any(|i| i.name() == kernel_name()));
     }
 }
