@@ -3,7 +3,9 @@
 //! [`CpuModel`] runs the same plan as [`crate::GpuModel`] — the fused ops the optimizer chose, one
 //! step per op, intermediates in the slots liveness assigned — with native kernels instead of
 //! WGSL. What it shares with the wgpu engine is in [`crate::prepare`] (load-time folds, input
-//! binding, index checks); what is its own is the kernel chosen for each step:
+//! binding, index checks); the layout it holds the constants in is the CPU back end's writer's
+//! ([`kiln_compiler::back::cpu`]: projection weights transposed, gather tables kept as blocks);
+//! what is its own is the kernel chosen for each step:
 //!
 //! - projections ([`linear`]): the norm prologue, then a GEMM through the `gemm` crate for f32
 //!   weights, or products straight from the quantized blocks for Q8_0, Q4_1, Q5_0, Q4_K and
@@ -47,6 +49,7 @@ use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
+use kiln_compiler::back::cpu::{self, Program, Weight};
 use kiln_compiler::graph::{Dim, Op, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, Storage, WeightFormat, resolve};
@@ -292,7 +295,9 @@ impl CpuModel {
             return Err(CpuError::F16Weights);
         }
         check_steps(&plan)?;
-        let tables = gather_tables(&plan, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
+        let program = cpu::write(&plan);
+        let tables =
+            gather_tables(&plan, &program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
         let provided: HashSet<usize> = tables.keys().copied().collect();
         // Constants by value: folds own their results; parameters are named, and moved out of
         // `params` / `blocks` once the borrows end.
@@ -328,7 +333,7 @@ impl CpuModel {
             consts.insert(id, Const::Quant(q));
         }
         drop((params, blocks));
-        let transposed = if reference { HashMap::new() } else { transpose_weights(&plan, &mut consts)? };
+        let transposed = if reference { HashMap::new() } else { transpose_weights(&program, &mut consts)? };
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let mut counted: HashSet<usize> = HashSet::new();
         for c in consts.values() {
@@ -376,7 +381,7 @@ impl CpuModel {
     /// named in `quantized` come as blocks: those the plan reads in f32, except gather tables read
     /// from blocks (an embedding table stored quantized is never expanded to f32).
     pub fn f32_params(plan: &Plan, quantized: &HashSet<String>) -> Vec<String> {
-        let tables = gather_tables(plan, |name, _| quantized.contains(name));
+        let tables = gather_tables(plan, &cpu::write(plan), |name, _| quantized.contains(name));
         prepare::f32_params(plan, &tables.into_keys().collect())
     }
 
@@ -799,26 +804,13 @@ fn check_steps(plan: &Plan) -> R<()> {
     Ok(())
 }
 
-/// The CPU back end's legalization: every constant f32 projection weight (`[n, k]`) transposed to
-/// `[k, n]`, the layout its GEMM reads fastest, by value. A weight no other step, fold or output
-/// reads is dropped from `consts` (so it is held once, transposed); one also read otherwise (an
-/// embedding table tied to the output projection) is held in both layouts.
-fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
-    let mut weights: HashSet<usize> = HashSet::new();
-    let mut other: HashSet<usize> = HashSet::new();
-    for step in &plan.steps {
-        let wi = step.op.linear_weight();
-        for (i, &o) in step.operands.iter().enumerate() {
-            if Some(i) == wi {
-                weights.insert(root(plan, o))
-            } else {
-                other.insert(root(plan, o))
-            };
-        }
-    }
-    other.extend(plan.outputs.iter().map(|(_, v)| root(plan, *v)));
+/// The projection weights of `program` held transposed to `[k, n]`, the layout the GEMM reads
+/// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
+/// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
+/// the output projection) is held in both layouts.
+fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
     let mut transposed = HashMap::new();
-    for w in weights {
+    for &Weight { value: w, also_read } in &program.weights {
         let Some(Const::F32(t)) = consts.get(&w) else { continue };
         let (&[n, k], Some(x)) = (t.shape.as_slice(), t.as_f32()) else { continue };
         kiln_compiler::memory::check(
@@ -832,41 +824,27 @@ fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashM
             }
         }
         transposed.insert(w, out);
-        if !other.contains(&w) {
+        if !also_read {
             consts.remove(&w);
         }
     }
     Ok(transposed)
 }
 
-/// Whether value `id` is read only as the table of gather steps (no fold, no other step, no
-/// output reads it).
-fn only_gathered(plan: &Plan, id: usize) -> bool {
-    let reads = |o: &usize| root(plan, *o) == id;
-    let mut gathered = false;
-    for step in &plan.steps {
-        for (i, o) in step.operands.iter().enumerate() {
-            if reads(o) {
-                if step.op != Op::Gather || i != 0 {
-                    return false;
-                }
-                gathered = true;
-            }
-        }
-    }
-    gathered && !plan.folds.iter().any(|f| f.operands.iter().any(reads)) && !plan.outputs.iter().any(|(_, v)| reads(v))
-}
-
-/// The gather tables read from blocks: the f32 parameter values read only by gathers for which
-/// `has_blocks(name, shape)` says blocks are given, by value, with their names.
-fn gather_tables(plan: &Plan, has_blocks: impl Fn(&str, &[usize]) -> bool) -> HashMap<usize, String> {
-    plan.values
+/// The gather tables read from blocks: the tables of `program` (f32 parameters read only by
+/// gathers) for which `has_blocks(name, shape)` says blocks are given, by value, with their names.
+fn gather_tables(
+    plan: &Plan,
+    program: &Program,
+    has_blocks: impl Fn(&str, &[usize]) -> bool,
+) -> HashMap<usize, String> {
+    program
+        .gather_tables
         .iter()
-        .enumerate()
-        .filter_map(|(id, v)| match &v.storage {
-            Storage::Param(n) if v.format.is_f32() => {
-                let shape = resolve(&v.shape, &HashMap::new());
-                (has_blocks(n, &shape) && only_gathered(plan, id)).then(|| (id, n.clone()))
+        .filter_map(|&id| match &plan.values[id].storage {
+            Storage::Param(n) => {
+                let shape = resolve(&plan.values[id].shape, &HashMap::new());
+                has_blocks(n, &shape).then(|| (id, n.clone()))
             }
             _ => None,
         })
