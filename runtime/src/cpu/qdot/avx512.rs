@@ -93,7 +93,10 @@ pub(super) unsafe fn tile<const R: usize, const Q4: bool>(
 /// [`tile`]'s contract, with `b` even, `b < nb` and, when `TWO`, `b + 1 < nb`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one step: the tile's accumulators and scales, its rows, and where the step is"
+)]
 unsafe fn step<const R: usize, const Q4: bool, const TWO: bool>(
     acc: &mut [__m512; R],
     scales: &[__m512; R],
