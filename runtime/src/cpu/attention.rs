@@ -79,7 +79,7 @@ impl Geometry {
 
 /// Runs an attention step into `out` (`[b, s, heads * d]`).
 pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
-    let bad = |m: &str| CpuError::Invalid(m.to_string());
+    let bad = |m: &str| CpuError::Operands(m.to_string());
     match *op {
         Op::Attention { scale, alibi, causal, window, mods } => {
             let [(qs, q), (ks, k), (vs, v), rest @ ..] = args else { return Err(bad("attention needs q, k and v")) };
@@ -141,7 +141,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: 
 /// Linformer's low-rank projection ([`Op::LowRank`]) into `out` (`[b, heads, r, head_dim]`): per
 /// batch and head, one GEMM `E[..n]^T X_h` reading the head's columns of the packed rows in place.
 pub fn low_rank(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
-    let bad = |m: String| CpuError::Invalid(m);
+    let bad = |m: String| CpuError::Operands(m);
     let &Op::LowRank { start, heads, head_dim } = op else { return Err(bad("not a low-rank projection".into())) };
     let [(xs, x), (es, e)] = args else { return Err(bad("low_rank takes x and e".into())) };
     let (&[b, n, width], &[rows, r]) = (xs.as_slice(), es.as_slice()) else {
@@ -212,40 +212,27 @@ type Optional<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
 fn optional<'a>(rest: &[(Vec<usize>, Arg<'a>)], g: &Geometry) -> R<Optional<'a>> {
     let (mask, table) = score_operands(rest, &g.mods);
     if rest.len() > 1 + usize::from(table.is_some()) {
-        return Err(CpuError::Invalid("attention takes at most a key mask and a bias table".into()));
+        return Err(CpuError::Operands("attention takes at most a key mask and a bias table".into()));
     }
     let mask = match mask {
         None => None,
-        Some((_, m)) => {
-            let m = m.f32("the key mask")?;
-            if m.len() != g.b * g.t {
-                return Err(CpuError::Invalid(format!(
-                    "a key mask of {} elements for [{}, {}] keys",
-                    m.len(),
-                    g.b,
-                    g.t
-                )));
-            }
-            Some(m)
-        }
+        Some((_, m)) => Some(sized(m.f32("the key mask")?, "a key mask", [g.b, g.t], " keys")?),
     };
     let table = match (table, g.mods.relative) {
-        (Some((_, t)), Some(r)) => {
-            let t = t.f32("the bias table")?;
-            if t.len() != r.buckets * g.heads {
-                return Err(CpuError::Invalid(format!(
-                    "a bias table of {} elements for [{}, {}]",
-                    t.len(),
-                    r.buckets,
-                    g.heads
-                )));
-            }
-            Some(t)
-        }
-        (None, Some(_)) => return Err(CpuError::Invalid("a relative bias without its table".into())),
+        (Some((_, t)), Some(r)) => Some(sized(t.f32("the bias table")?, "a bias table", [r.buckets, g.heads], "")?),
+        (None, Some(_)) => return Err(CpuError::Operands("a relative bias without its table".into())),
         _ => None,
     };
     Ok((mask, table))
+}
+
+/// `x`, the elements of a `[rows, cols]` operand, if it holds that many; the error names it
+/// (`what`, then `unit` after the shape).
+fn sized<'a>(x: &'a [f32], what: &str, [rows, cols]: [usize; 2], unit: &str) -> R<&'a [f32]> {
+    if x.len() != rows * cols {
+        return Err(CpuError::Operands(format!("{what} of {} elements for [{rows}, {cols}]{unit}", x.len())));
+    }
+    Ok(x)
 }
 
 #[expect(clippy::too_many_arguments, reason = "the operands of one attention step, each with its layout")]
@@ -270,7 +257,7 @@ fn run(
         || k.len() < last(&kl, kv, t)
         || v.len() < last(&vl, kv, t)
     {
-        return Err(CpuError::Invalid(format!("operands do not fit attention into {shape:?}")));
+        return Err(CpuError::Operands(format!("operands do not fit attention into {shape:?}")));
     }
     if out.is_empty() {
         return Ok(());
@@ -332,7 +319,7 @@ impl Rows<'_> {
     /// and `acc` (`group * d`): the AVX2/FMA build of the loop where the CPU has it.
     fn run(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if super::math::has_avx2() {
+        if super::isa::isa().avx2 {
             // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
             // compiled with them (checked indexing only): no bound to state.
             unsafe { self.row_avx2(row, o, scores, acc) };
@@ -354,7 +341,7 @@ impl Rows<'_> {
     /// -inf), then `P V` (a second GEMM). `p` is scratch for the probabilities.
     fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
-        if super::math::has_avx2() {
+        if super::isa::isa().avx2 {
             // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
             // compiled with them (its `gemm` calls state and check their own bounds).
             return unsafe { self.block_avx2(bi, kvh, rows, p) };

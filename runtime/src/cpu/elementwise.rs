@@ -23,7 +23,7 @@ pub fn forward(
     past: usize,
 ) -> R<bool> {
     let f = |i: usize| -> R<&[f32]> {
-        args.get(i).ok_or_else(|| CpuError::Invalid(format!("operand {i} is missing")))?.1.f32("an operand")
+        args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?.1.f32("an operand")
     };
     let width = shape.last().copied().unwrap_or(1).max(1);
     match op {
@@ -115,7 +115,7 @@ pub fn forward(
                 for &id in *ids {
                     let ok = usize::try_from(id).is_ok_and(|r| q.dequantize_row(r, out));
                     if !ok {
-                        return Err(CpuError::Invalid(format!("id {id} is outside the table's {} rows", q.rows)));
+                        return Err(CpuError::Operands(format!("id {id} is outside the table's {} rows", q.rows)));
                     }
                 }
                 return Ok(true);
@@ -126,10 +126,9 @@ pub fn forward(
             let rows_in_table = table.len() / width;
             let out = out.get();
             for (o, &id) in out.chunks_mut(width).zip(*ids) {
-                let row = usize::try_from(id)
-                    .ok()
-                    .filter(|&r| r < rows_in_table)
-                    .ok_or_else(|| CpuError::Invalid(format!("id {id} is outside the table's {rows_in_table} rows")))?;
+                let row = usize::try_from(id).ok().filter(|&r| r < rows_in_table).ok_or_else(|| {
+                    CpuError::Operands(format!("id {id} is outside the table's {rows_in_table} rows"))
+                })?;
                 o.copy_from_slice(&table[row * width..][..width]);
             }
         }
@@ -230,7 +229,7 @@ pub fn append_heads(
     past: usize,
     buf: &mut CacheBuf,
 ) -> R<usize> {
-    let bad = |m: String| CpuError::Invalid(m);
+    let bad = |m: String| CpuError::Operands(m);
     let Op::Heads { start, heads, head_dim: d, norm, rope } = *op else { return Err(bad("not a heads step".into())) };
     let norm = match (norm, gain) {
         (Some(eps), Some(g)) if g.len() == d => Some((eps.0, g)),

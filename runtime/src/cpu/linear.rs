@@ -41,9 +41,9 @@ pub fn forward(
     int8: bool,
 ) -> R<()> {
     let Op::Linear { act, bias, residual, norm, glu, rope } = *op else {
-        return Err(CpuError::Invalid("not a projection".into()));
+        return Err(CpuError::Operands("not a projection".into()));
     };
-    let bad = |m: String| CpuError::Invalid(m);
+    let bad = |m: String| CpuError::Operands(m);
     let mut next = args.iter();
     let mut take = |what: &str| next.next().ok_or_else(|| bad(format!("the {what} operand is missing")));
     let (x_shape, x) = take("input")?;
@@ -221,7 +221,7 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
     if !int8 {
         return exact(q, m, x, y);
     }
-    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
+    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Operands(format!("{} is not quantized", q.format)))?;
     let acts: Vec<Q8Acts> = x
         .par_chunks(k)
         .with_min_len(4)
@@ -246,7 +246,7 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
 /// once for every row of `x`.
 fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R<()> {
     let (k, rows) = (q.k, q.rows);
-    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Invalid(format!("{} is not quantized", q.format)))?;
+    let stride = q.format.row_words(k).ok_or_else(|| CpuError::Operands(format!("{} is not quantized", q.format)))?;
     let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
     by_row_blocks(rows, m, y, |r0, len, out| qdot_f32::gemm_rows_f32(q.format, words(r0), k, x, m, out, len));
     Ok(())

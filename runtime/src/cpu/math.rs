@@ -7,10 +7,10 @@
 //! engines' tolerance.
 //!
 //! The loops are compiled twice, for the baseline target and with AVX2 and FMA enabled, and the
-//! second runs where the CPU has them (chosen once).
+//! second runs where the CPU has them ([`super::isa`]).
 
+use super::isa::isa;
 use kiln_compiler::graph::Activation;
-use std::sync::OnceLock;
 
 /// `exp(x)` for f32, relative error below 2e-7 on the range where the result is a normal float;
 /// 0 below it and infinity above, as libm gives.
@@ -121,25 +121,10 @@ fn gate_avx2(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
     gate_generic(a, gate, up, out)
 }
 
-/// Whether the CPU has AVX2 and FMA (checked once).
-pub fn has_avx2() -> bool {
-    static AVX2: OnceLock<bool> = OnceLock::new();
-    *AVX2.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
-}
-
 /// `xs[i] = exp(xs[i] - max)` (a softmax's numerators).
 pub fn exp_shifted(xs: &mut [f32], max: f32) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if isa().avx2 {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
         // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
         unsafe { exp_shifted_avx2(xs, max) };
@@ -162,7 +147,7 @@ fn exp_shifted_avx2(xs: &mut [f32], max: f32) {
 /// `xs[i] = a(xs[i])`.
 pub fn apply(a: Activation, xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if isa().avx2 {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
         // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
         unsafe { apply_avx2(a, xs) };
@@ -174,7 +159,7 @@ pub fn apply(a: Activation, xs: &mut [f32]) {
 /// `out[i] = a(gate[i]) * up[i]` (a gated feed-forward's product).
 pub fn gate(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if isa().avx2 {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
         // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
         unsafe { gate_avx2(a, gate, up, out) };

@@ -3,7 +3,9 @@
 //! [`CpuModel`] runs the same plan as [`crate::GpuModel`] — the fused ops the optimizer chose, one
 //! step per op, intermediates in the slots liveness assigned — with native kernels instead of
 //! WGSL. What it shares with the wgpu engine is in [`crate::prepare`] (load-time folds, input
-//! binding, index checks); what is its own is the kernel chosen for each step:
+//! binding, index checks); the layout it holds the constants in is the CPU back end's writer's
+//! ([`kiln_compiler::back::cpu`]: projection weights transposed, gather tables kept as blocks);
+//! what is its own is the kernel chosen for each step:
 //!
 //! - projections ([`linear`]): the norm prologue, then a GEMM through the `gemm` crate for f32
 //!   weights, or products straight from the quantized blocks for Q8_0, Q4_1, Q5_0, Q4_K and
@@ -35,15 +37,19 @@
 pub mod attention;
 pub mod cache;
 pub mod elementwise;
+pub mod isa;
 pub mod linear;
 pub mod math;
 pub mod qdot;
 pub mod qdot_f32;
+#[cfg(test)]
+mod testing;
 
 use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
+use kiln_compiler::back::cpu::{self, Program, Weight};
 use kiln_compiler::graph::{Op, PackedAttention, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, PlanError, Storage, WeightFormat, resolve};
@@ -62,19 +68,59 @@ pub enum CpuError {
     /// ill-typed step).
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// The plan cannot run here (a missing constant, a pool that cannot start).
-    #[error("{0}")]
-    Invalid(String),
     /// Not enough host memory for an intermediate.
     #[error(transparent)]
     Memory(#[from] kiln_compiler::memory::MemoryError),
+    /// A step's operands do not fit its kernel (their number, shapes or element types), in the
+    /// kernel's words.
+    #[error("{0}")]
+    Operands(String),
+    /// An error of one step, with the step named.
+    #[error("`{scope}` ({op}): {error}")]
+    Step {
+        /// The step's scope.
+        scope: String,
+        /// The name of its op.
+        op: String,
+        /// What went wrong.
+        error: Box<CpuError>,
+    },
+    /// The plan stores a weight as f16, which this back end does not hold.
+    #[error("the CPU back end stores projection weights as f32 or blocks, not f16")]
+    F16Weights,
+    /// A quantized parameter the plan reads was not among the blocks given.
+    #[error("the blocks of `{0}` were not given")]
+    MissingBlocks(String),
+    /// An input the plan reads was neither given nor held in the cache.
+    #[error("input `{0}` was not given")]
+    MissingInput(String),
+    /// The thread pool could not start.
+    #[error("cannot start {threads} threads: {source}")]
+    Threads {
+        /// The threads asked for.
+        threads: usize,
+        /// Why not.
+        source: rayon::ThreadPoolBuildError,
+    },
+    /// An earlier run panicked while holding the model's buffers.
+    #[error("run state poisoned")]
+    Poisoned,
+    /// The key/value cache does not hold what a step reads or writes.
+    #[error("{0}")]
+    Cache(String),
+    /// The plan's constants or inputs could not be prepared ([`PrepareError::Invalid`]).
+    #[error("{0}")]
+    Prepare(String),
+    /// A broken invariant of this back end: a bug, not a bad plan or input.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl From<PrepareError> for CpuError {
     fn from(e: PrepareError) -> Self {
         match e {
             PrepareError::Interp(e) => CpuError::Interp(e),
-            PrepareError::Invalid(m) => CpuError::Invalid(m),
+            PrepareError::Invalid(m) => CpuError::Prepare(m),
         }
     }
 }
@@ -116,7 +162,7 @@ impl<'a> Arg<'a> {
     pub fn f32(self, what: &str) -> R<&'a [f32]> {
         match self {
             Arg::F32(x) => Ok(x),
-            _ => Err(CpuError::Invalid(format!("{what} must be an f32 tensor"))),
+            _ => Err(CpuError::Operands(format!("{what} must be an f32 tensor"))),
         }
     }
 }
@@ -227,12 +273,12 @@ impl CpuModel {
     ) -> R<CpuModel> {
         let threads = threads.max(1);
         if plan.values.iter().any(|v| v.format == WeightFormat::F16) {
-            return Err(CpuError::Invalid(
-                "the CPU back end stores projection weights as f32 or blocks, not f16".into(),
-            ));
+            return Err(CpuError::F16Weights);
         }
         plan.check()?;
-        let tables = gather_tables(&plan, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
+        let program = cpu::write(&plan);
+        let tables =
+            gather_tables(&plan, &program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
         let provided: HashSet<usize> = tables.keys().copied().collect();
         // Constants by value: folds own their results; parameters are named, and moved out of
         // `params` / `blocks` once the borrows end.
@@ -263,12 +309,12 @@ impl CpuModel {
         for (id, t) in move_shared(host_params, &mut params, |n| InterpError::MissingParam(n).into())? {
             consts.insert(id, Const::F32(t));
         }
-        let missing = |n| CpuError::Invalid(format!("the blocks of `{n}` were not given"));
+        let missing = CpuError::MissingBlocks;
         for (id, q) in move_shared(quant_params, &mut blocks, missing)? {
             consts.insert(id, Const::Quant(q));
         }
         drop((params, blocks));
-        let transposed = if reference { HashMap::new() } else { transpose_weights(&plan, &mut consts)? };
+        let transposed = if reference { HashMap::new() } else { transpose_weights(&program, &mut consts)? };
         let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
         let mut counted: HashSet<usize> = HashSet::new();
         for c in consts.values() {
@@ -296,7 +342,7 @@ impl CpuModel {
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
-            .map_err(|e| CpuError::Invalid(format!("cannot start {threads} threads: {e}")))?;
+            .map_err(|source| CpuError::Threads { threads, source })?;
         let appends = if reference { Vec::new() } else { cache::append_sites(&plan) };
         Ok(CpuModel {
             plan,
@@ -316,7 +362,7 @@ impl CpuModel {
     /// named in `quantized` come as blocks: those the plan reads in f32, except gather tables read
     /// from blocks (an embedding table stored quantized is never expanded to f32).
     pub fn f32_params(plan: &Plan, quantized: &HashSet<String>) -> Vec<String> {
-        let tables = gather_tables(plan, |name, _| quantized.contains(name));
+        let tables = gather_tables(plan, &cpu::write(plan), |name, _| quantized.contains(name));
         prepare::f32_params(plan, &tables.into_keys().collect())
     }
 
@@ -403,7 +449,7 @@ impl CpuModel {
             match tensor {
                 Some(t) => drop(inputs.insert(id, Cow::Owned(t))),
                 None if held_shapes.contains_key(name) => drop(held.insert(id, name.clone())),
-                None => return Err(CpuError::Invalid(format!("input `{name}` was not given"))),
+                None => return Err(CpuError::MissingInput(name.clone())),
             }
         }
         let syms = bound.syms;
@@ -411,7 +457,7 @@ impl CpuModel {
         prepare::check_indices(plan, &by_value, &syms)?;
         let past = syms.get(&Sym::Past).copied().unwrap_or(0);
 
-        let mut state = self.slots.lock().map_err(|_| CpuError::Invalid("run state poisoned".into()))?;
+        let mut state = self.slots.lock().map_err(|_| CpuError::Poisoned)?;
         // The buffers move into the pool's closure (a lock guard cannot) and back after it.
         let mut slots = std::mem::take(&mut *state);
         if slots.len() < plan.slots {
@@ -438,7 +484,7 @@ impl CpuModel {
                     if !kv.contains_key(&site.past) {
                         let (b, heads, d) = match (&step.op, x.0.first()) {
                             (Op::Heads { heads, head_dim, .. }, Some(&b)) => (b, *heads, *head_dim),
-                            _ => return Err(CpuError::Invalid(format!("`{}`: not a heads step", step.scope))),
+                            _ => return Err(CpuError::Internal(format!("`{}`: not a heads step", step.scope))),
                         };
                         kv.insert(site.past.clone(), CacheBuf::empty(b, heads, d));
                         created.push(site.past.clone());
@@ -452,7 +498,7 @@ impl CpuModel {
                         ),
                         None => None,
                     };
-                    let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Invalid("the cache vanished".into()))?;
+                    let buf = kv.get_mut(&site.past).ok_or_else(|| CpuError::Cache("the cache vanished".into()))?;
                     let rows = elementwise::append_heads(&step.op, &x.0, x.1, gain, past, buf)
                         .map_err(|e| scoped(e, &step.scope, &step.op))?;
                     appended.insert(site.past.clone(), rows);
@@ -487,7 +533,7 @@ impl CpuModel {
                         Tensor::f32(shape, cache::contiguous(data, heads, rows, cap, d))
                     }
                     Arg::Transposed(_) => {
-                        return Err(CpuError::Invalid("internal error: an output is a weight".into()));
+                        return Err(CpuError::Internal("an output is a weight".into()));
                     }
                 };
                 match past_name {
@@ -500,7 +546,7 @@ impl CpuModel {
                     && !replaced.iter().any(|(p, _)| p == *past)
                     && !plan.outputs.iter().any(|(n, _)| n == *present)
             }) {
-                return Err(CpuError::Invalid(format!("the step did not produce `{present}`")));
+                return Err(CpuError::Cache(format!("the step did not produce `{present}`")));
             }
             Ok((outputs, replaced))
         });
@@ -514,7 +560,7 @@ impl CpuModel {
                 }
                 for (past_name, t) in replaced {
                     let buf = CacheBuf::from_tensor(t).ok_or_else(|| {
-                        CpuError::Invalid(format!("`{past_name}` is not an f32 [b, heads, len, d] tensor"))
+                        CpuError::Cache(format!("`{past_name}` is not an f32 [b, heads, len, d] tensor"))
                     })?;
                     kv.insert(past_name, buf);
                 }
@@ -545,7 +591,7 @@ impl CpuModel {
         let out_shape = resolve(&plan.values[step.output].shape, syms);
         let n: usize = out_shape.iter().product();
         let Storage::Slot(s) = plan.values[step.output].storage else {
-            return Err(CpuError::Invalid(format!("`{}`: a step writes a value that is not in a slot", step.scope)));
+            return Err(CpuError::Internal(format!("`{}`: a step writes a value that is not in a slot", step.scope)));
         };
         kiln_compiler::memory::check(|| format!("`{}`: a {} result", step.scope, step.op.name()), 4 * n as u64)?;
         let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
@@ -601,19 +647,19 @@ impl CpuModel {
         let n: usize = shape.iter().product();
         let r = root(&self.plan, v);
         if let Some(name) = views.get(&r) {
-            let buf = kv.get(name).ok_or_else(|| CpuError::Invalid(format!("the cache holds no `{name}`")))?;
+            let buf = kv.get(name).ok_or_else(|| CpuError::Cache(format!("the cache holds no `{name}`")))?;
             let rows = shape.get(2).copied().unwrap_or(0);
             if shape.len() != 4 || rows > buf.room() || shape[..2] != buf.shape()[..2] {
-                return Err(CpuError::Invalid(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
+                return Err(CpuError::Cache(format!("`{name}` {:?} is not a view of {:?}", shape, buf.shape())));
             }
             let arg = if rows == buf.capacity() && buf.room() == rows {
-                Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Invalid("a short cache".into()))?)
+                Arg::F32(buf.data().get(..n).ok_or_else(|| CpuError::Cache("a short cache".into()))?)
             } else {
                 Arg::Cache { data: buf.data(), cap: buf.capacity() }
             };
             return Ok((shape, arg));
         }
-        let missing = || CpuError::Invalid(format!("internal error: value {v} has no data"));
+        let missing = || CpuError::Internal(format!("value {v} has no data"));
         let tensor = |t: &'a Tensor| -> R<Arg<'a>> {
             match &t.data {
                 Data::F32(x) => x.get(..n).map(Arg::F32),
@@ -671,12 +717,10 @@ impl CpuModel {
                 Arg::F32(x) => Ok(Tensor::f32(s.clone(), x.to_vec())),
                 Arg::I64(x) => Ok(Tensor::i64(s.clone(), x.to_vec())),
                 Arg::Quant(q) => Ok(q.dequantize()),
-                Arg::Transposed(_) => {
-                    Err(CpuError::Invalid(format!("internal error: {} read a transposed weight", op.name())))
-                }
+                Arg::Transposed(_) => Err(CpuError::Internal(format!("{} read a transposed weight", op.name()))),
                 Arg::Cache { data, cap } => match s.as_slice() {
                     &[b, h, rows, d] => Ok(Tensor::f32(s.clone(), cache::contiguous(data, b * h, rows, *cap, d))),
-                    _ => Err(CpuError::Invalid(format!("internal error: a cache read as {s:?}"))),
+                    _ => Err(CpuError::Internal(format!("a cache read as {s:?}"))),
                 },
             })
             .collect::<R<_>>()?;
@@ -716,31 +760,18 @@ impl LazyOut<'_> {
 /// An error of a step, with the step named.
 fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
     match e {
-        CpuError::Invalid(m) => CpuError::Invalid(format!("`{scope}` ({}): {m}", op.name())),
-        e => e,
+        e @ (CpuError::Interp(_) | CpuError::Memory(_)) => e,
+        e => CpuError::Step { scope: scope.to_string(), op: op.name(), error: Box::new(e) },
     }
 }
 
-/// The CPU back end's legalization: every constant f32 projection weight (`[n, k]`) transposed to
-/// `[k, n]`, the layout its GEMM reads fastest, by value. A weight no other step, fold or output
-/// reads is dropped from `consts` (so it is held once, transposed); one also read otherwise (an
-/// embedding table tied to the output projection) is held in both layouts.
-fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
-    let mut weights: HashSet<usize> = HashSet::new();
-    let mut other: HashSet<usize> = HashSet::new();
-    for step in &plan.steps {
-        let wi = step.op.linear_weight();
-        for (i, &o) in step.operands.iter().enumerate() {
-            if Some(i) == wi {
-                weights.insert(root(plan, o))
-            } else {
-                other.insert(root(plan, o))
-            };
-        }
-    }
-    other.extend(plan.outputs.iter().map(|(_, v)| root(plan, *v)));
+/// The projection weights of `program` held transposed to `[k, n]`, the layout the GEMM reads
+/// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
+/// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
+/// the output projection) is held in both layouts.
+fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
     let mut transposed = HashMap::new();
-    for w in weights {
+    for &Weight { value: w, also_read } in &program.weights {
         let Some(Const::F32(t)) = consts.get(&w) else { continue };
         let (&[n, k], Some(x)) = (t.shape.as_slice(), t.as_f32()) else { continue };
         kiln_compiler::memory::check(
@@ -754,41 +785,27 @@ fn transpose_weights(plan: &Plan, consts: &mut HashMap<usize, Const>) -> R<HashM
             }
         }
         transposed.insert(w, out);
-        if !other.contains(&w) {
+        if !also_read {
             consts.remove(&w);
         }
     }
     Ok(transposed)
 }
 
-/// Whether value `id` is read only as the table of gather steps (no fold, no other step, no
-/// output reads it).
-fn only_gathered(plan: &Plan, id: usize) -> bool {
-    let reads = |o: &usize| root(plan, *o) == id;
-    let mut gathered = false;
-    for step in &plan.steps {
-        for (i, o) in step.operands.iter().enumerate() {
-            if reads(o) {
-                if step.op != Op::Gather || i != 0 {
-                    return false;
-                }
-                gathered = true;
-            }
-        }
-    }
-    gathered && !plan.folds.iter().any(|f| f.operands.iter().any(reads)) && !plan.outputs.iter().any(|(_, v)| reads(v))
-}
-
-/// The gather tables read from blocks: the f32 parameter values read only by gathers for which
-/// `has_blocks(name, shape)` says blocks are given, by value, with their names.
-fn gather_tables(plan: &Plan, has_blocks: impl Fn(&str, &[usize]) -> bool) -> HashMap<usize, String> {
-    plan.values
+/// The gather tables read from blocks: the tables of `program` (f32 parameters read only by
+/// gathers) for which `has_blocks(name, shape)` says blocks are given, by value, with their names.
+fn gather_tables(
+    plan: &Plan,
+    program: &Program,
+    has_blocks: impl Fn(&str, &[usize]) -> bool,
+) -> HashMap<usize, String> {
+    program
+        .gather_tables
         .iter()
-        .enumerate()
-        .filter_map(|(id, v)| match &v.storage {
-            Storage::Param(n) if v.format.is_f32() => {
-                let shape = resolve(&v.shape, &HashMap::new());
-                (has_blocks(n, &shape) && only_gathered(plan, id)).then(|| (id, n.clone()))
+        .filter_map(|&id| match &plan.values[id].storage {
+            Storage::Param(n) => {
+                let shape = resolve(&plan.values[id].shape, &HashMap::new());
+                has_blocks(n, &shape).then(|| (id, n.clone()))
             }
             _ => None,
         })

@@ -1,0 +1,110 @@
+//! The SIMD instruction sets of this CPU: the one detector every CPU kernel consults, run once.
+//!
+//! The kernels are compiled for several instruction sets (`#[target_feature]` functions) and pick
+//! one at run time; [`isa`] is where they learn what the CPU (and the OS, which must save the wider
+//! registers) offers. Each kernel family lists its implementations as an [`Implementation`]
+//! ([`super::qdot::Impl`], [`super::qdot_f32::Impl`]); the vectorized loops of [`super::math`] and
+//! [`super::attention`] run their AVX2 build where [`Isa::avx2`] holds.
+//!
+//! Also here, for x86-64, the register-level helpers that kernels of different families share
+//! ([`x86`]).
+
+use std::sync::OnceLock;
+
+/// The instruction sets the CPU kernels can use, as detected on this machine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Isa {
+    /// x86-64 AVX2 and FMA.
+    pub avx2: bool,
+    /// x86-64 AVX-512F.
+    pub avx512f: bool,
+    /// x86-64 AVX-512 with byte and word operations, 256-bit forms and VNNI (F, BW, VL, VNNI).
+    pub avx512_vnni: bool,
+    /// x86-64 AVX-VNNI (the 256-bit `vpdpbusd` without AVX-512).
+    pub avx_vnni: bool,
+    /// AArch64 NEON.
+    pub neon: bool,
+}
+
+impl Isa {
+    /// Asks the CPU (see [`isa`] for the cached answer).
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            Isa {
+                avx2: has!("avx2") && has!("fma"),
+                avx512f: has!("avx512f"),
+                avx512_vnni: has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni"),
+                avx_vnni: has!("avxvnni"),
+                neon: false,
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            Isa { neon: std::arch::is_aarch64_feature_detected!("neon"), ..Isa::default() }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            Isa::default()
+        }
+    }
+}
+
+/// The instruction sets of this CPU, detected on the first call.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(Isa::detect)
+}
+
+/// The implementations of a kernel family, each for the instruction sets it was compiled for.
+pub trait Implementation: Copy + 'static {
+    /// Every implementation, the preferred first.
+    const ALL: &'static [Self];
+    /// The portable one, which runs everywhere (the reference the others are tested against).
+    const PORTABLE: Self;
+
+    /// Its name in reports (`"avx512"`, `"scalar"`, ...).
+    fn name(self) -> &'static str;
+
+    /// Whether it runs on a CPU with `isa`.
+    fn runs_on(self, isa: Isa) -> bool;
+
+    /// Whether this machine (CPU and OS) can run it.
+    fn is_available(self) -> bool {
+        self.runs_on(isa())
+    }
+
+    /// The implementations this machine can run, the preferred first ([`Self::PORTABLE`] last).
+    fn available() -> Vec<Self> {
+        Self::ALL.iter().copied().filter(|i| i.is_available()).collect()
+    }
+
+    /// The preferred implementation this machine can run: the one the family's entry points use.
+    fn best() -> Self {
+        Self::ALL.iter().copied().find(|i| i.is_available()).unwrap_or(Self::PORTABLE)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    //! Helpers the x86-64 kernels of both quantized families share.
+
+    use std::arch::x86_64::*;
+
+    /// Asks for the cache line holding `p` (a hint: `p` need not point into anything).
+    #[target_feature(enable = "sse")]
+    #[inline]
+    pub(in super::super) fn prefetch(p: *const u32) {
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+    }
+
+    /// The sum of the 8 lanes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(in super::super) fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+}

@@ -1,0 +1,189 @@
+//! The AVX-512F implementation (with AVX2 and FMA): 16 lanes; prefill micro-tiles of 4 weight rows
+//! by 4 activation rows; Q5_0, Q4_K and Q6_K dequantized in registers too.
+//!
+//! Inside a `#[target_feature]` function the register-only intrinsics of its features are safe;
+//! the loads and stores through raw pointers are not, and say why they hold.
+
+mod ops {
+    use std::arch::x86_64::*;
+
+    pub(super) type V = __m512;
+    pub(super) const LANES: usize = 16;
+    pub(super) const BV: usize = 2;
+    pub(super) const NR: usize = 8;
+    pub(super) const MR: usize = 4;
+    pub(super) const HOIST: usize = 8;
+    pub(super) const DIRECT: usize = 4;
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) fn zero() -> V {
+        _mm512_setzero_ps()
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) fn fma(a: V, b: V, c: V) -> V {
+        _mm512_fmadd_ps(a, b, c)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) fn add(a: V, b: V) -> V {
+        _mm512_add_ps(a, b)
+    }
+
+    /// # Safety
+    ///
+    /// `p` is readable for 16 floats.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn load(p: *const f32) -> V {
+        // SAFETY: the caller's.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+
+    /// # Safety
+    ///
+    /// `p` is writable for 16 floats.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn store(p: *mut f32, v: V) {
+        // SAFETY: the caller's.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+
+    pub(super) use crate::cpu::isa::x86::prefetch;
+
+    /// A Q8_0 block (32 signed bytes at `p`) times `d`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is readable for 8 words.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn q8(p: *const u32, d: f32) -> [V; BV] {
+        let p = p.cast::<__m128i>();
+        // SAFETY: the caller's (two 16-byte loads).
+        let (a, b) = unsafe { (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1))) };
+        let d = _mm512_set1_ps(d);
+        let f = |q: __m128i| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+        [f(a), f(b)]
+    }
+
+    /// A Q4_1 block (16 bytes at `p`: element `j` in byte `j`'s low nibble, `j + 16` in its
+    /// high one) as `q * d + m`, looked up in the table of the 16 values.
+    ///
+    /// # Safety
+    ///
+    /// `p` is readable for 4 words.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn q4(p: *const u32, d: f32, m: f32) -> [V; BV] {
+        // SAFETY: the caller's.
+        let q = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
+        let iota = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+        // A multiply then an add, as the dequantization computes each element (not an FMA).
+        let table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+        // `vpermps` reads the low 4 bits of each index: the low nibble as it is, the high one
+        // shifted down.
+        [_mm512_permutexvar_ps(q, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table)]
+    }
+
+    /// Block `b` of a Q5_0, Q4_K or Q6_K row (format tag `F`, `nb` blocks) dequantized in
+    /// registers, each element as [`crate::quant::block`] gives it and
+    /// [`dequant_block`](super::super::dequant_block) scales it (`q * scale`, plus Q4_K's
+    /// minimum after the multiply): the quants widened to 32 bits, Q5_0's fifth bits added under
+    /// a lane mask of the block's bit word, the K formats' nibbles and bit pairs shifted out by
+    /// the sub-block's position; the sub-block scales (Q4_K's 6-bit pairs, Q6_K's int8 pairs)
+    /// are unpacked once per block on the scalar side.
+    ///
+    /// # Safety
+    ///
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+        use super::super::{F_Q4_K, F_Q5_0};
+        debug_assert!(b < nb, "block {b} of {nb}");
+        let ns = nb / 8;
+        // SAFETY (all reads): words of the caller's whole row, in the layouts of
+        // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
+        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
+        // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
+        // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
+        // at `half` 0 or 1 of its 8 words).
+        let word = |i: usize| unsafe { row.add(i).read() };
+        let bytes16 = |at: usize, half: usize| unsafe {
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(at).cast::<__m128i>().add(half)))
+        };
+        let shift = |v: __m512i, n: u32| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+        match F {
+            F_Q5_0 => {
+                let (d, fifth) = (_mm512_set1_ps(f32::from_bits(word(b))), word(nb + b));
+                let q = bytes16(2 * nb + 4 * b, 0);
+                let sixteen = _mm512_set1_epi32(16);
+                let lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+                let hi = _mm512_srli_epi32::<4>(q);
+                let lo = _mm512_mask_add_epi32(lo, fifth as u16, lo, sixteen);
+                let hi = _mm512_mask_add_epi32(hi, (fifth >> 16) as u16, hi, sixteen);
+                let f = |v: __m512i| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, sixteen)), d);
+                [f(lo), f(hi)]
+            }
+            F_Q4_K => {
+                let s = b / 8;
+                let mut packed = [0u8; 12];
+                for (i, w) in packed.chunks_exact_mut(4).enumerate() {
+                    w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
+                }
+                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
+                let scale = _mm512_set1_ps(f32::from_bits(word(s)) * f32::from(sc));
+                let min = _mm512_set1_ps(-(f32::from_bits(word(ns + s)) * f32::from(m)));
+                let at = 5 * ns + 8 * (b / 2);
+                let nibble = 4 * (b % 2) as u32;
+                let f = |half: usize| {
+                    let q = _mm512_and_si512(shift(bytes16(at, half), nibble), _mm512_set1_epi32(15));
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), scale), min)
+                };
+                [f(0), f(1)]
+            }
+            _ => {
+                let (s, c8) = (b / 8, b % 8);
+                let (h, c) = (c8 / 4, c8 % 4);
+                let d = f32::from_bits(word(s));
+                // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
+                let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
+                let (sc0, sc1) = (pair as u8 as i8, (pair >> 8) as u8 as i8);
+                let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
+                let f = |half: usize, sc: i8| {
+                    let l = _mm512_and_si512(shift(bytes16(low, half), 4 * (c / 2) as u32), _mm512_set1_epi32(15));
+                    let hh = _mm512_and_si512(shift(bytes16(high, half), 2 * c as u32), _mm512_set1_epi32(3));
+                    let q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32::<4>(hh)), _mm512_set1_epi32(32));
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d * f32::from(sc)))
+                };
+                [f(0, sc0), f(1, sc1)]
+            }
+        }
+    }
+
+    /// The lane sums of `a[0..4]`.
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
+    pub(super) fn hsum4(a: [V; 4]) -> [f32; 4] {
+        let [a0, a1, a2, a3] = a;
+        // Per 128-bit lane: [a0, a1, a0, a1] and [a2, a3, a2, a3] partial sums.
+        let b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+        let b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+        // Per 128-bit lane: [a0, a1, a2, a3] partial sums; then the 4 lanes added.
+        let c = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(b0, b1), _mm512_shuffle_ps::<0xee>(b0, b1));
+        let c = _mm512_add_ps(c, _mm512_shuffle_f32x4::<0x4e>(c, c));
+        let c = _mm512_castps512_ps256(c);
+        let s = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps::<1>(c));
+        let mut out = [0f32; 4];
+        // SAFETY: `out` holds 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+        out
+    }
+}
+
+kernels!(kernels, "avx512f,avx2,fma", ops);
