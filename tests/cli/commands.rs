@@ -600,7 +600,7 @@ fn generate_chat_defaults_and_sampling() {
 fn generate_chat_with_smollm2_answers_as_transformers() {
     let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
     let backend = if common::gpu().is_some() { "wgpu" } else { "interp" };
-    let o = kiln(&[
+    let args = [
         "generate",
         "models/smollm2-135m.toml",
         "--weights",
@@ -613,28 +613,14 @@ fn generate_chat_with_smollm2_answers_as_transformers() {
         "16",
         "--backend",
         backend,
-    ]);
+    ];
+    let o = kiln(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), "The capital of France is Paris.\n");
     assert!(stderr(&o).contains("prefill: 37 tokens"), "{}", stderr(&o));
     assert!(stderr(&o).contains("stopped: stop id"), "the text mode says why it stopped: {}", stderr(&o));
     // As JSON, quietly: the same text in one document, stopped by the end-of-sequence id.
-    let o = kiln(&[
-        "generate",
-        "models/smollm2-135m.toml",
-        "--weights",
-        s(&weights),
-        "--prompt",
-        "What is the capital of France?",
-        "--chat",
-        "--greedy",
-        "--max-new-tokens",
-        "16",
-        "--backend",
-        backend,
-        "--json",
-        "--quiet",
-    ]);
+    let o = kiln(&[&args[..], &["--json", "--quiet"]].concat());
     let v = json_of(&o);
     assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     assert_eq!(v["text"], "The capital of France is Paris.");
