@@ -229,7 +229,8 @@ pub fn decode(
     runs: usize,
     json: bool,
 ) -> Result<()> {
-    use kiln_runtime::generate::{Sampler, Session, generate};
+    use kiln_runtime::Sampler;
+    use kiln_runtime::generate::{Session, generate};
     let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &target.optimizer())?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage)?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
@@ -870,7 +871,8 @@ struct TableRow {
 /// decode rate with the device-resident cache; then the kernels' GFLOPS (the projection at a
 /// prefill and a decode shape, causal attention). Every figure is a median of `runs`.
 pub fn table(specs: &[(String, FrontEnd)], target: &Target, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
-    use kiln_runtime::generate::{Sampler, Session, generate};
+    use kiln_runtime::Sampler;
+    use kiln_runtime::generate::{Session, generate};
     let decode_steps = 8;
     let mut rows = Vec::new();
     for (path, fe) in specs {

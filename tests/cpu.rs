@@ -14,7 +14,8 @@ use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{interp, optimize};
 use kiln_runtime::CpuEngine;
 use kiln_runtime::CpuModel;
-use kiln_runtime::generate::{Sampler, Session, generate};
+use kiln_runtime::Sampler;
+use kiln_runtime::generate::{Session, generate};
 use std::collections::HashMap;
 
 const TOLERANCE: f32 = 1e-4;

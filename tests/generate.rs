@@ -11,8 +11,9 @@ use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::GpuModel;
-use kiln_runtime::generate::{Memory, Sampler, Session, generate};
+use kiln_runtime::generate::{Session, generate};
 use kiln_runtime::{Engine, GpuEngine, InterpEngine};
+use kiln_runtime::{Memory, Sampler};
 use std::collections::HashMap;
 
 /// Sessions over the cached graph of `name`: (label, session), on every engine and both graphs.

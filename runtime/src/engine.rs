@@ -10,18 +10,97 @@
 //! [`Engine::step_sample`] also picks the next token where the logits are: on the host for the
 //! CPU engines, on the device for [`GpuEngine`] (see [`crate::sample`]).
 
-use crate::cpu::CpuModel;
 use crate::cpu::cache::KvCache;
-use crate::generate::{GenerateError, Memory, Pick, Sampled, last_logits};
-use crate::gpu::{DeviceTensor, GpuModel, Lend, Lent};
-use crate::sample::DeviceSampler;
+use crate::cpu::{CpuError, CpuModel};
+use crate::gpu::{DeviceSampler, DeviceTensor, GpuError, GpuModel, Lend, Lent};
+use crate::sample::{Pick, Sampled};
 use kiln_compiler::graph::{Dim, Graph, InputRole};
-use kiln_compiler::interp;
+use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, Storage};
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 
+/// What can go wrong while generating.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The interpreter failed (bad ids, ...).
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// The device failed.
+    #[error(transparent)]
+    Gpu(Box<GpuError>),
+    /// The CPU back end failed.
+    #[error(transparent)]
+    Cpu(Box<CpuError>),
+    /// The graph is not a cached decoder graph, or the request is unusable.
+    #[error("{0}")]
+    Invalid(String),
+}
+
 type R<T> = Result<T, GenerateError>;
+
+impl From<CpuError> for GenerateError {
+    fn from(e: CpuError) -> Self {
+        GenerateError::Cpu(Box::new(e))
+    }
+}
+
+impl From<GpuError> for GenerateError {
+    fn from(e: GpuError) -> Self {
+        GenerateError::Gpu(Box::new(e))
+    }
+}
+
+/// Inputs that stay the same for a whole session: an encoder-decoder's source mask on the host,
+/// its encoder's keys and values (on the host, or on the device for a
+/// [`GpuEngine`](crate::engine::GpuEngine)).
+#[derive(Default)]
+pub struct Memory {
+    pub(crate) host: HashMap<String, Tensor>,
+    device: HashMap<String, DeviceTensor>,
+}
+
+impl Memory {
+    /// Memory of host tensors.
+    pub(crate) fn host(host: HashMap<String, Tensor>) -> Memory {
+        Memory { host, device: HashMap::new() }
+    }
+
+    /// Memory of device tensors.
+    pub(crate) fn device(device: HashMap<String, DeviceTensor>) -> Memory {
+        Memory { host: HashMap::new(), device }
+    }
+
+    /// Lends the device tensors to a run ([`Memory::put_device`] gives them back).
+    pub(crate) fn take_device(&mut self) -> HashMap<String, DeviceTensor> {
+        std::mem::take(&mut self.device)
+    }
+
+    /// Gives device tensors back after a run.
+    pub(crate) fn put_device(&mut self, device: HashMap<String, DeviceTensor>) {
+        self.device = device;
+    }
+
+    /// Runs an encoder graph (see [`kiln_compiler::graph::build::build_encoder`]) on `given`
+    /// (`src_ids`, `src_padding`) once on `encoder`; its outputs, and the source mask, become the
+    /// memory a decoder session reads at every step. On a GPU the outputs stay on the device.
+    pub fn encode(encoder: &dyn Engine, given: &HashMap<String, Tensor>) -> R<Memory> {
+        let mut memory = encoder.encode(given)?;
+        // The source mask, if given, masks cross-attention at every step (inputs a decoder step
+        // does not take, the source ids, are ignored by its binding).
+        memory.host.extend(given.iter().map(|(n, t)| (n.clone(), t.clone())));
+        Ok(memory)
+    }
+}
+
+/// The logits of the last position of a step's outputs.
+pub(crate) fn last_logits(mut outputs: HashMap<String, Tensor>) -> R<Vec<f32>> {
+    let logits = outputs.remove("logits").ok_or_else(|| GenerateError::Invalid("no `logits` output".into()))?;
+    let vocab = logits.shape.last().copied().unwrap_or(0);
+    let data = logits.as_f32().ok_or_else(|| GenerateError::Invalid("logits are not f32".into()))?;
+    let last = data.get(data.len().saturating_sub(vocab)..).unwrap_or_default();
+    Ok(last.to_vec())
+}
 
 /// `(present output, past input)`: a cached tensor as one step writes it and the next reads it.
 pub type Link = (String, String);
@@ -396,7 +475,7 @@ impl Engine for GpuEngine {
         let mut pick = Some(pick);
         let mut pending = None;
         let mut record = |encoder: &mut wgpu::CommandEncoder, logits: Lent<'_>| {
-            let pick = pick.take().ok_or_else(|| crate::gpu::GpuError::Dispatch("`logits` lent twice".into()))?;
+            let pick = pick.take().ok_or_else(|| GpuError::Internal("`logits` lent twice".into()))?;
             pending = Some(sampler.record(encoder, logits, pick)?);
             Ok(())
         };
