@@ -248,7 +248,8 @@ pub fn run(
     if let Some(encoder) = encoder {
         // Encode the source once; the decoder reads its keys and values at every step.
         let src = Tensor::i64(vec![1, req.prompt.len()], req.prompt.clone());
-        session = session.with_memory(Memory::encode(&encoder, &HashMap::from([("src_ids".to_string(), src)]))?);
+        session =
+            session.with_memory(Memory::encode(encoder.as_ref(), &HashMap::from([("src_ids".to_string(), src)]))?);
     }
     let encode_s = encoding.elapsed().as_secs_f64();
     // A GPU driver may compile a pipeline's shader only at its first dispatch: one step before the

@@ -4,10 +4,13 @@
 //! `past_k`/`past_v` inputs, so the prefix is never recomputed. A [`Sampler`] picks each token
 //! (greedy, temperature, top-k, top-p, repetition penalty, seeded) — on the host from the
 //! logits, or where the engine keeps them: on wgpu a kernel after the head picks it and a step
-//! reads back one id ([`Session::sample`], [`crate::gpu::DeviceSampler`]); [`generate`] drives the loop with
-//! stop tokens and a per-token callback for streaming.
+//! reads back one id ([`Session::sample`], [`crate::gpu::DeviceSampler`]); [`generate`] drives
+//! the loop with stop tokens and a per-token callback for streaming.
+//!
+//! The session is the top of a one-way chain: it drives an [`Engine`] ([`crate::engine`]),
+//! which picks tokens as [`crate::sample`] says; neither knows sessions.
 
-use crate::engine::{Engine, GenerateError, Link, Memory, last_logits};
+use crate::engine::{Engine, GenerateError, Link, Memory, Request, last_logits};
 use crate::sample::{Pick, Sampled, Sampler};
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
@@ -50,13 +53,10 @@ impl Session {
     pub fn new(engine: Box<dyn Engine>, outputs: &[String], max_positions: usize) -> R<Session> {
         let links = links(outputs);
         if links.is_empty() || !outputs.iter().any(|o| o == "logits") {
-            return Err(GenerateError::Invalid(
-                "generation needs a decoder graph built with a key/value cache and a `logits` output".into(),
-            ));
+            return Err(GenerateError::NotCached);
         }
-        let [ids_input] = <[String; 1]>::try_from(engine.id_inputs()).map_err(|ids| {
-            GenerateError::Invalid(format!("a decoder step takes one token-id input, this graph has {}", ids.len()))
-        })?;
+        let [ids_input] =
+            <[String; 1]>::try_from(engine.id_inputs()).map_err(|ids| GenerateError::IdInputs(ids.len()))?;
         Ok(Session { engine, ids_input, links, memory: Memory::default(), position: 0, max_positions })
     }
 
@@ -70,7 +70,7 @@ impl Session {
     /// session is as it was.
     pub fn forward(&mut self, ids: &[i64]) -> R<Vec<f32>> {
         let inputs = self.inputs(ids)?;
-        let outputs = self.engine.step(inputs, &mut self.memory, &self.links)?;
+        let outputs = self.engine.step(Request { inputs, memory: &mut self.memory, links: &self.links })?;
         self.position += ids.len();
         last_logits(outputs)
     }
@@ -81,7 +81,8 @@ impl Session {
     /// (the sampler may have drawn its uniform).
     pub fn sample(&mut self, ids: &[i64], pick: Pick<'_>) -> R<Sampled> {
         let inputs = self.inputs(ids)?;
-        let sampled = self.engine.step_sample(inputs, &mut self.memory, &self.links, pick)?;
+        let request = Request { inputs, memory: &mut self.memory, links: &self.links };
+        let sampled = self.engine.step_sample(request, pick)?;
         self.position += ids.len();
         Ok(sampled)
     }
@@ -89,15 +90,14 @@ impl Session {
     /// The inputs of a step running `ids` after the cached tokens.
     fn inputs(&self, ids: &[i64]) -> R<HashMap<String, Tensor>> {
         if ids.is_empty() {
-            return Err(GenerateError::Invalid("nothing to run: no token ids".into()));
+            return Err(GenerateError::NoIds);
         }
         if self.position + ids.len() > self.max_positions {
-            return Err(GenerateError::Invalid(format!(
-                "{} cached + {} new tokens exceed the model's {} positions",
-                self.position,
-                ids.len(),
-                self.max_positions
-            )));
+            return Err(GenerateError::TooLong {
+                cached: self.position,
+                new: ids.len(),
+                positions: self.max_positions,
+            });
         }
         let mut inputs = self.memory.host.clone();
         inputs.insert(self.ids_input.clone(), Tensor::i64(vec![1, ids.len()], ids.to_vec()));

@@ -37,7 +37,7 @@ pub use model::{Model, ModelError};
 pub mod generate;
 pub mod sample;
 
-pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory};
+pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Request};
 pub use generate::{Session, Stats, Stop};
 pub use gpu::DeviceSampler;
 pub use sample::{BadSettings, Pick, Sampled, Sampler};

@@ -126,10 +126,23 @@ pub enum GpuError {
     /// The WGSL back end could not compile the plan.
     #[error(transparent)]
     Compile(#[from] CompileError),
-    /// The plan and what was given for it disagree (a parameter stored quantized without its
-    /// blocks, a constant that is not f32, ...).
+    /// The plan and what was given for it disagree (the message of the shared preparation).
     #[error("{0}")]
     Invalid(String),
+    /// A parameter the plan stores quantized was given without its blocks.
+    #[error("parameter `{name}` is stored as {format} but no blocks were given")]
+    MissingBlocks {
+        /// The parameter.
+        name: String,
+        /// Its format in the plan.
+        format: WeightFormat,
+    },
+    /// A constant to upload as f32 holds another type (`{0}` names it).
+    #[error("{0} is not f32")]
+    NotF32(String),
+    /// The back end has no split-buffer form of an op's kernel.
+    #[error("{0} has no kernel")]
+    NoKernel(String),
     /// A resident input lives on another device.
     #[error("input `{0}` lives on another device")]
     OtherDevice(String),

@@ -58,9 +58,8 @@ pub(super) fn f32_where_too_large<'a>(
             continue;
         }
         if !params.contains_key(&name) && !added.iter().any(|(n, _)| *n == name) {
-            let q = blocks.get(&name).ok_or_else(|| {
-                GpuError::Invalid(format!("parameter `{name}` is stored as {} but no blocks were given", v.format))
-            })?;
+            let q =
+                blocks.get(&name).ok_or_else(|| GpuError::MissingBlocks { name: name.clone(), format: v.format })?;
             kiln_compiler::memory::check(|| format!("`{name}` in f32"), 4 * (rows * k) as u64)?;
             added.push((name.clone(), q.dequantize()));
         }

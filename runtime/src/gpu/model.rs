@@ -105,7 +105,7 @@ impl GpuModel {
             Ok(())
         };
         for (id, t) in host {
-            let data = t.as_f32().ok_or_else(|| GpuError::Invalid(format!("{} is not f32", what(id))))?;
+            let data = t.as_f32().ok_or_else(|| GpuError::NotF32(what(id)))?;
             let format = plan.values[id].format;
             if format == WeightFormat::F16 {
                 let halves: Vec<u16> = data.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();

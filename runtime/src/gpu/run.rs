@@ -447,7 +447,7 @@ impl GpuModel {
                 counts,
                 (gpu.chunk_bytes / 4) as u32,
             )
-            .ok_or_else(|| GpuError::Invalid(format!("{} has no kernel", step.op.name())))?;
+            .ok_or_else(|| GpuError::NoKernel(step.op.name()))?;
             validate_wgsl(&text)
                 .map_err(|e| GpuError::Internal(format!("chunked {} kernel is invalid: {e}", step.op.name())))?;
             variants.insert(key.clone(), gpu.pipeline(&format!("{} (chunked)", step.op.name()), &text));
