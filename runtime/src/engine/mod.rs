@@ -178,7 +178,7 @@ pub trait Engine {
 pub(crate) fn last_logits(mut outputs: HashMap<String, Tensor>) -> R<Vec<f32>> {
     let logits = outputs.remove("logits").ok_or_else(|| GenerateError::MissingOutput("logits".into()))?;
     let vocab = logits.shape.last().copied().unwrap_or(0);
-    let data = logits.as_f32().ok_or(GenerateError::NotF32("the logits"))?;
+    let data = logits.as_f32().ok_or(GenerateError::NotF32("the `logits` output"))?;
     let last = data.get(data.len().saturating_sub(vocab)..).unwrap_or_default();
     Ok(last.to_vec())
 }

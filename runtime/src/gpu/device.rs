@@ -23,7 +23,7 @@ pub struct Gpu {
     f16: bool,
     /// Whether `SUBGROUP` is enabled.
     subgroups: bool,
-    /// Whether `TIMESTAMP_QUERY` is enabled (see [`GpuModel::profile`]).
+    /// Whether `TIMESTAMP_QUERY` is enabled (see `GpuModel::profile`).
     pub(super) timestamps: bool,
 }
 
@@ -184,12 +184,16 @@ impl Gpu {
 
     /// Whether [`GpuModel::profile`] reads the device's clock: the device was opened with
     /// `TIMESTAMP_QUERY` and [`Gpu::use_host_clock`] was not called.
+    ///
+    /// [`GpuModel::profile`]: super::GpuModel::profile
     pub fn supports_timestamps(&self) -> bool {
         self.timestamps
     }
 
     /// Makes [`GpuModel::profile`] use the host's clock even where the device has timestamp
     /// queries (to compare the two clocks, and to test the fallback).
+    ///
+    /// [`GpuModel::profile`]: super::GpuModel::profile
     pub fn use_host_clock(&mut self) {
         self.timestamps = false;
     }
@@ -209,6 +213,7 @@ impl Gpu {
     pub fn describe(&self) -> String {
         format!("{} ({:?}, {:?})", self.info.name, self.info.device_type, self.info.backend)
     }
+
     /// Fails once the device is lost, or once wgpu reported an error outside an error scope.
     pub(crate) fn check_lost(&self) -> Result<(), GpuError> {
         if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {

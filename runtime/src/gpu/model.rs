@@ -33,6 +33,7 @@ pub struct GpuModel {
     /// The steps that append to a session's cache in place, when it lives on the device.
     pub(super) in_place: Vec<InPlace>,
 }
+
 impl GpuModel {
     /// Compiles the plan, builds the pipelines and uploads the parameters (by canonical name)
     /// once. Every weight the plan stores in a block-quantized format must be in `blocks` (see

@@ -27,10 +27,13 @@ pub enum Clock {
 pub struct Profile {
     /// The clock the times were read from.
     pub clock: Clock,
-    /// Seconds per step of [`Plan::steps`], in order; `None` for a step with nothing to compute
-    /// at these sizes (not dispatched).
+    /// Seconds per step of the plan ([`Plan::steps`]), in order; `None` for a step with nothing
+    /// to compute at these sizes (not dispatched).
+    ///
+    /// [`Plan::steps`]: kiln_compiler::lower::Plan::steps
     pub seconds: Vec<Option<f64>>,
 }
+
 impl GpuModel {
     /// Times every step of the plan on `given` inputs. A forward pass first binds the inputs and
     /// sizes every buffer (and warms the pipelines); then the steps are dispatched again in order,

@@ -94,6 +94,8 @@ impl Gpu {
 /// as large tensors are. A key/value cache appended in place (see [`GpuModel::run_resident`]) is
 /// a `[b, heads, len, d]` tensor in one buffer with room for more rows per head than it holds:
 /// its heads lie `room` rows apart, and rows past `len` are not part of it.
+///
+/// [`GpuModel::run_resident`]: super::GpuModel::run_resident
 pub struct DeviceTensor {
     pub(super) gpu: Arc<Gpu>,
     pub(super) shape: Vec<usize>,
