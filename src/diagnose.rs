@@ -6,12 +6,16 @@
 use kiln_compiler::diag::Diagnostic;
 use kiln_compiler::spec::SpanIndex;
 use kiln_runtime::WeightError;
+use kiln_runtime::device::LoadError;
 use std::path::Path;
 
 /// `err` rendered at the weight-map entry of `spec` (a spec file) it concerns, if it is a weight
 /// error about a parameter that the spec maps.
 pub fn weight_error(err: &anyhow::Error, spec: &Path) -> Option<String> {
-    let weight = err.chain().find_map(|e| e.downcast_ref::<WeightError>())?;
+    let weight = err.chain().find_map(|e| match e.downcast_ref::<LoadError>() {
+        Some(LoadError::Weights(weight)) => Some(weight),
+        _ => e.downcast_ref::<WeightError>(),
+    })?;
     let (param, message, help) = match weight {
         WeightError::MissingTensor { param, tensor, path, nearest } => (
             param,

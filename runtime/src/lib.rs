@@ -10,10 +10,13 @@
 // indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+pub mod costs;
 pub mod cpu;
+pub mod device;
 pub mod engine;
 pub mod gguf;
 pub mod import;
+pub mod measure;
 pub mod model;
 pub mod prepare;
 pub mod progress;
@@ -31,6 +34,7 @@ pub use weights::{Checkpoint, WeightError, load_params, load_params_with_blocks,
 pub mod gpu;
 
 pub use cpu::{CpuError, CpuModel};
+pub use device::{Device, Loaded, Storage, Weights};
 pub use gpu::{Clock, DeviceTensor, Gpu, GpuError, GpuModel, Profile};
 pub use model::{Model, ModelError};
 

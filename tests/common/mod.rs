@@ -110,3 +110,87 @@ pub fn projection_ops() -> Vec<kiln_compiler::graph::Op> {
         },
     ]
 }
+
+/// Feeds `session` the prompt and then each token of `continuation`, one at a time, and requires
+/// the logits of every step within 1e-4 of the interpreter recomputing `graph` on the tokens so
+/// far: cached decoding equals recomputation. `what` names the case in the failure.
+pub fn check_cached_steps(
+    what: &str,
+    session: &mut kiln_runtime::generate::Session,
+    graph: &kiln_compiler::graph::Graph,
+    params: &std::collections::HashMap<String, kiln_compiler::tensor::Tensor>,
+    prompt: &[i64],
+    continuation: &[i64],
+) {
+    use kiln_compiler::tensor::Tensor;
+    let mut seq = prompt.to_vec();
+    let mut cached = session.forward(prompt).unwrap();
+    for &next in continuation {
+        let inputs =
+            std::collections::HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, seq.len()], seq.clone()))]);
+        let full = kiln_compiler::interp::run(graph, params, &inputs).unwrap();
+        let logits = &full.iter().find(|(n, _)| n == "logits").unwrap().1;
+        let vocab = *logits.shape.last().unwrap();
+        let last = &logits.as_f32().unwrap()[(seq.len() - 1) * vocab..];
+        let err = last.iter().zip(&cached).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-4, "{what}: cached logits at position {} differ by {err}", seq.len() - 1);
+        seq.push(next);
+        cached = session.forward(&[next]).unwrap();
+    }
+}
+
+/// Runs the kiln binary from the repository root. The child gets no display session
+/// (`XDG_RUNTIME_DIR` unset), as on CI, so a test that wants a quiet stderr also proves that
+/// kiln keeps the Vulkan layers' display probing off it.
+pub fn kiln(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("NODEVICE_SELECT")
+        .output()
+        .expect("kiln runs")
+}
+
+/// A child's standard output, as text.
+pub fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A child's standard error, as text.
+pub fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs kiln, requires success, and returns its standard output.
+pub fn ok(args: &[&str]) -> String {
+    let o = kiln(args);
+    assert!(o.status.success(), "kiln {args:?} failed:\n{}", stderr(&o));
+    stdout(&o)
+}
+
+/// Runs kiln and requires a clean failure — kiln's own (exit 1) or clap's usage error (exit 2),
+/// no panic — with every `needle` in its stderr. Returns the exit status.
+pub fn failure(args: &[&str], needles: &[&str]) -> i32 {
+    let o = kiln(args);
+    let err = stderr(&o);
+    let code = o.status.code();
+    assert!(matches!(code, Some(1 | 2)), "kiln {args:?} should fail cleanly; stderr:\n{err}");
+    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "kiln {args:?}: stderr lacks {needle:?}:\n{err}");
+    }
+    code.unwrap_or_default()
+}
+
+/// Runs kiln and requires kiln's own clean failure (exit 1) with every `needle` in its stderr.
+pub fn fails_with(args: &[&str], needles: &[&str]) {
+    assert_eq!(failure(args, needles), 1, "kiln {args:?}: a usage error where kiln's own was expected");
+}
+
+/// A scratch directory for one test, `name` unique within its test binary.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

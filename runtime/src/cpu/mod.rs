@@ -17,7 +17,7 @@
 //! - norms, residual adds, gathers and activations ([`elementwise`], [`math`]);
 //! - every other op through the interpreter's own evaluation
 //!   ([`kiln_compiler::interp::eval_op_at`]), so any plan runs, and native kernels replace ops one
-//!   at a time, each held to the interpreter by `tests/fused_ops.rs`.
+//!   at a time, each held to the interpreter by `tests/engines/fused_ops.rs`.
 //!
 //! The plan is target-neutral: projection weights are in the graph's `[out, in]` layout, f32 or
 //! quantized blocks (`[rows, k]`), which these kernels read as they are (the wgpu back end

@@ -1,0 +1,101 @@
+//! `kiln bench decode`: generation with the key/value cache, a prompt then decode steps: prefill
+//! and decode tokens per second.
+
+use super::{DeviceArgs, SpecArgs, bench_target, weight_bytes, weight_bytes_json};
+use crate::exec::{WeightArgs, params_for};
+use crate::progress::Reporter;
+use anyhow::{Result, bail};
+use kiln_compiler::graph::build::build_cached;
+use kiln_compiler::{FrontEnd, optimize};
+use kiln_runtime::measure::median;
+use kiln_runtime::{Device, Weights};
+use std::path::PathBuf;
+
+/// Arguments of `kiln bench decode`.
+#[derive(clap::Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    spec: SpecArgs,
+    /// Tokens of the prompt.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Decode steps after the prompt.
+    #[arg(long)]
+    steps: usize,
+    /// Timed generations (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Real weights (safetensors or GGUF) instead of random ones.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    #[command(flatten)]
+    storage: WeightArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl DecodeArgs {
+    /// The spec file, if one is named.
+    pub fn spec(&self) -> Option<&std::path::Path> {
+        self.spec.path()
+    }
+}
+
+/// Runs `kiln bench decode`.
+pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
+    let device = args.device.open(reporter, args.json)?;
+    let (_, fe) = args.spec.read()?;
+    decode(&fe, &device, &args)
+}
+
+/// Generation with the key/value cache on the device (optimized graph, greedy): a prompt of
+/// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
+/// `runs` generations.
+fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
+    let DecodeArgs { seq: prompt, steps, runs, json, storage, .. } = *args;
+    let weights = args.weights.as_deref();
+    use kiln_runtime::Sampler;
+    use kiln_runtime::generate::{Session, generate};
+    let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &bench_target(device))?.0;
+    let (params, blocks) = params_for(fe, &cached, weights, storage.storage())?;
+    let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let model = device.model(&cached, Weights::Given { params: &params, blocks: &blocks }, storage.storage(), &())?;
+    let dispatches = model.plan().steps.len();
+    let device_weights = (weight_bytes(&model), weight_bytes_json(&model));
+    let mut session = Session::new(model.into(), &outputs, usize::MAX)?;
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
+    if prompt + steps > fe.spec.spec.model.max_positions as usize {
+        bail!("{prompt} + {steps} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
+    }
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for _ in 0..runs.max(1) {
+        // A fresh cache per run; the pipelines and weights are shared.
+        let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
+        prefill.push(stats.prefill_tok_s());
+        decode.push(stats.decode_tok_s());
+        session.reset();
+    }
+    let (prefill, decode) = (median(prefill), median(decode));
+    if json {
+        let out = serde_json::json!({
+            "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps,
+            "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill, "decode_tok_s": decode,
+            "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "{} generating on {} (median of {runs}; {dispatches} dispatches per step)",
+            fe.graph.name,
+            device.describe()
+        );
+        println!("  prefill {prompt} tokens: {prefill:.1} tok/s");
+        println!("  decode {steps} steps:    {decode:.2} tok/s");
+        println!("  weights on the device: {}", device_weights.0);
+    }
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! `kiln check`: a spec validated and summarized (parameters, FLOPs per token, graph size), and
+//! with `--weights`, every parameter read from a checkpoint as a run would read it.
+
+use crate::progress::Reporter;
+use crate::report::{count, human, print_json};
+use anyhow::{Result, bail};
+use kiln_compiler::FrontEnd;
+use kiln_compiler::graph::print;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `kiln check`.
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    /// The spec (TOML), or an artifact from `kiln compile` (the spec it stores).
+    spec: PathBuf,
+    /// Sequence length at which FLOPs per token are counted (1 to `max_positions`; default
+    /// 128, or `max_positions` if smaller).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Also read every parameter from this checkpoint (safetensors or GGUF) through the weight
+    /// map and check it as a run would, without running; warn about the checkpoint's tensors
+    /// the spec never reads.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl CheckArgs {
+    /// The spec file, when its weights are read (`--weights`).
+    pub fn weighed_spec(&self) -> Option<&Path> {
+        self.weights.as_ref().map(|_| self.spec.as_path())
+    }
+}
+
+/// Runs `kiln check`.
+pub fn run(args: CheckArgs, reporter: &Reporter) -> Result<()> {
+    let fe = crate::model_file::load_spec(&args.spec)?;
+    let seq = check_seq(&fe, args.seq)?;
+    let weights = args.weights.map(|w| check_weights(&fe, &w, reporter)).transpose()?;
+    print(&args.spec, &fe, seq, weights.as_ref(), args.json)
+}
+
+/// `kiln check`: the summary of a valid spec, FLOPs counted at sequence length `seq`. JSON:
+/// `spec`, `model`, `kind`, `layers`, `d_model`, `vocab`, `parameters`, `flops_per_token`, `seq`,
+/// `graph` (`nodes`, `compute_nodes`, `edges`), `inputs`, `outputs`, `weight_map` (`preset`,
+/// `null` without one, and `entries`).
+/// With `--weights`, also `weights` (`path`, `parameters`, `tensors_read`, `unused`: the
+/// checkpoint's tensors the spec never reads), which text mode gives as a warning on stderr.
+fn print(path: &Path, fe: &FrontEnd, seq: usize, weights: Option<&WeightCheck>, json: bool) -> Result<()> {
+    let s = print::summary(&fe.graph, seq);
+    let m = &fe.spec.spec.model;
+    let inputs: Vec<&str> = fe.graph.inputs().iter().map(|(_, n, _)| *n).collect();
+    let outputs: Vec<&str> = fe.graph.outputs.iter().map(|(n, _)| n.as_str()).collect();
+    let preset = fe.spec.weights.preset.as_deref();
+    if json {
+        return print_json(&json!({
+            "spec": path.display().to_string(),
+            "model": m.name,
+            "kind": m.kind,
+            "layers": fe.spec.layers(),
+            "d_model": m.d_model,
+            "vocab": m.vocab,
+            "parameters": s.parameters,
+            "flops_per_token": s.flops_per_token,
+            "seq": s.seq,
+            "graph": { "nodes": s.nodes, "compute_nodes": s.compute_nodes, "edges": s.edges },
+            "inputs": inputs,
+            "outputs": outputs,
+            "weight_map": { "preset": preset, "entries": fe.spec.weights.entries.len() },
+            "weights": weights.map(|w| json!({
+                "path": w.path.display().to_string(),
+                "parameters": w.parameters,
+                "tensors_read": w.tensors_read,
+                "unused": w.unused,
+            })),
+        }));
+    }
+    println!("{}: ok", path.display());
+    println!(
+        "  model        {} ({:?}, {}, d_model {}, vocab {})",
+        m.name,
+        m.kind,
+        count(fe.spec.layers() as usize, "layer"),
+        m.d_model,
+        m.vocab
+    );
+    println!("  parameters   {} ({})", s.parameters, human(s.parameters as f64));
+    println!("  FLOPs/token  {} (matmuls, forward at seq {})", human(s.flops_per_token), s.seq);
+    println!("  graph        {} nodes ({} compute), {} edges", s.nodes, s.compute_nodes, s.edges);
+    println!("  inputs       {}", inputs.join(", "));
+    println!("  outputs      {}", outputs.join(", "));
+    if let Some(p) = preset {
+        println!("  weight map   preset `{p}`, {} entries", fe.spec.weights.entries.len());
+    }
+    if let Some(w) = weights {
+        println!(
+            "  weights      {} from {} of `{}`, every one checked",
+            count(w.parameters, "parameter"),
+            count(w.tensors_read, "tensor"),
+            w.path.display()
+        );
+        if !w.unused.is_empty() {
+            const SHOWN: usize = 10;
+            let mut names: Vec<String> = w.unused.iter().take(SHOWN).map(|n| format!("`{n}`")).collect();
+            if w.unused.len() > SHOWN {
+                names.push(format!("and {} more", w.unused.len() - SHOWN));
+            }
+            eprintln!(
+                "warning: `{}` holds {} the spec never reads: {}",
+                w.path.display(),
+                count(w.unused.len(), "tensor"),
+                names.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What `kiln check --weights` found in a checkpoint.
+struct WeightCheck {
+    /// The checkpoint.
+    path: std::path::PathBuf,
+    /// The spec's parameters, each read and checked (name, shape, dtype, finite values, blocks).
+    parameters: usize,
+    /// The distinct checkpoint tensors they come from.
+    tensors_read: usize,
+    /// The checkpoint's tensors that no parameter comes from, sorted.
+    unused: Vec<String>,
+}
+
+/// `check --seq`: a length from 1 to the model's `max_positions` (default 128, or
+/// `max_positions` if smaller), since FLOPs at other lengths describe no run of it.
+fn check_seq(fe: &FrontEnd, seq: Option<usize>) -> Result<usize> {
+    let max = fe.spec.spec.model.max_positions;
+    match seq {
+        None => Ok(usize::try_from(max.min(128)).unwrap_or(128)),
+        Some(seq) if seq == 0 || seq as u64 > max => {
+            bail!(
+                "--seq {seq} is not a sequence length of this model: FLOPs are counted at 1 to its `max_positions` = {max}"
+            )
+        }
+        Some(seq) => Ok(seq),
+    }
+}
+
+/// Reads every parameter of `fe`'s graph from the checkpoint at `path` through the weight map, as
+/// a run would (without keeping them), and lists the tensors none of them comes from.
+fn check_weights(fe: &FrontEnd, path: &Path, reporter: &Reporter) -> Result<WeightCheck> {
+    use kiln_runtime::weights;
+    let ckpt = kiln_runtime::Checkpoint::open(path)?;
+    let names = weights::graph_params(&fe.graph);
+    let dims = kiln_compiler::spec::PackDims::of(&fe.spec);
+    drop(weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?);
+    drop(weights::quantized_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?);
+    let read: std::collections::BTreeSet<String> = names
+        .iter()
+        .map(|(name, _)| fe.spec.weights.resolve(name).map_or_else(|| name.clone(), |r| r.tensor))
+        .collect();
+    let unused = ckpt.names().into_iter().filter(|n| !read.contains(n)).collect();
+    Ok(WeightCheck { path: path.to_path_buf(), parameters: names.len(), tensors_read: read.len(), unused })
+}

@@ -1,0 +1,14 @@
+//! The commands, one module each: its `clap` arguments and its `run`. `main` parses the command
+//! line, calls the command's `run` and renders its error; what commands share lives beside this
+//! folder (`exec`: backend flags and the device; `model_file`: the files a command reads;
+//! `progress` and `report`: what it says).
+
+pub mod bench;
+pub mod check;
+pub mod compile;
+pub mod diff;
+pub mod embed;
+pub mod generate;
+pub mod import;
+pub mod inspect;
+pub mod run;

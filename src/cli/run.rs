@@ -1,0 +1,264 @@
+//! `kiln run`: a spec (compiled in memory) or an artifact run once on inputs from a safetensors
+//! file or given inline (`--input-ids`), with a checkpoint's weights or random ones
+//! (`--random-weights`), its outputs written to a safetensors file. What `embed` shares with it:
+//! running a model file on a backend ([`execute`]).
+
+use crate::exec::{Backend, Exec, Precision, check_exec, optimizer_target};
+use crate::model_file::ModelFile;
+use crate::progress::Reporter;
+use crate::report::print_json;
+use anyhow::{Context, Result, anyhow, bail};
+use kiln_compiler::spec::Resolved;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::{FrontEnd, interp, optimize};
+use kiln_runtime::Checkpoint;
+use kiln_runtime::device::{Reading, Storage, Weights};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `kiln run`.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// A spec (TOML, compiled in memory), an artifact from `kiln compile`, or a checkpoint (a
+    /// Hugging Face model directory or a GGUF file) whose spec is imported in memory.
+    model: PathBuf,
+    /// Checkpoint (safetensors, or GGUF: detected by its magic or a `.gguf` name) holding the
+    /// weights under the names the spec's weight map gives (default: MODEL's, if a checkpoint).
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Instead of a checkpoint: parameters drawn at random, as `kiln bench` draws them (uniform,
+    /// norm gains around 1; the same for every backend and with or without the optimizer).
+    #[arg(long, conflicts_with = "weights")]
+    random_weights: bool,
+    /// The seed of `--random-weights`.
+    #[arg(long, requires = "random_weights", default_value_t = 1)]
+    seed: u64,
+    /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,
+    /// `src_padding`, `tgt_ids`; other tensors are ignored.
+    #[arg(long, required_unless_present = "input_ids", conflicts_with = "input_ids")]
+    inputs: Option<PathBuf>,
+    /// Instead of `--inputs`: the token ids, comma-separated, a batch's sequences separated by
+    /// `;` (`1,2,3;4,5,6`), all of one length; the mask and token types are defaulted (all
+    /// tokens, type 0).
+    #[arg(long, allow_hyphen_values = true)]
+    input_ids: Option<String>,
+    /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
+    #[arg(long)]
+    output: PathBuf,
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    exec: Exec,
+}
+
+impl RunArgs {
+    /// The model file.
+    pub fn model(&self) -> &Path {
+        &self.model
+    }
+
+    /// Whether `--print-spec` was given.
+    pub fn print_spec(&self) -> bool {
+        self.exec.print_spec
+    }
+}
+
+/// Where a model's parameters come from.
+pub enum Params<'a> {
+    /// A checkpoint file.
+    Checkpoint(&'a Checkpoint),
+    /// Drawn by `interp::random_params` from this seed (`--random-weights`).
+    Random(u64),
+}
+
+/// Runs `kiln run`.
+pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
+    // An output that cannot be written is refused before any work.
+    kiln_compiler::file::check_writable(&args.output)
+        .with_context(|| format!("cannot write the outputs to `{}`", args.output.display()))?;
+    let model = ModelFile::read(&args.model)?;
+    let given = match (&args.inputs, &args.input_ids) {
+        (Some(path), _) => kiln_runtime::read_tensors(path)?,
+        (None, Some(ids)) => inline_inputs(&model.fe, ids)?,
+        (None, None) => bail!("give the inputs: --inputs FILE or --input-ids 1,2,3"),
+    };
+    check_positions(&model.fe.spec, &given)?;
+    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
+    let weights = match (args.weights.clone(), args.random_weights) {
+        (None, true) => None,
+        (None, false) if !kiln_runtime::import::is_checkpoint(&args.model) => bail!(
+            "give the weights: --weights CHECKPOINT, or --random-weights (a checkpoint directory or GGUF file \
+             given as the model brings its own)"
+        ),
+        (weights, _) => Some(crate::model_file::weights_for(weights, &args.model)?),
+    };
+    let ckpt = weights.as_deref().map(Checkpoint::open).transpose()?;
+    let params = match &ckpt {
+        Some(ckpt) => Params::Checkpoint(ckpt),
+        None => Params::Random(args.seed),
+    };
+    let outputs = execute(model, &params, &given, &args.exec, backend, reporter)?;
+    if outputs.is_empty() {
+        bail!("the model has no outputs");
+    }
+    kiln_runtime::write_tensors(&args.output, &outputs)?;
+    print(&args.output, &outputs, backend.name(), args.json)
+}
+
+/// `kiln run`: the outputs written to `path`. JSON: `path`, `outputs` (per output in the order
+/// written: `name`, `dtype`, `shape`).
+fn print(path: &Path, outputs: &[(String, Tensor)], backend: &str, json: bool) -> Result<()> {
+    if json {
+        let outputs: Vec<serde_json::Value> = outputs
+            .iter()
+            .map(|(name, t)| json!({ "name": name, "dtype": t.dtype().to_string(), "shape": t.shape }))
+            .collect();
+        return print_json(&json!({ "path": path.display().to_string(), "backend": backend, "outputs": outputs }));
+    }
+    for (name, t) in outputs {
+        println!("{name}: {}{:?}", t.dtype(), t.shape);
+    }
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// Runs a model file once on `given` on `backend` (resolved): a spec optimized for it unless
+/// `--no-optimize`, an artifact's own plan as compiled.
+pub fn execute(
+    model: ModelFile,
+    params: &Params,
+    given: &HashMap<String, Tensor>,
+    exec: &Exec,
+    backend: Backend,
+    reporter: &Reporter,
+) -> Result<Vec<(String, Tensor)>> {
+    check_exec(exec, backend)?;
+    let quantized = match params {
+        Params::Checkpoint(ckpt) => ckpt.gguf().is_some(),
+        Params::Random(_) => false,
+    };
+    if !quantized {
+        let what = match params {
+            Params::Checkpoint(ckpt) => format!("`{}` (safetensors)", ckpt.path().display()),
+            Params::Random(_) => "random weights".into(),
+        };
+        crate::exec::check_blocks(exec.weights, &what)?;
+    }
+    // Random parameters are drawn for the graph as built, so that they are the same whatever the
+    // optimizer makes of it (and for an artifact, the same as for its spec).
+    let random = match params {
+        Params::Random(seed) => interp::random_params(&model.fe.graph, *seed)?,
+        Params::Checkpoint(_) => HashMap::new(),
+    };
+    let given_random = Weights::Given { params: &random, blocks: &HashMap::new() };
+    let Some(art) = model.artifact else {
+        let FrontEnd { spec, mut graph } = model.fe;
+        let device = exec.device(backend)?;
+        if !exec.no_optimize {
+            let target = optimizer_target(&device, reporter)?;
+            graph = reporter.stage("optimizing", || optimize::optimize_for(&graph, &target))?.0;
+        }
+        let weights = match params {
+            Params::Checkpoint(ckpt) => Weights::Checkpoint(Reading::of(&spec, ckpt)),
+            Params::Random(_) => given_random,
+        };
+        return Ok(device.load(&graph, weights, exec.weights.storage(), reporter)?.run(given)?);
+    };
+    if exec.no_optimize {
+        bail!(
+            "--no-optimize has no effect on an artifact: its plan was compiled by `kiln compile` (give --no-optimize there, or run the spec)"
+        );
+    }
+    if exec.weights.precision != Precision::F32 {
+        bail!(
+            "an artifact's plan stores its weights as f32; run the spec to use --precision {}",
+            exec.weights.storage().precision.name()
+        );
+    }
+    let weights = match params {
+        Params::Checkpoint(ckpt) => Weights::Checkpoint(Reading { ckpt, map: &art.weights, dims: art.pack_dims }),
+        Params::Random(_) => given_random,
+    };
+    // The artifact's own plan; on the interpreter, each step by the interpreter's definition.
+    let device = exec.device(backend)?;
+    Ok(device.load_plan(art.plan, weights, Storage::default(), reporter)?.run(given)?)
+}
+
+/// `--input-ids`: `1,2,3;4,5,6` as the model's token-id input (`[2, 3]`).
+fn inline_inputs(fe: &FrontEnd, text: &str) -> Result<HashMap<String, Tensor>> {
+    let ids = fe.graph.inputs().into_iter().map(|(_, name, _)| name.to_string()).collect::<Vec<_>>();
+    if !ids.iter().any(|n| n == "input_ids") {
+        bail!(
+            "--input-ids gives `input_ids`, which `{}` does not take (its inputs: {}); give them with --inputs",
+            fe.graph.name,
+            ids.join(", ")
+        );
+    }
+    Ok(HashMap::from([("input_ids".to_string(), parse_ids(text)?)]))
+}
+
+/// `1,2,3;4,5,6` -> an i64 tensor `[2, 3]`.
+pub fn parse_ids(text: &str) -> Result<Tensor> {
+    let mut rows: Vec<Vec<i64>> = Vec::new();
+    for (r, row) in text.split(';').enumerate() {
+        if row.trim().is_empty() {
+            bail!("--input-ids: sequence {} is empty", r + 1);
+        }
+        let ids = row
+            .split(',')
+            .map(|t| {
+                t.trim()
+                    .parse::<i64>()
+                    .map_err(|_| anyhow!("--input-ids: `{}` (sequence {}) is not a token id", t.trim(), r + 1))
+            })
+            .collect::<Result<Vec<i64>>>()?;
+        if let Some(first) = rows.first()
+            && first.len() != ids.len()
+        {
+            bail!(
+                "--input-ids: sequence {} has {}, the first has {}: the sequences of a batch have one length (for padding, give a mask with --inputs)",
+                r + 1,
+                crate::report::count(ids.len(), "id"),
+                first.len()
+            );
+        }
+        rows.push(ids);
+    }
+    let (batch, seq) = (rows.len(), rows[0].len());
+    Ok(Tensor::i64(vec![batch, seq], rows.concat()))
+}
+
+/// Refuses sequences longer than the spec's `max_positions`, whatever its positional scheme (a
+/// learned table would refuse them too, but RoPE, ALiBi and the others would run on).
+pub fn check_positions(spec: &Resolved, given: &HashMap<String, Tensor>) -> Result<()> {
+    let max = spec.spec.model.max_positions;
+    for name in ["input_ids", "src_ids", "tgt_ids"] {
+        if let Some(t) = given.get(name)
+            && let Some(&seq) = t.shape.get(1)
+            && seq as u64 > max
+        {
+            bail!(
+                "input `{name}` has {} per sequence, more than the model's `max_positions` = {max}",
+                crate::report::count(seq, "token")
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_parse_as_a_batch() {
+        let t = parse_ids("1,2,3; 4, 5,6").unwrap();
+        assert_eq!(t.shape, [2, 3]);
+        assert_eq!(t.as_i64().unwrap(), [1, 2, 3, 4, 5, 6]);
+        assert!(parse_ids("1,2;3").unwrap_err().to_string().contains("sequence 2 has 1 id, the first has 2"));
+        assert!(parse_ids("1,x").unwrap_err().to_string().contains("`x` (sequence 1) is not a token id"));
+        assert!(parse_ids("1;").unwrap_err().to_string().contains("sequence 2 is empty"));
+    }
+}

@@ -1,0 +1,16 @@
+//! The `kiln` binary as a user runs it: its commands and their output, the README's commands,
+//! bad inputs and weights, faults, memory limits and atomic writes.
+//!
+//! One test binary for several files, so the suite links fewer of them (each links wgpu, naga
+//! and egg).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod atomic_writes;
+mod bad_inputs;
+mod bad_weights;
+mod commands;
+mod faults;
+mod limits;
+mod readme;

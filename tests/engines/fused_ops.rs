@@ -1,0 +1,1130 @@
+//! The fused ops (`linear` with its prologues and epilogues, `masked_softmax`, `attention`,
+//! `packed_attention`, `heads`, `add_norm`): on the interpreter each one
+//! equals the composition of primitive ops that defines it, and their WGSL kernels (plain, and
+//! chunked over small buffers) agree with the interpreter on wgpu, as do the CPU backend's
+//! kernels.
+//!
+//! Every case is a tiny graph of parameters (random, except key masks, which are set to patterns
+//! that hide some keys and every key of some rows) feeding the fused op, output `fused`, and the
+//! same computation from primitive ops, output `unfused`.
+
+use crate::common;
+
+use kiln_compiler::graph::{
+    BlockPattern, Bucketing, Dim, Graph, NodeIndex, Op, Prologue, RopeCols, Rotation, Scalar, ScoreMods,
+};
+use kiln_compiler::interp;
+use kiln_compiler::lower::{Options, lower_with};
+use kiln_compiler::spec::Activation;
+use kiln_compiler::spec::PairStyle;
+use kiln_compiler::tensor::Tensor;
+use kiln_runtime::{Gpu, GpuModel};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// Allowed difference, relative to `max(1, max |value|)`, between a backend (wgpu, cpu) and the
+/// interpreter.
+const GPU_TOLERANCE: f32 = 1e-5;
+
+/// Allowed difference between a fused op and its composition on the interpreter (which evaluates
+/// the fused op as exactly that composition).
+const INTERP_TOLERANCE: f32 = 1e-6;
+
+/// A device whose buffers hold at most 64 floats, so most tensors here are split into chunks and
+/// the chunked kernel variants run.
+fn chunked_gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
+    GPU.get_or_init(|| common::gpu_with_buffer_limit(256)).clone()
+}
+
+fn assert_close(what: &str, expected: &Tensor, got: &Tensor, tolerance: f32) {
+    let scale = expected.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let err = expected.max_abs_diff(got);
+    assert!(err <= tolerance * scale, "{what}: differs by {err:e} (max |x| {scale})");
+}
+
+/// One fused op over parameters (name, shape); a parameter named `key_mask` gets the values
+/// `key_mask` (1 = attend) instead of random ones.
+struct Case {
+    name: String,
+    op: Op,
+    operands: Vec<(&'static str, Vec<usize>)>,
+    key_mask: Option<Vec<f32>>,
+}
+
+impl Case {
+    fn new(name: String, op: Op, operands: &[(&'static str, &[usize])], key_mask: Option<Vec<f32>>) -> Case {
+        Case { name, op, operands: operands.iter().map(|(n, s)| (*n, s.to_vec())).collect(), key_mask }
+    }
+}
+
+/// A fused softmax's attributes, to compose from primitive ops.
+struct Softmax {
+    scale: Scalar,
+    alibi: bool,
+    causal: bool,
+    window: Option<usize>,
+    mods: ScoreMods,
+}
+
+impl Softmax {
+    /// `softmax(mask(bias(alibi(softcap(scores * scale)))))` over scores `[b, heads, q, k]`,
+    /// `rest` the optional key mask and bias table.
+    fn compose(&self, g: &mut Graph, scores: NodeIndex, rest: &[NodeIndex], (q, k): (usize, usize)) -> NodeIndex {
+        let mut add = |op: Op, operands: &[NodeIndex]| g.add(op, operands).unwrap_or_else(|e| panic!("{e}"));
+        let (mask, table) = interp::score_operands(rest, &self.mods);
+        let mut y = add(Op::Scale { factor: self.scale }, &[scores]);
+        if let Some(cap) = self.mods.softcap {
+            y = add(Op::SoftCap { cap }, &[y]);
+        }
+        if self.alibi {
+            y = add(Op::Alibi, &[y]);
+        }
+        if let (Some(r), Some(&table)) = (self.mods.relative, table) {
+            let op = r.bias(Dim::Fixed(q), Dim::Fixed(k));
+            let bias = add(op, &[table]);
+            y = add(Op::Add, &[y, bias]);
+        }
+        let operands: Vec<NodeIndex> = std::iter::once(y).chain(mask.copied()).collect();
+        y = match self.mods.sparse {
+            Some(p) => add(p.mask(), &operands),
+            None => add(Op::Mask { causal: self.causal, window: self.window }, &operands),
+        };
+        add(Op::Softmax, &[y])
+    }
+}
+
+/// Builds every case's fused op and its primitive composition into one graph (so the GPU model
+/// compiles each distinct kernel once), checks each pair against each other on the interpreter
+/// and both against the interpreter on wgpu, plainly and, if `chunked`, over small buffers.
+fn check(cases: &[Case], chunked: bool) {
+    let (g, params, expected) = evaluate(cases);
+    let devices = [("wgpu", common::gpu()), ("wgpu, chunked", if chunked { chunked_gpu() } else { None })];
+    for (device, gpu) in devices {
+        let Some(gpu) = gpu else { continue };
+        // Unfolded: every op here reads parameters alone, and would otherwise be evaluated at load
+        // time by the interpreter instead of running its kernel.
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+        let model = GpuModel::new(gpu, plan, &params).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{device}: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
+        }
+    }
+    // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
+    // split unevenly).
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for threads in [1, 3] {
+        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
+        for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
+            let what = format!("{}: `{out}` on cpu, {threads} threads", cases[k / 2].name);
+            assert_close(&what, want, got, GPU_TOLERANCE);
+        }
+    }
+}
+
+/// The fused ops of [`check`]'s cases on wgpu alone (their compositions checked on the
+/// interpreter only), the kernels compiled with each of `forms` (forms the adapter would not be
+/// given by default, such as a hardware adapter's); the model of each.
+fn check_forms(cases: &[Case], forms: &[kiln_compiler::back::wgsl::Options]) -> Vec<GpuModel> {
+    let (mut g, params, expected) = evaluate(cases);
+    g.outputs.retain(|(name, _)| name.ends_with(".fused"));
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    let gpu = common::gpu().expect("the caller checked for an adapter");
+    let mut models = Vec::new();
+    for options in forms {
+        let form = options.describe();
+        let model = GpuModel::with_progress(gpu.clone(), &plan, options, &params, &HashMap::new(), &())
+            .unwrap_or_else(|e| panic!("{form}: {e}"));
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
+        for ((case, want), (out, got)) in cases.iter().zip(expected.iter().step_by(2)).zip(&got) {
+            assert_close(&format!("{}: `{out}` on wgpu ({form})", case.name), &want.1, got, GPU_TOLERANCE);
+        }
+        models.push(model);
+    }
+    models
+}
+
+/// The graph of [`check`]'s cases (outputs `caseN.fused`, `caseN.unfused`), its parameters, and
+/// its outputs on the interpreter, each fused op checked against its composition there.
+fn evaluate(cases: &[Case]) -> (Graph, HashMap<String, Tensor>, Vec<(String, Tensor)>) {
+    let mut g = Graph::new("fused");
+    for (c, case) in cases.iter().enumerate() {
+        let name = &case.name;
+        let a: Vec<_> = case.operands.iter().map(|(n, shape)| g.param(&format!("case{c}.{n}"), shape)).collect();
+        let fused = g.add(case.op.clone(), &a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        macro_rules! add {
+            ($op:expr, $($x:expr),+) => {
+                g.add($op, &[$($x),+]).unwrap_or_else(|e| panic!("{name}: {e}"))
+            };
+        }
+        let unfused = match &case.op {
+            Op::Linear { act, bias, residual, norm, glu, rope } => {
+                let mut next = 1;
+                let x = match norm {
+                    None => a[0],
+                    Some(p) if p.rms => {
+                        next = 2;
+                        add!(Op::RmsNorm { eps: p.eps }, a[0], a[1])
+                    }
+                    Some(p) if p.bias => {
+                        next = 3;
+                        add!(Op::LayerNorm { eps: p.eps }, a[0], a[1], a[2])
+                    }
+                    Some(p) => {
+                        next = 2;
+                        add!(Op::LayerNorm { eps: p.eps }, a[0], a[1])
+                    }
+                };
+                let mut y = add!(Op::MatMul { transpose_b: true }, x, a[next]);
+                if *bias {
+                    y = add!(Op::Add, y, a[next + 1]);
+                }
+                let rank = case.operands[0].1.len();
+                let m = case.operands[next].1[0];
+                if *glu {
+                    let gate = add!(Op::Slice { axis: rank - 1, start: 0, len: m / 2 }, y);
+                    let up = add!(Op::Slice { axis: rank - 1, start: m / 2, len: m / 2 }, y);
+                    let gate = match act {
+                        Some(act) => add!(Op::Act(*act), gate),
+                        None => gate,
+                    };
+                    y = add!(Op::Mul, gate, up);
+                } else if let Some(act) = act {
+                    y = add!(Op::Act(*act), y);
+                }
+                if let Some(r) = rope {
+                    // Split the rotated columns into heads, rotate them with `rope`, put them back.
+                    let x = &case.operands[0].1;
+                    let (b, s, n) = (x[0], x[1], if *glu { m / 2 } else { m });
+                    let heads = r.len / r.head_dim;
+                    let cols = add!(Op::Slice { axis: 2, start: r.start, len: r.len }, y);
+                    let split = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(heads), Dim::Fixed(r.head_dim)];
+                    let t = add!(Op::Reshape { shape: split }, cols);
+                    let t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                    let t = add!(Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style }, t);
+                    let t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                    let mut rotated =
+                        add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(r.len)] }, t);
+                    if r.start > 0 {
+                        let head = add!(Op::Slice { axis: 2, start: 0, len: r.start }, y);
+                        rotated = add!(Op::Concat { axis: 2 }, head, rotated);
+                    }
+                    if r.start + r.len < n {
+                        let tail = add!(Op::Slice { axis: 2, start: r.start + r.len, len: n - r.start - r.len }, y);
+                        rotated = add!(Op::Concat { axis: 2 }, rotated, tail);
+                    }
+                    y = rotated;
+                }
+                if *residual {
+                    y = add!(Op::Add, y, *a.last().unwrap());
+                }
+                y
+            }
+            Op::Heads { start, heads, head_dim, norm, rope } => {
+                let gain = usize::from(norm.is_some());
+                let xi = a.len() - 1 - gain;
+                let x = &case.operands[xi].1;
+                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[xi]);
+                let split = vec![Dim::Fixed(x[0]), Dim::Fixed(x[1]), Dim::Fixed(*heads), Dim::Fixed(*head_dim)];
+                let t = add!(Op::Reshape { shape: split }, cols);
+                let mut t = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t);
+                if let Some(eps) = norm {
+                    t = add!(Op::RmsNorm { eps: *eps }, t, a[a.len() - 1]);
+                }
+                if let Some(r) = rope {
+                    t = add!(Op::Rope { theta: r.theta, rotary_dim: r.rotary_dim, style: r.style }, t);
+                }
+                if xi == 1 { add!(Op::Concat { axis: 2 }, a[0], t) } else { t }
+            }
+            Op::PackedAttention {
+                scale,
+                alibi,
+                causal,
+                window,
+                mods,
+                heads,
+                kv_heads,
+                head_dim,
+                q,
+                k,
+                v,
+                cached,
+                ..
+            } => {
+                let x = &case.operands[0].1;
+                let (b, s) = (x[0], x[1]);
+                let mut split = |start: usize, count: usize| {
+                    let cols = add!(Op::Slice { axis: 2, start, len: count * head_dim }, a[0]);
+                    let shape = vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(count), Dim::Fixed(*head_dim)];
+                    let t = add!(Op::Reshape { shape }, cols);
+                    add!(Op::Permute { perm: vec![0, 2, 1, 3] }, t)
+                };
+                let qh = split(*q, *heads);
+                // Cached: keys and values are operands of their own.
+                let (kh, vh, rest) = match cached {
+                    true => (a[1], a[2], &a[3..]),
+                    false => (split(*k, *kv_heads), split(*v, *kv_heads), &a[1..]),
+                };
+                let op = Op::Attention { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let operands: Vec<_> = [qh, kh, vh].into_iter().chain(rest.iter().copied()).collect();
+                g.add(op, &operands).unwrap_or_else(|e| panic!("{name}: {e}"))
+            }
+            Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
+                let sh = &case.operands[0].1;
+                let soft = Softmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                soft.compose(&mut g, a[0], &a[1..], (sh[2], sh[3]))
+            }
+            Op::Attention { scale, alibi, causal, window, mods } => {
+                let (q, k) = (&case.operands[0].1, &case.operands[1].1);
+                let (b, h, s, d, kv, t) = (q[0], q[1], q[2], q[3], k[1], k[2]);
+                let (mut k, mut v) = (a[1], a[2]);
+                if kv < h {
+                    k = add!(Op::RepeatHeads { times: h / kv }, k);
+                    v = add!(Op::RepeatHeads { times: h / kv }, v);
+                }
+                let y = add!(Op::MatMul { transpose_b: true }, a[0], k);
+                let soft = Softmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let mut y = soft.compose(&mut g, y, &a[3..], (s, t));
+                y = add!(Op::MatMul { transpose_b: false }, y, v);
+                y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
+                add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
+            }
+            Op::LowRank { start, heads, head_dim } => {
+                let x = &case.operands[0].1;
+                let (b, n) = (x[0], x[1]);
+                let cols = add!(Op::Slice { axis: 2, start: *start, len: heads * head_dim }, a[0]);
+                let shape = vec![Dim::Fixed(b), Dim::Fixed(n), Dim::Fixed(*heads), Dim::Fixed(*head_dim)];
+                let y = add!(Op::Reshape { shape }, cols);
+                let y = add!(Op::Permute { perm: vec![0, 2, 3, 1] }, y);
+                let cut = add!(Op::Truncate { len: Dim::Fixed(n) }, a[1]);
+                let y = add!(Op::MatMul { transpose_b: false }, y, cut);
+                add!(Op::Permute { perm: vec![0, 1, 3, 2] }, y)
+            }
+            Op::AddNorm { rms, eps, after } => {
+                let x = if *after { a[1] } else { add!(Op::Add, a[0], a[1]) };
+                let normed = match (rms, a.len()) {
+                    (true, _) => add!(Op::RmsNorm { eps: *eps }, x, a[2]),
+                    (false, 3) => add!(Op::LayerNorm { eps: *eps }, x, a[2]),
+                    (false, _) => add!(Op::LayerNorm { eps: *eps }, x, a[2], a[3]),
+                };
+                if *after { add!(Op::Add, a[0], normed) } else { normed }
+            }
+            other => panic!("{} is not a fused op", other.name()),
+        };
+        g.outputs.push((format!("case{c}.fused"), fused));
+        g.outputs.push((format!("case{c}.unfused"), unfused));
+    }
+    g.check().unwrap();
+
+    let mut params = interp::random_params(&g, 7).unwrap();
+    for (c, case) in cases.iter().enumerate() {
+        if let Some(m) = &case.key_mask {
+            let name = format!("case{c}.key_mask");
+            let shape = params[&name].shape.clone();
+            params.insert(name, Tensor::f32(shape, m.clone()));
+        }
+    }
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    for (case, pair) in cases.iter().zip(expected.chunks(2)) {
+        let what = format!("{}: fused vs unfused on the interpreter", case.name);
+        assert_close(&what, &pair[1].1, &pair[0].1, INTERP_TOLERANCE);
+    }
+    (g, params, expected)
+}
+
+#[test]
+fn linear_with_every_epilogue() {
+    let mut cases = Vec::new();
+    let acts =
+        [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu)];
+    for act in acts {
+        for (bias, residual) in [(false, false), (true, false), (false, true), (true, true)] {
+            let op = Op::linear(act, bias, residual);
+            for x in [&[2, 3, 16][..], &[5, 16]] {
+                let mut out = x.to_vec();
+                *out.last_mut().unwrap() = 12;
+                let mut operands: Vec<(&str, &[usize])> = vec![("x", x), ("w", &[12, 16])];
+                if bias {
+                    operands.push(("b", &[12]));
+                }
+                if residual {
+                    operands.push(("r", &out));
+                }
+                cases.push(Case::new(format!("{} x{x:?}", op.name()), op.clone(), &operands, None));
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+/// Key mask for `batch` rows of `keys` keys: the first row hides every third key, the second
+/// hides every key (so all its query rows are fully masked), further rows attend everywhere.
+fn key_mask(batch: usize, keys: usize) -> Vec<f32> {
+    (0..batch * keys)
+        .map(|i| match i / keys {
+            0 => f32::from(i % 3 != 1),
+            1 => 0.0,
+            _ => 1.0,
+        })
+        .collect()
+}
+
+#[test]
+fn masked_softmax_with_every_mask() {
+    let scale = Scalar(2.5);
+    let mut cases = Vec::new();
+    // (heads, queries, keys): more keys than queries (a cache), fewer, and a non-power-of-two head
+    // count for the ALiBi slopes.
+    for (h, q, k) in [(4, 3, 5), (4, 5, 3), (6, 4, 4)] {
+        for alibi in [false, true] {
+            for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(1))] {
+                for masked in [false, true] {
+                    let op = Op::MaskedSoftmax { scale, alibi, causal, window, mods: ScoreMods::default() };
+                    let (scores, mask) = ([2, h, q, k], [2, k]);
+                    let mut operands: Vec<(&str, &[usize])> = vec![("scores", &scores)];
+                    if masked {
+                        operands.push(("key_mask", &mask));
+                    }
+                    let name = format!("{} {} h={h} q={q} k={k} masked={masked}", op.name(), op.attrs());
+                    cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, k))));
+                }
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn attention_mha_gqa_and_mqa_with_every_mask() {
+    // (batch, heads, kv heads, queries, keys, head_dim).
+    let shapes = [
+        (2, 4, 4, 3, 5, 8),  // multi-head, a cache longer than the queries
+        (2, 4, 2, 5, 3, 8),  // grouped-query, more queries than keys
+        (3, 4, 1, 4, 4, 16), // multi-query
+        (2, 6, 3, 3, 6, 4),  // non-power-of-two heads (ALiBi slopes)
+        // Blocks of query rows (see `kiln_compiler::back::wgsl::attention`), with partial blocks and
+        // key tiles; too large for the chunked test's 256-byte buffers.
+        (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
+        (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
+        (1, 3, 1, 70, 75, 8),  // the CPU's prefill form over two blocks of query rows, the second partial
+    ];
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    for (b, h, kv, s, t, d) in shapes {
+        let cases = if s > 5 { &mut blocked } else { &mut cases };
+        let scale = Scalar(1.5 / (d as f32).sqrt());
+        for alibi in [false, true] {
+            for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(3))] {
+                for masked in [false, true] {
+                    let op = Op::Attention { scale, alibi, causal, window, mods: ScoreMods::default() };
+                    let (q, k, mask) = ([b, h, s, d], [b, kv, t, d], [b, t]);
+                    let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];
+                    if masked {
+                        operands.push(("key_mask", &mask));
+                    }
+                    let name =
+                        format!("{} {} b={b} h={h} kv={kv} s={s} t={t} d={d} masked={masked}", op.name(), op.attrs());
+                    cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(b, t))));
+                }
+            }
+        }
+    }
+    check(&cases, true);
+    check(&blocked, false);
+}
+
+/// The score modifiers the tests combine with every form: a soft-cap, a relative position bias
+/// both ways, and a block pattern (bidirectional only; with global, window and random blocks).
+fn modifiers() -> Vec<(bool, ScoreMods)> {
+    let relative = |bidirectional| Some(Bucketing { buckets: 6, max_distance: 5, bidirectional });
+    let sparse = Some(BlockPattern { block: 2, global: 1, window: 1, random: 2, seed: 5 });
+    vec![
+        (true, ScoreMods { softcap: Some(Scalar(1.5)), ..ScoreMods::default() }),
+        (false, ScoreMods { softcap: Some(Scalar(1.5)), ..ScoreMods::default() }),
+        (true, ScoreMods { relative: relative(false), ..ScoreMods::default() }),
+        (false, ScoreMods { relative: relative(true), ..ScoreMods::default() }),
+        (false, ScoreMods { sparse, ..ScoreMods::default() }),
+        (false, ScoreMods { softcap: Some(Scalar(2.0)), relative: relative(true), sparse }),
+    ]
+}
+
+#[test]
+fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    for (causal, mods) in modifiers() {
+        let heads = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
+        for masked in [false, true] {
+            // The masked softmax, over more keys than queries (a cache) and fewer.
+            for (h, q, k) in [(4, 3, 5), (2, 5, 3)] {
+                let op = Op::MaskedSoftmax { scale: Scalar(1.3), alibi: false, causal, window: None, mods };
+                let (scores, mask, table) = ([2, h, q, k], [2, k], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("scores", &scores)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} {} h={h} q={q} k={k} masked={masked}", op.name(), op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, k))));
+            }
+            if !masked {
+                // The attention kernels run with the key mask only (its paths include the
+                // others'), to keep the number of distinct kernels lavapipe compiles down.
+                continue;
+            }
+            // Attention: a decode step, a short prompt, blocks of query rows (wgpu) and the CPU's
+            // prefill form.
+            for (b, h, kv, s, t, d) in
+                [(2, 4, 2, 1, 9, 8), (2, 4, 4, 3, 5, 8), (1, 4, 4, 19, 23, 16), (1, 3, 1, 70, 75, 8)]
+            {
+                let cases = if s > 5 { &mut blocked } else { &mut cases };
+                let op = Op::Attention { scale: Scalar(0.6), alibi: false, causal, window: None, mods };
+                let (q, k, mask, table) = ([b, h, s, d], [b, kv, t, d], [b, t], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} {} b={b} h={h} kv={kv} s={s} t={t} masked={masked}", op.name(), op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(b, t))));
+            }
+            // Packed attention, short and in blocks of rows.
+            for seq in [5, 13] {
+                let cases = if seq > 5 { &mut blocked } else { &mut cases };
+                let (h, kv, d) = (4, 2, 8);
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window: None,
+                    mods,
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q: 0,
+                    k: h * d,
+                    v: (h + kv) * d,
+                    cached: false,
+                    appends: false,
+                };
+                let (x, mask, table) = ([2, seq, (h + 2 * kv) * d], [2, seq], heads(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} seq={seq} masked={masked}", op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(2, seq))));
+            }
+        }
+    }
+    check(&cases, true);
+    check(&blocked, false);
+}
+
+#[test]
+fn low_rank_projection() {
+    // (heads, head_dim, first column, width, sequence, rows of e, r): whole rows, a column range
+    // of wider rows, and a sequence shorter than e.
+    let mut cases = Vec::new();
+    for (heads, hd, start, width, n, rows, r) in [(2, 4, 0, 8, 5, 5, 3), (3, 4, 8, 24, 4, 7, 2), (1, 8, 4, 12, 6, 9, 5)]
+    {
+        let op = Op::LowRank { start, heads, head_dim: hd };
+        let (x, e) = ([2, n, width], [rows, r]);
+        cases.push(Case::new(format!("{} {}", op.name(), op.attrs()), op, &[("x", &x), ("e", &e)], None));
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn attention_at_the_largest_head_dim() {
+    let d = kiln_compiler::back::wgsl::attention::MAX_ATTENTION_HEAD_DIM;
+    let op = Op::Attention {
+        scale: Scalar(1.0 / (d as f32).sqrt()),
+        alibi: false,
+        causal: true,
+        window: None,
+        mods: ScoreMods::default(),
+    };
+    let operands: [(&str, &[usize]); 4] =
+        [("q", &[2, 2, 3, d]), ("k", &[2, 1, 4, d]), ("v", &[2, 1, 4, d]), ("key_mask", &[2, 4])];
+    // Not chunked: at 64 floats a chunk, this needs more storage buffers than adapters allow.
+    check(&[Case::new(format!("attention d={d}"), op, &operands, Some(key_mask(2, 4)))], false);
+}
+
+#[test]
+fn add_norm_rms_and_layer_with_and_without_bias() {
+    let mut cases = Vec::new();
+    for (rms, bias) in [(true, false), (false, false), (false, true)] {
+        for (eps, after) in [(1e-5, false), (1e-6, false), (1e-5, true), (1e-6, true)] {
+            let op = Op::AddNorm { rms, eps: Scalar(eps), after };
+            let mut operands: Vec<(&str, &[usize])> =
+                vec![("a", &[2, 3, 24]), ("b", &[2, 3, 24]), ("norm.weight", &[24])];
+            if bias {
+                operands.push(("norm.bias", &[24]));
+            }
+            cases.push(Case::new(format!("{} eps={eps} bias={bias}", op.name()), op, &operands, None));
+        }
+    }
+    check(&cases, true);
+}
+
+#[test]
+fn linear_with_norm_prologues_gated_and_rotated_epilogues() {
+    let norms = [
+        None,
+        Some(Prologue { rms: true, eps: Scalar(1e-6), bias: false }),
+        Some(Prologue { rms: false, eps: Scalar(1e-5), bias: true }),
+        Some(Prologue { rms: false, eps: Scalar(1e-5), bias: false }),
+    ];
+    // Heads of 8 columns at columns 4..20 of 24; a partial and a full rotation, both pair layouts.
+    let ropes = [
+        RopeCols {
+            theta: Scalar(10000.0),
+            rotary_dim: 4,
+            style: PairStyle::RotateHalf,
+            head_dim: 8,
+            start: 4,
+            len: 16,
+        },
+        RopeCols { theta: Scalar(500.0), rotary_dim: 8, style: PairStyle::Interleaved, head_dim: 8, start: 0, len: 24 },
+    ];
+    let mut cases = Vec::new();
+    for norm in norms {
+        for (bias, residual) in [(false, false), (true, true)] {
+            let mut ops = vec![
+                Op::Linear { act: Some(Activation::Silu), bias, residual, norm, glu: true, rope: None },
+                Op::Linear { act: Some(Activation::Gelu), bias, residual, norm, glu: false, rope: None },
+            ];
+            for rope in ropes {
+                ops.push(Op::Linear { act: None, bias, residual, norm, glu: false, rope: Some(rope) });
+            }
+            for op in ops {
+                let Op::Linear { glu, .. } = op else { unreachable!() };
+                let (x, w, b, r): (&[usize], &[usize], &[usize], &[usize]) = if glu {
+                    (&[2, 3, 16], &[48, 16], &[48], &[2, 3, 24])
+                } else {
+                    (&[2, 3, 16], &[24, 16], &[24], &[2, 3, 24])
+                };
+                let mut operands: Vec<(&str, &[usize])> = vec![("x", x)];
+                if let Some(p) = norm {
+                    operands.push(("norm.weight", &[16]));
+                    if p.bias {
+                        operands.push(("norm.bias", &[16]));
+                    }
+                }
+                operands.push(("w", w));
+                if bias {
+                    operands.push(("b", b));
+                }
+                if residual {
+                    operands.push(("r", r));
+                }
+                cases.push(Case::new(format!("{} {}", op.name(), op.attrs()), op, &operands, None));
+            }
+        }
+    }
+    check(&cases, true);
+}
+
+/// Heads read out of packed rows at a column offset, RMS-normalized per head or not, rotated (both
+/// pair layouts, whole or partial heads) or not, alone or appended to a cache of 3 tokens; batch
+/// 2, 4 new tokens. Heads of 8 and of 72 (wider than the 64 lanes of the normalizing kernel's
+/// workgroup, so each lane takes several elements).
+#[test]
+fn heads_split_rotate_and_append() {
+    let (mut cases, mut wide) = (Vec::new(), Vec::new());
+    let rotations = [
+        None,
+        Some(Rotation { theta: Scalar(10000.0), rotary_dim: 8, style: PairStyle::RotateHalf }),
+        Some(Rotation { theta: Scalar(100.0), rotary_dim: 4, style: PairStyle::Interleaved }),
+        Some(Rotation { theta: Scalar(500.0), rotary_dim: 6, style: PairStyle::RotateHalf }),
+    ];
+    for (heads, start, width, head_dim) in [(2, 0, 16, 8), (3, 8, 40, 8), (2, 4, 150, 72)] {
+        for rope in rotations {
+            for past in [false, true] {
+                for norm in [None, Some(Scalar(1e-6))] {
+                    let op = Op::Heads { start, heads, head_dim, norm, rope };
+                    let (cache, x) = ([2, heads, 3, head_dim], [2, 4, width]);
+                    let mut operands: Vec<(&str, &[usize])> = Vec::new();
+                    if past {
+                        operands.push(("past", &cache));
+                    }
+                    operands.push(("x", &x));
+                    let gain = [head_dim];
+                    if norm.is_some() {
+                        operands.push(("gain", &gain));
+                    }
+                    let name = format!("{} {} past={past}", op.name(), op.attrs());
+                    let cases = if head_dim > 8 { &mut wide } else { &mut cases };
+                    cases.push(Case::new(name, op, &operands, None));
+                }
+            }
+        }
+    }
+    check(&cases, true);
+    // Too large for the chunked test's 256-byte buffers.
+    check(&wide, false);
+}
+
+#[test]
+fn packed_attention_mha_and_gqa_with_masks() {
+    let (mut cases, mut blocked) = (Vec::new(), Vec::new());
+    let (mut steps, mut small_steps) = (Vec::new(), Vec::new());
+    // (heads, kv heads, head_dim, q, k, v column offsets, width, sequence), batch 2.
+    for (h, kv, d, q, k, v, width, seq) in [
+        (4, 4, 8, 0, 32, 64, 96, 5),
+        (4, 2, 8, 8, 40, 56, 80, 5),
+        (3, 1, 4, 4, 0, 16, 20, 5),
+        // Too large for the chunked test's 256-byte buffers:
+        (4, 4, 16, 0, 64, 128, 192, 13), // blocks of 8 rows, the last partial
+        (6, 2, 16, 0, 96, 128, 160, 7),  // blocks of 2 rows x 3 heads
+    ] {
+        let cases = if seq > 5 { &mut blocked } else { &mut cases };
+        for (causal, window) in [(false, None), (true, None), (true, Some(2))] {
+            for masked in [false, true] {
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window,
+                    mods: ScoreMods::default(),
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q,
+                    k,
+                    v,
+                    cached: false,
+                    appends: false,
+                };
+                let (x, mask) = ([2, seq, width], [2, seq]);
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                cases.push(Case::new(
+                    format!("{} masked={masked}", op.attrs()),
+                    op.clone(),
+                    &operands,
+                    masked.then(|| key_mask(2, seq)),
+                ));
+                // A decoder step's: the queries packed, the keys and values a cache of 3 earlier
+                // tokens and these.
+                let mut cached = op;
+                if let Op::PackedAttention { cached: c, .. } = &mut cached {
+                    *c = true;
+                }
+                let (t, cache) = (3 + seq, [2, kv, 3 + seq, d]);
+                let mask = [2, t];
+                let mut operands: Vec<(&str, &[usize])> = vec![("qkv", &x), ("k", &cache), ("v", &cache)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                // Only the narrowest fits the chunked test's bindings.
+                let steps = if kv * d <= 4 { &mut small_steps } else { &mut steps };
+                steps.push(Case::new(
+                    format!("{} masked={masked}", cached.attrs()),
+                    cached,
+                    &operands,
+                    masked.then(|| key_mask(2, t)),
+                ));
+            }
+        }
+    }
+    check(&cases, true);
+    check(&blocked, false);
+    check(&small_steps, true);
+    check(&steps, false);
+}
+
+/// The options of a hardware adapter (with the attention's workgroup form), in plain and, where
+/// the adapter has them, subgroup reductions.
+fn hardware_forms(gpu: &Gpu) -> Vec<kiln_compiler::back::wgsl::Options> {
+    let hardware = kiln_compiler::back::wgsl::Options::hardware();
+    let plain = kiln_compiler::back::wgsl::Options { subgroups: false, ..hardware };
+    if gpu.supports_subgroups() { vec![plain, hardware] } else { vec![plain] }
+}
+
+/// Asserts that every attention step of `model` (compiled with `options`) ran the workgroup form:
+/// its kernel has it and its dispatch, at the step's shapes, picks it.
+fn assert_workgroup_form(model: &GpuModel, options: &kiln_compiler::back::wgsl::Options) {
+    use kiln_compiler::back::wgsl;
+    let program = model.program();
+    let plan = &program.plan;
+    let mut attentions = 0;
+    for (i, step) in plan.steps.iter().enumerate() {
+        if !matches!(step.op, Op::Attention { .. } | Op::PackedAttention { .. }) {
+            continue;
+        }
+        attentions += 1;
+        let kernel = program.kernel_of(i).unwrap();
+        assert!(kernel.wgsl.contains("dim(7u) == 2u"), "{}: no workgroup form", step.op.attrs());
+        let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, &HashMap::new());
+        let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+        let dims = wgsl::dispatch(&step.op, &operands, &shape(step.output), 0, options).unwrap();
+        assert_eq!(dims[7], 2, "{}: form {} dispatched", step.op.attrs(), dims[7]);
+    }
+    assert!(attentions > 0, "no attention step");
+}
+
+/// The attention kernels' workgroup form (a hardware adapter's, forced here: a workgroup per
+/// query row and head, its lanes taking the keys 64 at a time) against the interpreter, on every
+/// layout — attention, packed, a decoder step's packed attention over its caches — with
+/// multi-head, grouped-query and multi-query heads, heads wider than the workgroup (80: two
+/// columns a lane), one query row (a decode step) and a few, over 1 key, keys short of a chunk,
+/// a chunk, one past it and two chunks and a part, under every mask (causal, sliding window, a
+/// key padding mask that hides every key of one batch row) and score modifier (ALiBi, soft-cap,
+/// relative bias both ways, block pattern), with plain and subgroup reductions.
+#[test]
+fn attention_workgroup_form_on_every_layout_and_modifier() {
+    let Some(gpu) = common::gpu() else { return };
+    let plain = ScoreMods::default();
+    // (alibi, causal, window, modifiers)
+    let mut variants = vec![(false, false, None, plain), (true, true, None, plain), (false, true, Some(3), plain)];
+    variants.push((true, false, Some(70), plain));
+    variants.extend(modifiers().into_iter().map(|(causal, mods)| (false, causal, None, mods)));
+    let mut cases = Vec::new();
+    for (alibi, causal, window, mods) in variants {
+        let table = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
+        let mut push = |name: String, op: Op, mut operands: Vec<(&'static str, Vec<usize>)>, b: usize, t: usize| {
+            operands.push(("key_mask", vec![b, t]));
+            let heads = match &op {
+                Op::Attention { .. } => operands[0].1[1],
+                Op::PackedAttention { heads, .. } => *heads,
+                _ => unreachable!(),
+            };
+            let table = table(heads);
+            if !table.is_empty() {
+                operands.push(("table", table));
+            }
+            let operands: Vec<(&str, &[usize])> = operands.iter().map(|(n, s)| (*n, s.as_slice())).collect();
+            cases.push(Case::new(format!("{name} {}", op.attrs()), op, &operands, Some(key_mask(b, t))));
+        };
+        // Attention: (batch, heads, kv heads, rows, keys, head_dim).
+        for (b, h, kv, s, t, d) in [(2, 4, 4, 3, 130, 16), (2, 3, 1, 1, 64, 80)] {
+            let op = Op::Attention { scale: Scalar(0.7), alibi, causal, window, mods };
+            let operands = vec![("q", vec![b, h, s, d]), ("k", vec![b, kv, t, d]), ("v", vec![b, kv, t, d])];
+            push(format!("attention b={b} h={h} kv={kv} s={s} t={t} d={d}"), op, operands, b, t);
+        }
+        // Packed attention: a decoder step's over its caches (1, 7, 64, 65 and 130 keys with
+        // this step's), and a few rows attending each other.
+        let (h, kv, d) = (6, 2, 8);
+        let width = (h + 2 * kv) * d;
+        let packed = |cached| Op::PackedAttention {
+            scale: Scalar(0.4),
+            alibi,
+            causal,
+            window,
+            mods,
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+            q: 0,
+            k: h * d,
+            v: (h + kv) * d,
+            cached,
+            appends: false,
+        };
+        for t in [1, 7, 64, 65, 130] {
+            let operands = vec![("qkv", vec![2, 1, width]), ("k", vec![2, kv, t, d]), ("v", vec![2, kv, t, d])];
+            push(format!("cached decode past={}", t - 1), packed(true), operands, 2, t);
+        }
+        push("packed seq=5".into(), packed(false), vec![("qkv", vec![2, 5, width])], 2, 5);
+    }
+    let forms = hardware_forms(&gpu);
+    for (model, options) in check_forms(&cases, &forms).iter().zip(&forms) {
+        assert_workgroup_form(model, options);
+    }
+}
+
+/// The projection kernel's forms (see `kiln_compiler::back::wgsl::projection`): `vec4` GEMM and GEMV
+/// (`k` and `n` multiples of 4), scalar GEMM and GEMV (`k` or `n` not, or a RoPE epilogue), at
+/// row counts that leave partial tiles, plainly and chunked.
+#[test]
+fn linear_kernel_forms_at_every_shape() {
+    let ops = common::projection_ops();
+    // (rows: [batch, seq], k, n): GEMM over several row tiles, GEMV, k or n not a multiple of 4;
+    // then small enough for the chunked device (at most 32 chunks of 64 floats per dispatch).
+    // n = 26 and 10: a plain projection's weight is padded to whole `vec4`s.
+    let large: [(&[usize], usize, usize); 7] = [
+        (&[2, 37], 16, 24),
+        (&[1, 3], 16, 24),
+        (&[1, 1], 20, 28),
+        (&[2, 37], 18, 24),
+        (&[1, 2], 18, 24),
+        (&[3, 9], 16, 26),
+        (&[1, 2], 16, 10),
+    ];
+    let small: [(&[usize], usize, usize); 5] =
+        [(&[1, 6], 8, 24), (&[1, 5], 6, 24), (&[1, 2], 8, 24), (&[1, 1], 6, 24), (&[1, 6], 8, 10)];
+    check(&projection_cases(&ops, &large), false);
+    check(&projection_cases(&ops, &small), true);
+}
+
+/// Every op of `ops` at every shape `(rows, k, n)` (rotated ones at `n` = 24 only).
+fn projection_cases(ops: &[Op], shapes: &[(&[usize], usize, usize)]) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for op in ops {
+        let Op::Linear { bias, residual, norm, glu, rope, .. } = op.clone() else { unreachable!() };
+        for &(rows, k, n) in shapes {
+            if rope.is_some() && n != 24 {
+                continue; // the rotated columns are laid out for 24
+            }
+            let x: Vec<usize> = rows.iter().copied().chain([k]).collect();
+            let out: Vec<usize> = rows.iter().copied().chain([n]).collect();
+            let m = if glu { 2 * n } else { n };
+            let (w, b, g) = (vec![m, k], vec![m], vec![k]);
+            let mut operands: Vec<(&str, &[usize])> = vec![("x", &x)];
+            if let Some(p) = norm {
+                operands.push(("norm.weight", &g));
+                if p.bias {
+                    operands.push(("norm.bias", &g));
+                }
+            }
+            operands.push(("w", &w));
+            if bias {
+                operands.push(("b", &b));
+            }
+            if residual {
+                operands.push(("r", &out));
+            }
+            cases.push(Case::new(format!("{} {} x{x:?} n {n}", op.name(), op.attrs()), op.clone(), &operands, None));
+        }
+    }
+    cases
+}
+
+/// Allowed difference of the f16-math projection form from the interpreter on the weights rounded
+/// to f16 (the activations rounded to f16 too, each 4 products summed in f16), relative to
+/// `max(1, max |value|)`: measured 1.9e-4 to 5.5e-4 on lavapipe (k = 320).
+const F16_MATH_TOLERANCE: f32 = 2e-3;
+
+/// The kernels that reduce a row — layer and RMS norm, add + norm, softmax, masked softmax, heads
+/// normalized per head, and the projection's GEMV forms (one row and three, with a norm prologue,
+/// gated, rotating) — in every form
+/// the device features allow (plain WGSL, subgroup reductions, f16 weights, f16 arithmetic, with
+/// and without subgroups), against the interpreter. Rows are wider than a workgroup and not a
+/// multiple of it, so lanes take uneven shares; `k` = 320 gives the split GEMV's lanes 1 or 2
+/// `vec4`s each. Each model's kernels are checked to be the form asked for.
+#[test]
+fn every_device_form_of_norms_softmax_and_gemv() {
+    use kiln_compiler::back::wgsl;
+    let Some(gpu) = common::gpu() else { return };
+    let (k, n, d) = (320, 40, 300);
+    let mut g = Graph::new("forms");
+    let eps = Scalar(1e-5);
+    let x1 = g.param("x1", &[1, 1, k]);
+    let x3 = g.param("x3", &[3, k]);
+    let x13 = g.param("x13", &[1, 3, k]);
+    let r13 = g.param("r13", &[1, 3, n]);
+    let gain = g.param("gain", &[k]);
+    let shift = g.param("shift", &[k]);
+    let w = g.param("w", &[n, k]);
+    let wg = g.param("wg", &[2 * n, k]);
+    let b = g.param("b", &[n]);
+    let rows = g.param("rows", &[4, d]);
+    let other = g.param("other", &[4, d]);
+    let dgain = g.param("dgain", &[d]);
+    let dshift = g.param("dshift", &[d]);
+    let scores = g.param("scores", &[2, 2, 3, 130]);
+    let mask = g.param("key_mask", &[2, 130]);
+    let packed = g.param("packed", &[1, 3, d]);
+    let hgain = g.param("hgain", &[d / 2]);
+    let mut add = |name: &str, op: Op, operands: &[NodeIndex]| {
+        let y = g.add(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
+        g.outputs.push((name.to_string(), y));
+    };
+    let rms = Some(Prologue { rms: true, eps, bias: false });
+    let layer = Some(Prologue { rms: false, eps, bias: true });
+    add("gemv", Op::linear(None, false, false), &[x1, w]);
+    let gated =
+        Op::Linear { act: Some(Activation::Silu), bias: false, residual: false, norm: rms, glu: true, rope: None };
+    add("gemv rms-norm gated", gated, &[x1, gain, wg]);
+    let normed =
+        Op::Linear { act: Some(Activation::Gelu), bias: true, residual: false, norm: layer, glu: false, rope: None };
+    add("gemv 3 rows layer-norm", normed, &[x3, gain, shift, w, b]);
+    // Rotating GEMVs (a decoder's QKV projection) over 3 positions: heads of 16, the last 8
+    // columns unrotated; rotate-half with a norm prologue, interleaved with bias and residual.
+    let rope =
+        RopeCols { theta: Scalar(1e4), rotary_dim: 8, style: PairStyle::RotateHalf, head_dim: 16, start: 0, len: 32 };
+    let rotating = Op::Linear { act: None, bias: false, residual: false, norm: rms, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rms-norm rope", rotating, &[x13, gain, w]);
+    let rope = RopeCols { style: PairStyle::Interleaved, rotary_dim: 16, start: 8, ..rope };
+    let rotating = Op::Linear { act: None, bias: true, residual: true, norm: None, glu: false, rope: Some(rope) };
+    add("gemv 3 positions rope interleaved", rotating, &[x13, w, b, r13]);
+    add("layer_norm", Op::LayerNorm { eps }, &[rows, dgain, dshift]);
+    add("rms_norm", Op::RmsNorm { eps }, &[rows, dgain]);
+    add("add_norm", Op::AddNorm { rms: false, eps, after: false }, &[rows, other, dgain, dshift]);
+    add("add_norm after", Op::AddNorm { rms: true, eps, after: true }, &[rows, other, dgain]);
+    add("softmax", Op::Softmax, &[rows]);
+    add(
+        "heads rms-norm",
+        Op::Heads { start: 0, heads: 2, head_dim: d / 2, norm: Some(eps), rope: None },
+        &[packed, hgain],
+    );
+    let masked =
+        Op::MaskedSoftmax { scale: Scalar(0.5), alibi: true, causal: true, window: None, mods: ScoreMods::default() };
+    add("masked_softmax", masked, &[scores, mask]);
+    g.check().unwrap();
+
+    let mut params = interp::random_params(&g, 11).unwrap();
+    params.insert("key_mask".into(), Tensor::f32(vec![2, 130], key_mask(2, 130)));
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    // The interpreter on the projection weights rounded to f16, for the f16 forms.
+    let mut rounded = params.clone();
+    for name in ["w", "wg"] {
+        let t = &params[name];
+        let values = t.as_f32().unwrap().iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        rounded.insert(name.into(), Tensor::f32(t.shape.clone(), values));
+    }
+    let expected_f16 = interp::run(&g, &rounded, &HashMap::new()).unwrap();
+
+    let plain = wgsl::Options::default();
+    let subgroups = wgsl::Options { subgroups: true, ..plain };
+    let f16 = wgsl::Options { f16_weights: true, ..plain };
+    let f16_math = wgsl::Options { f16_math: true, ..f16 };
+    let forms = [
+        plain,
+        subgroups,
+        f16,
+        wgsl::Options { subgroups: true, ..f16 },
+        f16_math,
+        wgsl::Options { subgroups: true, ..f16_math },
+    ];
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for options in forms {
+        let form = options.describe();
+        let needs = (options.f16_weights && !gpu.supports_f16()) || (options.subgroups && !gpu.supports_subgroups());
+        let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &());
+        if needs {
+            let e = model.err().expect("refused without the device feature").to_string();
+            assert!(e.contains("feature"), "{form}: {e}");
+            eprintln!("skipping {form}: the adapter lacks it");
+            continue;
+        }
+        let model = model.unwrap_or_else(|e| panic!("{form}: {e}"));
+        // The kernels are the form asked for.
+        let wgsl: String = model.program().kernels.iter().map(|k| k.wgsl.as_str()).collect();
+        assert_eq!(wgsl.contains("subgroupAdd"), options.subgroups, "{form}");
+        assert_eq!(wgsl.contains("form == 4u"), options.subgroups, "{form}: the split GEMV form");
+        for kernel in model.program().kernels.iter().filter(|k| k.name.contains("rope")) {
+            assert_eq!(kernel.wgsl.contains("form == 4u"), options.subgroups, "{form}: the rotating split GEMV");
+        }
+        assert_eq!(wgsl.contains("vec4<f16>(x0)"), options.f16_math, "{form}: f16 arithmetic");
+        let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{form}: {e}"));
+        let want = if options.f16_weights { &expected_f16 } else { &expected };
+        for ((out, want), (_, got)) in want.iter().zip(&got) {
+            let tolerance =
+                if options.f16_math && out.starts_with("gemv") { F16_MATH_TOLERANCE } else { GPU_TOLERANCE };
+            let scale = want.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            println!("{form}: `{out}` differs by {:e} relative", want.max_abs_diff(got) / scale);
+            assert_close(&format!("`{out}` ({form})"), want, got, tolerance);
+        }
+    }
+}
+
+/// A decoder step's cached attention and the two cache appends it reads, which the WGSL back end
+/// runs as one dispatch (`appends`: the attention reads the caches before the step and this
+/// step's rows in place, and its threads past the attention's write the caches after it): the
+/// attention and both caches equal the interpreter's, plainly and chunked, with an empty cache
+/// or not, causal, windowed or not, with a key mask or not; and as a hardware adapter's program
+/// runs it, the attention in its workgroup form, over 1 key and caches past a chunk of 64.
+#[test]
+fn cached_attention_appends_in_its_own_dispatch() {
+    // (heads, kv heads, head_dim, batch, rows, cached rows, on the chunked device too)
+    let shapes = [
+        (2, 1, 4, 1, 5, 3, true),
+        (2, 1, 4, 1, 1, 6, true),
+        (4, 2, 8, 2, 1, 6, false),
+        (4, 2, 8, 2, 4, 0, false),
+        (6, 2, 16, 2, 7, 2, false),
+        (4, 4, 8, 2, 13, 5, false),
+        // A first token (1 key), and caches past a chunk of the workgroup form's 64 keys.
+        (4, 2, 8, 2, 1, 0, false),
+        (4, 2, 8, 2, 1, 70, false),
+        (4, 2, 8, 1, 2, 63, false),
+    ];
+    for (h, kv, d, b, s, p, chunked) in shapes {
+        for (causal, window) in [(true, None), (true, Some(3)), (false, None)] {
+            for masked in [false, true] {
+                let what = format!(
+                    "h={h} kv={kv} d={d} b={b} s={s} past={p} causal={causal} window={window:?} masked={masked}"
+                );
+                let width = (h + 2 * kv) * d;
+                let mut g = Graph::new("step");
+                let qkv = g.param("qkv", &[b, s, width]);
+                let mut append = |name: &str, start: usize| {
+                    let past = g.param(name, &[b, kv, p, d]);
+                    g.add(Op::Heads { start, heads: kv, head_dim: d, norm: None, rope: None }, &[past, qkv]).unwrap()
+                };
+                let (present_k, present_v) = (append("past_k", h * d), append("past_v", (h + kv) * d));
+                let mut operands = vec![qkv, present_k, present_v];
+                if masked {
+                    operands.push(g.param("key_mask", &[b, p + s]));
+                }
+                let op = Op::PackedAttention {
+                    scale: Scalar(0.4),
+                    alibi: false,
+                    causal,
+                    window,
+                    mods: ScoreMods::default(),
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    q: 0,
+                    k: h * d,
+                    v: (h + kv) * d,
+                    cached: true,
+                    appends: false,
+                };
+                let attention = g.add(op, &operands).unwrap();
+                g.outputs = vec![
+                    ("attention".into(), attention),
+                    ("present_k".into(), present_k),
+                    ("present_v".into(), present_v),
+                ];
+                let mut params = interp::random_params(&g, 5).unwrap();
+                if masked {
+                    params.insert("key_mask".into(), Tensor::f32(vec![b, p + s], key_mask(b, p + s)));
+                }
+                let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+                let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+                let options = kiln_compiler::back::wgsl::Options { fold_appends: true, ..Default::default() };
+                let program = kiln_compiler::back::wgsl::compile(&plan, &options).unwrap();
+                let steps: Vec<(String, usize)> =
+                    program.plan.steps.iter().map(|s| (s.op.attrs(), s.also.len())).collect();
+                assert!(
+                    matches!(steps.as_slice(), [(attrs, 2)] if attrs.contains("cached appends")),
+                    "{what}: {steps:?}"
+                );
+                let mut devices = vec![
+                    ("wgpu", common::gpu(), options),
+                    ("wgpu, chunked", chunked.then(chunked_gpu).flatten(), options),
+                ];
+                // A hardware adapter's program: the attention in its workgroup form.
+                if let Some(hardware) = common::gpu().and_then(|gpu| hardware_forms(&gpu).pop()) {
+                    devices.push(("wgpu, workgroup form", common::gpu(), hardware));
+                }
+                for (device, gpu, options) in devices {
+                    let Some(gpu) = gpu else { continue };
+                    let model = GpuModel::with_progress(gpu, &plan, &options, &params, &HashMap::new(), &()).unwrap();
+                    assert_eq!(model.program().plan.steps.len(), 1, "{what}: folded");
+                    if options.attention_workgroups {
+                        assert_workgroup_form(&model, &options);
+                    }
+                    let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
+                    for ((name, want), (_, got)) in expected.iter().zip(&got) {
+                        assert_close(&format!("{what}: `{name}` on {device}"), want, got, GPU_TOLERANCE);
+                    }
+                }
+            }
+        }
+    }
+}
