@@ -9,7 +9,8 @@
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::target::Target;
 use kiln_compiler::{lower, optimize};
-use kiln_runtime::generate::{Sampler, Session, generate};
+use kiln_runtime::Sampler;
+use kiln_runtime::generate::{Session, generate};
 use kiln_runtime::{CpuEngine, GpuEngine};
 use kiln_runtime::{CpuModel, Gpu, GpuModel, Message, Tokenizer};
 use std::io::Write;

@@ -41,9 +41,10 @@ pub use model::{Model, ModelError};
 pub mod generate;
 pub mod sample;
 
-pub use engine::{CpuEngine, Engine, GpuEngine, InterpEngine};
-pub use generate::{GenerateError, Memory, Pick, Sampled, Sampler, Session, Stats, Stop};
-pub use sample::DeviceSampler;
+pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Request};
+pub use generate::{Session, Stats, Stop};
+pub use gpu::DeviceSampler;
+pub use sample::{BadSettings, Pick, Sampled, Sampler};
 
 /// Where `scripts/fetch-models` caches the real models: `$KILN_DATA`, else
 /// `$XDG_CACHE_HOME/kiln`, else `$HOME/.cache/kiln`; `None` when none of them is set.

@@ -1,212 +1,174 @@
-//! Sampling on the device: [`DeviceSampler`] runs the sampling kernel
-//! ([`kiln_compiler::back::wgsl::sample`], whose docs define what it computes: the host
-//! [`Sampler`]'s semantics) on the logits row of a step's last position where the forward pass
-//! left it, so a generation step on wgpu reads back one id (4 bytes) instead of the row (192 KiB
-//! for SmolLM2's 49152 tokens, 1 MiB for Gemma 3's 262144), and the row only when asked for.
-//!
-//! A step records, on the forward pass's own command encoder (`GpuModel::run_lending` lends it
-//! the `logits` output): the copy of the last row out of the output's buffers (a prefill's
-//! logits may span several chunk buffers; the row is copied range by range) into the sampler's
-//! row buffer, the dispatch of the kernel (one workgroup) and the copy of the id into a mappable
-//! buffer. The settings, the uniform drawn from the [`Sampler`]'s own SplitMix64 state (so a seed
-//! gives the same stream of draws as on the host) and the penalized ids are written to their
-//! buffers before the submission. One submission, one wait, one id read.
-//!
-//! The row must fit one buffer of the device ([`DeviceSampler::fits`]: 4 bytes per token, at
-//! most `Gpu::chunk_bytes`, 128 MiB or more on any adapter) and hold at most
-//! [`MAX_VOCAB`] tokens; a [`GpuEngine`](crate::GpuEngine) samples a larger one on the host.
+//! Picking the next token from a row of logits: a [`Sampler`] (greedy, temperature, top-k,
+//! top-p, repetition penalty, seeded) and a [`Pick`], one step's request, answered with a
+//! [`Sampled`]. This is the host's sampler, whose semantics the device's kernel shares
+//! ([`kiln_compiler::back::wgsl::sample`], run by [`crate::gpu::DeviceSampler`]); it knows
+//! nothing of engines or sessions.
 
-use crate::generate::{Pick, Sampled, Sampler};
-use crate::gpu::{Gpu, GpuError, Lent, copy_range};
-use kiln_compiler::back::wgsl::sample::{KERNEL, MAX_VOCAB, Settings};
-use std::sync::Arc;
-
-/// The sampling kernel's pipeline on a device, and the buffers a pick reads and writes (kept
-/// from one step to the next; the row and seen-id buffers grow when needed).
-pub struct DeviceSampler {
-    gpu: Arc<Gpu>,
-    pipeline: wgpu::ComputePipeline,
-    /// The [`Settings`] uniform.
-    settings: wgpu::Buffer,
-    /// The picked id, and the mappable buffer it is copied into.
-    picked: wgpu::Buffer,
-    staging: wgpu::Buffer,
-    /// The logits row (penalized in place by the kernel), and its bytes.
-    row: Option<(u64, wgpu::Buffer)>,
-    /// The penalized ids, and their bytes.
-    seen: Option<(u64, wgpu::Buffer)>,
-    /// The bind group of the buffers above, rebuilt when one is replaced.
-    group: Option<wgpu::BindGroup>,
+/// Sampling settings a [`Sampler`] refuses.
+#[derive(Debug, thiserror::Error)]
+#[error("bad sampling settings: {name} {value} is not {want}")]
+pub struct BadSettings {
+    /// The setting.
+    pub name: &'static str,
+    /// Its value.
+    pub value: f32,
+    /// What it must be.
+    pub want: &'static str,
 }
 
-/// What a recorded pick reads back after the submission: the row, when asked for, staged in a
-/// mappable buffer, with its length.
-pub(crate) struct Pending {
-    logits: Option<(wgpu::Buffer, usize)>,
+/// How a step picks the next token ([`Session::sample`](crate::Session::sample),
+/// [`Engine::step_sample`](crate::Engine::step_sample)).
+pub struct Pick<'a> {
+    /// The settings and the random state.
+    pub sampler: &'a mut Sampler,
+    /// The tokens so far (for the repetition penalty).
+    pub seen: &'a [i64],
+    /// Return the logits too (on wgpu, read back only then).
+    pub logits: bool,
 }
 
-const STORAGE: wgpu::BufferUsages =
-    wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST).union(wgpu::BufferUsages::COPY_SRC);
-const READ: wgpu::BufferUsages = wgpu::BufferUsages::MAP_READ.union(wgpu::BufferUsages::COPY_DST);
+impl Pick<'_> {
+    /// Picks on the host from the last position's logits.
+    pub(crate) fn on_host(self, logits: Vec<f32>) -> Sampled {
+        let token = self.sampler.sample(&logits, self.seen);
+        Sampled { token, logits: self.logits.then_some(logits) }
+    }
+}
 
-impl DeviceSampler {
-    /// Builds the kernel's pipeline on `gpu`.
-    pub fn new(gpu: Arc<Gpu>) -> Result<DeviceSampler, GpuError> {
-        let pipeline = gpu.pipeline("sample", KERNEL);
-        let settings =
-            gpu.buffer("sampler settings", 32, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
-        let picked = gpu.buffer("sampled token", 4, STORAGE)?;
-        let staging = gpu.buffer("sampled token", 4, READ)?;
-        gpu.check_lost()?;
-        Ok(DeviceSampler { gpu, pipeline, settings, picked, staging, row: None, seen: None, group: None })
+/// The token a step picked, and the last position's logits when [`Pick::logits`] asked for them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The next token.
+    pub token: i64,
+    /// The logits it was picked from (before the repetition penalty).
+    pub logits: Option<Vec<f32>>,
+}
+
+/// How the next token is chosen. `temperature == 0` is greedy (ties to the lowest id).
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    /// Softmax temperature; 0 = greedy.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the most likely tokens whose probabilities sum to `top_p` (1 = all).
+    pub top_p: f32,
+    /// Divide positive logits (multiply negative ones) of tokens already seen by this (1 = off),
+    /// as CTRL and HF transformers do.
+    pub repetition_penalty: f32,
+    /// Random state (SplitMix64), from the seed.
+    state: u64,
+}
+
+impl Sampler {
+    /// Greedy decoding.
+    pub fn greedy() -> Sampler {
+        Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, state: 0 }
     }
 
-    /// Whether the kernel samples a row of `vocab` logits on `gpu`: in one buffer, and within
-    /// [`MAX_VOCAB`].
-    pub fn fits(gpu: &Gpu, vocab: usize) -> bool {
-        vocab > 0 && vocab <= MAX_VOCAB as usize && 4 * vocab as u64 <= gpu.chunk_bytes()
-    }
-
-    /// Records on `encoder` the pick of the next token from the last row of `logits` (`[.., vocab]`)
-    /// as `pick` says (drawing from its sampler's state), for [`DeviceSampler::finish`] to read
-    /// after the encoder is submitted.
-    pub(crate) fn record(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        logits: Lent<'_>,
-        pick: Pick<'_>,
-    ) -> Result<Pending, GpuError> {
-        let gpu = self.gpu.clone();
-        let vocab = logits.shape.last().copied().unwrap_or(0);
-        if !DeviceSampler::fits(&gpu, vocab) {
-            return Err(GpuError::Dispatch(format!(
-                "cannot sample a row of {vocab} logits on the device (at most {MAX_VOCAB} in one buffer of {} bytes)",
-                gpu.chunk_bytes()
-            )));
+    /// A sampler with the given settings and seed.
+    pub fn new(
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        repetition_penalty: f32,
+        seed: u64,
+    ) -> Result<Sampler, BadSettings> {
+        let checks = [
+            ("temperature", temperature, temperature.is_finite() && temperature >= 0.0, "a finite number >= 0"),
+            ("top-p", top_p, top_p > 0.0 && top_p <= 1.0, "in (0, 1]"),
+            (
+                "repetition penalty",
+                repetition_penalty,
+                repetition_penalty.is_finite() && repetition_penalty > 0.0,
+                "a finite number > 0",
+            ),
+        ];
+        if let Some(&(name, value, _, want)) = checks.iter().find(|(_, _, ok, _)| !ok) {
+            return Err(BadSettings { name, value, want });
         }
-        let total: usize = logits.shape.iter().product();
-        let bytes = 4 * vocab as u64;
-        let row = self.grow_row(bytes)?;
-        let from = 4 * (total - vocab) as u64;
-        copy_range(encoder, (logits.buffers, from), (std::slice::from_ref(&row), 0), bytes, logits.chunk_bytes)?;
-        let staged = match pick.logits {
-            true => {
-                let staging = gpu.buffer("logits row", bytes, READ)?;
-                encoder.copy_buffer_to_buffer(&row, 0, &staging, 0, bytes);
-                Some((staging, vocab))
+        Ok(Sampler { temperature, top_k, top_p, repetition_penalty, state: seed })
+    }
+
+    /// Whether it takes the argmax (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// The ids whose logits the repetition penalty changes: the `seen` ones that can index a
+    /// logit, each once, in increasing order; none when the penalty is off.
+    pub(crate) fn penalized(&self, seen: &[i64]) -> Vec<usize> {
+        if self.repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        let mut ids: Vec<usize> = seen.iter().filter_map(|&t| usize::try_from(t).ok()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The draw of a step: `None` when greedy, else the next uniform of the random state (one
+    /// per sampled token, wherever it is sampled, so a seed gives one stream of tokens).
+    pub(crate) fn draw(&mut self) -> Option<f64> {
+        (!self.is_greedy()).then(|| self.uniform())
+    }
+
+    /// SplitMix64 (Steele, Lea, Flood 2014): a uniform float in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Picks a token from `logits`, given the tokens so far (for the repetition penalty). The
+    /// device's sampler (`back::wgsl::sample`) has these semantics.
+    pub fn sample(&mut self, logits: &[f32], seen: &[i64]) -> i64 {
+        let mut l = logits.to_vec();
+        for t in self.penalized(seen) {
+            if let Some(v) = l.get_mut(t) {
+                *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
             }
-            false => None,
-        };
-
-        let sampler: &mut Sampler = pick.sampler;
-        let seen: Vec<u32> =
-            sampler.penalized(pick.seen).into_iter().filter(|&t| t < vocab).map(|t| t as u32).collect();
-        let seen_buffer = self.grow_seen(4 * seen.len().max(1) as u64)?;
-        if !seen.is_empty() {
-            gpu.queue.write_buffer(&seen_buffer, 0, bytemuck::cast_slice(&seen));
         }
-        let draw = sampler.draw();
-        let settings = Settings {
-            vocab: vocab as u32,
-            top_k: u32::try_from(sampler.top_k).unwrap_or(u32::MAX),
-            seen: seen.len() as u32,
-            greedy: draw.is_none(),
-            temperature: sampler.temperature,
-            top_p: sampler.top_p,
-            penalty: sampler.repetition_penalty,
-            // In f32, below 1 as the draw is.
-            uniform: (draw.unwrap_or(0.0) as f32).min(1.0 - f32::EPSILON / 2.0),
+        let argmax = || {
+            l.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+                .0
         };
-        gpu.queue.write_buffer(&self.settings, 0, bytemuck::cast_slice(&settings.words()));
-
-        let group = match &self.group {
-            Some(group) => group.clone(),
-            None => {
-                let entries: Vec<wgpu::BindGroupEntry> = [&self.settings, &self.picked, &row, &seen_buffer]
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, buffer)| wgpu::BindGroupEntry { binding: i as u32, resource: buffer.as_entire_binding() })
-                    .collect();
-                let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("sample"),
-                    layout: &self.pipeline.get_bind_group_layout(0),
-                    entries: &entries,
-                });
-                self.group = Some(group.clone());
-                group
+        let Some(r) = self.draw() else { return argmax() as i64 };
+        // Candidates (token, logit) by decreasing logit, cut by top-k, softmax at the temperature,
+        // cut by top-p.
+        let mut order: Vec<(usize, f32)> = l.iter().copied().enumerate().filter(|(_, v)| v.is_finite()).collect();
+        order.sort_by(|&(a, va), &(b, vb)| vb.total_cmp(&va).then(a.cmp(&b)));
+        if self.top_k > 0 {
+            order.truncate(self.top_k);
+        }
+        let Some(&(best, max)) = order.first() else { return argmax() as i64 };
+        let mut probs: Vec<f64> = order.iter().map(|&(_, v)| (((v - max) / self.temperature) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        let mut kept = 0;
+        let mut mass = 0.0;
+        for p in &probs {
+            kept += 1;
+            mass += p;
+            if mass >= self.top_p as f64 {
+                break;
             }
-        };
-        {
-            let mut pass = encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("sample"), timestamp_writes: None });
-            pass.set_pipeline(&self.pipeline);
-            pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(1, 1, 1);
         }
-        encoder.copy_buffer_to_buffer(&self.picked, 0, &self.staging, 0, 4);
-        Ok(Pending { logits: staged })
-    }
-
-    /// Waits for the submission that holds a recorded pick and reads back its token (and the
-    /// row, if it was asked for).
-    pub(crate) fn finish(&self, pending: Pending) -> Result<Sampled, GpuError> {
-        let data = self.gpu.read_staging(std::slice::from_ref(&self.staging), "the sampled token", 1)?;
-        let token = data.first_chunk::<4>().map(|&b| u32::from_le_bytes(b)).unwrap_or(0);
-        let logits = match pending.logits {
-            Some((staging, n)) => {
-                let data = self.gpu.read_staging(std::slice::from_ref(&staging), "the logits row", n)?;
-                Some(bytemuck::cast_slice::<u8, f32>(data.get(..4 * n).unwrap_or_default()).to_vec())
+        // The first kept candidate at which the cumulative mass passes `r` (else the last kept).
+        let mut r = r * mass;
+        let mut picked = best;
+        for (&(i, _), p) in order.iter().zip(&probs).take(kept) {
+            picked = i;
+            r -= p;
+            if r <= 0.0 {
+                break;
             }
-            None => None,
-        };
-        Ok(Sampled { token: i64::from(token), logits })
-    }
-
-    /// Picks the next token from a row of logits held on the host, on the device: uploads it,
-    /// records the pick as a generation step does and reads the token back. What the tests hold
-    /// to [`Sampler::sample`].
-    pub fn sample(&mut self, logits: &[f32], pick: Pick<'_>) -> Result<Sampled, GpuError> {
-        let gpu = self.gpu.clone();
-        let buffer = gpu.buffer("logits", 4 * logits.len() as u64, STORAGE)?;
-        gpu.queue.write_buffer(&buffer, 0, bytemuck::cast_slice(logits));
-        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("sample") });
-        let shape = [logits.len()];
-        let lent = Lent { shape: &shape, buffers: std::slice::from_ref(&buffer), chunk_bytes: gpu.chunk_bytes() };
-        let pending = self.record(&mut encoder, lent, pick)?;
-        gpu.queue.submit([encoder.finish()]);
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(GpuError::Dispatch(format!("wgpu rejected the sampling kernel: {e}")));
         }
-        self.finish(pending)
-    }
-
-    /// The row buffer, replaced by one of `bytes` if it is smaller.
-    fn grow_row(&mut self, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
-        DeviceSampler::grow(&self.gpu, &mut self.row, &mut self.group, "logits row", bytes)
-    }
-
-    /// The seen-id buffer, replaced by one of `bytes` if it is smaller.
-    fn grow_seen(&mut self, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
-        DeviceSampler::grow(&self.gpu, &mut self.seen, &mut self.group, "penalized tokens", bytes)
-    }
-
-    /// `held`, replaced by a buffer of `bytes` if it is smaller (forgetting the bind group).
-    fn grow(
-        gpu: &Gpu,
-        held: &mut Option<(u64, wgpu::Buffer)>,
-        group: &mut Option<wgpu::BindGroup>,
-        what: &str,
-        bytes: u64,
-    ) -> Result<wgpu::Buffer, GpuError> {
-        if let Some((have, buffer)) = held
-            && *have >= bytes
-        {
-            return Ok(buffer.clone());
-        }
-        let buffer = gpu.buffer(what, bytes, STORAGE)?;
-        *held = Some((bytes, buffer.clone()));
-        *group = None;
-        Ok(buffer)
+        picked as i64
     }
 }

@@ -12,8 +12,8 @@ use kiln_compiler::spec::BlockKind;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
 use kiln_runtime::device::{Reading, Weights};
-use kiln_runtime::generate::{Memory, Pick, Sampler, Session, Stats, Stop, generate};
-use kiln_runtime::{Engine, Message, Phase, Tokenizer};
+use kiln_runtime::generate::{Session, Stats, Stop, generate};
+use kiln_runtime::{Engine, Memory, Message, Phase, Pick, Sampler, Tokenizer};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -345,7 +345,8 @@ fn generate_with(
     if let Some(encoder) = encoder {
         // Encode the source once; the decoder reads its keys and values at every step.
         let src = Tensor::i64(vec![1, req.prompt.len()], req.prompt.clone());
-        session = session.with_memory(Memory::encode(&encoder, &HashMap::from([("src_ids".to_string(), src)]))?);
+        session =
+            session.with_memory(Memory::encode(encoder.as_ref(), &HashMap::from([("src_ids".to_string(), src)]))?);
     }
     let encode_s = encoding.elapsed().as_secs_f64();
     // A GPU driver may compile a pipeline's shader only at its first dispatch: one step before the

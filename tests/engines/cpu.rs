@@ -12,9 +12,10 @@ use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::lower::{Options, lower, lower_with};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{interp, optimize};
-use kiln_runtime::CpuEngine;
 use kiln_runtime::CpuModel;
-use kiln_runtime::generate::{Sampler, Session, generate};
+use kiln_runtime::Sampler;
+use kiln_runtime::generate::{Session, generate};
+use kiln_runtime::{CpuEngine, Request};
 use std::collections::HashMap;
 
 const TOLERANCE: f32 = 1e-4;
@@ -396,15 +397,19 @@ fn the_cache_is_appended_in_place() {
         let mut memory = kiln_runtime::Memory::default();
         let mut engine = CpuEngine::new(cpu(plan.clone(), &params, 2));
         let mut other = CpuEngine::new(cpu(plan, &params, 2));
-        engine.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
-        other.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        engine.step(Request { inputs: ids(&[1, 2, 3, 4, 5]), memory: &mut memory, links: &links }).unwrap();
+        other.step(Request { inputs: ids(&[1, 2, 3, 4, 5]), memory: &mut memory, links: &links }).unwrap();
         let first = &links[0].1;
         let mut moved = 0;
         for step in 0..20i64 {
             let b = &engine.buffers()[first];
             let (len, cap, at) = (b.len(), b.capacity(), b.data().as_ptr());
-            let got = logits(engine.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
-            let want = logits(other.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            let got = logits(
+                engine.step(Request { inputs: ids(&[step % 7 + 1]), memory: &mut memory, links: &links }).unwrap(),
+            );
+            let want = logits(
+                other.step(Request { inputs: ids(&[step % 7 + 1]), memory: &mut memory, links: &links }).unwrap(),
+            );
             assert_eq!(got, want, "{name}: the engines agree at step {step}");
             let after = &engine.buffers()[first];
             assert_eq!(after.len(), len + 1);
@@ -417,7 +422,9 @@ fn the_cache_is_appended_in_place() {
             // A failing step (an id outside the vocabulary) changes nothing.
             if step == 10 {
                 let held: Vec<(usize, usize)> = engine.buffers().values().map(|b| (b.len(), b.capacity())).collect();
-                assert!(engine.step(ids(&[1_000_000]), &mut memory, &links).is_err());
+                assert!(
+                    engine.step(Request { inputs: ids(&[1_000_000]), memory: &mut memory, links: &links }).is_err()
+                );
                 let now: Vec<(usize, usize)> = engine.buffers().values().map(|b| (b.len(), b.capacity())).collect();
                 assert_eq!(held, now, "{name}: a failed step left the cache as it was");
             }

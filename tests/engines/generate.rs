@@ -11,8 +11,9 @@ use kiln_compiler::lower::lower;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::GpuModel;
-use kiln_runtime::generate::{Memory, Sampler, Session, generate};
-use kiln_runtime::{Engine, GpuEngine, InterpEngine};
+use kiln_runtime::generate::{Session, generate};
+use kiln_runtime::{Engine, GpuEngine, InterpEngine, Request};
+use kiln_runtime::{Memory, Sampler};
 use std::collections::HashMap;
 
 /// Sessions over the cached graph of `name`: (label, session), on every engine and both graphs.
@@ -116,14 +117,17 @@ fn the_device_cache_is_appended_in_place() {
         let mut memory = Memory::default();
         let rooms =
             |e: &GpuEngine| -> Vec<Option<usize>> { links.iter().map(|(_, p)| e.buffers()[p].room()).collect() };
-        engine.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
-        cpu.step(ids(&[1, 2, 3, 4, 5]), &mut memory, &links).unwrap();
+        engine.step(Request { inputs: ids(&[1, 2, 3, 4, 5]), memory: &mut memory, links: &links }).unwrap();
+        cpu.step(Request { inputs: ids(&[1, 2, 3, 4, 5]), memory: &mut memory, links: &links }).unwrap();
         let steps = (fe.spec.spec.model.max_positions as i64 - 5).min(40);
         let mut growths = vec![0; links.len()];
         for step in 0..steps {
             let before = rooms(&engine);
-            let got = logits(engine.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
-            let want = logits(cpu.step(ids(&[step % 7 + 1]), &mut memory, &links).unwrap());
+            let got = logits(
+                engine.step(Request { inputs: ids(&[step % 7 + 1]), memory: &mut memory, links: &links }).unwrap(),
+            );
+            let want =
+                logits(cpu.step(Request { inputs: ids(&[step % 7 + 1]), memory: &mut memory, links: &links }).unwrap());
             let err = got.max_abs_diff(&want);
             assert!(err <= 1e-4, "{name}: logits at step {step} differ by {err}");
             let after = rooms(&engine);
@@ -138,7 +142,9 @@ fn the_device_cache_is_appended_in_place() {
                 }
             }
             if step == 10 {
-                assert!(engine.step(ids(&[1_000_000]), &mut memory, &links).is_err());
+                assert!(
+                    engine.step(Request { inputs: ids(&[1_000_000]), memory: &mut memory, links: &links }).is_err()
+                );
                 assert_eq!(rooms(&engine), after, "{name}: a failed step left the cache as it was");
             }
         }
@@ -249,12 +255,12 @@ fn vaswani_cached_decoding_with_encoder_memory() {
         }
         for (engine, dec, enc) in engines {
             let label = format!("{engine}, optimized {optimized}");
-            let memory = Memory::encode(&enc, &source).unwrap();
+            let memory = Memory::encode(enc.as_ref(), &source).unwrap();
             let mut session = Session::new(dec, &names, max).unwrap().with_memory(memory);
             let (ids, _) = generate(&mut session, &[start], steps, &mut Sampler::greedy(), &[], |_| true).unwrap();
             assert_eq!(ids, expected, "vaswani ({label}): greedy continuation with the cache");
             // Logits step by step.
-            let memory = Memory::encode(&enc, &source).unwrap();
+            let memory = Memory::encode(enc.as_ref(), &source).unwrap();
             let engine = session_engine(&decoder, &params, engine == "wgpu");
             let mut fresh = Session::new(engine, &names, max).unwrap().with_memory(memory);
             for (i, reference) in full_logits.iter().enumerate() {
@@ -311,7 +317,7 @@ fn t5_greedy_with_cache() {
         ));
     }
     for (label, dec, enc) in engines {
-        let memory = Memory::encode(&enc, &source).unwrap();
+        let memory = Memory::encode(enc.as_ref(), &source).unwrap();
         let mut session = Session::new(dec, &names, max).unwrap().with_memory(memory);
         let (ids, _) = generate(&mut session, &[0], expected.len(), &mut Sampler::greedy(), &[], |_| true).unwrap();
         assert_eq!(ids, expected, "t5 ({label}): greedy continuation with the cache");

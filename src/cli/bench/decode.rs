@@ -57,7 +57,8 @@ pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
 fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     let DecodeArgs { seq: prompt, steps, runs, json, storage, .. } = *args;
     let weights = args.weights.as_deref();
-    use kiln_runtime::generate::{Sampler, Session, generate};
+    use kiln_runtime::Sampler;
+    use kiln_runtime::generate::{Session, generate};
     let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &bench_target(device))?.0;
     let (params, blocks) = params_for(fe, &cached, weights, storage.storage())?;
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();

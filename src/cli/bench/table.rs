@@ -67,7 +67,8 @@ struct TableRow {
 /// decode rate with the device-resident cache; then the kernels' GFLOPS (the projection at a
 /// prefill and a decode shape, causal attention). Every figure is a median of `runs`.
 fn table(specs: &[(String, FrontEnd)], device: &Device, seqs: &[usize], runs: usize, json: bool) -> Result<()> {
-    use kiln_runtime::generate::{Sampler, Session, generate};
+    use kiln_runtime::Sampler;
+    use kiln_runtime::generate::{Session, generate};
     let decode_steps = 8;
     let mut rows = Vec::new();
     for (path, fe) in specs {

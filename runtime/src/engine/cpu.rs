@@ -1,0 +1,56 @@
+//! [`CpuEngine`]: a plan on the CPU's native kernels as an engine, the cache in host memory.
+
+use super::{Engine, Memory, R, Request, plan_ids, plan_windows};
+use crate::cpu::CpuModel;
+use crate::cpu::cache::KvCache;
+use kiln_compiler::tensor::Tensor;
+use std::collections::HashMap;
+
+/// A compiled plan on the CPU's native kernels; the cache in host memory, read in place and
+/// appended in place (see [`crate::cpu::cache`]).
+pub struct CpuEngine {
+    model: CpuModel,
+    cache: KvCache,
+    windows: HashMap<String, usize>,
+}
+
+impl CpuEngine {
+    /// An engine running `model`.
+    pub fn new(model: CpuModel) -> CpuEngine {
+        let windows = plan_windows(model.plan());
+        CpuEngine { model, cache: KvCache::new(), windows }
+    }
+
+    /// The cache as it is held: by past input name, each with its length and spare capacity.
+    pub fn buffers(&self) -> &KvCache {
+        &self.cache
+    }
+}
+
+impl Engine for CpuEngine {
+    fn id_inputs(&self) -> Vec<String> {
+        plan_ids(self.model.plan())
+    }
+
+    fn encode(&self, given: &HashMap<String, Tensor>) -> R<Memory> {
+        Ok(Memory::host(self.model.run(given)?.into_iter().collect()))
+    }
+
+    fn step(&mut self, request: Request<'_>) -> R<HashMap<String, Tensor>> {
+        let outputs = self.model.run_cached(&request.inputs, &mut self.cache, request.links)?;
+        for (past, &rows) in &self.windows {
+            if let Some(buf) = self.cache.get_mut(past) {
+                buf.slide(rows)?;
+            }
+        }
+        Ok(outputs.into_iter().collect())
+    }
+
+    fn clear(&mut self) {
+        self.cache.clear();
+    }
+
+    fn cache(&self) -> R<HashMap<String, Tensor>> {
+        Ok(self.cache.iter().map(|(name, buf)| (name.clone(), buf.to_tensor())).collect())
+    }
+}

@@ -1,0 +1,156 @@
+//! [`GpuModel`]: a plan loaded on a device — legalized and compiled to WGSL, one pipeline per
+//! unique kernel, the weights uploaded once — and what it keeps between runs.
+
+#![expect(clippy::indexing_slicing, reason = "value indices come from a plan `Plan::check` bounded")]
+
+use super::cache::{InPlace, in_place_sites};
+use super::error::Wanted;
+use super::legalize::f32_where_too_large;
+use super::run::RunState;
+use super::tensor::STORAGE;
+use super::{Gpu, GpuError};
+use crate::progress::{Counter, Phase, Progress};
+use crate::quant::QuantWeight;
+use kiln_compiler::back::wgsl::{self, Program};
+use kiln_compiler::lower::{Plan, Storage, WeightFormat};
+use kiln_compiler::tensor::Tensor;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A plan with its pipelines built and its weights on the device.
+pub struct GpuModel {
+    pub(super) gpu: Arc<Gpu>,
+    /// The plan compiled for wgpu (its legalized plan is the one run).
+    pub(super) program: Program,
+    pub(super) pipelines: Vec<wgpu::ComputePipeline>,
+    /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
+    pub(super) variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
+    pub(super) params: HashMap<usize, Vec<wgpu::Buffer>>,
+    /// Bytes of the weights on the device (parameters and folded constants), by storage format.
+    weight_bytes: Vec<(WeightFormat, u64)>,
+    /// What one run leaves for the next.
+    pub(super) state: Mutex<RunState>,
+    /// The steps that append to a session's cache in place, when it lives on the device.
+    pub(super) in_place: Vec<InPlace>,
+}
+
+impl GpuModel {
+    /// Compiles the plan, builds the pipelines and uploads the parameters (by canonical name)
+    /// once. Every weight the plan stores in a block-quantized format must be in `blocks` (see
+    /// [`GpuModel::with_blocks`]).
+    pub fn new(gpu: Arc<Gpu>, plan: Plan, params: &HashMap<String, Tensor>) -> Result<GpuModel, GpuError> {
+        GpuModel::with_blocks(gpu, plan, params, &HashMap::new())
+    }
+
+    /// [`GpuModel::new`] with the blocks of the parameters the plan stores quantized
+    /// ([`Value::format`](kiln_compiler::lower::Value::format) `Q8_0`, `Q4_1`, `Q5_0`, `Q4_K`, `Q6_K`), by name.
+    pub fn with_blocks(
+        gpu: Arc<Gpu>,
+        plan: Plan,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+    ) -> Result<GpuModel, GpuError> {
+        let options = gpu.options();
+        GpuModel::with_progress(gpu, &plan, &options, params, blocks, &())
+    }
+
+    /// [`GpuModel::with_blocks`] with the back end's `options` (f16 weights: converted from
+    /// `params` at upload; the device must support f16, see [`Gpu::supports_f16`], and subgroups
+    /// for subgroup reductions, see [`Gpu::options`]), reporting to
+    /// `progress` as the pipelines are built ([`Phase::Pipelines`], the slow part on a CPU
+    /// adapter), the load-time folds evaluated ([`Phase::Fold`]) and the weights uploaded
+    /// ([`Phase::Upload`]).
+    pub fn with_progress(
+        gpu: Arc<Gpu>,
+        plan: &Plan,
+        options: &wgsl::Options,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+        progress: &dyn Progress,
+    ) -> Result<GpuModel, GpuError> {
+        plan.check()?;
+        let missing = [
+            (Wanted::F16Weights, options.f16_weights && !gpu.supports_f16()),
+            (Wanted::F16Math, options.f16_math && !gpu.supports_f16()),
+            (Wanted::Subgroups, options.subgroups && !gpu.supports_subgroups()),
+        ];
+        if let Some(&(wanted, _)) = missing.iter().find(|(_, missing)| *missing) {
+            return Err(GpuError::MissingFeature { wanted, adapter: gpu.info.name.clone() });
+        }
+        let (plan, params) = f32_where_too_large(&gpu, plan, options, params, blocks)?;
+        let params = params.as_ref();
+        let program = wgsl::compile(&plan, options)?;
+        let plan = &program.plan;
+        let mut counter = Counter::start(progress, Phase::Pipelines, program.kernels.len());
+        let mut pipelines = Vec::with_capacity(program.kernels.len());
+        for k in &program.kernels {
+            pipelines.push(gpu.pipeline(&k.name, &k.wgsl));
+            counter.advance();
+        }
+        let crate::prepare::Constants { host, quant } = crate::prepare::constants(plan, params, blocks, progress)?;
+        let mut uploaded = HashMap::new();
+        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
+        let what = |id: usize| match &plan.values[id].storage {
+            Storage::Param(name) => format!("parameter `{name}`"),
+            _ => format!("folded constant {id}"),
+        };
+        let mut counter = Counter::start(progress, Phase::Upload, host.len() + quant.len());
+        let mut upload = |id: usize, format: WeightFormat, bytes: &[u8]| -> Result<(), GpuError> {
+            let buffers = gpu.chunked(&what(id), bytes.len() as u64, STORAGE)?;
+            gpu.write_chunked(&buffers, bytes);
+            uploaded.insert(id, buffers);
+            match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
+                Some((_, b)) => *b += bytes.len() as u64,
+                None => weight_bytes.push((format, bytes.len() as u64)),
+            }
+            counter.advance();
+            Ok(())
+        };
+        for (id, t) in host {
+            let data = t.as_f32().ok_or_else(|| GpuError::NotF32(what(id)))?;
+            let format = plan.values[id].format;
+            if format == WeightFormat::F16 {
+                let halves: Vec<u16> = data.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
+                upload(id, format, bytemuck::cast_slice(&halves))?;
+            } else {
+                upload(id, WeightFormat::F32, bytemuck::cast_slice(data))?;
+            }
+        }
+        for (id, q) in quant {
+            upload(id, q.format, bytemuck::cast_slice(&q.words))?;
+        }
+        weight_bytes.sort_by_key(|(f, _)| *f as u8);
+        gpu.check_lost()?;
+        let in_place = in_place_sites(&program.plan);
+        Ok(GpuModel {
+            gpu,
+            program,
+            pipelines,
+            variants: Mutex::new(HashMap::new()),
+            params: uploaded,
+            weight_bytes,
+            state: Mutex::new(RunState::default()),
+            in_place,
+        })
+    }
+
+    /// Bytes of the weights on the device (parameters and folded constants), by storage format.
+    pub fn weight_bytes(&self) -> &[(WeightFormat, u64)] {
+        &self.weight_bytes
+    }
+
+    /// The device it runs on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The plan being run (legalized for wgpu: see [`GpuModel::program`]).
+    pub fn plan(&self) -> &Plan {
+        &self.program.plan
+    }
+
+    /// The plan compiled for wgpu: its legalized plan and kernels.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+}

@@ -1,0 +1,590 @@
+//! The executor: [`GpuModel::run`] and its variants run one forward pass. A run binds its inputs
+//! ([`GpuModel::bind_inputs`]), picks the caches it appends to in place and the copies they need
+//! ([`GpuModel::substitutes`]), uploads the inputs and sizes the buffers it keeps between runs
+//! ([`GpuModel::upload_inputs`], [`GpuModel::grow_buffers`]), encodes each step — its sizes, its
+//! pipeline, its bind group ([`GpuModel::encode_steps`]) — records the forward pass and what
+//! happens to each output on one command encoder ([`record_forward`], [`GpuModel::record_outputs`]),
+//! submits once and reads the outputs back ([`read_outputs`]).
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "a plan is lowered from a checked graph or read from an artifact, whose `Plan::check` \
+              bounds its value and slot indices, and compiled here (one kernel per step); step shapes \
+              are read through `dispatch`, which errs on an ill-typed step; inputs are shape-checked \
+              by `bind` and token ids range-checked by `check_indices`; the per-step tables, the \
+              slots and the input buffers are sized here before they are read"
+)]
+
+use super::cache::{Append, CacheCopy};
+use super::tensor::STORAGE;
+use super::{DeviceTensor, Gpu, GpuError, GpuModel};
+use kiln_compiler::back::wgsl::{
+    self, Elem, dispatch, dispatch_chunked, kernel_chunked, validate as validate_wgsl, workgroups,
+};
+use kiln_compiler::graph::Sym;
+use kiln_compiler::lower::{Step, Storage, resolve};
+use kiln_compiler::tensor::{DType, Data, Tensor};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Bytes between the `Dims` of consecutive steps in the uniform buffer (the largest uniform offset
+/// alignment WebGPU allows an adapter to require).
+pub(super) const DIMS_STRIDE: u64 = 256;
+
+/// Outputs kept on the device, by name.
+pub type Kept = HashMap<String, DeviceTensor>;
+
+/// An output lent by [`GpuModel::run_lending`]: its buffers hold it until the next run (they are
+/// the plan's slots), so the callback copies out what it needs on the encoder it is given.
+pub(crate) struct Lent<'a> {
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// Its chunks, of `chunk_bytes` each but the last.
+    pub buffers: &'a [wgpu::Buffer],
+    /// Bytes of a chunk.
+    pub chunk_bytes: u64,
+}
+
+/// The output [`GpuModel::run_lending`] lends, by name, and the callback it lends it to.
+pub(crate) type Lend<'a> = (&'a str, &'a mut dyn FnMut(&mut wgpu::CommandEncoder, Lent<'_>) -> Result<(), GpuError>);
+
+/// Device objects kept from one run to the next, so a generation step allocates and uploads
+/// nothing but its new tokens, and rebuilds only the bind groups whose buffers changed.
+#[derive(Default)]
+pub(super) struct RunState {
+    /// Intermediate buffers by slot: (bytes, chunks), grown when a longer input needs more.
+    slots: Vec<(u64, Vec<wgpu::Buffer>)>,
+    /// Input buffers by value: (bytes, chunks), grown likewise.
+    inputs: HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
+    /// Every step's `Dims`, at `DIMS_STRIDE` apart, and what was last written there.
+    uniform: Option<wgpu::Buffer>,
+    pub(super) dims: Vec<u8>,
+    /// By step: the pipeline and buffers its bind group was built for, and the bind group.
+    pub(super) bind_groups: Vec<Option<CachedGroup>>,
+    /// A buffer bound where a kernel reads nothing: the cache operand of a step appending in
+    /// place, whose output is the cache itself.
+    unread: Option<wgpu::Buffer>,
+}
+
+/// A step's bind group, with the pipeline and buffers it was built for.
+pub(super) type CachedGroup = (wgpu::ComputePipeline, Vec<wgpu::Buffer>, wgpu::BindGroup);
+
+/// A run's inputs bound to the plan's values.
+struct Bound<'t> {
+    /// The sizes the inputs give the plan's symbols.
+    syms: HashMap<Sym, usize>,
+    /// Tensors to upload, by value.
+    host: HashMap<usize, Tensor>,
+    /// Tensors already on the device, by value.
+    resident: HashMap<usize, &'t DeviceTensor>,
+}
+
+/// Buffers a run binds instead of a value's own — a cache appended in place for its present, and
+/// a contiguous copy of a cache with room that is read another way — and the copies on the device,
+/// before the forward pass, that fill them.
+#[derive(Default)]
+struct Substitutes {
+    instead: HashMap<usize, Vec<wgpu::Buffer>>,
+    copies: Vec<CacheCopy>,
+}
+
+/// Where each value of one run lives.
+struct Buffers<'r> {
+    model: &'r GpuModel,
+    syms: &'r HashMap<Sym, usize>,
+    slots: &'r [(u64, Vec<wgpu::Buffer>)],
+    inputs: &'r HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
+    resident: &'r HashMap<usize, &'r DeviceTensor>,
+    instead: &'r HashMap<usize, Vec<wgpu::Buffer>>,
+}
+
+impl<'r> Buffers<'r> {
+    /// The chunk buffers of a value, as many as its current size needs.
+    fn of(&self, value: usize) -> &'r [wgpu::Buffer] {
+        let plan = &self.model.program.plan;
+        let mut v = value;
+        while let Storage::Alias(a) = plan.values[v].storage {
+            v = a;
+        }
+        let all: &'r [wgpu::Buffer] = match &plan.values[v].storage {
+            _ if self.instead.contains_key(&v) => &self.instead[&v],
+            Storage::Param(_) | Storage::Const => &self.model.params[&v],
+            Storage::Input { .. } => match self.resident.get(&v) {
+                Some(t) => &t.buffers,
+                None => &self.inputs[&v].1,
+            },
+            Storage::Slot(s) => &self.slots[*s].1,
+            Storage::Alias(_) => unreachable!("aliases resolved above"),
+        };
+        let bytes = 4 * resolve(&plan.values[value].shape, self.syms).iter().product::<usize>() as u64;
+        &all[..(bytes.div_ceil(self.model.gpu.chunk_bytes).max(1) as usize).min(all.len())]
+    }
+}
+
+/// One step as the forward pass dispatches it: its pipeline, its bind group and its grid of
+/// workgroups (`(0, 0)` when it has nothing to compute at these sizes).
+type Dispatch = (wgpu::ComputePipeline, wgpu::BindGroup, (u32, u32));
+
+/// An output staged for reading back: its name, shape, type and staging buffers.
+type Readback = (String, Vec<usize>, DType, Vec<wgpu::Buffer>);
+
+impl GpuModel {
+    /// Runs one forward pass on named inputs; returns the named outputs.
+    pub fn run(&self, given: &HashMap<String, Tensor>) -> Result<Vec<(String, Tensor)>, GpuError> {
+        Ok(self.run_resident(given, &HashMap::new(), &[])?.0)
+    }
+
+    /// Runs one forward pass where some inputs already live on the device (`resident`: cache
+    /// inputs, say the previous step's `present_k` or an encoder's keys) and some outputs stay
+    /// there (`keep`, by name). Returns the outputs read back (all but those kept) and the kept
+    /// ones. Nothing but `given` is uploaded and nothing kept is read back, so a generation
+    /// session's cache never leaves the device.
+    pub fn run_resident(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<String, DeviceTensor>,
+        keep: &[String],
+    ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
+        self.run_lending(given, resident, keep, None)
+    }
+
+    /// [`GpuModel::run_resident`], where one output is neither read back nor kept but lent to a
+    /// callback (`lend`: its name and the callback), which records what it does with it (see
+    /// [`Lent`]) on the run's command encoder, after the forward pass and before the run's one
+    /// submission: how a generation step samples its next token on the device.
+    pub(crate) fn run_lending(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<String, DeviceTensor>,
+        keep: &[String],
+        lend: Option<Lend<'_>>,
+    ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
+        let gpu = &self.gpu;
+        gpu.check_lost()?;
+        let bound = self.bind_inputs(given, resident)?;
+        let appends = self.appends_in_place(given, &bound.resident, keep, &bound.syms)?;
+        let mut substitutes = self.substitutes(&appends, &bound.resident)?;
+
+        // Buffers: inputs and slots (kept, grown as needed), one uniform for every step's Dims.
+        let mut state = self.state.lock().map_err(|_| GpuError::Poisoned("run state"))?;
+        let state = &mut *state;
+        self.upload_inputs(state, &bound.host)?;
+        self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
+        let RunState { slots, inputs, uniform, dims, bind_groups, .. } = state;
+        let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
+        let buffers = Buffers {
+            model: self,
+            syms: &bound.syms,
+            slots,
+            inputs,
+            resident: &bound.resident,
+            instead: &substitutes.instead,
+        };
+        let (dims_bytes, dispatches) = self.encode_steps(&buffers, &appends, uniform, bind_groups)?;
+        // Sizes change only with the input's (and a cache's) length.
+        if *dims != dims_bytes {
+            gpu.queue.write_buffer(uniform, 0, &dims_bytes);
+            *dims = dims_bytes;
+        }
+
+        // One encoder, one compute pass, one submission.
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
+        record_forward(gpu, &mut encoder, &substitutes.copies, &dispatches)?;
+        let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend)?;
+        gpu.queue.submit([encoder.finish()]);
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Rejected { what: "the forward pass", message: e.to_string() });
+        }
+        Ok((read_outputs(gpu, readbacks)?, kept))
+    }
+
+    /// Binds `given` and the `resident` tensors to the plan's inputs exactly as the interpreter
+    /// does, and checks the token ids' range.
+    fn bind_inputs<'t>(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &'t HashMap<String, DeviceTensor>,
+    ) -> Result<Bound<'t>, GpuError> {
+        let plan = &self.program.plan;
+        let resident_shapes: HashMap<String, Vec<usize>> =
+            resident.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect();
+        let bound = crate::prepare::bind(plan, given, &resident_shapes)?;
+        let mut host: HashMap<usize, Tensor> = HashMap::new();
+        let mut on_device: HashMap<usize, &DeviceTensor> = HashMap::new();
+        for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
+            match tensor {
+                Some(t) => {
+                    host.insert(id, t);
+                }
+                None => {
+                    let t = &resident[name];
+                    if !Arc::ptr_eq(&t.gpu, &self.gpu) {
+                        return Err(GpuError::OtherDevice(name.clone()));
+                    }
+                    on_device.insert(id, t);
+                }
+            }
+        }
+        let by_value: HashMap<usize, &Tensor> = host.iter().map(|(&id, t)| (id, t)).collect();
+        crate::prepare::check_indices(plan, &by_value, &bound.syms)?;
+        Ok(Bound { syms: bound.syms, host, resident: on_device })
+    }
+
+    /// The buffers bound instead of a value's own this run, and the copies that fill them: each
+    /// cache appended in place is bound for its present (its held rows copied first when it
+    /// grew), and each other resident cache with room gets a contiguous copy.
+    fn substitutes(
+        &self,
+        appends: &[Append<'_>],
+        resident: &HashMap<usize, &DeviceTensor>,
+    ) -> Result<Substitutes, GpuError> {
+        let mut s = Substitutes::default();
+        for a in appends {
+            s.instead.insert(a.site.present_value, vec![a.buffer.clone()]);
+            if let Some((from, room)) = &a.grown_from {
+                let to = vec![a.buffer.clone()];
+                s.copies.push(CacheCopy {
+                    from: (from.clone(), *room),
+                    to: (to, a.room),
+                    heads: a.heads,
+                    rows: a.held,
+                    d: a.d,
+                });
+            }
+        }
+        for (&id, t) in resident {
+            let Some(room) = t.room.filter(|_| !appends.iter().any(|a| a.site.site.past_value == id)) else { continue };
+            let (heads, rows, d, _) = t.heads()?;
+            let to = self.gpu.chunked("the key/value cache", 4 * (heads * rows * d) as u64, STORAGE)?;
+            s.copies.push(CacheCopy { from: (t.buffers.clone(), room), to: (to.clone(), rows), heads, rows, d });
+            s.instead.insert(id, to);
+        }
+        Ok(s)
+    }
+
+    /// Writes the host inputs to their buffers (token ids as `i32`), replacing a buffer only
+    /// when an input needs more than it holds.
+    fn upload_inputs(&self, state: &mut RunState, host: &HashMap<usize, Tensor>) -> Result<(), GpuError> {
+        let gpu = &self.gpu;
+        for (&id, t) in host {
+            let bytes: Vec<u8> = match &t.data {
+                Data::I64(v) => {
+                    v.iter().flat_map(|&x| (x.clamp(i32::MIN as i64, i32::MAX as i64) as i32).to_le_bytes()).collect()
+                }
+                Data::F32(v) => bytemuck::cast_slice(v).to_vec(),
+            };
+            let len = bytes.len() as u64;
+            if state.inputs.get(&id).is_none_or(|(have, _)| *have < len) {
+                state.inputs.insert(id, (len, gpu.chunked("input", len, STORAGE)?));
+            }
+            gpu.write_chunked(&state.inputs[&id].1, &bytes);
+        }
+        Ok(())
+    }
+
+    /// Grows the slots to this run's sizes, makes the uniform of dispatch sizes and the table of
+    /// bind groups on the first run, and binds the buffer read by nothing as the past of each
+    /// cache appended in place.
+    fn grow_buffers(
+        &self,
+        state: &mut RunState,
+        syms: &HashMap<Sym, usize>,
+        appends: &[Append<'_>],
+        instead: &mut HashMap<usize, Vec<wgpu::Buffer>>,
+    ) -> Result<(), GpuError> {
+        let (gpu, plan) = (&self.gpu, &self.program.plan);
+        let sizes = plan.slot_sizes(syms);
+        let slots = &mut state.slots;
+        for (s, &bytes) in sizes.iter().enumerate() {
+            if slots.len() <= s || slots[s].0 < bytes {
+                let b = gpu.chunked(&format!("intermediate buffer {s}"), bytes, STORAGE)?;
+                if slots.len() <= s {
+                    slots.push((bytes, b));
+                } else {
+                    slots[s] = (bytes, b);
+                }
+            }
+        }
+        if state.uniform.is_none() {
+            state.uniform = Some(gpu.buffer(
+                "dispatch sizes",
+                DIMS_STRIDE * plan.steps.len().max(1) as u64,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            )?);
+        }
+        state.bind_groups.resize_with(plan.steps.len(), || None);
+        if state.unread.is_none() && !appends.is_empty() {
+            state.unread = Some(gpu.buffer("an operand read by nothing", 16, STORAGE)?);
+        }
+        for a in appends {
+            let unread = state.unread.clone().ok_or_else(|| GpuError::Internal("no unread buffer".into()))?;
+            instead.insert(a.site.site.past_value, vec![unread]);
+        }
+        Ok(())
+    }
+
+    /// Every step's `Dims` (at [`DIMS_STRIDE`] apart, for the uniform) and its dispatch: the
+    /// sizes from the back end, the pipeline, and the bind group (`cached`'s, where it binds the
+    /// same pipeline and buffers).
+    fn encode_steps(
+        &self,
+        buffers: &Buffers<'_>,
+        appends: &[Append<'_>],
+        uniform: &wgpu::Buffer,
+        cached: &mut [Option<CachedGroup>],
+    ) -> Result<(Vec<u8>, Vec<Dispatch>), GpuError> {
+        let (gpu, plan) = (&self.gpu, &self.program.plan);
+        let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * plan.steps.len().max(1)];
+        let mut dispatches = Vec::with_capacity(plan.steps.len());
+        let mut variants = self.variants.lock().map_err(|_| GpuError::Poisoned("pipeline cache"))?;
+        for (i, step) in plan.steps.iter().enumerate() {
+            // The kernel's calling convention: the output, the operands, then what else it writes.
+            let bound: Vec<&[wgpu::Buffer]> = std::iter::once(step.output)
+                .chain(step.operands.iter().copied())
+                .chain(step.also.iter().copied())
+                .map(|v| buffers.of(v))
+                .collect();
+            let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
+            let chunked = counts.iter().any(|&c| c > 1);
+            let dims = self.step_dims(i, step, buffers.syms, appends, chunked)?;
+            let offset = i * DIMS_STRIDE as usize;
+            dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
+
+            let storage_bindings: u32 = counts.iter().sum();
+            if storage_bindings > gpu.limits.max_storage_buffers_per_shader_stage {
+                return Err(GpuError::TooManyBindings {
+                    step: step.scope.clone(),
+                    op: step.op.name(),
+                    bindings: storage_bindings,
+                    limit: gpu.limits.max_storage_buffers_per_shader_stage,
+                });
+            }
+            let pipeline = match chunked {
+                false => self.pipelines[self.program.step_kernels[i]].clone(),
+                true => self.chunked_pipeline(i, step, &counts, &mut variants)?,
+            };
+            let buffers: Vec<wgpu::Buffer> = bound.iter().flat_map(|b| b.iter().cloned()).collect();
+            let group = bind_group(gpu, &mut cached[i], &pipeline, buffers, uniform, offset as u64);
+            let grid = match dims[0] {
+                0 => (0, 0),
+                threads => workgroups(threads, gpu.limits.max_compute_workgroups_per_dimension),
+            };
+            dispatches.push((pipeline, group, grid));
+        }
+        Ok((dims_bytes, dispatches))
+    }
+
+    /// Step `i`'s `Dims` at this run's sizes (`chunked`: it binds a tensor split over buffers),
+    /// with the room of the caches it appends to or reads in place.
+    fn step_dims(
+        &self,
+        i: usize,
+        step: &Step,
+        syms: &HashMap<Sym, usize>,
+        appends: &[Append<'_>],
+        chunked: bool,
+    ) -> Result<[u32; 16], GpuError> {
+        let plan = &self.program.plan;
+        let operand_shapes: Vec<Vec<usize>> =
+            step.operands.iter().map(|&o| resolve(&plan.values[o].shape, syms)).collect();
+        let out_shape = resolve(&plan.values[step.output].shape, syms);
+        let past = syms.get(&Sym::Past).copied().unwrap_or(0);
+        let at_step = |message: String| GpuError::Step { step: step.scope.clone(), message };
+        let mut dims = match chunked {
+            true => dispatch_chunked(&step.op, &operand_shapes, &out_shape, past),
+            false => dispatch(&step.op, &operand_shapes, &out_shape, past, &self.program.options),
+        }
+        .map_err(at_step)?;
+        if let Some(a) = appends.iter().find(|a| a.site.site.step == i) {
+            let room = a.room as u32;
+            match a.site.folded {
+                true if chunked => {
+                    Err("internal error: a cache appended in place through chunked bindings".to_string())
+                }
+                true => wgsl::appends_in_place(&step.op, &mut dims, room),
+                false => wgsl::heads_in_place(&step.op, &mut dims, room),
+            }
+            .map_err(at_step)?;
+        }
+        for a in appends {
+            let room = a.room as u32;
+            for &(_, operand) in a.site.readers.iter().filter(|(r, _)| *r == i) {
+                if chunked {
+                    return Err(GpuError::Internal(format!(
+                        "`{}` reads a cache appended in place through chunked bindings",
+                        step.scope
+                    )));
+                }
+                let strides = wgsl::attention::KEY_STRIDES;
+                dims[if operand == 1 { strides.0 } else { strides.1 }] = room;
+            }
+        }
+        Ok(dims)
+    }
+
+    /// The pipeline of step `i`'s kernel variant reading its tensors split over buffers
+    /// (`counts` of them per binding), from `variants` or built there when first needed. The
+    /// split kernels read f32 only.
+    fn chunked_pipeline(
+        &self,
+        i: usize,
+        step: &Step,
+        counts: &[u32],
+        variants: &mut HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        let (gpu, plan) = (&self.gpu, &self.program.plan);
+        if let Some(&o) = step.operands.iter().find(|&&o| !plan.values[o].format.is_f32()) {
+            return Err(GpuError::SplitFormat { step: step.scope.clone(), format: plan.values[o].format });
+        }
+        let key = (self.program.step_kernels[i], counts.to_vec());
+        if !variants.contains_key(&key) {
+            let elems: Vec<Elem> = step.operands.iter().map(|&o| elem(plan.values[o].dtype)).collect();
+            let text = kernel_chunked(
+                &step.op,
+                &elems,
+                elem(plan.values[step.output].dtype),
+                counts,
+                (gpu.chunk_bytes / 4) as u32,
+            )
+            .ok_or_else(|| GpuError::NoKernel(step.op.name()))?;
+            validate_wgsl(&text)
+                .map_err(|e| GpuError::Internal(format!("chunked {} kernel is invalid: {e}", step.op.name())))?;
+            variants.insert(key.clone(), gpu.pipeline(&format!("{} (chunked)", step.op.name()), &text));
+        }
+        Ok(variants[&key].clone())
+    }
+
+    /// Records on `encoder`, after the forward pass, what happens to each output: lent to the
+    /// callback, left where it is kept (a cache appended in place), copied into buffers of its
+    /// own to be kept, or staged to be read back after the submission.
+    fn record_outputs(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        buffers: &Buffers<'_>,
+        appends: &[Append<'_>],
+        keep: &[String],
+        mut lend: Option<Lend<'_>>,
+    ) -> Result<(Vec<Readback>, Kept), GpuError> {
+        let (gpu, plan) = (&self.gpu, &self.program.plan);
+        let mut readbacks = Vec::new();
+        let mut kept = HashMap::new();
+        for (name, v) in &plan.outputs {
+            let shape = resolve(&plan.values[*v].shape, buffers.syms);
+            if let Some((lent, then)) = lend.as_mut()
+                && *lent == name.as_str()
+            {
+                (*then)(encoder, Lent { shape: &shape, buffers: buffers.of(*v), chunk_bytes: gpu.chunk_bytes })?;
+                continue;
+            }
+            if let Some(a) = appends.iter().find(|a| a.site.site.present == *name) {
+                // Already where it is kept: the cache, with room for more rows.
+                let buffers = vec![a.buffer.clone()];
+                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers, room: Some(a.room) });
+                continue;
+            }
+            let bytes = 4 * shape.iter().product::<usize>() as u64;
+            if keep.contains(name) {
+                // Kept on the device: copied into buffers of its own (a slot is reused next run).
+                let own = gpu.chunked(&format!("output `{name}`"), bytes, STORAGE)?;
+                for (c, (chunk, to)) in buffers.of(*v).iter().zip(&own).enumerate() {
+                    let at = c as u64 * gpu.chunk_bytes;
+                    let len = (bytes.saturating_sub(at)).min(gpu.chunk_bytes).next_multiple_of(4);
+                    if len > 0 {
+                        encoder.copy_buffer_to_buffer(chunk, 0, to, 0, len);
+                    }
+                }
+                kept.insert(name.clone(), DeviceTensor { gpu: gpu.clone(), shape, buffers: own, room: None });
+                continue;
+            }
+            let staging = gpu.stage(&format!("output `{name}`"), buffers.of(*v), bytes, encoder)?;
+            readbacks.push((name.clone(), shape, plan.values[*v].dtype, staging));
+        }
+        Ok((readbacks, kept))
+    }
+}
+
+/// Step `i`'s bind group: `cached`'s if it was built for the same pipeline and buffers, else a
+/// new one (kept in `cached`) binding its `Dims` at `offset` in the uniform, then `buffers`.
+fn bind_group(
+    gpu: &Gpu,
+    cached: &mut Option<CachedGroup>,
+    pipeline: &wgpu::ComputePipeline,
+    buffers: Vec<wgpu::Buffer>,
+    uniform: &wgpu::Buffer,
+    offset: u64,
+) -> wgpu::BindGroup {
+    if let Some((p, b, group)) = cached
+        && *p == *pipeline
+        && *b == buffers
+    {
+        return group.clone();
+    }
+    let mut entries = vec![wgpu::BindGroupEntry {
+        binding: 0,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: uniform,
+            offset,
+            size: wgpu::BufferSize::new(64),
+        }),
+    }];
+    for buffer in &buffers {
+        entries.push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource: buffer.as_entire_binding() });
+    }
+    let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &entries,
+    });
+    *cached = Some((pipeline.clone(), buffers, group.clone()));
+    group
+}
+
+/// Records on `encoder` the cache copies, then the forward pass: every step with something to
+/// compute, in order, in one compute pass.
+fn record_forward(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    copies: &[CacheCopy],
+    dispatches: &[Dispatch],
+) -> Result<(), GpuError> {
+    // Caches moved to a larger buffer, or made contiguous, first.
+    for c in copies {
+        c.record(encoder, 0, gpu.chunk_bytes)?;
+    }
+    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+    for (pipeline, group, (x, y)) in dispatches {
+        if *x == 0 {
+            continue;
+        }
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, group, &[]);
+        pass.dispatch_workgroups(*x, *y, 1);
+    }
+    Ok(())
+}
+
+/// Waits for the submission and reads the staged outputs back (token ids from `i32`).
+fn read_outputs(gpu: &Gpu, readbacks: Vec<Readback>) -> Result<Vec<(String, Tensor)>, GpuError> {
+    let mut outputs = Vec::new();
+    for (name, shape, dtype, staging) in readbacks {
+        let n: usize = shape.iter().product();
+        let data = gpu.read_staging(&staging, &format!("`{name}`"), n)?;
+        let t = match dtype {
+            DType::F32 => Tensor::f32(shape, bytemuck::cast_slice::<u8, f32>(&data).to_vec()),
+            DType::I64 => {
+                Tensor::i64(shape, bytemuck::cast_slice::<u8, i32>(&data).iter().map(|&x| x as i64).collect())
+            }
+        };
+        outputs.push((name, t));
+    }
+    Ok(outputs)
+}
+
+/// The WGSL element type a value of `dtype` is stored as.
+fn elem(dtype: DType) -> Elem {
+    match dtype {
+        DType::F32 => Elem::F32,
+        DType::I64 => Elem::I32,
+    }
+}
