@@ -11,8 +11,8 @@ use kiln_compiler::memory::MemoryError;
 /// What can go wrong on the device.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    /// The plan breaks a guarantee of lowering ([`Plan::check`](kiln_compiler::lower::Plan::check): an index out of range, an
-    /// ill-typed step).
+    /// The plan breaks a guarantee of lowering ([`Plan::check`](kiln_compiler::lower::Plan::check):
+    /// an index out of range, an ill-typed step).
     #[error(transparent)]
     Plan(#[from] PlanError),
     /// No adapter at all (or none matching the request).
