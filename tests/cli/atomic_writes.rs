@@ -1,6 +1,7 @@
 //! Files kiln writes are whole or absent: a writer killed at any moment leaves the previous file
 //! (or the new one) at the path, never a part of one (`kiln_compiler::file::write_atomic`).
 
+use crate::common;
 use kiln_compiler::file::write_atomic;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -107,23 +108,14 @@ fn a_writer_killed_mid_write_leaves_the_old_file() {
 /// Every file the sources write goes through `write_atomic`.
 #[test]
 fn nothing_else_writes_files() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut offenders = Vec::new();
-    for dir in ["src", "compiler/src", "runtime/src"] {
-        let mut stack = vec![root.join(dir)];
-        while let Some(d) = stack.pop() {
-            for entry in std::fs::read_dir(&d).unwrap() {
-                let p = entry.unwrap().path();
-                if p.is_dir() {
-                    stack.push(p);
-                } else if p.extension().is_some_and(|e| e == "rs") && !p.ends_with("compiler/src/file.rs") {
-                    let source = std::fs::read_to_string(&p).unwrap();
-                    for needle in ["fs::write(", "File::create(", "OpenOptions"] {
-                        if source.contains(needle) {
-                            offenders.push(format!("{}: {needle}", p.display()));
-                        }
-                    }
-                }
+    for (path, source) in common::sources(&["src", "compiler/src", "runtime/src"]) {
+        if path.ends_with("compiler/src/file.rs") {
+            continue;
+        }
+        for needle in ["fs::write(", "File::create(", "OpenOptions"] {
+            if source.contains(needle) {
+                offenders.push(format!("{}: {needle}", path.display()));
             }
         }
     }

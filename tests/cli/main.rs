@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod architecture;
 mod atomic_writes;
 mod bad_inputs;
 mod bad_weights;

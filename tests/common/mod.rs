@@ -194,3 +194,25 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// The Rust sources under each of `dirs` (relative to the repository root), recursively, with
+/// their text.
+pub fn sources(dirs: &[&str]) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    for dir in dirs {
+        let mut stack = vec![root().join(dir)];
+        while let Some(d) = stack.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let p = entry.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    out.push((p, text));
+                }
+            }
+        }
+    }
+    assert!(!out.is_empty(), "no sources under {dirs:?}");
+    out
+}
