@@ -40,7 +40,7 @@ pub struct CostModel {
 
 impl CostModel {
     /// Constants measured on the native CPU back end (2 cores of an x86 VM with AVX-512, 2
-    /// threads) with `kiln bench --calibrate --backend cpu`: one step 0.2-0.4 us, one byte moved
+    /// threads) with `kiln bench calibrate --backend cpu`: one step 0.2-0.4 us, one byte moved
     /// 0.035 ns, one projection FLOP 0.005 ns (about 200 GFLOPS), i.e. a step costs as much as
     /// moving about 10 000 bytes (7 300-13 500 over three runs) and a FLOP 0.15 bytes (0.13-0.21):
     /// arithmetic is seven times cheaper, relative to memory, than on lavapipe. See BENCHMARKS.md.
@@ -106,7 +106,7 @@ impl CostModel {
                     // values already loaded, and scales the sums after (the WGSL projection's
                     // `rms_load`; the CPU's normalises each row once): the statistics' own
                     // arithmetic, as the separate norm does it, and no second read of the row.
-                    // `kiln bench --kernels` measures it at least as fast as the norm's own
+                    // `kiln bench kernels` measures it at least as fast as the norm's own
                     // kernel and the projection on lavapipe (at 1, 16 and 128 rows).
                     Some(p) if p.rms => f += 2.0 * rows * k,
                     // Two passes over its rows' inputs for the mean and variance, in every

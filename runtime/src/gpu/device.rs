@@ -168,7 +168,7 @@ impl Gpu {
     /// The WGSL back end's options for this device's features: subgroup reductions where it has
     /// them on hardware; f32 weights (f16 is a precision the caller chooses,
     /// [`wgsl::Options::f16_weights`]). A software adapter (lavapipe, whose subgroups are 8 lanes
-    /// emulated on the CPU) keeps the plain forms: there `kiln bench --kernels` measured the split
+    /// emulated on the CPU) keeps the plain forms: there `kiln bench kernels` measured the split
     /// GEMV at half the speed of the `vec4` GEMV (SmolLM2's QKV projection at one row: 1.29 ms
     /// against 0.65 ms); and a decoder step's cache appends in their own dispatches
     /// ([`wgsl::Options::fold_appends`], slower there); and the attention's blocked forms only,

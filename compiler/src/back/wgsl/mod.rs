@@ -79,7 +79,7 @@ pub struct Options {
     /// (`fold_appends`), for a hardware adapter, where a dispatch costs microseconds. Where the
     /// runtime appends to a cache in place, the folded kernel's threads write only the new rows
     /// (see `append::append_copy`). On lavapipe it decodes as fast as the three dispatches but
-    /// prefills 1.5x slower (SmolLM2, `kiln bench --decode 32 --seq 16 --backend wgpu`: 10.1
+    /// prefills 1.5x slower (SmolLM2, `kiln bench decode --steps 32 --seq 16 --backend wgpu`: 10.1
     /// against 10.5 decode tok/s, 38.8 against 57.2 prefill), so a software adapter keeps them
     /// apart (see `Gpu::options`).
     pub fold_appends: bool,

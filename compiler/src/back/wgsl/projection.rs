@@ -194,7 +194,7 @@ fn vector_ok(p: Linear, k: usize, w: usize, n: usize) -> bool {
 
 /// Whether projection `op` (an [`Op::Linear`]) from `k` inputs to `n` outputs runs a `vec4`
 /// form here (at any number of rows) rather than a scalar one, which is several times slower
-/// (`kiln bench --kernels`): what the cost model needs to price the op as it will run.
+/// (`kiln bench kernels`): what the cost model needs to price the op as it will run.
 pub fn vector_form(op: &Op, k: usize, n: usize) -> bool {
     let p = Linear::of(op);
     let w = if p.glu {

@@ -15,12 +15,12 @@ pub const MAX_ATTENTION_HEAD_DIM: usize = 256;
 
 /// [`CostModel::scalar_projection`] on lavapipe: SmolLM2's packed QKV projection with a RoPE
 /// epilogue took 7 times as long at 128 rows in the scalar form as in the `vec4` one, and 22 times
-/// at 16 (`kiln bench --kernels`, on a busy machine; the same at 1 row, where both are GEMVs).
+/// at 16 (`kiln bench kernels`, on a busy machine; the same at 1 row, where both are GEMVs).
 pub const LAVAPIPE_SCALAR_PROJECTION: f64 = 7.0;
 
 impl Default for CostModel {
     /// Constants measured on lavapipe (Mesa llvmpipe, LLVM 15, 256-bit, on 2 CPU cores) with
-    /// `kiln bench --calibrate`: one dispatch took 32 us, one byte moved by an elementwise kernel
+    /// `kiln bench calibrate`: one dispatch took 32 us, one byte moved by an elementwise kernel
     /// 2.5 ns and one FLOP of a projection 2.7 ns, i.e. a dispatch costs as much as moving about
     /// 13 000 bytes and a FLOP about 1.1 bytes. (On a discrete GPU both ratios are far larger:
     /// rerun the calibration there before trusting choices that trade dispatches for FLOPs.)
