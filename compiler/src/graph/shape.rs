@@ -515,6 +515,23 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((a.clone(), DType::F32))
         }
+        Op::SumAxis { axis } => {
+            arity(1)?;
+            let mut shape = float(0)?.clone();
+            match shape.get_mut(*axis) {
+                Some(d) => *d = Dim::Fixed(1),
+                None => return Err(format!("axis {axis} is out of range for {}", fmt_shape(float(0)?))),
+            }
+            Ok((shape, DType::F32))
+        }
+        Op::ActGrad(_) => {
+            arity(2)?;
+            let (x, dy) = (float(0)?, float(1)?);
+            if x != dy {
+                return Err(format!("x and dy differ: {} and {}", fmt_shape(x), fmt_shape(dy)));
+            }
+            Ok((x.clone(), DType::F32))
+        }
         Op::MeanPool => {
             arity(2)?;
             let x = float(0)?;
