@@ -594,6 +594,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 .map(|(&x, &dy)| dy * crate::semantics::activation_derivative(*act, x))
                 .collect(),
         ),
+        Op::Rsqrt => Tensor::f32(shape, f(a[0]).iter().map(|&x| (1.0 / f64::from(x).sqrt()) as f32).collect()),
         Op::SumAxis { axis } => {
             let x = a[0];
             let n = x.shape[*axis];

@@ -9,7 +9,7 @@
 //! 1e-3 for gradients near zero. A check in f64 is a later step.
 
 use kiln_compiler::autodiff::{AutodiffError, gradients};
-use kiln_compiler::graph::{Activation, Dim, Graph, Op, Scalar};
+use kiln_compiler::graph::{Activation, Dim, Graph, Op, PairStyle, Scalar};
 use kiln_compiler::interp::run;
 use kiln_compiler::tensor::Tensor;
 use petgraph::graph::NodeIndex;
@@ -261,4 +261,23 @@ fn the_loss_must_be_one_element() {
     g.outputs.push(("loss".into(), x));
     assert!(matches!(gradients(&g, "loss", |_| true), Err(AutodiffError::NotScalar { .. })));
     assert!(matches!(gradients(&g, "nope", |_| true), Err(AutodiffError::NoLoss(_))));
+}
+
+#[test]
+fn norms() {
+    for shape in [&[2, 4][..], &[2, 3, 5]] {
+        let d = *shape.last().unwrap();
+        unary("rms_norm", &[shape, &[d]], op1(Op::RmsNorm { eps: Scalar(1e-5) }));
+        unary("layer_norm", &[shape, &[d]], op1(Op::LayerNorm { eps: Scalar(1e-5) }));
+        unary("layer_norm with bias", &[shape, &[d], &[d]], op1(Op::LayerNorm { eps: Scalar(1e-5) }));
+    }
+}
+
+#[test]
+fn rope() {
+    for style in [PairStyle::RotateHalf, PairStyle::Interleaved] {
+        for (shape, rotary_dim) in [(&[1, 2, 3, 4][..], 4), (&[2, 1, 3, 6], 4), (&[1, 1, 5, 8], 8)] {
+            unary("rope", &[shape], op1(Op::Rope { theta: Scalar(100.0), rotary_dim, style }));
+        }
+    }
 }

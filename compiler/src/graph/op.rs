@@ -526,6 +526,8 @@ pub enum Op {
     /// elementwise over equal shapes (the backward of [`Op::Act`]; see
     /// [`crate::semantics::activation_derivative`]).
     ActGrad(Activation),
+    /// `1 / sqrt(x)`, elementwise (a norm's inverse deviation, in its backward).
+    Rsqrt,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
     L2Normalize,
 
@@ -682,6 +684,7 @@ impl Op {
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
             Op::SumAxis { .. } => "sum_axis".into(),
+            Op::Rsqrt => "rsqrt".into(),
             Op::ActGrad(a) => format!("{}_grad", a.name().replace('-', "_")),
             Op::L2Normalize => "l2_normalize".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {

@@ -198,7 +198,13 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(2)?;
             Ok((broadcast(float(0)?, float(1)?)?, DType::F32))
         }
-        Op::Scale { .. } | Op::Offset { .. } | Op::SoftCap { .. } | Op::Act(_) | Op::Softmax | Op::L2Normalize => {
+        Op::Scale { .. }
+        | Op::Offset { .. }
+        | Op::SoftCap { .. }
+        | Op::Act(_)
+        | Op::Softmax
+        | Op::L2Normalize
+        | Op::Rsqrt => {
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }

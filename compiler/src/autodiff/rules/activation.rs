@@ -1,5 +1,5 @@
 //! Gradients of the elementwise and row-wise nonlinearities: the activations, softmax, soft-cap,
-//! and the score ops a softmax reads (mask, ALiBi).
+//! and the causal/window mask a softmax reads.
 
 use super::{Grads, Rule, Site, add, ones_like, scale, sum_last};
 use crate::autodiff::AutodiffError;
@@ -20,8 +20,6 @@ pub fn rules() -> Vec<Rule> {
         Rule { op: "softcap",   grad: softcap },
         // d(mask x) = dy where kept, 0 where masked (the key mask has none)
         Rule { op: "mask",      grad: mask },
-        // d(x + alibi) = dy
-        Rule { op: "alibi",     grad: pass },
     ]
 }
 
@@ -58,8 +56,4 @@ fn mask(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     let masked = add(g, s.op.clone(), &operands)?;
     let dx = add(g, Op::ActGrad(Activation::Relu), &[masked, s.dy])?;
     Ok(vec![Some(dx), None])
-}
-
-fn pass(_: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
-    Ok(vec![Some(s.dy)])
 }

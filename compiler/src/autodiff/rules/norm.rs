@@ -1,8 +1,82 @@
-//! Gradients of the row norms: layer_norm and rms_norm.
+//! Gradients of the row norms over the last axis. With `r = 1 / sqrt(var + eps)` per row,
+//! `xhat` the normalized row and `gx = dy * gain`:
+//!
+//! - rms_norm: `xhat = x r`, `dx = r (gx - xhat mean(gx xhat))`;
+//! - layer_norm: `xhat = (x - mean x) r`, `dx = r (gx - mean(gx) - xhat mean(gx xhat))`;
+//!
+//! and for both `dgain = sum(dy xhat)`, `dbias = sum(dy)` over every axis but the last.
 
-use super::Rule;
+use super::{Grads, Rule, Site, add, scale, shape, sum_last, sum_to};
+use crate::autodiff::AutodiffError;
+use crate::graph::{Dim, Graph, NodeIndex, Op, Scalar};
 
 /// The rules of this topic.
+#[rustfmt::skip]
 pub fn rules() -> Vec<Rule> {
-    vec![]
+    vec![
+        // d(x r g + b) = (r (gx - mean(gx) - xhat mean(gx xhat)), sum(dy xhat), sum(dy))
+        Rule { op: "layer_norm", grad: norm },
+        // d(x r g) = (r (gx - xhat mean(gx xhat)), sum(dy xhat))
+        Rule { op: "rms_norm",   grad: norm },
+    ]
+}
+
+/// The mean over the last axis (of extent `d`), kept with extent 1.
+fn mean_last(g: &mut Graph, x: NodeIndex, d: usize) -> Result<NodeIndex, AutodiffError> {
+    let sum = sum_last(g, x)?;
+    scale(g, sum, 1.0 / d as f32)
+}
+
+fn norm(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let (rms, eps) = match *s.op {
+        Op::RmsNorm { eps } => (true, eps),
+        Op::LayerNorm { eps } => (false, eps),
+        _ => return Err(s.unsupported("not a norm".into())),
+    };
+    let (x, gain) = (s.operand(0)?, s.operand(1)?);
+    let gain_shape = shape(g, gain)?;
+    let d = match gain_shape.as_slice() {
+        [Dim::Fixed(d)] => *d,
+        _ => return Err(s.unsupported("the gain is not a fixed [d]".into())),
+    };
+    let centred = if rms {
+        x
+    } else {
+        let mean = mean_last(g, x, d)?;
+        let minus = scale(g, mean, -1.0)?;
+        add(g, Op::Add, &[x, minus])?
+    };
+    let sq = add(g, Op::Mul, &[centred, centred])?;
+    let var = mean_last(g, sq, d)?;
+    let var_eps = add(g, Op::Offset { value: Scalar(eps.0) }, &[var])?;
+    let r = add(g, Op::Rsqrt, &[var_eps])?;
+    let xhat = add(g, Op::Mul, &[centred, r])?;
+
+    let dx = if s.needs(0) {
+        let gx = add(g, Op::Mul, &[s.dy, gain])?;
+        let gxx = add(g, Op::Mul, &[gx, xhat])?;
+        let dot = mean_last(g, gxx, d)?;
+        let proj = add(g, Op::Mul, &[xhat, dot])?;
+        let minus = scale(g, proj, -1.0)?;
+        let mut inner = add(g, Op::Add, &[gx, minus])?;
+        if !rms {
+            let mean = mean_last(g, gx, d)?;
+            let minus = scale(g, mean, -1.0)?;
+            inner = add(g, Op::Add, &[inner, minus])?;
+        }
+        Some(add(g, Op::Mul, &[inner, r])?)
+    } else {
+        None
+    };
+    let dgain = if s.needs(1) {
+        let prod = add(g, Op::Mul, &[s.dy, xhat])?;
+        Some(sum_to(g, prod, &gain_shape)?)
+    } else {
+        None
+    };
+    let mut out = vec![dx, dgain];
+    if s.operands.len() > 2 {
+        out.push(if s.needs(2) { Some(sum_to(g, s.dy, &gain_shape)?) } else { None });
+    }
+    Ok(out)
 }
