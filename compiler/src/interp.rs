@@ -594,6 +594,25 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 .map(|(&x, &dy)| dy * crate::semantics::activation_derivative(*act, x))
                 .collect(),
         ),
+        Op::GatherGrad => {
+            let (ids, dy) = (a[1].as_i64().expect("ids are i64"), f(a[2]));
+            let (rows, d) = (a[0].shape[0], a[0].shape[1]);
+            let mut out = vec![0.0f32; rows * d];
+            for (&id, row) in ids.iter().zip(dy.chunks(d.max(1))) {
+                if id < 0 || id as usize >= rows {
+                    return Err(InterpError::IndexOutOfRange {
+                        what: "token id",
+                        index: id,
+                        table: "table".into(),
+                        rows,
+                    });
+                }
+                for (o, v) in out[id as usize * d..(id as usize + 1) * d].iter_mut().zip(row) {
+                    *o += v;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
         Op::Rsqrt => Tensor::f32(shape, f(a[0]).iter().map(|&x| (1.0 / f64::from(x).sqrt()) as f32).collect()),
         Op::SumAxis { axis } => {
             let x = a[0];

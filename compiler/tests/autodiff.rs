@@ -37,12 +37,17 @@ fn fixed(g: &Graph, n: NodeIndex) -> Vec<usize> {
 }
 
 /// Adds `loss = sum(y * w)`, `w` a parameter `loss.w` of random weights (so no gradient is
-/// trivially constant, as the gradient of `sum(softmax(x))` would be).
+/// trivially constant, as the gradient of `sum(softmax(x))` would be) of `y`'s shape after its
+/// last symbolic axis (broadcast over the symbolic ones).
 fn with_loss(g: &mut Graph, y: NodeIndex) {
-    let shape = fixed(g, y);
+    let dims = &g.g[y].shape;
+    let rank = dims.len();
+    let first_fixed = dims.iter().rposition(|d| matches!(d, Dim::Sym(_))).map_or(0, |i| i + 1);
+    let shape: Vec<usize> =
+        dims[first_fixed..].iter().map(|d| if let Dim::Fixed(k) = d { *k } else { unreachable!() }).collect();
     let w = g.param("loss.w", &shape);
     let mut l = g.add(Op::Mul, &[y, w]).unwrap();
-    for axis in 0..shape.len() {
+    for axis in 0..rank {
         l = g.add(Op::SumAxis { axis }, &[l]).unwrap();
     }
     g.outputs.push(("loss".into(), l));
@@ -279,5 +284,112 @@ fn rope() {
         for (shape, rotary_dim) in [(&[1, 2, 3, 4][..], 4), (&[2, 1, 3, 6], 4), (&[1, 1, 5, 8], 8)] {
             unary("rope", &[shape], op1(Op::Rope { theta: Scalar(100.0), rotary_dim, style }));
         }
+    }
+}
+
+/// An embedding lookup with repeated ids: rows named twice get both gradients, rows named by no
+/// id get none.
+#[test]
+fn gather() {
+    use kiln_compiler::graph::{InputRole, Sym};
+    for (rows, ids) in [(5, vec![0i64, 3, 3, 1, 0, 3]), (3, vec![2, 2])] {
+        let mut g = Graph::new("gather");
+        let input = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+        let table = g.param("table", &[rows, 3]);
+        let y = g.add(Op::Gather, &[table, input]).unwrap();
+        // Rows apart: each row's own weights, so that repeated ids are told apart.
+        let w = g.param("w", &[3, 3]);
+        let y = g.add(Op::MatMul { transpose_b: false }, &[y, w]).unwrap();
+        let y = g.add(Op::Act(Activation::Silu), &[y]).unwrap();
+        with_loss(&mut g, y);
+        let n = ids.len();
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![1, n], ids))]);
+        check(&g, &params_of(&g, 5), &inputs, "gather");
+    }
+}
+
+const GPT2: &str = r#"
+[model]
+name = "tiny-gpt2"
+kind = "decoder"
+vocab = 11
+d_model = 8
+layers = 1
+max_positions = 8
+
+[positions]
+kind = "learned"
+
+[norm]
+kind = "layernorm"
+eps = 1e-5
+placement = "pre"
+
+[attention]
+heads = 2
+bias = true
+
+[ffn]
+activation = "gelu-tanh"
+bias = true
+
+[head]
+tied = true
+
+[weights]
+preset = "gpt2"
+"#;
+
+const LLAMA: &str = r#"
+[model]
+name = "tiny-llama"
+kind = "decoder"
+vocab = 11
+d_model = 8
+layers = 1
+max_positions = 8
+
+[positions]
+kind = "rope"
+theta = 10000.0
+
+[norm]
+kind = "rmsnorm"
+eps = 1e-6
+
+[attention]
+heads = 2
+kv_heads = 1
+
+[ffn]
+activation = "silu"
+gated = true
+d_ff = 12
+
+[head]
+tied = false
+
+[weights]
+preset = "llama"
+"#;
+
+/// Whole small decoders as the front end builds them (unoptimized), loss = sum(logits * w):
+/// every parameter's gradient, the tied embedding's included, against central differences.
+#[test]
+fn whole_small_models() {
+    for (name, source) in [("gpt2", GPT2), ("llama", LLAMA)] {
+        let fe = kiln_compiler::front_end("t.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+        let mut g = fe.graph;
+        let logits = g.outputs.iter().find(|(n, _)| n == "logits").unwrap().1;
+        with_loss(&mut g, logits);
+        // Moderate weights keep the softmaxes and norms away from saturation, where f32 finite
+        // differences lose their digits.
+        let mut params = params_of(&g, 11);
+        for t in params.values_mut() {
+            *t = Tensor::f32(t.shape.clone(), t.to_f32_vec().iter().map(|v| v * 0.5).collect());
+        }
+        let ids = vec![1i64, 4, 4, 9, 0, 2];
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![2, 3], ids))]);
+        check(&g, &params, &inputs, name);
     }
 }

@@ -526,6 +526,10 @@ pub enum Op {
     /// elementwise over equal shapes (the backward of [`Op::Act`]; see
     /// [`crate::semantics::activation_derivative`]).
     ActGrad(Activation),
+    /// The backward of [`Op::Gather`]: `(table f32[rows, d], ids i64[...], dy f32[..., d]) ->
+    /// [rows, d]`, row `r` the sum of the rows of `dy` whose id is `r` (zero for rows no id
+    /// names); `table` gives only the shape.
+    GatherGrad,
     /// `1 / sqrt(x)`, elementwise (a norm's inverse deviation, in its backward).
     Rsqrt,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
@@ -685,6 +689,7 @@ impl Op {
             Op::MeanPool => "mean_pool".into(),
             Op::SumAxis { .. } => "sum_axis".into(),
             Op::Rsqrt => "rsqrt".into(),
+            Op::GatherGrad => "gather_grad".into(),
             Op::ActGrad(a) => format!("{}_grad", a.name().replace('-', "_")),
             Op::L2Normalize => "l2_normalize".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {

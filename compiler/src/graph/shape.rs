@@ -530,6 +530,21 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((shape, DType::F32))
         }
+        Op::GatherGrad => {
+            arity(3)?;
+            let table = float(0)?;
+            let (ids, t) = operands[1];
+            let dy = float(2)?;
+            if table.len() != 2 || t != DType::I64 {
+                return Err(format!("expects a 2-D table and i64 ids, got {} and {t}", fmt_shape(table)));
+            }
+            let mut want = ids.clone();
+            want.push(table[1]);
+            if *dy != want {
+                return Err(format!("dy must be {}, is {}", fmt_shape(&want), fmt_shape(dy)));
+            }
+            Ok((table.clone(), DType::F32))
+        }
         Op::ActGrad(_) => {
             arity(2)?;
             let (x, dy) = (float(0)?, float(1)?);

@@ -1,4 +1,5 @@
-//! Gradients of the ops that move elements: reshape, permute, slice, concat, repeat_heads.
+//! Gradients of the ops that move elements: reshape, permute, slice, concat, gather,
+//! repeat_heads.
 
 use super::{Grads, Rule, Site, add, shape, zeros_like};
 use crate::autodiff::AutodiffError;
@@ -16,6 +17,8 @@ pub fn rules() -> Vec<Rule> {
         Rule { op: "slice",        grad: slice },
         // d(concat(a, b)) = (dy's first part, dy's second part)
         Rule { op: "concat",       grad: concat },
+        // d(gather(table, ids)) = dy's rows summed into the rows the ids name
+        Rule { op: "gather",       grad: gather },
         // d(repeat_heads x) = dy summed over each head's copies
         Rule { op: "repeat_heads", grad: repeat_heads },
     ]
@@ -92,4 +95,9 @@ fn repeat_heads(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     let split = add(g, Op::Reshape { shape: vec![*b, *kv, Dim::Fixed(times), *sq, *d] }, &[s.dy])?;
     let summed = add(g, Op::SumAxis { axis: 2 }, &[split])?;
     Ok(vec![Some(add(g, Op::Reshape { shape: x }, &[summed])?)])
+}
+
+fn gather(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let (table, ids) = (s.operand(0)?, s.operand(1)?);
+    Ok(vec![Some(add(g, Op::GatherGrad, &[table, ids, s.dy])?), None])
 }
