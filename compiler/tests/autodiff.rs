@@ -393,3 +393,46 @@ fn whole_small_models() {
         check(&g, &params, &inputs, name);
     }
 }
+
+/// The encoder-side ops: a key-masked block-sparse mask, mean pooling, L2 normalization.
+#[test]
+fn encoder_ops() {
+    for shape in [&[2, 3][..], &[1, 4]] {
+        unary("l2_normalize", &[shape], op1(Op::L2Normalize));
+    }
+    // The masks are parameters the gradient is not asked of (fixed shapes, unlike an input's).
+    for (b, s, d, m) in [(1, 3, 2, vec![1.0, 1.0, 0.0]), (2, 2, 3, vec![1.0, 0.0, 1.0, 1.0])] {
+        let mut g = Graph::new("mean_pool");
+        let x = g.param("x", &[b, s, d]);
+        let mask = g.param("mask", &[b, s]);
+        let y = g.add(Op::MeanPool, &[x, mask]).unwrap();
+        with_loss(&mut g, y);
+        let mut params = params_of(&g, 2);
+        params.insert("mask".into(), Tensor::f32(vec![b, s], m));
+        check_some(&g, &params, &none(), "mean_pool", |n| n == "x");
+    }
+    for (blocks, kept) in [(4, vec![1.0; 4]), (6, vec![1.0, 1.0, 1.0, 1.0, 0.0, 0.0])] {
+        let mut g = Graph::new("block_sparse_mask");
+        let x = g.param("x", &[1, 2, blocks, blocks]);
+        let mask = g.param("mask", &[1, blocks]);
+        let op = Op::BlockSparseMask { block: 2, global: 1, window: 0, random: 0, seed: 1 };
+        let y = g.add(op, &[x, mask]).unwrap();
+        let y = g.add(Op::Softmax, &[y]).unwrap();
+        with_loss(&mut g, y);
+        let mut params = params_of(&g, 9);
+        params.insert("mask".into(), Tensor::f32(vec![1, blocks], kept));
+        check_some(&g, &params, &none(), "block_sparse_mask", |n| n == "x");
+    }
+}
+
+/// Fused ops (the optimizer's) are refused by name for now: gradients are taken before fusion.
+#[test]
+fn fused_ops_are_refused_by_name() {
+    let mut g = Graph::new("fused");
+    let x = g.param("x", &[2, 4]);
+    let w = g.param("w", &[3, 4]);
+    let y = g.add(Op::linear(Some(Activation::Gelu), false, false), &[x, w]).unwrap();
+    with_loss(&mut g, y);
+    let err = gradients(&g, "loss", |n| n == "w").unwrap_err();
+    assert_eq!(err, AutodiffError::NoRule { op: "linear_gelu".into(), scope: String::new() });
+}

@@ -1,5 +1,5 @@
 //! Gradients of the elementwise and row-wise nonlinearities: the activations, softmax, soft-cap,
-//! and the causal/window mask a softmax reads.
+//! and the masks a softmax reads (causal/window, block-sparse).
 
 use super::{Grads, Rule, Site, add, ones_like, scale, sum_last};
 use crate::autodiff::AutodiffError;
@@ -20,6 +20,8 @@ pub fn rules() -> Vec<Rule> {
         Rule { op: "softcap",   grad: softcap },
         // d(mask x) = dy where kept, 0 where masked (the key mask has none)
         Rule { op: "mask",      grad: mask },
+        // d(block_sparse_mask x) = dy where the pattern (and key mask) keeps, 0 elsewhere
+        Rule { op: "block_sparse_mask", grad: mask },
     ]
 }
 
