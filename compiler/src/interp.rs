@@ -586,6 +586,52 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             Tensor::f32(shape, out)
         }
         Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
+        Op::ActGrad(act) => Tensor::f32(
+            shape,
+            f(a[0])
+                .iter()
+                .zip(f(a[1]))
+                .map(|(&x, &dy)| dy * crate::semantics::activation_derivative(*act, x))
+                .collect(),
+        ),
+        Op::GatherGrad => {
+            let (ids, dy) = (a[1].as_i64().expect("ids are i64"), f(a[2]));
+            let (rows, d) = (a[0].shape[0], a[0].shape[1]);
+            let mut out = vec![0.0f32; rows * d];
+            for (&id, row) in ids.iter().zip(dy.chunks(d.max(1))) {
+                if id < 0 || id as usize >= rows {
+                    return Err(InterpError::IndexOutOfRange {
+                        what: "token id",
+                        index: id,
+                        table: "table".into(),
+                        rows,
+                    });
+                }
+                for (o, v) in out[id as usize * d..(id as usize + 1) * d].iter_mut().zip(row) {
+                    *o += v;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::Rsqrt => Tensor::f32(shape, f(a[0]).iter().map(|&x| (1.0 / f64::from(x).sqrt()) as f32).collect()),
+        Op::SumAxis { axis } => {
+            let x = a[0];
+            let n = x.shape[*axis];
+            let inner: usize = x.shape[*axis + 1..].iter().product();
+            let outer: usize = x.shape[..*axis].iter().product();
+            let xs = f(x);
+            let mut out = vec![0.0f32; outer * inner];
+            for o in 0..outer {
+                for j in 0..inner {
+                    let mut acc = 0.0f64;
+                    for i in 0..n {
+                        acc += f64::from(xs[(o * n + i) * inner + j]);
+                    }
+                    out[o * inner + j] = acc as f32;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
         Op::LayerNorm { eps } => {
             let gain = f(a[1]);
             let bias = a.get(2).map(|t| f(t));

@@ -45,6 +45,7 @@
 #[cfg(test)]
 mod architecture;
 pub mod artifact;
+pub mod autodiff;
 pub mod back;
 pub mod diag;
 pub mod file;

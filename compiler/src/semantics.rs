@@ -146,6 +146,34 @@ pub fn activation(act: Activation, x: f32) -> f32 {
     }
 }
 
+/// The derivative of [`activation`] at `x`, computed in f64 from each function's closed form.
+pub fn activation_derivative(act: Activation, x: f32) -> f32 {
+    let x = f64::from(x);
+    let d = match act {
+        Activation::Relu => {
+            if x > 0.0 {
+                1.0
+            } else {
+                0.0
+            }
+        }
+        Activation::Gelu => {
+            let phi = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            0.5 * (1.0 + f64::from(libm::erff((x / std::f64::consts::SQRT_2) as f32))) + x * phi
+        }
+        Activation::GeluTanh => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let t = (c * (x + 0.044715 * x * x * x)).tanh();
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+        }
+        Activation::Silu => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 + x * (1.0 - s))
+        }
+    };
+    d as f32
+}
+
 /// ALiBi slopes for `heads` heads (Press et al.): a geometric sequence from `2^(-8/n)` for the
 /// largest power of two `n <= heads`, then the odd terms of the sequence for `2n` for the rest.
 pub fn alibi_slopes(heads: usize) -> Vec<f32> {

@@ -516,6 +516,22 @@ pub enum Op {
     },
     /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
     MeanPool,
+    /// Sum over one axis, kept with extent 1: `[.., n, ..] -> [.., 1, ..]` (a loss made scalar,
+    /// a gradient summed over the axes its operand was broadcast along; see `crate::autodiff`).
+    SumAxis {
+        /// The axis summed.
+        axis: usize,
+    },
+    /// An activation's derivative times an upstream gradient: `(x, dy) -> dy * act'(x)`,
+    /// elementwise over equal shapes (the backward of [`Op::Act`]; see
+    /// [`crate::semantics::activation_derivative`]).
+    ActGrad(Activation),
+    /// The backward of [`Op::Gather`]: `(table f32[rows, d], ids i64[...], dy f32[..., d]) ->
+    /// [rows, d]`, row `r` the sum of the rows of `dy` whose id is `r` (zero for rows no id
+    /// names); `table` gives only the shape.
+    GatherGrad,
+    /// `1 / sqrt(x)`, elementwise (a norm's inverse deviation, in its backward).
+    Rsqrt,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
     L2Normalize,
 
@@ -671,6 +687,10 @@ impl Op {
             Op::TopK { .. } => "top_k".into(),
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
+            Op::SumAxis { .. } => "sum_axis".into(),
+            Op::Rsqrt => "rsqrt".into(),
+            Op::GatherGrad => "gather_grad".into(),
+            Op::ActGrad(a) => format!("{}_grad", a.name().replace('-', "_")),
             Op::L2Normalize => "l2_normalize".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
                 let mut n = String::new();
@@ -788,7 +808,7 @@ impl Op {
                 a.join(" ")
             }
             Op::PackedAttention(p) => p.attrs(),
-            Op::Concat { axis } => format!("axis={axis}"),
+            Op::Concat { axis } | Op::SumAxis { axis } => format!("axis={axis}"),
             Op::LowRank { start, heads, head_dim } => format!("heads={heads} head_dim={head_dim} at={start}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {
                 let mut a = format!("heads={heads} head_dim={head_dim} at={start}");

@@ -198,7 +198,13 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(2)?;
             Ok((broadcast(float(0)?, float(1)?)?, DType::F32))
         }
-        Op::Scale { .. } | Op::Offset { .. } | Op::SoftCap { .. } | Op::Act(_) | Op::Softmax | Op::L2Normalize => {
+        Op::Scale { .. }
+        | Op::Offset { .. }
+        | Op::SoftCap { .. }
+        | Op::Act(_)
+        | Op::Softmax
+        | Op::L2Normalize
+        | Op::Rsqrt => {
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }
@@ -514,6 +520,38 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 }
             }
             Ok((a.clone(), DType::F32))
+        }
+        Op::SumAxis { axis } => {
+            arity(1)?;
+            let mut shape = float(0)?.clone();
+            match shape.get_mut(*axis) {
+                Some(d) => *d = Dim::Fixed(1),
+                None => return Err(format!("axis {axis} is out of range for {}", fmt_shape(float(0)?))),
+            }
+            Ok((shape, DType::F32))
+        }
+        Op::GatherGrad => {
+            arity(3)?;
+            let table = float(0)?;
+            let (ids, t) = operands[1];
+            let dy = float(2)?;
+            if table.len() != 2 || t != DType::I64 {
+                return Err(format!("expects a 2-D table and i64 ids, got {} and {t}", fmt_shape(table)));
+            }
+            let mut want = ids.clone();
+            want.push(table[1]);
+            if *dy != want {
+                return Err(format!("dy must be {}, is {}", fmt_shape(&want), fmt_shape(dy)));
+            }
+            Ok((table.clone(), DType::F32))
+        }
+        Op::ActGrad(_) => {
+            arity(2)?;
+            let (x, dy) = (float(0)?, float(1)?);
+            if x != dy {
+                return Err(format!("x and dy differ: {} and {}", fmt_shape(x), fmt_shape(dy)));
+            }
+            Ok((x.clone(), DType::F32))
         }
         Op::MeanPool => {
             arity(2)?;

@@ -67,6 +67,9 @@ fn dims_of(
         None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
     };
     let mut d: Vec<usize> = match op {
+        Op::SumAxis { .. } | Op::ActGrad(_) | Op::Rsqrt | Op::GatherGrad => {
+            return Err(format!("{}: a backward op has no WGSL kernel yet", op.name()));
+        }
         Op::Positions { .. } => vec![total, past],
         Op::Sinusoid { .. } | Op::Scale { .. } | Op::Offset { .. } | Op::SoftCap { .. } | Op::Act(_) => vec![total],
         Op::Truncate { .. } => {

@@ -1,0 +1,175 @@
+//! Reverse-mode automatic differentiation on the graph IR.
+//!
+//! [`gradients`] takes a forward [`Graph`] with a one-element output (the loss) and returns the
+//! same graph with its backward built into it: ordinary graph nodes, typed by
+//! [`crate::graph::infer`] like every other, so the interpreter runs them and the rest of the
+//! pipeline sees one graph. Each differentiated parameter gets a named output `grad.<name>`.
+//!
+//! The gradient of each op is a rule in [`rules`], kept as data and grouped by topic (tinygrad's
+//! `gradient.py`, luminal's `autograd.rs`): a function from the op, its operands, its output and
+//! the gradient arriving at the output to the gradients of its operands. Backward nodes are made
+//! only for the nodes on a path from a wanted parameter to the loss; a parameter used several
+//! times (tied), or several parameter nodes of one name, get the sum of every use's gradient. An
+//! op on such a path without a rule is refused by name ([`AutodiffError::NoRule`]) — never a
+//! silent zero. A wanted parameter the loss does not depend on gets an exact zero gradient.
+
+pub mod rules;
+
+use crate::graph::{Dim, Graph, GraphError, NodeIndex, Op, Scalar, fmt_shape, scope_name};
+use petgraph::Direction;
+use std::collections::{HashMap, HashSet};
+
+/// Why a gradient graph could not be built.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum AutodiffError {
+    /// An op on a path from a wanted parameter to the loss has no gradient rule.
+    #[error("no gradient rule for `{op}` in {}", scope_name(.scope))]
+    NoRule {
+        /// The op's name.
+        op: String,
+        /// Its scope.
+        scope: String,
+    },
+    /// The graph has no output of the loss's name.
+    #[error("the graph has no output `{0}` to differentiate")]
+    NoLoss(String),
+    /// The loss is not a one-element tensor.
+    #[error("the loss `{loss}` must have one element, has shape {shape}")]
+    NotScalar {
+        /// The output's name.
+        loss: String,
+        /// Its shape.
+        shape: String,
+    },
+    /// A rule exists for the op but not for this use of it (e.g. a concatenation along a
+    /// symbolic axis).
+    #[error("cannot differentiate `{op}` in {}: {message}", scope_name(.scope))]
+    Unsupported {
+        /// The op's name.
+        op: String,
+        /// Its scope.
+        scope: String,
+        /// Why.
+        message: String,
+    },
+    /// A backward node could not be typed (a rule's bug).
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    /// A node index that is not in the graph (a bug).
+    #[error("node {0} is not in the graph")]
+    Missing(usize),
+}
+
+/// The forward graph plus the gradient of the output `loss` with respect to every parameter
+/// `wants` accepts (by canonical name), as outputs `grad.<name>`, in parameter order.
+pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Result<Graph, AutodiffError> {
+    let &(_, loss_node) =
+        graph.outputs.iter().find(|(name, _)| name == loss).ok_or_else(|| AutodiffError::NoLoss(loss.into()))?;
+    let loss_shape = &rules::node(graph, loss_node)?.shape;
+    if loss_shape.iter().any(|d| *d != Dim::Fixed(1)) {
+        return Err(AutodiffError::NotScalar { loss: loss.into(), shape: fmt_shape(loss_shape) });
+    }
+    let mut names: Vec<&str> = Vec::new();
+    let mut wanted: Vec<NodeIndex> = Vec::new();
+    for (n, name) in graph.params() {
+        if wants(name) {
+            wanted.push(n);
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    let active = on_paths(graph, &wanted, loss_node);
+
+    let mut g = graph.clone();
+    let mut grads: HashMap<NodeIndex, NodeIndex> = HashMap::new();
+    if active.contains(&loss_node) {
+        // d loss / d loss = 1, made from the loss itself (the IR has no constants).
+        g.scope = rules::node(graph, loss_node)?.scope.clone();
+        let zero = rules::add(&mut g, Op::Scale { factor: Scalar(0.0) }, &[loss_node])?;
+        let one = rules::add(&mut g, Op::Offset { value: Scalar(1.0) }, &[zero])?;
+        grads.insert(loss_node, one);
+    }
+    for n in graph.order().into_iter().rev() {
+        let Some(&dy) = grads.get(&n) else { continue };
+        let node = rules::node(graph, n)?;
+        if matches!(node.op, Op::Param { .. }) {
+            continue;
+        }
+        let operands = graph.operands(n);
+        let needs: Vec<bool> = operands.iter().map(|o| active.contains(o)).collect();
+        if !needs.contains(&true) {
+            continue;
+        }
+        let rule = rules::find(&node.op)
+            .ok_or_else(|| AutodiffError::NoRule { op: node.op.name(), scope: node.scope.clone() })?;
+        g.scope = node.scope.clone();
+        let site = rules::Site { op: &node.op, scope: &node.scope, operands: &operands, output: n, dy, needs: &needs };
+        let back = (rule.grad)(&mut g, &site)?;
+        for ((&operand, need), grad) in operands.iter().zip(&needs).zip(back) {
+            if let (true, Some(grad)) = (*need, grad) {
+                accumulate(&mut g, &mut grads, operand, grad)?;
+            }
+        }
+    }
+    g.scope = String::new();
+    for name in names {
+        let mut total: Option<NodeIndex> = None;
+        let mut first = None;
+        for (n, pname) in graph.params() {
+            if pname != name {
+                continue;
+            }
+            first.get_or_insert(n);
+            if let Some(&d) = grads.get(&n) {
+                total = Some(match total {
+                    Some(t) => rules::add(&mut g, Op::Add, &[t, d])?,
+                    None => d,
+                });
+            }
+        }
+        let grad = match (total, first) {
+            (Some(t), _) => t,
+            // The loss does not depend on it: its gradient is exactly zero.
+            (None, Some(p)) => rules::add(&mut g, Op::Scale { factor: Scalar(0.0) }, &[p])?,
+            (None, None) => continue,
+        };
+        g.outputs.push((format!("grad.{name}"), grad));
+    }
+    g.check()?;
+    Ok(g)
+}
+
+/// Adds `grad` to the gradient gathered so far for `node`.
+fn accumulate(
+    g: &mut Graph,
+    grads: &mut HashMap<NodeIndex, NodeIndex>,
+    node: NodeIndex,
+    grad: NodeIndex,
+) -> Result<(), AutodiffError> {
+    let sum = match grads.get(&node) {
+        Some(&old) => rules::add(g, Op::Add, &[old, grad])?,
+        None => grad,
+    };
+    grads.insert(node, sum);
+    Ok(())
+}
+
+/// The nodes on a path from one of `from` to `to` (both ends included).
+fn on_paths(g: &Graph, from: &[NodeIndex], to: NodeIndex) -> HashSet<NodeIndex> {
+    let reach = |start: &[NodeIndex], dir: Direction| {
+        let mut seen: HashSet<NodeIndex> = start.iter().copied().collect();
+        let mut stack: Vec<NodeIndex> = start.to_vec();
+        while let Some(n) = stack.pop() {
+            for m in g.g.neighbors_directed(n, dir) {
+                if seen.insert(m) {
+                    stack.push(m);
+                }
+            }
+        }
+        seen
+    };
+    let down = reach(from, Direction::Outgoing);
+    let up = reach(&[to], Direction::Incoming);
+    down.intersection(&up).copied().collect()
+}

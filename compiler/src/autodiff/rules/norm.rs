@@ -1,0 +1,119 @@
+//! Gradients of the row norms over the last axis. With `r = 1 / sqrt(var + eps)` per row,
+//! `xhat` the normalized row and `gx = dy * gain`:
+//!
+//! - rms_norm: `xhat = x r`, `dx = r (gx - xhat mean(gx xhat))`;
+//! - layer_norm: `xhat = (x - mean x) r`, `dx = r (gx - mean(gx) - xhat mean(gx xhat))`;
+//!
+//! and for both `dgain = sum(dy xhat)`, `dbias = sum(dy)` over every axis but the last;
+//!
+//! - l2_normalize: `y = x / |x|`, `dx = (dy - y sum(dy y)) / |x|` (the `1e-12` floor of `|x|`
+//!   is not differentiated: a row that small is taken at its true norm);
+//! - mean_pool: `dx[b, s] = dy[b] m[b, s] / sum_s m[b, s]` (a row whose mask keeps nothing has
+//!   no defined gradient: its division by zero shows as a non-finite value, never a silent zero).
+
+use super::{Grads, Rule, Site, add, scale, shape, sum_last, sum_to};
+use crate::autodiff::AutodiffError;
+use crate::graph::{Dim, Graph, NodeIndex, Op, Scalar};
+
+/// The rules of this topic.
+#[rustfmt::skip]
+pub fn rules() -> Vec<Rule> {
+    vec![
+        // d(x r g + b) = (r (gx - mean(gx) - xhat mean(gx xhat)), sum(dy xhat), sum(dy))
+        Rule { op: "layer_norm", grad: norm },
+        // d(x r g) = (r (gx - xhat mean(gx xhat)), sum(dy xhat))
+        Rule { op: "rms_norm",   grad: norm },
+        // d(x / |x|) = (dy - y sum(dy y)) / |x|
+        Rule { op: "l2_normalize", grad: l2_normalize },
+        // d(mean_pool(x, m)) = dy m / sum(m), the mask has none
+        Rule { op: "mean_pool",  grad: mean_pool },
+    ]
+}
+
+/// The mean over the last axis (of extent `d`), kept with extent 1.
+fn mean_last(g: &mut Graph, x: NodeIndex, d: usize) -> Result<NodeIndex, AutodiffError> {
+    let sum = sum_last(g, x)?;
+    scale(g, sum, 1.0 / d as f32)
+}
+
+fn norm(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let (rms, eps) = match *s.op {
+        Op::RmsNorm { eps } => (true, eps),
+        Op::LayerNorm { eps } => (false, eps),
+        _ => return Err(s.unsupported("not a norm".into())),
+    };
+    let (x, gain) = (s.operand(0)?, s.operand(1)?);
+    let gain_shape = shape(g, gain)?;
+    let d = match gain_shape.as_slice() {
+        [Dim::Fixed(d)] => *d,
+        _ => return Err(s.unsupported("the gain is not a fixed [d]".into())),
+    };
+    let centred = if rms {
+        x
+    } else {
+        let mean = mean_last(g, x, d)?;
+        let minus = scale(g, mean, -1.0)?;
+        add(g, Op::Add, &[x, minus])?
+    };
+    let sq = add(g, Op::Mul, &[centred, centred])?;
+    let var = mean_last(g, sq, d)?;
+    let var_eps = add(g, Op::Offset { value: Scalar(eps.0) }, &[var])?;
+    let r = add(g, Op::Rsqrt, &[var_eps])?;
+    let xhat = add(g, Op::Mul, &[centred, r])?;
+
+    let dx = if s.needs(0) {
+        let gx = add(g, Op::Mul, &[s.dy, gain])?;
+        let gxx = add(g, Op::Mul, &[gx, xhat])?;
+        let dot = mean_last(g, gxx, d)?;
+        let proj = add(g, Op::Mul, &[xhat, dot])?;
+        let minus = scale(g, proj, -1.0)?;
+        let mut inner = add(g, Op::Add, &[gx, minus])?;
+        if !rms {
+            let mean = mean_last(g, gx, d)?;
+            let minus = scale(g, mean, -1.0)?;
+            inner = add(g, Op::Add, &[inner, minus])?;
+        }
+        Some(add(g, Op::Mul, &[inner, r])?)
+    } else {
+        None
+    };
+    let dgain = if s.needs(1) {
+        let prod = add(g, Op::Mul, &[s.dy, xhat])?;
+        Some(sum_to(g, prod, &gain_shape)?)
+    } else {
+        None
+    };
+    let mut out = vec![dx, dgain];
+    if s.operands.len() > 2 {
+        out.push(if s.needs(2) { Some(sum_to(g, s.dy, &gain_shape)?) } else { None });
+    }
+    Ok(out)
+}
+
+fn l2_normalize(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let (x, y) = (s.operand(0)?, s.output);
+    let sq = add(g, Op::Mul, &[x, x])?;
+    let ss = sum_last(g, sq)?;
+    let inv = add(g, Op::Rsqrt, &[ss])?;
+    let dyy = add(g, Op::Mul, &[s.dy, y])?;
+    let dot = sum_last(g, dyy)?;
+    let proj = add(g, Op::Mul, &[y, dot])?;
+    let minus = scale(g, proj, -1.0)?;
+    let inner = add(g, Op::Add, &[s.dy, minus])?;
+    Ok(vec![Some(add(g, Op::Mul, &[inner, inv])?)])
+}
+
+fn mean_pool(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let mask = s.operand(1)?;
+    let x_shape = shape(g, s.operand(0)?)?;
+    let [b, sq, d] = x_shape.as_slice() else { return Err(s.unsupported("x is not [b, s, d]".into())) };
+    let (b, sq, d) = (*b, *sq, *d);
+    // 1 / count as rsqrt(count)^2: the IR has no division.
+    let count = add(g, Op::SumAxis { axis: 1 }, &[mask])?;
+    let half = add(g, Op::Rsqrt, &[count])?;
+    let inv = add(g, Op::Mul, &[half, half])?;
+    let weights = add(g, Op::Mul, &[mask, inv])?;
+    let weights = add(g, Op::Reshape { shape: vec![b, sq, Dim::Fixed(1)] }, &[weights])?;
+    let dy = add(g, Op::Reshape { shape: vec![b, Dim::Fixed(1), d] }, &[s.dy])?;
+    Ok(vec![Some(add(g, Op::Mul, &[weights, dy])?), None])
+}
