@@ -216,3 +216,25 @@ pub fn sources(dirs: &[&str]) -> Vec<(PathBuf, String)> {
     assert!(!out.is_empty(), "no sources under {dirs:?}");
     out
 }
+
+/// SmolLM2-135M-Instruct's Q4_1 GGUF (fetched if need be), its spec's front end, and the
+/// reference's prompt ids, greedy continuation and whole reference file
+/// (`tests/fixtures/smollm2-135m/reference.safetensors`).
+pub struct Smollm2 {
+    pub weights: PathBuf,
+    pub fe: FrontEnd,
+    pub prompt: Vec<i64>,
+    pub expected: Vec<i64>,
+    pub reference: std::collections::HashMap<String, kiln_compiler::tensor::Tensor>,
+}
+
+/// See [`Smollm2`].
+pub fn smollm2() -> Smollm2 {
+    let weights = fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let fe = spec("smollm2-135m");
+    let reference =
+        kiln_runtime::read_tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors")).unwrap();
+    let prompt = reference["prompt_ids"].as_i64().unwrap().to_vec();
+    let expected = reference["greedy_ids"].as_i64().unwrap().to_vec();
+    Smollm2 { weights, fe, prompt, expected, reference }
+}

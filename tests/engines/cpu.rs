@@ -238,12 +238,7 @@ fn minilm_on_cpu() {
 /// reference's ids.
 #[test]
 fn smollm2_quantized_logits_and_greedy_continuation() {
-    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
-    let fe = spec("smollm2-135m");
-    let reference =
-        kiln_runtime::read_tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors")).unwrap();
-    let prompt = reference["prompt_ids"].as_i64().unwrap().to_vec();
-    let expected = reference["greedy_ids"].as_i64().unwrap().to_vec();
+    let common::Smollm2 { weights, fe, prompt, expected, reference } = common::smollm2();
 
     let graph = optimize::optimize(&fe.graph).unwrap().0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &graph, &weights).unwrap();

@@ -370,12 +370,7 @@ fn cached_graphs_reject_what_they_cannot_do() {
 /// path `kiln generate` takes).
 #[test]
 fn smollm2_greedy_with_cache() {
-    let weights = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
-    let fe = spec("smollm2-135m");
-    let reference =
-        kiln_runtime::read_tensors(&root().join("tests/fixtures/smollm2-135m/reference.safetensors")).unwrap();
-    let prompt = reference["prompt_ids"].as_i64().unwrap().to_vec();
-    let expected = reference["greedy_ids"].as_i64().unwrap().to_vec();
+    let common::Smollm2 { weights, fe, prompt, expected, .. } = common::smollm2();
     let cached = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
     let (params, blocks) = kiln_runtime::load_params_with_blocks(&fe.spec, &cached, &weights).unwrap();
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();

@@ -104,23 +104,38 @@ fn assert_formats(plan: &Plan, format: WeightFormat) {
     assert!(n > 0, "no projection in the plan");
 }
 
+/// A projection graph of `format` whose weights are quantized: the f32 parameters (the weights
+/// dequantized, so the interpreter computes what the blocks hold), the blocks, the interpreter's
+/// outputs, and the plan lowered unfolded, so the kernels read parameters as they would read
+/// activations.
+struct QuantizedCase {
+    params: HashMap<String, Tensor>,
+    blocks: HashMap<String, QuantWeight>,
+    expected: Vec<(String, Tensor)>,
+    plan: Plan,
+}
+
+fn quantized_case(format: WeightFormat) -> QuantizedCase {
+    let (g, weights) = graph_for(format);
+    let mut params = interp::random_params(&g, 11).unwrap();
+    let mut blocks = HashMap::new();
+    for w in &weights {
+        let q = QuantWeight::quantize(format, &params[w]).unwrap();
+        params.insert(w.clone(), q.dequantize());
+        blocks.insert(w.clone(), q);
+    }
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), format)).collect();
+    let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
+    assert_formats(&plan, format);
+    QuantizedCase { params, blocks, expected, plan }
+}
+
 #[test]
 fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
     let Some(gpu) = common::gpu() else { return };
     for format in QUANTIZED {
-        let (g, weights) = graph_for(format);
-        let mut params = interp::random_params(&g, 11).unwrap();
-        let mut blocks = HashMap::new();
-        for w in &weights {
-            let q = QuantWeight::quantize(format, &params[w]).unwrap();
-            params.insert(w.clone(), q.dequantize());
-            blocks.insert(w.clone(), q);
-        }
-        let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
-        let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), format)).collect();
-        // Unfolded, so the kernels read parameters as they would read activations.
-        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
-        assert_formats(&plan, format);
+        let QuantizedCase { params, blocks, expected, plan } = quantized_case(format);
         let model = GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks).unwrap();
         let quant_bytes: u64 = model.weight_bytes().iter().filter(|(f, _)| *f == format).map(|(_, b)| b).sum();
         assert_eq!(quant_bytes, blocks.values().map(QuantWeight::bytes).sum::<u64>(), "{format} bytes on the device");
@@ -138,18 +153,7 @@ fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
 #[test]
 fn quantized_projections_on_the_cpu_match_the_interpreter() {
     for format in QUANTIZED {
-        let (g, weights) = graph_for(format);
-        let mut params = interp::random_params(&g, 11).unwrap();
-        let mut blocks = HashMap::new();
-        for w in &weights {
-            let q = QuantWeight::quantize(format, &params[w]).unwrap();
-            params.insert(w.clone(), q.dequantize());
-            blocks.insert(w.clone(), q);
-        }
-        let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
-        let formats: BTreeMap<String, WeightFormat> = weights.iter().map(|w| (w.clone(), format)).collect();
-        let plan = lower_with(&g, Options { fold_constants: false, formats, ..Options::default() });
-        assert_formats(&plan, format);
+        let QuantizedCase { params, blocks, expected, plan } = quantized_case(format);
         for (threads, int8) in [(1, false), (3, false), (1, true), (3, true)] {
             let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &blocks, threads, &()).unwrap();
             let got = model.with_int8_activations(int8).run(&HashMap::new()).unwrap();
