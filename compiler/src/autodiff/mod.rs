@@ -90,6 +90,7 @@ pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Res
         let one = rules::add(&mut g, Op::Offset { value: Scalar(1.0) }, &[zero])?;
         grads.insert(loss_node, one);
     }
+    let table = rules::all();
     for n in graph.order().into_iter().rev() {
         let Some(&dy) = grads.get(&n) else { continue };
         let node = rules::node(graph, n)?;
@@ -101,7 +102,7 @@ pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Res
         if !needs.contains(&true) {
             continue;
         }
-        let rule = rules::find(&node.op)
+        let rule = rules::find(&table, &node.op)
             .ok_or_else(|| AutodiffError::NoRule { op: node.op.name(), scope: node.scope.clone() })?;
         g.scope = node.scope.clone();
         let site = rules::Site { op: &node.op, scope: &node.scope, operands: &operands, output: n, dy, needs: &needs };

@@ -71,10 +71,10 @@ pub fn all() -> Vec<Rule> {
         .collect()
 }
 
-/// The rule of `op`, if it has one.
-pub fn find(op: &Op) -> Option<Rule> {
+/// The rule of `op` among `rules`, if it has one.
+pub fn find<'r>(rules: &'r [Rule], op: &Op) -> Option<&'r Rule> {
     let name = op.name();
-    all().into_iter().find(|r| r.op == name)
+    rules.iter().find(|r| r.op == name)
 }
 
 /// The node `n` of `g`.
