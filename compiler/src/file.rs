@@ -3,7 +3,7 @@
 //! Everything kiln writes (artifacts, output tensors, rendered graphs and reports) goes through
 //! [`write_atomic`]: a process killed while writing, or a machine that loses power, leaves the
 //! previous file or the new one at the path, never a truncated file that a later run would
-//! misread. (`tests/atomic_writes.rs` kills writers mid-write, and checks that nothing else in
+//! misread. (`tests/cli/atomic_writes.rs` kills writers mid-write, and checks that nothing else in
 //! the sources writes files directly.)
 
 use std::io::{self, Write};

@@ -2,7 +2,7 @@
 //! user-defined tokens, the pre-tokenizer's digit split, BOS/EOS, padding and truncation,
 //! decoding (whole and streamed), chat templates, and one specific error for each kind of bad
 //! input. The real models' tokenizers are checked against their references in the workspace's
-//! `tests/tokenize.rs`.
+//! `tests/engines/tokenize.rs`.
 
 use kiln_runtime::tokenize::{Message, TokenizeError, Tokenizer};
 use std::path::PathBuf;

@@ -62,7 +62,7 @@ fn run_writes_outputs_under_the_fixture_names() {
 }
 
 /// `kiln run --precision f16` and `f16-math` on wgpu: gpt2's logits within the tolerance
-/// `tests/weight_formats.rs` documents (or a clear error on an adapter without SHADER_F16); an
+/// `tests/engines/weight_formats.rs` documents (or a clear error on an adapter without SHADER_F16); an
 /// unknown precision is refused.
 #[test]
 fn run_with_f16_weights() {

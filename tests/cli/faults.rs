@@ -1,8 +1,8 @@
 //! Faults outside the input: a GPU device lost under a model or a generation session, and
 //! tensors larger than the adapter can put in one buffer. A fault is an error naming it, never a
 //! panic.
-//! (No adapter at all: `tests/cli.rs` `an_unknown_adapter_is_a_clear_error`. Out of host memory:
-//! `tests/limits.rs`. A kill while writing: `tests/atomic_writes.rs`.)
+//! (No adapter at all: `tests/cli/commands.rs` `an_unknown_adapter_is_a_clear_error`. Out of host memory:
+//! `tests/cli/limits.rs`. A kill while writing: `tests/cli/atomic_writes.rs`.)
 
 use crate::common;
 
@@ -74,7 +74,7 @@ fn a_lost_device_ends_a_generation_session_with_an_error() {
 }
 
 /// No buffer is larger than the adapter allows: tensors, and the staging buffers that read them
-/// back, are split into chunks (`tests/gpu.rs` runs every fixture so). A generation session's
+/// back, are split into chunks (`tests/engines/gpu.rs` runs every fixture so). A generation session's
 /// device-resident cache, read back in 4 KiB chunks, holds what whole buffers hold.
 #[test]
 fn device_tensors_over_the_buffer_limit_are_read_back_whole() {

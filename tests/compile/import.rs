@@ -1,6 +1,6 @@
 //! `kiln import`: specs written from checkpoints, checked by the oracle. Each golden case's
 //! directory (its `config.json` and weights) is imported, and the imported spec, run on the
-//! interpreter, must reproduce the case's reference outputs, as `tests/golden.rs` checks the
+//! interpreter, must reproduce the case's reference outputs, as `tests/engines/golden.rs` checks the
 //! hand-written specs; so must the close relatives in `tests/fixtures/import/` (tiny random
 //! transformers models with their logits, made by its `generate.py`). The real models' files are
 //! imported to the same resolved spec as their hand-written ones. Unsupported configurations are
@@ -15,7 +15,7 @@ use kiln_compiler::spec::import::{Hints, MetaValue, gguf, hf_config};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// The largest absolute error allowed against a reference output (as in `tests/golden.rs`).
+/// The largest absolute error allowed against a reference output (as in `tests/engines/golden.rs`).
 const TOLERANCE: f32 = 1e-4;
 
 /// Imports the checkpoint directory `dir`, snapshots the spec as `import@{name}`, and returns it.
