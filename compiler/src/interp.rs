@@ -202,7 +202,7 @@ pub fn bind_named_with(
                 t.clone()
             }
             (Some(t), _, _) => t.clone(),
-            (None, _, InputRole::Ids) => return Err(InterpError::MissingInput(name.to_string())),
+            (None, _, InputRole::Ids | InputRole::Labels) => return Err(InterpError::MissingInput(name.to_string())),
             (None, None, _) => {
                 let (b, s) = match (syms.get(&Sym::Batch), syms.get(&seq_sym)) {
                     (Some(b), Some(s)) => (*b, *s),
@@ -232,7 +232,7 @@ pub fn bind_named_with(
             }
         }
         let tensor = match role {
-            InputRole::Ids | InputRole::TokenTypes => match tensor.dtype() {
+            InputRole::Ids | InputRole::TokenTypes | InputRole::Labels => match tensor.dtype() {
                 DType::I64 => tensor,
                 DType::F32 => return Err(bad("expected integer ids, got f32".into())),
             },
@@ -614,6 +614,27 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             Tensor::f32(shape, out)
         }
         Op::Rsqrt => Tensor::f32(shape, f(a[0]).iter().map(|&x| (1.0 / f64::from(x).sqrt()) as f32).collect()),
+        Op::CrossEntropy { smoothing, ignore_index } => {
+            let rows = cross_entropy_rows(f(a[0]), a[1], smoothing.0, *ignore_index)?;
+            let mean = rows.iter().map(|r| r.loss).sum::<f64>() / rows.len() as f64;
+            Tensor::f32(shape, vec![mean as f32])
+        }
+        Op::CrossEntropyGrad { smoothing, ignore_index } => {
+            let x = f(a[0]);
+            let rows = cross_entropy_rows(x, a[1], smoothing.0, *ignore_index)?;
+            let vocab = *shape.last().expect("logits have a vocabulary axis");
+            let dy = f64::from(f(a[2])[0]) / rows.len() as f64;
+            let (eps, keep) = (f64::from(smoothing.0), 1.0 - f64::from(smoothing.0));
+            let mut out = vec![0.0f32; x.len()];
+            for r in &rows {
+                let (row, o) = (&x[r.at * vocab..(r.at + 1) * vocab], &mut out[r.at * vocab..(r.at + 1) * vocab]);
+                for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                    let target = if j == r.label { keep } else { 0.0 } + eps / vocab as f64;
+                    *o = (dy * ((f64::from(v) - r.lse).exp() - target)) as f32;
+                }
+            }
+            Tensor::f32(shape, out)
+        }
         Op::SumAxis { axis } => {
             let x = a[0];
             let n = x.shape[*axis];
@@ -1034,6 +1055,10 @@ pub fn sample_inputs(
             let data: Vec<i64> = match role {
                 InputRole::Ids => (0..n).map(|i| (i as i64 * 7919 + 13) % vocab.max(1) as i64).collect(),
                 InputRole::TokenTypes => (0..n).map(|i| (i % 2) as i64).collect(),
+                // The next id, none taken at each row's last position.
+                InputRole::Labels => (0..n)
+                    .map(|i| if last(i) { -100 } else { ((i as i64 + 1) * 7919 + 13) % vocab.max(1) as i64 })
+                    .collect(),
                 InputRole::KeyMask { pad_is_one } => (0..n).map(|i| i64::from(last(i) == pad_is_one)).collect(),
                 // Nothing cached: the cache inputs default to empty.
                 InputRole::Cache { .. } => return None,
@@ -1041,6 +1066,54 @@ pub fn sample_inputs(
             Some((name.to_string(), Tensor::i64(vec![batch, seq], data)))
         })
         .collect())
+}
+
+/// One position counted by [`Op::CrossEntropy`]: where its scores start (in rows), its label,
+/// the log-sum-exp of its scores and its loss.
+struct CrossEntropyRow {
+    at: usize,
+    label: usize,
+    lse: f64,
+    loss: f64,
+}
+
+/// The positions of `x` (rows of `labels.len()` scores each) whose label is not `ignore`, with
+/// their losses in f64; refuses a label outside the vocabulary and a batch with no counted
+/// position (whose mean loss would be 0 / 0).
+fn cross_entropy_rows(x: &[f32], labels: &Tensor, smoothing: f32, ignore: i64) -> R<Vec<CrossEntropyRow>> {
+    let labels = labels
+        .as_i64()
+        .ok_or_else(|| InterpError::BadInput { name: "labels".into(), message: "expected integer token ids".into() })?;
+    let vocab = x.len() / labels.len().max(1);
+    let eps = f64::from(smoothing);
+    let mut rows = Vec::new();
+    for (at, &label) in labels.iter().enumerate() {
+        if label == ignore {
+            continue;
+        }
+        let Some(label) = usize::try_from(label).ok().filter(|&l| l < vocab) else {
+            return Err(InterpError::IndexOutOfRange {
+                what: "label",
+                index: label,
+                table: "the vocabulary".into(),
+                rows: vocab,
+            });
+        };
+        let row = &x[at * vocab..(at + 1) * vocab];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).sum();
+        let lse = f64::from(max) + sum.ln();
+        let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
+        let loss = lse - (1.0 - eps) * f64::from(row[label]) - eps * mean;
+        rows.push(CrossEntropyRow { at, label, lse, loss });
+    }
+    if rows.is_empty() {
+        return Err(InterpError::BadInput {
+            name: "labels".into(),
+            message: format!("every label is the ignore index {ignore}: no position takes a loss"),
+        });
+    }
+    Ok(rows)
 }
 
 fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {

@@ -58,6 +58,7 @@ pub mod semantics;
 pub mod spec;
 pub mod target;
 pub mod tensor;
+pub mod train;
 
 use diag::{Diagnostic, SpecError};
 use graph::Graph;

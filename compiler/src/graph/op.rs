@@ -224,6 +224,10 @@ pub enum InputRole {
         /// The given tensor marks padding with 1.
         pad_is_one: bool,
     },
+    /// Target token ids of a training objective, `i64[batch, seq]`, aligned with the positions
+    /// whose scores they grade; the objective's `ignore_index` (-100) where no loss is taken.
+    /// Required, like [`InputRole::Ids`].
+    Labels,
     /// Cached keys or values of one attention layer, `f32[batch, kv_heads, past, head_dim]`
     /// (empty when nothing is cached yet).
     Cache {
@@ -534,6 +538,27 @@ pub enum Op {
     Rsqrt,
     /// Scales the last axis to unit L2 norm: `x / max(||x||, 1e-12)`.
     L2Normalize,
+    /// The mean cross-entropy of scores against target ids, the training loss:
+    /// `(logits f32[.., vocab], labels i64[..]) -> f32[1]`. Each position whose label is not
+    /// `ignore_index` contributes `logsumexp(x) - (1 - smoothing) * x[label] - smoothing / vocab *
+    /// sum(x)` (torch's `cross_entropy` with `label_smoothing`); the result is their mean over the
+    /// counted positions. A label outside `0..vocab` other than `ignore_index`, or no counted
+    /// position, is an error.
+    CrossEntropy {
+        /// Label smoothing, in `[0, 1)`.
+        smoothing: Scalar,
+        /// The label of positions that take no loss (torch's -100).
+        ignore_index: i64,
+    },
+    /// The backward of [`Op::CrossEntropy`]: `(logits, labels, dy f32[1]) -> f32[.., vocab]`, at
+    /// each counted position `dy * (softmax(x) - (1 - smoothing) * onehot(label) - smoothing /
+    /// vocab) / counted`, zero at the others.
+    CrossEntropyGrad {
+        /// Label smoothing.
+        smoothing: Scalar,
+        /// The label of positions that take no loss.
+        ignore_index: i64,
+    },
 
     // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
     // above; the interpreter evaluates it as exactly that composition.
@@ -692,6 +717,8 @@ impl Op {
             Op::GatherGrad => "gather_grad".into(),
             Op::ActGrad(a) => format!("{}_grad", a.name().replace('-', "_")),
             Op::L2Normalize => "l2_normalize".into(),
+            Op::CrossEntropy { .. } => "cross_entropy".into(),
+            Op::CrossEntropyGrad { .. } => "cross_entropy_grad".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
                 let mut n = String::new();
                 match norm {
@@ -744,6 +771,7 @@ impl Op {
                 let role = match role {
                     InputRole::Ids => "ids".to_string(),
                     InputRole::TokenTypes => "token-types".to_string(),
+                    InputRole::Labels => "labels".to_string(),
                     InputRole::KeyMask { pad_is_one: false } => "key-mask".to_string(),
                     InputRole::KeyMask { pad_is_one: true } => "key-mask pad-is-one".to_string(),
                     InputRole::Cache { window: None, .. } => "cache".to_string(),
@@ -808,6 +836,9 @@ impl Op {
                 a.join(" ")
             }
             Op::PackedAttention(p) => p.attrs(),
+            Op::CrossEntropy { smoothing, ignore_index } | Op::CrossEntropyGrad { smoothing, ignore_index } => {
+                format!("smoothing={smoothing} ignore={ignore_index}")
+            }
             Op::Concat { axis } | Op::SumAxis { axis } => format!("axis={axis}"),
             Op::LowRank { start, heads, head_dim } => format!("heads={heads} head_dim={head_dim} at={start}"),
             Op::Heads { start, heads, head_dim, norm, rope } => {

@@ -545,6 +545,24 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((table.clone(), DType::F32))
         }
+        Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => {
+            let grad = matches!(op, Op::CrossEntropyGrad { .. });
+            arity(if grad { 3 } else { 2 })?;
+            let logits = float(0)?;
+            let (labels, t) = operands[1];
+            rank_at_least(logits, 1, "logits")?;
+            if t != DType::I64 || labels.as_slice() != &logits[..logits.len() - 1] {
+                return Err(format!(
+                    "labels must be i64{} (the logits' shape without the vocabulary), are {t}{}",
+                    fmt_shape(&logits[..logits.len() - 1]),
+                    fmt_shape(labels)
+                ));
+            }
+            if grad && float(2)?.as_slice() != [Dim::Fixed(1)] {
+                return Err(format!("dy must be [1], is {}", fmt_shape(float(2)?)));
+            }
+            Ok(if grad { (logits.clone(), DType::F32) } else { (vec![Dim::Fixed(1)], DType::F32) })
+        }
         Op::ActGrad(_) => {
             arity(2)?;
             let (x, dy) = (float(0)?, float(1)?);

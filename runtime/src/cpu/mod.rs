@@ -265,8 +265,8 @@ impl CpuModel {
 
     fn build(
         plan: Plan,
-        mut params: HashMap<String, Tensor>,
-        mut blocks: HashMap<String, QuantWeight>,
+        params: HashMap<String, Tensor>,
+        blocks: HashMap<String, QuantWeight>,
         threads: usize,
         reference: bool,
         progress: &dyn Progress,
@@ -276,68 +276,7 @@ impl CpuModel {
             return Err(CpuError::F16Weights);
         }
         plan.check()?;
-        let program = cpu::write(&plan);
-        let tables =
-            gather_tables(&plan, &program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
-        let provided: HashSet<usize> = tables.keys().copied().collect();
-        // Constants by value: folds own their results; parameters are named, and moved out of
-        // `params` / `blocks` once the borrows end.
-        let mut consts: HashMap<usize, Const> = HashMap::new();
-        let mut host_params: Vec<(usize, String)> = Vec::new();
-        let mut quant_params: Vec<(usize, String)> = Vec::new();
-        {
-            let prepare::Constants { host, quant } =
-                prepare::constants_except(&plan, &params, &blocks, &provided, progress)?;
-            let name = |id: usize| match &plan.values[id].storage {
-                Storage::Param(name) => Some(name.clone()),
-                _ => None,
-            };
-            for (id, t) in host {
-                match (t, name(id)) {
-                    (Cow::Borrowed(_), Some(n)) => host_params.push((id, n)),
-                    (t, _) => drop(consts.insert(id, Const::F32(Arc::new(t.into_owned())))),
-                }
-            }
-            for (id, q) in quant {
-                match (q, name(id)) {
-                    (Cow::Borrowed(_), Some(n)) => quant_params.push((id, n)),
-                    (q, _) => drop(consts.insert(id, Const::Quant(Arc::new(q.into_owned())))),
-                }
-            }
-        }
-        quant_params.extend(tables);
-        for (id, t) in move_shared(host_params, &mut params, |n| InterpError::MissingParam(n).into())? {
-            consts.insert(id, Const::F32(t));
-        }
-        let missing = CpuError::MissingBlocks;
-        for (id, q) in move_shared(quant_params, &mut blocks, missing)? {
-            consts.insert(id, Const::Quant(q));
-        }
-        drop((params, blocks));
-        let transposed = if reference { HashMap::new() } else { transpose_weights(&program, &mut consts)? };
-        let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
-        let mut counted: HashSet<usize> = HashSet::new();
-        for c in consts.values() {
-            let (format, bytes, at) = match c {
-                Const::F32(t) => (WeightFormat::F32, 4 * t.len() as u64, Arc::as_ptr(t) as usize),
-                Const::Quant(q) => (q.format, q.bytes(), Arc::as_ptr(q) as usize),
-            };
-            if !counted.insert(at) {
-                continue;
-            }
-            match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
-                Some((_, b)) => *b += bytes,
-                None => weight_bytes.push((format, bytes)),
-            }
-        }
-        let transposed_bytes: u64 = transposed.values().map(|t| 4 * t.len() as u64).sum();
-        if transposed_bytes > 0 {
-            match weight_bytes.iter_mut().find(|(f, _)| *f == WeightFormat::F32) {
-                Some((_, b)) => *b += transposed_bytes,
-                None => weight_bytes.push((WeightFormat::F32, transposed_bytes)),
-            }
-        }
-        weight_bytes.sort_by_key(|(f, _)| *f as u8);
+        let Held { consts, transposed, weight_bytes } = hold(&plan, params, blocks, reference, progress)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
@@ -364,6 +303,20 @@ impl CpuModel {
     pub fn f32_params(plan: &Plan, quantized: &HashSet<String>) -> Vec<String> {
         let tables = gather_tables(plan, &cpu::write(plan), |name, _| quantized.contains(name));
         prepare::f32_params(plan, &tables.into_keys().collect())
+    }
+
+    /// Replaces the parameters (and blocks) the model was built with, the folds evaluated again on
+    /// them, as [`CpuModel::new`] takes them: the next run computes with these. What a training
+    /// loop does after each optimizer step; the plan, the thread pool and the buffers stay.
+    pub fn set_params(
+        &mut self,
+        params: HashMap<String, Tensor>,
+        blocks: HashMap<String, QuantWeight>,
+        progress: &dyn Progress,
+    ) -> R<()> {
+        let Held { consts, transposed, weight_bytes } = hold(&self.plan, params, blocks, self.reference, progress)?;
+        (self.consts, self.transposed, self.weight_bytes) = (consts, transposed, weight_bytes);
+        Ok(())
     }
 
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
@@ -769,6 +722,87 @@ fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
 /// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
 /// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
 /// the output projection) is held in both layouts.
+
+/// A plan's constants as a [`CpuModel`] holds them.
+struct Held {
+    consts: HashMap<usize, Const>,
+    transposed: HashMap<usize, Vec<f32>>,
+    weight_bytes: Vec<(WeightFormat, u64)>,
+}
+
+/// Evaluates `plan`'s folds on `params` and `blocks` and lays its constants out as the kernels
+/// read them (see [`CpuModel::new`]); `reference`: in the plan's layout only.
+fn hold(
+    plan: &Plan,
+    mut params: HashMap<String, Tensor>,
+    mut blocks: HashMap<String, QuantWeight>,
+    reference: bool,
+    progress: &dyn Progress,
+) -> R<Held> {
+    let program = cpu::write(plan);
+    let tables = gather_tables(plan, &program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
+    let provided: HashSet<usize> = tables.keys().copied().collect();
+    // Constants by value: folds own their results; parameters are named, and moved out of
+    // `params` / `blocks` once the borrows end.
+    let mut consts: HashMap<usize, Const> = HashMap::new();
+    let mut host_params: Vec<(usize, String)> = Vec::new();
+    let mut quant_params: Vec<(usize, String)> = Vec::new();
+    {
+        let prepare::Constants { host, quant } =
+            prepare::constants_except(plan, &params, &blocks, &provided, progress)?;
+        let name = |id: usize| match &plan.values[id].storage {
+            Storage::Param(name) => Some(name.clone()),
+            _ => None,
+        };
+        for (id, t) in host {
+            match (t, name(id)) {
+                (Cow::Borrowed(_), Some(n)) => host_params.push((id, n)),
+                (t, _) => drop(consts.insert(id, Const::F32(Arc::new(t.into_owned())))),
+            }
+        }
+        for (id, q) in quant {
+            match (q, name(id)) {
+                (Cow::Borrowed(_), Some(n)) => quant_params.push((id, n)),
+                (q, _) => drop(consts.insert(id, Const::Quant(Arc::new(q.into_owned())))),
+            }
+        }
+    }
+    quant_params.extend(tables);
+    for (id, t) in move_shared(host_params, &mut params, |n| InterpError::MissingParam(n).into())? {
+        consts.insert(id, Const::F32(t));
+    }
+    let missing = CpuError::MissingBlocks;
+    for (id, q) in move_shared(quant_params, &mut blocks, missing)? {
+        consts.insert(id, Const::Quant(q));
+    }
+    drop((params, blocks));
+    let transposed = if reference { HashMap::new() } else { transpose_weights(&program, &mut consts)? };
+    let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
+    let mut counted: HashSet<usize> = HashSet::new();
+    for c in consts.values() {
+        let (format, bytes, at) = match c {
+            Const::F32(t) => (WeightFormat::F32, 4 * t.len() as u64, Arc::as_ptr(t) as usize),
+            Const::Quant(q) => (q.format, q.bytes(), Arc::as_ptr(q) as usize),
+        };
+        if !counted.insert(at) {
+            continue;
+        }
+        match weight_bytes.iter_mut().find(|(f, _)| *f == format) {
+            Some((_, b)) => *b += bytes,
+            None => weight_bytes.push((format, bytes)),
+        }
+    }
+    let transposed_bytes: u64 = transposed.values().map(|t| 4 * t.len() as u64).sum();
+    if transposed_bytes > 0 {
+        match weight_bytes.iter_mut().find(|(f, _)| *f == WeightFormat::F32) {
+            Some((_, b)) => *b += transposed_bytes,
+            None => weight_bytes.push((WeightFormat::F32, transposed_bytes)),
+        }
+    }
+    weight_bytes.sort_by_key(|(f, _)| *f as u8);
+    Ok(Held { consts, transposed, weight_bytes })
+}
+
 fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
     let mut transposed = HashMap::new();
     for &Weight { value: w, also_read } in &program.weights {

@@ -1,7 +1,7 @@
 //! Gradient rules, one per op, grouped by topic: `linear` (matmul, add, mul, scale, offset,
 //! sums), `shape` (reshape, permute, slice, concat, repeat_heads), `activation` (activations,
 //! softmax, soft-cap, the causal/window mask), `norm` (layer_norm, rms_norm), `position` (RoPE,
-//! ALiBi). Each rule is a [`Rule`]: the
+//! ALiBi), `loss` (cross-entropy). Each rule is a [`Rule`]: the
 //! op's printed name ([`Op::name`]) and a function from the [`Site`] (the op, its operands, its
 //! output and the gradient arriving there) to one gradient per operand (`None` where the operand
 //! is not differentiable or not needed). Rules build their result out of existing graph ops; the
@@ -12,6 +12,7 @@
 
 mod activation;
 mod linear;
+mod loss;
 mod norm;
 mod position;
 mod shape;
@@ -65,7 +66,7 @@ pub struct Rule {
 
 /// Every rule.
 pub fn all() -> Vec<Rule> {
-    [linear::rules(), shape::rules(), activation::rules(), norm::rules(), position::rules()]
+    [linear::rules(), shape::rules(), activation::rules(), norm::rules(), position::rules(), loss::rules()]
         .into_iter()
         .flatten()
         .collect()

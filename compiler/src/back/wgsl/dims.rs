@@ -67,7 +67,12 @@ fn dims_of(
         None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
     };
     let mut d: Vec<usize> = match op {
-        Op::SumAxis { .. } | Op::ActGrad(_) | Op::Rsqrt | Op::GatherGrad => {
+        Op::SumAxis { .. }
+        | Op::ActGrad(_)
+        | Op::Rsqrt
+        | Op::GatherGrad
+        | Op::CrossEntropy { .. }
+        | Op::CrossEntropyGrad { .. } => {
             return Err(format!("{}: a backward op has no WGSL kernel yet", op.name()));
         }
         Op::Positions { .. } => vec![total, past],

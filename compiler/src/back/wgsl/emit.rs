@@ -128,7 +128,12 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
     Some(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => return None,
         // Backward ops (autodiff) have no WGSL kernel yet: "no kernel runs this op".
-        Op::SumAxis { .. } | Op::ActGrad(_) | Op::Rsqrt | Op::GatherGrad => return None,
+        Op::SumAxis { .. }
+        | Op::ActGrad(_)
+        | Op::Rsqrt
+        | Op::GatherGrad
+        | Op::CrossEntropy { .. }
+        | Op::CrossEntropyGrad { .. } => return None,
         Op::Positions { .. } => "out[i] = i32(i) + i32(dim(1u));".into(),
         Op::Sinusoid { dim, style } => {
             let (pair, is_cos) = match style {

@@ -1,0 +1,103 @@
+//! [`StepRunner`]: a training graph (see [`kiln_compiler::train`]) run on a device — the loss and
+//! the gradients of one batch, for parameters that change after every step.
+//!
+//! The interpreter runs the graph itself; the CPU back end lowers it once and, before each run,
+//! replaces its parameters ([`CpuModel::set_params`]), so the load-time folds (a tensor's
+//! reading: transposed, cut out of a pack) are evaluated on the new values. The wgpu back end
+//! does not train yet: its backward ops have no kernels.
+
+use crate::cpu::{CpuError, CpuModel};
+use crate::device::Device;
+use crate::progress::Progress;
+use kiln_compiler::graph::Graph;
+use kiln_compiler::interp::{self, InterpError};
+use kiln_compiler::lower::{self, Plan};
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::LOSS;
+use std::collections::HashMap;
+
+/// What can go wrong running a training step.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The interpreter refused the batch or the parameters.
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// The CPU back end failed.
+    #[error(transparent)]
+    Cpu(#[from] CpuError),
+    /// A device that does not train.
+    #[error("training runs on the interpreter or the CPU back end (`--backend interp` or `cpu`), not on {0}")]
+    Unsupported(String),
+    /// The graph gave no loss (a bug of the graph's construction).
+    #[error("the training graph gave no `{LOSS}` output")]
+    NoLoss,
+}
+
+/// The loss of a batch and, by tensor name, the gradients the graph computes.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// The mean loss.
+    pub loss: f64,
+    /// `grad.<tensor>` outputs, by tensor name.
+    pub grads: HashMap<String, Tensor>,
+}
+
+enum Kind {
+    Interp(Graph),
+    Cpu { plan: Plan, threads: usize, model: Option<Box<CpuModel>> },
+}
+
+/// A training (or loss-only) graph on a device.
+pub struct StepRunner {
+    kind: Kind,
+}
+
+impl StepRunner {
+    /// `graph` on `device`: the interpreter, or lowered for the CPU back end.
+    pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
+        let kind = match device {
+            Device::Interp => Kind::Interp(graph),
+            Device::Cpu { threads } => Kind::Cpu { plan: lower::lower(&graph), threads: *threads, model: None },
+            Device::Gpu(_) => return Err(RunError::Unsupported(device.describe())),
+        };
+        Ok(StepRunner { kind })
+    }
+
+    /// The loss and gradients of `batch` with the parameters `params` (by tensor name).
+    pub fn run(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        batch: &HashMap<String, Tensor>,
+        progress: &dyn Progress,
+    ) -> Result<StepOutput, RunError> {
+        let outputs = match &mut self.kind {
+            Kind::Interp(graph) => interp::run(graph, params, batch)?,
+            Kind::Cpu { plan, threads, model } => {
+                let model = match model {
+                    Some(m) => {
+                        m.set_params(params.clone(), HashMap::new(), progress)?;
+                        m
+                    }
+                    None => model.insert(Box::new(CpuModel::new(
+                        plan.clone(),
+                        params,
+                        &HashMap::new(),
+                        *threads,
+                        progress,
+                    )?)),
+                };
+                model.run(batch)?
+            }
+        };
+        let mut loss = None;
+        let mut grads = HashMap::new();
+        for (name, t) in outputs {
+            if name == LOSS {
+                loss = t.as_f32().and_then(|v| v.first()).map(|&l| f64::from(l));
+            } else if let Some(tensor) = name.strip_prefix("grad.") {
+                grads.insert(tensor.to_string(), t);
+            }
+        }
+        Ok(StepOutput { loss: loss.ok_or(RunError::NoLoss)?, grads })
+    }
+}
