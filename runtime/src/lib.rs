@@ -22,6 +22,7 @@ pub mod prepare;
 pub mod progress;
 pub mod quant;
 pub mod tokenize;
+pub mod train;
 pub mod weights;
 
 pub use gguf::{Gguf, GgufError};
