@@ -27,7 +27,9 @@ pub mod optim;
 pub mod recipe;
 pub mod run;
 pub mod schedule;
+pub mod trainer;
 
 pub use optim::{AdamW, GradAccumulator, OptimError, Optimizer, Sgd, Update, clip_grad_norm};
 pub use recipe::{Clip, Format, OptimizerKind, Recipe, RecipeError, RecipeFile, ScheduleKind, glob_match};
 pub use schedule::LrSchedule;
+pub use trainer::{StepLog, TrainError, Trainer};

@@ -28,6 +28,9 @@ pub enum RunError {
     /// A device that does not train.
     #[error("training runs on the interpreter or the CPU back end (`--backend interp` or `cpu`), not on {0}")]
     Unsupported(String),
+    /// A trained tensor got no gradient (a bug of the graph's construction).
+    #[error("the training graph gave no gradient for `{0}`")]
+    NoGradient(String),
     /// The graph gave no loss (a bug of the graph's construction).
     #[error("the training graph gave no `{LOSS}` output")]
     NoLoss,

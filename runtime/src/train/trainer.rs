@@ -1,0 +1,328 @@
+//! [`Trainer`]: a model's training graph on a device, its tensors and its optimizer, one step at
+//! a time.
+//!
+//! A step is: the learning rate of the step from the schedule; the loss and gradients of each
+//! micro-batch ([`StepRunner`]), averaged weighted by the positions each counts
+//! ([`GradAccumulator`]); the global gradient norm, and clipping ([`clip_grad_norm`]); the
+//! optimizer's update of every trained tensor. The tensors are a checkpoint's (see
+//! [`kiln_compiler::train::sources`]), so what is trained is written back under the names it was
+//! read from, and the frozen ones are never touched.
+
+use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_norm};
+use super::recipe::{Recipe, glob_match};
+use super::run::{RunError, StepRunner};
+use crate::device::Device;
+use kiln_compiler::graph::Graph;
+use kiln_compiler::spec::{PackDims, WeightMap};
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::{
+    IGNORE_INDEX, LABELS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors, training_graph,
+};
+use std::collections::HashMap;
+
+/// What can go wrong training.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The training graph could not be built (an op without a gradient rule, no logits, ...).
+    #[error(transparent)]
+    Graph(#[from] TrainGraphError),
+    /// A step could not run.
+    #[error("step {step}: {source}")]
+    Run {
+        /// The step (from 0).
+        step: usize,
+        /// Why.
+        source: RunError,
+    },
+    /// The loss or the gradients stopped being finite.
+    #[error("step {step}: {what}; the parameters are those before this step")]
+    NonFinite {
+        /// The step (from 0).
+        step: usize,
+        /// What was not finite.
+        what: String,
+    },
+    /// The optimizer refused the update (a bug, or state that does not fit).
+    #[error("step {step}: {source}")]
+    Optim {
+        /// The step.
+        step: usize,
+        /// Why.
+        source: OptimError,
+    },
+    /// A tensor the model reads is not among the weights given, or has another shape.
+    #[error("weights: {0}")]
+    Weights(String),
+    /// A `frozen` entry that names nothing, or part of a packed tensor.
+    #[error("frozen: {0}")]
+    Frozen(String),
+    /// A step given no batch.
+    #[error("step {0}: no batch")]
+    NoBatch(usize),
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepLog {
+    /// The step (from 0).
+    pub step: usize,
+    /// The mean loss of the batch, before the update.
+    pub loss: f64,
+    /// The global L2 norm of the gradients, before clipping.
+    pub grad_norm: f64,
+    /// The learning rate the update used.
+    pub lr: f64,
+    /// Label positions the loss counted.
+    pub tokens: u64,
+}
+
+/// A model being trained: its graphs on a device, its tensors and the optimizer's state.
+pub struct Trainer {
+    recipe: Recipe,
+    train: StepRunner,
+    eval: Option<StepRunner>,
+    eval_graph: Graph,
+    device_for_eval: Device,
+    tensors: HashMap<String, Tensor>,
+    trained: Vec<String>,
+    uses: Vec<TensorUse>,
+    optimizer: Optimizer,
+    step: usize,
+}
+
+/// The tensors `frozen` freezes among `uses`: an entry (a name or a glob) matches a tensor's
+/// name, or the graph name of a parameter read from it. A parameter that is one part of a pack
+/// freezes nothing alone: the whole tensor must be.
+fn frozen_tensors(frozen: &[String], uses: &[TensorUse]) -> Result<Vec<String>, TrainError> {
+    let mut out: Vec<String> = Vec::new();
+    for pattern in frozen {
+        let mut matched = false;
+        for u in uses {
+            if glob_match(pattern, &u.tensor) {
+                matched = true;
+                if !out.contains(&u.tensor) {
+                    out.push(u.tensor.clone());
+                }
+            } else if glob_match(pattern, &u.param) {
+                matched = true;
+                let parts: Vec<&TensorUse> = uses.iter().filter(|v| v.tensor == u.tensor).collect();
+                if u.packed && !parts.iter().all(|v| glob_match(pattern, &v.param)) {
+                    return Err(TrainError::Frozen(format!(
+                        "`{pattern}` names `{}`, one part of the packed tensor `{}`; freeze the whole tensor",
+                        u.param, u.tensor
+                    )));
+                }
+                if !out.contains(&u.tensor) {
+                    out.push(u.tensor.clone());
+                }
+            }
+        }
+        if !matched {
+            let mut names: Vec<&str> = uses.iter().map(|u| u.tensor.as_str()).collect();
+            names.dedup();
+            let near: Vec<&str> = names.iter().copied().filter(|n| n.contains(pattern.trim_matches('*'))).take(3).collect();
+            return Err(TrainError::Frozen(format!(
+                "`{pattern}` matches no tensor or parameter of the model{}",
+                if near.is_empty() { String::new() } else { format!(" (near: {})", near.join(", ")) }
+            )));
+        }
+    }
+    Ok(out)
+}
+
+impl Trainer {
+    /// A trainer of `forward` (a model's unoptimized graph, with a `logits` output) on `device`,
+    /// its parameters read through `map` from `tensors` (a checkpoint's, by name: the trained
+    /// ones are updated in place of these), trained as `recipe` says.
+    pub fn new(
+        device: Device,
+        forward: &Graph,
+        map: &WeightMap,
+        dims: &PackDims,
+        recipe: Recipe,
+        mut tensors: HashMap<String, Tensor>,
+    ) -> Result<Trainer, TrainError> {
+        let objective = Objective { label_smoothing: recipe.label_smoothing };
+        let (_, uses) = on_tensors(forward, map, dims).map_err(TrainGraphError::from)?;
+        let frozen = frozen_tensors(&recipe.frozen, &uses)?;
+        let (graph, _) = training_graph(forward, objective, map, dims, |t| !frozen.iter().any(|f| f == t))?;
+        let mut trained: Vec<String> = Vec::new();
+        let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
+        for u in &uses {
+            if shapes.iter().any(|(t, _)| *t == u.tensor) {
+                continue;
+            }
+            let t = tensors.get_mut(&u.tensor).ok_or_else(|| {
+                TrainError::Weights(format!("no tensor `{}` (read as parameter `{}`)", u.tensor, u.param))
+            })?;
+            if t.shape != u.shape {
+                return Err(TrainError::Weights(format!(
+                    "tensor `{}` has shape {:?}, the model reads it as {:?}",
+                    u.tensor, t.shape, u.shape
+                )));
+            }
+            if t.as_f32().is_none() {
+                *t = Tensor::f32(t.shape.clone(), t.to_f32_vec());
+            }
+            shapes.push((u.tensor.clone(), u.shape.clone()));
+            if !frozen.contains(&u.tensor) {
+                trained.push(u.tensor.clone());
+            }
+        }
+        // Only the tensors the model reads are kept (a checkpoint may hold others).
+        tensors.retain(|name, _| shapes.iter().any(|(t, _)| t == name));
+        let optimizer = Optimizer::from_recipe(
+            &recipe,
+            shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
+        );
+        let eval_graph = on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?.0;
+        let train = StepRunner::new(&device, graph).map_err(|source| TrainError::Run { step: 0, source })?;
+        Ok(Trainer {
+            recipe,
+            train,
+            eval: None,
+            eval_graph,
+            device_for_eval: device,
+            tensors,
+            trained,
+            uses,
+            optimizer,
+            step: 0,
+        })
+    }
+
+    /// The recipe.
+    pub fn recipe(&self) -> &Recipe {
+        &self.recipe
+    }
+
+    /// The steps taken so far.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// The model's tensors, by checkpoint name (the trained ones as trained so far).
+    pub fn tensors(&self) -> &HashMap<String, Tensor> {
+        &self.tensors
+    }
+
+    /// The tensors the optimizer updates, in the model's order.
+    pub fn trained(&self) -> &[String] {
+        &self.trained
+    }
+
+    /// Where each graph parameter is read from.
+    pub fn uses(&self) -> &[TensorUse] {
+        &self.uses
+    }
+
+    /// One optimizer step on `micro` (the step's micro-batches: one, or `accumulate` of them).
+    /// On an error the tensors and the optimizer's state are those before the step.
+    pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
+        let step = self.step;
+        let lr = self.recipe.lr_at(step);
+        let mut acc = GradAccumulator::new();
+        let mut loss_sum = 0.0f64;
+        let mut single: Option<HashMap<String, Tensor>> = None;
+        for batch in micro {
+            let out = self.train.run(&self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })?;
+            if !out.loss.is_finite() {
+                return Err(TrainError::NonFinite { step, what: format!("the loss is {}", out.loss) });
+            }
+            let counted = counted(batch);
+            loss_sum += out.loss * counted as f64;
+            if micro.len() == 1 {
+                single = Some(out.grads);
+            } else {
+                let grads = out.grads.iter().filter_map(|(n, t)| Some((n.as_str(), t.as_f32()?)));
+                acc.add(counted as usize, grads).map_err(|source| TrainError::Optim { step, source })?;
+            }
+        }
+        let tokens = match micro.len() {
+            0 => return Err(TrainError::NoBatch(step)),
+            1 => micro.first().map_or(0, counted),
+            _ => acc.counted(),
+        };
+        let loss = loss_sum / tokens.max(1) as f64;
+        // One micro-batch: its gradients as they are (bit for bit); several: their weighted mean.
+        let mut grads: HashMap<String, Tensor> = match single {
+            Some(g) => g,
+            None => acc
+                .finish()
+                .into_iter()
+                .filter_map(|(n, v)| {
+                    let shape = self.tensors.get(&n)?.shape.clone();
+                    Some((n, Tensor::f32(shape, v)))
+                })
+                .collect(),
+        };
+        // The update works on copies, so that a refused step leaves the tensors as they were.
+        let mut values: Vec<(String, Tensor)> =
+            self.trained.iter().filter_map(|n| Some((n.clone(), self.tensors.get(n)?.clone()))).collect();
+        let mut pairs: Vec<(&str, &mut Tensor, Tensor)> = Vec::new();
+        for (name, value) in values.iter_mut() {
+            let grad = grads.remove(name.as_str()).ok_or_else(|| TrainError::Run {
+                step,
+                source: RunError::NoGradient(name.clone()),
+            })?;
+            pairs.push((name.as_str(), value, grad));
+        }
+        let mut updates: Vec<Update> = pairs
+            .iter_mut()
+            .map(|(name, value, grad)| Update::from_tensors(name, value, grad))
+            .collect::<Result<_, _>>()
+            .map_err(|source| TrainError::Optim { step, source })?;
+        let grad_norm = clip_grad_norm(&mut updates, self.recipe.clip).map_err(|e| match e {
+            OptimError::NonFiniteGrad { .. } => TrainError::NonFinite { step, what: e.to_string() },
+            source => TrainError::Optim { step, source },
+        })?;
+        self.optimizer.step(lr, &mut updates).map_err(|source| TrainError::Optim { step, source })?;
+        drop(updates);
+        drop(pairs);
+        for (name, value) in values {
+            self.tensors.insert(name, value);
+        }
+        self.step += 1;
+        Ok(StepLog { step, loss, grad_norm, lr, tokens })
+    }
+
+    /// The mean loss of `batch` with the current tensors (no update).
+    pub fn eval(&mut self, batch: &HashMap<String, Tensor>) -> Result<f64, TrainError> {
+        let step = self.step;
+        let runner = match &mut self.eval {
+            Some(r) => r,
+            None => self.eval.insert(
+                StepRunner::new(&self.device_for_eval, self.eval_graph.clone())
+                    .map_err(|source| TrainError::Run { step, source })?,
+            ),
+        };
+        Ok(runner.run(&self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })?.loss)
+    }
+
+    /// The optimizer's state and the step count, as named tensors (`train.step`, and the
+    /// optimizer's own names), for a checkpoint a resumed run continues from.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        let mut state = self.optimizer.state();
+        state.push((STEP.into(), Tensor::i64(vec![1], vec![self.step as i64])));
+        state
+    }
+
+    /// Restores [`Trainer::state`] (the tensors are restored by giving them to [`Trainer::new`]).
+    pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<(), TrainError> {
+        let step = match state.get(STEP).and_then(|t| t.as_i64()).and_then(|v| v.first()) {
+            Some(&s) if s >= 0 => s as usize,
+            _ => return Err(TrainError::Weights(format!("the training state has no `{STEP}`"))),
+        };
+        self.optimizer.load_state(state).map_err(|source| TrainError::Optim { step, source })?;
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// The name of the step count in a training state.
+pub const STEP: &str = "train.step";
+
+/// The label positions of `batch` that take a loss.
+pub fn counted(batch: &HashMap<String, Tensor>) -> u64 {
+    batch.get(LABELS).and_then(|t| t.as_i64()).map_or(0, |l| l.iter().filter(|&&x| x != IGNORE_INDEX).count() as u64)
+}
