@@ -303,6 +303,65 @@ fn a_tensor_prefix_is_written_out() {
     assert!(text.contains("\n[weights.tensors]\n"), "{text}");
 }
 
+/// The masked-LM head of a task checkpoint (`BertForMaskedLM`, `tests/fixtures/train_bert_mlm`:
+/// `bert.` encoder, `cls.predictions` head, `architectures: null`): seen from its tensors, imported
+/// as logits over the vocabulary through the transform, tied, with the head's bias, and every
+/// head parameter read from its `cls.` tensor (no `bert.` before it).
+#[test]
+fn a_masked_lm_head_is_imported_from_its_tensors() {
+    let dir = root().join("tests/fixtures/train_bert_mlm");
+    let imported = import(&dir, "train_bert_mlm");
+    let text = &imported.imported.text;
+    let report = kiln_runtime::import::check(text, &imported.checkpoint).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>());
+    let fe = kiln_compiler::front_end("train_bert_mlm", text).unwrap_or_else(|e| panic!("{}", e.render()));
+    let head = &fe.spec.spec.head;
+    assert!(head.transform && head.tied && head.bias, "{head:?}");
+    assert_eq!(fe.graph.outputs.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["logits"]);
+    let logits = fe.graph.outputs[0].1;
+    assert_eq!(fe.graph.g[logits].shape.last(), Some(&kiln_compiler::graph::Dim::Fixed(96)));
+    for (param, tensor) in [
+        ("head.transform.weight", "cls.predictions.transform.dense.weight"),
+        ("head.transform.bias", "cls.predictions.transform.dense.bias"),
+        ("head.transform_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+        ("head.transform_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+        ("head.bias", "cls.predictions.bias"),
+        ("embed.tokens", "bert.embeddings.word_embeddings.weight"),
+    ] {
+        assert!(fe.graph.params().iter().any(|(_, n)| *n == param), "no parameter `{param}`");
+        assert_eq!(fe.spec.weights.resolve(param).map(|r| r.tensor).as_deref(), Some(tensor), "{param}");
+    }
+    // Tied: the decoder is the word embedding, no weight of its own.
+    assert!(!fe.graph.params().iter().any(|(_, n)| *n == "head.weight"));
+}
+
+/// Without tensor names, the architecture says whether the masked-LM head is there: its `cls.`
+/// entries stay unprefixed beside the `bert.` encoder; an untied decoder is read from
+/// `cls.predictions.decoder.weight`; other task models keep the encoder's output.
+#[test]
+fn a_masked_lm_head_is_imported_from_the_architecture() {
+    let config = std::fs::read_to_string(root().join("tests/fixtures/train_bert_mlm/config.json")).unwrap();
+    let with = |replace: &str| {
+        let config = config.replace(r#""architectures": null"#, replace);
+        let text = hf_config(&config, &Hints::default()).unwrap().text;
+        kiln_compiler::front_end("bert", &text).unwrap_or_else(|e| panic!("{}\n{text}", e.render()))
+    };
+    for arch in ["BertForMaskedLM", "BertForPreTraining"] {
+        let fe = with(&format!(r#""architectures": ["{arch}"]"#));
+        assert!(fe.spec.spec.head.transform, "{arch}");
+        let tensor = |p: &str| fe.spec.weights.resolve(p).map(|r| r.tensor);
+        assert_eq!(tensor("head.transform.weight").as_deref(), Some("cls.predictions.transform.dense.weight"));
+        assert_eq!(tensor("head.bias").as_deref(), Some("cls.predictions.bias"));
+        assert_eq!(tensor("embed.tokens").as_deref(), Some("bert.embeddings.word_embeddings.weight"));
+    }
+    let untied = with(r#""architectures": ["BertForMaskedLM"], "tie_word_embeddings": false"#);
+    let tensor = untied.spec.weights.resolve("head.weight").map(|r| r.tensor);
+    assert_eq!(tensor.as_deref(), Some("cls.predictions.decoder.weight"));
+    let classifier = with(r#""architectures": ["BertForSequenceClassification"]"#);
+    assert!(!classifier.spec.spec.head.transform);
+    assert_eq!(classifier.graph.outputs.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["last_hidden_state"]);
+}
+
 /// `kiln import` writes the spec and reports the check; `kiln run` takes the directory itself.
 #[test]
 fn cli_imports_and_runs_a_checkpoint_directory() {

@@ -335,3 +335,86 @@ fn gemma3_270m_gguf_matches_transformers() {
 fn smollm2_gguf_matches_transformers() {
     check_gguf_logits("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2_TOLERANCE);
 }
+
+/// The masked-LM case `train_bert_mlm` (HF `BertForMaskedLM`, imported from its directory) at its
+/// initial weights: the front end, the parameters, batch 0 of `data.safetensors` as inputs, and its
+/// labels (-100 where no loss is taken).
+pub(crate) struct MaskedLm {
+    pub fe: kiln_compiler::FrontEnd,
+    pub params: HashMap<String, Tensor>,
+    pub inputs: HashMap<String, Tensor>,
+    pub labels: Vec<i64>,
+    /// transformers' loss on the batch (`expected.safetensors`: `loss[0]`).
+    pub loss: f64,
+}
+
+pub(crate) fn masked_lm() -> MaskedLm {
+    let dir = root().join("tests/fixtures/train_bert_mlm");
+    let imported = kiln_runtime::import::import(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let fe = kiln_compiler::front_end("train_bert_mlm", &imported.imported.text)
+        .unwrap_or_else(|e| panic!("{}", e.render()));
+    let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &imported.weights).unwrap_or_else(|e| panic!("{e}"));
+    let data = tensors(&dir.join("data.safetensors"));
+    // Batch 0 of the `[steps, batch, seq]` tensors.
+    let batch0 = |name: &str| {
+        let t = &data[name];
+        let (rows, seq) = (t.shape[1], t.shape[2]);
+        Tensor::i64(vec![rows, seq], t.as_i64().expect("ids are integers")[..rows * seq].to_vec())
+    };
+    let inputs = ["input_ids", "attention_mask", "token_type_ids"].map(|n| (n.to_string(), batch0(n))).into();
+    let labels = batch0("labels").as_i64().expect("labels are integers").to_vec();
+    // Read as stored, f64 (kiln's tensors would make it f32).
+    let expected = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let expected = safetensors::SafeTensors::deserialize(&expected).unwrap();
+    let losses = expected.tensor("loss").unwrap();
+    assert_eq!(losses.dtype(), safetensors::Dtype::F64);
+    let loss = f64::from_le_bytes(losses.data()[..8].try_into().unwrap());
+    MaskedLm { fe, params, inputs, labels, loss }
+}
+
+/// The mean cross-entropy of `logits` (`[.., vocab]`) against `labels` over the positions whose
+/// label is not -100, with the log-softmax in f64 (transformers' masked-LM loss).
+pub(crate) fn masked_lm_loss(logits: &Tensor, labels: &[i64]) -> f64 {
+    let vocab = *logits.shape.last().expect("logits have a vocabulary axis");
+    let values = logits.as_f32().expect("f32 logits");
+    assert_eq!(values.len(), labels.len() * vocab);
+    let (mut total, mut count) = (0.0, 0);
+    for (row, &label) in values.chunks(vocab).zip(labels) {
+        if label == -100 {
+            continue;
+        }
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let log_sum = row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+        total += log_sum - row[label as usize] as f64;
+        count += 1;
+    }
+    assert!(count > 0, "no position is labelled");
+    total / count as f64
+}
+
+/// The allowed difference of the loss from transformers'.
+pub(crate) const MASKED_LM_LOSS_TOLERANCE: f64 = 1e-4;
+
+/// BERT's masked-LM head (`head.transform`, tied decoder, its own bias): the loss of the initial
+/// model on batch 0 equals transformers', on the interpreter (both graphs) and the CPU back end.
+#[test]
+fn bert_masked_lm_loss_matches_transformers() {
+    let case = masked_lm();
+    let optimized = kiln_compiler::optimize::optimize(&case.fe.graph).unwrap().0;
+    let mut runs = Vec::new();
+    for (label, graph) in [("interpreter", &case.fe.graph), ("interpreter, optimized", &optimized)] {
+        runs.push((label, interp::run(graph, &case.params, &case.inputs).unwrap_or_else(|e| panic!("{e}"))));
+    }
+    let cpu =
+        kiln_runtime::CpuModel::new(kiln_compiler::lower::lower(&optimized), &case.params, &HashMap::new(), 2, &())
+            .unwrap_or_else(|e| panic!("{e}"));
+    runs.push(("cpu", cpu.run(&case.inputs).unwrap_or_else(|e| panic!("{e}"))));
+    for (label, outputs) in runs {
+        let logits = &outputs.iter().find(|(n, _)| n == "logits").expect("the model has logits").1;
+        assert_eq!(logits.shape, [4, 32, 96], "{label}");
+        let loss = masked_lm_loss(logits, &case.labels);
+        let err = (loss - case.loss).abs();
+        println!("train_bert_mlm: loss {loss} on the {label}, transformers {} (error {err:e})", case.loss);
+        assert!(err <= MASKED_LM_LOSS_TOLERANCE, "{label}: loss {loss} differs from {} by {err}", case.loss);
+    }
+}

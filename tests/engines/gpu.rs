@@ -259,3 +259,22 @@ fn fully_masked_rows_and_large_logits_stay_finite_on_wgpu() {
         }
     }
 }
+
+/// BERT's masked-LM head (`head.transform`: dense, GELU, LayerNorm, then the tied decoder and its
+/// bias) on wgpu: the interpreter's logits, both graphs, and so transformers' loss.
+#[test]
+fn bert_masked_lm_on_wgpu() {
+    let Some(gpu) = common::gpu() else { return };
+    let case = crate::golden::masked_lm();
+    let reference = interp::run(&case.fe.graph, &case.params, &case.inputs).unwrap();
+    let optimized = kiln_compiler::optimize::optimize(&case.fe.graph).unwrap().0;
+    for (label, graph) in [("unoptimized", &case.fe.graph), ("optimized", &optimized)] {
+        let got = GpuModel::new(gpu.clone(), lower(graph), &case.params).unwrap().run(&case.inputs).unwrap();
+        let err = got[0].1.max_abs_diff(&reference[0].1);
+        println!("train_bert_mlm: logits max abs error on wgpu against the interpreter, {label} {err:e}");
+        assert!(err <= TOLERANCE, "masked-LM logits on wgpu differ by {err} ({label})");
+        let loss = crate::golden::masked_lm_loss(&got[0].1, &case.labels);
+        let err = (loss - case.loss).abs();
+        assert!(err <= crate::golden::MASKED_LM_LOSS_TOLERANCE, "wgpu ({label}): loss {loss} differs by {err}");
+    }
+}

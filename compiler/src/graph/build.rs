@@ -143,6 +143,17 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
 
     if r.logits {
         b.g.scope = "head".into();
+        // A masked-LM head's transform (BERT's `cls.predictions.transform`): a dense layer, the
+        // activation and a norm, before the projection.
+        let hidden = if spec.head.transform {
+            let d = b.d();
+            let act = activation(spec.head.transform_activation.unwrap_or(spec.ffn.activation));
+            let dense = b.linear(hidden, "head.transform", d, d, true)?;
+            let act = b.g.add(Op::Act(act), &[dense])?;
+            b.norm_of(act, "head.transform_norm", d)?
+        } else {
+            hidden
+        };
         let table = if spec.head.tied {
             b.token_table(if spec.model.kind == BlockKind::EncoderDecoder { "decoder." } else { "" })
         } else {

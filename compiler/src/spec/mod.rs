@@ -516,11 +516,19 @@ pub struct Head {
     /// Soft-capping of the final logits: `c * tanh(logits / c)` (Gemma 2: 30).
     #[serde(default)]
     pub softcap: Option<f64>,
+    /// A transform of the hidden states before the projection, as masked-LM heads have (BERT's
+    /// `cls.predictions.transform`): `norm(act(h @ W^T + b))`, a `d_model`-wide dense with a bias,
+    /// then the activation, then a norm of the spec's `[norm]` kind and eps.
+    #[serde(default)]
+    pub transform: bool,
+    /// The transform's activation (default: `ffn.activation`).
+    #[serde(default)]
+    pub transform_activation: Option<Activation>,
 }
 
 impl Default for Head {
     fn default() -> Self {
-        Head { tied: true, bias: false, scale: 1.0, softcap: None }
+        Head { tied: true, bias: false, scale: 1.0, softcap: None, transform: false, transform_activation: None }
     }
 }
 

@@ -627,6 +627,22 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
     if spec.head.bias && !logits {
         c.error("head.bias", "a head bias needs logits", "`head.bias` is set but the model produces no logits".into());
     }
+    // The transform belongs to the head, which only a model with logits builds.
+    if spec.head.transform && !logits {
+        c.error_help(
+            "head.transform",
+            "a head transform needs logits",
+            "`head.transform` is set but the model produces no logits, so no head is built".into(),
+            "set `outputs.logits = true` (an encoder's default is false), or drop the transform".into(),
+        );
+    }
+    if spec.head.transform_activation.is_some() && !spec.head.transform {
+        c.error(
+            "head.transform_activation",
+            "an activation needs the transform",
+            "`head.transform_activation` is set but `head.transform` is not true".into(),
+        );
+    }
 
     // Weight map.
     let mut weights = WeightMap::default();

@@ -306,6 +306,10 @@ pub const TEMPLATES: &[&str] = &[
     "relative_bias",
     "final_norm.weight",
     "final_norm.bias",
+    "head.transform.weight",
+    "head.transform.bias",
+    "head.transform_norm.weight",
+    "head.transform_norm.bias",
     "head.weight",
     "head.bias",
 ];

@@ -796,27 +796,50 @@ fn bert(cfg: &Config, hints: &Hints) -> Result<Draft> {
     let (d_ff, ff_key) = cfg.need_uint(&["intermediate_size"])?;
     d.set("ffn", "d_ff", d_ff, from(ff_key));
     d.set("ffn", "bias", true, fixed(family));
-    d.set("outputs", "logits", false, "bert: the encoder's hidden states are its output");
-    d.set("outputs", "hidden_states", true, "bert: the encoder's hidden states are its output");
+    let architecture =
+        cfg.get("architectures").and_then(Value::as_array).and_then(|a| a.first()).and_then(Value::as_str);
+    match masked_lm_head(architecture, hints) {
+        Some(source) => {
+            // `BertForMaskedLM`'s output: the scores of its prediction head, a transform (dense,
+            // `hidden_act`, LayerNorm at `layer_norm_eps`) then the decoder with its own bias.
+            d.comment(format!("A masked-LM model ({source}): its prediction head's scores are the output."));
+            tied(&mut d, cfg, family, true)?;
+            d.set("head", "bias", true, "bert: the masked-LM head's cls.predictions.bias");
+            d.set("head", "transform", true, "bert: cls.predictions.transform, with hidden_act and layer_norm_eps");
+            d.set("outputs", "logits", true, "bert: the masked-LM head's scores are the output");
+        }
+        None => {
+            d.set("outputs", "logits", false, "bert: the encoder's hidden states are its output");
+            d.set("outputs", "hidden_states", true, "bert: the encoder's hidden states are its output");
+        }
+    }
     d.preset("bert", "BERT's tensor names");
     if hints.tensors.is_none() {
         // Without the tensor names, the architecture says whether they carry the `bert.` prefix
         // of a model with a task head.
-        let headed = cfg
-            .get("architectures")
-            .and_then(Value::as_array)
-            .and_then(|a| a.first())
-            .and_then(Value::as_str)
-            .is_some_and(|a| a != "BertModel");
+        let headed = architecture.is_some_and(|a| a != "BertModel");
         if headed {
             d.comment("A task model (architectures): its encoder's tensors are read under `bert.`.");
             let ungated = Variant { gated_ffn: false };
-            for (template, source) in crate::spec::weightmap::preset("bert", ungated).unwrap_or_default() {
+            // The task head's own tensors (`cls.`) are not under the encoder's prefix.
+            let encoder = crate::spec::weightmap::preset("bert", ungated).unwrap_or_default();
+            for (template, source) in encoder.into_iter().filter(|(t, _)| !t.starts_with("head.")) {
                 d.tensor(&template, Source { tensor: format!("bert.{}", source.tensor), ..source });
             }
         }
     }
     Ok(d)
+}
+
+/// Where a BERT checkpoint's masked-LM prediction head shows, if it has one: its transform's
+/// tensor among the checkpoint's names, or, when the names are unknown, an architecture with the
+/// head (`BertForMaskedLM`, `BertForPreTraining`).
+fn masked_lm_head(architecture: Option<&str>, hints: &Hints) -> Option<&'static str> {
+    const TRANSFORM: &str = "cls.predictions.transform.dense.weight";
+    match &hints.tensors {
+        Some(tensors) => tensors.contains(TRANSFORM).then_some("its tensors hold cls.predictions.transform"),
+        None => matches!(architecture, Some("BertForMaskedLM" | "BertForPreTraining")).then_some("architectures"),
+    }
 }
 
 /// A sentence-transformers pipeline's mean pooling.

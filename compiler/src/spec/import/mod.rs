@@ -244,14 +244,29 @@ impl Draft {
             }
             map.entries.extend(entries.iter().cloned());
             if let Some(prefix) = common_prefix(&map, &params, tensors) {
-                // Write every entry the graph uses out with the prefix, in place of the preset.
+                // Write every entry the graph uses out in place of the preset, with the prefix on
+                // those whose names the checkpoint lacks (a task model's own head, `cls.` beside
+                // `bert.`, is found as it is).
+                let lacking: BTreeSet<String> = params
+                    .iter()
+                    .filter_map(|p| map.resolve(p))
+                    .filter(|r| !tensors.contains(&r.tensor))
+                    .map(|r| r.template)
+                    .collect();
                 let mut all: Vec<(String, Source)> = map.entries.into_iter().filter(|(t, _)| used(t)).collect();
-                for (_, source) in &mut all {
-                    source.tensor = format!("{prefix}{}", source.tensor);
+                for (template, source) in &mut all {
+                    if lacking.contains(template) {
+                        source.tensor = format!("{prefix}{}", source.tensor);
+                    }
                 }
+                let some = if all.iter().all(|(t, _)| lacking.contains(t)) {
+                    ""
+                } else {
+                    ", but for names the checkpoint holds without it"
+                };
                 let what = match &preset {
-                    Some((name, _)) => format!("the `{name}` preset's entries are written out with it"),
-                    None => "the entries carry it".to_string(),
+                    Some((name, _)) => format!("the `{name}` preset's entries are written out with it{some}"),
+                    None => format!("the entries carry it{some}"),
                 };
                 self.comment(format!("The checkpoint's tensor names start with `{prefix}`: {what}."));
                 preset = None;
@@ -312,7 +327,8 @@ fn part_name(part: PackPart) -> &'static str {
 }
 
 /// A prefix that, put before every tensor name the map gives for `params` that the checkpoint
-/// lacks, makes all of them present (and is needed: at least one is missing without it).
+/// lacks, makes all of them present (and is needed: at least one is missing without it). Names the
+/// checkpoint has as they are keep no prefix.
 fn common_prefix(map: &WeightMap, params: &[String], tensors: &BTreeSet<String>) -> Option<String> {
     let wanted: Vec<String> = params.iter().filter_map(|p| map.resolve(p).map(|r| r.tensor)).collect();
     let missing: Vec<&String> = wanted.iter().filter(|t| !tensors.contains(*t)).collect();
@@ -324,7 +340,7 @@ fn common_prefix(map: &WeightMap, params: &[String], tensors: &BTreeSet<String>)
         .filter(|p| p.ends_with('.'))
         .map(str::to_string)
         .collect();
-    candidates.into_iter().find(|prefix| wanted.iter().all(|t| tensors.contains(&format!("{prefix}{t}"))))
+    candidates.into_iter().find(|prefix| missing.iter().all(|t| tensors.contains(&format!("{prefix}{t}"))))
 }
 
 /// An activation as the spec names it, from a Hugging Face `hidden_act` value.
