@@ -16,7 +16,7 @@ mod progress;
 mod report;
 mod view;
 
-use cli::{bench, check, compile, diff, embed, generate, import, inspect, run};
+use cli::{bench, check, compile, diff, embed, generate, import, inspect, run, train};
 use progress::Reporter;
 
 #[derive(Parser)]
@@ -52,6 +52,9 @@ enum Command {
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
     /// vectors.
     Embed(embed::EmbedArgs),
+    /// Train a model — a spec or a checkpoint — on pre-batched data with a recipe of AdamW or SGD
+    /// steps, writing a JSON line per step and the weights under the checkpoint's tensor names.
+    Train(train::TrainArgs),
     /// Measure (never a test): forward and decode times, where a forward spends them, the
     /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
@@ -63,6 +66,7 @@ impl Command {
     fn weighed_spec(&self) -> Option<&Path> {
         match self {
             Command::Run(args) => Some(args.model()),
+            Command::Train(args) => Some(args.model()),
             Command::Generate(args) => Some(args.spec()),
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
@@ -91,6 +95,7 @@ impl Command {
             Command::Diff(args) => diff::run(args),
             Command::Compile(args) => compile::run(args, reporter),
             Command::Run(args) => run::run(args, reporter),
+            Command::Train(args) => train::run(args, reporter),
             Command::Generate(args) => generate::run(args, reporter),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),

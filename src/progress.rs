@@ -20,6 +20,9 @@ const BAR: &str = "{msg:>18} [{bar:32}] {pos}/{len} ({elapsed})";
 /// The layout of a one-shot stage's spinner.
 const SPINNER: &str = "{spinner} {msg} ({elapsed})";
 
+/// The layout of a training run's bar: steps done of the total, the step's figures, time left.
+const STEPS: &str = "step {pos}/{len} [{bar:24}] {msg} ({elapsed}, {eta} left)";
+
 /// How often a spinner turns.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -77,6 +80,17 @@ impl Reporter {
         out
     }
 
+    /// A bar of `total` steps, `done` of them already taken (a resumed run), with a message
+    /// (the latest loss, ...) and the time left; nothing when quiet.
+    pub fn steps(&self, total: u64, done: u64) -> StepBar {
+        if self.quiet {
+            return StepBar(None);
+        }
+        self.clear();
+        let bar = ProgressBar::new(total).with_style(style(STEPS)).with_position(done);
+        StepBar(Some(bar))
+    }
+
     /// Prints an informational line on stderr (after clearing any bar), unless quiet.
     pub fn info(&self, line: std::fmt::Arguments) {
         if !self.quiet {
@@ -125,6 +139,26 @@ impl Drop for Reporter {
     /// A phase cut short by an error leaves no bar behind the error message.
     fn drop(&mut self) {
         self.clear();
+    }
+}
+
+/// A bar of steps ([`Reporter::steps`]).
+pub struct StepBar(Option<ProgressBar>);
+
+impl StepBar {
+    /// Shows `done` steps and `message`.
+    pub fn show(&self, done: u64, message: &str) {
+        if let Some(bar) = &self.0 {
+            bar.set_position(done);
+            bar.set_message(message.to_string());
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
     }
 }
 

@@ -12,3 +12,4 @@ pub mod generate;
 pub mod import;
 pub mod inspect;
 pub mod run;
+pub mod train;

@@ -1,6 +1,8 @@
 //! The training fixtures on the interpreter and the CPU back end, within the tolerances of the
 //! fixtures' README: per-step loss within 1e-4 absolute, each first-step gradient within 1e-4 of
-//! its tensor's largest magnitude.
+//! its tensor's largest magnitude — or within 1e-8 absolute, for a tensor whose gradient is zero
+//! by symmetry and holds only rounding noise in both (a key bias: a softmax is invariant to one
+//! shift of every score of its row, so PyTorch's `key.bias` gradients are about 1e-12).
 
 use crate::common::root;
 use kiln_compiler::front_end;
@@ -55,7 +57,7 @@ fn first_step(case: &str, device: &Device) {
         let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         assert!(
-            worst <= 1e-4 * scale,
+            worst <= (1e-4 * scale).max(1e-8),
             "{case} on {}: grad.{tensor} is {worst:.3e} off (scale {scale:.3e})",
             device.name()
         );
@@ -88,4 +90,97 @@ fn llama_first_step_on_the_interpreter() {
 #[test]
 fn llama_first_step_on_the_cpu() {
     first_step("train_llama", &Device::Cpu { threads: 2 });
+}
+
+#[test]
+fn bert_mlm_first_step_on_the_interpreter() {
+    first_step("train_bert_mlm", &Device::Interp);
+}
+
+#[test]
+fn bert_mlm_first_step_on_the_cpu() {
+    first_step("train_bert_mlm", &Device::Cpu { threads: 2 });
+}
+
+/// `kiln train` on a fixture's batches and recipe, on `backend`: every step's loss, gradient norm
+/// and learning rate, the evaluation loss and every tensor after the last step, against PyTorch.
+fn whole_run(case: &str, backend: &str) {
+    let out = crate::common::scratch(&format!("{case}-{backend}"));
+    let (log, weights) = (out.join("steps.jsonl"), out.join("final.safetensors"));
+    let d = dir(case);
+    crate::common::ok(&[
+        "train",
+        d.to_str().unwrap(),
+        "--batches",
+        d.join("data.safetensors").to_str().unwrap(),
+        "--recipe",
+        d.join("train.json").to_str().unwrap(),
+        "--log",
+        log.to_str().unwrap(),
+        "-o",
+        weights.to_str().unwrap(),
+        "--backend",
+        backend,
+    ]);
+    let expected = read_tensors(&d.join("expected.safetensors")).unwrap();
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps: Vec<&serde_json::Value> = lines.iter().filter(|l| l.get("grad_norm").is_some()).collect();
+    let (loss, norm, lr) = (f64s(&expected["loss"]), f64s(&expected["grad_norm"]), f64s(&expected["lr"]));
+    assert_eq!(steps.len(), loss.len(), "{case}: one log line per step");
+    for (s, line) in steps.iter().enumerate() {
+        let get = |k: &str| line[k].as_f64().unwrap();
+        assert_eq!(line["step"].as_u64(), Some(s as u64));
+        assert!(
+            (get("loss") - loss[s]).abs() < 1e-4,
+            "{case} on {backend}: step {s} loss {} vs {}",
+            get("loss"),
+            loss[s]
+        );
+        assert!(
+            (get("grad_norm") - norm[s]).abs() < 1e-4 * norm[s],
+            "{case} on {backend}: step {s} grad norm {} vs {}",
+            get("grad_norm"),
+            norm[s]
+        );
+        assert!((get("lr") - lr[s]).abs() < 1e-9, "{case}: step {s} lr {} vs {}", get("lr"), lr[s]);
+    }
+    let eval = lines.last().unwrap()["eval_loss"].as_f64().unwrap();
+    let want = f64s(&expected["eval_loss"])[0];
+    assert!((eval - want).abs() < 1e-3, "{case} on {backend}: eval loss {eval} vs {want}");
+
+    let got = read_tensors(&weights).unwrap();
+    let initial = read_tensors(&d.join("model.safetensors")).unwrap();
+    let (frozen, _) = recipe(case);
+    let mut compared = 0;
+    for (name, want) in &expected {
+        let Some(tensor) = name.strip_prefix("final.") else { continue };
+        let t = got.get(tensor).unwrap_or_else(|| panic!("{case}: `{tensor}` not written"));
+        assert_eq!(t.shape, want.shape);
+        let worst = f64s(t).iter().zip(f64s(want)).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(worst < 1e-3, "{case} on {backend}: final {tensor} is {worst:.3e} off");
+        if frozen.iter().any(|f| f == tensor) {
+            assert_eq!(t, &initial[tensor], "{case}: frozen `{tensor}` changed");
+        }
+        compared += 1;
+    }
+    assert_eq!(compared, got.len(), "{case}: the weights written are the checkpoint's tensors");
+}
+
+#[test]
+fn gpt2_trains_as_pytorch_does() {
+    whole_run("train_gpt2", "cpu");
+    whole_run("train_gpt2", "interp");
+}
+
+#[test]
+fn llama_with_a_frozen_embedding_trains_as_pytorch_does() {
+    whole_run("train_llama", "cpu");
+    whole_run("train_llama", "interp");
+}
+
+#[test]
+fn bert_mlm_trains_as_pytorch_does() {
+    whole_run("train_bert_mlm", "cpu");
+    whole_run("train_bert_mlm", "interp");
 }

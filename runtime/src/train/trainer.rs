@@ -120,7 +120,8 @@ fn frozen_tensors(frozen: &[String], uses: &[TensorUse]) -> Result<Vec<String>, 
         if !matched {
             let mut names: Vec<&str> = uses.iter().map(|u| u.tensor.as_str()).collect();
             names.dedup();
-            let near: Vec<&str> = names.iter().copied().filter(|n| n.contains(pattern.trim_matches('*'))).take(3).collect();
+            let near: Vec<&str> =
+                names.iter().copied().filter(|n| n.contains(pattern.trim_matches('*'))).take(3).collect();
             return Err(TrainError::Frozen(format!(
                 "`{pattern}` matches no tensor or parameter of the model{}",
                 if near.is_empty() { String::new() } else { format!(" (near: {})", near.join(", ")) }
@@ -261,10 +262,9 @@ impl Trainer {
             self.trained.iter().filter_map(|n| Some((n.clone(), self.tensors.get(n)?.clone()))).collect();
         let mut pairs: Vec<(&str, &mut Tensor, Tensor)> = Vec::new();
         for (name, value) in values.iter_mut() {
-            let grad = grads.remove(name.as_str()).ok_or_else(|| TrainError::Run {
-                step,
-                source: RunError::NoGradient(name.clone()),
-            })?;
+            let grad = grads
+                .remove(name.as_str())
+                .ok_or_else(|| TrainError::Run { step, source: RunError::NoGradient(name.clone()) })?;
             pairs.push((name.as_str(), value, grad));
         }
         let mut updates: Vec<Update> = pairs

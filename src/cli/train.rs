@@ -1,0 +1,263 @@
+//! `kiln train`: a model trained on pre-batched data (`--batches`), with its recipe from a file
+//! (`--recipe`) and flags; a line of JSON per step (`--log`), checkpoints and the final weights
+//! under the checkpoint's own tensor names (`-o`), which `run`, `generate` and `embed` read at once.
+//!
+//! Each checkpoint is two files, each written atomically: the weights (`OUT`) and, beside them,
+//! the training state (`OUT` with `.state.safetensors`: the optimizer's moments, the step). A
+//! run continued with `--resume OUT` takes up both and goes on exactly as the uninterrupted run
+//! would have.
+
+use crate::exec::{Backend, open, threads_or_default};
+use crate::model_file::{load_spec, weights_for};
+use crate::progress::Reporter;
+use anyhow::{Context, Result, anyhow, bail};
+use kiln_compiler::spec::PackDims;
+use kiln_compiler::tensor::Tensor;
+use kiln_runtime::train::batches::Batches;
+use kiln_runtime::train::{Clip, Recipe, RecipeFile, StepLog, Trainer};
+use kiln_runtime::{Checkpoint, read_tensors, write_tensors};
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Arguments of `kiln train`.
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// A spec (TOML), or a checkpoint (a Hugging Face model directory or a GGUF file) whose spec
+    /// is imported and whose weights are the starting point.
+    model: PathBuf,
+    /// The starting weights (safetensors, or GGUF, dequantized), under the names the spec's
+    /// weight map gives (default: MODEL's, if a checkpoint).
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Pre-batched data (safetensors): `input_ids`, `labels` (-100 where no loss is taken) and,
+    /// where the model reads them, `attention_mask`, `token_type_ids`, `src_ids`, `src_mask`,
+    /// `decoder_input_ids`, each `[steps, batch, seq]`, trained on in order; and an evaluation
+    /// batch under the same names prefixed `eval_`.
+    #[arg(long)]
+    batches: PathBuf,
+    /// The recipe: a TOML or JSON file with `steps, batch, seq, lr, min_lr, warmup_steps, betas,
+    /// eps, weight_decay, clip, frozen, label_smoothing, optimizer, momentum, schedule,
+    /// accumulate, decay_1d, eval_every, checkpoint_every` (flags below override it).
+    #[arg(long)]
+    recipe: Option<PathBuf>,
+    /// Steps (optimizer updates).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Learning rate at the end of the decay.
+    #[arg(long)]
+    min_lr: Option<f64>,
+    /// Steps of linear warm-up.
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    /// Global gradient-norm clipping (`none` for no clipping).
+    #[arg(long)]
+    clip: Option<String>,
+    /// Label smoothing.
+    #[arg(long)]
+    label_smoothing: Option<f64>,
+    /// Tensors or parameters to keep fixed: names or globs (`model.embed_tokens.*`); repeatable.
+    #[arg(long)]
+    frozen: Vec<String>,
+    /// Evaluate on the `eval_` batch every N steps (and always after the last).
+    #[arg(long)]
+    eval_every: Option<usize>,
+    /// Write a checkpoint every N steps (and always after the last).
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
+    /// Where to write one JSON line per step (`step`, `loss`, `grad_norm`, `lr`, `tokens`,
+    /// `seconds`), a line per evaluation (`step`, `eval_loss`), and last the final `eval_loss`.
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Where to write the trained weights (safetensors, under the checkpoint's tensor names); the
+    /// training state goes beside it (`.state.safetensors`).
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Continue the run whose checkpoint this is (weights, and the state beside them).
+    #[arg(long, conflicts_with = "weights")]
+    resume: Option<PathBuf>,
+    /// Where the training step runs: the native CPU kernels (`cpu`, the default) or the reference
+    /// interpreter (`interp`); wgpu does not train yet.
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+    /// Threads of the CPU backend (default: one per core available).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+impl TrainArgs {
+    /// The model file.
+    pub fn model(&self) -> &Path {
+        &self.model
+    }
+
+    /// The recipe: the file's, then the flags over it.
+    fn recipe(&self) -> Result<Recipe> {
+        let file = match &self.recipe {
+            Some(path) => RecipeFile::from_path(path)?,
+            None => RecipeFile::default(),
+        };
+        let clip = match self.clip.as_deref() {
+            None => None,
+            Some("none" | "off") => Some(Clip::Off),
+            Some(v) => Some(Clip::Norm(v.parse().map_err(|_| anyhow!("--clip {v}: a number, or `none`"))?)),
+        };
+        let flags = RecipeFile {
+            steps: self.steps,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup_steps,
+            clip,
+            label_smoothing: self.label_smoothing,
+            frozen: (!self.frozen.is_empty()).then(|| self.frozen.clone()),
+            eval_every: self.eval_every,
+            checkpoint_every: self.checkpoint_every,
+            ..RecipeFile::default()
+        };
+        Ok(file.merge(flags).resolve()?)
+    }
+}
+
+/// The training state's file beside the weights at `weights`.
+pub fn state_path(weights: &Path) -> PathBuf {
+    let stem = weights.file_stem().map_or_else(|| "checkpoint".into(), |s| s.to_string_lossy().into_owned());
+    weights.with_file_name(format!("{stem}.state.safetensors"))
+}
+
+/// Runs `kiln train`.
+pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
+    for path in [Some(&args.output), args.log.as_ref()].into_iter().flatten() {
+        kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
+    }
+    let recipe = args.recipe()?;
+    let fe = load_spec(&args.model)?;
+    let batches =
+        Batches::new(read_tensors(&args.batches)?).with_context(|| format!("batches `{}`", args.batches.display()))?;
+    batches.check_steps(recipe.steps).with_context(|| format!("batches `{}`", args.batches.display()))?;
+    let start = match &args.resume {
+        Some(path) => path.clone(),
+        None => weights_for(args.weights.clone(), &args.model)?,
+    };
+    let tensors = Checkpoint::open(&start)?.all()?;
+    let backend = match args.backend {
+        Backend::Auto => Backend::Cpu,
+        Backend::Wgpu => bail!("training runs on `--backend cpu` or `interp`; the wgpu back end does not train yet"),
+        b => b,
+    };
+    let device = open(backend, None, threads_or_default(args.threads)?)?;
+    let mut trainer = reporter.stage("building the training graph", || {
+        Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
+    })?;
+    if let Some(path) = &args.resume {
+        let state = read_tensors(&state_path(path))
+            .with_context(|| format!("--resume: the training state beside `{}`", path.display()))?;
+        trainer.load_state(&state)?;
+    }
+    let mut log = match &args.log {
+        Some(path) => Some(Log::create(path)?),
+        None => None,
+    };
+    let eval_batch = batches.eval().cloned();
+    let bar = reporter.steps(recipe.steps as u64, trainer.steps_done() as u64);
+    let started = Instant::now();
+    let mut tokens = 0u64;
+    while trainer.steps_done() < recipe.steps {
+        let s = trainer.steps_done();
+        let batch = batches.step(s).ok_or_else(|| anyhow!("no batch for step {s}"))?;
+        let t0 = Instant::now();
+        let logged = trainer.step(std::slice::from_ref(&batch)).map_err(|e| {
+            // The last good weights stay on disk: the checkpoint written before this step.
+            anyhow!(e).context("training stopped")
+        })?;
+        tokens += logged.tokens;
+        if let Some(log) = &mut log {
+            log.step(&logged, t0.elapsed().as_secs_f64())?;
+        }
+        let done = trainer.steps_done();
+        let last = done == recipe.steps;
+        let eval_loss = match (&eval_batch, recipe.eval_every) {
+            (Some(b), Some(n)) if done.is_multiple_of(n) && !last => Some(trainer.eval(b)?),
+            _ => None,
+        };
+        if let (Some(log), Some(l)) = (&mut log, eval_loss) {
+            log.line(&json!({ "step": done, "eval_loss": l }))?;
+        }
+        let rate = tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.show(done as u64, &progress_message(&logged, eval_loss, rate));
+        if recipe.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) && !last {
+            save(&trainer, &args.output)?;
+        }
+    }
+    bar.finish();
+    let eval_loss = match &eval_batch {
+        Some(b) => Some(trainer.eval(b)?),
+        None => None,
+    };
+    if let Some(log) = &mut log {
+        if let Some(l) = eval_loss {
+            log.line(&json!({ "eval_loss": l }))?;
+        }
+        log.flush()?;
+    }
+    save(&trainer, &args.output)?;
+    let seconds = started.elapsed().as_secs_f64();
+    reporter.info(format_args!(
+        "trained {} steps in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
+        recipe.steps,
+        tokens as f64 / seconds.max(1e-9),
+        eval_loss.map_or(String::new(), |l| format!(", eval loss {l:.4}")),
+        args.output.display()
+    ));
+    Ok(())
+}
+
+/// The bar's message after a step.
+fn progress_message(step: &StepLog, eval_loss: Option<f64>, tokens_per_s: f64) -> String {
+    let eval = eval_loss.map_or(String::new(), |l| format!(" eval {l:.4}"));
+    format!("loss {:.4}{eval} lr {:.2e} {:.0} tok/s", step.loss, step.lr, tokens_per_s)
+}
+
+/// Writes the trainer's weights to `path` and its state beside them, each atomically.
+fn save(trainer: &Trainer, path: &Path) -> Result<()> {
+    let mut weights: Vec<(String, Tensor)> = trainer.tensors().iter().map(|(n, t)| (n.clone(), t.clone())).collect();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    // The state first: weights without their state are still a checkpoint `run` reads; a state
+    // without its weights is not.
+    write_tensors(&state_path(path), &trainer.state())?;
+    write_tensors(path, &weights)?;
+    Ok(())
+}
+
+/// The per-step log: a JSON line per step, evaluation and summary.
+struct Log {
+    out: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+}
+
+impl Log {
+    fn create(path: &Path) -> Result<Log> {
+        let file =
+            std::fs::File::create(path).with_context(|| format!("cannot create the log `{}`", path.display()))?;
+        Ok(Log { out: std::io::BufWriter::new(file), path: path.into() })
+    }
+
+    fn step(&mut self, s: &StepLog, seconds: f64) -> Result<()> {
+        self.line(&json!({
+            "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "tokens": s.tokens, "seconds": seconds
+        }))
+    }
+
+    fn line(&mut self, v: &serde_json::Value) -> Result<()> {
+        writeln!(self.out, "{v}").with_context(|| format!("cannot write the log `{}`", self.path.display()))?;
+        // Each line is on disk as it is made: a run stopped midway keeps its log.
+        self.flush()
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.out.flush().with_context(|| format!("cannot write the log `{}`", self.path.display()))
+    }
+}
