@@ -16,7 +16,7 @@ mod progress;
 mod report;
 mod view;
 
-use cli::{bench, check, compile, diff, embed, generate, import, inspect, run, train};
+use cli::{bench, check, compile, diff, embed, eval, generate, import, inspect, run, train};
 use progress::Reporter;
 
 #[derive(Parser)]
@@ -55,6 +55,8 @@ enum Command {
     /// Train a model — a spec or a checkpoint — on pre-batched data with a recipe of AdamW or SGD
     /// steps, writing a JSON line per step and the weights under the checkpoint's tensor names.
     Train(train::TrainArgs),
+    /// The loss and perplexity of a model on data, with no update.
+    Eval(eval::EvalArgs),
     /// Measure (never a test): forward and decode times, where a forward spends them, the
     /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
@@ -67,6 +69,7 @@ impl Command {
         match self {
             Command::Run(args) => Some(args.model()),
             Command::Train(args) => Some(args.model()),
+            Command::Eval(args) => Some(args.model()),
             Command::Generate(args) => Some(args.spec()),
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
@@ -96,6 +99,7 @@ impl Command {
             Command::Compile(args) => compile::run(args, reporter),
             Command::Run(args) => run::run(args, reporter),
             Command::Train(args) => train::run(args, reporter),
+            Command::Eval(args) => eval::run(args, reporter),
             Command::Generate(args) => generate::run(args, reporter),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),

@@ -8,6 +8,7 @@ pub mod check;
 pub mod compile;
 pub mod diff;
 pub mod embed;
+pub mod eval;
 pub mod generate;
 pub mod import;
 pub mod inspect;

@@ -5,7 +5,8 @@
 //! Each checkpoint is two files, each written atomically: the weights (`OUT`) and, beside them,
 //! the training state (`OUT` with `.state.safetensors`: the optimizer's moments, the step). A
 //! run continued with `--resume OUT` takes up both and goes on exactly as the uninterrupted run
-//! would have.
+//! would have. Ctrl-C (or SIGTERM) stops a run after the step under way and writes a checkpoint
+//! first; a step that fails (a non-finite loss) writes the weights before it.
 
 use crate::exec::{Backend, open, threads_or_default};
 use crate::model_file::{load_spec, weights_for};
@@ -17,8 +18,11 @@ use kiln_runtime::train::batches::Batches;
 use kiln_runtime::train::{Clip, Recipe, RecipeFile, StepLog, Trainer};
 use kiln_runtime::{Checkpoint, read_tensors, write_tensors};
 use serde_json::json;
+use signal_hook::consts::{SIGINT, SIGTERM};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 /// Arguments of `kiln train`.
@@ -37,7 +41,7 @@ pub struct TrainArgs {
     /// batch under the same names prefixed `eval_`.
     #[arg(long)]
     batches: PathBuf,
-    /// The recipe: a TOML or JSON file with `steps, batch, seq, lr, min_lr, warmup_steps, betas,
+    /// The recipe (over the spec's `[train]` section): a TOML or JSON file with `steps, batch, seq, lr, min_lr, warmup_steps, betas,
     /// eps, weight_decay, clip, frozen, label_smoothing, optimizer, momentum, schedule,
     /// accumulate, decay_1d, eval_every, checkpoint_every` (flags below override it).
     #[arg(long)]
@@ -77,6 +81,10 @@ pub struct TrainArgs {
     /// training state goes beside it (`.state.safetensors`).
     #[arg(short, long)]
     output: PathBuf,
+    /// Stop after this many steps (of the recipe's) with a checkpoint, to continue later with
+    /// `--resume`: the run goes on as if it had not stopped (the schedule is the whole run's).
+    #[arg(long)]
+    stop_after: Option<usize>,
     /// Continue the run whose checkpoint this is (weights, and the state beside them).
     #[arg(long, conflicts_with = "weights")]
     resume: Option<PathBuf>,
@@ -95,12 +103,14 @@ impl TrainArgs {
         &self.model
     }
 
-    /// The recipe: the file's, then the flags over it.
-    fn recipe(&self) -> Result<Recipe> {
+    /// The recipe: the spec's `[train]` (`declared`), then the `--recipe` file's keys over it,
+    /// then the flags over both.
+    fn recipe(&self, declared: Option<RecipeFile>) -> Result<Recipe> {
         let file = match &self.recipe {
             Some(path) => RecipeFile::from_path(path)?,
             None => RecipeFile::default(),
         };
+        let file = declared.unwrap_or_default().merge(file);
         let clip = match self.clip.as_deref() {
             None => None,
             Some("none" | "off") => Some(Clip::Off),
@@ -133,8 +143,8 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     for path in [Some(&args.output), args.log.as_ref()].into_iter().flatten() {
         kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
     }
-    let recipe = args.recipe()?;
     let fe = load_spec(&args.model)?;
+    let recipe = args.recipe(fe.spec.spec.train.clone())?;
     let batches =
         Batches::new(read_tensors(&args.batches)?).with_context(|| format!("batches `{}`", args.batches.display()))?;
     batches.check_steps(recipe.steps).with_context(|| format!("batches `{}`", args.batches.display()))?;
@@ -158,21 +168,36 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         trainer.load_state(&state)?;
     }
     let mut log = match &args.log {
-        Some(path) => Some(Log::create(path)?),
+        Some(path) => Some(Log::open(path, args.resume.is_some())?),
         None => None,
     };
     let eval_batch = batches.eval().cloned();
+    // Ctrl-C ends the run after the step under way, with a checkpoint; a second one ends it now.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 130, interrupted.clone())?;
+        signal_hook::flag::register(signal, interrupted.clone())?;
+    }
     let bar = reporter.steps(recipe.steps as u64, trainer.steps_done() as u64);
     let started = Instant::now();
+    let first = trainer.steps_done();
     let mut tokens = 0u64;
-    while trainer.steps_done() < recipe.steps {
+    let end = args.stop_after.map_or(recipe.steps, |n| n.min(recipe.steps));
+    while trainer.steps_done() < end {
         let s = trainer.steps_done();
         let batch = batches.step(s).ok_or_else(|| anyhow!("no batch for step {s}"))?;
         let t0 = Instant::now();
-        let logged = trainer.step(std::slice::from_ref(&batch)).map_err(|e| {
-            // The last good weights stay on disk: the checkpoint written before this step.
-            anyhow!(e).context("training stopped")
-        })?;
+        let logged = match trainer.step(std::slice::from_ref(&batch)) {
+            Ok(l) => l,
+            Err(e) => {
+                // The step changed nothing: the weights before it are the last good ones.
+                let saved = save(&trainer, &args.output).map(|()| args.output.display().to_string());
+                return Err(anyhow!(e).context(match saved {
+                    Ok(path) => format!("training stopped; the weights before step {s} are in `{path}`"),
+                    Err(_) => "training stopped".to_string(),
+                }));
+            }
+        };
         tokens += logged.tokens;
         if let Some(log) = &mut log {
             log.step(&logged, t0.elapsed().as_secs_f64())?;
@@ -191,6 +216,26 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         if recipe.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) && !last {
             save(&trainer, &args.output)?;
         }
+        if done == end && !last {
+            bar.finish();
+            save(&trainer, &args.output)?;
+            reporter.info(format_args!(
+                "stopped after step {done} of {}; continue with `--resume {}`",
+                recipe.steps,
+                args.output.display()
+            ));
+            return Ok(());
+        }
+        if interrupted.load(Ordering::Relaxed) && !last {
+            bar.finish();
+            save(&trainer, &args.output)?;
+            bail!(
+                "interrupted after step {done} of {}: the checkpoint is in `{}`; continue with `--resume {}`",
+                recipe.steps,
+                args.output.display(),
+                args.output.display()
+            );
+        }
     }
     bar.finish();
     let eval_loss = match &eval_batch {
@@ -206,7 +251,8 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     save(&trainer, &args.output)?;
     let seconds = started.elapsed().as_secs_f64();
     reporter.info(format_args!(
-        "trained {} steps in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
+        "trained steps {}..{} in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
+        first + 1,
         recipe.steps,
         tokens as f64 / seconds.max(1e-9),
         eval_loss.map_or(String::new(), |l| format!(", eval loss {l:.4}")),
@@ -239,9 +285,15 @@ struct Log {
 }
 
 impl Log {
-    fn create(path: &Path) -> Result<Log> {
-        let file =
-            std::fs::File::create(path).with_context(|| format!("cannot create the log `{}`", path.display()))?;
+    /// The log at `path`: a new one, or for a resumed run the one it continues.
+    fn open(path: &Path, append: bool) -> Result<Log> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .with_context(|| format!("cannot open the log `{}`", path.display()))?;
         Ok(Log { out: std::io::BufWriter::new(file), path: path.into() })
     }
 

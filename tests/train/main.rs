@@ -6,4 +6,5 @@
 #[allow(dead_code)]
 mod common;
 
+mod cli;
 mod fixtures;

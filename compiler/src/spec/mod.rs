@@ -54,6 +54,10 @@ pub struct Spec {
     /// Where the parameters come from in a checkpoint.
     #[serde(default)]
     pub weights: Weights,
+    /// How the model is trained (`kiln train`): the recipe's keys, every one optional (see
+    /// [`crate::train::RecipeFile`]); a `--recipe` file and command-line flags override them.
+    #[serde(default)]
+    pub train: Option<crate::train::RecipeFile>,
 }
 
 /// `[model]`: the block type and the sizes.

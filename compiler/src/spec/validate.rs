@@ -706,6 +706,21 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         weights.entries.insert(template.clone(), s.clone());
     }
 
+    // A declared recipe: its values as `kiln train` will check them (its steps may come from the
+    // command line, so a missing `steps` is not an error here).
+    if let Some(train) = &spec.train {
+        let steps = crate::train::RecipeFile { steps: Some(train.steps.unwrap_or(1)), ..Default::default() };
+        match train.clone().merge(steps).resolve() {
+            Err(crate::train::RecipeError::Invalid { key, value, why }) => c.error(
+                &format!("train.{key}"),
+                "a recipe's values are possible",
+                format!("`train.{key}` = {value}: {why}"),
+            ),
+            Err(e) => c.error("train", "a recipe's values are possible", e.to_string()),
+            Ok(_) => {}
+        }
+    }
+
     let resolved = Resolved {
         head_dim,
         kv_heads,

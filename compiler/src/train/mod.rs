@@ -1,5 +1,7 @@
-//! The training graph: a model's forward graph with its loss, and the loss's gradients with
-//! respect to the checkpoint tensors being trained.
+//! Training as the language declares it: the recipe ([`recipe`]: a spec's `[train]` section, or a
+//! file of the same keys) with its learning-rate schedule ([`schedule`]), and the training graph —
+//! a model's forward graph with its loss, and the loss's gradients with respect to the checkpoint
+//! tensors being trained.
 //!
 //! [`loss_graph`] adds the objective to a forward graph: an input `labels` (`i64[batch, seq]`,
 //! aligned with the positions whose scores they grade) and one output `loss`, the mean
@@ -13,11 +15,15 @@
 //! and builds the backward into it ([`crate::autodiff::gradients`]): outputs `loss` and
 //! `grad.<tensor>` for each tensor trained.
 
+pub mod recipe;
+pub mod schedule;
 pub mod sources;
 
 use crate::autodiff::{AutodiffError, gradients};
 use crate::graph::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
 use crate::spec::weightmap::{PackDims, WeightMap};
+pub use recipe::{Clip, Format, OptimizerKind, Recipe, RecipeError, RecipeFile, ScheduleKind, glob_match};
+pub use schedule::LrSchedule;
 pub use sources::{SourceError, TensorUse, on_tensors};
 
 /// The label of positions that take no loss (PyTorch's `ignore_index`).

@@ -6,7 +6,8 @@
 //!
 //! - [`run`]: [`StepRunner`](run::StepRunner), a training graph (loss and gradients) on the
 //!   interpreter or the CPU back end; [`batches`]: pre-batched data, one batch per step;
-//! - [`recipe`]: [`Recipe`], the hyperparameters of a run, read from JSON or TOML
+//! - [`recipe`] (the language's, re-exported from [`kiln_compiler::train`]: a spec's `[train]`
+//!   section is one): [`Recipe`], the hyperparameters of a run, read from JSON or TOML
 //!   ([`RecipeFile`], every key optional, so a file, a spec and command-line flags can be layered
 //!   with [`RecipeFile::merge`] before [`RecipeFile::resolve`] fills the defaults and validates),
 //!   and the `frozen` globs;
@@ -24,12 +25,12 @@
 
 pub mod batches;
 pub mod optim;
-pub mod recipe;
 pub mod run;
-pub mod schedule;
 pub mod trainer;
 
+pub use kiln_compiler::train::{
+    Clip, Format, LrSchedule, OptimizerKind, Recipe, RecipeError, RecipeFile, ScheduleKind, glob_match, recipe,
+    schedule,
+};
 pub use optim::{AdamW, GradAccumulator, OptimError, Optimizer, Sgd, Update, clip_grad_norm};
-pub use recipe::{Clip, Format, OptimizerKind, Recipe, RecipeError, RecipeFile, ScheduleKind, glob_match};
-pub use schedule::LrSchedule;
 pub use trainer::{StepLog, TrainError, Trainer};

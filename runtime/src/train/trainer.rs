@@ -35,7 +35,7 @@ pub enum TrainError {
         source: RunError,
     },
     /// The loss or the gradients stopped being finite.
-    #[error("step {step}: {what}; the parameters are those before this step")]
+    #[error("step {step}: {what}")]
     NonFinite {
         /// The step (from 0).
         step: usize,

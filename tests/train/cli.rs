@@ -1,0 +1,125 @@
+//! `kiln train` and `kiln eval` from the command line: a run stopped and resumed is the run that
+//! did not stop, bit for bit; bad recipes, data and settings are refused by name; a run whose
+//! loss stops being finite stops with the step and keeps the last good weights.
+
+use crate::common::{fails_with, ok, root, scratch};
+use kiln_runtime::read_tensors;
+use std::path::PathBuf;
+
+fn case() -> PathBuf {
+    root().join("tests/fixtures/train_gpt2")
+}
+
+/// `kiln train` on the GPT-2 fixture with `extra` arguments (paths as text).
+fn train_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let d = case();
+    let mut args: Vec<String> = ["train", d.to_str().unwrap(), "--batches"].iter().map(|s| s.to_string()).collect();
+    args.push(d.join("data.safetensors").display().to_string());
+    args.push("--recipe".into());
+    args.push(d.join("train.json").display().to_string());
+    args.push("-o".into());
+    args.push(out.display().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The log's lines without their timings.
+fn log_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().remove("seconds");
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn a_stopped_and_resumed_run_is_the_uninterrupted_run_bit_for_bit() {
+    let dir = scratch("train-resume");
+    let (whole, split) = (dir.join("whole.safetensors"), dir.join("split.safetensors"));
+    let (whole_log, split_log) = (dir.join("whole.jsonl"), dir.join("split.jsonl"));
+    ok(&refs(&train_args(&whole, &["--log", whole_log.to_str().unwrap()])));
+    ok(&refs(&train_args(&split, &["--log", split_log.to_str().unwrap(), "--stop-after", "7"])));
+    let stopped = read_tensors(&split).unwrap();
+    assert_ne!(stopped, read_tensors(&whole).unwrap(), "the stopped run is not finished");
+    let state = read_tensors(&dir.join("split.state.safetensors")).unwrap();
+    assert_eq!(state["train.step"].as_i64(), Some(&[7][..]));
+    ok(&refs(
+        &train_args(&split, &["--log", split_log.to_str().unwrap(), "--resume", split.to_str().unwrap()])
+            .into_iter()
+            .filter(|a| a != "--recipe" && !a.ends_with("train.json"))
+            .chain(["--recipe".to_string(), case().join("train.json").display().to_string()])
+            .collect::<Vec<_>>(),
+    ));
+    assert_eq!(std::fs::read(&whole).unwrap(), std::fs::read(&split).unwrap(), "final weights differ");
+    assert_eq!(log_lines(&whole_log), log_lines(&split_log), "the resumed log is not the whole run's");
+}
+
+#[test]
+fn eval_reports_the_loss_and_perplexity_of_a_checkpoint() {
+    let d = case();
+    let out = ok(&["eval", d.to_str().unwrap(), "--batches", d.join("data.safetensors").to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let loss = v["loss"].as_f64().unwrap();
+    // The initial model's loss on the evaluation batch: near ln(96) = 4.56, a uniform guess.
+    assert!((loss - 96f64.ln()).abs() < 0.1, "loss {loss}");
+    assert!((v["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9);
+    assert_eq!(v["tokens"].as_u64(), Some(123));
+}
+
+#[test]
+fn impossible_recipes_and_settings_are_refused_by_name() {
+    let out = scratch("train-refusals").join("w.safetensors");
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--min-lr", "1"], &["`min_lr` = 1.0", "must not exceed lr"]),
+        (&["--lr=-1"], &["`lr`"]),
+        (&["--label-smoothing", "1.5"], &["label_smoothing"]),
+        (&["--frozen", "nothing.here"], &["`nothing.here` matches no tensor"]),
+        (&["--frozen", "layers.0.attn.q.weight"], &["packed tensor `transformer.h.0.attn.c_attn.weight`"]),
+        (&["--steps", "17"], &["17 steps asked for", "16 batches"]),
+        (&["--backend", "wgpu"], &["does not train yet"]),
+        (&["--clip", "lots"], &["--clip lots"]),
+    ];
+    for (extra, needles) in cases {
+        fails_with(&refs(&train_args(&out, extra)), needles);
+    }
+    assert!(!out.exists(), "a refused run wrote weights");
+}
+
+#[test]
+fn labels_outside_the_vocabulary_are_refused() {
+    let dir = scratch("train-bad-labels");
+    let mut data = read_tensors(&case().join("data.safetensors")).unwrap();
+    let labels = data.get_mut("labels").unwrap();
+    if let kiln_compiler::tensor::Data::I64(v) = &mut labels.data {
+        v[5] = 96;
+    }
+    let mut tensors: Vec<(String, kiln_compiler::tensor::Tensor)> = data.into_iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let bad = dir.join("data.safetensors");
+    kiln_runtime::write_tensors(&bad, &tensors).unwrap();
+    let mut args = train_args(&dir.join("w.safetensors"), &[]);
+    args[3] = bad.display().to_string();
+    fails_with(&refs(&args), &["step 0", "label 96 is out of range", "96 rows"]);
+}
+
+#[test]
+fn a_loss_that_stops_being_finite_stops_the_run_and_keeps_the_last_good_weights() {
+    let out = scratch("train-nonfinite").join("w.safetensors");
+    // A learning rate of 1000 without clipping blows the weights up within a few steps.
+    fails_with(
+        &refs(&train_args(&out, &["--lr", "1000", "--min-lr", "1", "--clip", "none"])),
+        &["the loss is", "training stopped; the weights before step"],
+    );
+    let weights = read_tensors(&out).unwrap();
+    for (name, t) in &weights {
+        assert!(t.to_f32_vec().iter().all(|x| x.is_finite()), "`{name}` is not finite");
+    }
+}
