@@ -491,6 +491,29 @@ fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: imp
     Tensor::f32(shape, x)
 }
 
+/// The indices of the `k` largest entries of `row`, largest first; ties keep the lower index
+/// (a stable sort). The selection of [`Op::TopK`] and [`Op::TopKGrad`].
+fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&i, &j| row[j].partial_cmp(&row[i]).unwrap_or(std::cmp::Ordering::Equal));
+    idx.truncate(k);
+    idx
+}
+
+/// The bucket of each query/key pair `(i, j)` of `q` queries over `k` keys, at `i * k + j`: the
+/// queries are the last `q` of the keys. The bucketing of [`Op::RelativeBias`] and
+/// [`Op::RelativeBiasGrad`].
+fn relative_buckets(q: usize, k: usize, bidirectional: bool, buckets: usize, max_distance: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(q * k);
+    for i in 0..q {
+        for j in 0..k {
+            let rel = j as i64 - (i + k - q.min(k)) as i64;
+            out.push(relative_bucket(rel, bidirectional, buckets, max_distance));
+        }
+    }
+    out
+}
+
 /// The graph and operand nodes of the op being evaluated, when there is one (for error
 /// messages), and the number of cached tokens (positions start there).
 #[derive(Clone, Copy)]
@@ -574,15 +597,30 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let table = f(a[0]);
             let (heads, q, k) = (shape[1], shape[2], shape[3]);
             let mut out = vec![0.0f32; heads * q * k];
-            for i in 0..q {
-                for j in 0..k {
-                    let rel = j as i64 - (i + k - q.min(k)) as i64;
-                    let b = relative_bucket(rel, bidirectional, buckets, max_distance);
-                    for h in 0..heads {
-                        out[(h * q + i) * k + j] = table[b * heads + h];
-                    }
+            for (at, b) in relative_buckets(q, k, bidirectional, buckets, max_distance).into_iter().enumerate() {
+                for h in 0..heads {
+                    out[h * q * k + at] = table[b * heads + h];
                 }
             }
+            Tensor::f32(shape, out)
+        }
+        &Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
+            let dy = f(a[1]);
+            let rank = a[1].shape.len();
+            let (heads, q, k) = (a[1].shape[rank - 3], a[1].shape[rank - 2], a[1].shape[rank - 1]);
+            let of = relative_buckets(q, k, bidirectional, buckets, max_distance);
+            let mut acc = vec![0.0f64; buckets * heads];
+            for (m, plane) in dy.chunks((q * k).max(1)).enumerate() {
+                let h = m % heads.max(1);
+                for (&b, &v) in of.iter().zip(plane) {
+                    acc[b * heads + h] += f64::from(v);
+                }
+            }
+            Tensor::f32(shape, acc.into_iter().map(|v| v as f32).collect())
+        }
+        Op::TruncateGrad => {
+            let mut out = f(a[1]).to_vec();
+            out.resize(shape.iter().product(), 0.0);
             Tensor::f32(shape, out)
         }
         Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
@@ -745,13 +783,31 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let e = *shape.last().expect("top_k has an axis");
             let mut out = vec![0.0; x.len()];
             for (row, o) in x.chunks(e).zip(out.chunks_mut(e)) {
-                let mut idx: Vec<usize> = (0..e).collect();
-                // Largest first; ties keep the lower index (stable sort).
-                idx.sort_by(|&i, &j| row[j].partial_cmp(&row[i]).unwrap_or(std::cmp::Ordering::Equal));
-                let kept = &idx[..*k];
+                let kept = top_k(row, *k);
                 let sum: f32 = kept.iter().map(|&i| row[i]).sum();
-                for &i in kept {
+                for &i in &kept {
                     o[i] = if *renormalize { row[i] / sum } else { row[i] };
+                }
+            }
+            Tensor::f32(shape, out)
+        }
+        Op::TopKGrad { k, renormalize } => {
+            let (x, dy) = (f(a[0]), f(a[1]));
+            let e = *shape.last().expect("top_k has an axis");
+            let mut out = vec![0.0; x.len()];
+            for ((row, d), o) in x.chunks(e).zip(dy.chunks(e)).zip(out.chunks_mut(e)) {
+                let kept = top_k(row, *k);
+                if *renormalize {
+                    // dx = m (dy - sum(dy * y)) / S, y = m x / S.
+                    let sum: f64 = kept.iter().map(|&i| f64::from(row[i])).sum();
+                    let dot: f64 = kept.iter().map(|&i| f64::from(d[i]) * f64::from(row[i]) / sum).sum();
+                    for &i in &kept {
+                        o[i] = ((f64::from(d[i]) - dot) / sum) as f32;
+                    }
+                } else {
+                    for &i in &kept {
+                        o[i] = d[i];
+                    }
                 }
             }
             Tensor::f32(shape, out)

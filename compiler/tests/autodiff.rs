@@ -2,11 +2,20 @@
 //! finite differences of the loss, both computed by the reference interpreter, at two or three
 //! small shapes; tied parameters; the refusal of an op without a rule; a whole small model.
 //!
-//! Tolerance: the interpreter computes in f32, so a finite difference `(L(p + h) - L(p - h)) / 2h`
-//! carries the loss's f32 rounding (about 1e-7 of |L|) divided by `2h`, besides its O(h^2)
-//! truncation. With `h = 1e-2` and losses of order 1..10 both stay below 1e-3, so the gradients
-//! are compared within 1e-2 of their scale (the largest magnitude of either), plus an absolute
-//! 1e-3 for gradients near zero. A check in f64 is a later step.
+//! Tolerance: the interpreter computes in f32, so a finite difference carries the loss's f32
+//! rounding (about 1e-7 of |L|) divided by the step, besides its truncation. The difference is
+//! Richardson's fourth-order central one, `(8 (L(p + h/2) - L(p - h/2)) - (L(p + h) - L(p - h)))
+//! / 6h`: its truncation is O(h^4) (the plain central difference's O(h^2) was the larger error
+//! wherever the loss curves, e.g. through a soft-cap or a saturating softmax), its rounding
+//! about 3x the plain one's. With `h = 1e-2` and losses of order 1..10 both stay well below
+//! 1e-3, so the gradients are compared within 1e-2 of their scale (the largest magnitude of
+//! either), plus an absolute 1e-3 for gradients near zero. The interpreter has no f64 mode (its
+//! tensors and every op's kernel are f32), so the check cannot be made in f64 without a second
+//! interpreter.
+//!
+//! Whole models built from specs cover the language: every attention, position, norm and
+//! feed-forward form, each as a small model whose cross-entropy loss (the training objective)
+//! is differentiated and checked on a sample of each parameter's elements.
 
 use kiln_compiler::autodiff::{AutodiffError, gradients};
 use kiln_compiler::graph::{Activation, Dim, Graph, Op, PairStyle, Scalar};
@@ -81,6 +90,19 @@ fn check_some(
     what: &str,
     wants: impl Fn(&str) -> bool + Copy,
 ) {
+    check_sampled(g, params, inputs, what, wants, None);
+}
+
+/// [`check_some`] on all elements of each parameter, or with `sample` on that many of a larger
+/// one (see [`sampled`]).
+fn check_sampled(
+    g: &Graph,
+    params: &HashMap<String, Tensor>,
+    inputs: &HashMap<String, Tensor>,
+    what: &str,
+    wants: impl Fn(&str) -> bool + Copy,
+    sample: Option<usize>,
+) {
     let grad = gradients(g, "loss", wants).unwrap_or_else(|e| panic!("{what}: {e}"));
     let out = run(&grad, params, inputs).unwrap();
     let mut names: Vec<&String> = params.keys().filter(|n| wants(n)).collect();
@@ -92,26 +114,55 @@ fn check_some(
         let ad = ad.1.to_f32_vec();
         let p = &params[name];
         assert_eq!(ad.len(), p.len(), "{what}: grad.{name} has the wrong size");
-        let mut fd = Vec::with_capacity(p.len());
-        for i in 0..p.len() {
-            let mut perturbed = params.clone();
-            let mut at = |delta: f32| {
-                let mut data = p.to_f32_vec();
-                data[i] += delta;
-                perturbed.insert(name.clone(), Tensor::f32(p.shape.clone(), data));
-                loss(g, &perturbed, inputs)
-            };
-            let (up, down) = (at(H), at(-H));
-            fd.push((up - down) / (2.0 * H));
-        }
+        let at: Vec<usize> = match sample {
+            Some(n) if p.len() > 2 * n => sampled(&ad, n, name),
+            _ => (0..p.len()).collect(),
+        };
+        let fd: Vec<f32> = at.iter().map(|&i| difference(g, params, inputs, name, i)).collect();
         let scale = ad.iter().chain(&fd).fold(0.0f32, |m, v| m.max(v.abs()));
-        for (i, (a, f)) in ad.iter().zip(&fd).enumerate() {
+        for (&i, f) in at.iter().zip(&fd) {
+            let a = ad[i];
             assert!(
                 (a - f).abs() <= REL * scale + ABS,
                 "{what}: grad.{name}[{i}] = {a}, finite differences give {f} (scale {scale})"
             );
         }
     }
+}
+
+/// Richardson's fourth-order central difference of the loss in element `i` of parameter `name`.
+fn difference(
+    g: &Graph,
+    params: &HashMap<String, Tensor>,
+    inputs: &HashMap<String, Tensor>,
+    name: &str,
+    i: usize,
+) -> f32 {
+    let p = &params[name];
+    let mut perturbed = params.clone();
+    let mut at = |delta: f32| {
+        let mut data = p.to_f32_vec();
+        data[i] += delta;
+        perturbed.insert(name.to_string(), Tensor::f32(p.shape.clone(), data));
+        f64::from(loss(g, &perturbed, inputs))
+    };
+    let h = f64::from(H);
+    let wide = at(H) - at(-H);
+    let narrow = at(H / 2.0) - at(-H / 2.0);
+    ((8.0 * narrow - wide) / (6.0 * h)) as f32
+}
+
+/// `n` element indices of a parameter spread by a hash of its name, plus the one of its largest
+/// gradient `ad` (where a wrong rule shows most).
+fn sampled(ad: &[f32], n: usize, name: &str) -> Vec<usize> {
+    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let mut at: Vec<usize> =
+        values(seed, n).iter().map(|v| (((v + 1.0) / 2.0 * ad.len() as f32) as usize).min(ad.len() - 1)).collect();
+    let largest = (0..ad.len()).max_by(|&i, &j| ad[i].abs().total_cmp(&ad[j].abs())).unwrap_or(0);
+    at.push(largest);
+    at.sort_unstable();
+    at.dedup();
+    at
 }
 
 fn none() -> HashMap<String, Tensor> {
@@ -247,14 +298,15 @@ fn only_wanted_parameters() {
 #[test]
 fn an_op_without_a_rule_is_refused_by_name() {
     let mut g = Graph::new("refused");
-    g.scope = "layers.0.moe".into();
+    g.scope = "layers.0.ffn".into();
     let x = g.param("x", &[2, 4]);
-    let y = g.add(Op::TopK { k: 2, renormalize: false }, &[x]).unwrap();
+    let w = g.param("w", &[3, 4]);
+    let y = g.add(Op::linear(Some(Activation::Gelu), false, false), &[x, w]).unwrap();
     g.scope = String::new();
     with_loss(&mut g, y);
     let err = gradients(&g, "loss", |n| n == "x").unwrap_err();
-    assert_eq!(err, AutodiffError::NoRule { op: "top_k".into(), scope: "layers.0.moe".into() });
-    assert_eq!(err.to_string(), "no gradient rule for `top_k` in `layers.0.moe`");
+    assert_eq!(err, AutodiffError::NoRule { op: "linear_gelu".into(), scope: "layers.0.ffn".into() });
+    assert_eq!(err.to_string(), "no gradient rule for `linear_gelu` in `layers.0.ffn`");
     // Not on a path from a wanted parameter: no rule needed.
     assert!(gradients(&g, "loss", |n| n == "loss.w").is_ok());
 }
@@ -435,4 +487,473 @@ fn fused_ops_are_refused_by_name() {
     with_loss(&mut g, y);
     let err = gradients(&g, "loss", |n| n == "w").unwrap_err();
     assert_eq!(err, AutodiffError::NoRule { op: "linear_gelu".into(), scope: String::new() });
+}
+
+/// T5's relative position bias: the table's gradient gathers each bucket's pairs. The bias is
+/// added to scores of a batch of two and softmaxed (so `dy` is summed over the batch and is not
+/// constant); near and far distances, both directions, fewer queries than keys.
+#[test]
+fn relative_bias() {
+    for (buckets, max_distance, bidirectional, heads, q, k) in
+        [(8, 20, true, 2, 5, 5), (6, 10, false, 3, 3, 7), (4, 6, true, 1, 9, 9)]
+    {
+        let mut g = Graph::new("relative_bias");
+        let table = g.param("table", &[buckets, heads]);
+        let scores = g.param("scores", &[2, heads, q, k]);
+        let op = Op::RelativeBias { buckets, max_distance, bidirectional, q: Dim::Fixed(q), k: Dim::Fixed(k) };
+        let bias = g.add(op, &[table]).unwrap();
+        let y = g.add(Op::Add, &[scores, bias]).unwrap();
+        let y = g.add(Op::Softmax, &[y]).unwrap();
+        with_loss(&mut g, y);
+        check(&g, &params_of(&g, 13), &none(), "relative_bias");
+    }
+}
+
+/// A table cut to its first rows, of a fixed count and of the sequence's (symbolic) length: the
+/// rows cut off get zero gradient.
+#[test]
+fn truncate() {
+    for (rows, len) in [(6, 4), (3, 3)] {
+        unary("truncate", &[&[rows, 3]], |g, p| {
+            let t = g.add(Op::Truncate { len: Dim::Fixed(len) }, p).unwrap();
+            g.add(Op::Act(Activation::Silu), &[t]).unwrap()
+        });
+    }
+    use kiln_compiler::graph::{InputRole, Sym};
+    for (rows, seq) in [(8, 5), (4, 4)] {
+        let mut g = Graph::new("truncate to the sequence");
+        let input = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+        let tokens = g.param("tokens", &[5, 3]);
+        let x = g.add(Op::Gather, &[tokens, input]).unwrap();
+        let e = g.param("e", &[rows, 3]);
+        let cut = g.add(Op::Truncate { len: Dim::Sym(Sym::Seq) }, &[e]).unwrap();
+        let y = g.add(Op::Add, &[x, cut]).unwrap();
+        let y = g.add(Op::Act(Activation::Silu), &[y]).unwrap();
+        with_loss(&mut g, y);
+        let ids: Vec<i64> = (0..2 * seq as i64).map(|i| (i * 3) % 5).collect();
+        let inputs = HashMap::from([("input_ids".to_string(), Tensor::i64(vec![2, seq], ids))]);
+        check(&g, &params_of(&g, 17), &inputs, "truncate to the sequence");
+    }
+}
+
+/// A MoE router's top-k, plain and renormalized, on scores and on softmax probabilities. The
+/// inputs are permutations of values at least 0.25 apart (logits, before a softmax): no
+/// perturbation of the finite differences (at most 1e-2) crosses a selection boundary, where
+/// the loss jumps and no difference approximates a gradient.
+#[test]
+fn top_k() {
+    for (rows, e, k) in [(2, 4, 2), (3, 5, 3), (1, 6, 1)] {
+        for renormalize in [false, true] {
+            for through_softmax in [false, true] {
+                let what = format!("top_k k={k} renormalize={renormalize} softmax={through_softmax}");
+                let mut g = Graph::new(&what);
+                let x = g.param("x", &[rows, e]);
+                let mut y = x;
+                if through_softmax {
+                    y = g.add(Op::Softmax, &[y]).unwrap();
+                }
+                y = g.add(Op::TopK { k, renormalize }, &[y]).unwrap();
+                with_loss(&mut g, y);
+                let mut params = params_of(&g, 19);
+                // Distinct, spread values; positive where renormalized without a softmax (the sum
+                // of the kept entries must stay away from zero).
+                let data: Vec<f32> = (0..rows * e)
+                    .map(|i| {
+                        let (r, c) = (i / e, i % e);
+                        let rank = (c * 7 + r * 3) % e;
+                        let base = if renormalize && !through_softmax { 0.5 } else { -0.6 };
+                        base + 0.25 * rank as f32 + 0.01 * r as f32
+                    })
+                    .collect();
+                params.insert("x".into(), Tensor::f32(vec![rows, e], data));
+                check(&g, &params, &none(), &what);
+            }
+        }
+    }
+}
+
+// ---- The whole language: small models built from specs, their training loss differentiated.
+
+/// A small spec: `[model]` of `kind` (vocab 24, d_model 16, `layers`) and the given sections.
+fn spec(kind: &str, layers: u32, sections: &str) -> String {
+    format!(
+        "[model]\nname = \"t\"\nkind = \"{kind}\"\nvocab = 24\nd_model = 16\nlayers = {layers}\n\
+         max_positions = 16\n{sections}"
+    )
+}
+
+/// Random parameters for a model: gains near one (`*norm*` tensors), the rest in [-spread, spread)
+/// (moderate, keeping softmaxes and norms away from saturation, where f32 finite differences
+/// lose their digits).
+fn model_params(g: &Graph, seed: u64, spread: f32) -> HashMap<String, Tensor> {
+    let mut params = params_of(g, seed);
+    for (name, t) in params.iter_mut() {
+        let norm = name.contains("norm");
+        let data = t.to_f32_vec().iter().map(|v| if norm { 1.0 + 0.25 * v } else { spread * v }).collect();
+        *t = Tensor::f32(t.shape.clone(), data);
+    }
+    params
+}
+
+/// The model of `source`, its cross-entropy on sample inputs (batch 2, `seq` tokens, the last
+/// of each row unlabelled and, with a padding mask, padded), label smoothing 0.1: every
+/// parameter's gradient on a sample of 8 elements (and its largest), all of a small tensor's.
+fn whole_model(what: &str, source: &str, seq: usize, seed: u64) {
+    let (graph, params, inputs) = model(what, source, seq, seed, 0.5);
+    check_sampled(&graph, &params, &inputs, what, |_| true, Some(8));
+}
+
+type Model = (Graph, HashMap<String, Tensor>, HashMap<String, Tensor>);
+
+fn model(what: &str, source: &str, seq: usize, seed: u64, spread: f32) -> Model {
+    use kiln_compiler::train::{Objective, loss_graph};
+    let fe = kiln_compiler::front_end("t.toml", source).unwrap_or_else(|e| panic!("{what}: {}", e.render()));
+    let graph = loss_graph(&fe.graph, Objective { label_smoothing: 0.1 }).unwrap();
+    let inputs = kiln_compiler::interp::sample_inputs(&graph, fe.spec.spec.model.vocab as usize, 2, seq).unwrap();
+    let params = model_params(&graph, seed, spread);
+    (graph, params, inputs)
+}
+
+#[test]
+fn model_gqa_rope_rotate_half_qk_norm_width() {
+    let s = spec(
+        "decoder",
+        2,
+        r#"
+[positions]
+kind = "rope"
+theta = 100.0
+[norm]
+kind = "rmsnorm"
+[attention]
+heads = 4
+kv_heads = 2
+qk_norm = "width"
+[ffn]
+activation = "silu"
+gated = true
+d_ff = 24
+[head]
+tied = false
+"#,
+    );
+    whole_model("gqa, rope rotate-half, width qk-norm", &s, 6, 21);
+}
+
+#[test]
+fn model_mqa_rope_interleaved() {
+    let s = spec(
+        "decoder",
+        1,
+        r#"
+[positions]
+kind = "rope"
+theta = 100.0
+style = "interleaved"
+[norm]
+kind = "rmsnorm"
+[attention]
+heads = 4
+kv_heads = 1
+[ffn]
+activation = "gelu"
+d_ff = 24
+"#,
+    );
+    whole_model("mqa, rope interleaved", &s, 6, 22);
+}
+
+#[test]
+fn model_partial_rope_parallel_residual() {
+    let s = spec(
+        "decoder",
+        2,
+        r#"
+[positions]
+kind = "rope"
+theta = 100.0
+fraction = 0.5
+[norm]
+kind = "layernorm"
+parallel_residual = true
+[attention]
+heads = 2
+bias = true
+[ffn]
+activation = "gelu-tanh"
+d_ff = 32
+bias = true
+[head]
+tied = false
+bias = true
+"#,
+    );
+    whole_model("partial rope (rotary_dim 4 of 8), parallel residual", &s, 6, 23);
+}
+
+#[test]
+fn model_alibi() {
+    let s = spec(
+        "decoder",
+        2,
+        r#"
+[embedding]
+norm = true
+[positions]
+kind = "alibi"
+[attention]
+heads = 4
+bias = true
+[ffn]
+activation = "gelu-tanh"
+bias = true
+d_ff = 32
+"#,
+    );
+    whole_model("alibi, embedding norm", &s, 6, 24);
+}
+
+#[test]
+fn model_softcaps_head_qk_norm_sandwich_window() {
+    let s = spec(
+        "decoder",
+        2,
+        r#"
+[embedding]
+scale = "sqrt-d-model"
+[positions]
+kind = "rope"
+theta = 100.0
+global_theta = 1000.0
+[norm]
+kind = "rmsnorm"
+placement = "sandwich"
+gain_offset = 1.0
+[attention]
+heads = 2
+kv_heads = 1
+head_dim = 8
+scale = 0.25
+mask = "sliding-window"
+window = 3
+global_every = 2
+qk_norm = "head"
+softcap = 2.0
+[ffn]
+activation = "gelu-tanh"
+gated = true
+d_ff = 24
+[head]
+softcap = 3.0
+"#,
+    );
+    whole_model("soft-caps, head qk-norm, sandwich norms, sliding window", &s, 6, 25);
+}
+
+/// GELU rather than ReLU: a whole model has many ReLU inputs within a finite difference's step
+/// of the kink, where the difference averages two slopes (ReLU's rule is checked on its own).
+#[test]
+fn model_deepnorm() {
+    let s = spec(
+        "encoder",
+        2,
+        r#"
+[norm]
+kind = "layernorm"
+placement = "deepnorm"
+[attention]
+heads = 2
+bias = true
+[ffn]
+activation = "gelu"
+d_ff = 32
+bias = true
+[head]
+tied = false
+[outputs]
+logits = true
+"#,
+    );
+    whole_model("deepnorm (post, alpha)", &s, 6, 26);
+}
+
+#[test]
+fn model_t5_relative_bias_cross_attention_padding() {
+    let s = spec(
+        "encoder-decoder",
+        2,
+        r#"
+[positions]
+kind = "relative-bias"
+buckets = 8
+max_distance = 12
+[norm]
+kind = "rmsnorm"
+eps = 1e-6
+[attention]
+heads = 2
+head_dim = 8
+scale = 1.0
+padding_mask = true
+[ffn]
+activation = "gelu-tanh"
+gated = true
+d_ff = 24
+"#,
+    );
+    // T5 scales no logits (scale 1.0): at weights of +-0.5 the second layer's softmaxes are sharp
+    // enough that the loss curves within the step (the differences of one embedding element went
+    // -0.13, 2.217, 2.274, 2.203, 2.195 at h = 3e-2 .. 3e-4, converging to the rule's 2.194), so
+    // the weights are halved.
+    let (graph, params, inputs) = model("t5", &s, 6, 27, 0.25);
+    check_sampled(&graph, &params, &inputs, "t5: relative bias, cross-attention, padding", |_| true, Some(8));
+}
+
+#[test]
+fn model_linformer() {
+    for (shared, seed) in [(false, 28), (true, 29)] {
+        let s = spec(
+            "encoder",
+            1,
+            &format!(
+                r#"
+[attention]
+heads = 2
+low_rank = 4
+low_rank_shared = {shared}
+[ffn]
+d_ff = 32
+bias = true
+[head]
+tied = false
+[outputs]
+logits = true
+"#
+            ),
+        );
+        whole_model(&format!("linformer (shared {shared})"), &s, 6, seed);
+    }
+}
+
+#[test]
+fn model_block_sparse_padding() {
+    let s = spec(
+        "encoder",
+        1,
+        r#"
+[norm]
+placement = "post"
+[attention]
+heads = 2
+bias = true
+padding_mask = true
+[attention.block_sparse]
+block = 2
+global = 1
+window = 0
+random = 1
+seed = 3
+[ffn]
+d_ff = 32
+bias = true
+[outputs]
+logits = true
+"#,
+    );
+    whole_model("block-sparse (bigbird), padding", &s, 8, 30);
+}
+
+#[test]
+fn model_bert_padding_token_types() {
+    let s = spec(
+        "encoder",
+        2,
+        r#"
+[embedding]
+norm = true
+token_types = 2
+[norm]
+kind = "layernorm"
+placement = "post"
+[attention]
+heads = 2
+bias = true
+padding_mask = true
+[ffn]
+activation = "gelu"
+d_ff = 32
+bias = true
+[outputs]
+logits = true
+"#,
+    );
+    whole_model("encoder with padded positions, token types", &s, 6, 31);
+}
+
+/// The smallest gap, over every row of every top-k's input, between the k-th largest entry and
+/// the next: how far a perturbation may move the router's probabilities before a selection
+/// changes.
+fn top_k_gap(graph: &Graph, params: &HashMap<String, Tensor>, inputs: &HashMap<String, Tensor>) -> f32 {
+    let mut g = graph.clone();
+    let mut ks = Vec::new();
+    for n in graph.g.node_indices() {
+        if let Op::TopK { k, .. } = graph.g[n].op {
+            let probs = graph.operands(n)[0];
+            g.outputs.push((format!("router.{}", ks.len()), probs));
+            ks.push(k);
+        }
+    }
+    assert!(!ks.is_empty(), "no top_k in the model");
+    let out = run(&g, params, inputs).unwrap();
+    let mut gap = f32::INFINITY;
+    for (i, &k) in ks.iter().enumerate() {
+        let t = &out.iter().find(|(n, _)| *n == format!("router.{i}")).unwrap().1;
+        let e = *t.shape.last().unwrap();
+        for row in t.to_f32_vec().chunks(e) {
+            let mut sorted = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            gap = gap.min(sorted[k - 1] - sorted[k]);
+        }
+    }
+    gap
+}
+
+/// A mixture of experts, top-2 of 4 renormalized: gradients reach the router (through the kept
+/// probabilities and their renormalization) and the chosen experts. The parameters are the first
+/// seed's whose every routing decision has a margin of at least 0.02 in probability: a finite
+/// difference's perturbation (at most 1e-2 of one weight) moves a probability far less, so no
+/// selection flips between the loss evaluations (where the loss jumps and a difference
+/// approximates nothing).
+#[test]
+fn model_moe_top2_renormalized() {
+    let s = spec(
+        "decoder",
+        2,
+        r#"
+[positions]
+kind = "rope"
+theta = 100.0
+[norm]
+kind = "rmsnorm"
+[attention]
+heads = 2
+kv_heads = 1
+[ffn]
+activation = "silu"
+gated = true
+d_ff = 16
+[moe]
+experts = 4
+top_k = 2
+renormalize = true
+[head]
+tied = false
+"#,
+    );
+    let what = "moe top-2 of 4, renormalized";
+    let (graph, params, inputs) = (40..80)
+        .map(|seed| model(what, &s, 5, seed, 0.5))
+        .find(|(g, p, i)| top_k_gap(g, p, i) >= 0.02)
+        .expect("a seed whose routing has a margin");
+    check_sampled(&graph, &params, &inputs, what, |_| true, Some(8));
 }

@@ -560,6 +560,32 @@ pub enum Op {
         ignore_index: i64,
     },
 
+    /// The backward of [`Op::RelativeBias`]: `(table f32[buckets, heads], dy f32[.., heads, q, k])
+    /// -> [buckets, heads]`, element `(r, h)` the sum of `dy[.., h, i, j]` over the query/key pairs
+    /// `(i, j)` whose distance falls in bucket `r` (bucketed as the forward op does; zero for
+    /// buckets no pair falls in); `table` gives only the shape.
+    RelativeBiasGrad {
+        /// Buckets of the table.
+        buckets: usize,
+        /// Distances from here on share the last bucket.
+        max_distance: usize,
+        /// Later keys get buckets of their own (an encoder) rather than distance 0.
+        bidirectional: bool,
+    },
+    /// The backward of [`Op::Truncate`]: `(x f32[rows, cols], dy f32[len, cols]) -> [rows,
+    /// cols]`, the rows of `dy` followed by `rows - len` rows of zeros; `x` gives only the shape.
+    TruncateGrad,
+    /// The backward of [`Op::TopK`]: `(x, dy) -> dx`, equal shapes. With `m` the indicator of the
+    /// entries the forward op keeps in each row of the last axis (the same selection, ties to the
+    /// lower index), `dx = m * dy`; with `renormalize`, `y = m x / S` and `S = sum(m x)`, `dx = m
+    /// (dy - sum(dy * y)) / S`. The selection itself is piecewise constant: no gradient.
+    TopKGrad {
+        /// Entries kept.
+        k: usize,
+        /// The forward op rescaled the kept entries to sum to one.
+        renormalize: bool,
+    },
+
     // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
     // above; the interpreter evaluates it as exactly that composition.
     /// A projection with its prologue and epilogue:
@@ -719,6 +745,9 @@ impl Op {
             Op::L2Normalize => "l2_normalize".into(),
             Op::CrossEntropy { .. } => "cross_entropy".into(),
             Op::CrossEntropyGrad { .. } => "cross_entropy_grad".into(),
+            Op::RelativeBiasGrad { .. } => "relative_bias_grad".into(),
+            Op::TruncateGrad => "truncate_grad".into(),
+            Op::TopKGrad { .. } => "top_k_grad".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
                 let mut n = String::new();
                 match norm {
@@ -792,6 +821,9 @@ impl Op {
             Op::RelativeBias { buckets, max_distance, bidirectional, q, k } => {
                 format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional} q={q} k={k}")
             }
+            Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
+                format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional}")
+            }
             Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),
@@ -803,7 +835,9 @@ impl Op {
                 Some(w) => format!("causal={causal} window={w}"),
                 None => format!("causal={causal}"),
             },
-            Op::TopK { k, renormalize } => format!("k={k} renormalize={renormalize}"),
+            Op::TopK { k, renormalize } | Op::TopKGrad { k, renormalize } => {
+                format!("k={k} renormalize={renormalize}")
+            }
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
             Op::MaskedSoftmax { scale, alibi, causal, window, mods }
             | Op::Attention { scale, alibi, causal, window, mods } => {

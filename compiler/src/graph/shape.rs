@@ -545,6 +545,42 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((table.clone(), DType::F32))
         }
+        Op::RelativeBiasGrad { buckets, .. } => {
+            arity(2)?;
+            let (table, dy) = (float(0)?, float(1)?);
+            match (table.as_slice(), dy.as_slice()) {
+                ([Dim::Fixed(n), h], [.., dh, _, _]) if n == buckets && h == dh => Ok((table.clone(), DType::F32)),
+                _ => Err(format!(
+                    "expects a [{buckets}, heads] table and dy [.., heads, q, k], got {} and {}",
+                    fmt_shape(table),
+                    fmt_shape(dy)
+                )),
+            }
+        }
+        Op::TruncateGrad => {
+            arity(2)?;
+            let (x, dy) = (float(0)?, float(1)?);
+            match (x.as_slice(), dy.as_slice()) {
+                ([Dim::Fixed(rows), _], [Dim::Fixed(n), _]) if n > rows => Err(format!("{n} rows of {rows}")),
+                ([_, cols], [_, c]) if cols == c => Ok((x.clone(), DType::F32)),
+                _ => Err(format!(
+                    "expects x [rows, cols] and dy [len, cols], got {} and {}",
+                    fmt_shape(x),
+                    fmt_shape(dy)
+                )),
+            }
+        }
+        Op::TopKGrad { k, .. } => {
+            arity(2)?;
+            let (x, dy) = (float(0)?, float(1)?);
+            if x != dy {
+                return Err(format!("x and dy differ: {} and {}", fmt_shape(x), fmt_shape(dy)));
+            }
+            match x.last() {
+                Some(Dim::Fixed(n)) if k <= n && *k > 0 => Ok((x.clone(), DType::F32)),
+                _ => Err(format!("k = {k} must be in 1..=last axis of {}", fmt_shape(x))),
+            }
+        }
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => {
             let grad = matches!(op, Op::CrossEntropyGrad { .. });
             arity(if grad { 3 } else { 2 })?;

@@ -1,7 +1,8 @@
 //! Gradient rules, one per op, grouped by topic: `linear` (matmul, add, mul, scale, offset,
-//! sums), `shape` (reshape, permute, slice, concat, repeat_heads), `activation` (activations,
-//! softmax, soft-cap, the causal/window mask), `norm` (layer_norm, rms_norm), `position` (RoPE,
-//! ALiBi), `loss` (cross-entropy). Each rule is a [`Rule`]: the
+//! sums), `shape` (reshape, permute, slice, truncate, concat, gather, repeat_heads), `activation`
+//! (activations, softmax, soft-cap, the causal/window and block-sparse masks), `norm`
+//! (layer_norm, rms_norm, l2_normalize, mean_pool), `position` (RoPE, ALiBi, T5's relative
+//! bias), `experts` (the MoE router's top-k), `loss` (cross-entropy). Each rule is a [`Rule`]: the
 //! op's printed name ([`Op::name`]) and a function from the [`Site`] (the op, its operands, its
 //! output and the gradient arriving there) to one gradient per operand (`None` where the operand
 //! is not differentiable or not needed). Rules build their result out of existing graph ops; the
@@ -11,6 +12,7 @@
 #![deny(clippy::indexing_slicing)]
 
 mod activation;
+mod experts;
 mod linear;
 mod loss;
 mod norm;
@@ -66,10 +68,18 @@ pub struct Rule {
 
 /// Every rule.
 pub fn all() -> Vec<Rule> {
-    [linear::rules(), shape::rules(), activation::rules(), norm::rules(), position::rules(), loss::rules()]
-        .into_iter()
-        .flatten()
-        .collect()
+    [
+        linear::rules(),
+        shape::rules(),
+        activation::rules(),
+        norm::rules(),
+        position::rules(),
+        experts::rules(),
+        loss::rules(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// The rule of `op` among `rules`, if it has one.

@@ -1,4 +1,4 @@
-//! Gradients of the position ops: RoPE and ALiBi.
+//! Gradients of the position ops: RoPE, ALiBi and T5's relative position bias.
 //!
 //! RoPE rotates each pair `(x1, x2)` by an angle `a`, `R(a) = [[c, -s], [s, c]]`; its transpose
 //! is the rotation by `-a`, which equals `S R(a) S` with `S = diag(1, -1)`: the gradient is the
@@ -16,6 +16,8 @@ pub fn rules() -> Vec<Rule> {
         Rule { op: "rope",  grad: rope },
         // d(x + alibi) = dy
         Rule { op: "alibi", grad: alibi },
+        // d(relative_bias table)[r, h] = sum of dy[h, i, j] over the pairs (i, j) in bucket r
+        Rule { op: "relative_bias", grad: relative_bias },
     ]
 }
 
@@ -60,4 +62,12 @@ fn flip(g: &mut Graph, s: &Site, x: NodeIndex, r: usize, style: PairStyle) -> Re
 
 fn alibi(_: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     Ok(vec![Some(s.dy)])
+}
+
+fn relative_bias(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    let Op::RelativeBias { buckets, max_distance, bidirectional, .. } = *s.op else {
+        return Err(s.unsupported("not a relative bias".into()));
+    };
+    let grad = Op::RelativeBiasGrad { buckets, max_distance, bidirectional };
+    Ok(vec![Some(add(g, grad, &[s.operand(0)?, s.dy])?)])
 }

@@ -1,4 +1,4 @@
-//! Gradients of the ops that move elements: reshape, permute, slice, concat, gather,
+//! Gradients of the ops that move elements: reshape, permute, slice, truncate, concat, gather,
 //! repeat_heads.
 
 use super::{Grads, Rule, Site, add, shape, zeros_like};
@@ -15,6 +15,8 @@ pub fn rules() -> Vec<Rule> {
         Rule { op: "permute",      grad: permute },
         // d(slice x) = dy padded with zeros to x's extent
         Rule { op: "slice",        grad: slice },
+        // d(truncate_n x) = dy followed by zero rows for the rows cut off
+        Rule { op: "truncate",     grad: truncate },
         // d(concat(a, b)) = (dy's first part, dy's second part)
         Rule { op: "concat",       grad: concat },
         // d(gather(table, ids)) = dy's rows summed into the rows the ids name
@@ -100,4 +102,10 @@ fn repeat_heads(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
 fn gather(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     let (table, ids) = (s.operand(0)?, s.operand(1)?);
     Ok(vec![Some(add(g, Op::GatherGrad, &[table, ids, s.dy])?), None])
+}
+
+fn truncate(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    // A backward op rather than a concatenation with zeros: the rows kept are often symbolic
+    // (a Linformer projection cut to the sequence), so the rows cut off are no fixed slice.
+    Ok(vec![Some(add(g, Op::TruncateGrad, &[s.operand(0)?, s.dy])?)])
 }

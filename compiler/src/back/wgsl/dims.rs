@@ -72,7 +72,10 @@ fn dims_of(
         | Op::Rsqrt
         | Op::GatherGrad
         | Op::CrossEntropy { .. }
-        | Op::CrossEntropyGrad { .. } => {
+        | Op::CrossEntropyGrad { .. }
+        | Op::RelativeBiasGrad { .. }
+        | Op::TruncateGrad
+        | Op::TopKGrad { .. } => {
             return Err(format!("{}: a backward op has no WGSL kernel yet", op.name()));
         }
         Op::Positions { .. } => vec![total, past],

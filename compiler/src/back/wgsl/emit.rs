@@ -133,7 +133,10 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         | Op::Rsqrt
         | Op::GatherGrad
         | Op::CrossEntropy { .. }
-        | Op::CrossEntropyGrad { .. } => return None,
+        | Op::CrossEntropyGrad { .. }
+        | Op::RelativeBiasGrad { .. }
+        | Op::TruncateGrad
+        | Op::TopKGrad { .. } => return None,
         Op::Positions { .. } => "out[i] = i32(i) + i32(dim(1u));".into(),
         Op::Sinusoid { dim, style } => {
             let (pair, is_cos) = match style {
