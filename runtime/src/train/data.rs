@@ -46,7 +46,7 @@
 //!
 //! A window lies within one document: it never spans two. Training windows are drawn uniformly
 //! from every window start of the training split (a document of `n` tokens holds
-//! `n − window + 1`), from a seeded [SplitMix64](SplitMix64) generator; a document shorter than a
+//! `n − window + 1`), from a seeded [`SplitMix64`] generator; a document shorter than a
 //! window gives one window, padded on the right: padding holds the tokenizer's pad id, has label
 //! [`IGNORE`] (-100) and attention mask 0. (Padding, not packing: no token attends across a
 //! document boundary, and every model kiln trains reads an attention mask or can ignore padding
@@ -242,7 +242,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
 
 /// Text to token ids, as a corpus needs it: a model's [`Tokenizer`] or [`ByteTokenizer`].
 pub trait TextEncoder {
-    /// The ids of `text`, without special tokens.
+    /// The ids of `text`, without special tokens and never truncated.
     fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError>;
     /// The number of ids.
     fn vocab_size(&self) -> usize;
@@ -262,7 +262,7 @@ const PROBE: &str = "The quick brown fox, 1234567 jumps; Ünïcödé «ſtraße�
 
 impl TextEncoder for Tokenizer {
     fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        self.encode(text, false)
+        self.encode_untruncated(text)
     }
 
     fn vocab_size(&self) -> usize {
@@ -290,7 +290,7 @@ impl TextEncoder for Tokenizer {
         for id in [self.bos_id(), Tokenizer::eos_id(self), Some(Tokenizer::pad_id(self))] {
             h.u64(id.map_or(u64::MAX, u64::from));
         }
-        match self.encode(PROBE, false) {
+        match self.encode_untruncated(PROBE) {
             Ok(ids) => ids.iter().for_each(|&i| h.u64(u64::from(i))),
             Err(_) => h.u64(u64::MAX - 1),
         }
@@ -1596,5 +1596,53 @@ mod tests {
         assert_eq!(tokenizer_beside(&weights).unwrap().describe(), "bytes");
         let gguf = write(&dir.join("model.gguf"), "GGUF and then nothing");
         assert!(matches!(tokenizer_beside(&gguf), Err(DataError::Tokenize { .. })));
+    }
+
+    /// A fetched file under [`crate::data_dir`], or `None` (the test is skipped) when the script
+    /// that fetches it has not run.
+    fn fetched(path: &str, script: &str) -> Option<PathBuf> {
+        let full = crate::data_dir()?.join(path);
+        if full.exists() {
+            Some(full)
+        } else {
+            eprintln!("skipping: {} is not fetched ({script})", full.display());
+            None
+        }
+    }
+
+    #[test]
+    fn the_shipped_corpus_reads_as_38_plays() {
+        let Some(plays) = fetched("corpus/shakespeare", "scripts/fetch-corpus") else { return };
+        let dir = tmp("shipped");
+        let opts = options(&dir, 128, Objective::Causal, DEFAULT_VALIDATION);
+        let mut corpus = Corpus::open(&[&plays], &ByteTokenizer, opts).unwrap();
+        assert_eq!((corpus.items(), corpus.tokens()), (38, 5_318_858));
+        // The last two plays by name (two-gentlemen-of-verona.md, twelfth-night.md) validate.
+        let valid = ["two-gentlemen-of-verona.md", "twelfth-night.md"]
+            .iter()
+            .map(|p| std::fs::metadata(plays.join(p)).unwrap().len())
+            .sum::<u64>();
+        assert_eq!(corpus.split_tokens(Split::Validation), valid);
+        corpus.check_vocab(256).unwrap();
+        let b = corpus.batch(Split::Train, 4).unwrap();
+        assert_eq!(b["input_ids"].shape, vec![4, 128]);
+        assert_eq!(corpus.eval_batches(4, 2).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_model_tokenizer_is_fingerprinted_and_cached() {
+        let Some(json) = fetched("minilm-l6/tokenizer.json", "scripts/fetch-models minilm") else { return };
+        let dir = tmp("minilm");
+        let text = write(&dir.join("t.txt"), &"The quick brown fox jumps over the lazy dog. ".repeat(40));
+        let (a, b) = (Tokenizer::from_file(&json).unwrap(), Tokenizer::from_file(&json).unwrap());
+        assert_eq!(TextEncoder::fingerprint(&a), TextEncoder::fingerprint(&b));
+        assert_ne!(TextEncoder::fingerprint(&a), ByteTokenizer.fingerprint());
+        let opts = options(&dir, 16, Objective::Masked { prob: 0.15, mask_id: 103 }, 0.05);
+        let first = Corpus::open(&[&text], &a, opts.clone()).unwrap();
+        let second = Corpus::open(&[&text], &b, opts).unwrap();
+        assert!(!first.reused() && second.reused());
+        assert_eq!(first.tokens(), 40 * 10, "ten WordPiece ids a sentence, no [CLS]/[SEP]");
+        first.check_vocab(30522).unwrap();
+        assert!(check_vocab(a.vocab_size(), 256).is_err());
     }
 }
