@@ -508,6 +508,18 @@ impl Tokenizer {
         Ok(self.encode_with_types(text, add_special_tokens)?.0)
     }
 
+    /// Encodes a text of any length into ids, without special tokens and without truncation
+    /// (a training corpus, which a `tokenizer.json`'s truncation or [`with_max_len`](Self::with_max_len)
+    /// would cut short).
+    pub fn encode_untruncated(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        if self.inner.get_truncation().is_none() {
+            return self.encode(text, false);
+        }
+        let mut inner = self.inner.clone();
+        inner.with_truncation(None).map_err(tokenizers_error)?;
+        Ok(inner.encode(text, false).map_err(tokenizers_error)?.get_ids().to_vec())
+    }
+
     /// Encodes texts with their special tokens, truncated as [`with_max_len`](Self::with_max_len)
     /// says and padded on the right to the longest.
     pub fn encode_batch<S: AsRef<str>>(&self, texts: &[S]) -> Result<Batch, TokenizeError> {

@@ -24,6 +24,7 @@
 //! **Invariant:** nothing here depends on a back end; the trainer hands over slices.
 
 pub mod batches;
+pub mod data;
 pub mod optim;
 pub mod run;
 pub mod trainer;
