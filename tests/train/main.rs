@@ -7,3 +7,4 @@
 mod common;
 
 mod fixtures;
+mod init;

@@ -23,6 +23,7 @@
 //! **Invariant:** nothing here depends on a back end; the trainer hands over slices.
 
 pub mod batches;
+pub mod init;
 pub mod optim;
 pub mod recipe;
 pub mod run;
