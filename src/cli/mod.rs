@@ -10,6 +10,7 @@ pub mod diff;
 pub mod embed;
 pub mod generate;
 pub mod import;
+pub mod init;
 pub mod inspect;
 pub mod run;
 pub mod train;

@@ -133,7 +133,14 @@ pub fn describe(spec: &Resolved) -> Vec<String> {
             "DeepNorm: feed-forward, value and output projections Xavier-normal with gain beta = {beta:.4}, query and key with gain 1"
         ));
     }
-    lines.push(format!("norm gains {} (biases 0)", rules.norm_gain));
+    if spec.spec.norm.gain_offset == 0.0 {
+        lines.push("norm gains 1, biases 0".into());
+    } else {
+        lines.push(format!(
+            "norm gains 1, stored as {} (norm.gain_offset = {}), biases 0",
+            rules.norm_gain, spec.spec.norm.gain_offset
+        ));
+    }
     lines.push(format!("seed {}", rules.seed));
     lines
 }
