@@ -16,7 +16,7 @@ mod progress;
 mod report;
 mod view;
 
-use cli::{bench, check, compile, diff, embed, eval, generate, import, inspect, run, train};
+use cli::{bench, check, compile, diff, embed, eval, generate, import, init, inspect, run, train};
 use progress::Reporter;
 
 #[derive(Parser)]
@@ -52,6 +52,9 @@ enum Command {
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
     /// vectors.
     Embed(embed::EmbedArgs),
+    /// Draw a model's first weights as its spec's `[init]` says (normal matrices, scaled residual
+    /// projections, unit norm gains, zero biases) and write them under the checkpoint's tensor names.
+    Init(init::InitArgs),
     /// Train a model — a spec or a checkpoint — on pre-batched data with a recipe of AdamW or SGD
     /// steps, writing a JSON line per step and the weights under the checkpoint's tensor names.
     Train(train::TrainArgs),
@@ -74,7 +77,9 @@ impl Command {
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
-            Command::Inspect(_) | Command::Compile(_) | Command::Import(_) | Command::Diff(_) => None,
+            Command::Init(_) | Command::Inspect(_) | Command::Compile(_) | Command::Import(_) | Command::Diff(_) => {
+                None
+            }
         }
     }
 
@@ -98,6 +103,7 @@ impl Command {
             Command::Diff(args) => diff::run(args),
             Command::Compile(args) => compile::run(args, reporter),
             Command::Run(args) => run::run(args, reporter),
+            Command::Init(args) => init::run(args, reporter),
             Command::Train(args) => train::run(args, reporter),
             Command::Eval(args) => eval::run(args, reporter),
             Command::Generate(args) => generate::run(args, reporter),

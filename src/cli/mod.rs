@@ -11,6 +11,7 @@ pub mod embed;
 pub mod eval;
 pub mod generate;
 pub mod import;
+pub mod init;
 pub mod inspect;
 pub mod run;
 pub mod train;

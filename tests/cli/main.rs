@@ -13,5 +13,6 @@ mod bad_inputs;
 mod bad_weights;
 mod commands;
 mod faults;
+mod init;
 mod limits;
 mod readme;

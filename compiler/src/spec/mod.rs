@@ -54,6 +54,9 @@ pub struct Spec {
     /// Where the parameters come from in a checkpoint.
     #[serde(default)]
     pub weights: Weights,
+    /// How `kiln init` draws the first weights.
+    #[serde(default)]
+    pub init: Init,
     /// How the model is trained (`kiln train`): the recipe's keys, every one optional (see
     /// [`crate::train::RecipeFile`]); a `--recipe` file and command-line flags override them.
     #[serde(default)]
@@ -598,6 +601,68 @@ pub struct Weights {
     pub tensors: BTreeMap<String, weightmap::SourceSpec>,
 }
 
+/// `[init]`: the distributions a model's first weights are drawn from (`kiln init`). Every
+/// matrix and embedding table is normal(0, `std`); biases are 0; norm gains are 1 (stored as
+/// `1 - norm.gain_offset`, so 0 for a `(1 + w)` gain); the residual branches' output projections
+/// (attention `o`, feed-forward `down`) are scaled by `residual_scale`; under DeepNorm the
+/// feed-forward, value and output projections are Xavier-normal with gain `beta`, the query and
+/// key projections with gain 1.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Init {
+    /// Standard deviation of the normal of matrices and embeddings.
+    #[serde(default = "default_init_std")]
+    pub std: f64,
+    /// The multiplier of residual output projections (default: `"gpt2"` with the `gpt2` weight
+    /// preset, else `"none"`).
+    #[serde(default)]
+    pub residual_scale: Option<ResidualScale>,
+    /// DeepNorm's init gain beta (default `(8 * layers)^(-1/4)`; DeepNorm only).
+    #[serde(default)]
+    pub beta: Option<f64>,
+    /// Seed of the draws.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+impl Default for Init {
+    fn default() -> Self {
+        Init { std: default_init_std(), residual_scale: None, beta: None, seed: 0 }
+    }
+}
+
+fn default_init_std() -> f64 {
+    0.02
+}
+
+/// The multiplier of the residual branches' output projections at initialization.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ResidualScale {
+    /// `1 / sqrt(2 * layers)` (GPT-2, nanoGPT).
+    Gpt2,
+    /// No scaling.
+    None,
+    /// A constant.
+    Value(f64),
+}
+
+/// The initialization of a validated spec with its defaults resolved ([`Resolved::init`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InitRules {
+    /// Standard deviation of matrices and embeddings.
+    pub std: f64,
+    /// The residual scale rule in force (written, or the family's default).
+    pub residual_scale: ResidualScale,
+    /// The multiplier it gives.
+    pub residual_factor: f64,
+    /// DeepNorm's beta, when the placement is DeepNorm.
+    pub deepnorm_beta: Option<f64>,
+    /// The norm gain's stored value for a gain of 1 (`1 - norm.gain_offset`).
+    pub norm_gain: f64,
+    /// Seed of the draws.
+    pub seed: u64,
+}
+
 /// A parsed, validated spec with its defaults resolved: what the graph builder reads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Resolved {
@@ -640,6 +705,33 @@ impl Resolved {
     /// Number of blocks of the stack that produces the outputs.
     pub fn layers(&self) -> u64 {
         self.encoder_layers + self.decoder_layers
+    }
+
+    /// The initialization rules (`[init]` with its defaults: the residual scale is GPT-2's for a
+    /// spec on the `gpt2` weight preset, none otherwise and under DeepNorm, whose beta applies).
+    pub fn init(&self) -> InitRules {
+        let spec = &self.spec;
+        let layers = spec.model.layers.max(1) as f64;
+        let deepnorm = spec.norm.placement == Placement::Deepnorm;
+        let residual_scale =
+            spec.init.residual_scale.unwrap_or(if !deepnorm && spec.weights.preset.as_deref() == Some("gpt2") {
+                ResidualScale::Gpt2
+            } else {
+                ResidualScale::None
+            });
+        let residual_factor = match residual_scale {
+            ResidualScale::Gpt2 => 1.0 / (2.0 * layers).sqrt(),
+            ResidualScale::None => 1.0,
+            ResidualScale::Value(v) => v,
+        };
+        InitRules {
+            std: spec.init.std,
+            residual_scale,
+            residual_factor,
+            deepnorm_beta: deepnorm.then(|| spec.init.beta.unwrap_or((8.0 * layers).powf(-0.25))),
+            norm_gain: 1.0 - spec.norm.gain_offset,
+            seed: spec.init.seed,
+        }
     }
 
     /// The attention of layer `i` of the main stack under a sliding-window mask.

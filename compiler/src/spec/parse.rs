@@ -1,6 +1,6 @@
 //! Parsing: TOML text -> [`Spec`], plus a [`SpanIndex`] so later stages can point at keys.
 
-use super::{EmbeddingScale, ScaleRule, Spec};
+use super::{EmbeddingScale, ResidualScale, ScaleRule, Spec};
 use crate::diag::{Diagnostic, did_you_mean};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -274,5 +274,34 @@ mod tests {
         let d = parse_spec(src).unwrap_err();
         assert_eq!(d.key.as_deref(), Some("model.sizes"));
         assert_eq!(d.message, "unknown key `sizes` in `model`");
+    }
+}
+
+impl<'de> Deserialize<'de> for ResidualScale {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = ResidualScale;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number, \"gpt2\" or \"none\"")
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+                Ok(ResidualScale::Value(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(ResidualScale::Value(v as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(ResidualScale::Value(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "gpt2" => Ok(ResidualScale::Gpt2),
+                    "none" => Ok(ResidualScale::None),
+                    _ => Err(E::unknown_variant(v, &["gpt2", "none"])),
+                }
+            }
+        }
+        d.deserialize_any(V)
     }
 }

@@ -644,6 +644,25 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
         );
     }
 
+    // Initialization.
+    let init = &spec.init;
+    c.positive_finite("init.std", init.std);
+    if let Some(ResidualScale::Value(v)) = init.residual_scale {
+        c.positive_finite("init.residual_scale", v);
+    }
+    if let Some(beta) = init.beta {
+        if n.placement == Placement::Deepnorm {
+            c.positive_finite("init.beta", beta);
+        } else {
+            c.error_help(
+                "init.beta",
+                "beta belongs to DeepNorm",
+                "`init.beta` is set but `norm.placement` is not \"deepnorm\"".into(),
+                "set `placement = \"deepnorm\"` in [norm], or remove `beta`".into(),
+            );
+        }
+    }
+
     // Weight map.
     let mut weights = WeightMap::default();
     if let Some(name) = &spec.weights.preset {
