@@ -274,6 +274,22 @@ impl Tokenizer {
         Self::from_json(path, &bytes)
     }
 
+    /// The byte tokenizer: each UTF-8 byte of a text is its own id (0..=255), as a model
+    /// trained on raw bytes reads text (`kiln train` with no tokenizer). Built as a BPE model
+    /// with no merges whose vocabulary is the 256 byte tokens `<0x00>`..`<0xFF>`: every
+    /// character falls back to its bytes, and decoding joins them again.
+    pub fn bytes() -> Result<Self, TokenizeError> {
+        let vocab: Vocab = (0..=255u32).map(|b| (format!("<0x{b:02X}>"), b)).collect();
+        let model = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .byte_fallback(true)
+            .build()
+            .map_err(|e| inconsistent(format!("the byte vocabulary does not form a BPE model: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(model);
+        inner.with_decoder(Some(DecoderSequence::new(vec![ByteFallback::default().into(), Fuse::default().into()])));
+        Ok(Tokenizer { inner, pad_id: 0, prefix: None, suffix: None, bos: None, eos: None, chat_template: None })
+    }
+
     /// A `tokenizer.json` already in memory (errors name it `<memory>`).
     pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, TokenizeError> {
         Self::from_json(Path::new("<memory>"), bytes)
@@ -749,6 +765,19 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_byte_tokenizer_reads_and_writes_utf8_bytes() {
+        let t = Tokenizer::bytes().unwrap();
+        let text = "ROMEO: Ünïcödé, 東京!\n\tend";
+        let ids = t.encode(text, true).unwrap();
+        assert_eq!(ids, text.bytes().map(u32::from).collect::<Vec<_>>());
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+        let mut stream = t.decode_stream(false);
+        let streamed: String = ids.iter().filter_map(|&id| stream.step(id).unwrap()).collect();
+        assert_eq!(streamed, text);
+        assert_eq!(t.vocab_size(), 256);
+    }
 
     #[test]
     fn every_pre_tokenizer_name_is_listed_once() {

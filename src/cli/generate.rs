@@ -410,6 +410,7 @@ fn run_cli(
         None => None,
     };
     let tokenizer = match tokenizer_path {
+        Some(path) if path == Path::new("bytes") => Some(Tokenizer::bytes()?),
         Some(path) => {
             Some(Tokenizer::open(path).with_context(|| format!("cannot read the tokenizer in `{}`", path.display()))?)
         }

@@ -12,18 +12,37 @@ use crate::exec::{Backend, open, threads_or_default};
 use crate::model_file::{load_spec, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, anyhow, bail};
+use kiln_compiler::spec::BlockKind;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::train::batches::Batches;
+use kiln_runtime::train::data::{
+    ByteTokenizer, Corpus, CorpusOptions, Objective, Split, TextEncoder, tokenizer_beside,
+};
+use kiln_runtime::train::feed::Feed;
+use kiln_runtime::train::init;
+use kiln_runtime::train::trainer::counted;
 use kiln_runtime::train::{Clip, Recipe, RecipeFile, StepLog, Trainer};
 use kiln_runtime::{Checkpoint, read_tensors, write_tensors};
 use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
+
+/// `--objective`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ObjectiveArg {
+    /// Next-token prediction.
+    Causal,
+    /// Masked-token prediction (15% of tokens; 80% masked, 10% random, 10% kept).
+    Masked,
+    /// Teacher-forced targets from sources (JSONL `source`/`target`).
+    Seq2seq,
+}
 
 /// Arguments of `kiln train`.
 #[derive(clap::Args)]
@@ -39,8 +58,21 @@ pub struct TrainArgs {
     /// where the model reads them, `attention_mask`, `token_type_ids`, `src_ids`, `src_mask`,
     /// `decoder_input_ids`, each `[steps, batch, seq]`, trained on in order; and an evaluation
     /// batch under the same names prefixed `eval_`.
+    #[arg(long, conflicts_with = "data")]
+    batches: Option<PathBuf>,
+    /// Text to train on: a text file, a directory of `.txt`/`.md` files (a document each) or a
+    /// JSONL file (`text`, or `source`/`target` pairs), tokenized once (and cached) with the
+    /// model's tokenizer; random windows of `seq` tokens, seeded, a validation split held out.
+    #[arg(long, num_args = 1..)]
+    data: Vec<PathBuf>,
+    /// The tokenizer for `--data`: a `tokenizer.json` or a GGUF file (default: the one beside a
+    /// checkpoint given as MODEL, else bytes: ids 0..=255).
     #[arg(long)]
-    batches: PathBuf,
+    tokenizer: Option<PathBuf>,
+    /// The objective for `--data` (default: `causal` for a decoder, `masked` for an encoder,
+    /// `seq2seq` for an encoder-decoder).
+    #[arg(long, value_enum)]
+    objective: Option<ObjectiveArg>,
     /// The recipe (over the spec's `[train]` section): a TOML or JSON file with `steps, batch, seq, lr, min_lr, warmup_steps, betas,
     /// eps, weight_decay, clip, frozen, label_smoothing, optimizer, momentum, schedule,
     /// accumulate, decay_1d, eval_every, checkpoint_every` (flags below override it).
@@ -49,6 +81,18 @@ pub struct TrainArgs {
     /// Steps (optimizer updates).
     #[arg(long)]
     steps: Option<usize>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence (`--data`).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Micro-batches per step, their gradients averaged (weighted by the tokens each counts).
+    #[arg(long)]
+    accumulate: Option<usize>,
+    /// The seed of the data's windows and masks.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Peak learning rate.
     #[arg(long)]
     lr: Option<f64>,
@@ -118,6 +162,10 @@ impl TrainArgs {
         };
         let flags = RecipeFile {
             steps: self.steps,
+            batch: self.batch,
+            seq: self.seq,
+            accumulate: self.accumulate,
+            seed: self.seed,
             lr: self.lr,
             min_lr: self.min_lr,
             warmup_steps: self.warmup_steps,
@@ -145,14 +193,20 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     }
     let fe = load_spec(&args.model)?;
     let recipe = args.recipe(fe.spec.spec.train.clone())?;
-    let batches =
-        Batches::new(read_tensors(&args.batches)?).with_context(|| format!("batches `{}`", args.batches.display()))?;
-    batches.check_steps(recipe.steps).with_context(|| format!("batches `{}`", args.batches.display()))?;
-    let start = match &args.resume {
-        Some(path) => path.clone(),
-        None => weights_for(args.weights.clone(), &args.model)?,
+    let mut feed = feed(&args, &fe, &recipe, reporter)?;
+    let tensors: HashMap<String, Tensor> = match (&args.resume, &args.weights) {
+        (Some(path), _) => Checkpoint::open(path)?.all()?,
+        (None, Some(path)) => Checkpoint::open(path)?.all()?,
+        (None, None) if kiln_runtime::import::is_checkpoint(&args.model) => {
+            Checkpoint::open(&weights_for(None, &args.model)?)?.all()?
+        }
+        (None, None) => {
+            for line in init::describe(&fe.spec) {
+                reporter.info(format_args!("init: {line}"));
+            }
+            init::initialize(&fe.spec, &fe.graph)?.into_iter().collect()
+        }
     };
-    let tensors = Checkpoint::open(&start)?.all()?;
     let backend = match args.backend {
         Backend::Auto => Backend::Cpu,
         Backend::Wgpu => bail!("training runs on `--backend cpu` or `interp`; the wgpu back end does not train yet"),
@@ -166,12 +220,25 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         let state = read_tensors(&state_path(path))
             .with_context(|| format!("--resume: the training state beside `{}`", path.display()))?;
         trainer.load_state(&state)?;
+        feed.restore(&state)?;
     }
     let mut log = match &args.log {
         Some(path) => Some(Log::open(path, args.resume.is_some())?),
         None => None,
     };
-    let eval_batch = batches.eval().cloned();
+    let eval_batches = feed.eval()?;
+    let evaluate = |trainer: &mut Trainer| -> Result<Option<f64>> {
+        if eval_batches.is_empty() {
+            return Ok(None);
+        }
+        let (mut sum, mut n) = (0.0, 0u64);
+        for b in &eval_batches {
+            let c = counted(b);
+            sum += trainer.eval(b)? * c as f64;
+            n += c;
+        }
+        Ok(Some(sum / n.max(1) as f64))
+    };
     // Ctrl-C ends the run after the step under way, with a checkpoint; a second one ends it now.
     let interrupted = Arc::new(AtomicBool::new(false));
     for signal in [SIGINT, SIGTERM] {
@@ -185,13 +252,13 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let end = args.stop_after.map_or(recipe.steps, |n| n.min(recipe.steps));
     while trainer.steps_done() < end {
         let s = trainer.steps_done();
-        let batch = batches.step(s).ok_or_else(|| anyhow!("no batch for step {s}"))?;
         let t0 = Instant::now();
-        let logged = match trainer.step(std::slice::from_ref(&batch)) {
+        let micro = feed.step(s, recipe.accumulate)?;
+        let logged = match trainer.step(&micro) {
             Ok(l) => l,
             Err(e) => {
                 // The step changed nothing: the weights before it are the last good ones.
-                let saved = save(&trainer, &args.output).map(|()| args.output.display().to_string());
+                let saved = save(&trainer, &feed, &args.output).map(|()| args.output.display().to_string());
                 return Err(anyhow!(e).context(match saved {
                     Ok(path) => format!("training stopped; the weights before step {s} are in `{path}`"),
                     Err(_) => "training stopped".to_string(),
@@ -204,8 +271,8 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }
         let done = trainer.steps_done();
         let last = done == recipe.steps;
-        let eval_loss = match (&eval_batch, recipe.eval_every) {
-            (Some(b), Some(n)) if done.is_multiple_of(n) && !last => Some(trainer.eval(b)?),
+        let eval_loss = match recipe.eval_every {
+            Some(n) if done.is_multiple_of(n) && !last => evaluate(&mut trainer)?,
             _ => None,
         };
         if let (Some(log), Some(l)) = (&mut log, eval_loss) {
@@ -214,11 +281,11 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         let rate = tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
         bar.show(done as u64, &progress_message(&logged, eval_loss, rate));
         if recipe.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) && !last {
-            save(&trainer, &args.output)?;
+            save(&trainer, &feed, &args.output)?;
         }
         if done == end && !last {
             bar.finish();
-            save(&trainer, &args.output)?;
+            save(&trainer, &feed, &args.output)?;
             reporter.info(format_args!(
                 "stopped after step {done} of {}; continue with `--resume {}`",
                 recipe.steps,
@@ -228,7 +295,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }
         if interrupted.load(Ordering::Relaxed) && !last {
             bar.finish();
-            save(&trainer, &args.output)?;
+            save(&trainer, &feed, &args.output)?;
             bail!(
                 "interrupted after step {done} of {}: the checkpoint is in `{}`; continue with `--resume {}`",
                 recipe.steps,
@@ -238,17 +305,14 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }
     }
     bar.finish();
-    let eval_loss = match &eval_batch {
-        Some(b) => Some(trainer.eval(b)?),
-        None => None,
-    };
+    let eval_loss = evaluate(&mut trainer)?;
     if let Some(log) = &mut log {
         if let Some(l) = eval_loss {
             log.line(&json!({ "eval_loss": l }))?;
         }
         log.flush()?;
     }
-    save(&trainer, &args.output)?;
+    save(&trainer, &feed, &args.output)?;
     let seconds = started.elapsed().as_secs_f64();
     reporter.info(format_args!(
         "trained steps {}..{} in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
@@ -261,19 +325,93 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     Ok(())
 }
 
+/// Where the run's batches come from: `--batches`, or `--data` read with the model's tokenizer
+/// and prepared for its objective.
+fn feed(args: &TrainArgs, fe: &kiln_compiler::FrontEnd, recipe: &Recipe, reporter: &Reporter) -> Result<Feed> {
+    match (&args.batches, &args.data) {
+        (Some(path), _) => {
+            let batches = Batches::new(read_tensors(path)?).with_context(|| format!("batches `{}`", path.display()))?;
+            batches.check_steps(recipe.steps).with_context(|| format!("batches `{}`", path.display()))?;
+            Ok(Feed::Batches(batches))
+        }
+        (None, data) if !data.is_empty() => {
+            let corpus = open_corpus(data, args.tokenizer.as_deref(), &args.model, fe, recipe, args.objective)?;
+            reporter.info(format_args!(
+                "data: {} tokens in {} documents ({}), {} validation windows",
+                corpus.tokens(),
+                corpus.items(),
+                if corpus.reused() { "tokenized before" } else { "tokenized now" },
+                corpus.split_windows(Split::Validation)
+            ));
+            Ok(Feed::Corpus { corpus: Box::new(corpus), batch: recipe.batch, eval_batches: recipe.eval_batches })
+        }
+        _ => bail!("give the data: --data FILE|DIR|JSONL (text), or --batches FILE (pre-batched)"),
+    }
+}
+
+/// `data` tokenized with the model's tokenizer (`tokenizer`, or the one beside a checkpoint, or
+/// bytes) as windows of the recipe's `seq` (default: the model's positions, at most 256) for
+/// `objective` (default: the model's kind's: next-token for a decoder, masked tokens for an
+/// encoder, teacher-forced targets for an encoder-decoder).
+pub fn open_corpus(
+    data: &[PathBuf],
+    tokenizer: Option<&Path>,
+    model: &Path,
+    fe: &kiln_compiler::FrontEnd,
+    recipe: &Recipe,
+    objective: Option<ObjectiveArg>,
+) -> Result<Corpus> {
+    let encoder: Box<dyn TextEncoder> = match tokenizer {
+        Some(path) => tokenizer_beside(path)?,
+        None if kiln_runtime::import::is_checkpoint(model) => tokenizer_beside(model)?,
+        None => Box::new(ByteTokenizer),
+    };
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let kind = fe.spec.spec.model.kind;
+    let objective = match objective.unwrap_or(match kind {
+        BlockKind::Decoder => ObjectiveArg::Causal,
+        BlockKind::Encoder => ObjectiveArg::Masked,
+        BlockKind::EncoderDecoder => ObjectiveArg::Seq2seq,
+    }) {
+        ObjectiveArg::Causal => Objective::Causal,
+        ObjectiveArg::Masked => {
+            let mask_id = ["[MASK]", "<mask>"].iter().find_map(|t| encoder.token_id(t)).ok_or_else(|| {
+                anyhow!(
+                    "masked-token training needs a mask token: the {} has no `[MASK]` or `<mask>`",
+                    encoder.describe()
+                )
+            })?;
+            Objective::Masked { prob: 0.15, mask_id }
+        }
+        ObjectiveArg::Seq2seq => Objective::Seq2Seq { start_id: encoder.pad_id() },
+    };
+    let max = fe.spec.spec.model.max_positions as usize;
+    let seq = recipe.seq.unwrap_or(max.min(256));
+    if seq > max {
+        bail!("recipe: `seq` = {seq} is longer than the model's {max} positions");
+    }
+    let options = CorpusOptions { seed: recipe.seed, ..CorpusOptions::new(seq, objective) };
+    let corpus = Corpus::open(data, encoder.as_ref(), options)?;
+    corpus.check_vocab(vocab)?;
+    Ok(corpus)
+}
+
 /// The bar's message after a step.
 fn progress_message(step: &StepLog, eval_loss: Option<f64>, tokens_per_s: f64) -> String {
     let eval = eval_loss.map_or(String::new(), |l| format!(" eval {l:.4}"));
     format!("loss {:.4}{eval} lr {:.2e} {:.0} tok/s", step.loss, step.lr, tokens_per_s)
 }
 
-/// Writes the trainer's weights to `path` and its state beside them, each atomically.
-fn save(trainer: &Trainer, path: &Path) -> Result<()> {
+/// Writes the trainer's weights to `path` and its state (the optimizer's, the step, the
+/// position in the data) beside them, each atomically.
+fn save(trainer: &Trainer, feed: &Feed, path: &Path) -> Result<()> {
     let mut weights: Vec<(String, Tensor)> = trainer.tensors().iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     weights.sort_by(|a, b| a.0.cmp(&b.0));
     // The state first: weights without their state are still a checkpoint `run` reads; a state
     // without its weights is not.
-    write_tensors(&state_path(path), &trainer.state())?;
+    let mut state = trainer.state();
+    state.extend(feed.state());
+    write_tensors(&state_path(path), &state)?;
     write_tensors(path, &weights)?;
     Ok(())
 }

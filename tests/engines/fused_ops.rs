@@ -1116,3 +1116,48 @@ fn cached_attention_appends_in_its_own_dispatch() {
         }
     }
 }
+
+/// The ops a training step adds (matrix products of activations, in both layouts, one matrix or
+/// a stack of them on the right; sums over each axis; every activation's derivative): the CPU
+/// backend's native kernels agree with the interpreter, on one thread and on three.
+#[test]
+fn training_ops_on_the_cpu_equal_the_interpreter() {
+    let mut g = Graph::new("training");
+    let mut add = |g: &mut Graph, name: &str, op: Op, operands: &[(&str, &[usize])]| {
+        let a: Vec<_> = operands.iter().map(|(n, s)| g.param(&format!("{name}.{n}"), s)).collect();
+        let y = g.add(op, &a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        g.outputs.push((name.to_string(), y));
+    };
+    for (t, transpose_b) in [false, true].into_iter().enumerate() {
+        let b: &[usize] = if transpose_b { &[5, 7] } else { &[7, 5] };
+        add(&mut g, &format!("matmul{t}.one"), Op::MatMul { transpose_b }, &[("a", &[2, 3, 4, 7]), ("b", b)]);
+        let bs: &[usize] = if transpose_b { &[2, 3, 5, 7] } else { &[2, 3, 7, 5] };
+        add(&mut g, &format!("matmul{t}.stack"), Op::MatMul { transpose_b }, &[("a", &[2, 3, 4, 7]), ("b", bs)]);
+    }
+    for axis in 0..3 {
+        add(&mut g, &format!("sum{axis}"), Op::SumAxis { axis }, &[("x", &[3, 5, 7])]);
+    }
+    for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
+        add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
+    }
+    let params: HashMap<String, Tensor> = g
+        .params()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, name))| {
+            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
+            let len = shape.iter().product();
+            let values = (0..len).map(|j| (((i * 131 + j * 71) % 97) as f32 / 97.0 - 0.5) * 4.0).collect();
+            (name.to_string(), Tensor::f32(shape, values))
+        })
+        .collect();
+    let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for threads in [1, 3] {
+        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
+        let got = model.run(&HashMap::new()).unwrap();
+        for ((name, want), (_, got)) in expected.iter().zip(&got) {
+            assert_close(&format!("`{name}` on cpu, {threads} threads"), want, got, GPU_TOLERANCE);
+        }
+    }
+}

@@ -44,6 +44,7 @@ pub mod qdot;
 pub mod qdot_f32;
 #[cfg(test)]
 mod testing;
+pub mod training;
 
 use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
@@ -656,7 +657,9 @@ impl CpuModel {
                 }
                 Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),
                 _ => {
-                    if elementwise::forward(op, args, &mut lazy, shape, past)? {
+                    if elementwise::forward(op, args, &mut lazy, shape, past)?
+                        || training::forward(op, args, &mut lazy, self.threads)?
+                    {
                         return Ok(());
                     }
                 }

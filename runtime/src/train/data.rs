@@ -254,6 +254,8 @@ pub trait TextEncoder {
     fn fingerprint(&self) -> u64;
     /// A short description for messages (`bytes`, `tokenizer of 30522 ids`).
     fn describe(&self) -> String;
+    /// The id of a special token by its text (`[MASK]`), if the vocabulary has it.
+    fn token_id(&self, token: &str) -> Option<u32>;
 }
 
 /// A text probed to fingerprint a tokenizer's pipeline (normalizer, pre-tokenizer, merges),
@@ -263,6 +265,10 @@ const PROBE: &str = "The quick brown fox, 1234567 jumps; Ünïcödé «ſtraße�
 impl TextEncoder for Tokenizer {
     fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.encode_untruncated(text)
+    }
+
+    fn token_id(&self, token: &str) -> Option<u32> {
+        self.token_to_id(token)
     }
 
     fn vocab_size(&self) -> usize {
@@ -310,6 +316,10 @@ pub struct ByteTokenizer;
 impl TextEncoder for ByteTokenizer {
     fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         Ok(text.bytes().map(u32::from).collect())
+    }
+
+    fn token_id(&self, _: &str) -> Option<u32> {
+        None
     }
 
     fn vocab_size(&self) -> usize {
@@ -1304,6 +1314,9 @@ mod tests {
         }
         fn describe(&self) -> String {
             "shifted bytes".into()
+        }
+        fn token_id(&self, _: &str) -> Option<u32> {
+            None
         }
     }
 

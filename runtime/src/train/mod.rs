@@ -25,6 +25,7 @@
 
 pub mod batches;
 pub mod data;
+pub mod feed;
 pub mod init;
 pub mod optim;
 pub mod run;
