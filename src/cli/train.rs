@@ -17,7 +17,7 @@ use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::train::batches::Batches;
 use kiln_runtime::train::data::{
-    ByteTokenizer, Corpus, CorpusOptions, Objective, Split, TextEncoder, tokenizer_beside,
+    ByteTokenizer, Corpus, CorpusOptions, Objective, Split, TextEncoder, check_vocab, tokenizer_beside,
 };
 use kiln_runtime::train::feed::Feed;
 use kiln_runtime::train::init;
@@ -367,6 +367,9 @@ pub fn open_corpus(
         None => Box::new(ByteTokenizer),
     };
     let vocab = fe.spec.spec.model.vocab as usize;
+    // A tokenizer that can make ids the model has no row for is the wrong tokenizer, even where
+    // this corpus happens not to use them.
+    check_vocab(encoder.vocab_size(), vocab).with_context(|| format!("the {}", encoder.describe()))?;
     let kind = fe.spec.spec.model.kind;
     let objective = match objective.unwrap_or(match kind {
         BlockKind::Decoder => ObjectiveArg::Causal,

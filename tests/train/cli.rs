@@ -123,3 +123,100 @@ fn a_loss_that_stops_being_finite_stops_the_run_and_keeps_the_last_good_weights(
         assert!(t.to_f32_vec().iter().all(|x| x.is_finite()), "`{name}` is not finite");
     }
 }
+
+/// A few lines of verse, repeated: a corpus a model of bytes learns quickly.
+fn verse(dir: &std::path::Path) -> std::path::PathBuf {
+    let text = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n".repeat(60);
+    let path = dir.join("verse.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_spec_trains_from_scratch_on_text_and_its_loss_falls() {
+    let dir = scratch("train-text");
+    let data = verse(&dir);
+    let (out, log) = (dir.join("w.safetensors"), dir.join("log.jsonl"));
+    let spec = root().join("models/nanogpt-shakespeare.toml");
+    let args = [
+        "train",
+        spec.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "40",
+        "--warmup-steps",
+        "4",
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--lr",
+        "0.003",
+        "--log",
+        log.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    // The token cache goes to a directory of the test's own.
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let lines = log_lines(&log);
+    let first = lines[0]["loss"].as_f64().unwrap();
+    let eval = lines.last().unwrap()["eval_loss"].as_f64().unwrap();
+    // From a uniform guess over 256 bytes (ln 256 = 5.5) to well under half of it.
+    assert!((first - 256f64.ln()).abs() < 0.3, "first loss {first}");
+    assert!(eval < 2.5, "evaluation loss {eval} after 40 steps");
+    // The trained weights generate at once.
+    ok(&[
+        "generate",
+        spec.to_str().unwrap(),
+        "--weights",
+        out.to_str().unwrap(),
+        "--tokenizer",
+        "bytes",
+        "--prompt",
+        "Shall I",
+        "--max-new-tokens",
+        "8",
+        "--greedy",
+    ]);
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_vocabulary_and_a_corpus_shorter_than_a_window_are_refused() {
+    let dir = scratch("train-bad-data");
+    let spec = root().join("models/nanogpt-shakespeare.toml");
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "too short").unwrap();
+    let run = |spec: &std::path::Path, data: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args([
+                "train",
+                spec.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "0",
+                "--seq",
+                "32",
+            ])
+            .args(["-o", dir.join("w.safetensors").to_str().unwrap()])
+            .env("KILN_DATA", dir.join("cache"))
+            .output()
+            .unwrap()
+    };
+    let o = run(&spec, &short);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("9") && err.contains("33"), "{err}");
+    // models/gpt2.toml has 128 ids; bytes need 256.
+    let o = run(&root().join("models/gpt2.toml"), &verse(&dir));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("256") && err.contains("128"), "{err}");
+}

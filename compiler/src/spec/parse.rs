@@ -203,7 +203,7 @@ fn plain_type(serde: &str) -> String {
         return format!("{big}, which is out of range");
     }
     match s {
-        "u64" => "a non-negative integer".into(),
+        "u64" | "usize" => "a non-negative integer".into(),
         "f64" => "a number".into(),
         "a boolean" => "a boolean (`true` or `false`)".into(),
         "map" | "a map" => "a table".into(),

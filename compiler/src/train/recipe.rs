@@ -137,7 +137,7 @@ impl<'de> Deserialize<'de> for Clip {
         impl Visitor<'_> for ClipVisitor {
             type Value = Clip;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a maximum gradient norm, or \"none\" for no clipping")
+                f.write_str("a number (a maximum gradient norm), or \"none\" for no clipping")
             }
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<Clip, E> {
                 Ok(Clip::Norm(v))
