@@ -471,7 +471,8 @@ fn draw_inputs(d: &mut Draw, rng: &mut SplitMix, fe: &FrontEnd) -> HashMap<Strin
                     .collect();
                 Tensor::i64(vec![batch, len], bits)
             }
-            InputRole::Cache { .. } => tensor,
+            // Forward graphs take no labels; a training graph's are `sample_inputs`' own.
+            InputRole::Cache { .. } | InputRole::Labels => tensor,
         };
         inputs.insert(name.to_string(), tensor);
     }

@@ -1123,7 +1123,7 @@ fn cached_attention_appends_in_its_own_dispatch() {
 #[test]
 fn training_ops_on_the_cpu_equal_the_interpreter() {
     let mut g = Graph::new("training");
-    let mut add = |g: &mut Graph, name: &str, op: Op, operands: &[(&str, &[usize])]| {
+    let add = |g: &mut Graph, name: &str, op: Op, operands: &[(&str, &[usize])]| {
         let a: Vec<_> = operands.iter().map(|(n, s)| g.param(&format!("{name}.{n}"), s)).collect();
         let y = g.add(op, &a).unwrap_or_else(|e| panic!("{name}: {e}"));
         g.outputs.push((name.to_string(), y));
