@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 mod cli;
+mod curves;
 mod diagnose;
 mod exec;
 mod html;
@@ -16,7 +17,7 @@ mod progress;
 mod report;
 mod view;
 
-use cli::{bench, check, compile, diff, embed, eval, generate, import, init, inspect, run, train};
+use cli::{bench, check, compile, diff, embed, eval, generate, import, init, inspect, plot, run, train};
 use progress::Reporter;
 
 #[derive(Parser)]
@@ -60,6 +61,8 @@ enum Command {
     Train(train::TrainArgs),
     /// The loss and perplexity of a model on data, with no update.
     Eval(eval::EvalArgs),
+    /// Draw training runs' loss curves (`kiln train --log` files) together, as SVG.
+    Plot(plot::PlotArgs),
     /// Measure (never a test): forward and decode times, where a forward spends them, the
     /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
@@ -77,9 +80,12 @@ impl Command {
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
-            Command::Init(_) | Command::Inspect(_) | Command::Compile(_) | Command::Import(_) | Command::Diff(_) => {
-                None
-            }
+            Command::Init(_)
+            | Command::Plot(_)
+            | Command::Inspect(_)
+            | Command::Compile(_)
+            | Command::Import(_)
+            | Command::Diff(_) => None,
         }
     }
 
@@ -106,6 +112,7 @@ impl Command {
             Command::Init(args) => init::run(args, reporter),
             Command::Train(args) => train::run(args, reporter),
             Command::Eval(args) => eval::run(args, reporter),
+            Command::Plot(args) => plot::run(args),
             Command::Generate(args) => generate::run(args, reporter),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),

@@ -1,9 +1,12 @@
 //! Writing files so that no reader ever sees half of one.
 //!
 //! Everything kiln writes (artifacts, output tensors, rendered graphs and reports) goes through
-//! [`write_atomic`]: a process killed while writing, or a machine that loses power, leaves the
-//! previous file or the new one at the path, never a truncated file that a later run would
-//! misread. (`tests/cli/atomic_writes.rs` kills writers mid-write, and checks that nothing else in
+//! [`write_atomic`] — or, for a file too large to hold in memory (a corpus's token file),
+//! [`AtomicFile`], which streams into the same temporary file and renames it the same way: a
+//! process killed while writing, or a machine that loses power, leaves the previous file or the
+//! new one at the path, never a truncated file that a later run would misread. A log that grows
+//! as a run goes ([`AppendLog`], a training run's JSON lines) is the one file written in place: each
+//! line goes out whole in one write, and a reader skips a last line cut short. (`tests/cli/atomic_writes.rs` kills writers mid-write, and checks that nothing else in
 //! the sources writes files directly.)
 
 use std::io::{self, Write};
@@ -28,6 +31,73 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+/// A file written as a stream and put in place at the end ([`AtomicFile::commit`]): until then
+/// it is a hidden temporary file next to `path`, removed if the writer is dropped uncommitted.
+pub struct AtomicFile {
+    out: io::BufWriter<std::fs::File>,
+    tmp: PathBuf,
+    path: PathBuf,
+    committed: bool,
+}
+
+impl AtomicFile {
+    /// Starts writing `path` (a regular file, or one to be created).
+    pub fn start(path: &Path) -> io::Result<AtomicFile> {
+        let tmp = temporary(path)?;
+        let out = io::BufWriter::new(std::fs::File::create(&tmp)?);
+        Ok(AtomicFile { out, tmp, path: path.to_path_buf(), committed: false })
+    }
+
+    /// Flushes what was written to disk and renames it over `path`.
+    pub fn commit(mut self) -> io::Result<()> {
+        self.out.flush()?;
+        self.out.get_ref().sync_all()?;
+        std::fs::rename(&self.tmp, &self.path)?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// A log of lines that grows as a run goes: opened to append (or new), each line written whole
+/// in one `write` call and flushed, so that a run stopped at any moment keeps every line before.
+pub struct AppendLog {
+    file: std::fs::File,
+}
+
+impl AppendLog {
+    /// Opens `path` to append to it, created if absent.
+    pub fn open(path: &Path) -> io::Result<AppendLog> {
+        Ok(AppendLog { file: std::fs::OpenOptions::new().create(true).append(true).open(path)? })
+    }
+
+    /// Appends `line` and a newline.
+    pub fn line(&mut self, line: &str) -> io::Result<()> {
+        let mut bytes = Vec::with_capacity(line.len() + 1);
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
+        self.file.write_all(&bytes)?;
+        self.file.flush()
+    }
 }
 
 /// Whether [`write_atomic`] could write `path`, checked without touching it: a device is
@@ -103,6 +173,32 @@ mod tests {
             write_atomic(Path::new("/dev/null"), b"nothing").unwrap();
             assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
         }
+    }
+
+    #[test]
+    fn a_streamed_file_appears_whole_at_commit_and_not_at_all_when_dropped() {
+        let dir = scratch("stream");
+        let path = dir.join("tokens.bin");
+        let mut f = AtomicFile::start(&path).unwrap();
+        f.write_all(b"abc").unwrap();
+        assert!(!path.exists());
+        f.commit().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"abc");
+        let mut f = AtomicFile::start(&path).unwrap();
+        f.write_all(b"half").unwrap();
+        drop(f);
+        assert_eq!(std::fs::read(&path).unwrap(), b"abc");
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["tokens.bin"]);
+    }
+
+    #[test]
+    fn a_log_appends_whole_lines() {
+        let dir = scratch("log");
+        let path = dir.join("log.jsonl");
+        AppendLog::open(&path).unwrap().line("one").unwrap();
+        AppendLog::open(&path).unwrap().line("two").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\ntwo\n");
     }
 
     #[test]

@@ -13,5 +13,6 @@ pub mod generate;
 pub mod import;
 pub mod init;
 pub mod inspect;
+pub mod plot;
 pub mod run;
 pub mod train;

@@ -12,6 +12,7 @@ use crate::exec::{Backend, open, threads_or_default};
 use crate::model_file::{load_spec, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, anyhow, bail};
+use kiln_compiler::file::AppendLog;
 use kiln_compiler::spec::BlockKind;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
@@ -27,7 +28,6 @@ use kiln_runtime::{Checkpoint, read_tensors, write_tensors};
 use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -213,9 +213,11 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         b => b,
     };
     let device = open(backend, None, threads_or_default(args.threads)?)?;
-    let mut trainer = reporter.stage("building the training graph", || {
-        Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
-    })?;
+    let mut trainer = reporter
+        .stage("building the training graph", || {
+            Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
+        })
+        .map_err(Box::new)?;
     if let Some(path) = &args.resume {
         let state = read_tensors(&state_path(path))
             .with_context(|| format!("--resume: the training state beside `{}`", path.display()))?;
@@ -223,7 +225,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         feed.restore(&state)?;
     }
     let mut log = match &args.log {
-        Some(path) => Some(Log::open(path, args.resume.is_some())?),
+        Some(path) => Some(Log::open(path, trainer.steps_done())?),
         None => None,
     };
     let eval_batches = feed.eval()?;
@@ -306,11 +308,8 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     }
     bar.finish();
     let eval_loss = evaluate(&mut trainer)?;
-    if let Some(log) = &mut log {
-        if let Some(l) = eval_loss {
-            log.line(&json!({ "eval_loss": l }))?;
-        }
-        log.flush()?;
+    if let (Some(log), Some(l)) = (&mut log, eval_loss) {
+        log.line(&json!({ "eval_loss": l }))?;
     }
     save(&trainer, &feed, &args.output)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -421,21 +420,37 @@ fn save(trainer: &Trainer, feed: &Feed, path: &Path) -> Result<()> {
 
 /// The per-step log: a JSON line per step, evaluation and summary.
 struct Log {
-    out: std::io::BufWriter<std::fs::File>,
+    out: AppendLog,
     path: PathBuf,
 }
 
 impl Log {
-    /// The log at `path`: a new one, or for a resumed run the one it continues.
-    fn open(path: &Path, append: bool) -> Result<Log> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(append)
-            .truncate(!append)
-            .open(path)
-            .with_context(|| format!("cannot open the log `{}`", path.display()))?;
-        Ok(Log { out: std::io::BufWriter::new(file), path: path.into() })
+    /// The log at `path` for a run that starts at step `from`: a new one (`from` 0), or the log a
+    /// resumed run continues, cut to the lines of the steps before `from` (a checkpoint may be
+    /// older than the last lines logged, which the resumed run logs again).
+    fn open(path: &Path, from: usize) -> Result<Log> {
+        let kept = match from {
+            0 => String::new(),
+            _ => std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    let v: Option<serde_json::Value> = serde_json::from_str(l).ok();
+                    let step = v.as_ref().and_then(|v| v.get("step")).and_then(serde_json::Value::as_u64);
+                    // A step line counts its step from 0; an evaluation, the steps done before it.
+                    match (step, v.as_ref().and_then(|v| v.get("loss"))) {
+                        (Some(s), Some(_)) => (s as usize) < from,
+                        (Some(s), None) => (s as usize) <= from,
+                        (None, _) => false,
+                    }
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+        };
+        kiln_compiler::file::write_atomic(path, kept.as_bytes())
+            .with_context(|| format!("cannot write the log `{}`", path.display()))?;
+        let out = AppendLog::open(path).with_context(|| format!("cannot open the log `{}`", path.display()))?;
+        Ok(Log { out, path: path.into() })
     }
 
     fn step(&mut self, s: &StepLog, seconds: f64) -> Result<()> {
@@ -444,13 +459,8 @@ impl Log {
         }))
     }
 
+    /// Each line is on disk as it is made: a run stopped midway keeps its log.
     fn line(&mut self, v: &serde_json::Value) -> Result<()> {
-        writeln!(self.out, "{v}").with_context(|| format!("cannot write the log `{}`", self.path.display()))?;
-        // Each line is on disk as it is made: a run stopped midway keeps its log.
-        self.flush()
-    }
-
-    fn flush(&mut self) -> Result<()> {
-        self.out.flush().with_context(|| format!("cannot write the log `{}`", self.path.display()))
+        self.out.line(&v.to_string()).with_context(|| format!("cannot write the log `{}`", self.path.display()))
     }
 }

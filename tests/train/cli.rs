@@ -220,3 +220,29 @@ fn a_tokenizer_larger_than_the_vocabulary_and_a_corpus_shorter_than_a_window_are
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("256") && err.contains("128"), "{err}");
 }
+
+#[test]
+fn plot_draws_runs_together_as_svg() {
+    let dir = scratch("train-plot");
+    let mut logs = Vec::new();
+    for lr in ["0.01", "0.001"] {
+        let log = dir.join(format!("lr-{lr}.jsonl"));
+        ok(&refs(&train_args(
+            &dir.join("w.safetensors"),
+            &["--lr", lr, "--min-lr", "0.0001", "--log", log.to_str().unwrap()],
+        )));
+        logs.push(log);
+    }
+    let svg = dir.join("curves.svg");
+    ok(&["plot", logs[0].to_str().unwrap(), logs[1].to_str().unwrap(), "-o", svg.to_str().unwrap(), "--smooth", "3"]);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    assert_eq!(text.matches("<polyline").count(), 2, "one training curve per run");
+    // The final evaluation of each run, as a dot and in the legend.
+    assert_eq!(text.matches("<circle").count(), 2);
+    assert!(text.contains("lr-0.01 (") && text.contains("lr-0.001 ("), "legend");
+    fails_with(&["plot", logs[0].to_str().unwrap(), "-o", dir.join("x.png").to_str().unwrap()], &["writes SVG"]);
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"step\": 0, \"loss\": 1.0}\nnot json\n{\"step\": 1}\n").unwrap();
+    fails_with(&["plot", bad.to_str().unwrap(), "-o", svg.to_str().unwrap()], &["bad.jsonl` line 2"]);
+}

@@ -3,7 +3,6 @@
 //! rate, each tensor's first-step gradient and each tensor after the last step.
 
 #[path = "../common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 mod cli;

@@ -621,10 +621,10 @@ frozen = ["model.embed_tokens.weight"]
         let dir = std::env::temp_dir().join(format!("kiln-recipe-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let json = dir.join("train.json");
-        std::fs::write(&json, FIXTURE).unwrap();
+        crate::file::write_atomic(&json, FIXTURE.as_bytes()).unwrap();
         assert_eq!(Recipe::from_path(&json).unwrap(), fixture());
         let toml_path = dir.join("train.toml");
-        std::fs::write(&toml_path, "steps = 3\n\nlr = 0.1\nstpes = 4\n").unwrap();
+        crate::file::write_atomic(&toml_path, b"steps = 3\n\nlr = 0.1\nstpes = 4\n").unwrap();
         let message = Recipe::from_path(&toml_path).unwrap_err().to_string();
         assert!(message.contains("train.toml") && message.contains("stpes") && message.contains("line 4"), "{message}");
         let other = dir.join("train.yaml");

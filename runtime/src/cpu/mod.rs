@@ -721,11 +721,6 @@ fn scoped(e: CpuError, scope: &str, op: &Op) -> CpuError {
     }
 }
 
-/// The projection weights of `program` held transposed to `[k, n]`, the layout the GEMM reads
-/// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
-/// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
-/// the output projection) is held in both layouts.
-
 /// A plan's constants as a [`CpuModel`] holds them.
 struct Held {
     consts: HashMap<usize, Const>,
@@ -806,6 +801,10 @@ fn hold(
     Ok(Held { consts, transposed, weight_bytes })
 }
 
+/// The projection weights of `program` held transposed to `[k, n]`, the layout the GEMM reads
+/// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
+/// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
+/// the output projection) is held in both layouts.
 fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
     let mut transposed = HashMap::new();
     for &Weight { value: w, also_read } in &program.weights {

@@ -86,11 +86,12 @@
 //! directory this module reads as 38 documents (the last 2 the validation split at 5%).
 
 use crate::tokenize::{TokenizeError, Tokenizer};
+use kiln_compiler::file::{AtomicFile, write_atomic};
 use kiln_compiler::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -633,7 +634,7 @@ fn cache_key(sources: &[Source], tokenizer: u64) -> Result<u64, DataError> {
 
 /// Writes ids to the token file and keeps the index.
 struct TokenWriter<'a> {
-    out: BufWriter<File>,
+    out: AtomicFile,
     path: PathBuf,
     encoder: &'a dyn TextEncoder,
     tokens: u64,
@@ -759,9 +760,9 @@ impl TokenWriter<'_> {
 
 /// Tokenizes `sources` into `tokens_path` and returns the index (not yet written).
 fn tokenize(sources: &[Source], encoder: &dyn TextEncoder, tokens_path: &Path) -> Result<Index, DataError> {
-    let file = File::create(tokens_path).map_err(io(tokens_path))?;
+    let file = AtomicFile::start(tokens_path).map_err(io(tokens_path))?;
     let mut w = TokenWriter {
-        out: BufWriter::new(file),
+        out: file,
         path: tokens_path.into(),
         encoder,
         tokens: 0,
@@ -775,18 +776,18 @@ fn tokenize(sources: &[Source], encoder: &dyn TextEncoder, tokens_path: &Path) -
             Source::Jsonl(p) => w.jsonl_file(p)?,
         }
     }
-    w.out.flush().map_err(io(tokens_path))?;
-    w.out.get_ref().sync_all().map_err(io(tokens_path))?;
+    let (tokens, max_id, documents, pairs) = (w.tokens, w.max_id, w.documents, w.pairs);
+    w.out.commit().map_err(io(tokens_path))?;
     Ok(Index {
         version: FORMAT_VERSION,
         tokenizer: format!("{:016x}", encoder.fingerprint()),
         vocab: encoder.vocab_size(),
         pad: encoder.pad_id(),
         eos: encoder.eos_id(),
-        tokens: w.tokens,
-        max_id: w.max_id,
-        documents: w.documents,
-        pairs: w.pairs,
+        tokens,
+        max_id,
+        documents,
+        pairs,
     })
 }
 
@@ -878,22 +879,12 @@ impl Corpus {
                 (index, true)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let tmp = dir.join(format!("{key:016x}.tokens.{}.tmp", std::process::id()));
-                let built = tokenize(&sources, encoder, &tmp);
-                let index = match built {
-                    Ok(index) => index,
-                    Err(e) => {
-                        // Best effort: a failed tokenization leaves no partial file behind.
-                        let _ = std::fs::remove_file(&tmp);
-                        return Err(e);
-                    }
-                };
-                std::fs::rename(&tmp, &tokens_path).map_err(io(&tokens_path))?;
+                // The token file is streamed into place (a failed tokenization leaves none), then
+                // the index, whose presence says the entry is whole.
+                let index = tokenize(&sources, encoder, &tokens_path)?;
                 let json = serde_json::to_vec(&index)
                     .map_err(|e| DataError::Cache { path: index_path.clone(), message: e.to_string() })?;
-                let tmp = dir.join(format!("{key:016x}.json.{}.tmp", std::process::id()));
-                std::fs::write(&tmp, json).map_err(io(&tmp))?;
-                std::fs::rename(&tmp, &index_path).map_err(io(&index_path))?;
+                write_atomic(&index_path, &json).map_err(io(&index_path))?;
                 (index, false)
             }
             Err(error) => return Err(DataError::Io { path: index_path, error }),
@@ -1280,7 +1271,7 @@ mod tests {
     }
 
     fn write(path: &Path, text: &str) -> PathBuf {
-        std::fs::write(path, text).unwrap();
+        write_atomic(path, text.as_bytes()).unwrap();
         path.to_path_buf()
     }
 
@@ -1568,7 +1559,7 @@ mod tests {
         assert!(matches!(&e, DataError::EmptyDir(p) if *p == empty), "{e}");
 
         let latin1 = dir.join("latin1.txt");
-        std::fs::write(&latin1, b"fine\ncaf\xe9\n").unwrap();
+        write_atomic(&latin1, b"fine\ncaf\xe9\n").unwrap();
         let e = Corpus::open(&[&latin1], &ByteTokenizer, options(&dir, 2, Objective::Causal, 0.0)).unwrap_err();
         assert_eq!(e.to_string(), format!("`{}` line 2 is not UTF-8 text", latin1.display()));
 
