@@ -213,11 +213,10 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         b => b,
     };
     let device = open(backend, None, threads_or_default(args.threads)?)?;
-    let mut trainer = reporter
-        .stage("building the training graph", || {
-            Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
-        })
-        .map_err(Box::new)?;
+    let mut trainer = reporter.stage("building the training graph", || {
+        Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
+            .map_err(Box::new)
+    })?;
     if let Some(path) = &args.resume {
         let state = read_tensors(&state_path(path))
             .with_context(|| format!("--resume: the training state beside `{}`", path.display()))?;
