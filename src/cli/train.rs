@@ -29,8 +29,8 @@ use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// `--objective`.
@@ -48,8 +48,11 @@ pub enum ObjectiveArg {
 #[derive(clap::Args)]
 pub struct TrainArgs {
     /// A spec (TOML), or a checkpoint (a Hugging Face model directory or a GGUF file) whose spec
-    /// is imported and whose weights are the starting point.
-    model: PathBuf,
+    /// is imported and whose weights are the starting point. Several: variants trained one after
+    /// the other on the same data, seed and batches, `-o` a directory that gets each one's
+    /// weights and log (named after the spec) and `curves.svg`, their loss curves together.
+    #[arg(required = true, num_args = 1..)]
+    models: Vec<PathBuf>,
     /// The starting weights (safetensors, or GGUF, dequantized), under the names the spec's
     /// weight map gives (default: MODEL's, if a checkpoint).
     #[arg(long)]
@@ -122,7 +125,7 @@ pub struct TrainArgs {
     #[arg(long)]
     log: Option<PathBuf>,
     /// Where to write the trained weights (safetensors, under the checkpoint's tensor names); the
-    /// training state goes beside it (`.state.safetensors`).
+    /// training state goes beside it (`.state.safetensors`). With several models, a directory.
     #[arg(short, long)]
     output: PathBuf,
     /// Stop after this many steps (of the recipe's) with a checkpoint, to continue later with
@@ -142,9 +145,9 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// The model file.
+    /// The (first) model file.
     pub fn model(&self) -> &Path {
-        &self.model
+        self.models.first().map_or(Path::new(""), PathBuf::as_path)
     }
 
     /// The recipe: the spec's `[train]` (`declared`), then the `--recipe` file's keys over it,
@@ -186,19 +189,84 @@ pub fn state_path(weights: &Path) -> PathBuf {
     weights.with_file_name(format!("{stem}.state.safetensors"))
 }
 
-/// Runs `kiln train`.
+/// Set by Ctrl-C (or SIGTERM): the run ends after the step under way, with a checkpoint; a
+/// second one ends the process at once. Registered once per process.
+fn interrupted() -> Result<Arc<AtomicBool>> {
+    static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    if let Some(flag) = FLAG.get() {
+        return Ok(flag.clone());
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 130, flag.clone())?;
+        signal_hook::flag::register(signal, flag.clone())?;
+    }
+    Ok(FLAG.get_or_init(|| flag).clone())
+}
+
+/// Runs `kiln train`: one model, or several compared.
 pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
-    for path in [Some(&args.output), args.log.as_ref()].into_iter().flatten() {
+    let [model] = args.models.as_slice() else { return compare(&args, reporter) };
+    train_one(&args, model, &args.output, args.log.as_deref(), reporter).map(drop)
+}
+
+/// Several variants trained one after another into the directory `-o`, each on the same data,
+/// seed and batches; then their curves drawn together.
+fn compare(args: &TrainArgs, reporter: &Reporter) -> Result<()> {
+    if args.resume.is_some() || args.stop_after.is_some() {
+        bail!("--resume and --stop-after continue one run: give one model");
+    }
+    let dir = &args.output;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot make the directory `{}`", dir.display()))?;
+    let mut stems: Vec<String> = Vec::new();
+    for model in &args.models {
+        let stem = model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        if stems.contains(&stem) {
+            bail!("two models are named `{stem}`: their outputs would share a name in `{}`", dir.display());
+        }
+        stems.push(stem);
+    }
+    let mut logs = Vec::new();
+    for (model, stem) in args.models.iter().zip(&stems) {
+        reporter.info(format_args!("training {}", model.display()));
+        let log = dir.join(format!("{stem}.jsonl"));
+        train_one(args, model, &dir.join(format!("{stem}.safetensors")), Some(&log), reporter)
+            .with_context(|| format!("training `{}`", model.display()))?;
+        logs.push(log);
+    }
+    let runs = logs.iter().map(|l| crate::curves::Run::read(l)).collect::<Result<Vec<_>>>()?;
+    let svg = dir.join("curves.svg");
+    let window = (args.steps.unwrap_or(0) / 50).max(1);
+    kiln_compiler::file::write_atomic(&svg, crate::curves::svg(&runs, "training loss", window).as_bytes())
+        .with_context(|| format!("cannot write `{}`", svg.display()))?;
+    for run in &runs {
+        let last = run.eval.last().map_or(String::new(), |e| format!("evaluation loss {:.4}", e.1));
+        reporter.info(format_args!("{:24} {last}", run.name));
+    }
+    reporter.info(format_args!("curves: {}", svg.display()));
+    Ok(())
+}
+
+/// Trains `model` with `args`, writing the weights to `output` and the log to `log`; returns
+/// the final evaluation loss, if there is evaluation data.
+fn train_one(
+    args: &TrainArgs,
+    model: &Path,
+    output: &Path,
+    log: Option<&Path>,
+    reporter: &Reporter,
+) -> Result<Option<f64>> {
+    for path in [Some(output), log].into_iter().flatten() {
         kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
     }
-    let fe = load_spec(&args.model)?;
+    let fe = load_spec(model)?;
     let recipe = args.recipe(fe.spec.spec.train.clone())?;
-    let mut feed = feed(&args, &fe, &recipe, reporter)?;
+    let mut feed = feed(args, model, &fe, &recipe, reporter)?;
     let tensors: HashMap<String, Tensor> = match (&args.resume, &args.weights) {
         (Some(path), _) => Checkpoint::open(path)?.all()?,
         (None, Some(path)) => Checkpoint::open(path)?.all()?,
-        (None, None) if kiln_runtime::import::is_checkpoint(&args.model) => {
-            Checkpoint::open(&weights_for(None, &args.model)?)?.all()?
+        (None, None) if kiln_runtime::import::is_checkpoint(model) => {
+            Checkpoint::open(&weights_for(None, model)?)?.all()?
         }
         (None, None) => {
             for line in init::describe(&fe.spec) {
@@ -223,7 +291,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         trainer.load_state(&state)?;
         feed.restore(&state)?;
     }
-    let mut log = match &args.log {
+    let mut log = match log {
         Some(path) => Some(Log::open(path, trainer.steps_done())?),
         None => None,
     };
@@ -240,12 +308,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }
         Ok(Some(sum / n.max(1) as f64))
     };
-    // Ctrl-C ends the run after the step under way, with a checkpoint; a second one ends it now.
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(signal, 130, interrupted.clone())?;
-        signal_hook::flag::register(signal, interrupted.clone())?;
-    }
+    let interrupted = interrupted()?;
     let bar = reporter.steps(recipe.steps as u64, trainer.steps_done() as u64);
     let started = Instant::now();
     let first = trainer.steps_done();
@@ -259,7 +322,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
             Ok(l) => l,
             Err(e) => {
                 // The step changed nothing: the weights before it are the last good ones.
-                let saved = save(&trainer, &feed, &args.output).map(|()| args.output.display().to_string());
+                let saved = save(&trainer, &feed, output).map(|()| output.display().to_string());
                 return Err(anyhow!(e).context(match saved {
                     Ok(path) => format!("training stopped; the weights before step {s} are in `{path}`"),
                     Err(_) => "training stopped".to_string(),
@@ -282,26 +345,26 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         let rate = tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
         bar.show(done as u64, &progress_message(&logged, eval_loss, rate));
         if recipe.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) && !last {
-            save(&trainer, &feed, &args.output)?;
+            save(&trainer, &feed, output)?;
         }
         if done == end && !last {
             bar.finish();
-            save(&trainer, &feed, &args.output)?;
+            save(&trainer, &feed, output)?;
             reporter.info(format_args!(
                 "stopped after step {done} of {}; continue with `--resume {}`",
                 recipe.steps,
-                args.output.display()
+                output.display()
             ));
-            return Ok(());
+            return Ok(None);
         }
         if interrupted.load(Ordering::Relaxed) && !last {
             bar.finish();
-            save(&trainer, &feed, &args.output)?;
+            save(&trainer, &feed, output)?;
             bail!(
                 "interrupted after step {done} of {}: the checkpoint is in `{}`; continue with `--resume {}`",
                 recipe.steps,
-                args.output.display(),
-                args.output.display()
+                output.display(),
+                output.display()
             );
         }
     }
@@ -310,7 +373,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     if let (Some(log), Some(l)) = (&mut log, eval_loss) {
         log.line(&json!({ "eval_loss": l }))?;
     }
-    save(&trainer, &feed, &args.output)?;
+    save(&trainer, &feed, output)?;
     let seconds = started.elapsed().as_secs_f64();
     reporter.info(format_args!(
         "trained steps {}..{} in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
@@ -318,14 +381,20 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         recipe.steps,
         tokens as f64 / seconds.max(1e-9),
         eval_loss.map_or(String::new(), |l| format!(", eval loss {l:.4}")),
-        args.output.display()
+        output.display()
     ));
-    Ok(())
+    Ok(eval_loss)
 }
 
 /// Where the run's batches come from: `--batches`, or `--data` read with the model's tokenizer
 /// and prepared for its objective.
-fn feed(args: &TrainArgs, fe: &kiln_compiler::FrontEnd, recipe: &Recipe, reporter: &Reporter) -> Result<Feed> {
+fn feed(
+    args: &TrainArgs,
+    model: &Path,
+    fe: &kiln_compiler::FrontEnd,
+    recipe: &Recipe,
+    reporter: &Reporter,
+) -> Result<Feed> {
     match (&args.batches, &args.data) {
         (Some(path), _) => {
             let batches = Batches::new(read_tensors(path)?).with_context(|| format!("batches `{}`", path.display()))?;
@@ -333,7 +402,7 @@ fn feed(args: &TrainArgs, fe: &kiln_compiler::FrontEnd, recipe: &Recipe, reporte
             Ok(Feed::Batches(batches))
         }
         (None, data) if !data.is_empty() => {
-            let corpus = open_corpus(data, args.tokenizer.as_deref(), &args.model, fe, recipe, args.objective)?;
+            let corpus = open_corpus(data, args.tokenizer.as_deref(), model, fe, recipe, args.objective)?;
             reporter.info(format_args!(
                 "data: {} tokens in {} documents ({}), {} validation windows",
                 corpus.tokens(),

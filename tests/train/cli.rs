@@ -246,3 +246,27 @@ fn plot_draws_runs_together_as_svg() {
     std::fs::write(&bad, "{\"step\": 0, \"loss\": 1.0}\nnot json\n{\"step\": 1}\n").unwrap();
     fails_with(&["plot", bad.to_str().unwrap(), "-o", svg.to_str().unwrap()], &["bad.jsonl` line 2"]);
 }
+
+#[test]
+fn variants_train_on_the_same_batches_and_are_plotted_together() {
+    let dir = scratch("train-compare");
+    let data = verse(&dir);
+    let pre = root().join("models/nanogpt-shakespeare.toml");
+    let post = dir.join("post.toml");
+    let text = std::fs::read_to_string(&pre).unwrap().replace("placement = \"pre\"", "placement = \"post\"");
+    std::fs::write(&post, text).unwrap();
+    let out = dir.join("runs");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", pre.to_str().unwrap(), post.to_str().unwrap(), "--data", data.to_str().unwrap()])
+        .args(["--steps", "6", "--warmup-steps", "0", "--batch", "2", "--seq", "16", "-o", out.to_str().unwrap()])
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for name in ["nanogpt-shakespeare", "post"] {
+        assert!(out.join(format!("{name}.safetensors")).is_file(), "{name}'s weights");
+        assert_eq!(log_lines(&out.join(format!("{name}.jsonl"))).len(), 7, "{name}'s log: 6 steps and the evaluation");
+    }
+    let svg = std::fs::read_to_string(out.join("curves.svg")).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 2);
+}
