@@ -270,3 +270,36 @@ fn variants_train_on_the_same_batches_and_are_plotted_together() {
     let svg = std::fs::read_to_string(out.join("curves.svg")).unwrap();
     assert_eq!(svg.matches("<polyline").count(), 2);
 }
+
+#[test]
+fn an_encoder_decoder_trains_on_source_target_pairs_by_teacher_forcing() {
+    let dir = scratch("train-seq2seq");
+    // models/t5.toml with a byte vocabulary: each target is its source reversed.
+    let spec = dir.join("t5-bytes.toml");
+    let text = std::fs::read_to_string(root().join("models/t5.toml")).unwrap().replace("vocab = 128", "vocab = 256");
+    std::fs::write(&spec, text).unwrap();
+    let words = ["summer", "lovely", "temperate", "darling", "shines", "complexion", "fair", "declines"];
+    let lines: String = (0..200)
+        .map(|i| {
+            let w = words[i % words.len()];
+            let source: String = format!("{w} {}", words[(i / 3) % words.len()]);
+            let target: String = source.chars().rev().collect();
+            format!("{}\n", serde_json::json!({ "source": source, "target": target }))
+        })
+        .collect();
+    let data = dir.join("pairs.jsonl");
+    std::fs::write(&data, lines).unwrap();
+    let log = dir.join("log.jsonl");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", spec.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "30"])
+        .args(["--warmup-steps", "3", "--batch", "8", "--seq", "24", "--lr", "0.003", "--log", log.to_str().unwrap()])
+        .args(["-o", dir.join("w.safetensors").to_str().unwrap()])
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines = log_lines(&log);
+    let first = lines[0]["loss"].as_f64().unwrap();
+    let eval = lines.last().unwrap()["eval_loss"].as_f64().unwrap();
+    assert!(eval < first - 1.0, "the loss of teacher-forced targets fell only from {first} to {eval}");
+}
