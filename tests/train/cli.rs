@@ -303,3 +303,27 @@ fn an_encoder_decoder_trains_on_source_target_pairs_by_teacher_forcing() {
     let eval = lines.last().unwrap()["eval_loss"].as_f64().unwrap();
     assert!(eval < first - 1.0, "the loss of teacher-forced targets fell only from {first} to {eval}");
 }
+
+#[test]
+fn bench_train_times_each_backend_side_by_side() {
+    let spec = root().join("models/gpt2.toml");
+    let out = ok(&[
+        "bench",
+        "train",
+        spec.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+        "--runs",
+        "1",
+        "--backends",
+        "cpu,interp",
+    ]);
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("ms/step") && l.contains("tokens/s")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
+    fails_with(&["bench", "train", spec.to_str().unwrap(), "--backends", "wgpu"], &["`wgpu` does not train"]);
+}

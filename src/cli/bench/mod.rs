@@ -10,6 +10,7 @@ mod forward;
 mod kernels;
 mod optimize;
 mod table;
+mod train;
 
 use crate::exec::{Backend, threads_or_default};
 use crate::progress::Reporter;
@@ -49,6 +50,9 @@ enum Bench {
     /// grouped-query, sequences 128 to 1024), and block-sparse (BigBird) against dense
     /// bidirectional attention per token from 256 to 4096 tokens.
     Attention(KernelArgs),
+    /// A training step (loss, gradients, AdamW) on random batches, per backend side by side:
+    /// ms per step and tokens per second.
+    Train(train::TrainArgs),
     /// A summary table over `--models` at `--seqs` (forward ms, tok/s, decode tok/s, dispatches,
     /// device memory) and the kernels' GFLOPS.
     Table(table::TableArgs),
@@ -60,6 +64,7 @@ impl BenchArgs {
         match &self.what {
             Bench::Forward(args) | Bench::Profile(args) => args.spec(),
             Bench::Decode(args) => args.spec(),
+            Bench::Train(args) => Some(args.spec()),
             Bench::Optimize(_) | Bench::Calibrate(_) | Bench::Kernels(_) | Bench::Attention(_) | Bench::Table(_) => {
                 None
             }
@@ -78,6 +83,7 @@ pub fn run(args: BenchArgs, reporter: &Reporter) -> Result<()> {
         Bench::Kernels(args) => kernels::run(args, reporter),
         Bench::Attention(args) => attention::run(args, reporter),
         Bench::Table(args) => table::run(args, reporter),
+        Bench::Train(args) => train::run(args, reporter),
     }
 }
 
