@@ -327,3 +327,40 @@ fn bench_train_times_each_backend_side_by_side() {
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
     fails_with(&["bench", "train", spec.to_str().unwrap(), "--backends", "wgpu"], &["`wgpu` does not train"]);
 }
+
+#[test]
+fn an_encoder_with_a_masked_lm_head_trains_on_text_with_the_tokenizers_mask() {
+    let dir = scratch("train-mlm");
+    let tokenizer = crate::common::fetched("minilm", "minilm-l6", "tokenizer.json");
+    // A small BERT with all-MiniLM-L6-v2's vocabulary (its tokenizer has `[MASK]`) and BERT's
+    // masked-LM head.
+    let spec = dir.join("bert-mlm.toml");
+    std::fs::write(
+        &spec,
+        "[model]\nkind = \"encoder\"\nvocab = 30522\nd_model = 32\nlayers = 2\nmax_positions = 64\n\
+         [embedding]\nnorm = true\n[positions]\nkind = \"learned\"\n[norm]\nkind = \"layernorm\"\neps = 1e-12\n\
+         placement = \"post\"\n[attention]\nheads = 4\nbias = true\npadding_mask = true\n\
+         [ffn]\nactivation = \"gelu\"\nbias = true\n[head]\ntransform = true\nbias = true\n\
+         [outputs]\nlogits = true\n",
+    )
+    .unwrap();
+    let data = verse(&dir);
+    let log = dir.join("log.jsonl");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", spec.to_str().unwrap(), "--data", data.to_str().unwrap(), "--tokenizer"])
+        .arg(&tokenizer)
+        .args(["--steps", "25", "--warmup-steps", "2", "--batch", "4", "--seq", "16", "--lr", "0.005"])
+        .args(["--log", log.to_str().unwrap(), "-o", dir.join("w.safetensors").to_str().unwrap()])
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines = log_lines(&log);
+    // About 15% of each window's tokens carry a label.
+    let tokens = lines[0]["tokens"].as_u64().unwrap();
+    assert!((4..=24).contains(&tokens), "{tokens} masked tokens in 4 x 16");
+    let first = lines[0]["loss"].as_f64().unwrap();
+    let eval = lines.last().unwrap()["eval_loss"].as_f64().unwrap();
+    assert!((first - 30522f64.ln()).abs() < 0.5, "first loss {first}");
+    assert!(eval < first - 2.0, "masked-token loss fell only from {first} to {eval}");
+}
