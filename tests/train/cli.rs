@@ -364,3 +364,50 @@ fn an_encoder_with_a_masked_lm_head_trains_on_text_with_the_tokenizers_mask() {
     assert!((first - 30522f64.ln()).abs() < 0.5, "first loss {first}");
     assert!(eval < first - 2.0, "masked-token loss fell only from {first} to {eval}");
 }
+
+#[test]
+fn ctrl_c_stops_after_the_step_under_way_with_a_checkpoint_that_resumes() {
+    let dir = scratch("train-interrupt");
+    let data = verse(&dir);
+    let (out, log) = (dir.join("w.safetensors"), dir.join("log.jsonl"));
+    let spec = root().join("models/nanogpt-shakespeare.toml");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> =
+            ["train", spec.to_str().unwrap(), "--data", data.to_str().unwrap()].iter().map(|s| s.to_string()).collect();
+        a.extend(["--steps", "400", "--warmup-steps", "0", "--batch", "2", "--seq", "16"].map(String::from));
+        a.extend(["--log", log.to_str().unwrap(), "-o", out.to_str().unwrap()].map(String::from));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args(&[]))
+        .env("KILN_DATA", dir.join("cache"))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once a step is logged, the run is in its loop: interrupt it as Ctrl-C does.
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&log).map_or(true, |l| l.lines().count() < 2) {
+        assert!(started.elapsed().as_secs() < 60, "no step logged within a minute");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let kill = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("interrupted after step") && err.contains("--resume"), "{err}");
+    let state = read_tensors(&dir.join("w.state.safetensors")).unwrap();
+    let step = state["train.step"].as_i64().unwrap()[0];
+    assert!(step > 0 && step < 400, "checkpoint at step {step}");
+    let steps = log_lines(&log).iter().filter(|l| l.get("grad_norm").is_some()).count();
+    assert_eq!(steps, step as usize, "one log line per step taken");
+    // The checkpoint resumes where it stopped.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args(&["--resume", out.to_str().unwrap(), "--stop-after", &(step + 1).to_string()]))
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let state = read_tensors(&dir.join("w.state.safetensors")).unwrap();
+    assert_eq!(state["train.step"].as_i64().unwrap()[0], step + 1);
+}
