@@ -411,3 +411,41 @@ fn ctrl_c_stops_after_the_step_under_way_with_a_checkpoint_that_resumes() {
     let state = read_tensors(&dir.join("w.state.safetensors")).unwrap();
     assert_eq!(state["train.step"].as_i64().unwrap()[0], step + 1);
 }
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_leaves_the_old_one_whole() {
+    let dir = scratch("train-full-disk");
+    let data = verse(&dir);
+    let out = dir.join("w.safetensors");
+    let spec = root().join("models/nanogpt-shakespeare.toml");
+    let base = format!(
+        "{} train {} --data {} --steps 20 --warmup-steps 0 --batch 2 --seq 16 -o {}",
+        env!("CARGO_BIN_EXE_kiln"),
+        spec.display(),
+        data.display(),
+        out.display()
+    );
+    let sh = |script: String| {
+        std::process::Command::new("bash").args(["-c", &script]).env("KILN_DATA", dir.join("cache")).output().unwrap()
+    };
+    let o = sh(format!("{base} --stop-after 3"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let state = dir.join("w.state.safetensors");
+    let (weights_before, state_before) = (std::fs::read(&out).unwrap(), std::fs::read(&state).unwrap());
+    // Files may grow to 500 KiB at most, less than a checkpoint: the write fails as on a full
+    // disk (EFBIG, with SIGXFSZ ignored, where a full disk gives ENOSPC).
+    let o = sh(format!("trap '' XFSZ; ulimit -f 500; exec {base} --resume {} --stop-after 6", out.display()));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("w.state.safetensors"), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), weights_before, "the old weights changed");
+    assert_eq!(std::fs::read(&state).unwrap(), state_before, "the old state changed");
+    let stray: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert!(stray.is_empty(), "temporary files left: {stray:?}");
+    // And it still resumes.
+    let o = sh(format!("{base} --resume {} --stop-after 4", out.display()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
