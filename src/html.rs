@@ -33,6 +33,9 @@ pub struct Report<'a> {
     pub layers: &'a Option<Range<usize>>,
     /// The adapter and the time of every step, with `--profile`.
     pub profile: Option<(&'a str, &'a Profile)>,
+    /// Training runs of the model (`kiln train --log` files, with `--training`), drawn as loss
+    /// curves in a section of their own.
+    pub training: &'a [crate::curves::Run],
 }
 
 /// Escapes text for HTML content and attribute values.
@@ -130,6 +133,32 @@ document.querySelectorAll('button[data-fit]').forEach(function (b) {
 "#;
 
 impl Report<'_> {
+    /// The training runs' loss curves and final figures (empty without runs).
+    fn training(&self) -> String {
+        if self.training.is_empty() {
+            return String::new();
+        }
+        let mut s = String::from("<section id=\"training\"><h2>Training</h2>\n");
+        s += "<table class=\"narrow\"><thead><tr><th>run</th><th>steps</th><th>first loss</th><th>last loss</th><th>evaluation loss</th></tr></thead><tbody>\n";
+        for run in self.training {
+            let cell = |v: Option<f64>| v.map_or("—".to_string(), |v| format!("{v:.4}"));
+            let _ = writeln!(
+                s,
+                "<tr><td class=\"mono\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&run.name),
+                run.train.len(),
+                cell(run.train.first().map(|p| p.1)),
+                cell(run.train.last().map(|p| p.1)),
+                cell(run.eval.last().map(|p| p.1))
+            );
+        }
+        s += "</tbody></table>\n<div class=\"graph fit\">";
+        let steps = self.training.iter().map(|r| r.train.len()).max().unwrap_or(0);
+        s += &crate::curves::svg(self.training, "training loss", (steps / 50).max(1));
+        s += "</div></section>\n";
+        s
+    }
+
     /// The page.
     pub fn render(&self) -> Result<String> {
         let model = &self.graph.name;
@@ -151,7 +180,12 @@ impl Report<'_> {
             self.seq
         );
         h += &self.cards();
-        h += "</header>\n<nav><a href=\"#kernels\">Kernels</a><a href=\"#graphs\">Graphs</a><a href=\"#fusions\">Fusions</a><a href=\"#optimizer\">Optimizer</a><a href=\"#wgsl\">WGSL</a><a href=\"#spec\">Spec</a></nav>\n<main>\n";
+        let training_link = if self.training.is_empty() { "" } else { "<a href=\"#training\">Training</a>" };
+        let _ = write!(
+            h,
+            "</header>\n<nav>{training_link}<a href=\"#kernels\">Kernels</a><a href=\"#graphs\">Graphs</a><a href=\"#fusions\">Fusions</a><a href=\"#optimizer\">Optimizer</a><a href=\"#wgsl\">WGSL</a><a href=\"#spec\">Spec</a></nav>\n<main>\n"
+        );
+        h += &self.training();
         h += &self.kernels();
         h += &self.graphs()?;
         h += &self.fusions();

@@ -53,6 +53,10 @@ pub struct InspectArgs {
     /// explanations and the optimizer statistics.
     #[arg(long, conflicts_with_all = ["stats", "explain", "output"])]
     html: Option<PathBuf>,
+    /// With `--html`: training logs of this model (`kiln train --log`), drawn as loss curves in a
+    /// section of the report.
+    #[arg(long, requires = "html", num_args = 1..)]
+    training: Vec<PathBuf>,
     /// With `--html`: run the optimized plan on wgpu and time every dispatch (the median of 5).
     #[arg(long, requires = "html")]
     profile: bool,
@@ -400,7 +404,9 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
             Some((gpu.describe(), model.program().clone(), profile))
         }
     };
+    let training = args.training.iter().map(|p| crate::curves::Run::read(p)).collect::<Result<Vec<_>>>()?;
     let page = crate::html::Report {
+        training: &training,
         spec_path: &args.spec.display().to_string(),
         source,
         graph: &fe.graph,

@@ -242,6 +242,18 @@ fn plot_draws_runs_together_as_svg() {
     assert_eq!(text.matches("<circle").count(), 2);
     assert!(text.contains("lr-0.01 (") && text.contains("lr-0.001 ("), "legend");
     fails_with(&["plot", logs[0].to_str().unwrap(), "-o", dir.join("x.png").to_str().unwrap()], &["writes SVG"]);
+    // The same curves as a section of the HTML report.
+    let report = dir.join("report.html");
+    let d = case();
+    ok(&["inspect", d.to_str().unwrap(), "--html", report.to_str().unwrap(), "--training"]
+        .into_iter()
+        .chain(logs.iter().map(|l| l.to_str().unwrap()))
+        .collect::<Vec<_>>());
+    let html = std::fs::read_to_string(&report).unwrap();
+    let section = &html[html.find("<section id=\"training\">").expect("a training section")..];
+    let section = &section[..section.find("</section>").unwrap()];
+    assert_eq!(section.matches("<polyline").count(), 2);
+    assert!(section.contains(">lr-0.01<") && section.contains(">lr-0.001<"), "the runs' table");
     let bad = dir.join("bad.jsonl");
     std::fs::write(&bad, "{\"step\": 0, \"loss\": 1.0}\nnot json\n{\"step\": 1}\n").unwrap();
     fails_with(&["plot", bad.to_str().unwrap(), "-o", svg.to_str().unwrap()], &["bad.jsonl` line 2"]);
