@@ -391,7 +391,7 @@ fn ctrl_c_stops_after_the_step_under_way_with_a_checkpoint_that_resumes() {
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args(&[]))
         .env("KILN_DATA", dir.join("cache"))
         .stderr(std::process::Stdio::piped())
