@@ -81,8 +81,11 @@ const COLOURS: [&str; 8] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e
 
 /// The SVG of `runs`' curves, titled `title`, training losses smoothed over `window` steps.
 pub fn svg(runs: &[Run], title: &str, window: usize) -> String {
-    let (w, h) = (720.0, 440.0);
-    let (left, right, top, bottom) = (64.0, 180.0, 40.0, 48.0);
+    // The legend's width from its longest entry (about 7 px a character at 12 px).
+    let longest = runs.iter().map(|r| r.name.chars().count() + r.eval.last().map_or(0, |_| 8)).max().unwrap_or(0);
+    let right = 60.0 + 7.0 * longest as f64;
+    let (w, h) = (540.0 + right, 440.0);
+    let (left, top, bottom) = (64.0, 56.0, 48.0);
     let all = runs.iter().flat_map(|r| r.train.iter().chain(&r.eval)).filter(|p| p.0.is_finite() && p.1.is_finite());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
@@ -172,12 +175,11 @@ pub fn svg(runs: &[Run], title: &str, window: usize) -> String {
         let last = run.eval.last().map_or(String::new(), |e| format!(" ({:.3})", e.1));
         let _ = writeln!(s, r#"<text x="{}" y="{}">{}{}</text>"#, lx + 26.0, ly + 4.0, escape(&run.name), last);
     }
-    let ly = top + 14.0 + 20.0 * runs.len() as f64 + 8.0;
     let _ = writeln!(
         s,
-        r##"<text x="{}" y="{ly}" fill="#555">lines: training{}; dots: evaluation</text>"##,
-        w - right + 12.0,
-        if window > 1 { format!(" (mean of {window})") } else { String::new() }
+        r##"<text x="{}" y="40" text-anchor="middle" fill="#555">lines: training loss{}; dots: evaluation loss</text>"##,
+        (left + w - right) / 2.0,
+        if window > 1 { format!(" (mean of {window} steps)") } else { String::new() }
     );
     s.push_str("</svg>\n");
     s

@@ -241,7 +241,11 @@ fn plot_draws_runs_together_as_svg() {
     // The final evaluation of each run, as a dot and in the legend.
     assert_eq!(text.matches("<circle").count(), 2);
     assert!(text.contains("lr-0.01 (") && text.contains("lr-0.001 ("), "legend");
-    fails_with(&["plot", logs[0].to_str().unwrap(), "-o", dir.join("x.png").to_str().unwrap()], &["writes SVG"]);
+    fails_with(&["plot", logs[0].to_str().unwrap(), "-o", dir.join("x.jpg").to_str().unwrap()], &["writes SVG or PNG"]);
+    // PNG, rasterized by librsvg (scripts/test installs it, as it installs Graphviz).
+    let png = dir.join("curves.png");
+    ok(&["plot", logs[0].to_str().unwrap(), logs[1].to_str().unwrap(), "-o", png.to_str().unwrap()]);
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
     // The same curves as a section of the HTML report.
     let report = dir.join("report.html");
     let d = case();
