@@ -474,3 +474,41 @@ fn a_checkpoint_that_cannot_be_written_leaves_the_old_one_whole() {
     let o = sh(format!("{base} --resume {} --stop-after 4", out.display()));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+#[test]
+fn a_quantized_gguf_checkpoint_is_fine_tuned_and_its_weights_generate_at_once() {
+    let dir = scratch("train-gguf");
+    let gguf = crate::common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let data = verse(&dir);
+    let (out, log) = (dir.join("tuned.safetensors"), dir.join("log.jsonl"));
+    // The GGUF stands for its spec and its weights (dequantized; Q and K rows read in llama.cpp's
+    // order through graph ops) and brings its tokenizer.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("train")
+        .arg(&gguf)
+        .args(["--data", data.to_str().unwrap(), "--steps", "2", "--warmup-steps", "0", "--batch", "1"])
+        .args(["--seq", "8", "--lr", "1e-4", "--log", log.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .env("KILN_DATA", dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines = log_lines(&log);
+    assert_eq!(lines.iter().filter(|l| l.get("grad_norm").is_some()).count(), 2);
+    // A trained model, not a random one: its loss on English verse is far below ln(49152) = 10.8.
+    assert!(lines[0]["loss"].as_f64().unwrap() < 6.0, "{:?}", lines[0]);
+    let tensors = read_tensors(&out).unwrap();
+    assert!(tensors.contains_key("blk.0.attn_q.weight"), "written under the GGUF's own tensor names");
+    ok(&[
+        "generate",
+        root().join("models/smollm2-135m.toml").to_str().unwrap(),
+        "--weights",
+        out.to_str().unwrap(),
+        "--tokenizer",
+        gguf.to_str().unwrap(),
+        "--prompt",
+        "Shall I compare thee",
+        "--max-new-tokens",
+        "4",
+        "--greedy",
+    ]);
+}
