@@ -344,13 +344,30 @@ fn bench_train_times_each_backend_side_by_side() {
         "1",
         "--runs",
         "1",
-        "--backends",
+        "--backend",
         "cpu,interp",
     ]);
     let rows: Vec<&str> = out.lines().filter(|l| l.contains("ms/step") && l.contains("tokens/s")).collect();
     assert_eq!(rows.len(), 2, "{out}");
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
-    fails_with(&["bench", "train", spec.to_str().unwrap(), "--backends", "wgpu"], &["`wgpu` does not train"]);
+    fails_with(&["bench", "train", spec.to_str().unwrap(), "--backend", "wgpu"], &["`wgpu` does not train"]);
+    let json = ok(&[
+        "bench",
+        "train",
+        spec.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+        "--runs",
+        "1",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mb"].as_f64().unwrap() > 1.0, "{v}");
+    assert_eq!(v["rows"][0]["backend"], "cpu");
 }
 
 #[test]

@@ -32,12 +32,16 @@ pub struct TrainArgs {
     /// Runs; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Backends, side by side: `cpu`, `interp`.
+    /// Backends, side by side: `cpu`, `interp` (comma-separated, or the flag repeated).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    backends: Vec<String>,
+    backend: Vec<String>,
     /// Threads of the CPU backend.
     #[arg(long)]
     threads: Option<usize>,
+    /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
+    /// first backend at the top level, and every backend's in `rows`.
+    #[arg(long)]
+    json: bool,
 }
 
 impl TrainArgs {
@@ -64,11 +68,11 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let recipe = recipe.merge(overrides).resolve()?;
     let threads = threads_or_default(args.threads)?;
     let mut trainers = Vec::new();
-    for name in &args.backends {
+    for name in &args.backend {
         let backend = match name.as_str() {
             "cpu" => crate::exec::Backend::Cpu,
             "interp" => crate::exec::Backend::Interp,
-            other => bail!("--backends: `{other}` does not train (cpu, interp)"),
+            other => bail!("--backend: `{other}` does not train (cpu, interp)"),
         };
         let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph)?.into_iter().collect();
         let dims = PackDims::of(&fe.spec);
@@ -94,8 +98,12 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     ]);
     let tokens = (args.batch * args.seq) as f64;
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); trainers.len()];
+    // The process's peak resident memory after each backend's first step (every backend's
+    // trainer is built by then, so the later figures include the earlier backends' memory).
+    let mut peaks: Vec<Option<f64>> = Vec::new();
     for (_, t) in trainers.iter_mut() {
         t.step(std::slice::from_ref(&batch)).map_err(Box::new)?;
+        peaks.push(peak_rss_mb());
     }
     for _ in 0..args.runs {
         for ((_, t), times) in trainers.iter_mut().zip(times.iter_mut()) {
@@ -106,6 +114,27 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
             times.push(start.elapsed().as_secs_f64() / args.steps as f64);
         }
     }
+    let rows: Vec<serde_json::Value> = trainers
+        .iter()
+        .zip(times)
+        .zip(&peaks)
+        .map(|(((name, _), mut t), peak)| {
+            t.sort_by(f64::total_cmp);
+            let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+            serde_json::json!({
+                "backend": name, "ms_per_step": median * 1e3, "tokens_per_s": tokens / median, "peak_rss_mb": peak
+            })
+        })
+        .collect();
+    if args.json {
+        let first = rows.first().cloned().unwrap_or_default();
+        return crate::report::print_json(&serde_json::json!({
+            "spec": args.spec.display().to_string(), "batch": args.batch, "seq": args.seq, "threads": threads,
+            "steps": args.steps, "runs": args.runs,
+            "tokens_per_s": first["tokens_per_s"], "ms_per_step": first["ms_per_step"], "peak_rss_mb": first["peak_rss_mb"],
+            "rows": rows,
+        }));
+    }
     reporter.info(format_args!(
         "{}: batch {} x {} tokens, {} steps x {} runs (median), {threads} threads",
         args.spec.display(),
@@ -114,10 +143,23 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         args.steps,
         args.runs
     ));
-    for ((name, _), mut t) in trainers.iter().zip(times) {
-        t.sort_by(f64::total_cmp);
-        let median = t[t.len() / 2];
-        println!("{name:8} {:8.2} ms/step  {:9.0} tokens/s", median * 1e3, tokens / median);
+    for row in &rows {
+        let peak = row["peak_rss_mb"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
+        println!(
+            "{:8} {:8.2} ms/step  {:9.0} tokens/s  peak {peak} MB",
+            row["backend"].as_str().unwrap_or("?"),
+            row["ms_per_step"].as_f64().unwrap_or(f64::NAN),
+            row["tokens_per_s"].as_f64().unwrap_or(f64::NAN)
+        );
     }
     Ok(())
+}
+
+/// The process's peak resident set so far, in MB (`VmHWM` of `/proc/self/status`; `None` where
+/// the system has no such file).
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
 }
