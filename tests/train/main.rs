@@ -6,5 +6,6 @@
 mod common;
 
 mod cli;
+mod engines;
 mod fixtures;
 mod init;

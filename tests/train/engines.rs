@@ -1,0 +1,55 @@
+//! The training step of every model family on the CPU engine against the interpreter, the oracle:
+//! the loss and every tensor's gradient of each `models/*.toml` with logits (the large real-model
+//! specs aside), from its declared initialization, on sample inputs.
+
+use crate::common::root;
+use kiln_compiler::spec::PackDims;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::{Objective, training_graph};
+use kiln_runtime::Device;
+use kiln_runtime::train::init;
+use kiln_runtime::train::run::StepRunner;
+use std::collections::HashMap;
+
+/// Specs too large for a test's training step (the real models' sizes).
+const LARGE: [&str; 2] = ["gemma3-270m", "smollm2-135m"];
+
+#[test]
+fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
+    let mut checked = Vec::new();
+    let mut specs: Vec<_> = std::fs::read_dir(root().join("models")).unwrap().map(|e| e.unwrap().path()).collect();
+    specs.sort();
+    for path in specs {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if LARGE.contains(&name.as_str()) {
+            continue;
+        }
+        let fe = kiln_compiler::front_end(&name, &std::fs::read_to_string(&path).unwrap()).unwrap();
+        if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
+            continue;
+        }
+        let objective = Objective { label_smoothing: 0.1 };
+        let (graph, _) =
+            training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+        let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+        let vocab = fe.spec.spec.model.vocab as usize;
+        let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
+        let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
+        let got = StepRunner::new(&Device::Cpu { threads: 2 }, graph).unwrap().run(&params, &batch, &()).unwrap();
+        assert!(
+            (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
+            "{name}: loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+        assert_eq!(want.grads.len(), got.grads.len(), "{name}");
+        for (tensor, w) in &want.grads {
+            let g = &got.grads[tensor];
+            let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let err = w.max_abs_diff(g);
+            assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
+        }
+        checked.push(name);
+    }
+    assert!(checked.len() >= 8, "only {checked:?}");
+}
