@@ -12,12 +12,11 @@ use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_nor
 use super::recipe::{Recipe, glob_match};
 use super::run::{RunError, StepRunner};
 use crate::device::Device;
+use kiln_compiler::autodiff::gradients;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{PackDims, WeightMap};
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::train::{
-    IGNORE_INDEX, LABELS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors, training_graph,
-};
+use kiln_compiler::train::{IGNORE_INDEX, LABELS, LOSS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors};
 use std::collections::HashMap;
 
 /// What can go wrong training.
@@ -143,10 +142,12 @@ impl Trainer {
         recipe: Recipe,
         mut tensors: HashMap<String, Tensor>,
     ) -> Result<Trainer, TrainError> {
+        // The loss on the checkpoint's tensors is the evaluation graph; its gradients, the step's.
         let objective = Objective { label_smoothing: recipe.label_smoothing };
-        let (_, uses) = on_tensors(forward, map, dims).map_err(TrainGraphError::from)?;
+        let (eval_graph, uses) =
+            on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?;
         let frozen = frozen_tensors(&recipe.frozen, &uses)?;
-        let (graph, _) = training_graph(forward, objective, map, dims, |t| !frozen.iter().any(|f| f == t))?;
+        let graph = gradients(&eval_graph, LOSS, |t| !frozen.iter().any(|f| f == t)).map_err(TrainGraphError::from)?;
         let mut trained: Vec<String> = Vec::new();
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
         for u in &uses {
@@ -176,7 +177,6 @@ impl Trainer {
             &recipe,
             shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
         );
-        let eval_graph = on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?.0;
         let train = StepRunner::new(&device, graph).map_err(|source| TrainError::Run { step: 0, source })?;
         Ok(Trainer {
             recipe,
@@ -257,14 +257,15 @@ impl Trainer {
                 })
                 .collect(),
         };
-        // The update works on copies, so that a refused step leaves the tensors as they were.
-        let mut values: Vec<(String, Tensor)> =
-            self.trained.iter().filter_map(|n| Some((n.clone(), self.tensors.get(n)?.clone()))).collect();
-        let mut pairs: Vec<(&str, &mut Tensor, Tensor)> = Vec::new();
-        for (name, value) in values.iter_mut() {
-            let grad = grads
-                .remove(name.as_str())
-                .ok_or_else(|| TrainError::Run { step, source: RunError::NoGradient(name.clone()) })?;
+        // The update is in place: every check (a gradient per trained tensor, its type and shape,
+        // a finite norm, the optimizer's own) comes before the first write, so a refused step
+        // leaves the tensors as they were. The order is the model's, so the norm's sum is too.
+        let mut values: HashMap<&str, &mut Tensor> = self.tensors.iter_mut().map(|(n, t)| (n.as_str(), t)).collect();
+        let mut pairs: Vec<(&str, &mut Tensor, Tensor)> = Vec::with_capacity(self.trained.len());
+        for name in &self.trained {
+            let missing = || TrainError::Run { step, source: RunError::NoGradient(name.clone()) };
+            let grad = grads.remove(name.as_str()).ok_or_else(missing)?;
+            let value = values.remove(name.as_str()).ok_or_else(missing)?;
             pairs.push((name.as_str(), value, grad));
         }
         let mut updates: Vec<Update> = pairs
@@ -277,11 +278,6 @@ impl Trainer {
             source => TrainError::Optim { step, source },
         })?;
         self.optimizer.step(lr, &mut updates).map_err(|source| TrainError::Optim { step, source })?;
-        drop(updates);
-        drop(pairs);
-        for (name, value) in values {
-            self.tensors.insert(name, value);
-        }
         self.step += 1;
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
