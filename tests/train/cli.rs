@@ -4,7 +4,7 @@
 
 use crate::common::{fails_with, ok, root, scratch};
 use kiln_runtime::read_tensors;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn case() -> PathBuf {
     root().join("tests/fixtures/train_gpt2")
@@ -124,6 +124,13 @@ fn a_loss_that_stops_being_finite_stops_the_run_and_keeps_the_last_good_weights(
     }
 }
 
+/// `kiln`, its token cache in `dir/cache` (the test's own, not the user's).
+fn kiln_in(dir: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"));
+    command.env("KILN_DATA", dir.join("cache"));
+    command
+}
+
 /// A few lines of verse, repeated: a corpus a model of bytes learns quickly.
 fn verse(dir: &std::path::Path) -> std::path::PathBuf {
     let text = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n".repeat(60);
@@ -159,11 +166,7 @@ fn a_spec_trains_from_scratch_on_text_and_its_loss_falls() {
         out.to_str().unwrap(),
     ];
     // The token cache goes to a directory of the test's own.
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .env("KILN_DATA", dir.join("cache"))
-        .output()
-        .unwrap();
+    let status = kiln_in(&dir).args(args).output().unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
     let lines = log_lines(&log);
     let first = lines[0]["loss"].as_f64().unwrap();
@@ -194,7 +197,7 @@ fn a_tokenizer_larger_than_the_vocabulary_and_a_corpus_shorter_than_a_window_are
     let short = dir.join("short.txt");
     std::fs::write(&short, "too short").unwrap();
     let run = |spec: &std::path::Path, data: &std::path::Path| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        kiln_in(&dir)
             .args([
                 "train",
                 spec.to_str().unwrap(),
@@ -208,7 +211,6 @@ fn a_tokenizer_larger_than_the_vocabulary_and_a_corpus_shorter_than_a_window_are
                 "32",
             ])
             .args(["-o", dir.join("w.safetensors").to_str().unwrap()])
-            .env("KILN_DATA", dir.join("cache"))
             .output()
             .unwrap()
     };
@@ -281,10 +283,9 @@ fn variants_train_on_the_same_batches_and_are_plotted_together() {
     let text = std::fs::read_to_string(&pre).unwrap().replace("placement = \"pre\"", "placement = \"post\"");
     std::fs::write(&post, text).unwrap();
     let out = dir.join("runs");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let o = kiln_in(&dir)
         .args(["train", pre.to_str().unwrap(), post.to_str().unwrap(), "--data", data.to_str().unwrap()])
         .args(["--steps", "6", "--warmup-steps", "0", "--batch", "2", "--seq", "16", "-o", out.to_str().unwrap()])
-        .env("KILN_DATA", dir.join("cache"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -315,11 +316,10 @@ fn an_encoder_decoder_trains_on_source_target_pairs_by_teacher_forcing() {
     let data = dir.join("pairs.jsonl");
     std::fs::write(&data, lines).unwrap();
     let log = dir.join("log.jsonl");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let o = kiln_in(&dir)
         .args(["train", spec.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "30"])
         .args(["--warmup-steps", "3", "--batch", "8", "--seq", "24", "--lr", "0.003", "--log", log.to_str().unwrap()])
         .args(["-o", dir.join("w.safetensors").to_str().unwrap()])
-        .env("KILN_DATA", dir.join("cache"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -388,12 +388,11 @@ fn an_encoder_with_a_masked_lm_head_trains_on_text_with_the_tokenizers_mask() {
     .unwrap();
     let data = verse(&dir);
     let log = dir.join("log.jsonl");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let o = kiln_in(&dir)
         .args(["train", spec.to_str().unwrap(), "--data", data.to_str().unwrap(), "--tokenizer"])
         .arg(&tokenizer)
         .args(["--steps", "25", "--warmup-steps", "2", "--batch", "4", "--seq", "16", "--lr", "0.005"])
         .args(["--log", log.to_str().unwrap(), "-o", dir.join("w.safetensors").to_str().unwrap()])
-        .env("KILN_DATA", dir.join("cache"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -421,12 +420,7 @@ fn ctrl_c_stops_after_the_step_under_way_with_a_checkpoint_that_resumes() {
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args(&[]))
-        .env("KILN_DATA", dir.join("cache"))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = kiln_in(&dir).args(args(&[])).stderr(std::process::Stdio::piped()).spawn().unwrap();
     // Once a step is logged, the run is in its loop: interrupt it as Ctrl-C does.
     let started = std::time::Instant::now();
     while std::fs::read_to_string(&log).map_or(true, |l| l.lines().count() < 2) {
@@ -444,9 +438,8 @@ fn ctrl_c_stops_after_the_step_under_way_with_a_checkpoint_that_resumes() {
     let steps = log_lines(&log).iter().filter(|l| l.get("grad_norm").is_some()).count();
     assert_eq!(steps, step as usize, "one log line per step taken");
     // The checkpoint resumes where it stopped.
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let o = kiln_in(&dir)
         .args(args(&["--resume", out.to_str().unwrap(), "--stop-after", &(step + 1).to_string()]))
-        .env("KILN_DATA", dir.join("cache"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -500,12 +493,11 @@ fn a_quantized_gguf_checkpoint_is_fine_tuned_and_its_weights_generate_at_once() 
     let (out, log) = (dir.join("tuned.safetensors"), dir.join("log.jsonl"));
     // The GGUF stands for its spec and its weights (dequantized; Q and K rows read in llama.cpp's
     // order through graph ops) and brings its tokenizer.
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let o = kiln_in(&dir)
         .arg("train")
         .arg(&gguf)
         .args(["--data", data.to_str().unwrap(), "--steps", "2", "--warmup-steps", "0", "--batch", "1"])
         .args(["--seq", "8", "--lr", "1e-4", "--log", log.to_str().unwrap(), "-o", out.to_str().unwrap()])
-        .env("KILN_DATA", dir.join("cache"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
