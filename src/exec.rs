@@ -96,6 +96,17 @@ pub fn open(backend: Backend, adapter: Option<&str>, threads: usize) -> Result<D
     })
 }
 
+/// The device a training (or loss) graph runs on: the CPU kernels (for `auto` too) or the
+/// interpreter; the wgpu back end has no backward kernels yet.
+pub fn training_device(backend: Backend, threads: Option<usize>) -> Result<Device> {
+    let backend = match backend {
+        Backend::Auto | Backend::Cpu => Backend::Cpu,
+        Backend::Interp => Backend::Interp,
+        Backend::Wgpu => bail!("`wgpu` does not train yet: training runs on `--backend cpu` or `interp`"),
+    };
+    open(backend, None, threads_or_default(threads)?)
+}
+
 /// What the optimizer compiles for on `device` (see [`Device::cached_target`]); a hardware adapter
 /// without a cached cost model is calibrated now, at its first use, and its model cached.
 pub fn optimizer_target(device: &Device, reporter: &Reporter) -> Result<Target> {

@@ -85,6 +85,22 @@ impl Tensor {
         }
     }
 
+    /// Entries `start .. start + len` of the leading axis, as a tensor of that many (`None` when
+    /// the range runs past the axis or the tensor is a scalar).
+    pub fn leading(&self, start: usize, len: usize) -> Option<Tensor> {
+        let (&rows, rest) = self.shape.split_first()?;
+        if start.checked_add(len)? > rows {
+            return None;
+        }
+        let row: usize = rest.iter().product();
+        let range = start * row..(start + len) * row;
+        let shape = [len].into_iter().chain(rest.iter().copied()).collect();
+        Some(match &self.data {
+            Data::F32(x) => Tensor::f32(shape, x.get(range)?.to_vec()),
+            Data::I64(x) => Tensor::i64(shape, x.get(range)?.to_vec()),
+        })
+    }
+
     /// Elements as floats, converting integers.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match &self.data {

@@ -1,11 +1,11 @@
 //! `kiln eval`: a model's loss and perplexity on data, with no update — variants compared
 //! without training, and a trained checkpoint measured on held-out batches.
 
-use crate::exec::{Backend, open, threads_or_default};
+use crate::exec::{Backend, training_device};
 use crate::model_file::{load_spec, weights_for};
 use crate::progress::Reporter;
 use crate::report::print_json;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::train::{Objective, loss_graph, on_tensors};
 use kiln_runtime::train::batches::Batches;
@@ -62,12 +62,7 @@ pub fn run(args: EvalArgs, reporter: &Reporter) -> Result<()> {
         args.label_smoothing.or_else(|| fe.spec.spec.train.as_ref().and_then(|t| t.label_smoothing)).unwrap_or(0.0);
     let graph = loss_graph(&fe.graph, Objective { label_smoothing: smoothing })?;
     let (graph, _) = on_tensors(&graph, &fe.spec.weights, &PackDims::of(&fe.spec))?;
-    let backend = match args.backend {
-        Backend::Auto => Backend::Cpu,
-        Backend::Wgpu => bail!("`kiln eval` runs on `--backend cpu` or `interp`"),
-        b => b,
-    };
-    let device = open(backend, None, threads_or_default(args.threads)?)?;
+    let device = training_device(args.backend, args.threads)?;
     let mut runner = StepRunner::new(&device, graph)?;
     let mut sets: Vec<(String, std::collections::HashMap<String, kiln_compiler::tensor::Tensor>)> = Vec::new();
     if let Some(eval) = batches.eval() {

@@ -8,7 +8,7 @@
 //! would have. Ctrl-C (or SIGTERM) stops a run after the step under way and writes a checkpoint
 //! first; a step that fails (a non-finite loss) writes the weights before it.
 
-use crate::exec::{Backend, open, threads_or_default};
+use crate::exec::{Backend, training_device};
 use crate::model_file::{load_spec, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, anyhow, bail};
@@ -275,12 +275,7 @@ fn train_one(
             init::initialize(&fe.spec, &fe.graph)?.into_iter().collect()
         }
     };
-    let backend = match args.backend {
-        Backend::Auto => Backend::Cpu,
-        Backend::Wgpu => bail!("training runs on `--backend cpu` or `interp`; the wgpu back end does not train yet"),
-        b => b,
-    };
-    let device = open(backend, None, threads_or_default(args.threads)?)?;
+    let device = training_device(args.backend, args.threads)?;
     let mut trainer = reporter.stage("building the training graph", || {
         Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
             .map_err(Box::new)

@@ -146,8 +146,9 @@ fn fixed(shape: &[Dim]) -> Vec<usize> {
     shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect()
 }
 
-/// The rows of each part of a pack, in the pack's order, and the index of `part` among them.
-fn pack_rows(pack: Pack, part: PackPart, dims: &PackDims) -> Result<(Vec<usize>, usize), String> {
+/// The rows of each part of a pack, in the pack's order, and the index of `part` among them
+/// (what reading a part cuts out, and what initializing a packed tensor fills in).
+pub fn pack_rows(pack: Pack, part: PackPart, dims: &PackDims) -> Result<(Vec<usize>, usize), String> {
     let (q, kv, ff) = (dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.d_ff);
     let qkv = |p: PackPart| [PackPart::Q, PackPart::K, PackPart::V].iter().position(|&x| x == p);
     match (pack, part) {

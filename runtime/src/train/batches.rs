@@ -6,7 +6,7 @@
 //! batch under the same names prefixed `eval_` (`[batch, seq]`). This is how the PyTorch
 //! fixtures record a run, so kiln's step `s` sees exactly the batch PyTorch's did.
 
-use kiln_compiler::tensor::{Data, Tensor};
+use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 
 /// A model input as a batch file names it, and as the graph does (a sequence-to-sequence
@@ -105,8 +105,12 @@ impl Batches {
 
     /// The batch of step `s` (`None` past the last), by the graph's input names.
     pub fn step(&self, s: usize) -> Option<HashMap<String, Tensor>> {
-        (s < self.steps)
-            .then(|| self.per_step.iter().map(|(name, t)| (name.clone(), index(t, s, self.steps))).collect())
+        // Entry `s` of each tensor's step axis, without that axis.
+        let entry = |t: &Tensor| {
+            let one = t.leading(s, 1)?;
+            Some(Tensor { shape: one.shape.get(1..).unwrap_or_default().to_vec(), data: one.data })
+        };
+        (s < self.steps).then(|| self.per_step.iter().filter_map(|(name, t)| Some((name.clone(), entry(t)?))).collect())
     }
 
     /// The evaluation batch, if the file has one.
@@ -117,15 +121,4 @@ impl Batches {
 
 fn alias(name: &str) -> String {
     ALIASES.iter().find(|(from, _)| *from == name).map_or(name, |(_, to)| to).to_string()
-}
-
-/// Entry `s` of `t`'s leading axis (of `n` entries).
-fn index(t: &Tensor, s: usize, n: usize) -> Tensor {
-    let shape: Vec<usize> = t.shape.get(1..).unwrap_or_default().to_vec();
-    let len = t.len() / n.max(1);
-    let range = s * len..(s + 1) * len;
-    match &t.data {
-        Data::F32(x) => Tensor::f32(shape, x.get(range).unwrap_or_default().to_vec()),
-        Data::I64(x) => Tensor::i64(shape, x.get(range).unwrap_or_default().to_vec()),
-    }
 }

@@ -677,25 +677,17 @@ impl TokenWriter<'_> {
     /// A text file, one document, encoded a line-aligned chunk at a time.
     fn text_file(&mut self, path: &Path) -> Result<(), DataError> {
         self.check_kind(false, path, 0)?;
-        let mut reader = BufReader::new(File::open(path).map_err(io(path))?);
         let start = self.tokens;
         let mut chunk = String::new();
-        let mut buf = Vec::new();
-        let mut line = 0;
-        loop {
-            buf.clear();
-            if reader.read_until(b'\n', &mut buf).map_err(io(path))? == 0 {
-                break;
-            }
-            line += 1;
-            let text = std::str::from_utf8(&buf).map_err(|_| DataError::NotUtf8 { path: path.into(), line })?;
+        for_each_line(path, |_, text| {
             chunk.push_str(text);
             if chunk.len() >= CHUNK_BYTES {
                 let ids = self.encode(&chunk, path)?;
                 self.push(&ids)?;
                 chunk.clear();
             }
-        }
+            Ok(())
+        })?;
         if !chunk.is_empty() {
             let ids = self.encode(&chunk, path)?;
             self.push(&ids)?;
@@ -709,18 +701,9 @@ impl TokenWriter<'_> {
 
     /// A JSONL file: a document or a pair a line.
     fn jsonl_file(&mut self, path: &Path) -> Result<(), DataError> {
-        let mut reader = BufReader::new(File::open(path).map_err(io(path))?);
-        let mut buf = Vec::new();
-        let mut line = 0;
-        loop {
-            buf.clear();
-            if reader.read_until(b'\n', &mut buf).map_err(io(path))? == 0 {
-                break;
-            }
-            line += 1;
-            let text = std::str::from_utf8(&buf).map_err(|_| DataError::NotUtf8 { path: path.into(), line })?;
+        for_each_line(path, |line, text| {
             if text.trim().is_empty() {
-                continue;
+                return Ok(());
             }
             let value: serde_json::Value = serde_json::from_str(text).map_err(|e| DataError::Json {
                 path: path.into(),
@@ -753,8 +736,25 @@ impl TokenWriter<'_> {
                 }
                 _ => return Err(DataError::NoText { path: path.into(), line }),
             }
+            Ok(())
+        })
+    }
+}
+
+/// Calls `f` with each line of the file at `path` (its number from 1, and its text with the line
+/// break), read a line at a time; a line that is not UTF-8 is an error naming it.
+fn for_each_line(path: &Path, mut f: impl FnMut(usize, &str) -> Result<(), DataError>) -> Result<(), DataError> {
+    let mut reader = BufReader::new(File::open(path).map_err(io(path))?);
+    let mut buf = Vec::new();
+    let mut line = 0;
+    loop {
+        buf.clear();
+        if reader.read_until(b'\n', &mut buf).map_err(io(path))? == 0 {
+            return Ok(());
         }
-        Ok(())
+        line += 1;
+        let text = std::str::from_utf8(&buf).map_err(|_| DataError::NotUtf8 { path: path.into(), line })?;
+        f(line, text)?;
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::batches::{BatchError, Batches};
 use super::data::{Corpus, DataError, SamplerState, Split};
-use kiln_compiler::tensor::{Data, Tensor};
+use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 
 /// A batch of named inputs.
@@ -118,23 +118,6 @@ fn split(batch: Batch, parts: usize) -> Result<Vec<Batch>, FeedError> {
     }
     let per = rows / parts;
     Ok((0..parts)
-        .map(|p| {
-            batch
-                .iter()
-                .map(|(name, t)| {
-                    let row = t.len() / rows;
-                    let range = p * per * row..(p + 1) * per * row;
-                    let mut shape = t.shape.clone();
-                    if let Some(first) = shape.first_mut() {
-                        *first = per;
-                    }
-                    let part = match &t.data {
-                        Data::F32(x) => Tensor::f32(shape, x.get(range).unwrap_or_default().to_vec()),
-                        Data::I64(x) => Tensor::i64(shape, x.get(range).unwrap_or_default().to_vec()),
-                    };
-                    (name.clone(), part)
-                })
-                .collect()
-        })
+        .map(|p| batch.iter().filter_map(|(name, t)| Some((name.clone(), t.leading(p * per, per)?))).collect())
         .collect())
 }

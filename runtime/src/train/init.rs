@@ -17,10 +17,12 @@
 //! Xavier-normal with gain beta and the query and key projections with gain 1 (DeepNet, Wang et
 //! al. 2022); biases 0; norm gains 1, stored as `1 - norm.gain_offset`.
 
+use super::data::SplitMix64;
 use kiln_compiler::graph::Graph;
-use kiln_compiler::spec::weightmap::{Pack, PackDims, PackPart, Source};
+use kiln_compiler::spec::weightmap::{Pack, PackDims, Source};
 use kiln_compiler::spec::{InitRules, ResidualScale, Resolved};
 use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::sources::pack_rows;
 use kiln_compiler::train::{SourceError, TensorUse, on_tensors};
 use std::collections::HashMap;
 
@@ -261,22 +263,9 @@ fn placement(source: &Source, shape: &[usize], stored: &[usize], dims: &PackDims
     Ok(places)
 }
 
-/// The rows of each part of a pack, in order, and the index of `part` among them.
-fn pack_rows(pack: Pack, part: PackPart, dims: &PackDims) -> Result<(Vec<usize>, usize), String> {
-    let (q, kv, ff) = (dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.d_ff);
-    match (pack, part) {
-        (Pack::QkvBlocks | Pack::QkvPerHead, PackPart::Q) => Ok((vec![q, kv, kv], 0)),
-        (Pack::QkvBlocks | Pack::QkvPerHead, PackPart::K) => Ok((vec![q, kv, kv], 1)),
-        (Pack::QkvBlocks | Pack::QkvPerHead, PackPart::V) => Ok((vec![q, kv, kv], 2)),
-        (Pack::GateUpBlocks, PackPart::Gate) => Ok((vec![ff, ff], 0)),
-        (Pack::GateUpBlocks, PackPart::Up) => Ok((vec![ff, ff], 1)),
-        (pack, part) => Err(format!("a {pack:?} pack has no part {part:?}")),
-    }
-}
-
-/// SplitMix64 seeded from the seed and a parameter's name (FNV-1a), with Box–Muller normals.
+/// [`SplitMix64`] seeded from the seed and a parameter's name (FNV-1a), with Box–Muller normals.
 struct Rng {
-    state: u64,
+    bits: SplitMix64,
     spare: Option<f64>,
 }
 
@@ -284,20 +273,12 @@ impl Rng {
     fn new(seed: u64, name: &str) -> Rng {
         let hash =
             name.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3));
-        Rng { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ hash, spare: None }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        Rng { bits: SplitMix64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ hash), spare: None }
     }
 
     /// Uniform in (0, 1]: 53 random bits, never 0 (the logarithm below needs it).
     fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+        ((self.bits.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
     /// A standard normal.

@@ -3,13 +3,14 @@
 //! data loading, no evaluation, no checkpoint) — the figure `scripts/bench-torch`'s `train` row
 //! gives for PyTorch eager on the same shapes.
 
-use crate::exec::{open, threads_or_default};
+use crate::exec::{Backend, threads_or_default, training_device};
 use crate::model_file::load_spec;
 use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::RecipeFile;
+use kiln_runtime::train::data::SplitMix64;
 use kiln_runtime::train::{Trainer, init};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -33,8 +34,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Backends, side by side: `cpu`, `interp` (comma-separated, or the flag repeated).
-    #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    backend: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "cpu")]
+    backend: Vec<Backend>,
     /// Threads of the CPU backend.
     #[arg(long)]
     threads: Option<usize>,
@@ -68,28 +69,19 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let recipe = recipe.merge(overrides).resolve()?;
     let threads = threads_or_default(args.threads)?;
     let mut trainers = Vec::new();
-    for name in &args.backend {
-        let backend = match name.as_str() {
-            "cpu" => crate::exec::Backend::Cpu,
-            "interp" => crate::exec::Backend::Interp,
-            other => bail!("--backend: `{other}` does not train (cpu, interp)"),
-        };
+    for &backend in &args.backend {
+        let device = training_device(backend, Some(threads))?;
+        let name = device.name().to_string();
         let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph)?.into_iter().collect();
         let dims = PackDims::of(&fe.spec);
-        let device = open(backend, None, threads)?;
         let trainer =
             Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params).map_err(Box::new)?;
-        trainers.push((name.clone(), trainer));
+        trainers.push((name, trainer));
     }
     // Random ids, the next id as each label (a fixed batch: the step's time does not depend on
     // the values).
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % vocab as u64) as i64
-    };
+    let mut bits = SplitMix64(0x2545_F491_4F6C_DD1D);
+    let mut next = || bits.below(vocab as u64) as i64;
     let row: Vec<Vec<i64>> = (0..args.batch).map(|_| (0..=args.seq).map(|_| next()).collect()).collect();
     let take = |from: usize| -> Vec<i64> { row.iter().flat_map(|r| r[from..from + args.seq].to_vec()).collect() };
     let batch = HashMap::from([
