@@ -1137,8 +1137,29 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
     for axis in 0..3 {
         add(&mut g, &format!("sum{axis}"), Op::SumAxis { axis }, &[("x", &[3, 5, 7])]);
     }
+    // Sums split over blocks of columns (few kept rows, many columns), and over many rows.
+    add(&mut g, "sum.columns", Op::SumAxis { axis: 1 }, &[("x", &[2, 9, 700])]);
+    add(&mut g, "sum.rows", Op::SumAxis { axis: 1 }, &[("x", &[300, 9, 1])]);
     for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
         add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
+    }
+    add(&mut g, "grad.long", Op::ActGrad(Activation::GeluTanh), &[("x", &[3, 7000]), ("dy", &[3, 7000])]);
+    // Broadcasting sums and products: a value per row, a row per matrix, a column, both ways.
+    let pairs: [(&[usize], &[usize]); 5] = [
+        (&[3, 5, 7], &[3, 5, 1]),
+        (&[3, 5, 1], &[3, 5, 7]),
+        (&[3, 5, 7], &[5, 1]),
+        (&[3, 1, 7], &[5, 1]),
+        (&[3, 5, 7], &[1]),
+    ];
+    for (i, (a, b)) in pairs.into_iter().enumerate() {
+        add(&mut g, &format!("add.b{i}"), Op::Add, &[("a", a), ("b", b)]);
+        add(&mut g, &format!("mul.b{i}"), Op::Mul, &[("a", a), ("b", b)]);
+    }
+    // Transposes (the last axis read with a stride) and moves of whole rows.
+    for perm in [vec![0, 2, 1], vec![1, 0, 2], vec![2, 1, 0]] {
+        let name = format!("permute.{}", perm.iter().map(|p| p.to_string()).collect::<String>());
+        add(&mut g, &name, Op::Permute { perm }, &[("x", &[6, 40, 90])]);
     }
     let params: HashMap<String, Tensor> = g
         .params()

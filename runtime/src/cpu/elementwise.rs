@@ -13,6 +13,9 @@ use rayon::prelude::*;
 /// Rows handed to one task at least (a decode step's few rows stay on one thread).
 const MIN_ROWS: usize = 16;
 
+/// Elements handed to one task at least by the kernels that copy or combine whole tensors.
+const MIN_ELEMENTS: usize = 1 << 13;
+
 /// Runs `op` natively if this module has a kernel for it (and its operands are in the form the
 /// kernel takes), writing the result into `out`; `Ok(false)` leaves it to the interpreter.
 pub fn forward(
@@ -87,6 +90,36 @@ pub fn forward(
                         *o = combine(a, b);
                     }
                 });
+            } else if let Some((sx, sy)) = broadcast_strides(&args[0].0, &args[1].0, shape) {
+                // Any other broadcast: each output row's start in either operand from the
+                // strides (0 along a broadcast axis), the last axis read in place or repeated.
+                let last = shape.len() - 1;
+                let (inner_x, inner_y) = (sx[last] == 1, sy[last] == 1);
+                rows(out.get(), width, |r, o| {
+                    let (mut rem, mut bx, mut by) = (r, 0, 0);
+                    for ax in (0..last).rev() {
+                        let i = rem % shape[ax];
+                        rem /= shape[ax];
+                        bx += i * sx[ax];
+                        by += i * sy[ax];
+                    }
+                    match (inner_x, inner_y) {
+                        (true, true) => o
+                            .iter_mut()
+                            .zip(&x[bx..][..width])
+                            .zip(&y[by..][..width])
+                            .for_each(|((o, &a), &b)| *o = combine(a, b)),
+                        (true, false) => {
+                            let b = y[by];
+                            o.iter_mut().zip(&x[bx..][..width]).for_each(|(o, &a)| *o = combine(a, b));
+                        }
+                        (false, true) => {
+                            let a = x[bx];
+                            o.iter_mut().zip(&y[by..][..width]).for_each(|(o, &b)| *o = combine(a, b));
+                        }
+                        (false, false) => o.fill(combine(x[bx], y[by])),
+                    }
+                });
             } else {
                 return Ok(false);
             }
@@ -151,15 +184,16 @@ pub fn forward(
             if last == 0 || out.is_empty() {
                 return Ok(true);
             }
-            out.par_chunks_mut(last).with_min_len(MIN_ROWS).enumerate().for_each(|(row, o)| {
+            let rows_per_task = (MIN_ELEMENTS / last).max(MIN_ROWS);
+            out.par_chunks_mut(last).with_min_len(rows_per_task).enumerate().for_each(|(row, o)| {
                 let (mut rem, mut base) = (row, 0);
                 for ax in (0..r - 1).rev() {
                     base += rem % shape[ax] * step[ax];
                     rem /= shape[ax];
                 }
-                let s = step[r - 1];
-                for (j, v) in o.iter_mut().enumerate() {
-                    *v = x[base + j * s];
+                match step[r - 1] {
+                    1 => o.copy_from_slice(&x[base..][..last]),
+                    s => o.iter_mut().enumerate().for_each(|(j, v)| *v = x[base + j * s]),
                 }
             });
         }
@@ -206,6 +240,31 @@ pub fn forward(
         _ => return Ok(false),
     }
     Ok(true)
+}
+
+/// The strides by which the two operands of a broadcasting binary op (numpy's rules: shapes
+/// aligned at their last axes, an axis of 1 repeated) are read along each axis of the output
+/// `shape`: 0 along a broadcast axis. `None` where the shapes do not broadcast to `shape`.
+fn broadcast_strides(a: &[usize], b: &[usize], shape: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
+    let strides = |s: &[usize]| -> Option<Vec<usize>> {
+        let lead = shape.len().checked_sub(s.len())?;
+        let mut out = vec![0; shape.len()];
+        let mut stride = 1;
+        for (ax, &d) in s.iter().enumerate().rev() {
+            let full = shape[lead + ax];
+            if d == full {
+                out[lead + ax] = if d == 1 { 0 } else { stride };
+            } else if d != 1 {
+                return None;
+            }
+            stride *= d;
+        }
+        Some(out)
+    };
+    if shape.is_empty() {
+        return None;
+    }
+    Some((strides(a)?, strides(b)?))
 }
 
 fn out_len(shape: &[usize]) -> usize {

@@ -13,6 +13,9 @@ use rayon::prelude::*;
 /// Elements handed to one task at least by the elementwise kernels.
 const MIN_ELEMENTS: usize = 1 << 14;
 
+/// Columns of a sum handed to one task when the kept rows are too few to split the work.
+const COLUMNS: usize = 256;
+
 /// Runs `op` natively if this module has a kernel for it; `Ok(false)` leaves it to the
 /// interpreter.
 pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, threads: usize) -> R<bool> {
@@ -55,20 +58,28 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             let inner: usize = s.get(axis + 1..).map_or(1, |t| t.iter().product());
             let outer: usize = s.get(..*axis).map_or(1, |t| t.iter().product());
             let y = out.get();
-            if y.len() != outer * inner || x.len() != outer * len * inner {
-                return Ok(false);
+            if y.len() != outer * inner || x.len() != outer * len * inner || y.is_empty() {
+                return Ok(y.is_empty() && x.len() == outer * len * inner);
             }
-            // Accumulated in f64 in index order, as the interpreter does; split over the kept
-            // elements.
-            y.par_chunks_mut(inner.max(1)).enumerate().for_each(|(o, row)| {
-                for (j, out) in row.iter_mut().enumerate() {
-                    let mut acc = 0.0f64;
-                    for i in 0..len {
-                        acc += f64::from(x[(o * len + i) * inner + j]);
-                    }
-                    *out = acc as f32;
+            // Each kept element is accumulated in f64 in index order along the axis, as the
+            // interpreter does, a row of the axis at a time (contiguous reads). The work splits
+            // over the kept rows when there are enough, else over blocks of columns.
+            let sum = |o: usize, j0: usize, out: &mut [f32]| {
+                let mut acc = vec![0.0f64; out.len()];
+                for i in 0..len {
+                    let row = &x[(o * len + i) * inner + j0..][..out.len()];
+                    acc.iter_mut().zip(row).for_each(|(a, &v)| *a += f64::from(v));
                 }
-            });
+                out.iter_mut().zip(acc).for_each(|(o, a)| *o = a as f32);
+            };
+            if outer >= 4 * rayon::current_num_threads() || inner < 2 * COLUMNS {
+                let rows_per_task = (MIN_ELEMENTS / (len * inner).max(1)).max(1);
+                y.par_chunks_mut(inner).with_min_len(rows_per_task).enumerate().for_each(|(o, row)| sum(o, 0, row));
+            } else {
+                for (o, row) in y.chunks_mut(inner).enumerate() {
+                    row.par_chunks_mut(COLUMNS).enumerate().for_each(|(c, out)| sum(o, c * COLUMNS, out));
+                }
+            }
             Ok(true)
         }
         Op::ActGrad(act) => {
@@ -77,10 +88,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             if x.len() != y.len() || dy.len() != y.len() {
                 return Ok(false);
             }
-            y.par_iter_mut()
-                .with_min_len(MIN_ELEMENTS)
-                .zip(x.par_iter().zip(dy.par_iter()))
-                .for_each(|(o, (&x, &dy))| *o = dy * activation_derivative(*act, x));
+            y.par_chunks_mut(MIN_ELEMENTS)
+                .zip(x.par_chunks(MIN_ELEMENTS).zip(dy.par_chunks(MIN_ELEMENTS)))
+                .for_each(|(o, (x, dy))| super::math::backward(*act, x, dy, o));
             Ok(true)
         }
         _ => Ok(false),
