@@ -681,8 +681,6 @@ impl CpuModel {
             })
             .collect::<R<_>>()?;
         let refs: Vec<&Tensor> = tensors.iter().collect();
-            eprintln!("FALLBACK {} {:?}", op.name(), refs.iter().map(|t| t.shape.clone()).collect::<Vec<_>>());
-        }
         let t = interp::eval_op_at(op, &refs, shape.to_vec(), past)?;
         *out = match t.data {
             Data::F32(v) => Buf::F32(v),
