@@ -7,7 +7,6 @@
 use super::linear::gemm_f32;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::semantics::activation_derivative;
 use rayon::prelude::*;
 
 /// Elements handed to one task at least by the elementwise kernels.

@@ -1,7 +1,10 @@
 //! [`StepRunner`]: a training graph (see [`kiln_compiler::train`]) run on a device — the loss and
 //! the gradients of one batch, for parameters that change after every step.
 //!
-//! The interpreter runs the graph itself; the CPU back end lowers it once and, before each run,
+//! The interpreter runs the graph itself, as built (it is the oracle). The CPU back end runs the
+//! graph the e-graph optimizer makes of it for the CPU target — forward, loss and backward
+//! optimized as one graph, so the fusions of inference apply to the forward half and the
+//! backward's own forms are found by the same rules — lowered once; before each run, it
 //! replaces its parameters ([`CpuModel::set_params`]), so the load-time folds (a tensor's
 //! reading: transposed, cut out of a pack) are evaluated on the new values. The wgpu back end
 //! does not train yet: its backward ops have no kernels.
@@ -9,9 +12,11 @@
 use crate::cpu::{CpuError, CpuModel};
 use crate::device::Device;
 use crate::progress::Progress;
-use kiln_compiler::graph::Graph;
+use kiln_compiler::graph::{Graph, GraphError};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{self, Plan};
+use kiln_compiler::optimize;
+use kiln_compiler::target::Target;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::LOSS;
 use std::collections::HashMap;
@@ -25,6 +30,9 @@ pub enum RunError {
     /// The CPU back end failed.
     #[error(transparent)]
     Cpu(#[from] CpuError),
+    /// The optimizer refused the graph (a bug of a rule: the graph was well typed).
+    #[error("optimizing the training step: {0}")]
+    Optimize(#[from] GraphError),
     /// A device that does not train.
     #[error("training runs on the interpreter or the CPU back end (`--backend interp` or `cpu`), not on {0}")]
     Unsupported(String),
@@ -60,7 +68,10 @@ impl StepRunner {
     pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
         let kind = match device {
             Device::Interp => Kind::Interp(graph),
-            Device::Cpu { threads } => Kind::Cpu { plan: lower::lower(&graph), threads: *threads, model: None },
+            Device::Cpu { threads } => {
+                let (optimized, _) = optimize::optimize_for(&graph, &Target::cpu())?;
+                Kind::Cpu { plan: lower::lower(&optimized), threads: *threads, model: None }
+            }
             Device::Gpu(_) => return Err(RunError::Unsupported(device.describe())),
         };
         Ok(StepRunner { kind })

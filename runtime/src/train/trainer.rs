@@ -92,7 +92,7 @@ pub struct Trainer {
 /// The tensors `frozen` freezes among `uses`: an entry (a name or a glob) matches a tensor's
 /// name, or the graph name of a parameter read from it. A parameter that is one part of a pack
 /// freezes nothing alone: the whole tensor must be.
-fn frozen_tensors(frozen: &[String], uses: &[TensorUse]) -> Result<Vec<String>, TrainError> {
+pub fn frozen_tensors(frozen: &[String], uses: &[TensorUse]) -> Result<Vec<String>, TrainError> {
     let mut out: Vec<String> = Vec::new();
     for pattern in frozen {
         let mut matched = false;
