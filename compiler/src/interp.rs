@@ -982,11 +982,7 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
         Op::Act(act) => V::of_floats(shape, f(a[0]).iter().map(|&x| V::F::activation(*act, x)).collect()),
         Op::ActGrad(act) => V::of_floats(
             shape,
-            f(a[0])
-                .iter()
-                .zip(f(a[1]))
-                .map(|(&x, &dy)| dy * V::F::activation_derivative(*act, x))
-                .collect(),
+            f(a[0]).iter().zip(f(a[1])).map(|(&x, &dy)| dy * V::F::activation_derivative(*act, x)).collect(),
         ),
         Op::GatherGrad => {
             let (ids, dy) = (a[1].ints().expect("ids are i64"), f(a[2]));
@@ -1646,6 +1642,26 @@ mod tests {
         assert!(eval_op(&Op::Param { name: "w".into() }, &[], vec![2]).is_err(), "a parameter is not evaluated");
         // A well-typed fold still evaluates.
         assert_eq!(eval_op(&Op::Softmax, &[&x], vec![2, 3]).unwrap().shape, vec![2, 3]);
+    }
+
+    #[test]
+    fn f64_mode_agrees_with_f32_to_f32_precision() {
+        let source = "[model]\nname = \"t\"\nkind = \"decoder\"\nvocab = 11\nd_model = 8\nlayers = 1\n\
+                      max_positions = 8\n[positions]\nkind = \"rope\"\n[norm]\nkind = \"rmsnorm\"\n\
+                      [attention]\nheads = 2\nkv_heads = 1\n[ffn]\nactivation = \"silu\"\ngated = true\n";
+        let g = crate::front_end("t.toml", source).unwrap().graph;
+        let params = random_params(&g, 3).unwrap();
+        let inputs = sample_inputs(&g, 11, 2, 5).unwrap();
+        let wide: HashMap<String, Tensor64> = params.iter().map(|(n, t)| (n.clone(), Tensor64::from(t))).collect();
+        let (narrow, wide) = (run(&g, &params, &inputs).unwrap(), run_f64(&g, &wide, &inputs).unwrap());
+        assert_eq!(narrow.len(), wide.len());
+        for ((name, a), (other, b)) in narrow.iter().zip(&wide) {
+            assert_eq!((name, &a.shape), (other, &b.shape));
+            let scale = b.data.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let err = a.to_f32_vec().iter().zip(&b.data).map(|(&x, &y)| (f64::from(x) - y).abs()).fold(0.0, f64::max);
+            assert!(err <= 1e-5 * scale, "{name}: f32 and f64 differ by {err} (scale {scale})");
+            assert!(err > 0.0, "{name}: the f64 mode computed in f32");
+        }
     }
 
     #[test]

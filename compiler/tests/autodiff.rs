@@ -155,13 +155,7 @@ fn check_sampled(
 }
 
 /// The central difference of the loss in element `i` of parameter `name`, step [`H`].
-fn difference(
-    g: &Graph,
-    params: &Params,
-    inputs: &HashMap<String, Tensor>,
-    name: &str,
-    i: usize,
-) -> f64 {
+fn difference(g: &Graph, params: &Params, inputs: &HashMap<String, Tensor>, name: &str, i: usize) -> f64 {
     let p = &params[name];
     let mut perturbed = params.clone();
     let mut at = |delta: f64| {
