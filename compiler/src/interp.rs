@@ -16,13 +16,13 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
+use crate::graph::{Activation, Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::semantics::{
     activation, alibi_slopes, block_pattern, layer_norm_row, relative_bucket, rms_norm_row, rope_frequencies, rotate,
     score_operands,
 };
-use crate::tensor::{DType, Data, Tensor};
+use crate::tensor::{DType, Data, Tensor, Tensor64};
 use petgraph::graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -368,7 +368,48 @@ pub fn run(g: &Graph, params: &HashMap<String, Tensor>, inputs: &HashMap<String,
 }
 
 /// Runs the graph on already bound inputs.
-pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) -> R<Vec<(String, Tensor)>> {
+pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, bound: Bound) -> R<Vec<(String, Tensor)>> {
+    let param = |name: &String, shape: Vec<usize>| -> R<Tensor> {
+        let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
+        if t.shape != shape || t.dtype() != DType::F32 {
+            return Err(InterpError::ParamShape { name: name.clone(), expected: shape, found: t.shape.clone() });
+        }
+        Ok(t.clone())
+    };
+    evaluate(g, param, bound.tensors, &bound.syms)
+}
+
+/// [`run`] in f64, the reference mode: every op computes in f64 (attributes, which graphs hold
+/// in f32, are widened; a mask's "most negative float" is f64's), so that a finite difference
+/// of its loss, or a gradient graph it evaluates, carries f64 rounding rather than f32's.
+/// Parameters are f64; inputs are bound as [`run`] binds them (ids stay integers, masks are
+/// widened). An integer output (positions) is returned widened to f64.
+pub fn run_f64(
+    g: &Graph,
+    params: &HashMap<String, Tensor64>,
+    inputs: &HashMap<String, Tensor>,
+) -> R<Vec<(String, Tensor64)>> {
+    let Bound { tensors, syms } = bind_inputs(g, inputs)?;
+    let tensors = tensors.into_iter().map(|(n, t)| (n, Value64::from(t))).collect();
+    let param = |name: &String, shape: Vec<usize>| -> R<Value64> {
+        let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
+        if t.shape != shape || t.data.len() != shape.iter().product::<usize>() {
+            return Err(InterpError::ParamShape { name: name.clone(), expected: shape, found: t.shape.clone() });
+        }
+        Ok(Value64 { shape, data: Elems64::F64(t.data.clone()) })
+    };
+    let out = evaluate(g, param, tensors, &syms)?;
+    Ok(out.into_iter().map(|(name, v)| (name, v.into())).collect())
+}
+
+/// Evaluates `g` in `V`'s precision: its inputs bound to `inputs` (by node) with the symbols
+/// `syms`, its parameters as `param` gives them (by name and resolved shape).
+fn evaluate<V: Value>(
+    g: &Graph,
+    param: impl Fn(&String, Vec<usize>) -> R<V>,
+    mut inputs: HashMap<NodeIndex, V>,
+    syms: &HashMap<Sym, usize>,
+) -> R<Vec<(String, V)>> {
     let order = g.order();
     // Remaining uses of each value, so intermediates are dropped as soon as they are dead.
     let mut uses: HashMap<NodeIndex, usize> = HashMap::new();
@@ -380,11 +421,11 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
     for (_, n) in &g.outputs {
         *uses.entry(*n).or_default() += 1;
     }
-    let mut values: HashMap<NodeIndex, Tensor> = HashMap::new();
-    let past = bound.syms.get(&Sym::Past).copied().unwrap_or(0);
+    let mut values: HashMap<NodeIndex, V> = HashMap::new();
+    let past = syms.get(&Sym::Past).copied().unwrap_or(0);
     for &n in &order {
         let node = &g.g[n];
-        let shape = resolve(&node.shape, &bound.syms);
+        let shape = resolve(&node.shape, syms);
         let elements: u128 = shape.iter().map(|&d| d as u128).product();
         if elements > MAX_ELEMENTS {
             return Err(InterpError::TooLarge {
@@ -394,23 +435,14 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
                 limit: MAX_ELEMENTS,
             });
         }
-        crate::memory::check(|| format!("`{}`: a {} result", node.scope, node.op.name()), f32_bytes(elements))?;
+        let bytes = f32_bytes(elements.saturating_mul(V::F::WORDS));
+        crate::memory::check(|| format!("`{}`: a {} result", node.scope, node.op.name()), bytes)?;
         let operands = g.operands(n);
         let out = match &node.op {
-            Op::Input { .. } => bound.tensors.remove(&n).ok_or_else(|| InterpError::MissingInput(node.op.attrs()))?,
-            Op::Param { name } => {
-                let t = params.get(name).ok_or_else(|| InterpError::MissingParam(name.clone()))?;
-                if t.shape != shape || t.dtype() != DType::F32 {
-                    return Err(InterpError::ParamShape {
-                        name: name.clone(),
-                        expected: shape,
-                        found: t.shape.clone(),
-                    });
-                }
-                t.clone()
-            }
+            Op::Input { .. } => inputs.remove(&n).ok_or_else(|| InterpError::MissingInput(node.op.attrs()))?,
+            Op::Param { name } => param(name, shape)?,
             op => {
-                let args: Vec<&Tensor> = operands.iter().map(|o| &values[o]).collect();
+                let args: Vec<&V> = operands.iter().map(|o| &values[o]).collect();
                 eval(Ctx { node: Some((g, &operands)), past }, op, &args, shape)?
             }
         };
@@ -427,12 +459,317 @@ pub fn run_bound(g: &Graph, params: &HashMap<String, Tensor>, mut bound: Bound) 
     Ok(g.outputs.iter().map(|(name, n)| (name.clone(), values[n].clone())).collect())
 }
 
-#[expect(clippy::expect_used, reason = "eval runs only on well-typed ops: see `eval`")]
-fn f(t: &Tensor) -> &[f32] {
-    t.as_f32().expect("graph typing guarantees f32 here")
+/// The float type an evaluation computes in: f32 (the public API's, every engine's) or f64 (the
+/// reference mode, [`run_f64`]). Op attributes, f32 in graphs, are widened to it; where the f32
+/// evaluation accumulates in f64 (sums, norms' statistics, the cross-entropy), an evaluation in
+/// f64 does the same, so that the f32 one is exactly what it was before it was made generic.
+trait Real:
+    Copy
+    + PartialOrd
+    + std::fmt::Debug
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::AddAssign
+    + std::iter::Sum
+{
+    /// Zero.
+    const ZERO: Self;
+    /// The most negative finite value: a masked score.
+    const MIN: Self;
+    /// Negative infinity: where a maximum starts.
+    const NEG_INFINITY: Self;
+    /// Size in 4-byte words (for the memory check).
+    const WORDS: u128;
+    /// An attribute (f32 in graphs), widened.
+    fn from_f32(x: f32) -> Self;
+    /// A value computed in f64, rounded to this type.
+    fn from_f64(x: f64) -> Self;
+    /// This value in f64 (exact).
+    fn to_f64(self) -> f64;
+    /// An index as a value (`as`).
+    fn from_usize(n: usize) -> Self;
+    /// `e^self`.
+    fn exp(self) -> Self;
+    /// `tanh(self)`.
+    fn tanh(self) -> Self;
+    /// The larger of two values (the other where one is NaN).
+    fn max(self, other: Self) -> Self;
+    /// [`activation`] in this type.
+    fn activation(act: Activation, x: Self) -> Self;
+    /// [`crate::semantics::activation_derivative`] in this type.
+    fn activation_derivative(act: Activation, x: Self) -> Self;
+    /// [`layer_norm_row`] in this type.
+    fn layer_norm_row(row: &mut [Self], gain: &[Self], bias: Option<&[Self]>, eps: f32);
+    /// [`rms_norm_row`] in this type.
+    fn rms_norm_row(row: &mut [Self], gain: &[Self], eps: f32);
+    /// [`rotate`] in this type.
+    fn rotate(head: &mut [Self], pos: Self, inv: &[Self], style: PairStyle);
 }
 
-/// Evaluates one op. `shape` is the node's resolved output shape.
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    const MIN: Self = f32::MIN;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    const WORDS: u128 = 1;
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn from_usize(n: usize) -> Self {
+        n as f32
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+    fn activation(act: Activation, x: Self) -> Self {
+        activation(act, x)
+    }
+    fn activation_derivative(act: Activation, x: Self) -> Self {
+        crate::semantics::activation_derivative(act, x)
+    }
+    fn layer_norm_row(row: &mut [Self], gain: &[Self], bias: Option<&[Self]>, eps: f32) {
+        layer_norm_row(row, gain, bias, eps);
+    }
+    fn rms_norm_row(row: &mut [Self], gain: &[Self], eps: f32) {
+        rms_norm_row(row, gain, eps);
+    }
+    fn rotate(head: &mut [Self], pos: Self, inv: &[Self], style: PairStyle) {
+        rotate(head, pos, inv, style);
+    }
+}
+
+/// The definitions of [`crate::semantics`], in f64 throughout.
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    const MIN: Self = f64::MIN;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    const WORDS: u128 = 2;
+    fn from_f32(x: f32) -> Self {
+        f64::from(x)
+    }
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_usize(n: usize) -> Self {
+        n as f64
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+    fn activation(act: Activation, x: Self) -> Self {
+        match act {
+            Activation::Relu => x.max(0.0),
+            Activation::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Activation::Silu => x / (1.0 + (-x).exp()),
+        }
+    }
+    fn activation_derivative(act: Activation, x: Self) -> Self {
+        match act {
+            Activation::Relu => {
+                if x > 0.0 {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+            Activation::Gelu => {
+                let phi = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)) + x * phi
+            }
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                let t = (c * (x + 0.044715 * x * x * x)).tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+            }
+            Activation::Silu => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                s * (1.0 + x * (1.0 - s))
+            }
+        }
+    }
+    fn layer_norm_row(row: &mut [Self], gain: &[Self], bias: Option<&[Self]>, eps: f32) {
+        let d = row.len().max(1) as f64;
+        let mean = row.iter().sum::<f64>() / d;
+        let var = row.iter().map(|&v| (v - mean).powi(2)).sum::<f64>() / d;
+        let inv = 1.0 / (var + f64::from(eps)).sqrt();
+        for (j, (v, &g)) in row.iter_mut().zip(gain).enumerate() {
+            *v = (*v - mean) * inv * g + bias.and_then(|b| b.get(j)).copied().unwrap_or(0.0);
+        }
+    }
+    fn rms_norm_row(row: &mut [Self], gain: &[Self], eps: f32) {
+        let ms = row.iter().map(|&v| v.powi(2)).sum::<f64>() / row.len().max(1) as f64;
+        let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+        for (v, &g) in row.iter_mut().zip(gain) {
+            *v = *v * inv * g;
+        }
+    }
+    fn rotate(head: &mut [Self], pos: Self, inv: &[Self], style: PairStyle) {
+        let half = inv.len();
+        for (i, &freq) in inv.iter().enumerate() {
+            let (sin, cos) = (pos * freq).sin_cos();
+            let (i1, i2) = match style {
+                PairStyle::RotateHalf => (i, i + half),
+                PairStyle::Interleaved => (2 * i, 2 * i + 1),
+            };
+            let (x1, x2) = (head[i1], head[i2]);
+            head[i1] = x1 * cos - x2 * sin;
+            head[i2] = x2 * cos + x1 * sin;
+        }
+    }
+}
+
+/// A value an evaluation computes on: floats of its precision `F`, or integers (ids, positions).
+/// [`Tensor`] is the f32 one; [`Value64`] the f64 one.
+trait Value: Clone {
+    /// The float type.
+    type F: Real;
+    /// Extent of each axis.
+    fn shape(&self) -> &[usize];
+    /// The floats, if this is a float value.
+    fn floats(&self) -> Option<&[Self::F]>;
+    /// The floats, mutably, if this is a float value.
+    fn floats_mut(&mut self) -> Option<&mut [Self::F]>;
+    /// The integers, if this is an integer value.
+    fn ints(&self) -> Option<&[i64]>;
+    /// A float value.
+    fn of_floats(shape: Vec<usize>, data: Vec<Self::F>) -> Self;
+    /// An integer value.
+    fn of_ints(shape: Vec<usize>, data: Vec<i64>) -> Self;
+    /// The same elements under another shape of as many.
+    fn reshaped(self, shape: Vec<usize>) -> Self;
+}
+
+impl Value for Tensor {
+    type F = f32;
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn floats(&self) -> Option<&[f32]> {
+        self.as_f32()
+    }
+    fn floats_mut(&mut self) -> Option<&mut [f32]> {
+        match &mut self.data {
+            Data::F32(v) => Some(v),
+            Data::I64(_) => None,
+        }
+    }
+    fn ints(&self) -> Option<&[i64]> {
+        self.as_i64()
+    }
+    fn of_floats(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        Tensor::f32(shape, data)
+    }
+    fn of_ints(shape: Vec<usize>, data: Vec<i64>) -> Self {
+        Tensor::i64(shape, data)
+    }
+    fn reshaped(self, shape: Vec<usize>) -> Self {
+        Tensor { shape, data: self.data }
+    }
+}
+
+/// A value of an evaluation in f64: [`run_f64`]'s counterpart of [`Tensor`].
+#[derive(Clone, Debug)]
+struct Value64 {
+    shape: Vec<usize>,
+    data: Elems64,
+}
+
+/// The elements of a [`Value64`], row-major.
+#[derive(Clone, Debug)]
+enum Elems64 {
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+}
+
+impl From<Tensor> for Value64 {
+    /// Floats widened, integers kept.
+    fn from(t: Tensor) -> Self {
+        let data = match t.data {
+            Data::F32(v) => Elems64::F64(v.into_iter().map(f64::from).collect()),
+            Data::I64(v) => Elems64::I64(v),
+        };
+        Value64 { shape: t.shape, data }
+    }
+}
+
+impl From<Value64> for Tensor64 {
+    /// Integers widened, floats kept.
+    fn from(v: Value64) -> Self {
+        let data = match v.data {
+            Elems64::F64(x) => x,
+            Elems64::I64(x) => x.into_iter().map(|i| i as f64).collect(),
+        };
+        Tensor64 { shape: v.shape, data }
+    }
+}
+
+impl Value for Value64 {
+    type F = f64;
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn floats(&self) -> Option<&[f64]> {
+        match &self.data {
+            Elems64::F64(v) => Some(v),
+            Elems64::I64(_) => None,
+        }
+    }
+    fn floats_mut(&mut self) -> Option<&mut [f64]> {
+        match &mut self.data {
+            Elems64::F64(v) => Some(v),
+            Elems64::I64(_) => None,
+        }
+    }
+    fn ints(&self) -> Option<&[i64]> {
+        match &self.data {
+            Elems64::I64(v) => Some(v),
+            Elems64::F64(_) => None,
+        }
+    }
+    fn of_floats(shape: Vec<usize>, data: Vec<f64>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "shape {shape:?}");
+        Value64 { shape, data: Elems64::F64(data) }
+    }
+    fn of_ints(shape: Vec<usize>, data: Vec<i64>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "shape {shape:?}");
+        Value64 { shape, data: Elems64::I64(data) }
+    }
+    fn reshaped(self, shape: Vec<usize>) -> Self {
+        Value64 { shape, data: self.data }
+    }
+}
+
+#[expect(clippy::expect_used, reason = "eval runs only on well-typed ops: see `eval`")]
+fn f<V: Value>(t: &V) -> &[V::F] {
+    t.floats().expect("graph typing guarantees floats here")
+}
+
 /// Evaluates one op on tensors outside any graph (constant folding at load time). `shape` is the
 /// op's resolved output shape.
 ///
@@ -463,19 +800,24 @@ pub fn eval_op_at(op: &Op, args: &[&Tensor], shape: Vec<usize>, past: usize) -> 
     eval(Ctx { node: None, past }, op, args, shape)
 }
 
-/// Scores `[b, h, q, k]` with every entry `keep(query position, key)` refuses, or at a masked key
-/// (`key_mask [b, k]`, 0 = masked), set to the most negative float. Queries are the last `q` of
-/// the `k` positions.
 /// Heads `0..heads` of width `head_dim` read out of packed rows `x [b, s, width]` from column
 /// `start` on, as `[b, s, heads, head_dim]`: the slice and split that `packed_attention`, `heads`
 /// and `low_rank` stand for.
-fn head_columns(ctx: Ctx, x: &Tensor, start: usize, heads: usize, head_dim: usize) -> R<Tensor> {
-    let (b, s) = (x.shape[0], x.shape[1]);
+fn head_columns<V: Value>(ctx: Ctx, x: &V, start: usize, heads: usize, head_dim: usize) -> R<V> {
+    let (b, s) = (x.shape()[0], x.shape()[1]);
     let cols = eval(ctx, &Op::Slice { axis: 2, start, len: heads * head_dim }, &[x], vec![b, s, heads * head_dim])?;
-    Ok(Tensor { shape: vec![b, s, heads, head_dim], data: cols.data })
+    Ok(cols.reshaped(vec![b, s, heads, head_dim]))
 }
 
-fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: impl Fn(usize, usize) -> bool) -> Tensor {
+/// Scores `[b, h, q, k]` with every entry `keep(query position, key)` refuses, or at a masked key
+/// (`key_mask [b, k]`, 0 = masked), set to the most negative float. Queries are the last `q` of
+/// the `k` positions.
+fn mask_scores<V: Value>(
+    x: &[V::F],
+    key_mask: Option<&[V::F]>,
+    shape: Vec<usize>,
+    keep: impl Fn(usize, usize) -> bool,
+) -> V {
     let mut x = x.to_vec();
     let (heads, q, k) = (shape[1], shape[2], shape[3]);
     let offset = k.saturating_sub(q);
@@ -483,17 +825,17 @@ fn mask_scores(x: &[f32], key_mask: Option<&[f32]>, shape: Vec<usize>, keep: imp
         let b = row_index / (heads * q).max(1);
         let qi = row_index % q.max(1) + offset;
         for (ki, v) in row.iter_mut().enumerate() {
-            if !(keep(qi, ki) && key_mask.is_none_or(|m| m[b * k + ki] != 0.0)) {
-                *v = f32::MIN;
+            if !(keep(qi, ki) && key_mask.is_none_or(|m| m[b * k + ki] != V::F::ZERO)) {
+                *v = V::F::MIN;
             }
         }
     }
-    Tensor::f32(shape, x)
+    V::of_floats(shape, x)
 }
 
 /// The indices of the `k` largest entries of `row`, largest first; ties keep the lower index
 /// (a stable sort). The selection of [`Op::TopK`] and [`Op::TopKGrad`].
-fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+fn top_k<T: Real>(row: &[T], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&i, &j| row[j].partial_cmp(&row[i]).unwrap_or(std::cmp::Ordering::Equal));
     idx.truncate(k);
@@ -514,6 +856,11 @@ fn relative_buckets(q: usize, k: usize, bidirectional: bool, buckets: usize, max
     out
 }
 
+/// [`rope_frequencies`] (f32, as HF computes them: constants of the model) widened to `T`.
+fn frequencies<T: Real>(theta: f32, rotary_dim: usize) -> Vec<T> {
+    rope_frequencies(theta, rotary_dim).into_iter().map(T::from_f32).collect()
+}
+
 /// The graph and operand nodes of the op being evaluated, when there is one (for error
 /// messages), and the number of cached tokens (positions start there).
 #[derive(Clone, Copy)]
@@ -528,23 +875,23 @@ struct Ctx<'a> {
 /// it gives, because the op is a node of a checked graph ([`Graph::check`]) or a fold that
 /// [`eval_op`] checked. Arity, dtypes and ranks are therefore not checked again here.
 #[expect(clippy::expect_used, reason = "operand dtypes and ranks are guaranteed by the typing rules")]
-fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
+fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } => {
             return Err(InterpError::IllTyped { op: op.name(), message: "bound before evaluation".into() });
         }
         Op::Positions { .. } => {
             let start = ctx.past as i64;
-            Tensor::i64(shape.clone(), (start..start + shape[0] as i64).collect())
+            V::of_ints(shape.clone(), (start..start + shape[0] as i64).collect())
         }
         Op::Sinusoid { dim, style } => {
-            let pos = a[0].as_i64().expect("positions are i64");
-            let mut out = vec![0.0; pos.len() * dim];
+            let pos = a[0].ints().expect("positions are i64");
+            let mut out = vec![V::F::ZERO; pos.len() * dim];
             let half = dim / 2;
             for (p, &position) in pos.iter().enumerate() {
                 for i in 0..half {
                     let angle = position as f64 / 10000f64.powf(2.0 * i as f64 / *dim as f64);
-                    let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+                    let (s, c) = (V::F::from_f64(angle.sin()), V::F::from_f64(angle.cos()));
                     let (is, ic) = match style {
                         PairStyle::Interleaved => (2 * i, 2 * i + 1),
                         PairStyle::RotateHalf => (i, half + i),
@@ -553,11 +900,11 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                     out[p * dim + ic] = c;
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::Gather => {
-            let (table, ids) = (a[0], a[1].as_i64().expect("ids are i64"));
-            let (rows, d) = (table.shape[0], table.shape[1]);
+            let (table, ids) = (a[0], a[1].ints().expect("ids are i64"));
+            let (rows, d) = (table.shape()[0], table.shape()[1]);
             let t = f(table);
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
@@ -575,67 +922,72 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 }
                 out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
-        Op::MatMul { transpose_b } => Tensor::f32(shape, matmul(a[0], a[1], *transpose_b)),
-        Op::Add => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x + y)),
-        Op::Mul => Tensor::f32(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
-        Op::Scale { factor } => Tensor::f32(shape, f(a[0]).iter().map(|x| x * factor.0).collect()),
-        Op::Offset { value } => Tensor::f32(shape, f(a[0]).iter().map(|x| x + value.0).collect()),
-        Op::SoftCap { cap } => Tensor::f32(shape, f(a[0]).iter().map(|x| cap.0 * (x / cap.0).tanh()).collect()),
+        Op::MatMul { transpose_b } => V::of_floats(shape, matmul(a[0], a[1], *transpose_b)),
+        Op::Add => V::of_floats(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x + y)),
+        Op::Mul => V::of_floats(shape.clone(), broadcast_binary(a[0], a[1], &shape, |x, y| x * y)),
+        Op::Scale { factor } => {
+            let factor = V::F::from_f32(factor.0);
+            V::of_floats(shape, f(a[0]).iter().map(|&x| x * factor).collect())
+        }
+        Op::Offset { value } => {
+            let value = V::F::from_f32(value.0);
+            V::of_floats(shape, f(a[0]).iter().map(|&x| x + value).collect())
+        }
+        Op::SoftCap { cap } => {
+            let cap = V::F::from_f32(cap.0);
+            V::of_floats(shape, f(a[0]).iter().map(|&x| cap * (x / cap).tanh()).collect())
+        }
         Op::Truncate { .. } => {
-            let (rows, n) = (a[0].shape[0], shape[0]);
+            let (rows, n) = (a[0].shape()[0], shape[0]);
             if n > rows {
                 return Err(InterpError::IllTyped {
                     op: op.name(),
                     message: format!("{n} rows asked of a matrix of {rows}: the sequence is longer than the table"),
                 });
             }
-            Tensor::f32(shape.clone(), f(a[0])[..shape.iter().product()].to_vec())
+            V::of_floats(shape.clone(), f(a[0])[..shape.iter().product()].to_vec())
         }
         &Op::RelativeBias { buckets, max_distance, bidirectional, .. } => {
             let table = f(a[0]);
             let (heads, q, k) = (shape[1], shape[2], shape[3]);
-            let mut out = vec![0.0f32; heads * q * k];
+            let mut out = vec![V::F::ZERO; heads * q * k];
             for (at, b) in relative_buckets(q, k, bidirectional, buckets, max_distance).into_iter().enumerate() {
                 for h in 0..heads {
                     out[h * q * k + at] = table[b * heads + h];
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         &Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
             let dy = f(a[1]);
-            let rank = a[1].shape.len();
-            let (heads, q, k) = (a[1].shape[rank - 3], a[1].shape[rank - 2], a[1].shape[rank - 1]);
+            let rank = a[1].shape().len();
+            let (heads, q, k) = (a[1].shape()[rank - 3], a[1].shape()[rank - 2], a[1].shape()[rank - 1]);
             let of = relative_buckets(q, k, bidirectional, buckets, max_distance);
             let mut acc = vec![0.0f64; buckets * heads];
             for (m, plane) in dy.chunks((q * k).max(1)).enumerate() {
                 let h = m % heads.max(1);
                 for (&b, &v) in of.iter().zip(plane) {
-                    acc[b * heads + h] += f64::from(v);
+                    acc[b * heads + h] += v.to_f64();
                 }
             }
-            Tensor::f32(shape, acc.into_iter().map(|v| v as f32).collect())
+            V::of_floats(shape, acc.into_iter().map(V::F::from_f64).collect())
         }
         Op::TruncateGrad => {
             let mut out = f(a[1]).to_vec();
-            out.resize(shape.iter().product(), 0.0);
-            Tensor::f32(shape, out)
+            out.resize(shape.iter().product(), V::F::ZERO);
+            V::of_floats(shape, out)
         }
-        Op::Act(act) => Tensor::f32(shape, f(a[0]).iter().map(|&x| activation(*act, x)).collect()),
-        Op::ActGrad(act) => Tensor::f32(
+        Op::Act(act) => V::of_floats(shape, f(a[0]).iter().map(|&x| V::F::activation(*act, x)).collect()),
+        Op::ActGrad(act) => V::of_floats(
             shape,
-            f(a[0])
-                .iter()
-                .zip(f(a[1]))
-                .map(|(&x, &dy)| dy * crate::semantics::activation_derivative(*act, x))
-                .collect(),
+            f(a[0]).iter().zip(f(a[1])).map(|(&x, &dy)| dy * V::F::activation_derivative(*act, x)).collect(),
         ),
         Op::GatherGrad => {
-            let (ids, dy) = (a[1].as_i64().expect("ids are i64"), f(a[2]));
-            let (rows, d) = (a[0].shape[0], a[0].shape[1]);
-            let mut out = vec![0.0f32; rows * d];
+            let (ids, dy) = (a[1].ints().expect("ids are i64"), f(a[2]));
+            let (rows, d) = (a[0].shape()[0], a[0].shape()[1]);
+            let mut out = vec![V::F::ZERO; rows * d];
             for (&id, row) in ids.iter().zip(dy.chunks(d.max(1))) {
                 if id < 0 || id as usize >= rows {
                     return Err(InterpError::IndexOutOfRange {
@@ -645,102 +997,102 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                         rows,
                     });
                 }
-                for (o, v) in out[id as usize * d..(id as usize + 1) * d].iter_mut().zip(row) {
+                for (o, &v) in out[id as usize * d..(id as usize + 1) * d].iter_mut().zip(row) {
                     *o += v;
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
-        Op::Rsqrt => Tensor::f32(shape, f(a[0]).iter().map(|&x| (1.0 / f64::from(x).sqrt()) as f32).collect()),
+        Op::Rsqrt => V::of_floats(shape, f(a[0]).iter().map(|&x| V::F::from_f64(1.0 / x.to_f64().sqrt())).collect()),
         Op::CrossEntropy { smoothing, ignore_index } => {
             let rows = cross_entropy_rows(f(a[0]), a[1], smoothing.0, *ignore_index)?;
             let mean = rows.iter().map(|r| r.loss).sum::<f64>() / rows.len() as f64;
-            Tensor::f32(shape, vec![mean as f32])
+            V::of_floats(shape, vec![V::F::from_f64(mean)])
         }
         Op::CrossEntropyGrad { smoothing, ignore_index } => {
             let x = f(a[0]);
             let rows = cross_entropy_rows(x, a[1], smoothing.0, *ignore_index)?;
             let vocab = *shape.last().expect("logits have a vocabulary axis");
-            let dy = f64::from(f(a[2])[0]) / rows.len() as f64;
+            let dy = f(a[2])[0].to_f64() / rows.len() as f64;
             let (eps, keep) = (f64::from(smoothing.0), 1.0 - f64::from(smoothing.0));
-            let mut out = vec![0.0f32; x.len()];
+            let mut out = vec![V::F::ZERO; x.len()];
             for r in &rows {
                 let (row, o) = (&x[r.at * vocab..(r.at + 1) * vocab], &mut out[r.at * vocab..(r.at + 1) * vocab]);
                 for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
                     let target = if j == r.label { keep } else { 0.0 } + eps / vocab as f64;
-                    *o = (dy * ((f64::from(v) - r.lse).exp() - target)) as f32;
+                    *o = V::F::from_f64(dy * ((v.to_f64() - r.lse).exp() - target));
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::SumAxis { axis } => {
             let x = a[0];
-            let n = x.shape[*axis];
-            let inner: usize = x.shape[*axis + 1..].iter().product();
-            let outer: usize = x.shape[..*axis].iter().product();
+            let n = x.shape()[*axis];
+            let inner: usize = x.shape()[*axis + 1..].iter().product();
+            let outer: usize = x.shape()[..*axis].iter().product();
             let xs = f(x);
-            let mut out = vec![0.0f32; outer * inner];
+            let mut out = vec![V::F::ZERO; outer * inner];
             for o in 0..outer {
                 for j in 0..inner {
                     let mut acc = 0.0f64;
                     for i in 0..n {
-                        acc += f64::from(xs[(o * n + i) * inner + j]);
+                        acc += xs[(o * n + i) * inner + j].to_f64();
                     }
-                    out[o * inner + j] = acc as f32;
+                    out[o * inner + j] = V::F::from_f64(acc);
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::LayerNorm { eps } => {
             let gain = f(a[1]);
-            let bias = a.get(2).map(|t| f(t));
+            let bias = a.get(2).map(|&t| f(t));
             let mut out = f(a[0]).to_vec();
             for row in out.chunks_mut(gain.len()) {
-                layer_norm_row(row, gain, bias, eps.0);
+                V::F::layer_norm_row(row, gain, bias, eps.0);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::RmsNorm { eps } => {
             let gain = f(a[1]);
             let mut out = f(a[0]).to_vec();
             for row in out.chunks_mut(gain.len()) {
-                rms_norm_row(row, gain, eps.0);
+                V::F::rms_norm_row(row, gain, eps.0);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::Softmax => {
             let x = f(a[0]);
             let d = *shape.last().expect("softmax has an axis");
-            let mut out = vec![0.0; x.len()];
+            let mut out = vec![V::F::ZERO; x.len()];
             for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let max = row.iter().copied().fold(V::F::NEG_INFINITY, V::F::max);
                 let mut sum = 0.0f64;
                 for j in 0..d {
                     let e = (row[j] - max).exp();
                     o[j] = e;
-                    sum += e as f64;
+                    sum += e.to_f64();
                 }
                 for v in o.iter_mut() {
-                    *v = (*v as f64 / sum) as f32;
+                    *v = V::F::from_f64(v.to_f64() / sum);
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
-        Op::Reshape { .. } => Tensor::f32(shape, f(a[0]).to_vec()),
-        Op::Permute { perm } => Tensor::f32(shape, permute(a[0], perm)),
+        Op::Reshape { .. } => V::of_floats(shape, f(a[0]).to_vec()),
+        Op::Permute { perm } => V::of_floats(shape, permute(a[0], perm)),
         Op::Rope { theta, rotary_dim, style } => {
             let x = f(a[0]);
-            let (s, d) = (a[0].shape[2], a[0].shape[3]);
+            let (s, d) = (a[0].shape()[2], a[0].shape()[3]);
             let mut out = x.to_vec();
-            let inv = rope_frequencies(theta.0, *rotary_dim);
+            let inv = frequencies::<V::F>(theta.0, *rotary_dim);
             for (r, row) in out.chunks_mut(d).enumerate() {
-                rotate(row, (r % s + ctx.past) as f32, &inv, *style);
+                V::F::rotate(row, V::F::from_usize(r % s + ctx.past), &inv, *style);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::RepeatHeads { times } => {
             let x = f(a[0]);
-            let (b, kv, s, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2], a[0].shape[3]);
+            let (b, kv, s, d) = (a[0].shape()[0], a[0].shape()[1], a[0].shape()[2], a[0].shape()[3]);
             let block = s * d;
             let mut out = Vec::with_capacity(x.len() * times);
             for bi in 0..b {
@@ -751,24 +1103,24 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                     }
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::Alibi => {
             let mut x = f(a[0]).to_vec();
             let (heads, q, k) = (shape[1], shape[2], shape[3]);
-            let slopes = alibi_slopes(heads);
+            let slopes: Vec<V::F> = alibi_slopes(heads).into_iter().map(V::F::from_f32).collect();
             for (row_index, row) in x.chunks_mut(k).enumerate() {
                 let h = (row_index / q) % heads;
                 let qi = row_index % q + (k - q.min(k));
                 for (ki, v) in row.iter_mut().enumerate() {
-                    *v += slopes[h] * (ki as f32 - qi as f32);
+                    *v += slopes[h] * (V::F::from_usize(ki) - V::F::from_usize(qi));
                 }
             }
-            Tensor::f32(shape, x)
+            V::of_floats(shape, x)
         }
         Op::Mask { causal, window } => {
             let keep = |qi: usize, ki: usize| (!causal || ki <= qi) && window.is_none_or(|w| ki + w > qi);
-            mask_scores(f(a[0]), a.get(1).map(|t| f(t)), shape, keep)
+            mask_scores(f(a[0]), a.get(1).map(|&t| f(t)), shape, keep)
         }
         &Op::BlockSparseMask { block, global, window, random, seed } => {
             let (q, k) = (shape[2], shape[3]);
@@ -776,33 +1128,33 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let blocks = q.max(k).div_ceil(block);
             let allowed = block_pattern(blocks, global, window, random, seed);
             let keep = |qi: usize, ki: usize| allowed[qi / block * blocks + ki / block];
-            mask_scores(f(a[0]), a.get(1).map(|t| f(t)), shape, keep)
+            mask_scores(f(a[0]), a.get(1).map(|&t| f(t)), shape, keep)
         }
         Op::TopK { k, renormalize } => {
             let x = f(a[0]);
             let e = *shape.last().expect("top_k has an axis");
-            let mut out = vec![0.0; x.len()];
+            let mut out = vec![V::F::ZERO; x.len()];
             for (row, o) in x.chunks(e).zip(out.chunks_mut(e)) {
                 let kept = top_k(row, *k);
-                let sum: f32 = kept.iter().map(|&i| row[i]).sum();
+                let sum: V::F = kept.iter().map(|&i| row[i]).sum();
                 for &i in &kept {
                     o[i] = if *renormalize { row[i] / sum } else { row[i] };
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::TopKGrad { k, renormalize } => {
             let (x, dy) = (f(a[0]), f(a[1]));
             let e = *shape.last().expect("top_k has an axis");
-            let mut out = vec![0.0; x.len()];
+            let mut out = vec![V::F::ZERO; x.len()];
             for ((row, d), o) in x.chunks(e).zip(dy.chunks(e)).zip(out.chunks_mut(e)) {
                 let kept = top_k(row, *k);
                 if *renormalize {
                     // dx = m (dy - sum(dy * y)) / S, y = m x / S.
-                    let sum: f64 = kept.iter().map(|&i| f64::from(row[i])).sum();
-                    let dot: f64 = kept.iter().map(|&i| f64::from(d[i]) * f64::from(row[i]) / sum).sum();
+                    let sum: f64 = kept.iter().map(|&i| row[i].to_f64()).sum();
+                    let dot: f64 = kept.iter().map(|&i| d[i].to_f64() * row[i].to_f64() / sum).sum();
                     for &i in &kept {
-                        o[i] = ((f64::from(d[i]) - dot) / sum) as f32;
+                        o[i] = V::F::from_f64((d[i].to_f64() - dot) / sum);
                     }
                 } else {
                     for &i in &kept {
@@ -810,11 +1162,11 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                     }
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::Slice { axis, start, len } => {
             let x = f(a[0]);
-            let in_shape = &a[0].shape;
+            let in_shape = a[0].shape();
             let outer: usize = in_shape[..*axis].iter().product();
             let inner: usize = in_shape[axis + 1..].iter().product();
             let n = in_shape[*axis];
@@ -823,7 +1175,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                 let base = o * n * inner;
                 out.extend_from_slice(&x[base + start * inner..base + (start + len) * inner]);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         // Fused ops are evaluated as exactly the compositions that define them.
         Op::Linear { act, bias, residual, norm, glu, rope } => {
@@ -837,23 +1189,23 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
                     args.extend(&a[1..1 + take]);
                     next += take;
                     let op = if p.rms { Op::RmsNorm { eps: p.eps } } else { Op::LayerNorm { eps: p.eps } };
-                    normed = eval(ctx, &op, &args, a[0].shape.clone())?;
+                    normed = eval(ctx, &op, &args, a[0].shape().to_vec())?;
                     &normed
                 }
                 None => a[0],
             };
             let w = a[next];
             next += 1;
-            let mut shape_mm = x.shape.clone();
+            let mut shape_mm = x.shape().to_vec();
             let last = shape_mm.len() - 1;
-            shape_mm[last] = w.shape[0];
+            shape_mm[last] = w.shape()[0];
             let mut y = eval(ctx, &Op::MatMul { transpose_b: true }, &[x, w], shape_mm.clone())?;
             if *bias {
                 y = eval(ctx, &Op::Add, &[&y, a[next]], shape_mm.clone())?;
                 next += 1;
             }
             if *glu {
-                let n = w.shape[0] / 2;
+                let n = w.shape()[0] / 2;
                 let mut half = shape_mm.clone();
                 half[last] = n;
                 let gate = eval(ctx, &Op::Slice { axis: last, start: 0, len: n }, &[&y], half.clone())?;
@@ -870,11 +1222,12 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             if let Some(r) = rope {
                 let s = shape_mm[shape_mm.len() - 2];
                 let n = shape_mm[last];
-                let inv = rope_frequencies(r.theta.0, r.rotary_dim);
-                if let Data::F32(data) = &mut y.data {
+                let inv = frequencies::<V::F>(r.theta.0, r.rotary_dim);
+                if let Some(data) = y.floats_mut() {
                     for (row_index, row) in data.chunks_mut(n).enumerate() {
                         for head in row[r.start..r.start + r.len].chunks_mut(r.head_dim) {
-                            rotate(&mut head[..r.rotary_dim], (row_index % s + ctx.past) as f32, &inv, r.style);
+                            let pos = V::F::from_usize(row_index % s + ctx.past);
+                            V::F::rotate(&mut head[..r.rotary_dim], pos, &inv, r.style);
                         }
                     }
                 }
@@ -888,8 +1241,8 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             // Split the heads out of the packed rows, then attend as `attention` does (to the
             // cache's keys and values when `cached`).
             let x = a[0];
-            let (b, s, width) = (x.shape[0], x.shape[1], x.shape[2]);
-            let split = |start: usize, count: usize| -> R<Tensor> {
+            let (b, s, width) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+            let split = |start: usize, count: usize| -> R<V> {
                 let t = head_columns(ctx, x, start, count, p.head_dim)?;
                 eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&t], vec![b, count, s, p.head_dim])
             };
@@ -897,9 +1250,9 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let qh = split(p.q, p.heads)?;
             let (kh, vh, rest) = if p.appends {
                 // The caches before this step, with this step's keys and values appended.
-                let append = |past: &Tensor, start: usize| -> R<Tensor> {
+                let append = |past: &V, start: usize| -> R<V> {
                     let new = split(start, p.kv_heads)?;
-                    let mut shape = past.shape.clone();
+                    let mut shape = past.shape().to_vec();
                     shape[2] += s;
                     eval(ctx, &Op::Concat { axis: 2 }, &[past, &new], shape)
                 };
@@ -920,7 +1273,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::LowRank { start, heads, head_dim } => {
             // Slice, split, transpose the heads to [b, h, d, n], then times `e`'s first n rows.
             let (x, e) = (a[0], a[1]);
-            let (b, n, r) = (x.shape[0], x.shape[1], e.shape[1]);
+            let (b, n, r) = (x.shape()[0], x.shape()[1], e.shape()[1]);
             let split = head_columns(ctx, x, *start, *heads, *head_dim)?;
             let t = eval(ctx, &Op::Permute { perm: vec![0, 2, 3, 1] }, &[&split], vec![b, *heads, *head_dim, n])?;
             let cut = eval(ctx, &Op::Truncate { len: Dim::Fixed(n) }, &[e], vec![n, r])?;
@@ -932,7 +1285,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let gain = norm.map(|_| a[a.len() - 1]);
             let a = &a[..a.len() - usize::from(gain.is_some())];
             let x = a[a.len() - 1];
-            let (b, s) = (x.shape[0], x.shape[1]);
+            let (b, s) = (x.shape()[0], x.shape()[1]);
             let split = head_columns(ctx, x, *start, *heads, *head_dim)?;
             let new_shape = vec![b, *heads, s, *head_dim];
             let mut new = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&split], new_shape.clone())?;
@@ -950,14 +1303,14 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         }
         Op::Concat { axis } => {
             let (x, y) = (f(a[0]), f(a[1]));
-            let outer: usize = a[0].shape[..*axis].iter().product();
+            let outer: usize = a[0].shape()[..*axis].iter().product();
             let (ix, iy) = (x.len() / outer.max(1), y.len() / outer.max(1));
             let mut out = Vec::with_capacity(x.len() + y.len());
             for o in 0..outer {
                 out.extend_from_slice(&x[o * ix..(o + 1) * ix]);
                 out.extend_from_slice(&y[o * iy..(o + 1) * iy]);
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::MaskedSoftmax { scale, alibi, causal, window, mods } => {
             let (key_mask, table) = score_operands(&a[1..], mods);
@@ -985,8 +1338,8 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         }
         Op::Attention { scale, alibi, causal, window, mods } => {
             let (q, k, v) = (a[0], a[1], a[2]);
-            let (b, h, s, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-            let (kv, t) = (k.shape[1], k.shape[2]);
+            let (b, h, s, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+            let (kv, t) = (k.shape()[1], k.shape()[2]);
             let (k, v) = if kv < h {
                 let times = h / kv;
                 let rep = vec![b, h, t, d];
@@ -1005,7 +1358,7 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
             let p = eval(ctx, &soft, &args, vec![b, h, s, t])?;
             let heads = eval(ctx, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
             let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;
-            Tensor { shape, data: merged.data }
+            merged.reshaped(shape)
         }
         Op::AddNorm { rms, eps, after } => {
             let norm = if *rms { Op::RmsNorm { eps: *eps } } else { Op::LayerNorm { eps: *eps } };
@@ -1024,34 +1377,34 @@ fn eval(ctx: Ctx, op: &Op, a: &[&Tensor], shape: Vec<usize>) -> R<Tensor> {
         Op::L2Normalize => {
             let x = f(a[0]);
             let d = *shape.last().expect("l2_normalize has an axis");
-            let mut out = vec![0.0; x.len()];
+            let mut out = vec![V::F::ZERO; x.len()];
             for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
-                let norm = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt().max(1e-12);
+                let norm = row.iter().map(|&v| v.to_f64().powi(2)).sum::<f64>().sqrt().max(1e-12);
                 for (y, &v) in o.iter_mut().zip(row) {
-                    *y = (v as f64 / norm) as f32;
+                    *y = V::F::from_f64(v.to_f64() / norm);
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
         Op::MeanPool => {
             let (x, m) = (f(a[0]), f(a[1]));
-            let (b, s, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
-            let mut out = vec![0.0; b * d];
+            let (b, s, d) = (a[0].shape()[0], a[0].shape()[1], a[0].shape()[2]);
+            let mut out = vec![V::F::ZERO; b * d];
             for bi in 0..b {
                 let mut count = 0.0f64;
                 let mut acc = vec![0.0f64; d];
                 for si in 0..s {
-                    let w = m[bi * s + si] as f64;
+                    let w = m[bi * s + si].to_f64();
                     count += w;
                     for j in 0..d {
-                        acc[j] += w * x[(bi * s + si) * d + j] as f64;
+                        acc[j] += w * x[(bi * s + si) * d + j].to_f64();
                     }
                 }
                 for j in 0..d {
-                    out[bi * d + j] = (acc[j] / count.max(1e-9)) as f32;
+                    out[bi * d + j] = V::F::from_f64(acc[j] / count.max(1e-9));
                 }
             }
-            Tensor::f32(shape, out)
+            V::of_floats(shape, out)
         }
     })
 }
@@ -1136,9 +1489,9 @@ struct CrossEntropyRow {
 /// The positions of `x` (rows of `labels.len()` scores each) whose label is not `ignore`, with
 /// their losses in f64; refuses a label outside the vocabulary and a batch with no counted
 /// position (whose mean loss would be 0 / 0).
-fn cross_entropy_rows(x: &[f32], labels: &Tensor, smoothing: f32, ignore: i64) -> R<Vec<CrossEntropyRow>> {
+fn cross_entropy_rows<V: Value>(x: &[V::F], labels: &V, smoothing: f32, ignore: i64) -> R<Vec<CrossEntropyRow>> {
     let labels = labels
-        .as_i64()
+        .ints()
         .ok_or_else(|| InterpError::BadInput { name: "labels".into(), message: "expected integer token ids".into() })?;
     let vocab = x.len() / labels.len().max(1);
     let eps = f64::from(smoothing);
@@ -1156,11 +1509,11 @@ fn cross_entropy_rows(x: &[f32], labels: &Tensor, smoothing: f32, ignore: i64) -
             });
         };
         let row = &x[at * vocab..(at + 1) * vocab];
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = row.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).sum();
-        let lse = f64::from(max) + sum.ln();
-        let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
-        let loss = lse - (1.0 - eps) * f64::from(row[label]) - eps * mean;
+        let max = row.iter().copied().fold(V::F::NEG_INFINITY, V::F::max).to_f64();
+        let sum: f64 = row.iter().map(|&v| (v.to_f64() - max).exp()).sum();
+        let lse = max + sum.ln();
+        let mean = row.iter().map(|&v| v.to_f64()).sum::<f64>() / vocab as f64;
+        let loss = lse - (1.0 - eps) * row[label].to_f64() - eps * mean;
         rows.push(CrossEntropyRow { at, label, lse, loss });
     }
     if rows.is_empty() {
@@ -1172,14 +1525,14 @@ fn cross_entropy_rows(x: &[f32], labels: &Tensor, smoothing: f32, ignore: i64) -
     Ok(rows)
 }
 
-fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
+fn matmul<V: Value>(a: &V, b: &V, transpose_b: bool) -> Vec<V::F> {
     let (x, w) = (f(a), f(b));
-    let (ar, br) = (a.shape.len(), b.shape.len());
-    let (m, k) = (a.shape[ar - 2], a.shape[ar - 1]);
-    let n = if transpose_b { b.shape[br - 2] } else { b.shape[br - 1] };
-    let batch: usize = a.shape[..ar - 2].iter().product();
+    let (ar, br) = (a.shape().len(), b.shape().len());
+    let (m, k) = (a.shape()[ar - 2], a.shape()[ar - 1]);
+    let n = if transpose_b { b.shape()[br - 2] } else { b.shape()[br - 1] };
+    let batch: usize = a.shape()[..ar - 2].iter().product();
     let b_batched = br > 2;
-    let mut out = vec![0.0f32; batch * m * n];
+    let mut out = vec![V::F::ZERO; batch * m * n];
     for bi in 0..batch {
         let xa = &x[bi * m * k..(bi + 1) * m * k];
         let wb = if b_batched { &w[bi * k * n..(bi + 1) * k * n] } else { w };
@@ -1190,7 +1543,7 @@ fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
             if transpose_b {
                 for (j, oj) in orow.iter_mut().enumerate() {
                     let col = &wb[j * k..(j + 1) * k];
-                    *oj = row.iter().zip(col).map(|(p, q)| p * q).sum();
+                    *oj = row.iter().zip(col).map(|(&p, &q)| p * q).sum();
                 }
             } else {
                 for (kk, &av) in row.iter().enumerate() {
@@ -1206,9 +1559,9 @@ fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
 }
 
 /// Elementwise op with numpy broadcasting into `shape`.
-fn broadcast_binary(a: &Tensor, b: &Tensor, shape: &[usize], op: impl Fn(f32, f32) -> f32) -> Vec<f32> {
+fn broadcast_binary<V: Value>(a: &V, b: &V, shape: &[usize], op: impl Fn(V::F, V::F) -> V::F) -> Vec<V::F> {
     let (x, y) = (f(a), f(b));
-    if a.shape == b.shape {
+    if a.shape() == b.shape() {
         return x.iter().zip(y).map(|(&p, &q)| op(p, q)).collect();
     }
     let strides = |s: &[usize]| -> Vec<usize> {
@@ -1222,7 +1575,7 @@ fn broadcast_binary(a: &Tensor, b: &Tensor, shape: &[usize], op: impl Fn(f32, f3
         }
         st
     };
-    let (sa, sb) = (strides(&a.shape), strides(&b.shape));
+    let (sa, sb) = (strides(a.shape()), strides(b.shape()));
     let total: usize = shape.iter().product();
     let mut out = Vec::with_capacity(total);
     let mut idx = vec![0usize; shape.len()];
@@ -1244,14 +1597,14 @@ fn broadcast_binary(a: &Tensor, b: &Tensor, shape: &[usize], op: impl Fn(f32, f3
     out
 }
 
-fn permute(t: &Tensor, perm: &[usize]) -> Vec<f32> {
+fn permute<V: Value>(t: &V, perm: &[usize]) -> Vec<V::F> {
     let x = f(t);
-    let rank = t.shape.len();
+    let rank = t.shape().len();
     let mut in_strides = vec![1usize; rank];
     for i in (0..rank.saturating_sub(1)).rev() {
-        in_strides[i] = in_strides[i + 1] * t.shape[i + 1];
+        in_strides[i] = in_strides[i + 1] * t.shape()[i + 1];
     }
-    let out_shape: Vec<usize> = perm.iter().map(|&p| t.shape[p]).collect();
+    let out_shape: Vec<usize> = perm.iter().map(|&p| t.shape()[p]).collect();
     let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
     let total = x.len();
     let mut out = Vec::with_capacity(total);
@@ -1289,6 +1642,26 @@ mod tests {
         assert!(eval_op(&Op::Param { name: "w".into() }, &[], vec![2]).is_err(), "a parameter is not evaluated");
         // A well-typed fold still evaluates.
         assert_eq!(eval_op(&Op::Softmax, &[&x], vec![2, 3]).unwrap().shape, vec![2, 3]);
+    }
+
+    #[test]
+    fn f64_mode_agrees_with_f32_to_f32_precision() {
+        let source = "[model]\nname = \"t\"\nkind = \"decoder\"\nvocab = 11\nd_model = 8\nlayers = 1\n\
+                      max_positions = 8\n[positions]\nkind = \"rope\"\n[norm]\nkind = \"rmsnorm\"\n\
+                      [attention]\nheads = 2\nkv_heads = 1\n[ffn]\nactivation = \"silu\"\ngated = true\n";
+        let g = crate::front_end("t.toml", source).unwrap().graph;
+        let params = random_params(&g, 3).unwrap();
+        let inputs = sample_inputs(&g, 11, 2, 5).unwrap();
+        let wide: HashMap<String, Tensor64> = params.iter().map(|(n, t)| (n.clone(), Tensor64::from(t))).collect();
+        let (narrow, wide) = (run(&g, &params, &inputs).unwrap(), run_f64(&g, &wide, &inputs).unwrap());
+        assert_eq!(narrow.len(), wide.len());
+        for ((name, a), (other, b)) in narrow.iter().zip(&wide) {
+            assert_eq!((name, &a.shape), (other, &b.shape));
+            let scale = b.data.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let err = a.to_f32_vec().iter().zip(&b.data).map(|(&x, &y)| (f64::from(x) - y).abs()).fold(0.0, f64::max);
+            assert!(err <= 1e-5 * scale, "{name}: f32 and f64 differ by {err} (scale {scale})");
+            assert!(err > 0.0, "{name}: the f64 mode computed in f32");
+        }
     }
 
     #[test]

@@ -124,3 +124,24 @@ impl Tensor {
             .fold(0.0, f32::max)
     }
 }
+
+/// A dense, row-major f64 tensor: the parameters and results of the interpreter's f64 reference
+/// mode ([`crate::interp::run_f64`]), which checks gradients free of f32 rounding.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor64 {
+    /// Extent of each axis.
+    pub shape: Vec<usize>,
+    /// The elements; `data.len() == shape.iter().product()`.
+    pub data: Vec<f64>,
+}
+
+impl From<&Tensor> for Tensor64 {
+    /// The tensor's elements widened to f64 (integers converted).
+    fn from(t: &Tensor) -> Self {
+        let data = match &t.data {
+            Data::F32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+            Data::I64(v) => v.iter().map(|&x| x as f64).collect(),
+        };
+        Tensor64 { shape: t.shape.clone(), data }
+    }
+}
