@@ -164,6 +164,12 @@ fn counted_label(label: &str, ignore: i64) -> String {
     format!("{label} != {ignore} && {label} >= 0 && u32({label}) < v")
 }
 
+/// Statement reading the operand `in0`, which gives a backward op only its output's shape: a
+/// pipeline's automatic bind group layout holds only the bindings its kernel reads, and the
+/// runtime binds every operand.
+const SHAPE_ONLY: &str =
+    "// in0 gives the shape only; it is read so that the pipeline's layout binds it.\n_ = in0[0];\n";
+
 /// The kernel body of a one-thread-per-element op: runs once per thread `i < dim(0)`. `None` for
 /// ops that need no kernel (inputs, parameters, reshapes) and for projections ([`super::projection`]).
 pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
@@ -181,7 +187,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         // 64, ...` of it: the rows of `dy` whose id is this row's added in id order, as the
         // interpreter adds them. The id test is uniform across the workgroup.
         Op::GatherGrad => format!(
-            "let d = dim(1u);\nlet n = dim(2u);\nlet base = wg * d;\n{LANES} {{ out[base + j] = 0.0; }}\n\
+            "{SHAPE_ONLY}let d = dim(1u);\nlet n = dim(2u);\nlet base = wg * d;\n{LANES} {{ out[base + j] = 0.0; }}\n\
              for (var t = 0u; t < n; t = t + 1u) {{\n    if (in1[t] == i32(wg)) {{\n        \
              {LANES} {{ out[base + j] = out[base + j] + in2[t * d + j]; }}\n    }}\n}}"
         ),
@@ -228,7 +234,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
             let bucketing = Bucketing { buckets: *buckets, max_distance: *max_distance, bidirectional: *bidirectional };
             format!(
-                "let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet planes = dim(4u);\nlet r = i / heads;\n\
+                "{SHAPE_ONLY}let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet planes = dim(4u);\nlet r = i / heads;\n\
                  let h = i % heads;\nvar acc = 0.0;\nfor (var qq = 0u; qq < q; qq = qq + 1u) {{\n    \
                  let qi = qq + (k - min(q, k));\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{}{}\
                  if (bk == r) {{\n            for (var m = h; m < planes; m = m + heads) {{ acc = acc + in1[(m * q + qq) * k + ki]; }}\n        }}\n    }}\n}}\nout[i] = acc;",
@@ -237,7 +243,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         // `dy`'s rows (the first `dim(1)` elements), then zeros.
-        Op::TruncateGrad => "if (i < dim(1u)) { out[i] = in1[i]; } else { out[i] = 0.0; }".into(),
+        Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
         // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are
         // marked in the output first, then replaced by their gradient.
         Op::TopKGrad { k, renormalize } => {
