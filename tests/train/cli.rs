@@ -84,7 +84,6 @@ fn impossible_recipes_and_settings_are_refused_by_name() {
         (&["--frozen", "nothing.here"], &["`nothing.here` matches no tensor"]),
         (&["--frozen", "layers.0.attn.q.weight"], &["packed tensor `transformer.h.0.attn.c_attn.weight`"]),
         (&["--steps", "17"], &["17 steps asked for", "16 batches"]),
-        (&["--backend", "wgpu"], &["does not train yet"]),
         (&["--clip", "lots"], &["--clip lots"]),
     ];
     for (extra, needles) in cases {
@@ -350,7 +349,6 @@ fn bench_train_times_each_backend_side_by_side() {
     let rows: Vec<&str> = out.lines().filter(|l| l.contains("ms/step") && l.contains("tokens/s")).collect();
     assert_eq!(rows.len(), 2, "{out}");
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
-    fails_with(&["bench", "train", spec.to_str().unwrap(), "--backend", "wgpu"], &["`wgpu` does not train"]);
     let json = ok(&[
         "bench",
         "train",

@@ -1,13 +1,14 @@
 //! [`StepRunner`]: a training graph (see [`kiln_compiler::train`]) run on a device — the loss and
 //! the gradients of one batch, for parameters that change after every step.
 //!
-//! The interpreter runs the graph itself; the CPU back end lowers it once and, before each run,
-//! replaces its parameters ([`CpuModel::set_params`]), so the load-time folds (a tensor's
-//! reading: transposed, cut out of a pack) are evaluated on the new values. The wgpu back end
-//! does not train yet: its backward ops have no kernels.
+//! The interpreter runs the graph itself; the CPU and wgpu back ends lower it once and, before
+//! each run, replace its parameters ([`CpuModel::set_params`], [`GpuModel::set_params`]), so the
+//! load-time folds (a tensor's reading: transposed, cut out of a pack) are evaluated on the new
+//! values.
 
 use crate::cpu::{CpuError, CpuModel};
 use crate::device::Device;
+use crate::gpu::{Gpu, GpuError, GpuModel};
 use crate::progress::Progress;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::interp::{self, InterpError};
@@ -15,6 +16,7 @@ use kiln_compiler::lower::{self, Plan};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::LOSS;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// What can go wrong running a training step.
 #[derive(Debug, thiserror::Error)]
@@ -25,9 +27,9 @@ pub enum RunError {
     /// The CPU back end failed.
     #[error(transparent)]
     Cpu(#[from] CpuError),
-    /// A device that does not train.
-    #[error("training runs on the interpreter or the CPU back end (`--backend interp` or `cpu`), not on {0}")]
-    Unsupported(String),
+    /// The wgpu back end failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
     /// A trained tensor got no gradient (a bug of the graph's construction).
     #[error("the training graph gave no gradient for `{0}`")]
     NoGradient(String),
@@ -48,6 +50,7 @@ pub struct StepOutput {
 enum Kind {
     Interp(Graph),
     Cpu { plan: Plan, threads: usize, model: Option<Box<CpuModel>> },
+    Gpu { gpu: Arc<Gpu>, plan: Plan, model: Option<Box<GpuModel>> },
 }
 
 /// A training (or loss-only) graph on a device.
@@ -56,12 +59,12 @@ pub struct StepRunner {
 }
 
 impl StepRunner {
-    /// `graph` on `device`: the interpreter, or lowered for the CPU back end.
+    /// `graph` on `device`: the interpreter, or lowered for the CPU or wgpu back end.
     pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
         let kind = match device {
             Device::Interp => Kind::Interp(graph),
             Device::Cpu { threads } => Kind::Cpu { plan: lower::lower(&graph), threads: *threads, model: None },
-            Device::Gpu(_) => return Err(RunError::Unsupported(device.describe())),
+            Device::Gpu(gpu) => Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None },
         };
         Ok(StepRunner { kind })
     }
@@ -86,6 +89,23 @@ impl StepRunner {
                         params,
                         &HashMap::new(),
                         *threads,
+                        progress,
+                    )?)),
+                };
+                model.run(batch)?
+            }
+            Kind::Gpu { gpu, plan, model } => {
+                let model = match model {
+                    Some(m) => {
+                        m.set_params(params, &HashMap::new(), progress)?;
+                        m
+                    }
+                    None => model.insert(Box::new(GpuModel::with_progress(
+                        gpu.clone(),
+                        plan,
+                        &gpu.options(),
+                        params,
+                        &HashMap::new(),
                         progress,
                     )?)),
                 };
