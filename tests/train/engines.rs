@@ -1,4 +1,4 @@
-//! The training step of every model family on the CPU engine against the interpreter, the oracle:
+//! The training step of every model family on the CPU engine and on wgpu against the interpreter, the oracle:
 //! the loss and every tensor's gradient of each `models/*.toml` with logits (the large real-model
 //! specs aside), from its declared initialization, on sample inputs.
 
@@ -49,6 +49,68 @@ fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
             let err = w.max_abs_diff(g);
             assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
         }
+        checked.push(name);
+    }
+    assert!(checked.len() >= 8, "only {checked:?}");
+}
+
+/// The training step of every model family on wgpu against the interpreter, as on the CPU above.
+/// Each step runs twice, first on other values of the tensors, so the second compares a model
+/// whose parameters were replaced (`GpuModel::set_params`: the tensors' load-time readings —
+/// transposed, cut out of a pack — evaluated again on the new values).
+#[test]
+fn every_model_trains_on_wgpu_as_on_the_interpreter() {
+    let Some(gpu) = crate::common::gpu() else { return };
+    let device = Device::Gpu(gpu);
+    let mut checked = Vec::new();
+    let mut specs: Vec<_> = std::fs::read_dir(root().join("models")).unwrap().map(|e| e.unwrap().path()).collect();
+    specs.sort();
+    for path in specs {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if LARGE.contains(&name.as_str()) {
+            continue;
+        }
+        let fe = kiln_compiler::front_end(&name, &std::fs::read_to_string(&path).unwrap()).unwrap();
+        if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let objective = Objective { label_smoothing: 0.1 };
+        let (graph, _) =
+            training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+        let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+        let vocab = fe.spec.spec.model.vocab as usize;
+        let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
+        let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
+        let mut runner = StepRunner::new(&device, graph).unwrap();
+        let other: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(n, t)| {
+                (n.clone(), Tensor::f32(t.shape.clone(), t.to_f32_vec().iter().map(|x| 0.5 * x + 0.01).collect()))
+            })
+            .collect();
+        let first = runner.run(&other, &batch, &()).unwrap();
+        let got = runner.run(&params, &batch, &()).unwrap();
+        assert!((first.loss - got.loss).abs() > 0.0, "{name}: the parameters were not replaced");
+        assert!(
+            (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
+            "{name}: loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+        assert_eq!(want.grads.len(), got.grads.len(), "{name}");
+        let mut worst = 0.0f32;
+        for (tensor, w) in &want.grads {
+            let g = &got.grads[tensor];
+            let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let err = w.max_abs_diff(g);
+            worst = worst.max(err / scale);
+            assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
+        }
+        eprintln!(
+            "{name}: {:.1} s, largest difference {worst:e} of a gradient's scale",
+            started.elapsed().as_secs_f64()
+        );
         checked.push(name);
     }
     assert!(checked.len() >= 8, "only {checked:?}");
