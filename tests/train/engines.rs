@@ -1,6 +1,6 @@
-//! The training step of every model family on the CPU engine and on wgpu against the interpreter, the oracle:
-//! the loss and every tensor's gradient of each `models/*.toml` with logits (the large real-model
-//! specs aside), from its declared initialization, on sample inputs.
+//! The training step of every model family on the CPU engine and on wgpu against the interpreter,
+//! the oracle: the loss and every tensor's gradient of each `models/*.toml` with logits (the large
+//! real-model specs aside), from its declared initialization, on sample inputs.
 
 use crate::common::root;
 use kiln_compiler::spec::PackDims;
