@@ -132,8 +132,8 @@ pub(super) fn activation(act: Activation, x: &str) -> String {
     }
 }
 
-/// Statements declaring `dact`, the derivative of `act` at `x` (`crate::semantics::
-/// activation_derivative`, in f32).
+/// Statements declaring `dact`, the derivative of `act` at `x`
+/// ([`crate::semantics::activation_derivative`], in f32).
 fn activation_derivative(act: Activation) -> &'static str {
     match act {
         Activation::Relu => "let dact = select(0.0, 1.0, x > 0.0);",
