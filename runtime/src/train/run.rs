@@ -27,15 +27,21 @@ pub enum RunError {
     /// The CPU back end failed.
     #[error(transparent)]
     Cpu(#[from] CpuError),
-    /// The wgpu back end failed.
+    /// The wgpu back end failed (boxed: it is larger than the other errors).
     #[error(transparent)]
-    Gpu(#[from] GpuError),
+    Gpu(Box<GpuError>),
     /// A trained tensor got no gradient (a bug of the graph's construction).
     #[error("the training graph gave no gradient for `{0}`")]
     NoGradient(String),
     /// The graph gave no loss (a bug of the graph's construction).
     #[error("the training graph gave no `{LOSS}` output")]
     NoLoss,
+}
+
+impl From<GpuError> for RunError {
+    fn from(e: GpuError) -> Self {
+        RunError::Gpu(Box::new(e))
+    }
 }
 
 /// The loss of a batch and, by tensor name, the gradients the graph computes.
