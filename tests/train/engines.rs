@@ -115,3 +115,26 @@ fn every_model_trains_on_wgpu_as_on_the_interpreter() {
     }
     assert!(checked.len() >= 8, "only {checked:?}");
 }
+
+/// Labels the loss cannot take — one outside the vocabulary, or every one ignored — are refused
+/// on wgpu as the interpreter refuses them (a kernel cannot), before anything runs.
+#[test]
+fn wgpu_refuses_the_labels_the_interpreter_refuses() {
+    let Some(gpu) = crate::common::gpu() else { return };
+    let text = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap();
+    let fe = kiln_compiler::front_end("gpt2", &text).unwrap();
+    let objective = Objective { label_smoothing: 0.0 };
+    let (graph, _) = training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let batch = kiln_compiler::interp::sample_inputs(&graph, vocab as usize, 2, 8).unwrap();
+    let mut gpu = StepRunner::new(&Device::Gpu(gpu), graph.clone()).unwrap();
+    let mut interp = StepRunner::new(&Device::Interp, graph).unwrap();
+    for labels in [|t: i64, vocab: i64| if t == 5 { vocab } else { t }, |_, _| -100] {
+        let mut batch = batch.clone();
+        batch.insert("labels".into(), Tensor::i64(vec![2, 8], (0..16).map(|t| labels(t, vocab)).collect()));
+        let want = interp.run(&params, &batch, &()).unwrap_err().to_string();
+        let got = gpu.run(&params, &batch, &()).unwrap_err().to_string();
+        assert_eq!(got, want);
+    }
+}
