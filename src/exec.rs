@@ -96,13 +96,12 @@ pub fn open(backend: Backend, adapter: Option<&str>, threads: usize) -> Result<D
     })
 }
 
-/// The device a training (or loss) graph runs on: the CPU kernels (for `auto` too) or the
-/// interpreter; the wgpu back end has no backward kernels yet.
+/// The device a training (or loss) graph runs on: the CPU kernels (for `auto` too), the
+/// interpreter, or wgpu's kernels on the adapter `KILN_ADAPTER` names, else the best one found.
 pub fn training_device(backend: Backend, threads: Option<usize>) -> Result<Device> {
     let backend = match backend {
         Backend::Auto | Backend::Cpu => Backend::Cpu,
-        Backend::Interp => Backend::Interp,
-        Backend::Wgpu => bail!("`wgpu` does not train yet: training runs on `--backend cpu` or `interp`"),
+        other => other,
     };
     open(backend, None, threads_or_default(threads)?)
 }

@@ -6,7 +6,8 @@
 //! - [`bind`]: run-time inputs bound exactly as the interpreter binds them (defaults, mask
 //!   polarity, symbol values), inputs already held by the engine (a cache) by shape only;
 //! - [`check_indices`]: token ids and positions checked against the tables they index, which a
-//!   kernel would otherwise clamp (wgpu) or read out of bounds of;
+//!   kernel would otherwise clamp (wgpu) or read out of bounds of, and a loss's labels against the
+//!   vocabulary;
 //! - [`append_sites`]: the steps that can append to a session's cache in place.
 
 #![expect(
@@ -247,13 +248,18 @@ pub fn bind(
 }
 
 /// Token ids and positions must index inside their tables: a GPU kernel would clamp silently, a
-/// CPU one read out of bounds. `inputs` are the bound inputs by value.
+/// CPU one read out of bounds. A loss's labels must be in its vocabulary (see [`check_labels`]).
+/// `inputs` are the bound inputs by value.
 pub fn check_indices(
     plan: &Plan,
     inputs: &HashMap<usize, &Tensor>,
     syms: &HashMap<Sym, usize>,
 ) -> Result<(), PrepareError> {
     for step in &plan.steps {
+        if let Op::CrossEntropy { ignore_index, .. } | Op::CrossEntropyGrad { ignore_index, .. } = step.op {
+            check_labels(plan, step, inputs, syms, ignore_index)?;
+            continue;
+        }
         if step.op != Op::Gather {
             continue;
         }
@@ -293,6 +299,43 @@ pub fn check_indices(
                 .into());
             }
         }
+    }
+    Ok(())
+}
+
+/// The labels of a cross-entropy step (or its gradient's), when they are an input, must each be
+/// `ignore` or a token of the vocabulary, and not all `ignore` (the mean loss would be 0 / 0): the
+/// interpreter's refusals, which a kernel cannot make.
+fn check_labels(
+    plan: &Plan,
+    step: &kiln_compiler::lower::Step,
+    inputs: &HashMap<usize, &Tensor>,
+    syms: &HashMap<Sym, usize>,
+    ignore: i64,
+) -> Result<(), PrepareError> {
+    let (Some(&logits), Some(&labels)) = (step.operands.first(), step.operands.get(1)) else {
+        return Err(PrepareError::Invalid(format!("a {} step has {} operands", step.op.name(), step.operands.len())));
+    };
+    let Some(labels) = inputs.get(&root(plan, labels)) else { return Ok(()) };
+    let vocab = resolve(&plan.values[logits].shape, syms).last().copied().unwrap_or(0);
+    let labels = labels
+        .as_i64()
+        .ok_or_else(|| InterpError::BadInput { name: "labels".into(), message: "expected integer token ids".into() })?;
+    if let Some(&bad) = labels.iter().find(|&&l| l != ignore && !usize::try_from(l).is_ok_and(|l| l < vocab)) {
+        return Err(InterpError::IndexOutOfRange {
+            what: "label",
+            index: bad,
+            table: "the vocabulary".into(),
+            rows: vocab,
+        }
+        .into());
+    }
+    if labels.iter().all(|&l| l == ignore) {
+        return Err(InterpError::BadInput {
+            name: "labels".into(),
+            message: format!("every label is the ignore index {ignore}: no position takes a loss"),
+        }
+        .into());
     }
     Ok(())
 }

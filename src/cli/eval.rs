@@ -33,7 +33,7 @@ pub struct EvalArgs {
     /// Label smoothing of the loss (default: the spec's `[train]`, else none).
     #[arg(long)]
     label_smoothing: Option<f64>,
-    /// Where the loss runs: `cpu` (the default) or `interp`.
+    /// Where the loss runs: `cpu` (the default), `interp` or `wgpu`.
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
     /// Threads of the CPU backend.

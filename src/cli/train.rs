@@ -135,8 +135,8 @@ pub struct TrainArgs {
     /// Continue the run whose checkpoint this is (weights, and the state beside them).
     #[arg(long, conflicts_with = "weights")]
     resume: Option<PathBuf>,
-    /// Where the training step runs: the native CPU kernels (`cpu`, the default) or the reference
-    /// interpreter (`interp`); wgpu does not train yet.
+    /// Where the training step runs: the native CPU kernels (`cpu`, the default), the reference
+    /// interpreter (`interp`) or the WGSL kernels on a GPU adapter (`wgpu`).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
     /// Threads of the CPU backend (default: one per core available).

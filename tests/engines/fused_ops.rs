@@ -1182,3 +1182,142 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         }
     }
 }
+
+/// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
+/// tensors are split and the chunked kernel variants run) against the interpreter: matrix
+/// products of activations in both layouts, sums over each axis, every activation's derivative,
+/// `rsqrt`, and the backward ops — the gather's (rows of `dy` added by id, repeated ids among
+/// them), the cross-entropy and its gradient (a third of the labels ignored, with and without
+/// label smoothing, a vocabulary narrower and one wider than a workgroup), the relative bias's,
+/// the truncation's and top-k's — at sizes that are not multiples of the 64-wide workgroups
+/// (smaller ones chunked, as a step binds at most 32 buffers). Within [`GPU_TOLERANCE`] of
+/// `max(1, max |x|)`, as every GPU kernel here: the kernels sum in f32 where the interpreter sums
+/// some of these (sums, log-sum-exp, the relative bias's gradient) in f64. On lavapipe the
+/// largest difference is 1.2e-6 of the scale, in the 4550-term sums of `relative_bias_grad`.
+#[test]
+fn training_ops_on_wgpu_equal_the_interpreter() {
+    let Some(gpu) = common::gpu() else { return };
+    for (device, gpu, wide) in [("wgpu", Some(gpu), true), ("wgpu, chunked", chunked_gpu(), false)] {
+        let Some(gpu) = gpu else { continue };
+        let (g, params, inputs) = training_ops(wide);
+        let expected = interp::run(&g, &params, &inputs).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+        let model = GpuModel::new(gpu, plan, &params).unwrap();
+        let got = model.run(&inputs).unwrap_or_else(|e| panic!("{device}: {e}"));
+        let mut worst = (0.0f32, String::new());
+        for ((name, want), (_, got)) in expected.iter().zip(&got) {
+            let scale = want.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            if want.max_abs_diff(got) / scale > worst.0 {
+                worst = (want.max_abs_diff(got) / scale, name.clone());
+            }
+            assert_close(&format!("`{name}` on {device}"), want, got, GPU_TOLERANCE);
+        }
+        eprintln!("{device}: largest difference {:e} of the scale, `{}`", worst.0, worst.1);
+    }
+}
+
+/// [`training_ops_on_wgpu_equal_the_interpreter`]'s graph, its parameters and its inputs: rows
+/// wider than a workgroup if `wide`, else small enough to split into at most 32 buffers of 64
+/// floats.
+fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, Tensor>) {
+    use kiln_compiler::graph::{InputRole, Sym};
+    // An odd width, over 64 if `wide`; a larger one.
+    let (w, big) = if wide { (67, 130) } else { (7, 13) };
+    let mut g = Graph::new("training");
+    let out = |g: &mut Graph, name: &str, op: Op, operands: &[NodeIndex]| {
+        let y = g.add(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
+        g.outputs.push((name.to_string(), y));
+    };
+    // `x * x + 0.5`: a positive operand (of `rsqrt`, of a renormalizing top-k's selection).
+    let positive = |g: &mut Graph, x: NodeIndex| {
+        let sq = g.add(Op::Mul, &[x, x]).unwrap();
+        g.add(Op::Offset { value: Scalar(0.5) }, &[sq]).unwrap()
+    };
+    for (t, transpose_b) in [false, true].into_iter().enumerate() {
+        let a = g.param(&format!("matmul{t}.a"), &[2, 3, 4, w]);
+        let b = g.param(&format!("matmul{t}.b"), &if transpose_b { [5, w] } else { [w, 5] });
+        out(&mut g, &format!("matmul{t}.one"), Op::MatMul { transpose_b }, &[a, b]);
+        let bs = g.param(&format!("matmul{t}.bs"), &if transpose_b { [2, 3, 5, w] } else { [2, 3, w, 5] });
+        out(&mut g, &format!("matmul{t}.stack"), Op::MatMul { transpose_b }, &[a, bs]);
+    }
+    for (shape, axes) in [(vec![3usize, 5, 7], &[0usize, 1, 2][..]), (vec![2, w, 5], &[1]), (vec![big, 3], &[0, 1])] {
+        let x = g.param(&format!("sum{shape:?}"), &shape);
+        for &axis in axes {
+            out(&mut g, &format!("sum{shape:?}.{axis}"), Op::SumAxis { axis }, &[x]);
+        }
+    }
+    for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
+        let x = g.param(&format!("grad.{}.x", act.name()), &[4, w]);
+        let dy = g.param(&format!("grad.{}.dy", act.name()), &[4, w]);
+        out(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[x, dy]);
+    }
+    let x = g.param("rsqrt.x", &[3, w]);
+    let x = positive(&mut g, x);
+    out(&mut g, "rsqrt", Op::Rsqrt, &[x]);
+
+    // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by
+    // `token_type_ids` (all different).
+    let mut input = |name: &str, role| g.add(Op::Input { name: name.into(), role, seq: Sym::Seq }, &[]).unwrap();
+    let (ids, rows, labels) = (
+        input("input_ids", InputRole::Ids),
+        input("token_type_ids", InputRole::TokenTypes),
+        input("labels", InputRole::Labels),
+    );
+    let table = g.param("gather_grad.table", &[11, w]);
+    let src = g.param("gather_grad.src", &[18, w]);
+    let dy = g.add(Op::Gather, &[src, rows]).unwrap();
+    out(&mut g, "gather_grad", Op::GatherGrad, &[table, ids, dy]);
+    let dloss = g.param("cross_entropy.dy", &[1]);
+    for vocab in [w, big] {
+        let src = g.param(&format!("cross_entropy{vocab}.src"), &[18, vocab]);
+        let logits = g.add(Op::Gather, &[src, rows]).unwrap();
+        for smoothing in [Scalar(0.0), Scalar(0.1)] {
+            let (name, ignore_index) = (format!("cross_entropy{vocab}.{}", smoothing.0), -100);
+            out(&mut g, &name, Op::CrossEntropy { smoothing, ignore_index }, &[logits, labels]);
+            let op = Op::CrossEntropyGrad { smoothing, ignore_index };
+            out(&mut g, &format!("{name}.grad"), op, &[logits, labels, dloss]);
+        }
+    }
+    let (q, k) = if wide { (65, 70) } else { (5, 6) };
+    for (buckets, max_distance, bidirectional, heads, dy) in
+        [(8, 20, true, 3, vec![2usize, 3, 5, 7]), (16, 40, false, 2, vec![1, 2, q, k])]
+    {
+        let table = g.param(&format!("relative_bias_grad{buckets}.table"), &[buckets, heads]);
+        let dy = g.param(&format!("relative_bias_grad{buckets}.dy"), &dy);
+        let op = Op::RelativeBiasGrad { buckets, max_distance, bidirectional };
+        out(&mut g, &format!("relative_bias_grad{buckets}"), op, &[table, dy]);
+    }
+    for (rows, len, cols) in [(9, 4, 6), (w + 3, w, 3)] {
+        let x = g.param(&format!("truncate_grad{rows}.x"), &[rows, cols]);
+        let dy = g.param(&format!("truncate_grad{rows}.dy"), &[len, cols]);
+        out(&mut g, &format!("truncate_grad{rows}"), Op::TruncateGrad, &[x, dy]);
+    }
+    for (renormalize, k, shape) in [(false, 3, [5usize, 9]), (true, 3, [5, 9]), (true, 2, [w, 4])] {
+        let name = format!("top_k_grad.{renormalize}.{shape:?}");
+        let x = g.param(&format!("{name}.x"), &shape);
+        let x = if renormalize { positive(&mut g, x) } else { x };
+        let dy = g.param(&format!("{name}.dy"), &shape);
+        out(&mut g, &name, Op::TopKGrad { k, renormalize }, &[x, dy]);
+    }
+
+    let params: HashMap<String, Tensor> = g
+        .params()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, name))| {
+            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
+            let len = shape.iter().product();
+            let values = (0..len).map(|j| (((i * 131 + j * 71) % 97) as f32 / 97.0 - 0.5) * 4.0).collect();
+            (name.to_string(), Tensor::f32(shape, values))
+        })
+        .collect();
+    let ids = |f: &dyn Fn(i64) -> i64| Tensor::i64(vec![2, 9], (0..18).map(f).collect());
+    let inputs = HashMap::from([
+        // Repeated ids, and a row no id names (0).
+        ("input_ids".to_string(), ids(&|t| 1 + (t * 7) % 10)),
+        ("token_type_ids".to_string(), ids(&|t| (t * 5) % 18)),
+        // A third of the labels ignored.
+        ("labels".to_string(), ids(&|t| [-100, 3, (t * 11) % 7][t as usize % 3])),
+    ]);
+    (g, params, inputs)
+}

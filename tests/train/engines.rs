@@ -1,6 +1,6 @@
-//! The training step of every model family on the CPU engine against the interpreter, the oracle:
-//! the loss and every tensor's gradient of each `models/*.toml` with logits (the large real-model
-//! specs aside), from its declared initialization, on sample inputs.
+//! The training step of every model family on the CPU engine and on wgpu against the interpreter,
+//! the oracle: the loss and every tensor's gradient of each `models/*.toml` with logits (the large
+//! real-model specs aside), from its declared initialization, on sample inputs.
 
 use crate::common::root;
 use kiln_compiler::spec::PackDims;
@@ -52,4 +52,89 @@ fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
         checked.push(name);
     }
     assert!(checked.len() >= 8, "only {checked:?}");
+}
+
+/// The training step of every model family on wgpu against the interpreter, as on the CPU above.
+/// Each step runs twice, first on other values of the tensors, so the second compares a model
+/// whose parameters were replaced (`GpuModel::set_params`: the tensors' load-time readings —
+/// transposed, cut out of a pack — evaluated again on the new values).
+#[test]
+fn every_model_trains_on_wgpu_as_on_the_interpreter() {
+    let Some(gpu) = crate::common::gpu() else { return };
+    let device = Device::Gpu(gpu);
+    let mut checked = Vec::new();
+    let mut specs: Vec<_> = std::fs::read_dir(root().join("models")).unwrap().map(|e| e.unwrap().path()).collect();
+    specs.sort();
+    for path in specs {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if LARGE.contains(&name.as_str()) {
+            continue;
+        }
+        let fe = kiln_compiler::front_end(&name, &std::fs::read_to_string(&path).unwrap()).unwrap();
+        if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let objective = Objective { label_smoothing: 0.1 };
+        let (graph, _) =
+            training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+        let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+        let vocab = fe.spec.spec.model.vocab as usize;
+        let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
+        let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
+        let mut runner = StepRunner::new(&device, graph).unwrap();
+        let other: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(n, t)| {
+                (n.clone(), Tensor::f32(t.shape.clone(), t.to_f32_vec().iter().map(|x| 0.5 * x + 0.01).collect()))
+            })
+            .collect();
+        let first = runner.run(&other, &batch, &()).unwrap();
+        let got = runner.run(&params, &batch, &()).unwrap();
+        assert!((first.loss - got.loss).abs() > 0.0, "{name}: the parameters were not replaced");
+        assert!(
+            (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
+            "{name}: loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+        assert_eq!(want.grads.len(), got.grads.len(), "{name}");
+        let mut worst = 0.0f32;
+        for (tensor, w) in &want.grads {
+            let g = &got.grads[tensor];
+            let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let err = w.max_abs_diff(g);
+            worst = worst.max(err / scale);
+            assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
+        }
+        eprintln!(
+            "{name}: {:.1} s, largest difference {worst:e} of a gradient's scale",
+            started.elapsed().as_secs_f64()
+        );
+        checked.push(name);
+    }
+    assert!(checked.len() >= 8, "only {checked:?}");
+}
+
+/// Labels the loss cannot take — one outside the vocabulary, or every one ignored — are refused
+/// on wgpu as the interpreter refuses them (a kernel cannot), before anything runs.
+#[test]
+fn wgpu_refuses_the_labels_the_interpreter_refuses() {
+    let Some(gpu) = crate::common::gpu() else { return };
+    let text = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap();
+    let fe = kiln_compiler::front_end("gpt2", &text).unwrap();
+    let objective = Objective { label_smoothing: 0.0 };
+    let (graph, _) = training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let batch = kiln_compiler::interp::sample_inputs(&graph, vocab as usize, 2, 8).unwrap();
+    let mut gpu = StepRunner::new(&Device::Gpu(gpu), graph.clone()).unwrap();
+    let mut interp = StepRunner::new(&Device::Interp, graph).unwrap();
+    for labels in [|t: i64, vocab: i64| if t == 5 { vocab } else { t }, |_, _| -100] {
+        let mut batch = batch.clone();
+        batch.insert("labels".into(), Tensor::i64(vec![2, 8], (0..16).map(|t| labels(t, vocab)).collect()));
+        let want = interp.run(&params, &batch, &()).unwrap_err().to_string();
+        let got = gpu.run(&params, &batch, &()).unwrap_err().to_string();
+        assert_eq!(got, want);
+    }
 }

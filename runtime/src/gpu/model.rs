@@ -14,6 +14,7 @@ use crate::quant::QuantWeight;
 use kiln_compiler::back::wgsl::{self, Program};
 use kiln_compiler::lower::{Plan, Storage, WeightFormat};
 use kiln_compiler::tensor::Tensor;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -107,14 +108,10 @@ impl GpuModel {
             Ok(())
         };
         for (id, t) in host {
-            let data = t.as_f32().ok_or_else(|| GpuError::NotF32(what(id)))?;
             let format = plan.values[id].format;
-            if format == WeightFormat::F16 {
-                let halves: Vec<u16> = data.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
-                upload(id, format, bytemuck::cast_slice(&halves))?;
-            } else {
-                upload(id, WeightFormat::F32, bytemuck::cast_slice(data))?;
-            }
+            let data = t.as_f32().ok_or_else(|| GpuError::NotF32(what(id)))?;
+            let (format, bytes) = device_bytes(format, data);
+            upload(id, format, &bytes)?;
         }
         for (id, q) in quant {
             upload(id, q.format, bytemuck::cast_slice(&q.words))?;
@@ -132,6 +129,46 @@ impl GpuModel {
             state: Mutex::new(RunState::default()),
             in_place,
         })
+    }
+
+    /// Replaces the parameters (and blocks) the model was loaded with, the load-time folds
+    /// evaluated again on them, as [`GpuModel::with_progress`] takes them: the next run computes
+    /// with these. Each is written over the device buffer its predecessor occupies (in the
+    /// storage format the model keeps it in), so the pipelines, the slots and the bind groups
+    /// stay: what a training loop does after each optimizer step. A parameter the model reads as
+    /// f32 must be given as f32 (including a quantized one larger than a buffer, which the model
+    /// reads dequantized). Every tensor is checked before the first is written: on an error the
+    /// model computes with the parameters it had.
+    pub fn set_params(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        blocks: &HashMap<String, QuantWeight>,
+        progress: &dyn Progress,
+    ) -> Result<(), GpuError> {
+        let plan = &self.program.plan;
+        let crate::prepare::Constants { host, quant } = crate::prepare::constants(plan, params, blocks, progress)?;
+        let mut writes: Vec<(&[wgpu::Buffer], Cow<'_, [u8]>)> = Vec::with_capacity(host.len() + quant.len());
+        let buffers_of = |id: usize, bytes: usize| -> Result<&[wgpu::Buffer], GpuError> {
+            let buffers = self.params.get(&id).map(Vec::as_slice).unwrap_or_default();
+            let held: u64 = buffers.iter().map(wgpu::Buffer::size).sum();
+            match bytes as u64 <= held && !buffers.is_empty() {
+                true => Ok(buffers),
+                false => Err(GpuError::Internal(format!("constant {id} ({bytes} bytes) has no buffer of its size"))),
+            }
+        };
+        for (id, t) in &host {
+            let data = t.as_f32().ok_or_else(|| GpuError::NotF32(format!("constant {id}")))?;
+            let (_, bytes) = device_bytes(plan.values[*id].format, data);
+            writes.push((buffers_of(*id, bytes.len())?, bytes));
+        }
+        for (id, q) in &quant {
+            let bytes = Cow::Borrowed(bytemuck::cast_slice(&q.words));
+            writes.push((buffers_of(*id, bytes.len())?, bytes));
+        }
+        for (buffers, bytes) in writes {
+            self.gpu.write_chunked(buffers, &bytes);
+        }
+        self.gpu.check_lost()
     }
 
     /// Bytes of the weights on the device (parameters and folded constants), by storage format.
@@ -152,5 +189,17 @@ impl GpuModel {
     /// The plan compiled for wgpu: its legalized plan and kernels.
     pub fn program(&self) -> &Program {
         &self.program
+    }
+}
+
+/// An f32 constant's bytes on the device in `format` (f16 for a weight the back end stores so,
+/// f32 otherwise: the data itself), and the format they are in.
+fn device_bytes(format: WeightFormat, data: &[f32]) -> (WeightFormat, Cow<'_, [u8]>) {
+    match format {
+        WeightFormat::F16 => {
+            let halves: Vec<u16> = data.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
+            (format, Cow::Owned(bytemuck::cast_slice(&halves).to_vec()))
+        }
+        _ => (WeightFormat::F32, Cow::Borrowed(bytemuck::cast_slice(data))),
     }
 }

@@ -4,13 +4,15 @@
 //! The interpreter runs the graph itself, as built (it is the oracle). The CPU back end runs the
 //! graph the e-graph optimizer makes of it for the CPU target — forward, loss and backward
 //! optimized as one graph, so the fusions of inference apply to the forward half and the
-//! backward's own forms are found by the same rules — lowered once; before each run, it
-//! replaces its parameters ([`CpuModel::set_params`]), so the load-time folds (a tensor's
-//! reading: transposed, cut out of a pack) are evaluated on the new values. The wgpu back end
-//! does not train yet: its backward ops have no kernels.
+//! backward's own forms are found by the same rules; the wgpu back end runs the graph as built
+//! (its backward kernels are the plain ones). Each lowers its graph once and, before each run,
+//! replaces its parameters ([`CpuModel::set_params`], [`GpuModel::set_params`]), so the
+//! load-time folds (a tensor's reading: transposed, cut out of a pack) are evaluated on the new
+//! values.
 
 use crate::cpu::{CpuError, CpuModel};
 use crate::device::Device;
+use crate::gpu::{Gpu, GpuError, GpuModel};
 use crate::progress::Progress;
 use kiln_compiler::graph::{Graph, GraphError};
 use kiln_compiler::interp::{self, InterpError};
@@ -20,6 +22,7 @@ use kiln_compiler::target::Target;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::LOSS;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// What can go wrong running a training step.
 #[derive(Debug, thiserror::Error)]
@@ -33,15 +36,21 @@ pub enum RunError {
     /// The optimizer refused the graph (a bug of a rule: the graph was well typed).
     #[error("optimizing the training step: {0}")]
     Optimize(#[from] GraphError),
-    /// A device that does not train.
-    #[error("training runs on the interpreter or the CPU back end (`--backend interp` or `cpu`), not on {0}")]
-    Unsupported(String),
+    /// The wgpu back end failed (boxed: it is larger than the other errors).
+    #[error(transparent)]
+    Gpu(Box<GpuError>),
     /// A trained tensor got no gradient (a bug of the graph's construction).
     #[error("the training graph gave no gradient for `{0}`")]
     NoGradient(String),
     /// The graph gave no loss (a bug of the graph's construction).
     #[error("the training graph gave no `{LOSS}` output")]
     NoLoss,
+}
+
+impl From<GpuError> for RunError {
+    fn from(e: GpuError) -> Self {
+        RunError::Gpu(Box::new(e))
+    }
 }
 
 /// The loss of a batch and, by tensor name, the gradients the graph computes.
@@ -56,6 +65,7 @@ pub struct StepOutput {
 enum Kind {
     Interp(Graph),
     Cpu { plan: Plan, threads: usize, model: Option<Box<CpuModel>> },
+    Gpu { gpu: Arc<Gpu>, plan: Plan, model: Option<Box<GpuModel>> },
 }
 
 /// A training (or loss-only) graph on a device.
@@ -64,7 +74,7 @@ pub struct StepRunner {
 }
 
 impl StepRunner {
-    /// `graph` on `device`: the interpreter, or lowered for the CPU back end.
+    /// `graph` on `device`: the interpreter, or lowered for the CPU or wgpu back end.
     pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
         let kind = match device {
             Device::Interp => Kind::Interp(graph),
@@ -72,7 +82,7 @@ impl StepRunner {
                 let (optimized, _) = optimize::optimize_for(&graph, &Target::cpu())?;
                 Kind::Cpu { plan: lower::lower(&optimized), threads: *threads, model: None }
             }
-            Device::Gpu(_) => return Err(RunError::Unsupported(device.describe())),
+            Device::Gpu(gpu) => Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None },
         };
         Ok(StepRunner { kind })
     }
@@ -97,6 +107,23 @@ impl StepRunner {
                         params,
                         &HashMap::new(),
                         *threads,
+                        progress,
+                    )?)),
+                };
+                model.run(batch)?
+            }
+            Kind::Gpu { gpu, plan, model } => {
+                let model = match model {
+                    Some(m) => {
+                        m.set_params(params, &HashMap::new(), progress)?;
+                        m
+                    }
+                    None => model.insert(Box::new(GpuModel::with_progress(
+                        gpu.clone(),
+                        plan,
+                        &gpu.options(),
+                        params,
+                        &HashMap::new(),
                         progress,
                     )?)),
                 };

@@ -33,7 +33,7 @@ pub struct TrainArgs {
     /// Runs; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Backends, side by side: `cpu`, `interp` (comma-separated, or the flag repeated).
+    /// Backends, side by side: `cpu`, `interp`, `wgpu` (comma-separated, or the flag repeated).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "cpu")]
     backend: Vec<Backend>,
     /// Threads of the CPU backend.

@@ -67,17 +67,37 @@ fn dims_of(
         None => Err(format!("{}: shape {s:?} has fewer than {i} axes", op.name())),
     };
     let mut d: Vec<usize> = match op {
-        Op::SumAxis { .. }
-        | Op::ActGrad(_)
-        | Op::Rsqrt
-        | Op::GatherGrad
-        | Op::CrossEntropy { .. }
-        | Op::CrossEntropyGrad { .. }
-        | Op::RelativeBiasGrad { .. }
-        | Op::TruncateGrad
-        | Op::TopKGrad { .. } => {
-            return Err(format!("{}: a backward op has no WGSL kernel yet", op.name()));
+        // One thread per output element: [total, n, inner], `n` the summed axis's extent and
+        // `inner` the elements after it.
+        Op::SumAxis { axis: a } => {
+            let x = operand(0)?;
+            vec![total, axis(x, *a)?, x.iter().skip(a + 1).product()]
         }
+        Op::ActGrad(_) | Op::Rsqrt => vec![total],
+        // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
+        Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
+        // One workgroup over every row: [64, rows, vocab].
+        Op::CrossEntropy { .. } => {
+            let x = operand(0)?;
+            vec![WORKGROUP as usize, rows(x), last(x)]
+        }
+        // A workgroup per row (`emit::cooperative`): [rows * 64, rows, vocab].
+        Op::CrossEntropyGrad { .. } => vec![rows(out) * WORKGROUP as usize, rows(out), last(out)],
+        // One thread per table element: [total, heads, q, k, planes] from dy [.., heads, q, k].
+        Op::RelativeBiasGrad { .. } => {
+            let dy = operand(1)?;
+            let (q, k) = (from_end(dy, 2)?, from_end(dy, 1)?);
+            vec![total, from_end(dy, 3)?, q, k, dy.iter().product::<usize>() / (q * k).max(1)]
+        }
+        // One thread per output element: [total, elements of dy].
+        Op::TruncateGrad => {
+            let dy: usize = operand(1)?.iter().product();
+            if dy > total {
+                return Err(format!("{}: more rows of dy than the matrix has", op.name()));
+            }
+            vec![total, dy]
+        }
+        Op::TopKGrad { .. } => vec![rows(out), last(out)],
         Op::Positions { .. } => vec![total, past],
         Op::Sinusoid { .. } | Op::Scale { .. } | Op::Offset { .. } | Op::SoftCap { .. } | Op::Act(_) => vec![total],
         Op::Truncate { .. } => {

@@ -25,11 +25,12 @@ pub const WORKGROUP: u32 = 64;
 /// [`cooperative`]).
 const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
-/// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, and the heads
-/// normalized per head): its body runs with
-/// `wg`, the row, and `lane`, the invocation's index in the workgroup, and reduces the row with
-/// `row_sum` and `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a
-/// GPU's row a few hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
+/// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, the heads
+/// normalized per head, the cross-entropy's gradient, the gather's backward; the cross-entropy
+/// itself runs one workgroup over every row): its body runs with `wg`, the row, and `lane`, the
+/// invocation's index in the workgroup, and (see [`reduces`]) reduces the row with `row_sum` and
+/// `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
+/// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
     matches!(
         op,
@@ -39,7 +40,16 @@ pub fn cooperative(op: &Op) -> bool {
             | Op::Softmax
             | Op::MaskedSoftmax { .. }
             | Op::Heads { norm: Some(_), .. }
+            | Op::CrossEntropy { .. }
+            | Op::CrossEntropyGrad { .. }
+            | Op::GatherGrad
     )
+}
+
+/// Whether a [`cooperative`] kernel reduces across its workgroup (all but the gather's backward,
+/// whose lanes each own columns of the row they write).
+pub fn reduces(op: &Op) -> bool {
+    cooperative(op) && !matches!(op, Op::GatherGrad)
 }
 
 /// Element type of a buffer as the kernel sees it.
@@ -122,21 +132,138 @@ pub(super) fn activation(act: Activation, x: &str) -> String {
     }
 }
 
+/// Statements declaring `dact`, the derivative of `act` at `x`
+/// ([`crate::semantics::activation_derivative`], in f32).
+fn activation_derivative(act: Activation) -> &'static str {
+    match act {
+        Activation::Relu => "let dact = select(0.0, 1.0, x > 0.0);",
+        Activation::Gelu => {
+            "let dact = 0.5 * (1.0 + erf_(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.39894228040143268;"
+        }
+        Activation::GeluTanh => {
+            "let t = tanh_(0.79788456080286536 * (x + 0.044715 * x * x * x));\n\
+             let dact = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.79788456080286536 * (1.0 + 0.134145 * x * x);"
+        }
+        Activation::Silu => "let s = 1.0 / (1.0 + exp(-x));\nlet dact = s * (1.0 + x * (1.0 - s));",
+    }
+}
+
+/// The literals of a cross-entropy's label smoothing `eps`: the label's weight `1 - eps` and `eps`.
+fn smoothing_literals(eps: f32) -> (String, String) {
+    (lit((1.0 - f64::from(eps)) as f32), lit(eps))
+}
+
+/// The condition that the `i32` label `label` takes a loss: not `ignore` (as the label buffers
+/// hold it: clamped to `i32`, see the runtime's upload) and within the vocabulary `v` (the
+/// runtime refuses any other label before a run; a kernel skips it rather than read outside its
+/// row).
+fn counted_label(label: &str, ignore: i64) -> String {
+    let ignore = ignore.clamp(i64::from(i32::MIN), i64::from(i32::MAX));
+    // `-2147483648` is not a WGSL literal (the negation of an out-of-range one).
+    let ignore = if ignore == i64::from(i32::MIN) { "(-2147483647 - 1)".to_string() } else { format!("{ignore}") };
+    format!("{label} != {ignore} && {label} >= 0 && u32({label}) < v")
+}
+
+/// Statement reading the operand `in0`, which gives a backward op only its output's shape: a
+/// pipeline's automatic bind group layout holds only the bindings its kernel reads, and the
+/// runtime binds every operand.
+const SHAPE_ONLY: &str =
+    "// in0 gives the shape only; it is read so that the pipeline's layout binds it.\n_ = in0[0];\n";
+
 /// The kernel body of a one-thread-per-element op: runs once per thread `i < dim(0)`. `None` for
 /// ops that need no kernel (inputs, parameters, reshapes) and for projections ([`super::projection`]).
 pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
     Some(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => return None,
-        // Backward ops (autodiff) have no WGSL kernel yet: "no kernel runs this op".
-        Op::SumAxis { .. }
-        | Op::ActGrad(_)
-        | Op::Rsqrt
-        | Op::GatherGrad
-        | Op::CrossEntropy { .. }
-        | Op::CrossEntropyGrad { .. }
-        | Op::RelativeBiasGrad { .. }
-        | Op::TruncateGrad
-        | Op::TopKGrad { .. } => return None,
+        // ---- The backward ops (autodiff) and the loss. Every reduction runs in a fixed order
+        // (no atomics), so a step's gradients are the same from run to run.
+        // One thread per output element, summing its `n` inputs in order.
+        Op::SumAxis { .. } => "let n = dim(1u);\nlet inner = dim(2u);\nlet o = i / inner;\nlet j = i % inner;\n\
+             var acc = 0.0;\nfor (var t = 0u; t < n; t = t + 1u) { acc = acc + in0[(o * n + t) * inner + j]; }\nout[i] = acc;"
+            .into(),
+        Op::ActGrad(act) => format!("let x = in0[i];\n{}\nout[i] = in1[i] * dact;", activation_derivative(*act)),
+        Op::Rsqrt => "out[i] = 1.0 / sqrt(in0[i]);".into(),
+        // A workgroup per table row ([`cooperative`]), each lane owning the columns `lane, lane +
+        // 64, ...` of it: the rows of `dy` whose id is this row's added in id order, as the
+        // interpreter adds them. The id test is uniform across the workgroup.
+        Op::GatherGrad => format!(
+            "{SHAPE_ONLY}let d = dim(1u);\nlet n = dim(2u);\nlet base = wg * d;\n{LANES} {{ out[base + j] = 0.0; }}\n\
+             for (var t = 0u; t < n; t = t + 1u) {{\n    if (in1[t] == i32(wg)) {{\n        \
+             {LANES} {{ out[base + j] = out[base + j] + in2[t * d + j]; }}\n    }}\n}}"
+        ),
+        // One workgroup over every row (`dim(1)` rows of `dim(2)` scores): the lanes stride each
+        // row for its maximum, its exponentials' sum and its sum, reduced in a fixed order; the
+        // row's loss (counted rows only) is added to a total every lane holds. Lane 0 writes the
+        // mean.
+        Op::CrossEntropy { smoothing, ignore_index } => {
+            let (keep, eps) = smoothing_literals(smoothing.0);
+            format!(
+                "let rows = dim(1u);\nlet v = dim(2u);\nvar total = 0.0;\nvar counted = 0.0;\n\
+                 for (var r = 0u; r < rows; r = r + 1u) {{\n    let base = r * v;\n    var mx = -3.40282347e38;\n    \
+                 for (var j = lane; j < v; j = j + 64u) {{ mx = max(mx, in0[base + j]); }}\n    mx = row_max(lane, mx);\n    \
+                 var se = 0.0;\n    var sx = 0.0;\n    \
+                 for (var j = lane; j < v; j = j + 64u) {{ let x = in0[base + j]; se = se + exp(x - mx); sx = sx + x; }}\n    \
+                 let lse = mx + log(row_sum(lane, se));\n    let mean = row_sum(lane, sx) / f32(v);\n    \
+                 let label = in1[r];\n    if ({counts}) {{\n        \
+                 total = total + lse - {keep} * in0[base + u32(label)] - {eps} * mean;\n        counted = counted + 1.0;\n    }}\n}}\n\
+                 if (lane == 0u) {{ out[0] = total / counted; }}",
+                counts = counted_label("label", *ignore_index),
+            )
+        }
+        // A workgroup per row ([`cooperative`]): the counted rows (the lanes striding the labels),
+        // the row's maximum and exponentials' sum, then `dy / counted * (softmax - target)` per
+        // element, zero in a row that takes no loss.
+        Op::CrossEntropyGrad { smoothing, ignore_index } => {
+            let (keep, eps) = smoothing_literals(smoothing.0);
+            format!(
+                "let rows = dim(1u);\nlet v = dim(2u);\nlet base = wg * v;\nvar c = 0.0;\n\
+                 for (var t = lane; t < rows; t = t + 64u) {{ let l = in1[t]; if ({counts_l}) {{ c = c + 1.0; }} }}\n\
+                 let counted = row_sum(lane, c);\nvar mx = -3.40282347e38;\n\
+                 for (var j = lane; j < v; j = j + 64u) {{ mx = max(mx, in0[base + j]); }}\nmx = row_max(lane, mx);\n\
+                 var se = 0.0;\nfor (var j = lane; j < v; j = j + 64u) {{ se = se + exp(in0[base + j] - mx); }}\n\
+                 let sum = row_sum(lane, se);\nlet label = in1[wg];\nlet counts = {counts};\nlet scale = in2[0] / counted;\n\
+                 for (var j = lane; j < v; j = j + 64u) {{\n    \
+                 let goal = select(0.0, {keep}, i32(j) == label) + {eps} / f32(v);\n    \
+                 out[base + j] = select(0.0, scale * (exp(in0[base + j] - mx) / sum - goal), counts);\n}}",
+                counts_l = counted_label("l", *ignore_index),
+                counts = counted_label("label", *ignore_index),
+            )
+        }
+        // One thread per table element `(bucket r, head h)`: every query/key pair of bucket `r`
+        // (bucketed as the forward op), its `dy` over the planes of head `h` added.
+        Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
+            let bucketing = Bucketing { buckets: *buckets, max_distance: *max_distance, bidirectional: *bidirectional };
+            format!(
+                "{SHAPE_ONLY}let heads = dim(1u);\nlet q = dim(2u);\nlet k = dim(3u);\nlet planes = dim(4u);\nlet r = i / heads;\n\
+                 let h = i % heads;\nvar acc = 0.0;\nfor (var qq = 0u; qq < q; qq = qq + 1u) {{\n    \
+                 let qi = qq + (k - min(q, k));\n    for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{}{}\
+                 if (bk == r) {{\n            for (var m = h; m < planes; m = m + heads) {{ acc = acc + in1[(m * q + qq) * k + ki]; }}\n        }}\n    }}\n}}\nout[i] = acc;",
+                indent(&scores::bucket(bucketing, "ki", "qi")),
+                "        ",
+            )
+        }
+        // `dy`'s rows (the first `dim(1)` elements), then zeros.
+        Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
+        // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are
+        // marked in the output first, then replaced by their gradient.
+        Op::TopKGrad { k, renormalize } => {
+            let rank = "    let x = in0[base + j];\n    var rank = 0u;\n    \
+                 for (var l = 0u; l < e; l = l + 1u) {\n        let y = in0[base + l];\n        \
+                 if (y > x || (y == x && l < j)) { rank = rank + 1u; }\n    }\n";
+            match renormalize {
+                false => format!(
+                    "let e = dim(1u);\nlet base = i * e;\nfor (var j = 0u; j < e; j = j + 1u) {{\n{rank}    \
+                     out[base + j] = select(0.0, in1[base + j], rank < {k}u);\n}}"
+                ),
+                true => format!(
+                    "let e = dim(1u);\nlet base = i * e;\nvar sum = 0.0;\nvar sdx = 0.0;\n\
+                     for (var j = 0u; j < e; j = j + 1u) {{\n{rank}    let kept = rank < {k}u;\n    \
+                     if (kept) {{ sum = sum + x; sdx = sdx + in1[base + j] * x; }}\n    out[base + j] = select(0.0, 1.0, kept);\n}}\n\
+                     let dot = sdx / sum;\nfor (var j = 0u; j < e; j = j + 1u) {{\n    \
+                     out[base + j] = select(0.0, (in1[base + j] - dot) / sum, out[base + j] != 0.0);\n}}"
+                ),
+            }
+        }
         Op::Positions { .. } => "out[i] = i32(i) + i32(dim(1u));".into(),
         Op::Sinusoid { dim, style } => {
             let (pair, is_cos) = match style {

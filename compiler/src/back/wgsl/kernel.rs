@@ -236,7 +236,7 @@ fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geo
     } else if matches!(op, Op::Linear { .. }) || super::emit::cooperative(op) {
         // A projection reduces only in its split GEMV form.
         let linear = matches!(op, Op::Linear { .. });
-        let reduces = if linear { projection::splits(op, options) } else { super::emit::cooperative(op) };
+        let reduces = if linear { projection::splits(op, options) } else { super::emit::reduces(op) };
         let subgroups = options.subgroups && reduces;
         if reduces {
             s += &reduce::functions(subgroups, linear);
@@ -526,6 +526,47 @@ mod tests {
                 assert!(text.contains("dim(7u) == 2u") && text.contains("wq[c]"), "{text}");
                 assert_eq!(text.contains("subgroupMax"), subgroups, "{text}");
             }
+        }
+    }
+
+    /// The kernels of the backward ops and the loss (a training step's): naga validates them
+    /// plain, with subgroup reductions and chunked; only those that reduce across a workgroup
+    /// have the reductions.
+    #[test]
+    fn backward_kernels_validate_in_every_form() {
+        use crate::graph::Scalar;
+        let (f, i) = (Elem::F32, Elem::I32);
+        let mut ops: Vec<(Op, Vec<Elem>)> = vec![
+            (Op::SumAxis { axis: 1 }, vec![f]),
+            (Op::Rsqrt, vec![f]),
+            (Op::GatherGrad, vec![f, i, f]),
+            (Op::TruncateGrad, vec![f, f]),
+            (Op::RelativeBiasGrad { buckets: 8, max_distance: 20, bidirectional: true }, vec![f, f]),
+            (Op::RelativeBiasGrad { buckets: 32, max_distance: 128, bidirectional: false }, vec![f, f]),
+            (Op::TopKGrad { k: 2, renormalize: true }, vec![f, f]),
+            (Op::TopKGrad { k: 1, renormalize: false }, vec![f, f]),
+        ];
+        for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
+            ops.push((Op::ActGrad(act), vec![f, f]));
+        }
+        for (smoothing, ignore_index) in [(0.0, -100), (0.1, 0), (0.0, i64::MIN)] {
+            let smoothing = Scalar(smoothing);
+            ops.push((Op::CrossEntropy { smoothing, ignore_index }, vec![f, i]));
+            ops.push((Op::CrossEntropyGrad { smoothing, ignore_index }, vec![f, i, f]));
+        }
+        let subgroups = Options { subgroups: true, ..Options::default() };
+        for (op, inputs) in ops {
+            let plain = kernel(&op, &inputs, f, None, &Options::default()).unwrap();
+            let sub = kernel(&op, &inputs, f, None, &subgroups).unwrap();
+            let counts = vec![3; inputs.len() + 1];
+            let chunked = kernel_chunked(&op, &inputs, f, &counts, 1024).unwrap();
+            for text in [&plain, &sub, &chunked] {
+                super::super::validate(text).unwrap_or_else(|e| panic!("{} {}: {e}\n{text}", op.name(), op.attrs()));
+            }
+            let reduces = matches!(op, Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. });
+            assert_eq!(plain.contains("fn row_sum"), reduces, "{}: {plain}", op.name());
+            assert_eq!(sub.contains("subgroupAdd(v)"), reduces, "{}: {sub}", op.name());
+            assert!(!chunked.contains("out[") && !chunked.contains("in0["), "{}: {chunked}", op.name());
         }
     }
 

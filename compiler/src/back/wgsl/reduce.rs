@@ -1,6 +1,6 @@
 //! Workgroup reductions: the sum or maximum over a workgroup's 64 lanes of each lane's value,
-//! which every lane gets back. The row kernels (norms, softmax; see
-//! [`super::emit::cooperative`]) and the projection's split GEMV form (see
+//! which every lane gets back. The row kernels (norms, softmaxes, the cross-entropy and its
+//! gradient; see [`super::emit::reduces`]) and the projection's split GEMV form (see
 //! [`super::projection`]) call them by name, `row_sum`, `row_max` and `row_sum4` (a `vec4<f32>`
 //! sum), from uniform control flow; [`functions`] writes them in one of two forms:
 //!

@@ -37,9 +37,17 @@ pub fn softcap(mods: &ScoreMods, x: &str) -> String {
 
 /// Statement: adds the relative position bias of key `ki` for a query at key position `qi`, head
 /// `h` of `heads`, read from buffer `table` (`[buckets, heads]`), when `mods` has one. The bucket
-/// is `semantics::relative_bucket`'s arithmetic, the logarithm in f32.
+/// is [`bucket`]'s.
 pub fn relative(mods: &ScoreMods, x: &str, ki: &str, qi: &str, h: &str, heads: &str, table: &str) -> String {
-    let Some(Bucketing { buckets, max_distance, bidirectional }) = mods.relative else { return String::new() };
+    let Some(b) = mods.relative else { return String::new() };
+    format!("{{\n{}    {x} = {x} + {table}[bk * {heads} + {h}];\n}}\n", bucket(b, ki, qi))
+}
+
+/// Statements (indented by four spaces) declaring `bk`, the bucket of the pair of key `ki` and a
+/// query at key position `qi` (`u32`s): `semantics::relative_bucket`'s arithmetic, the logarithm in
+/// f32. Also declares `rel`, `off` and `dist`, so it goes in a block of its own.
+pub fn bucket(b: Bucketing, ki: &str, qi: &str) -> String {
+    let Bucketing { buckets, max_distance, bidirectional } = b;
     let n = if bidirectional { buckets / 2 } else { buckets };
     let max_exact = (n / 2).max(1);
     let ln_ratio = (max_distance as f64 / max_exact as f64).ln() as f32;
@@ -49,9 +57,9 @@ pub fn relative(mods: &ScoreMods, x: &str, ki: &str, qi: &str, h: &str, heads: &
         "dist = u32(max(-rel, 0));".into()
     };
     format!(
-        "{{\n    let rel = i32({ki}) - i32({qi});\n    var off = 0u;\n    var dist = 0u;\n    {direction}\n    var bk = dist;\n    \
+        "    let rel = i32({ki}) - i32({qi});\n    var off = 0u;\n    var dist = 0u;\n    {direction}\n    var bk = dist;\n    \
          if (dist >= {max_exact}u) {{\n        let large = {me} + log(f32(dist) / {me}) / {ln} * {span};\n        \
-         bk = min(u32(large), {last_n}u);\n    }}\n    bk = min(off + bk, {last}u);\n    {x} = {x} + {table}[bk * {heads} + {h}];\n}}\n",
+         bk = min(u32(large), {last_n}u);\n    }}\n    bk = min(off + bk, {last}u);\n",
         me = lit(max_exact as f32),
         ln = lit(ln_ratio),
         span = lit(n.saturating_sub(max_exact) as f32),
