@@ -32,10 +32,13 @@ impl Choices {
         &self.best[&egraph.find(class)]
     }
 
-    /// The term rooted at `root`, each class's chosen node once, children before parents.
-    pub(super) fn term(&self, egraph: &KGraph, root: Id) -> RecExpr<Kl> {
+    /// The term rooted at `root`, each class's chosen node once, children before parents; `None`
+    /// where the choices are cyclic (a class that reaches itself through its chosen children).
+    pub(super) fn term(&self, egraph: &KGraph, root: Id) -> Option<RecExpr<Kl>> {
         let mut expr = RecExpr::default();
         let mut at: HashMap<Id, Id> = HashMap::new();
+        // Classes whose children are being built: meeting one again below itself is a cycle.
+        let mut open: HashSet<Id> = HashSet::new();
         // Post-order without recursion (a deep model's graph is thousands of classes deep).
         let mut stack = vec![(egraph.find(root), false)];
         while let Some((class, expanded)) = stack.pop() {
@@ -46,12 +49,41 @@ impl Choices {
             if expanded {
                 let built = node.clone().map_children(|c| at[&egraph.find(c)]);
                 at.insert(class, expr.add(built));
+                open.remove(&class);
             } else {
+                if !open.insert(class) {
+                    return None;
+                }
                 stack.push((class, true));
                 stack.extend(node.children().iter().map(|&c| (egraph.find(c), false)));
             }
         }
-        expr
+        Some(expr)
+    }
+
+    /// Whether the choices reachable from `roots` are free of cycles (a term exists for each).
+    fn acyclic(&self, egraph: &KGraph, roots: &[Id]) -> bool {
+        // Depth-first, iteratively: a class is `open` while its children are being visited.
+        let (mut open, mut done): (HashSet<Id>, HashSet<Id>) = (HashSet::new(), HashSet::new());
+        for &root in roots {
+            let mut stack = vec![(egraph.find(root), false)];
+            while let Some((class, expanded)) = stack.pop() {
+                if expanded {
+                    open.remove(&class);
+                    done.insert(class);
+                    continue;
+                }
+                if done.contains(&class) {
+                    continue;
+                }
+                if !open.insert(class) {
+                    return false;
+                }
+                stack.push((class, true));
+                stack.extend(self.node(egraph, class).children().iter().map(|&c| (egraph.find(c), false)));
+            }
+        }
+        true
     }
 }
 
@@ -71,9 +103,27 @@ pub(super) fn extract(egraph: &KGraph, model: &CostModel, roots: &[Id]) -> Choic
     let costed = costed(egraph);
     let choices =
         extractors.map(|e| Choices { best: costed.iter().map(|&c| (c, e.find_best_node(c).clone())).collect() });
-    let costs = choices.each_ref().map(|c| dag_cost(egraph, model, c, roots));
-    let [first, second] = choices;
-    let (best, cost) = if costs[1] < costs[0] { (second, costs[1]) } else { (first, costs[0]) };
+    // A shared value is charged to none of its readers, so a class may choose a node reading a
+    // class whose choice reads it back at no cost (a training graph's backward offers such
+    // loops): a cyclic extraction has no term and is not a candidate. The extraction that
+    // charges every reader in full is acyclic (a node costs at least its children), the last
+    // resort.
+    let mut candidates: Vec<(Choices, f64)> = choices
+        .into_iter()
+        .filter(|c| c.acyclic(egraph, roots))
+        .map(|c| {
+            let cost = dag_cost(egraph, model, &c, roots);
+            (c, cost)
+        })
+        .collect();
+    if candidates.is_empty() {
+        let plain = egg::Extractor::new(egraph, Cost { egraph, model, shared: HashSet::new(), split: HashMap::new() });
+        let c = Choices { best: costed.iter().map(|&c| (c, plain.find_best_node(c).clone())).collect() };
+        let cost = dag_cost(egraph, model, &c, roots);
+        candidates.push((c, cost));
+    }
+    candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let (best, cost) = candidates.swap_remove(0);
     regroup(egraph, model, roots, best, cost)
 }
 
@@ -90,6 +140,11 @@ fn regroup(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choice
                 continue;
             }
             trial.best.insert(egraph.find(*class), node);
+        }
+        // A group's node may read a class whose choice reads the group's own value: taking it
+        // would make the graph cyclic.
+        if !trial.acyclic(egraph, roots) {
+            continue;
         }
         let trial_cost = dag_cost(egraph, model, &trial, roots);
         if trial_cost < cost {

@@ -174,7 +174,11 @@ pub fn optimize_target(
     let mut out = Graph::new(&g.name);
     let mut built: HashMap<(Op, Vec<NodeIndex>), NodeIndex> = HashMap::new();
     for ((name, _), root) in g.outputs.iter().zip(&roots) {
-        let expr = choices.term(&egraph, *root);
+        let expr = choices.term(&egraph, *root).ok_or_else(|| GraphError {
+            op: "extract".into(),
+            scope: name.clone(),
+            message: "the extracted choices are cyclic (an optimizer bug)".into(),
+        })?;
         let n = extract::rebuild(&egraph, &expr, &scopes, &mut out, &mut built)?;
         out.outputs.push((name.clone(), n));
     }
