@@ -124,7 +124,11 @@ fn derivative(a: Activation, x: f32) -> f32 {
 
 #[inline(always)]
 fn backward_with(d: impl Fn(f32) -> f32, x: &[f32], dy: &[f32], out: &mut [f32]) {
-    out.iter_mut().zip(x.iter().zip(dy)).for_each(|(o, (&x, &dy))| *o = dy * d(x));
+    // A `for` loop, not `for_each`: the body must be compiled inside the caller (with its target
+    // features), and a large closure handed to `for_each` is not inlined there.
+    for ((o, &x), &dy) in out.iter_mut().zip(x).zip(dy) {
+        *o = dy * d(x);
+    }
 }
 
 #[inline(always)]
