@@ -1178,6 +1178,23 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             V::of_floats(shape, out)
         }
         // Fused ops are evaluated as exactly the compositions that define them.
+        Op::ContractRows => {
+            let (sa, sb) = (a[0].shape().to_vec(), a[1].shape().to_vec());
+            let r = sa.len();
+            let mut perm: Vec<usize> = (0..r).collect();
+            perm.swap(r - 2, r - 1);
+            let mut st = sa.clone();
+            st.swap(r - 2, r - 1);
+            let t = eval(ctx, &Op::Permute { perm }, &[a[0]], st)?;
+            let mut sp = sa[..r - 2].to_vec();
+            sp.extend([sa[r - 1], sb[r - 1]]);
+            let mut y = eval(ctx, &Op::MatMul { transpose_b: false }, &[&t, a[1]], sp.clone())?;
+            while sp.len() > 2 {
+                sp.remove(0);
+                y = eval(ctx, &Op::SumAxis { axis: 0 }, &[&y], sp.clone())?;
+            }
+            y
+        }
         Op::Linear { act, bias, residual, norm, glu, rope } => {
             // Operands: x, the norm's gain and bias, w, the bias, the residual.
             let mut next = 1;

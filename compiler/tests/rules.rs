@@ -62,7 +62,7 @@ fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<Strin
     let after = run(&opt, &params, inputs).unwrap();
     for ((_, a), (_, b)) in before.iter().zip(&after) {
         let err = a.max_abs_diff(b);
-        assert!(err <= 1e-5, "`{rule}`: outputs differ by {err}");
+        assert!(err <= 1e-5, "`{rule}`: outputs differ by {err}: {:?} vs {:?}", a.shape, b.shape);
     }
     opt
 }
@@ -848,6 +848,24 @@ fn heads_with_query_key_norms() {
     assert_eq!(fused.len(), 2, "{:?}", ops(&opt));
     assert!(fused.iter().all(|op| matches!(op, Op::Heads { norm: Some(_), rope: Some(_), .. })), "{fused:?}");
     assert!(!ops(&opt).iter().any(|o| o.starts_with("rms_norm") || o.starts_with("rope")), "{:?}", ops(&opt));
+}
+
+/// A shared weight's gradient summed over the batch (`sum_b x_b^T dy_b`, as autodiff builds it)
+/// becomes one product over every row.
+#[test]
+fn weight_grad_rows() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let w = g.param("w", &[6, D]);
+    let dy = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+    let xt = g.add(Op::Permute { perm: vec![0, 2, 1] }, &[x]).unwrap();
+    let per_batch = g.add(Op::MatMul { transpose_b: false }, &[xt, dy]).unwrap();
+    let summed = g.add(Op::SumAxis { axis: 0 }, &[per_batch]).unwrap();
+    let dw = g.add(Op::Reshape { shape: vec![Dim::Fixed(D), Dim::Fixed(6)] }, &[summed]).unwrap();
+    g.outputs.push(("dw".into(), dw));
+    let opt = check("weight-grad-rows", &g);
+    assert!(ops(&opt).contains(&"contract_rows".to_string()), "{:?}", ops(&opt));
+    assert!(!ops(&opt).iter().any(|o| o == "sum_axis" || o == "permute"), "{:?}", ops(&opt));
 }
 
 #[test]

@@ -1144,6 +1144,9 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
     }
     add(&mut g, "grad.long", Op::ActGrad(Activation::GeluTanh), &[("x", &[3, 7000]), ("dy", &[3, 7000])]);
+    // Weights' gradients: the products of rows over every leading axis, one and two of them.
+    add(&mut g, "contract_rows.3", Op::ContractRows, &[("a", &[4, 9, 7]), ("b", &[4, 9, 5])]);
+    add(&mut g, "contract_rows.2", Op::ContractRows, &[("a", &[30, 70]), ("b", &[30, 90])]);
     // Broadcasting sums and products: a value per row, a row per matrix, a column, both ways.
     let pairs: [(&[usize], &[usize]); 5] = [
         (&[3, 5, 7], &[3, 5, 1]),
@@ -1254,6 +1257,10 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let x = g.param("rsqrt.x", &[3, w]);
     let x = positive(&mut g, x);
     out(&mut g, "rsqrt", Op::Rsqrt, &[x]);
+    // A weight's gradient: the products of rows over every leading axis.
+    let a = g.param("contract_rows.a", &[2, 3, w]);
+    let b = g.param("contract_rows.b", &[2, 3, 5]);
+    out(&mut g, "contract_rows", Op::ContractRows, &[a, b]);
 
     // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by
     // `token_type_ids` (all different).

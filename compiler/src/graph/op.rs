@@ -588,6 +588,11 @@ pub enum Op {
 
     // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
     // above; the interpreter evaluates it as exactly that composition.
+    /// The products of rows summed over every leading axis: `(a f32[.., r, k], b f32[.., r, n])
+    /// -> [k, n]`, `sum_axis(0)` (once per leading axis) of `matmul(transpose(a), b)` — the
+    /// gradient of a weight shared by every row (`dW = sum over rows of x^T dy`), one GEMM over
+    /// all the rows instead of a product per batch entry, its transpose and its sum.
+    ContractRows,
     /// A projection with its prologue and epilogue:
     /// `rope(act(norm(x) @ w^T + bias)) + residual`, operands
     /// `(x [.., k][, gain [k][, norm_bias [k]]], w [m, k][, bias [m]][, residual [.., n]])`.
@@ -748,6 +753,7 @@ impl Op {
             Op::RelativeBiasGrad { .. } => "relative_bias_grad".into(),
             Op::TruncateGrad => "truncate_grad".into(),
             Op::TopKGrad { .. } => "top_k_grad".into(),
+            Op::ContractRows => "contract_rows".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
                 let mut n = String::new();
                 match norm {

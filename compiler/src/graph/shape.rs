@@ -570,6 +570,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 )),
             }
         }
+        Op::ContractRows => {
+            arity(2)?;
+            let (a, b) = (float(0)?, float(1)?);
+            rank_at_least(a, 2, "a")?;
+            if a.len() != b.len() || a[..a.len() - 1] != b[..b.len() - 1] {
+                return Err(format!("the rows of a and b differ: {} and {}", fmt_shape(a), fmt_shape(b)));
+            }
+            Ok((vec![a[a.len() - 1].clone(), b[b.len() - 1].clone()], DType::F32))
+        }
         Op::TopKGrad { k, .. } => {
             arity(2)?;
             let (x, dy) = (float(0)?, float(1)?);

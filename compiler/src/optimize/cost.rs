@@ -141,6 +141,10 @@ impl CostModel {
                 self.elements(out)
                     * (1.0 + if rope.is_some() { 4.0 } else { 0.0 } + if norm.is_some() { 2.0 } else { 0.0 })
             }
+            // A product per row and output element: every row of `a` ([.., r, k]).
+            Op::ContractRows => {
+                2.0 * self.elements(out) * operands.first().map_or(1.0, |a| self.elements(a) / last(a).max(1.0))
+            }
             Op::Attention { .. } => {
                 let (q, k) = (operands[0], operands[1]);
                 4.0 * self.elements(q) * self.elements(&vec![k[2]])

@@ -124,6 +124,10 @@ mod kl {
             "heads" = Heads([Id; 4]),
             // (add_norm op a b gain bias|none)
             "add_norm" = AddNorm([Id; 5]),
+            // (sum_axis axis x): the axis a count
+            "sum_axis" = SumAxis([Id; 2]),
+            // (contract_rows a b): the products of rows summed, `sum(a^T b)` over the leading axes
+            "contract_rows" = ContractRows([Id; 2]),
             // (opaque op children...): any op no rule looks into
             "opaque" = Opaque(Box<[Id]>),
             Attr(Attr),
@@ -303,6 +307,11 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             }
             _ => return None,
         },
+        Kl::SumAxis([n, x]) => match attr(egraph, *n)? {
+            AttrValue::Count(axis) => (Op::SumAxis { axis: *axis }, vec![*x]),
+            _ => return None,
+        },
+        Kl::ContractRows([a, b]) => (Op::ContractRows, vec![*a, *b]),
         Kl::Opaque(children) => match attr(egraph, *children.first()?)? {
             AttrValue::Op(op) => (op.clone(), children[1..].to_vec()),
             _ => return None,
@@ -343,6 +352,8 @@ pub(super) fn add_op(egraph: &mut KGraph, node: &Node, operands: &[Id]) -> Id {
         Op::Slice { .. } => Kl::Slice([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
         Op::Rope { .. } => Kl::Rope([leaf(egraph, AttrValue::Op(node.op.clone())), o(0)]),
         Op::Gather => Kl::Gather([o(0), o(1)]),
+        Op::SumAxis { axis } => Kl::SumAxis([leaf(egraph, AttrValue::Count(*axis)), o(0)]),
+        Op::ContractRows => Kl::ContractRows([o(0), o(1)]),
         op => {
             let mut children = vec![leaf(egraph, AttrValue::Op(op.clone()))];
             children.extend_from_slice(operands);

@@ -213,6 +213,53 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: 
     }
 }
 
+/// `y [m, n] = a^T @ b` for `a` `[rows, m]` and `b` `[rows, n]` (both row-major): the products
+/// of rows summed over every row ([`kiln_compiler::graph::Op::ContractRows`], a weight's
+/// gradient), through the `gemm` crate, `a` read transposed by strides.
+pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut [f32], threads: usize) {
+    let parallelism = if threads > 1 && m * n * rows >= GEMM_THREADING {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    if m == 0 || n == 0 {
+        return;
+    }
+    if rows == 0 {
+        y.fill(0.0);
+        return;
+    }
+    // SAFETY: `gemm` writes `y[i * n + j]` for i < m, j < n, and reads `a[l * m + i]` and
+    // `b[l * n + j]` for l < rows: the spans below, inside the slices (checked here in every
+    // build: this is a safe public function). `y` does not alias the inputs (a distinct `&mut`).
+    super::check_span("row products' output", y.len(), 0, (m, n), (n, 1));
+    super::check_span("row products' a", a.len(), 0, (rows, m), (m, 1));
+    super::check_span("row products' b", b.len(), 0, (rows, n), (n, 1));
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            rows,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            m as isize,
+            1,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 /// `y [m, rows] = x [m, k] @ q^T`, from the blocks: with `int8`, each row of `x` quantized once to
 /// 8 bits per block of 32 and dotted in integer arithmetic ([`qdot`]); otherwise with the f32
 /// activations ([`exact`]). The weight's rows go in blocks of [`ROW_BLOCK`] over the pool.

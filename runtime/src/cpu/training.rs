@@ -4,7 +4,7 @@
 //! Each computes what the interpreter computes for the op (`tests/engines/fused_ops.rs` holds
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 
-use super::linear::gemm_f32;
+use super::linear::{gemm_at_b, gemm_f32};
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
 use rayon::prelude::*;
@@ -51,6 +51,17 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             }
             Ok(true)
         }
+        Op::ContractRows => {
+            let ((sa, a), (sb, b)) = (operand(0)?, operand(1)?);
+            let (Some(&k), Some(&n)) = (sa.last(), sb.last()) else { return Ok(false) };
+            let rows = a.len() / k.max(1);
+            let y = out.get();
+            if y.len() != k * n || a.len() != rows * k || b.len() != rows * n {
+                return Ok(false);
+            }
+            gemm_at_b(k, n, rows, a, b, y, threads);
+            Ok(true)
+        }
         Op::SumAxis { axis } => {
             let (s, x) = operand(0)?;
             let Some(&len) = s.get(*axis) else { return Ok(false) };
@@ -71,7 +82,13 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 }
                 out.iter_mut().zip(acc).for_each(|(o, a)| *o = a as f32);
             };
-            if outer >= 4 * rayon::current_num_threads() || inner < 2 * COLUMNS {
+            if inner == 1 {
+                // A sum per row (a row norm's statistics): contiguous, no buffer.
+                let rows_per_task = (MIN_ELEMENTS / len.max(1)).max(1);
+                y.par_iter_mut().with_min_len(rows_per_task).enumerate().for_each(|(o, out)| {
+                    *out = x[o * len..][..len].iter().map(|&v| f64::from(v)).sum::<f64>() as f32;
+                });
+            } else if outer >= 4 * rayon::current_num_threads() || inner < 2 * COLUMNS {
                 let rows_per_task = (MIN_ELEMENTS / (len * inner).max(1)).max(1);
                 y.par_chunks_mut(inner).with_min_len(rows_per_task).enumerate().for_each(|(o, row)| sum(o, 0, row));
             } else {

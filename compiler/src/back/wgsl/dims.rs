@@ -74,6 +74,11 @@ fn dims_of(
             vec![total, axis(x, *a)?, x.iter().skip(a + 1).product()]
         }
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
+        // One thread per output element: [total, k, n, rows].
+        Op::ContractRows => {
+            let a = operand(0)?;
+            vec![total, last(a), last(out), rows(a)]
+        }
         // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
         Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
         // One workgroup over every row: [64, rows, vocab].

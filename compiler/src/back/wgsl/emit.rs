@@ -242,6 +242,12 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 "        ",
             )
         }
+        // One thread per output element `(row c of k, column j of n)`: the products of column c
+        // of `a` and column j of `b` over every row, in row order.
+        Op::ContractRows => "let k = dim(1u);\nlet n = dim(2u);\nlet c = i / n;\nlet j = i % n;\nvar acc = 0.0;\n\
+                             for (var r = 0u; r < dim(3u); r = r + 1u) {\n    acc = acc + in0[r * k + c] * in1[r * n + j];\n}\n\
+                             out[i] = acc;"
+            .into(),
         // `dy`'s rows (the first `dim(1)` elements), then zeros.
         Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
         // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are

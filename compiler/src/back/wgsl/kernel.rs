@@ -541,6 +541,7 @@ mod tests {
             (Op::Rsqrt, vec![f]),
             (Op::GatherGrad, vec![f, i, f]),
             (Op::TruncateGrad, vec![f, f]),
+            (Op::ContractRows, vec![f, f]),
             (Op::RelativeBiasGrad { buckets: 8, max_distance: 20, bidirectional: true }, vec![f, f]),
             (Op::RelativeBiasGrad { buckets: 32, max_distance: 128, bidirectional: false }, vec![f, f]),
             (Op::TopKGrad { k: 2, renormalize: true }, vec![f, f]),

@@ -4,6 +4,7 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
+mod backward;
 mod cache;
 mod fusion;
 mod merge;
@@ -18,7 +19,8 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
 /// starts; later phases match the forms earlier ones added:
 ///
 /// 1. `simplify`: scale folding, transpose and reshape elimination;
-/// 2. `linear`: bias, activation and residual epilogues into `linear`;
+/// 2. `linear`: bias, activation and residual epilogues into `linear`; a weight's gradient as
+///    one product over all the rows (`contract_rows`);
 /// 3. `merge`: projections of one input merged into one over stacked weights (multi-pattern);
 /// 4. `attention`: softmax, attention and packed attention; gated projections; heads read
 ///    out of merged projections, rotated and appended to a cache;
@@ -26,7 +28,7 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
 pub fn phases() -> Vec<(&'static str, Vec<Rewrite<Kl, KAnalysis>>)> {
     vec![
         ("simplify", simplify::rules()),
-        ("linear", fusion::linear()),
+        ("linear", fusion::linear().into_iter().chain(backward::rules()).collect()),
         ("merge", merge::rules()),
         ("attention", fusion::attention().into_iter().chain(cache::rules()).collect()),
         ("prologue", prologue::rules()),

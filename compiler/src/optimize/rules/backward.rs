@@ -1,0 +1,31 @@
+//! The backward forms of a training step that pay: a weight's gradient, summed over the batch,
+//! as one product over all the rows.
+
+use super::*;
+use egg::rewrite as rw;
+
+/// `?n` is axis 0, `?p` swaps the last two axes of a rank-3 `?a`, `?b` has `?a`'s rows, and the
+/// result is the `[k, n]` matrix: the batch-summed product `sum_axis(0, transpose(a) @ b)` of a
+/// shared weight's gradient, the kept axis of the sum reshaped away.
+fn is_batch_sum_of_row_products(egraph: &mut KGraph, id: Id, subst: &Subst) -> bool {
+    let axis0 = matches!(attr_of(egraph, subst, "?n"), Some(AttrValue::Count(0)));
+    let swap = matches!(op_of(egraph, subst, "?p"), Some(Op::Permute { perm }) if perm == &[0, 2, 1]);
+    let rows = match (shape(egraph, subst[var("?a")]), shape(egraph, subst[var("?b")])) {
+        (Some(a), Some(b)) => {
+            let matrix =
+                shape(egraph, id).is_some_and(|s| s.len() == 2 && s.first() == a.last() && s.get(1) == b.last());
+            a.len() == 3 && b.len() == 3 && a[..2] == b[..2] && matrix
+        }
+        _ => false,
+    };
+    axis0 && swap && rows
+}
+
+#[rustfmt::skip]
+pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
+    vec![
+        // sum_b (a_b^T @ d_b) = contract_rows(a, d)       (a [b, r, k], d [b, r, n])
+        rw!("weight-grad-rows"; "(reshape ?r (sum_axis ?n (matmul (permute ?p ?a) ?b)))"
+                             => "(contract_rows ?a ?b)" if is_batch_sum_of_row_products),
+    ]
+}
