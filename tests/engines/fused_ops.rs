@@ -1184,6 +1184,18 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
             assert_close(&format!("`{name}` on cpu, {threads} threads"), want, got, GPU_TOLERANCE);
         }
     }
+    // And every op the wgpu test below holds to the interpreter (the loss and its gradient with
+    // ignored labels, the unfused softmax, masks, slices, concatenations and RoPE).
+    for wide in [true, false] {
+        let (g, params, inputs) = training_ops(wide);
+        let expected = interp::run(&g, &params, &inputs).unwrap();
+        let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+        let model = kiln_runtime::CpuModel::new(plan, &params, &HashMap::new(), 2, &()).unwrap();
+        let got = model.run(&inputs).unwrap();
+        for ((name, want), (_, got)) in expected.iter().zip(&got) {
+            assert_close(&format!("`{name}` on cpu"), want, got, GPU_TOLERANCE);
+        }
+    }
 }
 
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
@@ -1305,6 +1317,30 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let x = if renormalize { positive(&mut g, x) } else { x };
         let dy = g.param(&format!("{name}.dy"), &shape);
         out(&mut g, &name, Op::TopKGrad { k, renormalize }, &[x, dy]);
+    }
+    // The ops a training step keeps unfused: softmax over masked scores (the queries the last of
+    // the keys; a key mask), slices and concatenations on each axis, offsets, RoPE.
+    let scores = g.param("scores", &[2, 3, 4, w]);
+    let key_mask = g.param("scores.key_mask", &[2, w]);
+    // 0 (masked) where the parameter is not positive.
+    let key_mask = g.add(Op::Act(Activation::Relu), &[key_mask]).unwrap();
+    for (causal, window) in [(true, None), (true, Some(3)), (false, Some(2))] {
+        let name = format!("mask.{causal}.{window:?}");
+        let masked = g.add(Op::Mask { causal, window }, &[scores]).unwrap();
+        out(&mut g, &format!("{name}.softmax"), Op::Softmax, &[masked]);
+        out(&mut g, &format!("{name}.keys"), Op::Mask { causal, window }, &[scores, key_mask]);
+    }
+    for (axis, start, len) in [(0, 1, 1), (2, 1, 2), (3, 3, w - 4)] {
+        out(&mut g, &format!("slice.{axis}"), Op::Slice { axis, start, len }, &[scores]);
+    }
+    for axis in 0..4 {
+        out(&mut g, &format!("concat.{axis}"), Op::Concat { axis }, &[scores, scores]);
+    }
+    out(&mut g, "offset", Op::Offset { value: Scalar(0.25) }, &[scores]);
+    let heads = g.param("rope.x", &[2, 3, 5, 8]);
+    for (style, rotary_dim) in [(PairStyle::RotateHalf, 8), (PairStyle::Interleaved, 4)] {
+        let op = Op::Rope { theta: Scalar(10000.0), rotary_dim, style };
+        out(&mut g, &format!("rope.{}.{rotary_dim}", style.name()), op, &[heads]);
     }
 
     let params: HashMap<String, Tensor> = g

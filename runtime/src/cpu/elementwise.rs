@@ -197,6 +197,19 @@ pub fn forward(
                 }
             });
         }
+        Op::Rope { theta, rotary_dim, style } => {
+            // x [b, h, s, d]: row r at position r % s after the cached ones.
+            let x = f(0)?;
+            let Some(&s) = args.first().and_then(|(shape, _)| shape.get(2)) else { return Ok(false) };
+            if *rotary_dim > width || x.len() != out_len(shape) || s == 0 {
+                return Ok(false);
+            }
+            let inv = rope_frequencies(theta.0, *rotary_dim);
+            rows(out.get(), width, |r, o| {
+                o.copy_from_slice(&x[r * width..][..width]);
+                rotate(&mut o[..*rotary_dim], (r % s + past) as f32, &inv, *style);
+            });
+        }
         Op::Heads { start, heads, head_dim, norm, rope } => {
             // ([past [b, h, p, d],] x [b, s, width][, gain [d]]) -> [b, h, p + s, d].
             let (args, gain) = match (norm, args.split_last()) {

@@ -1,6 +1,9 @@
 //! Native kernels for the ops a training step adds to a forward pass: batched matrix products
-//! (activations times activations, and the products of a backward pass), sums over an axis (a
-//! gradient reduced over the axes its operand was broadcast along) and activation derivatives.
+//! (activations times activations, and the products of a backward pass), a weight's gradient over
+//! every row, sums over an axis (a gradient reduced over the axes its operand was broadcast
+//! along), activation derivatives, the loss and its gradient; and the ops a training step keeps
+//! unfused, which inference runs inside fused kernels (softmax and masks, whose probabilities the
+//! backward reads; slices, concatenations, offsets and reciprocal square roots).
 //! Each computes what the interpreter computes for the op (`tests/engines/fused_ops.rs` holds
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 
@@ -107,6 +110,167 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             y.par_chunks_mut(MIN_ELEMENTS)
                 .zip(x.par_chunks(MIN_ELEMENTS).zip(dy.par_chunks(MIN_ELEMENTS)))
                 .for_each(|(o, (x, dy))| super::math::backward(*act, x, dy, o));
+            Ok(true)
+        }
+        Op::Softmax => {
+            let (s, x) = operand(0)?;
+            let Some(&d) = s.last() else { return Ok(false) };
+            let y = out.get();
+            if y.len() != x.len() || d == 0 {
+                return Ok(y.is_empty());
+            }
+            // Each row's exponentials (less its maximum) summed in f64, as the interpreter does.
+            y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len((MIN_ELEMENTS / d).max(1)).for_each(|(o, row)| {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                o.copy_from_slice(row);
+                super::math::exp_shifted(o, max);
+                let sum: f64 = o.iter().map(|&v| f64::from(v)).sum();
+                o.iter_mut().for_each(|v| *v = (f64::from(*v) / sum) as f32);
+            });
+            Ok(true)
+        }
+        Op::Mask { causal, window } => {
+            // Scores [b, h, q, k] (the queries the last q of the k positions), the most negative
+            // float where the mask or the key mask ([b, k], 0 = masked) drops the key.
+            let (s, x) = operand(0)?;
+            let key_mask = if args.len() > 1 { Some(operand(1)?.1) } else { None };
+            let &[b, h, q, k] = s else { return Ok(false) };
+            let y = out.get();
+            if y.len() != x.len() || key_mask.is_some_and(|m| m.len() != b * k) || k == 0 {
+                return Ok(y.is_empty());
+            }
+            let (causal, window) = (*causal, *window);
+            let offset = k.saturating_sub(q);
+            y.par_chunks_mut(k).zip(x.par_chunks(k)).enumerate().with_min_len((MIN_ELEMENTS / k).max(1)).for_each(
+                |(r, (o, row))| {
+                    let (bi, qi) = (r / (h * q).max(1), r % q.max(1) + offset);
+                    let mask = key_mask.map(|m| &m[bi * k..][..k]);
+                    for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                        let keep = (!causal || ki <= qi)
+                            && window.is_none_or(|w| ki + w > qi)
+                            && mask.is_none_or(|m| m[ki] != 0.0);
+                        *o = if keep { v } else { f32::MIN };
+                    }
+                },
+            );
+            Ok(true)
+        }
+        Op::Offset { value } => {
+            let (_, x) = operand(0)?;
+            let y = out.get();
+            if y.len() != x.len() {
+                return Ok(false);
+            }
+            let value = value.0;
+            y.par_chunks_mut(MIN_ELEMENTS).zip(x.par_chunks(MIN_ELEMENTS)).for_each(|(o, x)| {
+                o.iter_mut().zip(x).for_each(|(o, &x)| *o = x + value);
+            });
+            Ok(true)
+        }
+        Op::Rsqrt => {
+            let (_, x) = operand(0)?;
+            let y = out.get();
+            if y.len() != x.len() {
+                return Ok(false);
+            }
+            // In f64, as the interpreter computes it.
+            y.iter_mut().zip(x).for_each(|(o, &x)| *o = (1.0 / f64::from(x).sqrt()) as f32);
+            Ok(true)
+        }
+        Op::Slice { axis, start, len } => {
+            let (s, x) = operand(0)?;
+            let Some(&n) = s.get(*axis) else { return Ok(false) };
+            let inner: usize = s.get(axis + 1..).map_or(1, |t| t.iter().product());
+            let outer: usize = s.get(..*axis).map_or(1, |t| t.iter().product());
+            let (start, len) = (*start, *len);
+            let y = out.get();
+            if start + len > n || y.len() != outer * len * inner || x.len() != outer * n * inner {
+                return Ok(false);
+            }
+            let piece = (len * inner).max(1);
+            y.par_chunks_mut(piece).enumerate().with_min_len((MIN_ELEMENTS / piece).max(1)).for_each(|(o, y)| {
+                y.copy_from_slice(&x[(o * n + start) * inner..][..y.len()]);
+            });
+            Ok(true)
+        }
+        Op::Concat { axis } => {
+            let ((sa, a), (_, b)) = (operand(0)?, operand(1)?);
+            let outer: usize = sa.get(..*axis).map_or(1, |t| t.iter().product());
+            let (ia, ib) = (a.len() / outer.max(1), b.len() / outer.max(1));
+            let y = out.get();
+            if y.len() != a.len() + b.len() || ia * outer != a.len() || ib * outer != b.len() {
+                return Ok(false);
+            }
+            let piece = (ia + ib).max(1);
+            y.par_chunks_mut(piece).enumerate().with_min_len((MIN_ELEMENTS / piece).max(1)).for_each(|(o, y)| {
+                let (ya, yb) = y.split_at_mut(ia);
+                ya.copy_from_slice(&a[o * ia..][..ia]);
+                yb.copy_from_slice(&b[o * ib..][..ib]);
+            });
+            Ok(true)
+        }
+        Op::CrossEntropy { smoothing, ignore_index } | Op::CrossEntropyGrad { smoothing, ignore_index } => {
+            let (s, x) = operand(0)?;
+            let Some((_, Arg::I64(labels))) = args.get(1) else { return Ok(false) };
+            let Some(&vocab) = s.last() else { return Ok(false) };
+            if vocab == 0 || x.len() != labels.len() * vocab {
+                return Ok(false);
+            }
+            // A label outside the vocabulary, or none counted, is the interpreter's error.
+            let ignore = *ignore_index;
+            if labels.iter().any(|&l| l != ignore && usize::try_from(l).map_or(true, |l| l >= vocab)) {
+                return Ok(false);
+            }
+            let counted = labels.iter().filter(|&&l| l != ignore).count();
+            if counted == 0 {
+                return Ok(false);
+            }
+            let eps = f64::from(smoothing.0);
+            // Each counted row's log-sum-exp (its maximum taken out) and mean, in f64.
+            let stats = |row: &[f32]| -> (f64, f64) {
+                let max = f64::from(row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+                let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
+                (max + sum.ln(), mean)
+            };
+            let y = out.get();
+            if matches!(op, Op::CrossEntropy { .. }) {
+                // The mean of the rows' losses, added in row order as the interpreter adds them.
+                let losses: Vec<f64> = x
+                    .par_chunks(vocab)
+                    .zip(labels.par_iter())
+                    .filter(|(_, l)| **l != ignore)
+                    .map(|(row, &l)| {
+                        let (lse, mean) = stats(row);
+                        let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
+                        lse - (1.0 - eps) * f64::from(at) - eps * mean
+                    })
+                    .collect();
+                if y.len() != 1 {
+                    return Ok(false);
+                }
+                y[0] = (losses.iter().sum::<f64>() / counted as f64) as f32;
+                return Ok(true);
+            }
+            let Some((_, dy)) = args.get(2).map(|(s, a)| (s, a.f32("dy"))) else { return Ok(false) };
+            let Some(&dy) = dy?.first() else { return Ok(false) };
+            if y.len() != x.len() {
+                return Ok(false);
+            }
+            let scale = f64::from(dy) / counted as f64;
+            let uniform = eps / vocab as f64;
+            y.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).zip(labels.par_iter()).for_each(|((o, row), &l)| {
+                if l == ignore {
+                    o.fill(0.0);
+                    return;
+                }
+                let (lse, _) = stats(row);
+                let label = usize::try_from(l).unwrap_or(usize::MAX);
+                for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                    let target = if j == label { 1.0 - eps } else { 0.0 } + uniform;
+                    *o = (scale * ((f64::from(v) - lse).exp() - target)) as f32;
+                }
+            });
             Ok(true)
         }
         _ => Ok(false),
