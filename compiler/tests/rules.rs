@@ -70,7 +70,8 @@ fn check_inputs(rule: &str, g: &Graph, model: &CostModel, inputs: &HashMap<Strin
 /// Rules that may fire without the optimized graph keeping a node they made: an elimination's
 /// result is a node the graph already had (`permute(permute(x)) = x`), so nothing records it;
 /// an enabling form may lose to another derivation of the same op (the weights stacked the other
-/// way round, the heads of a whole projection rather than of its slices).
+/// way round, the heads of a whole projection rather than of its slices, an input's gradient read
+/// from a transposed weight the forward makes anyway).
 const UNNAMED: &[&str] = &[
     "permute-permute",
     "permute-identity",
@@ -78,6 +79,9 @@ const UNNAMED: &[&str] = &[
     "reshape-identity",
     "concat-assoc",
     "heads-split-whole",
+    // Its `matmul_t` becomes a `linear` (named by `matmul-to-linear`), or loses to the product
+    // reading the transposed weight the forward computes anyway.
+    "matmul-transposed-weight",
 ];
 
 /// Provenance: every rule `explain` names for an op of `opt` fired, and `rule` (which fired) is
@@ -866,6 +870,32 @@ fn weight_grad_rows() {
     let opt = check("weight-grad-rows", &g);
     assert!(ops(&opt).contains(&"contract_rows".to_string()), "{:?}", ops(&opt));
     assert!(!ops(&opt).iter().any(|o| o == "sum_axis" || o == "permute"), "{:?}", ops(&opt));
+}
+
+/// A weight stored `[in, out]` (GPT-2's `Conv1D`), read transposed by the forward: its gradient
+/// comes out in its own layout, and the input's gradient reads it in place — no transposes.
+#[test]
+fn weight_grad_transposed_and_matmul_transposed_weight() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let stored = g.param("w", &[D, 6]);
+    let w = g.add(Op::Permute { perm: vec![1, 0] }, &[stored]).unwrap();
+    let dy = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+    // The input's gradient: dy @ W.
+    let dx = g.add(Op::MatMul { transpose_b: false }, &[dy, w]).unwrap();
+    g.outputs.push(("dx".into(), dx));
+    // The stored tensor's gradient: (sum_b dy_b^T x_b)^T.
+    let dyt = g.add(Op::Permute { perm: vec![0, 2, 1] }, &[dy]).unwrap();
+    let per_batch = g.add(Op::MatMul { transpose_b: false }, &[dyt, x]).unwrap();
+    let summed = g.add(Op::SumAxis { axis: 0 }, &[per_batch]).unwrap();
+    let dw = g.add(Op::Reshape { shape: vec![Dim::Fixed(6), Dim::Fixed(D)] }, &[summed]).unwrap();
+    let dstored = g.add(Op::Permute { perm: vec![1, 0] }, &[dw]).unwrap();
+    g.outputs.push(("dstored".into(), dstored));
+    for rule in ["weight-grad-transposed", "matmul-transposed-weight"] {
+        let opt = check_same(rule, &g);
+        let permutes = ops(&opt).iter().filter(|o| *o == "permute").count();
+        assert!(permutes <= 1, "`{rule}`: {:?}", ops(&opt));
+    }
 }
 
 #[test]

@@ -184,6 +184,16 @@ pub fn forward(
             if last == 0 || out.is_empty() {
                 return Ok(true);
             }
+            let swaps_last_two =
+                r >= 2 && perm[..r - 2].iter().enumerate().all(|(i, &p)| i == p) && perm[r - 2] == r - 1;
+            if swaps_last_two && in_shape[r - 1] > 1 && in_shape[r - 2] > 1 {
+                // A stack of matrix transposes, in square tiles: each tile's reads and writes stay
+                // within a few cache lines (a row at a time would read each input line once per
+                // element of it).
+                let (m, n) = (in_shape[r - 2], in_shape[r - 1]);
+                transpose_tiles(x, out, m, n);
+                return Ok(true);
+            }
             let rows_per_task = (MIN_ELEMENTS / last).max(MIN_ROWS);
             out.par_chunks_mut(last).with_min_len(rows_per_task).enumerate().for_each(|(row, o)| {
                 let (mut rem, mut base) = (row, 0);
@@ -253,6 +263,39 @@ pub fn forward(
         _ => return Ok(false),
     }
     Ok(true)
+}
+
+/// Side of the square tiles [`transpose_tiles`] moves.
+const TILE: usize = 32;
+
+/// `out [.., n, m]` = `x [.., m, n]` with each matrix transposed, in [`TILE`]-square tiles; the
+/// matrices and the tiles' rows of the output split over the pool.
+pub(super) fn transpose_tiles(x: &[f32], out: &mut [f32], m: usize, n: usize) {
+    let matrix = m * n;
+    // One task: a band of TILE output rows (input columns) of one matrix.
+    let bands = n.div_ceil(TILE);
+    let min_bands = (MIN_ELEMENTS / (TILE * m).max(1)).max(1);
+    let mut pieces: Vec<(usize, &mut [f32])> = Vec::with_capacity(out.len() / matrix.max(1) * bands);
+    for (b, o) in out.chunks_mut(matrix).enumerate() {
+        for (t, band) in o.chunks_mut(TILE * m).enumerate() {
+            pieces.push((b * bands + t, band));
+        }
+    }
+    pieces.into_par_iter().with_min_len(min_bands).for_each(|(piece, band)| {
+        let (b, t) = (piece / bands, piece % bands);
+        let src = &x[b * matrix..][..matrix];
+        let c0 = t * TILE;
+        let cols = band.len() / m;
+        for r0 in (0..m).step_by(TILE) {
+            let rows = TILE.min(m - r0);
+            for c in 0..cols {
+                let o = &mut band[c * m + r0..][..rows];
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = src[(r0 + i) * n + c0 + c];
+                }
+            }
+        }
+    });
 }
 
 /// The strides by which the two operands of a broadcasting binary op (numpy's rules: shapes

@@ -320,6 +320,73 @@ impl CpuModel {
         Ok(())
     }
 
+    /// [`CpuModel::set_params`] without rebuilding what the parameters do not change: each f32
+    /// parameter's values copied over the model's own (in place where the model holds them alone)
+    /// and its projections' transposed copies rewritten, on the pool's threads. What a training
+    /// step does between optimizer updates. Applies where the plan has no folds (nothing is computed
+    /// from the parameters at load time; a training plan's readings of its tensors are steps) and
+    /// every parameter is an f32 tensor of the shape the model holds; `Ok(false)` otherwise, and
+    /// nothing changed (then [`CpuModel::set_params`] replaces them).
+    pub fn update_params(&mut self, params: &HashMap<String, Tensor>) -> R<bool> {
+        if !self.plan.folds.is_empty() {
+            return Ok(false);
+        }
+        // Every check before the first write.
+        let mut by_name: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (id, value) in self.plan.values.iter().enumerate() {
+            let Storage::Param(name) = &value.storage else { continue };
+            let Some(src) = params.get(name).filter(|t| t.as_f32().is_some()) else { return Ok(false) };
+            let held_shape = match self.consts.get(&id) {
+                Some(Const::F32(t)) => t.shape.clone(),
+                Some(Const::Quant(_)) => return Ok(false),
+                None => match self.transposed.get(&id) {
+                    Some(_) => resolve(&value.shape, &HashMap::new()),
+                    None => continue,
+                },
+            };
+            if src.shape != held_shape {
+                return Ok(false);
+            }
+            by_name.entry(name.as_str()).or_default().push(id);
+        }
+        use rayon::prelude::*;
+        let (consts, transposed) = (&mut self.consts, &mut self.transposed);
+        self.pool.install(|| {
+            for (name, ids) in &by_name {
+                let Some(src) = params.get(*name) else { continue };
+                let Some(x) = src.as_f32() else { continue };
+                // The values' holders share one tensor: take it out of all but one, so it is
+                // written in place when nothing else holds it.
+                let mut held: Option<Arc<Tensor>> = None;
+                for id in ids {
+                    if let Some(Const::F32(t)) = consts.remove(id) {
+                        held = Some(t);
+                    }
+                }
+                if let Some(mut t) = held {
+                    match Arc::get_mut(&mut t).and_then(|t| match &mut t.data {
+                        kiln_compiler::tensor::Data::F32(v) if v.len() == x.len() => Some(v),
+                        _ => None,
+                    }) {
+                        Some(v) => {
+                            v.par_chunks_mut(1 << 16).zip(x.par_chunks(1 << 16)).for_each(|(v, x)| v.copy_from_slice(x))
+                        }
+                        None => t = Arc::new(src.clone()),
+                    }
+                    for id in ids {
+                        consts.insert(*id, Const::F32(t.clone()));
+                    }
+                }
+                for id in ids {
+                    if let (Some(out), &[n, k]) = (transposed.get_mut(id), src.shape.as_slice()) {
+                        elementwise::transpose_tiles(x, out, n, k);
+                    }
+                }
+            }
+        });
+        Ok(true)
+    }
+
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
     /// products (llama.cpp's scheme: faster, but each activation moves by up to half a step of
     /// its block's largest magnitude / 127, enough to flip a greedy choice between two close

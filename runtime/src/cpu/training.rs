@@ -226,12 +226,15 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 return Ok(false);
             }
             let eps = f64::from(smoothing.0);
-            // Each counted row's log-sum-exp (its maximum taken out) and mean, in f64.
-            let stats = |row: &[f32]| -> (f64, f64) {
-                let max = f64::from(row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-                let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+            // Each counted row's log-sum-exp (its maximum taken out; the exponentials by the
+            // vectorized `exp` into `scratch`, summed in f64) and mean.
+            let stats = |row: &[f32], scratch: &mut [f32]| -> (f64, f64) {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                scratch.copy_from_slice(row);
+                super::math::exp_shifted(scratch, max);
+                let sum: f64 = scratch.iter().map(|&v| f64::from(v)).sum();
                 let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
-                (max + sum.ln(), mean)
+                (f64::from(max) + sum.ln(), mean)
             };
             let y = out.get();
             if matches!(op, Op::CrossEntropy { .. }) {
@@ -240,11 +243,14 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                     .par_chunks(vocab)
                     .zip(labels.par_iter())
                     .filter(|(_, l)| **l != ignore)
-                    .map(|(row, &l)| {
-                        let (lse, mean) = stats(row);
-                        let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
-                        lse - (1.0 - eps) * f64::from(at) - eps * mean
-                    })
+                    .map_init(
+                        || vec![0.0f32; vocab],
+                        |scratch, (row, &l)| {
+                            let (lse, mean) = stats(row, scratch);
+                            let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
+                            lse - (1.0 - eps) * f64::from(at) - eps * mean
+                        },
+                    )
                     .collect();
                 if y.len() != 1 {
                     return Ok(false);
@@ -264,13 +270,35 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                     o.fill(0.0);
                     return;
                 }
-                let (lse, _) = stats(row);
+                // The exponentials in the output row, then each scaled by the row's sum:
+                // softmax(x) = exp(x - max) / sum.
+                let (lse, _) = stats(row, o);
+                let max = f64::from(row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                let inv = (max - lse).exp();
                 let label = usize::try_from(l).unwrap_or(usize::MAX);
-                for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                for (j, o) in o.iter_mut().enumerate() {
                     let target = if j == label { 1.0 - eps } else { 0.0 } + uniform;
-                    *o = (scale * ((f64::from(v) - lse).exp() - target)) as f32;
+                    *o = (scale * (f64::from(*o) * inv - target)) as f32;
                 }
             });
+            Ok(true)
+        }
+        Op::GatherGrad => {
+            // (table [rows, d], ids, dy [.., d]) -> [rows, d]: dy's rows added into the rows their
+            // ids name, in id order (as the interpreter adds them).
+            let (s, _) = operand(0)?;
+            let (Some((_, Arg::I64(ids))), Ok((_, dy))) = (args.get(1), operand(2)) else { return Ok(false) };
+            let &[rows, d] = s else { return Ok(false) };
+            let y = out.get();
+            let in_range = ids.iter().all(|&id| usize::try_from(id).is_ok_and(|r| r < rows));
+            if y.len() != rows * d || dy.len() != ids.len() * d || !in_range || d == 0 {
+                return Ok(false);
+            }
+            y.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+            for (&id, row) in ids.iter().zip(dy.chunks_exact(d)) {
+                let o = &mut y[id as usize * d..][..d];
+                o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+            }
             Ok(true)
         }
         _ => Ok(false),

@@ -6,9 +6,11 @@
 //! optimized as one graph, so the fusions of inference apply to the forward half and the
 //! backward's own forms are found by the same rules; the wgpu back end runs the graph as built
 //! (its backward kernels are the plain ones). Each lowers its graph once and, before each run,
-//! replaces its parameters ([`CpuModel::set_params`], [`GpuModel::set_params`]), so the
-//! load-time folds (a tensor's reading: transposed, cut out of a pack) are evaluated on the new
-//! values.
+//! replaces its parameters ([`CpuModel::set_params`], [`GpuModel::set_params`]). The CPU's plan
+//! folds nothing at load time: a tensor's reading (transposed, cut out of a pack) changes with
+//! every step, so it runs as a step of the plan, on the engine's own kernels and threads, rather
+//! than as a fold the interpreter evaluates again each time the parameters change (GPT-2 small's
+//! 264 folds took 1.8 s a step that way).
 
 use crate::cpu::{CpuError, CpuModel};
 use crate::device::Device;
@@ -80,7 +82,8 @@ impl StepRunner {
             Device::Interp => Kind::Interp(graph),
             Device::Cpu { threads } => {
                 let (optimized, _) = optimize::optimize_for(&graph, &Target::cpu())?;
-                Kind::Cpu { plan: lower::lower(&optimized), threads: *threads, model: None }
+                let options = lower::Options { fold_constants: false, ..lower::Options::default() };
+                Kind::Cpu { plan: lower::lower_with(&optimized, options), threads: *threads, model: None }
             }
             Device::Gpu(gpu) => Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None },
         };
@@ -99,7 +102,9 @@ impl StepRunner {
             Kind::Cpu { plan, threads, model } => {
                 let model = match model {
                     Some(m) => {
-                        m.set_params(params.clone(), HashMap::new(), progress)?;
+                        if !m.update_params(params)? {
+                            m.set_params(params.clone(), HashMap::new(), progress)?;
+                        }
                         m
                     }
                     None => model.insert(Box::new(CpuModel::new(

@@ -1,5 +1,6 @@
 //! The backward forms of a training step that pay: a weight's gradient, summed over the batch,
-//! as one product over all the rows.
+//! as one product over all the rows; the transposes a weight stored `[in, out]` (GPT-2's
+//! `Conv1D`) adds to the backward, read by the products instead of copied.
 
 use super::*;
 use egg::rewrite as rw;
@@ -21,11 +22,30 @@ fn is_batch_sum_of_row_products(egraph: &mut KGraph, id: Id, subst: &Subst) -> b
     axis0 && swap && rows
 }
 
+/// `?p` swaps the two axes of a matrix.
+fn swaps_two_axes(p: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
+    move |egraph, _, subst| matches!(op_of(egraph, subst, p), Some(Op::Permute { perm }) if perm == &[1, 0])
+}
+
+/// `?p` swaps the two axes of the matrix `?w`.
+fn transposes_matrix(p: &'static str, w: &'static str) -> impl Fn(&mut KGraph, Id, &Subst) -> bool {
+    move |egraph, _, subst| {
+        let swap = matches!(op_of(egraph, subst, p), Some(Op::Permute { perm }) if perm == &[1, 0]);
+        swap && shape(egraph, subst[var(w)]).is_some_and(|s| s.len() == 2)
+    }
+}
+
 #[rustfmt::skip]
 pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
     vec![
         // sum_b (a_b^T @ d_b) = contract_rows(a, d)       (a [b, r, k], d [b, r, n])
         rw!("weight-grad-rows"; "(reshape ?r (sum_axis ?n (matmul (permute ?p ?a) ?b)))"
                              => "(contract_rows ?a ?b)" if is_batch_sum_of_row_products),
+        // (a^T b)^T = b^T a
+        rw!("weight-grad-transposed"; "(permute ?p (contract_rows ?a ?b))"
+                                   => "(contract_rows ?b ?a)" if swaps_two_axes("?p")),
+        // x @ (W^T) = x @^T W                              (W a matrix: the input's gradient)
+        rw!("matmul-transposed-weight"; "(matmul ?x (permute ?p ?w))"
+                                     => "(matmul_t ?x ?w)" if transposes_matrix("?p", "?w")),
     ]
 }
