@@ -31,6 +31,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use kiln_compiler::tensor::{Data, Tensor};
+use rayon::prelude::*;
+
+/// Elements of a parameter or gradient handed to one task (a fixed size: sums over pieces are
+/// the same on any number of threads).
+const PIECE: usize = 1 << 15;
 
 use super::recipe::{OptimizerKind, Recipe};
 
@@ -171,7 +176,12 @@ fn check_updates<'s>(
 /// `coef < 1`. Returns the norm before clipping. A non-finite norm (a NaN or infinite gradient) is
 /// an error naming the first such parameter, and leaves the gradients as they were.
 pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Result<f64, OptimError> {
-    let sum: f64 = updates.iter().flat_map(|u| u.grad.iter()).map(|&g| f64::from(g) * f64::from(g)).sum();
+    // Squares summed in f64 in pieces of a fixed size (so the sum is the same on any number of
+    // threads), the pieces' sums then added in order.
+    let pieces: Vec<&[f32]> = updates.iter().flat_map(|u| u.grad.chunks(PIECE)).collect();
+    let sums: Vec<f64> =
+        pieces.par_iter().map(|p| p.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()).collect();
+    let sum: f64 = sums.iter().sum();
     let norm = sum.sqrt();
     if !norm.is_finite() {
         let first = updates.iter().find_map(|u| u.grad.iter().find(|g| !g.is_finite()).map(|&g| (u.name, g)));
@@ -182,7 +192,8 @@ pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Resu
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
             let coef = coef as f32;
-            updates.iter_mut().flat_map(|u| u.grad.iter_mut()).for_each(|g| *g *= coef);
+            let mut pieces: Vec<&mut [f32]> = updates.iter_mut().flat_map(|u| u.grad.chunks_mut(PIECE)).collect();
+            pieces.par_iter_mut().for_each(|p| p.iter_mut().for_each(|g| *g *= coef));
         }
     }
     Ok(norm)
@@ -248,17 +259,23 @@ impl AdamW {
             let Some(slot) = self.slots.get_mut(u.name) else {
                 return Err(OptimError::UnknownParam { name: u.name.into() });
             };
-            if slot.decay && self.weight_decay != 0.0 {
-                u.value.iter_mut().for_each(|p| *p *= decay);
-            }
-            let elements = u.value.iter_mut().zip(u.grad.iter()).zip(slot.m.iter_mut().zip(slot.v.iter_mut()));
-            for ((p, &g), (m, v)) in elements {
-                *m = lerp(*m, g, w1);
-                *v *= b2_f;
-                *v += w2 * g * g;
-                let denom = v.sqrt() / bc2_sqrt + eps;
-                *p += neg_step * *m / denom;
-            }
+            let decay = if slot.decay && self.weight_decay != 0.0 { Some(decay) } else { None };
+            // Element by element (the pieces split over the threads change nothing).
+            let pieces = u.value.par_chunks_mut(PIECE).zip(u.grad.par_chunks(PIECE));
+            pieces.zip(slot.m.par_chunks_mut(PIECE).zip(slot.v.par_chunks_mut(PIECE))).for_each(
+                |((ps, gs), (ms, vs))| {
+                    for ((p, &g), (m, v)) in ps.iter_mut().zip(gs).zip(ms.iter_mut().zip(vs.iter_mut())) {
+                        if let Some(decay) = decay {
+                            *p *= decay;
+                        }
+                        *m = lerp(*m, g, w1);
+                        *v *= b2_f;
+                        *v += w2 * g * g;
+                        let denom = v.sqrt() / bc2_sqrt + eps;
+                        *p += neg_step * *m / denom;
+                    }
+                },
+            );
         }
         Ok(())
     }
