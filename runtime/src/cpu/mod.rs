@@ -190,6 +190,8 @@ pub struct CpuModel {
     reference: bool,
     /// The steps that append to a session's cache in place.
     appends: Vec<AppendSite>,
+    /// Buffers of outputs given back ([`CpuModel::recycle`]), which the next run's outputs reuse.
+    spare: Mutex<Vec<Vec<f32>>>,
 }
 
 /// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
@@ -295,6 +297,7 @@ impl CpuModel {
             int8: false,
             reference,
             appends,
+            spare: Mutex::new(Vec::new()),
         })
     }
 
@@ -545,7 +548,7 @@ impl CpuModel {
                     continue; // Already in the cache.
                 }
                 let t = match self.arg(*v, &inputs, &slots, &syms, &views, kv)?.1 {
-                    Arg::F32(x) => Tensor::f32(shape, x.to_vec()),
+                    Arg::F32(x) => Tensor::f32(shape, self.output_buffer(x)),
                     Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
                     Arg::Quant(q) => q.dequantize(),
                     Arg::Cache { data, cap } => {
@@ -593,6 +596,36 @@ impl CpuModel {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// Gives back outputs of an earlier run the caller is done with: the next runs' outputs of the
+    /// same sizes are written into their buffers rather than into new ones (a training step's
+    /// gradients, hundreds of megabytes a step for a large model, would otherwise be fresh pages
+    /// the system zeroes every step).
+    pub fn recycle(&self, tensors: impl IntoIterator<Item = Tensor>) {
+        let Ok(mut spare) = self.spare.lock() else { return };
+        for t in tensors {
+            if let kiln_compiler::tensor::Data::F32(v) = t.data {
+                spare.push(v);
+            }
+        }
+        // No more than one run's outputs are kept.
+        spare.truncate(self.plan.outputs.len());
+    }
+
+    /// `x` copied into a given-back buffer of its length, or a new one.
+    fn output_buffer(&self, x: &[f32]) -> Vec<f32> {
+        let reused = self.spare.lock().ok().and_then(|mut spare| {
+            let at = spare.iter().position(|v| v.len() == x.len())?;
+            Some(spare.swap_remove(at))
+        });
+        match reused {
+            Some(mut v) => {
+                v.copy_from_slice(x);
+                v
+            }
+            None => x.to_vec(),
         }
     }
 

@@ -90,6 +90,14 @@ impl StepRunner {
         Ok(StepRunner { kind })
     }
 
+    /// Gives back gradients of an earlier step the caller is done with, for the next step's
+    /// outputs to reuse (see [`CpuModel::recycle`]; the other devices drop them).
+    pub fn recycle(&self, spent: impl IntoIterator<Item = Tensor>) {
+        if let Kind::Cpu { model: Some(m), .. } = &self.kind {
+            m.recycle(spent);
+        }
+    }
+
     /// The loss and gradients of `batch` with the parameters `params` (by tensor name).
     pub fn run(
         &mut self,

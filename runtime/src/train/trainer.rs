@@ -278,6 +278,8 @@ impl Trainer {
             source => TrainError::Optim { step, source },
         })?;
         self.optimizer.step(lr, &mut updates).map_err(|source| TrainError::Optim { step, source })?;
+        drop(updates);
+        self.train.recycle(pairs.into_iter().map(|(_, _, grad)| grad));
         self.step += 1;
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
