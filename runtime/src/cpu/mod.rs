@@ -188,6 +188,8 @@ pub struct CpuModel {
     int8: bool,
     /// Every step through the interpreter ([`CpuModel::reference`]).
     reference: bool,
+    /// Projection weights also held transposed (see [`CpuModel::for_training`]).
+    transposes: bool,
     /// The steps that append to a session's cache in place.
     appends: Vec<AppendSite>,
     /// Buffers of outputs given back ([`CpuModel::recycle`]), which the next run's outputs reuse.
@@ -266,6 +268,20 @@ impl CpuModel {
         CpuModel::build(plan, params, HashMap::new(), 1, true, progress)
     }
 
+    /// [`CpuModel::from_owned`] for a model whose parameters change after every run (a training
+    /// step's, replaced by [`CpuModel::update_params`]): each weight is held once, in the plan's
+    /// layout, and no projection weight is also held transposed (the layout a decode step's
+    /// narrow products read fastest; a training step's products over many rows read either as
+    /// fast, and the copy would be made again each step and would hold its memory).
+    pub fn for_training(
+        plan: Plan,
+        params: HashMap<String, Tensor>,
+        threads: usize,
+        progress: &dyn Progress,
+    ) -> R<CpuModel> {
+        CpuModel::build_with(plan, params, HashMap::new(), threads, false, false, progress)
+    }
+
     fn build(
         plan: Plan,
         params: HashMap<String, Tensor>,
@@ -274,12 +290,25 @@ impl CpuModel {
         reference: bool,
         progress: &dyn Progress,
     ) -> R<CpuModel> {
+        CpuModel::build_with(plan, params, blocks, threads, reference, !reference, progress)
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "the model's parts and choices")]
+    fn build_with(
+        plan: Plan,
+        params: HashMap<String, Tensor>,
+        blocks: HashMap<String, QuantWeight>,
+        threads: usize,
+        reference: bool,
+        transposes: bool,
+        progress: &dyn Progress,
+    ) -> R<CpuModel> {
         let threads = threads.max(1);
         if plan.values.iter().any(|v| v.format == WeightFormat::F16) {
             return Err(CpuError::F16Weights);
         }
         plan.check()?;
-        let Held { consts, transposed, weight_bytes } = hold(&plan, params, blocks, reference, progress)?;
+        let Held { consts, transposed, weight_bytes } = hold(&plan, params, blocks, transposes, progress)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
@@ -296,6 +325,7 @@ impl CpuModel {
             weight_bytes,
             int8: false,
             reference,
+            transposes,
             appends,
             spare: Mutex::new(Vec::new()),
         })
@@ -318,7 +348,7 @@ impl CpuModel {
         blocks: HashMap<String, QuantWeight>,
         progress: &dyn Progress,
     ) -> R<()> {
-        let Held { consts, transposed, weight_bytes } = hold(&self.plan, params, blocks, self.reference, progress)?;
+        let Held { consts, transposed, weight_bytes } = hold(&self.plan, params, blocks, self.transposes, progress)?;
         (self.consts, self.transposed, self.weight_bytes) = (consts, transposed, weight_bytes);
         Ok(())
     }
@@ -829,12 +859,13 @@ struct Held {
 }
 
 /// Evaluates `plan`'s folds on `params` and `blocks` and lays its constants out as the kernels
-/// read them (see [`CpuModel::new`]); `reference`: in the plan's layout only.
+/// read them (see [`CpuModel::new`]); with `transposes`, each projection weight also (or only)
+/// transposed, else in the plan's layout only.
 fn hold(
     plan: &Plan,
     mut params: HashMap<String, Tensor>,
     mut blocks: HashMap<String, QuantWeight>,
-    reference: bool,
+    transposes: bool,
     progress: &dyn Progress,
 ) -> R<Held> {
     let program = cpu::write(plan);
@@ -874,7 +905,7 @@ fn hold(
         consts.insert(id, Const::Quant(q));
     }
     drop((params, blocks));
-    let transposed = if reference { HashMap::new() } else { transpose_weights(&program, &mut consts)? };
+    let transposed = if transposes { transpose_weights(&program, &mut consts)? } else { HashMap::new() };
     let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
     let mut counted: HashSet<usize> = HashSet::new();
     for c in consts.values() {

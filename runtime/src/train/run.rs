@@ -115,10 +115,9 @@ impl StepRunner {
                         }
                         m
                     }
-                    None => model.insert(Box::new(CpuModel::new(
+                    None => model.insert(Box::new(CpuModel::for_training(
                         plan.clone(),
-                        params,
-                        &HashMap::new(),
+                        params.clone(),
                         *threads,
                         progress,
                     )?)),
