@@ -40,16 +40,66 @@ pub fn run(args: CheckArgs, reporter: &Reporter) -> Result<()> {
     let fe = crate::model_file::load_spec(&args.spec)?;
     let seq = check_seq(&fe, args.seq)?;
     let weights = args.weights.map(|w| check_weights(&fe, &w, reporter)).transpose()?;
-    print(&args.spec, &fe, seq, weights.as_ref(), args.json)
+    let training = training_memory(&fe)?;
+    print(&args.spec, &fe, seq, weights.as_ref(), training.as_ref(), args.json)
+}
+
+/// What a training step of the spec's recipe needs in memory (`None` for a model without logits,
+/// which does not train).
+struct TrainingMemory {
+    batch: usize,
+    seq: usize,
+    optimizer: &'static str,
+    memory: kiln_compiler::train::StepMemory,
+}
+
+fn training_memory(fe: &FrontEnd) -> Result<Option<TrainingMemory>> {
+    use kiln_compiler::train::{OptimizerKind, step_memory};
+    if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
+        return Ok(None);
+    }
+    let t = crate::model_file::training_graph(fe)?;
+    let max = fe.spec.spec.model.max_positions as usize;
+    let (batch, seq) = (t.recipe.batch, t.recipe.seq.unwrap_or(max.min(128)));
+    // Each tensor once (a tied or packed one is read by several parameters).
+    let mut seen = std::collections::HashSet::new();
+    let (mut weights, mut trained) = (0u64, 0u64);
+    for u in &t.uses {
+        if seen.insert(u.tensor.as_str()) {
+            let n: u64 = u.shape.iter().map(|&d| d as u64).product();
+            weights += n;
+            if !t.frozen.contains(&u.tensor) {
+                trained += n;
+            }
+        }
+    }
+    let (optimizer, moments) = match t.recipe.optimizer {
+        OptimizerKind::AdamW => ("AdamW", 2),
+        OptimizerKind::Sgd if t.recipe.momentum != 0.0 => ("SGD with momentum", 1),
+        OptimizerKind::Sgd => ("SGD", 0),
+    };
+    let memory = step_memory(&t.graph, batch, seq, weights, trained, moments);
+    Ok(Some(TrainingMemory { batch, seq, optimizer, memory }))
 }
 
 /// `kiln check`: the summary of a valid spec, FLOPs counted at sequence length `seq`. JSON:
 /// `spec`, `model`, `kind`, `layers`, `d_model`, `vocab`, `parameters`, `flops_per_token`, `seq`,
 /// `graph` (`nodes`, `compute_nodes`, `edges`), `inputs`, `outputs`, `weight_map` (`preset`,
 /// `null` without one, and `entries`).
+/// `training` (`null` for a model without logits): what a training step of the spec's recipe
+/// (`[train]`, or the defaults) needs — `batch`, `seq`, `optimizer`, `bytes` in all, and its
+/// `weights`, `gradients`, `optimizer_state` and `activations` (the training graph's values live at
+/// once at most, before fusion).
 /// With `--weights`, also `weights` (`path`, `parameters`, `tensors_read`, `unused`: the
 /// checkpoint's tensors the spec never reads), which text mode gives as a warning on stderr.
-fn print(path: &Path, fe: &FrontEnd, seq: usize, weights: Option<&WeightCheck>, json: bool) -> Result<()> {
+fn print(
+    path: &Path,
+    fe: &FrontEnd,
+    seq: usize,
+    weights: Option<&WeightCheck>,
+    training: Option<&TrainingMemory>,
+    json: bool,
+) -> Result<()> {
     let s = print::summary(&fe.graph, seq);
     let m = &fe.spec.spec.model;
     let inputs: Vec<&str> = fe.graph.inputs().iter().map(|(_, n, _)| *n).collect();
@@ -70,6 +120,16 @@ fn print(path: &Path, fe: &FrontEnd, seq: usize, weights: Option<&WeightCheck>, 
             "inputs": inputs,
             "outputs": outputs,
             "weight_map": { "preset": preset, "entries": fe.spec.weights.entries.len() },
+            "training": training.map(|t| json!({
+                "batch": t.batch,
+                "seq": t.seq,
+                "optimizer": t.optimizer,
+                "bytes": t.memory.total(),
+                "weights": t.memory.weights,
+                "gradients": t.memory.gradients,
+                "optimizer_state": t.memory.optimizer,
+                "activations": t.memory.activations,
+            })),
             "weights": weights.map(|w| json!({
                 "path": w.path.display().to_string(),
                 "parameters": w.parameters,
@@ -94,6 +154,22 @@ fn print(path: &Path, fe: &FrontEnd, seq: usize, weights: Option<&WeightCheck>, 
     println!("  outputs      {}", outputs.join(", "));
     if let Some(p) = preset {
         println!("  weight map   preset `{p}`, {} entries", fe.spec.weights.entries.len());
+    }
+    if let Some(t) = training {
+        let m = &t.memory;
+        let mb = |b: u64| format!("{:.0} MB", b as f64 / 1e6);
+        println!(
+            "  training     {} a step at batch {} x {} ({}): weights {}, gradients {}, {} state {}, activations {}",
+            mb(m.total()),
+            t.batch,
+            t.seq,
+            t.optimizer,
+            mb(m.weights),
+            mb(m.gradients),
+            t.optimizer,
+            mb(m.optimizer),
+            mb(m.activations)
+        );
     }
     if let Some(w) = weights {
         println!(

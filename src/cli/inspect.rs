@@ -256,17 +256,6 @@ fn emit(bytes: &[u8], output: Option<&Path>, binary: bool) -> Result<()> {
 }
 
 /// Runs `kiln inspect`.
-/// The training graph of a spec, as `kiln train` builds it from the spec's own recipe.
-fn training_graph(fe: &kiln_compiler::FrontEnd) -> Result<kiln_compiler::graph::Graph> {
-    use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors};
-    let recipe = fe.spec.spec.train.clone().unwrap_or_default().resolve()?;
-    let objective = Objective { label_smoothing: recipe.label_smoothing };
-    let dims = kiln_compiler::spec::PackDims::of(&fe.spec);
-    let (graph, uses) = on_tensors(&loss_graph(&fe.graph, objective)?, &fe.spec.weights, &dims)?;
-    let frozen = kiln_runtime::train::frozen_tensors(&recipe.frozen, &uses)?;
-    Ok(kiln_compiler::autodiff::gradients(&graph, LOSS, |t| !frozen.iter().any(|f| f == t))?)
-}
-
 pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     args.check()?;
     for path in [&args.output, &args.html].into_iter().flatten() {
@@ -278,7 +267,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         Which::Model => {}
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
         Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
-        Which::Train => fe.graph = training_graph(&fe)?,
+        Which::Train => fe.graph = crate::model_file::training_graph(&fe)?.graph,
     }
     check_layers(&fe.graph, &args.layers)?;
     if let Some(path) = &args.html {

@@ -392,6 +392,44 @@ fn bench_train_times_each_backend_side_by_side() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mb"].as_f64().unwrap() > 1.0, "{v}");
     assert_eq!(v["rows"][0]["backend"], "cpu");
+    // Beside the optimized step, the step as autodiff builds it.
+    let args = ["--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1", "--unoptimized", "--json"];
+    let json = ok(&[&["bench", "train", spec.to_str().unwrap()][..], &args[..]].concat());
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let names: Vec<&str> = v["rows"].as_array().unwrap().iter().map(|r| r["backend"].as_str().unwrap()).collect();
+    assert_eq!(names, ["cpu", "cpu (unoptimized)"], "{v}");
+}
+
+/// `kiln check` counts what a training step of the spec's recipe holds; `kiln inspect --graph
+/// train` shows the step, before and after the optimizer.
+#[test]
+fn check_counts_a_training_step_and_inspect_shows_it() {
+    let spec = root().join("benches/specs/nanogpt-cpu.toml");
+    let v: serde_json::Value = serde_json::from_str(&ok(&["check", spec.to_str().unwrap(), "--json"])).unwrap();
+    let t = &v["training"];
+    let params = v["parameters"].as_u64().unwrap();
+    assert_eq!(t["weights"].as_u64(), Some(4 * params), "{t}");
+    assert_eq!(t["gradients"].as_u64(), Some(4 * params), "{t}");
+    assert_eq!(t["optimizer_state"].as_u64(), Some(8 * params), "{t}");
+    // At least the logits, their gradient and the probabilities: 3 x batch x seq x vocab floats.
+    let (batch, seq) = (t["batch"].as_u64().unwrap(), t["seq"].as_u64().unwrap());
+    assert!(t["activations"].as_u64().unwrap() >= 3 * 4 * batch * seq * 65, "{t}");
+    let sum: u64 =
+        ["weights", "gradients", "optimizer_state", "activations"].iter().map(|k| t[k].as_u64().unwrap()).sum();
+    assert_eq!(t["bytes"].as_u64(), Some(sum));
+    // An encoder without a head does not train.
+    let bert: serde_json::Value =
+        serde_json::from_str(&ok(&["check", root().join("models/bert.toml").to_str().unwrap(), "--json"])).unwrap();
+    assert!(bert["training"].is_null(), "{bert}");
+
+    let graph = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--format", "text"]);
+    for op in ["cross_entropy_grad", "gelu_grad", "sum_axis"] {
+        assert!(graph.contains(op), "no {op} in the training graph:\n{graph}");
+    }
+    let optimized = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stage", "optimized"]);
+    assert!(optimized.contains("contract_rows"), "the optimized step has no contract_rows:\n{optimized}");
+    let stats = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stats", "--explain"]);
+    assert!(stats.contains("weight-grad-rows"), "{stats}");
 }
 
 #[test]

@@ -86,6 +86,69 @@ pub fn loss_graph(forward: &Graph, objective: Objective) -> Result<Graph, TrainG
     Ok(g)
 }
 
+/// The memory a training step needs, in bytes: what [`step_memory`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StepMemory {
+    /// The trained and frozen tensors (f32).
+    pub weights: u64,
+    /// One gradient per trained element.
+    pub gradients: u64,
+    /// The optimizer's state: AdamW's two moments, SGD's momentum.
+    pub optimizer: u64,
+    /// The most the step's other values (activations, their gradients, the loss) hold at once,
+    /// each freed after its last reader, in the graph's order.
+    pub activations: u64,
+}
+
+impl StepMemory {
+    /// All of it.
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.activations
+    }
+}
+
+/// The memory of one step of `graph` (a training graph: [`training_graph`]) at `batch` sequences of
+/// `seq` tokens, its parameters read from `weights` elements (of which `trained` have gradients),
+/// the optimizer keeping `moments` values per trained element (2 for AdamW, 1 for SGD with
+/// momentum, 0 without). The activations are the graph's as autodiff builds it, values live from
+/// their op to their last reader; an engine's fused plan holds less.
+pub fn step_memory(graph: &Graph, batch: usize, seq: usize, weights: u64, trained: u64, moments: u64) -> StepMemory {
+    use std::collections::HashMap;
+    let syms: HashMap<Sym, usize> =
+        [(Sym::Batch, batch), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)].into();
+    let order = graph.order();
+    let mut uses: HashMap<petgraph::graph::NodeIndex, usize> = HashMap::new();
+    for &n in &order {
+        for o in graph.operands(n) {
+            *uses.entry(o).or_default() += 1;
+        }
+    }
+    for (_, n) in &graph.outputs {
+        *uses.entry(*n).or_default() += 1;
+    }
+    let bytes = |n: petgraph::graph::NodeIndex| -> u64 {
+        let node = &graph.g[n];
+        let elements: u64 = crate::graph::resolve(&node.shape, &syms).iter().map(|&d| d as u64).product();
+        elements * if node.dtype == crate::tensor::DType::I64 { 8 } else { 4 }
+    };
+    let (mut live, mut peak) = (0u64, 0u64);
+    for &n in &order {
+        if !matches!(graph.g[n].op, Op::Param { .. }) {
+            live += bytes(n);
+            peak = peak.max(live);
+        }
+        for o in graph.operands(n) {
+            if let Some(u) = uses.get_mut(&o) {
+                *u -= 1;
+                if *u == 0 && !matches!(graph.g[o].op, Op::Param { .. }) {
+                    live = live.saturating_sub(bytes(o));
+                }
+            }
+        }
+    }
+    StepMemory { weights: 4 * weights, gradients: 4 * trained, optimizer: 4 * moments * trained, activations: peak }
+}
+
 /// The training graph of `forward`: on its checkpoint's tensors (read through `map`), outputs
 /// `loss` and `grad.<tensor>` for every tensor `trains` accepts; and where each parameter is
 /// read from.

@@ -78,10 +78,19 @@ pub struct StepRunner {
 impl StepRunner {
     /// `graph` on `device`: the interpreter, or lowered for the CPU or wgpu back end.
     pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
+        StepRunner::with_optimization(device, graph, true)
+    }
+
+    /// [`StepRunner::new`], the CPU's graph optimized or not (`kiln bench train --unoptimized`:
+    /// what the e-graph's rewrites of the step are worth).
+    pub fn with_optimization(device: &Device, graph: Graph, optimize: bool) -> Result<StepRunner, RunError> {
         let kind = match device {
             Device::Interp => Kind::Interp(graph),
             Device::Cpu { threads } => {
-                let (optimized, _) = optimize::optimize_for(&graph, &Target::cpu())?;
+                let optimized = match optimize {
+                    true => optimize::optimize_for(&graph, &Target::cpu())?.0,
+                    false => graph,
+                };
                 let options = lower::Options { fold_constants: false, ..lower::Options::default() };
                 Kind::Cpu { plan: lower::lower_with(&optimized, options), threads: *threads, model: None }
             }

@@ -140,7 +140,21 @@ impl Trainer {
         map: &WeightMap,
         dims: &PackDims,
         recipe: Recipe,
+        tensors: HashMap<String, Tensor>,
+    ) -> Result<Trainer, TrainError> {
+        Trainer::with_optimization(device, forward, map, dims, recipe, tensors, true)
+    }
+
+    /// [`Trainer::new`], its step's graph optimized for the device or not (see
+    /// [`StepRunner::with_optimization`]).
+    pub fn with_optimization(
+        device: Device,
+        forward: &Graph,
+        map: &WeightMap,
+        dims: &PackDims,
+        recipe: Recipe,
         mut tensors: HashMap<String, Tensor>,
+        optimize: bool,
     ) -> Result<Trainer, TrainError> {
         // The loss on the checkpoint's tensors is the evaluation graph; its gradients, the step's.
         let objective = Objective { label_smoothing: recipe.label_smoothing };
@@ -177,7 +191,8 @@ impl Trainer {
             &recipe,
             shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
         );
-        let train = StepRunner::new(&device, graph).map_err(|source| TrainError::Run { step: 0, source })?;
+        let train = StepRunner::with_optimization(&device, graph, optimize)
+            .map_err(|source| TrainError::Run { step: 0, source })?;
         Ok(Trainer {
             recipe,
             train,

@@ -39,6 +39,10 @@ pub struct TrainArgs {
     /// Threads of the CPU backend.
     #[arg(long)]
     threads: Option<usize>,
+    /// Also time each backend's step unoptimized (the graph as autodiff builds it, lowered as
+    /// is), a row beside each: what the e-graph's rewrites of the step are worth.
+    #[arg(long)]
+    unoptimized: bool,
     /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
     /// first backend at the top level, and every backend's in `rows`.
     #[arg(long)]
@@ -69,14 +73,21 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let recipe = recipe.merge(overrides).resolve()?;
     let threads = threads_or_default(args.threads)?;
     let mut trainers = Vec::new();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph)?.into_iter().collect();
+    let dims = PackDims::of(&fe.spec);
     for &backend in &args.backend {
-        let device = training_device(backend, Some(threads))?;
-        let name = device.name().to_string();
-        let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph)?.into_iter().collect();
-        let dims = PackDims::of(&fe.spec);
-        let trainer =
-            Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params).map_err(Box::new)?;
-        trainers.push((name, trainer));
+        for optimize in [true, false] {
+            let device = training_device(backend, Some(threads))?;
+            // The interpreter runs the graph as built either way.
+            if !optimize && (!args.unoptimized || matches!(device, kiln_runtime::Device::Interp)) {
+                continue;
+            }
+            let name = format!("{}{}", device.name(), if optimize { "" } else { " (unoptimized)" });
+            let (map, recipe) = (&fe.spec.weights, recipe.clone());
+            let trainer = Trainer::with_optimization(device, &fe.graph, map, &dims, recipe, params.clone(), optimize)
+                .map_err(Box::new)?;
+            trainers.push((name, trainer));
+        }
     }
     // Random ids, the next id as each label (a fixed batch: the step's time does not depend on
     // the values).
@@ -138,7 +149,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     for row in &rows {
         let peak = row["peak_rss_mb"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
         println!(
-            "{:8} {:8.2} ms/step  {:9.0} tokens/s  peak {peak} MB",
+            "{:18} {:8.2} ms/step  {:9.0} tokens/s  peak {peak} MB",
             row["backend"].as_str().unwrap_or("?"),
             row["ms_per_step"].as_f64().unwrap_or(f64::NAN),
             row["tokens_per_s"].as_f64().unwrap_or(f64::NAN)
