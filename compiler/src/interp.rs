@@ -1003,6 +1003,25 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
+        Op::NormGrad { rms, eps } => {
+            let (x, gain, dy) = (f(a[0]), f(a[1]), f(a[2]));
+            let d = gain.len();
+            let mut out = vec![V::F::ZERO; x.len()];
+            for ((row, dy), o) in x.chunks(d.max(1)).zip(dy.chunks(d.max(1))).zip(out.chunks_mut(d.max(1))) {
+                let n = d as f64;
+                let mean = if *rms { 0.0 } else { row.iter().map(|v| v.to_f64()).sum::<f64>() / n };
+                let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+                let r = 1.0 / (var + f64::from(eps.0)).sqrt();
+                let gx = |j: usize| dy[j].to_f64() * gain[j].to_f64();
+                let xhat = |j: usize| (row[j].to_f64() - mean) * r;
+                let mean_gx = if *rms { 0.0 } else { (0..d).map(gx).sum::<f64>() / n };
+                let mean_gxx = (0..d).map(|j| gx(j) * xhat(j)).sum::<f64>() / n;
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = V::F::from_f64(r * (gx(j) - mean_gx - xhat(j) * mean_gxx));
+                }
+            }
+            V::of_floats(shape, out)
+        }
         Op::Rsqrt => V::of_floats(shape, f(a[0]).iter().map(|&x| V::F::from_f64(1.0 / x.to_f64().sqrt())).collect()),
         Op::CrossEntropy { smoothing, ignore_index } => {
             let rows = cross_entropy_rows(f(a[0]), a[1], smoothing.0, *ignore_index)?;

@@ -1269,6 +1269,12 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let x = g.param("rsqrt.x", &[3, w]);
     let x = positive(&mut g, x);
     out(&mut g, "rsqrt", Op::Rsqrt, &[x]);
+    // The input's gradient of a row norm, centred or not.
+    let (x, gain, dy) =
+        (g.param("norm_grad.x", &[2, 3, w]), g.param("norm_grad.gain", &[w]), g.param("norm_grad.dy", &[2, 3, w]));
+    for rms in [false, true] {
+        out(&mut g, &format!("norm_grad.{rms}"), Op::NormGrad { rms, eps: Scalar(1e-5) }, &[x, gain, dy]);
+    }
     // A weight's gradient: the products of rows over every leading axis.
     let a = g.param("contract_rows.a", &[2, 3, w]);
     let b = g.param("contract_rows.b", &[2, 3, 5]);

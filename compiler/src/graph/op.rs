@@ -572,6 +572,17 @@ pub enum Op {
         /// Later keys get buckets of their own (an encoder) rather than distance 0.
         bidirectional: bool,
     },
+    /// The input's gradient of a row norm ([`Op::LayerNorm`], or [`Op::RmsNorm`] with `rms`): `(x
+    /// f32[.., d], gain f32[d], dy f32[.., d]) -> [.., d]`, per row, with `r = 1 / sqrt(var + eps)`
+    /// (`mean(x^2)` for RMS), `xhat` the normalized row and `gx = dy * gain`: `r (gx - mean(gx) -
+    /// xhat mean(gx xhat))` (no `mean(gx)` term for RMS). One pass over the rows where the
+    /// composition is a score of elementwise ops and sums.
+    NormGrad {
+        /// RMSNorm (no centring).
+        rms: bool,
+        /// Epsilon.
+        eps: Scalar,
+    },
     /// The backward of [`Op::Truncate`]: `(x f32[rows, cols], dy f32[len, cols]) -> [rows,
     /// cols]`, the rows of `dy` followed by `rows - len` rows of zeros; `x` gives only the shape.
     TruncateGrad,
@@ -752,6 +763,8 @@ impl Op {
             Op::CrossEntropyGrad { .. } => "cross_entropy_grad".into(),
             Op::RelativeBiasGrad { .. } => "relative_bias_grad".into(),
             Op::TruncateGrad => "truncate_grad".into(),
+            Op::NormGrad { rms: false, .. } => "layer_norm_grad".into(),
+            Op::NormGrad { rms: true, .. } => "rms_norm_grad".into(),
             Op::TopKGrad { .. } => "top_k_grad".into(),
             Op::ContractRows => "contract_rows".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
@@ -830,7 +843,7 @@ impl Op {
             Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
                 format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional}")
             }
-            Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={eps}"),
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::NormGrad { eps, .. } => format!("eps={eps}"),
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),
             Op::Rope { theta, rotary_dim, style: s } => {

@@ -208,6 +208,20 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }
+        Op::NormGrad { .. } => {
+            arity(3)?;
+            let (x, gain, dy) = (float(0)?, float(1)?, float(2)?);
+            rank_at_least(x, 1, "x")?;
+            if gain.as_slice() != &x[x.len() - 1..] || x != dy {
+                return Err(format!(
+                    "expects x [.., d], gain [d] and dy of x's shape, got {}, {} and {}",
+                    fmt_shape(x),
+                    fmt_shape(gain),
+                    fmt_shape(dy)
+                ));
+            }
+            Ok((x.clone(), DType::F32))
+        }
         Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
             let max = if matches!(op, Op::LayerNorm { .. }) { 3 } else { 2 };
             if operands.len() < 2 || operands.len() > max {

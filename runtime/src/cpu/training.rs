@@ -283,6 +283,38 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             });
             Ok(true)
         }
+        Op::NormGrad { rms, eps } => {
+            let ((_, x), (_, gain), (_, dy)) = (operand(0)?, operand(1)?, operand(2)?);
+            let d = gain.len();
+            let y = out.get();
+            if d == 0 || y.len() != x.len() || dy.len() != x.len() || x.len() % d != 0 {
+                return Ok(false);
+            }
+            let (rms, eps) = (*rms, f64::from(eps.0));
+            // Per row, in f64 as the interpreter: the statistics, the two means of the
+            // gradient, then each element.
+            y.par_chunks_mut(d)
+                .zip(x.par_chunks(d).zip(dy.par_chunks(d)))
+                .with_min_len((MIN_ELEMENTS / d).max(1))
+                .for_each(|(o, (row, dy))| {
+                    let n = d as f64;
+                    let mean = if rms { 0.0 } else { row.iter().map(|&v| f64::from(v)).sum::<f64>() / n };
+                    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+                    let r = 1.0 / (var + eps).sqrt();
+                    let (mut sg, mut sgx) = (0.0f64, 0.0f64);
+                    for ((&v, &dy), &g) in row.iter().zip(dy).zip(gain) {
+                        let gx = f64::from(dy) * f64::from(g);
+                        sg += gx;
+                        sgx += gx * (f64::from(v) - mean) * r;
+                    }
+                    let (mg, mgx) = (if rms { 0.0 } else { sg / n }, sgx / n);
+                    for (((o, &v), &dy), &g) in o.iter_mut().zip(row).zip(dy).zip(gain) {
+                        let gx = f64::from(dy) * f64::from(g);
+                        *o = (r * (gx - mg - (f64::from(v) - mean) * r * mgx)) as f32;
+                    }
+                });
+            Ok(true)
+        }
         Op::GatherGrad => {
             // (table [rows, d], ids, dy [.., d]) -> [rows, d]: dy's rows added into the rows their
             // ids name, in id order (as the interpreter adds them).

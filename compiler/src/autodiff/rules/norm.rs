@@ -4,16 +4,18 @@
 //! - rms_norm: `xhat = x r`, `dx = r (gx - xhat mean(gx xhat))`;
 //! - layer_norm: `xhat = (x - mean x) r`, `dx = r (gx - mean(gx) - xhat mean(gx xhat))`;
 //!
-//! and for both `dgain = sum(dy xhat)`, `dbias = sum(dy)` over every axis but the last;
+//! and for both `dgain = sum(dy xhat)`, `dbias = sum(dy)` over every axis but the last. `dx` is
+//! one op, [`Op::NormGrad`], a pass over the rows (its meaning is the formula above); `xhat`, for
+//! `dgain`, is the norm itself with a gain of ones;
 //!
 //! - l2_normalize: `y = x / |x|`, `dx = (dy - y sum(dy y)) / |x|` (the `1e-12` floor of `|x|`
 //!   is not differentiated: a row that small is taken at its true norm);
 //! - mean_pool: `dx[b, s] = dy[b] m[b, s] / sum_s m[b, s]` (a row whose mask keeps nothing has
 //!   no defined gradient: its division by zero shows as a non-finite value, never a silent zero).
 
-use super::{Grads, Rule, Site, add, scale, shape, sum_last, sum_to};
+use super::{Grads, Rule, Site, add, ones_like, scale, shape, sum_last, sum_to};
 use crate::autodiff::AutodiffError;
-use crate::graph::{Dim, Graph, NodeIndex, Op, Scalar};
+use crate::graph::{Dim, Graph, NodeIndex, Op};
 
 /// The rules of this topic.
 #[rustfmt::skip]
@@ -30,12 +32,6 @@ pub fn rules() -> Vec<Rule> {
     ]
 }
 
-/// The mean over the last axis (of extent `d`), kept with extent 1.
-fn mean_last(g: &mut Graph, x: NodeIndex, d: usize) -> Result<NodeIndex, AutodiffError> {
-    let sum = sum_last(g, x)?;
-    scale(g, sum, 1.0 / d as f32)
-}
-
 fn norm(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     let (rms, eps) = match *s.op {
         Op::RmsNorm { eps } => (true, eps),
@@ -44,40 +40,20 @@ fn norm(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     };
     let (x, gain) = (s.operand(0)?, s.operand(1)?);
     let gain_shape = shape(g, gain)?;
-    let d = match gain_shape.as_slice() {
-        [Dim::Fixed(d)] => *d,
-        _ => return Err(s.unsupported("the gain is not a fixed [d]".into())),
+    if !matches!(gain_shape.as_slice(), [Dim::Fixed(_)]) {
+        return Err(s.unsupported("the gain is not a fixed [d]".into()));
+    }
+    let dx = match s.needs(0) {
+        true => Some(add(g, Op::NormGrad { rms, eps }, &[x, gain, s.dy])?),
+        false => None,
     };
-    let centred = if rms {
-        x
-    } else {
-        let mean = mean_last(g, x, d)?;
-        let minus = scale(g, mean, -1.0)?;
-        add(g, Op::Add, &[x, minus])?
-    };
-    let sq = add(g, Op::Mul, &[centred, centred])?;
-    let var = mean_last(g, sq, d)?;
-    let var_eps = add(g, Op::Offset { value: Scalar(eps.0) }, &[var])?;
-    let r = add(g, Op::Rsqrt, &[var_eps])?;
-    let xhat = add(g, Op::Mul, &[centred, r])?;
-
-    let dx = if s.needs(0) {
-        let gx = add(g, Op::Mul, &[s.dy, gain])?;
-        let gxx = add(g, Op::Mul, &[gx, xhat])?;
-        let dot = mean_last(g, gxx, d)?;
-        let proj = add(g, Op::Mul, &[xhat, dot])?;
-        let minus = scale(g, proj, -1.0)?;
-        let mut inner = add(g, Op::Add, &[gx, minus])?;
-        if !rms {
-            let mean = mean_last(g, gx, d)?;
-            let minus = scale(g, mean, -1.0)?;
-            inner = add(g, Op::Add, &[inner, minus])?;
-        }
-        Some(add(g, Op::Mul, &[inner, r])?)
-    } else {
-        None
+    let xhat = |g: &mut Graph| -> Result<NodeIndex, AutodiffError> {
+        let ones = ones_like(g, gain)?;
+        let norm = if rms { Op::RmsNorm { eps } } else { Op::LayerNorm { eps } };
+        add(g, norm, &[x, ones])
     };
     let dgain = if s.needs(1) {
+        let xhat = xhat(g)?;
         let prod = add(g, Op::Mul, &[s.dy, xhat])?;
         Some(sum_to(g, prod, &gain_shape)?)
     } else {

@@ -74,6 +74,8 @@ fn dims_of(
             vec![total, axis(x, *a)?, x.iter().skip(a + 1).product()]
         }
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
+        // One thread per row: [rows, d].
+        Op::NormGrad { .. } => vec![rows(out), last(out)],
         // One thread per output element: [total, k, n, rows].
         Op::ContractRows => {
             let a = operand(0)?;

@@ -242,6 +242,23 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 "        ",
             )
         }
+        // One thread per row: its statistics, then the two means of the gradient, then each element.
+        Op::NormGrad { rms, eps } => {
+            let centre = if *rms { "0.0" } else { "s / f32(d)" };
+            let mean_gx = if *rms { "0.0" } else { "sg / f32(d)" };
+            format!(
+                "let d = dim(1u);\nlet base = i * d;\nvar s = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) {{ s = s + in0[base + j]; }}\n\
+                 let mean = {centre};\nvar q = 0.0;\n\
+                 for (var j = 0u; j < d; j = j + 1u) {{ let c = in0[base + j] - mean; q = q + c * c; }}\n\
+                 let r = 1.0 / sqrt(q / f32(d) + {eps:?});\nvar sg = 0.0;\nvar sgx = 0.0;\n\
+                 for (var j = 0u; j < d; j = j + 1u) {{\n    let gx = in2[base + j] * in1[j];\n    \
+                 sg = sg + gx;\n    sgx = sgx + gx * (in0[base + j] - mean) * r;\n}}\n\
+                 let mg = {mean_gx};\nlet mgx = sgx / f32(d);\n\
+                 for (var j = 0u; j < d; j = j + 1u) {{\n    let gx = in2[base + j] * in1[j];\n    \
+                 out[base + j] = r * (gx - mg - (in0[base + j] - mean) * r * mgx);\n}}",
+                eps = eps.0
+            )
+        }
         // One thread per output element `(row c of k, column j of n)`: the products of column c
         // of `a` and column j of `b` over every row, in row order.
         Op::ContractRows => "let k = dim(1u);\nlet n = dim(2u);\nlet c = i / n;\nlet j = i % n;\nvar acc = 0.0;\n\
