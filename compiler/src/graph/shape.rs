@@ -591,7 +591,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             if a.len() != b.len() || a[..a.len() - 1] != b[..b.len() - 1] {
                 return Err(format!("the rows of a and b differ: {} and {}", fmt_shape(a), fmt_shape(b)));
             }
-            Ok((vec![a[a.len() - 1].clone(), b[b.len() - 1].clone()], DType::F32))
+            Ok((vec![a[a.len() - 1], b[b.len() - 1]], DType::F32))
         }
         Op::TopKGrad { k, .. } => {
             arity(2)?;

@@ -293,7 +293,6 @@ impl CpuModel {
         CpuModel::build_with(plan, params, blocks, threads, reference, !reference, progress)
     }
 
-    #[expect(clippy::too_many_arguments, reason = "the model's parts and choices")]
     fn build_with(
         plan: Plan,
         params: HashMap<String, Tensor>,

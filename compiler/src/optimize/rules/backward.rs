@@ -15,7 +15,7 @@ fn is_batch_sum_of_row_products(egraph: &mut KGraph, id: Id, subst: &Subst) -> b
         (Some(a), Some(b)) => {
             let matrix =
                 shape(egraph, id).is_some_and(|s| s.len() == 2 && s.first() == a.last() && s.get(1) == b.last());
-            a.len() == 3 && b.len() == 3 && a[..2] == b[..2] && matrix
+            a.len() == 3 && b.len() == 3 && a.get(..2) == b.get(..2) && matrix
         }
         _ => false,
     };
