@@ -400,6 +400,17 @@ fn bench_train_times_each_backend_side_by_side() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     let names: Vec<&str> = v["rows"].as_array().unwrap().iter().map(|r| r["backend"].as_str().unwrap()).collect();
     assert_eq!(names, ["cpu", "cpu (unoptimized)"], "{v}");
+    // Where the step goes: every op of the plan, its time, largest first.
+    let args = ["--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1", "--profile", "--json"];
+    let json = ok(&[&["bench", "train", spec.to_str().unwrap()][..], &args[..]].concat());
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let ops = v["profile"]["cpu"].as_array().unwrap();
+    assert!(
+        ops.iter().any(|o| o["op"] == "contract_rows") && ops.iter().any(|o| o["op"] == "cross_entropy_grad"),
+        "{v}"
+    );
+    let ms: Vec<f64> = ops.iter().map(|o| o["ms"].as_f64().unwrap()).collect();
+    assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
 }
 
 /// `kiln check` counts what a training step of the spec's recipe holds; `kiln inspect --graph

@@ -99,6 +99,25 @@ impl StepRunner {
         Ok(StepRunner { kind })
     }
 
+    /// Where the CPU's step goes: runs the graph once on `batch` with `params` and returns each
+    /// plan step's op name and seconds (host clock, see [`CpuModel::profile`]), in plan order;
+    /// `None` on the other devices.
+    pub fn profile(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        batch: &HashMap<String, Tensor>,
+        progress: &dyn Progress,
+    ) -> Result<Option<Vec<(String, f64)>>, RunError> {
+        if !matches!(self.kind, Kind::Cpu { .. }) {
+            return Ok(None);
+        }
+        // A run first, so the model is built and its parameters are these.
+        self.run(params, batch, progress)?;
+        let Kind::Cpu { model: Some(m), .. } = &self.kind else { return Ok(None) };
+        let times = m.profile(batch)?;
+        Ok(Some(m.plan().steps.iter().map(|s| s.op.name()).zip(times).collect()))
+    }
+
     /// Gives back gradients of an earlier step the caller is done with, for the next step's
     /// outputs to reuse (see [`CpuModel::recycle`]; the other devices drop them).
     pub fn recycle(&self, spent: impl IntoIterator<Item = Tensor>) {

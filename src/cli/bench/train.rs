@@ -43,6 +43,10 @@ pub struct TrainArgs {
     /// is), a row beside each: what the e-graph's rewrites of the step are worth.
     #[arg(long)]
     unoptimized: bool,
+    /// Also print where the CPU's step goes: its graph's time by op (the sum over the plan's
+    /// steps of each op, the median of `--runs` profiled runs), largest first.
+    #[arg(long)]
+    profile: bool,
     /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
     /// first backend at the top level, and every backend's in `rows`.
     #[arg(long)]
@@ -117,6 +121,32 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
             times.push(start.elapsed().as_secs_f64() / args.steps as f64);
         }
     }
+    // Each op's time summed over the plan's steps, per run; the median over the runs.
+    let mut profiles: Vec<(String, Vec<(String, usize, f64)>)> = Vec::new();
+    if args.profile {
+        for (name, t) in trainers.iter_mut() {
+            let mut runs: Vec<Vec<(String, f64)>> = Vec::new();
+            for _ in 0..args.runs {
+                match t.profile(&batch).map_err(Box::new)? {
+                    Some(steps) => runs.push(steps),
+                    None => break,
+                }
+            }
+            let Some(first) = runs.first() else { continue };
+            let mut by_op: Vec<(String, usize, f64)> = Vec::new();
+            for (i, (op, _)) in first.iter().enumerate() {
+                let mut times: Vec<f64> = runs.iter().filter_map(|r| r.get(i).map(|s| s.1)).collect();
+                times.sort_by(f64::total_cmp);
+                let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
+                match by_op.iter_mut().find(|(o, _, _)| o == op) {
+                    Some(e) => (e.1, e.2) = (e.1 + 1, e.2 + median),
+                    None => by_op.push((op.clone(), 1, median)),
+                }
+            }
+            by_op.sort_by(|a, b| b.2.total_cmp(&a.2));
+            profiles.push((name.clone(), by_op));
+        }
+    }
     let rows: Vec<serde_json::Value> = trainers
         .iter()
         .zip(times)
@@ -131,11 +161,20 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         .collect();
     if args.json {
         let first = rows.first().cloned().unwrap_or_default();
+        let profiles: serde_json::Map<String, serde_json::Value> = profiles
+            .iter()
+            .map(|(name, ops)| {
+                let ops: Vec<serde_json::Value> =
+                    ops.iter().map(|(op, n, s)| serde_json::json!({"op": op, "steps": n, "ms": s * 1e3})).collect();
+                (name.clone(), serde_json::Value::Array(ops))
+            })
+            .collect();
         return crate::report::print_json(&serde_json::json!({
             "spec": args.spec.display().to_string(), "batch": args.batch, "seq": args.seq, "threads": threads,
             "steps": args.steps, "runs": args.runs,
             "tokens_per_s": first["tokens_per_s"], "ms_per_step": first["ms_per_step"], "peak_rss_mb": first["peak_rss_mb"],
             "rows": rows,
+            "profile": profiles,
         }));
     }
     reporter.info(format_args!(
@@ -154,6 +193,13 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
             row["ms_per_step"].as_f64().unwrap_or(f64::NAN),
             row["tokens_per_s"].as_f64().unwrap_or(f64::NAN)
         );
+    }
+    for (name, ops) in &profiles {
+        let total: f64 = ops.iter().map(|(_, _, s)| s).sum();
+        println!("{name}: the graph's {:.2} ms by op (plan steps, median of {} runs)", total * 1e3, args.runs);
+        for (op, n, s) in ops {
+            println!("  {:24} {:5} steps {:9.2} ms {:5.1}%", op, n, s * 1e3, 100.0 * s / total.max(f64::MIN_POSITIVE));
+        }
     }
     Ok(())
 }
