@@ -77,21 +77,29 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let recipe = recipe.merge(overrides).resolve()?;
     let threads = threads_or_default(args.threads)?;
     let mut trainers = Vec::new();
-    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph)?.into_iter().collect();
-    let dims = PackDims::of(&fe.spec);
+    let mut runs = Vec::new();
     for &backend in &args.backend {
         for optimize in [true, false] {
             let device = training_device(backend, Some(threads))?;
             // The interpreter runs the graph as built either way.
-            if !optimize && (!args.unoptimized || matches!(device, kiln_runtime::Device::Interp)) {
-                continue;
+            if optimize || (args.unoptimized && !matches!(device, kiln_runtime::Device::Interp)) {
+                runs.push((device, optimize));
             }
-            let name = format!("{}{}", device.name(), if optimize { "" } else { " (unoptimized)" });
-            let (map, recipe) = (&fe.spec.weights, recipe.clone());
-            let trainer = Trainer::with_optimization(device, &fe.graph, map, &dims, recipe, params.clone(), optimize)
-                .map_err(Box::new)?;
-            trainers.push((name, trainer));
         }
+    }
+    let mut params: Option<HashMap<String, Tensor>> =
+        Some(init::initialize(&fe.spec, &fe.graph)?.into_iter().collect());
+    let dims = PackDims::of(&fe.spec);
+    let last = runs.len().saturating_sub(1);
+    for (i, (device, optimize)) in runs.into_iter().enumerate() {
+        let name = format!("{}{}", device.name(), if optimize { "" } else { " (unoptimized)" });
+        // The last trainer takes the weights (the others a copy): the process holds no more
+        // weights than its trainers do, so the peak memory is theirs.
+        let weights = if i == last { params.take() } else { params.clone() }.unwrap_or_default();
+        let (map, recipe) = (&fe.spec.weights, recipe.clone());
+        let trainer =
+            Trainer::with_optimization(device, &fe.graph, map, &dims, recipe, weights, optimize).map_err(Box::new)?;
+        trainers.push((name, trainer));
     }
     // Random ids, the next id as each label (a fixed batch: the step's time does not depend on
     // the values).
