@@ -400,6 +400,11 @@ fn bench_train_times_each_backend_side_by_side() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     let names: Vec<&str> = v["rows"].as_array().unwrap().iter().map(|r| r["backend"].as_str().unwrap()).collect();
     assert_eq!(names, ["cpu", "cpu (unoptimized)"], "{v}");
+    // An encoder-decoder's step (its target ids beside the source's).
+    let t5 = root().join("models/t5.toml");
+    let out =
+        ok(&["bench", "train", t5.to_str().unwrap(), "--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1"]);
+    assert!(out.contains("tokens/s"), "{out}");
     // Where the step goes: every op of the plan, its time, largest first.
     let args = ["--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1", "--profile", "--json"];
     let json = ok(&[&["bench", "train", spec.to_str().unwrap()][..], &args[..]].concat());

@@ -19,7 +19,8 @@ use std::time::Instant;
 /// Arguments of `kiln bench train`.
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// A decoder spec, initialized as its `[init]` says.
+    /// A spec with logits (a decoder, an encoder-decoder, an encoder with a head), initialized as
+    /// its `[init]` says; or a checkpoint or GGUF file standing for its spec.
     spec: PathBuf,
     /// Sequences per step.
     #[arg(long, default_value_t = 12)]
@@ -107,10 +108,11 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let mut next = || bits.below(vocab as u64) as i64;
     let row: Vec<Vec<i64>> = (0..args.batch).map(|_| (0..=args.seq).map(|_| next()).collect()).collect();
     let take = |from: usize| -> Vec<i64> { row.iter().flat_map(|r| r[from..from + args.seq].to_vec()).collect() };
-    let batch = HashMap::from([
-        ("input_ids".to_string(), Tensor::i64(vec![args.batch, args.seq], take(0))),
-        ("labels".to_string(), Tensor::i64(vec![args.batch, args.seq], take(1))),
-    ]);
+    // The model's other inputs (an encoder-decoder's target ids, token types, key masks) as the
+    // differential tests make them, each `[batch, seq]`.
+    let mut batch = kiln_compiler::interp::sample_inputs(&fe.graph, vocab, args.batch, args.seq)?;
+    batch.insert("input_ids".to_string(), Tensor::i64(vec![args.batch, args.seq], take(0)));
+    batch.insert("labels".to_string(), Tensor::i64(vec![args.batch, args.seq], take(1)));
     let tokens = (args.batch * args.seq) as f64;
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); trainers.len()];
     // The process's peak resident memory after each backend's first step (every backend's
