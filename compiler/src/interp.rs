@@ -1003,6 +1003,18 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
+        Op::SoftmaxGrad => {
+            let (y, dy) = (f(a[0]), f(a[1]));
+            let n = (*shape.last().expect("softmax_grad has an axis")).max(1);
+            let mut out = vec![V::F::ZERO; y.len()];
+            for ((y, dy), o) in y.chunks(n).zip(dy.chunks(n)).zip(out.chunks_mut(n)) {
+                let dot: f64 = y.iter().zip(dy).map(|(y, dy)| y.to_f64() * dy.to_f64()).sum();
+                for ((o, y), dy) in o.iter_mut().zip(y).zip(dy) {
+                    *o = V::F::from_f64(y.to_f64() * (dy.to_f64() - dot));
+                }
+            }
+            V::of_floats(shape, out)
+        }
         Op::NormGrad { rms, eps } => {
             let (x, gain, dy) = (f(a[0]), f(a[1]), f(a[2]));
             let d = gain.len();

@@ -1269,6 +1269,9 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let x = g.param("rsqrt.x", &[3, w]);
     let x = positive(&mut g, x);
     out(&mut g, "rsqrt", Op::Rsqrt, &[x]);
+    // A softmax's input gradient from its output.
+    let (y, dy) = (g.param("softmax_grad.y", &[2, 3, w]), g.param("softmax_grad.dy", &[2, 3, w]));
+    out(&mut g, "softmax_grad", Op::SoftmaxGrad, &[y, dy]);
     // The input's gradient of a row norm, centred or not.
     let (x, gain, dy) =
         (g.param("norm_grad.x", &[2, 3, w]), g.param("norm_grad.gain", &[w]), g.param("norm_grad.dy", &[2, 3, w]));

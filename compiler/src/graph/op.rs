@@ -572,6 +572,10 @@ pub enum Op {
         /// Later keys get buckets of their own (an encoder) rather than distance 0.
         bidirectional: bool,
     },
+    /// The input's gradient of [`Op::Softmax`] from its output: `(y f32[.., n], dy f32[.., n]) ->
+    /// [.., n]`, per row `y * (dy - sum(dy * y))`. One pass over the rows where the composition is
+    /// five.
+    SoftmaxGrad,
     /// The input's gradient of a row norm ([`Op::LayerNorm`], or [`Op::RmsNorm`] with `rms`): `(x
     /// f32[.., d], gain f32[d], dy f32[.., d]) -> [.., d]`, per row, with `r = 1 / sqrt(var + eps)`
     /// (`mean(x^2)` for RMS), `xhat` the normalized row and `gx = dy * gain`: `r (gx - mean(gx) -
@@ -763,6 +767,7 @@ impl Op {
             Op::CrossEntropyGrad { .. } => "cross_entropy_grad".into(),
             Op::RelativeBiasGrad { .. } => "relative_bias_grad".into(),
             Op::TruncateGrad => "truncate_grad".into(),
+            Op::SoftmaxGrad => "softmax_grad".into(),
             Op::NormGrad { rms: false, .. } => "layer_norm_grad".into(),
             Op::NormGrad { rms: true, .. } => "rms_norm_grad".into(),
             Op::TopKGrad { .. } => "top_k_grad".into(),

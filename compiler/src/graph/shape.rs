@@ -208,6 +208,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }
+        Op::SoftmaxGrad => {
+            arity(2)?;
+            let (y, dy) = (float(0)?, float(1)?);
+            rank_at_least(y, 1, "y")?;
+            if y != dy {
+                return Err(format!("y and dy differ: {} and {}", fmt_shape(y), fmt_shape(dy)));
+            }
+            Ok((y.clone(), DType::F32))
+        }
         Op::NormGrad { .. } => {
             arity(3)?;
             let (x, gain, dy) = (float(0)?, float(1)?, float(2)?);

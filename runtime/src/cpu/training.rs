@@ -283,6 +283,25 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             });
             Ok(true)
         }
+        Op::SoftmaxGrad => {
+            let ((s, y), (_, dy)) = (operand(0)?, operand(1)?);
+            let Some(&n) = s.last() else { return Ok(false) };
+            let o = out.get();
+            if n == 0 || o.len() != y.len() || dy.len() != y.len() {
+                return Ok(o.is_empty());
+            }
+            // Each row's dot product in f64, as the interpreter.
+            o.par_chunks_mut(n)
+                .zip(y.par_chunks(n).zip(dy.par_chunks(n)))
+                .with_min_len((MIN_ELEMENTS / n).max(1))
+                .for_each(|(o, (y, dy))| {
+                    let dot: f64 = y.iter().zip(dy).map(|(&y, &dy)| f64::from(y) * f64::from(dy)).sum();
+                    for ((o, &y), &dy) in o.iter_mut().zip(y).zip(dy) {
+                        *o = (f64::from(y) * (f64::from(dy) - dot)) as f32;
+                    }
+                });
+            Ok(true)
+        }
         Op::NormGrad { rms, eps } => {
             let ((_, x), (_, gain), (_, dy)) = (operand(0)?, operand(1)?, operand(2)?);
             let d = gain.len();

@@ -1,7 +1,7 @@
 //! Gradients of the elementwise and row-wise nonlinearities: the activations, softmax, soft-cap,
 //! and the masks a softmax reads (causal/window, block-sparse).
 
-use super::{Grads, Rule, Site, add, ones_like, scale, sum_last};
+use super::{Grads, Rule, Site, add, ones_like, scale};
 use crate::autodiff::AutodiffError;
 use crate::graph::{Activation, Graph, Op, Scalar};
 
@@ -31,12 +31,7 @@ fn act(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
 }
 
 fn softmax(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
-    let y = s.output;
-    let dy_y = add(g, Op::Mul, &[s.dy, y])?;
-    let dot = sum_last(g, dy_y)?;
-    let minus = scale(g, dot, -1.0)?;
-    let centred = add(g, Op::Add, &[s.dy, minus])?;
-    Ok(vec![Some(add(g, Op::Mul, &[y, centred])?)])
+    Ok(vec![Some(add(g, Op::SoftmaxGrad, &[s.output, s.dy])?)])
 }
 
 fn softcap(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {

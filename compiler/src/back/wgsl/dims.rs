@@ -75,7 +75,7 @@ fn dims_of(
         }
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
         // One thread per row: [rows, d].
-        Op::NormGrad { .. } => vec![rows(out), last(out)],
+        Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out), last(out)],
         // One thread per output element: [total, k, n, rows].
         Op::ContractRows => {
             let a = operand(0)?;

@@ -242,6 +242,11 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 "        ",
             )
         }
+        // One thread per row: the row's dot product, then each element.
+        Op::SoftmaxGrad => "let n = dim(1u);\nlet base = i * n;\nvar dot = 0.0;\n\
+                            for (var j = 0u; j < n; j = j + 1u) { dot = dot + in0[base + j] * in1[base + j]; }\n\
+                            for (var j = 0u; j < n; j = j + 1u) { out[base + j] = in0[base + j] * (in1[base + j] - dot); }"
+            .into(),
         // One thread per row: its statistics, then the two means of the gradient, then each element.
         Op::NormGrad { rms, eps } => {
             let centre = if *rms { "0.0" } else { "s / f32(d)" };
