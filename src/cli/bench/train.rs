@@ -132,7 +132,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }
     }
     // Each op's time summed over the plan's steps, per run; the median over the runs.
-    let mut profiles: Vec<(String, Vec<(String, usize, f64)>)> = Vec::new();
+    let mut profiles: Vec<(String, Vec<OpTime>)> = Vec::new();
     if args.profile {
         for (name, t) in trainers.iter_mut() {
             let mut runs: Vec<Vec<(String, f64)>> = Vec::new();
@@ -143,7 +143,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
                 }
             }
             let Some(first) = runs.first() else { continue };
-            let mut by_op: Vec<(String, usize, f64)> = Vec::new();
+            let mut by_op: Vec<OpTime> = Vec::new();
             for (i, (op, _)) in first.iter().enumerate() {
                 let mut times: Vec<f64> = runs.iter().filter_map(|r| r.get(i).map(|s| s.1)).collect();
                 times.sort_by(f64::total_cmp);
@@ -213,6 +213,9 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     }
     Ok(())
 }
+
+/// An op's share of a profiled step: its name, the plan steps it ran as, their seconds.
+type OpTime = (String, usize, f64);
 
 /// The process's peak resident set so far, in MB (`VmHWM` of `/proc/self/status`; `None` where
 /// the system has no such file).
