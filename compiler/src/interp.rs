@@ -1003,6 +1003,21 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
+        Op::NormGainGrad { rms, eps } => {
+            let (x, dy) = (f(a[0]), f(a[1]));
+            let d = (*shape.first().expect("a gain has one axis")).max(1);
+            let mut acc = vec![0.0f64; d];
+            for (row, dy) in x.chunks(d).zip(dy.chunks(d)) {
+                let n = d as f64;
+                let mean = if *rms { 0.0 } else { row.iter().map(|v| v.to_f64()).sum::<f64>() / n };
+                let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+                let r = 1.0 / (var + f64::from(eps.0)).sqrt();
+                for ((acc, v), dy) in acc.iter_mut().zip(row).zip(dy) {
+                    *acc += dy.to_f64() * (v.to_f64() - mean) * r;
+                }
+            }
+            V::of_floats(shape, acc.into_iter().map(V::F::from_f64).collect())
+        }
         Op::SoftmaxGrad => {
             let (y, dy) = (f(a[0]), f(a[1]));
             let n = (*shape.last().expect("softmax_grad has an axis")).max(1);

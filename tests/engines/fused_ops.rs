@@ -1144,6 +1144,9 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
     }
     add(&mut g, "grad.long", Op::ActGrad(Activation::GeluTanh), &[("x", &[3, 7000]), ("dy", &[3, 7000])]);
+    // A norm's gain gradient over rows wider than a block of columns.
+    let op = Op::NormGainGrad { rms: false, eps: Scalar(1e-5) };
+    add(&mut g, "norm_gain_grad.wide", op, &[("x", &[3, 5, 600]), ("dy", &[3, 5, 600])]);
     // Weights' gradients: the products of rows over every leading axis, one and two of them.
     add(&mut g, "contract_rows.3", Op::ContractRows, &[("a", &[4, 9, 7]), ("b", &[4, 9, 5])]);
     add(&mut g, "contract_rows.2", Op::ContractRows, &[("a", &[30, 70]), ("b", &[30, 90])]);
@@ -1277,6 +1280,7 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         (g.param("norm_grad.x", &[2, 3, w]), g.param("norm_grad.gain", &[w]), g.param("norm_grad.dy", &[2, 3, w]));
     for rms in [false, true] {
         out(&mut g, &format!("norm_grad.{rms}"), Op::NormGrad { rms, eps: Scalar(1e-5) }, &[x, gain, dy]);
+        out(&mut g, &format!("norm_gain_grad.{rms}"), Op::NormGainGrad { rms, eps: Scalar(1e-5) }, &[x, dy]);
     }
     // A weight's gradient: the products of rows over every leading axis.
     let a = g.param("contract_rows.a", &[2, 3, w]);

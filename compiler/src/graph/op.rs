@@ -587,6 +587,16 @@ pub enum Op {
         /// Epsilon.
         eps: Scalar,
     },
+    /// The gain's gradient of a row norm ([`Op::LayerNorm`], or [`Op::RmsNorm`] with `rms`): `(x
+    /// f32[.., d], dy f32[.., d]) -> [d]`, the sum over every row of `dy * xhat`, `xhat` the row
+    /// normalized (without gain). One pass over the rows where the composition normalizes them
+    /// again, multiplies and sums twice.
+    NormGainGrad {
+        /// RMSNorm (no centring).
+        rms: bool,
+        /// Epsilon.
+        eps: Scalar,
+    },
     /// The backward of [`Op::Truncate`]: `(x f32[rows, cols], dy f32[len, cols]) -> [rows,
     /// cols]`, the rows of `dy` followed by `rows - len` rows of zeros; `x` gives only the shape.
     TruncateGrad,
@@ -768,6 +778,8 @@ impl Op {
             Op::RelativeBiasGrad { .. } => "relative_bias_grad".into(),
             Op::TruncateGrad => "truncate_grad".into(),
             Op::SoftmaxGrad => "softmax_grad".into(),
+            Op::NormGainGrad { rms: false, .. } => "layer_norm_gain_grad".into(),
+            Op::NormGainGrad { rms: true, .. } => "rms_norm_gain_grad".into(),
             Op::NormGrad { rms: false, .. } => "layer_norm_grad".into(),
             Op::NormGrad { rms: true, .. } => "rms_norm_grad".into(),
             Op::TopKGrad { .. } => "top_k_grad".into(),
@@ -848,7 +860,9 @@ impl Op {
             Op::RelativeBiasGrad { buckets, max_distance, bidirectional } => {
                 format!("buckets={buckets} max_distance={max_distance} bidirectional={bidirectional}")
             }
-            Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::NormGrad { eps, .. } => format!("eps={eps}"),
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::NormGrad { eps, .. } | Op::NormGainGrad { eps, .. } => {
+                format!("eps={eps}")
+            }
             Op::Reshape { shape } => fmt_shape(shape),
             Op::Permute { perm } => format!("{perm:?}"),
             Op::Rope { theta, rotary_dim, style: s } => {

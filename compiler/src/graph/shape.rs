@@ -208,6 +208,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             arity(1)?;
             Ok((float(0)?.clone(), DType::F32))
         }
+        Op::NormGainGrad { .. } => {
+            arity(2)?;
+            let (x, dy) = (float(0)?, float(1)?);
+            rank_at_least(x, 1, "x")?;
+            if x != dy {
+                return Err(format!("x and dy differ: {} and {}", fmt_shape(x), fmt_shape(dy)));
+            }
+            Ok((vec![x[x.len() - 1]], DType::F32))
+        }
         Op::SoftmaxGrad => {
             arity(2)?;
             let (y, dy) = (float(0)?, float(1)?);

@@ -283,6 +283,41 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             });
             Ok(true)
         }
+        Op::NormGainGrad { rms, eps } => {
+            let ((s, x), (_, dy)) = (operand(0)?, operand(1)?);
+            let Some(&d) = s.last() else { return Ok(false) };
+            let y = out.get();
+            if d == 0 || y.len() != d || dy.len() != x.len() || x.len() % d != 0 {
+                return Ok(false);
+            }
+            let (rms, eps) = (*rms, f64::from(eps.0));
+            // Each row's mean and reciprocal deviation (over the rows), then each block of columns
+            // summed over the rows in order, in f64 as the interpreter sums them.
+            let stats: Vec<(f64, f64)> = x
+                .par_chunks(d)
+                .with_min_len((MIN_ELEMENTS / d).max(1))
+                .map(|row| {
+                    let n = d as f64;
+                    let mean = if rms { 0.0 } else { row.iter().map(|&v| f64::from(v)).sum::<f64>() / n };
+                    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+                    (mean, 1.0 / (var + eps).sqrt())
+                })
+                .collect();
+            // A block of columns per thread at least (a norm's rows are narrow).
+            let block = d.div_ceil(rayon::current_num_threads()).clamp(16, COLUMNS);
+            y.par_chunks_mut(block).enumerate().for_each(|(c, out)| {
+                let j0 = c * block;
+                let mut acc = vec![0.0f64; out.len()];
+                for ((row, dy), &(mean, r)) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(&stats) {
+                    let (row, dy) = (&row[j0..j0 + out.len()], &dy[j0..j0 + out.len()]);
+                    for ((a, &v), &g) in acc.iter_mut().zip(row).zip(dy) {
+                        *a += f64::from(g) * (f64::from(v) - mean) * r;
+                    }
+                }
+                out.iter_mut().zip(acc).for_each(|(o, a)| *o = a as f32);
+            });
+            Ok(true)
+        }
         Op::SoftmaxGrad => {
             let ((s, y), (_, dy)) = (operand(0)?, operand(1)?);
             let Some(&n) = s.last() else { return Ok(false) };

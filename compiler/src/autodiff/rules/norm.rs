@@ -5,17 +5,17 @@
 //! - layer_norm: `xhat = (x - mean x) r`, `dx = r (gx - mean(gx) - xhat mean(gx xhat))`;
 //!
 //! and for both `dgain = sum(dy xhat)`, `dbias = sum(dy)` over every axis but the last. `dx` is
-//! one op, [`Op::NormGrad`], a pass over the rows (its meaning is the formula above); `xhat`, for
-//! `dgain`, is the norm itself with a gain of ones;
+//! one op, [`Op::NormGrad`], a pass over the rows (its meaning is the formula above), and
+//! `dgain` another, [`Op::NormGainGrad`];
 //!
 //! - l2_normalize: `y = x / |x|`, `dx = (dy - y sum(dy y)) / |x|` (the `1e-12` floor of `|x|`
 //!   is not differentiated: a row that small is taken at its true norm);
 //! - mean_pool: `dx[b, s] = dy[b] m[b, s] / sum_s m[b, s]` (a row whose mask keeps nothing has
 //!   no defined gradient: its division by zero shows as a non-finite value, never a silent zero).
 
-use super::{Grads, Rule, Site, add, ones_like, scale, shape, sum_last, sum_to};
+use super::{Grads, Rule, Site, add, scale, shape, sum_last, sum_to};
 use crate::autodiff::AutodiffError;
-use crate::graph::{Dim, Graph, NodeIndex, Op};
+use crate::graph::{Dim, Graph, Op};
 
 /// The rules of this topic.
 #[rustfmt::skip]
@@ -47,17 +47,9 @@ fn norm(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
         true => Some(add(g, Op::NormGrad { rms, eps }, &[x, gain, s.dy])?),
         false => None,
     };
-    let xhat = |g: &mut Graph| -> Result<NodeIndex, AutodiffError> {
-        let ones = ones_like(g, gain)?;
-        let norm = if rms { Op::RmsNorm { eps } } else { Op::LayerNorm { eps } };
-        add(g, norm, &[x, ones])
-    };
-    let dgain = if s.needs(1) {
-        let xhat = xhat(g)?;
-        let prod = add(g, Op::Mul, &[s.dy, xhat])?;
-        Some(sum_to(g, prod, &gain_shape)?)
-    } else {
-        None
+    let dgain = match s.needs(1) {
+        true => Some(add(g, Op::NormGainGrad { rms, eps }, &[x, s.dy])?),
+        false => None,
     };
     let mut out = vec![dx, dgain];
     if s.operands.len() > 2 {

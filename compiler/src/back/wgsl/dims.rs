@@ -76,6 +76,8 @@ fn dims_of(
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
         // One thread per row: [rows, d].
         Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out), last(out)],
+        // One thread per column: [d, rows].
+        Op::NormGainGrad { .. } => vec![total, rows(operand(0)?)],
         // One thread per output element: [total, k, n, rows].
         Op::ContractRows => {
             let a = operand(0)?;

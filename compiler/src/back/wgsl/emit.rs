@@ -242,6 +242,19 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 "        ",
             )
         }
+        // One thread per column `i`: every row's statistics, and its `dy * xhat` at the column, in
+        // row order.
+        Op::NormGainGrad { rms, eps } => {
+            let centre = if *rms { "0.0" } else { "s / f32(d)" };
+            format!(
+                "let d = dim(0u);\nvar acc = 0.0;\nfor (var r = 0u; r < dim(1u); r = r + 1u) {{\n    let base = r * d;\n    \
+                 var s = 0.0;\n    for (var j = 0u; j < d; j = j + 1u) {{ s = s + in0[base + j]; }}\n    let mean = {centre};\n    \
+                 var q = 0.0;\n    for (var j = 0u; j < d; j = j + 1u) {{ let c = in0[base + j] - mean; q = q + c * c; }}\n    \
+                 let rs = 1.0 / sqrt(q / f32(d) + {eps:?});\n    acc = acc + in1[base + i] * (in0[base + i] - mean) * rs;\n}}\n\
+                 out[i] = acc;",
+                eps = eps.0
+            )
+        }
         // One thread per row: the row's dot product, then each element.
         Op::SoftmaxGrad => "let n = dim(1u);\nlet base = i * n;\nvar dot = 0.0;\n\
                             for (var j = 0u; j < n; j = j + 1u) { dot = dot + in0[base + j] * in1[base + j]; }\n\

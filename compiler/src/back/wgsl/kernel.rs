@@ -543,6 +543,8 @@ mod tests {
             (Op::TruncateGrad, vec![f, f]),
             (Op::ContractRows, vec![f, f]),
             (Op::SoftmaxGrad, vec![f, f]),
+            (Op::NormGainGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f]),
+            (Op::NormGainGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f]),
             (Op::NormGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f, f]),
             (Op::NormGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f, f]),
             (Op::RelativeBiasGrad { buckets: 8, max_distance: 20, bidirectional: true }, vec![f, f]),
