@@ -268,11 +268,36 @@ fn softmax_softcap_mask_alibi() {
             let m = g.add(Op::Mask { causal: true, window: None }, p).unwrap();
             g.add(Op::Softmax, &[m]).unwrap()
         });
+        unary("window mask then softmax", &[shape], |g, p| {
+            let m = g.add(Op::Mask { causal: false, window: Some(2) }, p).unwrap();
+            g.add(Op::Softmax, &[m]).unwrap()
+        });
         unary("alibi then softmax", &[shape], |g, p| {
             let m = g.add(Op::Alibi, p).unwrap();
             g.add(Op::Softmax, &[m]).unwrap()
         });
     }
+}
+
+/// A causal mask read only by a softmax passes the softmax's gradient through (it is 0 at every
+/// masked key already); with a key mask, which may mask a whole row, the gate stays.
+#[test]
+fn a_mask_before_a_softmax_needs_no_gate() {
+    let ops = |key_mask: bool| {
+        let mut g = Graph::new("mask");
+        let x = g.param("x", &[2, 1, 3, 3]);
+        let mut operands = vec![x];
+        if key_mask {
+            operands.push(g.param("m", &[2, 3]));
+        }
+        let m = g.add(Op::Mask { causal: true, window: None }, &operands).unwrap();
+        let y = g.add(Op::Softmax, &[m]).unwrap();
+        with_loss(&mut g, y);
+        let grads = gradients(&g, "loss", |n| n == "x").unwrap();
+        grads.g.node_weights().map(|n| n.op.name()).collect::<Vec<_>>()
+    };
+    assert!(!ops(false).iter().any(|o| o == "relu_grad"), "{:?}", ops(false));
+    assert!(ops(true).iter().any(|o| o == "relu_grad"), "{:?}", ops(true));
 }
 
 /// A parameter used twice, and two parameter nodes of one name, get the sum of their uses.

@@ -1,7 +1,7 @@
 //! Gradients of the elementwise and row-wise nonlinearities: the activations, softmax, soft-cap,
 //! and the masks a softmax reads (causal/window, block-sparse).
 
-use super::{Grads, Rule, Site, add, ones_like, scale};
+use super::{Grads, Rule, Site, add, node, ones_like, scale};
 use crate::autodiff::AutodiffError;
 use crate::graph::{Activation, Graph, Op, Scalar};
 
@@ -43,7 +43,25 @@ fn softcap(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
     Ok(vec![Some(add(g, Op::Mul, &[s.dy, slope])?)])
 }
 
+/// Whether `s.dy` is a softmax's gradient (and nothing else) taken at the softmax of `s`'s output.
+fn feeds_only_softmax_grad(g: &Graph, s: &Site) -> Result<bool, AutodiffError> {
+    let dy = node(g, s.dy)?;
+    if !matches!(dy.op, Op::SoftmaxGrad) {
+        return Ok(false);
+    }
+    let Some(&y) = g.operands(s.dy).first() else { return Ok(false) };
+    let softmax_of_output = matches!(node(g, y)?.op, Op::Softmax) && g.operands(y).first() == Some(&s.output);
+    Ok(softmax_of_output)
+}
+
 fn mask(g: &mut Graph, s: &Site) -> Result<Grads, AutodiffError> {
+    // A causal or window mask without a key mask keeps every row's own position, so the softmax
+    // reading it puts exactly 0 at each masked key (`exp` of the most negative float underflows),
+    // and its gradient `y * (dy - sum(dy * y))` is 0 there too: when that gradient is all `dy`
+    // holds, the gate below would change nothing, and `dy` is the gradient.
+    if matches!(s.op, Op::Mask { .. }) && s.operands.len() == 1 && feeds_only_softmax_grad(g, s)? {
+        return Ok(vec![Some(s.dy), None]);
+    }
     // The same mask over ones: 1 where kept, the most negative float where masked; relu's
     // derivative there (1 above zero, else 0) gates `dy` exactly.
     let x = s.operand(0)?;
