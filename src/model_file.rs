@@ -111,29 +111,13 @@ pub fn is_gguf(path: &Path) -> Result<bool> {
 }
 
 /// A spec's training step as `kiln train` builds it from the spec's own recipe (its `[train]`
-/// section, or the defaults): the graph, the recipe, and the tensors it reads and trains.
-pub struct TrainingGraph {
-    /// Loss and gradients of every trained tensor.
-    pub graph: kiln_compiler::graph::Graph,
-    /// The recipe it was built for.
-    pub recipe: kiln_compiler::train::Recipe,
-    /// Where each parameter is read from.
-    pub uses: Vec<kiln_compiler::train::TensorUse>,
-    /// The tensors the recipe freezes.
-    pub frozen: Vec<String>,
-}
-
-/// The training graph of a spec (see [`TrainingGraph`]).
-pub fn training_graph(fe: &FrontEnd) -> Result<TrainingGraph> {
-    use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors};
+/// section, or the defaults), and the recipe.
+pub fn training_graph(fe: &FrontEnd) -> Result<(kiln_runtime::train::StepGraphs, kiln_compiler::train::Recipe)> {
     // The step does not depend on how many there are: a recipe without `steps` still says it.
     let file = fe.spec.spec.train.clone().unwrap_or_default();
     let steps = file.steps.or(Some(1));
     let recipe = kiln_compiler::train::RecipeFile { steps, ..file }.resolve()?;
-    let objective = Objective { label_smoothing: recipe.label_smoothing };
     let dims = kiln_compiler::spec::PackDims::of(&fe.spec);
-    let (graph, uses) = on_tensors(&loss_graph(&fe.graph, objective)?, &fe.spec.weights, &dims)?;
-    let frozen = kiln_runtime::train::frozen_tensors(&recipe.frozen, &uses)?;
-    let graph = kiln_compiler::autodiff::gradients(&graph, LOSS, |t| !frozen.iter().any(|f| f == t))?;
-    Ok(TrainingGraph { graph, recipe, uses, frozen })
+    let graphs = kiln_runtime::train::step_graphs(&fe.graph, &fe.spec.weights, &dims, &recipe).map_err(Box::new)?;
+    Ok((graphs, recipe))
 }

@@ -590,28 +590,7 @@ impl Real for f64 {
         }
     }
     fn activation_derivative(act: Activation, x: Self) -> Self {
-        match act {
-            Activation::Relu => {
-                if x > 0.0 {
-                    1.0
-                } else {
-                    0.0
-                }
-            }
-            Activation::Gelu => {
-                let phi = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-                0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)) + x * phi
-            }
-            Activation::GeluTanh => {
-                let c = (2.0 / std::f64::consts::PI).sqrt();
-                let t = (c * (x + 0.044715 * x * x * x)).tanh();
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
-            }
-            Activation::Silu => {
-                let s = 1.0 / (1.0 + (-x).exp());
-                s * (1.0 + x * (1.0 - s))
-            }
-        }
+        crate::semantics::activation_derivative_f64(act, x, libm::erf)
     }
     fn layer_norm_row(row: &mut [Self], gain: &[Self], bias: Option<&[Self]>, eps: f32) {
         let d = row.len().max(1) as f64;

@@ -146,10 +146,17 @@ pub fn activation(act: Activation, x: f32) -> f32 {
     }
 }
 
-/// The derivative of [`activation`] at `x`, computed in f64 from each function's closed form.
+/// The derivative of [`activation`] at `x`, computed in f64 from each function's closed form
+/// ([`activation_derivative_f64`], GELU's `erf` in f32 as [`activation`] takes it).
 pub fn activation_derivative(act: Activation, x: f32) -> f32 {
-    let x = f64::from(x);
-    let d = match act {
+    let erf = |z: f64| f64::from(libm::erff(z as f32));
+    activation_derivative_f64(act, f64::from(x), erf) as f32
+}
+
+/// The closed forms of the activations' derivatives in f64, with `erf` the error function GELU's
+/// takes (f64's for the interpreter's f64 mode, f32's for [`activation_derivative`]).
+pub fn activation_derivative_f64(act: Activation, x: f64, erf: impl Fn(f64) -> f64) -> f64 {
+    match act {
         Activation::Relu => {
             if x > 0.0 {
                 1.0
@@ -159,7 +166,7 @@ pub fn activation_derivative(act: Activation, x: f32) -> f32 {
         }
         Activation::Gelu => {
             let phi = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-            0.5 * (1.0 + f64::from(libm::erff((x / std::f64::consts::SQRT_2) as f32))) + x * phi
+            0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2)) + x * phi
         }
         Activation::GeluTanh => {
             let c = (2.0 / std::f64::consts::PI).sqrt();
@@ -170,8 +177,7 @@ pub fn activation_derivative(act: Activation, x: f32) -> f32 {
             let s = 1.0 / (1.0 + (-x).exp());
             s * (1.0 + x * (1.0 - s))
         }
-    };
-    d as f32
+    }
 }
 
 /// ALiBi slopes for `heads` heads (Press et al.): a geometric sequence from `2^(-8/n)` for the

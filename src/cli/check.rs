@@ -58,9 +58,9 @@ fn training_memory(fe: &FrontEnd) -> Result<Option<TrainingMemory>> {
     if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
         return Ok(None);
     }
-    let t = crate::model_file::training_graph(fe)?;
+    let (t, recipe) = crate::model_file::training_graph(fe)?;
     let max = fe.spec.spec.model.max_positions as usize;
-    let (batch, seq) = (t.recipe.batch, t.recipe.seq.unwrap_or(max.min(128)));
+    let (batch, seq) = (recipe.batch, recipe.seq.unwrap_or(max.min(128)));
     // Each tensor once (a tied or packed one is read by several parameters).
     let mut seen = std::collections::HashSet::new();
     let (mut weights, mut trained) = (0u64, 0u64);
@@ -73,12 +73,12 @@ fn training_memory(fe: &FrontEnd) -> Result<Option<TrainingMemory>> {
             }
         }
     }
-    let (optimizer, moments) = match t.recipe.optimizer {
+    let (optimizer, moments) = match recipe.optimizer {
         OptimizerKind::AdamW => ("AdamW", 2),
-        OptimizerKind::Sgd if t.recipe.momentum != 0.0 => ("SGD with momentum", 1),
+        OptimizerKind::Sgd if recipe.momentum != 0.0 => ("SGD with momentum", 1),
         OptimizerKind::Sgd => ("SGD", 0),
     };
-    let memory = step_memory(&t.graph, batch, seq, weights, trained, moments);
+    let memory = step_memory(&t.step, batch, seq, weights, trained, moments);
     Ok(Some(TrainingMemory { batch, seq, optimizer, memory }))
 }
 

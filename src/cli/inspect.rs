@@ -267,7 +267,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         Which::Model => {}
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
         Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
-        Which::Train => fe.graph = crate::model_file::training_graph(&fe)?.graph,
+        Which::Train => fe.graph = crate::model_file::training_graph(&fe)?.0.step,
     }
     check_layers(&fe.graph, &args.layers)?;
     if let Some(path) = &args.html {

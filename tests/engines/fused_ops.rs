@@ -1117,6 +1117,20 @@ fn cached_attention_appends_in_its_own_dispatch() {
     }
 }
 
+/// Values for every parameter of `g`, spread over [-2, 2) differently for each.
+fn spread_params(g: &Graph) -> HashMap<String, Tensor> {
+    g.params()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, name))| {
+            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
+            let len = shape.iter().product();
+            let values = (0..len).map(|j| (((i * 131 + j * 71) % 97) as f32 / 97.0 - 0.5) * 4.0).collect();
+            (name.to_string(), Tensor::f32(shape, values))
+        })
+        .collect()
+}
+
 /// The ops a training step adds (matrix products of activations, in both layouts, one matrix or
 /// a stack of them on the right; sums over each axis; every activation's derivative): the CPU
 /// backend's native kernels agree with the interpreter, on one thread and on three.
@@ -1167,17 +1181,7 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         let name = format!("permute.{}", perm.iter().map(|p| p.to_string()).collect::<String>());
         add(&mut g, &name, Op::Permute { perm }, &[("x", &[6, 40, 90])]);
     }
-    let params: HashMap<String, Tensor> = g
-        .params()
-        .into_iter()
-        .enumerate()
-        .map(|(i, (n, name))| {
-            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
-            let len = shape.iter().product();
-            let values = (0..len).map(|j| (((i * 131 + j * 71) % 97) as f32 / 97.0 - 0.5) * 4.0).collect();
-            (name.to_string(), Tensor::f32(shape, values))
-        })
-        .collect();
+    let params = spread_params(&g);
     let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
     let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
     for threads in [1, 3] {
@@ -1356,17 +1360,7 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         out(&mut g, &format!("rope.{}.{rotary_dim}", style.name()), op, &[heads]);
     }
 
-    let params: HashMap<String, Tensor> = g
-        .params()
-        .into_iter()
-        .enumerate()
-        .map(|(i, (n, name))| {
-            let shape: Vec<usize> = g.g[n].shape.iter().map(|d| if let Dim::Fixed(k) = d { *k } else { 0 }).collect();
-            let len = shape.iter().product();
-            let values = (0..len).map(|j| (((i * 131 + j * 71) % 97) as f32 / 97.0 - 0.5) * 4.0).collect();
-            (name.to_string(), Tensor::f32(shape, values))
-        })
-        .collect();
+    let params = spread_params(&g);
     let ids = |f: &dyn Fn(i64) -> i64| Tensor::i64(vec![2, 9], (0..18).map(f).collect());
     let inputs = HashMap::from([
         // Repeated ids, and a row no id names (0).

@@ -356,59 +356,31 @@ fn an_encoder_decoder_trains_on_source_target_pairs_by_teacher_forcing() {
     assert!(eval < first - 1.0, "the loss of teacher-forced targets fell only from {first} to {eval}");
 }
 
+/// `kiln bench train SPEC` on a 2 x 8 batch, one step, one run, and `extra`; its stdout.
+fn bench_train(spec: &Path, extra: &[&str]) -> String {
+    let args = ["bench", "train", spec.to_str().unwrap(), "--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1"];
+    ok(&[&args[..], extra].concat())
+}
+
 #[test]
 fn bench_train_times_each_backend_side_by_side() {
     let spec = root().join("models/gpt2.toml");
-    let out = ok(&[
-        "bench",
-        "train",
-        spec.to_str().unwrap(),
-        "--batch",
-        "2",
-        "--seq",
-        "8",
-        "--steps",
-        "1",
-        "--runs",
-        "1",
-        "--backend",
-        "cpu,interp",
-    ]);
+    let out = bench_train(&spec, &["--backend", "cpu,interp"]);
     let rows: Vec<&str> = out.lines().filter(|l| l.contains("ms/step") && l.contains("tokens/s")).collect();
     assert_eq!(rows.len(), 2, "{out}");
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
-    let json = ok(&[
-        "bench",
-        "train",
-        spec.to_str().unwrap(),
-        "--batch",
-        "2",
-        "--seq",
-        "8",
-        "--steps",
-        "1",
-        "--runs",
-        "1",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--json"])).unwrap();
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mb"].as_f64().unwrap() > 1.0, "{v}");
     assert_eq!(v["rows"][0]["backend"], "cpu");
     // Beside the optimized step, the step as autodiff builds it.
-    let args = ["--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1", "--unoptimized", "--json"];
-    let json = ok(&[&["bench", "train", spec.to_str().unwrap()][..], &args[..]].concat());
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--unoptimized", "--json"])).unwrap();
     let names: Vec<&str> = v["rows"].as_array().unwrap().iter().map(|r| r["backend"].as_str().unwrap()).collect();
     assert_eq!(names, ["cpu", "cpu (unoptimized)"], "{v}");
     // An encoder-decoder's step (its target ids beside the source's).
-    let t5 = root().join("models/t5.toml");
-    let out =
-        ok(&["bench", "train", t5.to_str().unwrap(), "--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1"]);
+    let out = bench_train(&root().join("models/t5.toml"), &[]);
     assert!(out.contains("tokens/s"), "{out}");
     // Where the step goes: every op of the plan, its time, largest first.
-    let args = ["--batch", "2", "--seq", "8", "--steps", "1", "--runs", "1", "--profile", "--json"];
-    let json = ok(&[&["bench", "train", spec.to_str().unwrap()][..], &args[..]].concat());
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--profile", "--json"])).unwrap();
     let ops = v["profile"]["cpu"].as_array().unwrap();
     assert!(
         ops.iter().any(|o| o["op"] == "contract_rows") && ops.iter().any(|o| o["op"] == "cross_entropy_grad"),

@@ -8,25 +8,34 @@ use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::{Objective, training_graph};
 use kiln_runtime::Device;
 use kiln_runtime::train::init;
-use kiln_runtime::train::run::StepRunner;
+use kiln_runtime::train::run::{StepOutput, StepRunner};
 use std::collections::HashMap;
 
 /// Specs too large for a test's training step (the real models' sizes).
 const LARGE: [&str; 2] = ["gemma3-270m", "smollm2-135m"];
 
-#[test]
-fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
-    let mut checked = Vec::new();
+/// A model family's training step: its training graph, declared initialization, sample batch
+/// and the interpreter's loss and gradients.
+struct Case {
+    name: String,
+    graph: kiln_compiler::graph::Graph,
+    params: HashMap<String, Tensor>,
+    batch: HashMap<String, Tensor>,
+    want: StepOutput,
+}
+
+/// Every `models/*.toml` with logits but the [`LARGE`] ones, in name order.
+fn cases() -> impl Iterator<Item = Case> {
     let mut specs: Vec<_> = std::fs::read_dir(root().join("models")).unwrap().map(|e| e.unwrap().path()).collect();
     specs.sort();
-    for path in specs {
+    specs.into_iter().filter_map(|path| {
         let name = path.file_stem().unwrap().to_string_lossy().into_owned();
         if LARGE.contains(&name.as_str()) {
-            continue;
+            return None;
         }
         let fe = kiln_compiler::front_end(&name, &std::fs::read_to_string(&path).unwrap()).unwrap();
         if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
-            continue;
+            return None;
         }
         let objective = Objective { label_smoothing: 0.1 };
         let (graph, _) =
@@ -35,20 +44,37 @@ fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
         let vocab = fe.spec.spec.model.vocab as usize;
         let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
         let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
+        Some(Case { name, graph, params, batch, want })
+    })
+}
+
+/// `got` is the interpreter's step `want`: the loss within 1e-5, every gradient within 1e-4 of its
+/// scale. Returns the largest difference relative to a gradient's scale.
+fn assert_same(name: &str, want: &StepOutput, got: &StepOutput) -> f32 {
+    assert!(
+        (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
+        "{name}: loss {} vs {}",
+        got.loss,
+        want.loss
+    );
+    assert_eq!(want.grads.len(), got.grads.len(), "{name}");
+    let mut worst = 0.0f32;
+    for (tensor, w) in &want.grads {
+        let g = &got.grads[tensor];
+        let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let err = w.max_abs_diff(g);
+        worst = worst.max(err / scale);
+        assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
+    }
+    worst
+}
+
+#[test]
+fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
+    let mut checked = Vec::new();
+    for Case { name, graph, params, batch, want } in cases() {
         let got = StepRunner::new(&Device::Cpu { threads: 2 }, graph).unwrap().run(&params, &batch, &()).unwrap();
-        assert!(
-            (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
-            "{name}: loss {} vs {}",
-            got.loss,
-            want.loss
-        );
-        assert_eq!(want.grads.len(), got.grads.len(), "{name}");
-        for (tensor, w) in &want.grads {
-            let g = &got.grads[tensor];
-            let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-            let err = w.max_abs_diff(g);
-            assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
-        }
+        assert_same(&name, &want, &got);
         checked.push(name);
     }
     assert!(checked.len() >= 8, "only {checked:?}");
@@ -63,25 +89,8 @@ fn every_model_trains_on_wgpu_as_on_the_interpreter() {
     let Some(gpu) = crate::common::gpu() else { return };
     let device = Device::Gpu(gpu);
     let mut checked = Vec::new();
-    let mut specs: Vec<_> = std::fs::read_dir(root().join("models")).unwrap().map(|e| e.unwrap().path()).collect();
-    specs.sort();
-    for path in specs {
-        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
-        if LARGE.contains(&name.as_str()) {
-            continue;
-        }
-        let fe = kiln_compiler::front_end(&name, &std::fs::read_to_string(&path).unwrap()).unwrap();
-        if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
-            continue;
-        }
+    for Case { name, graph, params, batch, want } in cases() {
         let started = std::time::Instant::now();
-        let objective = Objective { label_smoothing: 0.1 };
-        let (graph, _) =
-            training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
-        let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
-        let vocab = fe.spec.spec.model.vocab as usize;
-        let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
-        let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
         let mut runner = StepRunner::new(&device, graph).unwrap();
         let other: HashMap<String, Tensor> = params
             .iter()
@@ -92,21 +101,7 @@ fn every_model_trains_on_wgpu_as_on_the_interpreter() {
         let first = runner.run(&other, &batch, &()).unwrap();
         let got = runner.run(&params, &batch, &()).unwrap();
         assert!((first.loss - got.loss).abs() > 0.0, "{name}: the parameters were not replaced");
-        assert!(
-            (want.loss - got.loss).abs() <= 1e-5 * want.loss.abs().max(1.0),
-            "{name}: loss {} vs {}",
-            got.loss,
-            want.loss
-        );
-        assert_eq!(want.grads.len(), got.grads.len(), "{name}");
-        let mut worst = 0.0f32;
-        for (tensor, w) in &want.grads {
-            let g = &got.grads[tensor];
-            let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-            let err = w.max_abs_diff(g);
-            worst = worst.max(err / scale);
-            assert!(err <= 1e-4 * scale, "{name}: grad.{tensor} differs by {err:e} (scale {scale:e})");
-        }
+        let worst = assert_same(&name, &want, &got);
         eprintln!(
             "{name}: {:.1} s, largest difference {worst:e} of a gradient's scale",
             started.elapsed().as_secs_f64()

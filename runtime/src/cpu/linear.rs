@@ -165,15 +165,17 @@ pub fn forward(
     Ok(())
 }
 
+/// The `gemm` crate's threading for a product of `work` multiply-adds on `threads` threads: none
+/// below [`GEMM_THREADING`].
+fn parallelism(threads: usize, work: usize) -> gemm::Parallelism {
+    if threads > 1 && work >= GEMM_THREADING { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None }
+}
+
 /// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]` — or, `transposed`, `x @ w` for `w` `[k, n]` —
 /// through the `gemm` crate.
 #[expect(clippy::too_many_arguments, reason = "a GEMM's sizes and layout")]
 pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: bool, y: &mut [f32], threads: usize) {
-    let parallelism = if threads > 1 && m * n * k >= GEMM_THREADING {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = parallelism(threads, m * n * k);
     if m == 0 || n == 0 {
         return;
     }
@@ -217,11 +219,7 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: 
 /// of rows summed over every row ([`kiln_compiler::graph::Op::ContractRows`], a weight's
 /// gradient), through the `gemm` crate, `a` read transposed by strides.
 pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut [f32], threads: usize) {
-    let parallelism = if threads > 1 && m * n * rows >= GEMM_THREADING {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = parallelism(threads, m * n * rows);
     if m == 0 || n == 0 {
         return;
     }

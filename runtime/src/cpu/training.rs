@@ -226,15 +226,13 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 return Ok(false);
             }
             let eps = f64::from(smoothing.0);
-            // Each counted row's log-sum-exp (its maximum taken out; the exponentials by the
-            // vectorized `exp` into `scratch`, summed in f64) and mean.
-            let stats = |row: &[f32], scratch: &mut [f32]| -> (f64, f64) {
+            // A counted row's exponentials less its maximum (by the vectorized `exp`, into
+            // `scratch`) and their sum in f64: its log-sum-exp is `max + ln(sum)`.
+            let exps = |row: &[f32], scratch: &mut [f32]| -> (f64, f64) {
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 scratch.copy_from_slice(row);
                 super::math::exp_shifted(scratch, max);
-                let sum: f64 = scratch.iter().map(|&v| f64::from(v)).sum();
-                let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
-                (f64::from(max) + sum.ln(), mean)
+                (f64::from(max), scratch.iter().map(|&v| f64::from(v)).sum())
             };
             let y = out.get();
             if matches!(op, Op::CrossEntropy { .. }) {
@@ -246,7 +244,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                     .map_init(
                         || vec![0.0f32; vocab],
                         |scratch, (row, &l)| {
-                            let (lse, mean) = stats(row, scratch);
+                            let (max, sum) = exps(row, scratch);
+                            let (lse, mean) =
+                                (max + sum.ln(), row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64);
                             let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
                             lse - (1.0 - eps) * f64::from(at) - eps * mean
                         },
@@ -272,9 +272,8 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 }
                 // The exponentials in the output row, then each scaled by the row's sum:
                 // softmax(x) = exp(x - max) / sum.
-                let (lse, _) = stats(row, o);
-                let max = f64::from(row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-                let inv = (max - lse).exp();
+                let (_, sum) = exps(row, o);
+                let inv = 1.0 / sum;
                 let label = usize::try_from(l).unwrap_or(usize::MAX);
                 for (j, o) in o.iter_mut().enumerate() {
                     let target = if j == label { 1.0 - eps } else { 0.0 } + uniform;

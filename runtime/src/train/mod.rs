@@ -36,4 +36,4 @@ pub use kiln_compiler::train::{
     schedule,
 };
 pub use optim::{AdamW, GradAccumulator, OptimError, Optimizer, Sgd, Update, clip_grad_norm};
-pub use trainer::{StepLog, TrainError, Trainer, frozen_tensors};
+pub use trainer::{StepGraphs, StepLog, TrainError, Trainer, frozen_tensors, step_graphs};

@@ -60,6 +60,35 @@ pub enum TrainError {
     NoBatch(usize),
 }
 
+/// A model's training step as graphs (what [`step_graphs`] builds).
+pub struct StepGraphs {
+    /// The loss on the checkpoint's tensors (evaluation).
+    pub eval: Graph,
+    /// The loss and the gradients of every trained tensor (the step).
+    pub step: Graph,
+    /// Where each parameter is read from.
+    pub uses: Vec<TensorUse>,
+    /// The tensors `recipe.frozen` freezes.
+    pub frozen: Vec<String>,
+}
+
+/// The graphs of a training step of `forward` (a model's unoptimized graph, with a `logits`
+/// output) on the tensors `map` reads, as `recipe` says (its label smoothing and frozen tensors):
+/// what [`Trainer`] runs and `kiln inspect --graph train` shows.
+pub fn step_graphs(
+    forward: &Graph,
+    map: &WeightMap,
+    dims: &PackDims,
+    recipe: &Recipe,
+) -> Result<StepGraphs, TrainError> {
+    // The loss on the checkpoint's tensors is the evaluation graph; its gradients, the step's.
+    let objective = Objective { label_smoothing: recipe.label_smoothing };
+    let (eval, uses) = on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?;
+    let frozen = frozen_tensors(&recipe.frozen, &uses)?;
+    let step = gradients(&eval, LOSS, |t| !frozen.iter().any(|f| f == t)).map_err(TrainGraphError::from)?;
+    Ok(StepGraphs { eval, step, uses, frozen })
+}
+
 /// What one step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepLog {
@@ -156,12 +185,7 @@ impl Trainer {
         mut tensors: HashMap<String, Tensor>,
         optimize: bool,
     ) -> Result<Trainer, TrainError> {
-        // The loss on the checkpoint's tensors is the evaluation graph; its gradients, the step's.
-        let objective = Objective { label_smoothing: recipe.label_smoothing };
-        let (eval_graph, uses) =
-            on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?;
-        let frozen = frozen_tensors(&recipe.frozen, &uses)?;
-        let graph = gradients(&eval_graph, LOSS, |t| !frozen.iter().any(|f| f == t)).map_err(TrainGraphError::from)?;
+        let StepGraphs { eval: eval_graph, step: graph, uses, frozen } = step_graphs(forward, map, dims, &recipe)?;
         let mut trained: Vec<String> = Vec::new();
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
         for u in &uses {
