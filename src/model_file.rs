@@ -116,7 +116,10 @@ pub fn training_graph(fe: &FrontEnd) -> Result<(kiln_runtime::train::StepGraphs,
     // The step does not depend on how many there are: a recipe without `steps` still says it.
     let file = fe.spec.spec.train.clone().unwrap_or_default();
     let steps = file.steps.or(Some(1));
-    let recipe = kiln_compiler::train::RecipeFile { steps, ..file }.resolve()?;
+    // A memory budget is met at the recipe's sequence length, or at `kiln check`'s default.
+    let max = fe.spec.spec.model.max_positions as usize;
+    let seq = file.seq.or(Some(max.min(128)));
+    let recipe = kiln_compiler::train::RecipeFile { steps, seq, ..file }.resolve()?;
     let dims = kiln_compiler::spec::PackDims::of(&fe.spec);
     let graphs = kiln_runtime::train::step_graphs(&fe.graph, &fe.spec.weights, &dims, &recipe).map_err(Box::new)?;
     Ok((graphs, recipe))

@@ -1104,6 +1104,7 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             V::of_floats(shape, out)
         }
         Op::Reshape { .. } => V::of_floats(shape, f(a[0]).to_vec()),
+        Op::After => a[0].clone(),
         Op::Permute { perm } => V::of_floats(shape, permute(a[0], perm)),
         Op::Rope { theta, rotary_dim, style } => {
             let x = f(a[0]);

@@ -51,35 +51,46 @@ struct TrainingMemory {
     seq: usize,
     optimizer: &'static str,
     memory: kiln_compiler::train::StepMemory,
+    /// Blocks the recipe recomputes, of the model's.
+    recomputed: (usize, usize),
+    /// The step's memory with every block recomputed.
+    recomputing_all: kiln_compiler::train::StepMemory,
 }
 
 fn training_memory(fe: &FrontEnd) -> Result<Option<TrainingMemory>> {
-    use kiln_compiler::train::{OptimizerKind, step_memory};
+    use kiln_compiler::autodiff::gradients_recomputing;
+    use kiln_compiler::train::recompute::memory_of;
+    use kiln_compiler::train::{LOSS, OptimizerKind};
     if !fe.graph.outputs.iter().any(|(n, _)| n == "logits") {
         return Ok(None);
     }
     let (t, recipe) = crate::model_file::training_graph(fe)?;
     let max = fe.spec.spec.model.max_positions as usize;
     let (batch, seq) = (recipe.batch, recipe.seq.unwrap_or(max.min(128)));
-    // Each tensor once (a tied or packed one is read by several parameters).
-    let mut seen = std::collections::HashSet::new();
-    let (mut weights, mut trained) = (0u64, 0u64);
-    for u in &t.uses {
-        if seen.insert(u.tensor.as_str()) {
-            let n: u64 = u.shape.iter().map(|&d| d as u64).product();
-            weights += n;
-            if !t.frozen.contains(&u.tensor) {
-                trained += n;
-            }
-        }
-    }
-    let (optimizer, moments) = match recipe.optimizer {
-        OptimizerKind::AdamW => ("AdamW", 2),
-        OptimizerKind::Sgd if recipe.momentum != 0.0 => ("SGD with momentum", 1),
-        OptimizerKind::Sgd => ("SGD", 0),
+    let optimizer = match recipe.optimizer {
+        OptimizerKind::AdamW => "AdamW",
+        OptimizerKind::Sgd if recipe.momentum != 0.0 => "SGD with momentum",
+        OptimizerKind::Sgd => "SGD",
     };
-    let memory = step_memory(&t.step, batch, seq, weights, trained, moments);
-    Ok(Some(TrainingMemory { batch, seq, optimizer, memory }))
+    let memory = memory_of(&t.step, &t.uses, &t.frozen, &recipe, seq);
+    // The same step recomputing every block: the least its activations can hold.
+    let every = kiln_compiler::autodiff::blocks(&t.eval);
+    let least = match t.recomputed.len() == every.len() {
+        true => memory,
+        false => {
+            let wants = |n: &str| !t.frozen.iter().any(|f| f == n);
+            let step = gradients_recomputing(&t.eval, LOSS, wants, &every)?;
+            memory_of(&step, &t.uses, &t.frozen, &recipe, seq)
+        }
+    };
+    Ok(Some(TrainingMemory {
+        batch,
+        seq,
+        optimizer,
+        memory,
+        recomputed: (t.recomputed.len(), t.blocks),
+        recomputing_all: least,
+    }))
 }
 
 /// `kiln check`: the summary of a valid spec, FLOPs counted at sequence length `seq`. JSON:
@@ -89,7 +100,8 @@ fn training_memory(fe: &FrontEnd) -> Result<Option<TrainingMemory>> {
 /// `training` (`null` for a model without logits): what a training step of the spec's recipe
 /// (`[train]`, or the defaults) needs — `batch`, `seq`, `optimizer`, `bytes` in all, and its
 /// `weights`, `gradients`, `optimizer_state` and `activations` (the training graph's values live at
-/// once at most, before fusion).
+/// once at most, before fusion), `recomputed_blocks` of `blocks` (the recipe's `recompute` or
+/// `memory_budget`), and `recompute_all` (`bytes` and `activations` with every block recomputed).
 /// With `--weights`, also `weights` (`path`, `parameters`, `tensors_read`, `unused`: the
 /// checkpoint's tensors the spec never reads), which text mode gives as a warning on stderr.
 fn print(
@@ -129,6 +141,12 @@ fn print(
                 "gradients": t.memory.gradients,
                 "optimizer_state": t.memory.optimizer,
                 "activations": t.memory.activations,
+                "recomputed_blocks": t.recomputed.0,
+                "blocks": t.recomputed.1,
+                "recompute_all": {
+                    "bytes": t.recomputing_all.total(),
+                    "activations": t.recomputing_all.activations,
+                },
             })),
             "weights": weights.map(|w| json!({
                 "path": w.path.display().to_string(),
@@ -170,6 +188,18 @@ fn print(
             mb(m.optimizer),
             mb(m.activations)
         );
+        let (recomputed, blocks) = t.recomputed;
+        let all = &t.recomputing_all;
+        if recomputed > 0 {
+            println!("               recomputing the activations of {recomputed} of {blocks} blocks in the backward");
+        }
+        if recomputed < blocks {
+            println!(
+                "               recomputing all {blocks} blocks (--recompute all): {}, activations {}",
+                mb(all.total()),
+                mb(all.activations)
+            );
+        }
     }
     if let Some(w) = weights {
         println!(

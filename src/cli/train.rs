@@ -16,6 +16,7 @@ use kiln_compiler::file::AppendLog;
 use kiln_compiler::spec::BlockKind;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::{Bytes, Recompute};
 use kiln_runtime::train::batches::Batches;
 use kiln_runtime::train::data::{
     ByteTokenizer, Corpus, CorpusOptions, Objective, Split, TextEncoder, check_vocab, tokenizer_beside,
@@ -78,7 +79,8 @@ pub struct TrainArgs {
     objective: Option<ObjectiveArg>,
     /// The recipe (over the spec's `[train]` section): a TOML or JSON file with `steps, batch, seq, lr, min_lr, warmup_steps, betas,
     /// eps, weight_decay, clip, frozen, label_smoothing, optimizer, momentum, schedule,
-    /// accumulate, decay_1d, eval_every, checkpoint_every` (flags below override it).
+    /// accumulate, decay_1d, eval_every, checkpoint_every, recompute, memory_budget` (flags below
+    /// override it).
     #[arg(long)]
     recipe: Option<PathBuf>,
     /// Steps (optimizer updates).
@@ -135,6 +137,15 @@ pub struct TrainArgs {
     /// Continue the run whose checkpoint this is (weights, and the state beside them).
     #[arg(long, conflicts_with = "weights")]
     resume: Option<PathBuf>,
+    /// Recompute the activations of blocks in the backward instead of keeping them from the
+    /// forward: `all`, `none`, or a number of blocks (the cheapest to recompute for the memory
+    /// they free). Slower steps, less memory (`kiln check` shows both).
+    #[arg(long)]
+    recompute: Option<Recompute>,
+    /// Recompute the fewest blocks that bring a step's memory (weights, gradients, optimizer
+    /// state, activations, as `kiln check` counts them) within this: `4GiB`, `800MB`, bytes.
+    #[arg(long, conflicts_with = "recompute")]
+    memory_budget: Option<Bytes>,
     /// Where the training step runs: the native CPU kernels (`cpu`, the default), the reference
     /// interpreter (`interp`) or the WGSL kernels on a GPU adapter (`wgpu`).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
@@ -177,6 +188,8 @@ impl TrainArgs {
             frozen: (!self.frozen.is_empty()).then(|| self.frozen.clone()),
             eval_every: self.eval_every,
             checkpoint_every: self.checkpoint_every,
+            recompute: self.recompute,
+            memory_budget: self.memory_budget,
             ..RecipeFile::default()
         };
         Ok(file.merge(flags).resolve()?)
@@ -260,8 +273,12 @@ fn train_one(
         kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
     }
     let fe = load_spec(model)?;
-    let recipe = args.recipe(fe.spec.spec.train.clone())?;
+    let mut recipe = args.recipe(fe.spec.spec.train.clone())?;
     let mut feed = feed(args, model, &fe, &recipe, reporter)?;
+    if recipe.memory_budget.is_some() && recipe.seq.is_none() {
+        // The budget is met at the length the data comes in.
+        recipe.seq = feed.seq();
+    }
     let tensors: HashMap<String, Tensor> = match (&args.resume, &args.weights) {
         (Some(path), _) => Checkpoint::open(path)?.all()?,
         (None, Some(path)) => Checkpoint::open(path)?.all()?,
@@ -280,6 +297,9 @@ fn train_one(
         Trainer::new(device, &fe.graph, &fe.spec.weights, &PackDims::of(&fe.spec), recipe.clone(), tensors)
             .map_err(Box::new)
     })?;
+    if let (recomputed @ 1.., blocks) = trainer.recomputed() {
+        reporter.info(format_args!("recomputing the activations of {recomputed} of {blocks} blocks in the backward"));
+    }
     if let Some(path) = &args.resume {
         let state = read_tensors(&state_path(path))
             .with_context(|| format!("--resume: the training state beside `{}`", path.display()))?;

@@ -390,6 +390,55 @@ fn bench_train_times_each_backend_side_by_side() {
     assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
 }
 
+/// `--recompute` trains the same run (the same losses, to f32 rounding) holding fewer activations,
+/// as `kiln check` counts them; `--memory-budget` recomputes the fewest blocks that fit, and one
+/// too small for the step even with every block recomputed is refused with the sizes.
+#[test]
+fn recomputing_blocks_trains_the_same_run_in_less_memory() {
+    let dir = scratch("train-recompute");
+    let (plain, recomputed) = (dir.join("plain.jsonl"), dir.join("recomputed.jsonl"));
+    ok(&refs(&train_args(&dir.join("plain.safetensors"), &["--log", plain.to_str().unwrap()])));
+    let out = dir.join("recomputed.safetensors");
+    ok(&refs(&train_args(&out, &["--log", recomputed.to_str().unwrap(), "--recompute", "all"])));
+    let (plain, recomputed) = (log_lines(&plain), log_lines(&recomputed));
+    assert_eq!(plain.len(), recomputed.len());
+    for (a, b) in plain.iter().zip(&recomputed) {
+        for key in ["loss", "grad_norm", "eval_loss"] {
+            if let (Some(x), Some(y)) = (a[key].as_f64(), b[key].as_f64()) {
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{key}: {x} kept, {y} recomputed");
+            }
+        }
+    }
+    let spec = root().join("benches/specs/nanogpt-cpu.toml");
+    let v: serde_json::Value = serde_json::from_str(&ok(&["check", spec.to_str().unwrap(), "--json"])).unwrap();
+    let t = &v["training"];
+    assert_eq!((t["recomputed_blocks"].as_u64(), t["blocks"].as_u64()), (Some(0), Some(4)), "{t}");
+    let all = t["recompute_all"]["activations"].as_u64().unwrap();
+    assert!(all < t["activations"].as_u64().unwrap() * 3 / 4, "{t}");
+    // A budget a step cannot meet, and one it meets without recomputing.
+    let small = train_args(&dir.join("small.safetensors"), &["--memory-budget", "1MB"]);
+    fails_with(&refs(&small), &["`memory_budget` = 976.6 KiB is less than the step needs with every block recomputed"]);
+    let bench = |extra: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&bench_train(&spec, &[extra, &["--json"]].concat())).unwrap()
+    };
+    let v = bench(&["--memory-budget", "1TiB"]);
+    assert_eq!(
+        (v["rows"][0]["recomputed_blocks"].as_u64(), v["rows"][0]["blocks"].as_u64()),
+        (Some(0), Some(4)),
+        "{v}"
+    );
+    assert_eq!(bench(&["--recompute", "3"])["rows"][0]["recomputed_blocks"].as_u64(), Some(3));
+    fails_with(
+        &["bench", "train", spec.to_str().unwrap(), "--recompute", "9"],
+        &["`recompute` = 9, but the model has 4 blocks"],
+    );
+    let usage = crate::common::failure(
+        &["bench", "train", spec.to_str().unwrap(), "--recompute", "some"],
+        &["expected `none`, `all` or a number of blocks"],
+    );
+    assert_eq!(usage, 2);
+}
+
 /// `kiln check` counts what a training step of the spec's recipe holds; `kiln inspect --graph
 /// train` shows the step, before and after the optimizer.
 #[test]

@@ -1,11 +1,13 @@
 //! The training step of every model family on the CPU engine and on wgpu against the interpreter,
 //! the oracle: the loss and every tensor's gradient of each `models/*.toml` with logits (the large
-//! real-model specs aside), from its declared initialization, on sample inputs.
+//! real-model specs aside), from its declared initialization, on sample inputs; and the same step
+//! recomputing every block's activations in the backward.
 
 use crate::common::root;
+use kiln_compiler::autodiff::{blocks, gradients_recomputing};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::train::{Objective, training_graph};
+use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors, training_graph};
 use kiln_runtime::Device;
 use kiln_runtime::train::init;
 use kiln_runtime::train::run::{StepOutput, StepRunner};
@@ -19,6 +21,8 @@ const LARGE: [&str; 2] = ["gemma3-270m", "smollm2-135m"];
 struct Case {
     name: String,
     graph: kiln_compiler::graph::Graph,
+    /// The step recomputing every block.
+    recomputed: kiln_compiler::graph::Graph,
     params: HashMap<String, Tensor>,
     batch: HashMap<String, Tensor>,
     want: StepOutput,
@@ -40,11 +44,14 @@ fn cases() -> impl Iterator<Item = Case> {
         let objective = Objective { label_smoothing: 0.1 };
         let (graph, _) =
             training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+        let (eval, _) =
+            on_tensors(&loss_graph(&fe.graph, objective).unwrap(), &fe.spec.weights, &PackDims::of(&fe.spec)).unwrap();
+        let recomputed = gradients_recomputing(&eval, LOSS, |_| true, &blocks(&eval)).unwrap();
         let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
         let vocab = fe.spec.spec.model.vocab as usize;
         let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
         let want = StepRunner::new(&Device::Interp, graph.clone()).unwrap().run(&params, &batch, &()).unwrap();
-        Some(Case { name, graph, params, batch, want })
+        Some(Case { name, graph, recomputed, params, batch, want })
     })
 }
 
@@ -72,9 +79,21 @@ fn assert_same(name: &str, want: &StepOutput, got: &StepOutput) -> f32 {
 #[test]
 fn every_model_trains_on_the_cpu_as_on_the_interpreter() {
     let mut checked = Vec::new();
-    for Case { name, graph, params, batch, want } in cases() {
+    for Case { name, graph, recomputed, params, batch, want } in cases() {
         let got = StepRunner::new(&Device::Cpu { threads: 2 }, graph).unwrap().run(&params, &batch, &()).unwrap();
         assert_same(&name, &want, &got);
+        // Recomputing every block: the same step, on the interpreter (to the bit: the same ops
+        // on the same values) and on the CPU engine.
+        let interp = StepRunner::new(&Device::Interp, recomputed.clone()).unwrap().run(&params, &batch, &()).unwrap();
+        assert_eq!(interp.loss, want.loss, "{name}: recomputed, on the interpreter");
+        for (tensor, w) in &want.grads {
+            assert!(
+                w.max_abs_diff(&interp.grads[tensor]) == 0.0,
+                "{name}: recomputed grad.{tensor} on the interpreter"
+            );
+        }
+        let cpu = StepRunner::new(&Device::Cpu { threads: 2 }, recomputed).unwrap().run(&params, &batch, &()).unwrap();
+        assert_same(&format!("{name}, recomputed"), &want, &cpu);
         checked.push(name);
     }
     assert!(checked.len() >= 8, "only {checked:?}");
@@ -89,7 +108,13 @@ fn every_model_trains_on_wgpu_as_on_the_interpreter() {
     let Some(gpu) = crate::common::gpu() else { return };
     let device = Device::Gpu(gpu);
     let mut checked = Vec::new();
-    for Case { name, graph, params, batch, want } in cases() {
+    for (i, Case { name, graph, recomputed, params, batch, want }) in cases().enumerate() {
+        // One family recomputing its blocks (the `after` views and the copies' kernels), to keep
+        // lavapipe's compile time down.
+        if i == 0 {
+            let got = StepRunner::new(&device, recomputed).unwrap().run(&params, &batch, &()).unwrap();
+            assert_same(&format!("{name}, recomputed"), &want, &got);
+        }
         let started = std::time::Instant::now();
         let mut runner = StepRunner::new(&device, graph).unwrap();
         let other: HashMap<String, Tensor> = params

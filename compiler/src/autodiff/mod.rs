@@ -12,12 +12,27 @@
 //! times (tied), or several parameter nodes of one name, get the sum of every use's gradient. An
 //! op on such a path without a rule is refused by name ([`AutodiffError::NoRule`]) — never a
 //! silent zero. A wanted parameter the loss does not depend on gets an exact zero gradient.
+//!
+//! **Recomputation** ([`gradients_recomputing`]; activation checkpointing): the backward of a
+//! chosen block (`layers.3`, as [`block_of`] names it) reads a copy of the block's forward
+//! instead of the values the forward computed, so those die as soon as the forward has passed
+//! the block, and the step holds one block's activations at a time instead of every block's.
+//! The copy reads what comes from outside the block (its input, the memory of an encoder)
+//! through [`Op::After`] with the gradient arriving at the block, so it runs when the backward
+//! reaches the block — and is a distinct value to the optimizer, which would otherwise merge it
+//! back into the forward.
 
 pub mod rules;
 
+use crate::graph::print::block_of;
 use crate::graph::{Dim, Graph, GraphError, NodeIndex, Op, Scalar, fmt_shape, scope_name};
 use petgraph::Direction;
-use std::collections::{HashMap, HashSet};
+use petgraph::visit::EdgeRef;
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// A block of a stack, as [`block_of`] names it: `("decoder.layers", 3)` for
+/// `decoder.layers.3.attn`.
+pub type Block = (String, usize);
 
 /// Why a gradient graph could not be built.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -63,6 +78,18 @@ pub enum AutodiffError {
 /// The forward graph plus the gradient of the output `loss` with respect to every parameter
 /// `wants` accepts (by canonical name), as outputs `grad.<name>`, in parameter order.
 pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Result<Graph, AutodiffError> {
+    gradients_recomputing(graph, loss, wants, &BTreeSet::new())
+}
+
+/// [`gradients`], the backward of each block in `recompute` reading a recomputed copy of the
+/// block's forward (see the module's documentation). The gradients are the same values; the
+/// graph has the copies, and only the nodes its outputs read (and its parameters and inputs).
+pub fn gradients_recomputing(
+    graph: &Graph,
+    loss: &str,
+    wants: impl Fn(&str) -> bool,
+    recompute: &BTreeSet<Block>,
+) -> Result<Graph, AutodiffError> {
     let &(_, loss_node) =
         graph.outputs.iter().find(|(name, _)| name == loss).ok_or_else(|| AutodiffError::NoLoss(loss.into()))?;
     let loss_shape = &rules::node(graph, loss_node)?.shape;
@@ -91,6 +118,7 @@ pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Res
         grads.insert(loss_node, one);
     }
     let table = rules::all();
+    let mut copies: HashMap<Block, Copies> = HashMap::new();
     for n in graph.order().into_iter().rev() {
         let Some(&dy) = grads.get(&n) else { continue };
         let node = rules::node(graph, n)?;
@@ -104,8 +132,19 @@ pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Res
         }
         let rule = rules::find(&table, &node.op)
             .ok_or_else(|| AutodiffError::NoRule { op: node.op.name(), scope: node.scope.clone() })?;
+        // In a recomputed block, the rule reads the copy's values; the first node of the block
+        // the backward reaches (its output) starts the copy, after its gradient.
+        let recomputed = block_of(&node.scope).map(|(stack, i, _)| (stack.to_string(), i));
+        let (read, output) = match recomputed.filter(|b| recompute.contains(b)) {
+            Some(block) => {
+                let copy = copies.entry(block.clone()).or_insert_with(|| Copies::new(block, dy));
+                let read = operands.iter().map(|&o| copy.value(&mut g, graph, o)).collect::<Result<Vec<_>, _>>()?;
+                (read, copy.value(&mut g, graph, n)?)
+            }
+            None => (operands.clone(), n),
+        };
         g.scope = node.scope.clone();
-        let site = rules::Site { op: &node.op, scope: &node.scope, operands: &operands, output: n, dy, needs: &needs };
+        let site = rules::Site { op: &node.op, scope: &node.scope, operands: &read, output, dy, needs: &needs };
         let back = (rule.grad)(&mut g, &site)?;
         for ((&operand, need), grad) in operands.iter().zip(&needs).zip(back) {
             if let (true, Some(grad)) = (*need, grad) {
@@ -137,10 +176,91 @@ pub fn gradients(graph: &Graph, loss: &str, wants: impl Fn(&str) -> bool) -> Res
         };
         g.outputs.push((format!("grad.{name}"), grad));
     }
+    if !copies.is_empty() {
+        // A copy made for a rule that did not read it.
+        g = used(&g);
+    }
     g.check()?;
     Ok(g)
 }
 
+/// Every block of `g`'s stacks (the `layers.N` of [`block_of`]), in order.
+pub fn blocks(g: &Graph) -> BTreeSet<Block> {
+    g.g.node_indices().filter_map(|n| block_of(&g.g[n].scope)).map(|(stack, i, _)| (stack.to_string(), i)).collect()
+}
+
+/// A recomputed block's copy of its forward: the copy of each value its backward has read so
+/// far (made on first read, with the operands it needs).
+struct Copies {
+    block: Block,
+    /// The gradient arriving at the block: what the copy's reads from outside the block wait for.
+    after: NodeIndex,
+    copy: HashMap<NodeIndex, NodeIndex>,
+}
+
+impl Copies {
+    fn new(block: Block, after: NodeIndex) -> Copies {
+        Copies { block, after, copy: HashMap::new() }
+    }
+
+    /// The copy of forward value `v` (a node of `graph`; `g` is `graph` with the backward so far):
+    /// a parameter or input itself, a value of the block computed again from the copies of its
+    /// operands, and any other value (from before the block) read through [`Op::After`].
+    fn value(&mut self, g: &mut Graph, graph: &Graph, v: NodeIndex) -> Result<NodeIndex, AutodiffError> {
+        if let Some(&c) = self.copy.get(&v) {
+            return Ok(c);
+        }
+        let node = rules::node(graph, v)?;
+        let operands = graph.operands(v);
+        let inside =
+            block_of(&node.scope).is_some_and(|(stack, i, _)| (stack, i) == (self.block.0.as_str(), self.block.1));
+        let copy = if operands.is_empty() {
+            v
+        } else if inside {
+            let read = operands.iter().map(|&o| self.value(g, graph, o)).collect::<Result<Vec<_>, _>>()?;
+            let scope = std::mem::replace(&mut g.scope, node.scope.clone());
+            let copy = rules::add(g, node.op.clone(), &read);
+            g.scope = scope;
+            copy?
+        } else {
+            let scope = std::mem::replace(&mut g.scope, format!("{}.{}", self.block.0, self.block.1));
+            let copy = rules::add(g, Op::After, &[v, self.after]);
+            g.scope = scope;
+            copy?
+        };
+        self.copy.insert(v, copy);
+        Ok(copy)
+    }
+}
+
+/// `g` with only the nodes its outputs read, and its parameters and inputs (in their order).
+fn used(g: &Graph) -> Graph {
+    let mut keep: HashSet<NodeIndex> =
+        g.g.node_indices().filter(|&n| g.g.edges_directed(n, Direction::Incoming).next().is_none()).collect();
+    let mut stack: Vec<NodeIndex> = g.outputs.iter().map(|(_, n)| *n).collect();
+    keep.extend(stack.iter().copied());
+    while let Some(n) = stack.pop() {
+        for m in g.g.neighbors_directed(n, Direction::Incoming) {
+            if keep.insert(m) {
+                stack.push(m);
+            }
+        }
+    }
+    let mut out = Graph { name: g.name.clone(), scope: g.scope.clone(), ..Graph::default() };
+    let mut new: HashMap<NodeIndex, NodeIndex> = HashMap::new();
+    for n in g.g.node_indices().filter(|n| keep.contains(n)) {
+        let m = out.g.add_node(g.g[n].clone());
+        // Operands come first in index order (every node is added after its operands).
+        for e in g.g.edges_directed(n, Direction::Incoming) {
+            if let Some(&source) = new.get(&e.source()) {
+                out.g.add_edge(source, m, *e.weight());
+            }
+        }
+        new.insert(n, m);
+    }
+    out.outputs = g.outputs.iter().filter_map(|(name, n)| Some((name.clone(), *new.get(n)?))).collect();
+    out
+}
 /// Adds `grad` to the gradient gathered so far for `node`.
 fn accumulate(
     g: &mut Graph,

@@ -520,6 +520,12 @@ pub enum Op {
     },
     /// Mean over the tokens a mask keeps: `(x [b, s, d], mask f32[b, s]) -> [b, d]`.
     MeanPool,
+    /// Its first operand, read no earlier than its second exists: `(x, after) -> x`. A training
+    /// step that recomputes a block's activations reads the block's inputs through it, the
+    /// gradient arriving at the block as `after`, so the recomputation runs when the backward
+    /// reaches the block rather than beside the forward (see `crate::autodiff`). Engines run
+    /// nothing for it: it is a view of `x`'s buffer, kept alive until its last reader.
+    After,
     /// Sum over one axis, kept with extent 1: `[.., n, ..] -> [.., 1, ..]` (a loss made scalar,
     /// a gradient summed over the axes its operand was broadcast along; see `crate::autodiff`).
     SumAxis {
@@ -768,6 +774,7 @@ impl Op {
             Op::TopK { .. } => "top_k".into(),
             Op::Slice { .. } => "slice".into(),
             Op::MeanPool => "mean_pool".into(),
+            Op::After => "after".into(),
             Op::SumAxis { .. } => "sum_axis".into(),
             Op::Rsqrt => "rsqrt".into(),
             Op::GatherGrad => "gather_grad".into(),

@@ -648,6 +648,11 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((x.clone(), DType::F32))
         }
+        Op::After => {
+            arity(2)?;
+            let (shape, dtype) = operands[0];
+            Ok((shape.clone(), dtype))
+        }
         Op::MeanPool => {
             arity(2)?;
             let x = float(0)?;

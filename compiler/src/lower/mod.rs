@@ -243,7 +243,7 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
         let storage = match &node.op {
             Op::Param { name } => Storage::Param(name.clone()),
             Op::Input { name, role, .. } => Storage::Input { name: name.clone(), role: *role },
-            Op::Reshape { .. } => Storage::Alias(root(&l.values, operands[0])),
+            Op::Reshape { .. } | Op::After => Storage::Alias(root(&l.values, operands[0])),
             _ if constant => Storage::Const,
             _ => Storage::Slot(usize::MAX), // assigned below
         };

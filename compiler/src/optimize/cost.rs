@@ -68,7 +68,7 @@ impl CostModel {
     /// Cost of computing `op` from operands of the given types into `out`, excluding operands.
     pub fn node_cost(&self, op: &Op, operands: &[&Shape], out: &Shape) -> f64 {
         match op {
-            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => 0.0,
+            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } | Op::After => 0.0,
             _ => {
                 let w = self.work(op, operands, out);
                 self.dispatch + w.bytes_in + w.bytes_out + self.flop * w.flops

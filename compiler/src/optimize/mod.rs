@@ -209,7 +209,10 @@ pub fn dispatches(g: &Graph) -> usize {
                     && node.shape.iter().all(|d| matches!(d, Dim::Fixed(_)))
             }
         };
-        if !konst[n.index()] && !matches!(node.op, Op::Input { .. } | Op::Reshape { .. }) && !folded.contains(&n) {
+        if !konst[n.index()]
+            && !matches!(node.op, Op::Input { .. } | Op::Reshape { .. } | Op::After)
+            && !folded.contains(&n)
+        {
             count += 1;
         }
     }

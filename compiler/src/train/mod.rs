@@ -16,13 +16,16 @@
 //! `grad.<tensor>` for each tensor trained.
 
 pub mod recipe;
+pub mod recompute;
 pub mod schedule;
 pub mod sources;
 
 use crate::autodiff::{AutodiffError, gradients};
 use crate::graph::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};
 use crate::spec::weightmap::{PackDims, WeightMap};
-pub use recipe::{Clip, Format, OptimizerKind, Recipe, RecipeError, RecipeFile, ScheduleKind, glob_match};
+pub use recipe::{
+    Bytes, Clip, Format, OptimizerKind, Recipe, RecipeError, RecipeFile, Recompute, ScheduleKind, glob_match,
+};
 pub use schedule::LrSchedule;
 pub use sources::{SourceError, TensorUse, on_tensors};
 
@@ -53,6 +56,9 @@ pub enum TrainGraphError {
     /// Building the backward.
     #[error(transparent)]
     Autodiff(#[from] AutodiffError),
+    /// The recomputation the recipe asks for is not possible.
+    #[error("recipe: {0}")]
+    Recompute(String),
 }
 
 /// The loss a graph is trained on.
@@ -113,31 +119,45 @@ impl StepMemory {
 /// momentum, 0 without). The activations are the graph's as autodiff builds it, values live from
 /// their op to their last reader; an engine's fused plan holds less.
 pub fn step_memory(graph: &Graph, batch: usize, seq: usize, weights: u64, trained: u64, moments: u64) -> StepMemory {
+    use petgraph::graph::NodeIndex;
     use std::collections::HashMap;
     let syms: HashMap<Sym, usize> =
         [(Sym::Batch, batch), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)].into();
     let order = graph.order();
-    let mut uses: HashMap<petgraph::graph::NodeIndex, usize> = HashMap::new();
-    for &n in &order {
+    // A reshape or an `after` is a view of its first operand's buffer: it holds no bytes of its
+    // own, and keeps that buffer alive until its own last reader.
+    let view = |n: NodeIndex| matches!(graph.g[n].op, Op::Reshape { .. } | Op::After);
+    let root = |mut n: NodeIndex| {
+        while view(n) {
+            match graph.operands(n).first() {
+                Some(&o) => n = o,
+                None => break,
+            }
+        }
+        n
+    };
+    let mut uses: HashMap<NodeIndex, usize> = HashMap::new();
+    for &n in order.iter().filter(|&&n| !view(n)) {
         for o in graph.operands(n) {
-            *uses.entry(o).or_default() += 1;
+            *uses.entry(root(o)).or_default() += 1;
         }
     }
     for (_, n) in &graph.outputs {
-        *uses.entry(*n).or_default() += 1;
+        *uses.entry(root(*n)).or_default() += 1;
     }
-    let bytes = |n: petgraph::graph::NodeIndex| -> u64 {
+    let bytes = |n: NodeIndex| -> u64 {
         let node = &graph.g[n];
         let elements: u64 = crate::graph::resolve(&node.shape, &syms).iter().map(|&d| d as u64).product();
         elements * if node.dtype == crate::tensor::DType::I64 { 8 } else { 4 }
     };
     let (mut live, mut peak) = (0u64, 0u64);
-    for &n in &order {
+    for &n in order.iter().filter(|&&n| !view(n)) {
         if !matches!(graph.g[n].op, Op::Param { .. }) {
             live += bytes(n);
             peak = peak.max(live);
         }
         for o in graph.operands(n) {
+            let o = root(o);
             if let Some(u) = uses.get_mut(&o) {
                 *u -= 1;
                 if *u == 0 && !matches!(graph.g[o].op, Op::Param { .. }) {

@@ -19,7 +19,7 @@
 //!  "betas": [0.9, 0.95], "eps": 1e-08, "weight_decay": 0.1, "clip": 1.0,
 //!  "frozen": ["model.embed_tokens.*"], "label_smoothing": 0.0, "optimizer": "adamw",
 //!  "momentum": 0.9, "schedule": "cosine", "accumulate": 1, "decay_1d": false, "seed": 0,
-//!  "eval_every": 100, "eval_batches": 4, "checkpoint_every": 500}
+//!  "eval_every": 100, "eval_batches": 4, "checkpoint_every": 500, "recompute": "all"}
 //! ```
 
 use std::fmt;
@@ -185,6 +185,138 @@ impl Format {
     }
 }
 
+/// The `recompute` key: which blocks' activations a step recomputes in its backward instead of
+/// keeping them from the forward (activation checkpointing; see [`crate::autodiff`]).
+///
+/// Read from `"none"`, `"all"` or a count of blocks (those the cost model finds cheapest to
+/// recompute for the memory they free: [`super::recompute`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Every activation kept.
+    #[default]
+    None,
+    /// Every block recomputed.
+    All,
+    /// This many blocks recomputed.
+    Blocks(usize),
+}
+
+impl Serialize for Recompute {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Recompute::None => serializer.serialize_str("none"),
+            Recompute::All => serializer.serialize_str("all"),
+            Recompute::Blocks(n) => serializer.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Recompute {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct RecomputeVisitor;
+        impl Visitor<'_> for RecomputeVisitor {
+            type Value = Recompute;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("\"none\", \"all\", or a number of blocks")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Recompute, E> {
+                usize::try_from(v)
+                    .map(Recompute::Blocks)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Recompute, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Recompute, E> {
+                v.parse().map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+            }
+        }
+        deserializer.deserialize_any(RecomputeVisitor)
+    }
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = String;
+    /// `none`, `all` or a count (the command line's form of the key).
+    fn from_str(s: &str) -> Result<Recompute, String> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "all" => Ok(Recompute::All),
+            n => n
+                .parse()
+                .map(Recompute::Blocks)
+                .map_err(|_| format!("`{s}`: expected `none`, `all` or a number of blocks")),
+        }
+    }
+}
+
+/// A size in bytes (the `memory_budget` key): a number of bytes, or a string with a unit —
+/// `"4GiB"`, `"1.5 GB"`, `"800MiB"`, `"512M"` (binary multiples for `K`/`M`/`G`/`T` and
+/// `KiB`..`TiB`, decimal ones for `kB`/`KB`..`TB`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl std::str::FromStr for Bytes {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Bytes, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (number, unit) = t.split_at(split);
+        let unit = unit.trim();
+        let unit_bytes: f64 = match unit {
+            "" | "B" => 1.0,
+            "K" | "KiB" => 1024.0,
+            "M" | "MiB" => 1024f64.powi(2),
+            "G" | "GiB" => 1024f64.powi(3),
+            "T" | "TiB" => 1024f64.powi(4),
+            "kB" | "KB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            "TB" => 1e12,
+            _ => return Err(format!("`{s}`: unknown unit `{unit}` (B, K/KiB, M/MiB, G/GiB, T/TiB, kB, MB, GB, TB)")),
+        };
+        let value: f64 = number.parse().map_err(|_| format!("`{s}`: expected a size such as 4GiB or 800MB"))?;
+        let bytes = value * unit_bytes;
+        if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
+            return Err(format!("`{s}`: not a size in bytes"));
+        }
+        Ok(Bytes(bytes as u64))
+    }
+}
+
+impl Serialize for Bytes {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BytesVisitor;
+        impl Visitor<'_> for BytesVisitor {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a number of bytes, or a size such as \"4GiB\"")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Bytes, E> {
+                Ok(Bytes(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Bytes, E> {
+                u64::try_from(v).map(Bytes).map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Bytes, E> {
+                self.visit_str(&v.to_string())
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Bytes, E> {
+                v.parse().map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+            }
+        }
+        deserializer.deserialize_any(BytesVisitor)
+    }
+}
+
 /// What one layer (a file, a spec's table, the command line) says: every key optional.
 ///
 /// The keys are [`Recipe`]'s, with the same meaning; `None` is "not said here". Unknown keys are
@@ -235,6 +367,10 @@ pub struct RecipeFile {
     pub eval_batches: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<Recompute>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_budget: Option<Bytes>,
 }
 
 /// A resolved, validated training run. Each field's default (when no layer gives it) is stated on
@@ -286,6 +422,12 @@ pub struct Recipe {
     /// Write a checkpoint every this many steps; `None` leaves it to the trainer (at the end).
     /// Default `None`.
     pub checkpoint_every: Option<usize>,
+    /// Which blocks' activations the backward recomputes instead of keeping. Default none.
+    pub recompute: Recompute,
+    /// The memory a step may take, in bytes (weights, gradients, optimizer state and
+    /// activations, as [`super::step_memory`] counts them): the fewest blocks that bring it
+    /// within this are recomputed ([`super::recompute`]). Not with `recompute`. Default `None`.
+    pub memory_budget: Option<u64>,
 }
 
 impl RecipeFile {
@@ -332,6 +474,8 @@ impl RecipeFile {
             eval_every,
             eval_batches,
             checkpoint_every,
+            recompute,
+            memory_budget,
         } = overrides;
         RecipeFile {
             steps: steps.or(self.steps),
@@ -355,6 +499,8 @@ impl RecipeFile {
             eval_every: eval_every.or(self.eval_every),
             eval_batches: eval_batches.or(self.eval_batches),
             checkpoint_every: checkpoint_every.or(self.checkpoint_every),
+            recompute: recompute.or(self.recompute),
+            memory_budget: memory_budget.or(self.memory_budget),
         }
     }
 
@@ -387,6 +533,8 @@ impl RecipeFile {
             eval_every: self.eval_every,
             eval_batches: self.eval_batches.unwrap_or(1),
             checkpoint_every: self.checkpoint_every,
+            recompute: self.recompute.unwrap_or_default(),
+            memory_budget: self.memory_budget.map(|b| b.0),
         };
         recipe.validate()?;
         Ok(recipe)
@@ -419,6 +567,8 @@ impl From<&Recipe> for RecipeFile {
             eval_every: r.eval_every,
             eval_batches: Some(r.eval_batches),
             checkpoint_every: r.checkpoint_every,
+            recompute: Some(r.recompute),
+            memory_budget: r.memory_budget.map(Bytes),
         }
     }
 }
@@ -490,7 +640,26 @@ impl Recipe {
         if let Some(every) = self.checkpoint_every {
             positive("checkpoint_every", every)?;
         }
+        if let Some(budget) = self.memory_budget
+            && self.recompute != Recompute::None
+        {
+            return Err(invalid(
+                "memory_budget",
+                budget,
+                "the budget chooses the blocks to recompute: give `recompute` or `memory_budget`, not both",
+            ));
+        }
         Ok(())
+    }
+
+    /// Values the optimizer keeps per trained element: AdamW's two moments, SGD's momentum (none
+    /// without).
+    pub fn moments(&self) -> u64 {
+        match self.optimizer {
+            OptimizerKind::AdamW => 2,
+            OptimizerKind::Sgd if self.momentum != 0.0 => 1,
+            OptimizerKind::Sgd => 0,
+        }
     }
 
     /// Whether the parameter `name` is frozen: matched by a name or glob of `frozen`.
@@ -675,6 +844,11 @@ frozen = ["model.embed_tokens.weight"]
             (r#""eval_batches": 0"#, "recipe: `eval_batches` = 0: must be at least 1"),
             (r#""checkpoint_every": 0"#, "recipe: `checkpoint_every` = 0: must be at least 1"),
             (r#""frozen": [""]"#, "recipe: `frozen` = \"\": a name or glob must not be empty"),
+            (
+                r#""recompute": "all", "memory_budget": "2GiB""#,
+                "recipe: `memory_budget` = 2147483648: the budget chooses the blocks to recompute: give \
+                 `recompute` or `memory_budget`, not both",
+            ),
         ];
         for (keys, expected) in cases {
             // `steps` first so that a case's own `steps` wins (serde_json refuses duplicates, so
@@ -690,6 +864,46 @@ frozen = ["model.embed_tokens.weight"]
         // Non-finite values cannot be written in JSON; they can come from elsewhere.
         let r = Recipe { lr: f64::NAN, ..fixture() };
         assert_eq!(r.validate().unwrap_err().to_string(), "recipe: `lr` = NaN: must be finite and at least 0");
+    }
+
+    #[test]
+    fn recompute_and_memory_budget() {
+        let read = |text: &str| RecipeFile::parse(text, Format::Toml, "t.toml").map(|f| f.resolve());
+        let r = read("steps = 1\nrecompute = \"all\"").unwrap().unwrap();
+        assert_eq!((r.recompute, r.memory_budget), (Recompute::All, None));
+        let r = read("steps = 1\nrecompute = 3").unwrap().unwrap();
+        assert_eq!(r.recompute, Recompute::Blocks(3));
+        assert_eq!(read("steps = 1").unwrap().unwrap().recompute, Recompute::None);
+        for (size, bytes) in [
+            ("\"4GiB\"", 4u64 << 30),
+            ("\"1.5 GB\"", 1_500_000_000),
+            ("\"800MiB\"", 800 << 20),
+            ("\"512M\"", 512 << 20),
+            ("\"64kB\"", 64_000),
+            ("1000000", 1_000_000),
+        ] {
+            let r = read(&format!("steps = 1\nmemory_budget = {size}")).unwrap().unwrap();
+            assert_eq!(r.memory_budget, Some(bytes), "{size}");
+        }
+        for (bad, says) in [
+            ("recompute = \"some\"", "expected \"none\", \"all\", or a number of blocks"),
+            ("recompute = -1", "expected \"none\", \"all\", or a number of blocks"),
+            ("memory_budget = \"4 parsecs\"", "a size such as \"4GiB\""),
+            ("memory_budget = \"GiB\"", "a size such as \"4GiB\""),
+        ] {
+            let message = read(&format!("steps = 1\n{bad}")).unwrap_err().to_string();
+            assert!(message.contains(says) && message.contains("line 2"), "{bad}: {message}");
+        }
+        assert_eq!("12".parse::<Recompute>(), Ok(Recompute::Blocks(12)));
+        assert!("twelve".parse::<Recompute>().unwrap_err().contains("`none`, `all` or a number of blocks"));
+        assert!("4 parsecs".parse::<Bytes>().unwrap_err().contains("unknown unit `parsecs`"));
+        // Both keys round-trip.
+        let r = Recipe { memory_budget: Some(3 << 30), ..fixture() };
+        let json = serde_json::to_string(&RecipeFile::from(&r)).unwrap();
+        assert_eq!(RecipeFile::parse(&json, Format::Json, "j").unwrap().resolve().unwrap(), r);
+        let r = Recipe { recompute: Recompute::Blocks(2), ..fixture() };
+        let toml_text = toml::to_string(&RecipeFile::from(&r)).unwrap();
+        assert_eq!(RecipeFile::parse(&toml_text, Format::Toml, "t").unwrap().resolve().unwrap(), r);
     }
 
     #[test]

@@ -161,29 +161,39 @@ pub fn backward(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
 }
 
 #[inline(always)]
+fn apply_with(f: impl Fn(f32) -> f32, xs: &mut [f32]) {
+    // `for` loops, as in `backward_with`: a closure handed to `for_each` is not inlined into the
+    // caller's target features.
+    for x in xs {
+        *x = f(*x);
+    }
+}
+
+#[inline(always)]
 fn apply_generic(a: Activation, xs: &mut [f32]) {
     // One loop per activation, so each body is branch-free and vectorizes.
     match a {
-        Activation::Relu => xs.iter_mut().for_each(|x| *x = act(Activation::Relu, *x)),
-        Activation::Gelu => xs.iter_mut().for_each(|x| *x = act(Activation::Gelu, *x)),
-        Activation::GeluTanh => xs.iter_mut().for_each(|x| *x = act(Activation::GeluTanh, *x)),
-        Activation::Silu => xs.iter_mut().for_each(|x| *x = act(Activation::Silu, *x)),
+        Activation::Relu => apply_with(|x| act(Activation::Relu, x), xs),
+        Activation::Gelu => apply_with(|x| act(Activation::Gelu, x), xs),
+        Activation::GeluTanh => apply_with(|x| act(Activation::GeluTanh, x), xs),
+        Activation::Silu => apply_with(|x| act(Activation::Silu, x), xs),
+    }
+}
+
+#[inline(always)]
+fn gate_with(f: impl Fn(f32) -> f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = f(g) * u;
     }
 }
 
 #[inline(always)]
 fn gate_generic(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match a {
-        Activation::Relu => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = g.max(0.0) * u),
-        Activation::Gelu => {
-            out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = act(Activation::Gelu, g) * u)
-        }
-        Activation::GeluTanh => {
-            out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = act(Activation::GeluTanh, g) * u)
-        }
-        Activation::Silu => {
-            out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = act(Activation::Silu, g) * u)
-        }
+        Activation::Relu => gate_with(|g| g.max(0.0), gate, up, out),
+        Activation::Gelu => gate_with(|g| act(Activation::Gelu, g), gate, up, out),
+        Activation::GeluTanh => gate_with(|g| act(Activation::GeluTanh, g), gate, up, out),
+        Activation::Silu => gate_with(|g| act(Activation::Silu, g), gate, up, out),
     }
 }
 
@@ -213,7 +223,7 @@ pub fn exp_shifted(xs: &mut [f32], max: f32) {
 
 #[inline(always)]
 fn exp_shifted_generic(xs: &mut [f32], max: f32) {
-    xs.iter_mut().for_each(|x| *x = exp(*x - max));
+    apply_with(|x| exp(x - max), xs);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -119,13 +119,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             if y.len() != x.len() || d == 0 {
                 return Ok(y.is_empty());
             }
-            // Each row's exponentials (less its maximum) summed in f64, as the interpreter does.
             y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len((MIN_ELEMENTS / d).max(1)).for_each(|(o, row)| {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 o.copy_from_slice(row);
-                super::math::exp_shifted(o, max);
-                let sum: f64 = o.iter().map(|&v| f64::from(v)).sum();
-                o.iter_mut().for_each(|v| *v = (f64::from(*v) / sum) as f32);
+                softmax_row(o);
             });
             Ok(true)
         }
@@ -134,25 +130,40 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             // float where the mask or the key mask ([b, k], 0 = masked) drops the key.
             let (s, x) = operand(0)?;
             let key_mask = if args.len() > 1 { Some(operand(1)?.1) } else { None };
-            let &[b, h, q, k] = s else { return Ok(false) };
+            let Some(scores) = Scores::new(s, x, key_mask, *causal, *window) else { return Ok(false) };
             let y = out.get();
-            if y.len() != x.len() || key_mask.is_some_and(|m| m.len() != b * k) || k == 0 {
-                return Ok(y.is_empty());
+            if y.len() != x.len() {
+                return Ok(false);
             }
-            let (causal, window) = (*causal, *window);
-            let offset = k.saturating_sub(q);
-            y.par_chunks_mut(k).zip(x.par_chunks(k)).enumerate().with_min_len((MIN_ELEMENTS / k).max(1)).for_each(
-                |(r, (o, row))| {
-                    let (bi, qi) = (r / (h * q).max(1), r % q.max(1) + offset);
-                    let mask = key_mask.map(|m| &m[bi * k..][..k]);
-                    for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
-                        let keep = (!causal || ki <= qi)
-                            && window.is_none_or(|w| ki + w > qi)
-                            && mask.is_none_or(|m| m[ki] != 0.0);
-                        *o = if keep { v } else { f32::MIN };
+            scores.rows(y, |_, _, o, row, keep| {
+                for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                    *o = if keep.sees(ki) { v } else { f32::MIN };
+                }
+            });
+            Ok(true)
+        }
+        Op::MaskedSoftmax { scale, alibi, causal, window, mods } if mods.is_plain() && args.len() <= 2 => {
+            // The interpreter's scale, ALiBi bias, mask and softmax, one row at a time.
+            let (s, x) = operand(0)?;
+            let key_mask = if args.len() > 1 { Some(operand(1)?.1) } else { None };
+            let Some(scores) = Scores::new(s, x, key_mask, *causal, *window) else { return Ok(false) };
+            let y = out.get();
+            if y.len() != x.len() {
+                return Ok(false);
+            }
+            let slopes = alibi.then(|| kiln_compiler::semantics::alibi_slopes(scores.h));
+            let scale = scale.0;
+            scores.rows(y, |head, qi, o, row, keep| {
+                let slope = slopes.as_ref().map(|s| s[head]);
+                for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                    let mut v = v * scale;
+                    if let Some(slope) = slope {
+                        v += slope * (ki as f32 - qi as f32);
                     }
-                },
-            );
+                    *o = if keep.sees(ki) { v } else { f32::MIN };
+                }
+                softmax_row(o);
+            });
             Ok(true)
         }
         Op::Offset { value } => {
@@ -395,4 +406,72 @@ fn matrices(shape: &[usize]) -> Option<(usize, usize, usize)> {
     let (lead, last) = shape.split_at(shape.len().checked_sub(2)?);
     let &[rows, cols] = last else { return None };
     Some((lead.iter().product(), rows, cols))
+}
+
+/// A softmax over `row` in place: each exponential less the row's maximum, summed in f64, as the
+/// interpreter does.
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    super::math::exp_shifted(row, max);
+    let sum: f64 = row.iter().map(|&v| f64::from(v)).sum();
+    row.iter_mut().for_each(|v| *v = (f64::from(*v) / sum) as f32);
+}
+
+/// Attention scores `[b, h, q, k]` (the queries the last `q` of the `k` positions) and what hides a
+/// key from a query: the causal mask, the sliding window, the key mask (`[b, k]`, 0 = hidden).
+struct Scores<'a> {
+    x: &'a [f32],
+    key_mask: Option<&'a [f32]>,
+    h: usize,
+    q: usize,
+    k: usize,
+    causal: bool,
+    window: Option<usize>,
+}
+
+impl<'a> Scores<'a> {
+    /// `None` where the shape or the key mask's length is not the layout the kernels take.
+    fn new(
+        shape: &[usize],
+        x: &'a [f32],
+        key_mask: Option<&'a [f32]>,
+        causal: bool,
+        window: Option<usize>,
+    ) -> Option<Scores<'a>> {
+        let &[b, h, q, k] = shape else { return None };
+        let fits = k > 0 && x.len() == b * h * q * k && key_mask.is_none_or(|m| m.len() == b * k);
+        fits.then_some(Scores { x, key_mask, h, q, k, causal, window })
+    }
+
+    /// Runs `f(head, query position, output row, score row, keep)` over every row in parallel,
+    /// `keep` saying which keys the query sees.
+    fn rows(&self, y: &mut [f32], f: impl Fn(usize, usize, &mut [f32], &[f32], Keep<'_>) + Sync) {
+        let Scores { x, key_mask, h, q, k, causal, window } = *self;
+        let offset = k.saturating_sub(q);
+        y.par_chunks_mut(k).zip(x.par_chunks(k)).enumerate().with_min_len((MIN_ELEMENTS / k).max(1)).for_each(
+            |(r, (o, row))| {
+                let (bi, head, qi) = (r / (h * q), (r / q) % h, r % q + offset);
+                // Keys in `lo..hi` pass the causal mask and the window.
+                let hi = if causal { qi + 1 } else { k };
+                let lo = window.map_or(0, |w| (qi + 1).saturating_sub(w));
+                let keep = Keep { lo, hi, mask: key_mask.map(|m| &m[bi * k..][..k]) };
+                f(head, qi, o, row, keep);
+            },
+        );
+    }
+}
+
+/// The keys one query sees: those in `lo..hi` the key mask does not hide.
+#[derive(Clone, Copy)]
+struct Keep<'a> {
+    lo: usize,
+    hi: usize,
+    mask: Option<&'a [f32]>,
+}
+
+impl Keep<'_> {
+    #[inline(always)]
+    fn sees(self, key: usize) -> bool {
+        (self.lo..self.hi).contains(&key) && self.mask.is_none_or(|m| m[key] != 0.0)
+    }
 }

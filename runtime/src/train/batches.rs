@@ -113,6 +113,12 @@ impl Batches {
         (s < self.steps).then(|| self.per_step.iter().filter_map(|(name, t)| Some((name.clone(), entry(t)?))).collect())
     }
 
+    /// Tokens per sequence: the last axis of the labels (`[steps, batch, seq]`).
+    pub fn seq(&self) -> Option<usize> {
+        let (_, labels) = self.per_step.iter().find(|(n, _)| n == kiln_compiler::train::LABELS)?;
+        labels.shape.last().copied()
+    }
+
     /// The evaluation batch, if the file has one.
     pub fn eval(&self) -> Option<&HashMap<String, Tensor>> {
         (!self.eval.is_empty()).then_some(&self.eval)

@@ -854,6 +854,11 @@ pub struct Corpus {
 }
 
 impl Corpus {
+    /// Tokens per window (the target's, for pairs).
+    pub fn seq(&self) -> usize {
+        self.options.seq
+    }
+
     /// Opens the data of `paths` (see the module doc for what each may be), tokenized with
     /// `encoder` — from the cache when this data and tokenizer were tokenized before — and splits
     /// it for training and validation.

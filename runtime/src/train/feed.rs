@@ -54,6 +54,14 @@ pub enum Feed {
 }
 
 impl Feed {
+    /// Tokens per sequence of the batches it gives.
+    pub fn seq(&self) -> Option<usize> {
+        match self {
+            Feed::Batches(b) => b.seq(),
+            Feed::Corpus { corpus, .. } => Some(corpus.seq()),
+        }
+    }
+
     /// The micro-batches of step `step`: a batch file's batch `step` cut into `accumulate` equal
     /// parts along its rows, or `accumulate` batches of random windows.
     pub fn step(&mut self, step: usize, accumulate: usize) -> Result<Vec<Batch>, FeedError> {

@@ -12,12 +12,13 @@ use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_nor
 use super::recipe::{Recipe, glob_match};
 use super::run::{RunError, StepRunner};
 use crate::device::Device;
-use kiln_compiler::autodiff::gradients;
+use kiln_compiler::autodiff::Block;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{PackDims, WeightMap};
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::train::{IGNORE_INDEX, LABELS, LOSS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors};
-use std::collections::HashMap;
+use kiln_compiler::train::recompute::{StepGraph, step_graph};
+use kiln_compiler::train::{IGNORE_INDEX, LABELS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors};
+use std::collections::{BTreeSet, HashMap};
 
 /// What can go wrong training.
 #[derive(Debug, thiserror::Error)]
@@ -70,11 +71,16 @@ pub struct StepGraphs {
     pub uses: Vec<TensorUse>,
     /// The tensors `recipe.frozen` freezes.
     pub frozen: Vec<String>,
+    /// The blocks whose activations the step recomputes (the recipe's `recompute` or
+    /// `memory_budget`).
+    pub recomputed: BTreeSet<Block>,
+    /// The model's blocks.
+    pub blocks: usize,
 }
 
 /// The graphs of a training step of `forward` (a model's unoptimized graph, with a `logits`
-/// output) on the tensors `map` reads, as `recipe` says (its label smoothing and frozen tensors):
-/// what [`Trainer`] runs and `kiln inspect --graph train` shows.
+/// output) on the tensors `map` reads, as `recipe` says (its label smoothing, frozen tensors and
+/// recomputation): what [`Trainer`] runs and `kiln inspect --graph train` shows.
 pub fn step_graphs(
     forward: &Graph,
     map: &WeightMap,
@@ -85,8 +91,8 @@ pub fn step_graphs(
     let objective = Objective { label_smoothing: recipe.label_smoothing };
     let (eval, uses) = on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?;
     let frozen = frozen_tensors(&recipe.frozen, &uses)?;
-    let step = gradients(&eval, LOSS, |t| !frozen.iter().any(|f| f == t)).map_err(TrainGraphError::from)?;
-    Ok(StepGraphs { eval, step, uses, frozen })
+    let StepGraph { graph: step, recomputed, blocks } = step_graph(&eval, &uses, &frozen, recipe)?;
+    Ok(StepGraphs { eval, step, uses, frozen, recomputed, blocks })
 }
 
 /// What one step did.
@@ -116,6 +122,7 @@ pub struct Trainer {
     uses: Vec<TensorUse>,
     optimizer: Optimizer,
     step: usize,
+    recomputed: (usize, usize),
 }
 
 /// The tensors `frozen` freezes among `uses`: an entry (a name or a glob) matches a tensor's
@@ -185,7 +192,8 @@ impl Trainer {
         mut tensors: HashMap<String, Tensor>,
         optimize: bool,
     ) -> Result<Trainer, TrainError> {
-        let StepGraphs { eval: eval_graph, step: graph, uses, frozen } = step_graphs(forward, map, dims, &recipe)?;
+        let StepGraphs { eval: eval_graph, step: graph, uses, frozen, recomputed, blocks } =
+            step_graphs(forward, map, dims, &recipe)?;
         let mut trained: Vec<String> = Vec::new();
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
         for u in &uses {
@@ -228,7 +236,13 @@ impl Trainer {
             uses,
             optimizer,
             step: 0,
+            recomputed: (recomputed.len(), blocks),
         })
+    }
+
+    /// How many of the model's blocks the step recomputes, and how many it has.
+    pub fn recomputed(&self) -> (usize, usize) {
+        self.recomputed
     }
 
     /// The recipe.

@@ -9,7 +9,7 @@ use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::train::RecipeFile;
+use kiln_compiler::train::{Bytes, RecipeFile, Recompute};
 use kiln_runtime::train::data::SplitMix64;
 use kiln_runtime::train::{Trainer, init};
 use std::collections::HashMap;
@@ -48,6 +48,14 @@ pub struct TrainArgs {
     /// steps of each op, the median of `--runs` profiled runs), largest first.
     #[arg(long)]
     profile: bool,
+    /// Recompute the activations of blocks in the backward instead of keeping them: `all`, or a
+    /// number of blocks (the recipe's `recompute`).
+    #[arg(long)]
+    recompute: Option<Recompute>,
+    /// Recompute the fewest blocks that bring the step's memory within this (`4GiB`, `800MB`;
+    /// the recipe's `memory_budget`).
+    #[arg(long, conflicts_with = "recompute")]
+    memory_budget: Option<Bytes>,
     /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
     /// first backend at the top level, and every backend's in `rows`.
     #[arg(long)]
@@ -73,6 +81,9 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         steps: Some(args.steps + 1),
         warmup_steps: Some(0),
         batch: Some(args.batch),
+        seq: Some(args.seq),
+        recompute: args.recompute,
+        memory_budget: args.memory_budget,
         ..Default::default()
     };
     let recipe = recipe.merge(overrides).resolve()?;
@@ -161,11 +172,13 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         .iter()
         .zip(times)
         .zip(&peaks)
-        .map(|(((name, _), mut t), peak)| {
+        .map(|(((name, trainer), mut t), peak)| {
             t.sort_by(f64::total_cmp);
             let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+            let (recomputed, blocks) = trainer.recomputed();
             serde_json::json!({
-                "backend": name, "ms_per_step": median * 1e3, "tokens_per_s": tokens / median, "peak_rss_mb": peak
+                "backend": name, "ms_per_step": median * 1e3, "tokens_per_s": tokens / median, "peak_rss_mb": peak,
+                "recomputed_blocks": recomputed, "blocks": blocks,
             })
         })
         .collect();
@@ -195,6 +208,12 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         args.steps,
         args.runs
     ));
+    if let Some((_, t)) = trainers.first()
+        && t.recomputed().0 > 0
+    {
+        let (recomputed, blocks) = t.recomputed();
+        reporter.info(format_args!("recomputing the activations of {recomputed} of {blocks} blocks in the backward"));
+    }
     for row in &rows {
         let peak = row["peak_rss_mb"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
         println!(

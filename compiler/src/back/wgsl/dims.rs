@@ -251,7 +251,7 @@ fn dims_of(
             }
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
-        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => vec![0],
+        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],
     };
     if total == 0
         && let Some(threads) = d.first_mut()

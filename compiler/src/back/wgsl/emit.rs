@@ -174,7 +174,7 @@ const SHAPE_ONLY: &str =
 /// ops that need no kernel (inputs, parameters, reshapes) and for projections ([`super::projection`]).
 pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
     Some(match op {
-        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => return None,
+        Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => return None,
         // ---- The backward ops (autodiff) and the loss. Every reduction runs in a fixed order
         // (no atomics), so a step's gradients are the same from run to run.
         // One thread per output element, summing its `n` inputs in order.
