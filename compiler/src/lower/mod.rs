@@ -23,6 +23,7 @@
 
 mod check;
 pub mod format;
+pub mod schedule;
 
 pub use check::{PlanError, Reader};
 pub use format::WeightFormat;

@@ -119,53 +119,10 @@ impl StepMemory {
 /// momentum, 0 without). The activations are the graph's as autodiff builds it, values live from
 /// their op to their last reader; an engine's fused plan holds less.
 pub fn step_memory(graph: &Graph, batch: usize, seq: usize, weights: u64, trained: u64, moments: u64) -> StepMemory {
-    use petgraph::graph::NodeIndex;
     use std::collections::HashMap;
     let syms: HashMap<Sym, usize> =
         [(Sym::Batch, batch), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)].into();
-    let order = graph.order();
-    // A reshape or an `after` is a view of its first operand's buffer: it holds no bytes of its
-    // own, and keeps that buffer alive until its own last reader.
-    let view = |n: NodeIndex| matches!(graph.g[n].op, Op::Reshape { .. } | Op::After);
-    let root = |mut n: NodeIndex| {
-        while view(n) {
-            match graph.operands(n).first() {
-                Some(&o) => n = o,
-                None => break,
-            }
-        }
-        n
-    };
-    let mut uses: HashMap<NodeIndex, usize> = HashMap::new();
-    for &n in order.iter().filter(|&&n| !view(n)) {
-        for o in graph.operands(n) {
-            *uses.entry(root(o)).or_default() += 1;
-        }
-    }
-    for (_, n) in &graph.outputs {
-        *uses.entry(root(*n)).or_default() += 1;
-    }
-    let bytes = |n: NodeIndex| -> u64 {
-        let node = &graph.g[n];
-        let elements: u64 = crate::graph::resolve(&node.shape, &syms).iter().map(|&d| d as u64).product();
-        elements * if node.dtype == crate::tensor::DType::I64 { 8 } else { 4 }
-    };
-    let (mut live, mut peak) = (0u64, 0u64);
-    for &n in order.iter().filter(|&&n| !view(n)) {
-        if !matches!(graph.g[n].op, Op::Param { .. }) {
-            live += bytes(n);
-            peak = peak.max(live);
-        }
-        for o in graph.operands(n) {
-            let o = root(o);
-            if let Some(u) = uses.get_mut(&o) {
-                *u -= 1;
-                if *u == 0 && !matches!(graph.g[o].op, Op::Param { .. }) {
-                    live = live.saturating_sub(bytes(o));
-                }
-            }
-        }
-    }
+    let peak = crate::lower::schedule::peak(graph, &graph.order(), &syms);
     StepMemory { weights: 4 * weights, gradients: 4 * trained, optimizer: 4 * moments * trained, activations: peak }
 }
 
