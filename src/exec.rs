@@ -6,6 +6,7 @@
 //! resolved into a runtime [`Device`] opened once, and the optimizer's target on it.
 
 use crate::progress::Reporter;
+use crate::report::count;
 use anyhow::{Result, bail};
 use clap::ValueEnum;
 use kiln_compiler::FrontEnd;
@@ -21,7 +22,7 @@ use std::path::Path;
 pub struct Exec {
     /// Execution backend (default: a GPU adapter when the machine has one, else the native CPU
     /// kernels; lavapipe's software Vulkan only when asked for with `wgpu`).
-    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    #[arg(long, value_parser = BackendParser, default_value = "auto")]
     pub backend: Backend,
     /// GPU adapter to use: part of its name, or discrete / integrated / cpu (default: the
     /// `KILN_ADAPTER` environment variable, else the best adapter found). Implies `--backend wgpu`
@@ -41,6 +42,42 @@ pub struct Exec {
     pub weights: WeightArgs,
 }
 
+/// `--backend`'s parser: a [`Backend`] by name (as [`ValueEnum`] reads it), and for any other
+/// name an error listing every backend, where clap's own would suggest the nearest name alone
+/// (`cpu` for `cuda`).
+#[derive(Clone, Copy, Debug)]
+pub struct BackendParser;
+
+impl clap::builder::TypedValueParser for BackendParser {
+    type Value = Backend;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> std::result::Result<Backend, clap::Error> {
+        let text = value.to_string_lossy();
+        Backend::from_str(&text, false).map_err(|_| {
+            let flag = arg.map_or_else(|| "--backend".to_string(), |a| format!("--{}", a.get_id()));
+            let names: Vec<&str> = Backend::value_variants().iter().map(|b| b.name()).collect();
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidValue,
+                format!(
+                    "`{text}` is not a backend of {flag}: kiln runs on {} (a GPU of any vendor, through \
+                     `wgpu` on Vulkan)\n",
+                    names.join(", ")
+                ),
+            )
+            .with_cmd(cmd)
+        })
+    }
+
+    fn possible_values(&self) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        Some(Box::new(Backend::value_variants().iter().filter_map(ValueEnum::to_possible_value)))
+    }
+}
+
 /// `--backend`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -58,20 +95,36 @@ impl Backend {
     /// The backend `self` stands for: `auto` resolved (to `wgpu` when an adapter is named, with
     /// `--adapter` or `KILN_ADAPTER`, or a hardware GPU is present; else `cpu`), said on stderr
     /// through `reporter` unless `json` output keeps stderr clean.
+    /// On wgpu, the line says which adapter runs it, and when that is a software rasterizer
+    /// (Mesa's lavapipe: Vulkan on the CPU, far slower than the `cpu` backend).
     pub fn resolve(self, adapter: Option<&str>, threads: usize, reporter: &Reporter, json: bool) -> Backend {
-        if self != Backend::Auto {
-            return self;
-        }
         let named =
             adapter.map(str::to_string).or_else(|| std::env::var("KILN_ADAPTER").ok()).filter(|a| !a.is_empty());
-        let (backend, why) = match (named, kiln_runtime::Gpu::hardware_adapter()) {
-            (Some(a), _) => (Backend::Wgpu, format!("adapter `{a}` asked for")),
-            (None, Some(gpu)) => (Backend::Wgpu, format!("GPU `{gpu}`")),
-            (None, None) => (Backend::Cpu, format!("no GPU adapter; {threads} threads")),
+        let (backend, why) = match self {
+            Backend::Auto => match (named, kiln_runtime::Gpu::hardware_adapter()) {
+                (Some(a), _) => (Backend::Wgpu, format!("adapter `{a}` asked for")),
+                (None, Some(_)) => (Backend::Wgpu, "a GPU found".to_string()),
+                (None, None) => (Backend::Cpu, format!("no GPU adapter; {threads} threads")),
+            },
+            Backend::Wgpu => (Backend::Wgpu, "asked for".to_string()),
+            other => return other,
         };
-        if !json {
-            reporter.info(format_args!("backend: {} ({why})", backend.name()));
+        if json {
+            return backend;
         }
+        let on = match backend {
+            // The adapter `Device::gpu` will open; an error opening it is that call's to report.
+            Backend::Wgpu => match kiln_runtime::Gpu::chosen_adapter(adapter) {
+                Ok((name, false)) => format!(" on adapter `{name}`"),
+                Ok((name, true)) => format!(
+                    " on adapter `{name}`, a software rasterizer (lavapipe: Vulkan on the CPU, slower than \
+                     --backend cpu)"
+                ),
+                Err(_) => String::new(),
+            },
+            _ => String::new(),
+        };
+        reporter.info(format_args!("backend: {}{on} ({why})", backend.name()));
         backend
     }
 
@@ -155,13 +208,23 @@ impl Exec {
     }
 }
 
-/// `--threads`, checked, or one per available core.
+/// The most CPU threads per core available that `--threads` may ask for: more only queue behind
+/// each other.
+pub const THREADS_PER_CORE: usize = 4;
+
+/// `--threads`, checked (1 to [`THREADS_PER_CORE`] per core available), or one per available core.
 pub fn threads_or_default(threads: Option<usize>) -> Result<usize> {
+    let cores = kiln_runtime::cpu::default_threads();
     match threads {
-        Some(0) => bail!("--threads must be at least 1"),
-        Some(n) if n > 1024 => bail!("--threads {n} is more than 1024"),
+        Some(0) => bail!("--threads 0: the CPU backend needs at least 1 thread"),
+        Some(n) if n > THREADS_PER_CORE * cores => bail!(
+            "--threads {n} is more than {THREADS_PER_CORE} per core of the {} available: give at most {} \
+             (the default is one per core)",
+            count(cores, "core"),
+            THREADS_PER_CORE * cores
+        ),
         Some(n) => Ok(n),
-        None => Ok(kiln_runtime::cpu::default_threads()),
+        None => Ok(cores),
     }
 }
 

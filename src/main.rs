@@ -13,6 +13,7 @@ mod diagnose;
 mod exec;
 mod html;
 mod model_file;
+mod output;
 mod progress;
 mod report;
 mod view;
@@ -141,6 +142,8 @@ fn main() -> ExitCode {
     let reporter = Reporter::new(cli.quiet);
     match cli.command.run(&reporter) {
         Ok(()) => ExitCode::SUCCESS,
+        // Ctrl-C stopped `generate`, which said so: the exit code shells give an interrupted command.
+        Err(err) if err.is::<generate::Interrupted>() => ExitCode::from(130),
         Err(err) => {
             // Bars first, so none is left behind the message.
             drop(reporter);

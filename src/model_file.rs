@@ -103,6 +103,62 @@ pub fn tokenizer_for(tokenizer: Option<PathBuf>, model: &Path) -> Option<PathBuf
     })
 }
 
+/// The text of the file at `path`, or of standard input for `-` (`what` names it in errors: `the
+/// prompt`, `the sentences`).
+pub fn read_text(path: &Path, what: &str) -> Result<String> {
+    if path.as_os_str() == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .with_context(|| format!("cannot read {what} from standard input"))?;
+        return Ok(text);
+    }
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {what} in `{}`", path.display()))
+}
+
+/// The checkpoint's tensors that no parameter of `fe`'s graph reads through its weight map,
+/// sorted: a spec that leaves part of a checkpoint unread (fewer layers than it has, a norm it
+/// lacks) runs, but not as the checkpoint's model.
+pub fn unread_tensors(fe: &FrontEnd, ckpt: &kiln_runtime::Checkpoint) -> Vec<String> {
+    let read: std::collections::BTreeSet<String> = kiln_runtime::weights::graph_params(&fe.graph)
+        .iter()
+        .map(|(name, _)| fe.spec.weights.resolve(name).map_or_else(|| name.clone(), |r| r.tensor))
+        .collect();
+    ckpt.names().into_iter().filter(|n| !read.contains(n)).collect()
+}
+
+/// The warning about [`unread_tensors`] of the checkpoint at `path` (`None` when every tensor is
+/// read): the first ten names, and how many more.
+pub fn unread_warning(path: &Path, unused: &[String]) -> Option<String> {
+    const SHOWN: usize = 10;
+    if unused.is_empty() {
+        return None;
+    }
+    let mut names: Vec<String> = unused.iter().take(SHOWN).map(|n| format!("`{n}`")).collect();
+    if unused.len() > SHOWN {
+        names.push(format!("and {} more", unused.len() - SHOWN));
+    }
+    Some(format!(
+        "`{}` holds {} the spec never reads: {}",
+        path.display(),
+        crate::report::count(unused.len(), "tensor"),
+        names.join(", ")
+    ))
+}
+
+/// The warning for a tokenizer (at `path`, of `tokens` tokens) whose vocabulary is not the model's
+/// (`vocab`): a smaller one still encodes, but is likely another model's (a tokenizer larger
+/// than the model is an error, its ids would be out of range).
+pub fn tokenizer_warning(path: &Path, tokens: usize, vocab: u64) -> Option<String> {
+    (tokens as u64 != vocab).then(|| {
+        format!(
+            "the tokenizer `{}` has {tokens} tokens but the model's vocabulary is {vocab}: is it this model's \
+             tokenizer? (a vocabulary padded past the tokenizer's is fine)",
+            path.display()
+        )
+    })
+}
+
 /// Whether a file is GGUF (by its magic).
 pub fn is_gguf(path: &Path) -> Result<bool> {
     let mut magic = [0u8; 4];

@@ -31,6 +31,15 @@ pub fn human(x: f64) -> String {
     format!("{v:.2}{unit}")
 }
 
+/// `text` cut to its first `max` characters, an ellipsis marking the cut: a sentence or a line
+/// quoted in a message or a table, where the whole would drown it.
+pub fn shorten(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", text[..end].trim_end()),
+        None => text.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

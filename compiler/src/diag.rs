@@ -72,7 +72,8 @@ impl Diagnostic {
                 let width = source.get(span.start..end_on_line).map(|s| s.chars().count()).unwrap_or(1).max(1);
                 out += &format!("{pad}--> {file}:{line}:{col}\n");
                 out += &format!("{pad} |\n");
-                out += &format!("{line} | {}\n", visible(text));
+                let (shown, col, width) = window(&visible(text), col, width);
+                out += &format!("{line} | {shown}\n");
                 out += &format!("{pad} | {}{}\n", " ".repeat(col - 1), "^".repeat(width));
             }
             None => out += &format!(" --> {file}\n"),
@@ -138,6 +139,31 @@ fn visible(text: &str) -> String {
             c => c,
         })
         .collect()
+}
+
+/// The most characters of a source line shown under an error: a longer line (a text file that
+/// is no spec, minified TOML) is cut to this many around the caret, an ellipsis marking each cut.
+pub const SHOWN_LINE: usize = 160;
+
+/// `text` (a line, as [`visible`] prints it) cut to [`SHOWN_LINE`] characters around the caret
+/// at 1-based `col` of `width` characters, and the caret's column and width in what is shown.
+fn window(text: &str, col: usize, width: usize) -> (String, usize, usize) {
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() <= SHOWN_LINE {
+        return (text.to_string(), col, width);
+    }
+    let start = (col - 1).saturating_sub(SHOWN_LINE / 2).min(chars.len() - SHOWN_LINE);
+    let end = start + SHOWN_LINE;
+    let mut shown: String = chars.get(start..end).unwrap_or_default().iter().collect();
+    let lead = usize::from(start > 0);
+    if start > 0 {
+        shown.insert(0, '…');
+    }
+    if end < chars.len() {
+        shown.push('…');
+    }
+    let col = col - start + lead;
+    (shown, col, width.min(lead + SHOWN_LINE + 1 - col).max(1))
 }
 
 /// 1-based line and character column of byte `offset` in `source`.

@@ -167,6 +167,17 @@ fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure
 
 /// A GGUF file: the spec from its metadata.
 fn import_gguf(path: &Path) -> Result<Checkpointed, ImportFailure> {
+    let mut head = Vec::new();
+    if let Ok(file) = std::fs::File::open(path) {
+        let _ = std::io::Read::read_to_end(&mut std::io::Read::take(file, 4096), &mut head);
+    }
+    if let Some(what) = crate::weights::text_kind(&head) {
+        return Err(ImportFailure::Layout(format!(
+            "`{}` is {what}, not a checkpoint: kiln imports a Hugging Face model directory or a GGUF file{}",
+            path.display(),
+            if what.contains("spec") { " (a spec is checked with `kiln check`, and runs as it is)" } else { "" }
+        )));
+    }
     let checkpoint = Checkpoint::open(path)?;
     let Some(file) = checkpoint.gguf() else {
         return Err(ImportFailure::Layout(format!(

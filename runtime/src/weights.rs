@@ -37,6 +37,14 @@ pub enum WeightError {
         /// The parser's message.
         message: String,
     },
+    /// The file is text — a spec, most likely — where a checkpoint was expected.
+    #[error("`{path}` is {what}, not a checkpoint: weights are a safetensors or GGUF file")]
+    Text {
+        /// The file.
+        path: PathBuf,
+        /// What it looks like: `a kiln spec (TOML)`, `a text file`.
+        what: &'static str,
+    },
     /// The file is not a valid GGUF file, or holds a tensor kiln cannot convert. (The cause is
     /// part of the message, not an error `source`, so error chains do not print it twice.)
     #[error("`{path}`: {error}")]
@@ -129,6 +137,26 @@ enum Format {
     Gguf(Gguf),
 }
 
+/// What a file that is no checkpoint looks like when it is text (its first 4 KiB UTF-8, with no
+/// NUL): `a kiln spec (TOML)` when a line opens its `[model]` table, else `a text file`. `None`
+/// for binary bytes.
+pub fn text_kind(bytes: &[u8]) -> Option<&'static str> {
+    let head = bytes.get(..bytes.len().min(4096)).unwrap_or_default();
+    let text = match std::str::from_utf8(head) {
+        Ok(text) => text,
+        // A multi-byte character cut at the 4 KiB mark.
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(head.get(..e.valid_up_to())?).ok()?,
+        Err(_) => return None,
+    };
+    if text.is_empty() || text.contains('\0') {
+        return None;
+    }
+    Some(match text.lines().any(|l| l.trim() == "[model]") {
+        true => "a kiln spec (TOML)",
+        false => "a text file",
+    })
+}
+
 impl Checkpoint {
     /// Reads the file and validates its header. A file that starts with `GGUF` or is named
     /// `*.gguf` is read as GGUF, any other as safetensors.
@@ -146,8 +174,12 @@ impl Checkpoint {
         let format = if is_gguf {
             Format::Gguf(Gguf::parse(bytes).map_err(|error| WeightError::Gguf { path: path.into(), error })?)
         } else {
-            SafeTensors::deserialize(&bytes)
-                .map_err(|e| WeightError::Format { path: path.into(), message: e.to_string() })?;
+            if let Err(e) = SafeTensors::deserialize(&bytes) {
+                return Err(match text_kind(&bytes) {
+                    Some(what) => WeightError::Text { path: path.into(), what },
+                    None => WeightError::Format { path: path.into(), message: e.to_string() },
+                });
+            }
             Format::Safetensors(bytes)
         };
         Ok(Checkpoint { path: path.into(), format })

@@ -208,18 +208,8 @@ fn print(
             count(w.tensors_read, "tensor"),
             w.path.display()
         );
-        if !w.unused.is_empty() {
-            const SHOWN: usize = 10;
-            let mut names: Vec<String> = w.unused.iter().take(SHOWN).map(|n| format!("`{n}`")).collect();
-            if w.unused.len() > SHOWN {
-                names.push(format!("and {} more", w.unused.len() - SHOWN));
-            }
-            eprintln!(
-                "warning: `{}` holds {} the spec never reads: {}",
-                w.path.display(),
-                count(w.unused.len(), "tensor"),
-                names.join(", ")
-            );
+        if let Some(warning) = crate::model_file::unread_warning(&w.path, &w.unused) {
+            eprintln!("warning: {warning}");
         }
     }
     Ok(())
@@ -261,10 +251,7 @@ fn check_weights(fe: &FrontEnd, path: &Path, reporter: &Reporter) -> Result<Weig
     let dims = kiln_compiler::spec::PackDims::of(&fe.spec);
     drop(weights::load_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?);
     drop(weights::quantized_named_with_progress(&fe.spec.weights, &dims, &names, &ckpt, reporter)?);
-    let read: std::collections::BTreeSet<String> = names
-        .iter()
-        .map(|(name, _)| fe.spec.weights.resolve(name).map_or_else(|| name.clone(), |r| r.tensor))
-        .collect();
-    let unused = ckpt.names().into_iter().filter(|n| !read.contains(n)).collect();
-    Ok(WeightCheck { path: path.to_path_buf(), parameters: names.len(), tensors_read: read.len(), unused })
+    let unused = crate::model_file::unread_tensors(fe, &ckpt);
+    let tensors_read = ckpt.names().len() - unused.len();
+    Ok(WeightCheck { path: path.to_path_buf(), parameters: names.len(), tensors_read, unused })
 }

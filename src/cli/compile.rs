@@ -4,7 +4,7 @@
 use crate::exec::{Backend, optimizer_target};
 use crate::progress::Reporter;
 use crate::report::{count, print_json};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kiln_compiler::artifact;
 use kiln_compiler::graph::Sym;
 use kiln_compiler::lower::Plan;
@@ -19,15 +19,17 @@ use std::path::{Path, PathBuf};
 pub struct CompileArgs {
     /// The spec (TOML).
     spec: PathBuf,
-    /// Where to write the artifact.
+    /// Where to write the artifact (never the spec; an existing file only with `--force`).
     #[arg(short, long)]
     output: PathBuf,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// Lower the graph as built, without the e-graph optimizer.
     #[arg(long)]
     no_optimize: bool,
     /// The backend whose cost model and limits the optimizer extracts for (the artifact runs on
     /// any backend; `auto`: a hardware GPU when this machine has one, else `cpu`).
-    #[arg(long = "for", value_enum, default_value_t = Backend::Wgpu)]
+    #[arg(long = "for", value_parser = crate::exec::BackendParser, default_value = "wgpu")]
     target: Backend,
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
@@ -36,9 +38,8 @@ pub struct CompileArgs {
 
 /// Runs `kiln compile`.
 pub fn run(args: CompileArgs, reporter: &Reporter) -> Result<()> {
-    let CompileArgs { spec, output, no_optimize, target, json } = args;
-    kiln_compiler::file::check_writable(&output)
-        .with_context(|| format!("cannot write the artifact to `{}`", output.display()))?;
+    let CompileArgs { spec, output, force, no_optimize, target, json } = args;
+    crate::output::check("--output", &output, &[("the spec", &spec)], force.force)?;
     let (source, mut fe) = crate::model_file::read_spec(&spec)?;
     if !no_optimize {
         let target = target_for(target.resolve(None, 1, reporter, json), reporter)?;

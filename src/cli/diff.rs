@@ -48,6 +48,8 @@ pub struct DiffArgs {
     /// drawn side by side (changed ops outlined).
     #[arg(long)]
     html: Option<PathBuf>,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// Print one JSON document on stdout instead of text (the totals of both, and the changes
     /// per block or scope).
     #[arg(long, conflicts_with = "html")]
@@ -70,6 +72,9 @@ enum Stage {
 pub fn run(args: DiffArgs) -> Result<()> {
     if args.seq == 0 {
         anyhow::bail!("--seq must be at least 1");
+    }
+    if let Some(path) = &args.html {
+        crate::output::check("--html", path, &[("A", &args.a), ("B", &args.b)], args.force.force)?;
     }
     let a = variant(&args.a, args.stage)?;
     let b = variant(&args.b, args.stage)?;

@@ -12,11 +12,13 @@ use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
 use kiln_runtime::Tokenizer;
 use kiln_runtime::weights::Checkpoint;
-use std::io::Read;
 use std::path::PathBuf;
 
 /// Values printed per embedding without `--full`.
 const LEADING: usize = 6;
+
+/// Characters of a sentence quoted after its embedding without `--full` (the rest cut, `…`).
+const QUOTED: usize = 48;
 
 /// Arguments of `kiln embed`.
 #[derive(clap::Args)]
@@ -180,13 +182,7 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
 
 /// The sentences of a file (`-`: standard input), one per line, blank lines skipped.
 fn read_sentences(path: &std::path::Path) -> Result<Vec<String>> {
-    let mut text = String::new();
-    if path.as_os_str() == "-" {
-        std::io::stdin().read_to_string(&mut text).context("cannot read the sentences from standard input")?;
-    } else {
-        text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the sentences in `{}`", path.display()))?;
-    }
+    let text = crate::model_file::read_text(path, "the sentences")?;
     let sentences: Vec<String> =
         text.lines().map(|l| l.trim_end_matches('\r')).filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
     if sentences.is_empty() {
@@ -249,8 +245,10 @@ fn shortest(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
-/// One sentence's line: its norm, its first values (or all of them) and its text.
+/// One sentence's line: its norm, its first values (or all of them) and its text (its first
+/// [`QUOTED`] characters, but with `full`).
 fn line(text: &str, embedding: &[f32], full: bool) -> String {
+    let text = if full { text.to_string() } else { crate::report::shorten(text, QUOTED) };
     let shown = if full { embedding.len() } else { embedding.len().min(LEADING) };
     let mut values: Vec<String> = embedding[..shown].iter().map(|x| format!("{x:.6}")).collect();
     if shown < embedding.len() {
@@ -272,6 +270,9 @@ mod tests {
             "norm 5.000000  [3.000000, 4.000000, 0.000000, 0.000000, 0.000000, 0.000000, …] (8 dims)  \"hi\""
         );
         assert!(line("hi", &v, true).contains("0.001000] (8 dims)"));
+        let long = "word ".repeat(40);
+        assert!(line(&long, &v, false).ends_with(&format!("{:?}", format!("{}…", &long[..QUOTED]))));
+        assert!(line(&long, &v, true).ends_with(&format!("{long:?}")));
         let mut u = v;
         normalize(&mut u);
         assert!((norm(&u) - 1.0).abs() < 1e-6);

@@ -34,7 +34,7 @@ pub struct EvalArgs {
     #[arg(long)]
     label_smoothing: Option<f64>,
     /// Where the loss runs: `cpu` (the default), `interp` or `wgpu`.
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    #[arg(long, value_parser = crate::exec::BackendParser, default_value = "cpu")]
     backend: Backend,
     /// Threads of the CPU backend.
     #[arg(long)]

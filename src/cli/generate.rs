@@ -21,6 +21,7 @@ use std::time::Instant;
 
 /// Arguments of `kiln generate`.
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("text").args(["prompt", "prompt_file"])))]
 pub struct GenerateArgs {
     /// The spec (TOML), an artifact from `kiln compile` (the spec it stores: generation runs
     /// the decoder's step graph with its key/value cache, built from it), or a checkpoint (a
@@ -29,11 +30,21 @@ pub struct GenerateArgs {
     /// Checkpoint (safetensors or GGUF); default: SPEC's, if a checkpoint.
     #[arg(long)]
     weights: Option<PathBuf>,
-    /// The prompt text (tokenized with `--tokenizer`, or the GGUF weights' own tokenizer).
-    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    /// The prompt text (tokenized with `--tokenizer`, or the GGUF weights' own tokenizer); `-`
+    /// reads it from standard input.
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        required_unless_present_any = ["prompt_ids", "prompt_file"],
+        conflicts_with_all = ["prompt_ids", "prompt_file"]
+    )]
     prompt: Option<String>,
+    /// Instead of `--prompt`: read the prompt text from this file (`-`: standard input); one
+    /// final newline is dropped.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the tokenizer's chat template.
-    #[arg(long, requires = "prompt")]
+    #[arg(long, requires = "text")]
     chat: bool,
     /// With `--chat`: a system message (the template's default otherwise).
     #[arg(long, requires = "chat")]
@@ -84,6 +95,7 @@ pub fn run(args: GenerateArgs, reporter: &Reporter) -> Result<()> {
         spec,
         weights,
         prompt,
+        prompt_file,
         chat,
         system,
         prompt_ids,
@@ -100,7 +112,12 @@ pub fn run(args: GenerateArgs, reporter: &Reporter) -> Result<()> {
     let backend = exec.backend.resolve(exec.adapter.as_deref(), threads, reporter, json);
     crate::exec::check_exec(&exec, backend)?;
     let Exec { adapter, no_optimize, weights: storage, .. } = exec;
+    let prompt = prompt_text(prompt, prompt_file)?;
     let fe = crate::model_file::load_spec(&spec)?;
+    let vocab = fe.spec.spec.model.vocab;
+    if let Some(bad) = stop_ids.iter().find(|&&id| id < 0 || id as u64 >= vocab) {
+        bail!("--stop-ids: {bad} is not a token id of this model (its vocabulary is 0..{vocab})");
+    }
     let weights = crate::model_file::weights_for(weights, &spec)?;
     let tokenizer = crate::model_file::tokenizer_for(tokenizer, &spec);
     let sampling = sampling.resolve(chat, &weights)?;
@@ -124,6 +141,29 @@ pub fn run(args: GenerateArgs, reporter: &Reporter) -> Result<()> {
         (false, false) => Output::Text,
     };
     run_cli(&fe, req, text, tokenizer.as_deref(), output, reporter)
+}
+
+/// The prompt text: `--prompt` (`-`: standard input) or `--prompt-file` (`-` likewise), one final
+/// newline of a file or standard input dropped (`echo` ends its text with one).
+fn prompt_text(prompt: Option<String>, file: Option<PathBuf>) -> Result<Option<String>> {
+    let (mut text, from) = match (prompt, file) {
+        (Some(p), _) if p == "-" => {
+            (crate::model_file::read_text(Path::new("-"), "the prompt")?, "standard input".into())
+        }
+        (Some(p), _) => return Ok(Some(p)),
+        (None, Some(f)) => (crate::model_file::read_text(&f, "the prompt")?, format!("`{}`", f.display())),
+        (None, None) => return Ok(None),
+    };
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    if text.is_empty() {
+        bail!("the prompt read from {from} is empty");
+    }
+    Ok(Some(text))
 }
 
 /// What to run and how to sample.
@@ -292,6 +332,7 @@ pub struct Timings {
 fn generate_with(
     fe: &FrontEnd,
     req: Request,
+    ckpt: &kiln_runtime::Checkpoint,
     reporter: &Reporter,
     on_token: impl FnMut(i64) -> bool,
 ) -> Result<(Vec<i64>, Stats, Timings)> {
@@ -316,7 +357,6 @@ fn generate_with(
     };
     let start = Instant::now();
     let compiled_before = reporter.seconds_in(Phase::Pipelines);
-    let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
     if ckpt.gguf().is_none() {
         crate::exec::check_blocks(req.storage, &format!("`{}` (safetensors)", req.weights.display()))?;
     }
@@ -328,7 +368,7 @@ fn generate_with(
             true => graph,
             false => reporter.stage("optimizing", || optimize::optimize_for(&graph, &optimizer))?.0,
         };
-        let weights = Weights::Checkpoint(Reading::of(&fe.spec, &ckpt));
+        let weights = Weights::Checkpoint(Reading::of(&fe.spec, ckpt));
         Ok(device.load(&graph, weights, req.storage.storage(), reporter)?.into_engine())
     };
     let decoder = build_cached(&fe.spec)?;
@@ -433,7 +473,9 @@ fn run_cli(
         };
         req.prompt = ids.into_iter().map(i64::from).collect();
     }
-    if let Some(tok) = &tokenizer {
+    // What runs, but likely not as meant: said on stderr, or in the JSON document.
+    let mut warnings = Vec::new();
+    if let (Some(tok), Some(path)) = (&tokenizer, tokenizer_path) {
         let vocab = fe.spec.spec.model.vocab as usize;
         if tok.vocab_size() > vocab {
             bail!(
@@ -441,7 +483,15 @@ fn run_cli(
                 tok.vocab_size()
             );
         }
+        warnings.extend(crate::model_file::tokenizer_warning(path, tok.vocab_size(), vocab as u64));
         req.stop.extend(tok.eos_id().map(i64::from));
+    }
+    let ckpt = kiln_runtime::Checkpoint::open(req.weights)?;
+    warnings.extend(crate::model_file::unread_warning(req.weights, &crate::model_file::unread_tensors(fe, &ckpt)));
+    if output != Output::Json {
+        for warning in &warnings {
+            eprintln!("warning: {warning}");
+        }
     }
 
     catch_interrupt();
@@ -453,11 +503,11 @@ fn run_cli(
         reporter.info(format_args!("{}", req.sampling.line));
     }
     let (ids, stats, timings) = match (output, tokenizer.as_ref()) {
-        (Output::Json, _) => generate_with(fe, req, reporter, |_| !interrupted())?,
+        (Output::Json, _) => generate_with(fe, req, &ckpt, reporter, |_| !interrupted())?,
         (Output::Text, Some(tok)) => {
             let mut stream = tok.decode_stream(true);
             let mut failed = None;
-            let generated = generate_with(fe, req, reporter, |id| {
+            let generated = generate_with(fe, req, &ckpt, reporter, |id| {
                 let piece = u32::try_from(id).map_err(|_| anyhow::anyhow!("negative token id {id}"));
                 match piece.and_then(|id| Ok(stream.step(id)?)) {
                     Ok(Some(text)) => {
@@ -479,7 +529,7 @@ fn run_cli(
         }
         (Output::Text | Output::Ids, _) => {
             let mut first = true;
-            generate_with(fe, req, reporter, |id| {
+            generate_with(fe, req, &ckpt, reporter, |id| {
                 let _ = write!(out, "{}{id}", if first { "" } else { "," });
                 let _ = out.flush();
                 first = false;
@@ -498,9 +548,13 @@ fn run_cli(
         let mut value = json(&fe.graph.name, &prompt, &ids, text.as_deref(), &stats, &timings);
         value["backend"] = backend.into();
         value["sampling"] = sampling;
+        value["warnings"] = warnings.into();
         // Every figure is in the document: nothing on stderr.
         let _ = writeln!(out, "{}", serde_json::to_string_pretty(&value)?);
-        return Ok(());
+        return match interrupted() {
+            true => Err(Interrupted.into()),
+            false => Ok(()),
+        };
     }
     let _ = writeln!(out);
     if interrupted() {
@@ -523,8 +577,24 @@ fn run_cli(
             stop_reason(stats.stop).replace('_', " ")
         ));
     }
-    Ok(())
+    match interrupted() {
+        true => Err(Interrupted.into()),
+        false => Ok(()),
+    }
 }
+
+/// The error of a generation stopped by Ctrl-C, after its output and figures were printed: `main`
+/// exits with 130 (128 + SIGINT, as shells report a command interrupted) and prints nothing more.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// Why generation stopped, as `--json` names it.
 fn stop_reason(stop: Stop) -> &'static str {
@@ -572,7 +642,8 @@ fn json(
 }
 
 /// Set by the first Ctrl-C during `kiln generate`: generation stops after the current token and
-/// the command ends normally (text so far, throughput line). A second Ctrl-C terminates at once.
+/// the command ends as usual (text so far, throughput line), with exit code 130. A second Ctrl-C
+/// terminates at once.
 static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[cfg(unix)]

@@ -12,14 +12,23 @@ use std::path::PathBuf;
 pub struct ImportArgs {
     /// A Hugging Face model directory (config.json and model.safetensors) or a GGUF file.
     checkpoint: PathBuf,
-    /// Where to write the spec (default: stdout).
+    /// Where to write the spec (default: stdout); never the checkpoint's own files, and an
+    /// existing file (a spec edited by hand) only with `--force`.
     #[arg(short, long)]
     output: Option<PathBuf>,
+    #[command(flatten)]
+    force: crate::output::Force,
 }
 
 /// Runs `kiln import`: writes the spec, then reports on stderr how it maps the checkpoint. Fails
 /// (after writing the spec) when a parameter cannot be loaded from the checkpoint.
 pub fn run(args: ImportArgs, reporter: &Reporter) -> Result<()> {
+    if let Some(path) = &args.output {
+        let weights = ckpt_import::weights_of(&args.checkpoint).ok();
+        let mut read = vec![("the checkpoint", args.checkpoint.as_path())];
+        read.extend(weights.as_deref().map(|w| ("the checkpoint's weights", w)));
+        crate::output::check("--output", path, &read, args.force.force)?;
+    }
     let imported = reporter.stage("importing", || ckpt_import::import(&args.checkpoint))?;
     let text = &imported.imported.text;
     match &args.output {

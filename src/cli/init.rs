@@ -14,9 +14,12 @@ use std::path::PathBuf;
 pub struct InitArgs {
     /// The spec (TOML) whose parameters are drawn.
     spec: PathBuf,
-    /// Where to write the weights (safetensors, under the weight map's tensor names).
+    /// Where to write the weights (safetensors, under the weight map's tensor names; never the
+    /// spec, and an existing file only with `--force`).
     #[arg(short, long)]
     output: PathBuf,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// The seed of the draws (default: the spec's `init.seed`).
     #[arg(long)]
     seed: Option<u64>,
@@ -24,8 +27,7 @@ pub struct InitArgs {
 
 /// Runs `kiln init`: draws the weights, writes them atomically and prints what was drawn.
 pub fn run(args: InitArgs, reporter: &Reporter) -> Result<()> {
-    kiln_compiler::file::check_writable(&args.output)
-        .with_context(|| format!("cannot write `{}`", args.output.display()))?;
+    crate::output::check("--output", &args.output, &[("the spec", &args.spec)], args.force.force)?;
     let fe = load_spec(&args.spec)?;
     let mut spec = fe.spec.clone();
     if let Some(seed) = args.seed {

@@ -28,9 +28,12 @@ pub struct InspectArgs {
     /// Output format (default: text).
     #[arg(long, value_enum)]
     format: Option<Format>,
-    /// Write to this file instead of standard output.
+    /// Write to this file instead of standard output (never the spec; an existing file only
+    /// with `--force`).
     #[arg(short, long)]
     output: Option<PathBuf>,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// With `--format dot|svg|png` or `--html`: draw only these blocks (`0..2`, half-open, or
     /// `3` for one); each run of the other blocks is drawn as one summary node.
     #[arg(long, value_parser = parse_layers)]
@@ -76,7 +79,7 @@ pub struct InspectArgs {
     /// With `--stage optimized` or `--stats`: the backend the optimized graph is extracted for
     /// (its cost model and kernel limits; default: as `kiln run` picks it). The HTML report and
     /// the `wgsl` stage are wgpu's.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = crate::exec::BackendParser)]
     backend: Option<Backend>,
     /// With `--stage wgsl`: the program as compiled for a hardware adapter with subgroups (as `run`
     /// compiles it there): row reductions through subgroup operations, the split GEMV projection
@@ -258,8 +261,13 @@ fn emit(bytes: &[u8], output: Option<&Path>, binary: bool) -> Result<()> {
 /// Runs `kiln inspect`.
 pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     args.check()?;
-    for path in [&args.output, &args.html].into_iter().flatten() {
-        kiln_compiler::file::check_writable(path).with_context(|| format!("cannot write `{}`", path.display()))?;
+    let mut read = vec![("the spec", args.spec.as_path())];
+    read.extend(args.training.iter().map(|t| ("--training", t.as_path())));
+    read.extend(args.weights.as_deref().map(|w| ("--weights", w)));
+    for (flag, path) in [("--output", &args.output), ("--html", &args.html)] {
+        if let Some(path) = path {
+            crate::output::check(flag, path, &read, args.force.force)?;
+        }
     }
     let (source, mut fe) = crate::model_file::read_spec(&args.spec)?;
     let artifact = kiln_compiler::artifact::Artifact::sniff(&args.spec);

@@ -4,7 +4,7 @@
 use crate::curves::{Run, svg};
 use anyhow::{Context, Result, anyhow, bail};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// Arguments of `kiln plot`.
@@ -17,6 +17,8 @@ pub struct PlotArgs {
     /// `librsvg2-bin`).
     #[arg(short, long)]
     output: PathBuf,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// The chart's title.
     #[arg(long, default_value = "training loss")]
     title: String,
@@ -34,6 +36,8 @@ pub fn run(args: PlotArgs) -> Result<()> {
         _ => bail!("`{}`: kiln plot writes SVG or PNG (name the file `*.svg` or `*.png`)", args.output.display()),
     };
     let runs = args.logs.iter().map(|p| Run::read(p)).collect::<Result<Vec<_>>>()?;
+    let logs: Vec<(&str, &Path)> = args.logs.iter().map(|p| ("a log", p.as_path())).collect();
+    crate::output::check("--output", &args.output, &logs, args.force.force)?;
     let picture = svg(&runs, &args.title, args.smooth).into_bytes();
     let bytes = if png { rasterize(&picture)? } else { picture };
     kiln_compiler::file::write_atomic(&args.output, &bytes)

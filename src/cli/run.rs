@@ -7,7 +7,7 @@ use crate::exec::{Backend, Exec, Precision, check_exec, optimizer_target};
 use crate::model_file::ModelFile;
 use crate::progress::Reporter;
 use crate::report::print_json;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use kiln_compiler::spec::Resolved;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
@@ -36,16 +36,19 @@ pub struct RunArgs {
     seed: u64,
     /// Inputs (safetensors): `input_ids`, `attention_mask`, `token_type_ids`, or `src_ids`,
     /// `src_padding`, `tgt_ids`; other tensors are ignored.
-    #[arg(long, required_unless_present = "input_ids", conflicts_with = "input_ids")]
+    #[arg(long, conflicts_with = "input_ids")]
     inputs: Option<PathBuf>,
     /// Instead of `--inputs`: the token ids, comma-separated, a batch's sequences separated by
     /// `;` (`1,2,3;4,5,6`), all of one length; the mask and token types are defaulted (all
     /// tokens, type 0).
     #[arg(long, allow_hyphen_values = true)]
     input_ids: Option<String>,
-    /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`).
+    /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`); never
+    /// one of the files read, and an existing file only with `--force`.
     #[arg(long)]
     output: PathBuf,
+    #[command(flatten)]
+    force: crate::output::Force,
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
     json: bool,
@@ -75,17 +78,9 @@ pub enum Params<'a> {
 
 /// Runs `kiln run`.
 pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
-    // An output that cannot be written is refused before any work.
-    kiln_compiler::file::check_writable(&args.output)
-        .with_context(|| format!("cannot write the outputs to `{}`", args.output.display()))?;
-    let model = ModelFile::read(&args.model)?;
-    let given = match (&args.inputs, &args.input_ids) {
-        (Some(path), _) => kiln_runtime::read_tensors(path)?,
-        (None, Some(ids)) => inline_inputs(&model.fe, ids)?,
-        (None, None) => bail!("give the inputs: --inputs FILE or --input-ids 1,2,3"),
-    };
-    check_positions(&model.fe.spec, &given)?;
-    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
+    if args.inputs.is_none() && args.input_ids.is_none() {
+        bail!("give the inputs: --inputs FILE (safetensors) or --input-ids 1,2,3 (token ids inline)");
+    }
     let weights = match (args.weights.clone(), args.random_weights) {
         (None, true) => None,
         (None, false) if !kiln_runtime::import::is_checkpoint(&args.model) => bail!(
@@ -94,7 +89,34 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
         ),
         (weights, _) => Some(crate::model_file::weights_for(weights, &args.model)?),
     };
+    // An output that would replace an input, or that cannot be written, is refused before any work.
+    let mut read = vec![("the model", args.model.as_path())];
+    read.extend(weights.as_deref().map(|w| ("--weights", w)));
+    read.extend(args.inputs.as_deref().map(|i| ("--inputs", i)));
+    crate::output::check("--output", &args.output, &read, args.force.force)?;
+    let model = ModelFile::read(&args.model)?;
+    let given = match (&args.inputs, &args.input_ids) {
+        (Some(path), _) => kiln_runtime::read_tensors(path)?,
+        (None, Some(ids)) => inline_inputs(&model.fe, ids)?,
+        (None, None) => bail!("give the inputs: --inputs FILE or --input-ids 1,2,3"),
+    };
+    check_positions(&model.fe.spec, &given)?;
+    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
     let ckpt = weights.as_deref().map(Checkpoint::open).transpose()?;
+    // A spec that leaves part of the checkpoint unread runs, but not as the checkpoint's model.
+    let warnings: Vec<String> = match (&ckpt, &weights) {
+        (Some(ckpt), Some(path)) => {
+            crate::model_file::unread_warning(path, &crate::model_file::unread_tensors(&model.fe, ckpt))
+                .into_iter()
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    if !args.json {
+        for warning in &warnings {
+            eprintln!("warning: {warning}");
+        }
+    }
     let params = match &ckpt {
         Some(ckpt) => Params::Checkpoint(ckpt),
         None => Params::Random(args.seed),
@@ -104,18 +126,20 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
         bail!("the model has no outputs");
     }
     kiln_runtime::write_tensors(&args.output, &outputs)?;
-    print(&args.output, &outputs, backend.name(), args.json)
+    print(&args.output, &outputs, backend.name(), &warnings, args.json)
 }
 
-/// `kiln run`: the outputs written to `path`. JSON: `path`, `outputs` (per output in the order
-/// written: `name`, `dtype`, `shape`).
-fn print(path: &Path, outputs: &[(String, Tensor)], backend: &str, json: bool) -> Result<()> {
+/// `kiln run`: the outputs written to `path`. JSON: `path`, `backend`, `outputs` (per output in
+/// the order written: `name`, `dtype`, `shape`), `warnings` (what text mode says on stderr).
+fn print(path: &Path, outputs: &[(String, Tensor)], backend: &str, warnings: &[String], json: bool) -> Result<()> {
     if json {
         let outputs: Vec<serde_json::Value> = outputs
             .iter()
             .map(|(name, t)| json!({ "name": name, "dtype": t.dtype().to_string(), "shape": t.shape }))
             .collect();
-        return print_json(&json!({ "path": path.display().to_string(), "backend": backend, "outputs": outputs }));
+        return print_json(&json!({
+            "path": path.display().to_string(), "backend": backend, "outputs": outputs, "warnings": warnings,
+        }));
     }
     for (name, t) in outputs {
         println!("{name}: {}{:?}", t.dtype(), t.shape);

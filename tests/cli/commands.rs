@@ -86,6 +86,7 @@ fn run_with_precision(gpu: &kiln_runtime::Gpu, out: &Path, precision: &str) {
         "tests/fixtures/gpt2/io.safetensors",
         "--output",
         s(out),
+        "--force",
         "--precision",
         precision,
         "--backend",
@@ -477,6 +478,7 @@ fn compile_then_run_the_artifact() {
             "tests/fixtures/gpt2/io.safetensors",
             "--output",
             s(&out),
+            "--force",
             "--backend",
             backend,
         ]);
@@ -709,7 +711,8 @@ fn generate_streams_ids_and_rejects_bad_prompts() {
 }
 
 /// Ctrl-C during `kiln generate` stops after the current token: what was generated is printed,
-/// then the throughput line, and the exit is clean.
+/// then the throughput line, and the exit code is 130 (128 + SIGINT), as shells expect of an
+/// interrupted command.
 #[cfg(unix)]
 #[test]
 fn generate_stops_cleanly_on_ctrl_c() {
@@ -740,7 +743,8 @@ fn generate_stops_cleanly_on_ctrl_c() {
     let mut err = String::new();
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     let status = child.wait().unwrap();
-    assert!(status.success(), "{status:?}: {err}");
+    assert_eq!(status.code(), Some(130), "{status:?}: {err}");
+    assert!(!err.contains("error"), "{err}");
     assert!(err.contains("interrupted: stopped after"), "{err}");
     assert!(err.contains("decode:"), "{err}");
     let ids = format!("{}{rest}", first[0] as char);
@@ -832,7 +836,7 @@ fn compile_json_describes_the_artifact_written() {
     assert_eq!((&m["batch"], &m["seq"]), (&serde_json::json!(1), &serde_json::json!(128)));
     assert_eq!((&m["placed_bytes"], &m["unshared_bytes"]), (&serde_json::json!(placed), &serde_json::json!(unshared)));
     // Unoptimized: said so, and more dispatches.
-    let raw = json_of(&kiln(&["compile", "models/gpt2.toml", "-o", s(&art), "--json", "--no-optimize"]));
+    let raw = json_of(&kiln(&["compile", "models/gpt2.toml", "-o", s(&art), "--json", "--no-optimize", "--force"]));
     assert_eq!(raw["optimized"], false);
     assert!(raw["dispatches"].as_u64() > v["dispatches"].as_u64(), "{raw} vs {v}");
 }
@@ -976,7 +980,8 @@ fn run_with_random_weights_and_inline_ids() {
     let got = kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap();
     assert!(got.max_abs_diff(&interp) <= 1e-4);
     // An encoder takes the ids with its mask and token types defaulted.
-    let o = kiln(&["run", "models/bert.toml", "--random-weights", "--input-ids", "5,6,7", "--output", s(&out)]);
+    let o =
+        kiln(&["run", "models/bert.toml", "--random-weights", "--input-ids", "5,6,7", "--output", s(&out), "--force"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("last_hidden_state: f32[1, 3, 64]"), "{}", stdout(&o));
 
@@ -1082,8 +1087,8 @@ fn flags_without_effect_are_refused() {
     let missing = dir.join("missing").join("out.safetensors");
     let mut args = run("models/gpt2.toml", &[]);
     *args.last_mut().unwrap() = s(&missing);
-    fails_with(&args, &["cannot write the outputs to"]);
-    fails_with(&["compile", "models/gpt2.toml", "-o", s(&missing)], &["cannot write the artifact to"]);
+    fails_with(&args, &["cannot write `", "missing/out.safetensors"]);
+    fails_with(&["compile", "models/gpt2.toml", "-o", s(&missing)], &["cannot write `", "missing/out.safetensors"]);
     fails_with(&["inspect", "models/gpt2.toml", "-o", s(&missing)], &["cannot write `"]);
 }
 

@@ -45,7 +45,7 @@ fn init_writes_the_checkpoint_layout_that_run_reads() {
     let again = dir.join("again.safetensors");
     ok(&["init", "models/gpt2.toml", "-o", s(&again)]);
     assert_eq!(std::fs::read(&w).unwrap(), std::fs::read(&again).unwrap());
-    ok(&["init", "models/gpt2.toml", "-o", s(&again), "--seed", "7"]);
+    ok(&["init", "models/gpt2.toml", "-o", s(&again), "--seed", "7", "--force"]);
     assert_ne!(std::fs::read(&w).unwrap(), std::fs::read(&again).unwrap());
 }
 

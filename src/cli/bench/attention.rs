@@ -11,6 +11,7 @@ use kiln_runtime::measure::{chain, time_kernel};
 
 /// Runs `kiln bench attention`.
 pub fn run(args: KernelArgs, reporter: &Reporter) -> Result<()> {
+    super::at_least_one(&[("--runs", args.runs)])?;
     attention_kernels(&args.device.open(reporter, args.json)?, args.runs, args.json)
 }
 

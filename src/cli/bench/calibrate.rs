@@ -40,6 +40,7 @@ fn calibrate(device: &Device, json: bool) -> Result<()> {
             "measured": {"dispatch": dispatch, "flop": flop, "scalar_projection": scalar_projection},
             "default": {"dispatch": default.dispatch, "flop": default.flop, "scalar_projection": default.scalar_projection},
             "saved": saved,
+            "note": saved.is_none().then(|| not_cached(device)),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -53,9 +54,20 @@ fn calibrate(device: &Device, json: bool) -> Result<()> {
             "  defaults:  dispatch = {:.0}  flop = {:.3}  scalar projection = {:.2}",
             default.dispatch, default.flop, default.scalar_projection
         );
-        if let Some(path) = saved {
-            println!("  saved as this adapter's cost model: {}", path.display());
+        match saved {
+            Some(path) => println!("  saved as this adapter's cost model: {}", path.display()),
+            None => println!("  {}", not_cached(device)),
         }
     }
     Ok(())
+}
+
+/// Why a calibration off wgpu is not kept: the CPU's (and the interpreter's) cost model is built
+/// into kiln, so these figures are for reading only.
+fn not_cached(device: &Device) -> String {
+    format!(
+        "nothing cached: the `{}` backend's cost model is built in (the defaults above) and is not replaced by a \
+         calibration; only a wgpu adapter's measured constants are cached and used",
+        device.name()
+    )
 }

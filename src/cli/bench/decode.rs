@@ -1,13 +1,12 @@
 //! `kiln bench decode`: generation with the key/value cache, a prompt then decode steps: prefill
 //! and decode tokens per second.
 
-use super::{DeviceArgs, SpecArgs, bench_target, weight_bytes, weight_bytes_json};
+use super::{DeviceArgs, SpecArgs, Spread, at_least_one, bench_target, weight_bytes, weight_bytes_json};
 use crate::exec::{WeightArgs, params_for};
 use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::{FrontEnd, optimize};
-use kiln_runtime::measure::median;
 use kiln_runtime::{Device, Weights};
 use std::path::PathBuf;
 
@@ -22,7 +21,7 @@ pub struct DecodeArgs {
     /// Decode steps after the prompt.
     #[arg(long)]
     steps: usize,
-    /// Timed generations (the median is reported).
+    /// Timed generations (the median is reported, with the fastest and slowest).
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Real weights (safetensors or GGUF) instead of random ones.
@@ -46,6 +45,7 @@ impl DecodeArgs {
 
 /// Runs `kiln bench decode`.
 pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
+    at_least_one(&[("--runs", args.runs), ("--seq", args.seq), ("--steps", args.steps)])?;
     let device = args.device.open(reporter, args.json)?;
     let (_, fe) = args.spec.read()?;
     decode(&fe, &device, &args)
@@ -72,29 +72,31 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         bail!("{prompt} + {steps} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
     }
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for _ in 0..runs.max(1) {
+    for _ in 0..runs {
         // A fresh cache per run; the pipelines and weights are shared.
         let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
         prefill.push(stats.prefill_tok_s());
         decode.push(stats.decode_tok_s());
         session.reset();
     }
-    let (prefill, decode) = (median(prefill), median(decode));
+    let (prefill, decode) = (Spread::of(&prefill), Spread::of(&decode));
     if json {
         let out = serde_json::json!({
             "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps,
-            "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill, "decode_tok_s": decode,
+            "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill.median, "decode_tok_s": decode.median,
+            "prefill_tok_s_min": prefill.min, "prefill_tok_s_max": prefill.max, "decode_tok_s_min": decode.min, "decode_tok_s_max": decode.max,
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
-            "{} generating on {} (median of {runs}; {dispatches} dispatches per step)",
+            "{} generating on {} (median of {}, fastest..slowest in brackets; {dispatches} dispatches per step)",
             fe.graph.name,
-            device.describe()
+            device.describe(),
+            crate::report::count(runs, "run")
         );
-        println!("  prefill {prompt} tokens: {prefill:.1} tok/s");
-        println!("  decode {steps} steps:    {decode:.2} tok/s");
+        println!("  prefill {prompt} tokens: {} tok/s", prefill.text(1));
+        println!("  decode {steps} steps:    {} tok/s", decode.text(2));
         println!("  weights on the device: {}", device_weights.0);
     }
     Ok(())

@@ -1,12 +1,12 @@
 //! `kiln bench forward` and `kiln bench profile`: the forward time of a spec unoptimized and
 //! optimized, side by side (variants interleaved run by run), and where each plan spends it.
 
-use super::{DeviceArgs, SpecArgs, bench_target, weight_bytes, weight_bytes_json};
+use super::{DeviceArgs, SpecArgs, Spread, at_least_one, bench_target, weight_bytes, weight_bytes_json};
 use crate::exec::{WeightArgs, params_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result};
 use kiln_compiler::{FrontEnd, interp, optimize};
-use kiln_runtime::measure::{median, step_seconds, time_ms};
+use kiln_runtime::measure::{step_seconds, time_ms};
 use kiln_runtime::{Device, Weights};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,7 +22,7 @@ pub struct ForwardArgs {
     /// Sequences per batch.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// Timed runs per variant (the median is reported).
+    /// Timed runs per variant (the median is reported, with the fastest and slowest).
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Time the optimized graph only (no unoptimized run beside it).
@@ -50,6 +50,7 @@ impl ForwardArgs {
 /// Runs `kiln bench forward`, and with `profile`, `kiln bench profile` (the forward's figures,
 /// then each plan's profile).
 pub fn run(args: ForwardArgs, profile_too: bool, reporter: &Reporter) -> Result<()> {
+    at_least_one(&[("--runs", args.runs), ("--seq", args.seq), ("--batch", args.batch)])?;
     let device = args.device.open(reporter, args.json)?;
     let (_, fe) = args.spec.read()?;
     forward(&fe, &device, &args)?;
@@ -78,7 +79,6 @@ fn forward(fe: &FrontEnd, device: &Device, args: &ForwardArgs) -> Result<()> {
         "--seq {seq} is more than `{}` holds (model.max_positions = {max})",
         fe.graph.name
     );
-    anyhow::ensure!(seq > 0 && batch > 0, "--seq and --batch must be at least 1");
     let t = Instant::now();
     let (optimized, report) = optimize::optimize_for(&fe.graph, &bench_target(device))?;
     let optimize_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -94,19 +94,20 @@ fn forward(fe: &FrontEnd, device: &Device, args: &ForwardArgs) -> Result<()> {
     }
     // Interleave the variants so drift in the machine's speed affects both alike.
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for _ in 0..runs.max(1) {
+    for _ in 0..runs {
         for (v, t) in variants.iter().zip(&mut times) {
             t.push(time_ms(|| v.model.run(&inputs).map(drop))?);
         }
     }
-    let ms: Vec<f64> = times.into_iter().map(median).collect();
+    let spreads: Vec<Spread> = times.iter().map(|t| Spread::of(t)).collect();
+    let ms: Vec<f64> = spreads.iter().map(|s| s.median).collect();
     let speedup = ms[0] / ms[ms.len() - 1];
     let per_s = |ms: f64| batch as f64 / (ms / 1e3);
     if json {
         let rows: Vec<serde_json::Value> = variants
             .iter()
-            .zip(&ms)
-            .map(|(v, &ms)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": ms, "sequences_per_s": per_s(ms), "weight_bytes": weight_bytes_json(&v.model)}))
+            .zip(&spreads)
+            .map(|(v, s)| serde_json::json!({"variant": v.name, "dispatches": v.dispatches, "kernels": v.kernels, "forward_ms": s.median, "forward_ms_min": s.min, "forward_ms_max": s.max, "sequences_per_s": per_s(s.median), "weight_bytes": weight_bytes_json(&v.model)}))
             .collect();
         let out = serde_json::json!({
             "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "batch": batch, "seq": seq, "runs": runs,
@@ -114,13 +115,26 @@ fn forward(fe: &FrontEnd, device: &Device, args: &ForwardArgs) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("{} at batch {batch}, seq {seq} on {} (median of {runs})", fe.graph.name, device.describe());
         println!(
-            "  {:<12} {:>10} {:>8} {:>12} {:>12}",
-            "variant", "dispatches", "kernels", "forward ms", "sequences/s"
+            "{} at batch {batch}, seq {seq} on {} (median of {}, and its fastest..slowest)",
+            fe.graph.name,
+            device.describe(),
+            crate::report::count(runs, "run")
         );
-        for (v, &ms) in variants.iter().zip(&ms) {
-            println!("  {:<12} {:>10} {:>8} {:>12.2} {:>12.2}", v.name, v.dispatches, v.kernels, ms, per_s(ms));
+        println!(
+            "  {:<12} {:>10} {:>8} {:>12} {:>17} {:>12}",
+            "variant", "dispatches", "kernels", "forward ms", "min..max ms", "sequences/s"
+        );
+        for (v, s) in variants.iter().zip(&spreads) {
+            println!(
+                "  {:<12} {:>10} {:>8} {:>12.2} {:>17} {:>12.2}",
+                v.name,
+                v.dispatches,
+                v.kernels,
+                s.median,
+                s.range(2),
+                per_s(s.median)
+            );
         }
         if variants.len() > 1 {
             println!("  speedup {speedup:.2}x");

@@ -10,6 +10,7 @@ use kiln_runtime::measure::{fusion_graph, projection_graph, time_kernel};
 
 /// Runs `kiln bench kernels`.
 pub fn run(args: KernelArgs, reporter: &Reporter) -> Result<()> {
+    super::at_least_one(&[("--runs", args.runs)])?;
     kernels(&args.device.open(reporter, args.json)?, args.runs, args.json)
 }
 

@@ -87,11 +87,48 @@ pub fn run(args: BenchArgs, reporter: &Reporter) -> Result<()> {
     }
 }
 
+/// The spread of a benchmark's timed runs: the fastest, the median and the slowest, so that one
+/// noisy run reads as noise rather than as a speed-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Spread {
+    min: f64,
+    median: f64,
+    max: f64,
+}
+
+impl Spread {
+    /// The spread of `values` (NaN for none: the counts are refused at 0 before anything runs).
+    fn of(values: &[f64]) -> Spread {
+        let min = values.iter().copied().reduce(f64::min).unwrap_or(f64::NAN);
+        let max = values.iter().copied().reduce(f64::max).unwrap_or(f64::NAN);
+        Spread { min, median: kiln_runtime::measure::median(values.to_vec()), max }
+    }
+
+    /// `min..max` with `decimals` decimals.
+    fn range(&self, decimals: usize) -> String {
+        format!("{:.decimals$}..{:.decimals$}", self.min, self.max)
+    }
+
+    /// `median (min..max)` with `decimals` decimals.
+    fn text(&self, decimals: usize) -> String {
+        format!("{:.decimals$} ({})", self.median, self.range(decimals))
+    }
+}
+
+/// Refuses a count of 0 for any of `counts` (flag, value): a benchmark of no runs, tokens or
+/// steps would print a median of nothing or a rate of 0.
+fn at_least_one(counts: &[(&str, usize)]) -> Result<()> {
+    if let Some((flag, _)) = counts.iter().find(|(_, n)| *n == 0) {
+        bail!("{flag} 0 measures nothing: give {flag} 1 or more");
+    }
+    Ok(())
+}
+
 /// The device measured.
 #[derive(clap::Args)]
 struct DeviceArgs {
     /// Backend measured (as for `run`).
-    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    #[arg(long, value_parser = crate::exec::BackendParser, default_value = "auto")]
     backend: Backend,
     /// GPU adapter (as for `run`).
     #[arg(long)]
@@ -199,4 +236,19 @@ fn weight_bytes_json(model: &Model) -> serde_json::Value {
     let map: serde_json::Map<String, serde_json::Value> =
         model.weight_bytes().iter().map(|(f, b)| (f.name().to_string(), (*b).into())).collect();
     map.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spreads_and_counts() {
+        let s = Spread::of(&[3.0, 1.0, 2.0]);
+        assert_eq!(s, Spread { min: 1.0, median: 2.0, max: 3.0 });
+        assert_eq!(s.text(1), "2.0 (1.0..3.0)");
+        assert!(at_least_one(&[("--runs", 3), ("--steps", 1)]).is_ok());
+        let err = at_least_one(&[("--runs", 3), ("--steps", 0)]).unwrap_err().to_string();
+        assert_eq!(err, "--steps 0 measures nothing: give --steps 1 or more");
+    }
 }

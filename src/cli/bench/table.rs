@@ -37,6 +37,8 @@ pub struct TableArgs {
 
 /// Runs `kiln bench table`.
 pub fn run(args: TableArgs, reporter: &Reporter) -> Result<()> {
+    super::at_least_one(&[("--runs", args.runs)])?;
+    super::at_least_one(&args.seqs.iter().map(|&s| ("--seqs", s)).collect::<Vec<_>>())?;
     let device = args.device.open(reporter, args.json)?;
     let specs = match args.models.is_empty() {
         true => BUILT_IN.iter().map(|&(name, _)| Ok((name.to_string(), built_in(name)?.1))).collect(),
@@ -107,7 +109,7 @@ fn table(specs: &[(String, FrontEnd)], device: &Device, seqs: &[usize], runs: us
             let inputs = interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq)?;
             model.run(&inputs).with_context(|| format!("{path}: warm-up run at {seq} tokens"))?;
             let mut t = Vec::new();
-            for _ in 0..runs.max(1) {
+            for _ in 0..runs {
                 t.push(time_ms(|| model.run(&inputs).map(drop))?);
             }
             let decode_tok_s = match &mut session {
@@ -115,7 +117,7 @@ fn table(specs: &[(String, FrontEnd)], device: &Device, seqs: &[usize], runs: us
                     let vocab = fe.spec.spec.model.vocab as i64;
                     let ids: Vec<i64> = (0..seq as i64).map(|i| (i * 7919 + 13) % vocab).collect();
                     let mut rates = Vec::new();
-                    for _ in 0..runs.max(1) {
+                    for _ in 0..runs {
                         let (_, stats) =
                             generate(session, &ids, decode_steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
                         rates.push(stats.decode_tok_s());

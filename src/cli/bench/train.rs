@@ -35,7 +35,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Backends, side by side: `cpu`, `interp`, `wgpu` (comma-separated, or the flag repeated).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "cpu")]
+    #[arg(long, value_parser = crate::exec::BackendParser, value_delimiter = ',', default_value = "cpu")]
     backend: Vec<Backend>,
     /// Threads of the CPU backend.
     #[arg(long)]
@@ -57,7 +57,8 @@ pub struct TrainArgs {
     #[arg(long, conflicts_with = "recompute")]
     memory_budget: Option<Bytes>,
     /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
-    /// first backend at the top level, and every backend's in `rows`.
+    /// first backend at the top level, and every backend's in `rows` (with the fastest and slowest
+    /// runs' `ms_per_step_min`/`_max` and `tokens_per_s_min`/`_max`).
     #[arg(long)]
     json: bool,
 }
@@ -172,12 +173,13 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         .iter()
         .zip(times)
         .zip(&peaks)
-        .map(|(((name, trainer), mut t), peak)| {
-            t.sort_by(f64::total_cmp);
-            let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+        .map(|(((name, trainer), t), peak)| {
+            let s = super::Spread::of(&t);
             let (recomputed, blocks) = trainer.recomputed();
             serde_json::json!({
-                "backend": name, "ms_per_step": median * 1e3, "tokens_per_s": tokens / median, "peak_rss_mb": peak,
+                "backend": name, "ms_per_step": s.median * 1e3, "tokens_per_s": tokens / s.median, "peak_rss_mb": peak,
+                "ms_per_step_min": s.min * 1e3, "ms_per_step_max": s.max * 1e3,
+                "tokens_per_s_min": tokens / s.max, "tokens_per_s_max": tokens / s.min,
                 "recomputed_blocks": recomputed, "blocks": blocks,
             })
         })
@@ -201,7 +203,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         }));
     }
     reporter.info(format_args!(
-        "{}: batch {} x {} tokens, {} steps x {} runs (median), {threads} threads",
+        "{}: batch {} x {} tokens, {} steps x {} runs (median, fastest..slowest), {threads} threads",
         args.spec.display(),
         args.batch,
         args.seq,
@@ -216,11 +218,14 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     }
     for row in &rows {
         let peak = row["peak_rss_mb"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
+        let f = |key: &str| row[key].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:18} {:8.2} ms/step  {:9.0} tokens/s  peak {peak} MB",
+            "{:18} {:8.2} ms/step ({:.2}..{:.2})  {:9.0} tokens/s  peak {peak} MB",
             row["backend"].as_str().unwrap_or("?"),
-            row["ms_per_step"].as_f64().unwrap_or(f64::NAN),
-            row["tokens_per_s"].as_f64().unwrap_or(f64::NAN)
+            f("ms_per_step"),
+            f("ms_per_step_min"),
+            f("ms_per_step_max"),
+            f("tokens_per_s")
         );
     }
     for (name, ops) in &profiles {

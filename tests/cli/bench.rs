@@ -1,0 +1,67 @@
+//! `kiln bench`'s figures as a user reads them: the spread of the timed runs beside the median,
+//! counts of zero refused, and what a calibration off wgpu does with its figures.
+
+use crate::common::{fails_with, kiln, ok, stderr, stdout};
+
+/// Parses stdout as one JSON document.
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = ok(args);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("kiln {args:?}: not one JSON document ({e}):\n{out}"))
+}
+
+/// A timed figure's fastest, median and slowest runs are all given, in order.
+fn spread(v: &serde_json::Value, key: &str) {
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {v}"));
+    let (min, median, max) = (f(&format!("{key}_min")), f(key), f(&format!("{key}_max")));
+    assert!(min <= median && median <= max, "{key}: {min} {median} {max}");
+}
+
+/// `bench forward` and `bench decode` give the fastest and slowest runs beside the median (one
+/// noisy run is then seen as noise), in text and JSON, keeping the JSON fields other tools read.
+#[test]
+fn bench_prints_the_spread_of_its_runs() {
+    let small = ["models/llama.toml", "--backend", "cpu", "--runs", "3", "-q"];
+    let v = json(&[&["bench", "forward"][..], &small, &["--seq", "4", "--json"]].concat());
+    for variant in v["variants"].as_array().unwrap() {
+        spread(variant, "forward_ms");
+    }
+    let text = ok(&[&["bench", "forward"][..], &small, &["--seq", "4"]].concat());
+    assert!(text.contains("median of 3 runs, and its fastest..slowest") && text.contains("min..max ms"), "{text}");
+    let v = json(&[&["bench", "decode"][..], &small, &["--seq", "4", "--steps", "2", "--json"]].concat());
+    spread(&v, "prefill_tok_s");
+    spread(&v, "decode_tok_s");
+    let text = ok(&[&["bench", "decode"][..], &small, &["--seq", "4", "--steps", "2"]].concat());
+    assert!(text.contains("decode 2 steps:") && text.contains(".."), "{text}");
+}
+
+/// A count of zero measures nothing: refused by name before anything runs, never a "median of 0"
+/// or 0.00 tok/s.
+#[test]
+fn bench_refuses_counts_of_zero() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["forward", "models/llama.toml", "--runs", "0"], "--runs 0 measures nothing"),
+        (&["profile", "models/llama.toml", "--batch", "0"], "--batch 0 measures nothing"),
+        (&["decode", "models/llama.toml", "--steps", "0"], "--steps 0 measures nothing"),
+        (&["decode", "models/llama.toml", "--steps", "2", "--runs", "0"], "--runs 0"),
+        (&["decode", "models/llama.toml", "--steps", "2", "--seq", "0"], "--seq 0"),
+        (&["kernels", "--runs", "0"], "--runs 0"),
+        (&["attention", "--runs", "0"], "--runs 0"),
+        (&["table", "--runs", "0"], "--runs 0"),
+        (&["table", "--seqs", "32,0"], "--seqs 0"),
+    ];
+    for (args, needle) in cases {
+        fails_with(&[&["bench"][..], args, &["--backend", "cpu"]].concat(), &[needle]);
+    }
+}
+
+/// A CPU calibration measures and prints, and says that it caches nothing: the CPU's cost model
+/// is built in.
+#[test]
+fn cpu_calibration_says_it_caches_nothing() {
+    let o = kiln(&["bench", "calibrate", "--backend", "cpu", "-q"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("nothing cached: the `cpu` backend's cost model is built in"), "{}", stdout(&o));
+    let v = json(&["bench", "calibrate", "--backend", "cpu", "-q", "--json"]);
+    assert!(v["saved"].is_null(), "{v}");
+    assert!(v["note"].as_str().is_some_and(|n| n.contains("nothing cached")), "{v}");
+}
