@@ -217,7 +217,7 @@ impl<'de> Deserialize<'de> for Recompute {
         impl Visitor<'_> for RecomputeVisitor {
             type Value = Recompute;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("\"none\", \"all\", or a number of blocks")
+                f.write_str("\"none\", \"all\", or an integer (a number of blocks)")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Recompute, E> {
                 usize::try_from(v)
@@ -298,7 +298,7 @@ impl<'de> Deserialize<'de> for Bytes {
         impl Visitor<'_> for BytesVisitor {
             type Value = Bytes;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a number of bytes, or a size such as \"4GiB\"")
+                f.write_str("an integer (bytes), or a string of a size such as \"4GiB\"")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Bytes, E> {
                 Ok(Bytes(v))
@@ -886,8 +886,8 @@ frozen = ["model.embed_tokens.weight"]
             assert_eq!(r.memory_budget, Some(bytes), "{size}");
         }
         for (bad, says) in [
-            ("recompute = \"some\"", "expected \"none\", \"all\", or a number of blocks"),
-            ("recompute = -1", "expected \"none\", \"all\", or a number of blocks"),
+            ("recompute = \"some\"", "expected \"none\", \"all\", or an integer (a number of blocks)"),
+            ("recompute = -1", "expected \"none\", \"all\", or an integer (a number of blocks)"),
             ("memory_budget = \"4 parsecs\"", "a size such as \"4GiB\""),
             ("memory_budget = \"GiB\"", "a size such as \"4GiB\""),
         ] {

@@ -232,6 +232,55 @@ fn exp_shifted_avx2(xs: &mut [f32], max: f32) {
     exp_shifted_generic(xs, max)
 }
 
+/// A softmax over `row` in place: each exponential less the row's maximum, normalized by their
+/// sum taken in f64 (in eight running sums, then added in order), as the interpreter's softmax
+/// is up to the order of that sum and a multiplication by its reciprocal for the division (a
+/// unit in the last place of f32 at most).
+pub fn softmax(row: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
+        // Rust over the slice it is given (iterators, no unchecked access): no bound to state.
+        unsafe { softmax_avx2(row) };
+        return;
+    }
+    softmax_generic(row)
+}
+
+#[inline(always)]
+fn softmax_generic(row: &mut [f32]) {
+    // The maximum in eight lanes (a `fold` over `f32::max` does not vectorize).
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = row.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l = l.max(x);
+        }
+    }
+    let max = lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max);
+    apply_with(|x| exp(x - max), row);
+    let mut sums = [0.0f64; 8];
+    let chunks = row.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (s, &x) in sums.iter_mut().zip(chunk) {
+            *s += f64::from(x);
+        }
+    }
+    let sum: f64 = sums.iter().sum::<f64>() + rest.iter().map(|&x| f64::from(x)).sum::<f64>();
+    let inv = 1.0 / sum;
+    for x in row {
+        *x = (f64::from(*x) * inv) as f32;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_avx2(row: &mut [f32]) {
+    softmax_generic(row)
+}
+
 /// `xs[i] = a(xs[i])`.
 pub fn apply(a: Activation, xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]

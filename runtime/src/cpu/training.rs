@@ -121,7 +121,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             }
             y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len((MIN_ELEMENTS / d).max(1)).for_each(|(o, row)| {
                 o.copy_from_slice(row);
-                softmax_row(o);
+                super::math::softmax(o);
             });
             Ok(true)
         }
@@ -136,9 +136,8 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 return Ok(false);
             }
             scores.rows(y, |_, _, o, row, keep| {
-                for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
-                    *o = if keep.sees(ki) { v } else { f32::MIN };
-                }
+                o.copy_from_slice(row);
+                keep.hide(o);
             });
             Ok(true)
         }
@@ -154,15 +153,16 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             let slopes = alibi.then(|| kiln_compiler::semantics::alibi_slopes(scores.h));
             let scale = scale.0;
             scores.rows(y, |head, qi, o, row, keep| {
-                let slope = slopes.as_ref().map(|s| s[head]);
-                for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
-                    let mut v = v * scale;
-                    if let Some(slope) = slope {
-                        v += slope * (ki as f32 - qi as f32);
+                match slopes.as_ref().map(|s| s[head]) {
+                    Some(slope) => {
+                        for (ki, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+                            *o = v * scale + slope * (ki as f32 - qi as f32);
+                        }
                     }
-                    *o = if keep.sees(ki) { v } else { f32::MIN };
+                    None => o.iter_mut().zip(row).for_each(|(o, &v)| *o = v * scale),
                 }
-                softmax_row(o);
+                keep.hide(o);
+                super::math::softmax(o);
             });
             Ok(true)
         }
@@ -408,15 +408,6 @@ fn matrices(shape: &[usize]) -> Option<(usize, usize, usize)> {
     Some((lead.iter().product(), rows, cols))
 }
 
-/// A softmax over `row` in place: each exponential less the row's maximum, summed in f64, as the
-/// interpreter does.
-fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    super::math::exp_shifted(row, max);
-    let sum: f64 = row.iter().map(|&v| f64::from(v)).sum();
-    row.iter_mut().for_each(|v| *v = (f64::from(*v) / sum) as f32);
-}
-
 /// Attention scores `[b, h, q, k]` (the queries the last `q` of the `k` positions) and what hides a
 /// key from a query: the causal mask, the sliding window, the key mask (`[b, k]`, 0 = hidden).
 struct Scores<'a> {
@@ -470,8 +461,13 @@ struct Keep<'a> {
 }
 
 impl Keep<'_> {
-    #[inline(always)]
-    fn sees(self, key: usize) -> bool {
-        (self.lo..self.hi).contains(&key) && self.mask.is_none_or(|m| m[key] != 0.0)
+    /// The most negative float at every key of the row `o` the query does not see.
+    fn hide(self, o: &mut [f32]) {
+        let len = o.len();
+        o.iter_mut().take(self.lo).for_each(|v| *v = f32::MIN);
+        o.iter_mut().skip(self.hi.min(len)).for_each(|v| *v = f32::MIN);
+        if let Some(mask) = self.mask {
+            o.iter_mut().zip(mask).filter(|(_, m)| **m == 0.0).for_each(|(v, _)| *v = f32::MIN);
+        }
     }
 }

@@ -124,6 +124,10 @@ pub struct Update<'a> {
     pub value: &'a mut [f32],
     /// The loss's gradient with respect to it, as many elements as `value`.
     pub grad: &'a mut [f32],
+    /// The factor the optimizers read `grad` with: [`clip_grad_norm`]'s scaling, applied as the
+    /// update reads each element (`grad * scale`, the same f32 product a pass of its own would
+    /// store) rather than in a pass of its own over every gradient. 1 unless clipped.
+    pub scale: f32,
 }
 
 impl<'a> Update<'a> {
@@ -136,7 +140,12 @@ impl<'a> Update<'a> {
         let not_f32 = |what: &str| OptimError::Tensor { name: name.into(), why: format!("the {what} is not f32") };
         let Data::F32(value) = &mut value.data else { return Err(not_f32("parameter")) };
         let Data::F32(grad) = &mut grad.data else { return Err(not_f32("gradient")) };
-        Ok(Update { name, value, grad })
+        Ok(Update::new(name, value, grad))
+    }
+
+    /// An update of `value` by `grad`, unscaled.
+    pub fn new(name: &'a str, value: &'a mut [f32], grad: &'a mut [f32]) -> Update<'a> {
+        Update { name, value, grad, scale: 1.0 }
     }
 }
 
@@ -178,9 +187,8 @@ fn check_updates<'s>(
 pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Result<f64, OptimError> {
     // Squares summed in f64 in pieces of a fixed size (so the sum is the same on any number of
     // threads), the pieces' sums then added in order.
-    let pieces: Vec<&[f32]> = updates.iter().flat_map(|u| u.grad.chunks(PIECE)).collect();
-    let sums: Vec<f64> =
-        pieces.par_iter().map(|p| p.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()).collect();
+    let pieces: Vec<(&[f32], f32)> = updates.iter().flat_map(|u| u.grad.chunks(PIECE).map(|p| (p, u.scale))).collect();
+    let sums: Vec<f64> = pieces.par_iter().map(|&(p, scale)| sum_of_squares(p, scale)).collect();
     let sum: f64 = sums.iter().sum();
     let norm = sum.sqrt();
     if !norm.is_finite() {
@@ -191,12 +199,31 @@ pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Resu
     if let Some(max_norm) = max_norm {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
-            let coef = coef as f32;
-            let mut pieces: Vec<&mut [f32]> = updates.iter_mut().flat_map(|u| u.grad.chunks_mut(PIECE)).collect();
-            pieces.par_iter_mut().for_each(|p| p.iter_mut().for_each(|g| *g *= coef));
+            // Read by the update (see `Update::scale`).
+            updates.iter_mut().for_each(|u| u.scale *= coef as f32);
         }
     }
     Ok(norm)
+}
+
+/// The sum of the squares of `xs * scale` (each product in f32, as the update reads it), in f64:
+/// eight running sums over the elements in turn (so the additions overlap), then added in order.
+fn sum_of_squares(xs: &[f32], scale: f32) -> f64 {
+    let mut sums = [0.0f64; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (s, &x) in sums.iter_mut().zip(chunk) {
+            let g = f64::from(x * scale);
+            *s += g * g;
+        }
+    }
+    let mut sum: f64 = sums.iter().sum();
+    for &x in rest {
+        let g = f64::from(x * scale);
+        sum += g * g;
+    }
+    sum
 }
 
 /// One parameter's AdamW moments.
@@ -260,11 +287,13 @@ impl AdamW {
                 return Err(OptimError::UnknownParam { name: u.name.into() });
             };
             let decay = if slot.decay && self.weight_decay != 0.0 { Some(decay) } else { None };
+            let scale = u.scale;
             // Element by element (the pieces split over the threads change nothing).
             let pieces = u.value.par_chunks_mut(PIECE).zip(u.grad.par_chunks(PIECE));
             pieces.zip(slot.m.par_chunks_mut(PIECE).zip(slot.v.par_chunks_mut(PIECE))).for_each(
                 |((ps, gs), (ms, vs))| {
                     for ((p, &g), (m, v)) in ps.iter_mut().zip(gs).zip(ms.iter_mut().zip(vs.iter_mut())) {
+                        let g = g * scale;
                         if let Some(decay) = decay {
                             *p *= decay;
                         }
@@ -397,7 +426,8 @@ impl Sgd {
             let Some(slot) = self.slots.get_mut(u.name) else {
                 return Err(OptimError::UnknownParam { name: u.name.into() });
             };
-            let mut g = u.grad.to_vec();
+            let scale = u.scale;
+            let mut g: Vec<f32> = u.grad.iter().map(|&g| g * scale).collect();
             if slot.decay && self.weight_decay != 0.0 {
                 g.iter_mut().zip(u.value.iter()).for_each(|(g, &p)| *g += wd * p);
             }
@@ -661,7 +691,7 @@ mod tests {
                 .iter()
                 .zip(self.values.iter_mut().zip(grads.iter_mut()))
                 .filter(|(name, _)| trainable.iter().any(|t| t == *name))
-                .map(|(name, (value, grad))| Update { name, value, grad })
+                .map(|(name, (value, grad))| Update { name, value, grad, scale: 1.0 })
                 .collect();
             let norm = clip_grad_norm(&mut updates, clip).unwrap();
             opt.step(lr, &mut updates).unwrap();
@@ -732,8 +762,8 @@ mod tests {
             let (mut w, mut b, mut gw, mut gb) =
                 (vec![1.0f32, 2.0], vec![1.0f32, 2.0], vec![0.0f32; 2], vec![0.0f32; 2]);
             let mut updates = [
-                Update { name: "w", value: &mut w, grad: &mut gw },
-                Update { name: "b", value: &mut b, grad: &mut gb },
+                Update { name: "w", value: &mut w, grad: &mut gw, scale: 1.0 },
+                Update { name: "b", value: &mut b, grad: &mut gb, scale: 1.0 },
             ];
             adam.step(0.1, &mut updates).unwrap();
             assert_eq!(w, [0.95, 1.9]);
@@ -766,7 +796,7 @@ mod tests {
         let mut sgd = Sgd::new(plain.momentum, 0.0);
         sgd.add_param("x", &[2], false);
         let (mut x, mut g) = (vec![1.0f32, -1.0], vec![0.5f32, 0.25]);
-        sgd.step(0.5, &mut [Update { name: "x", value: &mut x, grad: &mut g }]).unwrap();
+        sgd.step(0.5, &mut [Update { name: "x", value: &mut x, grad: &mut g, scale: 1.0 }]).unwrap();
         assert_eq!(x, [0.75, -1.125]);
         assert_eq!(sgd.state().len(), 1, "no buffers without momentum");
     }
@@ -778,26 +808,31 @@ mod tests {
         for (clip, scaled) in [(None, false), (Some(20.0), false), (Some(13.5), false), (Some(1.0), true)] {
             let (mut ga, mut gb) = fresh();
             let mut updates = [
-                Update { name: "a", value: &mut a, grad: &mut ga },
-                Update { name: "b", value: &mut b, grad: &mut gb },
+                Update { name: "a", value: &mut a, grad: &mut ga, scale: 1.0 },
+                Update { name: "b", value: &mut b, grad: &mut gb, scale: 1.0 },
             ];
             let norm = clip_grad_norm(&mut updates, clip).unwrap();
             assert_eq!(norm, 13.0);
             let coef = if scaled { (1.0 / (13.0 + 1e-6)) as f32 } else { 1.0 };
-            assert_eq!((ga, gb), (vec![3.0 * coef, 4.0 * coef], vec![12.0 * coef]), "{clip:?}");
+            // The gradients as the update reads them: each times the scale.
+            let read: Vec<Vec<f32>> = updates.iter().map(|u| u.grad.iter().map(|g| g * u.scale).collect()).collect();
+            assert_eq!(read, [vec![3.0 * coef, 4.0 * coef], vec![12.0 * coef]], "{clip:?}");
+            assert_eq!((ga, gb), fresh(), "the gradients themselves are left as they are");
         }
         // After clipping the norm is the maximum (to f32 precision).
         let (mut ga, mut gb) = fresh();
-        let mut updates =
-            [Update { name: "a", value: &mut a, grad: &mut ga }, Update { name: "b", value: &mut b, grad: &mut gb }];
+        let mut updates = [
+            Update { name: "a", value: &mut a, grad: &mut ga, scale: 1.0 },
+            Update { name: "b", value: &mut b, grad: &mut gb, scale: 1.0 },
+        ];
         clip_grad_norm(&mut updates, Some(2.0)).unwrap();
         assert!((clip_grad_norm(&mut updates, None).unwrap() - 2.0).abs() < 1e-6);
         // A non-finite gradient is reported by parameter and leaves the gradients alone.
         for bad in [f32::NAN, f32::INFINITY] {
             let (mut ga, mut gb) = (vec![3.0f32, 4.0], vec![bad]);
             let mut updates = [
-                Update { name: "a", value: &mut a, grad: &mut ga },
-                Update { name: "b", value: &mut b, grad: &mut gb },
+                Update { name: "a", value: &mut a, grad: &mut ga, scale: 1.0 },
+                Update { name: "b", value: &mut b, grad: &mut gb, scale: 1.0 },
             ];
             let err = clip_grad_norm(&mut updates, Some(1.0)).unwrap_err();
             assert!(matches!(&err, OptimError::NonFiniteGrad { param, norm, .. } if param == "b" && !norm.is_finite()));
@@ -887,18 +922,20 @@ mod tests {
         adam.add_param("b", &[1], false);
         let before = adam.clone();
         let (mut a, mut ga, mut b, mut gb) = (vec![1.0f32; 2], vec![1.0f32; 2], vec![1.0f32], vec![1.0f32]);
-        let err = adam.step(0.1, &mut [Update { name: "a", value: &mut a, grad: &mut ga }]).unwrap_err();
+        let err = adam.step(0.1, &mut [Update { name: "a", value: &mut a, grad: &mut ga, scale: 1.0 }]).unwrap_err();
         assert_eq!(err.to_string(), "parameter `b` has no gradient in this step; every trainable parameter needs one");
-        let mut two_a =
-            [Update { name: "a", value: &mut a, grad: &mut ga }, Update { name: "a", value: &mut b, grad: &mut gb }];
+        let mut two_a = [
+            Update { name: "a", value: &mut a, grad: &mut ga, scale: 1.0 },
+            Update { name: "a", value: &mut b, grad: &mut gb, scale: 1.0 },
+        ];
         assert!(matches!(adam.step(0.1, &mut two_a), Err(OptimError::DuplicateParam { .. })));
         let (mut c, mut gc) = (vec![1.0f32], vec![1.0f32]);
-        let err = adam.step(0.1, &mut [Update { name: "c", value: &mut c, grad: &mut gc }]).unwrap_err();
+        let err = adam.step(0.1, &mut [Update { name: "c", value: &mut c, grad: &mut gc, scale: 1.0 }]).unwrap_err();
         assert!(matches!(err, OptimError::UnknownParam { .. }));
         let (mut short, mut gshort) = (vec![1.0f32], vec![1.0f32]);
         let mut updates = [
-            Update { name: "a", value: &mut a, grad: &mut gshort },
-            Update { name: "b", value: &mut short, grad: &mut gb },
+            Update { name: "a", value: &mut a, grad: &mut gshort, scale: 1.0 },
+            Update { name: "b", value: &mut short, grad: &mut gb, scale: 1.0 },
         ];
         let err = adam.step(0.1, &mut updates).unwrap_err();
         assert_eq!(err.to_string(), "parameter `a`: the gradient has 1 elements, expected 2");
