@@ -18,7 +18,9 @@ mod progress;
 mod report;
 mod view;
 
-use cli::{bench, check, compile, diff, embed, eval, generate, import, init, inspect, plot, run, train};
+use cli::{
+    bench, chat, check, compile, diff, embed, eval, generate, import, init, inspect, plot, run, tokenize, train,
+};
 use progress::Reporter;
 
 #[derive(Parser)]
@@ -51,6 +53,11 @@ enum Command {
     Run(run::RunArgs),
     /// Generate tokens from a decoder with a key/value cache, streaming them as they come.
     Generate(generate::GenerateArgs),
+    /// Chat with a decoder: a conversation kept across turns, rendered with its chat template,
+    /// answers streamed (`/reset`, `/system`, `/help`, `/exit`; Ctrl-C stops an answer).
+    Chat(chat::ChatArgs),
+    /// Show how a model's tokenizer splits a text: token ids and pieces (or the text of ids).
+    Tokenize(tokenize::TokenizeArgs),
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
     /// vectors.
     Embed(embed::EmbedArgs),
@@ -78,6 +85,7 @@ impl Command {
             Command::Train(args) => Some(args.model()),
             Command::Eval(args) => Some(args.model()),
             Command::Generate(args) => Some(args.spec()),
+            Command::Chat(args) => Some(args.spec()),
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
@@ -86,7 +94,8 @@ impl Command {
             | Command::Inspect(_)
             | Command::Compile(_)
             | Command::Import(_)
-            | Command::Diff(_) => None,
+            | Command::Diff(_)
+            | Command::Tokenize(_) => None,
         }
     }
 
@@ -95,6 +104,7 @@ impl Command {
         match self {
             Command::Run(args) => args.print_spec(),
             Command::Generate(args) => args.print_spec(),
+            Command::Chat(args) => args.print_spec(),
             Command::Embed(args) => args.print_spec(),
             _ => false,
         }
@@ -115,6 +125,8 @@ impl Command {
             Command::Eval(args) => eval::run(args, reporter),
             Command::Plot(args) => plot::run(args),
             Command::Generate(args) => generate::run(args, reporter),
+            Command::Chat(args) => chat::run(args, reporter),
+            Command::Tokenize(args) => tokenize::run(args),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),
         }

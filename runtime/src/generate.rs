@@ -66,6 +66,12 @@ impl Session {
         self
     }
 
+    /// Replaces what every step reads besides the tokens and the cache (a new source's encoding);
+    /// the cache is the caller's to [`reset`](Self::reset).
+    pub fn set_memory(&mut self, memory: Memory) {
+        self.memory = memory;
+    }
+
     /// Runs `ids` after the cached tokens; returns the logits of the last one. On an error the
     /// session is as it was.
     pub fn forward(&mut self, ids: &[i64]) -> R<Vec<f32>> {
@@ -170,10 +176,25 @@ pub fn generate(
     max_new: usize,
     sampler: &mut Sampler,
     stop: &[i64],
+    on_token: impl FnMut(i64) -> bool,
+) -> R<(Vec<i64>, Stats)> {
+    generate_after(session, &[], prompt, max_new, sampler, stop, on_token)
+}
+
+/// [`generate`] in a session whose cache already holds `context` (an earlier turn of a chat):
+/// only `prompt` runs, but the sampler's repetition penalty sees `context` too, as it would had
+/// the whole sequence run as one prompt.
+pub fn generate_after(
+    session: &mut Session,
+    context: &[i64],
+    prompt: &[i64],
+    max_new: usize,
+    sampler: &mut Sampler,
+    stop: &[i64],
     mut on_token: impl FnMut(i64) -> bool,
 ) -> R<(Vec<i64>, Stats)> {
     let mut stats = Stats { prompt_tokens: prompt.len(), ..Stats::default() };
-    let mut seen = prompt.to_vec();
+    let mut seen = [context, prompt].concat();
     let mut out = Vec::new();
     if max_new == 0 {
         return Ok((out, stats));

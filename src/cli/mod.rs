@@ -4,6 +4,7 @@
 //! `progress` and `report`: what it says).
 
 pub mod bench;
+pub mod chat;
 pub mod check;
 pub mod compile;
 pub mod diff;
@@ -15,4 +16,5 @@ pub mod init;
 pub mod inspect;
 pub mod plot;
 pub mod run;
+pub mod tokenize;
 pub mod train;
