@@ -12,6 +12,7 @@ mod atomic_writes;
 mod bad_inputs;
 mod bad_weights;
 mod bench;
+mod chat;
 mod commands;
 mod faults;
 mod init;
