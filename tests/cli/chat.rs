@@ -334,3 +334,20 @@ fn chat_ctrl_c_stops_the_answer_then_the_session() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "{status:?}");
 }
+
+/// A real conversation: SmolLM2-135M-Instruct's GGUF, its own tokenizer and chat template, two
+/// questions through one key/value cache, each answered right (greedily, as `examples/chat`).
+#[test]
+fn chat_with_smollm2_answers_two_questions() {
+    let gguf = fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let args = ["chat", s(&gguf), "--greedy", "--max-new-tokens", "24", "--backend", "cpu"];
+    let o = with_stdin(&args, "What is the capital of France?\nAnd what is the capital of Germany?\n");
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{err}");
+    let answers: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(answers.first().is_some_and(|a| a.contains("Paris")), "{out}\n{err}");
+    assert!(answers.iter().skip(1).any(|a| a.contains("Berlin")), "{out}\n{err}");
+    let seen = turns(&err);
+    assert_eq!(seen.len(), 2, "{err}");
+    assert!(seen[1].1 > seen[0].0, "the second turn runs after the first, cached: {seen:?}");
+}
