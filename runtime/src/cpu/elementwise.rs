@@ -5,9 +5,10 @@
 //! enough of them to pay for it.
 
 use super::cache::CacheBuf;
+use super::math::{layer_norm_row, rms_norm_row};
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::semantics::{layer_norm_row, rms_norm_row, rope_frequencies, rotate};
+use kiln_compiler::semantics::{rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Rows handed to one task at least (a decode step's few rows stay on one thread).

@@ -15,11 +15,12 @@
 //! 3. **Epilogue**: per output row, while it is in cache: bias, activation or gate, RoPE on the
 //!    rotated columns (at the row's position after `past` cached tokens), residual.
 
+use super::math::{layer_norm_row, rms_norm_row};
 use super::qdot::{self, Q8Acts};
 use super::qdot_f32;
 use super::{Arg, CpuError, R};
 use kiln_compiler::graph::Op;
-use kiln_compiler::semantics::{activation, layer_norm_row, rms_norm_row, rope_frequencies, rotate};
+use kiln_compiler::semantics::{activation, rope_frequencies, rotate};
 use rayon::prelude::*;
 
 /// Weight rows one task computes (for every row of `x`): 64 rows of a 576-wide Q4_1 weight are

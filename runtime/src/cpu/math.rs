@@ -260,16 +260,7 @@ fn softmax_generic(row: &mut [f32]) {
     }
     let max = lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max);
     apply_with(|x| exp(x - max), row);
-    let mut sums = [0.0f64; 8];
-    let chunks = row.chunks_exact(8);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (s, &x) in sums.iter_mut().zip(chunk) {
-            *s += f64::from(x);
-        }
-    }
-    let sum: f64 = sums.iter().sum::<f64>() + rest.iter().map(|&x| f64::from(x)).sum::<f64>();
-    let inv = 1.0 / sum;
+    let inv = 1.0 / sum_f64(row, f64::from);
     for x in row {
         *x = (f64::from(*x) * inv) as f32;
     }
@@ -279,6 +270,67 @@ fn softmax_generic(row: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 fn softmax_avx2(row: &mut [f32]) {
     softmax_generic(row)
+}
+
+/// The sum of `f(x)` over `xs`, in f64: eight running sums over the elements in turn (so the
+/// additions overlap rather than each waiting on the one before), then added in order. The
+/// interpreter sums in one running sum; the two differ in the last bits of an f64.
+#[inline(always)]
+pub fn sum_f64(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    let mut sums = [0.0f64; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (s, &x) in sums.iter_mut().zip(chunk) {
+            *s += f(x);
+        }
+    }
+    sums.iter().sum::<f64>() + rest.iter().map(|&x| f(x)).sum::<f64>()
+}
+
+/// [`sum_f64`] of `f(a, b)` over two rows of one length.
+#[inline(always)]
+pub fn sum2_f64(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f64) -> f64 {
+    let mut sums = [0.0f64; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| f(x, y)).sum();
+    for (ca, cb) in ca.zip(cb) {
+        for ((s, &x), &y) in sums.iter_mut().zip(ca).zip(cb) {
+            *s += f(x, y);
+        }
+    }
+    sums.iter().sum::<f64>() + rest
+}
+
+/// LayerNorm of one row in place: [`kiln_compiler::semantics::layer_norm_row`], its statistics
+/// summed as [`sum_f64`] sums.
+pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {
+    let d = row.len().max(1) as f64;
+    let mean = sum_f64(row, f64::from) / d;
+    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / d;
+    let inv = 1.0 / (var + f64::from(eps)).sqrt();
+    match bias {
+        Some(bias) => {
+            for ((v, &g), &b) in row.iter_mut().zip(gain).zip(bias) {
+                *v = ((f64::from(*v) - mean) * inv) as f32 * g + b;
+            }
+        }
+        None => {
+            for (v, &g) in row.iter_mut().zip(gain) {
+                *v = ((f64::from(*v) - mean) * inv) as f32 * g + 0.0;
+            }
+        }
+    }
+}
+
+/// RMSNorm of one row in place: [`kiln_compiler::semantics::rms_norm_row`], its mean square
+/// summed as [`sum_f64`] sums.
+pub fn rms_norm_row(row: &mut [f32], gain: &[f32], eps: f32) {
+    let ms = sum_f64(row, |v| f64::from(v).powi(2)) / row.len().max(1) as f64;
+    let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
+    for (v, &g) in row.iter_mut().zip(gain) {
+        *v = *v * inv * g;
+    }
 }
 
 /// `xs[i] = a(xs[i])`.

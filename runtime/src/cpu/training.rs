@@ -8,6 +8,7 @@
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 
 use super::linear::{gemm_at_b, gemm_f32};
+use super::math::sum_f64;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
 use rayon::prelude::*;
@@ -308,8 +309,8 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 .with_min_len((MIN_ELEMENTS / d).max(1))
                 .map(|row| {
                     let n = d as f64;
-                    let mean = if rms { 0.0 } else { row.iter().map(|&v| f64::from(v)).sum::<f64>() / n };
-                    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+                    let mean = if rms { 0.0 } else { sum_f64(row, f64::from) / n };
+                    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / n;
                     (mean, 1.0 / (var + eps).sqrt())
                 })
                 .collect();
@@ -362,15 +363,21 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 .with_min_len((MIN_ELEMENTS / d).max(1))
                 .for_each(|(o, (row, dy))| {
                     let n = d as f64;
-                    let mean = if rms { 0.0 } else { row.iter().map(|&v| f64::from(v)).sum::<f64>() / n };
-                    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+                    let mean = if rms { 0.0 } else { sum_f64(row, f64::from) / n };
+                    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / n;
                     let r = 1.0 / (var + eps).sqrt();
-                    let (mut sg, mut sgx) = (0.0f64, 0.0f64);
-                    for ((&v, &dy), &g) in row.iter().zip(dy).zip(gain) {
-                        let gx = f64::from(dy) * f64::from(g);
-                        sg += gx;
-                        sgx += gx * (f64::from(v) - mean) * r;
+                    // `gx = dy * gain`, summed alone and times the normalized row, in eight
+                    // running sums each (as `sum_f64`).
+                    let (mut sg, mut sgx) = ([0.0f64; 8], [0.0f64; 8]);
+                    let lanes = row.chunks(8).zip(dy.chunks(8)).zip(gain.chunks(8));
+                    for ((row, dy), gain) in lanes {
+                        for ((((&v, &dy), &g), sg), sgx) in row.iter().zip(dy).zip(gain).zip(&mut sg).zip(&mut sgx) {
+                            let gx = f64::from(dy) * f64::from(g);
+                            *sg += gx;
+                            *sgx += gx * (f64::from(v) - mean) * r;
+                        }
                     }
+                    let (sg, sgx) = (sg.iter().sum::<f64>(), sgx.iter().sum::<f64>());
                     let (mg, mgx) = (if rms { 0.0 } else { sg / n }, sgx / n);
                     for (((o, &v), &dy), &g) in o.iter_mut().zip(row).zip(dy).zip(gain) {
                         let gx = f64::from(dy) * f64::from(g);
