@@ -13,10 +13,10 @@ use crate::exec::Exec;
 use crate::model_file::{ModelFile, is_gguf, tokenizer_beside, tokenizer_for, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
-use kiln_runtime::Tokenizer;
-use kiln_runtime::weights::Checkpoint;
 use kiln_compiler::spec::{BlockKind, Pooling as SpecPooling};
 use kiln_compiler::tensor::Tensor;
+use kiln_runtime::Tokenizer;
+use kiln_runtime::weights::Checkpoint;
 use std::path::{Path, PathBuf};
 
 /// Values printed per embedding without `--full`.
@@ -170,7 +170,8 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
         (None, None) => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
     };
     let max_len = usize::try_from(max_len).unwrap_or(usize::MAX).min(fe.spec.spec.model.max_positions as usize);
-    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec).or_else(|| tokenizer_beside(&weights)) {
+    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec).or_else(|| tokenizer_beside(&weights))
+    {
         Some(path) => path,
         None if is_gguf(&weights)? => weights.clone(),
         None => bail!(
