@@ -139,7 +139,8 @@ fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure
             pipeline.config.display()
         )));
     }
-    Ok(Some(SentencePooling { normalize: pipeline.normalize, max_seq_length: pipeline.max_seq_length }))
+    let normalize = pipeline.normalize.unwrap_or(false);
+    Ok(Some(SentencePooling { normalize, max_seq_length: pipeline.max_seq_length }))
 }
 
 /// A sentence-transformers pipeline around a model: how it pools and whether it normalizes.
@@ -150,8 +151,9 @@ pub struct SentencePipeline {
     pub modes: Vec<String>,
     /// The `Pooling` module's config file.
     pub config: PathBuf,
-    /// A `Normalize` module follows the pooling.
-    pub normalize: bool,
+    /// Whether a `Normalize` module follows the pooling: from `modules.json`; without it, true
+    /// where a `2_Normalize` directory is, else unknown.
+    pub normalize: Option<bool>,
     /// The longest input the pipeline embeds (`sentence_bert_config.json`: `max_seq_length`).
     pub max_seq_length: Option<u64>,
 }
@@ -169,9 +171,9 @@ pub fn sentence_pipeline(dir: &Path) -> Result<Option<SentencePipeline>, ImportF
         let kind = |m: &serde_json::Value| m.get("type").and_then(|t| t.as_str()).unwrap_or("").to_string();
         let Some(pooling) = list.iter().find(|m| kind(m).ends_with(".Pooling")) else { return Ok(None) };
         let normalize = list.iter().any(|m| kind(m).ends_with(".Normalize"));
-        (pooling.get("path").and_then(|p| p.as_str()).unwrap_or("1_Pooling").to_string(), normalize)
+        (pooling.get("path").and_then(|p| p.as_str()).unwrap_or("1_Pooling").to_string(), Some(normalize))
     } else if dir.join("1_Pooling/config.json").is_file() {
-        ("1_Pooling".to_string(), dir.join("2_Normalize").is_dir())
+        ("1_Pooling".to_string(), dir.join("2_Normalize").is_dir().then_some(true))
     } else {
         return Ok(None);
     };

@@ -102,30 +102,31 @@ pub enum Pooling {
 }
 
 /// What a sentence-transformers pipeline beside the model says (`None` each where it says
-/// nothing): its pooling, its normalization, its longest input.
-#[derive(Default)]
+/// nothing): its pooling (an error for one kiln does not do: `max_tokens`, several modes
+/// concatenated, which `--pooling` replaces), its normalization, its longest input.
 struct Pipeline {
-    pooling: Option<Pooling>,
+    pooling: Result<Option<Pooling>, String>,
     normalize: Option<bool>,
     max_seq_length: Option<u64>,
 }
 
-/// The sentence-transformers pipeline in `dir`, if any; a pooling kiln does not do (`max_tokens`,
-/// several modes concatenated) is an error that says to choose one with `--pooling`.
+/// The sentence-transformers pipeline in `dir`, if any.
 fn pipeline(dir: &Path) -> Result<Pipeline> {
-    let Some(p) = kiln_runtime::import::sentence_pipeline(dir)? else { return Ok(Pipeline::default()) };
+    let Some(p) = kiln_runtime::import::sentence_pipeline(dir)? else {
+        return Ok(Pipeline { pooling: Ok(None), normalize: None, max_seq_length: None });
+    };
     let pooling = match p.modes.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
-        [] => None,
-        ["mean_tokens"] => Some(Pooling::Mean),
-        ["cls_token"] => Some(Pooling::Cls),
-        ["lasttoken"] => Some(Pooling::Last),
-        modes => bail!(
+        [] => Ok(None),
+        ["mean_tokens"] => Ok(Some(Pooling::Mean)),
+        ["cls_token"] => Ok(Some(Pooling::Cls)),
+        ["lasttoken"] => Ok(Some(Pooling::Last)),
+        modes => Err(format!(
             "`{}` pools by {}, which kiln embed does not do: choose one with --pooling mean|cls|last|none",
             p.config.display(),
             modes.iter().map(|m| format!("`pooling_mode_{m}`")).collect::<Vec<_>>().join(" + ")
-        ),
+        )),
     };
-    Ok(Pipeline { pooling, normalize: Some(p.normalize), max_seq_length: p.max_seq_length })
+    Ok(Pipeline { pooling, normalize: p.normalize, max_seq_length: p.max_seq_length })
 }
 
 /// Runs `kiln embed`, showing the loading on `reporter`.
@@ -140,7 +141,11 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     };
     let outputs = &model.fe.spec.spec.outputs;
     let kind = model.fe.spec.spec.model.kind;
-    let pooling = match args.pooling.or(st.pooling) {
+    let configured = match args.pooling {
+        Some(p) => Some(p),
+        None => st.pooling.map_err(anyhow::Error::msg)?,
+    };
+    let pooling = match configured {
         Some(p) => p,
         None if outputs.pooling == SpecPooling::Mean => Pooling::Mean,
         None if kind == BlockKind::Decoder => Pooling::Last,

@@ -25,7 +25,8 @@ pub fn run(args: FetchArgs) -> Result<()> {
     for name in &names {
         if models::find_fetchable(name)?.is_none() {
             let known: Vec<String> = fetchable.iter().map(|(n, f)| format!("{n} ({})", f.alias)).collect();
-            let near = kiln_compiler::diag::did_you_mean(name, fetchable.keys().map(String::as_str))
+            let candidates = fetchable.iter().flat_map(|(n, f)| [n.as_str(), f.alias.as_str()]);
+            let near = kiln_compiler::diag::did_you_mean(name, candidates)
                 .map(|n| format!("did you mean `{n}`? "))
                 .unwrap_or_default();
             bail!("no model `{name}` to fetch: {near}known: {}", known.join(", "));
