@@ -28,6 +28,9 @@ fn check_a_builtin_name_from_outside_the_checkout() {
         let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(json["model"], name, "{json}");
     }
+    // Every command that reads a spec takes a name: two of them at once.
+    let o = kiln_in(&dir, None, &["diff", "gpt2", "bloom", "--json"]);
+    assert!(o.status.success(), "kiln diff gpt2 bloom: {}", stderr(&o));
     // A misspelt name is neither a file nor a built-in spec: the nearest name is suggested.
     let o = kiln_in(&dir, None, &["check", "gtp2"]);
     let err = stderr(&o);
