@@ -132,7 +132,7 @@ impl Command {
             Command::Generate(args) => generate::run(args, reporter),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),
-            Command::New(args) => new::run(args),
+            Command::New(args) => new::run(args, reporter),
             Command::List(args) => list::run(args),
             Command::Fetch(args) => fetch::run(args),
         }

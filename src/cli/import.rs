@@ -84,7 +84,7 @@ fn with_weights_path(text: &str, weights: &Path, output: Option<&Path>, reporter
         return text.to_string();
     };
     let line = format!(
-        "path = {}{}# kiln import: the checkpoint (relative to this file; --weights overrides it)",
+        "path = {}{}# kiln import: the checkpoint's weights (--weights overrides them)",
         toml::Value::String(recorded.to_string()),
         " ".repeat(4)
     );

@@ -2,6 +2,7 @@
 //! of a built-in spec (`--from gpt2`), printed or written to a file.
 
 use crate::models;
+use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
@@ -21,8 +22,8 @@ pub struct NewArgs {
     force: crate::output::Force,
 }
 
-/// Runs `kiln new`.
-pub fn run(args: NewArgs) -> Result<()> {
+/// Runs `kiln new`, saying on `reporter` where the spec went.
+pub fn run(args: NewArgs, reporter: &Reporter) -> Result<()> {
     if let Some(path) = &args.output {
         crate::output::check("--output", path, &[], args.force.force)?;
     }
@@ -41,7 +42,7 @@ pub fn run(args: NewArgs) -> Result<()> {
         Some(path) => {
             kiln_compiler::file::write_atomic(path, text.as_bytes())
                 .with_context(|| format!("cannot write `{}`", path.display()))?;
-            eprintln!("wrote `{}`: check it with `kiln check {}`", path.display(), path.display());
+            reporter.info(format_args!("wrote `{}`: check it with `kiln check {}`", path.display(), path.display()));
         }
         None => print!("{text}"),
     }
