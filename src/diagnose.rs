@@ -1,7 +1,8 @@
 //! Errors that belong to a line of the spec. A tensor the weight map names wrongly (missing from
 //! the checkpoint, misshapen, or not storable in its quantized form) is the fault of a weight-map
 //! entry: it is rendered like a spec error, at that entry in `[weights.tensors]`, or at
-//! `weights.preset` when the entry is the preset's (for an artifact, in the spec it stores).
+//! `weights.preset` when the entry is the preset's (for an artifact, in the spec it stores; for a
+//! built-in name, in the built-in spec).
 
 use kiln_compiler::diag::Diagnostic;
 use kiln_compiler::spec::SpanIndex;
@@ -31,7 +32,10 @@ pub fn weight_error(err: &anyhow::Error, spec: &Path) -> Option<String> {
             let art = kiln_compiler::artifact::Artifact::read(spec).ok()?;
             (art.spec_file, art.spec_source)
         }
-        false => (spec.display().to_string(), std::fs::read_to_string(spec).ok()?),
+        false => match crate::models::builtin_name(spec) {
+            Some(name) => (crate::models::label(name), crate::models::spec(name)?.to_string()),
+            None => (spec.display().to_string(), std::fs::read_to_string(spec).ok()?),
+        },
     };
     let resolved = kiln_compiler::spec::load(&file, &source).ok()?;
     let entry = resolved.weights.resolve(param)?;

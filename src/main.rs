@@ -13,13 +13,15 @@ mod diagnose;
 mod exec;
 mod html;
 mod model_file;
+mod models;
 mod output;
 mod progress;
 mod report;
 mod view;
 
 use cli::{
-    bench, chat, check, compile, diff, embed, eval, generate, import, init, inspect, plot, run, tokenize, train,
+    bench, chat, check, compile, diff, embed, eval, fetch, generate, import, init, inspect, list, new, plot, run,
+    tokenize, train,
 };
 use progress::Reporter;
 
@@ -71,6 +73,15 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Draw training runs' loss curves (`kiln train --log` files) together, as SVG.
     Plot(plot::PlotArgs),
+    /// Write a commented starting spec of a kind (decoder, encoder, encoder-decoder), or a copy of
+    /// a built-in spec (`--from NAME`).
+    New(new::NewArgs),
+    /// List the specs built into kiln (usable by name from any directory: `kiln check gpt2`) and
+    /// whether the real models' weights are fetched.
+    List(list::ListArgs),
+    /// Download a real model's weights and tokenizer (sha256-checked) into kiln's data dir, where
+    /// its built-in name finds them (`kiln generate smollm2-135m`).
+    Fetch(fetch::FetchArgs),
     /// Measure (never a test): forward and decode times, where a forward spends them, the
     /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
@@ -90,6 +101,9 @@ impl Command {
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
             Command::Init(_)
+            | Command::New(_)
+            | Command::List(_)
+            | Command::Fetch(_)
             | Command::Plot(_)
             | Command::Inspect(_)
             | Command::Compile(_)
@@ -129,6 +143,9 @@ impl Command {
             Command::Tokenize(args) => tokenize::run(args),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),
+            Command::New(args) => new::run(args, reporter),
+            Command::List(args) => list::run(args),
+            Command::Fetch(args) => fetch::run(args),
         }
     }
 }

@@ -1,7 +1,10 @@
 //! The files a command reads: a spec, an artifact from `kiln compile` (told by its magic, standing
-//! for the spec it stores) or a checkpoint (a Hugging Face model directory or a GGUF file, whose
-//! spec is imported in memory), and the weights and tokenizer found beside a checkpoint.
+//! for the spec it stores), a checkpoint (a Hugging Face model directory or a GGUF file, whose
+//! spec is imported in memory) or the name of a built-in spec (`gpt2`: a name that is no file,
+//! see [`crate::models`]); and the weights and tokenizer a model brings: a checkpoint's own, a
+//! built-in real model's fetched into the data dir, or those a spec records (`weights.path`).
 
+use crate::models;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::FrontEnd;
 use kiln_compiler::artifact::Artifact;
@@ -64,7 +67,12 @@ pub fn spec_text(path: &Path) -> Result<(String, String)> {
     let (text, label) = if ckpt_import::is_checkpoint(path) {
         let imported = ckpt_import::import(path)?;
         (imported.imported.text, format!("{} (imported)", path.display()))
+    } else if let Some(name) = models::builtin_name(path) {
+        (models::spec(name).unwrap_or_default().to_string(), models::label(name))
     } else {
+        if !path.exists() {
+            bail!("cannot read spec `{}`: {}", path.display(), models::unknown_hint(path));
+        }
         let source = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
         let source = String::from_utf8(source).map_err(|e| {
             anyhow::anyhow!(
@@ -81,26 +89,92 @@ pub fn spec_text(path: &Path) -> Result<(String, String)> {
     Ok((text, label))
 }
 
-/// `--weights`, or the weights of `model` when it is a checkpoint.
+/// `--weights`, or the weights `model` brings (see [`default_weights`]); an error naming the
+/// ways to give them when it brings none.
 pub fn weights_for(weights: Option<PathBuf>, model: &Path) -> Result<PathBuf> {
     if let Some(w) = weights {
         return Ok(w);
     }
-    if !ckpt_import::is_checkpoint(model) {
-        bail!("--weights is required with a spec (it is optional with a checkpoint directory or GGUF file)");
+    match default_weights(model)? {
+        Some(w) => Ok(w),
+        None => bail!(
+            "--weights is required with the spec `{}` (a checkpoint directory or GGUF file brings its own, and a \
+             spec can record them as `weights.path`, as `kiln import -o` does)",
+            model.display()
+        ),
     }
-    Ok(ckpt_import::weights_of(model)?)
 }
 
-/// The tokenizer beside a checkpoint: `tokenizer.json` in a model directory, or the GGUF file.
+/// The weights `model` brings without `--weights`: a checkpoint's own; a built-in real model's,
+/// fetched into the data dir (an error saying how to fetch them when they are not); the
+/// checkpoint a spec or artifact records (`weights.path`, an error naming it when it is gone);
+/// else `None`.
+pub fn default_weights(model: &Path) -> Result<Option<PathBuf>> {
+    if ckpt_import::is_checkpoint(model) {
+        return Ok(Some(ckpt_import::weights_of(model)?));
+    }
+    if let Some(name) = models::builtin_name(model) {
+        return Ok(models::fetched_files(name)?.map(|(weights, _)| weights));
+    }
+    recorded_weights(model)
+}
+
+/// The checkpoint a spec (or the spec an artifact stores) records as `weights.path`, resolved
+/// against the directory of the spec (or of the artifact) unless absolute; an error naming it
+/// when no such file exists. `None` when it records none, or cannot be read or parsed (the
+/// front end reports that).
+pub fn recorded_weights(model: &Path) -> Result<Option<PathBuf>> {
+    let source = if Artifact::sniff(model) {
+        match Artifact::read(model) {
+            Ok(artifact) => artifact.spec_source,
+            Err(_) => return Ok(None),
+        }
+    } else {
+        match std::fs::read_to_string(model) {
+            Ok(source) => source,
+            Err(_) => return Ok(None),
+        }
+    };
+    let Ok((spec, _)) = kiln_compiler::spec::parse_spec(&source) else { return Ok(None) };
+    let Some(recorded) = spec.weights.path.filter(|p| !p.trim().is_empty()) else { return Ok(None) };
+    let dir = model.parent().unwrap_or(Path::new(""));
+    let path = dir.join(&recorded);
+    if !path.exists() {
+        bail!(
+            "`{}` records its weights at `{recorded}` (`weights.path`), but `{}` does not exist: give --weights, \
+             or fix `weights.path`",
+            model.display(),
+            path.display()
+        );
+    }
+    Ok(Some(path))
+}
+
+/// The tokenizer `model` brings: `--tokenizer`; a model directory's `tokenizer.json` or a GGUF
+/// file; a built-in real model's, fetched; or the one beside the weights the spec records (see
+/// [`tokenizer_beside`]).
 pub fn tokenizer_for(tokenizer: Option<PathBuf>, model: &Path) -> Option<PathBuf> {
     tokenizer.or_else(|| {
         if model.is_dir() {
             Some(model.join("tokenizer.json")).filter(|t| t.is_file())
+        } else if ckpt_import::is_checkpoint(model) {
+            Some(model.to_path_buf())
+        } else if let Some(name) = models::builtin_name(model) {
+            models::fetched_files(name).ok().flatten().map(|(_, tokenizer)| tokenizer)
         } else {
-            ckpt_import::is_checkpoint(model).then(|| model.to_path_buf())
+            tokenizer_beside(&recorded_weights(model).ok()??)
         }
     })
+}
+
+/// The tokenizer found beside a weights file: the file itself when it is GGUF (its metadata
+/// holds one), else a `tokenizer.json` in its directory (a Hugging Face model directory's).
+pub fn tokenizer_beside(weights: &Path) -> Option<PathBuf> {
+    if is_gguf(weights).unwrap_or(false) {
+        return Some(weights.to_path_buf());
+    }
+    let dir = if weights.is_dir() { weights } else { weights.parent()? };
+    Some(dir.join("tokenizer.json")).filter(|t| t.is_file())
 }
 
 /// The text of the file at `path`, or of standard input for `-` (`what` names it in errors: `the

@@ -126,33 +126,68 @@ fn weights_file(dir: &Path) -> Result<PathBuf, ImportFailure> {
     }
 }
 
-/// The pooling of a sentence-transformers directory (`modules.json` with a `Pooling` module).
+/// The pooling of a sentence-transformers directory (`modules.json` with a `Pooling` module), as
+/// the importer writes it: only the mean over tokens is a spec's (`kiln embed` pools the others).
 fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure> {
-    let modules = dir.join("modules.json");
-    if !modules.is_file() {
+    if !dir.join("modules.json").is_file() {
         return Ok(None);
     }
-    let invalid = |what: String| ImportFailure::Layout(format!("`{}`: {what}", modules.display()));
-    let list: serde_json::Value =
-        serde_json::from_str(&read(&modules)?).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
-    let list = list.as_array().ok_or_else(|| invalid("not a list of modules".into()))?;
-    let kind = |m: &serde_json::Value| m.get("type").and_then(|t| t.as_str()).unwrap_or("").to_string();
-    let Some(pooling) = list.iter().find(|m| kind(m).ends_with(".Pooling")) else { return Ok(None) };
-    let normalize = list.iter().any(|m| kind(m).ends_with(".Normalize"));
-    let sub = pooling.get("path").and_then(|p| p.as_str()).unwrap_or("1_Pooling");
+    let Some(pipeline) = sentence_pipeline(dir)? else { return Ok(None) };
+    if let Some(mode) = pipeline.modes.iter().find(|m| *m != "mean_tokens") {
+        return Err(ImportFailure::Layout(format!(
+            "`{}`: `pooling_mode_{mode} = true` is not supported (kiln pools by the mean over tokens)",
+            pipeline.config.display()
+        )));
+    }
+    let normalize = pipeline.normalize.unwrap_or(false);
+    Ok(Some(SentencePooling { normalize, max_seq_length: pipeline.max_seq_length }))
+}
+
+/// A sentence-transformers pipeline around a model: how it pools and whether it normalizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SentencePipeline {
+    /// The pooling modes switched on in the `Pooling` module's config (`mean_tokens`,
+    /// `cls_token`, `lasttoken`, `max_tokens`, ...: `pooling_mode_` dropped).
+    pub modes: Vec<String>,
+    /// The `Pooling` module's config file.
+    pub config: PathBuf,
+    /// Whether a `Normalize` module follows the pooling: from `modules.json`; without it, true
+    /// where a `2_Normalize` directory is, else unknown.
+    pub normalize: Option<bool>,
+    /// The longest input the pipeline embeds (`sentence_bert_config.json`: `max_seq_length`).
+    pub max_seq_length: Option<u64>,
+}
+
+/// The sentence-transformers pipeline of the model directory `dir`: from `modules.json` (its
+/// `Pooling` module's `config.json`, a `Normalize` module), or without it from a
+/// `1_Pooling/config.json` alone; `None` when there is neither.
+pub fn sentence_pipeline(dir: &Path) -> Result<Option<SentencePipeline>, ImportFailure> {
+    let modules = dir.join("modules.json");
+    let (sub, normalize) = if modules.is_file() {
+        let invalid = |what: String| ImportFailure::Layout(format!("`{}`: {what}", modules.display()));
+        let list: serde_json::Value =
+            serde_json::from_str(&read(&modules)?).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+        let list = list.as_array().ok_or_else(|| invalid("not a list of modules".into()))?;
+        let kind = |m: &serde_json::Value| m.get("type").and_then(|t| t.as_str()).unwrap_or("").to_string();
+        let Some(pooling) = list.iter().find(|m| kind(m).ends_with(".Pooling")) else { return Ok(None) };
+        let normalize = list.iter().any(|m| kind(m).ends_with(".Normalize"));
+        (pooling.get("path").and_then(|p| p.as_str()).unwrap_or("1_Pooling").to_string(), Some(normalize))
+    } else if dir.join("1_Pooling/config.json").is_file() {
+        ("1_Pooling".to_string(), dir.join("2_Normalize").is_dir().then_some(true))
+    } else {
+        return Ok(None);
+    };
     let config_path = dir.join(sub).join("config.json");
     let config: serde_json::Value = serde_json::from_str(&read(&config_path)?)
         .map_err(|e| ImportFailure::Layout(format!("`{}`: not valid JSON: {e}", config_path.display())))?;
     let on = serde_json::Value::Bool(true);
-    let modes = config.as_object().into_iter().flatten().filter(|(k, v)| k.starts_with("pooling_mode_") && *v == &on);
-    for (mode, _) in modes {
-        if mode != "pooling_mode_mean_tokens" {
-            return Err(ImportFailure::Layout(format!(
-                "`{}`: `{mode} = true` is not supported (kiln pools by the mean over tokens)",
-                config_path.display()
-            )));
-        }
-    }
+    let modes = config
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, v)| *v == &on)
+        .filter_map(|(k, _)| k.strip_prefix("pooling_mode_").map(str::to_string))
+        .collect();
     // The longest input the pipeline embeds, where its config says.
     let st_config = dir.join("sentence_bert_config.json");
     let max_seq_length = if st_config.is_file() {
@@ -162,7 +197,7 @@ fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure
     } else {
         None
     };
-    Ok(Some(SentencePooling { normalize, max_seq_length }))
+    Ok(Some(SentencePipeline { modes, config: config_path, normalize, max_seq_length }))
 }
 
 /// A GGUF file: the spec from its metadata.

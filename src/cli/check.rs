@@ -20,7 +20,7 @@ pub struct CheckArgs {
     seq: Option<usize>,
     /// Also read every parameter from this checkpoint (safetensors or GGUF) through the weight
     /// map and check it as a run would, without running; warn about the checkpoint's tensors
-    /// the spec never reads.
+    /// the spec never reads (default: the checkpoint the spec records as `weights.path`, if any).
     #[arg(long)]
     weights: Option<PathBuf>,
     /// Print one JSON document on stdout instead of text.
@@ -29,9 +29,10 @@ pub struct CheckArgs {
 }
 
 impl CheckArgs {
-    /// The spec file, when its weights are read (`--weights`).
+    /// The spec file, where a weight error is shown (its weights are read with `--weights` or
+    /// when it records them).
     pub fn weighed_spec(&self) -> Option<&Path> {
-        self.weights.as_ref().map(|_| self.spec.as_path())
+        Some(self.spec.as_path())
     }
 }
 
@@ -39,7 +40,11 @@ impl CheckArgs {
 pub fn run(args: CheckArgs, reporter: &Reporter) -> Result<()> {
     let fe = crate::model_file::load_spec(&args.spec)?;
     let seq = check_seq(&fe, args.seq)?;
-    let weights = args.weights.map(|w| check_weights(&fe, &w, reporter)).transpose()?;
+    let weights = match args.weights {
+        Some(w) => Some(w),
+        None => crate::model_file::recorded_weights(&args.spec)?,
+    };
+    let weights = weights.map(|w| check_weights(&fe, &w, reporter)).transpose()?;
     let training = training_memory(&fe)?;
     print(&args.spec, &fe, seq, weights.as_ref(), training.as_ref(), args.json)
 }

@@ -104,21 +104,15 @@ fn variant(path: &Path, stage: Stage) -> Result<Graph> {
     })
 }
 
-/// The front end of a spec file or of the spec an artifact stores.
+/// The front end of a spec file (or a built-in name, or a checkpoint's imported spec) or of the
+/// spec an artifact stores.
 fn load(path: &Path) -> Result<FrontEnd> {
     let (file, source) = if Artifact::sniff(path) {
         let artifact = Artifact::read(path)?;
         (format!("{} (in {})", artifact.spec_file, path.display()), artifact.spec_source)
     } else {
-        let bytes = std::fs::read(path).with_context(|| format!("cannot read spec `{}`", path.display()))?;
-        let source = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "`{}` is neither a `.kiln` artifact nor UTF-8 spec text (invalid byte at offset {})",
-                path.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
-        (path.display().to_string(), source)
+        let (source, label) = crate::model_file::spec_text(path)?;
+        (label, source)
     };
     Ok(kiln_compiler::front_end(&file, &source)?)
 }

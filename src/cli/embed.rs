@@ -1,18 +1,23 @@
-//! `kiln embed`: sentence embeddings from an encoder spec (or an artifact of one) that pools its
-//! output (`outputs.pooling = "mean"`). The sentences (arguments, or lines of a file or stdin)
-//! are tokenized as one batch padded to the longest and truncated where the model's own pipeline
-//! truncates (`outputs.max_seq_length`, else `max_positions`; each truncation is said), run
-//! through the model, and each row of its `sentence_embedding` is printed: the first values and
-//! the norm, every value, or JSON; with `--similarity`, their cosine similarities too.
+//! `kiln embed`: sentence embeddings from an encoder or decoder: a spec (or an artifact of one),
+//! a built-in name, or a checkpoint (a sentence-transformers or plain Hugging Face directory). The
+//! sentences (arguments, or lines of a file or stdin) are tokenized as one batch padded to the
+//! longest and truncated where the model's own pipeline truncates (`outputs.max_seq_length`, else
+//! `max_positions`; each truncation is said), run through the model, and the token states pooled
+//! (`--pooling`: the mean, the first or last token, or none) and normalized (`--normalize`) as
+//! the sentence-transformers config beside the model says, else as the spec's `[outputs]` say;
+//! each embedding is printed: the first values and the norm, every value, or JSON; with
+//! `--similarity`, their cosine similarities too.
 
 use crate::cli::run::{Params, execute};
 use crate::exec::Exec;
-use crate::model_file::{ModelFile, is_gguf, tokenizer_for, weights_for};
+use crate::model_file::{ModelFile, is_gguf, tokenizer_beside, tokenizer_for, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
+use kiln_compiler::spec::{BlockKind, Pooling as SpecPooling};
+use kiln_compiler::tensor::Tensor;
 use kiln_runtime::Tokenizer;
 use kiln_runtime::weights::Checkpoint;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Values printed per embedding without `--full`.
 const LEADING: usize = 6;
@@ -23,17 +28,27 @@ const QUOTED: usize = 48;
 /// Arguments of `kiln embed`.
 #[derive(clap::Args)]
 pub struct EmbedArgs {
-    /// The spec (TOML) of an encoder with `outputs.pooling = "mean"`, an artifact of one, or a
-    /// checkpoint (a sentence-transformers model directory) whose spec is imported in memory.
+    /// The model: a spec (TOML) of an encoder or decoder, an artifact of one, a built-in name
+    /// (`minilm-l6`), or a checkpoint (a sentence-transformers or plain Hugging Face model
+    /// directory, a GGUF file) whose spec is imported in memory.
     spec: PathBuf,
     /// Checkpoint (safetensors or GGUF) holding the weights under the names the spec's weight
-    /// map gives (default: SPEC's, if a checkpoint).
+    /// map gives (default: SPEC's, if a checkpoint or built-in name; else the spec's
+    /// `weights.path`).
     #[arg(long)]
     weights: Option<PathBuf>,
     /// The tokenizer: a Hugging Face `tokenizer.json`, or a GGUF file whose metadata has one
-    /// (default: the checkpoint's, if SPEC is one; else the weights, when GGUF).
+    /// (default: the model's, then the one beside the weights: a `tokenizer.json` in their
+    /// directory, or the GGUF weights' own).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// How the token states become one vector per sentence: `mean` over the unpadded tokens,
+    /// `cls` (the first token's), `last` (the last unpadded token's), or `none` (every token's
+    /// vector). Default: the sentence-transformers config beside the model (`modules.json`,
+    /// `1_Pooling/config.json`), else the spec's `outputs.pooling`, else mean for an encoder and
+    /// last for a decoder.
+    #[arg(long, value_enum)]
+    pooling: Option<Pooling>,
     /// The sentences, embedded as one batch.
     #[arg(required_unless_present = "file", conflicts_with = "file")]
     sentences: Vec<String>,
@@ -45,9 +60,11 @@ pub struct EmbedArgs {
     /// `similarity`).
     #[arg(long)]
     similarity: bool,
-    /// Scale every embedding to unit L2 norm (whatever the spec's `outputs.normalize` says).
-    #[arg(long)]
-    normalize: bool,
+    /// Scale every embedding to unit L2 norm; `--normalize=false`: never. Default: as the
+    /// sentence-transformers config says (a `Normalize` module), else the spec's
+    /// `outputs.normalize`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    normalize: Option<bool>,
     /// Print every value of each embedding, not only the first few.
     #[arg(long)]
     full: bool,
@@ -71,31 +88,101 @@ impl EmbedArgs {
     }
 }
 
+/// How `kiln embed` pools the token states of a sentence.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean over the unpadded tokens (sentence-transformers' `mean_tokens`).
+    Mean,
+    /// The first token's state (`cls_token`: BERT's [CLS]).
+    Cls,
+    /// The last unpadded token's state (`lasttoken`: decoder embedding models).
+    Last,
+    /// No pooling: every token's state.
+    None,
+}
+
+/// What a sentence-transformers pipeline beside the model says (`None` each where it says
+/// nothing): its pooling (an error for one kiln does not do: `max_tokens`, several modes
+/// concatenated, which `--pooling` replaces), its normalization, its longest input.
+struct Pipeline {
+    pooling: Result<Option<Pooling>, String>,
+    normalize: Option<bool>,
+    max_seq_length: Option<u64>,
+}
+
+/// The sentence-transformers pipeline in `dir`, if any.
+fn pipeline(dir: &Path) -> Result<Pipeline> {
+    let Some(p) = kiln_runtime::import::sentence_pipeline(dir)? else {
+        return Ok(Pipeline { pooling: Ok(None), normalize: None, max_seq_length: None });
+    };
+    let pooling = match p.modes.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        [] => Ok(None),
+        ["mean_tokens"] => Ok(Some(Pooling::Mean)),
+        ["cls_token"] => Ok(Some(Pooling::Cls)),
+        ["lasttoken"] => Ok(Some(Pooling::Last)),
+        modes => Err(format!(
+            "`{}` pools by {}, which kiln embed does not do: choose one with --pooling mean|cls|last|none",
+            p.config.display(),
+            modes.iter().map(|m| format!("`pooling_mode_{m}`")).collect::<Vec<_>>().join(" + ")
+        )),
+    };
+    Ok(Pipeline { pooling, normalize: p.normalize, max_seq_length: p.max_seq_length })
+}
+
 /// Runs `kiln embed`, showing the loading on `reporter`.
 pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
-    let model = ModelFile::read(&args.spec)?;
-    let fe = &model.fe;
-    if !fe.graph.outputs.iter().any(|(name, _)| name == "sentence_embedding") {
+    let mut model = ModelFile::read(&args.spec)?;
+    let weights = weights_for(args.weights.clone(), &args.spec)?;
+    // The sentence-transformers config: in the model's directory, else beside the weights.
+    let dir = if args.spec.is_dir() { Some(args.spec.as_path()) } else { weights.parent() };
+    let st = match dir {
+        Some(dir) if !dir.as_os_str().is_empty() => pipeline(dir)?,
+        _ => pipeline(Path::new("."))?,
+    };
+    let outputs = &model.fe.spec.spec.outputs;
+    let kind = model.fe.spec.spec.model.kind;
+    let configured = match args.pooling {
+        Some(p) => Some(p),
+        None => st.pooling.map_err(anyhow::Error::msg)?,
+    };
+    let pooling = match configured {
+        Some(p) => p,
+        None if outputs.pooling == SpecPooling::Mean => Pooling::Mean,
+        None if kind == BlockKind::Decoder => Pooling::Last,
+        None => Pooling::Mean,
+    };
+    let normalize = args.normalize.or(st.normalize).unwrap_or(outputs.normalize);
+    if pooling == Pooling::None && args.similarity {
+        bail!("--similarity compares one vector per sentence: give --pooling mean, cls or last, not none");
+    }
+    if kind == BlockKind::EncoderDecoder {
         bail!(
-            "`{}` has no `sentence_embedding` output: `kiln embed` needs a spec with `outputs.pooling = \"mean\"`",
+            "`{}` is an encoder-decoder: `kiln embed` needs an encoder or a decoder (whose token states it pools)",
             args.spec.display()
         );
     }
+    let source = States::prepare(&mut model, pooling, normalize)
+        .with_context(|| format!("cannot embed with `{}`", args.spec.display()))?;
+    let fe = &model.fe;
     let sentences = match &args.file {
         Some(path) => read_sentences(path)?,
         None => args.sentences.clone(),
     };
     // Truncated where the model's own pipeline truncates.
-    let (max_len, why) = match fe.spec.spec.outputs.max_seq_length {
-        Some(len) => (len, "the spec's `outputs.max_seq_length`"),
-        None => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
+    let (max_len, why) = match (fe.spec.spec.outputs.max_seq_length, st.max_seq_length) {
+        (Some(len), _) => (len, "the spec's `outputs.max_seq_length`"),
+        (None, Some(len)) => (len, "`max_seq_length` of sentence_bert_config.json"),
+        (None, None) => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
     };
-    let max_len = usize::try_from(max_len).unwrap_or(usize::MAX);
-    let weights = weights_for(args.weights.clone(), &args.spec)?;
-    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec) {
+    let max_len = usize::try_from(max_len).unwrap_or(usize::MAX).min(fe.spec.spec.model.max_positions as usize);
+    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec).or_else(|| tokenizer_beside(&weights))
+    {
         Some(path) => path,
         None if is_gguf(&weights)? => weights.clone(),
-        None => bail!("`kiln embed` needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file)"),
+        None => bail!(
+            "`kiln embed` needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file); none is beside `{}`",
+            weights.display()
+        ),
     };
     let open = || Tokenizer::open(&tokenizer_path);
     let tokenizer = open()?.with_max_len(max_len)?;
@@ -131,53 +218,168 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
     let name = fe.graph.name.clone();
     let outputs = execute(model, &Params::Checkpoint(&ckpt), &batch.inputs(), &args.exec, backend, reporter)?;
-    let embedding = outputs
-        .into_iter()
-        .find_map(|(name, t)| (name == "sentence_embedding").then_some(t))
-        .context("the model produced no `sentence_embedding`")?;
-    let (Some(values), &[rows, dims]) = (embedding.as_f32(), embedding.shape.as_slice()) else {
-        bail!("`sentence_embedding` should be f32 [batch, dimensions], got {:?}", embedding.shape);
+    let states = source.take(outputs)?;
+    let (Some(values), &[rows, ..]) = (states.as_f32(), states.shape.as_slice()) else {
+        bail!("the model's `{}` should be f32, got {:?}", source.output(), states.shape);
     };
-    if rows != sentences.len() || dims == 0 {
-        bail!("`sentence_embedding` has shape {:?} for {} sentences", embedding.shape, sentences.len());
+    if rows != sentences.len() {
+        bail!("`{}` has shape {:?} for {} sentences", source.output(), states.shape, sentences.len());
     }
-    let mut embeddings: Vec<Vec<f32>> = values.chunks_exact(dims).map(<[f32]>::to_vec).collect();
-    if args.normalize {
-        embeddings.iter_mut().for_each(|e| normalize(e));
+    // One list of vectors per sentence: its embedding, or (no pooling) its tokens' states.
+    let mut embeddings: Vec<Vec<Vec<f32>>> = match source {
+        States::Pooled => {
+            let dims = states.shape.get(1).copied().unwrap_or(0);
+            values.chunks_exact(dims.max(1)).map(|e| vec![e.to_vec()]).collect()
+        }
+        States::Hidden => {
+            let &[_, seq, dims] = states.shape.as_slice() else {
+                bail!("`last_hidden_state` should be [batch, seq, dimensions], got {:?}", states.shape);
+            };
+            pool(values, &batch.attention_mask, seq, dims, pooling)
+        }
+    };
+    let dims = embeddings.first().and_then(|e| e.first()).map_or(0, Vec::len);
+    if dims == 0 {
+        bail!("the model's `{}` has shape {:?}: no dimensions to embed", source.output(), states.shape);
     }
-    let similarity = args.similarity.then(|| cosine_matrix(&embeddings));
+    if normalize {
+        embeddings.iter_mut().flatten().for_each(|e| normalize_vec(e));
+    }
+    let pooled: Vec<Vec<f32>> = embeddings.iter().filter_map(|e| e.first().cloned()).collect();
+    let similarity = args.similarity.then(|| cosine_matrix(&pooled));
 
     if args.json {
         let items: Vec<serde_json::Value> = sentences
             .iter()
             .zip(&embeddings)
             .zip(embedded.iter().zip(&lengths))
-            .map(|((text, embedding), (kept, len))| {
-                let embedding: Vec<f64> = embedding.iter().map(|&x| shortest(x)).collect();
-                serde_json::json!({
+            .map(|((text, vectors), (kept, len))| {
+                let json = |v: &Vec<f32>| v.iter().map(|&x| shortest(x)).collect::<Vec<f64>>();
+                let mut item = serde_json::json!({
                     "text": text,
                     "tokens": kept,
                     "truncated_from": (len > kept).then_some(len),
-                    "embedding": embedding,
-                })
+                });
+                match pooling {
+                    Pooling::None => item["token_embeddings"] = vectors.iter().map(json).collect(),
+                    _ => item["embedding"] = vectors.first().map(json).into(),
+                }
+                item
             })
             .collect();
-        let mut value =
-            serde_json::json!({ "model": name, "dimensions": dims, "max_tokens": max_len, "embeddings": items });
+        let mut value = serde_json::json!({
+            "model": name,
+            "dimensions": dims,
+            "max_tokens": max_len,
+            "pooling": format!("{pooling:?}").to_lowercase(),
+            "normalized": normalize,
+            "embeddings": items,
+        });
         if let Some(m) = &similarity {
             let m: Vec<Vec<f64>> = m.iter().map(|row| row.iter().map(|&x| shortest(x)).collect()).collect();
             value["similarity"] = serde_json::json!(m);
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        for (text, embedding) in sentences.iter().zip(&embeddings) {
-            println!("{}", line(text, embedding, args.full));
+        for (text, vectors) in sentences.iter().zip(&embeddings) {
+            match pooling {
+                Pooling::None => {
+                    println!("{}", crate::report::shorten(text, QUOTED).escape_debug());
+                    for (j, vector) in vectors.iter().enumerate() {
+                        println!("  token {j}: {}", line("", vector, args.full).trim_end_matches("  \"\""));
+                    }
+                }
+                _ => vectors.iter().for_each(|v| println!("{}", line(text, v, args.full))),
+            }
         }
         if let Some(m) = &similarity {
             print!("{}", matrix_text(m));
         }
     }
     Ok(())
+}
+
+/// Where `kiln embed` reads the vectors it prints: the model's own `sentence_embedding` (an
+/// artifact that pools as asked), or its `last_hidden_state`, pooled here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum States {
+    Pooled,
+    Hidden,
+}
+
+impl States {
+    /// Makes `model` give the states `pooling` and `normalize` need: a spec is rebuilt to output
+    /// its unpooled `last_hidden_state` (with the attention mask input, so padding is never
+    /// attended to, and without logits); an artifact's plan is what it is, so it must have one
+    /// output or the other.
+    fn prepare(model: &mut ModelFile, pooling: Pooling, normalize: bool) -> Result<States> {
+        let has = |name: &str| model.fe.graph.outputs.iter().any(|(n, _)| n == name);
+        if model.artifact.is_some() {
+            if has("last_hidden_state") {
+                return Ok(States::Hidden);
+            }
+            let spec_normalizes = model.fe.spec.spec.outputs.normalize;
+            if has("sentence_embedding") && pooling == Pooling::Mean && (normalize || !spec_normalizes) {
+                return Ok(States::Pooled);
+            }
+            bail!(
+                "the artifact has no `last_hidden_state` output to pool (its `sentence_embedding` is the mean{}): \
+                 compile its spec with `outputs.hidden_states = true`, or embed with the spec itself",
+                if spec_normalizes { ", normalized" } else { "" }
+            );
+        }
+        let spec = &mut model.fe.spec;
+        spec.spec.outputs.hidden_states = true;
+        spec.spec.outputs.pooling = SpecPooling::None;
+        spec.spec.outputs.normalize = false;
+        spec.spec.attention.padding_mask = true;
+        spec.logits = false;
+        model.fe.graph = kiln_compiler::graph::build::build(spec)?;
+        model.fe.graph.check()?;
+        Ok(States::Hidden)
+    }
+
+    /// The output it reads.
+    fn output(self) -> &'static str {
+        match self {
+            States::Pooled => "sentence_embedding",
+            States::Hidden => "last_hidden_state",
+        }
+    }
+
+    /// That output, out of the model's.
+    fn take(self, outputs: Vec<(String, Tensor)>) -> Result<Tensor> {
+        outputs
+            .into_iter()
+            .find_map(|(name, t)| (name == self.output()).then_some(t))
+            .with_context(|| format!("the model produced no `{}`", self.output()))
+    }
+}
+
+/// Pools `states` (`[batch, seq, dims]`, row-major) per sentence as `pooling` says, reading only
+/// the tokens `mask` (`[batch, seq]`, 1 for a token) marks: their mean, the first token's state,
+/// the last marked token's, or every marked token's (`none`). A sentence of no tokens pools to
+/// zeros.
+fn pool(states: &[f32], mask: &[i64], seq: usize, dims: usize, pooling: Pooling) -> Vec<Vec<Vec<f32>>> {
+    let rows = states.chunks_exact((seq * dims).max(1)).zip(mask.chunks_exact(seq.max(1)));
+    rows.map(|(sentence, mask)| {
+        let tokens: Vec<&[f32]> =
+            sentence.chunks_exact(dims.max(1)).zip(mask).filter(|(_, m)| **m != 0).map(|(t, _)| t).collect();
+        match pooling {
+            Pooling::None => tokens.iter().map(|t| t.to_vec()).collect(),
+            Pooling::Cls => vec![sentence.get(..dims).map_or_else(|| vec![0.0; dims], <[f32]>::to_vec)],
+            Pooling::Last => vec![tokens.last().map_or_else(|| vec![0.0; dims], |t| t.to_vec())],
+            Pooling::Mean => {
+                let mut sum = vec![0.0f32; dims];
+                for t in &tokens {
+                    sum.iter_mut().zip(*t).for_each(|(s, x)| *s += x);
+                }
+                let n = tokens.len().max(1) as f32;
+                vec![sum.into_iter().map(|s| s / n).collect()]
+            }
+        }
+    })
+    .collect()
 }
 
 /// The sentences of a file (`-`: standard input), one per line, blank lines skipped.
@@ -232,7 +434,7 @@ fn norm(v: &[f32]) -> f32 {
 }
 
 /// Scales `v` to unit L2 norm (a zero vector stays zero).
-fn normalize(v: &mut [f32]) {
+fn normalize_vec(v: &mut [f32]) {
     let n = norm(v);
     if n > 0.0 {
         v.iter_mut().for_each(|x| *x /= n);
@@ -274,11 +476,11 @@ mod tests {
         assert!(line(&long, &v, false).ends_with(&format!("{:?}", format!("{}…", &long[..QUOTED]))));
         assert!(line(&long, &v, true).ends_with(&format!("{long:?}")));
         let mut u = v;
-        normalize(&mut u);
+        normalize_vec(&mut u);
         assert!((norm(&u) - 1.0).abs() < 1e-6);
         assert_eq!(shortest(0.134_177_06).to_string(), "0.13417706");
         let mut zero = [0.0; 3];
-        normalize(&mut zero);
+        normalize_vec(&mut zero);
         assert_eq!(zero, [0.0; 3]);
         let m = cosine_matrix(&[vec![1.0, 0.0], vec![1.0, 1.0], vec![0.0, 0.0]]);
         assert!((m[0][1] - std::f32::consts::FRAC_1_SQRT_2).abs() < 1e-6 && m[1][1] > 0.999_999 && m[2][0] == 0.0);

@@ -196,9 +196,10 @@ impl Model {
         }
         let weights = match (weights, random_weights) {
             (None, true) => None,
-            (None, false) if !kiln_runtime::import::is_checkpoint(&spec) => bail!(
+            (None, false) if crate::model_file::default_weights(&spec)?.is_none() => bail!(
                 "give the weights: --weights CHECKPOINT, or --random-weights to try the spec (a checkpoint \
-                 directory or GGUF file given as the model brings its own)"
+                 directory or GGUF file given as the model brings its own, a built-in real model its fetched \
+                 ones, and a spec can record them as `weights.path`)"
             ),
             (weights, _) => Some(crate::model_file::weights_for(weights, &spec)?),
         };

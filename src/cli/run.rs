@@ -83,9 +83,9 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
     }
     let weights = match (args.weights.clone(), args.random_weights) {
         (None, true) => None,
-        (None, false) if !kiln_runtime::import::is_checkpoint(&args.model) => bail!(
+        (None, false) if crate::model_file::default_weights(&args.model)?.is_none() => bail!(
             "give the weights: --weights CHECKPOINT, or --random-weights (a checkpoint directory or GGUF file \
-             given as the model brings its own)"
+             given as the model brings its own, and a spec can record them as `weights.path`)"
         ),
         (weights, _) => Some(crate::model_file::weights_for(weights, &args.model)?),
     };

@@ -55,7 +55,8 @@ pub struct TrainArgs {
     #[arg(required = true, num_args = 1..)]
     models: Vec<PathBuf>,
     /// The starting weights (safetensors, or GGUF, dequantized), under the names the spec's
-    /// weight map gives (default: MODEL's, if a checkpoint).
+    /// weight map gives (default: MODEL's, if a checkpoint or a fetched built-in model; else the
+    /// spec's `weights.path`; else drawn as its `[init]` says).
     #[arg(long)]
     weights: Option<PathBuf>,
     /// Pre-batched data (safetensors): `input_ids`, `labels` (-100 where no loss is taken) and,
@@ -279,12 +280,15 @@ fn train_one(
         // The budget is met at the length the data comes in.
         recipe.seq = feed.seq();
     }
+    // A checkpoint's own weights, a fetched built-in model's, or those the spec records.
+    let brought = match (&args.resume, &args.weights) {
+        (None, None) => crate::model_file::default_weights(model)?,
+        _ => None,
+    };
     let tensors: HashMap<String, Tensor> = match (&args.resume, &args.weights) {
         (Some(path), _) => Checkpoint::open(path)?.all()?,
         (None, Some(path)) => Checkpoint::open(path)?.all()?,
-        (None, None) if kiln_runtime::import::is_checkpoint(model) => {
-            Checkpoint::open(&weights_for(None, model)?)?.all()?
-        }
+        (None, None) if brought.is_some() => Checkpoint::open(&weights_for(brought, model)?)?.all()?,
         (None, None) => {
             for line in init::describe(&fe.spec) {
                 reporter.info(format_args!("init: {line}"));

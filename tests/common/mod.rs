@@ -143,13 +143,15 @@ pub fn check_cached_steps(
 /// (`XDG_RUNTIME_DIR` unset), as on CI, so a test that wants a quiet stderr also proves that
 /// kiln keeps the Vulkan layers' display probing off it.
 pub fn kiln(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("XDG_RUNTIME_DIR")
-        .env_remove("NODEVICE_SELECT")
-        .output()
-        .expect("kiln runs")
+    kiln_command(args).output().expect("kiln runs")
+}
+
+/// The command [`kiln`] runs (from the repository root, no display session), to change its
+/// directory or environment before running it.
+pub fn kiln_command(args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"));
+    command.args(args).current_dir(root()).env_remove("XDG_RUNTIME_DIR").env_remove("NODEVICE_SELECT");
+    command
 }
 
 /// A child's standard output, as text.

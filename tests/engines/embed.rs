@@ -107,10 +107,12 @@ fn bad_tokenizers_and_specs_are_reported() {
         &["no `tokenizer.ggml.model` metadata"],
     );
 
+    // Any encoder embeds (its states pooled by kiln), but not with another model's tokenizer.
     common::failure(
         &["embed", "models/bert.toml", "--weights", w, "--tokenizer", t, "hi"],
-        &["has no `sentence_embedding`"],
+        &["outside the model's vocabulary of 128"],
     );
+    common::failure(&["embed", "models/t5.toml", "--weights", w, "--tokenizer", t, "hi"], &["is an encoder-decoder"]);
     common::failure(&["embed", spec, "--weights", w, "--tokenizer", t], &["<SENTENCES>"]);
 }
 
@@ -195,10 +197,17 @@ fn long_sentences_are_truncated_where_the_pipeline_truncates_and_said_so() {
     assert_eq!((&v["embeddings"][1]["tokens"], &v["embeddings"][1]["truncated_from"]), (&256.into(), &302.into()));
     assert_eq!(v["embeddings"][0]["truncated_from"], serde_json::Value::Null);
 
-    // Without --tokenizer the weights' own is used when they are GGUF (as `generate` does); a
-    // safetensors checkpoint has none.
+    // Without --tokenizer the one beside the weights is used: the `tokenizer.json` in a
+    // safetensors checkpoint's directory, or the weights' own when they are GGUF (as `generate`
+    // does); a safetensors file alone has none.
+    let o = kiln(&["embed", "models/minilm-l6.toml", "--weights", s(&weights), "hi", "--backend", "cpu"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let alone = std::env::temp_dir().join(format!("kiln-embed-alone-{}", std::process::id()));
+    std::fs::create_dir_all(&alone).unwrap();
+    let _ = std::fs::remove_file(alone.join("model.safetensors"));
+    std::os::unix::fs::symlink(&weights, alone.join("model.safetensors")).unwrap();
     common::failure(
-        &["embed", "models/minilm-l6.toml", "--weights", s(&weights), "hi"],
+        &["embed", "models/minilm-l6.toml", "--weights", s(&alone.join("model.safetensors")), "hi"],
         &["needs a tokenizer: give --tokenizer"],
     );
     let gguf = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");

@@ -599,6 +599,10 @@ pub struct Weights {
     /// Entries added to, or replacing, the preset's: graph parameter template -> checkpoint tensor.
     #[serde(default)]
     pub tensors: BTreeMap<String, weightmap::SourceSpec>,
+    /// Where the checkpoint is (`kiln import` records it): a safetensors or GGUF file, relative
+    /// to the spec's directory unless absolute. The CLI reads it when `--weights` is not given.
+    #[serde(default)]
+    pub path: Option<String>,
 }
 
 /// `[init]`: the distributions a model's first weights are drawn from (`kiln init`). Every

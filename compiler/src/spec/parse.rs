@@ -113,7 +113,7 @@ pub fn parse_spec(source: &str) -> Result<(Spec, SpanIndex), Diagnostic> {
     if source.trim().is_empty() || (index.is_empty() && DeTable::parse(source).is_ok()) {
         return Err(Diagnostic::new("a spec has [model] and [attention]", "the spec is empty")
             .with_span(0..0)
-            .with_help("start from one of the files in models/"));
+            .with_help("`kiln new decoder` (or `encoder`, `encoder-decoder`) writes a spec to start from; `kiln list` shows the built-in ones"));
     }
     match toml::from_str::<Spec>(source) {
         Ok(spec) => Ok((spec, index)),
@@ -152,7 +152,7 @@ fn from_toml_error(err: &toml::de::Error, source: &str, index: &SpanIndex) -> Di
             None => (
                 "a spec has [model] and [attention]",
                 format!("the spec has no `[{field}]` table"),
-                Some(format!("add the `[{field}]` table; models/ has complete specs to start from")),
+                Some(format!("add the `[{field}]` table; `kiln new` writes a complete spec to start from")),
             ),
         }
     } else if let Some(rest) =

@@ -684,6 +684,14 @@ pub fn validate(spec: Spec, index: &SpanIndex, limits: &Limits) -> Result<Resolv
             }
         }
     }
+    if spec.weights.path.as_deref().is_some_and(|p| p.trim().is_empty()) {
+        c.error_help(
+            "weights.path",
+            "a recorded checkpoint path names a file",
+            "`weights.path` is empty".into(),
+            "give the checkpoint's path (relative to the spec's directory), or remove the key".into(),
+        );
+    }
     let templates = weightmap::all_templates();
     for (template, source) in &spec.weights.tensors {
         let key = format!("weights.tensors.{template}");

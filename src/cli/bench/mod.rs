@@ -168,8 +168,9 @@ struct KernelArgs {
 /// The spec a benchmark measures.
 #[derive(clap::Args)]
 struct SpecArgs {
-    /// The spec (random weights unless `--weights`). Default: a GPT-2-small-sized decoder
-    /// (`benches/specs/gpt2-small.toml`, built into kiln, so any directory will do).
+    /// The spec: a file, or the name of a built-in spec (`kiln list`); random weights unless
+    /// `--weights`. Default: a GPT-2-small-sized decoder (`benches/specs/gpt2-small.toml`, built
+    /// into kiln).
     spec: Option<PathBuf>,
 }
 

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 /// Arguments of `kiln bench table`.
 #[derive(clap::Args)]
 pub struct TableArgs {
-    /// The specs. Default: `benches/specs/gpt2-small.toml`, `models/smollm2-135m.toml` and
-    /// `models/minilm-l6.toml` (built into kiln, so any directory will do).
+    /// The specs: files, or names of built-in specs (`kiln list`). Default:
+    /// `benches/specs/gpt2-small.toml`, `smollm2-135m` and `minilm-l6` (all built into kiln).
     #[arg(long, value_delimiter = ',')]
     models: Vec<PathBuf>,
     /// Sequence lengths.
