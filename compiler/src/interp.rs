@@ -1026,6 +1026,9 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
                     *o = V::F::from_f64(r * (gx(j) - mean_gx - xhat(j) * mean_gxx));
                 }
             }
+            if let Some(&residual) = a.get(3) {
+                out.iter_mut().zip(f(residual)).for_each(|(o, &r)| *o = *o + r);
+            }
             V::of_floats(shape, out)
         }
         Op::Rsqrt => V::of_floats(shape, f(a[0]).iter().map(|&x| V::F::from_f64(1.0 / x.to_f64().sqrt())).collect()),

@@ -898,6 +898,36 @@ fn weight_grad_transposed_and_matmul_transposed_weight() {
     }
 }
 
+/// A norm's input gradient and the residual path's gradient to the same input, added (as
+/// autodiff sums a pre-norm block's two uses of its input, either way round), become one pass.
+#[test]
+fn norm_grad_residual() {
+    for (rule, left) in [("norm-grad-residual", false), ("norm-grad-residual-left", true)] {
+        for rms in [false, true] {
+            let mut g = Graph::new("t");
+            let x = input(&mut g);
+            let gain = g.param("gain", &[D]);
+            let w = g.param("w", &[D, D]);
+            let dy = g.add(Op::MatMul { transpose_b: true }, &[x, w]).unwrap();
+            let r = g.add(Op::Act(Activation::Relu), &[dy]).unwrap();
+            let dx = g.add(Op::NormGrad { rms, eps: Scalar(1e-5) }, &[x, gain, dy]).unwrap();
+            let sum = if left { g.add(Op::Add, &[r, dx]).unwrap() } else { g.add(Op::Add, &[dx, r]).unwrap() };
+            g.outputs.push(("dx".into(), sum));
+            let opt = check(rule, &g);
+            assert!(!ops(&opt).contains(&"add".to_string()), "`{rule}`: {:?}", ops(&opt));
+        }
+    }
+    // A residual broadcast into the input (a bias's shape) is no residual of it.
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let gain = g.param("gain", &[D]);
+    let dx = g.add(Op::NormGrad { rms: false, eps: Scalar(1e-5) }, &[x, gain, x]).unwrap();
+    let sum = g.add(Op::Add, &[dx, gain]).unwrap();
+    g.outputs.push(("dx".into(), sum));
+    let (opt, _) = kiln_compiler::optimize::optimize(&g).unwrap();
+    assert!(ops(&opt).contains(&"add".to_string()), "{:?}", ops(&opt));
+}
+
 #[test]
 fn every_rule_has_a_test() {
     let source = include_str!("rules.rs");

@@ -1284,6 +1284,9 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         (g.param("norm_grad.x", &[2, 3, w]), g.param("norm_grad.gain", &[w]), g.param("norm_grad.dy", &[2, 3, w]));
     for rms in [false, true] {
         out(&mut g, &format!("norm_grad.{rms}"), Op::NormGrad { rms, eps: Scalar(1e-5) }, &[x, gain, dy]);
+        // With the residual path's gradient added in the same pass.
+        let op = Op::NormGrad { rms, eps: Scalar(1e-5) };
+        out(&mut g, &format!("norm_grad.{rms}.residual"), op, &[x, gain, dy, x]);
         out(&mut g, &format!("norm_gain_grad.{rms}"), Op::NormGainGrad { rms, eps: Scalar(1e-5) }, &[x, dy]);
     }
     // A weight's gradient: the products of rows over every leading axis.

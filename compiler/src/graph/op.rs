@@ -583,10 +583,12 @@ pub enum Op {
     /// five.
     SoftmaxGrad,
     /// The input's gradient of a row norm ([`Op::LayerNorm`], or [`Op::RmsNorm`] with `rms`): `(x
-    /// f32[.., d], gain f32[d], dy f32[.., d]) -> [.., d]`, per row, with `r = 1 / sqrt(var + eps)`
-    /// (`mean(x^2)` for RMS), `xhat` the normalized row and `gx = dy * gain`: `r (gx - mean(gx) -
-    /// xhat mean(gx xhat))` (no `mean(gx)` term for RMS). One pass over the rows where the
-    /// composition is a score of elementwise ops and sums.
+    /// f32[.., d], gain f32[d], dy f32[.., d][, residual f32[.., d]]) -> [.., d]`, per row, with
+    /// `r = 1 / sqrt(var + eps)` (`mean(x^2)` for RMS), `xhat` the normalized row and `gx = dy *
+    /// gain`: `r (gx - mean(gx) - xhat mean(gx xhat))` (no `mean(gx)` term for RMS), plus
+    /// `residual` where given (the gradient the residual path brings to the same input, added in
+    /// f32 as `add` would). One pass over the rows where the composition is a score of
+    /// elementwise ops and sums.
     NormGrad {
         /// RMSNorm (no centring).
         rms: bool,

@@ -227,7 +227,9 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             Ok((y.clone(), DType::F32))
         }
         Op::NormGrad { .. } => {
-            arity(3)?;
+            if !(3..=4).contains(&operands.len()) {
+                return Err(format!("expects 3 or 4 operands, got {}", operands.len()));
+            }
             let (x, gain, dy) = (float(0)?, float(1)?, float(2)?);
             rank_at_least(x, 1, "x")?;
             if gain.as_slice() != &x[x.len() - 1..] || x != dy {
@@ -237,6 +239,9 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                     fmt_shape(gain),
                     fmt_shape(dy)
                 ));
+            }
+            if operands.len() == 4 && float(3)? != x {
+                return Err(format!("expects a residual of x's shape {}, got {}", fmt_shape(x), fmt_shape(float(3)?)));
             }
             Ok((x.clone(), DType::F32))
         }

@@ -145,13 +145,22 @@ pub fn forward(
             if let Some((_, Arg::Quant(q))) = args.first() {
                 // A table kept as blocks: each looked-up row dequantized.
                 let out = out.get();
-                out.clear();
+                let mut rows = Vec::with_capacity(out.len());
                 for &id in *ids {
-                    let ok = usize::try_from(id).is_ok_and(|r| q.dequantize_row(r, out));
+                    let ok = usize::try_from(id).is_ok_and(|r| q.dequantize_row(r, &mut rows));
                     if !ok {
                         return Err(CpuError::Operands(format!("id {id} is outside the table's {} rows", q.rows)));
                     }
                 }
+                if rows.len() != out.len() {
+                    return Err(CpuError::Operands(format!(
+                        "{} rows of {} gathered for {}",
+                        ids.len(),
+                        q.k,
+                        out.len()
+                    )));
+                }
+                out.copy_from_slice(&rows);
                 return Ok(true);
             }
             let table = f(0)?;

@@ -827,15 +827,20 @@ pub struct LazyOut<'a> {
 }
 
 impl LazyOut<'_> {
-    /// The output's elements, resized to the result.
-    pub fn get(&mut self) -> &mut Vec<f32> {
+    /// The output's elements: the first `n` of the step's buffer, grown (with zeros) only where
+    /// it is shorter. A buffer is never shortened, so a slot that holds values of several sizes
+    /// in turn is not filled with zeros again each time a larger one comes back (readers take
+    /// their value's length from its shape); a kernel writes every element it returns.
+    pub fn get(&mut self) -> &mut [f32] {
         if !matches!(self.out, Buf::F32(_)) {
             *self.out = Buf::F32(Vec::new());
         }
         match self.out {
             Buf::F32(v) => {
-                v.resize(self.n, 0.0);
-                v
+                if v.len() < self.n {
+                    v.resize(self.n, 0.0);
+                }
+                &mut v[..self.n]
             }
             Buf::I64(_) => unreachable!("made f32 just above"),
         }

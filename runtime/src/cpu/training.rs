@@ -350,9 +350,13 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
         }
         Op::NormGrad { rms, eps } => {
             let ((_, x), (_, gain), (_, dy)) = (operand(0)?, operand(1)?, operand(2)?);
+            let residual = if args.len() > 3 { Some(operand(3)?.1) } else { None };
             let d = gain.len();
             let y = out.get();
             if d == 0 || y.len() != x.len() || dy.len() != x.len() || x.len() % d != 0 {
+                return Ok(false);
+            }
+            if residual.is_some_and(|r| r.len() != x.len()) {
                 return Ok(false);
             }
             let (rms, eps) = (*rms, f64::from(eps.0));
@@ -384,6 +388,11 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                         *o = (r * (gx - mg - (f64::from(v) - mean) * r * mgx)) as f32;
                     }
                 });
+            if let Some(residual) = residual {
+                y.par_chunks_mut(MIN_ELEMENTS).zip(residual.par_chunks(MIN_ELEMENTS)).for_each(|(o, r)| {
+                    o.iter_mut().zip(r).for_each(|(o, &r)| *o += r);
+                });
+            }
             Ok(true)
         }
         Op::GatherGrad => {

@@ -260,10 +260,12 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                             for (var j = 0u; j < n; j = j + 1u) { dot = dot + in0[base + j] * in1[base + j]; }\n\
                             for (var j = 0u; j < n; j = j + 1u) { out[base + j] = in0[base + j] * (in1[base + j] - dot); }"
             .into(),
-        // One thread per row: its statistics, then the two means of the gradient, then each element.
+        // One thread per row: its statistics, then the two means of the gradient, then each element
+        // (plus the residual's gradient, a fourth operand).
         Op::NormGrad { rms, eps } => {
             let centre = if *rms { "0.0" } else { "s / f32(d)" };
             let mean_gx = if *rms { "0.0" } else { "sg / f32(d)" };
+            let residual = if operands > 3 { " + in3[base + j]" } else { "" };
             format!(
                 "let d = dim(1u);\nlet base = i * d;\nvar s = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) {{ s = s + in0[base + j]; }}\n\
                  let mean = {centre};\nvar q = 0.0;\n\
@@ -273,7 +275,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  sg = sg + gx;\n    sgx = sgx + gx * (in0[base + j] - mean) * r;\n}}\n\
                  let mg = {mean_gx};\nlet mgx = sgx / f32(d);\n\
                  for (var j = 0u; j < d; j = j + 1u) {{\n    let gx = in2[base + j] * in1[j];\n    \
-                 out[base + j] = r * (gx - mg - (in0[base + j] - mean) * r * mgx);\n}}",
+                 out[base + j] = r * (gx - mg - (in0[base + j] - mean) * r * mgx){residual};\n}}",
                 eps = eps.0
             )
         }

@@ -547,6 +547,7 @@ mod tests {
             (Op::NormGainGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f]),
             (Op::NormGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f, f]),
             (Op::NormGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f, f]),
+            (Op::NormGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f, f, f]),
             (Op::RelativeBiasGrad { buckets: 8, max_distance: 20, bidirectional: true }, vec![f, f]),
             (Op::RelativeBiasGrad { buckets: 32, max_distance: 128, bidirectional: false }, vec![f, f]),
             (Op::TopKGrad { k: 2, renormalize: true }, vec![f, f]),

@@ -1,6 +1,7 @@
 //! The backward forms of a training step that pay: a weight's gradient, summed over the batch,
 //! as one product over all the rows; the transposes a weight stored `[in, out]` (GPT-2's
-//! `Conv1D`) adds to the backward, read by the products instead of copied.
+//! `Conv1D`) adds to the backward, read by the products instead of copied; a norm's input
+//! gradient with the residual path's gradient to the same input added in its pass.
 
 use super::*;
 use egg::rewrite as rw;
@@ -35,6 +36,12 @@ fn transposes_matrix(p: &'static str, w: &'static str) -> impl Fn(&mut KGraph, I
     }
 }
 
+/// `?r` has the shape of the norm's input `?x` (the sum does not broadcast).
+fn residual_of_input(egraph: &mut KGraph, _: Id, subst: &Subst) -> bool {
+    let (r, x) = (shape(egraph, subst[var("?r")]), shape(egraph, subst[var("?x")]));
+    r.is_some() && r == x
+}
+
 #[rustfmt::skip]
 pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
     vec![
@@ -47,5 +54,10 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // x @ (W^T) = x @^T W                              (W a matrix: the input's gradient)
         rw!("matmul-transposed-weight"; "(matmul ?x (permute ?p ?w))"
                                      => "(matmul_t ?x ?w)" if transposes_matrix("?p", "?w")),
+        // norm_grad(x, g, dy) + r = norm_grad(x, g, dy, r)  (r: the residual path's gradient to x)
+        rw!("norm-grad-residual"; "(add (norm_grad ?o ?x ?g ?dy none) ?r)"
+                               => "(norm_grad ?o ?x ?g ?dy ?r)" if residual_of_input),
+        rw!("norm-grad-residual-left"; "(add ?r (norm_grad ?o ?x ?g ?dy none))"
+                                    => "(norm_grad ?o ?x ?g ?dy ?r)" if residual_of_input),
     ]
 }
