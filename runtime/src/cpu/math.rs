@@ -6,8 +6,8 @@
 //! below 1e-6; `tests` below check every activation against it over a wide range), far inside the
 //! engines' tolerance.
 //!
-//! The loops are compiled twice, for the baseline target and with AVX2 and FMA enabled, and the
-//! second runs where the CPU has them ([`super::isa`]).
+//! The loops are compiled three times, for the baseline target, with AVX2 and FMA, and with
+//! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]).
 
 use super::isa::isa;
 use kiln_compiler::graph::Activation;
@@ -142,24 +142,6 @@ fn backward_generic(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn backward_avx2(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
-    backward_generic(a, x, dy, out)
-}
-
-/// `out[i] = dy[i] * a'(x[i])` (an activation's backward).
-pub fn backward(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa().avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
-        // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
-        unsafe { backward_avx2(a, x, dy, out) };
-        return;
-    }
-    backward_generic(a, x, dy, out)
-}
-
 #[inline(always)]
 fn apply_with(f: impl Fn(f32) -> f32, xs: &mut [f32]) {
     // `for` loops, as in `backward_with`: a closure handed to `for_each` is not inlined into the
@@ -197,79 +179,97 @@ fn gate_generic(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn apply_avx2(a: Activation, xs: &mut [f32]) {
-    apply_generic(a, xs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn gate_avx2(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    gate_generic(a, gate, up, out)
-}
-
-/// `xs[i] = exp(xs[i] - max)` (a softmax's numerators).
-pub fn exp_shifted(xs: &mut [f32], max: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if isa().avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
-        // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
-        unsafe { exp_shifted_avx2(xs, max) };
-        return;
-    }
-    exp_shifted_generic(xs, max)
-}
-
 #[inline(always)]
 fn exp_shifted_generic(xs: &mut [f32], max: f32) {
     apply_with(|x| exp(x - max), xs);
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn exp_shifted_avx2(xs: &mut [f32], max: f32) {
-    exp_shifted_generic(xs, max)
-}
-
-/// A softmax over `row` in place: each exponential less the row's maximum, normalized by their
-/// sum taken in f64 (in eight running sums, then added in order), as the interpreter's softmax
-/// is up to the order of that sum and a multiplication by its reciprocal for the division (a
-/// unit in the last place of f32 at most).
-pub fn softmax(row: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa().avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
-        // Rust over the slice it is given (iterators, no unchecked access): no bound to state.
-        unsafe { softmax_avx2(row) };
-        return;
-    }
-    softmax_generic(row)
-}
-
 #[inline(always)]
-fn softmax_generic(row: &mut [f32]) {
-    // The maximum in eight lanes (a `fold` over `f32::max` does not vectorize).
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let chunks = row.chunks_exact(8);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (l, &x) in lanes.iter_mut().zip(chunk) {
-            *l = l.max(x);
+fn softmax_rows_generic(rows: &mut [f32], width: usize) {
+    // Three passes over the rows, so the exponentials run as one long loop rather than a short
+    // one per row (each row's maximum, sum and normalization would wait on it).
+    let width = width.max(1);
+    for row in rows.chunks_mut(width) {
+        // The maximum in eight lanes (a `fold` over `f32::max` does not vectorize).
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let chunks = row.chunks_exact(8);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for (l, &x) in lanes.iter_mut().zip(chunk) {
+                *l = l.max(x);
+            }
+        }
+        let max = lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max);
+        apply_with(|x| x - max, row);
+    }
+    apply_with(exp, rows);
+    for row in rows.chunks_mut(width) {
+        let inv = 1.0 / sum_f64(row, f64::from);
+        for x in row {
+            *x = (f64::from(*x) * inv) as f32;
         }
     }
-    let max = lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max);
-    apply_with(|x| exp(x - max), row);
-    let inv = 1.0 / sum_f64(row, f64::from);
-    for x in row {
-        *x = (f64::from(*x) * inv) as f32;
-    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn softmax_avx2(row: &mut [f32]) {
-    softmax_generic(row)
+/// Public entry points over a `*_generic` body, each compiled three times — for AVX-512, for
+/// AVX2 with FMA, and for the baseline — and the widest the CPU has taken at run time ([`isa`]).
+macro_rules! dispatch {
+    ($(#[$doc:meta])* fn $name:ident = $generic:ident($($arg:ident: $ty:ty),*);) => {
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                fn avx512($($arg: $ty),*) {
+                    $generic($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) {
+                    $generic($($arg),*)
+                }
+                let isa = isa();
+                if isa.avx512f && isa.avx2 {
+                    // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked at run time just
+                    // above); the callee is safe Rust over the slices it is given (iterators, no
+                    // unchecked access): no bound to state.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if isa.avx2 {
+                    // SAFETY: the CPU has AVX2 and FMA (checked just above); as above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $generic($($arg),*)
+        }
+    };
+}
+
+dispatch! {
+    /// `out[i] = dy[i] * a'(x[i])` (an activation's backward).
+    fn backward = backward_generic(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]);
+}
+
+dispatch! {
+    /// `xs[i] = a(xs[i])`.
+    fn apply = apply_generic(a: Activation, xs: &mut [f32]);
+}
+
+dispatch! {
+    /// `out[i] = a(gate[i]) * up[i]` (a gated feed-forward's product).
+    fn gate = gate_generic(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]);
+}
+
+dispatch! {
+    /// `xs[i] = exp(xs[i] - max)` (a softmax's numerators).
+    fn exp_shifted = exp_shifted_generic(xs: &mut [f32], max: f32);
+}
+
+dispatch! {
+    /// A softmax over each row of `width` of `rows`, in place: each exponential less its row's
+    /// maximum, normalized by their sum taken in f64 (in eight running sums, then added in
+    /// order) — the interpreter's softmax up to the order of that sum and a multiplication by its
+    /// reciprocal for the division (a unit in the last place of f32 at most).
+    fn softmax_rows = softmax_rows_generic(rows: &mut [f32], width: usize);
 }
 
 /// The sum of `f(x)` over `xs`, in f64: eight running sums over the elements in turn (so the
@@ -331,30 +331,6 @@ pub fn rms_norm_row(row: &mut [f32], gain: &[f32], eps: f32) {
     for (v, &g) in row.iter_mut().zip(gain) {
         *v = *v * inv * g;
     }
-}
-
-/// `xs[i] = a(xs[i])`.
-pub fn apply(a: Activation, xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa().avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
-        // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
-        unsafe { apply_avx2(a, xs) };
-        return;
-    }
-    apply_generic(a, xs)
-}
-
-/// `out[i] = a(gate[i]) * up[i]` (a gated feed-forward's product).
-pub fn gate(a: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa().avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above); the callee is safe
-        // Rust over the slices it is given (iterators, no unchecked access): no bound to state.
-        unsafe { gate_avx2(a, gate, up, out) };
-        return;
-    }
-    gate_generic(a, gate, up, out)
 }
 
 #[cfg(test)]

@@ -120,9 +120,10 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             if y.len() != x.len() || d == 0 {
                 return Ok(y.is_empty());
             }
-            y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len((MIN_ELEMENTS / d).max(1)).for_each(|(o, row)| {
-                o.copy_from_slice(row);
-                super::math::softmax(o);
+            let block = d * (MIN_ELEMENTS / d).max(1);
+            y.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(o, rows)| {
+                o.copy_from_slice(rows);
+                super::math::softmax_rows(o, d);
             });
             Ok(true)
         }
@@ -163,8 +164,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                     None => o.iter_mut().zip(row).for_each(|(o, &v)| *o = v * scale),
                 }
                 keep.hide(o);
-                super::math::softmax(o);
             });
+            let block = scores.k * (MIN_ELEMENTS / scores.k).max(1);
+            y.par_chunks_mut(block).for_each(|rows| super::math::softmax_rows(rows, scores.k));
             Ok(true)
         }
         Op::Offset { value } => {
