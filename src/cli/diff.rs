@@ -310,17 +310,11 @@ impl Diff {
             }
         }
 
-        // Places in the order the graphs compute them (B's, then what only A has), each place's
-        // changes as text relative to it, then runs of equal blocks merged.
-        let mut rank: HashMap<Place, usize> = HashMap::new();
-        for g in [b, a] {
-            for n in g.order() {
-                let next = rank.len();
-                rank.entry(place(&g.g[n].scope)).or_insert(next);
-            }
-        }
+        // Places in the order data flows through them (see `place_ranks`), each place's changes
+        // as text relative to it, then runs of equal blocks merged.
+        let rank = place_ranks(a, b);
         let mut by_place: Vec<(Place, Vec<Change>)> = by_place.into_iter().collect();
-        by_place.sort_by_key(|(p, _)| (rank.get(p).copied().unwrap_or(usize::MAX), p.clone()));
+        by_place.sort_by_key(|(p, _)| (rank.get(p).copied().unwrap_or((usize::MAX, usize::MAX)), p.clone()));
         let mut groups: Vec<(Place, Group)> = Vec::new();
         for (place, changes) in by_place {
             let mut changes: Vec<Change> = changes
@@ -532,6 +526,61 @@ fn describe(x: &Seen) -> String {
     format!("{}{reads} : {}", x.op, x.ty)
 }
 
+/// Where each place is listed: by how deep in the data flow its deepest node lies (the longest
+/// path to it from a parameter or input; a parameter's, just before its first reader's) in
+/// either graph — so embeddings come
+/// before blocks and the head after them whatever order an optimized graph's nodes are in — and
+/// the blocks of a stack together, in ascending order, at the rank of the stack's first-listed
+/// block. A rank is (depth, block index).
+fn place_ranks(a: &Graph, b: &Graph) -> HashMap<Place, (usize, usize)> {
+    let mut deepest: HashMap<Place, usize> = HashMap::new();
+    for g in [a, b] {
+        let order = g.order();
+        let mut depth: HashMap<usize, usize> = HashMap::new();
+        // A node without operands (a parameter, an input) sits just before its first reader.
+        let mut first_read: HashMap<usize, usize> = HashMap::new();
+        for &n in &order {
+            let operands = g.operands(n);
+            let d = operands.iter().map(|o| depth.get(&o.index()).map_or(0, |d| d + 1)).max().unwrap_or(0);
+            depth.insert(n.index(), d);
+            for o in operands {
+                let first = first_read.entry(o.index()).or_insert(d);
+                *first = (*first).min(d);
+            }
+        }
+        let mut here: HashMap<Place, usize> = HashMap::new();
+        for &n in &order {
+            let d = match g.operands(n).is_empty() {
+                true => first_read.get(&n.index()).map_or(0, |d| d.saturating_sub(1)),
+                false => depth.get(&n.index()).copied().unwrap_or(0),
+            };
+            let max = here.entry(place(&g.g[n].scope)).or_default();
+            *max = (*max).max(d);
+        }
+        for (p, d) in here {
+            let max = deepest.entry(p).or_default();
+            *max = (*max).max(d);
+        }
+    }
+    let mut stacks: HashMap<String, usize> = HashMap::new();
+    for (p, d) in &deepest {
+        if let Place::Block(stack, _) = p {
+            let min = stacks.entry(stack.clone()).or_insert(*d);
+            *min = (*min).min(*d);
+        }
+    }
+    deepest
+        .iter()
+        .map(|(p, d)| {
+            let rank = match p {
+                Place::Block(stack, i) => (stacks.get(stack).copied().unwrap_or(*d), *i),
+                Place::Scope(_) => (*d, 0),
+            };
+            (p.clone(), rank)
+        })
+        .collect()
+}
+
 fn place(scope: &str) -> Place {
     match block_of(scope) {
         Some((stack, i, _)) => Place::Block(stack.to_string(), i),
@@ -554,12 +603,13 @@ fn relative(place: &Place, name: &str) -> String {
 }
 
 /// [`relative`] applied to every stable name in a piece of text (names are separated by spaces,
-/// commas and parentheses).
+/// commas, parentheses and quotes, so a block's parameter, `param "layers.3.attn_norm.bias"`,
+/// reads the same in every block).
 fn relative_refs(place: &Place, text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut word = String::new();
     for c in text.chars().chain(std::iter::once(' ')) {
-        if matches!(c, ' ' | ',' | '(' | ')') {
+        if matches!(c, ' ' | ',' | '(' | ')' | '"') {
             if !word.is_empty() {
                 out += &relative(place, &word);
                 word.clear();

@@ -109,3 +109,38 @@ fn bad_arguments_are_errors() {
     let o = kiln(&["diff", "models/llama.toml", "models/gpt2.toml", "--seq", "0"]);
     assert_eq!(o.status.code(), Some(1));
 }
+
+/// `models/llama.toml` with four blocks, and `edit` applied to it, written to a scratch directory.
+fn llama_4_and(dir: &str, edit: impl Fn(&str) -> String) -> (PathBuf, PathBuf) {
+    let source = std::fs::read_to_string(root().join("models/llama.toml")).unwrap();
+    // No weight map: an edit may add parameters the `llama` preset does not name.
+    let four = source.replace("layers = 2\n", "layers = 4\n").replace("[weights]\npreset = \"llama\"\n", "");
+    let edited = edit(&four);
+    assert_ne!(four, edited, "the edit no longer applies to models/llama.toml");
+    let dir = scratch(dir);
+    let (a, b) = (dir.join("llama-4.toml"), dir.join("llama-4-edited.toml"));
+    std::fs::write(&a, four).unwrap();
+    std::fs::write(&b, edited).unwrap();
+    (a, b)
+}
+
+/// The titles of the groups a text diff lists, in order.
+fn titles(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.ends_with(" changed)")).filter_map(|l| l.split(" (").next()).collect()
+}
+
+#[test]
+fn optimized_blocks_are_listed_ascending_and_grouped() {
+    // Post-norm: the optimized graph computes its blocks' nodes last block first; the diff still
+    // lists them in the order data flows through them, the identical middle blocks once.
+    let (a, b) =
+        llama_4_and("post", |s| s.replace("kind = \"rmsnorm\"\n", "kind = \"rmsnorm\"\nplacement = \"post\"\n"));
+    let text = ok(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--stage", "optimized"]);
+    assert_eq!(titles(&text), ["layers.0", "layers.1..3", "layers.3", "final_norm", "head"], "{text}");
+
+    // A block's own new parameter (a bias, named with its block) reads the same in every block.
+    let (a, b) = llama_4_and("layernorm", |s| s.replace("kind = \"rmsnorm\"", "kind = \"layernorm\""));
+    let text = ok(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--stage", "optimized"]);
+    assert_eq!(titles(&text), ["layers.0", "layers.1..4", "final_norm", "head"], "{text}");
+    assert!(text.contains("+ attn_norm.bias") && text.contains("param \"attn_norm.bias\""), "{text}");
+}
