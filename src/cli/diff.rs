@@ -12,15 +12,15 @@
 //! one stack whose changes are the same are listed once (`layers.0..4`); an operand in another
 //! block of the same stack is written relative to it (`layers[-1].ffn/add#1`), so the blocks of a
 //! stack compare equal. Above the changes, both graphs' totals: parameters, matmul FLOPs per token,
-//! kernel dispatches and intermediate bytes.
+//! kernel dispatches and intermediate bytes (in binary units; raw counts in `--json`).
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::artifact::Artifact;
 use kiln_compiler::graph::print::{self, block_of};
-use kiln_compiler::graph::{Graph, Op, Shape, Sym, fmt_shape};
-use kiln_compiler::optimize::CostModel;
+use kiln_compiler::graph::{Graph, Op, Sym, fmt_shape};
+use kiln_compiler::memory::human;
 use kiln_compiler::{lower, optimize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -142,8 +142,8 @@ pub fn names(g: &Graph) -> HashMap<usize, String> {
 struct Totals {
     /// Parameter elements.
     parameters: u64,
-    /// FLOPs per token at batch 1, as the cost model estimates them for every op computed at run
-    /// time (so that fused ops count what they compute).
+    /// Matrix-multiply FLOPs per token at batch 1 ([`print::matmul_flops`], the count `check`
+    /// prints), the same before and after fusion.
     flops_per_token: f64,
     /// Kernel dispatches.
     dispatches: usize,
@@ -158,34 +158,11 @@ impl Totals {
             HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
         Totals {
             parameters: summary.parameters,
-            flops_per_token: flops(g, seq) / seq as f64,
+            flops_per_token: summary.flops_per_token,
             dispatches: optimize::dispatches(g),
             intermediate_bytes: lower::lower(g).memory(&syms).0,
         }
     }
-}
-
-/// The FLOPs of a forward pass over `seq` tokens at batch 1: [`CostModel::work`] of every op but
-/// those on parameters alone (folded at load time).
-fn flops(g: &Graph, seq: usize) -> f64 {
-    let model = CostModel { seq, ..CostModel::default() };
-    let mut konst: HashMap<usize, bool> = HashMap::new();
-    let mut total = 0.0;
-    for n in g.order() {
-        let node = &g.g[n];
-        let operands = g.operands(n);
-        let k = match node.op {
-            Op::Param { .. } => true,
-            Op::Input { .. } | Op::Positions { .. } => false,
-            _ => !operands.is_empty() && operands.iter().all(|o| konst.get(&o.index()).copied().unwrap_or(false)),
-        };
-        konst.insert(n.index(), k);
-        if !k {
-            let shapes: Vec<&Shape> = operands.iter().map(|&o| &g.g[o].shape).collect();
-            total += model.work(&node.op, &shapes, &node.shape).flops;
-        }
-    }
-    total
 }
 
 /// What happened to a node.
@@ -402,18 +379,29 @@ impl Diff {
                 signed(y as f64 - x as f64, x as f64, |d| format!("{d:+}")),
             ]
         };
+        // Bytes in binary units, as every command writes them (`--json` keeps the raw count).
+        let bytes = |name: &str, x: u64, y: u64| {
+            [
+                name.to_string(),
+                human(x),
+                human(y),
+                signed(y as f64 - x as f64, x as f64, |d| {
+                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, human(d.abs() as u64))
+                }),
+            ]
+        };
         vec![
             int("parameters", a.parameters, b.parameters),
             [
-                format!("FLOPs/token (est., seq {})", self.seq),
-                si(a.flops_per_token),
-                si(b.flops_per_token),
+                format!("FLOPs/token (matmuls, seq {})", self.seq),
+                crate::report::human(a.flops_per_token),
+                crate::report::human(b.flops_per_token),
                 signed(b.flops_per_token - a.flops_per_token, a.flops_per_token, |d| {
-                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, si(d.abs()))
+                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, crate::report::human(d.abs()))
                 }),
             ],
             int("dispatches", a.dispatches as u64, b.dispatches as u64),
-            int(&format!("intermediate bytes (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
+            bytes(&format!("intermediates (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
         ]
     }
 
@@ -488,17 +476,6 @@ impl Diff {
             push_changes(&mut s, &self.outputs);
         }
         s
-    }
-}
-
-/// `271872` -> `271.87 k`; below a thousand, rounded to a whole number.
-fn si(x: f64) -> String {
-    match x.abs() {
-        a if a >= 1e12 => format!("{:.2} T", x / 1e12),
-        a if a >= 1e9 => format!("{:.2} G", x / 1e9),
-        a if a >= 1e6 => format!("{:.2} M", x / 1e6),
-        a if a >= 1e3 => format!("{:.2} k", x / 1e3),
-        _ => format!("{x:.0}"),
     }
 }
 

@@ -144,3 +144,30 @@ fn optimized_blocks_are_listed_ascending_and_grouped() {
     assert_eq!(titles(&text), ["layers.0", "layers.1..4", "final_norm", "head"], "{text}");
     assert!(text.contains("+ attn_norm.bias") && text.contains("param \"attn_norm.bias\""), "{text}");
 }
+
+#[test]
+fn flops_agree_with_check_before_and_after_fusion() {
+    // One FLOP count (the matmuls of a forward pass): `check`'s, and `diff`'s of the graph as
+    // built and as optimized, at the same sequence length. `kiln new decoder` once read 79.17M
+    // in `check` and 79.27M in `diff`, which counted every elementwise op too.
+    let spec = scratch("flops").join("decoder.toml");
+    std::fs::write(&spec, ok(&["new", "decoder"])).unwrap();
+    let spec = spec.to_str().unwrap();
+    let check: serde_json::Value = serde_json::from_str(&ok(&["check", spec, "--seq", "128", "--json"])).unwrap();
+    let want = check["flops_per_token"].as_f64().unwrap();
+    for stage in ["graph", "optimized"] {
+        let doc: serde_json::Value =
+            serde_json::from_str(&ok(&["diff", spec, spec, "--stage", stage, "--seq", "128", "--json"])).unwrap();
+        let got = doc["a"]["totals"]["flops_per_token"].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-9 * want, "{stage}: diff counts {got} FLOPs/token, check {want}");
+    }
+    let text = ok(&["check", spec, "--seq", "128"]);
+    assert!(text.contains("FLOPs/token  79.17M (matmuls, forward at seq 128)"), "{text}");
+    let text = ok(&["diff", spec, spec, "--stage", "optimized", "--seq", "128"]);
+    let flops = text.lines().find(|l| l.starts_with("FLOPs/token (matmuls, seq 128)")).unwrap_or_default();
+    assert_eq!(flops.split_whitespace().skip(4).collect::<Vec<_>>(), ["79.17M", "79.17M", "0"], "{text}");
+    // Bytes in binary units, as `inspect` writes them; `--json` keeps the raw count.
+    assert!(text.contains(" MiB ") && !text.contains(" MB"), "{text}");
+    let doc: serde_json::Value = serde_json::from_str(&ok(&["diff", spec, spec, "--json"])).unwrap();
+    assert!(doc["a"]["totals"]["intermediate_bytes"].is_u64(), "{doc}");
+}
