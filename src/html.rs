@@ -1,14 +1,19 @@
-//! `kiln inspect --html`: one self-contained HTML page about a compiled model — the spec, the
-//! graph before and after the optimizer (inline SVG drawn by Graphviz, or the DOT text where
-//! `dot` is not installed), the kernels with their estimated work and measured time, their WGSL,
-//! the fusion explanations and the optimizer's statistics. The page loads nothing: its style and
-//! its one small script are inline, and every piece of text in it is HTML-escaped.
+//! `kiln inspect --html`: one self-contained HTML page about a model compiled for the engine that
+//! runs it ([`Engine`]: the CPU back end or wgpu, as `kiln run` picks it) — the spec, the graph
+//! before and after the optimizer (inline SVG drawn by Graphviz, or the DOT text where `dot` is
+//! not installed; a model of several blocks drawn with its first block and the rest collapsed
+//! unless `--layers` says otherwise), the plan's steps with the bytes they touch, their estimated
+//! FLOPs and their time measured on that engine, wgpu's WGSL, the fusions (one row per fused op
+//! and the blocks it appears in) and the optimizer's statistics, all at one sequence length. The
+//! page loads nothing: its style and its one small script are inline, and every piece of text in
+//! it is HTML-escaped.
 
 use crate::view::{Stats, explanations, graphviz};
 use anyhow::Result;
 use kiln_compiler::back::wgsl::Program;
-use kiln_compiler::graph::{Graph, Sym, resolve};
-use kiln_compiler::lower::Storage;
+use kiln_compiler::graph::print::block_of;
+use kiln_compiler::graph::{Graph, Op, Sym, resolve};
+use kiln_compiler::lower::{Plan, Storage};
 use kiln_compiler::optimize::CostModel;
 use kiln_runtime::{Clock, Profile};
 use std::collections::HashMap;
@@ -25,17 +30,71 @@ pub struct Report<'a> {
     pub graph: &'a Graph,
     /// The optimizer's statistics and the optimized graph.
     pub stats: &'a Stats,
-    /// The optimized graph's plan compiled for wgpu (the one profiled, with `--profile`).
-    pub program: &'a Program,
-    /// Tokens the estimates (and the profile) are for.
+    /// The engine the report is about, with the optimized graph's plan as it runs there (the one
+    /// profiled, with `--profile`).
+    pub engine: &'a Engine,
+    /// Tokens every figure of the report is for: the kernels' bytes, FLOPs and times, and the
+    /// optimizer's intermediate bytes ([`Stats::seq`]).
     pub seq: usize,
-    /// The blocks the drawings keep.
+    /// The blocks the drawings keep (`None`: the first, for a model of several).
     pub layers: &'a Option<Range<usize>>,
-    /// The adapter and the time of every step, with `--profile`.
-    pub profile: Option<(&'a str, &'a Profile)>,
+    /// The time of every step on the engine, with `--profile`.
+    pub profile: Option<&'a Profile>,
     /// Training runs of the model (`kiln train --log` files, with `--training`), drawn as loss
     /// curves in a section of their own.
     pub training: &'a [crate::curves::Run],
+}
+
+/// The engine a report is about, with the plan it runs.
+pub enum Engine {
+    /// The native CPU back end, on `threads` threads.
+    Cpu {
+        /// The optimized graph's plan, as the CPU runs it.
+        plan: Plan,
+        /// Threads.
+        threads: usize,
+    },
+    /// wgpu's generated kernels.
+    Wgpu {
+        /// The optimized graph's plan compiled for wgpu.
+        program: Program,
+        /// The adapter profiled on (with `--profile`).
+        adapter: Option<String>,
+    },
+}
+
+impl Engine {
+    /// The plan whose steps the report lists.
+    fn plan(&self) -> &Plan {
+        match self {
+            Engine::Cpu { plan, .. } => plan,
+            Engine::Wgpu { program, .. } => &program.plan,
+        }
+    }
+
+    /// What runs the model, for the page's header.
+    fn describe(&self) -> String {
+        match self {
+            Engine::Cpu { threads, .. } => format!("the CPU back end ({})", crate::report::count(*threads, "thread")),
+            Engine::Wgpu { adapter: Some(a), .. } => format!("wgpu (adapter {a})"),
+            Engine::Wgpu { adapter: None, .. } => "wgpu".to_string(),
+        }
+    }
+
+    /// The heading of the time column, naming the engine and the clock: `CPU time (2 threads)`,
+    /// `GPU time (adapter …)`, or `wall time (adapter …)` where the adapter has no timestamps.
+    fn time_heading(&self, clock: Clock) -> String {
+        match (self, clock) {
+            (Engine::Cpu { threads, .. }, _) => format!("CPU time ({})", crate::report::count(*threads, "thread")),
+            (Engine::Wgpu { adapter, .. }, clock) => {
+                let what = if clock == Clock::Device { "GPU time" } else { "wall time" };
+                match adapter {
+                    Some(a) => format!("{what} (adapter {a})"),
+                    None => what.to_string(),
+                }
+            }
+        }
+    }
 }
 
 /// Escapes text for HTML content and attribute values.
@@ -168,22 +227,24 @@ impl Report<'_> {
             "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>kiln report: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>",
             escape(model)
         );
+        let engine = escape(&self.engine.describe());
         let profiled = match self.profile {
-            Some((adapter, _)) => format!(", profiled on {}", escape(adapter)),
-            None => String::new(),
+            Some(_) => format!(", compiled for and profiled on {engine}"),
+            None => format!(", compiled for {engine}"),
         };
         let _ = writeln!(
             h,
-            "<header><h1>{}</h1><div class=\"sub\"><span class=\"mono\">{}</span> · batch 1, {} tokens{profiled}</div>",
+            "<header><h1>{}</h1><div class=\"sub\"><span class=\"mono\">{}</span> · every figure at batch 1, {} tokens (<code>--seq</code>){profiled}</div>",
             escape(model),
             escape(self.spec_path),
             self.seq
         );
         h += &self.cards();
         let training_link = if self.training.is_empty() { "" } else { "<a href=\"#training\">Training</a>" };
+        let wgsl_link = if matches!(self.engine, Engine::Wgpu { .. }) { "<a href=\"#wgsl\">WGSL</a>" } else { "" };
         let _ = write!(
             h,
-            "</header>\n<nav>{training_link}<a href=\"#kernels\">Kernels</a><a href=\"#graphs\">Graphs</a><a href=\"#fusions\">Fusions</a><a href=\"#optimizer\">Optimizer</a><a href=\"#wgsl\">WGSL</a><a href=\"#spec\">Spec</a></nav>\n<main>\n"
+            "</header>\n<nav>{training_link}<a href=\"#kernels\">Kernels</a><a href=\"#graphs\">Graphs</a><a href=\"#fusions\">Fusions</a><a href=\"#optimizer\">Optimizer</a>{wgsl_link}<a href=\"#spec\">Spec</a></nav>\n<main>\n"
         );
         h += &self.training();
         h += &self.kernels();
@@ -207,13 +268,19 @@ impl Report<'_> {
         let mut cards = vec![
             ("blocks", self.stats.blocks.to_string()),
             ("dispatches", format!("{} → {}", r.dispatches.0, r.dispatches.1)),
-            ("unique kernels", self.program.kernels.len().to_string()),
+            (
+                "FLOPs/token (matmuls)",
+                crate::report::human(kiln_compiler::graph::print::matmul_flops(self.graph, self.seq) / self.seq as f64),
+            ),
             ("fused ops", explanations(&self.stats.optimized).len().to_string()),
             ("optimize", format!("{:.0} ms", r.optimize_ms)),
         ];
-        if let Some((_, profile)) = self.profile {
+        if let Engine::Wgpu { program, .. } = self.engine {
+            cards.insert(2, ("unique kernels", program.kernels.len().to_string()));
+        }
+        if let Some(profile) = self.profile {
             let total: f64 = profile.seconds.iter().flatten().sum();
-            cards.push(("dispatch time (sum)", format!("{:.2} ms", total * 1e3)));
+            cards.push(("step time (sum)", format!("{:.2} ms", total * 1e3)));
         }
         let mut s = String::from("<div class=\"cards\">");
         for (k, v) in cards {
@@ -229,7 +296,11 @@ impl Report<'_> {
 
     /// One row per dispatch of the optimized plan.
     fn kernels(&self) -> String {
-        let plan = &self.program.plan;
+        let plan = self.engine.plan();
+        let program = match self.engine {
+            Engine::Wgpu { program, .. } => Some(program),
+            Engine::Cpu { .. } => None,
+        };
         let cost = CostModel { seq: self.seq, ..CostModel::default() };
         let syms = HashMap::from([
             (Sym::Batch, 1),
@@ -239,29 +310,31 @@ impl Report<'_> {
             (Sym::Ctx, self.seq),
         ]);
         let mut s = String::from("<section id=\"kernels\"><h2>Kernels</h2>\n");
-        let clock = self.profile.map(|(_, p)| p.clock);
+        let clock = self.profile.map(|p| p.clock);
         let _ = writeln!(
             s,
-            "<p class=\"note\">Every dispatch of the optimized plan in order. Bytes (read + written) and FLOPs are the optimizer's cost-model estimates at batch 1, {} tokens{}.</p>",
+            "<p class=\"note\">Every step of the optimized plan as {} runs it, in order. Bytes are those the step touches (read + written: a gather's rows, not its whole table) and FLOPs the optimizer's cost-model estimate, at batch 1, {} tokens{}.</p>",
+            escape(&self.engine.describe()),
             self.seq,
-            match clock {
-                Some(Clock::Device) => "; times are the device's timestamps around each dispatch",
-                Some(Clock::Host) => {
+            match (self.engine, clock) {
+                (Engine::Cpu { .. }, Some(_)) => "; times are the host's clock around each step, its threads included",
+                (_, Some(Clock::Device)) => "; times are the device's timestamps around each dispatch",
+                (_, Some(Clock::Host)) => {
                     "; the adapter has no timestamp queries, so times are host wall-clock per dispatch (submit and wait, overhead included)"
                 }
-                None => "; run with --profile for measured times",
+                (_, None) => "; run with --profile for measured times",
             }
         );
         let time_head = match clock {
-            Some(Clock::Device) => "<th class=\"num\">GPU time</th><th></th>",
-            Some(Clock::Host) => "<th class=\"num\">wall time</th><th></th>",
-            None => "",
+            Some(clock) => format!("<th class=\"num\">{}</th><th></th>", escape(&self.engine.time_heading(clock))),
+            None => String::new(),
         };
+        let kernel_head = if program.is_some() { "<th>kernel</th>" } else { "" };
         let _ = writeln!(
             s,
-            "<table><thead><tr><th class=\"num\">step</th><th>kernel</th><th>op</th><th>scope</th><th>shapes (operands → output)</th><th class=\"num\">bytes</th><th class=\"num\">FLOPs</th>{time_head}</tr></thead>\n<tbody>"
+            "<table><thead><tr><th class=\"num\">step</th>{kernel_head}<th>op</th><th>scope</th><th>shapes (operands → output)</th><th class=\"num\">bytes</th><th class=\"num\">FLOPs</th>{time_head}</tr></thead>\n<tbody>"
         );
-        let seconds = self.profile.map(|(_, p)| &p.seconds);
+        let seconds = self.profile.map(|p| &p.seconds);
         let longest = seconds.map_or(0.0, |t| t.iter().flatten().copied().fold(0.0, f64::max));
         let (mut total_bytes, mut total_flops, mut total_time) = (0.0, 0.0, 0.0);
         for (i, step) in plan.steps.iter().enumerate() {
@@ -280,14 +353,26 @@ impl Report<'_> {
             let shapes: Vec<&kiln_compiler::graph::Shape> =
                 step.operands.iter().map(|&o| &plan.values[o].shape).collect();
             let work = cost.work(&step.op, &shapes, &plan.values[step.output].shape);
-            let moved = work.bytes_in + work.bytes_out;
+            let moved = match step.op {
+                // The rows the ids pick (as many bytes as it writes) and the ids, not the table.
+                Op::Gather => {
+                    let ids =
+                        step.operands.get(1).map_or(0, |&o| resolve(&plan.values[o].shape, &syms).iter().product());
+                    2.0 * work.bytes_out + 4.0 * ids as f64
+                }
+                _ => work.bytes_in + work.bytes_out,
+            };
             total_bytes += moved;
             total_flops += work.flops;
             let attrs = step.op.attrs();
             let _ = write!(
                 s,
-                "<tr><td class=\"num\">{i}</td><td class=\"mono\">{}</td><td class=\"mono\">{}{}</td><td class=\"mono\">{}</td><td class=\"mono\">{} → <span class=\"shape\">{}</span></td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-                escape(self.program.kernel_of(i).map_or("", |k| k.name.as_str())),
+                "<tr><td class=\"num\">{i}</td>{}<td class=\"mono\">{}{}</td><td class=\"mono\">{}</td><td class=\"mono\">{} → <span class=\"shape\">{}</span></td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
+                match program {
+                    Some(p) =>
+                        format!("<td class=\"mono\">{}</td>", escape(p.kernel_of(i).map_or("", |k| k.name.as_str()))),
+                    None => String::new(),
+                },
                 escape(&step.op.name()),
                 if attrs.is_empty() {
                     String::new()
@@ -318,8 +403,9 @@ impl Report<'_> {
         }
         let _ = write!(
             s,
-            "</tbody><tfoot><tr><td></td><td colspan=\"4\">{} dispatches</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-            plan.steps.len(),
+            "</tbody><tfoot><tr><td></td><td colspan=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
+            if program.is_some() { 4 } else { 3 },
+            crate::report::count(plan.steps.len(), if program.is_some() { "dispatch" } else { "step" }),
             bytes(total_bytes),
             si(total_flops)
         );
@@ -332,9 +418,21 @@ impl Report<'_> {
     /// Both graphs, drawn.
     fn graphs(&self) -> Result<String> {
         let mut s = String::from("<section id=\"graphs\"><h2>Graphs</h2>\n");
-        let shown = match self.layers {
-            Some(r) => format!("Blocks {}..{} are drawn; each run of the others is one summary node. ", r.start, r.end),
-            None => String::new(),
+        // A model of several blocks: its first drawn, the rest (the same ops over again) as one
+        // summary node, so that the drawing reads at its natural size.
+        let blocks = kiln_compiler::graph::print::block_count(self.graph);
+        let layers = match self.layers {
+            None if blocks > 1 => Some(0..1),
+            layers => layers.clone(),
+        };
+        let shown = match (&layers, self.layers) {
+            (Some(_), None) => format!(
+                "Block 0 is drawn and blocks 1..{blocks} are one summary node, so that the drawing reads at its size (<code>--layers 0..{blocks}</code> draws every block). "
+            ),
+            (Some(r), Some(_)) => {
+                format!("Blocks {}..{} are drawn; each run of the others is one summary node. ", r.start, r.end)
+            }
+            (None, _) => String::new(),
         };
         let _ = writeln!(
             s,
@@ -344,7 +442,7 @@ impl Report<'_> {
         for (id, title, graph) in
             [("before", "Before optimization", self.graph), ("after", "After optimization", &self.stats.optimized)]
         {
-            let dot = crate::view::dot(graph, self.layers);
+            let dot = crate::view::dot(graph, &layers);
             let _ = writeln!(
                 s,
                 "<div class=\"graph fit\" id=\"{id}\"><h3>{title} <button data-fit=\"{id}\">actual size</button></h3>"
@@ -375,15 +473,21 @@ impl Report<'_> {
         if fused.is_empty() {
             return s + "<p class=\"note\">The optimizer fused nothing in this graph.</p></section>\n";
         }
-        s += "<table><thead><tr><th>fused op</th><th>scope</th><th>rules that produced it</th></tr></thead><tbody>\n";
-        for (op, scope, rules) in fused {
+        let _ = writeln!(
+            s,
+            "<p class=\"note\">{} in all; one row per fused op, part of a block and rules, with the blocks it was made in.</p>",
+            crate::report::count(fused.len(), "fused op")
+        );
+        s += "<table><thead><tr><th>fused op</th><th>scope</th><th class=\"num\">count</th><th>rules that produced it</th></tr></thead><tbody>\n";
+        for group in group_fusions(&fused) {
             let chips: Vec<String> =
-                rules.iter().map(|r| format!("<span class=\"rule\">{}</span>", escape(r))).collect();
+                group.rules.iter().map(|r| format!("<span class=\"rule\">{}</span>", escape(r))).collect();
             let _ = writeln!(
                 s,
-                "<tr><td class=\"mono\">{}</td><td class=\"mono\">{}</td><td>{}</td></tr>",
-                escape(&op),
-                escape(&scope),
+                "<tr><td class=\"mono\">{}</td><td class=\"mono\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+                escape(&group.op),
+                escape(&group.scope()),
+                group.count(),
                 chips.join("")
             );
         }
@@ -396,20 +500,20 @@ impl Report<'_> {
         let r = &st.report;
         let mut s = String::from("<section id=\"optimizer\"><h2>Optimizer</h2>\n<table class=\"kv narrow\"><tbody>\n");
         let rows = [
-            ("dispatches", format!("{} → {}", r.dispatches.0, r.dispatches.1)),
+            ("dispatches".to_string(), format!("{} → {}", r.dispatches.0, r.dispatches.1)),
             (
-                "intermediate bytes (batch 1, seq 128)",
+                format!("intermediate bytes (batch 1, seq {})", st.seq),
                 format!("{} → {}", bytes(st.intermediate_bytes.0 as f64), bytes(st.intermediate_bytes.1 as f64)),
             ),
             (
-                "live peak bytes (batch 1, seq 128)",
+                format!("live peak bytes (batch 1, seq {})", st.seq),
                 format!("{} → {}", bytes(st.live_peak_bytes.0 as f64), bytes(st.live_peak_bytes.1 as f64)),
             ),
-            ("e-graph", format!("{} nodes, {} classes", r.egraph_nodes, r.egraph_classes)),
-            ("optimize time", format!("{:.1} ms", r.optimize_ms)),
+            ("e-graph".to_string(), format!("{} nodes, {} classes", r.egraph_nodes, r.egraph_classes)),
+            ("optimize time".to_string(), format!("{:.1} ms", r.optimize_ms)),
         ];
         for (k, v) in rows {
-            let _ = writeln!(s, "<tr><td>{}</td><td>{}</td></tr>", escape(k), escape(&v));
+            let _ = writeln!(s, "<tr><td>{}</td><td>{}</td></tr>", escape(&k), escape(&v));
         }
         s += "</tbody></table>\n<h3>Phases</h3><table class=\"narrow\"><thead><tr><th>phase</th><th class=\"num\">iterations</th><th>stopped because</th></tr></thead><tbody>\n";
         for (phase, iterations, why) in &r.phases {
@@ -434,11 +538,12 @@ impl Report<'_> {
 
     /// The WGSL of every kernel, folded.
     fn wgsl(&self) -> String {
+        let Engine::Wgpu { program, .. } = self.engine else { return String::new() };
         let mut s = String::from(
             "<section id=\"wgsl\"><h2>WGSL</h2>\n<p class=\"note\">Each unique kernel once, validated by naga when the plan was compiled for wgpu.</p>\n",
         );
-        for (k, kernel) in self.program.kernels.iter().enumerate() {
-            let uses = self.program.step_kernels.iter().filter(|&&used| used == k).count();
+        for (k, kernel) in program.kernels.iter().enumerate() {
+            let uses = program.step_kernels.iter().filter(|&&used| used == k).count();
             let _ = writeln!(
                 s,
                 "<details><summary><span class=\"mono\">kernel {k}: {}</span> <span class=\"note\">· {uses} dispatch{} · {} lines</span></summary><pre>{}</pre></details>",
@@ -449,5 +554,117 @@ impl Report<'_> {
             );
         }
         s + "</section>\n"
+    }
+}
+
+/// Fused ops of one kind, part of a block and rules, with the blocks they were made in.
+#[derive(Debug, PartialEq)]
+struct FusionGroup {
+    op: String,
+    /// The stack (`layers`) with the part of the block (`attn`), or a scope outside blocks.
+    stack: Option<(String, String)>,
+    /// The scope outside blocks.
+    scope: String,
+    /// Block indices, ascending (empty outside blocks).
+    blocks: Vec<usize>,
+    /// Occurrences.
+    n: usize,
+    rules: Vec<&'static str>,
+}
+
+impl FusionGroup {
+    /// `layers.0..8.attn`, `layers.0, 2..4`, or the scope outside blocks.
+    fn scope(&self) -> String {
+        let Some((stack, part)) = &self.stack else { return self.scope.clone() };
+        let mut runs: Vec<String> = Vec::new();
+        let mut i = 0;
+        while let Some(&start) = self.blocks.get(i) {
+            let mut end = start + 1;
+            while self.blocks.get(i + 1) == Some(&end) {
+                end += 1;
+                i += 1;
+            }
+            runs.push(if end == start + 1 { start.to_string() } else { format!("{start}..{end}") });
+            i += 1;
+        }
+        let blocks = runs.join(", ");
+        let blocks = if runs.len() > 1 { format!("{{{blocks}}}") } else { blocks };
+        if part.is_empty() { format!("{stack}.{blocks}") } else { format!("{stack}.{blocks}.{part}") }
+    }
+
+    /// `8 blocks`, or how often the op was made outside blocks.
+    fn count(&self) -> String {
+        match self.stack {
+            Some(_) => crate::report::count(self.blocks.len(), "block"),
+            None => self.n.to_string(),
+        }
+    }
+}
+
+/// The fused ops grouped by op, part of a block (or scope outside blocks) and rules, in the order
+/// each group first appears: a fusion every block repeats is one row, as `kiln diff` groups
+/// blocks.
+fn group_fusions(fused: &[(String, String, Vec<&'static str>)]) -> Vec<FusionGroup> {
+    let mut groups: Vec<FusionGroup> = Vec::new();
+    for (op, scope, rules) in fused {
+        let (stack, block) = match block_of(scope) {
+            Some((stack, i, part)) => (Some((stack.to_string(), part.to_string())), Some(i)),
+            None => (None, None),
+        };
+        let same = |g: &FusionGroup| {
+            g.op == *op && g.stack == stack && g.rules == *rules && (stack.is_some() || g.scope == *scope)
+        };
+        let at = match groups.iter().position(same) {
+            Some(at) => at,
+            None => {
+                groups.push(FusionGroup {
+                    op: op.clone(),
+                    stack: stack.clone(),
+                    scope: scope.clone(),
+                    blocks: Vec::new(),
+                    n: 0,
+                    rules: rules.clone(),
+                });
+                groups.len() - 1
+            }
+        };
+        if let Some(group) = groups.get_mut(at) {
+            group.n += 1;
+            if let Some(i) = block
+                && let Err(at) = group.blocks.binary_search(&i)
+            {
+                group.blocks.insert(at, i);
+            }
+        }
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fusions_repeated_per_block_are_one_row() {
+        let fused: Vec<(String, String, Vec<&'static str>)> = (0..8)
+            .flat_map(|i| {
+                [
+                    ("linear".to_string(), format!("layers.{i}.attn"), vec!["matmul-bias"]),
+                    ("add_norm".to_string(), format!("layers.{i}"), vec!["add-norm"]),
+                ]
+            })
+            .chain([("linear".to_string(), "head".to_string(), vec!["matmul-bias"])])
+            .filter(|(op, scope, _)| !(op == "add_norm" && scope == "layers.5"))
+            .collect();
+        let groups = group_fusions(&fused);
+        let rows: Vec<(String, String)> = groups.iter().map(|g| (g.scope(), g.count())).collect();
+        assert_eq!(
+            rows,
+            [
+                ("layers.0..8.attn".to_string(), "8 blocks".to_string()),
+                ("layers.{0..5, 6..8}".to_string(), "7 blocks".to_string()),
+                ("head".to_string(), "1".to_string()),
+            ]
+        );
     }
 }

@@ -55,22 +55,28 @@ pub struct Stats {
     pub optimized: Graph,
     /// What the optimizer did.
     pub report: optimize::Report,
-    /// Intermediate bytes placed (unoptimized, optimized) at batch 1, seq 128.
+    /// The sequence length the bytes are counted at.
+    pub seq: usize,
+    /// Intermediate bytes placed (unoptimized, optimized) at batch 1, `seq` tokens.
     pub intermediate_bytes: (u64, u64),
-    /// Most bytes live at once (unoptimized, optimized) at batch 1, seq 128.
+    /// Most bytes live at once (unoptimized, optimized) at batch 1, `seq` tokens.
     pub live_peak_bytes: (u64, u64),
 }
 
+/// The sequence length `inspect --stats` counts bytes at.
+pub const STATS_SEQ: usize = 128;
+
 impl Stats {
-    /// Optimizes `graph` for `target` and measures both graphs' plans.
-    pub fn of(graph: &Graph, blocks: u64, target: &kiln_compiler::target::Target) -> Result<Stats> {
+    /// Optimizes `graph` for `target` and measures both graphs' plans at batch 1, `seq` tokens.
+    pub fn of(graph: &Graph, blocks: u64, target: &kiln_compiler::target::Target, seq: usize) -> Result<Stats> {
         let (optimized, report) = optimize::optimize_for(graph, target)?;
         let syms =
-            HashMap::from([(Sym::Batch, 1), (Sym::Seq, 128), (Sym::SrcSeq, 128), (Sym::Past, 0), (Sym::Ctx, 128)]);
+            HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
         let (before, after) = (lower::lower(graph), lower::lower(&optimized));
         Ok(Stats {
             model: graph.name.clone(),
             blocks,
+            seq,
             intermediate_bytes: (before.memory(&syms).0, after.memory(&syms).0),
             live_peak_bytes: (before.peak_live(&syms), after.peak_live(&syms)),
             optimized,
@@ -85,7 +91,7 @@ impl Stats {
             "model": self.model,
             "blocks": self.blocks,
             "dispatches": { "unoptimized": r.dispatches.0, "optimized": r.dispatches.1 },
-            "intermediate_bytes": { "unoptimized": self.intermediate_bytes.0, "optimized": self.intermediate_bytes.1, "at": "batch 1, seq 128" },
+            "intermediate_bytes": { "unoptimized": self.intermediate_bytes.0, "optimized": self.intermediate_bytes.1, "at": format!("batch 1, seq {}", self.seq) },
             "live_peak_bytes": { "unoptimized": self.live_peak_bytes.0, "optimized": self.live_peak_bytes.1 },
             "egraph_nodes": r.egraph_nodes,
             "egraph_classes": r.egraph_classes,
@@ -100,9 +106,10 @@ impl Stats {
         let mut s = format!("{}: {}\n", self.model, crate::report::count(self.blocks as usize, "block"));
         s += &format!("  dispatches    {} -> {}\n", r.dispatches.0, r.dispatches.1);
         s += &format!(
-            "  intermediates {} -> {} (batch 1, seq 128; live peak {} -> {})\n",
+            "  intermediates {} -> {} (batch 1, seq {}; live peak {} -> {})\n",
             human(self.intermediate_bytes.0),
             human(self.intermediate_bytes.1),
+            self.seq,
             human(self.live_peak_bytes.0),
             human(self.live_peak_bytes.1)
         );

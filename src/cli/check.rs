@@ -180,7 +180,7 @@ fn print(
     }
     if let Some(t) = training {
         let m = &t.memory;
-        let mb = |b: u64| format!("{:.0} MB", b as f64 / 1e6);
+        let mb = kiln_compiler::memory::human;
         println!(
             "  training     {} a step at batch {} x {} ({}): weights {}, gradients {}, {} state {}, activations {}",
             mb(m.total()),

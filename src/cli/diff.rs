@@ -12,15 +12,15 @@
 //! one stack whose changes are the same are listed once (`layers.0..4`); an operand in another
 //! block of the same stack is written relative to it (`layers[-1].ffn/add#1`), so the blocks of a
 //! stack compare equal. Above the changes, both graphs' totals: parameters, matmul FLOPs per token,
-//! kernel dispatches and intermediate bytes.
+//! kernel dispatches and intermediate bytes (in binary units; raw counts in `--json`).
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::artifact::Artifact;
 use kiln_compiler::graph::print::{self, block_of};
-use kiln_compiler::graph::{Graph, Op, Shape, Sym, fmt_shape};
-use kiln_compiler::optimize::CostModel;
+use kiln_compiler::graph::{Graph, Op, Sym, fmt_shape};
+use kiln_compiler::memory::human;
 use kiln_compiler::{lower, optimize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -142,8 +142,8 @@ pub fn names(g: &Graph) -> HashMap<usize, String> {
 struct Totals {
     /// Parameter elements.
     parameters: u64,
-    /// FLOPs per token at batch 1, as the cost model estimates them for every op computed at run
-    /// time (so that fused ops count what they compute).
+    /// Matrix-multiply FLOPs per token at batch 1 ([`print::matmul_flops`], the count `check`
+    /// prints), the same before and after fusion.
     flops_per_token: f64,
     /// Kernel dispatches.
     dispatches: usize,
@@ -158,34 +158,11 @@ impl Totals {
             HashMap::from([(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)]);
         Totals {
             parameters: summary.parameters,
-            flops_per_token: flops(g, seq) / seq as f64,
+            flops_per_token: summary.flops_per_token,
             dispatches: optimize::dispatches(g),
             intermediate_bytes: lower::lower(g).memory(&syms).0,
         }
     }
-}
-
-/// The FLOPs of a forward pass over `seq` tokens at batch 1: [`CostModel::work`] of every op but
-/// those on parameters alone (folded at load time).
-fn flops(g: &Graph, seq: usize) -> f64 {
-    let model = CostModel { seq, ..CostModel::default() };
-    let mut konst: HashMap<usize, bool> = HashMap::new();
-    let mut total = 0.0;
-    for n in g.order() {
-        let node = &g.g[n];
-        let operands = g.operands(n);
-        let k = match node.op {
-            Op::Param { .. } => true,
-            Op::Input { .. } | Op::Positions { .. } => false,
-            _ => !operands.is_empty() && operands.iter().all(|o| konst.get(&o.index()).copied().unwrap_or(false)),
-        };
-        konst.insert(n.index(), k);
-        if !k {
-            let shapes: Vec<&Shape> = operands.iter().map(|&o| &g.g[o].shape).collect();
-            total += model.work(&node.op, &shapes, &node.shape).flops;
-        }
-    }
-    total
 }
 
 /// What happened to a node.
@@ -310,17 +287,11 @@ impl Diff {
             }
         }
 
-        // Places in the order the graphs compute them (B's, then what only A has), each place's
-        // changes as text relative to it, then runs of equal blocks merged.
-        let mut rank: HashMap<Place, usize> = HashMap::new();
-        for g in [b, a] {
-            for n in g.order() {
-                let next = rank.len();
-                rank.entry(place(&g.g[n].scope)).or_insert(next);
-            }
-        }
+        // Places in the order data flows through them (see `place_ranks`), each place's changes
+        // as text relative to it, then runs of equal blocks merged.
+        let rank = place_ranks(a, b);
         let mut by_place: Vec<(Place, Vec<Change>)> = by_place.into_iter().collect();
-        by_place.sort_by_key(|(p, _)| (rank.get(p).copied().unwrap_or(usize::MAX), p.clone()));
+        by_place.sort_by_key(|(p, _)| (rank.get(p).copied().unwrap_or((usize::MAX, usize::MAX)), p.clone()));
         let mut groups: Vec<(Place, Group)> = Vec::new();
         for (place, changes) in by_place {
             let mut changes: Vec<Change> = changes
@@ -408,18 +379,29 @@ impl Diff {
                 signed(y as f64 - x as f64, x as f64, |d| format!("{d:+}")),
             ]
         };
+        // Bytes in binary units, as every command writes them (`--json` keeps the raw count).
+        let bytes = |name: &str, x: u64, y: u64| {
+            [
+                name.to_string(),
+                human(x),
+                human(y),
+                signed(y as f64 - x as f64, x as f64, |d| {
+                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, human(d.abs() as u64))
+                }),
+            ]
+        };
         vec![
             int("parameters", a.parameters, b.parameters),
             [
-                format!("FLOPs/token (est., seq {})", self.seq),
-                si(a.flops_per_token),
-                si(b.flops_per_token),
+                format!("FLOPs/token (matmuls, seq {})", self.seq),
+                crate::report::human(a.flops_per_token),
+                crate::report::human(b.flops_per_token),
                 signed(b.flops_per_token - a.flops_per_token, a.flops_per_token, |d| {
-                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, si(d.abs()))
+                    format!("{}{}", if d < 0.0 { '-' } else { '+' }, crate::report::human(d.abs()))
                 }),
             ],
             int("dispatches", a.dispatches as u64, b.dispatches as u64),
-            int(&format!("intermediate bytes (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
+            bytes(&format!("intermediates (seq {})", self.seq), a.intermediate_bytes, b.intermediate_bytes),
         ]
     }
 
@@ -497,17 +479,6 @@ impl Diff {
     }
 }
 
-/// `271872` -> `271.87 k`; below a thousand, rounded to a whole number.
-fn si(x: f64) -> String {
-    match x.abs() {
-        a if a >= 1e12 => format!("{:.2} T", x / 1e12),
-        a if a >= 1e9 => format!("{:.2} G", x / 1e9),
-        a if a >= 1e6 => format!("{:.2} M", x / 1e6),
-        a if a >= 1e3 => format!("{:.2} k", x / 1e3),
-        _ => format!("{x:.0}"),
-    }
-}
-
 /// A change `d` relative to `base`: `+3 (+1.5%)`, or `0` when nothing changed.
 fn signed(d: f64, base: f64, fmt: impl Fn(f64) -> String) -> String {
     if d == 0.0 {
@@ -532,6 +503,61 @@ fn describe(x: &Seen) -> String {
     format!("{}{reads} : {}", x.op, x.ty)
 }
 
+/// Where each place is listed: by how deep in the data flow its deepest node lies (the longest
+/// path to it from a parameter or input; a parameter's, just before its first reader's) in
+/// either graph — so embeddings come
+/// before blocks and the head after them whatever order an optimized graph's nodes are in — and
+/// the blocks of a stack together, in ascending order, at the rank of the stack's first-listed
+/// block. A rank is (depth, block index).
+fn place_ranks(a: &Graph, b: &Graph) -> HashMap<Place, (usize, usize)> {
+    let mut deepest: HashMap<Place, usize> = HashMap::new();
+    for g in [a, b] {
+        let order = g.order();
+        let mut depth: HashMap<usize, usize> = HashMap::new();
+        // A node without operands (a parameter, an input) sits just before its first reader.
+        let mut first_read: HashMap<usize, usize> = HashMap::new();
+        for &n in &order {
+            let operands = g.operands(n);
+            let d = operands.iter().map(|o| depth.get(&o.index()).map_or(0, |d| d + 1)).max().unwrap_or(0);
+            depth.insert(n.index(), d);
+            for o in operands {
+                let first = first_read.entry(o.index()).or_insert(d);
+                *first = (*first).min(d);
+            }
+        }
+        let mut here: HashMap<Place, usize> = HashMap::new();
+        for &n in &order {
+            let d = match g.operands(n).is_empty() {
+                true => first_read.get(&n.index()).map_or(0, |d| d.saturating_sub(1)),
+                false => depth.get(&n.index()).copied().unwrap_or(0),
+            };
+            let max = here.entry(place(&g.g[n].scope)).or_default();
+            *max = (*max).max(d);
+        }
+        for (p, d) in here {
+            let max = deepest.entry(p).or_default();
+            *max = (*max).max(d);
+        }
+    }
+    let mut stacks: HashMap<String, usize> = HashMap::new();
+    for (p, d) in &deepest {
+        if let Place::Block(stack, _) = p {
+            let min = stacks.entry(stack.clone()).or_insert(*d);
+            *min = (*min).min(*d);
+        }
+    }
+    deepest
+        .iter()
+        .map(|(p, d)| {
+            let rank = match p {
+                Place::Block(stack, i) => (stacks.get(stack).copied().unwrap_or(*d), *i),
+                Place::Scope(_) => (*d, 0),
+            };
+            (p.clone(), rank)
+        })
+        .collect()
+}
+
 fn place(scope: &str) -> Place {
     match block_of(scope) {
         Some((stack, i, _)) => Place::Block(stack.to_string(), i),
@@ -554,12 +580,13 @@ fn relative(place: &Place, name: &str) -> String {
 }
 
 /// [`relative`] applied to every stable name in a piece of text (names are separated by spaces,
-/// commas and parentheses).
+/// commas, parentheses and quotes, so a block's parameter, `param "layers.3.attn_norm.bias"`,
+/// reads the same in every block).
 fn relative_refs(place: &Place, text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut word = String::new();
     for c in text.chars().chain(std::iter::once(' ')) {
-        if matches!(c, ' ' | ',' | '(' | ')') {
+        if matches!(c, ' ' | ',' | '(' | ')' | '"') {
             if !word.is_empty() {
                 out += &relative(place, &word);
                 word.clear();

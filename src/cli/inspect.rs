@@ -60,15 +60,19 @@ pub struct InspectArgs {
     /// section of the report.
     #[arg(long, requires = "html", num_args = 1..)]
     training: Vec<PathBuf>,
-    /// With `--html`: run the optimized plan on wgpu and time every dispatch (the median of 5).
+    /// With `--html`: run the optimized plan on the report's engine (`--backend`, as `kiln run`
+    /// picks it: a hardware GPU, else the CPU) and time every step (the median of 5).
     #[arg(long, requires = "html")]
     profile: bool,
+    /// With `--html --profile` on the CPU: threads (default: one per core).
+    #[arg(long, requires = "profile")]
+    threads: Option<usize>,
     /// With `--profile`: weights (safetensors or GGUF) instead of random ones (times do not depend
     /// on the values).
     #[arg(long, requires = "profile")]
     weights: Option<PathBuf>,
-    /// With `--html`: tokens of the (batch 1) input that bytes, FLOPs and times are given for
-    /// (default 32).
+    /// With `--html`: tokens of the (batch 1) input that the whole report counts at: the
+    /// kernels' bytes, FLOPs and times, and the optimizer's intermediate bytes (default 32).
     #[arg(long, requires = "html")]
     seq: Option<usize>,
     /// With `--profile`: GPU adapter (as for `run`). With `--stage optimized` or `--stats`: the
@@ -76,9 +80,9 @@ pub struct InspectArgs {
     /// first use; the adapter need not be on this machine).
     #[arg(long)]
     adapter: Option<String>,
-    /// With `--stage optimized` or `--stats`: the backend the optimized graph is extracted for
-    /// (its cost model and kernel limits; default: as `kiln run` picks it). The HTML report and
-    /// the `wgsl` stage are wgpu's.
+    /// With `--stage optimized`, `--stats` or `--html`: the backend the optimized graph is
+    /// extracted for (its cost model and kernel limits; default: as `kiln run` picks it), and the
+    /// one the HTML report lists the kernels of and profiles. The `wgsl` stage is wgpu's.
     #[arg(long, value_parser = crate::exec::BackendParser)]
     backend: Option<Backend>,
     /// With `--stage wgsl`: the program as compiled for a hardware adapter with subgroups (as `run`
@@ -131,9 +135,6 @@ impl InspectArgs {
         if self.html.is_some() {
             if self.stage.is_some() || self.format.is_some() {
                 bail!("the HTML report shows every stage in its own form: drop --stage and --format with --html");
-            }
-            if self.backend.is_some() {
-                bail!("the HTML report shows the graph optimized for wgpu, whose kernels it lists: drop --backend");
             }
             return Ok(());
         }
@@ -283,7 +284,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     }
     let out = args.output.as_deref();
     if args.stats {
-        let stats = Stats::of(&fe.graph, fe.spec.layers(), &args.target()?)?;
+        let stats = Stats::of(&fe.graph, fe.spec.layers(), &args.target()?, crate::view::STATS_SEQ)?;
         let text = match args.json {
             true => format!("{}\n", serde_json::to_string_pretty(&stats.json())?),
             false => stats.text(),
@@ -382,7 +383,18 @@ fn median(runs: Vec<kiln_runtime::Profile>) -> kiln_runtime::Profile {
     kiln_runtime::Profile { clock, seconds }
 }
 
-/// `--html`: builds the report (profiling the optimized plan with `--profile`) and writes it.
+/// The engine `kiln run` resolves `--backend` to (`auto`: a hardware GPU adapter if present or
+/// one is named, else the CPU), which the report is about.
+fn report_engine(args: &InspectArgs, reporter: &Reporter) -> Result<Backend> {
+    let threads = crate::exec::threads_or_default(args.threads)?;
+    match args.backend.unwrap_or(Backend::Auto).resolve(args.adapter.as_deref(), threads, reporter, false) {
+        Backend::Interp => bail!("the interpreter has no kernels to report: --backend cpu or wgpu"),
+        backend => Ok(backend),
+    }
+}
+
+/// `--html`: builds the report for the engine that runs the model (see [`report_engine`]):
+/// the graph optimized for it, its plan, and with `--profile` the time of every step there.
 fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: &Reporter) -> Result<()> {
     let seq = args.seq.unwrap_or(32);
     if seq == 0 {
@@ -392,30 +404,65 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
     if seq > max {
         bail!("--seq {seq} exceeds the model's {max} positions");
     }
-    let stats = Stats::of(&fe.graph, fe.spec.layers(), &kiln_compiler::target::Target::wgpu())?;
-    let program = wgsl::compile(&lower::lower(&stats.optimized), &wgsl::Options::default())?;
-    let profile = match args.profile {
-        false => None,
-        true => {
-            let device = kiln_runtime::Device::gpu(args.adapter.as_deref())?;
-            let (params, blocks) =
-                crate::exec::params_for(fe, &stats.optimized, args.weights.as_deref(), Storage::default())?;
-            let weights = Weights::Given { params: &params, blocks: &blocks };
-            let (kiln_runtime::Device::Gpu(gpu), kiln_runtime::Model::Gpu(model)) =
-                (&device, device.model(&stats.optimized, weights, Storage::default(), reporter)?)
-            else {
-                bail!("the profile is wgpu's");
-            };
-            let inputs = kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq)?;
-            let mut runs = Vec::with_capacity(PROFILE_RUNS);
-            for _ in 0..PROFILE_RUNS {
-                runs.push(model.profile(&inputs).context("profiling the optimized plan")?);
+    let backend = report_engine(args, reporter)?;
+    let threads = crate::exec::threads_or_default(args.threads)?;
+    let target = match backend {
+        Backend::Wgpu => kiln_compiler::target::Target::wgpu(),
+        _ => kiln_compiler::target::Target::cpu(),
+    };
+    let stats = Stats::of(&fe.graph, fe.spec.layers(), &target, seq)?;
+    let inputs = || kiln_compiler::interp::sample_inputs(&fe.graph, fe.spec.spec.model.vocab as usize, 1, seq);
+    let params = || crate::exec::params_for(fe, &stats.optimized, args.weights.as_deref(), Storage::default());
+    let (engine, profile) = match backend {
+        Backend::Wgpu => {
+            let program = wgsl::compile(&lower::lower(&stats.optimized), &wgsl::Options::default())?;
+            match args.profile {
+                false => (crate::html::Engine::Wgpu { program, adapter: None }, None),
+                true => {
+                    let device = kiln_runtime::Device::gpu(args.adapter.as_deref())?;
+                    let (params, blocks) = params()?;
+                    let weights = Weights::Given { params: &params, blocks: &blocks };
+                    let (kiln_runtime::Device::Gpu(gpu), kiln_runtime::Model::Gpu(model)) =
+                        (&device, device.model(&stats.optimized, weights, Storage::default(), reporter)?)
+                    else {
+                        bail!("the profile is wgpu's");
+                    };
+                    let inputs = inputs()?;
+                    let mut runs = Vec::with_capacity(PROFILE_RUNS);
+                    for _ in 0..PROFILE_RUNS {
+                        runs.push(model.profile(&inputs).context("profiling the optimized plan")?);
+                    }
+                    // The model may store weights differently from the plain lowering (quantized
+                    // blocks of a GGUF checkpoint): report the plan that ran.
+                    let engine =
+                        crate::html::Engine::Wgpu { program: model.program().clone(), adapter: Some(gpu.describe()) };
+                    (engine, Some(median(runs)))
+                }
             }
-            let profile = median(runs);
-            // The model may store weights differently from the plain lowering (quantized blocks
-            // of a GGUF checkpoint): report the plan that ran.
-            Some((gpu.describe(), model.program().clone(), profile))
         }
+        _ => match args.profile {
+            false => (crate::html::Engine::Cpu { plan: lower::lower(&stats.optimized), threads }, None),
+            true => {
+                let device = kiln_runtime::Device::Cpu { threads };
+                let (params, blocks) = params()?;
+                let weights = Weights::Given { params: &params, blocks: &blocks };
+                let kiln_runtime::Model::Cpu(model) =
+                    device.model(&stats.optimized, weights, Storage::default(), reporter)?
+                else {
+                    bail!("the profile is the CPU's");
+                };
+                let inputs = inputs()?;
+                let mut runs = Vec::with_capacity(PROFILE_RUNS);
+                for _ in 0..PROFILE_RUNS {
+                    let seconds = model.profile(&inputs).context("profiling the optimized plan")?;
+                    runs.push(kiln_runtime::Profile {
+                        clock: kiln_runtime::Clock::Host,
+                        seconds: seconds.into_iter().map(Some).collect(),
+                    });
+                }
+                (crate::html::Engine::Cpu { plan: model.plan().clone(), threads }, Some(median(runs)))
+            }
+        },
     };
     let training = args.training.iter().map(|p| crate::curves::Run::read(p)).collect::<Result<Vec<_>>>()?;
     let page = crate::html::Report {
@@ -424,10 +471,10 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         source,
         graph: &fe.graph,
         stats: &stats,
-        program: profile.as_ref().map_or(&program, |(_, program, _)| program),
+        engine: &engine,
         seq,
         layers: &args.layers,
-        profile: profile.as_ref().map(|(adapter, _, p)| (adapter.as_str(), p)),
+        profile: profile.as_ref(),
     }
     .render()?;
     kiln_compiler::file::write_atomic(path, page.as_bytes())

@@ -109,3 +109,65 @@ fn bad_arguments_are_errors() {
     let o = kiln(&["diff", "models/llama.toml", "models/gpt2.toml", "--seq", "0"]);
     assert_eq!(o.status.code(), Some(1));
 }
+
+/// `models/llama.toml` with four blocks, and `edit` applied to it, written to a scratch directory.
+fn llama_4_and(dir: &str, edit: impl Fn(&str) -> String) -> (PathBuf, PathBuf) {
+    let source = std::fs::read_to_string(root().join("models/llama.toml")).unwrap();
+    // No weight map: an edit may add parameters the `llama` preset does not name.
+    let four = source.replace("layers = 2\n", "layers = 4\n").replace("[weights]\npreset = \"llama\"\n", "");
+    let edited = edit(&four);
+    assert_ne!(four, edited, "the edit no longer applies to models/llama.toml");
+    let dir = scratch(dir);
+    let (a, b) = (dir.join("llama-4.toml"), dir.join("llama-4-edited.toml"));
+    std::fs::write(&a, four).unwrap();
+    std::fs::write(&b, edited).unwrap();
+    (a, b)
+}
+
+/// The titles of the groups a text diff lists, in order.
+fn titles(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.ends_with(" changed)")).filter_map(|l| l.split(" (").next()).collect()
+}
+
+#[test]
+fn optimized_blocks_are_listed_ascending_and_grouped() {
+    // Post-norm: the optimized graph computes its blocks' nodes last block first; the diff still
+    // lists them in the order data flows through them, the identical middle blocks once.
+    let (a, b) =
+        llama_4_and("post", |s| s.replace("kind = \"rmsnorm\"\n", "kind = \"rmsnorm\"\nplacement = \"post\"\n"));
+    let text = ok(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--stage", "optimized"]);
+    assert_eq!(titles(&text), ["layers.0", "layers.1..3", "layers.3", "final_norm", "head"], "{text}");
+
+    // A block's own new parameter (a bias, named with its block) reads the same in every block.
+    let (a, b) = llama_4_and("layernorm", |s| s.replace("kind = \"rmsnorm\"", "kind = \"layernorm\""));
+    let text = ok(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--stage", "optimized"]);
+    assert_eq!(titles(&text), ["layers.0", "layers.1..4", "final_norm", "head"], "{text}");
+    assert!(text.contains("+ attn_norm.bias") && text.contains("param \"attn_norm.bias\""), "{text}");
+}
+
+#[test]
+fn flops_agree_with_check_before_and_after_fusion() {
+    // One FLOP count (the matmuls of a forward pass): `check`'s, and `diff`'s of the graph as
+    // built and as optimized, at the same sequence length. `kiln new decoder` once read 79.17M
+    // in `check` and 79.27M in `diff`, which counted every elementwise op too.
+    let spec = scratch("flops").join("decoder.toml");
+    std::fs::write(&spec, ok(&["new", "decoder"])).unwrap();
+    let spec = spec.to_str().unwrap();
+    let check: serde_json::Value = serde_json::from_str(&ok(&["check", spec, "--seq", "128", "--json"])).unwrap();
+    let want = check["flops_per_token"].as_f64().unwrap();
+    for stage in ["graph", "optimized"] {
+        let doc: serde_json::Value =
+            serde_json::from_str(&ok(&["diff", spec, spec, "--stage", stage, "--seq", "128", "--json"])).unwrap();
+        let got = doc["a"]["totals"]["flops_per_token"].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-9 * want, "{stage}: diff counts {got} FLOPs/token, check {want}");
+    }
+    let text = ok(&["check", spec, "--seq", "128"]);
+    assert!(text.contains("FLOPs/token  79.17M (matmuls, forward at seq 128)"), "{text}");
+    let text = ok(&["diff", spec, spec, "--stage", "optimized", "--seq", "128"]);
+    let flops = text.lines().find(|l| l.starts_with("FLOPs/token (matmuls, seq 128)")).unwrap_or_default();
+    assert_eq!(flops.split_whitespace().skip(4).collect::<Vec<_>>(), ["79.17M", "79.17M", "0"], "{text}");
+    // Bytes in binary units, as `inspect` writes them; `--json` keeps the raw count.
+    assert!(text.contains(" MiB ") && !text.contains(" MB"), "{text}");
+    let doc: serde_json::Value = serde_json::from_str(&ok(&["diff", spec, spec, "--json"])).unwrap();
+    assert!(doc["a"]["totals"]["intermediate_bytes"].is_u64(), "{doc}");
+}

@@ -199,7 +199,8 @@ fn self_contained(html: &str) {
 fn html_report_holds_spec_graphs_kernels_wgsl_and_explanations() {
     let draws = graphviz();
     let out = scratch("html").join("report.html");
-    let o = kiln(&["inspect", "models/llama.toml", "--html", out.to_str().unwrap()]);
+    // wgpu's report (its kernels and their WGSL), as `--backend auto` gives it on a GPU.
+    let o = kiln(&["inspect", "models/llama.toml", "--html", out.to_str().unwrap(), "--backend", "wgpu"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let html = std::fs::read_to_string(&out).unwrap();
     assert!(html.starts_with("<!DOCTYPE html>") && html.trim_end().ends_with("</html>"));
@@ -308,11 +309,24 @@ fn html_report_with_profile_has_a_time_for_every_dispatch() {
         return;
     }
     let out = scratch("profile").join("report.html");
-    let o = kiln(&["inspect", "models/llama.toml", "--html", out.to_str().unwrap(), "--profile", "--seq", "8"]);
+    let o = kiln(&[
+        "inspect",
+        "models/llama.toml",
+        "--html",
+        out.to_str().unwrap(),
+        "--backend",
+        "wgpu",
+        "--profile",
+        "--seq",
+        "8",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let html = std::fs::read_to_string(&out).unwrap();
     let steps = lower::lower(&optimize::optimize(&common::spec("llama").graph).unwrap().0).steps.len();
-    assert!(html.contains("GPU time</th>") || html.contains("wall time</th>"), "no time column");
+    assert!(
+        html.contains("<th class=\"num\">GPU time (adapter ") || html.contains("<th class=\"num\">wall time (adapter "),
+        "no time column naming the adapter"
+    );
     let times: Vec<&str> =
         html.split("<td class=\"num time\">").skip(1).map(|c| &c[..c.find("</td>").unwrap()]).collect();
     assert_eq!(times.len(), steps, "a time per dispatch");
@@ -321,7 +335,76 @@ fn html_report_with_profile_has_a_time_for_every_dispatch() {
         assert!(unit == "µs" || unit == "ms", "not a time: {t}");
         assert!(value.parse::<f64>().is_ok_and(|v| v > 0.0), "not a positive time: {t}");
     }
-    assert!(html.contains("profiled on "));
+    assert!(html.contains("profiled on wgpu (adapter "));
+}
+
+/// Issue 32: the report is about the engine that runs the model. On the CPU (what `auto` is
+/// without a GPU), it lists the plan optimized for the CPU and profiles it there, naming the
+/// engine in the time column; it has no WGSL.
+#[test]
+fn html_report_profiles_the_cpu_back_end() {
+    let out = scratch("profile-cpu").join("report.html");
+    let args = ["inspect", "models/llama.toml", "--html", out.to_str().unwrap(), "--backend", "cpu"];
+    let o = kiln(&[&args[..], &["--profile", "--threads", "2", "--seq", "8"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let html = std::fs::read_to_string(&out).unwrap();
+    let optimized =
+        optimize::optimize_for(&common::spec("llama").graph, &kiln_compiler::target::Target::cpu()).unwrap().0;
+    let steps = lower::lower(&optimized).steps.len();
+    assert!(html.contains("<th class=\"num\">CPU time (2 threads)</th>"), "no CPU time column");
+    assert!(!html.contains("GPU time") && !html.contains("id=\"wgsl\""), "a CPU report with wgpu's figures");
+    assert!(html.contains("profiled on the CPU back end (2 threads)"));
+    let times: Vec<&str> =
+        html.split("<td class=\"num time\">").skip(1).map(|c| &c[..c.find("</td>").unwrap()]).collect();
+    assert_eq!(times.len(), steps, "a time per step");
+    for t in times {
+        let (value, unit) = t.split_once(' ').unwrap_or_else(|| panic!("not a time: {t}"));
+        assert!(unit == "µs" || unit == "ms", "not a time: {t}");
+        assert!(value.parse::<f64>().is_ok_and(|v| v >= 0.0), "not a time: {t}");
+    }
+    let interp = ["inspect", "models/llama.toml", "--html", out.to_str().unwrap(), "--force", "--backend", "interp"];
+    common::failure(&interp, &["the interpreter has no kernels"]);
+}
+
+/// Issue 32: a whole model reads at its default size (its first block drawn, the others one
+/// summary node), a fusion every block repeats is one row naming the blocks, a gather touches the
+/// rows it reads (not its whole table), and every figure is at the one `--seq`, stated.
+#[test]
+fn html_report_groups_blocks_and_counts_what_kernels_touch() {
+    let dir = scratch("html-grouped");
+    let source = std::fs::read_to_string(root().join("models/llama.toml")).unwrap();
+    let spec = dir.join("llama-4.toml");
+    std::fs::write(&spec, source.replace("layers = 2\n", "layers = 4\n")).unwrap();
+    let out = dir.join("report.html");
+    let o = kiln_without_graphviz(&[
+        "inspect",
+        spec.to_str().unwrap(),
+        "--html",
+        out.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--seq",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let html = std::fs::read_to_string(&out).unwrap();
+
+    assert!(html.contains("Block 0 is drawn and blocks 1..4 are one summary node"), "no default block range");
+    let graphs = &html[html.find("id=\"graphs\"").unwrap()..html.find("id=\"fusions\"").unwrap()];
+    assert!(graphs.contains("layers.0.attn") && !graphs.contains("layers.3.attn"), "a collapsed block drawn in full");
+
+    let fusions = &html[html.find("id=\"fusions\"").unwrap()..html.find("id=\"optimizer\"").unwrap()];
+    assert!(fusions.contains("<td class=\"mono\">layers.0..4.attn</td><td class=\"num\">4 blocks</td>"), "{fusions}");
+    assert!(!fusions.contains("layers.1.attn"), "a fusion listed once per block: {fusions}");
+
+    // embed.tokens is [128, 64] f32 (32 KiB); 16 tokens read 16 rows: 4 KiB, written again as
+    // 4 KiB, and 16 ids.
+    let gather = html.split("<tr>").find(|r| r.contains(">gather<")).unwrap();
+    assert!(gather.contains("<td class=\"num\">8.1 KiB</td>"), "{gather}");
+
+    assert!(html.contains("every figure at batch 1, 16 tokens"));
+    assert!(html.contains("intermediate bytes (batch 1, seq 16)"), "the optimizer's bytes at another length");
+    assert!(!html.contains("seq 128") && !html.contains("seq 32"), "a figure at another length");
 }
 
 #[test]

@@ -341,6 +341,58 @@ fn numbering(order: &[NodeIndex]) -> HashMap<NodeIndex, usize> {
     order.iter().enumerate().map(|(i, &n)| (n, i)).collect()
 }
 
+/// The matrix-multiply FLOPs of a forward pass over `seq` tokens (and source tokens) at batch 1:
+/// the one FLOP count every command prints (`check`, `diff`, `inspect`). Counted the same before
+/// and after fusion — a fused projection (`Op::Linear`) counts its matmul (both halves of a gated
+/// one), an attention its two score products, Linformer's low-rank projection its product — and
+/// not the elementwise work around them; ops on parameters alone (folded at load time) count
+/// nothing.
+pub fn matmul_flops(g: &Graph, seq: usize) -> f64 {
+    let bind = |d: &Dim| match d {
+        Dim::Fixed(k) => *k as f64,
+        Dim::Sym(Sym::Batch) => 1.0,
+        Dim::Sym(_) => seq as f64,
+    };
+    let elements = |s: &[Dim]| -> f64 { s.iter().map(bind).product() };
+    let last = |s: &[Dim]| s.last().map_or(1.0, bind);
+    let axis = |s: &[Dim], i: usize| s.get(i).map_or(1.0, bind);
+    let mut konst: HashMap<NodeIndex, bool> = HashMap::new();
+    let mut flops = 0.0;
+    for n in g.order() {
+        let node = &g.g[n];
+        let operands = g.operands(n);
+        let k = match node.op {
+            Op::Param { .. } => true,
+            Op::Input { .. } | Op::Positions { .. } => false,
+            _ => !operands.is_empty() && operands.iter().all(|o| konst.get(o).copied().unwrap_or(false)),
+        };
+        konst.insert(n, k);
+        if k {
+            continue;
+        }
+        let shape = |i: usize| operands.get(i).map(|&o| g.g[o].shape.as_slice()).unwrap_or(&[]);
+        let out = node.shape.as_slice();
+        flops += match &node.op {
+            Op::MatMul { .. } => 2.0 * elements(out) * last(shape(0)),
+            Op::Linear { glu, .. } => {
+                let rows = elements(out) / last(out).max(1.0);
+                let m = if *glu { 2.0 } else { 1.0 } * last(out);
+                2.0 * rows * m * last(shape(0))
+            }
+            Op::Attention { .. } => 4.0 * elements(shape(0)) * axis(shape(1), 2),
+            Op::PackedAttention(p) => {
+                let tokens = elements(out) / last(out).max(1.0);
+                let keys = if p.cached { axis(shape(1), 2) } else { axis(shape(0), 1) };
+                4.0 * tokens * (p.heads * p.head_dim) as f64 * keys
+            }
+            Op::LowRank { .. } => 2.0 * elements(out) * axis(shape(0), 1),
+            Op::ContractRows => 2.0 * elements(out) * elements(shape(0)) / last(shape(0)).max(1.0),
+            _ => 0.0,
+        };
+    }
+    flops
+}
+
 /// What `kiln check` prints about a graph.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
@@ -360,21 +412,7 @@ pub struct Summary {
 
 /// Summarises a graph, counting FLOPs at batch 1 and sequence (and source sequence) `seq`.
 pub fn summary(g: &Graph, seq: usize) -> Summary {
-    let bind = |d: &Dim| match d {
-        Dim::Fixed(k) => *k as f64,
-        Dim::Sym(Sym::Batch) => 1.0,
-        Dim::Sym(_) => seq as f64,
-    };
-    let mut flops = 0.0;
-    for n in g.g.node_indices() {
-        if let Op::MatMul { .. } = g.g[n].op {
-            let operands = g.operands(n);
-            let a = &g.g[operands[0]].shape;
-            let k = bind(&a[a.len() - 1]);
-            let out: f64 = g.g[n].shape.iter().map(bind).product();
-            flops += 2.0 * out * k;
-        }
-    }
+    let flops = matmul_flops(g, seq);
     let compute_nodes =
         g.g.node_indices().filter(|&n| !matches!(g.g[n].op, Op::Param { .. } | Op::Input { .. })).count();
     Summary {

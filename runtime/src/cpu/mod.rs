@@ -937,12 +937,16 @@ fn hold(
 }
 
 /// The projection weights of `program` held transposed to `[k, n]`, the layout the GEMM reads
-/// fastest, by value (each that is an f32 constant). A weight nothing else reads is dropped from
-/// `consts` (so it is held once, transposed); one also read otherwise (an embedding table tied to
-/// the output projection) is held in both layouts.
+/// fastest, by value (each that is an f32 constant), each dropped from `consts` so that it is held
+/// once, transposed. One also read otherwise (an embedding table tied to the output projection)
+/// stays in `consts` only, in the plan's layout, which its projection reads too: a tied table is
+/// held once, as a checkpoint stores it.
 fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R<HashMap<usize, Vec<f32>>> {
     let mut transposed = HashMap::new();
     for &Weight { value: w, also_read } in &program.weights {
+        if also_read {
+            continue;
+        }
         let Some(Const::F32(t)) = consts.get(&w) else { continue };
         let (&[n, k], Some(x)) = (t.shape.as_slice(), t.as_f32()) else { continue };
         kiln_compiler::memory::check(
@@ -956,9 +960,7 @@ fn transpose_weights(program: &Program, consts: &mut HashMap<usize, Const>) -> R
             }
         }
         transposed.insert(w, out);
-        if !also_read {
-            consts.remove(&w);
-        }
+        consts.remove(&w);
     }
     Ok(transposed)
 }

@@ -180,8 +180,8 @@ fn table(specs: &[(String, FrontEnd)], device: &Device, seqs: &[usize], runs: us
             tok_s(r),
             decode,
             r.dispatches,
-            format!("{}B", crate::report::human(r.weight_bytes as f64)),
-            format!("{}B", crate::report::human(r.intermediate_bytes as f64)),
+            kiln_compiler::memory::human(r.weight_bytes),
+            kiln_compiler::memory::human(r.intermediate_bytes),
         );
     }
     println!("  kernels: projection 1024x1024x1024 {gemm:.2} GFLOPS, decode GEMV 576x1536 {gemv:.2} GFLOPS,");

@@ -6,8 +6,9 @@
 //! the layout the engine holds its constants in:
 //!
 //! - **projection weights**: each value read as a projection's weight (`[n, k]` in the plan) is
-//!   held transposed, `[k, n]`, the layout the engine's GEMM reads fastest; the original is kept
-//!   too only where something else reads it (an embedding table tied to the output projection);
+//!   held transposed, `[k, n]`, the layout the engine's GEMM reads fastest, except one something
+//!   else reads too (an embedding table tied to the output projection), which is held once, in the
+//!   plan's layout, that both read (the GEMM reads either);
 //! - **gather tables**: an f32 parameter read only as the table of gather steps may stay in the
 //!   quantized blocks a checkpoint gives it in, each looked-up row dequantized, so an embedding
 //!   table stored quantized is never expanded to f32.
@@ -28,13 +29,13 @@ pub struct Program {
     pub gather_tables: Vec<usize>,
 }
 
-/// A value read as a projection's weight, to be held transposed.
+/// A value read as a projection's weight, to be held transposed unless it is also read otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Weight {
     /// The value (the root of the operands' aliases).
     pub value: usize,
-    /// Whether a step reads it otherwise or the plan outputs it, so that the `[n, k]` original is
-    /// kept beside the transposed copy.
+    /// Whether a step reads it otherwise or the plan outputs it, so that it is held once, as the
+    /// `[n, k]` original, rather than in two layouts (a tied embedding table).
     pub also_read: bool,
 }
 
