@@ -1027,7 +1027,7 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
                 }
             }
             if let Some(&residual) = a.get(3) {
-                out.iter_mut().zip(f(residual)).for_each(|(o, &r)| *o = *o + r);
+                out.iter_mut().zip(f(residual)).for_each(|(o, &r)| *o += r);
             }
             V::of_floats(shape, out)
         }

@@ -45,8 +45,16 @@ pub struct RunArgs {
     input_ids: Option<String>,
     /// Where to write the outputs (`logits`, `last_hidden_state`, `sentence_embedding`); never
     /// one of the files read, and an existing file only with `--force`.
+    #[arg(long, required_unless_present = "top")]
+    output: Option<PathBuf>,
+    /// Print the K largest logits of every position (token ids and values, and each token's text
+    /// where a tokenizer is found: `--tokenizer`, a checkpoint's own, a GGUF's): what the model
+    /// predicts next, without writing a file (`--output` as well writes them too).
     #[arg(long)]
-    output: PathBuf,
+    top: Option<usize>,
+    /// The tokenizer that names `--top`'s tokens (default: the checkpoint's, or the GGUF's).
+    #[arg(long, requires = "top")]
+    tokenizer: Option<PathBuf>,
     #[command(flatten)]
     force: crate::output::Force,
     /// Print one JSON document on stdout instead of text.
@@ -93,7 +101,26 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
     let mut read = vec![("the model", args.model.as_path())];
     read.extend(weights.as_deref().map(|w| ("--weights", w)));
     read.extend(args.inputs.as_deref().map(|i| ("--inputs", i)));
-    crate::output::check("--output", &args.output, &read, args.force.force)?;
+    if let Some(output) = &args.output {
+        crate::output::check("--output", output, &read, args.force.force)?;
+    }
+    if args.top == Some(0) {
+        bail!("--top 0 prints nothing: give the number of logits to print per position (1 or more)");
+    }
+    // The tokenizer naming `--top`'s tokens: the one given, the checkpoint's, or the GGUF's.
+    let tokenizer = match args.top {
+        None => None,
+        Some(_) => {
+            let path = crate::model_file::tokenizer_for(args.tokenizer.clone(), &args.model)
+                .or_else(|| weights.clone().filter(|w| crate::model_file::is_gguf(w).unwrap_or(false)));
+            match (path, args.tokenizer.is_some()) {
+                (Some(path), true) => Some(super::generate::open_tokenizer(&path, None)?),
+                // One found beside the model names tokens where it can be read.
+                (Some(path), false) => super::generate::open_tokenizer(&path, None).ok(),
+                (None, _) => None,
+            }
+        }
+    };
     let model = ModelFile::read(&args.model)?;
     let given = match (&args.inputs, &args.input_ids) {
         (Some(path), _) => kiln_runtime::read_tensors(path)?,
@@ -125,26 +152,104 @@ pub fn run(args: RunArgs, reporter: &Reporter) -> Result<()> {
     if outputs.is_empty() {
         bail!("the model has no outputs");
     }
-    kiln_runtime::write_tensors(&args.output, &outputs)?;
-    print(&args.output, &outputs, backend.name(), &warnings, args.json)
+    let top = match args.top {
+        Some(k) => {
+            let (_, logits) = outputs
+                .iter()
+                .find(|(n, _)| n == "logits")
+                .ok_or_else(|| anyhow::anyhow!("--top: the model has no `logits` output"))?;
+            Some(top_logits(logits, k, tokenizer.as_ref())?)
+        }
+        None => None,
+    };
+    if let Some(output) = &args.output {
+        kiln_runtime::write_tensors(output, &outputs)?;
+    }
+    print(args.output.as_deref(), &outputs, top.as_deref(), backend.name(), &warnings, args.json)
 }
 
-/// `kiln run`: the outputs written to `path`. JSON: `path`, `backend`, `outputs` (per output in
-/// the order written: `name`, `dtype`, `shape`), `warnings` (what text mode says on stderr).
-fn print(path: &Path, outputs: &[(String, Tensor)], backend: &str, warnings: &[String], json: bool) -> Result<()> {
+/// The `k` largest logits of one position: its sequence and position, then `(id, logit, the
+/// token's text)` largest first (ties to the lower id).
+struct Top {
+    seq: usize,
+    pos: usize,
+    best: Vec<(usize, f32, Option<String>)>,
+}
+
+/// The `k` largest logits of every position of `logits` (`[batch, seq, vocab]`, or `[batch,
+/// vocab]`), each token named by `tokenizer` where there is one.
+fn top_logits(logits: &Tensor, k: usize, tokenizer: Option<&kiln_runtime::tokenize::Tokenizer>) -> Result<Vec<Top>> {
+    let values = logits.as_f32().ok_or_else(|| anyhow::anyhow!("--top: the logits are not f32"))?;
+    let (batch, vocab) = match logits.shape.as_slice() {
+        [b, .., v] => (*b, *v),
+        _ => bail!("--top: logits of shape {:?} have no vocabulary axis", logits.shape),
+    };
+    let positions = values.len() / (batch * vocab).max(1);
+    let mut out = Vec::new();
+    for (row, scores) in values.chunks(vocab.max(1)).enumerate() {
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        let best = order
+            .into_iter()
+            .take(k)
+            .map(|id| (id, scores[id], tokenizer.and_then(|t| t.decode(&[id as u32], false).ok())))
+            .collect();
+        out.push(Top { seq: row / positions.max(1), pos: row % positions.max(1), best });
+    }
+    Ok(out)
+}
+
+/// `kiln run`: the outputs written to `path`, and `--top`'s logits. JSON: `path` (`null`
+/// without `--output`), `backend`, `outputs` (per output in the order written: `name`, `dtype`,
+/// `shape`), `warnings` (what text mode says on stderr), and with `--top`, `top`: per position
+/// `seq`, `pos`, `ids`, `logits` and `tokens` (`null` where no tokenizer names them).
+fn print(
+    path: Option<&Path>,
+    outputs: &[(String, Tensor)],
+    top: Option<&[Top]>,
+    backend: &str,
+    warnings: &[String],
+    json: bool,
+) -> Result<()> {
     if json {
         let outputs: Vec<serde_json::Value> = outputs
             .iter()
             .map(|(name, t)| json!({ "name": name, "dtype": t.dtype().to_string(), "shape": t.shape }))
             .collect();
+        let top: Option<Vec<serde_json::Value>> = top.map(|top| {
+            top.iter()
+                .map(|t| {
+                    json!({
+                        "seq": t.seq, "pos": t.pos,
+                        "ids": t.best.iter().map(|b| b.0).collect::<Vec<_>>(),
+                        "logits": t.best.iter().map(|b| b.1).collect::<Vec<_>>(),
+                        "tokens": t.best.iter().map(|b| b.2.clone()).collect::<Vec<_>>(),
+                    })
+                })
+                .collect()
+        });
         return print_json(&json!({
-            "path": path.display().to_string(), "backend": backend, "outputs": outputs, "warnings": warnings,
+            "path": path.map(|p| p.display().to_string()), "backend": backend, "outputs": outputs,
+            "warnings": warnings, "top": top,
         }));
     }
     for (name, t) in outputs {
         println!("{name}: {}{:?}", t.dtype(), t.shape);
     }
-    println!("wrote {}", path.display());
+    for t in top.unwrap_or_default() {
+        let best: Vec<String> = t
+            .best
+            .iter()
+            .map(|(id, logit, token)| match token {
+                Some(token) => format!("{id} {token:?} {logit:.3}"),
+                None => format!("{id} {logit:.3}"),
+            })
+            .collect();
+        println!("seq {} pos {}: {}", t.seq, t.pos, best.join(" | "));
+    }
+    if let Some(path) = path {
+        println!("wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -149,7 +149,7 @@ pub struct TrainArgs {
     memory_budget: Option<Bytes>,
     /// Where the training step runs: the native CPU kernels (`cpu`, the default), the reference
     /// interpreter (`interp`) or the WGSL kernels on a GPU adapter (`wgpu`).
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    #[arg(long, value_parser = crate::exec::BackendParser, default_value = "cpu")]
     backend: Backend,
     /// Threads of the CPU backend (default: one per core available).
     #[arg(long)]
@@ -285,6 +285,19 @@ fn train_one(
         (None, None) => crate::model_file::default_weights(model)?,
         _ => None,
     };
+    // Neither the weights nor the log may replace a file the run reads (`--resume` continues
+    // into its own checkpoint, and a later run may write over an earlier one's output).
+    let mut read: Vec<(&str, &Path)> = vec![("the model", model)];
+    read.extend(args.weights.as_deref().map(|w| ("--weights", w)));
+    read.extend(brought.as_deref().map(|w| ("the model's weights", w)));
+    read.extend(args.batches.as_deref().map(|b| ("--batches", b)));
+    read.extend(args.data.iter().map(|d| ("--data", d.as_path())));
+    read.extend(args.tokenizer.as_deref().map(|t| ("--tokenizer", t)));
+    read.extend(args.recipe.as_deref().map(|r| ("--recipe", r)));
+    crate::output::check("-o", output, &read, true)?;
+    if let Some(log) = log {
+        crate::output::check("--log", log, &read, true)?;
+    }
     let tensors: HashMap<String, Tensor> = match (&args.resume, &args.weights) {
         (Some(path), _) => Checkpoint::open(path)?.all()?,
         (None, Some(path)) => Checkpoint::open(path)?.all()?,

@@ -1258,3 +1258,35 @@ fn quick_start_chat_answers_right_over_seeds() {
         assert!(stdout(&o).contains("The capital of France is Paris"), "seed {seed}: {}", stdout(&o));
     }
 }
+
+/// `kiln run --top K`: each position's K largest logits, largest first, the same as the logits
+/// `--output` writes; without `--output` nothing is written; a real model's tokens are named.
+#[test]
+fn run_prints_the_largest_logits_of_each_position() {
+    let dir = scratch("run-top");
+    let out = dir.join("logits.safetensors");
+    let args = ["run", "models/llama.toml", "--random-weights", "--input-ids", "1,2,3;4,5,6", "--top", "3", "--json"];
+    let v: serde_json::Value =
+        serde_json::from_str(&common::ok(&[&args[..], &["--output", s(&out)]].concat())).unwrap();
+    let logits = kiln_runtime::read_tensors(&out).unwrap().remove("logits").unwrap();
+    let values = logits.as_f32().unwrap();
+    let top = v["top"].as_array().unwrap();
+    assert_eq!(top.len(), 6, "{v}");
+    for (row, t) in top.iter().enumerate() {
+        let scores = &values[row * 128..][..128];
+        let mut order: Vec<usize> = (0..128).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        let ids: Vec<usize> = t["ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as usize).collect();
+        assert_eq!(ids, order[..3], "{t}");
+        assert_eq!((t["seq"].as_u64(), t["pos"].as_u64()), (Some(row as u64 / 3), Some(row as u64 % 3)));
+    }
+    // Text, no file.
+    let text = common::ok(&args[..args.len() - 1]);
+    assert_eq!(text.lines().filter(|l| l.starts_with("seq ")).count(), 6, "{text}");
+    assert!(!text.contains("wrote"), "{text}");
+    fails_with(&["run", "models/llama.toml", "--random-weights", "--input-ids", "1,2", "--top", "0"], &["--top 0"]);
+    // A real model names its tokens: "The capital of France is" -> " Paris".
+    let gguf = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let text = common::ok(&["run", s(&gguf), "--input-ids", "1780,314,260,3575,282,4649,314", "--top", "1"]);
+    assert!(text.lines().filter(|l| l.starts_with("seq ")).last().unwrap().contains("\" Paris\""), "{text}");
+}

@@ -116,6 +116,16 @@ fn impossible_recipes_and_settings_are_refused_by_name() {
         fails_with(&refs(&train_args(&out, extra)), needles);
     }
     assert!(!out.exists(), "a refused run wrote weights");
+    // An output that is a file the run reads (a copy of the batches here), and an unknown backend.
+    let batches = out.with_file_name("batches.safetensors");
+    std::fs::copy(case().join("data.safetensors"), &batches).unwrap();
+    let mut args = train_args(&batches, &[]);
+    let at = args.iter().position(|a| a.ends_with("data.safetensors")).unwrap();
+    args[at] = batches.display().to_string();
+    fails_with(&refs(&args), &["-o", "is --batches", "that this command reads"]);
+    assert_eq!(std::fs::read(&batches).unwrap(), std::fs::read(case().join("data.safetensors")).unwrap());
+    let usage = crate::common::failure(&refs(&train_args(&out, &["--backend", "cuda"])), &["cpu", "interp", "wgpu"]);
+    assert_eq!(usage, 2);
 }
 
 #[test]
