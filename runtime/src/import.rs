@@ -127,17 +127,16 @@ fn weights_file(dir: &Path) -> Result<PathBuf, ImportFailure> {
 }
 
 /// The pooling of a sentence-transformers directory (`modules.json` with a `Pooling` module), as
-/// the importer writes it: only the mean over tokens is a spec's (`kiln embed` pools the others).
+/// the importer writes it into the spec: only the mean over tokens is a spec's. Another pooling
+/// (CLS, the last token, several modes) leaves the spec without a `sentence_embedding` output, and
+/// `kiln embed` pools the hidden states as the config says (or as `--pooling` overrides it).
 fn sentence_pooling(dir: &Path) -> Result<Option<SentencePooling>, ImportFailure> {
     if !dir.join("modules.json").is_file() {
         return Ok(None);
     }
     let Some(pipeline) = sentence_pipeline(dir)? else { return Ok(None) };
-    if let Some(mode) = pipeline.modes.iter().find(|m| *m != "mean_tokens") {
-        return Err(ImportFailure::Layout(format!(
-            "`{}`: `pooling_mode_{mode} = true` is not supported (kiln pools by the mean over tokens)",
-            pipeline.config.display()
-        )));
+    if pipeline.modes.iter().any(|m| m != "mean_tokens") {
+        return Ok(None);
     }
     let normalize = pipeline.normalize.unwrap_or(false);
     Ok(Some(SentencePooling { normalize, max_seq_length: pipeline.max_seq_length }))

@@ -80,6 +80,14 @@ fn embed_follows_the_sentence_transformers_config_beside_the_model() {
     assert_eq!(json["pooling"].as_str(), Some("cls"));
     let (flagged, _) = embed(s(&dir), &["--pooling", "cls"]);
     close(&cls, &flagged);
+    // With a modules.json naming the Pooling module: the importer leaves a CLS pooling to embed.
+    let modules = r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]"#;
+    std::fs::write(st.join("modules.json"), modules).unwrap();
+    let (with_modules, json) = embed(s(&st), &[]);
+    assert_eq!(json["pooling"].as_str(), Some("cls"));
+    close(&with_modules.iter().map(|v| unit(v)).collect::<Vec<_>>(), &cls.iter().map(|v| unit(v)).collect::<Vec<_>>());
+    std::fs::remove_file(st.join("modules.json")).unwrap();
     // A spec with --weights in that directory reads the same config, and finds its tokenizer.
     let weights = st.join("model.safetensors");
     let (spec_cls, json) = embed("models/minilm-l6.toml", &["--weights", s(&weights)]);
