@@ -2,7 +2,7 @@
 //! --messages`, `--chat-template`, several prompts at once, `generate --random-weights`, and
 //! `kiln tokenize`.
 
-use crate::common::{fails_with, fetched, kiln, ok, scratch, stderr, stdout};
+use crate::common::{fails_with, fetched, kiln, ok, scratch, stderr, stdout, with_stdin};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -33,21 +33,6 @@ fn tiny(name: &str) -> (PathBuf, PathBuf, PathBuf) {
     )
     .unwrap();
     (spec, weights, template)
-}
-
-/// Runs kiln with `input` on its standard input (what it reads of it).
-fn with_stdin(args: &[&str], input: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(crate::common::root())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // A command that fails before reading its input closes the pipe: not this test's failure.
-    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
-    child.wait_with_output().unwrap()
 }
 
 fn json(o: &Output) -> serde_json::Value {

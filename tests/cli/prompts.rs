@@ -3,10 +3,9 @@
 //! reads (warned about, as `check --weights` warns), stop ids outside the vocabulary and absurd
 //! thread counts (refused).
 
-use crate::common::{fails_with, kiln, ok, scratch, stderr, stdout};
-use std::io::Write;
+use crate::common::{fails_with, kiln, ok, scratch, stderr, stdout, with_stdin};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -28,20 +27,6 @@ fn tiny(name: &str, vocab: u32, layers: u32) -> (PathBuf, PathBuf) {
     let weights = spec.with_extension("safetensors");
     ok(&["init", s(&spec), "-o", s(&weights), "--force"]);
     (spec, weights)
-}
-
-/// Runs kiln with `input` on its standard input.
-fn with_stdin(args: &[&str], input: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(crate::common::root())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
 }
 
 fn json(o: &Output) -> serde_json::Value {

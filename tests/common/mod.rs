@@ -146,6 +146,21 @@ pub fn kiln(args: &[&str]) -> std::process::Output {
     kiln_command(args).output().expect("kiln runs")
 }
 
+/// Runs kiln as [`kiln`] does with `input` on its standard input (what it reads of it: a command
+/// that fails before reading closes the pipe, which is not the caller's failure).
+pub fn with_stdin(args: &[&str], input: &str) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = kiln_command(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kiln runs");
+    let _ = child.stdin.take().expect("stdin is piped").write_all(input.as_bytes());
+    child.wait_with_output().expect("kiln runs")
+}
+
 /// The command [`kiln`] runs (from the repository root, no display session), to change its
 /// directory or environment before running it.
 pub fn kiln_command(args: &[&str]) -> std::process::Command {

@@ -27,7 +27,6 @@ pub mod rules;
 use crate::graph::print::block_of;
 use crate::graph::{Dim, Graph, GraphError, NodeIndex, Op, Scalar, fmt_shape, scope_name};
 use petgraph::Direction;
-use petgraph::visit::EdgeRef;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// A block of a stack, as [`block_of`] names it: `("decoder.layers", 3)` for
@@ -246,21 +245,11 @@ fn used(g: &Graph) -> Graph {
             }
         }
     }
-    let mut out = Graph { name: g.name.clone(), scope: g.scope.clone(), ..Graph::default() };
-    let mut new: HashMap<NodeIndex, NodeIndex> = HashMap::new();
-    for n in g.g.node_indices().filter(|n| keep.contains(n)) {
-        let m = out.g.add_node(g.g[n].clone());
-        // Operands come first in index order (every node is added after its operands).
-        for e in g.g.edges_directed(n, Direction::Incoming) {
-            if let Some(&source) = new.get(&e.source()) {
-                out.g.add_edge(source, m, *e.weight());
-            }
-        }
-        new.insert(n, m);
-    }
-    out.outputs = g.outputs.iter().filter_map(|(name, n)| Some((name.clone(), *new.get(n)?))).collect();
-    out
+    // Index order is a topological order: every node is added after its operands.
+    let kept: Vec<NodeIndex> = g.g.node_indices().filter(|n| keep.contains(n)).collect();
+    g.renumbered(&kept)
 }
+
 /// Adds `grad` to the gradient gathered so far for `node`.
 fn accumulate(
     g: &mut Graph,

@@ -150,6 +150,25 @@ impl Graph {
         order
     }
 
+    /// The graph of the nodes of `order` (a topological order of some of its nodes, each node's
+    /// operands among them), numbered in that order — so [`Graph::order`] follows it — with the
+    /// outputs whose nodes are kept. Ops, operands and scopes are as they were.
+    pub fn renumbered(&self, order: &[NodeIndex]) -> Graph {
+        let mut out = Graph { name: self.name.clone(), scope: self.scope.clone(), ..Graph::default() };
+        let mut new: std::collections::HashMap<NodeIndex, NodeIndex> = std::collections::HashMap::new();
+        for &n in order {
+            let m = out.g.add_node(self.g[n].clone());
+            for e in self.g.edges_directed(n, Direction::Incoming) {
+                if let Some(&source) = new.get(&e.source()) {
+                    out.g.add_edge(source, m, *e.weight());
+                }
+            }
+            new.insert(n, m);
+        }
+        out.outputs = self.outputs.iter().filter_map(|(name, n)| Some((name.clone(), *new.get(n)?))).collect();
+        out
+    }
+
     /// Parameter nodes with their names, in node order.
     pub fn params(&self) -> Vec<(NodeIndex, &str)> {
         self.g

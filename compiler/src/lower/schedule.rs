@@ -23,20 +23,26 @@ use std::collections::HashMap;
 /// operands, outputs.
 pub fn by_memory(g: &Graph, syms: &HashMap<Sym, usize>) -> Graph {
     let order = order_by_memory(g, syms);
-    if peak(g, &order, syms) >= peak(g, &g.order(), syms) {
-        return g.clone();
+    match peak(g, &order, syms) < peak(g, &g.order(), syms) {
+        true => g.renumbered(&order),
+        false => g.clone(),
     }
-    let mut out = Graph { name: g.name.clone(), scope: g.scope.clone(), ..Graph::default() };
-    let mut new: HashMap<NodeIndex, NodeIndex> = HashMap::with_capacity(order.len());
-    for &n in &order {
-        let m = out.g.add_node(g.g[n].clone());
-        for e in g.g.edges_directed(n, Direction::Incoming) {
-            out.g.add_edge(new[&e.source()], m, *e.weight());
+}
+
+/// Whether `v` is a view of its first operand's buffer (a reshape, an `after`).
+fn is_view(g: &Graph, v: NodeIndex) -> bool {
+    matches!(g.g[v].op, Op::Reshape { .. } | Op::After)
+}
+
+/// For each node (by index), the value whose buffer it is: itself, or for a view its operand's.
+fn roots(g: &Graph) -> Vec<NodeIndex> {
+    let mut roots: Vec<NodeIndex> = g.g.node_indices().collect();
+    for v in g.order() {
+        if let (true, Some(&o)) = (is_view(g, v), g.operands(v).first()) {
+            roots[v.index()] = roots[o.index()];
         }
-        new.insert(n, m);
     }
-    out.outputs = g.outputs.iter().map(|(name, n)| (name.clone(), new[n])).collect();
-    out
+    roots
 }
 
 /// The most bytes `g`'s values hold at once when its ops run in `order` (a topological order),
@@ -44,16 +50,8 @@ pub fn by_memory(g: &Graph, syms: &HashMap<Sym, usize>) -> Graph {
 /// end); views (reshapes, `after`) hold none of their own and keep their operand's buffer until
 /// their own last reader; parameters are not counted, inputs are.
 pub fn peak(g: &Graph, order: &[NodeIndex], syms: &HashMap<Sym, usize>) -> u64 {
-    let view = |v: NodeIndex| matches!(g.g[v].op, Op::Reshape { .. } | Op::After);
-    let root = |mut v: NodeIndex| {
-        while view(v) {
-            match g.operands(v).first() {
-                Some(&o) => v = o,
-                None => break,
-            }
-        }
-        v
-    };
+    let roots = roots(g);
+    let (view, root) = (|v| is_view(g, v), |v: NodeIndex| roots[v.index()]);
     let mut reads: HashMap<NodeIndex, usize> = HashMap::new();
     for &v in order.iter().filter(|&&v| !view(v)) {
         for o in g.operands(v) {
@@ -100,17 +98,9 @@ pub fn order_by_memory(g: &Graph, syms: &HashMap<Sym, usize>) -> Vec<NodeIndex> 
     for (i, &v) in base.iter().enumerate() {
         rank[v.index()] = i;
     }
-    let view = |v: NodeIndex| matches!(g.g[v].op, Op::Reshape { .. } | Op::After);
     let operands: Vec<Vec<NodeIndex>> = g.g.node_indices().map(|v| g.operands(v)).collect();
-    let root = |mut v: NodeIndex| {
-        while view(v) {
-            match operands[v.index()].first() {
-                Some(&o) => v = o,
-                None => break,
-            }
-        }
-        v
-    };
+    let roots = roots(g);
+    let (view, root) = (|v| is_view(g, v), |v: NodeIndex| roots[v.index()]);
     let held = |v: NodeIndex| !view(v) && !matches!(g.g[v].op, Op::Param { .. } | Op::Input { .. });
     let bytes: Vec<u64> =
         g.g.node_indices()

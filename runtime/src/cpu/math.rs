@@ -288,20 +288,6 @@ pub fn sum_f64(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     sums.iter().sum::<f64>() + rest.iter().map(|&x| f(x)).sum::<f64>()
 }
 
-/// [`sum_f64`] of `f(a, b)` over two rows of one length.
-#[inline(always)]
-pub fn sum2_f64(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f64) -> f64 {
-    let mut sums = [0.0f64; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let rest: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| f(x, y)).sum();
-    for (ca, cb) in ca.zip(cb) {
-        for ((s, &x), &y) in sums.iter_mut().zip(ca).zip(cb) {
-            *s += f(x, y);
-        }
-    }
-    sums.iter().sum::<f64>() + rest
-}
-
 /// LayerNorm of one row in place: [`kiln_compiler::semantics::layer_norm_row`], its statistics
 /// summed as [`sum_f64`] sums.
 pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {

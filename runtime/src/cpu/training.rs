@@ -130,11 +130,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
         Op::Mask { causal, window } => {
             // Scores [b, h, q, k] (the queries the last q of the k positions), the most negative
             // float where the mask or the key mask ([b, k], 0 = masked) drops the key.
-            let (s, x) = operand(0)?;
-            let key_mask = if args.len() > 1 { Some(operand(1)?.1) } else { None };
-            let Some(scores) = Scores::new(s, x, key_mask, *causal, *window) else { return Ok(false) };
+            let Some(scores) = Scores::of(args, *causal, *window)? else { return Ok(false) };
             let y = out.get();
-            if y.len() != x.len() {
+            if y.len() != scores.x.len() {
                 return Ok(false);
             }
             scores.rows(y, |_, _, o, row, keep| {
@@ -145,11 +143,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
         }
         Op::MaskedSoftmax { scale, alibi, causal, window, mods } if mods.is_plain() && args.len() <= 2 => {
             // The interpreter's scale, ALiBi bias, mask and softmax, one row at a time.
-            let (s, x) = operand(0)?;
-            let key_mask = if args.len() > 1 { Some(operand(1)?.1) } else { None };
-            let Some(scores) = Scores::new(s, x, key_mask, *causal, *window) else { return Ok(false) };
+            let Some(scores) = Scores::of(args, *causal, *window)? else { return Ok(false) };
             let y = out.get();
-            if y.len() != x.len() {
+            if y.len() != scores.x.len() {
                 return Ok(false);
             }
             let slopes = alibi.then(|| kiln_compiler::semantics::alibi_slopes(scores.h));
@@ -439,17 +435,17 @@ struct Scores<'a> {
 }
 
 impl<'a> Scores<'a> {
-    /// `None` where the shape or the key mask's length is not the layout the kernels take.
-    fn new(
-        shape: &[usize],
-        x: &'a [f32],
-        key_mask: Option<&'a [f32]>,
-        causal: bool,
-        window: Option<usize>,
-    ) -> Option<Scores<'a>> {
-        let &[b, h, q, k] = shape else { return None };
+    /// The scores and key mask of a mask op's operands (`scores[, key_mask]`); `None` where the
+    /// shape or the key mask's length is not the layout the kernels take.
+    fn of(args: &'a [(Vec<usize>, Arg<'a>)], causal: bool, window: Option<usize>) -> R<Option<Scores<'a>>> {
+        let f32s = |i: usize| -> R<Option<(&'a [usize], &'a [f32])>> {
+            args.get(i).map(|(s, a)| Ok((s.as_slice(), a.f32("an operand")?))).transpose()
+        };
+        let Some((shape, x)) = f32s(0)? else { return Err(CpuError::Operands("operand 0 is missing".into())) };
+        let key_mask = f32s(1)?.map(|(_, m)| m);
+        let &[b, h, q, k] = shape else { return Ok(None) };
         let fits = k > 0 && x.len() == b * h * q * k && key_mask.is_none_or(|m| m.len() == b * k);
-        fits.then_some(Scores { x, key_mask, h, q, k, causal, window })
+        Ok(fits.then_some(Scores { x, key_mask, h, q, k, causal, window }))
     }
 
     /// Runs `f(head, query position, output row, score row, keep)` over every row in parallel,

@@ -188,7 +188,9 @@ pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Resu
     // Squares summed in f64 in pieces of a fixed size (so the sum is the same on any number of
     // threads), the pieces' sums then added in order.
     let pieces: Vec<(&[f32], f32)> = updates.iter().flat_map(|u| u.grad.chunks(PIECE).map(|p| (p, u.scale))).collect();
-    let sums: Vec<f64> = pieces.par_iter().map(|&(p, scale)| sum_of_squares(p, scale)).collect();
+    // Each product in f32, as the update reads it; summed as `sum_f64` sums (eight running sums).
+    let sums: Vec<f64> =
+        pieces.par_iter().map(|&(p, scale)| crate::cpu::math::sum_f64(p, |x| f64::from(x * scale).powi(2))).collect();
     let sum: f64 = sums.iter().sum();
     let norm = sum.sqrt();
     if !norm.is_finite() {
@@ -204,26 +206,6 @@ pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Resu
         }
     }
     Ok(norm)
-}
-
-/// The sum of the squares of `xs * scale` (each product in f32, as the update reads it), in f64:
-/// eight running sums over the elements in turn (so the additions overlap), then added in order.
-fn sum_of_squares(xs: &[f32], scale: f32) -> f64 {
-    let mut sums = [0.0f64; 8];
-    let chunks = xs.chunks_exact(8);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (s, &x) in sums.iter_mut().zip(chunk) {
-            let g = f64::from(x * scale);
-            *s += g * g;
-        }
-    }
-    let mut sum: f64 = sums.iter().sum();
-    for &x in rest {
-        let g = f64::from(x * scale);
-        sum += g * g;
-    }
-    sum
 }
 
 /// One parameter's AdamW moments.
