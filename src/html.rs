@@ -355,7 +355,7 @@ impl Report<'_> {
             let work = cost.work(&step.op, &shapes, &plan.values[step.output].shape);
             let moved = match step.op {
                 // The rows the ids pick (as many bytes as it writes) and the ids, not the table.
-                Op::Gather => {
+                Op::Gather | Op::GatherColumns { .. } => {
                     let ids =
                         step.operands.get(1).map_or(0, |&o| resolve(&plan.values[o].shape, &syms).iter().product());
                     2.0 * work.bytes_out + 4.0 * ids as f64

@@ -881,9 +881,13 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
-        Op::Gather => {
+        Op::Gather | Op::GatherColumns { .. } => {
             let (table, ids) = (a[0], a[1].ints().expect("ids are i64"));
-            let (rows, d) = (table.shape()[0], table.shape()[1]);
+            let (rows, d, stride) = match *op {
+                Op::GatherColumns { rows } => (rows.min(table.shape()[1]), table.shape()[0], table.shape()[1]),
+                _ => (table.shape()[0], table.shape()[1], 0),
+            };
+            let columns = stride > 0;
             let t = f(table);
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
@@ -899,7 +903,10 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
                     };
                     return Err(InterpError::IndexOutOfRange { what, index: id, table, rows });
                 }
-                out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]);
+                match columns {
+                    false => out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]),
+                    true => out.extend((0..d).map(|j| t[j * stride + id as usize])),
+                }
             }
             V::of_floats(shape, out)
         }

@@ -260,18 +260,27 @@ pub fn check_indices(
             check_labels(plan, step, inputs, syms, ignore_index)?;
             continue;
         }
-        if step.op != Op::Gather {
-            continue;
-        }
+        let gathered_rows = match step.op {
+            Op::Gather => None,
+            Op::GatherColumns { rows } => Some(rows),
+            _ => continue,
+        };
         // A plan read from a file is not type-checked: a gather's arity and table are checked
         // here, before they are relied on.
         let &[table, ids] = step.operands.as_slice() else {
             return Err(PrepareError::Invalid(format!("a gather step has {} operands, not 2", step.operands.len())));
         };
-        let Some(&rows) = resolve(&plan.values[table].shape, syms).first() else {
+        let Some(rows) = gathered_rows.or_else(|| resolve(&plan.values[table].shape, syms).first().copied()) else {
             return Err(PrepareError::Invalid("a gather step's table has no rows".into()));
         };
-        let table_name = match &plan.values[table].storage {
+        // A table the back end holds transposed is named by the parameter it was folded from.
+        let mut source = table;
+        while let Some(fold) = plan.folds.iter().find(|f| f.output == source)
+            && let Some(&from) = fold.operands.first()
+        {
+            source = from;
+        }
+        let table_name = match &plan.values[source].storage {
             Storage::Param(n) => n.clone(),
             _ => "table".into(),
         };

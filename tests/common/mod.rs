@@ -205,11 +205,43 @@ pub fn fails_with(args: &[&str], needles: &[&str]) {
     assert_eq!(failure(args, needles), 1, "kiln {args:?}: a usage error where kiln's own was expected");
 }
 
-/// A scratch directory for one test, `name` unique within its test binary.
-pub fn scratch(name: &str) -> PathBuf {
+/// A scratch directory for one test, `name` unique within its test binary: removed when the
+/// test is done with it, kept (for a look) when the test failed.
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("kiln-test-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// See [`scratch`]. The suite wrote ~1.6 GB a run into the temporary directory before these
+/// were removed (a fine-tuned SmolLM2 among them).
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// The Rust sources under each of `dirs` (relative to the repository root), recursively, with

@@ -1306,6 +1306,10 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let src = g.param("gather_grad.src", &[18, w]);
     let dy = g.add(Op::Gather, &[src, rows]).unwrap();
     out(&mut g, "gather_grad", Op::GatherGrad, &[table, ids, dy]);
+    // A gather from a table stored transposed (the WGSL back end's for a tied head), with a
+    // padding column past the rows the ids name.
+    let columns = g.param("gather_columns.table", &[w, 19]);
+    out(&mut g, "gather_columns", Op::GatherColumns { rows: 18 }, &[columns, ids]);
     let dloss = g.param("cross_entropy.dy", &[1]);
     for vocab in [w, big] {
         let src = g.param(&format!("cross_entropy{vocab}.src"), &[18, vocab]);

@@ -380,7 +380,7 @@ fn bench_train_times_each_backend_side_by_side() {
     assert_eq!(rows.len(), 2, "{out}");
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
     let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--json"])).unwrap();
-    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mb"].as_f64().unwrap() > 1.0, "{v}");
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mib"].as_f64().unwrap() > 1.0, "{v}");
     assert_eq!(v["rows"][0]["backend"], "cpu");
     // Beside the optimized step, the step as autodiff builds it.
     let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--unoptimized", "--json"])).unwrap();

@@ -382,6 +382,15 @@ pub enum Op {
     },
     /// Row lookup: `(table f32[rows, d], ids i64[...]) -> f32[..., d]`.
     Gather,
+    /// Column lookup, [`Op::Gather`] from a table stored transposed: `(table f32[d, cols], ids
+    /// i64[...]) -> f32[..., d]`, `out[..., j] = table[j, ids[...]]`. Not a graph op: the WGSL back
+    /// end's gather from an embedding table it also holds transposed as a projection's weight (a
+    /// tied head), so that the table is held once.
+    GatherColumns {
+        /// The table's rows (ids `0..rows`): its first columns as stored, those after them the
+        /// projection's padding.
+        rows: usize,
+    },
     /// Batched matrix product `(a [..., m, k], b [..., k, n]) -> [..., m, n]`; with `transpose_b`, b is
     /// `[..., n, k]`. `b` has either a's batch axes or none (a weight shared over the batch).
     MatMul {
@@ -753,6 +762,7 @@ impl Op {
             Op::Positions { .. } => "positions".into(),
             Op::Sinusoid { .. } => "sinusoid".into(),
             Op::Gather => "gather".into(),
+            Op::GatherColumns { .. } => "gather_columns".into(),
             Op::MatMul { transpose_b: false } => "matmul".into(),
             Op::MatMul { transpose_b: true } => "matmul_t".into(),
             Op::Add => "add".into(),

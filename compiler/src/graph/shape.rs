@@ -154,7 +154,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![s[0], Dim::Fixed(*dim)], DType::F32))
         }
-        Op::Gather => {
+        Op::Gather | Op::GatherColumns { .. } => {
             arity(2)?;
             let table = float(0)?;
             let (ids, t) = operands[1];
@@ -165,7 +165,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 return Err(format!("ids must be i64, are {t}"));
             }
             let mut shape = ids.clone();
-            shape.push(table[1]);
+            shape.push(if matches!(op, Op::GatherColumns { .. }) { table[0] } else { table[1] });
             Ok((shape, DType::F32))
         }
         Op::MatMul { transpose_b } => {

@@ -175,6 +175,23 @@ pub fn forward(
                 o.copy_from_slice(&table[row * width..][..width]);
             }
         }
+        Op::GatherColumns { rows } => {
+            // The table `[width, cols]`, stored transposed: each id a column.
+            let [(table_shape, Arg::F32(table)), (_, Arg::I64(ids))] = args else { return Ok(false) };
+            let &[d, cols] = table_shape.as_slice() else { return Ok(false) };
+            if d != width || table.len() != d * cols || *rows > cols {
+                return Ok(false);
+            }
+            for (o, &id) in out.get().chunks_mut(width).zip(*ids) {
+                let col = usize::try_from(id)
+                    .ok()
+                    .filter(|c| c < rows)
+                    .ok_or_else(|| CpuError::Operands(format!("id {id} is outside the table's {rows} rows")))?;
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = table[j * cols + col];
+                }
+            }
+        }
         Op::Permute { perm } => {
             // out[i0, .., ir] = x[at the permuted indices]: a row of the output's last axis per
             // task, read through the input's strides.

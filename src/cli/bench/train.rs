@@ -56,7 +56,7 @@ pub struct TrainArgs {
     /// the recipe's `memory_budget`).
     #[arg(long, conflicts_with = "recompute")]
     memory_budget: Option<Bytes>,
-    /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mb` of the
+    /// Print one JSON document on stdout: `tokens_per_s`, `ms_per_step` and `peak_rss_mib` of the
     /// first backend at the top level, and every backend's in `rows` (with the fastest and slowest
     /// runs' `ms_per_step_min`/`_max` and `tokens_per_s_min`/`_max`).
     #[arg(long)]
@@ -132,7 +132,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
     let mut peaks: Vec<Option<f64>> = Vec::new();
     for (_, t) in trainers.iter_mut() {
         t.step(std::slice::from_ref(&batch)).map_err(Box::new)?;
-        peaks.push(peak_rss_mb());
+        peaks.push(peak_rss_mib());
     }
     for _ in 0..args.runs {
         for ((_, t), times) in trainers.iter_mut().zip(times.iter_mut()) {
@@ -177,7 +177,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
             let s = super::Spread::of(&t);
             let (recomputed, blocks) = trainer.recomputed();
             serde_json::json!({
-                "backend": name, "ms_per_step": s.median * 1e3, "tokens_per_s": tokens / s.median, "peak_rss_mb": peak,
+                "backend": name, "ms_per_step": s.median * 1e3, "tokens_per_s": tokens / s.median, "peak_rss_mib": peak,
                 "ms_per_step_min": s.min * 1e3, "ms_per_step_max": s.max * 1e3,
                 "tokens_per_s_min": tokens / s.max, "tokens_per_s_max": tokens / s.min,
                 "recomputed_blocks": recomputed, "blocks": blocks,
@@ -197,7 +197,7 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         return crate::report::print_json(&serde_json::json!({
             "spec": args.spec.display().to_string(), "batch": args.batch, "seq": args.seq, "threads": threads,
             "steps": args.steps, "runs": args.runs,
-            "tokens_per_s": first["tokens_per_s"], "ms_per_step": first["ms_per_step"], "peak_rss_mb": first["peak_rss_mb"],
+            "tokens_per_s": first["tokens_per_s"], "ms_per_step": first["ms_per_step"], "peak_rss_mib": first["peak_rss_mib"],
             "rows": rows,
             "profile": profiles,
         }));
@@ -217,10 +217,10 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
         reporter.info(format_args!("recomputing the activations of {recomputed} of {blocks} blocks in the backward"));
     }
     for row in &rows {
-        let peak = row["peak_rss_mb"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
+        let peak = row["peak_rss_mib"].as_f64().map_or("?".to_string(), |p| format!("{p:.0}"));
         let f = |key: &str| row[key].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:18} {:8.2} ms/step ({:.2}..{:.2})  {:9.0} tokens/s  peak {peak} MB",
+            "{:18} {:8.2} ms/step ({:.2}..{:.2})  {:9.0} tokens/s  peak {peak} MiB",
             row["backend"].as_str().unwrap_or("?"),
             f("ms_per_step"),
             f("ms_per_step_min"),
@@ -241,9 +241,9 @@ pub fn run(args: TrainArgs, reporter: &Reporter) -> Result<()> {
 /// An op's share of a profiled step: its name, the plan steps it ran as, their seconds.
 type OpTime = (String, usize, f64);
 
-/// The process's peak resident set so far, in MB (`VmHWM` of `/proc/self/status`; `None` where
+/// The process's peak resident set so far, in MiB (`VmHWM` of `/proc/self/status`; `None` where
 /// the system has no such file).
-fn peak_rss_mb() -> Option<f64> {
+fn peak_rss_mib() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -119,6 +119,7 @@ fn dims_of(
             vec![total]
         }
         Op::Gather => vec![total, last(out)],
+        Op::GatherColumns { .. } => vec![total, last(out), last(operand(0)?)],
         Op::MatMul { transpose_b } => {
             let (a, b) = (operand(0)?, operand(1)?);
             let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);

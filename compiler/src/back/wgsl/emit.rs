@@ -320,6 +320,10 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         Op::Gather => "let d = dim(1u);\nlet row = u32(in1[i / d]);\nout[i] = in0[row * d + i % d];".into(),
+        // The table `[d, w]` (a projection's transposed weight, maybe f16).
+        Op::GatherColumns { .. } => {
+            "let d = dim(1u);\nlet col = u32(in1[i / d]);\nout[i] = f32(in0[(i % d) * dim(2u) + col]);".into()
+        }
         Op::MatMul { transpose_b } => {
             let b_index = if *transpose_b { "b0 + col * k + kk" } else { "b0 + kk * n + col" };
             format!(

@@ -221,6 +221,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
             None => l.push(step.clone(), options)?,
         }
     }
+    l.gather_transposed();
     let Legalize { mut values, folds, steps, .. } = l;
     let steps = if options.fold_appends { fold_appends(&values, steps) } else { steps };
     let slots = assign_slots(&mut values, &steps, &plan.outputs);
@@ -498,6 +499,27 @@ impl Legalize<'_> {
             }
         }
         Some(steps)
+    }
+
+    /// Each gather from a constant table that a projection reads too (a tied head) made a gather
+    /// of columns from the projection's transposed copy ([`Op::GatherColumns`]), so that the
+    /// device holds the table once: nothing else reads the table, whose upload is dropped (only a
+    /// load-time fold reads it). A projection split into pieces ([`Self::split_projection`])
+    /// transposes row slices of the table instead, which a gather cannot read as one table: the
+    /// gather then reads the table itself, held besides the pieces.
+    fn gather_transposed(&mut self) {
+        for step in &mut self.steps {
+            let Some(&table) = step.operands.first().filter(|_| step.op == Op::Gather) else { continue };
+            let copy = [false, true].into_iter().find_map(|pad| self.transposed.get(&(table, pad)).copied());
+            let rows = match self.values[table].shape.first() {
+                Some(&Dim::Fixed(rows)) => rows,
+                _ => continue,
+            };
+            if let Some(t) = copy.filter(|&t| self.values[t].storage == Storage::Const) {
+                step.op = Op::GatherColumns { rows };
+                step.operands[0] = t;
+            }
+        }
     }
 
     /// The `[k, m]` transpose of a 2-D projection weight `w` (`[m, k]`), its rows padded to a
