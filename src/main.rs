@@ -17,11 +17,12 @@ mod models;
 mod output;
 mod progress;
 mod report;
+mod server;
 mod view;
 
 use cli::{
     bench, chat, check, compile, diff, embed, eval, fetch, generate, import, init, inspect, list, new, plot, run,
-    tokenize, train,
+    serve, tokenize, train,
 };
 use progress::Reporter;
 
@@ -58,6 +59,10 @@ enum Command {
     /// Chat with a decoder: a conversation kept across turns, rendered with its chat template,
     /// answers streamed (`/reset`, `/system`, `/help`, `/exit`; Ctrl-C stops an answer).
     Chat(chat::ChatArgs),
+    /// Serve a model behind the OpenAI API: chat and text completions (streamed or not),
+    /// /v1/models, /health and Prometheus /metrics, concurrent requests taking turns on one copy
+    /// of the weights.
+    Serve(serve::ServeArgs),
     /// Show how a model's tokenizer splits a text: token ids and pieces (or the text of ids).
     Tokenize(tokenize::TokenizeArgs),
     /// Embed sentences with an encoder spec that pools (`outputs.pooling = "mean"`) and print the
@@ -97,6 +102,7 @@ impl Command {
             Command::Eval(args) => Some(args.model()),
             Command::Generate(args) => Some(args.spec()),
             Command::Chat(args) => Some(args.spec()),
+            Command::Serve(args) => Some(args.spec()),
             Command::Bench(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
@@ -140,6 +146,7 @@ impl Command {
             Command::Plot(args) => plot::run(args),
             Command::Generate(args) => generate::run(args, reporter),
             Command::Chat(args) => chat::run(args, reporter),
+            Command::Serve(args) => serve::run(args, reporter),
             Command::Tokenize(args) => tokenize::run(args),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),

@@ -39,6 +39,11 @@ pub struct Reporter {
 }
 
 impl Reporter {
+    /// Whether it shows nothing.
+    pub fn is_quiet(&self) -> bool {
+        self.quiet
+    }
+
     /// A reporter that shows everything (`quiet = false`) or nothing.
     pub fn new(quiet: bool) -> Reporter {
         Reporter { quiet, bar: RefCell::new(None), timing: RefCell::new(None), spent: RefCell::new(HashMap::new()) }

@@ -124,6 +124,36 @@ impl Session {
     pub fn cache(&self) -> R<HashMap<String, Tensor>> {
         self.engine.cache()
     }
+
+    /// Takes the sequence out of the session (its cache and position), leaving the session at a
+    /// new sequence, to be continued later by [`resume`](Self::resume): one session's engine
+    /// serves many sequences in turn, each with its own cache (see [`Engine::park`]).
+    pub fn park(&mut self) -> ParkedSequence {
+        let position = std::mem::take(&mut self.position);
+        ParkedSequence { cache: self.engine.park(), position }
+    }
+
+    /// Continues a sequence [`park`](Self::park) took out of this session; the one the session
+    /// held is dropped. On an error (a sequence of another kind of engine) the session is as it
+    /// was.
+    pub fn resume(&mut self, parked: ParkedSequence) -> R<()> {
+        self.engine.resume(parked.cache)?;
+        self.position = parked.position;
+        Ok(())
+    }
+}
+
+/// A sequence parked by [`Session::park`]: its cache, where the engine keeps it, and its length.
+pub struct ParkedSequence {
+    cache: crate::engine::Parked,
+    position: usize,
+}
+
+impl ParkedSequence {
+    /// Tokens in the cache.
+    pub fn position(&self) -> usize {
+        self.position
+    }
 }
 
 /// Timings of one generation.

@@ -42,7 +42,7 @@ pub use model::{Model, ModelError};
 pub mod generate;
 pub mod sample;
 
-pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Request};
+pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Parked, Request};
 pub use generate::{Session, Stats, Stop};
 pub use gpu::DeviceSampler;
 pub use sample::{BadSettings, Pick, Sampled, Sampler};

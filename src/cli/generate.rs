@@ -710,6 +710,12 @@ impl<'m> Generator<'m> {
         self.session.max_positions
     }
 
+    /// The decoder's session, for a caller that steps it itself (`kiln serve`'s scheduler,
+    /// which parks one sequence's cache and resumes another's between steps).
+    pub fn session(&mut self) -> &mut Session {
+        &mut self.session
+    }
+
     /// A GPU driver may compile a pipeline's shader only at its first dispatch: one step (the
     /// sampling kernel's too) before the first prompt, forgotten after, keeps that out of the
     /// prefill; its time counts as compiling.

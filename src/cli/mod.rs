@@ -19,5 +19,6 @@ pub mod list;
 pub mod new;
 pub mod plot;
 pub mod run;
+pub mod serve;
 pub mod tokenize;
 pub mod train;

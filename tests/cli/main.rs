@@ -24,3 +24,4 @@ mod overwrite;
 mod prompts;
 mod readme;
 mod recorded_weights;
+mod serve;

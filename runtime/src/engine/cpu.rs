@@ -1,6 +1,6 @@
 //! [`CpuEngine`]: a plan on the CPU's native kernels as an engine, the cache in host memory.
 
-use super::{Engine, Memory, R, Request, plan_ids, plan_windows};
+use super::{Engine, Memory, Parked, R, Request, plan_ids, plan_windows};
 use crate::cpu::CpuModel;
 use crate::cpu::cache::KvCache;
 use kiln_compiler::tensor::Tensor;
@@ -48,6 +48,15 @@ impl Engine for CpuEngine {
 
     fn clear(&mut self) {
         self.cache.clear();
+    }
+
+    fn park(&mut self) -> Parked {
+        Parked::new(std::mem::replace(&mut self.cache, KvCache::new()))
+    }
+
+    fn resume(&mut self, parked: Parked) -> R<()> {
+        self.cache = parked.take()?;
+        Ok(())
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

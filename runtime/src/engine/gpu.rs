@@ -1,7 +1,9 @@
 //! [`GpuEngine`]: a plan on wgpu as an engine; the cache and an encoder's memory stay on the
 //! device, and the next token is picked there.
 
-use super::{Engine, GenerateError, Memory, R, Request, last_logits, plan_ids, plan_windows, slide, take_presents};
+use super::{
+    Engine, GenerateError, Memory, Parked, R, Request, last_logits, plan_ids, plan_windows, slide, take_presents,
+};
 use crate::gpu::{DeviceSampler, DeviceTensor, GpuError, GpuModel, Lend, Lent};
 use crate::sample::{Pick, Sampled};
 use kiln_compiler::graph::Dim;
@@ -118,6 +120,15 @@ impl Engine for GpuEngine {
 
     fn clear(&mut self) {
         self.cache.clear();
+    }
+
+    fn park(&mut self) -> Parked {
+        Parked::new(std::mem::take(&mut self.cache))
+    }
+
+    fn resume(&mut self, parked: Parked) -> R<()> {
+        self.cache = parked.take()?;
+        Ok(())
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

@@ -1,6 +1,6 @@
 //! [`InterpEngine`]: the reference interpreter as an engine, the cache in host memory.
 
-use super::{Engine, GenerateError, Memory, R, Request, slide, take_presents, windows};
+use super::{Engine, GenerateError, Memory, Parked, R, Request, slide, take_presents, windows};
 use kiln_compiler::graph::{Graph, InputRole};
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
@@ -58,6 +58,15 @@ impl Engine for InterpEngine {
 
     fn clear(&mut self) {
         self.cache.clear();
+    }
+
+    fn park(&mut self) -> Parked {
+        Parked::new(std::mem::take(&mut self.cache))
+    }
+
+    fn resume(&mut self, parked: Parked) -> R<()> {
+        self.cache = parked.take()?;
+        Ok(())
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

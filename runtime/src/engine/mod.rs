@@ -72,6 +72,9 @@ pub enum GenerateError {
     /// A tensor held as a key/value cache is not `[b, heads, len, d]`.
     #[error("a cache of shape {0:?} is not [b, heads, len, d]")]
     CacheShape(Vec<usize>),
+    /// A parked cache was given to another kind of engine than the one that parked it.
+    #[error("a cache parked by another kind of engine cannot be resumed on this one")]
+    OtherEngine,
 }
 
 type R<T> = Result<T, GenerateError>;
@@ -169,9 +172,33 @@ pub trait Engine {
     /// Forgets the cache.
     fn clear(&mut self);
 
+    /// Takes the cache out, leaving the engine's empty (a new sequence), to be put back by
+    /// [`Engine::resume`]: one engine, one copy of the weights, serves several sequences, each
+    /// cache swapped in for its own steps (`kiln serve`). Nothing is copied.
+    fn park(&mut self) -> Parked;
+
+    /// Puts back a cache [`Engine::park`] took out of this engine, replacing the one it holds.
+    /// A cache parked by another kind of engine is refused, and this engine's left as it was.
+    fn resume(&mut self, parked: Parked) -> R<()>;
+
     /// The cache as tensors on the host (read back from the device if it lives there), by past
     /// input name.
     fn cache(&self) -> R<HashMap<String, Tensor>>;
+}
+
+/// A sequence's cache taken out of an engine ([`Engine::park`]), held wherever that engine keeps
+/// it (on the device for [`GpuEngine`]).
+pub struct Parked(Box<dyn std::any::Any>);
+
+impl Parked {
+    fn new<T: 'static>(cache: T) -> Parked {
+        Parked(Box::new(cache))
+    }
+
+    /// The cache, if `T` is what this engine parked.
+    fn take<T: 'static>(self) -> R<T> {
+        self.0.downcast().map(|b| *b).map_err(|_| GenerateError::OtherEngine)
+    }
 }
 
 /// The logits of the last position of a step's outputs.

@@ -1,0 +1,422 @@
+//! `kiln serve` as a client sees it, on loopback: the OpenAI API's answers and errors, greedy
+//! answers under concurrency equal to each request alone, a client leaving mid-stream, capacity,
+//! the API key, SIGTERM, and the official `openai` Python client unchanged.
+
+use crate::common::{root, scratch};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A running `kiln serve`, killed when dropped; `log` collects its stderr.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<String>>,
+    _dir: crate::common::Scratch,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A small random decoder with a 256-token vocabulary, read through the byte tokenizer, with a
+/// chat template; `max_positions` long. A long context makes it 4 times as wide, so that a
+/// request for most of it runs for seconds (~1 ms a token) while a test acts beside it.
+fn tiny(dir: &std::path::Path, max_positions: usize) -> Vec<String> {
+    let mut spec = std::fs::read_to_string(root().join("models/llama.toml"))
+        .unwrap()
+        .replace("vocab = 128", "vocab = 256")
+        .replace("max_positions = 64", &format!("max_positions = {max_positions}"));
+    if max_positions > 1024 {
+        spec = spec.replace("d_model = 64", "d_model = 256").replace("d_ff = 176", "d_ff = 704");
+    }
+    std::fs::write(dir.join("tiny.toml"), spec).unwrap();
+    let template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}\
+                    {% if add_generation_prompt %}<assistant>{% endif %}";
+    std::fs::write(dir.join("chat.jinja"), template).unwrap();
+    let s = |p: &str| dir.join(p).to_string_lossy().into_owned();
+    vec![
+        s("tiny.toml"),
+        "--random-weights".into(),
+        "--tokenizer".into(),
+        "bytes".into(),
+        "--chat-template".into(),
+        s("chat.jinja"),
+    ]
+}
+
+/// Starts `kiln serve MODEL... ARGS` on a free port and waits until `/health` says ready.
+fn start(name: &str, max_positions: usize, args: &[&str]) -> Server {
+    let dir = scratch(name);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    command.arg("serve").args(tiny(&dir, max_positions)).args(["--port", "0", "--backend", "cpu", "--threads", "1"]);
+    command.args(args).env_remove("KILN_API_KEY").stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let log = Arc::new(Mutex::new(String::new()));
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        log.lock().unwrap().push_str(&format!("{line}\n"));
+        if let Some(at) = line.find("http://") {
+            addr = Some(line[at + 7..].split('/').next().unwrap().to_string());
+            break;
+        }
+    }
+    let addr = addr.unwrap_or_else(|| panic!("kiln serve printed no address:\n{}", log.lock().unwrap()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            sink.lock().unwrap().push_str(&format!("{line}\n"));
+        }
+    });
+    let server = Server { child, addr, log, _dir: dir };
+    let t = Instant::now();
+    while get(&server, "/health").0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(60), "never ready:\n{}", server.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
+/// One HTTP/1.1 request (`Connection: close`): the status, the headers and the body.
+fn request(server: &Server, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String, String) {
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n", server.addr);
+    for h in headers {
+        head += &format!("{h}\r\n");
+    }
+    if !body.is_empty() {
+        head += &format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+    }
+    s.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    // A chunked body (a stream) is read as its chunks' data, sizes dropped.
+    let body = match head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        true => dechunk(body),
+        false => body.to_string(),
+    };
+    (status, head.to_string(), body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out += &rest[..n];
+        body = &rest[n + 2..];
+    }
+    out
+}
+
+fn get(server: &Server, path: &str) -> (u16, String, String) {
+    request(server, "GET", path, &[], "")
+}
+
+fn post(server: &Server, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let (status, _, text) = request(server, "POST", path, &[], &body.to_string());
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// The `data:` payloads of a stream.
+fn events(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// A metric's value in `/metrics`.
+fn metric(server: &Server, name: &str) -> f64 {
+    let (_, _, text) = get(server, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+fn user(text: &str) -> serde_json::Value {
+    serde_json::json!([{"role": "user", "content": text}])
+}
+
+#[test]
+fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
+    let server = start("serve-api", 128, &["--max-body", "2KiB", "--name", "tiny-llama"]);
+    let (status, _, models) = get(&server, "/v1/models");
+    assert_eq!(status, 200);
+    assert!(models.contains("\"id\":\"tiny-llama\""), "{models}");
+
+    let (status, chat) = post(
+        &server,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "x", "messages": user("Hi"), "max_tokens": 5}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(chat["choices"][0]["finish_reason"], "length");
+    // `<user>Hi\n<assistant>`: 20 bytes, one token each.
+    assert_eq!(chat["usage"], serde_json::json!({"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}));
+
+    let body = serde_json::json!({"prompt": [72, 105], "max_tokens": 4, "logprobs": 2, "temperature": 0.8, "seed": 9});
+    let (status, c) = post(&server, "/v1/completions", &body);
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["object"], "text_completion");
+    let lp = &c["choices"][0]["logprobs"];
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4, "{c}");
+    assert!(lp["token_logprobs"].as_array().unwrap().iter().all(|v| v.as_f64().unwrap() < 0.0));
+    assert!(lp["top_logprobs"].as_array().unwrap().iter().all(|t| t.as_object().unwrap().len() <= 2));
+    // A seed repeats a sampled answer.
+    assert_eq!(post(&server, "/v1/completions", &body).1["choices"], c["choices"]);
+
+    // Streamed: the role, text chunks, the finish reason, usage, [DONE].
+    let body = serde_json::json!({"messages": user("Hi"), "max_tokens": 3, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let (status, head, text) = request(&server, "POST", "/v1/chat/completions", &[], &body.to_string());
+    assert_eq!(status, 200);
+    assert!(head.to_ascii_lowercase().contains("content-type: text/event-stream"), "{head}");
+    let data = events(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> =
+        data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
+    let finish: Vec<_> = chunks.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).collect();
+    assert_eq!(finish.len(), 1, "{text}");
+    assert_eq!(finish[0]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 3);
+
+    // Errors: OpenAI's shape, the field named.
+    for (path, body, status, param) in [
+        ("/v1/chat/completions", serde_json::json!({"messages": user("Hi"), "temperature": 9}), 400, "temperature"),
+        ("/v1/chat/completions", serde_json::json!({"messages": []}), 400, "messages"),
+        ("/v1/chat/completions", serde_json::json!({"messages": user("Hi"), "max_tokens": 100000}), 400, "max_tokens"),
+        ("/v1/completions", serde_json::json!({"prompt": "x".repeat(200)}), 400, "prompt"),
+        ("/v1/completions", serde_json::json!({"prompt": [7, 999]}), 400, "prompt"),
+        ("/v1/embeddings", serde_json::json!({"input": "x"}), 400, "model"),
+    ] {
+        let (got, e) = post(&server, path, &body);
+        assert_eq!(got, status, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+    }
+    let (status, _, e) = request(&server, "POST", "/v1/chat/completions", &[], "{not json");
+    assert!(status == 400 && e.contains("not valid JSON"), "{status} {e}");
+    let (status, _, e) =
+        request(&server, "POST", "/v1/completions", &[], &format!("{{\"prompt\": \"{}\"}}", "x".repeat(4000)));
+    assert!(status == 413 && e.contains("\"error\""), "{status} {e}");
+    let (status, _, e) = get(&server, "/v2/anything");
+    assert!(status == 404 && e.contains("not_found_error"), "{status} {e}");
+
+    assert_eq!(metric(&server, "kiln_requests_total{endpoint=\"chat\"}"), 6.0);
+    assert!(metric(&server, "kiln_generated_tokens_total") >= 16.0);
+    assert!(metric(&server, "kiln_time_to_first_token_seconds_count") >= 4.0);
+    assert_eq!(metric(&server, "kiln_running_sequences"), 0.0);
+}
+
+/// Each request's completion, run alone, then all at once (with prompts prefilled in chunks of
+/// 4 tokens between the others' steps): greedy answers and their log probabilities are equal.
+#[test]
+fn greedy_answers_under_concurrency_equal_each_request_alone() {
+    let server = start("serve-batch", 256, &["--parallel", "4", "--prefill-chunk", "4"]);
+    let server = Arc::new(server);
+    let bodies: Vec<serde_json::Value> = (0..6)
+        .map(|i| {
+            let prompt = format!("Request {i}: {}", "the quick brown fox ".repeat(i + 1));
+            serde_json::json!({"prompt": prompt, "max_tokens": 12 + 3 * i, "temperature": 0, "logprobs": 1})
+        })
+        .collect();
+    let alone: Vec<serde_json::Value> =
+        bodies.iter().map(|b| post(&server, "/v1/completions", b).1["choices"][0].clone()).collect();
+    let together: Vec<serde_json::Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let server = server.clone();
+                scope.spawn(move || post(&server, "/v1/completions", b).1["choices"][0].clone())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a["logprobs"]["token_logprobs"].as_array().unwrap().len(), 12 + 3 * i, "{a}");
+        assert_eq!(a, t, "request {i} differs when served with the others");
+    }
+    // They did run together: some scheduler step advanced several sequences.
+    let (_, _, text) = get(&server, "/metrics");
+    let single = text.lines().find_map(|l| l.strip_prefix("kiln_batch_size_bucket{le=\"1\"} ")).unwrap();
+    let all = text.lines().find_map(|l| l.strip_prefix("kiln_batch_size_count ")).unwrap();
+    assert!(single.parse::<u64>().unwrap() < all.parse::<u64>().unwrap(), "{text}");
+}
+
+/// A client that leaves mid-stream frees its sequence at once, and one queued behind it runs.
+#[test]
+fn a_client_leaving_mid_stream_frees_its_slot() {
+    let server = start("serve-cancel", 8192, &["--parallel", "1", "--max-tokens-limit", "8000"]);
+    let body = serde_json::json!({"prompt": "Once", "max_tokens": 8000, "stream": true});
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    let text = body.to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = s.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    drop(s);
+    let (status, c) = post(&server, "/v1/completions", &serde_json::json!({"prompt": "Hi", "max_tokens": 3}));
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(metric(&server, "kiln_requests_cancelled_total"), 1.0);
+    assert_eq!(metric(&server, "kiln_running_sequences"), 0.0);
+}
+
+/// Past `--parallel` running and `--queue` waiting, a request gets 503 with Retry-After.
+#[test]
+fn requests_past_capacity_get_503_with_retry_after() {
+    let server =
+        Arc::new(start("serve-capacity", 8192, &["--parallel", "1", "--queue", "1", "--max-tokens-limit", "8000"]));
+    // One running (its first chunk read), one queued behind it.
+    let mut running = TcpStream::connect(&server.addr).unwrap();
+    let text = serde_json::json!({"prompt": "Once", "max_tokens": 8000, "stream": true}).to_string();
+    write!(
+        running,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let _ = running.read(&mut first).unwrap();
+    let queued = {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            post(&server, "/v1/completions", &serde_json::json!({"prompt": "Hi", "max_tokens": 2}))
+        })
+    };
+    let t = Instant::now();
+    while metric(&server, "kiln_queue_depth") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the second request never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, head, body) =
+        request(&server, "POST", "/v1/completions", &[], &serde_json::json!({"prompt": "Hi"}).to_string());
+    assert_eq!(status, 503, "{body}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(body.contains("at capacity"), "{body}");
+    assert_eq!(metric(&server, "kiln_requests_rejected_total"), 1.0);
+    // The running one leaves; the queued one is then answered.
+    drop(running);
+    let (status, c) = queued.join().unwrap();
+    assert_eq!(status, 200, "{c}");
+}
+
+#[test]
+fn an_api_key_is_required_where_set_and_beyond_loopback() {
+    let server = start("serve-key", 128, &["--api-key", "sesame"]);
+    assert_eq!(get(&server, "/health").0, 200, "health needs no key");
+    let (status, _, e) = get(&server, "/v1/models");
+    assert!(status == 401 && e.contains("authentication_error"), "{status} {e}");
+    let (status, _, _) = request(&server, "GET", "/v1/models", &["Authorization: Bearer wrong"], "");
+    assert_eq!(status, 401);
+    let (status, _, _) = request(&server, "GET", "/metrics", &[], "");
+    assert_eq!(status, 401);
+    let (status, _, m) = request(&server, "GET", "/v1/models", &["Authorization: Bearer sesame"], "");
+    assert!(status == 200 && m.contains("tiny"), "{m}");
+
+    let dir = scratch("serve-open");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("serve")
+        .args(tiny(&dir, 128))
+        .args(["--host", "0.0.0.0", "--port", "0"])
+        .env_remove("KILN_API_KEY")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--host 0.0.0.0: serving beyond this machine needs --api-key"), "{err}");
+}
+
+/// SIGTERM stops taking requests, lets the one in flight end within `--drain-timeout`, and exits.
+#[cfg(unix)]
+#[test]
+fn sigterm_drains_and_exits() {
+    let mut server = start("serve-term", 8192, &["--drain-timeout", "1", "--max-tokens-limit", "8000"]);
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    let text = serde_json::json!({"prompt": "Once", "max_tokens": 8000, "stream": true}).to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    let _ = s.read(&mut first).unwrap();
+    // SAFETY: signalling a child process this test started and still owns.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "still running after SIGTERM:\n{}", server.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}:\n{}", server.log.lock().unwrap());
+    // The stream ended with the server's error event, not silently.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(String::from_utf8_lossy(&rest).contains("shutting down"), "{}", String::from_utf8_lossy(&rest));
+    assert!(TcpStream::connect(&server.addr).is_err(), "still accepting");
+}
+
+/// The official `openai` Python package, unchanged, against the server: chat and completions,
+/// streamed and not, the model list, and a refused request raised as its `BadRequestError`.
+#[test]
+fn the_official_openai_client_works_unchanged() {
+    let has_client = Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    assert!(has_client, "the `openai` Python package is missing: scripts/test installs it");
+    let server = start("serve-openai", 256, &["--api-key", "k"]);
+    let script = r#"
+import sys, openai
+client = openai.OpenAI(base_url=f"http://{sys.argv[1]}/v1", api_key="k", max_retries=0)
+models = client.models.list()
+assert [m.id for m in models.data] == ["tiny"], models
+chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4, chat
+parts = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+    max_tokens=4, stream=True, stream_options={"include_usage": True}))
+assert parts[0].choices[0].delta.role == "assistant", parts
+assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length", parts
+assert parts[-1].usage.completion_tokens == 4, parts
+done = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, logprobs=1)
+assert len(done.choices[0].logprobs.token_logprobs) == 3, done
+streamed = "".join(p.choices[0].text for p in client.completions.create(model="tiny", prompt="Hello",
+    max_tokens=3, temperature=0, stream=True))
+assert streamed == done.choices[0].text, (streamed, done)
+try:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], temperature=7)
+    raise SystemExit("no error")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "temperature", e.body
+try:
+    openai.OpenAI(base_url=f"http://{sys.argv[1]}/v1", api_key="wrong", max_retries=0).models.list()
+    raise SystemExit("no error")
+except openai.AuthenticationError:
+    pass
+print("ok")
+"#;
+    let o = Command::new("python3").args(["-c", script, &server.addr]).output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && out.trim() == "ok", "{out}\n{err}\nserver:\n{}", server.log.lock().unwrap());
+}
