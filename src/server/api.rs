@@ -92,9 +92,10 @@ pub struct Sampling {
 /// A generation request, checked.
 #[derive(Clone, Debug)]
 pub struct Request {
-    pub endpoint: Endpoint,
     pub prompt: Prompt,
     pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came in (`max_completion_tokens` for a chat that used it).
+    pub max_tokens_param: &'static str,
     pub sampling: Sampling,
     /// Stop strings (the text ends before the first).
     pub stop: Vec<String>,
@@ -247,7 +248,7 @@ impl Request {
             Some(options) if stream => options.get("include_usage").and_then(Value::as_bool).unwrap_or(false),
             Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` needs `stream`: true")),
         };
-        Ok(Request { endpoint, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage })
+        Ok(Request { prompt, max_tokens, max_tokens_param: max_key, sampling, stop, logprobs, stream, include_usage })
     }
 }
 

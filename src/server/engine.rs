@@ -102,12 +102,13 @@ pub fn serve(model: &Model, generator: &mut Generator, tokenizer: &Tokenizer, jo
             }
         }
         for job in incoming {
-            match prepare(model, tokenizer, context, limits, bytes_per_token, job) {
-                Ok(ready) => {
-                    let _ = ready.job.events.send(Event::Accepted);
-                    queue.push_back(ready);
+            match check(model, tokenizer, context, limits, bytes_per_token, &job.request) {
+                Ok((prompt, max_new, sampler)) => {
+                    let _ = job.events.send(Event::Accepted);
+                    let reserve = bytes_per_token * (prompt.len() + max_new) as u64;
+                    queue.push_back(Ready { job, prompt, max_new, sampler, reserve });
                 }
-                Err((job, e)) => {
+                Err(e) => {
                     shared.waiting.fetch_sub(1, Ordering::Relaxed);
                     shared.metrics.invalid.add(1);
                     let _ = job.events.send(Event::Failed(e));
@@ -200,24 +201,6 @@ pub fn serve(model: &Model, generator: &mut Generator, tokenizer: &Tokenizer, jo
     }
 }
 
-/// Tokenizes and checks a job; on a refusal, the job back with the error.
-fn prepare(
-    model: &Model,
-    tokenizer: &Tokenizer,
-    context: usize,
-    limits: &Limits,
-    bytes_per_token: u64,
-    job: Job,
-) -> Result<Ready, (Job, ApiError)> {
-    match check(model, tokenizer, context, limits, bytes_per_token, &job.request) {
-        Ok((prompt, max_new, sampler)) => {
-            let reserve = bytes_per_token * (prompt.len() + max_new) as u64;
-            Ok(Ready { job, prompt, max_new, sampler, reserve })
-        }
-        Err(e) => Err((job, e)),
-    }
-}
-
 /// A request's prompt ids, the most tokens it may generate, and its sampler.
 fn check(
     model: &Model,
@@ -259,12 +242,12 @@ fn check(
             ),
         ));
     }
-    let max_key = if request.endpoint == super::api::Endpoint::Chat { "max_tokens" } else { "max_tokens" };
+    let max_key = request.max_tokens_param;
     let asked = request.max_tokens.unwrap_or(limits.default_max_tokens);
     if asked > limits.max_tokens {
         return Err(ApiError::invalid(
             max_key,
-            format!("`max_tokens` = {asked}: this server generates at most {} tokens a request", limits.max_tokens),
+            format!("`{max_key}` = {asked}: this server generates at most {} tokens a request", limits.max_tokens),
         ));
     }
     let max_new = asked.min(context - prompt.len());
