@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// The largest request body.
     #[arg(long, default_value = "4MiB")]
     max_body: Bytes,
+    /// Seconds a client has to send a request's head (method, path, headers) on a connection,
+    /// and that an idle keep-alive connection is kept; then it is closed.
+    #[arg(long, default_value_t = 30)]
+    header_timeout: u64,
     /// Seconds requests in flight get to finish after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
@@ -86,6 +90,7 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         ("--parallel", args.parallel),
         ("--prefill-chunk", args.prefill_chunk),
         ("--max-tokens-limit", args.max_tokens_limit),
+        ("--header-timeout", usize::try_from(args.header_timeout).unwrap_or(usize::MAX)),
     ] {
         if value == 0 {
             bail!("{flag} 0: it must be at least 1");
@@ -150,20 +155,18 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         })?
     };
     let drain = Duration::from_secs(args.drain_timeout);
+    let header_timeout = Duration::from_secs(args.header_timeout);
     let served: Result<()> = runtime.block_on(async {
         tokio::spawn(signals(stop));
-        let mut on_stop = stopped.clone();
-        let graceful = async move {
-            let _ = on_stop.wait_for(|&s| s).await;
-        };
-        let server = axum::serve(listener, crate::server::router(shared.clone())).with_graceful_shutdown(graceful);
+        let server =
+            crate::server::serve_http(listener, crate::server::router(shared.clone()), stopped.clone(), header_timeout);
         let mut on_stop = stopped.clone();
         let deadline = async move {
-            let _ = on_stop.wait_for(|&s| s).await;
+            crate::server::stopped(&mut on_stop).await;
             tokio::time::sleep(drain).await;
         };
         tokio::select! {
-            served = server => served.context("the server failed"),
+            () = server => Ok(()),
             () = deadline => Ok(()),
         }
     });

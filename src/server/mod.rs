@@ -133,6 +133,62 @@ pub fn cache_bytes_per_token(fe: &FrontEnd) -> u64 {
         .sum()
 }
 
+/// Serves `router` on `listener`, each connection HTTP/1.1 with a timeout on reading a request's
+/// head (a client that sends no complete head within `header_timeout` — a slow or stalled one,
+/// or a keep-alive connection left idle — is closed), until `stop` turns true; then stops
+/// accepting and lets each open connection finish the request it is answering (graceful
+/// shutdown), returning once all are closed. (axum's `serve` sets no timer, so no timeout.)
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    stop: tokio::sync::watch::Receiver<bool>,
+    header_timeout: std::time::Duration,
+) {
+    // Each connection's task holds a receiver; the sender sees them all dropped.
+    let (all_closed, open) = tokio::sync::watch::channel(());
+    let mut stopping = stop.clone();
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                // Out of file descriptors or the like: the next accept may do.
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = stopped(&mut stopping) => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let (mut stop, open) = (stop.clone(), open.clone());
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
+            let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let mut connection = std::pin::pin!(connection);
+            let stopped = tokio::select! {
+                _ = connection.as_mut() => false,
+                () = stopped(&mut stop) => true,
+            };
+            if stopped {
+                connection.as_mut().graceful_shutdown();
+                let _ = connection.await;
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    drop(open);
+    all_closed.closed().await;
+}
+
+/// Resolves once `stop` turns true (never, if its sender is gone without doing so).
+pub async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    if stop.wait_for(|&s| s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// The routes.
 pub fn router(shared: Arc<Shared>) -> Router {
     let max_body = shared.limits.max_body;

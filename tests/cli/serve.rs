@@ -420,3 +420,20 @@ print("ok")
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success() && out.trim() == "ok", "{out}\n{err}\nserver:\n{}", server.log.lock().unwrap());
 }
+
+/// A client that never finishes its request's head is closed after `--header-timeout`, and
+/// others are served meanwhile.
+#[test]
+fn a_stalled_client_is_closed_after_the_header_timeout() {
+    let server = start("serve-slow", 128, &["--header-timeout", "1"]);
+    let mut slow = TcpStream::connect(&server.addr).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le").unwrap();
+    let (status, c) = post(&server, "/v1/completions", &serde_json::json!({"prompt": "Hi", "max_tokens": 2}));
+    assert_eq!(status, 200, "{c}");
+    let t = Instant::now();
+    slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rest = Vec::new();
+    let read = slow.read_to_end(&mut rest);
+    assert!(read.is_ok(), "not closed: {read:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "closed after {:?}", t.elapsed());
+}
