@@ -50,11 +50,15 @@ fn tiny(dir: &std::path::Path, max_positions: usize) -> Vec<String> {
     ]
 }
 
-/// Starts `kiln serve MODEL... ARGS` on a free port and waits until `/health` says ready.
+/// Starts `kiln serve MODEL... ARGS` on a free port (on the CPU back end, one thread, unless
+/// ARGS name a backend) and waits until `/health` says ready.
 fn start(name: &str, max_positions: usize, args: &[&str]) -> Server {
     let dir = scratch(name);
     let mut command = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    command.arg("serve").args(tiny(&dir, max_positions)).args(["--port", "0", "--backend", "cpu", "--threads", "1"]);
+    command.arg("serve").args(tiny(&dir, max_positions)).args(["--port", "0"]);
+    if !args.contains(&"--backend") {
+        command.args(["--backend", "cpu", "--threads", "1"]);
+    }
     command.args(args).env_remove("KILN_API_KEY").stdout(Stdio::null()).stderr(Stdio::piped());
     let mut child = command.spawn().unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
@@ -227,9 +231,21 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
 /// 4 tokens between the others' steps): greedy answers and their log probabilities are equal.
 #[test]
 fn greedy_answers_under_concurrency_equal_each_request_alone() {
-    let server = start("serve-batch", 256, &["--parallel", "4", "--prefill-chunk", "4"]);
-    let server = Arc::new(server);
-    let bodies: Vec<serde_json::Value> = (0..6)
+    concurrent_equals_alone("serve-batch", 6, &["--parallel", "4", "--prefill-chunk", "4"]);
+}
+
+/// The same on wgpu (lavapipe in CI), whose caches stay on the device between steps.
+#[test]
+fn greedy_answers_under_concurrency_equal_each_request_alone_on_wgpu() {
+    if crate::common::gpu().is_none() {
+        return;
+    }
+    concurrent_equals_alone("serve-batch-wgpu", 3, &["--parallel", "3", "--prefill-chunk", "4", "--backend", "wgpu"]);
+}
+
+fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str]) {
+    let server = Arc::new(start(name, 256, args));
+    let bodies: Vec<serde_json::Value> = (0..requests)
         .map(|i| {
             let prompt = format!("Request {i}: {}", "the quick brown fox ".repeat(i + 1));
             serde_json::json!({"prompt": prompt, "max_tokens": 12 + 3 * i, "temperature": 0, "logprobs": 1})
