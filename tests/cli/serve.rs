@@ -302,7 +302,7 @@ fn a_client_leaving_mid_stream_frees_its_slot() {
 fn requests_past_capacity_get_503_with_retry_after() {
     let server =
         Arc::new(start("serve-capacity", 8192, &["--parallel", "1", "--queue", "1", "--max-tokens-limit", "8000"]));
-    // One running (its first chunk read), one queued behind it.
+    // One running, one queued behind it.
     let mut running = TcpStream::connect(&server.addr).unwrap();
     let text = serde_json::json!({"prompt": "Once", "max_tokens": 8000, "stream": true}).to_string();
     write!(
@@ -311,8 +311,11 @@ fn requests_past_capacity_get_503_with_retry_after() {
         text.len()
     )
     .unwrap();
-    let mut first = [0u8; 512];
-    let _ = running.read(&mut first).unwrap();
+    let t = Instant::now();
+    while metric(&server, "kiln_running_sequences") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the first request never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let queued = {
         let server = server.clone();
         std::thread::spawn(move || {
@@ -452,4 +455,70 @@ fn a_stalled_client_is_closed_after_the_header_timeout() {
     let read = slow.read_to_end(&mut rest);
     assert!(read.is_ok(), "not closed: {read:?}");
     assert!(t.elapsed() < Duration::from_secs(5), "closed after {:?}", t.elapsed());
+}
+
+/// A client that reads nothing of its stream holds up no other: the model's thread never
+/// waits on a client (each answer's events queue until its connection takes them).
+#[test]
+fn a_client_reading_nothing_holds_no_one_up() {
+    let server = start("serve-deaf", 8192, &["--parallel", "2", "--max-tokens-limit", "8000"]);
+    let mut deaf = TcpStream::connect(&server.addr).unwrap();
+    let text = serde_json::json!({"prompt": "Once", "max_tokens": 8000, "stream": true}).to_string();
+    write!(
+        deaf,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let t = Instant::now();
+    while metric(&server, "kiln_running_sequences") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the stream never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for _ in 0..3 {
+        let (status, c) = post(&server, "/v1/completions", &serde_json::json!({"prompt": "Hi", "max_tokens": 4}));
+        assert_eq!(status, 200, "{c}");
+    }
+    assert_eq!(metric(&server, "kiln_running_sequences"), 1.0, "the unread stream still runs");
+    drop(deaf);
+}
+
+/// A request waits until the key/value cache its prompt and `max_tokens` may grow to fits the
+/// budget beside the running ones, even with sequence slots free; one that could never fit is
+/// refused. (The wide test model's cache is 2 KiB a token: 2 layers x keys and values x 2 heads
+/// x 64 x f32.)
+#[test]
+fn requests_are_admitted_by_key_value_cache_budget() {
+    let server = start("serve-budget", 8192, &["--parallel", "4", "--kv-cache", "10MiB", "--max-tokens-limit", "8000"]);
+    // 8000 tokens need ~16 MiB: never.
+    let (status, e) = post(&server, "/v1/completions", &serde_json::json!({"prompt": "Hi", "max_tokens": 8000}));
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "max_tokens");
+    assert!(e["error"]["message"].as_str().unwrap().contains("--kv-cache"), "{e}");
+    // ~8 MiB running; another ~3 MiB waits though three slots are free.
+    let open = |max_tokens: usize| {
+        let mut s = TcpStream::connect(&server.addr).unwrap();
+        let text = serde_json::json!({"prompt": "Once", "max_tokens": max_tokens, "stream": true}).to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+            text.len()
+        )
+        .unwrap();
+        s
+    };
+    let running = open(4000);
+    let t = Instant::now();
+    while metric(&server, "kiln_running_sequences") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the first never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waiting = open(1500);
+    while metric(&server, "kiln_queue_depth") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the second never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(metric(&server, "kiln_running_sequences"), 1.0);
+    assert_eq!(metric(&server, "kiln_kv_cache_budget_bytes"), 10.0 * 1024.0 * 1024.0);
+    drop((running, waiting));
 }
