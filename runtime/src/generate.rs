@@ -125,6 +125,12 @@ impl Session {
         self.engine.cache()
     }
 
+    /// The host's time in the engine's steps, where a device does the rest (see
+    /// [`Engine::host_clock`]).
+    pub fn host_clock(&self) -> Option<crate::gpu::HostClock> {
+        self.engine.host_clock()
+    }
+
     /// Takes the sequence out of the session (its cache and position), leaving the session at a
     /// new sequence, to be continued later by [`resume`](Self::resume): one session's engine
     /// serves many sequences in turn, each with its own cache (see [`Engine::park`]).

@@ -32,6 +32,25 @@ fn bench_prints_the_spread_of_its_runs() {
     spread(&v, "decode_tok_s");
     let text = ok(&[&["bench", "decode"][..], &small, &["--seq", "4", "--steps", "2"]].concat());
     assert!(text.contains("decode 2 steps:") && text.contains(".."), "{text}");
+    assert!(v["host_us_per_step"].is_null(), "the CPU back end's time is all the host's: {v}");
+}
+
+/// Issue 33: on wgpu, `bench decode` gives the host's time per decode step (binding, encoding,
+/// submitting) apart from the device's.
+#[test]
+fn bench_decode_reports_the_hosts_time_per_step_on_a_device() {
+    if crate::common::gpu().is_none() {
+        return;
+    }
+    let args =
+        ["bench", "decode", "models/llama.toml", "--backend", "wgpu", "--runs", "2", "--seq", "4", "--steps", "3"];
+    let v = json(&[&args[..], &["--json", "-q"]].concat());
+    spread(&v, "host_us_per_step");
+    let host = v["host_us_per_step"].as_f64().unwrap();
+    // Above zero, and below the whole step's time.
+    assert!(host > 0.0 && host < 1e6 / v["decode_tok_s_min"].as_f64().unwrap(), "{v}");
+    let text = ok(&args);
+    assert!(text.contains("host per decode step:") && text.contains("µs"), "{text}");
 }
 
 /// A count of zero measures nothing: refused by name before anything runs, never a "median of 0"

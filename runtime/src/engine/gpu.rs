@@ -122,6 +122,10 @@ impl Engine for GpuEngine {
         self.cache.clear();
     }
 
+    fn host_clock(&self) -> Option<crate::gpu::HostClock> {
+        Some(self.model.host_clock())
+    }
+
     fn park(&mut self) -> Parked {
         Parked::new(std::mem::take(&mut self.cache))
     }

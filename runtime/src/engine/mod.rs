@@ -172,6 +172,12 @@ pub trait Engine {
     /// Forgets the cache.
     fn clear(&mut self);
 
+    /// The host's time in this engine's steps up to each submission, where a device does the
+    /// rest ([`GpuEngine`]); `None` where the host does all of it.
+    fn host_clock(&self) -> Option<crate::gpu::HostClock> {
+        None
+    }
+
     /// Takes the cache out, leaving the engine's empty (a new sequence), to be put back by
     /// [`Engine::resume`]: one engine, one copy of the weights, serves several sequences, each
     /// cache swapped in for its own steps (`kiln serve`). Nothing is copied.

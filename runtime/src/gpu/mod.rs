@@ -29,7 +29,7 @@ mod tensor;
 
 pub use device::Gpu;
 pub use error::{GpuError, Wanted};
-pub use model::GpuModel;
+pub use model::{GpuModel, HostClock};
 pub use profile::{Clock, Profile};
 pub use run::Kept;
 pub(crate) use run::{Lend, Lent};

@@ -33,6 +33,29 @@ pub struct GpuModel {
     pub(super) state: Mutex<RunState>,
     /// The steps that append to a session's cache in place, when it lives on the device.
     pub(super) in_place: Vec<InPlace>,
+    /// The host's time in runs, up to their submission.
+    pub(super) host: HostClock,
+}
+
+/// The host's share of a model's runs: from a run's start to its one submission (binding the
+/// inputs, growing buffers, encoding and recording every dispatch, a sampling kernel lent the
+/// logits), summed, and the runs counted. What the device then takes, and reading the outputs
+/// back, is not in it. Clones share the sums, so a caller can read them while a session runs.
+#[derive(Clone, Debug, Default)]
+pub struct HostClock(Arc<(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64)>);
+
+impl HostClock {
+    pub(super) fn add(&self, d: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0.0.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Relaxed);
+        self.0.1.fetch_add(1, Relaxed);
+    }
+
+    /// Seconds of host time so far, and the runs they were spent in.
+    pub fn read(&self) -> (f64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.0.0.load(Relaxed) as f64 * 1e-9, self.0.1.load(Relaxed))
+    }
 }
 
 impl GpuModel {
@@ -128,6 +151,7 @@ impl GpuModel {
             weight_bytes,
             state: Mutex::new(RunState::default()),
             in_place,
+            host: HostClock::default(),
         })
     }
 
@@ -169,6 +193,11 @@ impl GpuModel {
             self.gpu.write_chunked(buffers, &bytes);
         }
         self.gpu.check_lost()
+    }
+
+    /// The host's time in this model's runs (see [`HostClock`]).
+    pub fn host_clock(&self) -> HostClock {
+        self.host.clone()
     }
 
     /// Bytes of the weights on the device (parameters and folded constants), by storage format.

@@ -160,6 +160,7 @@ impl GpuModel {
         lend: Option<Lend<'_>>,
     ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
         let gpu = &self.gpu;
+        let started = std::time::Instant::now();
         gpu.check_lost()?;
         let bound = self.bind_inputs(given, resident)?;
         let appends = self.appends_in_place(given, &bound.resident, keep, &bound.syms)?;
@@ -193,6 +194,7 @@ impl GpuModel {
         record_forward(gpu, &mut encoder, &substitutes.copies, &dispatches)?;
         let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend)?;
         gpu.queue.submit([encoder.finish()]);
+        self.host.add(started.elapsed());
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(GpuError::Rejected { what: "the forward pass", message: e.to_string() });
         }

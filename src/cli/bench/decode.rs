@@ -71,21 +71,36 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     if prompt + steps > fe.spec.spec.model.max_positions as usize {
         bail!("{prompt} + {steps} tokens exceed the model's {} positions", fe.spec.spec.model.max_positions);
     }
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let (mut prefill, mut decode, mut host) = (Vec::new(), Vec::new(), Vec::new());
+    // On a device, the host's share of each decode step: its time up to the step's submission.
+    let clock = session.host_clock();
     for _ in 0..runs {
-        // A fresh cache per run; the pipelines and weights are shared.
-        let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], |_| true)?;
+        // A fresh cache per run; the pipelines and weights are shared. The clock is read at the
+        // first token (after the prefill) and at the end: the decode steps' share.
+        let mut after_prefill = None;
+        let on_token = |_| {
+            after_prefill = after_prefill.or_else(|| clock.as_ref().map(|c| c.read()));
+            true
+        };
+        let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], on_token)?;
         prefill.push(stats.prefill_tok_s());
         decode.push(stats.decode_tok_s());
+        if let (Some(c), Some((s0, n0))) = (&clock, after_prefill) {
+            let (s1, n1) = c.read();
+            host.push(1e6 * (s1 - s0) / n1.saturating_sub(n0).max(1) as f64);
+        }
         session.reset();
     }
     let (prefill, decode) = (Spread::of(&prefill), Spread::of(&decode));
+    let host = (!host.is_empty()).then(|| Spread::of(&host));
     if json {
         let out = serde_json::json!({
             "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps,
             "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill.median, "decode_tok_s": decode.median,
             "prefill_tok_s_min": prefill.min, "prefill_tok_s_max": prefill.max, "decode_tok_s_min": decode.min, "decode_tok_s_max": decode.max,
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
+            "host_us_per_step": host.as_ref().map(|h| h.median),
+            "host_us_per_step_min": host.as_ref().map(|h| h.min), "host_us_per_step_max": host.as_ref().map(|h| h.max),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -97,6 +112,12 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         );
         println!("  prefill {prompt} tokens: {} tok/s", prefill.text(1));
         println!("  decode {steps} steps:    {} tok/s", decode.text(2));
+        if let Some(h) = &host {
+            println!(
+                "  host per decode step: {} µs (binding, encoding and submitting; the rest is the device)",
+                h.text(0)
+            );
+        }
         println!("  weights on the device: {}", device_weights.0);
     }
     Ok(())
