@@ -86,6 +86,9 @@ pub struct Sampling {
     pub repetition_penalty: Option<f32>,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// Added to the logits of these token ids before sampling (OpenAI's `logit_bias`, -100 to
+    /// 100; -100 bans a token).
+    pub logit_bias: Vec<(i64, f32)>,
     pub seed: Option<u64>,
 }
 
@@ -189,6 +192,30 @@ impl Request {
         if endpoint == Endpoint::Completions && boolean(o, "echo")? {
             return Err(ApiError::invalid("echo", "`echo`: this server does not echo the prompt"));
         }
+        // What would change the answer and is not done here is refused, never ignored.
+        if let Some(format) = field(o, "response_format")
+            && format.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return Err(ApiError::invalid(
+                "response_format",
+                format!("`response_format` {format}: only text is given"),
+            ));
+        }
+        for key in ["suffix", "audio", "modalities", "prediction"] {
+            let given = field(o, key).is_some_and(|v| match v {
+                Value::String(s) => !s.is_empty(),
+                Value::Array(a) => a.iter().any(|m| m != "text"),
+                _ => true,
+            });
+            if given {
+                return Err(ApiError::invalid(key, format!("`{key}` is not supported by this server")));
+            }
+        }
+        if let Some(n) = integer(o, "best_of", 1, u64::MAX)?
+            && n != 1
+        {
+            return Err(ApiError::invalid("best_of", format!("`best_of` = {n}: this server gives one choice")));
+        }
         let max_key = match (endpoint, field(o, "max_completion_tokens")) {
             (Endpoint::Chat, Some(_)) => "max_completion_tokens",
             _ => "max_tokens",
@@ -209,6 +236,7 @@ impl Request {
             },
             frequency_penalty: number(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
             presence_penalty: number(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+            logit_bias: logit_bias(o)?,
             seed: match field(o, "seed") {
                 None => None,
                 Some(v) => Some(
@@ -250,6 +278,29 @@ impl Request {
         };
         Ok(Request { prompt, max_tokens, max_tokens_param: max_key, sampling, stop, logprobs, stream, include_usage })
     }
+}
+
+/// `logit_bias`: an object from token ids (as strings) to biases from -100 to 100.
+fn logit_bias(o: &serde_json::Map<String, Value>) -> Result<Vec<(i64, f32)>, ApiError> {
+    let Some(v) = field(o, "logit_bias") else { return Ok(Vec::new()) };
+    let map = v.as_object().ok_or_else(|| {
+        ApiError::invalid("logit_bias", format!("`logit_bias` must map token ids to biases, not {v}"))
+    })?;
+    map.iter()
+        .map(|(id, bias)| {
+            let id =
+                id.parse::<i64>().ok().filter(|&i| i >= 0).ok_or_else(|| {
+                    ApiError::invalid("logit_bias", format!("`logit_bias`: `{id}` is not a token id"))
+                })?;
+            match bias.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` of {id}: {bias} is not a number from -100 to 100"),
+                )),
+            }
+        })
+        .collect()
 }
 
 /// A chat request's `messages`.

@@ -232,6 +232,10 @@ fn check(
     if prompt.is_empty() {
         return Err(ApiError::invalid(param, "the prompt is empty"));
     }
+    let vocab = model.fe.spec.spec.model.vocab as i64;
+    if let Some((bad, _)) = request.sampling.logit_bias.iter().find(|(t, _)| *t >= vocab) {
+        return Err(ApiError::invalid("logit_bias", format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+    }
     if prompt.len() >= context || prompt.len() > limits.max_prompt_tokens {
         let most = limits.max_prompt_tokens.min(context - 1);
         return Err(ApiError::invalid(
@@ -324,13 +328,22 @@ fn advance(
         }
     };
     let request = &seq.job.request;
-    let penalized = request.sampling.frequency_penalty != 0.0 || request.sampling.presence_penalty != 0.0;
+    let penalized = request.sampling.frequency_penalty != 0.0
+        || request.sampling.presence_penalty != 0.0
+        || !request.sampling.logit_bias.is_empty();
     let (token, logprob) = if penalized || request.logprobs.is_some() {
         // The logits on the host: penalties applied, then sampled; log probabilities as picked from.
         let mut logits = session.forward(&ids).map_err(|e| e.to_string())?;
+        let at = |t: i64| usize::try_from(t).ok();
         for (&t, &n) in &seq.counts {
-            if let Some(l) = usize::try_from(t).ok().and_then(|t| logits.get_mut(t)) {
+            if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
                 *l -= request.sampling.frequency_penalty * n as f32 + request.sampling.presence_penalty;
+            }
+        }
+        for &(t, bias) in &request.sampling.logit_bias {
+            if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
+                // -100 bans the token, as OpenAI's does in effect.
+                *l = if bias <= -100.0 { f32::NEG_INFINITY } else { *l + bias };
             }
         }
         let token = seq.sampler.sample(&logits, &seq.seen);

@@ -181,6 +181,24 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
     assert!(lp["top_logprobs"].as_array().unwrap().iter().all(|t| t.as_object().unwrap().len() <= 2));
     // A seed repeats a sampled answer.
     assert_eq!(post(&server, "/v1/completions", &body).1["choices"], c["choices"]);
+    // `logit_bias`: +100 makes `A` (byte 65) every token; -100 bans the greedy choice.
+    let (_, a) = post(
+        &server,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "x", "max_tokens": 4, "logit_bias": {"65": 100}}),
+    );
+    assert_eq!(a["choices"][0]["text"], "AAAA", "{a}");
+    let greedy = |bias: serde_json::Value| {
+        let body = serde_json::json!({"prompt": [72, 105], "max_tokens": 1, "temperature": 0, "logprobs": 1, "logit_bias": bias});
+        post(&server, "/v1/completions", &body).1["choices"][0]["logprobs"]["top_logprobs"][0].clone()
+    };
+    let first = greedy(serde_json::json!({}));
+    let top = first.as_object().unwrap().keys().next().unwrap().clone();
+    let id = top.as_bytes()[0];
+    if top.len() == 1 {
+        let banned = greedy(serde_json::json!({id.to_string(): -100}));
+        assert!(!banned.as_object().unwrap().contains_key(&top), "{first} then {banned}");
+    }
 
     // Streamed: the role, text chunks, the finish reason, usage, [DONE].
     let body = serde_json::json!({"messages": user("Hi"), "max_tokens": 3, "stream": true,
@@ -206,6 +224,16 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
         ("/v1/chat/completions", serde_json::json!({"messages": user("Hi"), "max_tokens": 100000}), 400, "max_tokens"),
         ("/v1/completions", serde_json::json!({"prompt": "x".repeat(200)}), 400, "prompt"),
         ("/v1/completions", serde_json::json!({"prompt": [7, 999]}), 400, "prompt"),
+        ("/v1/completions", serde_json::json!({"prompt": "x", "logit_bias": {"300": 1}}), 400, "logit_bias"),
+        ("/v1/completions", serde_json::json!({"prompt": "x", "logit_bias": {"3": 101}}), 400, "logit_bias"),
+        ("/v1/completions", serde_json::json!({"prompt": "x", "suffix": "y"}), 400, "suffix"),
+        ("/v1/completions", serde_json::json!({"prompt": "x", "best_of": 2}), 400, "best_of"),
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"messages": user("Hi"), "response_format": {"type": "json_object"}}),
+            400,
+            "response_format",
+        ),
         ("/v1/embeddings", serde_json::json!({"input": "x"}), 400, "model"),
     ] {
         let (got, e) = post(&server, path, &body);
@@ -221,7 +249,7 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
     let (status, _, e) = get(&server, "/v2/anything");
     assert!(status == 404 && e.contains("not_found_error"), "{status} {e}");
 
-    assert_eq!(metric(&server, "kiln_requests_total{endpoint=\"chat\"}"), 6.0);
+    assert_eq!(metric(&server, "kiln_requests_total{endpoint=\"chat\"}"), 7.0);
     assert!(metric(&server, "kiln_generated_tokens_total") >= 16.0);
     assert!(metric(&server, "kiln_time_to_first_token_seconds_count") >= 4.0);
     assert_eq!(metric(&server, "kiln_running_sequences"), 0.0);
