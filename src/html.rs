@@ -357,7 +357,7 @@ impl Report<'_> {
                 // The rows the ids pick (as many bytes as it writes) and the ids, not the table.
                 Op::Gather | Op::GatherColumns { .. } => {
                     let ids =
-                        step.operands.get(1).map_or(0, |&o| resolve(&plan.values[o].shape, &syms).iter().product());
+                        step.operands.last().map_or(0, |&o| resolve(&plan.values[o].shape, &syms).iter().product());
                     2.0 * work.bytes_out + 4.0 * ids as f64
                 }
                 _ => work.bytes_in + work.bytes_out,

@@ -881,13 +881,34 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
-        Op::Gather | Op::GatherColumns { .. } => {
+        Op::GatherColumns { splits } => {
+            let ids = a[splits.len()].ints().expect("ids are i64");
+            let d = a[0].shape()[0];
+            let rows: usize = splits.iter().sum();
+            let mut out = Vec::with_capacity(ids.len() * d);
+            for &id in ids {
+                if id < 0 || id as usize >= rows {
+                    return Err(InterpError::IndexOutOfRange {
+                        what: "token id",
+                        index: id,
+                        table: "table".into(),
+                        rows,
+                    });
+                }
+                // The piece holding row `id`, and the row's column in it.
+                let (mut p, mut col) = (0, id as usize);
+                while col >= splits[p] {
+                    col -= splits[p];
+                    p += 1;
+                }
+                let (t, w) = (f(a[p]), a[p].shape()[1]);
+                out.extend((0..d).map(|j| t[j * w + col]));
+            }
+            V::of_floats(shape, out)
+        }
+        Op::Gather => {
             let (table, ids) = (a[0], a[1].ints().expect("ids are i64"));
-            let (rows, d, stride) = match *op {
-                Op::GatherColumns { rows } => (rows.min(table.shape()[1]), table.shape()[0], table.shape()[1]),
-                _ => (table.shape()[0], table.shape()[1], 0),
-            };
-            let columns = stride > 0;
+            let (rows, d) = (table.shape()[0], table.shape()[1]);
             let t = f(table);
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in ids {
@@ -903,10 +924,7 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
                     };
                     return Err(InterpError::IndexOutOfRange { what, index: id, table, rows });
                 }
-                match columns {
-                    false => out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]),
-                    true => out.extend((0..d).map(|j| t[j * stride + id as usize])),
-                }
+                out.extend_from_slice(&t[id as usize * d..(id as usize + 1) * d]);
             }
             V::of_floats(shape, out)
         }

@@ -260,15 +260,21 @@ pub fn check_indices(
             check_labels(plan, step, inputs, syms, ignore_index)?;
             continue;
         }
-        let gathered_rows = match step.op {
-            Op::Gather => None,
-            Op::GatherColumns { rows } => Some(rows),
+        let (gathered_rows, tables) = match &step.op {
+            Op::Gather => (None, 1),
+            Op::GatherColumns { splits } => (Some(splits.iter().sum::<usize>()), splits.len()),
             _ => continue,
         };
         // A plan read from a file is not type-checked: a gather's arity and table are checked
         // here, before they are relied on.
-        let &[table, ids] = step.operands.as_slice() else {
-            return Err(PrepareError::Invalid(format!("a gather step has {} operands, not 2", step.operands.len())));
+        let (Some(&table), Some(&ids), true) =
+            (step.operands.first(), step.operands.last(), step.operands.len() == tables + 1)
+        else {
+            return Err(PrepareError::Invalid(format!(
+                "a gather step has {} operands, not {}",
+                step.operands.len(),
+                tables + 1
+            )));
         };
         let Some(rows) = gathered_rows.or_else(|| resolve(&plan.values[table].shape, syms).first().copied()) else {
             return Err(PrepareError::Invalid("a gather step's table has no rows".into()));

@@ -1309,7 +1309,15 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     // A gather from a table stored transposed (the WGSL back end's for a tied head), with a
     // padding column past the rows the ids name.
     let columns = g.param("gather_columns.table", &[w, 19]);
-    out(&mut g, "gather_columns", Op::GatherColumns { rows: 18 }, &[columns, ids]);
+    out(&mut g, "gather_columns", Op::GatherColumns { splits: vec![18] }, &[columns, ids]);
+    // In three pieces (the last padded), as a split head's transposed weight.
+    let pieces = [
+        g.param("gather_columns.0", &[w, 8]),
+        g.param("gather_columns.1", &[w, 4]),
+        g.param("gather_columns.2", &[w, 8]),
+    ];
+    let op = Op::GatherColumns { splits: vec![8, 4, 6] };
+    out(&mut g, "gather_columns.pieces", op, &[pieces[0], pieces[1], pieces[2], ids]);
     let dloss = g.param("cross_entropy.dy", &[1]);
     for vocab in [w, big] {
         let src = g.param(&format!("cross_entropy{vocab}.src"), &[18, vocab]);

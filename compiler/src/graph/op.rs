@@ -382,14 +382,17 @@ pub enum Op {
     },
     /// Row lookup: `(table f32[rows, d], ids i64[...]) -> f32[..., d]`.
     Gather,
-    /// Column lookup, [`Op::Gather`] from a table stored transposed: `(table f32[d, cols], ids
-    /// i64[...]) -> f32[..., d]`, `out[..., j] = table[j, ids[...]]`. Not a graph op: the WGSL back
-    /// end's gather from an embedding table it also holds transposed as a projection's weight (a
-    /// tied head), so that the table is held once.
+    /// Column lookup, [`Op::Gather`] from a table stored transposed, possibly in pieces:
+    /// `(table_0 f32[d, w_0], ..., table_n f32[d, w_n], ids i64[...]) -> f32[..., d]`. Piece `p`
+    /// holds the table's rows `start_p .. start_p + splits[p]` as its first columns (`w_p` may
+    /// be more: a projection's padding), `start_p` the sum of the earlier splits, so `out[...,
+    /// j] = table_p[j, id - start_p]` for the piece holding `id`. Not a graph op: the WGSL back
+    /// end's gather from an embedding table it also holds transposed as a projection's weight
+    /// (a tied head; in pieces when the projection is split to fit the adapter's bindings), so
+    /// that the table is held once.
     GatherColumns {
-        /// The table's rows (ids `0..rows`): its first columns as stored, those after them the
-        /// projection's padding.
-        rows: usize,
+        /// Rows of each piece, in order (their sum is the table's rows).
+        splits: Vec<usize>,
     },
     /// Batched matrix product `(a [..., m, k], b [..., k, n]) -> [..., m, n]`; with `transpose_b`, b is
     /// `[..., n, k]`. `b` has either a's batch axes or none (a weight shared over the batch).

@@ -154,7 +154,31 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![s[0], Dim::Fixed(*dim)], DType::F32))
         }
-        Op::Gather | Op::GatherColumns { .. } => {
+        Op::GatherColumns { splits } => {
+            arity(splits.len() + 1)?;
+            let (ids, t) = operands[splits.len()];
+            if t != DType::I64 {
+                return Err(format!("ids must be i64, are {t}"));
+            }
+            let mut d = None;
+            for (p, &rows) in splits.iter().enumerate() {
+                let table = float(p)?;
+                match table.as_slice() {
+                    [dp, Dim::Fixed(w)] if *w >= rows && d.is_none_or(|d| d == *dp) => d = Some(*dp),
+                    _ => {
+                        return Err(format!(
+                            "piece {p} of the table must be [d, at least {rows}] like the others, is {}",
+                            fmt_shape(table)
+                        ));
+                    }
+                }
+            }
+            let d = d.ok_or("a column gather needs at least one piece of the table")?;
+            let mut shape = ids.clone();
+            shape.push(d);
+            Ok((shape, DType::F32))
+        }
+        Op::Gather => {
             arity(2)?;
             let table = float(0)?;
             let (ids, t) = operands[1];
@@ -165,7 +189,7 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 return Err(format!("ids must be i64, are {t}"));
             }
             let mut shape = ids.clone();
-            shape.push(if matches!(op, Op::GatherColumns { .. }) { table[0] } else { table[1] });
+            shape.push(table[1]);
             Ok((shape, DType::F32))
         }
         Op::MatMul { transpose_b } => {

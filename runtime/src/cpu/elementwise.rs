@@ -175,18 +175,34 @@ pub fn forward(
                 o.copy_from_slice(&table[row * width..][..width]);
             }
         }
-        Op::GatherColumns { rows } => {
-            // The table `[width, cols]`, stored transposed: each id a column.
-            let [(table_shape, Arg::F32(table)), (_, Arg::I64(ids))] = args else { return Ok(false) };
-            let &[d, cols] = table_shape.as_slice() else { return Ok(false) };
-            if d != width || table.len() != d * cols || *rows > cols {
+        Op::GatherColumns { splits } => {
+            // The table `[width, cols]` stored transposed, in pieces: each id a column of one.
+            let Some(((_, Arg::I64(ids)), pieces)) = args.split_last() else { return Ok(false) };
+            let mut tables = Vec::with_capacity(pieces.len());
+            for ((shape, piece), &rows) in pieces.iter().zip(splits) {
+                let (Arg::F32(t), &[d, cols]) = (piece, shape.as_slice()) else { return Ok(false) };
+                if d != width || t.len() != d * cols || rows > cols {
+                    return Ok(false);
+                }
+                tables.push((*t, cols, rows));
+            }
+            if tables.len() != splits.len() {
                 return Ok(false);
             }
+            let total: usize = splits.iter().sum();
             for (o, &id) in out.get().chunks_mut(width).zip(*ids) {
-                let col = usize::try_from(id)
+                let mut col = usize::try_from(id)
                     .ok()
-                    .filter(|c| c < rows)
-                    .ok_or_else(|| CpuError::Operands(format!("id {id} is outside the table's {rows} rows")))?;
+                    .filter(|&c| c < total)
+                    .ok_or_else(|| CpuError::Operands(format!("id {id} is outside the table's {total} rows")))?;
+                let mut piece = tables.iter();
+                let (table, cols) = loop {
+                    match piece.next() {
+                        Some(&(t, cols, rows)) if col < rows => break (t, cols),
+                        Some(&(_, _, rows)) => col -= rows,
+                        None => return Err(CpuError::Internal("a column gather's pieces miss a row".into())),
+                    }
+                };
                 for (j, o) in o.iter_mut().enumerate() {
                     *o = table[j * cols + col];
                 }

@@ -119,7 +119,13 @@ fn dims_of(
             vec![total]
         }
         Op::Gather => vec![total, last(out)],
-        Op::GatherColumns { .. } => vec![total, last(out), last(operand(0)?)],
+        Op::GatherColumns { splits } => {
+            let mut d = vec![total, last(out)];
+            for p in 0..splits.len() {
+                d.push(last(operand(p)?));
+            }
+            d
+        }
         Op::MatMul { transpose_b } => {
             let (a, b) = (operand(0)?, operand(1)?);
             let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);

@@ -321,8 +321,23 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::Gather => "let d = dim(1u);\nlet row = u32(in1[i / d]);\nout[i] = in0[row * d + i % d];".into(),
         // The table `[d, w]` (a projection's transposed weight, maybe f16).
-        Op::GatherColumns { .. } => {
-            "let d = dim(1u);\nlet col = u32(in1[i / d]);\nout[i] = f32(in0[(i % d) * dim(2u) + col]);".into()
+        Op::GatherColumns { splits } => {
+            // The piece holding the row (its first row and width baked/in the dims), then the
+            // row's column in it.
+            let n = splits.len();
+            let mut s = format!("let d = dim(1u);\nlet id = u32(in{n}[i / d]);\nlet j = i % d;\n");
+            let mut start = 0usize;
+            for (p, rows) in splits.iter().enumerate() {
+                let read = format!("out[i] = f32(in{p}[j * dim({}u) + id - {start}u]);", p + 2);
+                s += &match (p, p + 1 == n) {
+                    (_, true) if n == 1 => format!("{read}\n"),
+                    (0, false) => format!("if (id < {}u) {{ {read} }}", start + rows),
+                    (_, false) => format!(" else if (id < {}u) {{ {read} }}", start + rows),
+                    (_, true) => format!(" else {{ {read} }}\n"),
+                };
+                start += rows;
+            }
+            s
         }
         Op::MatMul { transpose_b } => {
             let b_index = if *transpose_b { "b0 + col * k + kk" } else { "b0 + kk * n + col" };

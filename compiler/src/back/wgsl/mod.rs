@@ -502,22 +502,49 @@ impl Legalize<'_> {
     }
 
     /// Each gather from a constant table that a projection reads too (a tied head) made a gather
-    /// of columns from the projection's transposed copy ([`Op::GatherColumns`]), so that the
-    /// device holds the table once: nothing else reads the table, whose upload is dropped (only a
-    /// load-time fold reads it). A projection split into pieces ([`Self::split_projection`])
-    /// transposes row slices of the table instead, which a gather cannot read as one table: the
-    /// gather then reads the table itself, held besides the pieces.
+    /// of columns ([`Op::GatherColumns`]) from the projection's transposed copy — or from the
+    /// transposed pieces of a projection split to fit the adapter's bindings
+    /// ([`Self::split_projection`]) — so that the device holds the table once: nothing else
+    /// reads the table, whose upload is dropped (only load-time folds read it).
     fn gather_transposed(&mut self) {
-        for step in &mut self.steps {
-            let Some(&table) = step.operands.first().filter(|_| step.op == Op::Gather) else { continue };
-            let copy = [false, true].into_iter().find_map(|pad| self.transposed.get(&(table, pad)).copied());
-            let rows = match self.values[table].shape.first() {
-                Some(&Dim::Fixed(rows)) => rows,
-                _ => continue,
+        let transposed = |l: &Self, w: usize| {
+            [false, true]
+                .into_iter()
+                .find_map(|pad| l.transposed.get(&(w, pad)).copied())
+                .filter(|&t| l.values[t].storage == Storage::Const)
+        };
+        for i in 0..self.steps.len() {
+            let (op, operands) = (&self.steps[i].op, &self.steps[i].operands);
+            let (Op::Gather, &[table, ids]) = (op, operands.as_slice()) else { continue };
+            let Some(&Dim::Fixed(rows)) = self.values[table].shape.first() else { continue };
+            // The whole table transposed, else its row slices in order, each transposed.
+            let pieces: Option<Vec<(usize, usize)>> = match transposed(self, table) {
+                Some(t) => Some(vec![(t, rows)]),
+                None => {
+                    let mut slices: Vec<(usize, usize, usize)> = self
+                        .slices
+                        .iter()
+                        .filter(|((from, _, _), _)| *from == table)
+                        .map(|(&(_, start, len), &v)| (start, len, v))
+                        .collect();
+                    slices.sort_unstable();
+                    let mut next = 0;
+                    let mut pieces = Vec::new();
+                    for (start, len, v) in slices {
+                        if start != next {
+                            break;
+                        }
+                        let Some(t) = transposed(self, v) else { break };
+                        pieces.push((t, len));
+                        next += len;
+                    }
+                    (next == rows && !pieces.is_empty()).then_some(pieces)
+                }
             };
-            if let Some(t) = copy.filter(|&t| self.values[t].storage == Storage::Const) {
-                step.op = Op::GatherColumns { rows };
-                step.operands[0] = t;
+            if let Some(pieces) = pieces {
+                let step = &mut self.steps[i];
+                step.op = Op::GatherColumns { splits: pieces.iter().map(|&(_, rows)| rows).collect() };
+                step.operands = pieces.iter().map(|&(t, _)| t).chain([ids]).collect();
             }
         }
     }
