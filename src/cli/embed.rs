@@ -16,8 +16,8 @@ use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::{BlockKind, Pooling as SpecPooling};
 use kiln_compiler::tensor::Tensor;
 use kiln_runtime::device::Loaded;
-use kiln_runtime::{Batch, Tokenizer};
 use kiln_runtime::weights::Checkpoint;
+use kiln_runtime::{Batch, Tokenizer};
 use std::path::{Path, PathBuf};
 
 /// Values printed per embedding without `--full`.
@@ -250,8 +250,9 @@ impl EmbedModel {
     /// Loads the model on its backend (the loading shown on `reporter`), once: the [`Embedder`]
     /// then embeds any number of batches.
     pub fn load(self, reporter: &Reporter) -> Result<Embedder> {
-        let EmbedModel { model, source, ckpt, exec, backend, pooling, normalize, max_len, tokenizer, dims, vocab, .. } =
-            self;
+        let EmbedModel {
+            model, source, ckpt, exec, backend, pooling, normalize, max_len, tokenizer, dims, vocab, ..
+        } = self;
         let loaded = load(model, &Params::Checkpoint(&ckpt), &exec, backend, reporter)?;
         Ok(Embedder { loaded, source, pooling, normalize, max_len, tokenizer, dims, vocab })
     }
@@ -364,7 +365,8 @@ impl Embedder {
 
 /// Runs `kiln embed`, showing the loading on `reporter`.
 pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
-    let EmbedArgs { spec, weights, tokenizer, pooling, sentences, file, similarity, normalize, full, json, exec } = args;
+    let EmbedArgs { spec, weights, tokenizer, pooling, sentences, file, similarity, normalize, full, json, exec } =
+        args;
     let src = EmbedSource { spec, weights, tokenizer, pooling, normalize, exec };
     let model = EmbedModel::open(src, reporter, json)?;
     let (pooling, normalize, max_len, why) = (model.pooling, model.normalize, model.max_len, model.max_len_why);

@@ -199,7 +199,8 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
     let bound = listener.local_addr()?;
     let shared = Arc::new(Shared::new(name.clone(), limits, args.api_key, inbox));
     let what = if embeds { "embeddings, " } else { "" };
-    reporter.info(format_args!("kiln serve: `{name}` on http://{bound}/v1 ({what}loading; GET /health says when ready)"));
+    reporter
+        .info(format_args!("kiln serve: `{name}` on http://{bound}/v1 ({what}loading; GET /health says when ready)"));
     let (stop, stopped) = tokio::sync::watch::channel(false);
     // The model's thread: loads, then serves until the inbox closes or the server aborts.
     let worker = {

@@ -233,7 +233,9 @@ fn admit(s: &Shared) -> Result<(), ApiError> {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             match s.embedding_dims {
-                Some(_) => format!("the server is at capacity ({} requests queued): try again later", s.limits.max_queue),
+                Some(_) => {
+                    format!("the server is at capacity ({} requests queued): try again later", s.limits.max_queue)
+                }
                 None => format!(
                     "the server is at capacity ({} running, {} queued): try again later",
                     s.limits.max_sequences, s.limits.max_queue

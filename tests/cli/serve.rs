@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A running `kiln serve`, killed when dropped; `log` collects its stderr.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
-    log: Arc<Mutex<String>>,
+    pub(crate) addr: String,
+    pub(crate) log: Arc<Mutex<String>>,
     _dir: crate::common::Scratch,
 }
 
@@ -53,8 +53,15 @@ fn tiny(dir: &std::path::Path, max_positions: usize) -> Vec<String> {
 /// Starts `kiln serve MODEL... ARGS` on a free port and waits until `/health` says ready.
 fn start(name: &str, max_positions: usize, args: &[&str]) -> Server {
     let dir = scratch(name);
+    let model = tiny(&dir, max_positions);
+    start_with(dir, &model, args)
+}
+
+/// Starts `kiln serve MODEL ARGS` (the model and its arguments in `model`) on a free port, on
+/// the CPU, and waits until `/health` says ready; `dir` is removed with the server.
+pub(crate) fn start_with(dir: crate::common::Scratch, model: &[String], args: &[&str]) -> Server {
     let mut command = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    command.arg("serve").args(tiny(&dir, max_positions)).args(["--port", "0", "--backend", "cpu", "--threads", "1"]);
+    command.arg("serve").args(model).args(["--port", "0", "--backend", "cpu", "--threads", "1"]);
     command.args(args).env_remove("KILN_API_KEY").stdout(Stdio::null()).stderr(Stdio::piped());
     let mut child = command.spawn().unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
@@ -85,7 +92,13 @@ fn start(name: &str, max_positions: usize, args: &[&str]) -> Server {
 }
 
 /// One HTTP/1.1 request (`Connection: close`): the status, the headers and the body.
-fn request(server: &Server, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String, String) {
+pub(crate) fn request(
+    server: &Server,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &str,
+) -> (u16, String, String) {
     let mut s = TcpStream::connect(&server.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n", server.addr);
@@ -121,11 +134,11 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
-fn get(server: &Server, path: &str) -> (u16, String, String) {
+pub(crate) fn get(server: &Server, path: &str) -> (u16, String, String) {
     request(server, "GET", path, &[], "")
 }
 
-fn post(server: &Server, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+pub(crate) fn post(server: &Server, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
     let (status, _, text) = request(server, "POST", path, &[], &body.to_string());
     (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
 }
@@ -136,7 +149,7 @@ fn events(body: &str) -> Vec<String> {
 }
 
 /// A metric's value in `/metrics`.
-fn metric(server: &Server, name: &str) -> f64 {
+pub(crate) fn metric(server: &Server, name: &str) -> f64 {
     let (_, _, text) = get(server, "/metrics");
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
