@@ -391,11 +391,10 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
     // Each sentence's length untruncated, to say which were cut.
     let whole = Tokenizer::open(&model.tokenizer_path)?.with_max_len(usize::MAX / 2)?;
     let lengths = sentences.iter().map(|t| Ok(whole.encode(t, true)?.len())).collect::<Result<Vec<usize>>>()?;
-    let name = model.name.clone();
-    let embedder = model.load(reporter)?;
-    let Embeddings { vectors: embeddings, tokens: embedded } = embedder.embed(&sentences)?;
+    let kept: Vec<usize> =
+        batch.attention_mask.chunks_exact(batch.seq).map(|m| m.iter().sum::<i64>() as usize).collect();
     if !json {
-        for (i, (&len, &kept)) in lengths.iter().zip(&embedded).enumerate() {
+        for (i, (&len, &kept)) in lengths.iter().zip(&kept).enumerate() {
             if len > kept {
                 reporter.info(format_args!(
                     "note: sentence {} has {}; embedded its first {kept} ({why})",
@@ -405,6 +404,9 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
             }
         }
     }
+    let name = model.name.clone();
+    let embedder = model.load(reporter)?;
+    let Embeddings { vectors: embeddings, tokens: embedded } = embedder.embed(&sentences)?;
     let dims = embeddings.first().and_then(|e| e.first()).map_or(0, Vec::len);
     let pooled: Vec<Vec<f32>> = embeddings.iter().filter_map(|e| e.first().cloned()).collect();
     let similarity = similarity.then(|| cosine_matrix(&pooled));

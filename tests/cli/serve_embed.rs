@@ -5,7 +5,7 @@
 //! `openai` Python client.
 
 use crate::common::{fetched, scratch};
-use crate::serve::{Server, metric, post, start_with};
+use crate::serve::{Server, metric, post, request, start_with};
 use serde_json::{Value, json};
 use std::process::Command;
 
@@ -181,6 +181,16 @@ fn concurrent_embedding_requests_are_embedded_together_and_equal_each_alone() {
     assert_eq!(status, 200, "{answer}");
     close(&vectors(&answer), &alone.concat());
     assert!(metric(&small, "kiln_embedding_batch_requests_count") > 3.0);
+}
+
+#[test]
+fn embedding_requests_past_the_queue_get_503_with_retry_after() {
+    let server = minilm("serve-embed-queue", &["--queue", "0"]);
+    let (status, head, body) = request(&server, "POST", "/v1/embeddings", &[], r#"{"input": "Hi"}"#);
+    assert_eq!(status, 503, "{body}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(body.contains("at capacity"), "{body}");
+    assert_eq!(metric(&server, "kiln_requests_rejected_total"), 1.0);
 }
 
 #[test]
