@@ -161,8 +161,9 @@ pub struct EmbedModel {
     pub pooling: Pooling,
     /// Whether every vector is scaled to unit norm.
     pub normalize: bool,
-    /// The most tokens of a sentence embedded (the rest is cut), and where that limit comes from.
+    /// The most tokens of a sentence embedded (the rest is cut).
     pub max_len: usize,
+    /// Where that limit comes from (for the note on a truncated sentence).
     pub max_len_why: &'static str,
     /// The tokenizer, truncating to `max_len`.
     pub tokenizer: Tokenizer,
@@ -280,7 +281,9 @@ pub struct Embedder {
 /// What [`Embedder::embed`] gives per sentence: its vectors (one, or with no pooling one per
 /// token) and the tokens embedded (after truncation).
 pub struct Embeddings {
+    /// Per sentence: its embedding, or (no pooling) its tokens' states.
     pub vectors: Vec<Vec<Vec<f32>>>,
+    /// Per sentence: the tokens embedded.
     pub tokens: Vec<usize>,
 }
 
