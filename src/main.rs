@@ -59,9 +59,9 @@ enum Command {
     /// Chat with a decoder: a conversation kept across turns, rendered with its chat template,
     /// answers streamed (`/reset`, `/system`, `/help`, `/exit`; Ctrl-C stops an answer).
     Chat(chat::ChatArgs),
-    /// Serve a model behind the OpenAI API: chat and text completions (streamed or not),
-    /// /v1/models, /health and Prometheus /metrics, concurrent requests taking turns on one copy
-    /// of the weights.
+    /// Serve a model behind the OpenAI API: chat and text completions (streamed or not), or an
+    /// embedding model's /v1/embeddings (requests batched together); /v1/models, /health and
+    /// Prometheus /metrics, concurrent requests on one copy of the weights.
     Serve(serve::ServeArgs),
     /// Show how a model's tokenizer splits a text: token ids and pieces (or the text of ids).
     Tokenize(tokenize::TokenizeArgs),

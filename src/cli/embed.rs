@@ -8,15 +8,16 @@
 //! each embedding is printed: the first values and the norm, every value, or JSON; with
 //! `--similarity`, their cosine similarities too.
 
-use crate::cli::run::{Params, execute};
-use crate::exec::Exec;
+use crate::cli::run::{Params, load};
+use crate::exec::{Backend, Exec};
 use crate::model_file::{ModelFile, is_gguf, tokenizer_beside, tokenizer_for, weights_for};
 use crate::progress::Reporter;
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::{BlockKind, Pooling as SpecPooling};
 use kiln_compiler::tensor::Tensor;
-use kiln_runtime::Tokenizer;
+use kiln_runtime::device::Loaded;
 use kiln_runtime::weights::Checkpoint;
+use kiln_runtime::{Batch, Tokenizer};
 use std::path::{Path, PathBuf};
 
 /// Values printed per embedding without `--full`.
@@ -129,81 +130,274 @@ fn pipeline(dir: &Path) -> Result<Pipeline> {
     Ok(Pipeline { pooling, normalize: p.normalize, max_seq_length: p.max_seq_length })
 }
 
+/// Where an embedding model is and how it embeds: what `kiln embed` and `kiln serve` take.
+pub struct EmbedSource {
+    /// The model: a spec, an artifact, a built-in name or a checkpoint.
+    pub spec: PathBuf,
+    /// Its checkpoint (default: the model's own).
+    pub weights: Option<PathBuf>,
+    /// Its tokenizer (default: the model's, then the one beside the weights).
+    pub tokenizer: Option<PathBuf>,
+    /// Pooling asked for (default: the sentence-transformers config, then the spec).
+    pub pooling: Option<Pooling>,
+    /// Normalization asked for (default: the sentence-transformers config, then the spec).
+    pub normalize: Option<bool>,
+    /// Where it runs.
+    pub exec: Exec,
+}
+
+/// An embedding model opened (spec prepared, tokenizer, checkpoint, pooling, normalization,
+/// backend resolved) but not yet loaded: [`EmbedModel::load`] loads it, on the thread that will
+/// run it.
+pub struct EmbedModel {
+    model: ModelFile,
+    source: States,
+    ckpt: Checkpoint,
+    exec: Exec,
+    backend: Backend,
+    /// The graph's name.
+    pub name: String,
+    /// How token states become a sentence's vector.
+    pub pooling: Pooling,
+    /// Whether every vector is scaled to unit norm.
+    pub normalize: bool,
+    /// The most tokens of a sentence embedded (the rest is cut).
+    pub max_len: usize,
+    /// Where that limit comes from (for the note on a truncated sentence).
+    pub max_len_why: &'static str,
+    /// The tokenizer, truncating to `max_len`.
+    pub tokenizer: Tokenizer,
+    /// Where the tokenizer was read.
+    pub tokenizer_path: PathBuf,
+    /// Values per embedding.
+    pub dims: usize,
+    /// The model's vocabulary: token ids are below it.
+    pub vocab: u64,
+}
+
+impl EmbedModel {
+    /// Opens the model `src` names: its spec rebuilt to give the states its pooling needs, the
+    /// sentence-transformers config beside it, its tokenizer and checkpoint; the backend is
+    /// resolved (said on `reporter` unless `json`).
+    pub fn open(src: EmbedSource, reporter: &Reporter, json: bool) -> Result<EmbedModel> {
+        let EmbedSource { spec: path, weights, tokenizer, pooling, normalize, exec } = src;
+        let mut model = ModelFile::read(&path)?;
+        let weights = weights_for(weights, &path)?;
+        // The sentence-transformers config: in the model's directory, else beside the weights.
+        let dir = if path.is_dir() { Some(path.as_path()) } else { weights.parent() };
+        let st = match dir {
+            Some(dir) if !dir.as_os_str().is_empty() => pipeline(dir)?,
+            _ => pipeline(Path::new("."))?,
+        };
+        let outputs = &model.fe.spec.spec.outputs;
+        let kind = model.fe.spec.spec.model.kind;
+        let configured = match pooling {
+            Some(p) => Some(p),
+            None => st.pooling.map_err(anyhow::Error::msg)?,
+        };
+        let pooling = match configured {
+            Some(p) => p,
+            None if outputs.pooling == SpecPooling::Mean => Pooling::Mean,
+            None if kind == BlockKind::Decoder => Pooling::Last,
+            None => Pooling::Mean,
+        };
+        let normalize = normalize.or(st.normalize).unwrap_or(outputs.normalize);
+        if kind == BlockKind::EncoderDecoder {
+            bail!(
+                "`{}` is an encoder-decoder: embedding needs an encoder or a decoder (whose token states are pooled)",
+                path.display()
+            );
+        }
+        let source = States::prepare(&mut model, pooling, normalize)
+            .with_context(|| format!("cannot embed with `{}`", path.display()))?;
+        let fe = &model.fe;
+        // Truncated where the model's own pipeline truncates.
+        let (max_len, max_len_why) = match (fe.spec.spec.outputs.max_seq_length, st.max_seq_length) {
+            (Some(len), _) => (len, "the spec's `outputs.max_seq_length`"),
+            (None, Some(len)) => (len, "`max_seq_length` of sentence_bert_config.json"),
+            (None, None) => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
+        };
+        let max_len = usize::try_from(max_len).unwrap_or(usize::MAX).min(fe.spec.spec.model.max_positions as usize);
+        let tokenizer_path = match tokenizer_for(tokenizer, &path).or_else(|| tokenizer_beside(&weights)) {
+            Some(path) => path,
+            None if is_gguf(&weights)? => weights.clone(),
+            None => bail!(
+                "embedding needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file); none is beside `{}`",
+                weights.display()
+            ),
+        };
+        let tokenizer = Tokenizer::open(&tokenizer_path)?.with_max_len(max_len)?;
+        let ckpt = Checkpoint::open(&weights)?;
+        let backend = exec.backend.resolve(exec.adapter.as_deref(), exec.threads()?, reporter, json);
+        crate::exec::check_exec(&exec, backend)?;
+        Ok(EmbedModel {
+            name: fe.graph.name.clone(),
+            dims: fe.spec.spec.model.d_model as usize,
+            vocab: fe.spec.spec.model.vocab,
+            model,
+            source,
+            ckpt,
+            exec,
+            backend,
+            pooling,
+            normalize,
+            max_len,
+            max_len_why,
+            tokenizer,
+            tokenizer_path,
+        })
+    }
+
+    /// Loads the model on its backend (the loading shown on `reporter`), once: the [`Embedder`]
+    /// then embeds any number of batches.
+    pub fn load(self, reporter: &Reporter) -> Result<Embedder> {
+        let EmbedModel {
+            model, source, ckpt, exec, backend, pooling, normalize, max_len, tokenizer, dims, vocab, ..
+        } = self;
+        let loaded = load(model, &Params::Checkpoint(&ckpt), &exec, backend, reporter)?;
+        Ok(Embedder { loaded, source, pooling, normalize, max_len, tokenizer, dims, vocab })
+    }
+}
+
+/// An embedding model loaded on its device: it embeds batches of sentences (or token ids) of any
+/// size and length, one forward pass each.
+pub struct Embedder {
+    loaded: Loaded,
+    source: States,
+    /// How token states become a sentence's vector.
+    pub pooling: Pooling,
+    /// Whether every vector is scaled to unit norm.
+    pub normalize: bool,
+    /// The most tokens of a sentence embedded.
+    pub max_len: usize,
+    /// The tokenizer, truncating to `max_len`.
+    pub tokenizer: Tokenizer,
+    /// Values per embedding.
+    pub dims: usize,
+    /// Token ids are below this.
+    pub vocab: u64,
+}
+
+/// What [`Embedder::embed`] gives per sentence: its vectors (one, or with no pooling one per
+/// token) and the tokens embedded (after truncation).
+pub struct Embeddings {
+    /// Per sentence: its embedding, or (no pooling) its tokens' states.
+    pub vectors: Vec<Vec<Vec<f32>>>,
+    /// Per sentence: the tokens embedded.
+    pub tokens: Vec<usize>,
+}
+
+impl Embedder {
+    /// Embeds `sentences` as one batch (tokenized with their special tokens, truncated to
+    /// `max_len`, padded to the longest).
+    pub fn embed(&self, sentences: &[String]) -> Result<Embeddings> {
+        let batch = self.tokenizer.encode_batch(sentences)?;
+        let tokens = batch.attention_mask.chunks_exact(batch.seq.max(1)).map(|m| m.iter().sum::<i64>() as usize);
+        let tokens = tokens.collect();
+        Ok(Embeddings { vectors: self.run(&batch)?, tokens })
+    }
+
+    /// A sentence's token ids as [`embed`](Self::embed) runs them (special tokens added,
+    /// truncated to `max_len`).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<i64>> {
+        Ok(self.tokenizer.encode(text, true)?.into_iter().map(i64::from).collect())
+    }
+
+    /// Embeds rows of token ids as one batch, each as given (no special tokens added), padded to
+    /// the longest: one list of vectors per row.
+    pub fn embed_ids(&self, rows: &[Vec<i64>]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let seq = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let pad = i64::from(self.tokenizer.pad_id());
+        let cells = rows.len() * seq;
+        let mut batch = Batch {
+            batch: rows.len(),
+            seq,
+            input_ids: Vec::with_capacity(cells),
+            attention_mask: Vec::with_capacity(cells),
+            token_type_ids: vec![0; cells],
+        };
+        for ids in rows {
+            batch.input_ids.extend(ids);
+            batch.input_ids.extend(std::iter::repeat_n(pad, seq - ids.len()));
+            batch.attention_mask.extend(std::iter::repeat_n(1, ids.len()));
+            batch.attention_mask.extend(std::iter::repeat_n(0, seq - ids.len()));
+        }
+        self.run(&batch)
+    }
+
+    /// One forward pass over `batch`: its rows' vectors, pooled and normalized.
+    fn run(&self, batch: &Batch) -> Result<Vec<Vec<Vec<f32>>>> {
+        if batch.seq == 0 {
+            bail!("the sentences encode to no tokens");
+        }
+        let vocab = self.vocab;
+        if let Some(id) = batch.input_ids.iter().find(|&&id| id < 0 || id as u64 >= vocab) {
+            bail!("token id {id} is outside the model's vocabulary of {vocab}: is the tokenizer this model's?");
+        }
+        let states = self.source.take(self.loaded.run(&batch.inputs())?)?;
+        let source = self.source;
+        let (Some(values), &[rows, ..]) = (states.as_f32(), states.shape.as_slice()) else {
+            bail!("the model's `{}` should be f32, got {:?}", source.output(), states.shape);
+        };
+        if rows != batch.batch {
+            bail!("`{}` has shape {:?} for {} sentences", source.output(), states.shape, batch.batch);
+        }
+        // One list of vectors per sentence: its embedding, or (no pooling) its tokens' states.
+        let mut embeddings: Vec<Vec<Vec<f32>>> = match source {
+            States::Pooled => {
+                let dims = states.shape.get(1).copied().unwrap_or(0);
+                values.chunks_exact(dims.max(1)).map(|e| vec![e.to_vec()]).collect()
+            }
+            States::Hidden => {
+                let &[_, seq, dims] = states.shape.as_slice() else {
+                    bail!("`last_hidden_state` should be [batch, seq, dimensions], got {:?}", states.shape);
+                };
+                pool(values, &batch.attention_mask, seq, dims, self.pooling)
+            }
+        };
+        let dims = embeddings.first().and_then(|e| e.first()).map_or(0, Vec::len);
+        if dims == 0 {
+            bail!("the model's `{}` has shape {:?}: no dimensions to embed", source.output(), states.shape);
+        }
+        if self.normalize {
+            embeddings.iter_mut().flatten().for_each(|e| normalize_vec(e));
+        }
+        Ok(embeddings)
+    }
+}
+
 /// Runs `kiln embed`, showing the loading on `reporter`.
 pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
-    let mut model = ModelFile::read(&args.spec)?;
-    let weights = weights_for(args.weights.clone(), &args.spec)?;
-    // The sentence-transformers config: in the model's directory, else beside the weights.
-    let dir = if args.spec.is_dir() { Some(args.spec.as_path()) } else { weights.parent() };
-    let st = match dir {
-        Some(dir) if !dir.as_os_str().is_empty() => pipeline(dir)?,
-        _ => pipeline(Path::new("."))?,
-    };
-    let outputs = &model.fe.spec.spec.outputs;
-    let kind = model.fe.spec.spec.model.kind;
-    let configured = match args.pooling {
-        Some(p) => Some(p),
-        None => st.pooling.map_err(anyhow::Error::msg)?,
-    };
-    let pooling = match configured {
-        Some(p) => p,
-        None if outputs.pooling == SpecPooling::Mean => Pooling::Mean,
-        None if kind == BlockKind::Decoder => Pooling::Last,
-        None => Pooling::Mean,
-    };
-    let normalize = args.normalize.or(st.normalize).unwrap_or(outputs.normalize);
-    if pooling == Pooling::None && args.similarity {
+    let EmbedArgs { spec, weights, tokenizer, pooling, sentences, file, similarity, normalize, full, json, exec } =
+        args;
+    let src = EmbedSource { spec, weights, tokenizer, pooling, normalize, exec };
+    let model = EmbedModel::open(src, reporter, json)?;
+    let (pooling, normalize, max_len, why) = (model.pooling, model.normalize, model.max_len, model.max_len_why);
+    if pooling == Pooling::None && similarity {
         bail!("--similarity compares one vector per sentence: give --pooling mean, cls or last, not none");
     }
-    if kind == BlockKind::EncoderDecoder {
-        bail!(
-            "`{}` is an encoder-decoder: `kiln embed` needs an encoder or a decoder (whose token states it pools)",
-            args.spec.display()
-        );
-    }
-    let source = States::prepare(&mut model, pooling, normalize)
-        .with_context(|| format!("cannot embed with `{}`", args.spec.display()))?;
-    let fe = &model.fe;
-    let sentences = match &args.file {
+    let sentences = match &file {
         Some(path) => read_sentences(path)?,
-        None => args.sentences.clone(),
+        None => sentences,
     };
-    // Truncated where the model's own pipeline truncates.
-    let (max_len, why) = match (fe.spec.spec.outputs.max_seq_length, st.max_seq_length) {
-        (Some(len), _) => (len, "the spec's `outputs.max_seq_length`"),
-        (None, Some(len)) => (len, "`max_seq_length` of sentence_bert_config.json"),
-        (None, None) => (fe.spec.spec.model.max_positions, "the spec's `max_positions`"),
-    };
-    let max_len = usize::try_from(max_len).unwrap_or(usize::MAX).min(fe.spec.spec.model.max_positions as usize);
-    let tokenizer_path = match tokenizer_for(args.tokenizer.clone(), &args.spec).or_else(|| tokenizer_beside(&weights))
-    {
-        Some(path) => path,
-        None if is_gguf(&weights)? => weights.clone(),
-        None => bail!(
-            "`kiln embed` needs a tokenizer: give --tokenizer (a tokenizer.json or GGUF file); none is beside `{}`",
-            weights.display()
-        ),
-    };
-    let open = || Tokenizer::open(&tokenizer_path);
-    let tokenizer = open()?.with_max_len(max_len)?;
-    let batch = tokenizer.encode_batch(&sentences)?;
+    let batch = model.tokenizer.encode_batch(&sentences)?;
     if batch.seq == 0 {
         bail!("the sentences encode to no tokens");
     }
-    let vocab = fe.spec.spec.model.vocab;
+    let vocab = model.vocab;
     if let Some(id) = batch.input_ids.iter().find(|&&id| id as u64 >= vocab) {
         bail!(
             "the tokenizer gave id {id}, outside the model's vocabulary of {vocab}: is `{}` the tokenizer of this model?",
-            tokenizer_path.display()
+            model.tokenizer_path.display()
         );
     }
     // Each sentence's length untruncated, to say which were cut.
-    let whole = open()?.with_max_len(usize::MAX / 2)?;
-    let embedded: Vec<usize> =
-        batch.attention_mask.chunks_exact(batch.seq).map(|m| m.iter().sum::<i64>() as usize).collect();
+    let whole = Tokenizer::open(&model.tokenizer_path)?.with_max_len(usize::MAX / 2)?;
     let lengths = sentences.iter().map(|t| Ok(whole.encode(t, true)?.len())).collect::<Result<Vec<usize>>>()?;
-    if !args.json {
-        for (i, (&len, &kept)) in lengths.iter().zip(&embedded).enumerate() {
+    let kept: Vec<usize> =
+        batch.attention_mask.chunks_exact(batch.seq).map(|m| m.iter().sum::<i64>() as usize).collect();
+    if !json {
+        for (i, (&len, &kept)) in lengths.iter().zip(&kept).enumerate() {
             if len > kept {
                 reporter.info(format_args!(
                     "note: sentence {} has {}; embedded its first {kept} ({why})",
@@ -213,42 +407,14 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
             }
         }
     }
-
-    let ckpt = Checkpoint::open(&weights)?;
-    let backend = args.exec.backend.resolve(args.exec.adapter.as_deref(), args.exec.threads()?, reporter, args.json);
-    let name = fe.graph.name.clone();
-    let outputs = execute(model, &Params::Checkpoint(&ckpt), &batch.inputs(), &args.exec, backend, reporter)?;
-    let states = source.take(outputs)?;
-    let (Some(values), &[rows, ..]) = (states.as_f32(), states.shape.as_slice()) else {
-        bail!("the model's `{}` should be f32, got {:?}", source.output(), states.shape);
-    };
-    if rows != sentences.len() {
-        bail!("`{}` has shape {:?} for {} sentences", source.output(), states.shape, sentences.len());
-    }
-    // One list of vectors per sentence: its embedding, or (no pooling) its tokens' states.
-    let mut embeddings: Vec<Vec<Vec<f32>>> = match source {
-        States::Pooled => {
-            let dims = states.shape.get(1).copied().unwrap_or(0);
-            values.chunks_exact(dims.max(1)).map(|e| vec![e.to_vec()]).collect()
-        }
-        States::Hidden => {
-            let &[_, seq, dims] = states.shape.as_slice() else {
-                bail!("`last_hidden_state` should be [batch, seq, dimensions], got {:?}", states.shape);
-            };
-            pool(values, &batch.attention_mask, seq, dims, pooling)
-        }
-    };
+    let name = model.name.clone();
+    let embedder = model.load(reporter)?;
+    let Embeddings { vectors: embeddings, tokens: embedded } = embedder.embed(&sentences)?;
     let dims = embeddings.first().and_then(|e| e.first()).map_or(0, Vec::len);
-    if dims == 0 {
-        bail!("the model's `{}` has shape {:?}: no dimensions to embed", source.output(), states.shape);
-    }
-    if normalize {
-        embeddings.iter_mut().flatten().for_each(|e| normalize_vec(e));
-    }
     let pooled: Vec<Vec<f32>> = embeddings.iter().filter_map(|e| e.first().cloned()).collect();
-    let similarity = args.similarity.then(|| cosine_matrix(&pooled));
+    let similarity = similarity.then(|| cosine_matrix(&pooled));
 
-    if args.json {
+    if json {
         let items: Vec<serde_json::Value> = sentences
             .iter()
             .zip(&embeddings)
@@ -286,10 +452,10 @@ pub fn run(args: EmbedArgs, reporter: &Reporter) -> Result<()> {
                 Pooling::None => {
                     println!("{}", crate::report::shorten(text, QUOTED).escape_debug());
                     for (j, vector) in vectors.iter().enumerate() {
-                        println!("  token {j}: {}", line("", vector, args.full).trim_end_matches("  \"\""));
+                        println!("  token {j}: {}", line("", vector, full).trim_end_matches("  \"\""));
                     }
                 }
-                _ => vectors.iter().for_each(|v| println!("{}", line(text, v, args.full))),
+                _ => vectors.iter().for_each(|v| println!("{}", line(text, v, full))),
             }
         }
         if let Some(m) = &similarity {
@@ -443,7 +609,7 @@ fn normalize_vec(v: &mut [f32]) {
 
 /// The f64 nearest to `x`'s shortest decimal form, so JSON shows `0.13417706` for an f32, not
 /// the f64 expansion of its binary value (`0.13417705893516541`).
-fn shortest(x: f32) -> f64 {
+pub fn shortest(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 

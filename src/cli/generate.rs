@@ -64,6 +64,21 @@ impl ModelArgs {
     pub fn print_spec(&self) -> bool {
         self.exec.print_spec
     }
+
+    /// The model to embed with, pooled and normalized as asked (`kiln serve` of an embedding
+    /// model): its spec, weights, tokenizer and backend; the generation options do not apply,
+    /// and random weights are refused (embeddings of them mean nothing).
+    pub fn into_embed_source(
+        self,
+        pooling: Option<crate::cli::embed::Pooling>,
+        normalize: Option<bool>,
+    ) -> Result<crate::cli::embed::EmbedSource> {
+        if self.random_weights {
+            bail!("--random-weights: serving embeddings needs the model's weights (give --weights, or its checkpoint)");
+        }
+        let ModelArgs { spec, weights, tokenizer, exec, .. } = self;
+        Ok(crate::cli::embed::EmbedSource { spec, weights, tokenizer, pooling, normalize, exec })
+    }
 }
 
 /// Arguments of `kiln generate`.

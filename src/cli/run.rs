@@ -12,7 +12,7 @@ use kiln_compiler::spec::Resolved;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, interp, optimize};
 use kiln_runtime::Checkpoint;
-use kiln_runtime::device::{Reading, Storage, Weights};
+use kiln_runtime::device::{Loaded, Reading, Storage, Weights};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -263,6 +263,13 @@ pub fn execute(
     backend: Backend,
     reporter: &Reporter,
 ) -> Result<Vec<(String, Tensor)>> {
+    Ok(load(model, params, exec, backend, reporter)?.run(given)?)
+}
+
+/// Loads a model file on `backend` (resolved), to be run any number of times on inputs of any
+/// batch and length: a spec optimized for it unless `--no-optimize`, an artifact's own plan as
+/// compiled. The loaded model owns its weights (`params` is only read).
+pub fn load(model: ModelFile, params: &Params, exec: &Exec, backend: Backend, reporter: &Reporter) -> Result<Loaded> {
     check_exec(exec, backend)?;
     let quantized = match params {
         Params::Checkpoint(ckpt) => ckpt.gguf().is_some(),
@@ -293,7 +300,7 @@ pub fn execute(
             Params::Checkpoint(ckpt) => Weights::Checkpoint(Reading::of(&spec, ckpt)),
             Params::Random(_) => given_random,
         };
-        return Ok(device.load(&graph, weights, exec.weights.storage(), reporter)?.run(given)?);
+        return Ok(device.load(&graph, weights, exec.weights.storage(), reporter)?);
     };
     if exec.no_optimize {
         bail!(
@@ -312,7 +319,7 @@ pub fn execute(
     };
     // The artifact's own plan; on the interpreter, each step by the interpreter's definition.
     let device = exec.device(backend)?;
-    Ok(device.load_plan(art.plan, weights, Storage::default(), reporter)?.run(given)?)
+    Ok(Loaded::Model(device.load_plan(art.plan, weights, Storage::default(), reporter)?))
 }
 
 /// `--input-ids`: `1,2,3;4,5,6` as the model's token-id input (`[2, 3]`).

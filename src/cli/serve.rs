@@ -1,12 +1,14 @@
-//! `kiln serve`: a model behind the OpenAI API (see [`crate::serve`]). The model is opened
-//! (spec, tokenizer, checkpoint) before the address is bound, so a bad argument fails at once;
-//! it is then loaded on the model's own thread while `/health` answers 503. Ctrl-C or SIGTERM
-//! stops taking requests, lets those in flight finish for up to `--drain-timeout` seconds, then
-//! fails what is left and exits.
+//! `kiln serve`: a model behind the OpenAI API (see [`crate::server`]): a decoder generating
+//! text, or an embedding model (an encoder, or a decoder with `--embeddings`) on
+//! `/v1/embeddings`. The model is opened (spec, tokenizer, checkpoint) before the address is
+//! bound, so a bad argument fails at once; it is then loaded on the model's own thread while
+//! `/health` answers 503. Ctrl-C or SIGTERM stops taking requests, lets those in flight finish
+//! for up to `--drain-timeout` seconds, then fails what is left and exits.
 
+use crate::cli::embed::{EmbedModel, Pooling};
 use crate::cli::generate::{Generator, Model, ModelArgs, Wants};
 use crate::progress::Reporter;
-use crate::server::{Limits, Shared};
+use crate::server::{Inbox, Limits, Shared};
 use anyhow::{Context, Result, bail};
 use kiln_compiler::spec::BlockKind;
 use kiln_compiler::train::Bytes;
@@ -62,6 +64,22 @@ pub struct ServeArgs {
     /// Seconds requests in flight get to finish after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Serve this decoder's embeddings on /v1/embeddings (its last token's state, unless
+    /// `--pooling` or a sentence-transformers config beside it says otherwise) instead of
+    /// generating text. An encoder (`minilm-l6`) is always served this way.
+    #[arg(long)]
+    embeddings: bool,
+    /// An embedding model's pooling: `mean`, `cls` or `last` (default: as `kiln embed` pools).
+    #[arg(long, value_enum)]
+    pooling: Option<Pooling>,
+    /// Scale an embedding model's vectors to unit norm; `--normalize=false`: never (default: as
+    /// `kiln embed` does).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    normalize: Option<bool>,
+    /// The most tokens one forward pass of an embedding model runs (inputs × their padded
+    /// length): the requests waiting are embedded together, in arrival order, up to it.
+    #[arg(long, default_value_t = 8192)]
+    embed_batch_tokens: usize,
 }
 
 impl ServeArgs {
@@ -71,6 +89,12 @@ impl ServeArgs {
     }
 }
 
+/// What the model's thread runs: it loads the model, marks the server ready and serves until
+/// its inbox closes. An error (a load that failed) stops the server.
+type Worker = Box<dyn FnOnce(&Shared, &Reporter) -> Result<()> + Send>;
+
+/// Runs `kiln serve`: a decoder generating text, or an embedding model (an encoder, or a
+/// decoder with `--embeddings`) serving `/v1/embeddings`.
 pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
     if args.api_key.is_none() {
         args.api_key = std::env::var("KILN_API_KEY").ok();
@@ -91,34 +115,84 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         ("--prefill-chunk", args.prefill_chunk),
         ("--max-tokens-limit", args.max_tokens_limit),
         ("--header-timeout", usize::try_from(args.header_timeout).unwrap_or(usize::MAX)),
+        ("--embed-batch-tokens", args.embed_batch_tokens),
     ] {
         if value == 0 {
             bail!("{flag} 0: it must be at least 1");
         }
     }
     let name = args.name.clone().unwrap_or_else(|| model_name(args.model.spec()));
-    let wants = Wants { chat: true, text: true, ids_only: false, json: false, max_new: args.max_tokens_limit };
-    let model = Model::open(args.model, wants, reporter)?;
-    if model.fe.spec.spec.model.kind != BlockKind::Decoder {
+    let embeds = args.embeddings || {
+        let kind = crate::model_file::load_spec(args.model.spec())?.spec.spec.model.kind;
+        kind == BlockKind::Encoder
+    };
+    if !embeds && (args.pooling.is_some() || args.normalize.is_some()) {
         bail!(
-            "kiln serve generates with decoder models; `{}` is {:?} (an encoder's embeddings are not served yet)",
-            name,
-            model.fe.spec.spec.model.kind
+            "--pooling and --normalize are for embedding models: `{name}` is a decoder served for text (give \
+             --embeddings to serve its embeddings instead)"
         );
     }
-    if model.tokenizer.is_none() {
-        bail!("kiln serve needs a tokenizer: give --tokenizer (a tokenizer.json, a GGUF file, or `bytes`)");
-    }
-    let context = model.fe.spec.spec.model.max_positions as usize;
-    let limits = Limits {
+    let mut limits = Limits {
         max_sequences: args.parallel,
         max_queue: args.queue,
         kv_budget: args.kv_cache.0,
         prefill_chunk: args.prefill_chunk,
         default_max_tokens: args.max_tokens_limit,
         max_tokens: args.max_tokens_limit,
-        max_prompt_tokens: args.max_prompt_tokens.unwrap_or(context.saturating_sub(1)),
+        max_prompt_tokens: 0,
         max_body: usize::try_from(args.max_body.0).unwrap_or(usize::MAX),
+    };
+    let (inbox, worker): (Inbox, Worker) = if embeds {
+        let source = args.model.into_embed_source(args.pooling, args.normalize)?;
+        let model = EmbedModel::open(source, reporter, false)?;
+        if model.pooling == Pooling::None {
+            bail!("kiln serve gives one embedding per input: --pooling none is not served (give mean, cls or last)");
+        }
+        limits.max_prompt_tokens = model.max_len;
+        let (jobs, inbox) = std::sync::mpsc::channel();
+        let dims = model.dims;
+        let budget = args.embed_batch_tokens;
+        let worker: Worker = Box::new(move |shared, reporter| {
+            let started = std::time::Instant::now();
+            let embedder = model.load(reporter)?;
+            shared.ready.store(true, Ordering::Relaxed);
+            reporter.info(format_args!(
+                "loaded in {:.1} s ({} dimensions, {} pooling{}, up to {} per input); ready",
+                started.elapsed().as_secs_f64(),
+                embedder.dims,
+                format!("{:?}", embedder.pooling).to_lowercase(),
+                if embedder.normalize { ", normalized" } else { "" },
+                crate::report::count(embedder.max_len, "token")
+            ));
+            crate::server::embed::serve(&embedder, inbox, shared, budget);
+            Ok(())
+        });
+        (Inbox::Embed { jobs, dims }, worker)
+    } else {
+        let wants = Wants { chat: true, text: true, ids_only: false, json: false, max_new: args.max_tokens_limit };
+        let model = Model::open(args.model, wants, reporter)?;
+        if model.fe.spec.spec.model.kind != BlockKind::Decoder {
+            bail!(
+                "kiln serve generates with decoder models, and embeds with encoders; `{}` is {:?}",
+                name,
+                model.fe.spec.spec.model.kind
+            );
+        }
+        if model.tokenizer.is_none() {
+            bail!("kiln serve needs a tokenizer: give --tokenizer (a tokenizer.json, a GGUF file, or `bytes`)");
+        }
+        let context = model.fe.spec.spec.model.max_positions as usize;
+        limits.max_prompt_tokens = args.max_prompt_tokens.unwrap_or(context.saturating_sub(1));
+        let (jobs, inbox) = std::sync::mpsc::channel();
+        let worker: Worker = Box::new(move |shared, reporter| {
+            let mut generator = Generator::load(&model, reporter)?;
+            let tokenizer = model.tokenizer.as_ref().context("no tokenizer")?;
+            shared.ready.store(true, Ordering::Relaxed);
+            reporter.info(format_args!("{}; ready", crate::cli::generate::load_line(&generator.timings)));
+            crate::server::engine::serve(&model, &mut generator, tokenizer, inbox, shared);
+            Ok(())
+        });
+        (Inbox::Generate(jobs), worker)
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -128,9 +202,10 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
     let listener =
         runtime.block_on(tokio::net::TcpListener::bind(addr)).with_context(|| format!("cannot listen on {addr}"))?;
     let bound = listener.local_addr()?;
-    let (jobs, inbox) = std::sync::mpsc::channel();
-    let shared = Arc::new(Shared::new(name.clone(), limits, args.api_key, jobs));
-    reporter.info(format_args!("kiln serve: `{name}` on http://{bound}/v1 (loading; GET /health says when ready)"));
+    let shared = Arc::new(Shared::new(name.clone(), limits, args.api_key, inbox));
+    let what = if embeds { "embeddings, " } else { "" };
+    reporter
+        .info(format_args!("kiln serve: `{name}` on http://{bound}/v1 ({what}loading; GET /health says when ready)"));
     let (stop, stopped) = tokio::sync::watch::channel(false);
     // The model's thread: loads, then serves until the inbox closes or the server aborts.
     let worker = {
@@ -139,19 +214,11 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         let quiet = reporter.is_quiet();
         std::thread::Builder::new().name("kiln-model".into()).spawn(move || -> Result<()> {
             let reporter = Reporter::new(quiet);
-            let loaded = Generator::load(&model, &reporter);
-            let mut generator = match loaded {
-                Ok(g) => g,
-                Err(e) => {
-                    let _ = stop.send(true);
-                    return Err(e);
-                }
-            };
-            let tokenizer = model.tokenizer.as_ref().context("no tokenizer")?;
-            shared.ready.store(true, Ordering::Relaxed);
-            reporter.info(format_args!("{}; ready", crate::cli::generate::load_line(&generator.timings)));
-            crate::server::engine::serve(&model, &mut generator, tokenizer, inbox, &shared);
-            Ok(())
+            let served = worker(&shared, &reporter);
+            if served.is_err() {
+                let _ = stop.send(true);
+            }
+            served
         })?
     };
     let drain = Duration::from_secs(args.drain_timeout);

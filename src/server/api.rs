@@ -391,9 +391,170 @@ pub fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
+/// Inputs one embeddings request may carry (OpenAI's limit).
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
+/// One input of `POST /v1/embeddings`: a text, or token ids run as given.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EmbedInput {
+    Text(String),
+    Ids(Vec<i64>),
+}
+
+/// `POST /v1/embeddings` read and checked: its inputs, whether the vectors go as base64, and
+/// the `dimensions` asked for (`model` and `user` are ignored).
+#[derive(Debug)]
+pub struct EmbeddingRequest {
+    pub inputs: Vec<EmbedInput>,
+    pub base64: bool,
+    pub dimensions: Option<u64>,
+}
+
+impl EmbeddingRequest {
+    /// Reads an embeddings request: `input` a string, an array of strings, an array of token
+    /// ids, or an array of such arrays (none empty, at most [`MAX_EMBEDDING_INPUTS`]);
+    /// `encoding_format` `float` (the default) or `base64`; `dimensions` a positive integer.
+    pub fn parse(body: &Value) -> Result<EmbeddingRequest, ApiError> {
+        let o = object(body)?;
+        let bad = |v: &Value| {
+            ApiError::invalid(
+                "input",
+                format!(
+                    "`input` must be a string, an array of strings, an array of token ids or an array of such \
+                     arrays, not {}",
+                    shorten_json(v)
+                ),
+            )
+        };
+        let ids = |a: &[Value], at: &str| -> Result<Vec<i64>, ApiError> {
+            if a.is_empty() {
+                return Err(ApiError::invalid("input", format!("{at} is an empty array of token ids")));
+            }
+            a.iter()
+                .map(|v| {
+                    v.as_i64().filter(|&id| id >= 0).ok_or_else(|| {
+                        ApiError::invalid("input", format!("{at}: token ids are integers from 0, not {v}"))
+                    })
+                })
+                .collect()
+        };
+        let text = |s: &str, at: &str| match s.is_empty() {
+            true => Err(ApiError::invalid("input", format!("{at} is an empty string"))),
+            false => Ok(EmbedInput::Text(s.to_string())),
+        };
+        let inputs = match field(o, "input") {
+            None => return Err(ApiError::invalid("input", "`input` is missing")),
+            Some(Value::String(s)) => vec![text(s, "`input`")?],
+            Some(Value::Array(a)) if a.is_empty() => {
+                return Err(ApiError::invalid("input", "`input` is an empty array: give at least one input"));
+            }
+            Some(Value::Array(a)) if a.len() > MAX_EMBEDDING_INPUTS => {
+                return Err(ApiError::invalid(
+                    "input",
+                    format!("`input` has {} inputs; at most {MAX_EMBEDDING_INPUTS} per request", a.len()),
+                ));
+            }
+            Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![EmbedInput::Ids(ids(a, "`input`")?)],
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => text(s, &format!("`input[{i}]`")),
+                    Value::Array(inner) => Ok(EmbedInput::Ids(ids(inner, &format!("`input[{i}]`"))?)),
+                    v => Err(bad(v)),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(v) => return Err(bad(v)),
+        };
+        let base64 = match field(o, "encoding_format") {
+            None => false,
+            Some(Value::String(f)) if f == "float" => false,
+            Some(Value::String(f)) if f == "base64" => true,
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    "encoding_format",
+                    format!("`encoding_format` must be \"float\" or \"base64\", not {}", shorten_json(v)),
+                ));
+            }
+        };
+        let dimensions = integer(o, "dimensions", 1, u64::MAX)?;
+        Ok(EmbeddingRequest { inputs, base64, dimensions })
+    }
+}
+
+/// A JSON value for an error message, cut to its first 60 characters.
+fn shorten_json(v: &Value) -> String {
+    let text = v.to_string();
+    match text.char_indices().nth(60) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
+    }
+}
+
+/// An embedding as OpenAI's `encoding_format: "base64"` gives it: its f32 values' little-endian
+/// bytes, in standard base64 with padding.
+pub fn base64_f32(values: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            match i <= chunk.len() {
+                true => out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63])),
+                false => out.push('='),
+            }
+        }
+    }
+    out
+}
+
+/// Token counts of an embeddings answer.
+pub fn embedding_usage(prompt: usize) -> Value {
+    json!({"prompt_tokens": prompt, "total_tokens": prompt})
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn embedding_requests_take_openai_inputs_and_name_the_bad_field() {
+        let parse = |v: Value| EmbeddingRequest::parse(&v);
+        let r = parse(json!({"model": "m", "input": "hi"})).unwrap();
+        assert_eq!((r.inputs, r.base64, r.dimensions), (vec![EmbedInput::Text("hi".into())], false, None));
+        let r = parse(json!({"input": ["a", [1, 2]], "encoding_format": "base64", "dimensions": 384})).unwrap();
+        assert_eq!(r.inputs, vec![EmbedInput::Text("a".into()), EmbedInput::Ids(vec![1, 2])]);
+        assert!(r.base64 && r.dimensions == Some(384));
+        assert_eq!(parse(json!({"input": [5, 6]})).unwrap().inputs, vec![EmbedInput::Ids(vec![5, 6])]);
+        for (body, param, says) in [
+            (json!({}), "input", "missing"),
+            (json!({"input": []}), "input", "empty array"),
+            (json!({"input": ""}), "input", "empty string"),
+            (json!({"input": ["a", ""]}), "input", "`input[1]` is an empty string"),
+            (json!({"input": [[]]}), "input", "empty array of token ids"),
+            (json!({"input": [1.5]}), "input", "integers"),
+            (json!({"input": [-1]}), "input", "integers"),
+            (json!({"input": 7}), "input", "must be a string"),
+            (json!({"input": ["a", 3]}), "input", "must be a string"),
+            (json!({"input": "a", "encoding_format": "int8"}), "encoding_format", "base64"),
+            (json!({"input": "a", "dimensions": 0}), "dimensions", "integer"),
+        ] {
+            let e = parse(body.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn base64_embeddings_are_little_endian_f32_bytes() {
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(base64_f32(&[]), "");
+        // 12 bytes: no padding; 8 bytes: one `=`.
+        assert_eq!(base64_f32(&[0.0, -2.0, 0.5]), "AAAAAAAAAMAAAAA/");
+        assert_eq!(base64_f32(&[0.0, -2.0]), "AAAAAAAAAMA=");
+    }
 
     fn chat(body: Value) -> Result<Request, ApiError> {
         Request::parse(Endpoint::Chat, &body)

@@ -1,8 +1,8 @@
 //! What `GET /metrics` reports, in Prometheus' text exposition format (version 0.0.4): counters
 //! of requests and tokens, gauges of the queue, the running sequences and the key/value cache,
-//! and histograms of the time to the first token, the time between tokens and the sequences each
-//! scheduler step advanced. Everything is updated with atomics or a short lock, from the HTTP
-//! handlers and the model's thread alike.
+//! and histograms of the time to the first token, the time between tokens, the sequences each
+//! scheduler step advanced and the embedding requests each forward pass embedded. Everything is
+//! updated with atomics or a short lock, from the HTTP handlers and the model's thread alike.
 
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -75,7 +75,7 @@ pub struct Metrics {
     pub failed: Value,
     /// Requests whose client went away before the answer was done.
     pub cancelled: Value,
-    /// Tokens of the prompts run, and tokens generated.
+    /// Tokens of the prompts run (an embedding's inputs included), and tokens generated.
     pub prompt_tokens: Value,
     pub generated_tokens: Value,
     /// Requests waiting for a sequence slot, and sequences running.
@@ -87,6 +87,8 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub batch_size: Histogram,
+    /// Embedding requests with inputs in one forward pass.
+    pub embedding_batch_requests: Histogram,
 }
 
 impl Default for Metrics {
@@ -108,6 +110,7 @@ impl Default for Metrics {
             time_to_first_token: Histogram::new(SECONDS),
             inter_token_latency: Histogram::new(SECONDS),
             batch_size: Histogram::new(SEQUENCES),
+            embedding_batch_requests: Histogram::new(SEQUENCES),
         }
     }
 }
@@ -168,6 +171,11 @@ impl Metrics {
             &mut out,
         );
         self.batch_size.render("kiln_batch_size", "Sequences advanced by one scheduler step.", &mut out);
+        self.embedding_batch_requests.render(
+            "kiln_embedding_batch_requests",
+            "Embedding requests with inputs in one forward pass.",
+            &mut out,
+        );
         out
     }
 }

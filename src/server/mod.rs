@@ -8,12 +8,20 @@
 //! key; bodies, prompts, `max_tokens`, running sequences and the queue are bounded, and a request
 //! past capacity gets 503 with `Retry-After` rather than memory the machine does not have.
 //! `/health` answers 503 while the model loads; `/metrics` is Prometheus text ([`metrics`]).
+//!
+//! An embedding model is served the same way by its own loop ([`embed`]): `/v1/embeddings`
+//! hands its inputs to the model's thread as an [`embed::EmbedJob`], which embeds the requests
+//! waiting together, and the chat and text completions answer 400.
 
 pub mod api;
+pub mod embed;
 pub mod engine;
 pub mod metrics;
 
-use api::{ApiError, Endpoint, Request, chat_logprobs, completion_logprobs, usage};
+use api::{
+    ApiError, EmbeddingRequest, Endpoint, Request, base64_f32, chat_logprobs, completion_logprobs, embedding_usage,
+    usage,
+};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -71,15 +79,29 @@ pub struct Shared {
     /// The bearer token every `/v1` and `/metrics` request must carry, if any.
     pub api_key: Option<String>,
     /// The model's thread's inbox; `None` once the server stops taking requests.
-    pub jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    pub jobs: Mutex<Option<Inbox>>,
+    /// The embeddings' dimensions, for an embedding model (`None`: the model generates text).
+    pub embedding_dims: Option<usize>,
     next_id: AtomicU64,
     /// When the server started (the model's `created`).
     pub started: u64,
 }
 
+/// Where the model's thread takes its requests: generation jobs, or (an embedding model, of
+/// these dimensions) embedding jobs.
+pub enum Inbox {
+    Generate(std::sync::mpsc::Sender<Job>),
+    Embed { jobs: std::sync::mpsc::Sender<embed::EmbedJob>, dims: usize },
+}
+
 impl Shared {
-    pub fn new(model: String, limits: Limits, api_key: Option<String>, jobs: std::sync::mpsc::Sender<Job>) -> Shared {
+    pub fn new(model: String, limits: Limits, api_key: Option<String>, jobs: Inbox) -> Shared {
+        let embedding_dims = match &jobs {
+            Inbox::Generate(_) => None,
+            Inbox::Embed { dims, .. } => Some(*dims),
+        };
         Shared {
+            embedding_dims,
             metrics: metrics::Metrics::default(),
             limits,
             model,
@@ -247,16 +269,95 @@ async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, format!("no route {uri}: see GET /v1/models, POST /v1/chat/completions"))
 }
 
-async fn embeddings(State(s): State<Arc<Shared>>) -> ApiError {
+async fn embeddings(State(s): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
     s.metrics.embedding_requests.add(1);
-    s.metrics.invalid.add(1);
-    ApiError::invalid(
-        "model",
-        format!(
-            "`{}` generates text and gives no sentence embeddings: serve an embedding model for /v1/embeddings",
-            s.model
-        ),
-    )
+    embed(s, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Refuses a request that cannot wait: 503 while the model loads, or with the queue full.
+/// Otherwise counts it in [`Shared::waiting`] (the model's thread takes it off).
+fn admit(s: &Shared) -> Result<(), ApiError> {
+    if !s.ready.load(Ordering::Relaxed) {
+        s.metrics.rejected.add(1);
+        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is loading");
+        e.retry_after = Some(5);
+        return Err(e);
+    }
+    if s.waiting.fetch_add(1, Ordering::Relaxed) >= s.limits.max_queue {
+        s.waiting.fetch_sub(1, Ordering::Relaxed);
+        s.metrics.rejected.add(1);
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            match s.embedding_dims {
+                Some(_) => {
+                    format!("the server is at capacity ({} requests queued): try again later", s.limits.max_queue)
+                }
+                None => format!(
+                    "the server is at capacity ({} running, {} queued): try again later",
+                    s.limits.max_sequences, s.limits.max_queue
+                ),
+            },
+        );
+        e.retry_after = Some(1);
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// `POST /v1/embeddings`: the inputs embedded on the model's thread (with whatever else waits
+/// there), answered as OpenAI does: `data` in input order, floats or base64, and `usage`.
+async fn embed(s: Arc<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let _guard = InFlight::new(&s);
+    let Some(dims) = s.embedding_dims else {
+        s.metrics.invalid.add(1);
+        return Err(ApiError::invalid(
+            "model",
+            format!(
+                "`{}` generates text and gives no sentence embeddings: serve an embedding model for /v1/embeddings",
+                s.model
+            ),
+        ));
+    };
+    let request =
+        json_body(&s, body).and_then(|v| EmbeddingRequest::parse(&v)).inspect_err(|_| s.metrics.invalid.add(1))?;
+    if let Some(asked) = request.dimensions
+        && asked != dims as u64
+    {
+        s.metrics.invalid.add(1);
+        return Err(ApiError::invalid(
+            "dimensions",
+            format!("`dimensions` = {asked}: `{}` gives {dims} dimensions, and does not shorten them", s.model),
+        ));
+    }
+    admit(&s)?;
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let job = embed::EmbedJob { inputs: request.inputs, reply };
+    let sent = match s.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        Some(Inbox::Embed { jobs, .. }) => jobs.send(job).is_ok(),
+        _ => false,
+    };
+    if !sent {
+        s.waiting.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"));
+    }
+    let done = match answer.await {
+        Ok(done) => done?,
+        Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the model's thread stopped")),
+    };
+    let data: Vec<Value> = done
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(index, v)| {
+            let embedding = match request.base64 {
+                true => json!(base64_f32(v)),
+                false => json!(v.iter().map(|&x| crate::cli::embed::shortest(x)).collect::<Vec<f64>>()),
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    let body = json!({"object": "list", "data": data, "model": s.model, "usage": embedding_usage(done.prompt_tokens)});
+    Ok(Json(body).into_response())
 }
 
 async fn chat(State(s): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -289,32 +390,24 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let guard = InFlight::new(&s);
+    if s.embedding_dims.is_some() {
+        s.metrics.invalid.add(1);
+        return Err(ApiError::invalid(
+            "model",
+            format!("`{}` is an embedding model and does not generate text: use /v1/embeddings", s.model),
+        ));
+    }
     let request =
         json_body(&s, body).and_then(|v| Request::parse(endpoint, &v)).inspect_err(|_| s.metrics.invalid.add(1))?;
-    if !s.ready.load(Ordering::Relaxed) {
-        s.metrics.rejected.add(1);
-        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is loading");
-        e.retry_after = Some(5);
-        return Err(e);
-    }
-    if s.waiting.fetch_add(1, Ordering::Relaxed) >= s.limits.max_queue {
-        s.waiting.fetch_sub(1, Ordering::Relaxed);
-        s.metrics.rejected.add(1);
-        let mut e = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "the server is at capacity ({} running, {} queued): try again later",
-                s.limits.max_sequences, s.limits.max_queue
-            ),
-        );
-        e.retry_after = Some(1);
-        return Err(e);
-    }
+    admit(&s)?;
     let (tx, mut rx) = unbounded_channel();
     let (stream, include_usage, logprobs) = (request.stream, request.include_usage, request.logprobs.is_some());
     let job = Job { request, events: tx, arrived: Instant::now() };
-    let sent = s.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|jobs| jobs.send(job).is_ok());
-    if sent != Some(true) {
+    let sent = match s.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        Some(Inbox::Generate(jobs)) => jobs.send(job).is_ok(),
+        _ => false,
+    };
+    if !sent {
         s.waiting.fetch_sub(1, Ordering::Relaxed);
         return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"));
     }

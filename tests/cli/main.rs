@@ -25,3 +25,4 @@ mod prompts;
 mod readme;
 mod recorded_weights;
 mod serve;
+mod serve_embed;
