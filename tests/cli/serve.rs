@@ -14,7 +14,7 @@ pub(crate) struct Server {
     child: Child,
     pub(crate) addr: String,
     pub(crate) log: Arc<Mutex<String>>,
-    _dir: crate::common::Scratch,
+    _dir: std::path::PathBuf,
 }
 
 impl Drop for Server {
@@ -59,8 +59,8 @@ fn start(name: &str, max_positions: usize, args: &[&str]) -> Server {
 
 /// Starts `kiln serve MODEL ARGS` (the model and its arguments in `model`) on a free port (on
 /// the CPU back end, one thread, unless ARGS name a backend), and waits until `/health` says
-/// ready; `dir` is removed with the server.
-pub(crate) fn start_with(dir: crate::common::Scratch, model: &[String], args: &[&str]) -> Server {
+/// ready; `dir` holds its files.
+pub(crate) fn start_with(dir: std::path::PathBuf, model: &[String], args: &[&str]) -> Server {
     let mut command = Command::new(env!("CARGO_BIN_EXE_kiln"));
     command.arg("serve").args(model).args(["--port", "0"]);
     if !args.contains(&"--backend") {

@@ -205,41 +205,57 @@ pub fn fails_with(args: &[&str], needles: &[&str]) {
     assert_eq!(failure(args, needles), 1, "kiln {args:?}: a usage error where kiln's own was expected");
 }
 
-/// A scratch directory for one test, `name` unique within its test binary: removed when the
-/// test is done with it, kept (for a look) when the test failed.
-pub fn scratch(name: &str) -> Scratch {
+/// A scratch directory for one test, `name` unique within its test binary. Every one a test
+/// binary made is removed when it exits, unless a test failed (for a look at what it left).
+pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-test-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
+    scratch_cleanup::register(&dir);
+    dir
 }
 
-/// See [`scratch`]. The suite wrote ~1.6 GB a run into the temporary directory before these
-/// were removed (a fine-tuned SmolLM2 among them).
-pub struct Scratch(PathBuf);
+/// Removing the scratch directories at exit: the suite left ~1.6 GB in the temporary directory a
+/// run before (a fine-tuned SmolLM2 among them). A test's directory may outlive its `scratch`
+/// call's value (helpers return paths inside it) and be shared by tests of one binary, so they
+/// go when the binary ends, through the C library's `atexit`, which runs after the harness's last
+/// test. A panic anywhere (a failed test) keeps them all.
+mod scratch_cleanup {
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
-impl std::ops::Deref for Scratch {
-    type Target = PathBuf;
-    fn deref(&self) -> &PathBuf {
-        &self.0
+    static DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    static FAILED: AtomicBool = AtomicBool::new(false);
+
+    pub fn register(dir: &Path) {
+        static INSTALL: std::sync::Once = std::sync::Once::new();
+        INSTALL.call_once(|| {
+            let report = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                FAILED.store(true, Ordering::Relaxed);
+                report(info);
+            }));
+            #[cfg(unix)]
+            // SAFETY: `remove` is an `extern "C" fn()` that touches only statics and the file
+            // system; registering it once is what `atexit` is for.
+            unsafe {
+                libc::atexit(remove);
+            }
+        });
+        let mut dirs = DIRS.lock().unwrap_or_else(|e| e.into_inner());
+        if !dirs.iter().any(|d| d == dir) {
+            dirs.push(dir.to_path_buf());
+        }
     }
-}
 
-impl AsRef<std::path::Path> for Scratch {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::ffi::OsStr> for Scratch {
-    fn as_ref(&self) -> &std::ffi::OsStr {
-        self.0.as_os_str()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
+    #[cfg(unix)]
+    extern "C" fn remove() {
+        if FAILED.load(Ordering::Relaxed) {
+            return;
+        }
+        let dirs = DIRS.lock().map(|d| d.clone()).unwrap_or_default();
+        for dir in dirs {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
