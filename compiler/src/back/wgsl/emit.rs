@@ -328,7 +328,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             let mut s = format!("let d = dim(1u);\nlet id = u32(in{n}[i / d]);\nlet j = i % d;\n");
             let mut start = 0usize;
             for (p, rows) in splits.iter().enumerate() {
-                let read = format!("out[i] = f32(in{p}[j * dim({}u) + id - {start}u]);", p + 2);
+                let col = if start == 0 { "id".to_string() } else { format!("id - {start}u") };
+                let read = format!("out[i] = f32(in{p}[j * dim({}u) + {col}]);", p + 2);
                 s += &match (p, p + 1 == n) {
                     (_, true) if n == 1 => format!("{read}\n"),
                     (0, false) => format!("if (id < {}u) {{ {read} }}", start + rows),
