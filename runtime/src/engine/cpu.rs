@@ -51,7 +51,7 @@ impl Engine for CpuEngine {
     }
 
     fn park(&mut self) -> Parked {
-        Parked::new(std::mem::replace(&mut self.cache, KvCache::new()))
+        Parked::new(std::mem::take(&mut self.cache))
     }
 
     fn resume(&mut self, parked: Parked) -> R<()> {
