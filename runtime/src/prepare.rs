@@ -301,7 +301,7 @@ pub fn check_indices(
         } else if let Some(step_def) = plan.steps.iter().find(|s| s.output == ids)
             && let Op::Positions { .. } = step_def.op
         {
-            let len: usize = resolve(&plan.values[ids].shape, syms).iter().product();
+            let len = kiln_compiler::lower::elements(&plan.values[ids].shape, syms);
             let past = syms.get(&Sym::Past).copied().unwrap_or(0);
             if len + past > rows {
                 return Err(InterpError::IndexOutOfRange {

@@ -78,6 +78,18 @@ pub fn resolve(shape: &[Dim], syms: &std::collections::HashMap<Sym, usize>) -> V
         .collect()
 }
 
+/// The number of elements of `shape` at `syms` ([`resolve`]'s product, without allocating: a
+/// run sizes every buffer it binds by it, every step).
+pub fn elements(shape: &[Dim], syms: &std::collections::HashMap<Sym, usize>) -> usize {
+    shape
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(k) => *k,
+            Dim::Sym(s) => syms.get(s).copied().unwrap_or(0),
+        })
+        .product()
+}
+
 /// Writes `[a, b, c]`.
 pub fn fmt_shape(shape: &[Dim]) -> String {
     let dims: Vec<String> = shape.iter().map(Dim::to_string).collect();

@@ -328,7 +328,7 @@ pub(crate) fn assign_slots(values: &mut [Value], steps: &[Step], outputs: &[(Str
         .enumerate()
         .flat_map(|(i, s)| s.outputs().map(move |v| (i, v)))
         .map(|(i, v)| {
-            let size = resolve(&values[v].shape, &syms).iter().product::<usize>();
+            let size = elements(&values[v].shape, &syms);
             (v, i, last_use.get(&v).copied().unwrap_or(i).max(i), size)
         })
         .collect();
@@ -402,7 +402,7 @@ fn by_size(lives: &[(usize, usize, usize, usize)]) -> (Vec<usize>, usize) {
     (out, n)
 }
 
-pub use crate::graph::resolve;
+pub use crate::graph::{elements, resolve};
 
 /// The most elements a plan's value may have in its fixed dimensions (a plan read from a file
 /// is checked against it before anything is sized from it).
@@ -416,7 +416,7 @@ impl Plan {
         let mut slot_bytes = vec![0u64; self.slots];
         for v in &self.values {
             if let Storage::Slot(s) = v.storage {
-                let bytes = 4 * resolve(&v.shape, syms).iter().product::<usize>() as u64;
+                let bytes = 4 * elements(&v.shape, syms) as u64;
                 sum += bytes;
                 slot_bytes[s] = slot_bytes[s].max(bytes);
             }
@@ -442,7 +442,7 @@ impl Plan {
         for (_, o) in &self.outputs {
             last_use.insert(root(*o), usize::MAX);
         }
-        let bytes = |v: usize| 4 * resolve(&self.values[v].shape, syms).iter().product::<usize>() as u64;
+        let bytes = |v: usize| 4 * elements(&self.values[v].shape, syms) as u64;
         let mut live: u64 = 0;
         let mut peak: u64 = 0;
         let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -470,7 +470,7 @@ impl Plan {
         let mut slot_bytes = vec![4u64; self.slots];
         for v in &self.values {
             if let Storage::Slot(s) = v.storage {
-                let bytes = 4 * resolve(&v.shape, syms).iter().product::<usize>() as u64;
+                let bytes = 4 * elements(&v.shape, syms) as u64;
                 slot_bytes[s] = slot_bytes[s].max(bytes);
             }
         }

@@ -139,8 +139,7 @@ impl GpuModel {
     ) -> Result<Vec<Append<'_>>, GpuError> {
         let plan = &self.program.plan;
         let gpu = &self.gpu;
-        let fits =
-            |v: usize| 4 * resolve(&plan.values[v].shape, syms).iter().product::<usize>() as u64 <= gpu.chunk_bytes;
+        let fits = |v: usize| 4 * kiln_compiler::lower::elements(&plan.values[v].shape, syms) as u64 <= gpu.chunk_bytes;
         let mut appends = Vec::new();
         for site in &self.in_place {
             if !keep.contains(&site.site.present) || given.contains_key(&site.site.past) {

@@ -116,7 +116,7 @@ impl<'r> Buffers<'r> {
             Storage::Slot(s) => &self.slots[*s].1,
             Storage::Alias(_) => unreachable!("aliases resolved above"),
         };
-        let bytes = 4 * resolve(&plan.values[value].shape, self.syms).iter().product::<usize>() as u64;
+        let bytes = 4 * kiln_compiler::lower::elements(&plan.values[value].shape, self.syms) as u64;
         &all[..(bytes.div_ceil(self.model.gpu.chunk_bytes).max(1) as usize).min(all.len())]
     }
 }
