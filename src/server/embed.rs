@@ -14,7 +14,7 @@ use crate::cli::embed::Embedder;
 use axum::http::StatusCode;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::Receiver;
 use tokio::sync::oneshot;
 
 /// An embeddings request handed to the model's thread, and where its answer goes.
@@ -41,22 +41,7 @@ struct Pending {
 pub fn serve(embedder: &Embedder, jobs: Receiver<EmbedJob>, shared: &Shared, budget: usize) {
     let mut queue: VecDeque<Pending> = VecDeque::new();
     loop {
-        // Wait for work when there is none; take whatever has arrived otherwise.
-        let mut incoming = Vec::new();
-        if queue.is_empty() {
-            match jobs.recv() {
-                Ok(job) => incoming.push(job),
-                Err(_) => return,
-            }
-        }
-        loop {
-            match jobs.try_recv() {
-                Ok(job) => incoming.push(job),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) if queue.is_empty() && incoming.is_empty() => return,
-                Err(TryRecvError::Disconnected) => break,
-            }
-        }
+        let Some(incoming) = super::take_jobs(&jobs, queue.is_empty()) else { return };
         for job in incoming {
             match rows(embedder, &job.inputs) {
                 Ok(rows) => queue.push_back(Pending { job, rows, done: Vec::new() }),

@@ -20,7 +20,7 @@ use kiln_runtime::tokenize::DecodeStream;
 use kiln_runtime::{Pick, Sampler, Session, Tokenizer};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -83,24 +83,7 @@ pub fn serve(model: &Model, generator: &mut Generator, tokenizer: &Tokenizer, jo
     let mut running: Vec<Seq> = Vec::new();
     let mut reserved = 0u64;
     loop {
-        // Wait for work when there is none; take whatever has arrived otherwise.
-        let mut incoming = Vec::new();
-        if running.is_empty() && queue.is_empty() {
-            match jobs.recv() {
-                Ok(job) => incoming.push(job),
-                Err(_) => return,
-            }
-        }
-        loop {
-            match jobs.try_recv() {
-                Ok(job) => incoming.push(job),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) if running.is_empty() && queue.is_empty() && incoming.is_empty() => {
-                    return;
-                }
-                Err(TryRecvError::Disconnected) => break,
-            }
-        }
+        let Some(incoming) = super::take_jobs(&jobs, running.is_empty() && queue.is_empty()) else { return };
         for job in incoming {
             match check(model, tokenizer, context, limits, bytes_per_token, &job.request) {
                 Ok((prompt, max_new, sampler)) => {

@@ -122,6 +122,24 @@ impl Shared {
     }
 }
 
+/// The jobs that have arrived in a model thread's inbox: waiting for one first when the thread
+/// is `idle` (nothing queued or running), taking whatever is there otherwise. `None` once the
+/// server has stopped taking requests and an idle thread has nothing left to wait for.
+fn take_jobs<J>(inbox: &std::sync::mpsc::Receiver<J>, idle: bool) -> Option<Vec<J>> {
+    use std::sync::mpsc::TryRecvError;
+    let mut jobs = Vec::new();
+    if idle {
+        jobs.push(inbox.recv().ok()?);
+    }
+    loop {
+        match inbox.try_recv() {
+            Ok(job) => jobs.push(job),
+            // Disconnected: what is queued or running is finished first.
+            Err(TryRecvError::Empty | TryRecvError::Disconnected) => return Some(jobs),
+        }
+    }
+}
+
 /// Counts a generation request in [`Shared::in_flight`] while it lives (a stream's, while its
 /// body is being sent).
 struct InFlight(Arc<Shared>);
