@@ -381,6 +381,9 @@ fn bench_train_times_each_backend_side_by_side() {
     assert!(rows[0].starts_with("cpu") && rows[1].starts_with("interp"), "{out}");
     let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--json"])).unwrap();
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["peak_rss_mib"].as_f64().unwrap() > 1.0, "{v}");
+    // The same peak under the name independent checks read, in decimal megabytes.
+    let (mb, mib) = (v["peak_rss_mb"].as_f64().unwrap(), v["peak_rss_mib"].as_f64().unwrap());
+    assert!((mb / mib - 1.048_576).abs() < 1e-9, "{v}");
     assert_eq!(v["rows"][0]["backend"], "cpu");
     // Beside the optimized step, the step as autodiff builds it.
     let v: serde_json::Value = serde_json::from_str(&bench_train(&spec, &["--unoptimized", "--json"])).unwrap();
