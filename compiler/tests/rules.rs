@@ -78,6 +78,8 @@ const UNNAMED: &[&str] = &[
     "reshape-reshape",
     "reshape-identity",
     "concat-assoc",
+    "append-assoc",
+    "slice-whole",
     "heads-split-whole",
     // Its `matmul_t` becomes a `linear` (named by `matmul-to-linear`), or loses to the product
     // reading the transposed weight the forward computes anyway.
@@ -895,6 +897,50 @@ fn weight_grad_transposed_and_matmul_transposed_weight() {
         let opt = check_same(rule, &g);
         let permutes = ops(&opt).iter().filter(|o| *o == "permute").count();
         assert!(permutes <= 1, "`{rule}`: {:?}", ops(&opt));
+    }
+}
+
+/// The gradients of three projections by row slices of one packed weight (a query-key-value
+/// weight's parts), as autodiff sums them: the weight's gradient as one product over the stacked
+/// output gradients, the input's as one product over the whole weight — either order of the sum.
+#[test]
+fn stacked_projection_grads() {
+    for reversed in [false, true] {
+        let mut g = Graph::new("t");
+        let x = input(&mut g);
+        let packed = g.param("w", &[3 * D, D]);
+        let parts: Vec<NodeIndex> =
+            (0..3).map(|i| g.add(Op::Slice { axis: 0, start: i * D, len: D }, &[packed]).unwrap()).collect();
+        // Each part's output gradient, distinct values of the input's rows.
+        let dys: Vec<NodeIndex> = (0..3)
+            .map(|i| {
+                let y = g.add(Op::MatMul { transpose_b: true }, &[x, parts[i]]).unwrap();
+                g.add(Op::Act(Activation::Relu), &[y]).unwrap()
+            })
+            .collect();
+        // The weight's gradient: the parts' gradients stacked by rows.
+        let dws: Vec<NodeIndex> = dys.iter().map(|&dy| g.add(Op::ContractRows, &[dy, x]).unwrap()).collect();
+        let dw01 = g.add(Op::Concat { axis: 0 }, &[dws[0], dws[1]]).unwrap();
+        let dw = g.add(Op::Concat { axis: 0 }, &[dw01, dws[2]]).unwrap();
+        g.outputs.push(("dw".into(), dw));
+        // The input's gradient: the parts' input gradients summed, in either order.
+        let dxs: Vec<NodeIndex> =
+            (0..3).map(|i| g.add(Op::MatMul { transpose_b: false }, &[dys[i], parts[i]]).unwrap()).collect();
+        let order = if reversed { [2, 1, 0] } else { [0, 1, 2] };
+        let first = g.add(Op::Add, &[dxs[order[0]], dxs[order[1]]]).unwrap();
+        let dx = g.add(Op::Add, &[first, dxs[order[2]]]).unwrap();
+        g.outputs.push(("dx".into(), dx));
+        let rules: &[&str] = if reversed {
+            &["input-grads-stacked-r", "append-assoc", "slice-whole", "weight-grads-stacked"]
+        } else {
+            &["input-grads-stacked", "slice-whole", "weight-grads-stacked"]
+        };
+        for rule in rules {
+            let opt = check(rule, &g);
+            let count = |name: &str| ops(&opt).iter().filter(|o| *o == name).count();
+            assert_eq!(count("contract_rows"), 1, "`{rule}`: {:?}", ops(&opt));
+            assert_eq!(count("add"), 0, "`{rule}`: {:?}", ops(&opt));
+        }
     }
 }
 

@@ -118,7 +118,11 @@ pub fn gradients_recomputing(
     }
     let table = rules::all();
     let mut copies: HashMap<Block, Copies> = HashMap::new();
+    // Slices' gradients held back until their operand's gradient is wanted (see `settle`).
+    let mut pieces: HashMap<NodeIndex, Vec<Piece>> = HashMap::new();
     for n in graph.order().into_iter().rev() {
+        // Every reader of `n` comes before it in this order, so its pieces are all in.
+        settle(&mut g, &mut grads, &mut pieces, n)?;
         let Some(&dy) = grads.get(&n) else { continue };
         let node = rules::node(graph, n)?;
         if matches!(node.op, Op::Param { .. }) {
@@ -143,6 +147,14 @@ pub fn gradients_recomputing(
             None => (operands.clone(), n),
         };
         g.scope = node.scope.clone();
+        if let (Op::Slice { axis, start, len }, [x], [x_read]) = (&node.op, operands.as_slice(), read.as_slice())
+            && let Some(&Dim::Fixed(total)) = rules::shape(&g, *x_read)?.get(*axis)
+        {
+            let (axis, start, len) = (*axis, *start, *len);
+            let piece = Piece { axis, start, len, total, dy, read: *x_read, scope: node.scope.clone() };
+            pieces.entry(*x).or_default().push(piece);
+            continue;
+        }
         let site = rules::Site { op: &node.op, scope: &node.scope, operands: &read, output, dy, needs: &needs };
         let back = (rule.grad)(&mut g, &site)?;
         for ((&operand, need), grad) in operands.iter().zip(&needs).zip(back) {
@@ -248,6 +260,71 @@ fn used(g: &Graph) -> Graph {
     // Index order is a topological order: every node is added after its operands.
     let kept: Vec<NodeIndex> = g.g.node_indices().filter(|n| keep.contains(n)).collect();
     g.renumbered(&kept)
+}
+
+/// The gradient of one slice of a value, not yet padded to the value's extent: `dy` is the
+/// gradient of `read[start..start + len]` along `axis` (`read` is the value, or its recomputed
+/// copy; the zeros between pieces take their other extents from it).
+struct Piece {
+    axis: usize,
+    start: usize,
+    len: usize,
+    total: usize,
+    dy: NodeIndex,
+    read: NodeIndex,
+    scope: String,
+}
+
+/// Adds the slices' gradients held back for `node` to its gradient. Slices that do not overlap
+/// along one axis (a packed projection's query, key and value parts) make one concatenation of
+/// their gradients in order, zeros only in the gaps — rather than each padded to the whole
+/// extent with zeros and the paddings added, three full-size passes and two additions of zeros
+/// for a packed weight. Pieces that overlap one already placed are padded and added alone.
+fn settle(
+    g: &mut Graph,
+    grads: &mut HashMap<NodeIndex, NodeIndex>,
+    pieces: &mut HashMap<NodeIndex, Vec<Piece>>,
+    node: NodeIndex,
+) -> Result<(), AutodiffError> {
+    let Some(mut all) = pieces.remove(&node) else { return Ok(()) };
+    let scope = std::mem::take(&mut g.scope);
+    all.sort_by_key(|p| (p.axis, p.start));
+    while !all.is_empty() {
+        // A run of pieces along the first piece's axis, none overlapping the one before.
+        let axis = all[0].axis;
+        let mut run: Vec<Piece> = Vec::new();
+        let mut rest: Vec<Piece> = Vec::new();
+        for p in all {
+            let free = run.last().is_none_or(|last: &Piece| last.start + last.len <= p.start);
+            if p.axis == axis && free { run.push(p) } else { rest.push(p) }
+        }
+        g.scope = run[0].scope.clone();
+        let (read, total) = (run[0].read, run[0].total);
+        let zeros = |g: &mut Graph, start: usize, len: usize| -> Result<NodeIndex, AutodiffError> {
+            let part = rules::add(g, Op::Slice { axis, start, len }, &[read])?;
+            rules::zeros_like(g, part)
+        };
+        let mut parts: Vec<NodeIndex> = Vec::new();
+        let mut at = 0;
+        for p in &run {
+            if p.start > at {
+                parts.push(zeros(g, at, p.start - at)?);
+            }
+            parts.push(p.dy);
+            at = p.start + p.len;
+        }
+        if at < total {
+            parts.push(zeros(g, at, total - at)?);
+        }
+        let mut dx = parts[0];
+        for &part in &parts[1..] {
+            dx = rules::add(g, Op::Concat { axis }, &[dx, part])?;
+        }
+        accumulate(g, grads, node, dx)?;
+        all = rest;
+    }
+    g.scope = scope;
+    Ok(())
 }
 
 /// Adds `grad` to the gradient gathered so far for `node`.

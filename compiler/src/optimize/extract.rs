@@ -2,7 +2,8 @@
 //! shared values (charged to none of their readers, see `Cost`) is stable; `extract` keeps the
 //! cheaper, each value counted once (`dag_cost`), of two such extractions, the second of which
 //! starts with merged projections charged in shares to their slices (`sliced_classes`), then
-//! takes each group of choices a multi-class rule made where that lowers the cost (`regroup`); `rebuild`
+//! takes each group of choices a multi-class rule made where that lowers the cost (`regroup`), and
+//! each node whose operands the graph computes already where that does (`reuse`); `rebuild`
 //! turns the chosen terms back into graph nodes, sharing identical ones, each with the scope of the
 //! ops it replaces and the rules that made it.
 
@@ -124,14 +125,67 @@ pub(super) fn extract(egraph: &KGraph, model: &CostModel, roots: &[Id]) -> Choic
     }
     candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
     let (best, cost) = candidates.swap_remove(0);
-    regroup(egraph, model, roots, best, cost)
+    let (best, cost) = regroup(egraph, model, roots, best, cost);
+    reuse(egraph, model, roots, best, cost)
+}
+
+/// Most passes of [`reuse`] over the graph.
+const REUSE_ROUNDS: usize = 4;
+
+/// Takes, class by class, a node whose operands the chosen graph computes already, where the
+/// whole graph then costs less. A tree extraction charges an operand to each of its readers, so
+/// a form reading a value another choice made looks dearer than it is: the stacked output
+/// gradients of a packed projection, read by the weight's gradient and by the input's, pay
+/// only once both products read them.
+fn reuse(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choices, mut cost: f64) -> Choices {
+    for _ in 0..REUSE_ROUNDS {
+        let reached = reachable(egraph, &choices, roots);
+        let mut order: Vec<Id> = reached.iter().copied().collect();
+        order.sort();
+        let mut improved = false;
+        for class in order {
+            let current = choices.node(egraph, class).clone();
+            for node in &egraph[class].nodes {
+                let node = node.clone().map_children(|c| egraph.find(c));
+                if node == current || !node.all(|c| reached.contains(&c)) {
+                    continue;
+                }
+                let mut trial = Choices { best: choices.best.clone() };
+                trial.best.insert(class, node);
+                if !trial.acyclic(egraph, roots) {
+                    continue;
+                }
+                let trial_cost = dag_cost(egraph, model, &trial, roots);
+                if trial_cost < cost {
+                    (choices, cost, improved) = (trial, trial_cost, true);
+                    break;
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    choices
+}
+
+/// The classes the choices reach from `roots`.
+fn reachable(egraph: &KGraph, choices: &Choices, roots: &[Id]) -> HashSet<Id> {
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
+    while let Some(class) = stack.pop() {
+        if seen.insert(class) {
+            stack.extend(choices.node(egraph, class).children().iter().map(|&c| egraph.find(c)));
+        }
+    }
+    seen
 }
 
 /// Takes each group of choices a multi-class rule made ([`KAnalysis::groups`]) where the whole
 /// graph then costs less, one group at a time. A group's op serves several values (a decoder
 /// step's attention that also appends to the caches): a tree extraction charges it to each of
 /// them and never picks it, while counting each value once shows what it saves.
-fn regroup(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choices, mut cost: f64) -> Choices {
+fn regroup(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choices, mut cost: f64) -> (Choices, f64) {
     for group in &egraph.analysis.groups {
         let mut trial = Choices { best: choices.best.clone() };
         for (class, node) in group {
@@ -151,7 +205,7 @@ fn regroup(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choice
             (choices, cost) = (trial, trial_cost);
         }
     }
-    choices
+    (choices, cost)
 }
 
 /// The classes an extractor finds a term for: those with a node whose children all have one

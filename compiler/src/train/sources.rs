@@ -109,6 +109,7 @@ pub fn on_tensors(graph: &Graph, map: &WeightMap, dims: &PackDims) -> Result<(Gr
     let mut g = Graph::new(&graph.name);
     let mut tensors: HashMap<String, NodeIndex> = HashMap::new();
     let mut readings: HashMap<String, NodeIndex> = HashMap::new();
+    let mut transposed: HashMap<NodeIndex, NodeIndex> = HashMap::new();
     let mut map_node: HashMap<NodeIndex, NodeIndex> = HashMap::new();
     for n in graph.order() {
         let node = &graph.g[n];
@@ -121,7 +122,7 @@ pub fn on_tensors(graph: &Graph, map: &WeightMap, dims: &PackDims) -> Result<(Gr
                         continue;
                     };
                     let t = *tensors.entry(u.tensor.clone()).or_insert_with(|| g.param(&u.tensor, &u.shape));
-                    let r = reading(&mut g, t, source, &u.shape, dims)?;
+                    let r = reading(&mut g, t, source, &u.shape, dims, &mut transposed)?;
                     readings.insert(name.clone(), r);
                     r
                 }
@@ -181,18 +182,25 @@ fn stored_shape(source: &Source, param: &[usize], dims: &PackDims) -> Result<Vec
 }
 
 /// Adds the reading of `source` from tensor node `t` (of `stored` shape), in the order loading
-/// applies it: transpose, unpack, RoPE rows.
+/// applies it: transpose, unpack, RoPE rows. A tensor is transposed once for all the parameters
+/// read from it (`transposed`, by tensor node): the parts of a packed tensor are then slices of
+/// one value, whose gradients autodiff joins into one concatenation rather than transposing and
+/// adding a zero-padded copy of the whole tensor per part.
 fn reading(
     g: &mut Graph,
     t: NodeIndex,
     source: &Source,
     stored: &[usize],
     dims: &PackDims,
+    transposed: &mut HashMap<NodeIndex, NodeIndex>,
 ) -> Result<NodeIndex, GraphError> {
     let mut x = t;
     let mut shape = stored.to_vec();
     if source.transpose && shape.len() == 2 {
-        x = g.add(Op::Permute { perm: vec![1, 0] }, &[x])?;
+        x = match transposed.get(&t) {
+            Some(&x) => x,
+            None => *transposed.entry(t).or_insert(g.add(Op::Permute { perm: vec![1, 0] }, &[x])?),
+        };
         shape.reverse();
     }
     let reshape = |g: &mut Graph, x: NodeIndex, s: &[usize]| {

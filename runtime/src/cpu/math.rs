@@ -215,16 +215,19 @@ fn softmax_rows_generic(rows: &mut [f32], width: usize) {
 /// AVX2 with FMA, and for the baseline — and the widest the CPU has taken at run time ([`isa`]).
 macro_rules! dispatch {
     ($(#[$doc:meta])* fn $name:ident = $generic:ident($($arg:ident: $ty:ty),*);) => {
+        dispatch! { $(#[$doc])* fn $name = $generic($($arg: $ty),*) -> (); }
+    };
+    ($(#[$doc:meta])* fn $name:ident = $generic:ident($($arg:ident: $ty:ty),*) -> $ret:ty;) => {
         $(#[$doc])*
-        pub fn $name($($arg: $ty),*) {
+        pub fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
-                fn avx512($($arg: $ty),*) {
+                fn avx512($($arg: $ty),*) -> $ret {
                     $generic($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                fn avx2($($arg: $ty),*) {
+                fn avx2($($arg: $ty),*) -> $ret {
                     $generic($($arg),*)
                 }
                 let isa = isa();
@@ -270,6 +273,84 @@ dispatch! {
     /// order) — the interpreter's softmax up to the order of that sum and a multiplication by its
     /// reciprocal for the division (a unit in the last place of f32 at most).
     fn softmax_rows = softmax_rows_generic(rows: &mut [f32], width: usize);
+}
+
+/// The constants of one AdamW step, as `torch.optim.AdamW` computes each element (see
+/// [`adamw`]); every field is the f32 the update multiplies or adds.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamStep {
+    /// The clipping factor the gradient is read with (1 unclipped).
+    pub scale: f32,
+    /// `1 - lr * weight_decay`, or exactly 1 where the parameter takes no decay (`p * 1.0` is
+    /// `p`, bit for bit, so no branch is needed).
+    pub decay: f32,
+    /// The first moment's interpolation weight, `1 - beta1`.
+    pub w1: f32,
+    /// `beta2`.
+    pub b2: f32,
+    /// `1 - beta2`.
+    pub w2: f32,
+    /// `sqrt(1 - beta2^t)`, the second moment's bias correction.
+    pub bc2_sqrt: f32,
+    /// The denominator's epsilon.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^t)`.
+    pub neg_step: f32,
+}
+
+/// `torch.lerp(start, end, weight)` as PyTorch's CPU kernel computes it — from whichever end is
+/// nearer, so a weight near 1 loses no precision — for a weight below one half in magnitude (the
+/// other form is [`lerp_far`]); the caller picks the form once per call, so the loop has no branch.
+#[inline(always)]
+fn lerp_near(start: f32, end: f32, weight: f32) -> f32 {
+    start + weight * (end - start)
+}
+
+/// `torch.lerp` for a weight of magnitude one half or more.
+#[inline(always)]
+fn lerp_far(start: f32, end: f32, weight: f32) -> f32 {
+    end - (end - start) * (1.0 - weight)
+}
+
+fn adamw_generic(c: AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    // One loop per form of the interpolation, chosen outside it, so each vectorizes. Each
+    // element is the same f32 arithmetic in the same order as the scalar formula: a vector
+    // `sqrt` and division round as the scalar ones do, and nothing is contracted into an FMA.
+    macro_rules! update {
+        ($lerp:ident) => {
+            for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(m.iter_mut().zip(v.iter_mut())) {
+                let g = g * c.scale;
+                *p *= c.decay;
+                *m = $lerp(*m, g, c.w1);
+                *v = *v * c.b2 + c.w2 * g * g;
+                let denom = v.sqrt() / c.bc2_sqrt + c.eps;
+                *p += c.neg_step * *m / denom;
+            }
+        };
+    }
+    if c.w1.abs() < 0.5 {
+        update!(lerp_near);
+    } else {
+        update!(lerp_far);
+    }
+}
+
+dispatch! {
+    /// One AdamW step over a piece of a parameter `p`, its gradient `g` and moments `m`, `v`, in
+    /// place, as `torch.optim.AdamW` (not fused, not `foreach`) computes each element:
+    /// `g *= scale; p *= decay; m = lerp(m, g, 1 - b1); v = v * b2 + (1 - b2) * g * g;
+    /// p += neg_step * m / (sqrt(v) / bc2_sqrt + eps)`.
+    fn adamw = adamw_generic(c: AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]);
+}
+
+fn sum_squares_generic(xs: &[f32], scale: f32) -> f64 {
+    sum_f64(xs, |x| f64::from(x * scale).powi(2))
+}
+
+dispatch! {
+    /// The sum of `(x * scale)^2` over `xs`: each product in f32, squared and summed in f64 as
+    /// [`sum_f64`] sums (a gradient's share of the global norm, as the update will read it).
+    fn sum_squares = sum_squares_generic(xs: &[f32], scale: f32) -> f64;
 }
 
 /// The sum of `f(x)` over `xs`, in f64: eight running sums over the elements in turn (so the

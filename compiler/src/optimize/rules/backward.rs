@@ -1,7 +1,9 @@
 //! The backward forms of a training step that pay: a weight's gradient, summed over the batch,
 //! as one product over all the rows; the transposes a weight stored `[in, out]` (GPT-2's
 //! `Conv1D`) adds to the backward, read by the products instead of copied; a norm's input
-//! gradient with the residual path's gradient to the same input added in its pass.
+//! gradient with the residual path's gradient to the same input added in its pass; the
+//! gradients of projections by slices of one weight (a packed query-key-value weight's parts)
+//! as one product over the stacked gradients, for the weight and for the input.
 
 use super::*;
 use egg::rewrite as rw;
@@ -42,6 +44,36 @@ fn residual_of_input(egraph: &mut KGraph, _: Id, subst: &Subst) -> bool {
     r.is_some() && r == x
 }
 
+/// `?a` and `?b` are rank-3 activations `[b, r, n]` of the same leading extents, so they stack
+/// along their last axis (`append`, a concatenation on axis 2).
+fn stack_columns(egraph: &mut KGraph, _: Id, subst: &Subst) -> bool {
+    stackable(egraph, subst)
+}
+
+fn stackable(egraph: &KGraph, subst: &Subst) -> bool {
+    match (shape(egraph, subst[var("?a")]), shape(egraph, subst[var("?b")])) {
+        (Some(a), Some(b)) => a.len() == 3 && b.len() == 3 && a.get(..2) == b.get(..2),
+        _ => false,
+    }
+}
+
+/// The row slices `?s1` and `?s2` of one matrix are adjacent, `?s1` first, and `?a`, `?b` stack
+/// (see [`stack_columns`]): `?s12`, one slice of the rows of both.
+fn adjacent_rows(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str, AttrValue)>> {
+    let (Op::Slice { axis: 0, start: a, len: la }, Op::Slice { axis: 0, start: b, len: lb }) =
+        (op_of(egraph, s, "?s1")?, op_of(egraph, s, "?s2")?)
+    else {
+        return None;
+    };
+    let rows = Op::Slice { axis: 0, start: *a, len: la + lb };
+    (a + la == *b && stackable(egraph, s)).then(|| vec![("?s12", AttrValue::Op(rows))])
+}
+
+/// The slice `?s` keeps all of `?x`.
+fn is_whole(egraph: &mut KGraph, id: Id, subst: &Subst) -> bool {
+    matches!((shape(egraph, subst[var("?x")]), shape(egraph, id)), (Some(x), Some(y)) if x == y)
+}
+
 #[rustfmt::skip]
 pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
     vec![
@@ -59,5 +91,20 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
                                => "(norm_grad ?o ?x ?g ?dy ?r)" if residual_of_input),
         rw!("norm-grad-residual-left"; "(add ?r (norm_grad ?o ?x ?g ?dy none))"
                                     => "(norm_grad ?o ?x ?g ?dy ?r)" if residual_of_input),
+        // [a^T x; b^T x] = [a b]^T x                        (the weight gradients of projections
+        //                                                   of one input x, stacked by rows)
+        rw!("weight-grads-stacked"; "(concat (contract_rows ?a ?x) (contract_rows ?b ?x))"
+                                 => "(contract_rows (append ?a ?b) ?x)" if stack_columns),
+        // a W[r1] + b W[r2] = [a b] W[r1 r2]                 (the input gradient of projections by
+        //                                                   adjacent row slices r1, r2 of one W)
+        rw!("input-grads-stacked"; "(add (matmul ?a (slice ?s1 ?w)) (matmul ?b (slice ?s2 ?w)))"
+                                => { derive("(matmul (append ?a ?b) (slice ?s12 ?w))", adjacent_rows) }),
+        rw!("input-grads-stacked-r"; "(add (matmul ?b (slice ?s2 ?w)) (matmul ?a (slice ?s1 ?w)))"
+                                  => { derive("(matmul (append ?a ?b) (slice ?s12 ?w))", adjacent_rows) }),
+        // [a [b c]] = [[a b] c]                              (one association, so the stacks the
+        //                                                   two rules above make are one value)
+        rw!("append-assoc"; "(append ?a (append ?b ?c))" => "(append (append ?a ?b) ?c)"),
+        // x[all rows] = x
+        rw!("slice-whole"; "(slice ?s ?x)" => "?x" if is_whole),
     ]
 }
