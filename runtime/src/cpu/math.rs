@@ -213,6 +213,8 @@ fn softmax_rows_generic(rows: &mut [f32], width: usize) {
 
 /// Public entry points over a `*_generic` body, each compiled three times — for AVX-512, for
 /// AVX2 with FMA, and for the baseline — and the widest the CPU has taken at run time ([`isa`]).
+/// The body must be `#[inline(always)]`: a body the compiler keeps out of line is compiled once,
+/// for the baseline, whichever entry calls it (the AdamW update ran at SSE2 width so).
 macro_rules! dispatch {
     ($(#[$doc:meta])* fn $name:ident = $generic:ident($($arg:ident: $ty:ty),*);) => {
         dispatch! { $(#[$doc])* fn $name = $generic($($arg: $ty),*) -> (); }
@@ -312,6 +314,7 @@ fn lerp_far(start: f32, end: f32, weight: f32) -> f32 {
     end - (end - start) * (1.0 - weight)
 }
 
+#[inline(always)]
 fn adamw_generic(c: AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     // One loop per form of the interpolation, chosen outside it, so each vectorizes. Each
     // element is the same f32 arithmetic in the same order as the scalar formula: a vector
@@ -343,6 +346,7 @@ dispatch! {
     fn adamw = adamw_generic(c: AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]);
 }
 
+#[inline(always)]
 fn sum_squares_generic(xs: &[f32], scale: f32) -> f64 {
     sum_f64(xs, |x| f64::from(x * scale).powi(2))
 }

@@ -567,6 +567,14 @@ impl CpuModel {
         });
         let presents: HashMap<&str, &str> =
             links.iter().map(|(present, past)| (present.as_str(), past.as_str())).collect();
+        // Slots that hold exactly one output's value: the output takes the slot's buffer itself
+        // (the run is over), and the slot a given-back buffer, rather than a copy of it.
+        let mut readers: HashMap<usize, usize> = HashMap::new();
+        for (_, v) in &plan.outputs {
+            if let Storage::Slot(s) = plan.values[root(plan, *v)].storage {
+                *readers.entry(s).or_default() += 1;
+            }
+        }
         let outputs = run.and_then(|()| {
             let mut outputs = Vec::new();
             let mut replaced = Vec::new();
@@ -576,7 +584,16 @@ impl CpuModel {
                 if past_name.is_some_and(|p| appended.contains_key(*p)) {
                     continue; // Already in the cache.
                 }
-                let t = match self.arg(*v, &inputs, &slots, &syms, &views, kv)?.1 {
+                let r = root(plan, *v);
+                let taken = match plan.values[r].storage {
+                    Storage::Slot(s) if readers.get(&s) == Some(&1) && !views.contains_key(&r) => {
+                        self.take_slot(&mut slots, s, shape.iter().product())
+                    }
+                    _ => None,
+                };
+                let t = match taken {
+                    Some(data) => Tensor::f32(shape, data),
+                    None => match self.arg(*v, &inputs, &slots, &syms, &views, kv)?.1 {
                     Arg::F32(x) => Tensor::f32(shape, self.output_buffer(x)),
                     Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
                     Arg::Quant(q) => q.dequantize(),
@@ -588,6 +605,7 @@ impl CpuModel {
                     Arg::Transposed(_) => {
                         return Err(CpuError::Internal("an output is a weight".into()));
                     }
+                    },
                 };
                 match past_name {
                     Some(p) => replaced.push((p.to_string(), t)),
@@ -641,6 +659,36 @@ impl CpuModel {
         }
         // No more than one run's outputs are kept.
         spare.truncate(self.plan.outputs.len());
+    }
+
+    /// The f32 buffer of slot `s` as an output of `len` elements, the slot given a buffer given
+    /// back by [`CpuModel::recycle`] in its place (made as long as the slot was, so the next run
+    /// finds it grown); `None` if the slot holds no f32 data of that length or no buffer given
+    /// back fits.
+    fn take_slot(&self, slots: &mut [Buf], s: usize, len: usize) -> Option<Vec<f32>> {
+        let Some(Buf::F32(held)) = slots.get(s) else { return None };
+        if held.len() < len {
+            return None;
+        }
+        let room = held.len();
+        // The smallest that fits, so that a large slot finds a large buffer after it.
+        let spare = self.spare.lock().ok().and_then(|mut spare| {
+            let (at, _) =
+                spare.iter().enumerate().filter(|(_, v)| v.capacity() >= room).min_by_key(|(_, v)| v.capacity())?;
+            Some(spare.swap_remove(at))
+        });
+        // Without one the value is copied (the first run's outputs): the slot keeps its buffer
+        // rather than growing a new one on the next run.
+        let mut fresh = spare?;
+        // Only the part past the spare's length is written (none where it held a value of this
+        // slot's length before).
+        fresh.resize(room, 0.0);
+        let Some(Buf::F32(held)) = slots.get_mut(s).map(|b| std::mem::replace(b, Buf::F32(fresh))) else {
+            return None;
+        };
+        let mut out = held;
+        out.truncate(len);
+        Some(out)
     }
 
     /// `x` copied into a given-back buffer of its length, or a new one.
