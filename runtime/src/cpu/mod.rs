@@ -56,7 +56,7 @@ use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, PlanError, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// What can go wrong on the CPU back end.
@@ -194,6 +194,9 @@ pub struct CpuModel {
     appends: Vec<AppendSite>,
     /// Buffers of outputs given back ([`CpuModel::recycle`]), which the next run's outputs reuse.
     spare: Mutex<Vec<Vec<f32>>>,
+    /// Parameter values whose tensors [`CpuModel::run_lent`] gave back: the model holds none for
+    /// them until the next lending or [`CpuModel::update_params`].
+    vacated: HashSet<usize>,
 }
 
 /// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
@@ -327,6 +330,7 @@ impl CpuModel {
             transposes,
             appends,
             spare: Mutex::new(Vec::new()),
+            vacated: HashSet::new(),
         })
     }
 
@@ -371,10 +375,10 @@ impl CpuModel {
             let held_shape = match self.consts.get(&id) {
                 Some(Const::F32(t)) => t.shape.clone(),
                 Some(Const::Quant(_)) => return Ok(false),
-                None => match self.transposed.get(&id) {
-                    Some(_) => resolve(&value.shape, &HashMap::new()),
-                    None => continue,
-                },
+                None if self.transposed.contains_key(&id) || self.vacated.contains(&id) => {
+                    resolve(&value.shape, &HashMap::new())
+                }
+                None => continue,
             };
             if src.shape != held_shape {
                 return Ok(false);
@@ -382,7 +386,7 @@ impl CpuModel {
             by_name.entry(name.as_str()).or_default().push(id);
         }
         use rayon::prelude::*;
-        let (consts, transposed) = (&mut self.consts, &mut self.transposed);
+        let (consts, transposed, vacated) = (&mut self.consts, &mut self.transposed, &mut self.vacated);
         self.pool.install(|| {
             for (name, ids) in &by_name {
                 let Some(src) = params.get(*name) else { continue };
@@ -408,6 +412,12 @@ impl CpuModel {
                     for id in ids {
                         consts.insert(*id, Const::F32(t.clone()));
                     }
+                } else if ids.iter().any(|id| vacated.contains(id)) {
+                    let t = Arc::new(src.clone());
+                    for id in ids {
+                        vacated.remove(id);
+                        consts.insert(*id, Const::F32(t.clone()));
+                    }
                 }
                 for id in ids {
                     if let (Some(out), &[n, k]) = (transposed.get_mut(id), src.shape.as_slice()) {
@@ -417,6 +427,60 @@ impl CpuModel {
             }
         });
         Ok(true)
+    }
+
+    /// [`CpuModel::run`] with the parameters of `params` lent to the model for this run instead
+    /// of copied into it ([`CpuModel::update_params`]), for a training step, whose parameters
+    /// change after every run: each f32 tensor is moved into the model and moved back into
+    /// `params` after the run, whatever its outcome, and the model holds no copy of its own
+    /// in between. `Ok(None)`, and nothing run or moved, where [`CpuModel::update_params`]
+    /// would not apply, or a parameter is held transposed.
+    pub fn run_lent(
+        &mut self,
+        params: &mut HashMap<String, Tensor>,
+        given: &HashMap<String, Tensor>,
+    ) -> R<Option<Vec<(String, Tensor)>>> {
+        if !self.plan.folds.is_empty() {
+            return Ok(None);
+        }
+        // Every check before the first move.
+        let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (id, value) in self.plan.values.iter().enumerate() {
+            let Storage::Param(name) = &value.storage else { continue };
+            let Some(src) = params.get(name).filter(|t| t.as_f32().is_some()) else { return Ok(None) };
+            let held_shape = match self.consts.get(&id) {
+                Some(Const::F32(t)) => t.shape.clone(),
+                None if self.vacated.contains(&id) => resolve(&value.shape, &HashMap::new()),
+                Some(Const::Quant(_)) | None => return Ok(None),
+            };
+            if src.shape != held_shape || self.transposed.contains_key(&id) {
+                return Ok(None);
+            }
+            by_name.entry(name.clone()).or_default().push(id);
+        }
+        for (name, ids) in &by_name {
+            let Some(t) = params.remove(name) else { continue };
+            let t = Arc::new(t);
+            for &id in ids {
+                self.consts.insert(id, Const::F32(t.clone()));
+                self.vacated.remove(&id);
+            }
+        }
+        let outputs = self.run(given);
+        for (name, ids) in by_name {
+            let mut held: Option<Arc<Tensor>> = None;
+            for id in ids {
+                if let Some(Const::F32(t)) = self.consts.remove(&id) {
+                    held = Some(t);
+                }
+                self.vacated.insert(id);
+            }
+            // The model's holders were dropped just above; a run keeps no other.
+            if let Some(t) = held {
+                params.insert(name, Arc::try_unwrap(t).unwrap_or_else(|t| (*t).clone()));
+            }
+        }
+        outputs.map(Some)
     }
 
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot

@@ -138,6 +138,23 @@ impl StepRunner {
         }
     }
 
+    /// [`StepRunner::run`] with `params` lent rather than copied where the device allows: the CPU
+    /// model holds the tensors themselves for the run ([`CpuModel::run_lent`]) and gives them
+    /// back, whatever the outcome; elsewhere (and for the run that builds the model) as `run`.
+    pub fn run_lent(
+        &mut self,
+        params: &mut HashMap<String, Tensor>,
+        batch: &HashMap<String, Tensor>,
+        progress: &dyn Progress,
+    ) -> Result<StepOutput, RunError> {
+        if let Kind::Cpu { model: Some(m), .. } = &mut self.kind
+            && let Some(outputs) = m.run_lent(params, batch)?
+        {
+            return step_output(outputs);
+        }
+        self.run(params, batch, progress)
+    }
+
     /// The loss and gradients of `batch` with the parameters `params` (by tensor name).
     pub fn run(
         &mut self,
@@ -182,15 +199,20 @@ impl StepRunner {
                 model.run(batch)?
             }
         };
-        let mut loss = None;
-        let mut grads = HashMap::new();
-        for (name, t) in outputs {
-            if name == LOSS {
-                loss = t.as_f32().and_then(|v| v.first()).map(|&l| f64::from(l));
-            } else if let Some(tensor) = name.strip_prefix("grad.") {
-                grads.insert(tensor.to_string(), t);
-            }
-        }
-        Ok(StepOutput { loss: loss.ok_or(RunError::NoLoss)?, grads })
+        step_output(outputs)
     }
+}
+
+/// A step's loss and gradients, from the graph's outputs.
+fn step_output(outputs: Vec<(String, Tensor)>) -> Result<StepOutput, RunError> {
+    let mut loss = None;
+    let mut grads = HashMap::new();
+    for (name, t) in outputs {
+        if name == LOSS {
+            loss = t.as_f32().and_then(|v| v.first()).map(|&l| f64::from(l));
+        } else if let Some(tensor) = name.strip_prefix("grad.") {
+            grads.insert(tensor.to_string(), t);
+        }
+    }
+    Ok(StepOutput { loss: loss.ok_or(RunError::NoLoss)?, grads })
 }
