@@ -50,7 +50,7 @@ fn golden(name: &str) {
 fn the_tests_check_the_kernel_bounds() {
     let (x, w) = ([1.0f32; 6], [1.0f32; 6]);
     let short = std::panic::catch_unwind(|| {
-        kiln_runtime::cpu::linear::gemm_f32(2, 2, 3, &x[..5], &w, false, &mut [0.0; 4], 1);
+        kiln_runtime::cpu::linear::gemm_f32(2, 2, 3, &x[..5], &w, None, &mut [0.0; 4], 1);
     });
     assert!(cfg!(debug_assertions) && short.is_err(), "an input one element short of a projection's passed unchecked");
 }
@@ -214,6 +214,70 @@ fn permutes_match_the_interpreter() {
         let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
         let got = cpu(plan, &params, 2).run(&HashMap::new()).unwrap();
         assert_eq!(got[0].1, expected[0].1, "permute {perm:?} of {shape:?}");
+    }
+}
+
+/// A weight stored `[in, out]` in a plan that folds nothing (a training step's): the projections
+/// and products reading its transpose, or row slices of it (a packed weight's parts), read the
+/// parameter in place, and the transposes and slices are not run — the outputs as the
+/// interpreter's, at one and two threads, the parameters given at build and lent for a run.
+#[test]
+fn weights_stored_in_out_are_read_in_place() {
+    use kiln_compiler::back::cpu::write;
+    use kiln_compiler::graph::{Activation, Graph, InputRole, Op, Sym};
+    let (d, parts) = (6usize, 3usize);
+    let mut g = Graph::new("views");
+    let ids = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+    let table = g.param("table", &[16, d]);
+    let x = g.add(Op::Gather, &[table, ids]).unwrap();
+    // A packed [in, out * 3] weight read as three slices of its transpose, and a square one read
+    // whole by a projection and by a product (an input's gradient).
+    let packed = g.param("packed", &[d, parts * d]);
+    let packed_t = g.add(Op::Permute { perm: vec![1, 0] }, &[packed]).unwrap();
+    let mut ys = Vec::new();
+    for i in 0..parts {
+        let w = g.add(Op::Slice { axis: 0, start: i * d, len: d }, &[packed_t]).unwrap();
+        let lin = Op::Linear {
+            act: Some(Activation::Relu),
+            bias: false,
+            residual: false,
+            norm: None,
+            glu: false,
+            rope: None,
+        };
+        ys.push(g.add(lin, &[x, w]).unwrap());
+    }
+    let square = g.param("square", &[d, d]);
+    let square_t = g.add(Op::Permute { perm: vec![1, 0] }, &[square]).unwrap();
+    let lin = Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: None };
+    let y = g.add(lin, &[ys[0], square_t]).unwrap();
+    let back = g.add(Op::MatMul { transpose_b: false }, &[ys[1], square_t]).unwrap();
+    let back_t = g.add(Op::MatMul { transpose_b: true }, &[ys[2], square_t]).unwrap();
+    for (name, v) in [("y", y), ("back", back), ("back_t", back_t)] {
+        g.outputs.push((name.into(), v));
+    }
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    let program = write(&plan);
+    assert_eq!(program.weight_views.len(), 4, "{program:?}");
+    // The two transposes and the three slices.
+    assert_eq!(program.skipped.len(), 5, "{program:?}");
+    let mut params = interp::random_params(&g, 7).unwrap();
+    let inputs = HashMap::from([(
+        "input_ids".to_string(),
+        Tensor::i64(vec![2, 5], (0..10).map(|i| (i * 7 + 3) % 16).collect()),
+    )]);
+    let expected = interp::run(&g, &params, &inputs).unwrap();
+    for threads in [1, 2] {
+        let mut model = CpuModel::for_training(plan.clone(), params.clone(), threads, &()).unwrap();
+        let built = model.run(&inputs).unwrap();
+        let lent = model.run_lent(&mut params, &inputs).unwrap().expect("the parameters are lent");
+        assert_eq!(params.len(), 3, "the parameters are given back");
+        for got in [built, lent] {
+            for ((name, a), (_, b)) in got.iter().zip(&expected) {
+                let err = a.max_abs_diff(b);
+                assert!(err <= 1e-5, "{name} at {threads} threads: {err}");
+            }
+        }
     }
 }
 

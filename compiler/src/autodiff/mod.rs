@@ -289,17 +289,17 @@ fn settle(
     let Some(mut all) = pieces.remove(&node) else { return Ok(()) };
     let scope = std::mem::take(&mut g.scope);
     all.sort_by_key(|p| (p.axis, p.start));
-    while !all.is_empty() {
+    let mut all = all.into_iter();
+    while let Some(first) = all.next() {
         // A run of pieces along the first piece's axis, none overlapping the one before.
-        let axis = all[0].axis;
-        let mut run: Vec<Piece> = Vec::new();
+        let (axis, read, total) = (first.axis, first.read, first.total);
+        g.scope = first.scope.clone();
+        let mut run: Vec<Piece> = vec![first];
         let mut rest: Vec<Piece> = Vec::new();
-        for p in all {
-            let free = run.last().is_none_or(|last: &Piece| last.start + last.len <= p.start);
+        for p in all.by_ref() {
+            let free = run.last().is_none_or(|last| last.start + last.len <= p.start);
             if p.axis == axis && free { run.push(p) } else { rest.push(p) }
         }
-        g.scope = run[0].scope.clone();
-        let (read, total) = (run[0].read, run[0].total);
         let zeros = |g: &mut Graph, start: usize, len: usize| -> Result<NodeIndex, AutodiffError> {
             let part = rules::add(g, Op::Slice { axis, start, len }, &[read])?;
             rules::zeros_like(g, part)
@@ -316,12 +316,14 @@ fn settle(
         if at < total {
             parts.push(zeros(g, at, total - at)?);
         }
-        let mut dx = parts[0];
-        for &part in &parts[1..] {
-            dx = rules::add(g, Op::Concat { axis }, &[dx, part])?;
+        let mut parts = parts.into_iter();
+        if let Some(mut dx) = parts.next() {
+            for part in parts {
+                dx = rules::add(g, Op::Concat { axis }, &[dx, part])?;
+            }
+            accumulate(g, grads, node, dx)?;
         }
-        accumulate(g, grads, node, dx)?;
-        all = rest;
+        all = rest.into_iter();
     }
     g.scope = scope;
     Ok(())

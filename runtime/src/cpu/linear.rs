@@ -98,11 +98,18 @@ pub fn forward(
     let mut scratch: Vec<f32> = if glu { vec![0.0; m * mw] } else { Vec::new() };
     let y: &mut [f32] = if glu { &mut scratch } else { &mut *out };
     match w_arg {
-        Arg::F32(w) | Arg::Transposed(w) => {
+        Arg::F32(w) => {
             if w.len() != mw * k {
                 return Err(bad(format!("an f32 weight of {} elements is not [{mw}, {k}]", w.len())));
             }
-            gemm_f32(m, mw, k, x, w, matches!(w_arg, Arg::Transposed(_)), y, threads);
+            gemm_f32(m, mw, k, x, w, None, y, threads);
+        }
+        Arg::Transposed { data, ld } => {
+            if ld < mw || k.checked_sub(1).is_some_and(|r| data.len() < r * ld + mw) {
+                let len = data.len();
+                return Err(bad(format!("a transposed weight of {len} elements (row stride {ld}) is not [{k}, {mw}]")));
+            }
+            gemm_f32(m, mw, k, x, data, Some(ld), y, threads);
         }
         Arg::Quant(q) => {
             if q.k != k || q.rows != mw {
@@ -172,17 +179,62 @@ fn parallelism(threads: usize, work: usize) -> gemm::Parallelism {
     if threads > 1 && work >= GEMM_THREADING { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None }
 }
 
-/// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]` — or, `transposed`, `x @ w` for `w` `[k, n]` —
-/// through the `gemm` crate.
+/// `y [m, n] = x [m, k] @ w^T` for `w` `[n, k]` — or, `transposed: Some(ld)`, `x @ w` for `w`
+/// `[k, n]` in rows of `ld` elements — through the `gemm` crate.
 #[expect(clippy::too_many_arguments, reason = "a GEMM's sizes and layout")]
-pub fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], transposed: bool, y: &mut [f32], threads: usize) {
+pub fn gemm_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    transposed: Option<usize>,
+    y: &mut [f32],
+    threads: usize,
+) {
     let parallelism = parallelism(threads, m * n * k);
     if m == 0 || n == 0 {
         return;
     }
-    // The k x n right-hand side: `w` [k, n] (column stride 1, row stride n), or `w` [n, k] read
-    // by strides (column stride k, row stride 1).
-    let (rhs_cs, rhs_rs) = if transposed { (1, n) } else { (k, 1) };
+    // The k x n right-hand side: `w` transposed, `[k, n]` in rows of `ld` (column stride 1, row
+    // stride ld), or `w` [n, k] read by strides (column stride k, row stride 1).
+    let (rhs_cs, rhs_rs) = match transposed {
+        Some(ld) => (1, ld),
+        None => (k, 1),
+    };
+    gemm_strided(m, n, k, x, w, (rhs_cs, rhs_rs), y, parallelism);
+}
+
+/// `y [m, n] = x [m, k] @ rhs`, the `k x n` right-hand side's element `(l, j)` at
+/// `w[l * strides.1 + j * strides.0]` (column stride, row stride).
+#[expect(clippy::too_many_arguments, reason = "a GEMM's sizes, operands and strides")]
+pub fn gemm_rhs_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    strides: (usize, usize),
+    y: &mut [f32],
+    threads: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    gemm_strided(m, n, k, x, w, strides, y, parallelism(threads, m * n * k));
+}
+
+#[expect(clippy::too_many_arguments, reason = "a GEMM's shape, operands, strides and threads")]
+fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    (rhs_cs, rhs_rs): (usize, usize),
+    y: &mut [f32],
+    parallelism: gemm::Parallelism,
+) {
     // SAFETY: `gemm` writes `y[i * n + j]` for i < m, j < n, and reads `x[i * k + l]` and
     // `w[l * rhs_rs + j * rhs_cs]` for l < k: the spans below, inside the slices (the caller's
     // shapes, checked here in every build: this is a safe public function). `y` does not alias
@@ -341,7 +393,7 @@ mod tests {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         let w = [1.0, 0.0, -1.0, 0.5, 0.5, 0.5];
         let wt = [1.0, 0.5, 0.0, 0.5, -1.0, 0.5];
-        for (w, transposed) in [(&w, false), (&wt, true)] {
+        for (w, transposed) in [(&w, None), (&wt, Some(2))] {
             let mut y = [0.0; 4];
             gemm_f32(2, 2, 3, &x, w, transposed, &mut y, 1);
             assert_eq!(y, [-2.0, 3.0, -2.0, 7.5]);
@@ -353,10 +405,10 @@ mod tests {
     fn gemm_f32_operands_one_short_are_refused() {
         let (x, w) = (vec![1.0f32; 6], vec![1.0f32; 6]);
         for (what, xl, wl, yl, transposed) in [
-            ("linear input", 5, 6, 4, false),
-            ("linear weight", 6, 5, 4, false),
-            ("linear weight", 6, 5, 4, true),
-            ("linear output", 6, 6, 3, false),
+            ("linear input", 5, 6, 4, None),
+            ("linear weight", 6, 5, 4, None),
+            ("linear weight", 6, 5, 4, Some(2)),
+            ("linear output", 6, 6, 3, None),
         ] {
             let err = std::panic::catch_unwind(|| {
                 let mut y = vec![0.0f32; yl];

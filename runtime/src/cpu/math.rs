@@ -357,6 +357,59 @@ dispatch! {
     fn sum_squares = sum_squares_generic(xs: &[f32], scale: f32) -> f64;
 }
 
+/// The maximum of `xs` (NaNs ignored, as `f32::max` folds; negative infinity for none), in
+/// sixteen running maxima, so the loop is vector maxima rather than a chain of dependent ones.
+#[inline(always)]
+pub fn max_f32(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = xs.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(x);
+        }
+    }
+    lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+#[inline(always)]
+fn softmax_stats_generic(row: &[f32], exps: &mut [f32]) -> (f32, f64) {
+    let max = max_f32(row);
+    exps.copy_from_slice(row);
+    exp_shifted_generic(exps, max);
+    (max, sum_f64(exps, f64::from))
+}
+
+dispatch! {
+    /// A softmax row's statistics: its maximum, `exps[j] = exp(row[j] - max)`, and their sum in f64
+    /// (as [`sum_f64`] sums); the row's log-sum-exp is `max + ln(sum)`.
+    fn softmax_stats = softmax_stats_generic(row: &[f32], exps: &mut [f32]) -> (f32, f64);
+}
+
+#[inline(always)]
+fn sum_row_generic(row: &[f32]) -> f64 {
+    sum_f64(row, f64::from)
+}
+
+dispatch! {
+    /// The sum of a row in f64 (as [`sum_f64`] sums).
+    fn sum_row = sum_row_generic(row: &[f32]) -> f64;
+}
+
+#[inline(always)]
+fn cross_entropy_grad_row_generic(o: &mut [f32], inv: f64, scale: f64, uniform: f64) {
+    for o in o.iter_mut() {
+        *o = (scale * (f64::from(*o) * inv - uniform)) as f32;
+    }
+}
+
+dispatch! {
+    /// A cross-entropy gradient row from its exponentials `o` (see [`softmax_stats`]), in place:
+    /// `scale * (o * inv - uniform)`, each in f64 — the softmax less the smoothing's uniform
+    /// target; the label's element is the caller's (its target has the label's share too).
+    fn cross_entropy_grad_row = cross_entropy_grad_row_generic(o: &mut [f32], inv: f64, scale: f64, uniform: f64);
+}
+
 /// The sum of `f(x)` over `xs`, in f64: eight running sums over the elements in turn (so the
 /// additions overlap rather than each waiting on the one before), then added in order. The
 /// interpreter sums in one running sum; the two differ in the last bits of an f64.

@@ -50,7 +50,7 @@ use crate::prepare::{self, PrepareError, root};
 use crate::progress::Progress;
 use crate::quant::QuantWeight;
 use cache::{AppendSite, CacheBuf, KvCache};
-use kiln_compiler::back::cpu::{self, Program, Weight};
+use kiln_compiler::back::cpu::{self, Program, Weight, WeightView};
 use kiln_compiler::graph::{Op, PackedAttention, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{Plan, PlanError, Storage, WeightFormat, resolve};
@@ -145,9 +145,15 @@ pub enum Arg<'a> {
     I64(&'a [i64]),
     /// A block-quantized `[rows, k]` weight.
     Quant(&'a QuantWeight),
-    /// A projection's f32 `[n, k]` weight as this back end laid it out at load: transposed,
-    /// `[k, n]` (see [`CpuModel::new`]).
-    Transposed(&'a [f32]),
+    /// A projection's f32 `[n, k]` weight transposed, `[k, n]` in rows of `ld` elements: as this
+    /// back end laid it out at load (`ld = n`, see [`CpuModel::new`]), or a parameter stored
+    /// `[k, cols]` read in place (a [`WeightView`]: `data` from its first column, `ld = cols`).
+    Transposed {
+        /// The elements, from the first of row 0.
+        data: &'a [f32],
+        /// The row stride.
+        ld: usize,
+    },
     /// A `[b, heads, rows, d]` tensor kept in a cache buffer with room for `cap` rows per head
     /// (head stride `cap * d`; see [`cache`]).
     Cache {
@@ -194,6 +200,10 @@ pub struct CpuModel {
     appends: Vec<AppendSite>,
     /// Buffers of outputs given back ([`CpuModel::recycle`]), which the next run's outputs reuse.
     spare: Mutex<Vec<Vec<f32>>>,
+    /// Projection weights read in place from a parameter stored `[k, n]`, by value, and the steps
+    /// not run for them (see [`kiln_compiler::back::cpu::WeightView`]).
+    weight_views: HashMap<usize, WeightView>,
+    skipped: HashSet<usize>,
     /// Parameter values whose tensors [`CpuModel::run_lent`] gave back: the model holds none for
     /// them until the next lending or [`CpuModel::update_params`].
     vacated: HashSet<usize>,
@@ -317,6 +327,14 @@ impl CpuModel {
             .build()
             .map_err(|source| CpuError::Threads { threads, source })?;
         let appends = if reference { Vec::new() } else { cache::append_sites(&plan) };
+        let program = cpu::write(&plan);
+        let (weight_views, skipped) = match reference {
+            true => (HashMap::new(), HashSet::new()),
+            false => (
+                program.weight_views.iter().map(|w| (w.value, *w)).collect(),
+                program.skipped.iter().copied().collect(),
+            ),
+        };
         Ok(CpuModel {
             plan,
             consts,
@@ -330,6 +348,8 @@ impl CpuModel {
             transposes,
             appends,
             spare: Mutex::new(Vec::new()),
+            weight_views,
+            skipped,
             vacated: HashSet::new(),
         })
     }
@@ -620,7 +640,7 @@ impl CpuModel {
                         .map_err(|e| scoped(e, &step.scope, &step.op))?;
                     appended.insert(site.past.clone(), rows);
                     views.insert(root(plan, step.output), site.past.clone());
-                } else {
+                } else if !self.skipped.contains(&i) {
                     self.step(step, &inputs, &mut slots, &syms, &views, kv, past)?;
                 }
                 if let Some(t) = times.as_deref_mut() {
@@ -658,17 +678,17 @@ impl CpuModel {
                 let t = match taken {
                     Some(data) => Tensor::f32(shape, data),
                     None => match self.arg(*v, &inputs, &slots, &syms, &views, kv)?.1 {
-                    Arg::F32(x) => Tensor::f32(shape, self.output_buffer(x)),
-                    Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
-                    Arg::Quant(q) => q.dequantize(),
-                    Arg::Cache { data, cap } => {
-                        let heads = shape.first().copied().unwrap_or(1) * shape.get(1).copied().unwrap_or(1);
-                        let (rows, d) = (shape.get(2).copied().unwrap_or(0), shape.get(3).copied().unwrap_or(0));
-                        Tensor::f32(shape, cache::contiguous(data, heads, rows, cap, d))
-                    }
-                    Arg::Transposed(_) => {
-                        return Err(CpuError::Internal("an output is a weight".into()));
-                    }
+                        Arg::F32(x) => Tensor::f32(shape, self.output_buffer(x)),
+                        Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
+                        Arg::Quant(q) => q.dequantize(),
+                        Arg::Cache { data, cap } => {
+                            let heads = shape.first().copied().unwrap_or(1) * shape.get(1).copied().unwrap_or(1);
+                            let (rows, d) = (shape.get(2).copied().unwrap_or(0), shape.get(3).copied().unwrap_or(0));
+                            Tensor::f32(shape, cache::contiguous(data, heads, rows, cap, d))
+                        }
+                        Arg::Transposed { .. } => {
+                            return Err(CpuError::Internal("an output is a weight".into()));
+                        }
                     },
                 };
                 match past_name {
@@ -791,14 +811,14 @@ impl CpuModel {
         kiln_compiler::memory::check(|| format!("`{}`: a {} result", step.scope, step.op.name()), 4 * n as u64)?;
         let mut out = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
         let result = {
-            // A projection reads its constant f32 weight in the layout of the load.
-            let wi = step.op.linear_weight();
+            // A projection reads its constant f32 weight in the layout of the load, and a
+            // projection or a product a weight view in place.
             let args: Vec<(Vec<usize>, Arg<'_>)> = step
                 .operands
                 .iter()
                 .enumerate()
-                .map(|(i, &o)| match (Some(i) == wi).then(|| self.transposed.get(&root(plan, o))).flatten() {
-                    Some(t) => Ok((resolve(&plan.values[o].shape, syms), Arg::Transposed(t))),
+                .map(|(i, &o)| match cpu::reads_as_weight(&step.op, i).then(|| self.weight(o)).flatten() {
+                    Some(w) => Ok((resolve(&plan.values[o].shape, syms), w?)),
                     None => self.arg(o, inputs, slots, syms, views, kv),
                 })
                 .collect::<R<_>>()?;
@@ -825,6 +845,33 @@ impl CpuModel {
         };
         slots[s] = out;
         result
+    }
+
+    /// Projection weight `v` in a layout of this back end's, transposed (`[k, n]`): held so at
+    /// load, or a [`WeightView`] of a parameter stored so; `None` where it is read as the plan
+    /// has it.
+    fn weight(&self, v: usize) -> Option<R<Arg<'_>>> {
+        let r = root(&self.plan, v);
+        if let Some(t) = self.transposed.get(&r) {
+            let n = self.plan.values[r].shape.first().and_then(|d| match d {
+                kiln_compiler::graph::Dim::Fixed(n) => Some(*n),
+                _ => None,
+            });
+            return Some(
+                n.map(|ld| Arg::Transposed { data: t, ld })
+                    .ok_or_else(|| CpuError::Internal(format!("the transposed weight {r} has no fixed row count"))),
+            );
+        }
+        let view = self.weight_views.get(&r)?;
+        let missing = || CpuError::Internal(format!("the parameter of weight {r} is not held"));
+        Some(match self.consts.get(&view.param) {
+            Some(Const::F32(t)) => t
+                .as_f32()
+                .and_then(|x| x.get(view.start..))
+                .map(|data| Arg::Transposed { data, ld: view.cols })
+                .ok_or_else(missing),
+            _ => Err(missing()),
+        })
     }
 
     /// Value `v` as an operand: its shape at these symbol values and its elements (a value in
@@ -914,7 +961,7 @@ impl CpuModel {
                 Arg::F32(x) => Ok(Tensor::f32(s.clone(), x.to_vec())),
                 Arg::I64(x) => Ok(Tensor::i64(s.clone(), x.to_vec())),
                 Arg::Quant(q) => Ok(q.dequantize()),
-                Arg::Transposed(_) => Err(CpuError::Internal(format!("{} read a transposed weight", op.name()))),
+                Arg::Transposed { .. } => Err(CpuError::Internal(format!("{} read a transposed weight", op.name()))),
                 Arg::Cache { data, cap } => match s.as_slice() {
                     &[b, h, rows, d] => Ok(Tensor::f32(s.clone(), cache::contiguous(data, b * h, rows, *cap, d))),
                     _ => Err(CpuError::Internal(format!("a cache read as {s:?}"))),

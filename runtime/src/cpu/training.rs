@@ -7,7 +7,7 @@
 //! Each computes what the interpreter computes for the op (`tests/engines/fused_ops.rs` holds
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 
-use super::linear::{gemm_at_b, gemm_f32};
+use super::linear::{gemm_at_b, gemm_f32, gemm_rhs_strided};
 use super::math::sum_f64;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
@@ -27,6 +27,24 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
         Ok((s.as_slice(), a.f32("an operand")?))
     };
     match op {
+        // A right-hand matrix read in place from a parameter stored transposed (a weight view,
+        // `b[i][j] = data[j * ld + i]`): the one product of all the rows, by strides.
+        Op::MatMul { transpose_b } if matches!(args.get(1), Some((_, Arg::Transposed { .. }))) => {
+            let (sa, a) = operand(0)?;
+            let Some((sb, Arg::Transposed { data, ld })) = args.get(1) else { return Ok(false) };
+            let (Some((batch, m, k)), &[r0, r1]) = (matrices(sa), sb.as_slice()) else {
+                return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
+            };
+            // `b` [r0, r1]: element (i, j) at `data[j * ld + i]`; the right-hand side is `b`, or
+            // `b^T` for `matmul_t`, as (column, row) strides of a `k x n` matrix.
+            let (kb, n, strides) = if *transpose_b { (r1, r0, (1, *ld)) } else { (r0, r1, (*ld, 1)) };
+            let y = out.get();
+            if kb != k || y.len() != batch * m * n || a.len() != batch * m * k {
+                return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
+            }
+            gemm_rhs_strided(batch * m, n, k, a, data, strides, y, threads);
+            Ok(true)
+        }
         Op::MatMul { transpose_b } => {
             let ((sa, a), (sb, b)) = (operand(0)?, operand(1)?);
             let (Some((batch, m, k)), Some((b_batch, r0, r1))) = (matrices(sa), matrices(sb)) else {
@@ -44,12 +62,12 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             let stored_kn = !*transpose_b;
             if b_batch == 1 {
                 // One weight for every batch: one product of all the rows.
-                gemm_f32(batch * m, n, k, a, b, stored_kn, y, threads);
+                gemm_f32(batch * m, n, k, a, b, stored_kn.then_some(n), y, threads);
             } else if b_batch == batch && b.len() == batch * k * n {
                 y.par_chunks_mut((m * n).max(1))
                     .zip(a.par_chunks((m * k).max(1)))
                     .zip(b.par_chunks((k * n).max(1)))
-                    .for_each(|((y, a), b)| gemm_f32(m, n, k, a, b, stored_kn, y, 1));
+                    .for_each(|((y, a), b)| gemm_f32(m, n, k, a, b, stored_kn.then_some(n), y, 1));
             } else {
                 return Ok(false);
             }
@@ -236,13 +254,13 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 return Ok(false);
             }
             let eps = f64::from(smoothing.0);
-            // A counted row's exponentials less its maximum (by the vectorized `exp`, into
-            // `scratch`) and their sum in f64: its log-sum-exp is `max + ln(sum)`.
+            // A counted row's exponentials less its maximum (into `scratch`) and their sum in
+            // f64: its log-sum-exp is `max + ln(sum)`. Vector loops: the maximum in sixteen
+            // lanes, the sums in eight (a chain of dependent f64 additions was most of the
+            // step's cross-entropy over GPT-2's 50257-wide rows).
             let exps = |row: &[f32], scratch: &mut [f32]| -> (f64, f64) {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                scratch.copy_from_slice(row);
-                super::math::exp_shifted(scratch, max);
-                (f64::from(max), scratch.iter().map(|&v| f64::from(v)).sum())
+                let (max, sum) = super::math::softmax_stats(row, scratch);
+                (f64::from(max), sum)
             };
             let y = out.get();
             if matches!(op, Op::CrossEntropy { .. }) {
@@ -255,8 +273,8 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                         || vec![0.0f32; vocab],
                         |scratch, (row, &l)| {
                             let (max, sum) = exps(row, scratch);
-                            let (lse, mean) =
-                                (max + sum.ln(), row.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64);
+                            let mean = if eps == 0.0 { 0.0 } else { super::math::sum_row(row) / vocab as f64 };
+                            let lse = max + sum.ln();
                             let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
                             lse - (1.0 - eps) * f64::from(at) - eps * mean
                         },
@@ -285,9 +303,10 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 let (_, sum) = exps(row, o);
                 let inv = 1.0 / sum;
                 let label = usize::try_from(l).unwrap_or(usize::MAX);
-                for (j, o) in o.iter_mut().enumerate() {
-                    let target = if j == label { 1.0 - eps } else { 0.0 } + uniform;
-                    *o = (scale * (f64::from(*o) * inv - target)) as f32;
+                let at_label = o.get(label).copied();
+                super::math::cross_entropy_grad_row(o, inv, scale, uniform);
+                if let (Some(e), Some(o)) = (at_label, o.get_mut(label)) {
+                    *o = (scale * (f64::from(e) * inv - ((1.0 - eps) + uniform))) as f32;
                 }
             });
             Ok(true)

@@ -191,8 +191,7 @@ pub fn clip_grad_norm(updates: &mut [Update<'_>], max_norm: Option<f64>) -> Resu
     // threads), the pieces' sums then added in order.
     let pieces: Vec<(&[f32], f32)> = updates.iter().flat_map(|u| u.grad.chunks(PIECE).map(|p| (p, u.scale))).collect();
     // Each product in f32, as the update reads it; summed as `sum_f64` sums (eight running sums).
-    let sums: Vec<f64> =
-        pieces.par_iter().map(|&(p, scale)| sum_squares(p, scale)).collect();
+    let sums: Vec<f64> = pieces.par_iter().map(|&(p, scale)| sum_squares(p, scale)).collect();
     let sum: f64 = sums.iter().sum();
     let norm = sum.sqrt();
     if !norm.is_finite() {

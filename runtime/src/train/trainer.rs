@@ -279,8 +279,10 @@ impl Trainer {
         let mut loss_sum = 0.0f64;
         let mut single: Option<HashMap<String, Tensor>> = None;
         for batch in micro {
-            let out =
-                self.train.run_lent(&mut self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })?;
+            let out = self
+                .train
+                .run_lent(&mut self.tensors, batch, &())
+                .map_err(|source| TrainError::Run { step, source })?;
             if !out.loss.is_finite() {
                 return Err(TrainError::NonFinite { step, what: format!("the loss is {}", out.loss) });
             }
