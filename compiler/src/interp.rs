@@ -991,7 +991,10 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
         Op::GatherGrad => {
             let (ids, dy) = (a[1].ints().expect("ids are i64"), f(a[2]));
             let (rows, d) = (a[0].shape()[0], a[0].shape()[1]);
-            let mut out = vec![V::F::ZERO; rows * d];
+            let mut out = match a.get(3) {
+                Some(&base) => f(base).to_vec(),
+                None => vec![V::F::ZERO; rows * d],
+            };
             for (&id, row) in ids.iter().zip(dy.chunks(d.max(1))) {
                 if id < 0 || id as usize >= rows {
                     return Err(InterpError::IndexOutOfRange {

@@ -944,6 +944,31 @@ fn stacked_projection_grads() {
     }
 }
 
+/// A tied table's two gradients — the head's product and the gather's scatter — summed by the
+/// scatter, either way round.
+#[test]
+fn gather_grad_base() {
+    for (rule, left) in [("gather-grad-base", true), ("gather-grad-base-r", false)] {
+        let mut g = Graph::new("t");
+        let x = input(&mut g);
+        let ids = g.add(Op::Input { name: "input_ids".into(), role: InputRole::Ids, seq: Sym::Seq }, &[]).unwrap();
+        let table = g.param("table", &[16, D]);
+        let dy = g.add(Op::Act(Activation::Relu), &[x]).unwrap();
+        let scattered = g.add(Op::GatherGrad, &[table, ids, dy]).unwrap();
+        let head = g.add(Op::ContractRows, &[dy, x]).unwrap();
+        let head = g.add(Op::Reshape { shape: vec![Dim::Fixed(D), Dim::Fixed(D)] }, &[head]).unwrap();
+        let head = g.add(Op::Concat { axis: 0 }, &[head, head]).unwrap();
+        let sum = if left {
+            g.add(Op::Add, &[head, scattered]).unwrap()
+        } else {
+            g.add(Op::Add, &[scattered, head]).unwrap()
+        };
+        g.outputs.push(("dtable".into(), sum));
+        let opt = check(rule, &g);
+        assert!(!ops(&opt).contains(&"add".to_string()), "`{rule}`: {:?}", ops(&opt));
+    }
+}
+
 /// A norm's input gradient and the residual path's gradient to the same input, added (as
 /// autodiff sums a pre-norm block's two uses of its input, either way round), become one pass.
 #[test]

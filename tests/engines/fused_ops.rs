@@ -1306,6 +1306,9 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let src = g.param("gather_grad.src", &[18, w]);
     let dy = g.add(Op::Gather, &[src, rows]).unwrap();
     out(&mut g, "gather_grad", Op::GatherGrad, &[table, ids, dy]);
+    // Added to a tied table's other gradient.
+    let base = g.param("gather_grad.base", &[11, w]);
+    out(&mut g, "gather_grad.base", Op::GatherGrad, &[table, ids, dy, base]);
     // A gather from a table stored transposed (the WGSL back end's for a tied head), with a
     // padding column past the rows the ids name.
     let columns = g.param("gather_columns.table", &[w, 19]);

@@ -548,9 +548,10 @@ pub enum Op {
     /// elementwise over equal shapes (the backward of [`Op::Act`]; see
     /// [`crate::semantics::activation_derivative`]).
     ActGrad(Activation),
-    /// The backward of [`Op::Gather`]: `(table f32[rows, d], ids i64[...], dy f32[..., d]) ->
-    /// [rows, d]`, row `r` the sum of the rows of `dy` whose id is `r` (zero for rows no id
-    /// names); `table` gives only the shape.
+    /// The backward of [`Op::Gather`]: `(table f32[rows, d], ids i64[...], dy f32[..., d]
+    /// [, base f32[rows, d]]) -> [rows, d]`, row `r` the sum of the rows of `dy` whose id is `r`
+    /// (zero for rows no id names), added to `base`'s row where a fourth operand is given (a tied
+    /// table's other gradient, summed in the same pass); `table` gives only the shape.
     GatherGrad,
     /// `1 / sqrt(x)`, elementwise (a norm's inverse deviation, in its backward).
     Rsqrt,

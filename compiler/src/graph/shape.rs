@@ -604,8 +604,13 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             Ok((shape, DType::F32))
         }
         Op::GatherGrad => {
-            arity(3)?;
+            if !(3..=4).contains(&operands.len()) {
+                return Err(format!("expects 3 or 4 operands, got {}", operands.len()));
+            }
             let table = float(0)?;
+            if operands.len() == 4 && float(3)? != table {
+                return Err(format!("the base must be {}, is {}", fmt_shape(table), fmt_shape(float(3)?)));
+            }
             let (ids, t) = operands[1];
             let dy = float(2)?;
             if table.len() != 2 || t != DType::I64 {

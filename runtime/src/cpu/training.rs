@@ -413,8 +413,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             Ok(true)
         }
         Op::GatherGrad => {
-            // (table [rows, d], ids, dy [.., d]) -> [rows, d]: dy's rows added into the rows their
-            // ids name, in id order (as the interpreter adds them).
+            // (table [rows, d], ids, dy [.., d][, base]) -> [rows, d]: dy's rows added into the
+            // rows their ids name (of zeros, or of `base`), in id order (as the interpreter adds
+            // them).
             let (s, _) = operand(0)?;
             let (Some((_, Arg::I64(ids))), Ok((_, dy))) = (args.get(1), operand(2)) else { return Ok(false) };
             let &[rows, d] = s else { return Ok(false) };
@@ -423,7 +424,17 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             if y.len() != rows * d || dy.len() != ids.len() * d || !in_range || d == 0 {
                 return Ok(false);
             }
-            y.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+            match args.get(3) {
+                // A tied table's other gradient, the sum's start.
+                Some((_, base)) => {
+                    let base = base.f32("the base")?;
+                    if base.len() != y.len() {
+                        return Ok(false);
+                    }
+                    y.par_chunks_mut(1 << 16).zip(base.par_chunks(1 << 16)).for_each(|(c, b)| c.copy_from_slice(b));
+                }
+                None => y.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0)),
+            }
             for (&id, row) in ids.iter().zip(dy.chunks_exact(d)) {
                 let o = &mut y[id as usize * d..][..d];
                 o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);

@@ -185,11 +185,13 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
         Op::Rsqrt => "out[i] = 1.0 / sqrt(in0[i]);".into(),
         // A workgroup per table row ([`cooperative`]), each lane owning the columns `lane, lane +
         // 64, ...` of it: the rows of `dy` whose id is this row's added in id order, as the
-        // interpreter adds them. The id test is uniform across the workgroup.
+        // interpreter adds them, to zeros or to the base's row. The id test is uniform across
+        // the workgroup.
         Op::GatherGrad => format!(
-            "{SHAPE_ONLY}let d = dim(1u);\nlet n = dim(2u);\nlet base = wg * d;\n{LANES} {{ out[base + j] = 0.0; }}\n\
+            "{SHAPE_ONLY}let d = dim(1u);\nlet n = dim(2u);\nlet base = wg * d;\n{LANES} {{ out[base + j] = {start}; }}\n\
              for (var t = 0u; t < n; t = t + 1u) {{\n    if (in1[t] == i32(wg)) {{\n        \
-             {LANES} {{ out[base + j] = out[base + j] + in2[t * d + j]; }}\n    }}\n}}"
+             {LANES} {{ out[base + j] = out[base + j] + in2[t * d + j]; }}\n    }}\n}}",
+            start = if operands > 3 { "in3[base + j]" } else { "0.0" }
         ),
         // One workgroup over every row (`dim(1)` rows of `dim(2)` scores): the lanes stride each
         // row for its maximum, its exponentials' sum and its sum, reduced in a fixed order; the

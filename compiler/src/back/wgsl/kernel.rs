@@ -540,6 +540,7 @@ mod tests {
             (Op::SumAxis { axis: 1 }, vec![f]),
             (Op::Rsqrt, vec![f]),
             (Op::GatherGrad, vec![f, i, f]),
+            (Op::GatherGrad, vec![f, i, f, f]),
             (Op::TruncateGrad, vec![f, f]),
             (Op::ContractRows, vec![f, f]),
             (Op::SoftmaxGrad, vec![f, f]),

@@ -3,7 +3,8 @@
 //! `Conv1D`) adds to the backward, read by the products instead of copied; a norm's input
 //! gradient with the residual path's gradient to the same input added in its pass; the
 //! gradients of projections by slices of one weight (a packed query-key-value weight's parts)
-//! as one product over the stacked gradients, for the weight and for the input.
+//! as one product over the stacked gradients, for the weight and for the input; a tied table's
+//! two gradients summed by the gather's gradient as it scatters.
 
 use super::*;
 use egg::rewrite as rw;
@@ -69,6 +70,14 @@ fn adjacent_rows(egraph: &KGraph, _: Id, s: &Subst) -> Option<Vec<(&'static str,
     (a + la == *b && stackable(egraph, s)).then(|| vec![("?s12", AttrValue::Op(rows))])
 }
 
+/// `?o` is a gather's gradient (`gather_grad`) and `?s` has its table's shape `?t`: the sum's
+/// other term can start the scatter.
+fn is_gather_grad_of_shape(egraph: &mut KGraph, _: Id, subst: &Subst) -> bool {
+    let grad = matches!(op_of(egraph, subst, "?o"), Some(Op::GatherGrad));
+    let (s, t) = (shape(egraph, subst[var("?s")]), shape(egraph, subst[var("?t")]));
+    grad && s.is_some() && s == t
+}
+
 /// The slice `?s` keeps all of `?x`.
 fn is_whole(egraph: &mut KGraph, id: Id, subst: &Subst) -> bool {
     matches!((shape(egraph, subst[var("?x")]), shape(egraph, id)), (Some(x), Some(y)) if x == y)
@@ -106,5 +115,11 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         rw!("append-assoc"; "(append ?a (append ?b ?c))" => "(append (append ?a ?b) ?c)"),
         // x[all rows] = x
         rw!("slice-whole"; "(slice ?s ?x)" => "?x" if is_whole),
+        // s + gather_grad(t, ids, dy) = gather_grad(t, ids, dy, s)   (a tied table's two
+        //                                                   gradients summed as the scatter's start)
+        rw!("gather-grad-base"; "(add ?s (opaque ?o ?t ?ids ?dy))"
+                             => "(opaque ?o ?t ?ids ?dy ?s)" if is_gather_grad_of_shape),
+        rw!("gather-grad-base-r"; "(add (opaque ?o ?t ?ids ?dy) ?s)"
+                               => "(opaque ?o ?t ?ids ?dy ?s)" if is_gather_grad_of_shape),
     ]
 }
