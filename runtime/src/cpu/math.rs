@@ -410,6 +410,84 @@ dispatch! {
     fn cross_entropy_grad_row = cross_entropy_grad_row_generic(o: &mut [f32], inv: f64, scale: f64, uniform: f64);
 }
 
+#[inline(always)]
+fn norm_stats_generic(row: &[f32], rms: bool, eps: f64) -> (f64, f64) {
+    let n = row.len().max(1) as f64;
+    let mean = if rms { 0.0 } else { sum_f64(row, f64::from) / n };
+    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+dispatch! {
+    /// A norm's row statistics in f64 (as [`sum_f64`] sums): its mean (0 for RMSNorm) and its
+    /// reciprocal deviation `1 / sqrt(var + eps)`.
+    fn norm_stats = norm_stats_generic(row: &[f32], rms: bool, eps: f64) -> (f64, f64);
+}
+
+#[inline(always)]
+fn norm_grad_row_generic(o: &mut [f32], row: &[f32], dy: &[f32], gain: &[f32], rms: bool, eps: f64) {
+    let n = row.len().max(1) as f64;
+    let (mean, r) = norm_stats_generic(row, rms, eps);
+    // `gx = dy * gain`, summed alone and times the normalized row, in eight running sums each
+    // (as `sum_f64`).
+    let (mut sg, mut sgx) = ([0.0f64; 8], [0.0f64; 8]);
+    let lanes = row.chunks(8).zip(dy.chunks(8)).zip(gain.chunks(8));
+    for ((row, dy), gain) in lanes {
+        for ((((&v, &dy), &g), sg), sgx) in row.iter().zip(dy).zip(gain).zip(&mut sg).zip(&mut sgx) {
+            let gx = f64::from(dy) * f64::from(g);
+            *sg += gx;
+            *sgx += gx * (f64::from(v) - mean) * r;
+        }
+    }
+    let (sg, sgx) = (sg.iter().sum::<f64>(), sgx.iter().sum::<f64>());
+    let (mg, mgx) = (if rms { 0.0 } else { sg / n }, sgx / n);
+    for (((o, &v), &dy), &g) in o.iter_mut().zip(row).zip(dy).zip(gain) {
+        let gx = f64::from(dy) * f64::from(g);
+        *o = (r * (gx - mg - (f64::from(v) - mean) * r * mgx)) as f32;
+    }
+}
+
+dispatch! {
+    /// A norm's input gradient for one row, in f64 as the interpreter computes it: the row's
+    /// statistics, the two means of `dy * gain`, then each element.
+    fn norm_grad_row = norm_grad_row_generic(o: &mut [f32], row: &[f32], dy: &[f32], gain: &[f32], rms: bool, eps: f64);
+}
+
+#[inline(always)]
+fn norm_gain_rows_generic(acc: &mut [f64], row: &[f32], dy: &[f32], mean: f64, r: f64) {
+    for ((a, &v), &g) in acc.iter_mut().zip(row).zip(dy) {
+        *a += f64::from(g) * (f64::from(v) - mean) * r;
+    }
+}
+
+dispatch! {
+    /// One row's share of a norm's gain gradient over a block of columns: `acc += dy * xhat`, in
+    /// f64.
+    fn norm_gain_row = norm_gain_rows_generic(acc: &mut [f64], row: &[f32], dy: &[f32], mean: f64, r: f64);
+}
+
+#[inline(always)]
+fn softmax_grad_row_generic(o: &mut [f32], y: &[f32], dy: &[f32]) {
+    let mut lanes = [0.0f64; 8];
+    let (yc, dc) = (y.chunks_exact(8), dy.chunks_exact(8));
+    let rest: f64 = yc.remainder().iter().zip(dc.remainder()).map(|(&y, &d)| f64::from(y) * f64::from(d)).sum();
+    for (y, d) in yc.zip(dc) {
+        for ((s, &y), &d) in lanes.iter_mut().zip(y).zip(d) {
+            *s += f64::from(y) * f64::from(d);
+        }
+    }
+    let dot = lanes.iter().sum::<f64>() + rest;
+    for ((o, &y), &dy) in o.iter_mut().zip(y).zip(dy) {
+        *o = (f64::from(y) * (f64::from(dy) - dot)) as f32;
+    }
+}
+
+dispatch! {
+    /// A softmax's input gradient for one row: `y * (dy - sum(y * dy))`, the dot in f64 (in eight
+    /// running sums, as [`sum_f64`] sums).
+    fn softmax_grad_row = softmax_grad_row_generic(o: &mut [f32], y: &[f32], dy: &[f32]);
+}
+
 /// The sum of `f(x)` over `xs`, in f64: eight running sums over the elements in turn (so the
 /// additions overlap rather than each waiting on the one before), then added in order. The
 /// interpreter sums in one running sum; the two differ in the last bits of an f64.
@@ -426,9 +504,8 @@ pub fn sum_f64(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     sums.iter().sum::<f64>() + rest.iter().map(|&x| f(x)).sum::<f64>()
 }
 
-/// LayerNorm of one row in place: [`kiln_compiler::semantics::layer_norm_row`], its statistics
-/// summed as [`sum_f64`] sums.
-pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {
+#[inline(always)]
+fn layer_norm_row_generic(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {
     let d = row.len().max(1) as f64;
     let mean = sum_f64(row, f64::from) / d;
     let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / d;
@@ -447,14 +524,25 @@ pub fn layer_norm_row(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: 
     }
 }
 
-/// RMSNorm of one row in place: [`kiln_compiler::semantics::rms_norm_row`], its mean square
-/// summed as [`sum_f64`] sums.
-pub fn rms_norm_row(row: &mut [f32], gain: &[f32], eps: f32) {
+dispatch! {
+    /// LayerNorm of one row in place: [`kiln_compiler::semantics::layer_norm_row`], its statistics
+    /// summed as [`sum_f64`] sums.
+    fn layer_norm_row = layer_norm_row_generic(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32);
+}
+
+#[inline(always)]
+fn rms_norm_row_generic(row: &mut [f32], gain: &[f32], eps: f32) {
     let ms = sum_f64(row, |v| f64::from(v).powi(2)) / row.len().max(1) as f64;
     let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
     for (v, &g) in row.iter_mut().zip(gain) {
         *v = *v * inv * g;
     }
+}
+
+dispatch! {
+    /// RMSNorm of one row in place: [`kiln_compiler::semantics::rms_norm_row`], its mean square
+    /// summed as [`sum_f64`] sums.
+    fn rms_norm_row = rms_norm_row_generic(row: &mut [f32], gain: &[f32], eps: f32);
 }
 
 #[cfg(test)]

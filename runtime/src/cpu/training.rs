@@ -8,7 +8,6 @@
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 
 use super::linear::{gemm_at_b, gemm_f32, gemm_rhs_strided};
-use super::math::sum_f64;
 use super::{Arg, CpuError, LazyOut, R};
 use kiln_compiler::graph::Op;
 use rayon::prelude::*;
@@ -324,12 +323,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             let stats: Vec<(f64, f64)> = x
                 .par_chunks(d)
                 .with_min_len((MIN_ELEMENTS / d).max(1))
-                .map(|row| {
-                    let n = d as f64;
-                    let mean = if rms { 0.0 } else { sum_f64(row, f64::from) / n };
-                    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / n;
-                    (mean, 1.0 / (var + eps).sqrt())
-                })
+                .map(|row| super::math::norm_stats(row, rms, eps))
                 .collect();
             // A block of columns per thread at least (a norm's rows are narrow).
             let block = d.div_ceil(rayon::current_num_threads()).clamp(16, COLUMNS);
@@ -338,9 +332,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                 let mut acc = vec![0.0f64; out.len()];
                 for ((row, dy), &(mean, r)) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(&stats) {
                     let (row, dy) = (&row[j0..j0 + out.len()], &dy[j0..j0 + out.len()]);
-                    for ((a, &v), &g) in acc.iter_mut().zip(row).zip(dy) {
-                        *a += f64::from(g) * (f64::from(v) - mean) * r;
-                    }
+                    super::math::norm_gain_row(&mut acc, row, dy, mean, r);
                 }
                 out.iter_mut().zip(acc).for_each(|(o, a)| *o = a as f32);
             });
@@ -353,16 +345,11 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             if n == 0 || o.len() != y.len() || dy.len() != y.len() {
                 return Ok(o.is_empty());
             }
-            // Each row's dot product in f64, as the interpreter.
+            // Each row's dot product in f64, as the interpreter (in eight running sums).
             o.par_chunks_mut(n)
                 .zip(y.par_chunks(n).zip(dy.par_chunks(n)))
                 .with_min_len((MIN_ELEMENTS / n).max(1))
-                .for_each(|(o, (y, dy))| {
-                    let dot: f64 = y.iter().zip(dy).map(|(&y, &dy)| f64::from(y) * f64::from(dy)).sum();
-                    for ((o, &y), &dy) in o.iter_mut().zip(y).zip(dy) {
-                        *o = (f64::from(y) * (f64::from(dy) - dot)) as f32;
-                    }
-                });
+                .for_each(|(o, (y, dy))| super::math::softmax_grad_row(o, y, dy));
             Ok(true)
         }
         Op::NormGrad { rms, eps } => {
@@ -382,29 +369,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             y.par_chunks_mut(d)
                 .zip(x.par_chunks(d).zip(dy.par_chunks(d)))
                 .with_min_len((MIN_ELEMENTS / d).max(1))
-                .for_each(|(o, (row, dy))| {
-                    let n = d as f64;
-                    let mean = if rms { 0.0 } else { sum_f64(row, f64::from) / n };
-                    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / n;
-                    let r = 1.0 / (var + eps).sqrt();
-                    // `gx = dy * gain`, summed alone and times the normalized row, in eight
-                    // running sums each (as `sum_f64`).
-                    let (mut sg, mut sgx) = ([0.0f64; 8], [0.0f64; 8]);
-                    let lanes = row.chunks(8).zip(dy.chunks(8)).zip(gain.chunks(8));
-                    for ((row, dy), gain) in lanes {
-                        for ((((&v, &dy), &g), sg), sgx) in row.iter().zip(dy).zip(gain).zip(&mut sg).zip(&mut sgx) {
-                            let gx = f64::from(dy) * f64::from(g);
-                            *sg += gx;
-                            *sgx += gx * (f64::from(v) - mean) * r;
-                        }
-                    }
-                    let (sg, sgx) = (sg.iter().sum::<f64>(), sgx.iter().sum::<f64>());
-                    let (mg, mgx) = (if rms { 0.0 } else { sg / n }, sgx / n);
-                    for (((o, &v), &dy), &g) in o.iter_mut().zip(row).zip(dy).zip(gain) {
-                        let gx = f64::from(dy) * f64::from(g);
-                        *o = (r * (gx - mg - (f64::from(v) - mean) * r * mgx)) as f32;
-                    }
-                });
+                .for_each(|(o, (row, dy))| super::math::norm_grad_row(o, row, dy, gain, rms, eps));
             if let Some(residual) = residual {
                 y.par_chunks_mut(MIN_ELEMENTS).zip(residual.par_chunks(MIN_ELEMENTS)).for_each(|(o, r)| {
                     o.iter_mut().zip(r).for_each(|(o, &r)| *o += r);
