@@ -132,18 +132,27 @@ pub(super) fn extract(egraph: &KGraph, model: &CostModel, roots: &[Id]) -> Choic
 /// Most passes of [`reuse`] over the graph.
 const REUSE_ROUNDS: usize = 4;
 
+/// Time after which [`reuse`] stops with the best choices found: each candidate costs the whole
+/// graph again, so the pass grows with the square of the graph's size (0.3 s on SmolLM2-135M's
+/// training step); a much larger graph keeps what the time allowed.
+const REUSE_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Takes, class by class, a node whose operands the chosen graph computes already, where the
 /// whole graph then costs less. A tree extraction charges an operand to each of its readers, so
 /// a form reading a value another choice made looks dearer than it is: the stacked output
 /// gradients of a packed projection, read by the weight's gradient and by the input's, pay
 /// only once both products read them.
 fn reuse(egraph: &KGraph, model: &CostModel, roots: &[Id], mut choices: Choices, mut cost: f64) -> Choices {
+    let start = std::time::Instant::now();
     for _ in 0..REUSE_ROUNDS {
         let reached = reachable(egraph, &choices, roots);
         let mut order: Vec<Id> = reached.iter().copied().collect();
         order.sort();
         let mut improved = false;
         for class in order {
+            if start.elapsed() > REUSE_TIME {
+                return choices;
+            }
             let current = choices.node(egraph, class).clone();
             for node in &egraph[class].nodes {
                 let node = node.clone().map_children(|c| egraph.find(c));
