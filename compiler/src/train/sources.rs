@@ -199,7 +199,11 @@ fn reading(
     if source.transpose && shape.len() == 2 {
         x = match transposed.get(&t) {
             Some(&x) => x,
-            None => *transposed.entry(t).or_insert(g.add(Op::Permute { perm: vec![1, 0] }, &[x])?),
+            None => {
+                let x = g.add(Op::Permute { perm: vec![1, 0] }, &[x])?;
+                transposed.insert(t, x);
+                x
+            }
         };
         shape.reverse();
     }

@@ -192,17 +192,13 @@ pub fn gemm_f32(
     y: &mut [f32],
     threads: usize,
 ) {
-    let parallelism = parallelism(threads, m * n * k);
-    if m == 0 || n == 0 {
-        return;
-    }
     // The k x n right-hand side: `w` transposed, `[k, n]` in rows of `ld` (column stride 1, row
     // stride ld), or `w` [n, k] read by strides (column stride k, row stride 1).
-    let (rhs_cs, rhs_rs) = match transposed {
+    let strides = match transposed {
         Some(ld) => (1, ld),
         None => (k, 1),
     };
-    gemm_strided(m, n, k, x, w, (rhs_cs, rhs_rs), y, parallelism);
+    gemm_rhs_strided(m, n, k, x, w, strides, y, threads);
 }
 
 /// `y [m, n] = x [m, k] @ rhs`, the `k x n` right-hand side's element `(l, j)` at
@@ -214,27 +210,14 @@ pub fn gemm_rhs_strided(
     k: usize,
     x: &[f32],
     w: &[f32],
-    strides: (usize, usize),
+    (rhs_cs, rhs_rs): (usize, usize),
     y: &mut [f32],
     threads: usize,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    gemm_strided(m, n, k, x, w, strides, y, parallelism(threads, m * n * k));
-}
-
-#[expect(clippy::too_many_arguments, reason = "a GEMM's shape, operands, strides and threads")]
-fn gemm_strided(
-    m: usize,
-    n: usize,
-    k: usize,
-    x: &[f32],
-    w: &[f32],
-    (rhs_cs, rhs_rs): (usize, usize),
-    y: &mut [f32],
-    parallelism: gemm::Parallelism,
-) {
+    let parallelism = parallelism(threads, m * n * k);
     // SAFETY: `gemm` writes `y[i * n + j]` for i < m, j < n, and reads `x[i * k + l]` and
     // `w[l * rhs_rs + j * rhs_cs]` for l < k: the spans below, inside the slices (the caller's
     // shapes, checked here in every build: this is a safe public function). `y` does not alias

@@ -506,10 +506,7 @@ pub fn sum_f64(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
 
 #[inline(always)]
 fn layer_norm_row_generic(row: &mut [f32], gain: &[f32], bias: Option<&[f32]>, eps: f32) {
-    let d = row.len().max(1) as f64;
-    let mean = sum_f64(row, f64::from) / d;
-    let var = sum_f64(row, |v| (f64::from(v) - mean).powi(2)) / d;
-    let inv = 1.0 / (var + f64::from(eps)).sqrt();
+    let (mean, inv) = norm_stats_generic(row, false, f64::from(eps));
     match bias {
         Some(bias) => {
             for ((v, &g), &b) in row.iter_mut().zip(gain).zip(bias) {
@@ -532,8 +529,7 @@ dispatch! {
 
 #[inline(always)]
 fn rms_norm_row_generic(row: &mut [f32], gain: &[f32], eps: f32) {
-    let ms = sum_f64(row, |v| f64::from(v).powi(2)) / row.len().max(1) as f64;
-    let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
+    let inv = norm_stats_generic(row, true, f64::from(eps)).1 as f32;
     for (v, &g) in row.iter_mut().zip(gain) {
         *v = *v * inv * g;
     }

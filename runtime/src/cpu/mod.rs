@@ -320,14 +320,14 @@ impl CpuModel {
             return Err(CpuError::F16Weights);
         }
         plan.check()?;
-        let Held { consts, transposed, weight_bytes } = hold(&plan, params, blocks, transposes, progress)?;
+        let program = cpu::write(&plan);
+        let Held { consts, transposed, weight_bytes } = hold(&plan, &program, params, blocks, transposes, progress)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
             .map_err(|source| CpuError::Threads { threads, source })?;
         let appends = if reference { Vec::new() } else { cache::append_sites(&plan) };
-        let program = cpu::write(&plan);
         let (weight_views, skipped) = match reference {
             true => (HashMap::new(), HashSet::new()),
             false => (
@@ -371,7 +371,8 @@ impl CpuModel {
         blocks: HashMap<String, QuantWeight>,
         progress: &dyn Progress,
     ) -> R<()> {
-        let Held { consts, transposed, weight_bytes } = hold(&self.plan, params, blocks, self.transposes, progress)?;
+        let Held { consts, transposed, weight_bytes } =
+            hold(&self.plan, &cpu::write(&self.plan), params, blocks, self.transposes, progress)?;
         (self.consts, self.transposed, self.weight_bytes) = (consts, transposed, weight_bytes);
         Ok(())
     }
@@ -388,28 +389,12 @@ impl CpuModel {
             return Ok(false);
         }
         // Every check before the first write.
-        let mut by_name: HashMap<&str, Vec<usize>> = HashMap::new();
-        for (id, value) in self.plan.values.iter().enumerate() {
-            let Storage::Param(name) = &value.storage else { continue };
-            let Some(src) = params.get(name).filter(|t| t.as_f32().is_some()) else { return Ok(false) };
-            let held_shape = match self.consts.get(&id) {
-                Some(Const::F32(t)) => t.shape.clone(),
-                Some(Const::Quant(_)) => return Ok(false),
-                None if self.transposed.contains_key(&id) || self.vacated.contains(&id) => {
-                    resolve(&value.shape, &HashMap::new())
-                }
-                None => continue,
-            };
-            if src.shape != held_shape {
-                return Ok(false);
-            }
-            by_name.entry(name.as_str()).or_default().push(id);
-        }
+        let Some(by_name) = self.held_params(params, false) else { return Ok(false) };
         use rayon::prelude::*;
         let (consts, transposed, vacated) = (&mut self.consts, &mut self.transposed, &mut self.vacated);
         self.pool.install(|| {
             for (name, ids) in &by_name {
-                let Some(src) = params.get(*name) else { continue };
+                let Some(src) = params.get(name) else { continue };
                 let Some(x) = src.as_f32() else { continue };
                 // The values' holders share one tensor: take it out of all but one, so it is
                 // written in place when nothing else holds it.
@@ -449,6 +434,34 @@ impl CpuModel {
         Ok(true)
     }
 
+    /// The parameter values of the plan by name, where `params` has each as an f32 tensor of the
+    /// shape the model holds (or held, before [`CpuModel::run_lent`] gave it back); `None`
+    /// otherwise. Lending (`lend`) also wants every parameter held as given — none transposed,
+    /// none left out of the model — where an update skips those the model does not hold.
+    fn held_params(&self, params: &HashMap<String, Tensor>, lend: bool) -> Option<BTreeMap<String, Vec<usize>>> {
+        let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (id, value) in self.plan.values.iter().enumerate() {
+            let Storage::Param(name) = &value.storage else { continue };
+            let src = params.get(name).filter(|t| t.as_f32().is_some())?;
+            let transposed = self.transposed.contains_key(&id);
+            if lend && transposed {
+                return None;
+            }
+            let held_shape = match self.consts.get(&id) {
+                Some(Const::F32(t)) => t.shape.clone(),
+                Some(Const::Quant(_)) => return None,
+                None if transposed || self.vacated.contains(&id) => resolve(&value.shape, &HashMap::new()),
+                None if lend => return None,
+                None => continue,
+            };
+            if src.shape != held_shape {
+                return None;
+            }
+            by_name.entry(name.clone()).or_default().push(id);
+        }
+        Some(by_name)
+    }
+
     /// [`CpuModel::run`] with the parameters of `params` lent to the model for this run instead
     /// of copied into it ([`CpuModel::update_params`]), for a training step, whose parameters
     /// change after every run: each f32 tensor is moved into the model and moved back into
@@ -464,20 +477,7 @@ impl CpuModel {
             return Ok(None);
         }
         // Every check before the first move.
-        let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (id, value) in self.plan.values.iter().enumerate() {
-            let Storage::Param(name) = &value.storage else { continue };
-            let Some(src) = params.get(name).filter(|t| t.as_f32().is_some()) else { return Ok(None) };
-            let held_shape = match self.consts.get(&id) {
-                Some(Const::F32(t)) => t.shape.clone(),
-                None if self.vacated.contains(&id) => resolve(&value.shape, &HashMap::new()),
-                Some(Const::Quant(_)) | None => return Ok(None),
-            };
-            if src.shape != held_shape || self.transposed.contains_key(&id) {
-                return Ok(None);
-            }
-            by_name.entry(name.clone()).or_default().push(id);
-        }
+        let Some(by_name) = self.held_params(params, true) else { return Ok(None) };
         for (name, ids) in &by_name {
             let Some(t) = params.remove(name) else { continue };
             let t = Arc::new(t);
@@ -1023,16 +1023,16 @@ struct Held {
 
 /// Evaluates `plan`'s folds on `params` and `blocks` and lays its constants out as the kernels
 /// read them (see [`CpuModel::new`]); with `transposes`, each projection weight also (or only)
-/// transposed, else in the plan's layout only.
+/// transposed, else in the plan's layout only. `program` is the CPU writer's layout of `plan`.
 fn hold(
     plan: &Plan,
+    program: &Program,
     mut params: HashMap<String, Tensor>,
     mut blocks: HashMap<String, QuantWeight>,
     transposes: bool,
     progress: &dyn Progress,
 ) -> R<Held> {
-    let program = cpu::write(plan);
-    let tables = gather_tables(plan, &program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
+    let tables = gather_tables(plan, program, |name, shape| blocks.get(name).is_some_and(|q| [q.rows, q.k] == shape));
     let provided: HashSet<usize> = tables.keys().copied().collect();
     // Constants by value: folds own their results; parameters are named, and moved out of
     // `params` / `blocks` once the borrows end.
@@ -1068,7 +1068,7 @@ fn hold(
         consts.insert(id, Const::Quant(q));
     }
     drop((params, blocks));
-    let transposed = if transposes { transpose_weights(&program, &mut consts)? } else { HashMap::new() };
+    let transposed = if transposes { transpose_weights(program, &mut consts)? } else { HashMap::new() };
     let mut weight_bytes: Vec<(WeightFormat, u64)> = Vec::new();
     let mut counted: HashSet<usize> = HashSet::new();
     for c in consts.values() {

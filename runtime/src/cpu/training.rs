@@ -272,7 +272,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                         || vec![0.0f32; vocab],
                         |scratch, (row, &l)| {
                             let (max, sum) = exps(row, scratch);
-                            let mean = if eps == 0.0 { 0.0 } else { super::math::sum_row(row) / vocab as f64 };
+                            // The mean even unsmoothed: `0 * mean` is NaN for an infinite logit, as
+                            // in the interpreter.
+                            let mean = super::math::sum_row(row) / vocab as f64;
                             let lse = max + sum.ln();
                             let at = row.get(usize::try_from(l).unwrap_or(usize::MAX)).copied().unwrap_or(f32::NAN);
                             lse - (1.0 - eps) * f64::from(at) - eps * mean

@@ -24,7 +24,7 @@
 
 use crate::graph::Op;
 use crate::lower::{Plan, Storage, root};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// How the CPU engine holds a plan's constants.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -105,7 +105,7 @@ fn weight_views(plan: &Plan) -> (Vec<WeightView>, Vec<usize>) {
     let root = |v: usize| root(&plan.values, v);
     // How each value is read: as a projection's weight, by a step of another kind, or otherwise.
     let mut as_weight: BTreeSet<usize> = BTreeSet::new();
-    let mut readers: std::collections::BTreeMap<usize, Vec<usize>> = std::collections::BTreeMap::new();
+    let mut readers: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     let mut elsewhere: BTreeSet<usize> = BTreeSet::new();
     for (i, step) in plan.steps.iter().enumerate() {
         for (j, &o) in step.operands.iter().enumerate() {
@@ -118,8 +118,7 @@ fn weight_views(plan: &Plan) -> (Vec<WeightView>, Vec<usize>) {
     }
     elsewhere.extend(plan.outputs.iter().map(|&(_, v)| root(v)));
     elsewhere.extend(plan.folds.iter().flat_map(|f| f.operands.iter().map(|&o| root(o))));
-    let producer: std::collections::BTreeMap<usize, usize> =
-        plan.steps.iter().enumerate().map(|(i, s)| (root(s.output), i)).collect();
+    let producer: BTreeMap<usize, usize> = plan.steps.iter().enumerate().map(|(i, s)| (root(s.output), i)).collect();
     let mut views = Vec::new();
     let mut skipped = Vec::new();
     for (i, step) in plan.steps.iter().enumerate() {
