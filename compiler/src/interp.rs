@@ -16,7 +16,7 @@
               checks their ranks and dimensions, and gather ids are range-checked before use"
 )]
 
-use crate::graph::{Activation, Dim, Graph, InputRole, Op, PairStyle, Sym, resolve};
+use crate::graph::{Activation, Dim, Graph, InputRole, Op, PairStyle, Scalar, Sym, resolve};
 use crate::memory::{MemoryError, f32_bytes};
 use crate::semantics::{
     activation, alibi_slopes, block_pattern, layer_norm_row, relative_bucket, rms_norm_row, rope_frequencies, rotate,
@@ -1433,6 +1433,68 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             let heads = eval(ctx, &Op::MatMul { transpose_b: false }, &[&p, &v], vec![b, h, s, d])?;
             let merged = eval(ctx, &Op::Permute { perm: vec![0, 2, 1, 3] }, &[&heads], vec![b, s, h, d])?;
             merged.reshaped(shape)
+        }
+        Op::AttentionGrad { scale, alibi, causal, window, mods } => {
+            // The composition autodiff builds for the unfused attention, whatever its form there.
+            let (q, k, v, dout) = (a[0], a[1], a[2], a[3]);
+            let (b, h, s, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+            let kv = k.shape()[1];
+            let (k, v) = if kv < h {
+                let rep = vec![b, h, s, d];
+                let times = h / kv;
+                (
+                    eval(ctx, &Op::RepeatHeads { times }, &[k], rep.clone())?,
+                    eval(ctx, &Op::RepeatHeads { times }, &[v], rep)?,
+                )
+            } else {
+                (k.clone(), v.clone())
+            };
+            let sq = vec![b, h, s, s];
+            let (key_mask, _) = score_operands(&a[4..], mods);
+            let scores = eval(ctx, &Op::MatMul { transpose_b: true }, &[q, &k], sq.clone())?;
+            let mut args = vec![&scores];
+            args.extend(&a[4..]);
+            let soft =
+                Op::MaskedSoftmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+            let p = eval(ctx, &soft, &args, sq.clone())?;
+            let dp = eval(ctx, &Op::MatMul { transpose_b: true }, &[dout, &v], sq.clone())?;
+            let mut ds = eval(ctx, &Op::SoftmaxGrad, &[&p, &dp], sq.clone())?;
+            // Zero at the keys the mask hides: relu's derivative of the mask over ones.
+            let mut mask_args = vec![];
+            let ones = V::of_floats(sq.clone(), vec![V::F::from_f64(1.0); b * h * s * s]);
+            mask_args.push(&ones);
+            mask_args.extend(key_mask.copied());
+            let kept = match mods.sparse {
+                Some(pattern) => Some(eval(ctx, &pattern.mask(), &mask_args, sq.clone())?),
+                None if *causal || window.is_some() || key_mask.is_some() => {
+                    Some(eval(ctx, &Op::Mask { causal: *causal, window: *window }, &mask_args, sq.clone())?)
+                }
+                None => None,
+            };
+            if let Some(kept) = kept {
+                ds = eval(ctx, &Op::ActGrad(Activation::Relu), &[&kept, &ds], sq.clone())?;
+            }
+            if let Some(cap) = mods.softcap {
+                let scaled = eval(ctx, &Op::Scale { factor: *scale }, &[&scores], sq.clone())?;
+                let y = eval(ctx, &Op::SoftCap { cap }, &[&scaled], sq.clone())?;
+                let y2 = eval(ctx, &Op::Mul, &[&y, &y], sq.clone())?;
+                let minus = eval(ctx, &Op::Scale { factor: Scalar(-1.0 / (cap.0 * cap.0)) }, &[&y2], sq.clone())?;
+                let slope = eval(ctx, &Op::Offset { value: Scalar(1.0) }, &[&minus], sq.clone())?;
+                ds = eval(ctx, &Op::Mul, &[&ds, &slope], sq.clone())?;
+            }
+            let ds = eval(ctx, &Op::Scale { factor: *scale }, &[&ds], sq.clone())?;
+            let rows = vec![b, h, s, d];
+            let transpose = Op::Permute { perm: vec![0, 1, 3, 2] };
+            let dq = eval(ctx, &Op::MatMul { transpose_b: false }, &[&ds, &k], rows.clone())?;
+            let dst = eval(ctx, &transpose, &[&ds], sq.clone())?;
+            let dk = eval(ctx, &Op::MatMul { transpose_b: false }, &[&dst, q], rows.clone())?;
+            let pt = eval(ctx, &transpose, &[&p], sq)?;
+            let dv = eval(ctx, &Op::MatMul { transpose_b: false }, &[&pt, dout], rows)?;
+            let mut out = Vec::with_capacity(3 * b * h * s * d);
+            for part in [&dq, &dk, &dv] {
+                out.extend_from_slice(f(part));
+            }
+            V::of_floats(shape, out)
         }
         Op::AddNorm { rms, eps, after } => {
             let norm = if *rms { Op::RmsNorm { eps: *eps } } else { Op::LayerNorm { eps: *eps } };

@@ -19,13 +19,17 @@ pub struct Target {
     pub cost: CostModel,
     /// The widest attention head the back end's fused attention takes.
     pub max_attention_head_dim: usize,
+    /// Whether the back end's attention backward ([`crate::graph::Op::AttentionGrad`]) keeps each
+    /// tile's row statistics, so it costs a few products per tile; where it does not (the WGSL
+    /// kernel's key rows recompute every query's), the rule that makes it does not fire.
+    pub attention_grad: bool,
 }
 
 impl Target {
     /// The native CPU back end, with its measured cost model ([`CostModel::cpu`]); its fused
     /// attention keeps one score row per query head of a group on the heap, so any head width fits.
     pub fn cpu() -> Target {
-        Target { name: "cpu", cost: CostModel::cpu(), max_attention_head_dim: usize::MAX }
+        Target { name: "cpu", cost: CostModel::cpu(), max_attention_head_dim: usize::MAX, attention_grad: true }
     }
 
     /// The target of a back end by name (`wgpu` or `cpu`).

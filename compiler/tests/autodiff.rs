@@ -642,6 +642,35 @@ fn whole_model(what: &str, source: &str, seq: usize, seed: u64) {
     let (graph, params, inputs) = model(what, source, seq, seed, 0.5);
     check_sampled(&graph, &params, &inputs, what, |_| true, Some(8));
     same_when_recomputed(&graph, &params, &inputs, what);
+    same_when_optimized(&graph, &params, &inputs, what);
+}
+
+/// The step optimized for the CPU computes what the unoptimized one does (in f64, within 1e-9 of
+/// each output's scale), and every self-attention's backward there is one `attention_grad`
+/// (the `attention-grad` rule's differential test over every attention form of the language:
+/// each score modifier, grouped heads, padding; cross-attention and Linformer's projected keys
+/// keep the unfused form).
+fn same_when_optimized(graph: &Graph, params: &Params, inputs: &HashMap<String, Tensor>, what: &str) {
+    use kiln_compiler::optimize::optimize_for;
+    let plain = gradients(graph, "loss", |_| true).unwrap();
+    let (opt, report) = optimize_for(&plain, &kiln_compiler::target::Target::cpu()).unwrap();
+    let count = |g: &Graph, name: &str| g.g.node_indices().filter(|&n| g.g[n].op.name() == name).count();
+    let self_attentions = graph
+        .g
+        .node_indices()
+        .filter(|&n| {
+            let shape = &graph.g[n].shape;
+            graph.g[n].op == Op::Softmax && shape.len() == 4 && shape[2] == shape[3] && !what.contains("linformer")
+        })
+        .count();
+    assert_eq!(count(&opt, "attention_grad"), self_attentions, "{what}: {:?}", report.applied);
+    let (want, got) = (run_f64(&plain, params, inputs).unwrap(), run_f64(&opt, params, inputs).unwrap());
+    for ((name, w), (n, g)) in want.iter().zip(&got) {
+        assert_eq!(name, n, "{what}: outputs in another order");
+        let scale = w.data.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let err = w.data.iter().zip(&g.data).fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-9 * scale.max(1.0), "{what}: `{name}` differs by {err} when optimized (scale {scale})");
+    }
 }
 
 /// The gradients with every block's activations recomputed in the backward are the gradients
@@ -878,6 +907,7 @@ d_ff = 24
     let (graph, params, inputs) = model("t5", &s, 6, 27, 0.5);
     check_sampled(&graph, &params, &inputs, "t5: relative bias, cross-attention, padding", |_| true, Some(8));
     same_when_recomputed(&graph, &params, &inputs, "t5");
+    same_when_optimized(&graph, &params, &inputs, "t5");
 }
 
 #[test]

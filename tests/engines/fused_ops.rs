@@ -111,11 +111,15 @@ fn check(cases: &[Case], chunked: bool) {
             assert_close(&format!("{}: `{out}` on {device}", cases[k / 2].name), want, got, GPU_TOLERANCE);
         }
     }
-    // The CPU backend's kernels on the same plan, on one thread and on three (rows and heads
-    // split unevenly).
-    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    on_the_cpu(cases, &g, &params, &expected);
+}
+
+/// The CPU backend's kernels on [`evaluate`]'s graph, on one thread and on three (rows and heads
+/// split unevenly), against the interpreter's outputs.
+fn on_the_cpu(cases: &[Case], g: &Graph, params: &HashMap<String, Tensor>, expected: &[(String, Tensor)]) {
+    let plan = lower_with(g, Options { fold_constants: false, ..Options::default() });
     for threads in [1, 3] {
-        let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
+        let model = kiln_runtime::CpuModel::new(plan.clone(), params, &HashMap::new(), threads, &()).unwrap();
         let got = model.run(&HashMap::new()).unwrap_or_else(|e| panic!("cpu: {e}"));
         for (k, ((out, want), (_, got))) in expected.iter().zip(&got).enumerate() {
             let what = format!("{}: `{out}` on cpu, {threads} threads", cases[k / 2].name);
@@ -276,6 +280,50 @@ fn evaluate(cases: &[Case]) -> (Graph, HashMap<String, Tensor>, Vec<(String, Ten
                 y = add!(Op::MatMul { transpose_b: false }, y, v);
                 y = add!(Op::Permute { perm: vec![0, 2, 1, 3] }, y);
                 add!(Op::Reshape { shape: vec![Dim::Fixed(b), Dim::Fixed(s), Dim::Fixed(h * d)] }, y)
+            }
+            Op::AttentionGrad { scale, alibi, causal, window, mods } => {
+                // The backward autodiff builds for the unfused attention.
+                let (q, k) = (&case.operands[0].1, &case.operands[1].1);
+                let (b, h, s, d, kv) = (q[0], q[1], q[2], q[3], k[1]);
+                let (mut k, mut v) = (a[1], a[2]);
+                if kv < h {
+                    k = add!(Op::RepeatHeads { times: h / kv }, k);
+                    v = add!(Op::RepeatHeads { times: h / kv }, v);
+                }
+                let scores = add!(Op::MatMul { transpose_b: true }, a[0], k);
+                let soft = Softmax { scale: *scale, alibi: *alibi, causal: *causal, window: *window, mods: *mods };
+                let p = soft.compose(&mut g, scores, &a[4..], (s, s));
+                let dp = add!(Op::MatMul { transpose_b: true }, a[3], v);
+                let mut ds = add!(Op::SoftmaxGrad, p, dp);
+                let (mask, _) = semantics::score_operands(&a[4..], mods);
+                let zeros = add!(Op::Scale { factor: Scalar(0.0) }, scores);
+                let ones = add!(Op::Offset { value: Scalar(1.0) }, zeros);
+                let mut gate = vec![ones];
+                gate.extend(mask.copied());
+                let gate = match mods.sparse {
+                    Some(pattern) => g.add(pattern.mask(), &gate).unwrap(),
+                    None => g.add(Op::Mask { causal: *causal, window: *window }, &gate).unwrap(),
+                };
+                ds = add!(Op::ActGrad(Activation::Relu), gate, ds);
+                if let Some(cap) = mods.softcap {
+                    let y = add!(Op::Scale { factor: *scale }, scores);
+                    let y = add!(Op::SoftCap { cap }, y);
+                    let y2 = add!(Op::Mul, y, y);
+                    let minus = add!(Op::Scale { factor: Scalar(-1.0 / (cap.0 * cap.0)) }, y2);
+                    let slope = add!(Op::Offset { value: Scalar(1.0) }, minus);
+                    ds = add!(Op::Mul, ds, slope);
+                }
+                ds = add!(Op::Scale { factor: *scale }, ds);
+                let transpose = Op::Permute { perm: vec![0, 1, 3, 2] };
+                let dq = add!(Op::MatMul { transpose_b: false }, ds, k);
+                let dst = add!(transpose.clone(), ds);
+                let dk = add!(Op::MatMul { transpose_b: false }, dst, a[0]);
+                let pt = add!(transpose, p);
+                let dv = add!(Op::MatMul { transpose_b: false }, pt, a[3]);
+                let one = vec![Dim::Fixed(1), Dim::Fixed(b), Dim::Fixed(h), Dim::Fixed(s), Dim::Fixed(d)];
+                let [dq, dk, dv] = [dq, dk, dv].map(|x| add!(Op::Reshape { shape: one.clone() }, x));
+                let qk = add!(Op::Concat { axis: 0 }, dq, dk);
+                add!(Op::Concat { axis: 0 }, qk, dv)
             }
             Op::LowRank { start, heads, head_dim } => {
                 let x = &case.operands[0].1;
@@ -512,6 +560,42 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
     }
     check(&cases, true);
     check(&blocked, false);
+}
+
+/// Attention's backward with every mask and modifier, grouped heads and padding: on wgpu at
+/// short sequences (its kernel's key rows walk every query), on the CPU also over several tiles
+/// of query rows and a block pattern's blocks.
+#[test]
+fn attention_grad_with_every_mask_and_modifier() {
+    let (mut short, mut long) = (Vec::new(), Vec::new());
+    let plain = [(false, false, None), (true, true, None), (false, true, Some(2)), (true, false, Some(3))]
+        .map(|(alibi, causal, window)| (alibi, causal, window, ScoreMods::default()));
+    let modified = modifiers().into_iter().map(|(causal, mods)| (false, causal, None, mods));
+    for (alibi, causal, window, mods) in plain.into_iter().chain(modified) {
+        let table = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
+        for masked in [false, true] {
+            for (b, h, kv, s, d) in [(2, 4, 2, 5, 8), (1, 2, 1, 9, 4), (1, 3, 1, 70, 8), (2, 2, 2, 130, 4)] {
+                let cases = if s > 9 { &mut long } else { &mut short };
+                if s > 9 && !masked {
+                    continue;
+                }
+                let op = Op::AttentionGrad { scale: Scalar(0.6), alibi, causal, window, mods };
+                let (q, k, mask, table) = ([b, h, s, d], [b, kv, s, d], [b, s], table(h));
+                let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k), ("dout", &q)];
+                if masked {
+                    operands.push(("key_mask", &mask));
+                }
+                if !table.is_empty() {
+                    operands.push(("table", &table));
+                }
+                let name = format!("{} {} b={b} h={h} kv={kv} s={s} masked={masked}", op.name(), op.attrs());
+                cases.push(Case::new(name, op, &operands, masked.then(|| key_mask(b, s))));
+            }
+        }
+    }
+    check(&short, false);
+    let (g, params, expected) = evaluate(&long);
+    on_the_cpu(&long, &g, &params, &expected);
 }
 
 #[test]

@@ -697,6 +697,32 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
         mods: ScoreMods,
     },
+    /// The gradients of [`Op::Attention`] over split heads, for self-attention (as many keys as
+    /// queries): `(q [b, h, s, d], k [b, kv, s, d], v [b, kv, s, d], dout [b, h, s, d][, key_mask
+    /// f32[b, s]][, table f32[buckets, h]]) -> [3, b, h, s, d]`: the gradients of the queries, of
+    /// the keys and of the values, the keys' and values' as each query head reads them (query head
+    /// `j` reads key/value head `j / (h / kv)`; a shared head's gradient is the sum over its
+    /// group), given `dout`, the gradient of the heads' outputs before their merge. With `p` the
+    /// probabilities [`Op::MaskedSoftmax`] computes from `q k^T` (the same modifiers and operands),
+    /// `dp = dout v^T`, `keep` 0 at the keys the mask hides and 1 elsewhere, and `c` the soft-cap's
+    /// slope `1 - y^2 / cap^2` at the capped score `y` (1 without one):
+    /// `ds = scale * c * keep * p * (dp - rowsum(p * dp))`, and the result is `ds k`, `ds^T q` and
+    /// `p^T dout`. The bias table's own gradient is not among them (it is
+    /// [`Op::RelativeBiasGrad`] of the score gradient). Kernels recompute the scores per tile of
+    /// query rows and never hold the score matrix: flash-attention's backward.
+    AttentionGrad {
+        /// Logit scale.
+        scale: Scalar,
+        /// Add ALiBi biases.
+        alibi: bool,
+        /// Hide later keys.
+        causal: bool,
+        /// Sliding-window size.
+        window: Option<usize>,
+        /// Soft-capping, relative bias, block sparsity.
+        #[serde(default, skip_serializing_if = "ScoreMods::is_plain")]
+        mods: ScoreMods,
+    },
     /// Heads read out of a packed projection, optionally normalized, rotated and appended to a
     /// cache: `([past f32[b, heads, p, head_dim],] x [b, s, width][, gain [head_dim]]) -> [b,
     /// heads, p + s, head_dim]`, head `j` of token `t` being columns `start + j * head_dim ..` of
@@ -845,6 +871,7 @@ impl Op {
             Op::Concat { .. } => "concat".into(),
             Op::MaskedSoftmax { .. } => "masked_softmax".into(),
             Op::Attention { .. } => "attention".into(),
+            Op::AttentionGrad { .. } => "attention_grad".into(),
             Op::AddNorm { rms: false, after: false, .. } => "add_layer_norm".into(),
             Op::AddNorm { rms: true, after: false, .. } => "add_rms_norm".into(),
             Op::AddNorm { rms: false, after: true, .. } => "layer_norm_add".into(),
@@ -901,7 +928,8 @@ impl Op {
             }
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
             Op::MaskedSoftmax { scale, alibi, causal, window, mods }
-            | Op::Attention { scale, alibi, causal, window, mods } => {
+            | Op::Attention { scale, alibi, causal, window, mods }
+            | Op::AttentionGrad { scale, alibi, causal, window, mods } => {
                 let mut a = format!("scale={scale} causal={causal}");
                 if let Some(w) = window {
                     a += &format!(" window={w}");

@@ -380,6 +380,7 @@ pub fn matmul_flops(g: &Graph, seq: usize) -> f64 {
                 2.0 * rows * m * last(shape(0))
             }
             Op::Attention { .. } => 4.0 * elements(shape(0)) * axis(shape(1), 2),
+            Op::AttentionGrad { .. } => 10.0 * elements(shape(0)) * axis(shape(1), 2),
             Op::PackedAttention(p) => {
                 let tokens = elements(out) / last(out).max(1.0);
                 let keys = if p.cached { axis(shape(1), 2) } else { axis(shape(0), 1) };

@@ -576,6 +576,29 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 )),
             }
         }
+        Op::AttentionGrad { .. } => {
+            if operands.len() < 4 || operands.len() > 5 {
+                return Err(format!("expects 4 or 5 operands, got {}", operands.len()));
+            }
+            let (q, k, v, dout) = (float(0)?, float(1)?, float(2)?, float(3)?);
+            match (q.as_slice(), k.as_slice()) {
+                ([b, Dim::Fixed(h), s, Dim::Fixed(d)], [kb, Dim::Fixed(kv), t, kd])
+                    if kb == b && t == s && kd == &Dim::Fixed(*d) && v == k && dout == q && *kv > 0 && h % kv == 0 =>
+                {
+                    if operands.len() == 5 && float(4)?.as_slice() != [*b, *s] {
+                        return Err(format!("key mask must be [{b}, {s}], is {}", fmt_shape(float(4)?)));
+                    }
+                    Ok((vec![Dim::Fixed(3), *b, Dim::Fixed(*h), *s, Dim::Fixed(*d)], DType::F32))
+                }
+                _ => Err(format!(
+                    "expects q and dout [b, h, s, d], k and v [b, kv, s, d] with kv dividing h; got {}, {}, {}, {}",
+                    fmt_shape(q),
+                    fmt_shape(k),
+                    fmt_shape(v),
+                    fmt_shape(dout)
+                )),
+            }
+        }
         Op::AddNorm { rms, .. } => {
             let max = if *rms { 3 } else { 4 };
             if operands.len() < 3 || operands.len() > max {
@@ -748,6 +771,7 @@ fn without_relative_bias(op: &Op) -> Option<(Op, usize)> {
     let mods = match &mut plain {
         Op::MaskedSoftmax { mods, .. }
         | Op::Attention { mods, .. }
+        | Op::AttentionGrad { mods, .. }
         | Op::PackedAttention(PackedAttention { mods, .. }) => mods,
         _ => return None,
     };

@@ -24,6 +24,9 @@ pub struct KAnalysis {
     /// The widest attention head the target's fused attention takes
     /// ([`crate::target::Target::max_attention_head_dim`]).
     pub max_attention_head_dim: usize,
+    /// Whether the target runs attention's backward as one op
+    /// ([`crate::target::Target::attention_grad`]).
+    pub attention_grad: bool,
     /// How each e-node a rule added was made (see [`Provenance`](super::Provenance)).
     pub provenance: super::Provenance,
     /// Choices a multi-class rule made to be taken together: e-nodes it added, each with the class
@@ -39,6 +42,7 @@ impl Default for KAnalysis {
             index: HashMap::new(),
             uses: HashMap::new(),
             max_attention_head_dim: crate::target::Target::default().max_attention_head_dim,
+            attention_grad: crate::target::Target::default().attention_grad,
             provenance: super::Provenance::default(),
             groups: Vec::new(),
         };

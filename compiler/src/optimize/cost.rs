@@ -149,6 +149,12 @@ impl CostModel {
                 let (q, k) = (operands[0], operands[1]);
                 4.0 * self.elements(q) * self.elements(&vec![k[2]])
             }
+            // Five products per pair of query and key: the scores, the output's gradient against
+            // the values, and the three gradients.
+            Op::AttentionGrad { .. } => {
+                let (q, k) = (operands[0], operands[1]);
+                10.0 * self.elements(q) * self.elements(&vec![k[2]])
+            }
             _ => self.elements(out),
         };
         Work { bytes_in, bytes_out, flops }

@@ -119,7 +119,11 @@ pub fn optimize_target(
 ) -> Result<(Graph, Report), GraphError> {
     let model = &target.cost;
     let start = Instant::now();
-    let analysis = KAnalysis { max_attention_head_dim: target.max_attention_head_dim, ..KAnalysis::default() };
+    let analysis = KAnalysis {
+        max_attention_head_dim: target.max_attention_head_dim,
+        attention_grad: target.attention_grad,
+        ..KAnalysis::default()
+    };
     let mut egraph = KGraph::new(analysis);
     let mut class_of: HashMap<NodeIndex, Id> = HashMap::new();
     let mut scope_of: HashMap<Id, String> = HashMap::new();

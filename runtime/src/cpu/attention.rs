@@ -447,39 +447,8 @@ impl Rows<'_> {
                 col += k1 - k0;
             }
             for (i, si) in rows.clone().enumerate() {
-                let qi = si + self.offset;
                 let row = &mut p[i * n..][..n];
-                // Keys outside the row's own range (by position), or masked, at -inf; the score
-                // modifiers on the others. (Whole slices and branch-free selects where it can.)
-                let (a, z) = match g.mods.sparse {
-                    Some(_) => (0, n),
-                    None => {
-                        let (lo, hi) = self.positions(si);
-                        (lo - ranges[0].0, hi - ranges[0].0)
-                    }
-                };
-                row[..a].fill(f32::NEG_INFINITY);
-                row[z..].fill(f32::NEG_INFINITY);
-                if let Some(cap) = g.mods.softcap {
-                    row[a..z].iter_mut().for_each(|x| *x = cap.0 * (*x / cap.0).tanh());
-                }
-                if g.alibi {
-                    let slope = self.slopes[hq];
-                    for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
-                        *x += slope * (ti as f32 - qi as f32);
-                    }
-                }
-                if let (Some(table), Some(r)) = (self.table, g.mods.relative) {
-                    for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
-                        let bucket = relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance);
-                        *x += table[bucket * g.heads + hq];
-                    }
-                }
-                if let Some(keep) = &masked {
-                    for (x, &keep) in row[a..z].iter_mut().zip(&keep[a..z]) {
-                        *x = if keep { *x } else { f32::NEG_INFINITY };
-                    }
-                }
+                let (a, z) = self.logits(si, hq, &ranges, row, masked.as_deref(), None);
                 let max = max_of(row);
                 if z == a || max <= f32::MIN {
                     // Every key masked: uniform over all keys, as the interpreter's softmax.
@@ -533,6 +502,64 @@ impl Rows<'_> {
             }
         }
         out
+    }
+
+    /// Turns `row`, query row `si`'s scaled scores for head `hq` over the keys `ranges` (in
+    /// order), into logits: keys outside the row's own range (by position), or hidden by
+    /// `masked` (a key mask over the same keys), at -inf; the score modifiers on the others.
+    /// With `capped`, the soft-capped scores (before any bias) are copied there too (zeros outside
+    /// the row's range). Returns the
+    /// columns `[a, z)` of the row's own range. (Whole slices and branch-free selects where it
+    /// can.)
+    #[inline(always)]
+    fn logits(
+        &self,
+        si: usize,
+        hq: usize,
+        ranges: &[(usize, usize)],
+        row: &mut [f32],
+        masked: Option<&[bool]>,
+        capped: Option<&mut [f32]>,
+    ) -> (usize, usize) {
+        let g = self.g;
+        let qi = si + self.offset;
+        let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
+        let n = row.len();
+        let (a, z) = match (g.mods.sparse, ranges.first()) {
+            (None, Some(&(first, _))) => {
+                let (lo, hi) = self.positions(si);
+                (lo - first, hi - first)
+            }
+            _ => (0, n),
+        };
+        row[..a].fill(f32::NEG_INFINITY);
+        row[z..].fill(f32::NEG_INFINITY);
+        if let Some(cap) = g.mods.softcap {
+            row[a..z].iter_mut().for_each(|x| *x = cap.0 * (*x / cap.0).tanh());
+            if let Some(c) = capped {
+                // (0 outside the row's range, where its probabilities are 0 too.)
+                c.fill(0.0);
+                c[a..z].copy_from_slice(&row[a..z]);
+            }
+        }
+        if g.alibi {
+            let slope = self.slopes[hq];
+            for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
+                *x += slope * (ti as f32 - qi as f32);
+            }
+        }
+        if let (Some(table), Some(r)) = (self.table, g.mods.relative) {
+            for (ti, x) in keys().zip(row.iter_mut()).skip(a).take(z - a) {
+                let bucket = relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance);
+                *x += table[bucket * g.heads + hq];
+            }
+        }
+        if let Some(keep) = masked {
+            for (x, &keep) in row[a..z].iter_mut().zip(&keep[a..z]) {
+                *x = if keep { *x } else { f32::NEG_INFINITY };
+            }
+        }
+        (a, z)
     }
 
     #[inline(always)]
@@ -643,5 +670,316 @@ fn sum_of(x: &[f32]) -> f64 {
 fn add_scaled(acc: &mut [f32], x: &[f32], p: f32) {
     for (a, &x) in acc.iter_mut().zip(x) {
         *a += p * x;
+    }
+}
+
+/// Query rows per tile of the backward: the scores, their gradients and the soft-cap's slopes of
+/// one tile are held at once (`3 * BACKWARD_ROWS * keys` floats).
+const BACKWARD_ROWS: usize = 64;
+
+/// The gradients of an attention ([`Op::AttentionGrad`]) into `out` (`[3, b, h, s, d]`): one task
+/// per batch and query head, which owns that head's rows of all three gradients and walks its
+/// query rows in tiles of [`BACKWARD_ROWS`]. Per tile, through the `gemm` crate: the scores `Q
+/// K^T` against the keys the tile attends, each row's logits and softmax in place, `dP = dO
+/// V^T`, the score gradients `dS = P (dP - rowsum(P dP))` (times the soft-cap's slope and the
+/// scale) in place of `dP`, then `dQ = dS K` for the tile's rows and `dK += dS^T Q`, `dV += P^T
+/// dO` for its keys. Nothing of the score matrix outlives its tile.
+pub fn backward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape: &[usize]) -> R<()> {
+    let bad = |m: &str| CpuError::Operands(m.to_string());
+    let Op::AttentionGrad { scale, alibi, causal, window, mods } = *op else {
+        return Err(bad("not an attention's gradient"));
+    };
+    let [(qs, q), (ks, k), (vs, v), (dos, dout), rest @ ..] = args else {
+        return Err(bad("an attention's gradient needs q, k, v and the output's gradient"));
+    };
+    let (&[b, h, s, d], &[_, kv, t, _]) = (qs.as_slice(), ks.as_slice()) else {
+        return Err(bad("q must be [b, h, s, d] and k [b, kv, t, d]"));
+    };
+    if kv == 0
+        || h % kv != 0
+        || vs != ks
+        || dos != qs
+        || t != s
+        || shape != [3, b, h, s, d]
+        || out.len() != 3 * b * h * s * d
+    {
+        return Err(bad("operands do not fit an attention's gradient"));
+    }
+    let g = Geometry { b, heads: h, kv_heads: kv, d, s, t, scale: scale.0, alibi, causal, window, mods };
+    let (mask, table) = optional(rest, &g)?;
+    let ql = Layout { batch: h * s * d, head: s * d, row: d, col: 0 };
+    let (k, v) = (heads_of(k, kv, t, d, "k")?, heads_of(v, kv, t, d, "v")?);
+    let (q, dout) = (q.f32("q")?, dout.f32("the output's gradient")?);
+    if q.len() != b * h * s * d || dout.len() != q.len() || k.0.len() < b * kv * t * d || v.0.len() < b * kv * t * d {
+        return Err(bad("operands do not fit an attention's gradient"));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let slopes = if alibi { alibi_slopes(h) } else { Vec::new() };
+    let rows = Rows { g: &g, q: (q, ql), k, v, mask, table, slopes: &slopes, group: h / kv, offset: 0 };
+    let head = s * d;
+    let (dq, rest) = out.split_at_mut(b * h * head);
+    let (dk, dv) = rest.split_at_mut(b * h * head);
+    dq.par_chunks_mut(head).zip(dk.par_chunks_mut(head)).zip(dv.par_chunks_mut(head)).enumerate().for_each_init(
+        || Scratch::default(),
+        |scratch, (task, ((dq, dk), dv))| rows.backward(task / h, task % h, (dout, ql), [dq, dk, dv], scratch),
+    );
+    Ok(())
+}
+
+/// A backward task's tiles: probabilities, score gradients, soft-cap slopes.
+#[derive(Default)]
+struct Scratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    capped: Vec<f32>,
+}
+
+impl Rows<'_> {
+    /// The gradients of query head `hq` of batch `bi` ([`backward`]) into `dq`, `dk`, `dv` (each
+    /// `[s, d]`): the AVX2/FMA build where the CPU has it.
+    fn backward(&self, bi: usize, hq: usize, dout: (&[f32], Layout), grads: [&mut [f32]; 3], scratch: &mut Scratch) {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::isa().avx2 {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
+            // compiled with them (its `gemm` calls state and check their own bounds).
+            unsafe { self.backward_avx2(bi, hq, dout, grads, scratch) };
+            return;
+        }
+        self.backward_inner(bi, hq, dout, grads, scratch)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn backward_avx2(
+        &self,
+        bi: usize,
+        hq: usize,
+        dout: (&[f32], Layout),
+        grads: [&mut [f32]; 3],
+        scratch: &mut Scratch,
+    ) {
+        self.backward_inner(bi, hq, dout, grads, scratch)
+    }
+
+    #[inline(always)]
+    fn backward_inner(
+        &self,
+        bi: usize,
+        hq: usize,
+        (dout, dl): (&[f32], Layout),
+        [dq, dk, dv]: [&mut [f32]; 3],
+        scratch: &mut Scratch,
+    ) {
+        let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
+        let (s, t, d) = (g.s, g.t, g.d);
+        let kvh = hq / self.group;
+        dq.fill(0.0);
+        dk.fill(0.0);
+        dv.fill(0.0);
+        let tile = match g.mods.sparse {
+            Some(p) => p.block.max(1),
+            None => BACKWARD_ROWS,
+        };
+        let Scratch { p, ds, capped } = scratch;
+        for r0 in (0..s).step_by(tile) {
+            let rows = r0..(r0 + tile).min(s);
+            let m = rows.len();
+            // The tile's keys, as the forward's tiles take them.
+            let ranges: Vec<(usize, usize)> = match g.mods.sparse {
+                Some(_) => self.key_ranges(rows.start),
+                None => {
+                    let (first, last) = (self.positions(rows.start), self.positions(rows.end - 1));
+                    vec![(first.0.min(last.0), first.1.max(last.1))]
+                }
+            };
+            let n: usize = ranges.iter().map(|&(a, z)| z - a).sum();
+            let masked: Option<Vec<bool>> = self
+                .mask
+                .map(|mask| ranges.iter().flat_map(|&(a, z)| a..z).map(|ti| mask[bi * t + ti] != 0.0).collect());
+            for buf in [&mut *p, &mut *ds] {
+                buf.clear();
+                buf.resize(m * n, 0.0);
+            }
+            capped.clear();
+            if g.mods.softcap.is_some() {
+                capped.resize(m * n, 0.0);
+            }
+            // Scores and the output's gradient against the values, range by range.
+            let mut col = 0;
+            for &(k0, k1) in &ranges {
+                let w = k1 - k0;
+                debug_assert!(k0 <= k1 && k1 <= t && col + w <= n, "keys {k0}..{k1} of {t}, column {col} of {n}");
+                debug_span("gradient scores", p.len(), col, (m, n), (w, 1));
+                debug_span("gradient queries", q.len(), ql.at(bi, hq, r0), (m, ql.row), (d, 1));
+                debug_span("gradient output rows", dout.len(), dl.at(bi, hq, r0), (m, dl.row), (d, 1));
+                debug_span("gradient keys", k.len(), kl.at(bi, kvh, k0), (w, kl.row), (d, 1));
+                debug_span("gradient values", v.len(), vl.at(bi, kvh, k0), (w, vl.row), (d, 1));
+                // SAFETY: the spans above (checked in debug builds; `backward` checked the operand
+                // sizes): `p` and `ds` hold m x n, this range's columns at `col..col + w`; `q` and
+                // `dout` the tile's rows of head `hq`; `k` and `v` keys `k0..k1` of head `kvh`.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        w,
+                        d,
+                        p.as_mut_ptr().add(col),
+                        1,
+                        n as isize,
+                        false,
+                        q.as_ptr().add(ql.at(bi, hq, r0)),
+                        1,
+                        ql.row as isize,
+                        k.as_ptr().add(kl.at(bi, kvh, k0)),
+                        kl.row as isize,
+                        1,
+                        0.0,
+                        g.scale,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                    gemm::gemm(
+                        m,
+                        w,
+                        d,
+                        ds.as_mut_ptr().add(col),
+                        1,
+                        n as isize,
+                        false,
+                        dout.as_ptr().add(dl.at(bi, hq, r0)),
+                        1,
+                        dl.row as isize,
+                        v.as_ptr().add(vl.at(bi, kvh, k0)),
+                        vl.row as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += w;
+            }
+            // Per row: probabilities in `p`, score gradients in `ds` (over `dp`).
+            let mut uniform = Vec::new();
+            for (i, si) in rows.clone().enumerate() {
+                let row = &mut p[i * n..][..n];
+                let cap_row = if capped.is_empty() { None } else { Some(&mut capped[i * n..][..n]) };
+                let (a, z) = self.logits(si, hq, &ranges, row, masked.as_deref(), cap_row);
+                let max = max_of(row);
+                let grad = &mut ds[i * n..][..n];
+                if z == a || max <= f32::MIN {
+                    // Every key masked: the softmax is uniform over all keys and its gradient is
+                    // gated to zero; the values' gradients get the row below.
+                    row.fill(0.0);
+                    grad.fill(0.0);
+                    uniform.push(si);
+                    continue;
+                }
+                super::math::exp_shifted(row, max);
+                let inv = 1.0 / sum_of(row);
+                row.iter_mut().for_each(|x| *x = (*x as f64 * inv) as f32);
+                let dot: f64 = row.iter().zip(grad.iter()).map(|(&p, &dp)| p as f64 * dp as f64).sum();
+                for (dp, &p) in grad.iter_mut().zip(row.iter()) {
+                    *dp = (p as f64 * (*dp as f64 - dot)) as f32;
+                }
+                if let Some(cap) = g.mods.softcap {
+                    let minus = -1.0 / (cap.0 * cap.0);
+                    for (dp, &y) in grad.iter_mut().zip(&capped[i * n..][..n]) {
+                        *dp *= y * y * minus + 1.0;
+                    }
+                }
+                grad.iter_mut().for_each(|x| *x *= g.scale);
+            }
+            let mut col = 0;
+            for &(k0, k1) in &ranges {
+                let w = k1 - k0;
+                debug_span("query gradients", dq.len(), r0 * d, (m, d), (d, 1));
+                debug_span("key gradients", dk.len(), k0 * d, (w, d), (d, 1));
+                debug_span("value gradients", dv.len(), k0 * d, (w, d), (d, 1));
+                // SAFETY: as above; `dq`, `dk` and `dv` hold `[s, d]` (s == t, checked by
+                // `backward`), the tile's rows and the range's keys within them.
+                unsafe {
+                    // dQ[tile] += dS K[range]
+                    gemm::gemm(
+                        m,
+                        d,
+                        w,
+                        dq.as_mut_ptr().add(r0 * d),
+                        1,
+                        d as isize,
+                        true,
+                        ds.as_ptr().add(col),
+                        1,
+                        n as isize,
+                        k.as_ptr().add(kl.at(bi, kvh, k0)),
+                        1,
+                        kl.row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                    // dK[range] += dS^T Q[tile]
+                    gemm::gemm(
+                        w,
+                        d,
+                        m,
+                        dk.as_mut_ptr().add(k0 * d),
+                        1,
+                        d as isize,
+                        true,
+                        ds.as_ptr().add(col),
+                        n as isize,
+                        1,
+                        q.as_ptr().add(ql.at(bi, hq, r0)),
+                        1,
+                        ql.row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                    // dV[range] += P^T dO[tile]
+                    gemm::gemm(
+                        w,
+                        d,
+                        m,
+                        dv.as_mut_ptr().add(k0 * d),
+                        1,
+                        d as isize,
+                        true,
+                        p.as_ptr().add(col),
+                        n as isize,
+                        1,
+                        dout.as_ptr().add(dl.at(bi, hq, r0)),
+                        1,
+                        dl.row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += w;
+            }
+            for si in uniform {
+                let o = &dout[dl.at(bi, hq, si)..][..d];
+                for row in dv.chunks_mut(d) {
+                    add_scaled(row, o, 1.0 / t as f32);
+                }
+            }
+        }
     }
 }

@@ -943,6 +943,7 @@ impl CpuModel {
                 Op::Attention { .. } | Op::PackedAttention(_) => {
                     return attention::forward(op, args, lazy.get(), shape);
                 }
+                Op::AttentionGrad { .. } => return attention::backward(op, args, lazy.get(), shape),
                 Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),
                 _ => {
                     if elementwise::forward(op, args, &mut lazy, shape, past)?

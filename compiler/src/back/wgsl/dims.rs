@@ -257,6 +257,13 @@ fn dims_of(
                 attention::dims(g, b, s, t, 0, mods.sparse.is_some(), workgroups)
             }
         }
+        // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k [b, kv, s, d].
+        Op::AttentionGrad { .. } => {
+            let (&[b, h, s, d], &[_, kv, ..]) = (operand(0)?, operand(1)?) else {
+                return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, s, d]", op.name()));
+            };
+            vec![3 * b * h * s, h, s, d, kv, b * h * s]
+        }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],
     };

@@ -7,7 +7,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::scores;
-use crate::graph::{Activation, BlockPattern, Bucketing, Op, PackedAttention, PairStyle, ScoreMods};
+use crate::graph::{Activation, BlockPattern, Bucketing, Op, PackedAttention, PairStyle, Scalar, ScoreMods};
 use crate::lower::WeightFormat;
 // The attention bodies here keep an output row in a private array this wide (as the blocked
 // kernel does, `super::attention`).
@@ -671,6 +671,9 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 setup = scores::sparse_setup(mods, "qi", "s_len", "k"),
             )
         }
+        Op::AttentionGrad { scale, alibi, causal, window, mods } => {
+            attention_grad(*scale, *alibi, *causal, *window, mods, operands)
+        }
         Op::AddNorm { rms, eps, after: true } => {
             // `b`'s row statistics first, then `a + norm(b)` per element.
             let bias = if operands == 4 { " + in3[j]" } else { "" };
@@ -746,6 +749,73 @@ impl<'a> Mods<'a> {
         }
         s.lines().map(|l| format!("    {l}\n")).collect()
     }
+}
+
+/// [`Op::AttentionGrad`]: one thread per output row (`[3, b, h, s, d]` as rows of `d`). A query
+/// gradient's thread walks its query's keys; a key's or value's walks every query, each query's
+/// softmax statistics recomputed there (a key row's thread needs every row's), so its work grows
+/// with the square of the sequence: correct everywhere, fast nowhere long (the optimizer's WGSL
+/// target does not choose this op; the row statistics in a pass of their own is the fast form).
+fn attention_grad(
+    scale: Scalar,
+    alibi: bool,
+    causal: bool,
+    window: Option<usize>,
+    mods: &ScoreMods,
+    operands: usize,
+) -> String {
+    let m = Mods::new(mods, 4, operands);
+    let keep = keep_condition(causal, window, m.mask.as_deref(), mods);
+    // `x`: the logit of key `ki` for query `qi`; `y`: its soft-capped score (before any bias).
+    let mut logit = format!(
+        "var x = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + qi * d + c] * in1[kv0 + ki * d + c]; }}\n\
+         x = x * {};\n{}let y = x;\n",
+        lit(scale.0),
+        scores::softcap(mods, "x")
+    );
+    if alibi {
+        logit += &format!("x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
+    }
+    if let Some(t) = &m.table {
+        logit += &scores::relative(mods, "x", "ki", "qi", "h", "heads", t);
+    }
+    let logit: String = logit.lines().map(|l| format!("        {l}\n")).collect();
+    let slope = match mods.softcap {
+        Some(cap) => format!("        ds = ds * (y * y * {} + 1.0);\n", lit(-1.0 / (cap.0 * cap.0))),
+        None => "        _ = y;\n".into(),
+    };
+    let dot = |a: &str, b: &str| format!("for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + {a} * {b}; }}");
+    format!(
+        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
+         let part = i / rows;\nlet r = i % rows;\nlet own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\n\
+         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+         // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
+         var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\n\
+         let q_first = select(0u, own, part == 0u);\nlet q_last = select(k, own + 1u, part == 0u);\n\
+         for (var qi = q_first; qi < q_last; qi = qi + 1u) {{\n{setup}\
+         // The row's softmax: its maximum and sum over the kept keys, then sum(p * dp).\n\
+         var mx = -3.40282347e38;\nvar l = 0.0;\n\
+         for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}        if (!({keep})) {{ continue; }}\n        \
+         let m1 = max(mx, x);\n        l = l * exp(mx - m1) + exp(x - m1);\n        mx = m1;\n    }}\n\
+         // Every key masked: uniform over all keys (the reference softmax), its gradient gated to 0.\n\
+         let uniform = l == 0.0;\nvar dd = 0.0;\n\
+         for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}        \
+         let p = select(select(0.0, exp(x - mx) / l, {keep}), 1.0 / f32(k), uniform);\n        \
+         var dp = 0.0;\n        {dp}\n        dd = dd + p * dp;\n    }}\n\
+         // This thread's share: every key for a query's gradient, its own key for a key's or value's.\n\
+         let k_first = select(own, 0u, part == 0u);\nlet k_last = select(own + 1u, k, part == 0u);\n\
+         for (var ki = k_first; ki < k_last; ki = ki + 1u) {{\n{logit}        let kept = {keep};\n        \
+         let p = select(select(0.0, exp(x - mx) / l, kept), 1.0 / f32(k), uniform);\n        \
+         if (part == 2u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + p * in3[q0 + qi * d + c]; }}\n            \
+         continue;\n        }}\n        var dp = 0.0;\n        {dp}\n        \
+         var ds = select(0.0, p * (dp - dd), kept && !uniform);\n{slope}        ds = ds * {scale};\n        \
+         if (part == 0u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in1[kv0 + ki * d + c]; }}\n        \
+         }} else {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in0[q0 + qi * d + c]; }}\n        }}\n    \
+         }}\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c]; }}",
+        setup = scores::sparse_setup(mods, "qi", "k", "k"),
+        dp = dot("in3[q0 + qi * d + c]", "in2[kv0 + ki * d + c]"),
+        scale = lit(scale.0),
+    )
 }
 
 /// Whether key `ki` is kept for query position `qi`: by the causal and window mask, the key mask

@@ -324,6 +324,7 @@ mod tests {
             }
             for n in [3, 4] {
                 ops.push((Op::Attention { scale, alibi, causal, window, mods }, n));
+                ops.push((Op::AttentionGrad { scale, alibi, causal, window, mods }, n + 1));
             }
         }
         // Score modifiers: soft-cap, relative bias (a table operand last), block pattern.
@@ -340,6 +341,7 @@ mod tests {
             }
             for n in [3, 4] {
                 ops.push((Op::Attention { scale, alibi, causal, window, mods }, n + table));
+                ops.push((Op::AttentionGrad { scale, alibi, causal, window, mods }, n + 1 + table));
             }
         }
         for (rms, n) in [(true, 3), (false, 3), (false, 4)] {

@@ -39,7 +39,12 @@ impl Default for CostModel {
 impl Target {
     /// wgpu, with the cost model measured on lavapipe ([`CostModel::default`]).
     pub fn wgpu() -> Target {
-        Target { name: "wgpu", cost: CostModel::default(), max_attention_head_dim: MAX_ATTENTION_HEAD_DIM }
+        Target {
+            name: "wgpu",
+            cost: CostModel::default(),
+            max_attention_head_dim: MAX_ATTENTION_HEAD_DIM,
+            attention_grad: false,
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
+mod attention_grad;
 mod backward;
 mod cache;
 mod fusion;
@@ -23,14 +24,14 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
 ///    one product over all the rows (`contract_rows`);
 /// 3. `merge`: projections of one input merged into one over stacked weights (multi-pattern);
 /// 4. `attention`: softmax, attention and packed attention; gated projections; heads read
-///    out of merged projections, rotated and appended to a cache;
+///    out of merged projections, rotated and appended to a cache; attention's backward as one op;
 /// 5. `prologue`: norms into the projections that read them, residual add + norm.
 pub fn phases() -> Vec<(&'static str, Vec<Rewrite<Kl, KAnalysis>>)> {
     vec![
         ("simplify", simplify::rules()),
         ("linear", fusion::linear().into_iter().chain(backward::rules()).collect()),
         ("merge", merge::rules()),
-        ("attention", fusion::attention().into_iter().chain(cache::rules()).collect()),
+        ("attention", fusion::attention().into_iter().chain(cache::rules()).chain(attention_grad::rules()).collect()),
         ("prologue", prologue::rules()),
     ]
 }
