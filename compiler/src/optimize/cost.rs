@@ -20,6 +20,16 @@ const CPU_DISPATCH: f64 = 10000.0;
 /// [`CostModel::cpu`]'s FLOP constant (in bytes moved).
 const CPU_FLOP: f64 = 0.15;
 
+/// Query rows per tile of the CPU's attention backward ([`Op::AttentionGrad`]).
+const ATTENTION_GRAD_TILE_ROWS: f64 = 64.0;
+/// The fixed work of one tile of the CPU's attention backward, as the FLOPs that take as long:
+/// a tile of 64 query rows against 64 keys of width 32 took 18 us (nanoGPT's step, `kiln bench
+/// train --profile`), of which its 1.3 MFLOP at 200 GFLOPS are 6.5 us; the other 11 us (its five
+/// `gemm` calls' set-up and packing, its rows' softmax) are 2.2 MFLOP at that rate. With it the
+/// backward is chosen where it measured faster: from 128 tokens at width 32 (1.0x at 128, 1.25x
+/// at 256, 1.9x at 1024; 0.9x at 64).
+const ATTENTION_GRAD_TILE_FLOPS: f64 = 2.2e6;
+
 /// The cost model: estimated time of one forward pass at batch 1, sequence [`CostModel::seq`].
 #[derive(Clone, Debug)]
 pub struct CostModel {
@@ -149,11 +159,12 @@ impl CostModel {
                 let (q, k) = (operands[0], operands[1]);
                 4.0 * self.elements(q) * self.elements(&vec![k[2]])
             }
-            // Five products per pair of query and key: the scores, the output's gradient against
-            // the values, and the three gradients.
+            // Five products per pair of query and key (the scores, the output's gradient against
+            // the values, and the three gradients), and each tile's fixed work.
             Op::AttentionGrad { .. } => {
                 let (q, k) = (operands[0], operands[1]);
-                10.0 * self.elements(q) * self.elements(&vec![k[2]])
+                let tiles = (self.elements(q) / last(q).max(1.0) / ATTENTION_GRAD_TILE_ROWS).ceil();
+                10.0 * self.elements(q) * self.elements(&vec![k[2]]) + tiles * ATTENTION_GRAD_TILE_FLOPS
             }
             _ => self.elements(out),
         };

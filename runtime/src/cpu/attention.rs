@@ -882,19 +882,23 @@ impl Rows<'_> {
                     continue;
                 }
                 super::math::exp_shifted(row, max);
-                let inv = 1.0 / sum_of(row);
-                row.iter_mut().for_each(|x| *x = (*x as f64 * inv) as f32);
-                let dot: f64 = row.iter().zip(grad.iter()).map(|(&p, &dp)| p as f64 * dp as f64).sum();
-                for (dp, &p) in grad.iter_mut().zip(row.iter()) {
-                    *dp = (p as f64 * (*dp as f64 - dot)) as f32;
-                }
-                if let Some(cap) = g.mods.softcap {
-                    let minus = -1.0 / (cap.0 * cap.0);
-                    for (dp, &y) in grad.iter_mut().zip(&capped[i * n..][..n]) {
-                        *dp *= y * y * minus + 1.0;
+                let inv = (1.0 / sum_of(row)) as f32;
+                row.iter_mut().for_each(|x| *x *= inv);
+                let dot = dot(row, grad);
+                let scale = g.scale;
+                match g.mods.softcap {
+                    Some(cap) => {
+                        let minus = -1.0 / (cap.0 * cap.0);
+                        for ((dp, &p), &y) in grad.iter_mut().zip(row.iter()).zip(&capped[i * n..][..n]) {
+                            *dp = p * (*dp - dot) * (y * y * minus + 1.0) * scale;
+                        }
+                    }
+                    None => {
+                        for (dp, &p) in grad.iter_mut().zip(row.iter()) {
+                            *dp = p * (*dp - dot) * scale;
+                        }
                     }
                 }
-                grad.iter_mut().for_each(|x| *x *= g.scale);
             }
             let mut col = 0;
             for &(k0, k1) in &ranges {

@@ -19,7 +19,7 @@ use crate::progress::Progress;
 use kiln_compiler::graph::{Graph, GraphError, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{self, Plan};
-use kiln_compiler::optimize;
+use kiln_compiler::optimize::{self, CostModel};
 use kiln_compiler::target::Target;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::LOSS;
@@ -84,12 +84,19 @@ pub struct StepRunner {
 impl StepRunner {
     /// `graph` on `device`: the interpreter, or lowered for the CPU or wgpu back end.
     pub fn new(device: &Device, graph: Graph) -> Result<StepRunner, RunError> {
-        StepRunner::with_optimization(device, graph, true)
+        StepRunner::with_optimization(device, graph, true, CostModel::cpu().seq)
     }
 
     /// [`StepRunner::new`], the CPU's graph optimized or not (`kiln bench train --unoptimized`:
-    /// what the e-graph's rewrites of the step are worth).
-    pub fn with_optimization(device: &Device, graph: Graph, optimize: bool) -> Result<StepRunner, RunError> {
+    /// what the e-graph's rewrites of the step are worth), its forms chosen by the cost of a step
+    /// at `seq` tokens (the sequence length the step runs at: a form that pays at one length may
+    /// not at another, as attention's backward in tiles does not at 64 tokens).
+    pub fn with_optimization(
+        device: &Device,
+        graph: Graph,
+        optimize: bool,
+        seq: usize,
+    ) -> Result<StepRunner, RunError> {
         let kind = match device {
             Device::Interp => Kind::Interp(graph),
             Device::Cpu { threads } => {
@@ -98,7 +105,8 @@ impl StepRunner {
                 // soonest, where that holds less than the rebuild's own.
                 let optimized = match optimize {
                     true => {
-                        let optimized = optimize::optimize_for(&graph, &Target::cpu())?.0;
+                        let cost = CostModel { seq: seq.max(1), ..CostModel::cpu() };
+                        let optimized = optimize::optimize_for(&graph, &Target { cost, ..Target::cpu() })?.0;
                         lower::schedule::by_memory(&optimized, &schedule_sizes())
                     }
                     false => graph,

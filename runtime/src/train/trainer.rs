@@ -223,7 +223,8 @@ impl Trainer {
             &recipe,
             shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
         );
-        let train = StepRunner::with_optimization(&device, graph, optimize)
+        let seq = recipe.seq.unwrap_or(kiln_compiler::optimize::CostModel::cpu().seq);
+        let train = StepRunner::with_optimization(&device, graph, optimize, seq)
             .map_err(|source| TrainError::Run { step: 0, source })?;
         Ok(Trainer {
             recipe,
