@@ -262,6 +262,39 @@ fn attention() {
     check("attention", &attention_graph(4));
 }
 
+/// An attention's three gradients, as autodiff builds them for a causal attention with grouped
+/// heads and without, as one `attention_grad` (on the CPU's target, costed at 2048 tokens where
+/// it pays; every score modifier's chain is checked on whole models in `tests/autodiff.rs`).
+#[test]
+fn attention_grad() {
+    use kiln_compiler::target::Target;
+    for kv_heads in [4, 2] {
+        let mut g = attention_graph(kv_heads);
+        let c = g.outputs[0].1;
+        let w = g.param("loss.w", &[D]);
+        let mut loss = g.add(Op::Mul, &[c, w]).unwrap();
+        for axis in 0..3 {
+            loss = g.add(Op::SumAxis { axis }, &[loss]).unwrap();
+        }
+        g.outputs = vec![("loss".into(), loss)];
+        let g = kiln_compiler::autodiff::gradients(&g, "loss", |name| name != "loss.w").unwrap();
+        let target = Target { cost: CostModel { seq: 2048, ..CostModel::cpu() }, ..Target::cpu() };
+        let (opt, report) =
+            kiln_compiler::optimize::optimize_target(&g, &Limits::default(), &target, &rules::phases()).unwrap();
+        assert!(report.applied.get("attention-grad").is_some_and(|&n| n > 0), "{:?}", report.applied);
+        check_provenance("attention-grad", &opt, &report);
+        assert_eq!(ops(&opt).iter().filter(|o| *o == "attention_grad").count(), 1, "{:?}", ops(&opt));
+        assert!(!ops(&opt).contains(&"masked_softmax".to_string()), "the probabilities are kept: {:?}", ops(&opt));
+        let params = random_params(&g, 3).unwrap();
+        let (before, after) = (run(&g, &params, &inputs()).unwrap(), run(&opt, &params, &inputs()).unwrap());
+        for ((name, a), (_, b)) in before.iter().zip(&after) {
+            let scale = a.as_f32().unwrap().iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let err = a.max_abs_diff(b);
+            assert!(err <= 1e-5 * scale, "`{name}` differs by {err} (scale {scale})");
+        }
+    }
+}
+
 #[test]
 fn attention_gqa() {
     check("attention-gqa", &attention_graph(2));

@@ -721,10 +721,13 @@ pub fn backward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape:
     let head = s * d;
     let (dq, rest) = out.split_at_mut(b * h * head);
     let (dk, dv) = rest.split_at_mut(b * h * head);
-    dq.par_chunks_mut(head).zip(dk.par_chunks_mut(head)).zip(dv.par_chunks_mut(head)).enumerate().for_each_init(
-        || Scratch::default(),
-        |scratch, (task, ((dq, dk), dv))| rows.backward(task / h, task % h, (dout, ql), [dq, dk, dv], scratch),
-    );
+    dq.par_chunks_mut(head)
+        .zip(dk.par_chunks_mut(head))
+        .zip(dv.par_chunks_mut(head))
+        .enumerate()
+        .for_each_init(Scratch::default, |scratch, (task, ((dq, dk), dv))| {
+            rows.backward(task / h, task % h, (dout, ql), [dq, dk, dv], scratch)
+        });
     Ok(())
 }
 
