@@ -90,6 +90,9 @@ enum Command {
     /// Measure (never a test): forward and decode times, where a forward spends them, the
     /// kernels, the optimizer and the cost model's constants, one subcommand each.
     Bench(bench::BenchArgs),
+    /// Time the WGSL kernels' forms on a GPU adapter for a model's shapes and cache the fastest
+    /// that matches the interpreter: every later load of that model's shapes there uses it.
+    Tune(bench::tune::TuneArgs),
 }
 
 impl Command {
@@ -104,6 +107,7 @@ impl Command {
             Command::Chat(args) => Some(args.spec()),
             Command::Serve(args) => Some(args.spec()),
             Command::Bench(args) => args.spec(),
+            Command::Tune(args) => args.spec(),
             Command::Embed(args) => Some(args.spec()),
             Command::Check(args) => args.weighed_spec(),
             Command::Init(_)
@@ -150,6 +154,7 @@ impl Command {
             Command::Tokenize(args) => tokenize::run(args),
             Command::Embed(args) => embed::run(args, reporter),
             Command::Bench(args) => bench::run(args, reporter),
+            Command::Tune(args) => bench::tune::run(args, reporter),
             Command::New(args) => new::run(args, reporter),
             Command::List(args) => list::run(args),
             Command::Fetch(args) => fetch::run(args),

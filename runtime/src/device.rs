@@ -164,6 +164,15 @@ pub enum LoadError {
     /// A plan asked of the interpreter, which runs graphs.
     #[error("the interpreter runs graphs, not compiled plans")]
     NotCompiled,
+    /// The adapter's cached tuning could not be read.
+    #[error(transparent)]
+    Tuning(Box<crate::tune::TuneError>),
+}
+
+impl From<crate::tune::TuneError> for LoadError {
+    fn from(e: crate::tune::TuneError) -> Self {
+        LoadError::Tuning(Box::new(e))
+    }
 }
 
 impl From<GpuError> for LoadError {
@@ -355,7 +364,7 @@ impl Device {
                 Model::Cpu(Box::new(CpuModel::from_owned(plan, params, blocks, *threads, progress)?))
             }
             Device::Gpu(gpu) => {
-                let wgsl = wgsl_options(gpu, storage)?;
+                let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?)?;
                 Model::Gpu(Box::new(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, &params, &blocks, progress)?))
             }
         })
@@ -392,13 +401,14 @@ fn gpu_model(
     if storage.int8_activations {
         return Err(LoadError::Int8OnGpu);
     }
-    let wgsl = wgsl_options(gpu, storage)?;
     let plan = lower_with_blocks(graph, blocks);
+    // The forms `kiln tune` chose for this model's shapes on this adapter, if it was tuned.
+    let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?)?;
     Ok(Model::Gpu(Box::new(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, params, blocks, progress)?)))
 }
 
 /// `graph` lowered with the projections whose weights are `blocks` reading them as blocks.
-fn lower_with_blocks(graph: &Graph, blocks: &HashMap<String, QuantWeight>) -> Plan {
+pub(crate) fn lower_with_blocks(graph: &Graph, blocks: &HashMap<String, QuantWeight>) -> Plan {
     let formats = blocks.iter().map(|(name, q)| (name.clone(), q.format)).collect();
     lower::lower_with(graph, lower::Options { formats, ..lower::Options::default() })
 }

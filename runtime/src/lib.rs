@@ -41,6 +41,7 @@ pub use model::{Model, ModelError};
 
 pub mod generate;
 pub mod sample;
+pub mod tune;
 
 pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Parked, Request};
 pub use generate::{Session, Stats, Stop};

@@ -25,6 +25,8 @@ pub enum Phase {
     /// Building the compute pipelines, which compiles each kernel's shader for the device; one
     /// unit per kernel.
     Pipelines,
+    /// Timing the kernels' forms on the adapter (`kiln tune`); one unit per candidate.
+    Tune,
 }
 
 impl Phase {
@@ -36,6 +38,7 @@ impl Phase {
             Phase::Fold => "folding constants",
             Phase::Upload => "uploading weights",
             Phase::Pipelines => "compiling kernels",
+            Phase::Tune => "tuning kernels",
         }
     }
 }

@@ -26,3 +26,4 @@ mod readme;
 mod recorded_weights;
 mod serve;
 mod serve_embed;
+mod tune;

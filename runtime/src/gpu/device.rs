@@ -136,6 +136,12 @@ impl Gpu {
         &self.info.name
     }
 
+    /// The adapter's driver and its version, as wgpu reports them (`llvmpipe`, `Mesa 23.2.1`):
+    /// what a cached tuning was measured with.
+    pub fn driver(&self) -> String {
+        format!("{} {}", self.info.driver, self.info.driver_info).trim().to_string()
+    }
+
     /// Whether the adapter is a software one (lavapipe: Vulkan on the CPU).
     pub fn is_software(&self) -> bool {
         self.info.device_type == wgpu::DeviceType::Cpu

@@ -64,6 +64,12 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     let model = device.model(&cached, Weights::Given { params: &params, blocks: &blocks }, storage.storage(), &())?;
     let dispatches = model.plan().steps.len();
+    // On wgpu, the kernels' forms the model was built with (the adapter's defaults, or what
+    // `kiln tune` chose for these shapes there).
+    let forms = match &model {
+        kiln_runtime::Model::Gpu(m) => Some(m.program().options.describe()),
+        kiln_runtime::Model::Cpu(_) => None,
+    };
     let device_weights = (weight_bytes(&model), weight_bytes_json(&model));
     let mut session = Session::new(model.into(), &outputs, usize::MAX)?;
     let vocab = fe.spec.spec.model.vocab as i64;
@@ -99,7 +105,7 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill.median, "decode_tok_s": decode.median,
             "prefill_tok_s_min": prefill.min, "prefill_tok_s_max": prefill.max, "decode_tok_s_min": decode.min, "decode_tok_s_max": decode.max,
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
-            "host_us_per_step": host.as_ref().map(|h| h.median),
+            "host_us_per_step": host.as_ref().map(|h| h.median), "kernel_forms": forms,
             "host_us_per_step_min": host.as_ref().map(|h| h.min), "host_us_per_step_max": host.as_ref().map(|h| h.max),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -110,6 +116,9 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             device.describe(),
             crate::report::count(runs, "run")
         );
+        if let Some(forms) = &forms {
+            println!("  kernel forms: {forms}");
+        }
         println!("  prefill {prompt} tokens: {} tok/s", prefill.text(1));
         println!("  decode {steps} steps:    {} tok/s", decode.text(2));
         if let Some(h) = &host {

@@ -11,6 +11,7 @@ mod kernels;
 mod optimize;
 mod table;
 mod train;
+pub mod tune;
 
 use crate::exec::{Backend, threads_or_default};
 use crate::progress::Reporter;

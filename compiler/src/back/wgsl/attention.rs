@@ -104,25 +104,35 @@ pub const KEY_STRIDES: (usize, usize) = (11, 12);
 /// the workgroup form took a forward pass from 106.6 to 68.0 ms; at 6 144 (MiniLM, 32 sentences
 /// of 128 tokens) it was slower, 22.8 -> 40.0 ms, one workgroup per query row being more work
 /// than the blocked forms' shared key loads. 2 048 (16 per multiprocessor of that device) lies
-/// between; a per-adapter choice is issue 33's tuner.
+/// between; `kiln tune` chooses it per adapter ([`Options::attention_workgroup_below`]).
 pub const WORKGROUP_FORM_BELOW: usize = 2_048;
 
 /// The sizes of an attention dispatch: `[threads, heads, s, t, d, kv, width, form, rows]` for
 /// `s` queries over `t` keys, `width` the packed row width (0 unpacked), `form` 1 for blocks of
 /// `rows` query rows (prefill), 0 for one row per invocation (always, when `sparse`: an
 /// invocation then serves one query block, whose key blocks it visits), and 2 for the workgroup
-/// form (a kernel that has it, `workgroups`: see [`has_workgroup_form`]), a workgroup of 64 per
-/// query row and head, where the blocked forms would run fewer than [`WORKGROUP_FORM_BELOW`]
-/// invocations.
-pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool, workgroups: bool) -> Vec<usize> {
+/// form (a kernel that has it: see [`has_workgroup_form`]), a workgroup of 64 per query row and
+/// head, where the blocked forms would run fewer than `below` invocations ([`workgroup_below`]; 0
+/// for a kernel without the form).
+pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool, below: usize) -> Vec<usize> {
     let (qb, gc) = g.block();
     let (form, rows) = if s >= qb && qb > 1 && !sparse { (1, qb) } else { (0, 1) };
     let threads = batch * s.div_ceil(rows) * (g.heads / gc);
-    if workgroups && threads < WORKGROUP_FORM_BELOW {
+    if threads < below {
         let threads = batch * s * g.heads * WIDE_LANES;
         return vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, 2, 1];
     }
     vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, form, rows]
+}
+
+/// Invocations of the blocked forms below which `op`'s kernel compiled with `options` runs its
+/// workgroup form: [`Options::attention_workgroup_below`], else [`WORKGROUP_FORM_BELOW`]; 0 for a
+/// kernel without the form.
+pub fn workgroup_below(op: &Op, options: &Options) -> usize {
+    match has_workgroup_form(op, options) {
+        true => options.attention_workgroup_below.unwrap_or(WORKGROUP_FORM_BELOW),
+        false => 0,
+    }
 }
 
 /// Whether the kernel of `op` compiled with `options` has the workgroup form

@@ -203,8 +203,8 @@ fn dims_of(
             } else {
                 // Blocks of query rows and heads: see `attention::dims`.
                 let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
-                let workgroups = options.is_some_and(|o| attention::has_workgroup_form(op, o));
-                attention::dims(g, b, s, t, width, mods.sparse.is_some(), workgroups)
+                let below = options.map_or(0, |o| attention::workgroup_below(op, o));
+                attention::dims(g, b, s, t, width, mods.sparse.is_some(), below)
             };
             if *appends {
                 // The attention's threads, then one per element of each cache after the step
@@ -253,8 +253,8 @@ fn dims_of(
                 vec![b * h * s, h, s, t, d, kv]
             } else {
                 let g = attention::Geometry { heads: h, kv_heads: kv, head_dim: d };
-                let workgroups = options.is_some_and(|o| attention::has_workgroup_form(op, o));
-                attention::dims(g, b, s, t, 0, mods.sparse.is_some(), workgroups)
+                let below = options.map_or(0, |o| attention::workgroup_below(op, o));
+                attention::dims(g, b, s, t, 0, mods.sparse.is_some(), below)
             }
         }
         // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k [b, kv, s, d].

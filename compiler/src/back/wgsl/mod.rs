@@ -91,6 +91,10 @@ pub struct Options {
     /// heads and rows while the workgroup form's barriers and reductions cost a synchronisation of
     /// its 64 lanes per chunk of keys.
     pub attention_workgroups: bool,
+    /// With [`Options::attention_workgroups`]: below how many invocations of the blocked forms an
+    /// attention runs its workgroup form instead; `None` for the built-in threshold
+    /// ([`attention::WORKGROUP_FORM_BELOW`]). A tunable (`kiln tune` times it per adapter).
+    pub attention_workgroup_below: Option<usize>,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
     /// whose weights each fit, joined by concatenations (see [`column_divisible`]): each piece runs
@@ -122,10 +126,62 @@ impl Options {
         if self.fold_appends {
             used.push("cache appends in the attention");
         }
+        let below;
         if self.attention_workgroups {
-            used.push("attention in workgroups");
+            below = match self.attention_workgroup_below {
+                Some(n) => format!("attention in workgroups below {n} invocations"),
+                None => "attention in workgroups".into(),
+            };
+            used.push(&below);
         }
         if used.is_empty() { "plain".into() } else { used.join(", ") }
+    }
+
+    /// The options' choices among kernel forms ([`Tunables`]).
+    pub fn tunables(&self) -> Tunables {
+        Tunables {
+            subgroups: self.subgroups,
+            fold_appends: self.fold_appends,
+            attention_workgroups: self.attention_workgroups,
+            attention_workgroup_below: self.attention_workgroup_below,
+        }
+    }
+
+    /// These options with the forms `t` chooses (the rest kept: the weights' precision, which is
+    /// the caller's, and the binding limit).
+    pub fn tuned(self, t: Tunables) -> Options {
+        Options {
+            subgroups: t.subgroups,
+            fold_appends: t.fold_appends,
+            attention_workgroups: t.attention_workgroups,
+            attention_workgroup_below: t.attention_workgroup_below,
+            ..self
+        }
+    }
+}
+
+/// The choices among the kernels' forms whose best depends on the adapter, as data: what `kiln
+/// tune` times per adapter and model shape and caches. Each is a form the kernels have, held to
+/// the interpreter on lavapipe; which is fastest is the device's question (the workgroup form of
+/// attention took an H200's forward pass from 106.6 to 68.0 ms at one shape and from 22.8 to 40.0
+/// at another).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Tunables {
+    /// Subgroup reductions, and the split GEMV ([`Options::subgroups`]).
+    pub subgroups: bool,
+    /// The cache appends in the attention's dispatch ([`Options::fold_appends`]).
+    pub fold_appends: bool,
+    /// The attention's workgroup form ([`Options::attention_workgroups`]).
+    pub attention_workgroups: bool,
+    /// Below how many blocked invocations it runs ([`Options::attention_workgroup_below`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_workgroup_below: Option<usize>,
+}
+
+impl Tunables {
+    /// The forms in words (`plain`, or the features used), as [`Options::describe`] says them.
+    pub fn describe(&self) -> String {
+        Options::default().tuned(*self).describe()
     }
 }
 

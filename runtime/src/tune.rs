@@ -1,0 +1,422 @@
+//! Kernel forms tuned per adapter (`kiln tune`). Which of the WGSL kernels' forms is fastest — the
+//! subgroup reductions and split GEMV, a decoder step's cache appends in the attention's own
+//! dispatch, the attention's workgroup form and the invocation count below which it runs
+//! ([`Tunables`]) — is a question of the device, and kiln runs on GPUs its developers never see.
+//! So the forms are data: [`candidates`] are the combinations an adapter can run, [`tune`] times
+//! each on a model's real shapes (a prompt's prefill and decode steps, greedy), keeps only those
+//! whose logits match the reference (the interpreter, or the CPU back end for quantized weights,
+//! itself held to the interpreter), and the fastest is cached by adapter, driver and shape class
+//! ([`shape_class`]: models of one architecture and size share it) under `tuning/` in kiln's
+//! data directory, next to the cost models ([`crate::costs`]). Loading a model on that adapter
+//! then takes the cached choice ([`options_for`]); without one, the adapter's default options.
+//! A tuning holds for one kiln version and one driver: another reads as none.
+
+use crate::device::{Device, Storage, Weights, lower_with_blocks};
+use crate::engine::GenerateError;
+use crate::generate::{Session, generate};
+use crate::gpu::{Gpu, GpuError, GpuModel};
+use crate::model::Model;
+use crate::progress::{Phase, Progress};
+use crate::quant::QuantWeight;
+use crate::sample::Sampler;
+use kiln_compiler::back::wgsl::{Options, Tunables};
+use kiln_compiler::graph::Graph;
+use kiln_compiler::lower::{Plan, Storage as ValueStorage};
+use kiln_compiler::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What can go wrong tuning, or reading and writing a tuning.
+#[derive(Debug, thiserror::Error)]
+pub enum TuneError {
+    /// A file could not be read or written.
+    #[error("cannot {what} `{}`", path.display())]
+    Io {
+        /// `read`, `write`, `create`.
+        what: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A cached tuning is not what kiln writes.
+    #[error("the tuning `{}` is not valid: delete it to tune again", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// Saving needs a data directory.
+    #[error("no data directory to keep the tuning in: set KILN_DATA")]
+    NoDataDir,
+    /// The reference could not be loaded or run.
+    #[error("the reference run failed: {0}")]
+    Reference(String),
+    /// Generation failed on the reference.
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    /// The model needs more positions than it has for the tuning's prompt.
+    #[error("the model has {positions} positions; tuning needs at least {needed}")]
+    TooShort {
+        /// The model's positions.
+        positions: usize,
+        /// Positions the tuning's prompt and steps need.
+        needed: usize,
+    },
+    /// No candidate matched the reference (every form of the kernels disagrees with it).
+    #[error("no form of the kernels matched the reference on `{adapter}`: {detail}")]
+    NoMatch {
+        /// The adapter.
+        adapter: String,
+        /// Each candidate's verdict.
+        detail: String,
+    },
+}
+
+/// The forms `gpu` can run, its default options' first: subgroups only where the device has
+/// them; the attention's workgroup form off, or on below 512, 2 048 (the built-in threshold)
+/// and 16 384 blocked invocations; the cache appends in the attention's dispatch or not.
+pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
+    let default = gpu.options().tunables();
+    let subgroups: &[bool] = if gpu.supports_subgroups() { &[false, true] } else { &[false] };
+    let attention = [(false, None), (true, Some(512)), (true, None), (true, Some(16_384))];
+    let mut all = vec![default];
+    for &subgroups in subgroups {
+        for fold_appends in [false, true] {
+            for (attention_workgroups, attention_workgroup_below) in attention {
+                let t = Tunables { subgroups, fold_appends, attention_workgroups, attention_workgroup_below };
+                if !all.contains(&t) {
+                    all.push(t);
+                }
+            }
+        }
+    }
+    all
+}
+
+/// The class of models a tuning holds for: a digest (FNV-1a, stable across builds) of the plan's
+/// ops with their attributes and of its parameters' shapes and formats, so models of one
+/// architecture and size share it whatever their weights, and no other does.
+pub fn shape_class(plan: &Plan) -> String {
+    let mut text = String::new();
+    for step in &plan.steps {
+        text += &format!("{} {};", step.op.name(), step.op.attrs());
+    }
+    for v in &plan.values {
+        if let ValueStorage::Param(name) = &v.storage {
+            text += &format!("{name}:{:?}:{:?};", v.shape, v.format);
+        }
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{}-{h:016x}", plan.name)
+}
+
+/// One candidate's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timed {
+    /// The forms.
+    pub tunables: Tunables,
+    /// The largest difference of its logits from the reference's, relative to the reference's
+    /// largest magnitude (at least 1); `None` when it did not run.
+    pub error: Option<f64>,
+    /// Milliseconds per decode step (the fastest of the timed generations); `None` unless it
+    /// matched and was timed.
+    pub decode_ms: Option<f64>,
+    /// Milliseconds of the prompt's prefill (same generation).
+    pub prefill_ms: Option<f64>,
+    /// Why it was not timed: `differs`, `not timed: out of time`, or its error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected: Option<String>,
+}
+
+/// A shape class's tuning.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// The model tuned (its graph's name), for people reading the file.
+    pub model: String,
+    /// The forms chosen: the matching candidate whose timed generation (the prompt's prefill and
+    /// the decode steps) took the least time.
+    pub chosen: Tunables,
+    /// Tokens of the timed prompt and decode steps.
+    pub prompt: usize,
+    /// Decode steps timed.
+    pub steps: usize,
+    /// Every candidate, in the order tried.
+    pub candidates: Vec<Timed>,
+}
+
+/// An adapter's tunings, as cached.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Tunings {
+    adapter: String,
+    driver: String,
+    kiln: String,
+    classes: BTreeMap<String, Entry>,
+}
+
+/// Where tunings live: `tuning` in kiln's data directory.
+pub fn dir() -> Option<PathBuf> {
+    crate::data_dir().map(|d| d.join("tuning"))
+}
+
+/// The file of an adapter's tunings in `dir`: its name in lowercase, other characters as `-`.
+fn file_of(dir: &Path, adapter: &str) -> PathBuf {
+    let mut slug = String::new();
+    for c in adapter.chars() {
+        if c.is_ascii_alphanumeric() {
+            slug.push(c.to_ascii_lowercase());
+        } else if !slug.ends_with('-') {
+            slug.push('-');
+        }
+    }
+    dir.join(format!("{}.json", slug.trim_matches('-')))
+}
+
+/// The tunings cached for `gpu`'s adapter, if any were saved by this kiln for its driver.
+fn read(gpu: &Gpu, path: &Path) -> Result<Option<Tunings>, TuneError> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TuneError::Io { what: "read", path: path.into(), source })?;
+    let t: Tunings = serde_json::from_str(&text).map_err(|source| TuneError::Json { path: path.into(), source })?;
+    let current = t.adapter == gpu.adapter_name() && t.driver == gpu.driver() && t.kiln == env!("CARGO_PKG_VERSION");
+    Ok(current.then_some(t))
+}
+
+/// The forms cached for `plan`'s shape class on `gpu`'s adapter, if it was tuned (by this kiln,
+/// on this driver).
+pub fn cached(gpu: &Gpu, plan: &Plan) -> Result<Option<Entry>, TuneError> {
+    let Some(dir) = dir() else { return Ok(None) };
+    Ok(read(gpu, &file_of(&dir, gpu.adapter_name()))?.and_then(|mut t| t.classes.remove(&shape_class(plan))))
+}
+
+/// `options` with the forms cached for `plan` on `gpu` (see [`cached`]), else as they are.
+pub fn options_for(gpu: &Gpu, plan: &Plan, options: Options) -> Result<Options, TuneError> {
+    Ok(match cached(gpu, plan)? {
+        Some(entry) => options.tuned(entry.chosen),
+        None => options,
+    })
+}
+
+/// Saves `entry` as the tuning of `class` on `gpu`'s adapter (keeping the adapter's other
+/// classes); returns the file.
+fn save(gpu: &Gpu, class: &str, entry: &Entry) -> Result<PathBuf, TuneError> {
+    let dir = dir().ok_or(TuneError::NoDataDir)?;
+    std::fs::create_dir_all(&dir).map_err(|source| TuneError::Io { what: "create", path: dir.clone(), source })?;
+    let path = file_of(&dir, gpu.adapter_name());
+    let mut tunings = read(gpu, &path).unwrap_or(None).unwrap_or_else(|| Tunings {
+        adapter: gpu.adapter_name().to_string(),
+        driver: gpu.driver(),
+        kiln: env!("CARGO_PKG_VERSION").to_string(),
+        classes: BTreeMap::new(),
+    });
+    tunings.classes.insert(class.to_string(), entry.clone());
+    let text =
+        serde_json::to_string_pretty(&tunings).map_err(|source| TuneError::Json { path: path.clone(), source })?;
+    // Written beside, then renamed over: a reader never sees half a file.
+    let partial = path.with_extension("json.partial");
+    std::fs::write(&partial, text).map_err(|source| TuneError::Io { what: "write", path: partial.clone(), source })?;
+    std::fs::rename(&partial, &path).map_err(|source| TuneError::Io { what: "write", path: path.clone(), source })?;
+    Ok(path)
+}
+
+/// What a tuning runs: a cached decoder graph with its weights, and the shapes to time.
+pub struct Workload<'a> {
+    /// The cached (decode) graph, optimized for wgpu.
+    pub graph: &'a Graph,
+    /// Its f32 parameters.
+    pub params: &'a HashMap<String, Tensor>,
+    /// Its quantized weights' blocks.
+    pub blocks: &'a HashMap<String, QuantWeight>,
+    /// Tokens of its vocabulary.
+    pub vocab: usize,
+    /// Positions it has.
+    pub max_positions: usize,
+    /// Tokens of the timed prompt.
+    pub prompt: usize,
+    /// Decode steps timed after it.
+    pub steps: usize,
+    /// Time after which no further candidate starts (the default options' always run).
+    pub budget: Duration,
+}
+
+/// Tokens checked against the reference: a prompt, then single decode steps.
+const CHECK_PROMPT: usize = 6;
+/// Decode steps checked against the reference.
+const CHECK_STEPS: usize = 2;
+/// The largest relative difference of a candidate's logits from the reference's that matches:
+/// the f32 kernels' own agreement with the interpreter over a whole model (sums in other orders).
+pub const TOLERANCE: f64 = 2e-3;
+
+/// The logits of the check's prompt and each of its steps on `session`.
+fn check_logits(session: &mut Session, vocab: usize) -> Result<Vec<Vec<f32>>, GenerateError> {
+    let ids: Vec<i64> = (0..CHECK_PROMPT as i64).map(|i| (i * 7919 + 13) % vocab.max(1) as i64).collect();
+    let mut out = vec![session.forward(&ids)?];
+    for i in 0..CHECK_STEPS as i64 {
+        out.push(session.forward(&[(i * 104_729 + 7) % vocab.max(1) as i64])?);
+    }
+    session.reset();
+    Ok(out)
+}
+
+/// The largest difference of `got` from `want`, relative to `want`'s largest magnitude (at least
+/// 1); infinite when the shapes differ or a value is not finite.
+pub fn relative_error(want: &[Vec<f32>], got: &[Vec<f32>]) -> f64 {
+    let scale = want.iter().flatten().fold(1.0f64, |m, &x| m.max(f64::from(x).abs()));
+    if want.len() != got.len() || want.iter().zip(got).any(|(a, b)| a.len() != b.len()) {
+        return f64::INFINITY;
+    }
+    let worst = want.iter().flatten().zip(got.iter().flatten()).fold(0.0f64, |m, (&a, &b)| {
+        let d = (f64::from(a) - f64::from(b)).abs();
+        if d.is_nan() { f64::INFINITY } else { m.max(d) }
+    });
+    worst / scale
+}
+
+/// Times every candidate form of the kernels on `gpu` for `work` (see the module's
+/// documentation), the default options' first and the others while `work.budget` lasts, one
+/// progress unit each ([`Phase::Tune`]); caches the fastest that matches and returns it with
+/// the file it was saved in.
+pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Result<(Entry, PathBuf), TuneError> {
+    let needed = (work.prompt + work.steps + 1).max(CHECK_PROMPT + CHECK_STEPS);
+    if needed > work.max_positions {
+        return Err(TuneError::TooShort { positions: work.max_positions, needed });
+    }
+    let outputs: Vec<String> = work.graph.outputs.iter().map(|(n, _)| n.clone()).collect();
+    // The reference: the interpreter where every weight is f32, else the CPU back end (which
+    // reads the blocks as the device does, and is held to the interpreter).
+    let reference = match work.blocks.is_empty() {
+        true => Device::Interp,
+        false => Device::Cpu { threads: std::thread::available_parallelism().map_or(1, |n| n.get()) },
+    };
+    let weights = Weights::Given { params: work.params, blocks: work.blocks };
+    let loaded = reference
+        .load(work.graph, weights, Storage::default(), &())
+        .map_err(|e| TuneError::Reference(e.to_string()))?;
+    let mut session = Session::new(loaded.into_engine(), &outputs, work.max_positions)?;
+    let want = check_logits(&mut session, work.vocab)?;
+
+    let plan = lower_with_blocks(work.graph, work.blocks);
+    let class = shape_class(&plan);
+    let base = gpu.options();
+    let all = candidates(gpu);
+    let start = Instant::now();
+    let mut timed = Vec::with_capacity(all.len());
+    progress.update(Phase::Tune, 0, all.len());
+    for (i, &tunables) in all.iter().enumerate() {
+        let outcome = if i > 0 && start.elapsed() > work.budget {
+            Timed {
+                tunables,
+                error: None,
+                decode_ms: None,
+                prefill_ms: None,
+                rejected: Some("not timed: out of time".into()),
+            }
+        } else {
+            match time(gpu, &plan, base.tuned(tunables), work, &outputs, &want) {
+                Ok(t) => t,
+                Err(e) => Timed { tunables, error: None, decode_ms: None, prefill_ms: None, rejected: Some(e) },
+            }
+        };
+        timed.push(Timed { tunables, ..outcome });
+        progress.update(Phase::Tune, i + 1, all.len());
+    }
+    // The fastest generation: the prompt's prefill and the decode steps together.
+    let chosen = timed
+        .iter()
+        .filter(|t| t.rejected.is_none())
+        .filter_map(|t| Some((t.prefill_ms? + work.steps as f64 * t.decode_ms?, t.tunables)))
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, t)| t)
+        .ok_or_else(|| TuneError::NoMatch {
+            adapter: gpu.describe(),
+            detail: timed
+                .iter()
+                .map(|t| format!("{}: {}", t.tunables.describe(), t.rejected.as_deref().unwrap_or("?")))
+                .collect::<Vec<_>>()
+                .join("; "),
+        })?;
+    let entry =
+        Entry { model: work.graph.name.clone(), chosen, prompt: work.prompt, steps: work.steps, candidates: timed };
+    let path = save(gpu, &class, &entry)?;
+    Ok((entry, path))
+}
+
+/// One candidate: its model built with `options`, its logits checked, its generation timed (the
+/// faster of two); the reason as text where it is rejected.
+fn time(
+    gpu: &Arc<Gpu>,
+    plan: &Plan,
+    options: Options,
+    work: &Workload<'_>,
+    outputs: &[String],
+    want: &[Vec<f32>],
+) -> Result<Timed, String> {
+    let tunables = options.tunables();
+    let model = GpuModel::with_progress(gpu.clone(), plan, &options, work.params, work.blocks, &())
+        .map_err(|e: GpuError| e.to_string())?;
+    let mut session =
+        Session::new(Model::Gpu(Box::new(model)).into(), outputs, work.max_positions).map_err(|e| e.to_string())?;
+    let got = check_logits(&mut session, work.vocab).map_err(|e| e.to_string())?;
+    let error = relative_error(want, &got);
+    if error.is_nan() || error > TOLERANCE {
+        return Ok(Timed {
+            tunables,
+            error: Some(error),
+            decode_ms: None,
+            prefill_ms: None,
+            rejected: Some(format!("differs from the reference by {error:.1e}")),
+        });
+    }
+    let ids: Vec<i64> = (0..work.prompt as i64).map(|i| (i * 7919 + 13) % work.vocab.max(1) as i64).collect();
+    let (mut decode, mut prefill) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..2 {
+        let (_, stats) = generate(&mut session, &ids, work.steps + 1, &mut Sampler::greedy(), &[], |_| true)
+            .map_err(|e| e.to_string())?;
+        decode = decode.min(1e3 * stats.decode_s / work.steps.max(1) as f64);
+        prefill = prefill.min(1e3 * stats.prefill_s);
+        session.reset();
+    }
+    Ok(Timed { tunables, error: Some(error), decode_ms: Some(decode), prefill_ms: Some(prefill), rejected: None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_start_with_the_default_and_are_distinct() {
+        let Some(gpu) = Gpu::new(None).ok() else { return };
+        let all = candidates(&gpu);
+        assert_eq!(all[0], gpu.options().tunables());
+        let mut seen = std::collections::HashSet::new();
+        assert!(all.iter().all(|t| seen.insert(*t)), "{all:?}");
+        assert!(all.iter().all(|t| !t.subgroups || gpu.supports_subgroups()));
+        assert!(all.len() >= 8);
+    }
+
+    #[test]
+    fn relative_error_is_scaled_and_catches_shapes_and_nans() {
+        let want = vec![vec![10.0f32, -20.0], vec![1.0]];
+        assert_eq!(relative_error(&want, &want), 0.0);
+        let got = vec![vec![10.0f32, -19.0], vec![1.0]];
+        assert!((relative_error(&want, &got) - 0.05).abs() < 1e-12);
+        assert!(relative_error(&want, &[vec![10.0, -20.0]]).is_infinite());
+        assert!(relative_error(&want, &[vec![f32::NAN, -20.0], vec![1.0]]).is_infinite());
+    }
+
+    #[test]
+    fn file_names_are_slugs() {
+        let f = file_of(Path::new("/d"), "llvmpipe (LLVM 15.0.7, 256 bits)");
+        assert_eq!(f, Path::new("/d/llvmpipe-llvm-15-0-7-256-bits.json"));
+    }
+}

@@ -1,0 +1,86 @@
+//! `kiln tune` on lavapipe: every form of the kernels it times matches the interpreter, the
+//! fastest is cached for the adapter, and a later load of the same shapes there takes it.
+
+use crate::common::{fails_with, kiln_command, scratch, stderr};
+use std::path::Path;
+
+/// A small decoder with grouped-query attention and RoPE: every kernel a decode step has.
+const TINY: &str = r#"
+[model]
+name = "tiny-tune"
+kind = "decoder"
+vocab = 32
+d_model = 16
+layers = 2
+max_positions = 32
+[positions]
+kind = "rope"
+[norm]
+kind = "rmsnorm"
+[attention]
+heads = 4
+kv_heads = 2
+[ffn]
+activation = "silu"
+gated = true
+d_ff = 32
+"#;
+
+/// Runs kiln with `KILN_DATA` set to `data`; its JSON output.
+fn json_in(data: &Path, args: &[&str]) -> serde_json::Value {
+    let o = kiln_command(args).env("KILN_DATA", data).output().expect("kiln runs");
+    assert!(o.status.success(), "kiln {args:?} failed:\n{}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("kiln {args:?}: not JSON ({e})"))
+}
+
+#[test]
+fn every_form_matches_the_interpreter_and_the_fastest_is_used_after() {
+    let dir = scratch("tune-all");
+    let spec = dir.join("tiny.toml");
+    std::fs::write(&spec, TINY).unwrap();
+    let (spec, data) = (spec.to_str().unwrap(), dir.join("data"));
+    let args = ["tune", spec, "--backend", "wgpu", "--prompt", "8", "--steps", "4", "--budget", "600", "--json", "-q"];
+    let v = json_in(&data, &args);
+    let candidates = v["candidates"].as_array().unwrap();
+    assert!(candidates.len() >= 8, "{v}");
+    for c in candidates {
+        assert!(c["rejected"].is_null(), "a form was rejected: {c}");
+        assert!(c["error"].as_f64().unwrap() <= 2e-3, "{c}");
+        assert!(c["decode_ms"].as_f64().unwrap() > 0.0 && c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    // The chosen forms: the fastest generation (the prompt's prefill and the decode steps).
+    let total = |c: &serde_json::Value| c["prefill_ms"].as_f64().unwrap() + 4.0 * c["decode_ms"].as_f64().unwrap();
+    let fastest = candidates.iter().min_by(|a, b| total(a).total_cmp(&total(b))).unwrap();
+    assert_eq!(fastest["tunables"], v["chosen"], "{v}");
+    let saved = Path::new(v["saved"].as_str().unwrap());
+    assert!(saved.starts_with(data.join("tuning")) && saved.is_file(), "{v}");
+    // A later load of these shapes on the adapter takes the chosen forms.
+    let d = json_in(
+        &data,
+        &["bench", "decode", spec, "--backend", "wgpu", "--seq", "4", "--steps", "2", "--runs", "1", "--json", "-q"],
+    );
+    assert_eq!(d["kernel_forms"], v["chosen_forms"], "{d}");
+}
+
+#[test]
+fn out_of_time_only_the_default_forms_run() {
+    let dir = scratch("tune-budget");
+    let spec = dir.join("tiny.toml");
+    std::fs::write(&spec, TINY).unwrap();
+    let spec = spec.to_str().unwrap();
+    let args = ["tune", spec, "--backend", "wgpu", "--prompt", "4", "--steps", "2", "--budget", "0", "--json", "-q"];
+    let v = json_in(&dir.join("data"), &args);
+    let candidates = v["candidates"].as_array().unwrap();
+    assert!(candidates[0]["rejected"].is_null(), "{v}");
+    assert_eq!(candidates[0]["tunables"], v["chosen"], "{v}");
+    for c in &candidates[1..] {
+        assert_eq!(c["rejected"], "not timed: out of time", "{c}");
+    }
+}
+
+#[test]
+fn tune_refuses_what_it_cannot_tune() {
+    fails_with(&["tune", "models/gpt2.toml", "--backend", "cpu"], &["--backend wgpu"]);
+    fails_with(&["tune", "models/gpt2.toml", "--backend", "wgpu", "--budget=-1"], &["--budget"]);
+    fails_with(&["tune", "models/gpt2.toml", "--backend", "wgpu", "--prompt", "2000"], &["positions"]);
+}
