@@ -5,9 +5,10 @@
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
 use kiln_compiler::back::wgsl;
-use kiln_compiler::graph::{Graph, print};
+use kiln_compiler::graph::{Graph, Sym, print};
 use kiln_compiler::{FrontEnd, lower, optimize};
 use kiln_runtime::{Storage, Weights};
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -72,12 +73,15 @@ pub struct InspectArgs {
     #[arg(long, requires = "profile")]
     weights: Option<PathBuf>,
     /// With `--html`: tokens of the (batch 1) input that the whole report counts at: the
-    /// kernels' bytes, FLOPs and times, and the optimizer's intermediate bytes (default 32).
-    #[arg(long, requires = "html")]
+    /// kernels' bytes, FLOPs and times, and the optimizer's intermediate bytes (default 32). With
+    /// `--stage wgsl`: the tokens each step's workgroups are counted at (batch 1; default 32, and
+    /// for `--graph step` the tokens already cached before its one new token).
+    #[arg(long)]
     seq: Option<usize>,
     /// With `--profile`: GPU adapter (as for `run`). With `--stage optimized` or `--stats`: the
     /// graph as optimized for that adapter's cost model (cached by `kiln bench calibrate` or its
-    /// first use; the adapter need not be on this machine).
+    /// first use; the adapter need not be on this machine). With `--stage wgsl`: the program as
+    /// compiled there (its features, and the forms `kiln tune` chose for these shapes on it).
     #[arg(long)]
     adapter: Option<String>,
     /// With `--stage optimized`, `--stats` or `--html`: the backend the optimized graph is
@@ -119,13 +123,22 @@ impl InspectArgs {
     fn check(&self) -> Result<()> {
         let stage = self.stage.unwrap_or(Stage::Graph);
         let format = self.format.unwrap_or(Format::Text);
-        if self.subgroups && !(matches!(stage, Stage::Wgsl) && self.html.is_none()) {
+        let wgsl = matches!(stage, Stage::Wgsl) && self.html.is_none();
+        if self.subgroups && !wgsl {
             bail!("--subgroups shows the WGSL kernels compiled for a device with subgroups: add --stage wgsl");
         }
-        if self.adapter.is_some() && !self.profile {
+        if self.seq.is_some() && !wgsl && self.html.is_none() {
+            bail!(
+                "--seq sets the tokens the HTML report or the wgsl stage's workgroups count at: add --html or --stage wgsl"
+            );
+        }
+        if self.subgroups && self.adapter.is_some() {
+            bail!("--adapter compiles the kernels with that adapter's own features: drop --subgroups");
+        }
+        if self.adapter.is_some() && !self.profile && !wgsl {
             if !(self.stats || matches!(stage, Stage::Optimized)) {
                 bail!(
-                    "--adapter picks the cost model the graph is optimized with: add --stage optimized or --stats (or, with --html, --profile)"
+                    "--adapter picks the cost model the graph is optimized with: add --stage optimized or --stats (or, with --html, --profile; or --stage wgsl)"
                 );
             }
             if self.backend.is_some_and(|b| b != Backend::Wgpu) {
@@ -329,19 +342,42 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
                 true => kiln_compiler::artifact::Artifact::read(&args.spec)?.plan,
                 false => lower::lower(&optimize::optimize(&fe.graph)?.0),
             };
-            let options = if args.subgroups { wgsl::Options::hardware() } else { wgsl::Options::default() };
-            emit(wgsl_text(&wgsl::compile(&plan, &options)?).as_bytes(), out, false)
+            // On a named adapter: its features, and the forms `kiln tune` chose for these shapes
+            // there (as every load of them there compiles them).
+            let (options, device) = match &args.adapter {
+                Some(name) => {
+                    let gpu = kiln_runtime::Gpu::new(Some(name))?;
+                    let options = kiln_runtime::tune::options_for(&gpu, &plan, gpu.options())?;
+                    let tuned = kiln_runtime::tune::cached(&gpu, &plan)?.is_some();
+                    let how = if tuned { "forms tuned by `kiln tune`" } else { "its default forms: not tuned" };
+                    (options, format!("{} ({how})", gpu.describe()))
+                }
+                None if args.subgroups => (wgsl::Options::hardware(), "a hardware adapter with subgroups".into()),
+                None => (wgsl::Options::default(), "any adapter (plain WGSL)".into()),
+            };
+            let seq = args.seq.unwrap_or(32);
+            let syms: HashMap<kiln_compiler::graph::Sym, usize> = match args.graph {
+                Which::Step => [(Sym::Batch, 1), (Sym::Seq, 1), (Sym::Past, seq), (Sym::Ctx, seq + 1)].into(),
+                _ => [(Sym::Batch, 1), (Sym::Seq, seq), (Sym::SrcSeq, seq), (Sym::Past, 0), (Sym::Ctx, seq)].into(),
+            };
+            let at = match args.graph {
+                Which::Step => format!("batch 1, one new token after {seq} cached"),
+                _ => format!("batch 1, {seq} tokens"),
+            };
+            let program = wgsl::compile(&plan, &options)?;
+            emit(wgsl_text(&program, &device, &syms, &at).as_bytes(), out, false)
         }
         (Stage::Wgsl, _) => bail!("the wgsl stage is text only; use --format text"),
     }
 }
 
-/// `--stage wgsl`: the plan's steps (each with its op, scope and kernel) and buffers, then every
-/// kernel's WGSL; the first line says which device features the kernels use.
-fn wgsl_text(program: &wgsl::Program) -> String {
+/// `--stage wgsl`: the plan's steps (each with its op, scope, kernel and the workgroups it launches
+/// at the sizes `syms`, described as `at`) and buffers, then every kernel's WGSL; the first lines
+/// say which device the program is compiled for and which forms its kernels take.
+fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, at: &str) -> String {
     let plan = &program.plan;
     let mut text = format!(
-        "// plan `{}`: {}, {}, {} shared buffers, {} ({})\n",
+        "// plan `{}`: {}, {}, {} shared buffers, {} ({})\n// compiled for {device}; workgroups at {at}\n",
         plan.name,
         crate::report::count(plan.steps.len(), "step"),
         crate::report::count(plan.folds.len(), "load-time fold"),
@@ -349,7 +385,15 @@ fn wgsl_text(program: &wgsl::Program) -> String {
         crate::report::count(program.kernels.len(), "kernel"),
         program.options.describe(),
     );
+    let past = syms.get(&Sym::Past).copied().unwrap_or(0);
     for (i, step) in plan.steps.iter().enumerate() {
+        let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, syms);
+        let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+        let launch = match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
+            Ok(dims) if dims[0] > 0 => crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup"),
+            Ok(_) => "no dispatch".into(),
+            Err(e) => format!("no launch at these sizes: {e}"),
+        };
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
         let scope = kiln_compiler::graph::scope_name(&step.scope);
         // What a step writes besides its output: the caches a cached attention appends to.
@@ -362,7 +406,7 @@ fn wgsl_text(program: &wgsl::Program) -> String {
             })
             .collect();
         let also = if also.is_empty() { String::new() } else { format!(" (also writes {})", also.join(", ")) };
-        text += &format!("// step {i}: {} in {scope} -> {kernel}{also}\n", step.op.name());
+        text += &format!("// step {i}: {} in {scope} -> {kernel}, {launch}{also}\n", step.op.name());
     }
     text + &program.kernels_text()
 }

@@ -60,6 +60,23 @@ fn every_form_matches_the_interpreter_and_the_fastest_is_used_after() {
         &["bench", "decode", spec, "--backend", "wgpu", "--seq", "4", "--steps", "2", "--runs", "1", "--json", "-q"],
     );
     assert_eq!(d["kernel_forms"], v["chosen_forms"], "{d}");
+    // `inspect --stage wgsl --adapter` compiles the step as it is loaded there, and says so.
+    let adapter = v["adapter"].as_str().unwrap();
+    let args = ["inspect", spec, "--graph", "step", "--stage", "wgsl", "--adapter", adapter, "--seq", "4"];
+    let o = kiln_command(&args).env("KILN_DATA", &data).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    let header: Vec<&str> = text.lines().take(2).collect();
+    let chosen = v["chosen_forms"].as_str().unwrap();
+    assert!(header[0].ends_with(&format!("({chosen})")), "{header:?}");
+    assert!(
+        header[1].contains("forms tuned by `kiln tune`") && header[1].contains("one new token after 4 cached"),
+        "{header:?}"
+    );
+    assert!(text.lines().filter(|l| l.starts_with("// step ")).all(|l| l.contains("workgroup")), "{text}");
+    // Elsewhere (another data directory) the same adapter is not tuned.
+    let o = kiln_command(&args).env("KILN_DATA", dir.join("other")).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("its default forms: not tuned"), "{}", stderr(&o));
 }
 
 #[test]
