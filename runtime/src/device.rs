@@ -402,7 +402,9 @@ fn gpu_model(
         return Err(LoadError::Int8OnGpu);
     }
     let plan = lower_with_blocks(graph, blocks);
-    // The forms `kiln tune` chose for this model's shapes on this adapter, if it was tuned.
+    // The forms `kiln tune` chose for this model's shapes on this adapter, tuned now if this is
+    // a hardware adapter's first use of a decoder step of these shapes.
+    crate::tune::at_first_use(gpu, graph, &plan, params, blocks, progress)?;
     let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?)?;
     Ok(Model::Gpu(Box::new(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, params, blocks, progress)?)))
 }

@@ -207,6 +207,83 @@ pub fn options_for(gpu: &Gpu, plan: &Plan, options: Options) -> Result<Options, 
     })
 }
 
+/// When a load tunes a model's kernels first ([`at_first_use`]): `KILN_TUNE` unset, on a hardware
+/// adapter; `off`, never; `always`, on a software adapter too.
+fn tunes_at_first_use(gpu: &Gpu) -> bool {
+    match std::env::var("KILN_TUNE").as_deref() {
+        Ok("off") => false,
+        Ok("always") => true,
+        _ => !gpu.is_software(),
+    }
+}
+
+/// Seconds a first use's tuning may start candidates for, unless `KILN_TUNE_BUDGET` says.
+const FIRST_USE_BUDGET: f64 = 30.0;
+/// The prompt and decode steps a first use's tuning times.
+const FIRST_USE_SHAPES: (usize, usize) = (16, 8);
+
+/// The first use of an adapter for a decoder step's shapes: where no tuning is cached for `plan`
+/// (lowered from `graph`, a cached decoder step with its `logits` and caches) and the adapter
+/// tunes at first use ([`tunes_at_first_use`]: a hardware one), its forms are tuned as `kiln
+/// tune` does, bounded by `KILN_TUNE_BUDGET` seconds (30), shown on `progress`, and cached.
+/// A graph that is no decoder step, or too short to time, is left untuned; every form
+/// disagreeing with the interpreter is an error.
+pub fn at_first_use(
+    gpu: &Arc<Gpu>,
+    graph: &Graph,
+    plan: &Plan,
+    params: &HashMap<String, Tensor>,
+    blocks: &HashMap<String, QuantWeight>,
+    progress: &dyn Progress,
+) -> Result<(), TuneError> {
+    let decoder_step = graph.outputs.iter().any(|(n, _)| n == "logits")
+        && graph.outputs.iter().any(|(n, _)| n.ends_with(".present_k"));
+    if !decoder_step || !tunes_at_first_use(gpu) || cached(gpu, plan)?.is_some() {
+        return Ok(());
+    }
+    let Some(vocab) =
+        graph.outputs.iter().find(|(n, _)| n == "logits").and_then(|&(_, l)| match graph.g[l].shape.last() {
+            Some(kiln_compiler::graph::Dim::Fixed(v)) => Some(*v),
+            _ => None,
+        })
+    else {
+        return Ok(());
+    };
+    // A learned position table bounds the tokens a generation may run.
+    let (prompt, steps) = FIRST_USE_SHAPES;
+    let learned =
+        graph.g.node_indices().filter(|&n| matches!(graph.g[n].op, kiln_compiler::graph::Op::Gather)).filter_map(|n| {
+            let [table, ids] = graph.operands(n)[..] else { return None };
+            let by_position = matches!(graph.g[ids].op, kiln_compiler::graph::Op::Positions { .. });
+            match graph.g[table].shape.first() {
+                Some(kiln_compiler::graph::Dim::Fixed(rows)) if by_position => Some(*rows),
+                _ => None,
+            }
+        });
+    if learned.min().is_some_and(|rows| rows < prompt + steps + 1) {
+        return Ok(());
+    }
+    let budget = std::env::var("KILN_TUNE_BUDGET").ok().and_then(|s| s.parse::<f64>().ok());
+    let budget = budget.filter(|b| b.is_finite() && *b >= 0.0).unwrap_or(FIRST_USE_BUDGET);
+    let work = Workload {
+        graph,
+        params,
+        blocks,
+        vocab,
+        // The positions the timed generation needs (a learned table's rows were checked above).
+        max_positions: prompt + steps + 1,
+        prompt,
+        steps,
+        budget: Duration::from_secs_f64(budget),
+    };
+    match tune(gpu, &work, progress) {
+        Ok(_) => Ok(()),
+        Err(e @ TuneError::NoMatch { .. }) => Err(e),
+        // Too short a model, or a reference that cannot run it: the adapter's defaults serve.
+        Err(_) => Ok(()),
+    }
+}
+
 /// Saves `entry` as the tuning of `class` on `gpu`'s adapter (keeping the adapter's other
 /// classes); returns the file.
 fn save(gpu: &Gpu, class: &str, entry: &Entry) -> Result<PathBuf, TuneError> {

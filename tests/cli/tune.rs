@@ -101,3 +101,45 @@ fn tune_refuses_what_it_cannot_tune() {
     fails_with(&["tune", "models/gpt2.toml", "--backend", "wgpu", "--budget=-1"], &["--budget"]);
     fails_with(&["tune", "models/gpt2.toml", "--backend", "wgpu", "--prompt", "2000"], &["positions"]);
 }
+
+#[test]
+fn a_first_use_tunes_where_asked_and_caches_it() {
+    let dir = scratch("tune-first-use");
+    let spec = dir.join("tiny.toml");
+    std::fs::write(&spec, TINY).unwrap();
+    let spec = spec.to_str().unwrap();
+    let args = [
+        "generate",
+        spec,
+        "--random-weights",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--backend",
+        "wgpu",
+        "-q",
+    ];
+    let tuned = |data: &Path| std::fs::read_dir(data.join("tuning")).map_or(0, |d| d.count());
+    // `KILN_TUNE=always` tunes at a software adapter's first use too (a hardware one's is the default).
+    let data = dir.join("always");
+    let o = kiln_command(&args)
+        .env("KILN_DATA", &data)
+        .env("KILN_TUNE", "always")
+        .env("KILN_TUNE_BUDGET", "0")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(tuned(&data), 1, "no tuning cached in {}", data.display());
+    // On lavapipe by default, and where turned off, a load tunes nothing.
+    for (data, tune) in [(dir.join("default"), None), (dir.join("off"), Some("off"))] {
+        let mut command = kiln_command(&args);
+        command.env("KILN_DATA", &data).env_remove("KILN_TUNE");
+        if let Some(t) = tune {
+            command.env("KILN_TUNE", t);
+        }
+        let o = command.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(tuned(&data), 0, "{}", data.display());
+    }
+}
