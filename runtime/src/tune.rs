@@ -79,7 +79,8 @@ pub enum TuneError {
 
 /// The forms `gpu` can run, its default options' first: subgroups only where the device has
 /// them; the attention's workgroup form off, or on below 512, 2 048 (the built-in threshold)
-/// and 16 384 blocked invocations; the cache appends in the attention's dispatch or not.
+/// and 16 384 blocked invocations; the cache appends in the attention's dispatch or not. (The
+/// projection's prefill tiles are tried after these, on the fastest: [`tile_candidates`].)
 pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
     let default = gpu.options().tunables();
     let subgroups: &[bool] = if gpu.supports_subgroups() { &[false, true] } else { &[false] };
@@ -88,7 +89,13 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
     for &subgroups in subgroups {
         for fold_appends in [false, true] {
             for (attention_workgroups, attention_workgroup_below) in attention {
-                let t = Tunables { subgroups, fold_appends, attention_workgroups, attention_workgroup_below };
+                let t = Tunables {
+                    subgroups,
+                    fold_appends,
+                    attention_workgroups,
+                    attention_workgroup_below,
+                    gemm_tile: None,
+                };
                 if !all.contains(&t) {
                     all.push(t);
                 }
@@ -96,6 +103,15 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
         }
     }
     all
+}
+
+/// `best` with each other prefill tile of the projection ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]).
+pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
+    use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
+    (GEMM_TILES.iter())
+        .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
+        .map(|&t| Tunables { gemm_tile: Some(t), ..best })
+        .collect()
 }
 
 /// The class of models a tuning holds for: a digest (FNV-1a, stable across builds) of the plan's
@@ -299,10 +315,12 @@ fn save(gpu: &Gpu, class: &str, entry: &Entry) -> Result<PathBuf, TuneError> {
     tunings.classes.insert(class.to_string(), entry.clone());
     let text =
         serde_json::to_string_pretty(&tunings).map_err(|source| TuneError::Json { path: path.clone(), source })?;
-    // Written beside, then renamed over: a reader never sees half a file.
-    let partial = path.with_extension("json.partial");
-    std::fs::write(&partial, text).map_err(|source| TuneError::Io { what: "write", path: partial.clone(), source })?;
-    std::fs::rename(&partial, &path).map_err(|source| TuneError::Io { what: "write", path: path.clone(), source })?;
+    // Whole or not at all: a reader never sees half a file.
+    kiln_compiler::file::write_atomic(&path, text.as_bytes()).map_err(|source| TuneError::Io {
+        what: "write",
+        path: path.clone(),
+        source,
+    })?;
     Ok(path)
 }
 
@@ -385,19 +403,15 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     let plan = lower_with_blocks(work.graph, work.blocks);
     let class = shape_class(&plan);
     let base = gpu.options();
-    let all = candidates(gpu);
+    let first = candidates(gpu);
+    let total = first.len() + tile_candidates(Tunables::default()).len();
     let start = Instant::now();
-    let mut timed = Vec::with_capacity(all.len());
-    progress.update(Phase::Tune, 0, all.len());
-    for (i, &tunables) in all.iter().enumerate() {
-        let outcome = if i > 0 && start.elapsed() > work.budget {
-            Timed {
-                tunables,
-                error: None,
-                decode_ms: None,
-                prefill_ms: None,
-                rejected: Some("not timed: out of time".into()),
-            }
+    let mut timed: Vec<Timed> = Vec::with_capacity(total);
+    progress.update(Phase::Tune, 0, total);
+    let run = |tunables: Tunables, timed: &mut Vec<Timed>| {
+        let outcome = if !timed.is_empty() && start.elapsed() > work.budget {
+            let rejected = Some("not timed: out of time".to_string());
+            Timed { tunables, error: None, decode_ms: None, prefill_ms: None, rejected }
         } else {
             match time(gpu, &plan, base.tuned(tunables), work, &outputs, &want) {
                 Ok(t) => t,
@@ -405,23 +419,32 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
             }
         };
         timed.push(Timed { tunables, ..outcome });
-        progress.update(Phase::Tune, i + 1, all.len());
-    }
+        progress.update(Phase::Tune, timed.len(), total);
+    };
     // The fastest generation: the prompt's prefill and the decode steps together.
-    let chosen = timed
-        .iter()
-        .filter(|t| t.rejected.is_none())
-        .filter_map(|t| Some((t.prefill_ms? + work.steps as f64 * t.decode_ms?, t.tunables)))
-        .min_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, t)| t)
-        .ok_or_else(|| TuneError::NoMatch {
-            adapter: gpu.describe(),
-            detail: timed
-                .iter()
-                .map(|t| format!("{}: {}", t.tunables.describe(), t.rejected.as_deref().unwrap_or("?")))
-                .collect::<Vec<_>>()
-                .join("; "),
-        })?;
+    let fastest = |timed: &[Timed]| {
+        (timed.iter())
+            .filter(|t| t.rejected.is_none())
+            .filter_map(|t| Some((t.prefill_ms? + work.steps as f64 * t.decode_ms?, t.tunables)))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, t)| t)
+    };
+    for tunables in first {
+        run(tunables, &mut timed);
+    }
+    // Then the projection's prefill tiles, on the fastest of those.
+    if let Some(best) = fastest(&timed) {
+        for tunables in tile_candidates(best) {
+            run(tunables, &mut timed);
+        }
+    }
+    let chosen = fastest(&timed).ok_or_else(|| TuneError::NoMatch {
+        adapter: gpu.describe(),
+        detail: (timed.iter())
+            .map(|t| format!("{}: {}", t.tunables.describe(), t.rejected.as_deref().unwrap_or("?")))
+            .collect::<Vec<_>>()
+            .join("; "),
+    })?;
     let entry =
         Entry { model: work.graph.name.clone(), chosen, prompt: work.prompt, steps: work.steps, candidates: timed };
     let path = save(gpu, &class, &entry)?;

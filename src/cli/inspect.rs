@@ -346,7 +346,9 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
             // there (as every load of them there compiles them).
             let (options, device) = match &args.adapter {
                 Some(name) => {
-                    let gpu = kiln_runtime::Gpu::new(Some(name))?;
+                    let kiln_runtime::Device::Gpu(gpu) = kiln_runtime::Device::gpu(Some(name))? else {
+                        bail!("`{name}` opened no GPU adapter");
+                    };
                     let options = kiln_runtime::tune::options_for(&gpu, &plan, gpu.options())?;
                     let tuned = kiln_runtime::tune::cached(&gpu, &plan)?.is_some();
                     let how = if tuned { "forms tuned by `kiln tune`" } else { "its default forms: not tuned" };

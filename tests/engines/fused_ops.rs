@@ -938,6 +938,13 @@ fn linear_kernel_forms_at_every_shape() {
         [(&[1, 6], 8, 24), (&[1, 5], 6, 24), (&[1, 2], 8, 24), (&[1, 1], 6, 24), (&[1, 6], 8, 10)];
     check(&projection_cases(&ops, &large), false);
     check(&projection_cases(&ops, &small), true);
+    // Every prefill tile `kiln tune` may choose, at the shapes whose rows leave partial tiles.
+    use kiln_compiler::back::wgsl::{self, projection::GEMM_TILES};
+    if common::gpu().is_some() {
+        let forms: Vec<wgsl::Options> =
+            GEMM_TILES.iter().map(|&t| wgsl::Options { gemm_tile: Some(t), ..wgsl::Options::default() }).collect();
+        check_forms(&projection_cases(&ops, &large[..1]), &forms);
+    }
 }
 
 /// Every op of `ops` at every shape `(rows, k, n)` (rotated ones at `n` = 24 only).

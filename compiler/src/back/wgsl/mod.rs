@@ -95,6 +95,10 @@ pub struct Options {
     /// attention runs its workgroup form instead; `None` for the built-in threshold
     /// ([`attention::WORKGROUP_FORM_BELOW`]). A tunable (`kiln tune` times it per adapter).
     pub attention_workgroup_below: Option<usize>,
+    /// The projection's `vec4` GEMM (prefill) tile, `(rows, groups of 4 columns)` an invocation
+    /// computes: one of [`projection::GEMM_TILES`]; `None` (or another) for 8 x 2, chosen for
+    /// lavapipe's loads. A tunable (`kiln tune`).
+    pub gemm_tile: Option<(usize, usize)>,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
     /// whose weights each fit, joined by concatenations (see [`column_divisible`]): each piece runs
@@ -134,6 +138,11 @@ impl Options {
             };
             used.push(&below);
         }
+        let tile;
+        if let Some((rows, groups)) = self.gemm_tile {
+            tile = format!("GEMM tile {rows} x {}", 4 * groups);
+            used.push(&tile);
+        }
         if used.is_empty() { "plain".into() } else { used.join(", ") }
     }
 
@@ -144,6 +153,7 @@ impl Options {
             fold_appends: self.fold_appends,
             attention_workgroups: self.attention_workgroups,
             attention_workgroup_below: self.attention_workgroup_below,
+            gemm_tile: self.gemm_tile,
         }
     }
 
@@ -155,6 +165,7 @@ impl Options {
             fold_appends: t.fold_appends,
             attention_workgroups: t.attention_workgroups,
             attention_workgroup_below: t.attention_workgroup_below,
+            gemm_tile: t.gemm_tile,
             ..self
         }
     }
@@ -176,6 +187,9 @@ pub struct Tunables {
     /// Below how many blocked invocations it runs ([`Options::attention_workgroup_below`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_workgroup_below: Option<usize>,
+    /// The projection's prefill tile ([`Options::gemm_tile`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_tile: Option<(usize, usize)>,
 }
 
 impl Tunables {

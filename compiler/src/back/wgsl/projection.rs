@@ -136,8 +136,21 @@ fn vector_rope(r: RopeCols) -> bool {
 /// number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
 pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
-    dims_with(op, operands, out, past, true, splits(op, options))
+    dims_with(op, operands, out, past, Some(gemm_tile(Linear::of(op), options)), splits(op, options))
 }
+
+/// The `vec4` GEMM form's tile, `(rows, groups of 4 columns)`: [`Options::gemm_tile`] if it is
+/// one of [`GEMM_TILES`], else [`VEC_GEMM_ROWS`] x [`VEC_GEMM_GROUPS`]; a RoPE epilogue keeps two
+/// groups (each rotation pair within an invocation's columns, see [`group_pair_fn`]).
+fn gemm_tile(p: Linear, options: &Options) -> (usize, usize) {
+    let (rows, groups) =
+        options.gemm_tile.filter(|t| GEMM_TILES.contains(t)).unwrap_or((VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
+    (rows, if p.rope.is_some() { VEC_GEMM_GROUPS } else { groups })
+}
+
+/// The `vec4` GEMM tiles the kernel can take ([`Options::gemm_tile`]), `(rows, groups of 4
+/// columns)`: at most 64 accumulators an invocation.
+pub const GEMM_TILES: [(usize, usize); 6] = [(4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (16, 1)];
 
 /// Whether the kernel of projection `op` compiled with `options` has the split GEMV form: with
 /// subgroups, wherever it has the `vec4` forms (a RoPE epilogue's pairs in whole `vec4`s, see
@@ -152,10 +165,19 @@ const _: () = assert!(SPLIT_GEMV_GROUPS == 2);
 
 /// [`dims`] restricted to the scalar forms, the only ones of the chunked kernel ([`body_scalar`]).
 pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
-    dims_with(op, operands, out, past, false, false)
+    dims_with(op, operands, out, past, None, false)
 }
 
-fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vectors: bool, split: bool) -> Vec<usize> {
+/// `tile`: the `vec4` GEMM form's, where the kernel has the `vec4` forms (`None`: the scalar
+/// forms only).
+fn dims_with(
+    op: &Op,
+    operands: &[Vec<usize>],
+    out: &[usize],
+    past: usize,
+    tile: Option<(usize, usize)>,
+    split: bool,
+) -> Vec<usize> {
     let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
     let last_dim = |i: usize| operands.get(i).and_then(|shape| shape.last()).copied().unwrap_or(1);
@@ -164,12 +186,13 @@ fn dims_with(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, vecto
     let m = out.iter().product::<usize>() / n.max(1);
     let seq = out.get(out.len().wrapping_sub(2)).copied().unwrap_or(1);
     let gemv = m <= GEMV_MAX_ROWS;
-    let vector = vectors && vector_ok(p, k, w, n);
+    let vector = tile.is_some() && vector_ok(p, k, w, n);
+    let (gemm_rows, gemm_groups) = tile.unwrap_or((VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
     let (form, tiles, groups) = if vector && gemv && split {
         let tiles = n.div_ceil(4).div_ceil(SPLIT_GEMV_GROUPS);
         (4, tiles, tiles * m)
     } else if vector {
-        let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (VEC_GEMM_ROWS, VEC_GEMM_GROUPS) };
+        let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (gemm_rows, gemm_groups) };
         let tiles = n.div_ceil(4).div_ceil(cols);
         (if gemv { 3 } else { 2 }, tiles, (tiles * m.div_ceil(rows)).div_ceil(64))
     } else if gemv {
@@ -454,7 +477,8 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat, options: &Options) ->
     if vectors && p.rope.is_none_or(vector_rope) {
         let f16_math = options.f16_math && format == WeightFormat::F16;
         s += "} else if (form == 2u) {\n";
-        s += &indent(&vector_tile(p, Tile::rows(VEC_GEMM_ROWS, VEC_GEMM_GROUPS), format, f16_math));
+        let (rows, groups) = gemm_tile(p, options);
+        s += &indent(&vector_tile(p, Tile::rows(rows, groups), format, f16_math));
         if splits(op, options) {
             s += "} else if (form == 4u) {\n";
             s += &indent(&vector_tile(p, Tile::split(), format, f16_math));
