@@ -87,7 +87,7 @@ impl StepRunner {
         StepRunner::with_optimization(device, graph, true, CostModel::cpu().seq)
     }
 
-    /// [`StepRunner::new`], the CPU's graph optimized or not (`kiln bench train --unoptimized`:
+    /// [`StepRunner::new`], the graph optimized for the device or not (`kiln bench train --unoptimized`:
     /// what the e-graph's rewrites of the step are worth), its forms chosen by the cost of a step
     /// at `seq` tokens (the sequence length the step runs at: a form that pays at one length may
     /// not at another, as attention's backward in tiles does not at 64 tokens).
@@ -114,7 +114,19 @@ impl StepRunner {
                 let options = lower::Options { fold_constants: false, ..lower::Options::default() };
                 Kind::Cpu { plan: lower::lower_with(&optimized, options), threads: *threads, model: None }
             }
-            Device::Gpu(gpu) => Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None },
+            Device::Gpu(gpu) => {
+                // Optimized for the adapter's cost model where it has one (lavapipe's is built
+                // in; an uncalibrated hardware adapter's step runs as built).
+                let target = match optimize {
+                    true => crate::costs::cached(gpu.adapter_name(), gpu.is_software()).ok().flatten(),
+                    false => None,
+                };
+                let graph = match target {
+                    Some(target) => optimize::optimize_for(&graph, &target)?.0,
+                    None => graph,
+                };
+                Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None }
+            }
         };
         Ok(StepRunner { kind })
     }
