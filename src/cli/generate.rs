@@ -734,7 +734,7 @@ impl<'m> Generator<'m> {
     /// A GPU driver may compile a pipeline's shader only at its first dispatch: one step (the
     /// sampling kernel's too) before the first prompt, forgotten after, keeps that out of the
     /// prefill; its time counts as compiling.
-    fn warm_up(&mut self, first: i64) -> Result<()> {
+    pub(crate) fn warm_up(&mut self, first: i64) -> Result<()> {
         if self.warm || self.model.backend != Backend::Wgpu || self.model.max_new == 0 {
             return Ok(());
         }

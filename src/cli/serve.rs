@@ -187,6 +187,10 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         let worker: Worker = Box::new(move |shared, reporter| {
             let mut generator = Generator::load(&model, reporter)?;
             let tokenizer = model.tokenizer.as_ref().context("no tokenizer")?;
+            // On wgpu, a step before the first request (a driver may compile a shader at its
+            // first dispatch): the first request's time to first token does not pay for it, and
+            // `/health` says ready only after.
+            generator.warm_up(0)?;
             shared.ready.store(true, Ordering::Relaxed);
             reporter.info(format_args!("{}; ready", crate::cli::generate::load_line(&generator.timings)));
             crate::server::engine::serve(&model, &mut generator, tokenizer, inbox, shared);
