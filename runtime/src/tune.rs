@@ -95,6 +95,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     attention_workgroups,
                     attention_workgroup_below,
                     gemm_tile: None,
+                    attention_key_tile: None,
                 };
                 if !all.contains(&t) {
                     all.push(t);
@@ -105,13 +106,17 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
     all
 }
 
-/// `best` with each other prefill tile of the projection ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]).
+/// `best` with each other prefill tile of the projection
+/// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]) and each other key tile of the
+/// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]).
 pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
+    use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
-    (GEMM_TILES.iter())
+    let gemm = (GEMM_TILES.iter())
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
-        .map(|&t| Tunables { gemm_tile: Some(t), ..best })
-        .collect()
+        .map(|&t| Tunables { gemm_tile: Some(t), ..best });
+    let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
+    gemm.chain(keys).collect()
 }
 
 /// The class of models a tuning holds for: a digest (FNV-1a, stable across builds) of the plan's
@@ -432,7 +437,7 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     for tunables in first {
         run(tunables, &mut timed);
     }
-    // Then the projection's prefill tiles, on the fastest of those.
+    // Then the projection's prefill tiles and the attention's key tiles, on the fastest of those.
     if let Some(best) = fastest(&timed) {
         for tunables in tile_candidates(best) {
             run(tunables, &mut timed);

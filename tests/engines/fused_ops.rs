@@ -560,6 +560,14 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
     }
     check(&cases, true);
     check(&blocked, false);
+    // The blocked forms at every key tile `kiln tune` may choose.
+    use kiln_compiler::back::wgsl::{self, attention::KEY_TILES};
+    if common::gpu().is_some() {
+        let forms: Vec<wgsl::Options> = (KEY_TILES.iter())
+            .map(|&t| wgsl::Options { attention_key_tile: Some(t), ..wgsl::Options::default() })
+            .collect();
+        check_forms(&blocked, &forms);
+    }
 }
 
 /// Attention's backward with every mask and modifier, grouped heads and padding: on wgpu at

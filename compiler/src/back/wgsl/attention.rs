@@ -58,8 +58,19 @@ use super::scores;
 use super::{Options, append};
 use crate::graph::{Op, PackedAttention, ScoreMods};
 
-/// Keys per tile.
+/// Keys per tile of the blocked forms (unless [`Options::attention_key_tile`] names one of
+/// [`KEY_TILES`]).
 pub const KEY_TILE: usize = 4;
+
+/// The key tiles the blocked forms can take ([`Options::attention_key_tile`]): scores are `slots x
+/// tile` registers an invocation.
+pub const KEY_TILES: [usize; 3] = [2, 4, 8];
+
+/// The blocked forms' key tile with `options`: [`Options::attention_key_tile`] if it is one of
+/// [`KEY_TILES`], else [`KEY_TILE`].
+pub fn key_tile(options: &Options) -> usize {
+    options.attention_key_tile.filter(|t| KEY_TILES.contains(t)).unwrap_or(KEY_TILE)
+}
 
 /// Lanes of the workgroup form's workgroups, which take the keys this many at a time (a
 /// *chunk*).
@@ -193,8 +204,9 @@ impl Keys {
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
 /// geometry `g`, with the workgroup form if `workgroups` (then run with `wg`, `lane` and `i`
-/// defined and no thread returned early: see `kernel::entry`). `None` for any other op.
-pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<String> {
+/// defined and no thread returned early: see `kernel::entry`), its blocked forms taking keys
+/// `key_tile` at a time ([`key_tile`]). `None` for any other op.
+pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool, key_tile: usize) -> Option<String> {
     let layout = match *op {
         Op::Attention { mods, .. } => Layout {
             q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
@@ -265,8 +277,9 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
         return None;
     };
     let (qb, gc) = g.block();
-    let form =
-        |rows: usize| block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
+    let form = |rows: usize| {
+        block(&Block { rows, gc, d: g.head_dim, scale: scale.0, alibi, causal, window, mods, key_tile }, &layout)
+    };
     let mut s = String::from(
         "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n",
     );
@@ -297,8 +310,10 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool) -> Option<S
     }
     // The workgroup form's attention threads are whole workgroups, so which threads attend is a
     // question of the workgroup alone (uniform, as its barriers need).
-    let wide =
-        workgroup_form(&Block { rows: 1, gc: 1, d: g.head_dim, scale: scale.0, alibi, causal, window, mods }, &layout);
+    let wide = workgroup_form(
+        &Block { rows: 1, gc: 1, d: g.head_dim, scale: scale.0, alibi, causal, window, mods, key_tile },
+        &layout,
+    );
     let mut inner = format!(
         "if (wg < {} / {WIDE_LANES}u) {{\n{}}}",
         if copy.is_some() { "dim(9u)" } else { "dim(0u)" },
@@ -461,10 +476,12 @@ struct Block {
     causal: bool,
     window: Option<usize>,
     mods: ScoreMods,
+    /// Keys per tile.
+    key_tile: usize,
 }
 
 fn block(f: &Block, l: &Layout) -> String {
-    let (rows, gc, d, t) = (f.rows, f.gc, f.d, KEY_TILE);
+    let (rows, gc, d, t) = (f.rows, f.gc, f.d, f.key_tile);
     let slots = rows * gc;
     let mut s = String::new();
     // Invocation -> (batch, block of rows, chunk of heads); adjacent invocations take adjacent

@@ -30,8 +30,10 @@ use crate::graph::{Op, PackedAttention};
 pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, options: &Options) -> Option<String> {
     let body = match (op, geometry) {
         (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
-        (_, Some(g)) => attention::body(op, inputs.len(), g, attention::has_workgroup_form(op, options))
-            .or_else(|| body(op, inputs.len()))?,
+        (_, Some(g)) => {
+            let (workgroups, tile) = (attention::has_workgroup_form(op, options), attention::key_tile(options));
+            attention::body(op, inputs.len(), g, workgroups, tile).or_else(|| body(op, inputs.len()))?
+        }
         (_, None) => body(op, inputs.len())?,
     };
     let mut s = String::new();

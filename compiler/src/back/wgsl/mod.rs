@@ -99,6 +99,9 @@ pub struct Options {
     /// computes: one of [`projection::GEMM_TILES`]; `None` (or another) for 8 x 2, chosen for
     /// lavapipe's loads. A tunable (`kiln tune`).
     pub gemm_tile: Option<(usize, usize)>,
+    /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
+    /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
+    pub attention_key_tile: Option<usize>,
     /// The largest buffer the device binds, in bytes. A projection whose weight is larger (a
     /// 262144-token vocabulary head) is split into projections onto ranges of its output columns
     /// whose weights each fit, joined by concatenations (see [`column_divisible`]): each piece runs
@@ -138,10 +141,14 @@ impl Options {
             };
             used.push(&below);
         }
-        let tile;
+        let (tile, keys);
         if let Some((rows, groups)) = self.gemm_tile {
             tile = format!("GEMM tile {rows} x {}", 4 * groups);
             used.push(&tile);
+        }
+        if let Some(t) = self.attention_key_tile {
+            keys = format!("attention key tile {t}");
+            used.push(&keys);
         }
         if used.is_empty() { "plain".into() } else { used.join(", ") }
     }
@@ -154,6 +161,7 @@ impl Options {
             attention_workgroups: self.attention_workgroups,
             attention_workgroup_below: self.attention_workgroup_below,
             gemm_tile: self.gemm_tile,
+            attention_key_tile: self.attention_key_tile,
         }
     }
 
@@ -166,6 +174,7 @@ impl Options {
             attention_workgroups: t.attention_workgroups,
             attention_workgroup_below: t.attention_workgroup_below,
             gemm_tile: t.gemm_tile,
+            attention_key_tile: t.attention_key_tile,
             ..self
         }
     }
@@ -190,6 +199,9 @@ pub struct Tunables {
     /// The projection's prefill tile ([`Options::gemm_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_tile: Option<(usize, usize)>,
+    /// The attention's key tile ([`Options::attention_key_tile`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_key_tile: Option<usize>,
 }
 
 impl Tunables {
