@@ -48,10 +48,12 @@ fn every_form_matches_the_interpreter_and_the_fastest_is_used_after() {
         assert!(c["error"].as_f64().unwrap() <= 2e-3, "{c}");
         assert!(c["decode_ms"].as_f64().unwrap() > 0.0 && c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
     }
-    // The chosen forms: the fastest generation (the prompt's prefill and the decode steps).
+    // The chosen forms: the fastest generation (the prompt's prefill and the decode steps), or
+    // the default forms (the first) within 3% of it.
     let total = |c: &serde_json::Value| c["prefill_ms"].as_f64().unwrap() + 4.0 * c["decode_ms"].as_f64().unwrap();
     let fastest = candidates.iter().min_by(|a, b| total(a).total_cmp(&total(b))).unwrap();
-    assert_eq!(fastest["tunables"], v["chosen"], "{v}");
+    let expected = if total(&candidates[0]) <= total(fastest) * 1.03 { &candidates[0] } else { fastest };
+    assert_eq!(expected["tunables"], v["chosen"], "{v}");
     let saved = Path::new(v["saved"].as_str().unwrap());
     assert!(saved.starts_with(data.join("tuning")) && saved.is_file(), "{v}");
     // A later load of these shapes on the adapter takes the chosen forms.
