@@ -68,7 +68,9 @@ pub enum TuneError {
         needed: usize,
     },
     /// No candidate matched the reference (every form of the kernels disagrees with it).
-    #[error("no form of the kernels matched the reference on `{adapter}`: {detail}")]
+    #[error(
+        "no form of the kernels matched the reference on `{adapter}` (a bug in kiln's kernels or the driver: please report it; KILN_TUNE=off skips tuning at first use): {detail}"
+    )]
     NoMatch {
         /// The adapter.
         adapter: String,
