@@ -153,7 +153,7 @@ pub struct Timed {
     /// Milliseconds per decode step (the fastest of the timed generations); `None` unless it
     /// matched and was timed.
     pub decode_ms: Option<f64>,
-    /// Milliseconds of the prompt's prefill (same generation).
+    /// Milliseconds of the prompt's prefill (same generation), or of a forward pass.
     pub prefill_ms: Option<f64>,
     /// Why it was not timed: `differs`, `not timed: out of time`, or its error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -299,6 +299,7 @@ pub fn at_first_use(
         prompt,
         steps,
         budget: Duration::from_secs_f64(budget),
+        inputs: None,
     };
     match tune(gpu, &work, progress) {
         Ok(_) => Ok(()),
@@ -334,7 +335,8 @@ fn save(gpu: &Gpu, class: &str, entry: &Entry) -> Result<PathBuf, TuneError> {
 
 /// What a tuning runs: a cached decoder graph with its weights, and the shapes to time.
 pub struct Workload<'a> {
-    /// The cached (decode) graph, optimized for wgpu.
+    /// The cached (decode) graph, optimized for wgpu; or, with `inputs`, a forward graph (an
+    /// encoder's).
     pub graph: &'a Graph,
     /// Its f32 parameters.
     pub params: &'a HashMap<String, Tensor>,
@@ -350,6 +352,14 @@ pub struct Workload<'a> {
     pub steps: usize,
     /// Time after which no further candidate starts (the default options' always run).
     pub budget: Duration,
+    /// A forward graph's inputs: then one forward pass on them is checked and timed, instead of
+    /// a generation (`vocab`, `max_positions`, `prompt` and `steps` unused).
+    pub inputs: Option<&'a HashMap<String, Tensor>>,
+}
+
+/// Every f32 output of a forward pass, in order.
+fn floats(outputs: Vec<(String, Tensor)>) -> Vec<Vec<f32>> {
+    outputs.into_iter().filter_map(|(_, t)| t.as_f32().map(<[f32]>::to_vec)).collect()
 }
 
 /// Tokens checked against the reference: a prompt, then single decode steps.
@@ -396,7 +406,7 @@ pub fn relative_error(want: &[Vec<f32>], got: &[Vec<f32>]) -> f64 {
 /// the file it was saved in.
 pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Result<(Entry, PathBuf), TuneError> {
     let needed = (work.prompt + work.steps + 1).max(CHECK_PROMPT + CHECK_STEPS);
-    if needed > work.max_positions {
+    if work.inputs.is_none() && needed > work.max_positions {
         return Err(TuneError::TooShort { positions: work.max_positions, needed });
     }
     let outputs: Vec<String> = work.graph.outputs.iter().map(|(n, _)| n.clone()).collect();
@@ -410,8 +420,15 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     let loaded = reference
         .load(work.graph, weights, Storage::default(), &())
         .map_err(|e| TuneError::Reference(e.to_string()))?;
-    let mut session = Session::new(loaded.into_engine(), &outputs, work.max_positions)?;
-    let want = check_logits(&mut session, work.vocab)?;
+    let want = match work.inputs {
+        Some(inputs) => floats(loaded.run(inputs).map_err(|e| TuneError::Reference(e.to_string()))?),
+        None => {
+            let mut session = Session::new(loaded.into_engine(), &outputs, work.max_positions)?;
+            check_logits(&mut session, work.vocab)?
+        }
+    };
+    // A forward pass is timed alone: no decode steps.
+    let steps = if work.inputs.is_some() { 0 } else { work.steps };
 
     let plan = lower_with_blocks(work.graph, work.blocks);
     let class = shape_class(&plan);
@@ -436,7 +453,8 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     };
     // The fastest generation: the prompt's prefill and the decode steps together; the default
     // forms unless another is faster by more than the timings' noise ([`MARGIN`]).
-    let total = |t: &Timed| Some(t.prefill_ms? + work.steps as f64 * t.decode_ms?).filter(|_| t.rejected.is_none());
+    let total =
+        |t: &Timed| Some(t.prefill_ms? + steps as f64 * t.decode_ms.unwrap_or(0.0)).filter(|_| t.rejected.is_none());
     let fastest = |timed: &[Timed]| {
         let best = (timed.iter()).filter_map(|t| Some((total(t)?, t.tunables))).min_by(|a, b| a.0.total_cmp(&b.0))?;
         match timed.first().and_then(|d| Some((total(d)?, d.tunables))) {
@@ -460,8 +478,7 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
             .collect::<Vec<_>>()
             .join("; "),
     })?;
-    let entry =
-        Entry { model: work.graph.name.clone(), chosen, prompt: work.prompt, steps: work.steps, candidates: timed };
+    let entry = Entry { model: work.graph.name.clone(), chosen, prompt: work.prompt, steps, candidates: timed };
     let path = save(gpu, &class, &entry)?;
     Ok((entry, path))
 }
@@ -479,6 +496,22 @@ fn time(
     let tunables = options.tunables();
     let model = GpuModel::with_progress(gpu.clone(), plan, &options, work.params, work.blocks, &())
         .map_err(|e: GpuError| e.to_string())?;
+    if let Some(inputs) = work.inputs {
+        // A forward pass: checked, then timed alone (the faster of two).
+        let got = floats(model.run(inputs).map_err(|e| e.to_string())?);
+        let error = relative_error(want, &got);
+        if error.is_nan() || error > TOLERANCE {
+            let rejected = Some(format!("differs from the reference by {error:.1e}"));
+            return Ok(Timed { tunables, error: Some(error), decode_ms: None, prefill_ms: None, rejected });
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..2 {
+            let t = Instant::now();
+            model.run(inputs).map_err(|e| e.to_string())?;
+            best = best.min(1e3 * t.elapsed().as_secs_f64());
+        }
+        return Ok(Timed { tunables, error: Some(error), decode_ms: None, prefill_ms: Some(best), rejected: None });
+    }
     let mut session =
         Session::new(Model::Gpu(Box::new(model)).into(), outputs, work.max_positions).map_err(|e| e.to_string())?;
     let got = check_logits(&mut session, work.vocab).map_err(|e| e.to_string())?;

@@ -145,3 +145,51 @@ fn a_first_use_tunes_where_asked_and_caches_it() {
         assert_eq!(tuned(&data), 0, "{}", data.display());
     }
 }
+
+/// A small encoder with padding and pooled outputs: its forward pass is what is tuned.
+const TINY_ENCODER: &str = r#"
+[model]
+name = "tiny-tune-encoder"
+kind = "encoder"
+vocab = 32
+d_model = 16
+layers = 2
+max_positions = 32
+[norm]
+placement = "post"
+[attention]
+heads = 2
+bias = true
+padding_mask = true
+[ffn]
+activation = "gelu"
+d_ff = 32
+bias = true
+[outputs]
+pooling = "mean"
+"#;
+
+#[test]
+fn an_encoder_is_tuned_on_its_forward_pass() {
+    let dir = scratch("tune-encoder");
+    let spec = dir.join("tiny-encoder.toml");
+    std::fs::write(&spec, TINY_ENCODER).unwrap();
+    let (spec, data) = (spec.to_str().unwrap(), dir.join("data"));
+    let args = ["tune", spec, "--backend", "wgpu", "--batch", "3", "--prompt", "12", "--budget", "600", "--json", "-q"];
+    let v = json_in(&data, &args);
+    assert_eq!(v["decode_steps"], 0, "{v}");
+    let candidates = v["candidates"].as_array().unwrap();
+    for c in candidates {
+        assert!(c["rejected"].is_null(), "a form was rejected: {c}");
+        assert!(c["error"].as_f64().unwrap() <= 2e-3 && c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["decode_ms"].is_null(), "{c}");
+    }
+    let adapter = v["adapter"].as_str().unwrap();
+    let o = kiln_command(&["inspect", spec, "--stage", "wgsl", "--adapter", adapter])
+        .env("KILN_DATA", &data)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.lines().nth(1).is_some_and(|l| l.contains("forms tuned by `kiln tune`")), "{text}");
+}

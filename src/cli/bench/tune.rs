@@ -8,6 +8,7 @@ use crate::progress::Reporter;
 use anyhow::{Result, bail};
 use kiln_compiler::graph::build::build_cached;
 use kiln_compiler::optimize;
+use kiln_compiler::spec::BlockKind;
 use kiln_runtime::tune::{Workload, tune};
 use kiln_runtime::{Device, Storage};
 use std::path::PathBuf;
@@ -22,9 +23,13 @@ pub struct TuneArgs {
     /// timings depend on the weights' formats, not their values.
     #[arg(long)]
     weights: Option<PathBuf>,
-    /// Tokens of the timed prompt.
+    /// Tokens of the timed prompt (of each sequence of an encoder's forward pass).
     #[arg(long, default_value_t = 32)]
     prompt: usize,
+    /// Sequences of an encoder's (or encoder-decoder's) timed forward pass; a decoder's
+    /// generation is one sequence.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Decode steps timed after it.
     #[arg(long, default_value_t = 16)]
     steps: usize,
@@ -47,7 +52,7 @@ impl TuneArgs {
 
 /// Runs `kiln tune`.
 pub fn run(args: TuneArgs, reporter: &Reporter) -> Result<()> {
-    super::at_least_one(&[("--prompt", args.prompt), ("--steps", args.steps)])?;
+    super::at_least_one(&[("--prompt", args.prompt), ("--steps", args.steps), ("--batch", args.batch)])?;
     if !(args.budget.is_finite() && args.budget >= 0.0) {
         bail!("--budget must be a number of seconds, at least 0 (got {})", args.budget);
     }
@@ -59,16 +64,24 @@ pub fn run(args: TuneArgs, reporter: &Reporter) -> Result<()> {
     };
     let (_, fe) = args.spec.read()?;
     let positions = fe.spec.spec.model.max_positions as usize;
-    if args.prompt + args.steps + 1 > positions {
+    // A decoder's generation is timed; any other model's forward pass on a batch of samples.
+    let decoder = fe.spec.spec.model.kind == BlockKind::Decoder;
+    let needed = if decoder { args.prompt + args.steps + 1 } else { args.prompt };
+    if needed > positions {
         bail!(
-            "--prompt {} and --steps {} need {} positions; the model has {positions}",
+            "--prompt {} (and --steps {} for a decoder) need {needed} positions; the model has {positions}",
             args.prompt,
-            args.steps,
-            args.prompt + args.steps + 1
+            args.steps
         );
     }
-    let graph = optimize::optimize_for(&build_cached(&fe.spec)?, &bench_target(&device))?.0;
+    let built = if decoder { build_cached(&fe.spec)? } else { fe.graph.clone() };
+    let graph = optimize::optimize_for(&built, &bench_target(&device))?.0;
     let (params, blocks) = params_for(&fe, &graph, args.weights.as_deref(), Storage::default())?;
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let inputs = match decoder {
+        true => None,
+        false => Some(kiln_compiler::interp::sample_inputs(&graph, vocab, args.batch, args.prompt)?),
+    };
     let work = Workload {
         graph: &graph,
         params: &params,
@@ -78,6 +91,7 @@ pub fn run(args: TuneArgs, reporter: &Reporter) -> Result<()> {
         prompt: args.prompt,
         steps: args.steps,
         budget: Duration::from_secs_f64(args.budget),
+        inputs: inputs.as_ref(),
     };
     let (entry, path) = tune(gpu, &work, reporter)?;
     if args.json {
@@ -89,15 +103,26 @@ pub fn run(args: TuneArgs, reporter: &Reporter) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!(
-        "{} on {} ({}): {} prompt tokens, {} decode steps, the faster of two generations",
-        entry.model,
-        gpu.describe(),
-        gpu.driver(),
-        entry.prompt,
-        entry.steps
-    );
-    println!("  {:>9} {:>11} {:>11}  forms", "error", "prefill ms", "ms / token");
+    match decoder {
+        true => println!(
+            "{} on {} ({}): {} prompt tokens, {} decode steps, the faster of two generations",
+            entry.model,
+            gpu.describe(),
+            gpu.driver(),
+            entry.prompt,
+            entry.steps
+        ),
+        false => println!(
+            "{} on {} ({}): a forward pass of {} x {} tokens, the faster of two",
+            entry.model,
+            gpu.describe(),
+            gpu.driver(),
+            args.batch,
+            entry.prompt
+        ),
+    }
+    let first = if decoder { "prefill ms" } else { "forward ms" };
+    println!("  {:>9} {first:>11} {:>11}  forms", "error", "ms / token");
     for t in &entry.candidates {
         let mark = if t.tunables == entry.chosen { "*" } else { " " };
         let num = |x: Option<f64>, p: usize| x.map_or_else(|| "-".to_string(), |v| format!("{v:.p$}"));
