@@ -1,9 +1,11 @@
 //! Kernel forms tuned per adapter (`kiln tune`). Which of the WGSL kernels' forms is fastest — the
 //! subgroup reductions and split GEMV, a decoder step's cache appends in the attention's own
-//! dispatch, the attention's workgroup form and the invocation count below which it runs
-//! ([`Tunables`]) — is a question of the device, and kiln runs on GPUs its developers never see.
-//! So the forms are data: [`candidates`] are the combinations an adapter can run, [`tune`] times
-//! each on a model's real shapes (a prompt's prefill and decode steps, greedy), keeps only those
+//! dispatch, the attention's workgroup form and the invocation count below which it runs, the
+//! projection's prefill tile and the attention's key tile ([`Tunables`]) — is a question of the
+//! device, and kiln runs on GPUs its developers never see. So the forms are data: [`candidates`]
+//! are the combinations an adapter can run ([`tile_candidates`] the tiles, tried on the fastest of
+//! those), [`tune`] times each on a model's real shapes (a decoder's prompt and decode steps,
+//! greedy; another model's forward pass on a batch of samples), keeps only those
 //! whose logits match the reference (the interpreter, or the CPU back end for quantized weights,
 //! itself held to the interpreter), and the fastest is cached by adapter, driver and shape class
 //! ([`shape_class`]: models of one architecture and size share it) under `tuning/` in kiln's
@@ -248,7 +250,7 @@ const FIRST_USE_SHAPES: (usize, usize) = (16, 8);
 
 /// The first use of an adapter for a decoder step's shapes: where no tuning is cached for `plan`
 /// (lowered from `graph`, a cached decoder step with its `logits` and caches) and the adapter
-/// tunes at first use ([`tunes_at_first_use`]: a hardware one), its forms are tuned as `kiln
+/// tunes at first use (by `KILN_TUNE`: a hardware one unless it says otherwise), its forms are tuned as `kiln
 /// tune` does, bounded by `KILN_TUNE_BUDGET` seconds (30), shown on `progress`, and cached.
 /// A graph that is no decoder step, or too short to time, is left untuned; every form
 /// disagreeing with the interpreter is an error.

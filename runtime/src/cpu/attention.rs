@@ -693,7 +693,7 @@ const BACKWARD_ROWS: usize = 64;
 
 /// The gradients of an attention ([`Op::AttentionGrad`]) into `out` (`[3, b, h, s, d]`): one task
 /// per batch and query head, which owns that head's rows of all three gradients and walks its
-/// query rows in tiles of [`BACKWARD_ROWS`]. Per tile, through the `gemm` crate: the scores `Q
+/// query rows in tiles of `BACKWARD_ROWS`. Per tile, through the `gemm` crate: the scores `Q
 /// K^T` against the keys the tile attends, each row's logits and softmax in place, `dP = dO
 /// V^T`, the score gradients `dS = P (dP - rowsum(P dP))` (times the soft-cap's slope and the
 /// scale) in place of `dP`, then `dQ = dS K` for the tile's rows and `dK += dS^T Q`, `dV += P^T
