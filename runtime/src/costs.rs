@@ -90,8 +90,8 @@ pub fn dir() -> Option<PathBuf> {
 }
 
 /// The file name of an adapter's model in `dir`: its name in lowercase, runs of other characters
-/// as `-`.
-fn file_of(dir: &Path, adapter: &str) -> PathBuf {
+/// as `-` (an adapter's tunings are named the same way, `crate::tune`).
+pub(crate) fn file_of(dir: &Path, adapter: &str) -> PathBuf {
     let mut slug = String::new();
     for c in adapter.chars() {
         if c.is_ascii_alphanumeric() {

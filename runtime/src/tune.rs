@@ -13,6 +13,7 @@
 //! then takes the cached choice ([`options_for`]); without one, the adapter's default options.
 //! A tuning holds for one kiln version and one driver: another reads as none.
 
+use crate::costs::file_of;
 use crate::device::{Device, Storage, Weights, lower_with_blocks};
 use crate::engine::GenerateError;
 use crate::generate::{Session, generate};
@@ -191,19 +192,6 @@ struct Tunings {
 /// Where tunings live: `tuning` in kiln's data directory.
 pub fn dir() -> Option<PathBuf> {
     crate::data_dir().map(|d| d.join("tuning"))
-}
-
-/// The file of an adapter's tunings in `dir`: its name in lowercase, other characters as `-`.
-fn file_of(dir: &Path, adapter: &str) -> PathBuf {
-    let mut slug = String::new();
-    for c in adapter.chars() {
-        if c.is_ascii_alphanumeric() {
-            slug.push(c.to_ascii_lowercase());
-        } else if !slug.ends_with('-') {
-            slug.push('-');
-        }
-    }
-    dir.join(format!("{}.json", slug.trim_matches('-')))
 }
 
 /// The tunings cached for `gpu`'s adapter, if any were saved by this kiln for its driver.

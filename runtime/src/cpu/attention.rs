@@ -745,6 +745,59 @@ pub fn backward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut [f32], shape:
     Ok(())
 }
 
+/// A matrix read by strides out of a slice: element `(i, j)` at `data[at + i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [f32],
+    at: usize,
+    cs: usize,
+    rs: usize,
+}
+
+/// `dst[m x n] (+)= beta * lhs[m x k] @ rhs[k x n]` on this thread, `dst`'s element `(i, j)` at
+/// `at + i * rs + j` of its slice (added to with `accumulate`, else overwritten): one `gemm` call
+/// of the attention backward's tiles. Every span is checked in debug builds.
+fn product(
+    dst: &mut [f32],
+    (at, rs): (usize, usize),
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    accumulate: bool,
+    beta: f32,
+) {
+    debug_span("tile product output", dst.len(), at, (m, rs), (n, 1));
+    debug_span("tile product left", lhs.data.len(), lhs.at, (m, lhs.rs), (k, lhs.cs));
+    debug_span("tile product right", rhs.data.len(), rhs.at, (k, rhs.rs), (n, rhs.cs));
+    // SAFETY: `gemm` writes `dst[at + i * rs + j]` (i < m, j < n) and reads `lhs` and `rhs` at
+    // the strided spans checked above — within their slices by the callers' shapes (`backward`
+    // checks the operands' sizes, the tiles and key ranges lie within them). `dst` is a distinct
+    // `&mut`, so it aliases neither operand.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr().add(at),
+            1,
+            rs as isize,
+            accumulate,
+            lhs.data.as_ptr().add(lhs.at),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr().add(rhs.at),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// A backward task's tiles: probabilities, score gradients, soft-cap slopes.
 #[derive(Default)]
 struct Scratch {
@@ -823,63 +876,18 @@ impl Rows<'_> {
             if g.mods.softcap.is_some() {
                 capped.resize(m * n, 0.0);
             }
-            // Scores and the output's gradient against the values, range by range.
+            // Scores and the output's gradient against the values, range by range (`backward`
+            // checked the operands' sizes; the ranges lie within the keys).
+            let qt = Strided { data: q, at: ql.at(bi, hq, r0), cs: 1, rs: ql.row };
+            let ot = Strided { data: dout, at: dl.at(bi, hq, r0), cs: 1, rs: dl.row };
             let mut col = 0;
             for &(k0, k1) in &ranges {
                 let w = k1 - k0;
                 debug_assert!(k0 <= k1 && k1 <= t && col + w <= n, "keys {k0}..{k1} of {t}, column {col} of {n}");
-                debug_span("gradient scores", p.len(), col, (m, n), (w, 1));
-                debug_span("gradient queries", q.len(), ql.at(bi, hq, r0), (m, ql.row), (d, 1));
-                debug_span("gradient output rows", dout.len(), dl.at(bi, hq, r0), (m, dl.row), (d, 1));
-                debug_span("gradient keys", k.len(), kl.at(bi, kvh, k0), (w, kl.row), (d, 1));
-                debug_span("gradient values", v.len(), vl.at(bi, kvh, k0), (w, vl.row), (d, 1));
-                // SAFETY: the spans above (checked in debug builds; `backward` checked the operand
-                // sizes): `p` and `ds` hold m x n, this range's columns at `col..col + w`; `q` and
-                // `dout` the tile's rows of head `hq`; `k` and `v` keys `k0..k1` of head `kvh`.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        w,
-                        d,
-                        p.as_mut_ptr().add(col),
-                        1,
-                        n as isize,
-                        false,
-                        q.as_ptr().add(ql.at(bi, hq, r0)),
-                        1,
-                        ql.row as isize,
-                        k.as_ptr().add(kl.at(bi, kvh, k0)),
-                        kl.row as isize,
-                        1,
-                        0.0,
-                        g.scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                    gemm::gemm(
-                        m,
-                        w,
-                        d,
-                        ds.as_mut_ptr().add(col),
-                        1,
-                        n as isize,
-                        false,
-                        dout.as_ptr().add(dl.at(bi, hq, r0)),
-                        1,
-                        dl.row as isize,
-                        v.as_ptr().add(vl.at(bi, kvh, k0)),
-                        vl.row as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                let keys = Strided { data: k, at: kl.at(bi, kvh, k0), cs: kl.row, rs: 1 };
+                let values = Strided { data: v, at: vl.at(bi, kvh, k0), cs: vl.row, rs: 1 };
+                product(p, (col, n), (m, w, d), qt, keys, false, g.scale);
+                product(ds, (col, n), (m, w, d), ot, values, false, 1.0);
                 col += w;
             }
             // Per row: probabilities in `p`, score gradients in `ds` (over `dp`).
@@ -920,79 +928,15 @@ impl Rows<'_> {
             let mut col = 0;
             for &(k0, k1) in &ranges {
                 let w = k1 - k0;
-                debug_span("query gradients", dq.len(), r0 * d, (m, d), (d, 1));
-                debug_span("key gradients", dk.len(), k0 * d, (w, d), (d, 1));
-                debug_span("value gradients", dv.len(), k0 * d, (w, d), (d, 1));
-                // SAFETY: as above; `dq`, `dk` and `dv` hold `[s, d]` (s == t, checked by
-                // `backward`), the tile's rows and the range's keys within them.
-                unsafe {
-                    // dQ[tile] += dS K[range]
-                    gemm::gemm(
-                        m,
-                        d,
-                        w,
-                        dq.as_mut_ptr().add(r0 * d),
-                        1,
-                        d as isize,
-                        true,
-                        ds.as_ptr().add(col),
-                        1,
-                        n as isize,
-                        k.as_ptr().add(kl.at(bi, kvh, k0)),
-                        1,
-                        kl.row as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                    // dK[range] += dS^T Q[tile]
-                    gemm::gemm(
-                        w,
-                        d,
-                        m,
-                        dk.as_mut_ptr().add(k0 * d),
-                        1,
-                        d as isize,
-                        true,
-                        ds.as_ptr().add(col),
-                        n as isize,
-                        1,
-                        q.as_ptr().add(ql.at(bi, hq, r0)),
-                        1,
-                        ql.row as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                    // dV[range] += P^T dO[tile]
-                    gemm::gemm(
-                        w,
-                        d,
-                        m,
-                        dv.as_mut_ptr().add(k0 * d),
-                        1,
-                        d as isize,
-                        true,
-                        p.as_ptr().add(col),
-                        n as isize,
-                        1,
-                        dout.as_ptr().add(dl.at(bi, hq, r0)),
-                        1,
-                        dl.row as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                // `dq`, `dk` and `dv` hold `[s, d]` (s == t, checked by `backward`).
+                let keys = Strided { data: k, at: kl.at(bi, kvh, k0), cs: 1, rs: kl.row };
+                let grads = Strided { data: ds, at: col, cs: 1, rs: n };
+                let grads_t = Strided { cs: n, rs: 1, ..grads };
+                let probs_t = Strided { data: p, at: col, cs: n, rs: 1 };
+                // dQ[tile] += dS K[range]; dK[range] += dS^T Q[tile]; dV[range] += P^T dO[tile]
+                product(dq, (r0 * d, d), (m, d, w), grads, keys, true, 1.0);
+                product(dk, (k0 * d, d), (w, d, m), grads_t, qt, true, 1.0);
+                product(dv, (k0 * d, d), (w, d, m), probs_t, ot, true, 1.0);
                 col += w;
             }
             for si in uniform {
