@@ -136,7 +136,7 @@ pub fn bind_inputs(g: &Graph, given: &HashMap<String, Tensor>) -> R<Bound> {
 /// masks may be any numeric type and become f32 "1 = attend" (flipped for `pad_is_one`); an absent
 /// mask is all ones and absent token types are zeros.
 pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Vec<Tensor>, HashMap<Sym, usize>)> {
-    let (tensors, syms) = bind_named_with(specs, given, &HashMap::new())?;
+    let (tensors, syms) = bind_named_with(specs, given, &HashMap::<&str, Vec<usize>>::new())?;
     // With nothing resident, every spec is bound to a tensor.
     Ok((tensors.into_iter().flatten().collect(), syms))
 }
@@ -145,12 +145,12 @@ pub fn bind_named(specs: &[InputSpec], given: &HashMap<String, Tensor>) -> R<(Ve
 pub type Binding = (Vec<Option<Tensor>>, HashMap<Sym, usize>);
 
 /// [`bind_named`] where some cache inputs already live elsewhere (on a device): `resident`
-/// gives their shapes, which are checked and bound like given tensors; their entries in the
-/// result are `None`.
-pub fn bind_named_with(
+/// gives their shapes by input name, which are checked and bound like given tensors; their
+/// entries in the result are `None`.
+pub fn bind_named_with<S: AsRef<[usize]>>(
     specs: &[InputSpec],
     given: &HashMap<String, Tensor>,
-    resident: &HashMap<String, Vec<usize>>,
+    resident: &HashMap<&str, S>,
 ) -> R<Binding> {
     let mut syms: HashMap<Sym, usize> = HashMap::new();
     let mut out: Vec<Option<Tensor>> = vec![None; specs.len()];
@@ -169,7 +169,7 @@ pub fn bind_named_with(
         if let InputRole::Cache { kv_heads, head_dim, .. } = role {
             let cache = match (given.get(name), resident.get(name)) {
                 (Some(t), _) => Some(CacheArg::Host(t)),
-                (None, Some(shape)) => Some(CacheArg::Resident(shape)),
+                (None, Some(shape)) => Some(CacheArg::Resident(shape.as_ref())),
                 (None, None) => None,
             };
             out[i] = bind_cache(name, seq_sym, kv_heads, head_dim, cache, &mut syms)?;

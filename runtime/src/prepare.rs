@@ -212,10 +212,10 @@ pub struct Bound {
 /// Binds `given` to the plan's inputs exactly as the interpreter binds a graph's; `held` gives
 /// the shapes of inputs the engine keeps itself (a cache on the device), which are not in
 /// `given`.
-pub fn bind(
+pub fn bind<S: AsRef<[usize]>>(
     plan: &Plan,
     given: &HashMap<String, Tensor>,
-    held: &HashMap<String, Vec<usize>>,
+    held: &HashMap<&str, S>,
 ) -> Result<Bound, PrepareError> {
     let input_ids: Vec<usize> = plan
         .values

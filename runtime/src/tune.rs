@@ -1,9 +1,10 @@
 //! Kernel forms tuned per adapter (`kiln tune`). Which of the WGSL kernels' forms is fastest — the
 //! subgroup reductions and split GEMV, a decoder step's cache appends in the attention's own
 //! dispatch, the attention's workgroup form and the invocation count below which it runs, the
-//! projection's prefill tile and the attention's key tile ([`Tunables`]) — is a question of the
-//! device, and kiln runs on GPUs its developers never see. So the forms are data: [`candidates`]
-//! are the combinations an adapter can run ([`tile_candidates`] the tiles, tried on the fastest of
+//! projection's prefill tile and the attention's key tile, and how many submissions a run's
+//! dispatches are split over ([`Tunables`]) — is a question of the device, and kiln runs on GPUs
+//! its developers never see. So the forms are data: [`candidates`] are the combinations an
+//! adapter can run ([`tile_candidates`] the tiles and the submissions, tried on the fastest of
 //! those), [`tune`] times each on a model's real shapes (a decoder's prompt and decode steps,
 //! greedy; another model's forward pass on a batch of samples), keeps only those
 //! whose logits match the reference (the interpreter, or the CPU back end for quantized weights,
@@ -101,6 +102,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     attention_workgroup_below,
                     gemm_tile: None,
                     attention_key_tile: None,
+                    submissions: default.submissions,
                 };
                 if !all.contains(&t) {
                     all.push(t);
@@ -112,8 +114,9 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 }
 
 /// `best` with each other prefill tile of the projection
-/// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]) and each other key tile of the
-/// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]).
+/// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), each other key tile of the
+/// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), and each
+/// other count of submissions of [`SUBMISSIONS`].
 pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
@@ -121,8 +124,14 @@ pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
         .map(|&t| Tunables { gemm_tile: Some(t), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
-    gemm.chain(keys).collect()
+    let parts = SUBMISSIONS.iter().filter(|&&n| n != best.submissions.unwrap_or(1).max(1));
+    let parts = parts.map(|&n| Tunables { submissions: (n > 1).then_some(n), ..best });
+    gemm.chain(keys).chain(parts).collect()
 }
+
+/// The counts of submissions a run's dispatches are tried in (see
+/// [`kiln_compiler::back::wgsl::Options::submissions`]).
+pub const SUBMISSIONS: [usize; 4] = [1, 2, 4, 8];
 
 /// The class of models a tuning holds for: a digest (FNV-1a, stable across builds) of the plan's
 /// ops with their attributes and of its parameters' shapes and formats, so models of one
@@ -455,7 +464,8 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     for tunables in first {
         run(tunables, &mut timed);
     }
-    // Then the projection's prefill tiles and the attention's key tiles, on the fastest of those.
+    // Then the projection's prefill tiles, the attention's key tiles and the submissions, on the
+    // fastest of those.
     if let Some(best) = fastest(&timed) {
         for tunables in tile_candidates(best) {
             run(tunables, &mut timed);

@@ -63,21 +63,22 @@ fn check(name: &str) {
 /// holds for the hardware program, whose cached attentions append to both caches themselves
 /// (`fold_appends`, forced here): they then write only the new rows too; and with the
 /// attentions in their workgroup form (`attention_workgroups`, forced too), which read the caches
-/// in place the same way, folded or not.
+/// in place the same way, folded or not; and with a step's dispatches split over several
+/// submissions (`submissions`).
 #[test]
 fn the_device_cache_is_appended_in_place() {
     let Some(gpu) = common::gpu() else { return };
-    // (model, appends folded, attention in workgroups)
+    // (model, appends folded, attention in workgroups, submissions)
     let cases = [
-        ("llama", false, false),
-        ("gpt2", false, false),
-        ("gemma3", false, false),
-        ("llama", true, false),
-        ("gpt2", true, false),
-        ("llama", true, true),
-        ("gemma3", false, true),
+        ("llama", false, false, None),
+        ("gpt2", false, false, Some(2)),
+        ("gemma3", false, false, None),
+        ("llama", true, false, None),
+        ("gpt2", true, false, None),
+        ("llama", true, true, Some(3)),
+        ("gemma3", false, true, Some(8)),
     ];
-    for (name, fold, workgroups) in cases {
+    for (name, fold, workgroups, submissions) in cases {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
@@ -87,6 +88,7 @@ fn the_device_cache_is_appended_in_place() {
         let options = kiln_compiler::back::wgsl::Options {
             fold_appends: fold,
             attention_workgroups: workgroups,
+            submissions,
             ..gpu.options()
         };
         let model = GpuModel::with_progress(gpu.clone(), &plan, &options, &params, &HashMap::new(), &()).unwrap();
@@ -105,9 +107,10 @@ fn the_device_cache_is_appended_in_place() {
         let wide = model.program().kernels.iter().filter(|k| k.wgsl.contains("dim(7u) == 2u")).count();
         assert_eq!(wide > 0, workgroups, "{name}: {wide} attention kernels with the workgroup form");
         let name = &format!(
-            "{name}{}{}",
+            "{name}{}{}, {} submissions",
             if fold { ", appends folded" } else { "" },
-            if workgroups { ", attention in workgroups" } else { "" }
+            if workgroups { ", attention in workgroups" } else { "" },
+            options.submission_count(),
         );
         let mut engine = GpuEngine::new(model);
         let mut cpu =

@@ -32,7 +32,7 @@ pub use op::{
     Activation, BlockPattern, Bucketing, InputRole, Op, PackedAttention, PairStyle, Prologue, RopeCols, Rotation,
     Scalar, ScoreMods,
 };
-pub use shape::{Dim, Shape, Sym, broadcast, elements, fmt_shape, infer, resolve};
+pub use shape::{Dim, Shape, Sym, SymTable, broadcast, elements, fmt_shape, infer, resolve};
 
 use crate::tensor::DType;
 use petgraph::Direction;

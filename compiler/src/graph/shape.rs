@@ -67,6 +67,46 @@ impl fmt::Display for Dim {
 /// A shape with possibly symbolic axes.
 pub type Shape = Vec<Dim>;
 
+/// The symbols' values as a table indexed by symbol: what a run that resolves hundreds of shapes
+/// reads instead of a hash map (an executor sizes every buffer of every step it binds, every
+/// decode step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SymTable([usize; SymTable::LEN]);
+
+impl SymTable {
+    const LEN: usize = Sym::RecentCtx as usize + 1;
+
+    /// The table of `syms` (unbound symbols count as 0, as in [`resolve`]).
+    pub fn new(syms: &std::collections::HashMap<Sym, usize>) -> SymTable {
+        let mut t = [0; SymTable::LEN];
+        for (&s, &v) in syms {
+            if let Some(slot) = t.get_mut(s as usize) {
+                *slot = v;
+            }
+        }
+        SymTable(t)
+    }
+
+    /// One axis' extent.
+    pub fn dim(&self, d: Dim) -> usize {
+        match d {
+            Dim::Fixed(k) => k,
+            Dim::Sym(s) => self.0.get(s as usize).copied().unwrap_or(0),
+        }
+    }
+
+    /// [`resolve`] into `out` (cleared first), reusing its allocation.
+    pub fn resolve_into(&self, shape: &[Dim], out: &mut Vec<usize>) {
+        out.clear();
+        out.extend(shape.iter().map(|&d| self.dim(d)));
+    }
+
+    /// [`elements`].
+    pub fn elements(&self, shape: &[Dim]) -> usize {
+        shape.iter().map(|&d| self.dim(d)).product()
+    }
+}
+
 /// Resolves a shape with the run-time values of the symbols (unbound symbols count as 0).
 pub fn resolve(shape: &[Dim], syms: &std::collections::HashMap<Sym, usize>) -> Vec<usize> {
     shape
@@ -793,5 +833,21 @@ mod tests {
         let operands = [(&scalar, DType::F32), (&scalar, DType::F32), (&scalar, DType::F32)];
         let err = infer(&op, &operands).unwrap_err();
         assert!(err.contains("summands must have rank >= 1"), "{err}");
+    }
+
+    #[test]
+    fn a_sym_table_resolves_as_the_map_does() {
+        let all = [Sym::Batch, Sym::Seq, Sym::SrcSeq, Sym::Past, Sym::Ctx, Sym::Recent, Sym::RecentCtx];
+        let syms: std::collections::HashMap<Sym, usize> = all.iter().enumerate().map(|(i, &s)| (s, 3 + i)).collect();
+        let mut partial = syms.clone();
+        partial.remove(&Sym::Recent);
+        let shape: Shape = all.iter().map(|&s| Dim::Sym(s)).chain([Dim::Fixed(5)]).collect();
+        let mut out = vec![9; 20];
+        for map in [&syms, &partial] {
+            let table = SymTable::new(map);
+            table.resolve_into(&shape, &mut out);
+            assert_eq!(out, resolve(&shape, map));
+            assert_eq!(table.elements(&shape), elements(&shape, map));
+        }
     }
 }

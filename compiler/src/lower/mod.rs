@@ -467,9 +467,17 @@ impl Plan {
 
     /// Per-slot byte sizes at the given symbol values (at least 4 bytes each).
     pub fn slot_sizes(&self, syms: &HashMap<Sym, usize>) -> Vec<u64> {
+        self.slot_sizes_except(syms, |_| false)
+    }
+
+    /// [`Plan::slot_sizes`], leaving out the values `elsewhere` says a run keeps in buffers of
+    /// their own (a cache appended in place holds its present; its slot is never written).
+    pub fn slot_sizes_except(&self, syms: &HashMap<Sym, usize>, elsewhere: impl Fn(usize) -> bool) -> Vec<u64> {
         let mut slot_bytes = vec![4u64; self.slots];
-        for v in &self.values {
-            if let Storage::Slot(s) = v.storage {
+        for (i, v) in self.values.iter().enumerate() {
+            if let Storage::Slot(s) = v.storage
+                && !elsewhere(i)
+            {
                 let bytes = 4 * elements(&v.shape, syms) as u64;
                 slot_bytes[s] = slot_bytes[s].max(bytes);
             }

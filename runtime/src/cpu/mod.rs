@@ -563,11 +563,11 @@ impl CpuModel {
         let plan = &self.plan;
         // The cached tensors this run reads (those not given), and the steps appending in place.
         // (Sites by step, so each step finds its own in one lookup.)
-        let (held_shapes, inplace): (HashMap<String, Vec<usize>>, HashMap<usize, &AppendSite>) = match &session {
+        let (held_shapes, inplace): (HashMap<&str, Vec<usize>>, HashMap<usize, &AppendSite>) = match &session {
             Some((kv, links)) => {
                 let linked: HashSet<(&str, &str)> = links.iter().map(|(p, q)| (p.as_str(), q.as_str())).collect();
                 (
-                    kv.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, c)| (n.clone(), c.shape())).collect(),
+                    kv.iter().filter(|(n, _)| !given.contains_key(*n)).map(|(n, c)| (n.as_str(), c.shape())).collect(),
                     self.appends
                         .iter()
                         .filter(|a| !given.contains_key(&a.past))
@@ -585,7 +585,7 @@ impl CpuModel {
         for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
             match tensor {
                 Some(t) => drop(inputs.insert(id, Cow::Owned(t))),
-                None if held_shapes.contains_key(name) => drop(held.insert(id, name.clone())),
+                None if held_shapes.contains_key(name.as_str()) => drop(held.insert(id, name.clone())),
                 None => return Err(CpuError::MissingInput(name.clone())),
             }
         }

@@ -12,10 +12,10 @@
 use super::tensor::{STORAGE, copy_range};
 use super::{DeviceTensor, GpuError, GpuModel};
 use kiln_compiler::back::wgsl;
-use kiln_compiler::graph::Sym;
-use kiln_compiler::lower::{Plan, Storage, resolve};
+use kiln_compiler::graph::{Sym, SymTable};
+use kiln_compiler::lower::{Plan, Storage};
 use kiln_compiler::tensor::Tensor;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// A step that appends to a cache in place on the device ([`crate::prepare::append_sites`]),
 /// whose present only attentions read as keys or values, through the row strides their sizes
@@ -139,13 +139,17 @@ impl GpuModel {
     ) -> Result<Vec<Append<'_>>, GpuError> {
         let plan = &self.program.plan;
         let gpu = &self.gpu;
-        let fits = |v: usize| 4 * kiln_compiler::lower::elements(&plan.values[v].shape, syms) as u64 <= gpu.chunk_bytes;
+        let table = SymTable::new(syms);
+        let fits = |v: usize| 4 * table.elements(&plan.values[v].shape) as u64 <= gpu.chunk_bytes;
+        let keep: HashSet<&str> = keep.iter().map(String::as_str).collect();
         let mut appends = Vec::new();
+        let mut shape = Vec::new();
         for site in &self.in_place {
-            if !keep.contains(&site.site.present) || given.contains_key(&site.site.past) {
+            if !keep.contains(site.site.present.as_str()) || given.contains_key(&site.site.past) {
                 continue;
             }
-            let &[b, h, rows, d] = resolve(&plan.values[site.present_value].shape, syms).as_slice() else { continue };
+            table.resolve_into(&plan.values[site.present_value].shape, &mut shape);
+            let &[b, h, rows, d] = shape.as_slice() else { continue };
             let held = resident.get(&site.site.past_value);
             let (len, room) = match held {
                 Some(t) => match t.heads()? {
@@ -181,9 +185,12 @@ impl GpuModel {
             appends.push(Append { site, buffer, room: new_room, heads: b * h, d, held: len, grown_from });
         }
         // A folded attention appends to both its caches in place, with one room, or to neither.
+        let mut by_step: HashMap<usize, Vec<usize>> = HashMap::new();
+        for a in appends.iter().filter(|a| a.site.folded) {
+            by_step.entry(a.site.site.step).or_default().push(a.room);
+        }
         let paired = |a: &Append<'_>| {
-            let same: Vec<usize> =
-                appends.iter().filter(|b| b.site.site.step == a.site.site.step).map(|b| b.room).collect();
+            let same = by_step.get(&a.site.site.step).map_or(&[][..], Vec::as_slice);
             !a.site.folded || (same.len() == 2 && same[0] == same[1])
         };
         let keep: Vec<bool> = appends.iter().map(paired).collect();

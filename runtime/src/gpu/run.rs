@@ -21,7 +21,7 @@ use super::{DeviceTensor, Gpu, GpuError, GpuModel};
 use kiln_compiler::back::wgsl::{
     self, Elem, dispatch, dispatch_chunked, kernel_chunked, validate as validate_wgsl, workgroups,
 };
-use kiln_compiler::graph::Sym;
+use kiln_compiler::graph::{Sym, SymTable};
 use kiln_compiler::lower::{Step, Storage, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::collections::HashMap;
@@ -92,6 +92,8 @@ struct Substitutes {
 struct Buffers<'r> {
     model: &'r GpuModel,
     syms: &'r HashMap<Sym, usize>,
+    /// `syms` as a table, for the sizes of every binding of every step.
+    table: SymTable,
     slots: &'r [(u64, Vec<wgpu::Buffer>)],
     inputs: &'r HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
     resident: &'r HashMap<usize, &'r DeviceTensor>,
@@ -116,14 +118,22 @@ impl<'r> Buffers<'r> {
             Storage::Slot(s) => &self.slots[*s].1,
             Storage::Alias(_) => unreachable!("aliases resolved above"),
         };
-        let bytes = 4 * kiln_compiler::lower::elements(&plan.values[value].shape, self.syms) as u64;
+        let bytes = 4 * self.table.elements(&plan.values[value].shape) as u64;
         &all[..(bytes.div_ceil(self.model.gpu.chunk_bytes).max(1) as usize).min(all.len())]
     }
 }
 
-/// One step as the forward pass dispatches it: its pipeline, its bind group and its grid of
-/// workgroups (`(0, 0)` when it has nothing to compute at these sizes).
-type Dispatch = (wgpu::ComputePipeline, wgpu::BindGroup, (u32, u32));
+/// The grid of workgroups each step launches (`(0, 0)` when it has nothing to compute at these
+/// sizes); its pipeline and bind group are the run state's table of bind groups.
+type Grids = Vec<(u32, u32)>;
+
+/// Reused from step to step while a run encodes them: the bound buffers and the resolved shapes.
+#[derive(Default)]
+struct Scratch<'r> {
+    bound: Vec<&'r [wgpu::Buffer]>,
+    operands: Vec<Vec<usize>>,
+    out: Vec<usize>,
+}
 
 /// An output staged for reading back: its name, shape, type and staging buffers.
 type Readback = (String, Vec<usize>, DType, Vec<wgpu::Buffer>);
@@ -176,22 +186,35 @@ impl GpuModel {
         let buffers = Buffers {
             model: self,
             syms: &bound.syms,
+            table: SymTable::new(&bound.syms),
             slots,
             inputs,
             resident: &bound.resident,
             instead: &substitutes.instead,
         };
-        let (dims_bytes, dispatches) = self.encode_steps(&buffers, &appends, uniform, bind_groups)?;
+        let (dims_bytes, grids) = self.encode_steps(&buffers, &appends, uniform, bind_groups)?;
         // Sizes change only with the input's (and a cache's) length.
         if *dims != dims_bytes {
             gpu.queue.write_buffer(uniform, 0, &dims_bytes);
             *dims = dims_bytes;
         }
 
-        // One encoder, one compute pass, one submission.
+        // The steps in one compute pass per submission: the device starts on a part while the
+        // next is recorded. The cache copies go first, the outputs' copies last.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
-        record_forward(gpu, &mut encoder, &substitutes.copies, &dispatches)?;
+        let new_encoder =
+            || gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") });
+        let mut encoder = new_encoder();
+        for c in &substitutes.copies {
+            c.record(&mut encoder, 0, gpu.chunk_bytes)?;
+        }
+        let parts = parts(&grids, self.program.options.submission_count());
+        for (n, steps) in parts.iter().enumerate() {
+            record_forward(&mut encoder, bind_groups, &grids, steps.clone())?;
+            if n + 1 < parts.len() {
+                gpu.queue.submit([std::mem::replace(&mut encoder, new_encoder()).finish()]);
+            }
+        }
         let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend)?;
         gpu.queue.submit([encoder.finish()]);
         self.host.add(started.elapsed());
@@ -209,8 +232,8 @@ impl GpuModel {
         resident: &'t HashMap<String, DeviceTensor>,
     ) -> Result<Bound<'t>, GpuError> {
         let plan = &self.program.plan;
-        let resident_shapes: HashMap<String, Vec<usize>> =
-            resident.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect();
+        let resident_shapes: HashMap<&str, &[usize]> =
+            resident.iter().map(|(name, t)| (name.as_str(), t.shape.as_slice())).collect();
         let bound = crate::prepare::bind(plan, given, &resident_shapes)?;
         let mut host: HashMap<usize, Tensor> = HashMap::new();
         let mut on_device: HashMap<usize, &DeviceTensor> = HashMap::new();
@@ -296,10 +319,12 @@ impl GpuModel {
         instead: &mut HashMap<usize, Vec<wgpu::Buffer>>,
     ) -> Result<(), GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
-        let sizes = plan.slot_sizes(syms);
+        let sizes = plan.slot_sizes_except(syms, |v| instead.contains_key(&v));
         let slots = &mut state.slots;
-        for (s, &bytes) in sizes.iter().enumerate() {
-            if slots.len() <= s || slots[s].0 < bytes {
+        for (s, &needed) in sizes.iter().enumerate() {
+            let have = slots.get(s).map_or(0, |(have, _)| *have);
+            if slots.len() <= s || have < needed {
+                let bytes = with_room(have, needed);
                 let b = gpu.chunked(&format!("intermediate buffer {s}"), bytes, STORAGE)?;
                 if slots.len() <= s {
                     slots.push((bytes, b));
@@ -326,34 +351,38 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Every step's `Dims` (at [`DIMS_STRIDE`] apart, for the uniform) and its dispatch: the
-    /// sizes from the back end, the pipeline, and the bind group (`cached`'s, where it binds the
-    /// same pipeline and buffers).
-    fn encode_steps(
+    /// Every step's `Dims` (at [`DIMS_STRIDE`] apart, for the uniform) and its grid, with its
+    /// pipeline and bind group made current in `cached` (kept where it binds the same pipeline
+    /// and buffers). A decode step runs this for every step of the plan, so it allocates nothing
+    /// per step where nothing changed: shapes are resolved into reused vectors through a
+    /// [`SymTable`], and a step's buffers are compared with its bind group's, not copied.
+    fn encode_steps<'r>(
         &self,
-        buffers: &Buffers<'_>,
+        buffers: &Buffers<'r>,
         appends: &[Append<'_>],
         uniform: &wgpu::Buffer,
         cached: &mut [Option<CachedGroup>],
-    ) -> Result<(Vec<u8>, Vec<Dispatch>), GpuError> {
+    ) -> Result<(Vec<u8>, Grids), GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
         let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * plan.steps.len().max(1)];
-        let mut dispatches = Vec::with_capacity(plan.steps.len());
+        let mut grids = Vec::with_capacity(plan.steps.len());
+        let mut scratch = Scratch::<'r>::default();
         let mut variants = self.variants.lock().map_err(|_| GpuError::Poisoned("pipeline cache"))?;
         for (i, step) in plan.steps.iter().enumerate() {
             // The kernel's calling convention: the output, the operands, then what else it writes.
-            let bound: Vec<&[wgpu::Buffer]> = std::iter::once(step.output)
-                .chain(step.operands.iter().copied())
-                .chain(step.also.iter().copied())
-                .map(|v| buffers.of(v))
-                .collect();
-            let counts: Vec<u32> = bound.iter().map(|b| b.len() as u32).collect();
-            let chunked = counts.iter().any(|&c| c > 1);
-            let dims = self.step_dims(i, step, buffers.syms, appends, chunked)?;
+            scratch.bound.clear();
+            scratch.bound.extend(
+                std::iter::once(step.output)
+                    .chain(step.operands.iter().copied())
+                    .chain(step.also.iter().copied())
+                    .map(|v| buffers.of(v)),
+            );
+            let chunked = scratch.bound.iter().any(|b| b.len() > 1);
+            let dims = self.step_dims(i, step, &buffers.table, appends, chunked, &mut scratch)?;
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
 
-            let storage_bindings: u32 = counts.iter().sum();
+            let storage_bindings: u32 = scratch.bound.iter().map(|b| b.len() as u32).sum();
             if storage_bindings > gpu.limits.max_storage_buffers_per_shader_stage {
                 return Err(GpuError::TooManyBindings {
                     step: step.scope.clone(),
@@ -362,19 +391,22 @@ impl GpuModel {
                     limit: gpu.limits.max_storage_buffers_per_shader_stage,
                 });
             }
+            let variant;
             let pipeline = match chunked {
-                false => self.pipelines[self.program.step_kernels[i]].clone(),
-                true => self.chunked_pipeline(i, step, &counts, &mut variants)?,
+                false => &self.pipelines[self.program.step_kernels[i]],
+                true => {
+                    let counts: Vec<u32> = scratch.bound.iter().map(|b| b.len() as u32).collect();
+                    variant = self.chunked_pipeline(i, step, &counts, &mut variants)?;
+                    &variant
+                }
             };
-            let buffers: Vec<wgpu::Buffer> = bound.iter().flat_map(|b| b.iter().cloned()).collect();
-            let group = bind_group(gpu, &mut cached[i], &pipeline, buffers, uniform, offset as u64);
-            let grid = match dims[0] {
+            bind_group(gpu, &mut cached[i], pipeline, &scratch.bound, uniform, offset as u64);
+            grids.push(match dims[0] {
                 0 => (0, 0),
                 threads => workgroups(threads, gpu.limits.max_compute_workgroups_per_dimension),
-            };
-            dispatches.push((pipeline, group, grid));
+            });
         }
-        Ok((dims_bytes, dispatches))
+        Ok((dims_bytes, grids))
     }
 
     /// Step `i`'s `Dims` at this run's sizes (`chunked`: it binds a tensor split over buffers),
@@ -383,19 +415,26 @@ impl GpuModel {
         &self,
         i: usize,
         step: &Step,
-        syms: &HashMap<Sym, usize>,
+        table: &SymTable,
         appends: &[Append<'_>],
         chunked: bool,
+        scratch: &mut Scratch<'_>,
     ) -> Result<[u32; 16], GpuError> {
         let plan = &self.program.plan;
-        let operand_shapes: Vec<Vec<usize>> =
-            step.operands.iter().map(|&o| resolve(&plan.values[o].shape, syms)).collect();
-        let out_shape = resolve(&plan.values[step.output].shape, syms);
-        let past = syms.get(&Sym::Past).copied().unwrap_or(0);
+        let operands = &mut scratch.operands;
+        if operands.len() < step.operands.len() {
+            operands.resize_with(step.operands.len(), Vec::new);
+        }
+        for (shape, &o) in operands.iter_mut().zip(&step.operands) {
+            table.resolve_into(&plan.values[o].shape, shape);
+        }
+        table.resolve_into(&plan.values[step.output].shape, &mut scratch.out);
+        let (operand_shapes, out_shape) = (&operands[..step.operands.len()], &scratch.out);
+        let past = table.dim(kiln_compiler::graph::Dim::Sym(Sym::Past));
         let at_step = |message: String| GpuError::Step { step: step.scope.clone(), message };
         let mut dims = match chunked {
-            true => dispatch_chunked(&step.op, &operand_shapes, &out_shape, past),
-            false => dispatch(&step.op, &operand_shapes, &out_shape, past, &self.program.options),
+            true => dispatch_chunked(&step.op, operand_shapes, out_shape, past),
+            false => dispatch(&step.op, operand_shapes, out_shape, past, &self.program.options),
         }
         .map_err(at_step)?;
         if let Some(a) = appends.iter().find(|a| a.site.site.step == i) {
@@ -506,21 +545,34 @@ impl GpuModel {
     }
 }
 
-/// Step `i`'s bind group: `cached`'s if it was built for the same pipeline and buffers, else a
-/// new one (kept in `cached`) binding its `Dims` at `offset` in the uniform, then `buffers`.
+/// The bytes to give a slot holding `have` that must hold `needed`: half as much again where it
+/// grows by under a quarter (a value that lengthens by a row each decode step: made anew every
+/// few steps rather than every step, each time invalidating the bind groups that read it), the
+/// size needed otherwise (a longer prompt's activations: no more memory than they take).
+fn with_room(have: u64, needed: u64) -> u64 {
+    match have > 0 && needed < have + have / 4 {
+        true => needed.max(have + have / 2),
+        false => needed,
+    }
+}
+
+/// Makes `cached` step `i`'s bind group for `pipeline` and the chunks of `bound`: kept if it was
+/// built for the same pipeline and buffers, else a new one binding its `Dims` at `offset` in the
+/// uniform, then `bound`'s buffers in order.
 fn bind_group(
     gpu: &Gpu,
     cached: &mut Option<CachedGroup>,
     pipeline: &wgpu::ComputePipeline,
-    buffers: Vec<wgpu::Buffer>,
+    bound: &[&[wgpu::Buffer]],
     uniform: &wgpu::Buffer,
     offset: u64,
-) -> wgpu::BindGroup {
-    if let Some((p, b, group)) = cached
-        && *p == *pipeline
-        && *b == buffers
+) {
+    let buffers = || bound.iter().flat_map(|chunks| chunks.iter());
+    if let Some((p, b, _)) = cached
+        && p == pipeline
+        && b.iter().eq(buffers())
     {
-        return group.clone();
+        return;
     }
     let mut entries = vec![wgpu::BindGroupEntry {
         binding: 0,
@@ -530,7 +582,7 @@ fn bind_group(
             size: wgpu::BufferSize::new(64),
         }),
     }];
-    for buffer in &buffers {
+    for buffer in buffers() {
         entries.push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource: buffer.as_entire_binding() });
     }
     let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -538,30 +590,51 @@ fn bind_group(
         layout: &pipeline.get_bind_group_layout(0),
         entries: &entries,
     });
-    *cached = Some((pipeline.clone(), buffers, group.clone()));
-    group
+    *cached = Some((pipeline.clone(), buffers().cloned().collect(), group));
 }
 
-/// Records on `encoder` the cache copies, then the forward pass: every step with something to
-/// compute, in order, in one compute pass.
-fn record_forward(
-    gpu: &Gpu,
-    encoder: &mut wgpu::CommandEncoder,
-    copies: &[CacheCopy],
-    dispatches: &[Dispatch],
-) -> Result<(), GpuError> {
-    // Caches moved to a larger buffer, or made contiguous, first.
-    for c in copies {
-        c.record(encoder, 0, gpu.chunk_bytes)?;
+/// The steps of a run in `count` parts of as many dispatches each (steps with nothing to compute
+/// dispatch nothing), in order: at most `count`, none empty, together every step.
+fn parts(grids: &[(u32, u32)], count: usize) -> Vec<std::ops::Range<usize>> {
+    let dispatched = grids.iter().filter(|g| g.0 > 0).count();
+    let per = dispatched.div_ceil(count.max(1)).max(1);
+    let mut parts = Vec::with_capacity(count);
+    let (mut start, mut seen, mut done) = (0, 0, 0);
+    for (i, g) in grids.iter().enumerate() {
+        if g.0 > 0 {
+            (seen, done) = (seen + 1, done + 1);
+        }
+        // A part ends at its last dispatch, unless no dispatch follows (the last part takes the
+        // rest).
+        if seen == per && done < dispatched {
+            parts.push(start..i + 1);
+            (start, seen) = (i + 1, 0);
+        }
     }
+    parts.push(start..grids.len());
+    parts
+}
+
+/// Records on `encoder` the forward pass's `steps`: each with something to compute, in order, in
+/// one compute pass, with the pipeline and bind group `groups` holds for it.
+fn record_forward(
+    encoder: &mut wgpu::CommandEncoder,
+    groups: &[Option<CachedGroup>],
+    grids: &[(u32, u32)],
+    steps: std::ops::Range<usize>,
+) -> Result<(), GpuError> {
     let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-    for (pipeline, group, (x, y)) in dispatches {
-        if *x == 0 {
+    for i in steps {
+        let (x, y) = grids[i];
+        if x == 0 {
             continue;
         }
+        let Some((pipeline, _, group)) = &groups[i] else {
+            return Err(GpuError::Internal(format!("step {i} has no bind group")));
+        };
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, group, &[]);
-        pass.dispatch_workgroups(*x, *y, 1);
+        pass.dispatch_workgroups(x, y, 1);
     }
     Ok(())
 }
@@ -588,5 +661,23 @@ fn elem(dtype: DType) -> Elem {
     match dtype {
         DType::F32 => Elem::F32,
         DType::I64 => Elem::I32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parts;
+
+    #[test]
+    fn parts_split_the_dispatches_evenly_and_cover_every_step() {
+        // Steps 1 and 4 dispatch nothing.
+        let grids = [(1, 1), (0, 0), (2, 1), (3, 1), (0, 0), (1, 1), (1, 1)];
+        assert_eq!(parts(&grids, 1), vec![0..7]);
+        assert_eq!(parts(&grids, 2), vec![0..4, 4..7]);
+        assert_eq!(parts(&grids, 3), vec![0..3, 3..6, 6..7]);
+        assert_eq!(parts(&grids, 5), vec![0..1, 1..3, 3..4, 4..6, 6..7]);
+        assert_eq!(parts(&grids, 50), vec![0..1, 1..3, 3..4, 4..6, 6..7]);
+        assert_eq!(parts(&[(0, 0), (0, 0)], 4), vec![0..2]);
+        assert_eq!(parts(&[], 4), vec![0..0]);
     }
 }
