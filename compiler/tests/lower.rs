@@ -125,8 +125,10 @@ fn dispatch_sizes_of_an_ill_typed_step_are_an_error() {
 /// A decode step on a GPU: SmolLM2's optimized cached step (one token), compiled with a hardware
 /// adapter's options, launches enough workgroups in every attention and projection dispatch to
 /// spread over a GPU, at several cache lengths: an attention a workgroup per query head at
-/// least (not one invocation per key/value head), a projection a workgroup per 8 output columns
-/// (the split GEMV, a rotating one included; not `n / 8` invocations).
+/// least (not one invocation per key/value head), and a workgroup per head and range of
+/// `SPLIT_KEYS` keys (flash-decoding: 72 at 1 024 keys, 288 at 4 096) with a second dispatch of a
+/// workgroup per head to combine them; a projection a workgroup per 8 output columns (the split
+/// GEMV, a rotating one included; not `n / 8` invocations).
 #[test]
 fn decode_step_dispatches_launch_enough_workgroups() {
     use kiln_compiler::graph::Op;
@@ -139,7 +141,8 @@ fn decode_step_dispatches_launch_enough_workgroups() {
     let program = wgsl::compile(&lower(&optimized), &options).unwrap_or_else(|e| panic!("{e}"));
     let plan = &program.plan;
     let (mut attentions, mut projections) = (0, 0);
-    for past in [0, 1, 47, 64, 300] {
+    let mut split = 0;
+    for past in [0, 1, 47, 64, 300, 1023, 4095] {
         let syms = HashMap::from([(Sym::Batch, 1), (Sym::Seq, 1), (Sym::Past, past), (Sym::Ctx, past + 1)]);
         for step in &plan.steps {
             let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, &syms);
@@ -151,7 +154,12 @@ fn decode_step_dispatches_launch_enough_workgroups() {
                 // Appending to the caches: the attention's threads are the first `dims[9]`.
                 Op::PackedAttention(PackedAttention { heads, appends, .. }) => {
                     let threads = if appends { dims[9] } else { dims[0] };
-                    assert!(threads as usize >= heads * wgsl::WORKGROUP as usize, "{what}: {threads} threads");
+                    let ranges = (past + 1).div_ceil(wgsl::attention::SPLIT_KEYS);
+                    let workgroups = threads as usize / wgsl::WORKGROUP as usize;
+                    assert_eq!(workgroups, heads * ranges, "{what}: {threads} threads");
+                    let combine = wgsl::attention::combine_dims(&dims);
+                    assert_eq!(combine.map(|c| c[0] as usize), (ranges > 1).then_some(heads * 64), "{what}");
+                    split += usize::from(combine.is_some());
                     attentions += 1;
                 }
                 Op::Linear { .. } => {
@@ -165,5 +173,7 @@ fn decode_step_dispatches_launch_enough_workgroups() {
         }
     }
     // 30 layers of an attention and four projections (QKV, output, gate/up, down), the head.
-    assert_eq!((attentions, projections), (5 * 30, 5 * (4 * 30 + 1)));
+    assert_eq!((attentions, projections), (7 * 30, 7 * (4 * 30 + 1)));
+    // Split at 300, 1 023 and 4 095 cached keys.
+    assert_eq!(split, 3 * 30);
 }

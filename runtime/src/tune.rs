@@ -102,6 +102,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     attention_workgroup_below,
                     gemm_tile: None,
                     attention_key_tile: None,
+                    attention_split_keys: default.attention_split_keys,
                     submissions: default.submissions,
                 };
                 if !all.contains(&t) {
@@ -115,8 +116,9 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 
 /// `best` with each other prefill tile of the projection
 /// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), each other key tile of the
-/// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), and each
-/// other count of submissions of [`SUBMISSIONS`].
+/// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), each other
+/// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), and each other
+/// count of submissions of [`SUBMISSIONS`].
 pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
@@ -124,10 +126,16 @@ pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
         .map(|&t| Tunables { gemm_tile: Some(t), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
+    let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);
+    let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
     let parts = SUBMISSIONS.iter().filter(|&&n| n != best.submissions.unwrap_or(1).max(1));
     let parts = parts.map(|&n| Tunables { submissions: (n > 1).then_some(n), ..best });
-    gemm.chain(keys).chain(parts).collect()
+    gemm.chain(keys).chain(splits).chain(parts).collect()
 }
+
+/// The key ranges a split attention is tried with (see
+/// [`kiln_compiler::back::wgsl::Options::attention_split_keys`]; `None`: not split).
+pub const SPLIT_KEYS: [Option<usize>; 5] = [None, Some(64), Some(128), Some(256), Some(512)];
 
 /// The counts of submissions a run's dispatches are tried in (see
 /// [`kiln_compiler::back::wgsl::Options::submissions`]).
@@ -433,10 +441,12 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     let class = shape_class(&plan);
     let base = gpu.options();
     let first = candidates(gpu);
-    let total = first.len() + tile_candidates(Tunables::default()).len();
+    // The count shown: the first candidates and (until the fastest of those is known) the
+    // refinements of the default forms.
+    let count = std::cell::Cell::new(first.len() + tile_candidates(base.tunables()).len());
     let start = Instant::now();
-    let mut timed: Vec<Timed> = Vec::with_capacity(total);
-    progress.update(Phase::Tune, 0, total);
+    let mut timed: Vec<Timed> = Vec::with_capacity(count.get());
+    progress.update(Phase::Tune, 0, count.get());
     let run = |tunables: Tunables, timed: &mut Vec<Timed>| {
         let outcome = if !timed.is_empty() && start.elapsed() > work.budget {
             let rejected = Some("not timed: out of time".to_string());
@@ -448,7 +458,7 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
             }
         };
         timed.push(Timed { tunables, ..outcome });
-        progress.update(Phase::Tune, timed.len(), total);
+        progress.update(Phase::Tune, timed.len(), count.get());
     };
     // The fastest generation: the prompt's prefill and the decode steps together; the default
     // forms unless another is faster by more than the timings' noise ([`MARGIN`]).
@@ -467,7 +477,9 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     // Then the projection's prefill tiles, the attention's key tiles and the submissions, on the
     // fastest of those.
     if let Some(best) = fastest(&timed) {
-        for tunables in tile_candidates(best) {
+        let refinements = tile_candidates(best);
+        count.set(timed.len() + refinements.len());
+        for tunables in refinements {
             run(tunables, &mut timed);
         }
     }

@@ -391,8 +391,19 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
     for (i, step) in plan.steps.iter().enumerate() {
         let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, syms);
         let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+        let workgroups =
+            |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
         let launch = match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
-            Ok(dims) if dims[0] > 0 => crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup"),
+            // A split attention dispatches again to combine its key ranges.
+            Ok(dims) if dims[0] > 0 => match wgsl::attention::combine_dims(&dims) {
+                Some(second) => format!(
+                    "{} ({} key ranges), then {} combining them",
+                    workgroups(&dims),
+                    dims[14],
+                    workgroups(&second)
+                ),
+                None => workgroups(&dims),
+            },
             Ok(_) => "no dispatch".into(),
             Err(e) => format!("no launch at these sizes: {e}"),
         };

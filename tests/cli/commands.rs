@@ -113,7 +113,12 @@ fn inspect_wgsl_with_subgroups() {
     let sub = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl", "--subgroups"]));
     assert!(plain.lines().next().unwrap().ends_with("(plain)") && !plain.contains("subgroupAdd"), "{plain}");
     let first = sub.lines().next().unwrap();
-    assert!(first.ends_with("(subgroups, cache appends in the attention, attention in workgroups)"), "{sub}");
+    assert!(
+        first.ends_with(
+            "(subgroups, cache appends in the attention, attention in workgroups, attention split every 128 keys, 4 submissions)"
+        ),
+        "{sub}"
+    );
     assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
     // A decoder step as a hardware adapter runs it: the cache appends in the attention's dispatch.
     let step = |extra: &[&str]| {
@@ -135,6 +140,10 @@ fn inspect_wgsl_with_subgroups() {
     };
     let rotating = kernels(&hardware, "_rope (");
     assert!(!rotating.is_empty() && rotating.iter().all(|k| k.contains("form == 4u")), "{hardware}");
+    // After 300 cached tokens its attention splits the keys over workgroups, then combines them.
+    let long = step(&["--subgroups", "--seq", "300"]);
+    assert!(long.contains("packed_attention in `layers.0.attn` -> kernel"), "{long}");
+    assert!(long.contains("(3 key ranges), then 4 workgroups combining them"), "{long}");
 }
 
 #[test]

@@ -823,20 +823,27 @@ fn packed_attention_mha_and_gqa_with_masks() {
 }
 
 /// The options of a hardware adapter (with the attention's workgroup form), in plain and, where
-/// the adapter has them, subgroup reductions.
+/// the adapter has them, subgroup reductions; with the attention's keys unsplit, and split every
+/// 16 keys (so rows of 17 keys and more take several workgroups, and a second dispatch combines
+/// them).
 fn hardware_forms(gpu: &Gpu) -> Vec<kiln_compiler::back::wgsl::Options> {
-    let hardware = kiln_compiler::back::wgsl::Options::hardware();
+    let hardware = kiln_compiler::back::wgsl::Options {
+        attention_split_keys: Some(16),
+        ..kiln_compiler::back::wgsl::Options::hardware()
+    };
     let plain = kiln_compiler::back::wgsl::Options { subgroups: false, ..hardware };
-    if gpu.supports_subgroups() { vec![plain, hardware] } else { vec![plain] }
+    let unsplit = kiln_compiler::back::wgsl::Options { attention_split_keys: None, ..plain };
+    if gpu.supports_subgroups() { vec![unsplit, plain, hardware] } else { vec![unsplit, plain] }
 }
 
 /// Asserts that every attention step of `model` (compiled with `options`) ran the workgroup form:
-/// its kernel has it and its dispatch, at the step's shapes, picks it.
+/// its kernel has it and its dispatch, at the step's shapes, picks it; and, with its keys split,
+/// that those over more keys than a split takes were split, with a second dispatch to combine.
 fn assert_workgroup_form(model: &GpuModel, options: &kiln_compiler::back::wgsl::Options) {
     use kiln_compiler::back::wgsl;
     let program = model.program();
     let plan = &program.plan;
-    let mut attentions = 0;
+    let (mut attentions, mut split) = (0, 0);
     for (i, step) in plan.steps.iter().enumerate() {
         if !matches!(step.op, Op::Attention { .. } | Op::PackedAttention(_)) {
             continue;
@@ -848,8 +855,24 @@ fn assert_workgroup_form(model: &GpuModel, options: &kiln_compiler::back::wgsl::
         let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
         let dims = wgsl::dispatch(&step.op, &operands, &shape(step.output), 0, options).unwrap();
         assert_eq!(dims[7], 2, "{}: form {} dispatched", step.op.attrs(), dims[7]);
+        assert_eq!(kernel.partials, options.attention_split_keys.is_some(), "{}", step.op.attrs());
+        let keys = dims[3] as usize;
+        match (options.attention_split_keys, wgsl::attention::combine_dims(&dims)) {
+            (Some(n), Some(second)) => {
+                assert!(keys > n && dims[14] as usize == keys.div_ceil(n).min(wgsl::attention::MAX_SPLITS));
+                // The attention's threads: all, or those before the cache appends' (`dims[9]`).
+                let attention = if dims[9] != 0 { dims[9] } else { dims[0] };
+                assert_eq!(second[0] * dims[14], attention, "{}: one combining workgroup per row", step.op.attrs());
+                split += 1;
+            }
+            (Some(n), None) => assert!(keys <= n, "{}: {keys} keys not split", step.op.attrs()),
+            (None, second) => assert!(second.is_none()),
+        }
     }
     assert!(attentions > 0, "no attention step");
+    if options.attention_split_keys.is_none() {
+        assert_eq!(split, 0);
+    }
 }
 
 /// The attention kernels' workgroup form (a hardware adapter's, forced here: a workgroup per

@@ -63,22 +63,24 @@ fn check(name: &str) {
 /// holds for the hardware program, whose cached attentions append to both caches themselves
 /// (`fold_appends`, forced here): they then write only the new rows too; and with the
 /// attentions in their workgroup form (`attention_workgroups`, forced too), which read the caches
-/// in place the same way, folded or not; and with a step's dispatches split over several
-/// submissions (`submissions`).
+/// in place the same way, folded or not, their keys split over workgroups every 16
+/// (`attention_split_keys`, a second dispatch combining the parts) or not; and with a step's
+/// dispatches split over several submissions (`submissions`).
 #[test]
 fn the_device_cache_is_appended_in_place() {
     let Some(gpu) = common::gpu() else { return };
-    // (model, appends folded, attention in workgroups, submissions)
+    // (model, appends folded, attention in workgroups, submissions, keys split every)
     let cases = [
-        ("llama", false, false, None),
-        ("gpt2", false, false, Some(2)),
-        ("gemma3", false, false, None),
-        ("llama", true, false, None),
-        ("gpt2", true, false, None),
-        ("llama", true, true, Some(3)),
-        ("gemma3", false, true, Some(8)),
+        ("llama", false, false, None, None),
+        ("gpt2", false, false, Some(2), None),
+        ("gemma3", false, false, None, None),
+        ("llama", true, false, None, None),
+        ("gpt2", true, false, None, None),
+        ("llama", true, true, Some(3), Some(16)),
+        ("gemma3", false, true, Some(8), Some(16)),
+        ("gpt2", false, true, None, None),
     ];
-    for (name, fold, workgroups, submissions) in cases {
+    for (name, fold, workgroups, submissions, split) in cases {
         let fe = spec(name);
         let params = interp::random_params(&fe.graph, 7).unwrap();
         let optimized = optimize::optimize(&build_cached(&fe.spec).unwrap()).unwrap().0;
@@ -88,6 +90,7 @@ fn the_device_cache_is_appended_in_place() {
         let options = kiln_compiler::back::wgsl::Options {
             fold_appends: fold,
             attention_workgroups: workgroups,
+            attention_split_keys: split,
             submissions,
             ..gpu.options()
         };
@@ -106,10 +109,13 @@ fn the_device_cache_is_appended_in_place() {
         assert_eq!(folded > 0, fold, "{name}: {folded} attentions appending themselves");
         let wide = model.program().kernels.iter().filter(|k| k.wgsl.contains("dim(7u) == 2u")).count();
         assert_eq!(wide > 0, workgroups, "{name}: {wide} attention kernels with the workgroup form");
+        let partials = model.program().kernels.iter().filter(|k| k.partials).count();
+        assert_eq!(partials > 0, split.is_some(), "{name}: {partials} attention kernels splitting keys");
         let name = &format!(
-            "{name}{}{}, {} submissions",
+            "{name}{}{}{}, {} submissions",
             if fold { ", appends folded" } else { "" },
             if workgroups { ", attention in workgroups" } else { "" },
+            if split.is_some() { ", keys split" } else { "" },
             options.submission_count(),
         );
         let mut engine = GpuEngine::new(model);

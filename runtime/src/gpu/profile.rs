@@ -46,33 +46,45 @@ impl GpuModel {
         self.run(given)?;
         let gpu = &self.gpu;
         let state = self.state.lock().map_err(|_| GpuError::Poisoned("run state"))?;
-        // Every step's pipeline, bind group and grid, as the run above dispatched them.
-        let mut dispatches = Vec::with_capacity(self.program.plan.steps.len());
-        for (i, cached) in state.bind_groups.iter().enumerate() {
-            let (pipeline, _, group) =
-                cached.as_ref().ok_or_else(|| GpuError::Internal(format!("step {i} has no bind group")))?;
-            let offset = i * DIMS_STRIDE as usize;
+        // Every step's pipeline, bind group and grid, as the run above dispatched them, and its
+        // second dispatch's where it had one (a split attention's combine, timed with the step).
+        let grid_at = |slot: usize| -> Result<Option<(u32, u32)>, GpuError> {
+            let offset = slot * DIMS_STRIDE as usize;
             let threads = state
                 .dims
                 .get(offset..offset + 4)
                 .and_then(|b| b.try_into().ok())
                 .map(u32::from_le_bytes)
-                .ok_or_else(|| GpuError::Internal(format!("step {i} has no dispatch size")))?;
-            let grid = match threads {
+                .ok_or_else(|| GpuError::Internal(format!("slot {slot} has no dispatch size")))?;
+            Ok(match threads {
                 0 => None,
                 t => Some(workgroups(t, gpu.limits.max_compute_workgroups_per_dimension)),
+            })
+        };
+        let mut dispatches = Vec::with_capacity(self.program.plan.steps.len());
+        for (i, cached) in state.bind_groups.iter().enumerate() {
+            let (pipeline, _, group) =
+                cached.as_ref().ok_or_else(|| GpuError::Internal(format!("step {i} has no bind group")))?;
+            let second = match (state.second_slots.get(i).copied().flatten(), state.second_groups.get(i)) {
+                (Some(slot), Some(Some((pipeline, _, group)))) => grid_at(slot)?.map(|grid| (pipeline, group, grid)),
+                _ => None,
             };
-            dispatches.push((pipeline, group, grid));
+            dispatches.push((pipeline, group, grid_at(i)?, second));
         }
         let record =
             |encoder: &mut wgpu::CommandEncoder, step: usize, writes: Option<wgpu::ComputePassTimestampWrites<'_>>| {
-                let (pipeline, group, grid) = dispatches[step];
+                let (pipeline, group, grid, second) = dispatches[step];
                 let mut pass =
                     encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes });
                 if let Some((x, y)) = grid {
                     pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, group, &[]);
                     pass.dispatch_workgroups(x, y, 1);
+                    if let Some((pipeline, group, (x, y))) = second {
+                        pass.set_pipeline(pipeline);
+                        pass.set_bind_group(0, group, &[]);
+                        pass.dispatch_workgroups(x, y, 1);
+                    }
                 }
             };
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);

@@ -61,6 +61,14 @@ pub(super) struct RunState {
     pub(super) dims: Vec<u8>,
     /// By step: the pipeline and buffers its bind group was built for, and the bind group.
     pub(super) bind_groups: Vec<Option<CachedGroup>>,
+    /// By step: the bind group of its second dispatch (a split attention combining its partial
+    /// states: see `wgsl::attention`), its `Dims` at the step's slot past the steps' own.
+    pub(super) second_groups: Vec<Option<CachedGroup>>,
+    /// By step: that slot, for the steps whose kernel binds partial states.
+    pub(super) second_slots: Vec<Option<usize>>,
+    /// By step: the scratch buffer of a split attention's partial states (bytes, buffer), grown
+    /// when a longer context splits more.
+    partials: Vec<Option<(u64, wgpu::Buffer)>>,
     /// A buffer bound where a kernel reads nothing: the cache operand of a step appending in
     /// place, whose output is the cache itself.
     unread: Option<wgpu::Buffer>,
@@ -124,8 +132,20 @@ impl<'r> Buffers<'r> {
 }
 
 /// The grid of workgroups each step launches (`(0, 0)` when it has nothing to compute at these
-/// sizes); its pipeline and bind group are the run state's table of bind groups.
-type Grids = Vec<(u32, u32)>;
+/// sizes), then that of its second dispatch (`(0, 0)` for none); their pipeline and bind groups
+/// are the run state's tables of bind groups.
+struct Grids {
+    first: Vec<(u32, u32)>,
+    second: Vec<(u32, u32)>,
+}
+
+/// The run state's tables a run's encoding makes current (see [`RunState`]).
+struct Tables<'s> {
+    groups: &'s mut [Option<CachedGroup>],
+    second_groups: &'s mut [Option<CachedGroup>],
+    second_slots: &'s [Option<usize>],
+    partials: &'s mut [Option<(u64, wgpu::Buffer)>],
+}
 
 /// Reused from step to step while a run encodes them: the bound buffers and the resolved shapes.
 #[derive(Default)]
@@ -181,7 +201,7 @@ impl GpuModel {
         let state = &mut *state;
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
-        let RunState { slots, inputs, uniform, dims, bind_groups, .. } = state;
+        let RunState { slots, inputs, uniform, dims, bind_groups, second_groups, second_slots, partials, .. } = state;
         let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
         let buffers = Buffers {
             model: self,
@@ -192,7 +212,8 @@ impl GpuModel {
             resident: &bound.resident,
             instead: &substitutes.instead,
         };
-        let (dims_bytes, grids) = self.encode_steps(&buffers, &appends, uniform, bind_groups)?;
+        let tables = Tables { groups: bind_groups, second_groups, second_slots, partials };
+        let (dims_bytes, grids) = self.encode_steps(&buffers, &appends, uniform, tables)?;
         // Sizes change only with the input's (and a cache's) length.
         if *dims != dims_bytes {
             gpu.queue.write_buffer(uniform, 0, &dims_bytes);
@@ -208,9 +229,9 @@ impl GpuModel {
         for c in &substitutes.copies {
             c.record(&mut encoder, 0, gpu.chunk_bytes)?;
         }
-        let parts = parts(&grids, self.program.options.submission_count());
+        let parts = parts(&grids.first, self.program.options.submission_count());
         for (n, steps) in parts.iter().enumerate() {
-            record_forward(&mut encoder, bind_groups, &grids, steps.clone())?;
+            record_forward(&mut encoder, (bind_groups, second_groups), &grids, steps.clone())?;
             if n + 1 < parts.len() {
                 gpu.queue.submit([std::mem::replace(&mut encoder, new_encoder()).finish()]);
             }
@@ -334,13 +355,23 @@ impl GpuModel {
             }
         }
         if state.uniform.is_none() {
+            // A slot per step, then one per step that may dispatch a second time.
+            let mut next = plan.steps.len();
+            state.second_slots = (0..plan.steps.len())
+                .map(|i| {
+                    let partials = self.program.kernel_of(i).is_some_and(|k| k.partials);
+                    partials.then(|| (next, next += 1).0)
+                })
+                .collect();
             state.uniform = Some(gpu.buffer(
                 "dispatch sizes",
-                DIMS_STRIDE * plan.steps.len().max(1) as u64,
+                DIMS_STRIDE * next.max(1) as u64,
                 wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             )?);
         }
         state.bind_groups.resize_with(plan.steps.len(), || None);
+        state.second_groups.resize_with(plan.steps.len(), || None);
+        state.partials.resize_with(plan.steps.len(), || None);
         if state.unread.is_none() && !appends.is_empty() {
             state.unread = Some(gpu.buffer("an operand read by nothing", 16, STORAGE)?);
         }
@@ -352,24 +383,32 @@ impl GpuModel {
     }
 
     /// Every step's `Dims` (at [`DIMS_STRIDE`] apart, for the uniform) and its grid, with its
-    /// pipeline and bind group made current in `cached` (kept where it binds the same pipeline
-    /// and buffers). A decode step runs this for every step of the plan, so it allocates nothing
-    /// per step where nothing changed: shapes are resolved into reused vectors through a
-    /// [`SymTable`], and a step's buffers are compared with its bind group's, not copied.
+    /// pipeline and bind group made current in `tables` (kept where it binds the same pipeline
+    /// and buffers), and the same for the second dispatch of a split attention (its `Dims` at the
+    /// step's second slot) with the scratch buffer its partial states need. A decode step runs
+    /// this for every step of the plan, so it allocates nothing per step where nothing changed:
+    /// shapes are resolved into reused vectors through a [`SymTable`], and a step's buffers are
+    /// compared with its bind group's, not copied.
     fn encode_steps<'r>(
         &self,
         buffers: &Buffers<'r>,
         appends: &[Append<'_>],
         uniform: &wgpu::Buffer,
-        cached: &mut [Option<CachedGroup>],
+        tables: Tables<'_>,
     ) -> Result<(Vec<u8>, Grids), GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
-        let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * plan.steps.len().max(1)];
-        let mut grids = Vec::with_capacity(plan.steps.len());
+        let slots = plan.steps.len() + tables.second_slots.iter().flatten().count();
+        let mut dims_bytes = vec![0u8; (DIMS_STRIDE as usize) * slots.max(1)];
+        let mut grids = Grids { first: Vec::with_capacity(plan.steps.len()), second: vec![(0, 0); plan.steps.len()] };
         let mut scratch = Scratch::<'r>::default();
         let mut variants = self.variants.lock().map_err(|_| GpuError::Poisoned("pipeline cache"))?;
+        let grid = |dims: &[u32; 16]| match dims[0] {
+            0 => (0, 0),
+            threads => workgroups(threads, gpu.limits.max_compute_workgroups_per_dimension),
+        };
         for (i, step) in plan.steps.iter().enumerate() {
-            // The kernel's calling convention: the output, the operands, then what else it writes.
+            // The kernel's calling convention: the output, the operands, then what else it
+            // writes (and, for a split attention, its partial states).
             scratch.bound.clear();
             scratch.bound.extend(
                 std::iter::once(step.output)
@@ -382,7 +421,8 @@ impl GpuModel {
             let offset = i * DIMS_STRIDE as usize;
             dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&dims));
 
-            let storage_bindings: u32 = scratch.bound.iter().map(|b| b.len() as u32).sum();
+            let partials = !chunked && self.program.kernel_of(i).is_some_and(|k| k.partials);
+            let storage_bindings = scratch.bound.iter().map(|b| b.len() as u32).sum::<u32>() + u32::from(partials);
             if storage_bindings > gpu.limits.max_storage_buffers_per_shader_stage {
                 return Err(GpuError::TooManyBindings {
                     step: step.scope.clone(),
@@ -400,11 +440,31 @@ impl GpuModel {
                     &variant
                 }
             };
-            bind_group(gpu, &mut cached[i], pipeline, &scratch.bound, uniform, offset as u64);
-            grids.push(match dims[0] {
-                0 => (0, 0),
-                threads => workgroups(threads, gpu.limits.max_compute_workgroups_per_dimension),
-            });
+            // The partial states' buffer (bound, if small, also where this run does not split).
+            let extra = match partials {
+                true => {
+                    let needed = wgsl::attention::partials_bytes(&dims).max(16);
+                    let held = &mut tables.partials[i];
+                    let have = held.as_ref().map_or(0, |(bytes, _)| *bytes);
+                    if have < needed {
+                        kiln_compiler::memory::check(|| "an attention's partial states".to_string(), needed)?;
+                        let bytes = with_room(have, needed);
+                        *held = Some((bytes, gpu.buffer("an attention's partial states", bytes, STORAGE)?));
+                    }
+                    held.as_ref().map(|(_, b)| b)
+                }
+                false => None,
+            };
+            bind_group(gpu, &mut tables.groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
+            grids.first.push(grid(&dims));
+            if let (true, Some(second)) = (partials, wgsl::attention::combine_dims(&dims)) {
+                let slot = tables.second_slots[i]
+                    .ok_or_else(|| GpuError::Internal(format!("step {i} has no second dispatch slot")))?;
+                let offset = slot * DIMS_STRIDE as usize;
+                dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&second));
+                bind_group(gpu, &mut tables.second_groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
+                grids.second[i] = grid(&second);
+            }
         }
         Ok((dims_bytes, grids))
     }
@@ -556,18 +616,19 @@ fn with_room(have: u64, needed: u64) -> u64 {
     }
 }
 
-/// Makes `cached` step `i`'s bind group for `pipeline` and the chunks of `bound`: kept if it was
-/// built for the same pipeline and buffers, else a new one binding its `Dims` at `offset` in the
-/// uniform, then `bound`'s buffers in order.
+/// Makes `cached` step `i`'s bind group for `pipeline`, the chunks of `bound` and `extra`: kept
+/// if it was built for the same pipeline and buffers, else a new one binding its `Dims` at
+/// `offset` in the uniform, then `bound`'s buffers in order, then `extra`.
 fn bind_group(
     gpu: &Gpu,
     cached: &mut Option<CachedGroup>,
     pipeline: &wgpu::ComputePipeline,
     bound: &[&[wgpu::Buffer]],
+    extra: Option<&wgpu::Buffer>,
     uniform: &wgpu::Buffer,
     offset: u64,
 ) {
-    let buffers = || bound.iter().flat_map(|chunks| chunks.iter());
+    let buffers = || bound.iter().flat_map(|chunks| chunks.iter()).chain(extra);
     if let Some((p, b, _)) = cached
         && p == pipeline
         && b.iter().eq(buffers())
@@ -616,25 +677,28 @@ fn parts(grids: &[(u32, u32)], count: usize) -> Vec<std::ops::Range<usize>> {
 }
 
 /// Records on `encoder` the forward pass's `steps`: each with something to compute, in order, in
-/// one compute pass, with the pipeline and bind group `groups` holds for it.
+/// one compute pass, with the pipeline and bind group `groups` holds for it, then its second
+/// dispatch where it has one (the second table's; the pass orders them).
 fn record_forward(
     encoder: &mut wgpu::CommandEncoder,
-    groups: &[Option<CachedGroup>],
-    grids: &[(u32, u32)],
+    groups: (&[Option<CachedGroup>], &[Option<CachedGroup>]),
+    grids: &Grids,
     steps: std::ops::Range<usize>,
 ) -> Result<(), GpuError> {
     let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
     for i in steps {
-        let (x, y) = grids[i];
-        if x == 0 {
-            continue;
+        for (table, grid) in [(groups.0, grids.first[i]), (groups.1, grids.second[i])] {
+            let (x, y) = grid;
+            if x == 0 {
+                continue;
+            }
+            let Some((pipeline, _, group)) = &table[i] else {
+                return Err(GpuError::Internal(format!("step {i} has no bind group")));
+            };
+            pass.set_pipeline(pipeline);
+            pass.set_bind_group(0, group, &[]);
+            pass.dispatch_workgroups(x, y, 1);
         }
-        let Some((pipeline, _, group)) = &groups[i] else {
-            return Err(GpuError::Internal(format!("step {i} has no bind group")));
-        };
-        pass.set_pipeline(pipeline);
-        pass.set_bind_group(0, group, &[]);
-        pass.dispatch_workgroups(x, y, 1);
     }
     Ok(())
 }

@@ -47,6 +47,17 @@
 //! the caches, the copying threads follow the attention's whole workgroups, so which threads
 //! attend is decided per workgroup, as barriers need (uniform control flow).
 //!
+//! **Split over key ranges** (flash-decoding, with [`Options::attention_split_keys`]): where the
+//! workgroup form would launch fewer than [`FILL_WORKGROUPS`] workgroups (a decode step: one per
+//! query head, 9 for SmolLM2) and a row has more keys than one range, each (batch, row, head)
+//! gets `splits` workgroups (`dims[14]`, at most [`MAX_SPLITS`]), each walking one range of the
+//! row's keys (of the attended keys, for a block pattern) as above and writing its partial state
+//! — its running maximum, its share of the denominator and its unnormalized output row — to the
+//! kernel's scratch buffer `part` (`dims[15]` = 1). A second dispatch of the same kernel
+//! (`dims[15]` = 2, [`combine_dims`]) then combines each row's states: rescaled to their common
+//! maximum, summed, divided by the summed denominator. A range whose keys are all masked keeps
+//! the initial maximum and adds nothing.
+//!
 //! A row whose every key is masked gets the reference's answer (the softmax of equal logits):
 //! the mean of all values.
 
@@ -108,6 +119,20 @@ impl Geometry {
 /// appended in place has room for more rows than it holds (see `kiln_runtime`'s device cache).
 pub const KEY_STRIDES: (usize, usize) = (11, 12);
 
+/// Keys per workgroup of a split attention a hardware adapter starts from
+/// ([`Options::attention_split_keys`]): 2 chunks of the workgroup's 64 lanes, so SmolLM2's 9
+/// heads at 1 024 keys run 72 workgroups (about one per multiprocessor of a large GPU) where
+/// they ran 9. Not yet timed on a GPU; `kiln tune` tries 64 to 512 and no split.
+pub const SPLIT_KEYS: usize = 128;
+
+/// Workgroups below which the workgroup form splits a row's keys over several
+/// ([`Options::attention_split_keys`]): a few per multiprocessor of a large GPU (132 on an H100).
+pub const FILL_WORKGROUPS: usize = 512;
+
+/// At most this many workgroups share a row's keys (bounding the scratch buffer of partial
+/// states: `MAX_SPLITS x (d + 2)` floats a row and head).
+pub const MAX_SPLITS: usize = 64;
+
 /// Invocations of the blocked forms below which a kernel with the workgroup form runs that
 /// instead: where the blocked forms' few invocations, each walking all of its keys alone, leave a
 /// GPU idle. A decode step's attention runs `batch x kv` of them (3 for SmolLM2). Measured on an
@@ -125,15 +150,82 @@ pub const WORKGROUP_FORM_BELOW: usize = 2_048;
 /// form (a kernel that has it: see [`has_workgroup_form`]), a workgroup of 64 per query row and
 /// head, where the blocked forms would run fewer than `below` invocations ([`workgroup_below`]; 0
 /// for a kernel without the form).
-pub fn dims(g: Geometry, batch: usize, s: usize, t: usize, width: usize, sparse: bool, below: usize) -> Vec<usize> {
+///
+/// The workgroup form splits each row's keys over `splits` workgroups where `split_keys` is given
+/// (a kernel with [`has_partials`]) and fewer than [`FILL_WORKGROUPS`] would run: `splits` is the
+/// keys over `split_keys`, at most enough to fill them and at most [`MAX_SPLITS`]; then
+/// `dims[14]` is `splits` and `dims[15]` 1 (the partial states; see [`combine_dims`]).
+#[expect(clippy::too_many_arguments, reason = "a dispatch's sizes")]
+pub fn dims(
+    g: Geometry,
+    batch: usize,
+    s: usize,
+    t: usize,
+    width: usize,
+    sparse: bool,
+    below: usize,
+    split_keys: Option<usize>,
+) -> Vec<usize> {
     let (qb, gc) = g.block();
     let (form, rows) = if s >= qb && qb > 1 && !sparse { (1, qb) } else { (0, 1) };
     let threads = batch * s.div_ceil(rows) * (g.heads / gc);
     if threads < below {
-        let threads = batch * s * g.heads * WIDE_LANES;
-        return vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, 2, 1];
+        let groups = batch * s * g.heads;
+        let splits = match split_keys {
+            Some(n) if groups < FILL_WORKGROUPS => {
+                t.div_ceil(n.max(1)).min(FILL_WORKGROUPS.div_ceil(groups.max(1))).clamp(1, MAX_SPLITS)
+            }
+            _ => 1,
+        };
+        let mut d = vec![groups * splits * WIDE_LANES, g.heads, s, t, g.head_dim, g.kv_heads, width, 2, 1];
+        if splits > 1 {
+            d.resize(16, 0);
+            (d[14], d[15]) = (splits, 1);
+        }
+        return d;
     }
     vec![threads, g.heads, s, t, g.head_dim, g.kv_heads, width, form, rows]
+}
+
+/// The sizes of the second dispatch of a split attention (see the module docs), which combines
+/// the partial states the first (`dims`) wrote: one workgroup per (batch, row, head), none
+/// appending to the caches. `None` where `dims` did not split.
+pub fn combine_dims(dims: &[u32; 16]) -> Option<[u32; 16]> {
+    if dims[7] != 2 || dims[15] != 1 || dims[14] < 2 {
+        return None;
+    }
+    let mut c = *dims;
+    // The attention's threads: all of them, or those before the cache appends' (`dims[9]`).
+    let attention = if dims[9] != 0 { dims[9] } else { dims[0] };
+    c[0] = attention / dims[14];
+    c[9] = if dims[9] != 0 { c[0] } else { 0 };
+    c[15] = 2;
+    Some(c)
+}
+
+/// Bytes of the partial states a split attention's first dispatch (`dims`) writes: `d + 2`
+/// floats per workgroup (its maximum, its share of the denominator, its output row); 0 where it
+/// does not split.
+pub fn partials_bytes(dims: &[u32; 16]) -> u64 {
+    match combine_dims(dims) {
+        Some(_) => {
+            let attention = u64::from(if dims[9] != 0 { dims[9] } else { dims[0] });
+            attention / WIDE_LANES as u64 * (u64::from(dims[4]) + 2) * 4
+        }
+        None => 0,
+    }
+}
+
+/// Whether the kernel of `op` compiled with `options` may split its keys over workgroups and
+/// binds a scratch buffer for their partial states ([`Options::attention_split_keys`], with the
+/// workgroup form).
+pub fn has_partials(op: &Op, options: &Options) -> bool {
+    has_workgroup_form(op, options) && options.attention_split_keys.is_some()
+}
+
+/// The keys per split `op`'s kernel compiled with `options` takes (see [`has_partials`]).
+pub fn split_keys(op: &Op, options: &Options) -> Option<usize> {
+    options.attention_split_keys.filter(|_| has_partials(op, options))
 }
 
 /// Invocations of the blocked forms below which `op`'s kernel compiled with `options` runs its
@@ -204,9 +296,17 @@ impl Keys {
 
 /// The kernel body of `op` (attention or packed attention, with `operands` operands) for head
 /// geometry `g`, with the workgroup form if `workgroups` (then run with `wg`, `lane` and `i`
-/// defined and no thread returned early: see `kernel::entry`), its blocked forms taking keys
-/// `key_tile` at a time ([`key_tile`]). `None` for any other op.
-pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool, key_tile: usize) -> Option<String> {
+/// defined and no thread returned early: see `kernel::entry`), split over key ranges too if
+/// `partials` (writing and combining partial states in the scratch buffer `part`), its blocked
+/// forms taking keys `key_tile` at a time ([`key_tile`]). `None` for any other op.
+pub fn body(
+    op: &Op,
+    operands: usize,
+    g: Geometry,
+    workgroups: bool,
+    partials: bool,
+    key_tile: usize,
+) -> Option<String> {
     let layout = match *op {
         Op::Attention { mods, .. } => Layout {
             q: Box::new(|si, h| format!("((b * heads + {h}) * s_len + {si}) * d")),
@@ -313,6 +413,7 @@ pub fn body(op: &Op, operands: usize, g: Geometry, workgroups: bool, key_tile: u
     let wide = workgroup_form(
         &Block { rows: 1, gc: 1, d: g.head_dim, scale: scale.0, alibi, causal, window, mods, key_tile },
         &layout,
+        partials,
     );
     let mut inner = format!(
         "if (wg < {} / {WIDE_LANES}u) {{\n{}}}",
@@ -339,16 +440,24 @@ pub fn workgroup_declarations(head_dim: usize) -> String {
 /// `wg` its index and `lane` its invocation's, with `heads`, `s_len`, `k`, `d`, `kv`, `w`, `ks`,
 /// `vs` (and the appending layout's `pr`, `room`, `pa`, `pb`) in scope. Every statement that
 /// reaches a barrier (the reductions, `workgroupBarrier`) depends only on the workgroup, so
-/// control flow is uniform there.
-fn workgroup_form(f: &Block, l: &Layout) -> String {
+/// control flow is uniform there. With `partials`, `dims[14]` workgroups share a row's keys and
+/// `dims[15]` says the phase: 0 whole rows, 1 each workgroup's partial state into `part`, 2 the
+/// states combined (uniform, so the branches on it are too).
+fn workgroup_form(f: &Block, l: &Layout, partials: bool) -> String {
     let cols = f.d.div_ceil(WIDE_LANES);
     let lanes = WIDE_LANES;
-    let mut s = String::from(
-        "let h = wg % heads;\nlet si = (wg / heads) % s_len;\nlet b = wg / (heads * s_len);\n\
-         let kvh = h / (heads / kv);\n\
-         // The query's position among the keys (queries are the last `s_len` of `k`).\n\
-         let qi = si + k - min(s_len, k);\n",
-    );
+    let mut s = String::new();
+    if partials {
+        s += "let splits = max(dim(14u), 1u);\nlet phase = dim(15u);\n\
+              // The key range of this workgroup (0 of 1 unsplit, and when combining).\n\
+              let split = select(wg % splits, 0u, phase == 2u);\nlet row = select(wg / splits, wg, phase == 2u);\n";
+    } else {
+        s += "let splits = 1u;\nlet split = 0u;\nlet row = wg;\n";
+    }
+    s += "let h = row % heads;\nlet si = (row / heads) % s_len;\nlet b = row / (heads * s_len);\n\
+          let kvh = h / (heads / kv);\n\
+          // The query's position among the keys (queries are the last `s_len` of `k`).\n\
+          let qi = si + k - min(s_len, k);\n";
     s += &format!("let hi = {};\n", if f.causal { "min(k, qi + 1u)" } else { "k" });
     s += &match f.window {
         Some(w) => format!("let lo = select(0u, qi + 1u - {w}u, qi + 1u > {w}u);\n"),
@@ -357,27 +466,50 @@ fn workgroup_form(f: &Block, l: &Layout) -> String {
     if f.alibi {
         s += &format!("let slope = {};\n", super::emit::ALIBI_SLOPE);
     }
+    s +=
+        "var m = -3.40282347e38;\n// This lane's share of the softmax's denominator.\nvar l = 0.0;\nvar total = 0.0;\n";
+    for c in 0..cols {
+        s += &format!("var acc{c} = 0.0;\n");
+    }
+    // Combining: each range's state rescaled to the row's maximum (a range that attended nothing
+    // kept the initial maximum and adds nothing), summed.
+    let combine = {
+        let mut c = String::from(
+            "let first_state = row * splits;\n\
+             for (var r = 0u; r < splits; r = r + 1u) { m = max(m, part[(first_state + r) * (d + 2u)]); }\n\
+             for (var r = 0u; r < splits; r = r + 1u) {\n    let p0 = (first_state + r) * (d + 2u);\n    \
+             let f = exp(part[p0] - m);\n    total = total + part[p0 + 1u] * f;\n",
+        );
+        for col in 0..cols {
+            c += &format!(
+                "    let col{col} = lane + {}u;\n    if (col{col} < d) {{ acc{col} = acc{col} + part[p0 + 2u + col{col}] * f; }}\n",
+                col * lanes
+            );
+        }
+        c + "}\n"
+    };
+    let mut walk = String::new();
     // The scaled query, which every lane reads whole, in workgroup memory.
-    s += &format!(
+    walk += &format!(
         "let q0 = {};\nfor (var c = lane; c < d; c = c + {lanes}u) {{ wq[c] = {}[q0 + c] * {}; }}\nworkgroupBarrier();\n",
         (l.q)("si", "h"),
         l.qbuf,
         lit(f.scale)
     );
-    s += "var m = -3.40282347e38;\n// This lane's share of the softmax's denominator.\nvar l = 0.0;\n";
-    for c in 0..cols {
-        s += &format!("var acc{c} = 0.0;\n");
-    }
     for keys in &l.keys {
         // Each chunk: key `c0 + lane` (of those this range holds, or, block-sparse, of the
         // attended blocks' keys in turn) is this lane's, `kk` its row in the range's buffers.
+        // Split, this workgroup takes its share of the keys (or of the attended list), in whole
+        // chunks where it can.
         let (count, key, mut chunk) = match f.mods.sparse {
             Some(p) => {
-                s += "{\n";
-                s += &scores::sparse_setup(&f.mods, "qi", "s_len", "k");
-                s += &scores::sparse_list(&p);
-                s += &format!(
-                    "let count = sp_n * {}u;\nfor (var c0 = 0u; c0 < count; c0 = c0 + {lanes}u) {{\n",
+                walk += "{\n";
+                walk += &scores::sparse_setup(&f.mods, "qi", "s_len", "k");
+                walk += &scores::sparse_list(&p);
+                walk += &format!(
+                    "let listed = sp_n * {}u;\nlet per = ((listed + splits - 1u) / splits + {lanes}u - 1u) / {lanes}u * {lanes}u;\n\
+                     let count = min(listed, (split + 1u) * per);\n\
+                     for (var c0 = split * per; c0 < count; c0 = c0 + {lanes}u) {{\n",
                     p.block
                 );
                 let key = format!(
@@ -389,8 +521,10 @@ fn workgroup_form(f: &Block, l: &Layout) -> String {
                 ("count", "key", key)
             }
             None => {
-                s += &format!(
-                    "{{\nlet first = max(lo, {});\nlet end = min(hi, {});\n\
+                walk += &format!(
+                    "{{\nlet span = select(hi - lo, 0u, hi < lo);\n\
+                     let per = ((span + splits - 1u) / splits + {lanes}u - 1u) / {lanes}u * {lanes}u;\n\
+                     let first = max(lo + split * per, {});\nlet end = min(min(hi, lo + (split + 1u) * per), {});\n\
                      for (var c0 = first; c0 < end; c0 = c0 + {lanes}u) {{\n",
                     keys.from, keys.to
                 );
@@ -440,16 +574,33 @@ fn workgroup_form(f: &Block, l: &Layout) -> String {
         }
         chunk +=
             "}\n// Every lane done with this chunk's probabilities before the next writes them.\nworkgroupBarrier();\n";
-        s += &indent(&chunk);
-        s += "}\n}\n";
+        walk += &indent(&chunk);
+        walk += "}\n}\n";
     }
-    s += "let total = row_sum(lane, l);\nlet o0 = ((b * s_len + si) * heads + h) * d;\n";
+    walk += "total = row_sum(lane, l);\n";
+    if partials {
+        // This range's state: its maximum, its denominator, its unnormalized output row.
+        let mut store = String::from(
+            "let p0 = wg * (d + 2u);\nif (lane == 0u) {\n    part[p0] = m;\n    part[p0 + 1u] = total;\n}\n",
+        );
+        for c in 0..cols {
+            store += &format!(
+                "let col{c} = lane + {}u;\nif (col{c} < d) {{ part[p0 + 2u + col{c}] = acc{c}; }}\n",
+                c * lanes
+            );
+        }
+        walk += &format!("if (phase == 1u) {{\n{}}}\n", indent(&store));
+        s += &format!("if (phase == 2u) {{\n{}}} else {{\n{}}}\n", indent(&combine), indent(&walk));
+    } else {
+        s += &walk;
+    }
+    let mut finish = String::from("let o0 = ((b * s_len + si) * heads + h) * d;\n");
     for c in 0..cols {
-        s += &format!("let col{c} = lane + {}u;\nif (col{c} < d) {{\n    var y = acc{c} / total;\n", c * lanes);
+        finish += &format!("let col{c} = lane + {}u;\nif (col{c} < d) {{\n    var y = acc{c} / total;\n", c * lanes);
         // Every key masked: the mean of all values, as the reference softmax of equal logits.
-        s += "    if (total == 0.0) {\n        y = 0.0;\n";
+        finish += "    if (total == 0.0) {\n        y = 0.0;\n";
         for keys in &l.keys {
-            s += &format!(
+            finish += &format!(
                 "        for (var kk = {}; kk < {}; kk = kk + 1u) {{ y = y + {}[{} + col{c}]; }}\n",
                 keys.from,
                 keys.to,
@@ -457,7 +608,11 @@ fn workgroup_form(f: &Block, l: &Layout) -> String {
                 (keys.v)("kk")
             );
         }
-        s += &format!("        y = y / f32(k);\n    }}\n    out[o0 + col{c}] = y;\n}}\n");
+        finish += &format!("        y = y / f32(k);\n    }}\n    out[o0 + col{c}] = y;\n}}\n");
+    }
+    match partials {
+        true => s += &format!("if (phase != 1u) {{\n{}}}\n", indent(&finish)),
+        false => s += &finish,
     }
     s
 }

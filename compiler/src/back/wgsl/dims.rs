@@ -204,14 +204,15 @@ fn dims_of(
                 // Blocks of query rows and heads: see `attention::dims`.
                 let g = attention::Geometry { heads: *heads, kv_heads: *kv_heads, head_dim: *head_dim };
                 let below = options.map_or(0, |o| attention::workgroup_below(op, o));
-                attention::dims(g, b, s, t, width, mods.sparse.is_some(), below)
+                let split = options.and_then(|o| attention::split_keys(op, o));
+                attention::dims(g, b, s, t, width, mods.sparse.is_some(), below, split)
             };
             if *appends {
                 // The attention's threads, then one per element of each cache after the step
                 // (see `append::append_copy`): [.., 9: attention threads, 10: cache elements].
                 let n = b * kv_heads * t * head_dim;
-                dims.resize(9, 0);
-                dims.extend([dims[0], n]);
+                dims.resize(dims.len().max(11), 0);
+                (dims[9], dims[10]) = (dims[0], n);
                 dims[0] += 2 * n;
             }
             dims
@@ -254,7 +255,8 @@ fn dims_of(
             } else {
                 let g = attention::Geometry { heads: h, kv_heads: kv, head_dim: d };
                 let below = options.map_or(0, |o| attention::workgroup_below(op, o));
-                attention::dims(g, b, s, t, 0, mods.sparse.is_some(), below)
+                let split = options.and_then(|o| attention::split_keys(op, o));
+                attention::dims(g, b, s, t, 0, mods.sparse.is_some(), below, split)
             }
         }
         // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k [b, kv, s, d].

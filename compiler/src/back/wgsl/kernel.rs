@@ -32,7 +32,8 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
         (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
         (_, Some(g)) => {
             let (workgroups, tile) = (attention::has_workgroup_form(op, options), attention::key_tile(options));
-            attention::body(op, inputs.len(), g, workgroups, tile).or_else(|| body(op, inputs.len()))?
+            let partials = attention::has_partials(op, options);
+            attention::body(op, inputs.len(), g, workgroups, partials, tile).or_else(|| body(op, inputs.len()))?
         }
         (_, None) => body(op, inputs.len())?,
     };
@@ -54,6 +55,11 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
         for j in 1..=extra_outputs(op) {
             let binding = inputs.len() + 1 + j;
             s += &format!("@group(0) @binding({binding}) var<storage, read_write> out{j}: array<{}>;\n", out.wgsl());
+        }
+        if geometry.is_some() && attention::has_partials(op, options) {
+            // A split attention's partial states (see `attention`), bound after the outputs.
+            let binding = inputs.len() + 2 + extra_outputs(op);
+            s += &format!("@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;\n");
         }
     }
     let workgroup_attention = geometry.filter(|_| attention::has_workgroup_form(op, options));

@@ -53,6 +53,11 @@ pub struct Kernel {
     pub wgsl: String,
     /// Number of operand bindings (after the uniform and the output).
     pub operands: usize,
+    /// It binds a scratch buffer last, after its outputs: a split attention's partial softmax
+    /// states (see [`attention::partials_bytes`]), which it may dispatch a second time to
+    /// combine ([`attention::combine_dims`]).
+    #[serde(default)]
+    pub partials: bool,
 }
 
 /// Choices of the wgpu back end: the device features its kernels may use. The default is plain
@@ -102,6 +107,13 @@ pub struct Options {
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
     pub attention_key_tile: Option<usize>,
+    /// With [`Options::attention_workgroups`]: split each query row's keys into ranges of this
+    /// many, one workgroup each, where the workgroup form would launch too few workgroups to fill
+    /// a GPU (a decode step: one per query head), and combine the ranges' partial softmax states
+    /// in a second dispatch (flash-decoding; see [`attention`]). `None`: one workgroup walks all
+    /// of a row's keys. A tunable (`kiln tune`); a hardware adapter starts from
+    /// [`attention::SPLIT_KEYS`].
+    pub attention_split_keys: Option<usize>,
     /// Submissions a run's dispatches are split over, in order (`None` or 1: one). The device
     /// starts on the first part while the host records the rest, so recording overlaps execution
     /// where the host's share of a step is large (a decode step: a few hundred small dispatches);
@@ -126,6 +138,7 @@ impl Options {
             subgroups: true,
             fold_appends: true,
             attention_workgroups: true,
+            attention_split_keys: Some(attention::SPLIT_KEYS),
             submissions: Some(HARDWARE_SUBMISSIONS),
             ..Options::default()
         }
@@ -167,6 +180,11 @@ impl Options {
             keys = format!("attention key tile {t}");
             used.push(&keys);
         }
+        let split;
+        if let (true, Some(n)) = (self.attention_workgroups, self.attention_split_keys) {
+            split = format!("attention split every {n} keys");
+            used.push(&split);
+        }
         let parts;
         if self.submission_count() > 1 {
             parts = format!("{} submissions", self.submission_count());
@@ -184,6 +202,7 @@ impl Options {
             attention_workgroup_below: self.attention_workgroup_below,
             gemm_tile: self.gemm_tile,
             attention_key_tile: self.attention_key_tile,
+            attention_split_keys: self.attention_split_keys,
             submissions: self.submissions,
         }
     }
@@ -198,6 +217,7 @@ impl Options {
             attention_workgroup_below: t.attention_workgroup_below,
             gemm_tile: t.gemm_tile,
             attention_key_tile: t.attention_key_tile,
+            attention_split_keys: t.attention_split_keys,
             submissions: t.submissions,
             ..self
         }
@@ -231,6 +251,9 @@ pub struct Tunables {
     /// The attention's key tile ([`Options::attention_key_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_key_tile: Option<usize>,
+    /// The keys per workgroup of a split attention ([`Options::attention_split_keys`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_split_keys: Option<usize>,
     /// Submissions a run is split over ([`Options::submissions`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submissions: Option<usize>,
@@ -359,7 +382,13 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
             None => {
                 validate(&text)
                     .map_err(|e| error(format!("internal compiler error: generated WGSL is invalid: {e}")))?;
-                kernels.push(Kernel { name: step.op.name(), wgsl: text.clone(), operands: step.operands.len() });
+                let partials = geometry(&plan, step).is_some() && attention::has_partials(&step.op, options);
+                kernels.push(Kernel {
+                    name: step.op.name(),
+                    wgsl: text.clone(),
+                    operands: step.operands.len(),
+                    partials,
+                });
                 kernel_of.insert(text, kernels.len() - 1);
                 kernels.len() - 1
             }
