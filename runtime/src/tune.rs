@@ -252,12 +252,17 @@ fn tunes_at_first_use(gpu: &Gpu) -> bool {
 const FIRST_USE_BUDGET: f64 = 30.0;
 /// The prompt and decode steps a first use's tuning times.
 const FIRST_USE_SHAPES: (usize, usize) = (16, 8);
+/// Sequences of the forward pass a first use of a graph that is no decoder step times.
+const FIRST_USE_BATCH: usize = 4;
 
-/// The first use of an adapter for a decoder step's shapes: where no tuning is cached for `plan`
-/// (lowered from `graph`, a cached decoder step with its `logits` and caches) and the adapter
-/// tunes at first use (by `KILN_TUNE`: a hardware one unless it says otherwise), its forms are tuned as `kiln
-/// tune` does, bounded by `KILN_TUNE_BUDGET` seconds (30), shown on `progress`, and cached.
-/// A graph that is no decoder step, or too short to time, is left untuned; every form
+/// The first use of an adapter for a model's shapes: where no tuning is cached for `plan`
+/// (lowered from `graph`) and the adapter tunes at first use (by `KILN_TUNE`: a hardware one
+/// unless it says otherwise), its forms are tuned as `kiln tune` does, bounded by
+/// `KILN_TUNE_BUDGET` seconds (30), shown on `progress`, and cached. A cached decoder step (with
+/// its `logits` and caches) is timed generating ([`FIRST_USE_SHAPES`]); another graph reading
+/// token ids (an encoder's, a decoder's whole forward pass), on a forward pass of
+/// [`FIRST_USE_BATCH`] (as many tokens as a decoder step's prompt and steps, within its
+/// positions). A training graph, or one too short to time, is left untuned; every form
 /// disagreeing with the interpreter is an error.
 pub fn at_first_use(
     gpu: &Arc<Gpu>,
@@ -267,33 +272,50 @@ pub fn at_first_use(
     blocks: &HashMap<String, QuantWeight>,
     progress: &dyn Progress,
 ) -> Result<(), TuneError> {
+    use kiln_compiler::graph::{Dim, InputRole, Op};
+    if !tunes_at_first_use(gpu) || cached(gpu, plan)?.is_some() {
+        return Ok(());
+    }
     let decoder_step = graph.outputs.iter().any(|(n, _)| n == "logits")
         && graph.outputs.iter().any(|(n, _)| n.ends_with(".present_k"));
-    if !decoder_step || !tunes_at_first_use(gpu) || cached(gpu, plan)?.is_some() {
-        return Ok(());
-    }
-    let Some(vocab) =
-        graph.outputs.iter().find(|(n, _)| n == "logits").and_then(|&(_, l)| match graph.g[l].shape.last() {
-            Some(kiln_compiler::graph::Dim::Fixed(v)) => Some(*v),
-            _ => None,
-        })
-    else {
-        return Ok(());
+    let roles: Vec<InputRole> = graph.inputs().into_iter().map(|(_, _, role)| role).collect();
+    let forward = !decoder_step
+        && roles.contains(&InputRole::Ids)
+        && !roles.iter().any(|r| matches!(r, InputRole::Labels | InputRole::Cache { .. }));
+    // The rows of the tables gathered by token ids (the vocabulary) and by positions.
+    let tables = |by: &dyn Fn(&Op) -> bool| -> Option<usize> {
+        (graph.g.node_indices().filter(|&n| matches!(graph.g[n].op, Op::Gather)))
+            .filter_map(|n| {
+                let [table, ids] = graph.operands(n)[..] else { return None };
+                match graph.g[table].shape.first() {
+                    Some(Dim::Fixed(rows)) if by(&graph.g[ids].op) => Some(*rows),
+                    _ => None,
+                }
+            })
+            .min()
     };
+    let vocab = match decoder_step {
+        true => graph.outputs.iter().find(|(n, _)| n == "logits").and_then(|&(_, l)| match graph.g[l].shape.last() {
+            Some(Dim::Fixed(v)) => Some(*v),
+            _ => None,
+        }),
+        false => tables(&|op| matches!(op, Op::Input { role: InputRole::Ids, .. })),
+    };
+    let Some(vocab) = vocab.filter(|_| decoder_step || forward) else { return Ok(()) };
     // A learned position table bounds the tokens a generation may run.
     let (prompt, steps) = FIRST_USE_SHAPES;
-    let learned =
-        graph.g.node_indices().filter(|&n| matches!(graph.g[n].op, kiln_compiler::graph::Op::Gather)).filter_map(|n| {
-            let [table, ids] = graph.operands(n)[..] else { return None };
-            let by_position = matches!(graph.g[ids].op, kiln_compiler::graph::Op::Positions { .. });
-            match graph.g[table].shape.first() {
-                Some(kiln_compiler::graph::Dim::Fixed(rows)) if by_position => Some(*rows),
-                _ => None,
+    let learned = tables(&|op| matches!(op, Op::Positions { .. }));
+    let inputs = match decoder_step {
+        true if learned.is_some_and(|rows| rows < prompt + steps + 1) => return Ok(()),
+        true => None,
+        false => {
+            let tokens = learned.map_or(prompt + steps, |rows| rows.min(prompt + steps));
+            match kiln_compiler::interp::sample_inputs(graph, vocab, FIRST_USE_BATCH, tokens) {
+                Ok(inputs) => Some(inputs),
+                Err(_) => return Ok(()),
             }
-        });
-    if learned.min().is_some_and(|rows| rows < prompt + steps + 1) {
-        return Ok(());
-    }
+        }
+    };
     let budget = std::env::var("KILN_TUNE_BUDGET").ok().and_then(|s| s.parse::<f64>().ok());
     let budget = budget.filter(|b| b.is_finite() && *b >= 0.0).unwrap_or(FIRST_USE_BUDGET);
     let work = Workload {
@@ -306,7 +328,7 @@ pub fn at_first_use(
         prompt,
         steps,
         budget: Duration::from_secs_f64(budget),
-        inputs: None,
+        inputs: inputs.as_ref(),
     };
     match tune(gpu, &work, progress) {
         Ok(_) => Ok(()),

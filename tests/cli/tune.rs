@@ -193,3 +193,50 @@ fn an_encoder_is_tuned_on_its_forward_pass() {
     let text = String::from_utf8(o.stdout).unwrap();
     assert!(text.lines().nth(1).is_some_and(|l| l.contains("forms tuned by `kiln tune`")), "{text}");
 }
+
+/// An encoder's first use on an adapter that tunes at first use (`KILN_TUNE=always` on lavapipe)
+/// tunes its forward pass and caches the choice, which the next use reads without tuning again.
+#[test]
+fn an_encoders_first_use_tunes_its_forward_pass() {
+    let dir = scratch("tune-encoder-first-use");
+    let spec = dir.join("tiny-encoder.toml");
+    std::fs::write(&spec, TINY_ENCODER).unwrap();
+    let (spec, data) = (spec.to_str().unwrap(), dir.join("data"));
+    let out = dir.join("out.safetensors");
+    let out = out.to_str().unwrap();
+    let args = [
+        "run",
+        spec,
+        "--random-weights",
+        "--input-ids",
+        "1,2,3;4,5,6",
+        "--output",
+        out,
+        "--force",
+        "--backend",
+        "wgpu",
+        "-q",
+    ];
+    let run = || {
+        let o = kiln_command(&args)
+            .env("KILN_DATA", &data)
+            .env("KILN_TUNE", "always")
+            .env("KILN_TUNE_BUDGET", "0")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    run();
+    let files: Vec<_> = std::fs::read_dir(data.join("tuning")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let tuning: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap()).unwrap();
+    let classes = tuning["classes"].as_object().unwrap();
+    assert_eq!(classes.len(), 1, "{tuning}");
+    let (class, entry) = classes.iter().next().unwrap();
+    assert!(class.starts_with("tiny-tune-encoder"), "{class}");
+    // A forward pass: no decode steps, every candidate timed on it or left for want of time.
+    assert_eq!(entry["steps"], 0, "{entry}");
+    let modified = std::fs::metadata(&files[0]).unwrap().modified().unwrap();
+    run();
+    assert_eq!(std::fs::metadata(&files[0]).unwrap().modified().unwrap(), modified, "tuned again");
+}
