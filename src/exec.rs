@@ -232,9 +232,10 @@ pub fn threads_or_default(threads: Option<usize>) -> Result<usize> {
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct WeightArgs {
     /// Precision of projection weights that are not kept as quantized blocks: f16 halves their
-    /// bytes (arithmetic stays f32), f16-math also multiplies them in f16 (see `--help`). Both need
-    /// an adapter with SHADER_F16. wgpu only.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    /// bytes (arithmetic stays f32), f16-math also multiplies them in f16 (see `--help`); both need
+    /// an adapter with SHADER_F16. auto: f32, unless `kiln tune` chose f16 for this model on this
+    /// adapter (within its tolerance, no greedy token changed). wgpu only.
+    #[arg(long, value_enum, default_value_t = Precision::Auto)]
     pub precision: Precision,
     /// Load quantized GGUF weights (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) as f32 instead of keeping their
     /// blocks on the device (which
@@ -263,8 +264,10 @@ pub fn check_blocks(args: WeightArgs, what: &str) -> Result<()> {
 /// `--precision`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
-    /// 32-bit floats.
+    /// 32-bit floats, or 16-bit where `kiln tune` chose them for the model on this adapter.
     #[default]
+    Auto,
+    /// 32-bit floats, whatever a tuning chose.
     F32,
     /// 16-bit floats.
     F16,
@@ -279,6 +282,7 @@ impl WeightArgs {
     /// How the device stores the weights.
     pub fn storage(self) -> Storage {
         let precision = match self.precision {
+            Precision::Auto => kiln_runtime::device::Precision::Auto,
             Precision::F32 => kiln_runtime::device::Precision::F32,
             Precision::F16 => kiln_runtime::device::Precision::F16,
             Precision::F16Math => kiln_runtime::device::Precision::F16Math,
@@ -300,7 +304,7 @@ pub fn check_exec(exec: &Exec, backend: Backend) -> Result<()> {
     }
     if backend == Backend::Interp {
         let w = exec.weights;
-        if w.precision != Precision::F32 {
+        if w.storage().precision.f16() {
             bail!(
                 "--precision {} stores weights for wgpu; the interpreter computes with f32 weights",
                 w.storage().precision.name()

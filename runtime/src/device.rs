@@ -34,8 +34,11 @@ pub enum Device {
 /// The precision of projection weights that are not kept as quantized blocks (wgpu only).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
-    /// 32-bit floats.
+    /// 32-bit floats, or 16-bit where `kiln tune` chose them for the model on the adapter (within
+    /// its tolerance and no greedy token changed; see [`crate::tune`]).
     #[default]
+    Auto,
+    /// 32-bit floats.
     F32,
     /// 16-bit floats; arithmetic stays f32.
     F16,
@@ -46,12 +49,13 @@ pub enum Precision {
 impl Precision {
     /// Whether projection weights are stored as f16.
     pub fn f16(self) -> bool {
-        self != Precision::F32
+        matches!(self, Precision::F16 | Precision::F16Math)
     }
 
     /// The precision's name, as the command line writes it (`f32`, `f16`, `f16-math`).
     pub fn name(self) -> &'static str {
         match self {
+            Precision::Auto => "auto",
             Precision::F32 => "f32",
             Precision::F16 => "f16",
             Precision::F16Math => "f16-math",
@@ -364,7 +368,8 @@ impl Device {
                 Model::Cpu(Box::new(CpuModel::from_owned(plan, params, blocks, *threads, progress)?))
             }
             Device::Gpu(gpu) => {
-                let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?)?;
+                let auto = storage.precision == Precision::Auto;
+                let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?, auto)?;
                 Model::Gpu(Box::new(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, &params, &blocks, progress)?))
             }
         })
@@ -405,7 +410,8 @@ fn gpu_model(
     // The forms `kiln tune` chose for this model's shapes on this adapter, tuned now if this is
     // a hardware adapter's first use of a decoder step of these shapes.
     crate::tune::at_first_use(gpu, graph, &plan, params, blocks, progress)?;
-    let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?)?;
+    let auto = storage.precision == Precision::Auto;
+    let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?, auto)?;
     Ok(Model::Gpu(Box::new(GpuModel::with_progress(gpu.clone(), &plan, &wgsl, params, blocks, progress)?)))
 }
 

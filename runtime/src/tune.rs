@@ -96,6 +96,8 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
         for fold_appends in [false, true] {
             for (attention_workgroups, attention_workgroup_below) in attention {
                 let t = Tunables {
+                    f16_weights: default.f16_weights,
+                    f16_math: default.f16_math,
                     subgroups,
                     fold_appends,
                     attention_workgroups,
@@ -117,9 +119,10 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 /// `best` with each other prefill tile of the projection
 /// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), each other key tile of the
 /// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), each other
-/// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), and each other
-/// count of submissions of [`SUBMISSIONS`].
-pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
+/// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), each other count
+/// of submissions of [`SUBMISSIONS`], and, where the adapter has f16 (`f16`), f32 weights stored
+/// as f16 and multiplied in f32 or in f16.
+pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
     let gemm = (GEMM_TILES.iter())
@@ -130,7 +133,10 @@ pub fn tile_candidates(best: Tunables) -> Vec<Tunables> {
     let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
     let parts = SUBMISSIONS.iter().filter(|&&n| n != best.submissions.unwrap_or(1).max(1));
     let parts = parts.map(|&n| Tunables { submissions: (n > 1).then_some(n), ..best });
-    gemm.chain(keys).chain(splits).chain(parts).collect()
+    let precisions =
+        [(true, false), (true, true)].into_iter().filter(|&p| f16 && p != (best.f16_weights, best.f16_math));
+    let precisions = precisions.map(|(f16_weights, f16_math)| Tunables { f16_weights, f16_math, ..best });
+    gemm.chain(keys).chain(splits).chain(parts).chain(precisions).collect()
 }
 
 /// The key ranges a split attention is tried with (see
@@ -231,11 +237,23 @@ pub fn cached(gpu: &Gpu, plan: &Plan) -> Result<Option<Entry>, TuneError> {
 }
 
 /// `options` with the forms cached for `plan` on `gpu` (see [`cached`]), else as they are.
-pub fn options_for(gpu: &Gpu, plan: &Plan, options: Options) -> Result<Options, TuneError> {
+/// `options` with the forms tuned for `plan` on `gpu`, if any are cached; the tuned precision of
+/// f32 weights only where `precision` is left to the tuning (else `options`' own, the caller's
+/// choice).
+pub fn options_for(gpu: &Gpu, plan: &Plan, options: Options, precision: bool) -> Result<Options, TuneError> {
     Ok(match cached(gpu, plan)? {
-        Some(entry) => options.tuned(entry.chosen),
+        Some(entry) => with_tuning(options, entry.chosen, precision),
         None => options,
     })
+}
+
+/// `options` with the `chosen` forms, and the chosen precision where `precision` leaves it to the
+/// tuning.
+fn with_tuning(options: Options, chosen: Tunables, precision: bool) -> Options {
+    match precision {
+        true => options.tuned(chosen),
+        false => options.tuned(Tunables { f16_weights: options.f16_weights, f16_math: options.f16_math, ..chosen }),
+    }
 }
 
 /// When a load tunes a model's kernels first ([`at_first_use`]): `KILN_TUNE` unset, on a hardware
@@ -404,6 +422,27 @@ pub const MARGIN: f64 = 0.03;
 /// the f32 kernels' own agreement with the interpreter over a whole model (sums in other orders).
 pub const TOLERANCE: f64 = 2e-3;
 
+/// The same for a candidate storing f32 weights as f16 (and multiplying in f16): their rounding
+/// moves logits by about 1e-3 of their range (GPT-2's fixture: within 3e-3). Such a candidate
+/// must also pick every checked greedy token the reference picks.
+pub const F16_TOLERANCE: f64 = 3e-3;
+
+/// Why a candidate's outputs `got` (for `tunables`) do not match the reference's `want`, or their
+/// relative error where they do; `rows_are_logits`: each output row is a position's logits, whose
+/// greedy token an f16 candidate must keep.
+fn verdict(tunables: &Tunables, want: &[Vec<f32>], got: &[Vec<f32>], rows_are_logits: bool) -> Result<f64, String> {
+    let error = relative_error(want, got);
+    let tolerance = if tunables.f16_weights { F16_TOLERANCE } else { TOLERANCE };
+    if error.is_nan() || error > tolerance {
+        return Err(format!("differs from the reference by {error:.1e}"));
+    }
+    let argmax = |row: &[f32]| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+    if tunables.f16_weights && rows_are_logits && want.iter().zip(got).any(|(w, g)| argmax(w) != argmax(g)) {
+        return Err(format!("changes a greedy token (differs by {error:.1e})"));
+    }
+    Ok(error)
+}
+
 /// The logits of the check's prompt and each of its steps on `session`.
 fn check_logits(session: &mut Session, vocab: usize) -> Result<Vec<Vec<f32>>, GenerateError> {
     let ids: Vec<i64> = (0..CHECK_PROMPT as i64).map(|i| (i * 7919 + 13) % vocab.max(1) as i64).collect();
@@ -465,7 +504,8 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     let first = candidates(gpu);
     // The count shown: the first candidates and (until the fastest of those is known) the
     // refinements of the default forms.
-    let count = std::cell::Cell::new(first.len() + tile_candidates(base.tunables()).len());
+    let f16 = gpu.supports_f16();
+    let count = std::cell::Cell::new(first.len() + tile_candidates(base.tunables(), f16).len());
     let start = Instant::now();
     let mut timed: Vec<Timed> = Vec::with_capacity(count.get());
     progress.update(Phase::Tune, 0, count.get());
@@ -499,7 +539,7 @@ pub fn tune(gpu: &Arc<Gpu>, work: &Workload<'_>, progress: &dyn Progress) -> Res
     // Then the projection's prefill tiles, the attention's key tiles and the submissions, on the
     // fastest of those.
     if let Some(best) = fastest(&timed) {
-        let refinements = tile_candidates(best);
+        let refinements = tile_candidates(best, f16);
         count.set(timed.len() + refinements.len());
         for tunables in refinements {
             run(tunables, &mut timed);
@@ -533,11 +573,13 @@ fn time(
     if let Some(inputs) = work.inputs {
         // A forward pass: checked, then timed alone (the faster of two).
         let got = floats(model.run(inputs).map_err(|e| e.to_string())?);
-        let error = relative_error(want, &got);
-        if error.is_nan() || error > TOLERANCE {
-            let rejected = Some(format!("differs from the reference by {error:.1e}"));
-            return Ok(Timed { tunables, error: Some(error), decode_ms: None, prefill_ms: None, rejected });
-        }
+        let error = match verdict(&tunables, want, &got, false) {
+            Ok(error) => error,
+            Err(why) => {
+                let error = Some(relative_error(want, &got));
+                return Ok(Timed { tunables, error, decode_ms: None, prefill_ms: None, rejected: Some(why) });
+            }
+        };
         let mut best = f64::INFINITY;
         for _ in 0..2 {
             let t = Instant::now();
@@ -549,16 +591,13 @@ fn time(
     let mut session =
         Session::new(Model::Gpu(Box::new(model)).into(), outputs, work.max_positions).map_err(|e| e.to_string())?;
     let got = check_logits(&mut session, work.vocab).map_err(|e| e.to_string())?;
-    let error = relative_error(want, &got);
-    if error.is_nan() || error > TOLERANCE {
-        return Ok(Timed {
-            tunables,
-            error: Some(error),
-            decode_ms: None,
-            prefill_ms: None,
-            rejected: Some(format!("differs from the reference by {error:.1e}")),
-        });
-    }
+    let error = match verdict(&tunables, want, &got, true) {
+        Ok(error) => error,
+        Err(why) => {
+            let error = Some(relative_error(want, &got));
+            return Ok(Timed { tunables, error, decode_ms: None, prefill_ms: None, rejected: Some(why) });
+        }
+    };
     let ids: Vec<i64> = (0..work.prompt as i64).map(|i| (i * 7919 + 13) % work.vocab.max(1) as i64).collect();
     let (mut decode, mut prefill) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..2 {
@@ -584,6 +623,37 @@ mod tests {
         assert!(all.iter().all(|t| seen.insert(*t)), "{all:?}");
         assert!(all.iter().all(|t| !t.subgroups || gpu.supports_subgroups()));
         assert!(all.len() >= 8);
+    }
+
+    #[test]
+    fn a_tuned_precision_applies_only_where_left_to_the_tuning() {
+        let chosen = Tunables { f16_weights: true, f16_math: true, subgroups: true, ..Tunables::default() };
+        let f32 = Options::default();
+        let f16 = Options { f16_weights: true, ..Options::default() };
+        let tuned = with_tuning(f32, chosen, true);
+        assert!(tuned.f16_weights && tuned.f16_math && tuned.subgroups);
+        // The caller's own precision (`--precision f32`, `--precision f16`) is kept; the forms are
+        // taken.
+        let kept = with_tuning(f32, chosen, false);
+        assert!(!kept.f16_weights && !kept.f16_math && kept.subgroups);
+        let kept = with_tuning(f16, Tunables::default(), false);
+        assert!(kept.f16_weights && !kept.f16_math);
+    }
+
+    #[test]
+    fn an_f16_form_must_keep_the_greedy_tokens() {
+        let want = vec![vec![1.0f32, 3.0, 2.0], vec![5.0, 0.0, 4.999]];
+        let flipped = vec![vec![1.0f32, 3.0, 2.0], vec![4.999, 0.0, 5.0]];
+        let f16 = Tunables { f16_weights: true, ..Tunables::default() };
+        assert!(verdict(&Tunables::default(), &want, &flipped, true).is_ok());
+        assert!(verdict(&f16, &want, &flipped, true).unwrap_err().contains("greedy token"));
+        assert!(verdict(&f16, &want, &flipped, false).is_ok());
+        // Past its own tolerance (3e-3 of the largest logit), or the f32 forms' (2e-3).
+        let off = vec![vec![1.0f32, 3.0, 2.0], vec![5.0, 0.0, 4.999 - 0.0125]];
+        assert!(verdict(&f16, &want, &off, true).is_ok());
+        assert!(verdict(&Tunables::default(), &want, &off, true).unwrap_err().contains("differs"));
+        let far = vec![vec![1.0f32, 3.0, 2.0], vec![5.0, 0.0, 4.999 - 0.02]];
+        assert!(verdict(&f16, &want, &far, true).unwrap_err().contains("differs"));
     }
 
     #[test]

@@ -349,7 +349,7 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
                     let kiln_runtime::Device::Gpu(gpu) = kiln_runtime::Device::gpu(Some(name))? else {
                         bail!("`{name}` opened no GPU adapter");
                     };
-                    let options = kiln_runtime::tune::options_for(&gpu, &plan, gpu.options())?;
+                    let options = kiln_runtime::tune::options_for(&gpu, &plan, gpu.options(), true)?;
                     let tuned = kiln_runtime::tune::cached(&gpu, &plan)?.is_some();
                     let how = if tuned { "forms tuned by `kiln tune`" } else { "its default forms: not tuned" };
                     (options, format!("{} ({how})", gpu.describe()))

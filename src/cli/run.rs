@@ -3,7 +3,7 @@
 //! (`--random-weights`), its outputs written to a safetensors file. What `embed` shares with it:
 //! running a model file on a backend ([`execute`]).
 
-use crate::exec::{Backend, Exec, Precision, check_exec, optimizer_target};
+use crate::exec::{Backend, Exec, check_exec, optimizer_target};
 use crate::model_file::ModelFile;
 use crate::progress::Reporter;
 use crate::report::print_json;
@@ -307,7 +307,7 @@ pub fn load(model: ModelFile, params: &Params, exec: &Exec, backend: Backend, re
             "--no-optimize has no effect on an artifact: its plan was compiled by `kiln compile` (give --no-optimize there, or run the spec)"
         );
     }
-    if exec.weights.precision != Precision::F32 {
+    if exec.weights.storage().precision.f16() {
         bail!(
             "an artifact's plan stores its weights as f32; run the spec to use --precision {}",
             exec.weights.storage().precision.name()

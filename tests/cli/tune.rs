@@ -43,16 +43,15 @@ fn every_form_matches_the_interpreter_and_the_fastest_is_used_after() {
     let v = json_in(&data, &args);
     let candidates = v["candidates"].as_array().unwrap();
     assert!(candidates.len() >= 8, "{v}");
-    for c in candidates {
-        assert!(c["rejected"].is_null(), "a form was rejected: {c}");
-        assert!(c["error"].as_f64().unwrap() <= 2e-3, "{c}");
+    let candidates: Vec<&serde_json::Value> = candidates.iter().filter(|c| matches_or_f16_refused(c)).collect();
+    for c in &candidates {
         assert!(c["decode_ms"].as_f64().unwrap() > 0.0 && c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
     }
     // The chosen forms: the fastest generation (the prompt's prefill and the decode steps), or
     // the default forms (the first) within 3% of it.
     let total = |c: &serde_json::Value| c["prefill_ms"].as_f64().unwrap() + 4.0 * c["decode_ms"].as_f64().unwrap();
     let fastest = candidates.iter().min_by(|a, b| total(a).total_cmp(&total(b))).unwrap();
-    let expected = if total(&candidates[0]) <= total(fastest) * 1.03 { &candidates[0] } else { fastest };
+    let expected = if total(candidates[0]) <= total(fastest) * 1.03 { candidates[0] } else { fastest };
     assert_eq!(expected["tunables"], v["chosen"], "{v}");
     let saved = Path::new(v["saved"].as_str().unwrap());
     assert!(saved.starts_with(data.join("tuning")) && saved.is_file(), "{v}");
@@ -146,6 +145,24 @@ fn a_first_use_tunes_where_asked_and_caches_it() {
     }
 }
 
+/// Whether a tuning's candidate `c` matched the reference (within the f32 tolerance, 2e-3), after
+/// checking that it did: every f32 form must; a form storing weights as f16 may instead be
+/// refused (its rounding past 3e-3, or a greedy token changed), and matches within 3e-3.
+fn matches_or_f16_refused(c: &serde_json::Value) -> bool {
+    let f16 = c["tunables"]["f16_weights"] == true;
+    let error = c["error"].as_f64().unwrap();
+    match c["rejected"].as_str() {
+        None => {
+            assert!(error <= if f16 { 3e-3 } else { 2e-3 }, "{c}");
+            true
+        }
+        Some(why) => {
+            assert!(f16 && (why.contains("differs") || why.contains("greedy")), "a form was rejected: {c}");
+            false
+        }
+    }
+}
+
 /// A small encoder with padding and pooled outputs: its forward pass is what is tuned.
 const TINY_ENCODER: &str = r#"
 [model]
@@ -179,9 +196,8 @@ fn an_encoder_is_tuned_on_its_forward_pass() {
     let v = json_in(&data, &args);
     assert_eq!(v["decode_steps"], 0, "{v}");
     let candidates = v["candidates"].as_array().unwrap();
-    for c in candidates {
-        assert!(c["rejected"].is_null(), "a form was rejected: {c}");
-        assert!(c["error"].as_f64().unwrap() <= 2e-3 && c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
+    for c in candidates.iter().filter(|c| matches_or_f16_refused(c)) {
+        assert!(c["prefill_ms"].as_f64().unwrap() > 0.0, "{c}");
         assert!(c["decode_ms"].is_null(), "{c}");
     }
     let adapter = v["adapter"].as_str().unwrap();

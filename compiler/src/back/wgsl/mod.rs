@@ -196,6 +196,8 @@ impl Options {
     /// The options' choices among kernel forms ([`Tunables`]).
     pub fn tunables(&self) -> Tunables {
         Tunables {
+            f16_weights: self.f16_weights,
+            f16_math: self.f16_math,
             subgroups: self.subgroups,
             fold_appends: self.fold_appends,
             attention_workgroups: self.attention_workgroups,
@@ -207,10 +209,12 @@ impl Options {
         }
     }
 
-    /// These options with the forms `t` chooses (the rest kept: the weights' precision, which is
-    /// the caller's, and the binding limit).
+    /// These options with the forms `t` chooses, its precision included (the binding limit
+    /// kept).
     pub fn tuned(self, t: Tunables) -> Options {
         Options {
+            f16_weights: t.f16_weights,
+            f16_math: t.f16_math,
             subgroups: t.subgroups,
             fold_appends: t.fold_appends,
             attention_workgroups: t.attention_workgroups,
@@ -233,9 +237,16 @@ pub const HARDWARE_SUBMISSIONS: usize = 4;
 /// tune` times per adapter and model shape and caches. Each is a form the kernels have, held to
 /// the interpreter on lavapipe; which is fastest is the device's question (the workgroup form of
 /// attention took an H200's forward pass from 106.6 to 68.0 ms at one shape and from 22.8 to 40.0
-/// at another).
+/// at another). The precision of f32 weights is one too, taken only where the caller left it to
+/// the tuning (see `kiln_runtime::tune::options_for`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Tunables {
+    /// f32 projection weights stored as f16 ([`Options::f16_weights`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub f16_weights: bool,
+    /// And multiplied in f16 ([`Options::f16_math`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub f16_math: bool,
     /// Subgroup reductions, and the split GEMV ([`Options::subgroups`]).
     pub subgroups: bool,
     /// The cache appends in the attention's dispatch ([`Options::fold_appends`]).
