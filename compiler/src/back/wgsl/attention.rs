@@ -179,8 +179,8 @@ pub fn dims(
         };
         let mut d = vec![groups * splits * WIDE_LANES, g.heads, s, t, g.head_dim, g.kv_heads, width, 2, 1];
         if splits > 1 {
-            d.resize(16, 0);
-            (d[14], d[15]) = (splits, 1);
+            // 9..=13 unset here (the appends' and strides' sizes), 14: splits, 15: phase 1.
+            d.extend([0, 0, 0, 0, 0, splits, 1]);
         }
         return d;
     }
