@@ -217,13 +217,26 @@ pub fn bind<S: AsRef<[usize]>>(
     given: &HashMap<String, Tensor>,
     held: &HashMap<&str, S>,
 ) -> Result<Bound, PrepareError> {
-    let input_ids: Vec<usize> = plan
-        .values
-        .iter()
-        .enumerate()
+    bind_values(plan, &input_values(plan), given, held)
+}
+
+/// The values of `plan` that are its inputs, in value order: what [`bind_values`] binds (an
+/// engine running a plan every decode step finds them once, not in every run's pass over
+/// thousands of values).
+pub fn input_values(plan: &Plan) -> Vec<usize> {
+    (plan.values.iter().enumerate())
         .filter(|(_, v)| matches!(v.storage, Storage::Input { .. }))
         .map(|(i, _)| i)
-        .collect();
+        .collect()
+}
+
+/// [`bind`], for the plan's inputs `input_ids` ([`input_values`]).
+pub fn bind_values<S: AsRef<[usize]>>(
+    plan: &Plan,
+    input_ids: &[usize],
+    given: &HashMap<String, Tensor>,
+    held: &HashMap<&str, S>,
+) -> Result<Bound, PrepareError> {
     let specs: Vec<InputSpec> = input_ids
         .iter()
         .filter_map(|&i| {
@@ -244,7 +257,7 @@ pub fn bind<S: AsRef<[usize]>>(
         .collect();
     let (tensors, syms) = bind_named_with(&specs, given, held)?;
     let names = specs.iter().map(|s| s.name.to_string()).collect();
-    Ok(Bound { inputs: input_ids.into_iter().zip(tensors).collect(), names, syms })
+    Ok(Bound { inputs: input_ids.iter().copied().zip(tensors).collect(), names, syms })
 }
 
 /// Token ids and positions must index inside their tables: a GPU kernel would clamp silently, a

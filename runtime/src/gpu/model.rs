@@ -33,6 +33,8 @@ pub struct GpuModel {
     pub(super) state: Mutex<RunState>,
     /// The steps that append to a session's cache in place, when it lives on the device.
     pub(super) in_place: Vec<InPlace>,
+    /// The plan's inputs (`prepare::input_values`).
+    pub(super) inputs: Vec<usize>,
     /// The host's time in runs, up to their submission.
     pub(super) host: HostClock,
 }
@@ -142,6 +144,7 @@ impl GpuModel {
         weight_bytes.sort_by_key(|(f, _)| *f as u8);
         gpu.check_lost()?;
         let in_place = in_place_sites(&program.plan);
+        let inputs = crate::prepare::input_values(&program.plan);
         Ok(GpuModel {
             gpu,
             program,
@@ -151,6 +154,7 @@ impl GpuModel {
             weight_bytes,
             state: Mutex::new(RunState::default()),
             in_place,
+            inputs,
             host: HostClock::default(),
         })
     }

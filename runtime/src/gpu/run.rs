@@ -255,7 +255,7 @@ impl GpuModel {
         let plan = &self.program.plan;
         let resident_shapes: HashMap<&str, &[usize]> =
             resident.iter().map(|(name, t)| (name.as_str(), t.shape.as_slice())).collect();
-        let bound = crate::prepare::bind(plan, given, &resident_shapes)?;
+        let bound = crate::prepare::bind_values(plan, &self.inputs, given, &resident_shapes)?;
         let mut host: HashMap<usize, Tensor> = HashMap::new();
         let mut on_device: HashMap<usize, &DeviceTensor> = HashMap::new();
         for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
