@@ -28,10 +28,15 @@ pub struct Pick<'a> {
 }
 
 impl Pick<'_> {
-    /// Picks on the host from the last position's logits.
-    pub(crate) fn on_host(self, logits: Vec<f32>) -> Sampled {
+    /// Picks on the host from the last position's logits; refuses a row holding a NaN (an
+    /// overflow in the model's arithmetic: there is no distribution to sample from, and the
+    /// argmax would silently be some token), as the device's sampler does.
+    pub(crate) fn on_host(self, logits: Vec<f32>) -> Result<Sampled, crate::GenerateError> {
+        if logits.iter().any(|v| v.is_nan()) {
+            return Err(crate::GenerateError::NanLogits);
+        }
         let token = self.sampler.sample(&logits, self.seen);
-        Sampled { token, logits: self.logits.then_some(logits) }
+        Ok(Sampled { token, logits: self.logits.then_some(logits) })
     }
 }
 
@@ -170,5 +175,19 @@ impl Sampler {
             }
         }
         picked as i64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_refuses_a_row_holding_a_nan_and_samples_infinities() {
+        let mut sampler = Sampler::new(0.0, 0, 1.0, 1.0, 0).unwrap();
+        let pick = |sampler: &mut Sampler, row: Vec<f32>| Pick { sampler, seen: &[], logits: false }.on_host(row);
+        let e = pick(&mut sampler, vec![1.0, f32::NAN, 3.0]).unwrap_err();
+        assert!(e.to_string().contains("hold a NaN"), "{e}");
+        assert_eq!(pick(&mut sampler, vec![1.0, f32::INFINITY, f32::NEG_INFINITY]).unwrap().token, 1);
     }
 }

@@ -157,3 +157,27 @@ fn device_sampler_returns_the_logits_only_when_asked() {
     assert_eq!(with.logits.as_deref(), Some(&logits[..]));
     assert_eq!(with.token, without.token);
 }
+
+/// A row holding a NaN (an overflow in the model's arithmetic) has no token to sample: the device
+/// refuses it under every setting, as the host path does (`Pick::on_host`), where the argmax
+/// would silently have picked some token.
+#[test]
+fn a_row_holding_a_nan_is_refused_on_the_device() {
+    let Some(gpu) = common::gpu() else { return };
+    let mut device = DeviceSampler::new(gpu).unwrap();
+    let mut one = Rng(5).row(1000, 2.0, false, true);
+    one[617] = f32::NAN;
+    let rows = [one, vec![f32::NAN; 40], vec![f32::NAN, f32::INFINITY, 1.0]];
+    for (r, logits) in rows.iter().enumerate() {
+        for &(t, k, p, penalty) in &SETTINGS {
+            let mut sampler = Sampler::new(t, k, p, penalty, 1).unwrap();
+            let got = device.sample(logits, Pick { sampler: &mut sampler, seen: &[3], logits: false });
+            let e = got.expect_err(&format!("row {r}, settings {:?}: sampled", (t, k, p, penalty)));
+            assert!(e.to_string().contains("hold a NaN"), "{e}");
+        }
+    }
+    // The same sampler goes on with a finite row.
+    let mut sampler = Sampler::new(0.0, 0, 1.0, 1.0, 1).unwrap();
+    let got = device.sample(&[0.0, 2.0, 1.0], Pick { sampler: &mut sampler, seen: &[], logits: false }).unwrap();
+    assert_eq!(got.token, 1);
+}

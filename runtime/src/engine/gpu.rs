@@ -95,7 +95,7 @@ impl Engine for GpuEngine {
         let gpu = self.model.gpu().clone();
         if self.host_sampling || !self.vocab().is_some_and(|v| DeviceSampler::fits(&gpu, v)) {
             let outputs = self.step(request)?;
-            return Ok(pick.on_host(last_logits(outputs)?));
+            return pick.on_host(last_logits(outputs)?);
         }
         let mut sampler = match self.sampler.take() {
             Some(s) => s,

@@ -72,6 +72,11 @@ pub enum GenerateError {
     /// A tensor held as a key/value cache is not `[b, heads, len, d]`.
     #[error("a cache of shape {0:?} is not [b, heads, len, d]")]
     CacheShape(Vec<usize>),
+    /// The logits of a step hold a NaN, which no token can be sampled from.
+    #[error(
+        "the logits to sample from hold a NaN: the model's arithmetic overflowed (with f16 weights or arithmetic, try --precision f32)"
+    )]
+    NanLogits,
     /// A parked cache was given to another kind of engine than the one that parked it.
     #[error("a cache parked by another kind of engine cannot be resumed on this one")]
     OtherEngine,
@@ -166,7 +171,7 @@ pub trait Engine {
     /// reading back one id, and the logits only when `pick.logits` asks for them).
     fn step_sample(&mut self, request: Request<'_>, pick: Pick<'_>) -> R<Sampled> {
         let outputs = self.step(request)?;
-        Ok(pick.on_host(last_logits(outputs)?))
+        pick.on_host(last_logits(outputs)?)
     }
 
     /// Forgets the cache.

@@ -40,6 +40,12 @@ pub enum GpuError {
     /// wgpu reported an error outside an error scope (work on a device lost meanwhile, say).
     #[error("wgpu reported an error: {0}")]
     Uncaptured(String),
+    /// The device's sampler found a NaN in the logits row (see
+    /// [`kiln_compiler::back::wgsl::sample::NAN_ROW`]).
+    #[error(
+        "the logits to sample from hold a NaN: the model's arithmetic overflowed (with f16 weights or arithmetic, try --precision f32)"
+    )]
+    NanLogits,
     /// wgpu's validation rejected recorded work (`what`: the forward pass, a profiled dispatch,
     /// the sampling kernel).
     #[error("wgpu rejected {what}: {message}")]

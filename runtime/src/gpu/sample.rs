@@ -149,6 +149,9 @@ impl DeviceSampler {
     pub(crate) fn finish(&self, pending: Pending) -> Result<Sampled, GpuError> {
         let data = self.gpu.read_staging(std::slice::from_ref(&self.staging), "the sampled token", 1)?;
         let token = data.first_chunk::<4>().map(|&b| u32::from_le_bytes(b)).unwrap_or(0);
+        if token == kiln_compiler::back::wgsl::sample::NAN_ROW {
+            return Err(GpuError::NanLogits);
+        }
         let logits = match pending.logits {
             Some((staging, n)) => {
                 let data = self.gpu.read_staging(std::slice::from_ref(&staging), "the logits row", n)?;

@@ -11,8 +11,11 @@
 //!
 //! 1. Repetition penalty: each seen id (given once each) below the vocabulary has its logit `v`
 //!    replaced by `v / penalty` when `v > 0`, else `v * penalty`.
-//! 2. Greedy (`temperature == 0`), or no finite logit: the argmax, ties to the lowest id (NaN and
-//!    `-inf` never win; `0` when nothing does).
+//! 2. A row holding a NaN (an overflow in the model's arithmetic) is no row to sample from: the
+//!    kernel writes [`NAN_ROW`] in place of an id, and the runtime refuses it, as its host path
+//!    refuses such a row before the host sampler sees it. Otherwise, greedy (`temperature == 0`)
+//!    or with no finite logit: the argmax, ties to the lowest id (`-inf` never wins; `0` when
+//!    nothing does).
 //! 3. Otherwise the candidates are the finite logits in *candidate order*: decreasing logit, ties
 //!    by increasing id, where logits compare as IEEE `totalOrder` (`-0.0` before `+0.0`), as
 //!    Rust's `f32::total_cmp` does. Each candidate `i` weighs `exp((v_i - max) / temperature)`,
@@ -40,6 +43,9 @@
 
 /// Invocations of the kernel's one workgroup.
 pub const INVOCATIONS: u32 = 256;
+
+/// What the kernel writes in place of an id when the row holds a NaN.
+pub const NAN_ROW: u32 = 0xffff_fffe;
 
 /// The most tokens the kernel samples from: counts are summed in f32, exact below 2^24.
 pub const MAX_VOCAB: u32 = 1 << 24;
@@ -101,6 +107,7 @@ struct Settings {
 
 const WG: u32 = 256u;
 const NONE: u32 = 0xffffffffu;
+const NAN_ROW: u32 = 0xfffffffeu;
 const F32_MAX: f32 = 3.40282347e38;
 
 // Tree reductions: 8 bins of WG lanes at a time, or one (value, id) pair and one value per lane.
@@ -111,6 +118,7 @@ var<workgroup> counts: array<atomic<u32>, 16>;
 var<workgroup> firsts: array<atomic<u32>, 16>;
 var<workgroup> bin_weight: array<f32, 16>;
 var<workgroup> finite: atomic<u32>;
+var<workgroup> nans: atomic<u32>;
 // A search's state, written by lane 0: the digits fixed so far (key bits, key mask, id bits, id
 // mask), what is left of the target, and the candidate found (NONE while searching).
 var<workgroup> prefix: vec4<u32>;
@@ -310,17 +318,20 @@ fn main(@builtin(local_invocation_index) lane: u32) {
     }
     if lane == 0u {
         atomicStore(&finite, 0u);
+        atomicStore(&nans, 0u);
     }
     storageBarrier();
     workgroupBarrier();
 
-    // 2. The argmax, the largest finite logit and the number of finite logits.
+    // 2. The argmax, the largest finite logit and the number of finite logits (and of NaNs).
     var bv = 0.0;
     var bi = NONE;
     var top = -F32_MAX;
     var n = 0u;
+    var nan = 0u;
     for (var i = lane; i < s.vocab; i += WG) {
         let v = row[i];
+        nan += select(0u, 1u, is_nan(v));
         if beats(v, i, bv, bi) {
             bv = v;
             bi = i;
@@ -331,6 +342,7 @@ fn main(@builtin(local_invocation_index) lane: u32) {
         }
     }
     atomicAdd(&finite, n);
+    atomicAdd(&nans, nan);
     red_f[lane] = bv;
     red_u[lane] = bi;
     red_f[WG + lane] = top;
@@ -348,6 +360,12 @@ fn main(@builtin(local_invocation_index) lane: u32) {
     let argmax = red_u[0];
     top = red_f[WG];
     let candidates = workgroupUniformLoad(&finite);
+    if workgroupUniformLoad(&nans) != 0u {
+        if lane == 0u {
+            picked[0] = NAN_ROW;
+        }
+        return;
+    }
     if s.greedy != 0u || candidates == 0u {
         if lane == 0u {
             picked[0] = select(argmax, 0u, argmax == NONE);
@@ -384,6 +402,7 @@ mod tests {
         super::super::validate(KERNEL).unwrap_or_else(|e| panic!("{e}"));
         assert!(KERNEL.contains(&format!("@workgroup_size({INVOCATIONS})")));
         assert!(KERNEL.contains(&format!("const WG: u32 = {INVOCATIONS}u;")));
+        assert!(KERNEL.contains(&format!("const NAN_ROW: u32 = {NAN_ROW:#x}u;")));
     }
 
     #[test]
