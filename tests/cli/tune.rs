@@ -124,13 +124,7 @@ fn a_first_use_tunes_where_asked_and_caches_it() {
     let tuned = |data: &Path| std::fs::read_dir(data.join("tuning")).map_or(0, |d| d.count());
     // `KILN_TUNE=always` tunes at a software adapter's first use too (a hardware one's is the default).
     let data = dir.join("always");
-    let o = kiln_command(&args)
-        .env("KILN_DATA", &data)
-        .env("KILN_TUNE", "always")
-        .env("KILN_TUNE_BUDGET", "0")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    run_tuning_at_first_use(&args, &data);
     assert_eq!(tuned(&data), 1, "no tuning cached in {}", data.display());
     // On lavapipe by default, and where turned off, a load tunes nothing.
     for (data, tune) in [(dir.join("default"), None), (dir.join("off"), Some("off"))] {
@@ -143,6 +137,19 @@ fn a_first_use_tunes_where_asked_and_caches_it() {
         assert!(o.status.success(), "{}", stderr(&o));
         assert_eq!(tuned(&data), 0, "{}", data.display());
     }
+}
+
+/// Runs kiln with `args` where a load tunes at its first use even on a software adapter
+/// (`KILN_TUNE=always`, with time for the default forms only), its data in `data`; asserts it
+/// succeeded.
+fn run_tuning_at_first_use(args: &[&str], data: &Path) {
+    let o = kiln_command(args)
+        .env("KILN_DATA", data)
+        .env("KILN_TUNE", "always")
+        .env("KILN_TUNE_BUDGET", "0")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
 }
 
 /// Whether a tuning's candidate `c` matched the reference (within the f32 tolerance, 2e-3), after
@@ -233,15 +240,7 @@ fn an_encoders_first_use_tunes_its_forward_pass() {
         "wgpu",
         "-q",
     ];
-    let run = || {
-        let o = kiln_command(&args)
-            .env("KILN_DATA", &data)
-            .env("KILN_TUNE", "always")
-            .env("KILN_TUNE_BUDGET", "0")
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-    };
+    let run = || run_tuning_at_first_use(&args, &data);
     run();
     let files: Vec<_> = std::fs::read_dir(data.join("tuning")).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(files.len(), 1, "{files:?}");
