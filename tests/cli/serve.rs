@@ -573,3 +573,55 @@ fn requests_are_admitted_by_key_value_cache_budget() {
     assert_eq!(metric(&server, "kiln_kv_cache_budget_bytes"), 10.0 * 1024.0 * 1024.0);
     drop((running, waiting));
 }
+
+/// A request whose sequence fails mid-batch gets its error, in its stream, and the requests
+/// decoding beside it finish as they would alone: the server serves on. The failure is a real
+/// one: a GPT-2 whose position table overflows f32 at position 12 (its row at f32's largest
+/// value, the token rows at ±1e37, which the layer norms scale back everywhere else), so a
+/// sequence reaching that position gets NaN logits, which are refused (not sampled as some
+/// token), while shorter ones never meet it.
+#[test]
+fn a_request_failing_mid_batch_fails_alone() {
+    let dir = scratch("serve-fails-mid-batch");
+    let spec = std::fs::read_to_string(root().join("models/gpt2.toml")).unwrap().replace("vocab = 128", "vocab = 256");
+    std::fs::write(dir.join("gpt2.toml"), spec).unwrap();
+    let mut tensors = kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/model.safetensors")).unwrap();
+    let d = tensors["transformer.wpe.weight"].shape[1];
+    let wte = (0..256 * d).map(|i| if (i * 7 + i / d) % 3 == 0 { -1e37 } else { 1e37 }).collect();
+    tensors.insert("transformer.wte.weight".into(), kiln_compiler::tensor::Tensor::f32(vec![256, d], wte));
+    let wpe = &tensors["transformer.wpe.weight"];
+    let mut rows = wpe.as_f32().unwrap().to_vec();
+    rows[12 * d..13 * d].fill(f32::MAX);
+    let wpe = kiln_compiler::tensor::Tensor::f32(wpe.shape.clone(), rows);
+    tensors.insert("transformer.wpe.weight".into(), wpe);
+    let weights = dir.join("overflowing.safetensors");
+    kiln_runtime::write_tensors(&weights, &tensors.into_iter().collect::<Vec<_>>()).unwrap();
+    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let model = [s(&dir.join("gpt2.toml")), "--weights".into(), s(&weights), "--tokenizer".into(), "bytes".into()];
+    let server = start_with(dir, &model, &[]);
+    let body = |max: usize, stream: bool| serde_json::json!({"prompt": [1, 2, 3], "max_tokens": max, "temperature": 0, "stream": stream});
+    let (status, alone) = post(&server, "/v1/completions", &body(8, false));
+    assert_eq!(status, 200, "{alone}");
+    // Together: the failing request streamed, four that stop short of position 12 beside it.
+    let (failing, others) = std::thread::scope(|scope| {
+        let failing = scope.spawn(|| request(&server, "POST", "/v1/completions", &[], &body(20, true).to_string()));
+        let others: Vec<_> =
+            (0..4).map(|_| scope.spawn(|| post(&server, "/v1/completions", &body(8, false)))).collect();
+        (failing.join().unwrap(), others.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>())
+    });
+    let (status, _, stream) = failing;
+    assert_eq!(status, 200, "{stream}");
+    let data = events(&stream);
+    let last: serde_json::Value = serde_json::from_str(data.last().unwrap()).unwrap();
+    let message = last["error"]["message"].as_str().unwrap_or_else(|| panic!("no error at the end: {stream}"));
+    assert!(message.contains("hold a NaN"), "{message}");
+    // It streamed the tokens before position 12 first.
+    assert!(data.len() > 2, "{stream}");
+    for (status, answer) in &others {
+        assert_eq!(*status, 200, "{answer}");
+        assert_eq!(answer["choices"], alone["choices"], "{answer}");
+    }
+    assert_eq!(metric(&server, "kiln_requests_failed_total"), 1.0);
+    // And it serves on.
+    assert_eq!(post(&server, "/v1/completions", &body(8, false)).1["choices"], alone["choices"]);
+}
