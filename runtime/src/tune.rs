@@ -131,7 +131,7 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
     let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);
     let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
-    let parts = SUBMISSIONS.iter().filter(|&&n| n != best.submissions.unwrap_or(1).max(1));
+    let parts = SUBMISSIONS.iter().filter(|&&n| n != Options::default().tuned(best).submission_count());
     let parts = parts.map(|&n| Tunables { submissions: (n > 1).then_some(n), ..best });
     let precisions =
         [(true, false), (true, true)].into_iter().filter(|&p| f16 && p != (best.f16_weights, best.f16_math));

@@ -74,13 +74,27 @@ pub type Shape = Vec<Dim>;
 pub struct SymTable([usize; SymTable::LEN]);
 
 impl SymTable {
-    const LEN: usize = Sym::RecentCtx as usize + 1;
+    const LEN: usize = 7;
+
+    /// The slot of symbol `s`: a match over every symbol, so a new one does not compile until it
+    /// has its own.
+    fn slot(s: Sym) -> usize {
+        match s {
+            Sym::Batch => 0,
+            Sym::Seq => 1,
+            Sym::SrcSeq => 2,
+            Sym::Past => 3,
+            Sym::Ctx => 4,
+            Sym::Recent => 5,
+            Sym::RecentCtx => 6,
+        }
+    }
 
     /// The table of `syms` (unbound symbols count as 0, as in [`resolve`]).
     pub fn new(syms: &std::collections::HashMap<Sym, usize>) -> SymTable {
         let mut t = [0; SymTable::LEN];
         for (&s, &v) in syms {
-            if let Some(slot) = t.get_mut(s as usize) {
+            if let Some(slot) = t.get_mut(SymTable::slot(s)) {
                 *slot = v;
             }
         }
@@ -91,7 +105,7 @@ impl SymTable {
     pub fn dim(&self, d: Dim) -> usize {
         match d {
             Dim::Fixed(k) => k,
-            Dim::Sym(s) => self.0.get(s as usize).copied().unwrap_or(0),
+            Dim::Sym(s) => self.0.get(SymTable::slot(s)).copied().unwrap_or(0),
         }
     }
 
