@@ -1221,6 +1221,12 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
+        Op::Last { axis } => {
+            let Some(last) = a[0].shape()[*axis].checked_sub(1) else {
+                return Err(InterpError::IllTyped { op: op.name(), message: format!("axis {axis} is empty") });
+            };
+            return eval(ctx, &Op::Slice { axis: *axis, start: last, len: 1 }, a, shape);
+        }
         Op::Slice { axis, start, len } => {
             let x = f(a[0]);
             let in_shape = a[0].shape();

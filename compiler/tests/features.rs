@@ -324,3 +324,42 @@ fn a_periodic_layer_list_equals_global_every() {
     assert_eq!(run_on(&periodic), run_on(&listed));
     assert_ne!(run_on(&periodic), run_on(&other));
 }
+
+/// A generation step's outputs are its last position's: the cached graph runs the final norm and
+/// the head on one row per sequence (`logits` `[batch, 1, vocab]`), equal to the last row of the
+/// whole forward; the hidden state is the last position's too, and pooling is left out.
+#[test]
+fn a_cached_step_computes_its_last_position_only() {
+    use kiln_compiler::graph::{Dim, InputRole, Sym};
+    let fe = spec("[attention]\nheads = 4\n[outputs]\nhidden_states = true\npooling = \"mean\"\n");
+    let cached = kiln_compiler::graph::build::build_cached(&fe.spec).unwrap();
+    let shape = |name: &str| {
+        let (_, n) = cached.outputs.iter().find(|(o, _)| o == name).unwrap_or_else(|| panic!("no {name}"));
+        cached.g[*n].shape.clone()
+    };
+    assert_eq!(shape("logits"), vec![Dim::Sym(Sym::Batch), Dim::Fixed(1), Dim::Fixed(50)]);
+    assert_eq!(shape("last_hidden_state"), vec![Dim::Sym(Sym::Batch), Dim::Fixed(1), Dim::Fixed(32)]);
+    assert!(cached.outputs.iter().all(|(o, _)| o != "sentence_embedding"), "a step pools nothing");
+
+    let params = random_params(&fe.graph, 3).unwrap();
+    let (batch, seq) = (2, 5);
+    let mut inputs = HashMap::from([("input_ids".to_string(), ids(batch, seq, 1))]);
+    for (n, name, role) in cached.inputs() {
+        if let InputRole::Cache { .. } = role {
+            let [_, Dim::Fixed(kv), _, Dim::Fixed(d)] = cached.g[n].shape[..] else { panic!("{name}: a cache's shape") };
+            inputs.insert(name.to_string(), Tensor::f32(vec![batch, kv, 0, d], vec![]));
+        }
+    }
+    let step: HashMap<String, Tensor> = run(&cached, &params, &inputs).unwrap().into_iter().collect();
+    let mask = Tensor::f32(vec![batch, seq], vec![1.0; batch * seq]);
+    let full = outputs(&fe, &params, vec![("input_ids", ids(batch, seq, 1)), ("attention_mask", mask)]);
+    for (name, width) in [("logits", 50), ("last_hidden_state", 32)] {
+        assert_eq!(step[name].shape, vec![batch, 1, width], "{name}");
+        let last: Vec<f32> = f(&full[name])
+            .chunks(seq * width)
+            .flat_map(|sequence| sequence[(seq - 1) * width..].to_vec())
+            .collect();
+        let err = last.iter().zip(f(&step[name])).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-5, "{name}: the step's row differs from the forward's last by {err}");
+    }
+}

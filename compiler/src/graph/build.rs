@@ -25,6 +25,11 @@ pub fn build(r: &Resolved) -> R<Graph> {
 /// `L.present_k`, `L.present_v` (`[batch, kv_heads, past + seq, head_dim]`), the next step's cache.
 /// Positions and RoPE start at `past`.
 ///
+/// A step's other outputs are its last position's: `logits` is `[batch, 1, vocab]` (and
+/// `last_hidden_state`, where the spec asks for it, `[batch, 1, d_model]`), since only the last
+/// position's scores pick the next token; a prompt of 32 tokens runs the head once, not 32 times.
+/// The spec's pooling is left out (a step's last position has nothing to pool).
+///
 /// For an encoder-decoder this is the decoder alone, on `tgt_ids`: its cross-attention layers
 /// `L` read the encoder's keys and values, computed once by [`build_encoder`], as inputs
 /// `L.memory_k`, `L.memory_v` (`f32[batch, kv_heads, src_seq, head_dim]`), masked by
@@ -99,7 +104,9 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
     let (hidden, pool_mask) = match spec.model.kind {
         BlockKind::Encoder | BlockKind::Decoder => {
             let ids = b.input("input_ids", InputRole::Ids, Sym::Seq)?;
-            let key_mask = if spec.attention.padding_mask || spec.outputs.pooling != Pooling::None {
+            // A generation step pools nothing (see below).
+            let pools = spec.outputs.pooling != Pooling::None && !cache;
+            let key_mask = if spec.attention.padding_mask || pools {
                 Some(b.input("attention_mask", InputRole::KeyMask { pad_is_one: false }, Sym::Seq)?)
             } else {
                 None
@@ -177,7 +184,8 @@ fn build_with(r: &Resolved, cache: bool) -> R<Graph> {
     if spec.outputs.hidden_states {
         b.g.outputs.push(("last_hidden_state".into(), hidden));
     }
-    if spec.outputs.pooling == Pooling::Mean {
+    // A generation step's hidden state is its last position's, so it has nothing to pool.
+    if spec.outputs.pooling == Pooling::Mean && !cache {
         b.g.scope = "pool".into();
         let mask = pool_mask.ok_or_else(|| GraphError {
             op: "mean_pool".into(),
@@ -316,6 +324,12 @@ impl Builder<'_> {
                 if global { (MaskKind::Causal, p.global_theta.unwrap_or(p.theta)) } else { (mask, p.theta) };
             let layer = Layer { mask, theta };
             x = self.block(&format!("{stack}layers.{i}"), x, layer, seq, key_mask, cross)?;
+        }
+        // A generation step's outputs are its last position's: its logits pick the next token
+        // (a prefill's other positions would only be thrown away, and the head is the widest
+        // projection a decoder has). Every op after the blocks is per row.
+        if self.cache {
+            x = self.g.add(Op::Last { axis: 1 }, &[x])?;
         }
         if self.r.final_norm {
             self.g.scope = format!("{stack}final_norm");

@@ -525,6 +525,13 @@ pub enum Op {
         /// Extent.
         len: usize,
     },
+    /// The last index of one axis, kept as an axis of extent 1 (`x[.., -1:, ..]`), whatever the
+    /// axis' extent, which may be symbolic: a generation step's logits are its last position's
+    /// (see `graph::build::build_cached`).
+    Last {
+        /// The axis.
+        axis: usize,
+    },
     /// `(a, b)` joined along one axis (the other axes equal).
     Concat {
         /// The axis.
@@ -815,6 +822,7 @@ impl Op {
             Op::Mask { .. } => "mask".into(),
             Op::TopK { .. } => "top_k".into(),
             Op::Slice { .. } => "slice".into(),
+            Op::Last { .. } => "last".into(),
             Op::MeanPool => "mean_pool".into(),
             Op::After => "after".into(),
             Op::SumAxis { .. } => "sum_axis".into(),
@@ -927,6 +935,7 @@ impl Op {
                 format!("k={k} renormalize={renormalize}")
             }
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            Op::Last { axis } => format!("axis={axis}"),
             Op::MaskedSoftmax { scale, alibi, causal, window, mods }
             | Op::Attention { scale, alibi, causal, window, mods }
             | Op::AttentionGrad { scale, alibi, causal, window, mods } => {

@@ -431,6 +431,18 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 _ => Err(format!("slice {start}..{} of axis {axis} is out of {}", start + len, fmt_shape(x))),
             }
         }
+        Op::Last { axis } => {
+            arity(1)?;
+            let x = float(0)?;
+            match x.get(*axis) {
+                Some(_) => {
+                    let mut s = x.clone();
+                    s[*axis] = Dim::Fixed(1);
+                    Ok((s, DType::F32))
+                }
+                None => Err(format!("axis {axis} is out of {}", fmt_shape(x))),
+            }
+        }
         Op::Linear { bias, residual, glu, rope, .. } => {
             let wi = op.linear_weight().unwrap_or(1);
             let want = wi + 1 + usize::from(*bias) + usize::from(*residual);

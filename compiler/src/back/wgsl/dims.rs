@@ -184,6 +184,13 @@ fn dims_of(
             let inner: usize = x.iter().skip(a + 1).product();
             vec![total, axis(x, *a)?, inner, *start, *len]
         }
+        // The slice kernel, from the axis' last index.
+        Op::Last { axis: a } => {
+            let x = operand(0)?;
+            let inner: usize = x.iter().skip(a + 1).product();
+            let n = axis(x, *a)?;
+            vec![total, n, inner, n.saturating_sub(1), 1]
+        }
         Op::MeanPool => {
             let x = operand(0)?;
             vec![axis(out, 0)? * axis(out, 1)?, axis(x, 1)?, axis(x, 2)?]

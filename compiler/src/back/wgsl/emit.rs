@@ -455,7 +455,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  for (var j = 0u; j < e; j = j + 1u) {{ let v = out[base + j]; out[base + j] = {norm}; }}"
             )
         }
-        Op::Slice { .. } => "let n = dim(1u);\nlet inner = dim(2u);\nlet start = dim(3u);\nlet len = dim(4u);\n\
+        Op::Slice { .. } | Op::Last { .. } => "let n = dim(1u);\nlet inner = dim(2u);\nlet start = dim(3u);\nlet len = dim(4u);\n\
              let o = i / (len * inner);\nlet r = i % (len * inner);\nout[i] = in0[o * n * inner + start * inner + r];"
             .into(),
         Op::MeanPool => "let s = dim(1u);\nlet d = dim(2u);\nlet bi = i / d;\nlet j = i % d;\nvar acc = 0.0;\nvar count = 0.0;\n\
