@@ -23,9 +23,12 @@ use kiln_compiler::graph::Op;
 use kiln_compiler::semantics::{activation, rope_frequencies, rotate};
 use rayon::prelude::*;
 
-/// Weight rows one task computes (for every row of `x`): 64 rows of a 576-wide Q4_1 weight are
-/// 27 KiB, which stay in L1/L2 while every activation row passes over them.
-const ROW_BLOCK: usize = 64;
+/// Weight rows one task computes (for every row of `x`): 96 rows of a 576-wide Q4_1 weight are
+/// 40 KiB, which stay in L2 while every activation row passes over them. A multiple of the
+/// prefill kernels' tiles (8 and 12 rows, see [`qdot_f32`]), so no task ends on a part tile, and
+/// the widths of the small models (576, 960, 1536, 3072) split into whole blocks evenly over two
+/// threads (64 rows left SmolLM2's 576 as 5 blocks against 4).
+const ROW_BLOCK: usize = 96;
 
 /// Multiply-adds below which the GEMM runs on one thread.
 const GEMM_THREADING: usize = 1 << 18;

@@ -11,6 +11,7 @@ mod ops {
     pub(super) const LANES: usize = 8;
     pub(super) const BV: usize = 4;
     pub(super) const NR: usize = 8;
+    pub(super) const SUB: usize = 4;
     pub(super) const MR: usize = 2;
     pub(super) const HOIST: usize = 4;
     pub(super) const DIRECT: usize = 3;

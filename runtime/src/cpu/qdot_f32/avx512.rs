@@ -1,5 +1,5 @@
-//! The AVX-512F implementation (with AVX2 and FMA): 16 lanes; prefill micro-tiles of 4 weight rows
-//! by 4 activation rows; Q5_0, Q4_K and Q6_K dequantized in registers too.
+//! The AVX-512F implementation (with AVX2 and FMA): 16 lanes; prefill micro-tiles of 6 weight rows
+//! by 4 activation rows (24 accumulators of the 32 registers); Q5_0, Q4_K and Q6_K dequantized in registers too.
 //!
 //! Inside a `#[target_feature]` function the register-only intrinsics of its features are safe;
 //! the loads and stores through raw pointers are not, and say why they hold.
@@ -10,7 +10,8 @@ mod ops {
     pub(super) type V = __m512;
     pub(super) const LANES: usize = 16;
     pub(super) const BV: usize = 2;
-    pub(super) const NR: usize = 8;
+    pub(super) const NR: usize = 12;
+    pub(super) const SUB: usize = 6;
     pub(super) const MR: usize = 4;
     pub(super) const HOIST: usize = 8;
     pub(super) const DIRECT: usize = 4;

@@ -7,8 +7,8 @@
 //! The interface an ISA's `ops` module provides (each a `#[target_feature]` function, `#[inline]`):
 //! the vector type `V` of `LANES` floats and `BV = 32 / LANES` vectors a block; `DIRECT`, the most
 //! activation rows the streaming kernel takes (up to 4), and `HOIST`, how many activation vectors
-//! it keeps in registers; the prefill tile of `NR` weight rows (a multiple of 4) and groups of `MR`
-//! activation rows (up to 4); `zero`, `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane
+//! it keeps in registers; the prefill tile of `NR` weight rows, computed `SUB` rows at a time (`NR`
+//! a multiple of `SUB` and of 4), and groups of `MR` activation rows (up to 4); `zero`, `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane
 //! sums of 4 vectors), and the block dequantizations `q8`, `q4` and `kquant`.
 
 /// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (AVX2,
@@ -42,8 +42,8 @@ macro_rules! buffered_kquant {
 /// The SIMD kernels and their drivers over a module of vector operations (`$ops`: the vector
 /// type `V` of `LANES` floats, `BV = 32 / LANES` vectors a block; `DIRECT`, the most activation
 /// rows the streaming kernel takes (up to 4), and `HOIST`, how many activation vectors it keeps
-/// in registers; the prefill tile of `NR` weight rows (a multiple of 4) and groups of `MR`
-/// activation rows (up to 4); and the operations), compiled for `$features`.
+/// in registers; the prefill tile of `NR` weight rows, `SUB` at a time (`NR` a multiple of `SUB`
+/// and of 4), and groups of `MR` activation rows (up to 4); and the operations), compiled for `$features`.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
@@ -185,7 +185,10 @@ macro_rules! kernels {
             }
 
             /// Weight rows the prefill micro-kernel computes at once.
-            const SUB: usize = 4;
+            const SUB: usize = ops::SUB;
+            // `group` runs the micro-kernel on the tile's rows `SUB` at a time, and `sums` reduces
+            // them 4 at a time: neither may leave rows out.
+            const _: () = assert!(ops::NR.is_multiple_of(SUB) && ops::NR.is_multiple_of(4));
 
             /// The prefill micro-kernel: [`SUB`] dequantized rows (`w`, rows `ldw` floats apart)
             /// against `G <= MR` activation rows (`xs`) over `kc` elements, added to `acc` (by

@@ -9,6 +9,7 @@ mod ops {
     pub(super) const LANES: usize = 4;
     pub(super) const BV: usize = 8;
     pub(super) const NR: usize = 8;
+    pub(super) const SUB: usize = 4;
     pub(super) const MR: usize = 4;
     pub(super) const HOIST: usize = 8;
     pub(super) const DIRECT: usize = 4;
