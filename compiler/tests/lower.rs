@@ -177,3 +177,44 @@ fn decode_step_dispatches_launch_enough_workgroups() {
     // Split at 300, 1 023 and 4 095 cached keys.
     assert_eq!(split, 3 * 30);
 }
+
+/// The weights a run reads: every parameter once, in its plan format, except an untied
+/// embedding table, only gathered from, which counts the rows gathered (RoPE here, so it is the
+/// only table); a tied table, which the head reads whole, counts whole.
+#[test]
+fn a_step_reads_each_weight_once_and_a_gathered_table_by_rows() {
+    use kiln_compiler::graph::build::build_cached;
+    use kiln_compiler::lower::{Options, WeightFormat, lower_with};
+    let spec = |tied: bool| {
+        let source = format!(
+            "[model]\nkind = \"decoder\"\nvocab = 64\nd_model = 32\nlayers = 2\nmax_positions = 16\n\
+             [attention]\nheads = 2\n[positions]\nkind = \"rope\"\n[head]\ntied = {tied}\n"
+        );
+        kiln_compiler::front_end("test.toml", &source).unwrap_or_else(|e| panic!("{}", e.render()))
+    };
+    for tied in [false, true] {
+        let fe = spec(tied);
+        let graph = build_cached(&fe.spec).unwrap();
+        let params: Vec<(String, Vec<usize>)> = graph
+            .params()
+            .into_iter()
+            .map(|(n, name)| (name.to_string(), graph.g[n].shape.iter().map(|d| match d { kiln_compiler::graph::Dim::Fixed(k) => *k, _ => panic!("a symbolic parameter") }).collect()))
+            .collect();
+        let elements = |s: &[usize]| s.iter().product::<usize>() as u64;
+        let all: u64 = params.iter().map(|(_, s)| 4 * elements(s)).sum();
+        let table = 4 * 64 * 32;
+        let expected = if tied { all } else { all - table + 4 * 32 };
+        let plan = lower_with(&graph, Options { fold_constants: false, ..Options::default() });
+        assert_eq!(plan.weight_bytes_read(1), expected, "tied = {tied}");
+        // Three gathered rows of an untied table; a tied one is read whole whatever the rows.
+        assert_eq!(plan.weight_bytes_read(3), expected + if tied { 0 } else { 2 * 4 * 32 }, "tied = {tied}");
+        // A projection's weight in Q8_0 counts its blocks: 34 bytes a block of 32 on the device
+        // as 9 words (a scale and 8 words of quants).
+        let name = "layers.0.ffn.up.weight";
+        let (_, shape) = params.iter().find(|(n, _)| n == name).unwrap();
+        let formats = [(name.to_string(), WeightFormat::Q8_0)].into();
+        let quantized = lower_with(&graph, Options { fold_constants: false, formats, ..Options::default() });
+        let q8 = WeightFormat::Q8_0.bytes(shape[0], shape[1]);
+        assert_eq!(quantized.weight_bytes_read(1), expected - 4 * elements(shape) + q8);
+    }
+}

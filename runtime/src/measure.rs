@@ -35,6 +35,9 @@ pub enum MeasureError {
     /// Saving the constants as the adapter's cost model.
     #[error(transparent)]
     Cost(#[from] crate::costs::CostError),
+    /// The threads of a measurement could not be started.
+    #[error("could not start the measurement's threads: {0}")]
+    Pool(String),
     /// A quantity too small to tell from noise at the largest size tried.
     #[error("{what} is not measurable on {device}: {t:.4} ms at size {size} vs {t0:.4} ms at {base}")]
     NotMeasurable {
@@ -79,6 +82,48 @@ impl Constants {
             ..CostModel::default()
         }
     }
+}
+
+/// The bytes per second `threads` threads read from memory, streaming: each sums its share of a
+/// buffer of `bytes` (far larger than the caches), the fastest of `runs` passes. The bound of a
+/// decode step on the CPU, whose weights stream through once (see
+/// [`kiln_compiler::lower::Plan::weight_bytes_read`]).
+pub fn read_bandwidth(threads: usize, bytes: usize, runs: usize) -> R<f64> {
+    use rayon::prelude::*;
+    const LANES: usize = 8;
+    let words = (bytes / 8).next_multiple_of(LANES * threads.max(1));
+    kiln_compiler::memory::check(|| "the read-bandwidth buffer".into(), 8 * words as u64)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .map_err(|e| MeasureError::Pool(e.to_string()))?;
+    // Distinct values, so no page is shared or left untouched.
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let share = words / threads.max(1);
+    let mut best = f64::INFINITY;
+    let mut total = 0u64;
+    for _ in 0..runs.max(1) {
+        let t = Instant::now();
+        let sum: u64 = pool.install(|| {
+            buffer
+                .par_chunks(share)
+                .map(|part| {
+                    // Independent lanes, so the adds vectorize and never wait on each other.
+                    let mut lanes = [0u64; LANES];
+                    for chunk in part.chunks_exact(LANES) {
+                        for (l, &w) in lanes.iter_mut().zip(chunk) {
+                            *l = l.wrapping_add(w);
+                        }
+                    }
+                    lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                })
+                .reduce(|| 0, u64::wrapping_add)
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+        total = total.wrapping_add(std::hint::black_box(sum));
+    }
+    std::hint::black_box(total);
+    Ok(8.0 * words as f64 / best)
 }
 
 /// Median of a few timings (NaN for none).

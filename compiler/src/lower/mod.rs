@@ -28,11 +28,11 @@ pub mod schedule;
 pub use check::{PlanError, Reader};
 pub use format::WeightFormat;
 
-use crate::graph::{Graph, InputRole, Op, Shape, Sym};
+use crate::graph::{Dim, Graph, InputRole, Op, Shape, Sym};
 use crate::tensor::DType;
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Where a value lives.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -408,6 +408,16 @@ pub use crate::graph::{elements, resolve};
 /// is checked against it before anything is sized from it).
 pub const MAX_FIXED_ELEMENTS: u64 = 1 << 40;
 
+/// The bytes a weight value holds on the device: a `[rows, k]` weight in its format, any other
+/// value 4 bytes an element (f32, or `i32` for `i64`). Symbolic axes count as 0.
+fn value_bytes(value: &Value) -> u64 {
+    let fixed = |d: &Dim| if let Dim::Fixed(n) = d { *n } else { 0 };
+    match &value.shape[..] {
+        [rows, k] => value.format.bytes(fixed(rows), fixed(k)),
+        shape => 4 * shape.iter().map(fixed).product::<usize>() as u64,
+    }
+}
+
 impl Plan {
     /// Bytes of every intermediate if none shared a buffer, and bytes of the slots as placed, at
     /// the given symbol values.
@@ -463,6 +473,38 @@ impl Plan {
             }
         }
         peak
+    }
+
+    /// The bytes of weights (parameters and load-time constants, in their plan formats) one run
+    /// reads, each counted once: a weight some step reads whole counts whole, a table only
+    /// gathered from (an untied embedding) counts the `rows` rows a run gathers. For a decode step
+    /// (`rows` = 1) this is the memory traffic that bounds its speed on a CPU, where the weights
+    /// do not fit in cache.
+    pub fn weight_bytes_read(&self, rows: usize) -> u64 {
+        let root = |mut v: usize| {
+            while let Storage::Alias(a) = self.values[v].storage {
+                v = a;
+            }
+            v
+        };
+        let (mut whole, mut gathered) = (BTreeSet::new(), BTreeSet::new());
+        for step in &self.steps {
+            for (i, &o) in step.operands.iter().enumerate() {
+                let v = root(o);
+                if matches!(self.values[v].storage, Storage::Param(_) | Storage::Const) {
+                    if matches!(step.op, Op::Gather) && i == 0 { gathered.insert(v) } else { whole.insert(v) };
+                }
+            }
+        }
+        let rows_of = |v: &usize| {
+            let value = &self.values[*v];
+            match value.shape[..] {
+                [Dim::Fixed(n), Dim::Fixed(k)] => value.format.bytes(rows.min(n), k),
+                _ => value_bytes(value),
+            }
+        };
+        whole.iter().map(|&v| value_bytes(&self.values[v])).sum::<u64>()
+            + gathered.difference(&whole).map(rows_of).sum::<u64>()
     }
 
     /// Per-slot byte sizes at the given symbol values (at least 4 bytes each).

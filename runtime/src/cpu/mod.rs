@@ -24,7 +24,8 @@
 //! The plan is target-neutral: projection weights are in the graph's `[out, in]` layout, f32 or
 //! quantized blocks (`[rows, k]`), which these kernels read as they are (the wgpu back end
 //! transposes its own copy), so an artifact compiled once runs on either engine. Work is spread
-//! over a rayon pool of `threads` threads.
+//! over a rayon pool of `threads` threads, whose other workers poll for each kernel's jobs while
+//! a run's steps go by ([`poll`]), rather than sleep and wake around every kernel.
 
 #![expect(
     clippy::indexing_slicing,
@@ -40,6 +41,7 @@ pub mod elementwise;
 pub mod isa;
 pub mod linear;
 pub mod math;
+mod poll;
 pub mod qdot;
 pub mod qdot_f32;
 #[cfg(test)]
@@ -612,7 +614,8 @@ impl CpuModel {
         let mut appended: HashMap<String, usize> = HashMap::new();
         // Values that are a cache buffer (a held past, or a present appended in place).
         let mut views = held.clone();
-        let run = self.pool.install(|| -> R<()> {
+        // The steps in order, the other workers polling for each kernel's jobs between them.
+        let run = poll::polling(&self.pool, || -> R<()> {
             for (i, step) in plan.steps.iter().enumerate() {
                 let start = std::time::Instant::now();
                 if let Some(site) = inplace.get(&i) {

@@ -43,6 +43,9 @@ impl DecodeArgs {
     }
 }
 
+/// The buffer the read bandwidth is measured on: far larger than any CPU's caches.
+const BANDWIDTH_BUFFER: usize = 1 << 29;
+
 /// Runs `kiln bench decode`.
 pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
     at_least_one(&[("--runs", args.runs), ("--seq", args.seq), ("--steps", args.steps)])?;
@@ -71,6 +74,15 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         kiln_runtime::Model::Cpu(_) => None,
     };
     let device_weights = (weight_bytes(&model), weight_bytes_json(&model));
+    // On the CPU, a decode step streams its weights from memory once: the bytes it reads and how
+    // fast these threads can read them bound its speed.
+    let bound = match device {
+        Device::Cpu { threads } => {
+            let bandwidth = kiln_runtime::measure::read_bandwidth(*threads, BANDWIDTH_BUFFER, 10)?;
+            Some((model.plan().weight_bytes_read(1), bandwidth))
+        }
+        Device::Gpu(_) | Device::Interp => None,
+    };
     let mut session = Session::new(model.into(), &outputs, usize::MAX)?;
     let vocab = fe.spec.spec.model.vocab as i64;
     let ids: Vec<i64> = (0..prompt as i64).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -98,6 +110,11 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         session.reset();
     }
     let (prefill, decode) = (Spread::of(&prefill), Spread::of(&decode));
+    // The weights' read rate at the median decode speed, and its share of the measured bandwidth.
+    let read = bound.map(|(bytes, bandwidth)| {
+        let rate = bytes as f64 * decode.median;
+        (bytes, bandwidth, rate, rate / bandwidth)
+    });
     let host = (!host.is_empty()).then(|| Spread::of(&host));
     if json {
         let out = serde_json::json!({
@@ -107,6 +124,8 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
             "host_us_per_step": host.as_ref().map(|h| h.median), "kernel_forms": forms,
             "host_us_per_step_min": host.as_ref().map(|h| h.min), "host_us_per_step_max": host.as_ref().map(|h| h.max),
+            "weight_bytes_per_step": read.map(|r| r.0), "read_bandwidth_gb_s": read.map(|r| r.1 / 1e9),
+            "decode_read_gb_s": read.map(|r| r.2 / 1e9), "decode_bandwidth_fraction": read.map(|r| r.3),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -128,6 +147,16 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             );
         }
         println!("  weights on the device: {}", device_weights.0);
+        if let Some((bytes, bandwidth, rate, fraction)) = read {
+            println!(
+                "  a decode step reads {} of weights: {:.1} GB/s at the median, {:.0}% of the {:.1} GB/s these threads \
+                 read from memory",
+                kiln_compiler::memory::human(bytes),
+                rate / 1e9,
+                100.0 * fraction,
+                bandwidth / 1e9
+            );
+        }
     }
     Ok(())
 }
