@@ -23,12 +23,13 @@ use kiln_compiler::graph::Op;
 use kiln_compiler::semantics::{activation, rope_frequencies, rotate};
 use rayon::prelude::*;
 
-/// Weight rows one task computes (for every row of `x`): 96 rows of a 576-wide Q4_1 weight are
-/// 40 KiB, which stay in L2 while every activation row passes over them. A multiple of the
-/// prefill kernels' tiles (8 and 12 rows, see [`qdot_f32`]), so no task ends on a part tile, and
-/// the widths of the small models (576, 960, 1536, 3072) split into whole blocks evenly over two
-/// threads (64 rows left SmolLM2's 576 as 5 blocks against 4).
-const ROW_BLOCK: usize = 96;
+/// The most weight rows one task computes (for every row of `x`): 96 rows of a 576-wide Q4_1
+/// weight are 40 KiB, which stay in L2 while every activation row passes over them.
+const MAX_ROW_BLOCK: usize = 96;
+
+/// Weight rows a prefill task's block is a whole number of tiles of: the AVX-512 prefill tile of
+/// [`qdot_f32`] (AVX2's tile of 8 loses at most part of one per task).
+const PREFILL_TILE: usize = 12;
 
 /// Multiply-adds below which the GEMM runs on one thread.
 const GEMM_THREADING: usize = 1 << 18;
@@ -299,7 +300,7 @@ pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut 
 
 /// `y [m, rows] = x [m, k] @ q^T`, from the blocks: with `int8`, each row of `x` quantized once to
 /// 8 bits per block of 32 and dotted in integer arithmetic ([`qdot`]); otherwise with the f32
-/// activations ([`exact`]). The weight's rows go in blocks of [`ROW_BLOCK`] over the pool.
+/// activations ([`exact`]). The weight's rows go in blocks over the pool ([`row_block`]).
 fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], int8: bool) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     if !int8 {
@@ -326,8 +327,8 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
 
 /// `y [m, rows] = x [m, k] @ q^T` with f32 activations, each weight block dequantized in
 /// registers ([`qdot_f32`]): the interpreter's products on the dequantized weight, up to
-/// summation order. The pool's threads take blocks of [`ROW_BLOCK`] weight rows, each dequantized
-/// once for every row of `x`.
+/// summation order. The pool's threads take blocks of weight rows ([`row_block`]), each
+/// dequantized once for every row of `x`.
 fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     let stride = q.format.row_words(k).ok_or_else(|| CpuError::Operands(format!("{} is not quantized", q.format)))?;
@@ -336,33 +337,46 @@ fn exact(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32]) -> R
     Ok(())
 }
 
-/// Runs `kernel(r0, len, out)` for every block of [`ROW_BLOCK`] weight rows over the pool, `out`
-/// holding `m` rows of `len` results (columns `r0 .. r0 + len` of `y [m, rows]`): for one row of
-/// `x` straight into `y`, otherwise into a buffer per block, written into place after.
+/// Rows a task of [`by_row_blocks`] computes of `rows` weight rows: as many blocks for each of
+/// `threads` threads, each at most [`MAX_ROW_BLOCK`] rows and a multiple of `tile` rows, so that
+/// the threads finish together. (A fixed 96 split Gemma 3's 640 rows into 7 blocks, 4 on one
+/// thread against 3; here 8 of 80 rows when decoding.)
+fn row_block(rows: usize, threads: usize, tile: usize) -> usize {
+    let per_thread = rows.div_ceil(threads.max(1));
+    let tasks = per_thread.div_ceil(MAX_ROW_BLOCK).max(1);
+    per_thread.div_ceil(tasks).next_multiple_of(tile.max(1)).max(1)
+}
+
+/// Runs `kernel(r0, len, out)` for every block of weight rows ([`row_block`]) over the pool,
+/// `out` holding `m` rows of `len` results (columns `r0 .. r0 + len` of `y [m, rows]`): for one
+/// row of `x` straight into `y`, otherwise into a buffer per block, written into place after.
 fn by_row_blocks(rows: usize, m: usize, y: &mut [f32], kernel: impl Fn(usize, usize, &mut [f32]) + Sync) {
+    let threads = rayon::current_num_threads();
     if m == 1 {
-        y.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(c, o)| kernel(c * ROW_BLOCK, o.len(), o));
+        let block = row_block(rows, threads, qdot_f32::TILE);
+        y.par_chunks_mut(block).enumerate().for_each(|(c, o)| kernel(c * block, o.len(), o));
         return;
     }
-    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
+    let block = row_block(rows, threads, PREFILL_TILE);
+    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(block))
         .into_par_iter()
         .map(|c| {
-            let r0 = c * ROW_BLOCK;
-            let len = ROW_BLOCK.min(rows - r0);
+            let r0 = c * block;
+            let len = block.min(rows - r0);
             let mut part = vec![0.0; m * len];
             kernel(r0, len, &mut part);
             part
         })
         .collect();
-    scatter(&blocks, m, rows, y);
+    scatter(&blocks, block, m, rows, y);
 }
 
-/// Writes per-block results (`m` rows of up to [`ROW_BLOCK`] columns each, block `c` holding
-/// columns `c * ROW_BLOCK ..`) into `y [m, rows]`.
-fn scatter(blocks: &[Vec<f32>], m: usize, rows: usize, y: &mut [f32]) {
+/// Writes per-block results (`m` rows of up to `block` columns each, block `c` holding columns
+/// `c * block ..`) into `y [m, rows]`.
+fn scatter(blocks: &[Vec<f32>], block: usize, m: usize, rows: usize, y: &mut [f32]) {
     for (c, part) in blocks.iter().enumerate() {
-        let r0 = c * ROW_BLOCK;
-        let len = ROW_BLOCK.min(rows - r0);
+        let r0 = c * block;
+        let len = block.min(rows - r0);
         for (i, p) in part.chunks(len).take(m).enumerate() {
             y[i * rows + r0..][..len].copy_from_slice(p);
         }
@@ -371,7 +385,25 @@ fn scatter(blocks: &[Vec<f32>], m: usize, rows: usize, y: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
-    use super::gemm_f32;
+    use super::{MAX_ROW_BLOCK, gemm_f32, row_block};
+
+    /// Blocks are whole tiles, at most the maximum, and as many for each thread: SmolLM2's and
+    /// Gemma 3's widths on two threads; and any width on any threads whole tiles of at most the
+    /// maximum.
+    #[test]
+    fn row_blocks_split_evenly_over_the_threads() {
+        for (rows, threads, tile, block) in
+            [(576, 2, 4, 96), (640, 2, 4, 80), (640, 2, 12, 84), (3072, 2, 12, 96), (49152, 2, 4, 96), (7, 4, 4, 4)]
+        {
+            assert_eq!(row_block(rows, threads, tile), block, "{rows} rows, {threads} threads, tiles of {tile}");
+        }
+        for rows in [1, 5, 100, 577, 4096, 262144] {
+            for threads in [1, 2, 3, 16] {
+                let b = row_block(rows, threads, 4);
+                assert!(b % 4 == 0 && b <= MAX_ROW_BLOCK, "{rows} rows, {threads} threads: {b}");
+            }
+        }
+    }
 
     #[test]
     fn gemm_f32_reads_the_layouts_it_is_given() {
