@@ -218,3 +218,36 @@ fn a_step_reads_each_weight_once_and_a_gathered_table_by_rows() {
         assert_eq!(quantized.weight_bytes_read(1), expected - 4 * elements(shape) + q8);
     }
 }
+
+/// Projections stacked at load (a packed QKV) whose parts differ in format stack in one that
+/// holds them all exactly: a Q5_0 query and key beside a Q8_0 value as Q8_0, not f32; parts with
+/// no such format (Q4_1 beside Q8_0) stay f32.
+#[test]
+fn mixed_formats_stack_in_a_format_that_holds_them_exactly() {
+    use kiln_compiler::lower::{Options, Storage, WeightFormat, lower_with};
+    let source = "[model]\nkind = \"decoder\"\nvocab = 64\nd_model = 64\nlayers = 1\nmax_positions = 16\n\
+                  [attention]\nheads = 2\n";
+    let fe = kiln_compiler::front_end("test.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
+    let graph = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
+    let stacked = |q: WeightFormat, v: WeightFormat| {
+        let formats = [("q", q), ("k", q), ("v", v)]
+            .into_iter()
+            .map(|(p, f)| (format!("layers.0.attn.{p}.weight"), f))
+            .collect();
+        let plan = lower_with(&graph, Options { formats, ..Options::default() });
+        // The projection reading the stack: its weight operand is a load-time constant.
+        let formats: Vec<WeightFormat> = plan
+            .steps
+            .iter()
+            .filter(|s| s.scope == "layers.0.attn" && matches!(s.op, kiln_compiler::graph::Op::Linear { .. }))
+            .flat_map(|s| s.operands.iter().map(|&o| &plan.values[o]))
+            .filter(|v| matches!(v.storage, Storage::Const))
+            .map(|v| v.format)
+            .collect();
+        assert_eq!(formats.len(), 1, "one stacked weight: {formats:?}");
+        formats[0]
+    };
+    assert_eq!(stacked(WeightFormat::Q8_0, WeightFormat::Q8_0), WeightFormat::Q8_0);
+    assert_eq!(stacked(WeightFormat::Q5_0, WeightFormat::Q8_0), WeightFormat::Q8_0);
+    assert_eq!(stacked(WeightFormat::Q4_1, WeightFormat::Q8_0), WeightFormat::F32);
+}

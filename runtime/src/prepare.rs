@@ -155,8 +155,14 @@ pub fn constants_except<'a>(
                 fold.operands.iter().map(|o| quant.get(o).map(|q| q.as_ref())).collect::<Option<_>>().ok_or_else(
                     || PrepareError::Invalid("internal error: a quantized fold reads a non-quantized value".into()),
                 )?;
+            let format = plan.values[fold.output].format;
             let q = match (&fold.op, args.as_slice()) {
-                (Op::Concat { axis: 0 }, _) => QuantWeight::stack(&args),
+                // Parts in other formats are re-encoded in the stack's, which holds them exactly.
+                (Op::Concat { axis: 0 }, _) => args
+                    .iter()
+                    .map(|a| a.exactly_as(format))
+                    .collect::<Option<Vec<QuantWeight>>>()
+                    .and_then(|parts| QuantWeight::stack(&parts.iter().collect::<Vec<_>>())),
                 (Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
                 (Op::Slice { axis: 0, start, len }, [a]) => a.rows(*start, *len),
                 _ => None,

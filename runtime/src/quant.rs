@@ -88,6 +88,31 @@ impl QuantWeight {
         Some(QuantWeight { format: self.format, rows: rows.len(), k: self.k, words })
     }
 
+    /// The same values in `format`, where it holds every value of this weight's format exactly
+    /// ([`WeightFormat::holds_exactly`]: Q5_0 in Q8_0, each block's quants at its scale); `None`
+    /// for any other pair.
+    pub fn exactly_as(&self, format: WeightFormat) -> Option<QuantWeight> {
+        if format == self.format {
+            return Some(self.clone());
+        }
+        if !(format.holds_exactly(self.format) && format == WeightFormat::Q8_0) {
+            return None;
+        }
+        let nb = self.k / BLOCK;
+        let mut words = Vec::with_capacity(self.rows * format.row_words(self.k)?);
+        for row in self.words.chunks_exact(self.stride().max(1)) {
+            let blocks: Vec<Block> = (0..nb).map(|b| block(self.format, row, self.k, b)).collect::<Option<_>>()?;
+            // Q8_0's row: the blocks' scales, then each block's 32 quants as bytes.
+            words.extend(blocks.iter().map(|b| b.scale[0].to_bits()));
+            for b in &blocks {
+                for q in b.q.chunks_exact(4) {
+                    words.push(u32::from_le_bytes([q[0] as i8 as u8, q[1] as i8 as u8, q[2] as i8 as u8, q[3] as i8 as u8]));
+                }
+            }
+        }
+        Some(QuantWeight { format, rows: self.rows, k: self.k, words })
+    }
+
     /// The rows of `parts` stacked (all of one format and `k`), or `None` if they differ.
     pub fn stack(parts: &[&QuantWeight]) -> Option<QuantWeight> {
         let first = parts.first()?;
@@ -517,6 +542,35 @@ mod tests {
                 assert!((a - 0.5 * b).abs() <= 1e-6 * b.abs().max(1.0), "{format}");
             }
         }
+    }
+
+    /// A weight re-encoded in a format that holds its values exactly dequantizes to the same bits
+    /// (Q5_0 as Q8_0, zeros and extremes included), and stacks with that format's weights; no
+    /// other pair is re-encoded.
+    #[test]
+    fn q5_0_is_held_exactly_as_q8_0() {
+        let mut x = data(3, 96).as_f32().unwrap().to_vec();
+        x[..32].fill(0.0);
+        x[32] = 1e4;
+        x[40] = -1e4;
+        let t = Tensor::f32(vec![3, 96], x);
+        let q5 = QuantWeight::quantize(WeightFormat::Q5_0, &t).unwrap();
+        let q8 = q5.exactly_as(WeightFormat::Q8_0).unwrap();
+        assert_eq!(q8.format, WeightFormat::Q8_0);
+        assert_eq!(q8.words.len(), 3 * WeightFormat::Q8_0.row_words(96).unwrap());
+        let bits = |q: &QuantWeight| q.dequantize().as_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&q8), bits(&q5));
+        let other = QuantWeight::quantize(WeightFormat::Q8_0, &data(2, 96)).unwrap();
+        let stacked = QuantWeight::stack(&[&q8, &other]).unwrap();
+        assert_eq!(bits(&stacked), [bits(&q5), bits(&other)].concat());
+        assert_eq!(q5.exactly_as(WeightFormat::Q5_0).unwrap(), q5);
+        for (from, to) in [(WeightFormat::Q8_0, WeightFormat::Q5_0), (WeightFormat::Q4_1, WeightFormat::Q8_0)] {
+            let q = QuantWeight::quantize(from, &t).unwrap();
+            assert!(q.exactly_as(to).is_none(), "{from} as {to}");
+            assert!(!to.holds_exactly(from));
+        }
+        assert_eq!(WeightFormat::common_exact(&[WeightFormat::Q5_0, WeightFormat::Q8_0]), Some(WeightFormat::Q8_0));
+        assert_eq!(WeightFormat::common_exact(&[WeightFormat::Q4_K, WeightFormat::Q6_K]), None);
     }
 
     #[test]

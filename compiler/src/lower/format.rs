@@ -87,6 +87,21 @@ pub const BLOCK: usize = 32;
 pub const SUPER_BLOCK: usize = 256;
 
 impl WeightFormat {
+    /// Whether this format holds every value of `other` exactly, so a weight of `other` can be
+    /// re-encoded in it at load without a change: itself, and Q5_0 in Q8_0 (Q5_0's quants,
+    /// -16..15 times the block's scale, are Q8_0's at the same scale). Stacked projections whose
+    /// parts differ in format (llama.cpp's mixes give a Q5_0 query and key beside a Q8_0 value
+    /// where rows are not whole K-quant super-blocks) are stacked in such a format.
+    pub fn holds_exactly(self, other: WeightFormat) -> bool {
+        self == other || (self == WeightFormat::Q8_0 && other == WeightFormat::Q5_0)
+    }
+
+    /// The format among `formats` that holds all of them exactly ([`WeightFormat::holds_exactly`]),
+    /// if any.
+    pub fn common_exact(formats: &[WeightFormat]) -> Option<WeightFormat> {
+        formats.iter().copied().find(|f| formats.iter().all(|&o| f.holds_exactly(o)))
+    }
+
     /// Whether this is a block quantization (read in the untransposed layout).
     pub fn quantized(self) -> bool {
         !matches!(self, WeightFormat::F32 | WeightFormat::F16)

@@ -197,11 +197,15 @@ impl Lowering<'_> {
                 match fold {
                     Some(Fold { op: op @ (Op::Concat { axis: 0 } | Op::Scale { .. }), operands, .. }) => {
                         let views: Option<Vec<usize>> = operands.iter().map(|&o| self.quantized(o)).collect();
-                        match views {
-                            Some(views)
-                                if views.iter().all(|&q| self.values[q].format == self.values[views[0]].format) =>
-                            {
-                                let format = self.values[views[0]].format;
+                        // Parts of one format stack in it; of several, in one that holds them all
+                        // exactly (see `WeightFormat::holds_exactly`), the runtime re-encoding the
+                        // others when it folds them.
+                        let format = views.as_ref().and_then(|views| {
+                            let formats: Vec<WeightFormat> = views.iter().map(|&q| self.values[q].format).collect();
+                            WeightFormat::common_exact(&formats)
+                        });
+                        match (views, format) {
+                            (Some(views), Some(format)) => {
                                 let value = Value { format, ..self.values[w].clone() };
                                 self.values.push(value);
                                 let id = self.values.len() - 1;
