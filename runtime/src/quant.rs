@@ -105,8 +105,8 @@ impl QuantWeight {
             // Q8_0's row: the blocks' scales, then each block's 32 quants as bytes.
             words.extend(blocks.iter().map(|b| b.scale[0].to_bits()));
             for b in &blocks {
-                for q in b.q.chunks_exact(4) {
-                    words.push(u32::from_le_bytes([q[0] as i8 as u8, q[1] as i8 as u8, q[2] as i8 as u8, q[3] as i8 as u8]));
+                for q in b.q.as_chunks::<4>().0 {
+                    words.push(u32::from_le_bytes(q.map(|q| q as i8 as u8)));
                 }
             }
         }
