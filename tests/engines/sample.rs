@@ -83,9 +83,10 @@ fn device_sampler_equals_the_host_sampler() {
     let Some(gpu) = common::gpu() else { return };
     let mut device = DeviceSampler::new(gpu).unwrap();
     let mut mismatches = Vec::new();
-    // One token; fewer tokens than invocations; many per invocation (SmolLM2's vocabulary: one
-    // workgroup strides it 192 times).
-    for (vocab, rows, draws) in [(1, 2, 2), (7, 6, 4), (300, 8, 4), (4099, 6, 3), (49152, 2, 2)] {
+    // One token; fewer tokens than invocations; many per invocation; a first pass in parts
+    // (`sample::PARTS_FROM` and up: 12289 is three chunks and one logit, the last row of four
+    // masked; SmolLM2's 49152 twelve chunks, a row of ties).
+    for (vocab, rows, draws) in [(1, 2, 2), (7, 6, 4), (300, 8, 4), (4099, 6, 3), (12289, 4, 2), (49152, 2, 2)] {
         mismatches.extend(compare(&mut device, vocab, rows, draws, vocab as u64));
     }
     assert!(mismatches.is_empty(), "{} mismatches:\n{}", mismatches.len(), mismatches.join("\n"));
@@ -167,7 +168,10 @@ fn a_row_holding_a_nan_is_refused_on_the_device() {
     let mut device = DeviceSampler::new(gpu).unwrap();
     let mut one = Rng(5).row(1000, 2.0, false, true);
     one[617] = f32::NAN;
-    let rows = [one, vec![f32::NAN; 40], vec![f32::NAN, f32::INFINITY, 1.0]];
+    // A NaN in the last chunk of a row sampled in parts, and one a penalty would not touch.
+    let mut long = Rng(6).row(10_000, 2.0, false, false);
+    long[9_999] = f32::NAN;
+    let rows = [one, vec![f32::NAN; 40], vec![f32::NAN, f32::INFINITY, 1.0], long];
     for (r, logits) in rows.iter().enumerate() {
         for &(t, k, p, penalty) in &SETTINGS {
             let mut sampler = Sampler::new(t, k, p, penalty, 1).unwrap();

@@ -241,6 +241,11 @@ impl Gpu {
     }
 
     pub(crate) fn pipeline(&self, label: &str, wgsl: &str) -> wgpu::ComputePipeline {
+        self.pipeline_of(label, wgsl, "main")
+    }
+
+    /// [`Gpu::pipeline`] of the module's entry point `entry`.
+    pub(crate) fn pipeline_of(&self, label: &str, wgsl: &str, entry: &str) -> wgpu::ComputePipeline {
         let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(label),
             source: wgpu::ShaderSource::Wgsl(std::borrow::Cow::Borrowed(wgsl)),
@@ -249,7 +254,7 @@ impl Gpu {
             label: Some(label),
             layout: None,
             module: &module,
-            entry_point: Some("main"),
+            entry_point: Some(entry),
             compilation_options: Default::default(),
             cache: None,
         })

@@ -7,7 +7,8 @@
 //! A step records, on the forward pass's own command encoder (`GpuModel::run_lending` lends it
 //! the `logits` output): the copy of the last row out of the output's buffers (a prefill's
 //! logits may span several chunk buffers; the row is copied range by range) into the sampler's
-//! row buffer, the dispatch of the kernel (one workgroup) and the copy of the id into a mappable
+//! row buffer, the dispatch of the kernel (one workgroup, after the `parts` entry point's
+//! workgroups over a long row's chunks: see the kernel's docs) and the copy of the id into a mappable
 //! buffer. The settings, the uniform drawn from the [`Sampler`]'s own SplitMix64 state (so a seed
 //! gives the same stream of draws as on the host) and the penalized ids are written to their
 //! buffers before the submission. One submission, one wait, one id read.
@@ -20,7 +21,7 @@ use super::run::Lent;
 use super::tensor::{STORAGE, copy_range};
 use super::{Gpu, GpuError};
 use crate::sample::{Pick, Sampled, Sampler};
-use kiln_compiler::back::wgsl::sample::{KERNEL, MAX_VOCAB, Settings};
+use kiln_compiler::back::wgsl::sample::{KERNEL, MAX_VOCAB, PART_WORDS, Settings, parts};
 use std::sync::Arc;
 
 /// The sampling kernel's pipeline on a device, and the buffers a pick reads and writes (kept
@@ -28,6 +29,8 @@ use std::sync::Arc;
 pub struct DeviceSampler {
     gpu: Arc<Gpu>,
     pipeline: wgpu::ComputePipeline,
+    /// The `parts` entry point's pipeline: a long row's first pass over many workgroups.
+    parts_pipeline: wgpu::ComputePipeline,
     /// The [`Settings`] uniform.
     settings: wgpu::Buffer,
     /// The picked id, and the mappable buffer it is copied into.
@@ -37,8 +40,11 @@ pub struct DeviceSampler {
     row: Option<(u64, wgpu::Buffer)>,
     /// The penalized ids, and their bytes.
     seen: Option<(u64, wgpu::Buffer)>,
-    /// The bind group of the buffers above, rebuilt when one is replaced.
-    group: Option<wgpu::BindGroup>,
+    /// The parts of a long row's first pass, and their bytes.
+    parts: Option<(u64, wgpu::Buffer)>,
+    /// The bind groups of the buffers above (`main`'s, the `parts` entry point's), rebuilt when
+    /// one is replaced.
+    group: Option<(wgpu::BindGroup, wgpu::BindGroup)>,
 }
 
 /// What a recorded pick reads back after the submission: the row, when asked for, staged in a
@@ -53,12 +59,28 @@ impl DeviceSampler {
     /// Builds the kernel's pipeline on `gpu`.
     pub fn new(gpu: Arc<Gpu>) -> Result<DeviceSampler, GpuError> {
         let pipeline = gpu.pipeline("sample", KERNEL);
-        let settings =
-            gpu.buffer("sampler settings", 32, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
+        let parts_pipeline = gpu.pipeline_of("sample parts", KERNEL, "parts");
+        let settings_bytes = 4 * Settings::default().words().len() as u64;
+        let settings = gpu.buffer(
+            "sampler settings",
+            settings_bytes,
+            wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        )?;
         let picked = gpu.buffer("sampled token", 4, STORAGE)?;
         let staging = gpu.buffer("sampled token", 4, READ)?;
         gpu.check_lost()?;
-        Ok(DeviceSampler { gpu, pipeline, settings, picked, staging, row: None, seen: None, group: None })
+        Ok(DeviceSampler {
+            gpu,
+            pipeline,
+            parts_pipeline,
+            settings,
+            picked,
+            staging,
+            row: None,
+            seen: None,
+            parts: None,
+            group: None,
+        })
     }
 
     /// Whether the kernel samples a row of `vocab` logits on `gpu`: in one buffer, and within
@@ -103,6 +125,8 @@ impl DeviceSampler {
             gpu.queue.write_buffer(&seen_buffer, 0, bytemuck::cast_slice(&seen));
         }
         let draw = sampler.draw();
+        let parts = parts(vocab as u32);
+        let parts_buffer = self.grow_parts(4 * u64::from(PART_WORDS * parts.max(1)))?;
         let settings = Settings {
             vocab: vocab as u32,
             top_k: u32::try_from(sampler.top_k).unwrap_or(u32::MAX),
@@ -113,29 +137,45 @@ impl DeviceSampler {
             penalty: sampler.repetition_penalty,
             // In f32, below 1 as the draw is.
             uniform: (draw.unwrap_or(0.0) as f32).min(1.0 - f32::EPSILON / 2.0),
+            parts,
         };
         gpu.queue.write_buffer(&self.settings, 0, bytemuck::cast_slice(&settings.words()));
 
-        let group = match &self.group {
-            Some(group) => group.clone(),
+        let (group, parts_group) = match &self.group {
+            Some(groups) => groups.clone(),
             None => {
-                let entries: Vec<wgpu::BindGroupEntry> = [&self.settings, &self.picked, &row, &seen_buffer]
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, buffer)| wgpu::BindGroupEntry { binding: i as u32, resource: buffer.as_entire_binding() })
-                    .collect();
-                let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("sample"),
-                    layout: &self.pipeline.get_bind_group_layout(0),
-                    entries: &entries,
-                });
-                self.group = Some(group.clone());
-                group
+                // Each pipeline's layout holds the bindings its entry point reads: the `parts`
+                // entry point writes no id (binding 1).
+                let buffers = [&self.settings, &self.picked, &row, &seen_buffer, &parts_buffer];
+                let group = |label, pipeline: &wgpu::ComputePipeline, skip: Option<usize>| {
+                    let entries: Vec<wgpu::BindGroupEntry> = buffers
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| Some(*i) != skip)
+                        .map(|(i, buffer)| wgpu::BindGroupEntry {
+                            binding: i as u32,
+                            resource: buffer.as_entire_binding(),
+                        })
+                        .collect();
+                    gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(label),
+                        layout: &pipeline.get_bind_group_layout(0),
+                        entries: &entries,
+                    })
+                };
+                let groups = (group("sample", &self.pipeline, None), group("sample parts", &self.parts_pipeline, Some(1)));
+                self.group = Some(groups.clone());
+                groups
             }
         };
         {
             let mut pass = encoder
                 .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("sample"), timestamp_writes: None });
+            if parts > 0 {
+                pass.set_pipeline(&self.parts_pipeline);
+                pass.set_bind_group(0, &parts_group, &[]);
+                pass.dispatch_workgroups(parts, 1, 1);
+            }
             pass.set_pipeline(&self.pipeline);
             pass.set_bind_group(0, &group, &[]);
             pass.dispatch_workgroups(1, 1, 1);
@@ -191,11 +231,16 @@ impl DeviceSampler {
         DeviceSampler::grow(&self.gpu, &mut self.seen, &mut self.group, "penalized tokens", bytes)
     }
 
-    /// `held`, replaced by a buffer of `bytes` if it is smaller (forgetting the bind group).
+    /// The parts buffer, replaced by one of `bytes` if it is smaller.
+    fn grow_parts(&mut self, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        DeviceSampler::grow(&self.gpu, &mut self.parts, &mut self.group, "sampling parts", bytes)
+    }
+
+    /// `held`, replaced by a buffer of `bytes` if it is smaller (forgetting the bind groups).
     fn grow(
         gpu: &Gpu,
         held: &mut Option<(u64, wgpu::Buffer)>,
-        group: &mut Option<wgpu::BindGroup>,
+        group: &mut Option<(wgpu::BindGroup, wgpu::BindGroup)>,
         what: &str,
         bytes: u64,
     ) -> Result<wgpu::Buffer, GpuError> {

@@ -26,6 +26,14 @@
 //!    unreached). `uniform` is drawn on the host from the sampler's SplitMix64 state, so a seed
 //!    gives one stream of draws on either side.
 //!
+//! **Parts.** A long row's first pass (the penalty, the argmax, the largest finite logit and the
+//! counts) runs over many workgroups: with `parts > 0` the `parts` entry point, dispatched with
+//! `parts` workgroups before `main`, takes a chunk of [`CHUNK`] logits each, applies the penalty
+//! of the seen ids in its chunk and writes its chunk's five figures to binding 4; `main` then
+//! combines the parts instead of reading the row, so greedy decoding (the argmax alone) reads the
+//! row once across the device rather than from one workgroup. [`parts`] says how many a row
+//! takes: none below [`PARTS_FROM`] logits, where one workgroup's pass is as fast.
+//!
 //! No sort: one workgroup finds each cut with a radix search. The candidate order is the order of
 //! a 64-bit key, `(order_key(v), !id)` descending, and "the first candidate at which a running
 //! count (top-k) or weight (top-p, the draw) reaches a target" is found four bits at a time from
@@ -39,7 +47,10 @@
 //!
 //! Bindings: `0` the [`Settings`] uniform, `1` the picked id (one `u32`, written by invocation
 //! 0), `2` the logits row (read-write: the penalty is applied in place), `3` the seen ids (`u32`,
-//! each once; at least one element, unread when `seen == 0`). Dispatch one workgroup.
+//! each once; at least one element, unread when `seen == 0`), `4` the parts (five words each:
+//! the chunk's argmax logit's bits and id, its largest finite logit's bits, its finite logits and
+//! its NaNs; at least one element, unread when `parts == 0`). Dispatch `parts` workgroups of the
+//! `parts` entry point (when `parts > 0`), then one of `main`.
 
 /// Invocations of the kernel's one workgroup.
 pub const INVOCATIONS: u32 = 256;
@@ -50,8 +61,22 @@ pub const NAN_ROW: u32 = 0xffff_fffe;
 /// The most tokens the kernel samples from: counts are summed in f32, exact below 2^24.
 pub const MAX_VOCAB: u32 = 1 << 24;
 
+/// Logits one workgroup of the `parts` entry point takes: 16 for each invocation.
+pub const CHUNK: u32 = 16 * INVOCATIONS;
+
+/// The shortest row whose first pass runs in parts (two chunks).
+pub const PARTS_FROM: u32 = 2 * CHUNK;
+
+/// Words a part holds in binding 4.
+pub const PART_WORDS: u32 = 5;
+
+/// The workgroups of the `parts` entry point a row of `vocab` logits takes (0: `main` alone).
+pub fn parts(vocab: u32) -> u32 {
+    if vocab >= PARTS_FROM { vocab.div_ceil(CHUNK) } else { 0 }
+}
+
 /// The sampler's settings, as the kernel's uniform (binding 0) holds them.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Settings {
     /// Logits in the row (at most [`MAX_VOCAB`]).
     pub vocab: u32,
@@ -69,11 +94,14 @@ pub struct Settings {
     pub penalty: f32,
     /// The draw, uniform in [0, 1).
     pub uniform: f32,
+    /// Parts the row's first pass ran in ([`parts`]; 0: `main` reads the row itself).
+    pub parts: u32,
 }
 
 impl Settings {
-    /// The uniform's eight words, in the order of the WGSL struct.
-    pub fn words(&self) -> [u32; 8] {
+    /// The uniform's twelve words, in the order of the WGSL struct (the last three padding, to
+    /// a multiple of 16 bytes).
+    pub fn words(&self) -> [u32; 12] {
         [
             self.vocab,
             self.top_k,
@@ -83,6 +111,10 @@ impl Settings {
             self.top_p.to_bits(),
             self.penalty.to_bits(),
             self.uniform.to_bits(),
+            self.parts,
+            0,
+            0,
+            0,
         ]
     }
 }
@@ -98,14 +130,20 @@ struct Settings {
     top_p: f32,
     penalty: f32,
     uniform: f32,
+    parts: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> s: Settings;
 @group(0) @binding(1) var<storage, read_write> picked: array<u32>;
 @group(0) @binding(2) var<storage, read_write> row: array<f32>;
 @group(0) @binding(3) var<storage, read> seen: array<u32>;
+@group(0) @binding(4) var<storage, read_write> part: array<u32>;
 
 const WG: u32 = 256u;
+const CHUNK: u32 = 4096u;
 const NONE: u32 = 0xffffffffu;
 const NAN_ROW: u32 = 0xfffffffeu;
 const F32_MAX: f32 = 3.40282347e38;
@@ -306,46 +344,59 @@ fn kept_weight(lane: u32, bound: vec2<u32>, top: f32) -> f32 {
     return sum_all(lane, x);
 }
 
-@compute @workgroup_size(256)
-fn main(@builtin(local_invocation_index) lane: u32) {
-    // 1. The repetition penalty, once per seen id.
+// Applies the repetition penalty to the seen ids in `start..end`.
+fn penalize(lane: u32, start: u32, end: u32) {
     for (var j = lane; j < s.seen; j += WG) {
         let t = seen[j];
-        if t < s.vocab {
+        if t >= start && t < end {
             let v = row[t];
             row[t] = select(v * s.penalty, v / s.penalty, v > 0.0);
         }
     }
+    storageBarrier();
+    workgroupBarrier();
+}
+
+// A lane's (or a workgroup's) share of the first pass: the argmax (logit, id), the largest
+// finite logit, the finite logits and the NaNs.
+struct First {
+    bv: f32,
+    bi: u32,
+    top: f32,
+    n: u32,
+    nan: u32,
+}
+
+// This lane's first pass over `start..end`.
+fn first_pass(lane: u32, start: u32, end: u32) -> First {
+    var f = First(0.0, NONE, -F32_MAX, 0u, 0u);
+    for (var i = start + lane; i < end; i += WG) {
+        let v = row[i];
+        f.nan += select(0u, 1u, is_nan(v));
+        if beats(v, i, f.bv, f.bi) {
+            f.bv = v;
+            f.bi = i;
+        }
+        if is_finite(v) {
+            f.top = max(f.top, v);
+            f.n += 1u;
+        }
+    }
+    return f;
+}
+
+// The workgroup's first pass: every lane's combined (the same for every lane).
+fn reduce_first(lane: u32, f: First) -> First {
     if lane == 0u {
         atomicStore(&finite, 0u);
         atomicStore(&nans, 0u);
     }
-    storageBarrier();
     workgroupBarrier();
-
-    // 2. The argmax, the largest finite logit and the number of finite logits (and of NaNs).
-    var bv = 0.0;
-    var bi = NONE;
-    var top = -F32_MAX;
-    var n = 0u;
-    var nan = 0u;
-    for (var i = lane; i < s.vocab; i += WG) {
-        let v = row[i];
-        nan += select(0u, 1u, is_nan(v));
-        if beats(v, i, bv, bi) {
-            bv = v;
-            bi = i;
-        }
-        if is_finite(v) {
-            top = max(top, v);
-            n += 1u;
-        }
-    }
-    atomicAdd(&finite, n);
-    atomicAdd(&nans, nan);
-    red_f[lane] = bv;
-    red_u[lane] = bi;
-    red_f[WG + lane] = top;
+    atomicAdd(&finite, f.n);
+    atomicAdd(&nans, f.nan);
+    red_f[lane] = f.bv;
+    red_u[lane] = f.bi;
+    red_f[WG + lane] = f.top;
     workgroupBarrier();
     for (var h = WG / 2u; h > 0u; h >>= 1u) {
         if lane < h {
@@ -357,10 +408,58 @@ fn main(@builtin(local_invocation_index) lane: u32) {
         }
         workgroupBarrier();
     }
-    let argmax = red_u[0];
-    top = red_f[WG];
-    let candidates = workgroupUniformLoad(&finite);
-    if workgroupUniformLoad(&nans) != 0u {
+    let out = First(red_f[0], red_u[0], red_f[WG], workgroupUniformLoad(&finite), workgroupUniformLoad(&nans));
+    workgroupBarrier();
+    return out;
+}
+
+// A chunk of the row's first pass (see the module docs): the penalty of its seen ids, then its
+// figures into its part.
+@compute @workgroup_size(256)
+fn parts(@builtin(local_invocation_index) lane: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+    let start = wg.x * CHUNK;
+    let end = min(start + CHUNK, s.vocab);
+    penalize(lane, start, end);
+    let f = reduce_first(lane, first_pass(lane, start, end));
+    if lane == 0u {
+        let at = 5u * wg.x;
+        part[at] = bitcast<u32>(f.bv);
+        part[at + 1u] = f.bi;
+        part[at + 2u] = bitcast<u32>(f.top);
+        part[at + 3u] = f.n;
+        part[at + 4u] = f.nan;
+    }
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lane: u32) {
+    // 1. The repetition penalty, once per seen id (in parts, by the parts already).
+    if s.parts == 0u {
+        penalize(lane, 0u, s.vocab);
+    }
+    // 2. The argmax, the largest finite logit and the number of finite logits (and of NaNs): of
+    // the row, or of its parts.
+    var f = First(0.0, NONE, -F32_MAX, 0u, 0u);
+    if s.parts == 0u {
+        f = first_pass(lane, 0u, s.vocab);
+    } else {
+        for (var j = lane; j < s.parts; j += WG) {
+            let at = 5u * j;
+            let v = bitcast<f32>(part[at]);
+            if beats(v, part[at + 1u], f.bv, f.bi) {
+                f.bv = v;
+                f.bi = part[at + 1u];
+            }
+            f.top = max(f.top, bitcast<f32>(part[at + 2u]));
+            f.n += part[at + 3u];
+            f.nan += part[at + 4u];
+        }
+    }
+    let totals = reduce_first(lane, f);
+    let argmax = totals.bi;
+    let top = totals.top;
+    let candidates = totals.n;
+    if totals.nan != 0u {
         if lane == 0u {
             picked[0] = NAN_ROW;
         }
@@ -403,10 +502,13 @@ mod tests {
         assert!(KERNEL.contains(&format!("@workgroup_size({INVOCATIONS})")));
         assert!(KERNEL.contains(&format!("const WG: u32 = {INVOCATIONS}u;")));
         assert!(KERNEL.contains(&format!("const NAN_ROW: u32 = {NAN_ROW:#x}u;")));
+        assert!(KERNEL.contains(&format!("const CHUNK: u32 = {CHUNK}u;")));
+        assert!(KERNEL.contains(&format!("let at = {PART_WORDS}u * wg.x;")));
+        assert_eq!((parts(PARTS_FROM - 1), parts(PARTS_FROM), parts(262_144)), (0, 2, 64));
     }
 
     #[test]
-    fn settings_are_eight_words_in_struct_order() {
+    fn settings_are_twelve_words_in_struct_order() {
         let s = Settings {
             vocab: 7,
             top_k: 3,
@@ -416,7 +518,9 @@ mod tests {
             top_p: 0.9,
             penalty: 1.1,
             uniform: 0.25,
+            parts: 9,
         };
-        assert_eq!(s.words(), [7, 3, 2, 1, 0.5f32.to_bits(), 0.9f32.to_bits(), 1.1f32.to_bits(), 0.25f32.to_bits()]);
+        let words = [7, 3, 2, 1, 0.5f32.to_bits(), 0.9f32.to_bits(), 1.1f32.to_bits(), 0.25f32.to_bits(), 9, 0, 0, 0];
+        assert_eq!(s.words(), words);
     }
 }
