@@ -1,5 +1,5 @@
 //! The AVX2 and FMA implementation: 8 lanes; prefill micro-tiles of 4 weight rows by 2 activation
-//! rows (16 registers); Q5_0, Q4_K and Q6_K through the portable block dequantization.
+//! rows (16 registers); Q5_0, Q4_K and Q6_K dequantized in registers too, as with AVX-512.
 //!
 //! Inside a `#[target_feature]` function the register-only intrinsics of its features are safe;
 //! the loads and stores through raw pointers are not, and say why they hold.
@@ -100,7 +100,89 @@ mod ops {
         ]
     }
 
-    buffered_kquant!("avx");
+    /// Block `b` of a Q5_0, Q4_K or Q6_K row (format tag `F`, `nb` blocks) dequantized in
+    /// registers, each element as [`crate::quant::block`] gives it and
+    /// [`dequant_block`](super::super::dequant_block) scales it (`q * scale`, plus Q4_K's
+    /// minimum after the multiply), the AVX-512 kernel's arithmetic on 8 lanes: vector `v` holds
+    /// elements `8 v..8 v + 8`, from bytes `8 v..` of the block's quants (Q5_0 and Q4_1's
+    /// layout: bytes `8 (v % 2)..` of the 16, their low nibbles for `v < 2`, high ones after).
+    ///
+    /// # Safety
+    ///
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+        use super::super::{F_Q4_K, F_Q5_0};
+        debug_assert!(b < nb, "block {b} of {nb}");
+        let ns = nb / 8;
+        // SAFETY (all reads): words of the caller's whole row, in the layouts of
+        // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
+        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
+        // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
+        // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes8` reads 8 bytes at
+        // `part` 0 to 3 of the words from `at`, inside the 4 or 8 words named).
+        let word = |i: usize| unsafe { row.add(i).read() };
+        let bytes8 = |at: usize, part: usize| unsafe {
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(at + 2 * part).cast::<__m128i>()))
+        };
+        let shift = |v: __m256i, n: u32| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+        let fifteen = _mm256_set1_epi32(15);
+        match F {
+            F_Q5_0 => {
+                let (d, fifth) = (_mm256_set1_ps(f32::from_bits(word(b))), word(nb + b));
+                let sixteen = _mm256_set1_epi32(16);
+                let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let mut out = [_mm256_setzero_ps(); BV];
+                for (v, o) in out.iter_mut().enumerate() {
+                    let q = bytes8(2 * nb + 4 * b, v % 2);
+                    let q = if v < 2 { _mm256_and_si256(q, fifteen) } else { _mm256_srli_epi32::<4>(q) };
+                    // Element `8 v + lane`'s fifth bit, times 16.
+                    let bits = _mm256_srlv_epi32(_mm256_set1_epi32((fifth >> (8 * v)) as i32), lanes);
+                    let q = _mm256_add_epi32(q, _mm256_slli_epi32::<4>(_mm256_and_si256(bits, _mm256_set1_epi32(1))));
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)), d);
+                }
+                out
+            }
+            F_Q4_K => {
+                let s = b / 8;
+                let mut packed = [0u8; 12];
+                for (i, w) in packed.chunks_exact_mut(4).enumerate() {
+                    w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
+                }
+                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
+                let scale = _mm256_set1_ps(f32::from_bits(word(s)) * f32::from(sc));
+                let min = _mm256_set1_ps(-(f32::from_bits(word(ns + s)) * f32::from(m)));
+                let at = 5 * ns + 8 * (b / 2);
+                let nibble = 4 * (b % 2) as u32;
+                let mut out = [_mm256_setzero_ps(); BV];
+                for (v, o) in out.iter_mut().enumerate() {
+                    let q = _mm256_and_si256(shift(bytes8(at, v), nibble), fifteen);
+                    *o = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), min);
+                }
+                out
+            }
+            _ => {
+                let (s, c8) = (b / 8, b % 8);
+                let (h, c) = (c8 / 4, c8 % 4);
+                let d = f32::from_bits(word(s));
+                // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
+                let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
+                let scales = (d * f32::from(pair as u8 as i8), d * f32::from((pair >> 8) as u8 as i8));
+                let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
+                let mut out = [_mm256_setzero_ps(); BV];
+                for (v, o) in out.iter_mut().enumerate() {
+                    let l = _mm256_and_si256(shift(bytes8(low, v), 4 * (c / 2) as u32), fifteen);
+                    let hh = _mm256_and_si256(shift(bytes8(high, v), 2 * c as u32), _mm256_set1_epi32(3));
+                    let q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32::<4>(hh)), _mm256_set1_epi32(32));
+                    // Elements 0..16 take the first scale, 16..32 the second.
+                    let scale = if v < 2 { scales.0 } else { scales.1 };
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale));
+                }
+                out
+            }
+        }
+    }
 
     /// The lane sums of `a[0..4]`.
     #[target_feature(enable = "avx")]

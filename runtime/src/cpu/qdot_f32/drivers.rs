@@ -11,10 +11,10 @@
 //! a multiple of `SUB` and of 4), and groups of `MR` activation rows (up to 4); `zero`, `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane
 //! sums of 4 vectors), and the block dequantizations `q8`, `q4` and `kquant`.
 
-/// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (AVX2,
-/// NEON): the block through [`buffered_block`], loaded from its lines. Expanded inside the
-/// module, whose `V`, `BV`, `LANES`, `zero` and `load` it uses, for `$features`.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+/// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (NEON):
+/// the block through [`buffered_block`], loaded from its lines. Expanded inside the module, whose
+/// `V`, `BV`, `LANES`, `zero` and `load` it uses, for `$features`.
+#[cfg(target_arch = "aarch64")]
 macro_rules! buffered_kquant {
     ($features:literal) => {
         /// A block of the formats without vector dequantization here (Q5_0, Q4_K, Q6_K), through

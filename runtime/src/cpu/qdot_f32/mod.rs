@@ -10,8 +10,8 @@
 //!
 //! The weights are read in the device layout of [`kiln_compiler::lower::format`] (per row the
 //! block scales, Q4_1's minimums, then the quants as `u32` words). Q5_0, Q4_K and Q6_K are read
-//! by the same drivers, a block of 32 at a time: with AVX-512 dequantized in registers too, with
-//! AVX2 and NEON by the portable [`crate::quant::block`] into a buffer the vector code then loads
+//! by the same drivers, a block of 32 at a time: with AVX-512 and AVX2 dequantized in registers
+//! too, with NEON by the portable [`crate::quant::block`] into a buffer the vector code then loads
 //! (exactly the same values either way). Two shapes of work:
 //!
 //! - **Decode** ([`dot_rows_f32`], and [`gemm_rows_f32`] with a few activation rows: up to 4
@@ -274,12 +274,12 @@ fn dequant_block(format: WeightFormat, row: &[u32], nb: usize, b: usize, w: &mut
 
 /// Block `b` of the row at `row` (`nb` blocks of the format tagged `tag`) dequantized by
 /// [`dequant_block`] into two cache lines: the portable path of the formats a SIMD module has no
-/// vector dequantization for.
+/// vector dequantization for (NEON's Q5_0, Q4_K and Q6_K; the x86 modules have their own).
 ///
 /// # Safety
 ///
 /// `row` is a whole row of the layout for `nb` blocks.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[cfg(target_arch = "aarch64")]
 unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line; 2] {
     let format = tag_format(tag);
     let words = format.row_words(BLOCK * nb).unwrap_or(0);
@@ -308,6 +308,7 @@ const F_Q4_K: u8 = 3;
 const F_Q6_K: u8 = 4;
 
 /// The format of a kernel's format parameter.
+#[cfg(target_arch = "aarch64")]
 const fn tag_format(tag: u8) -> WeightFormat {
     match tag {
         F_Q8_0 => WeightFormat::Q8_0,
