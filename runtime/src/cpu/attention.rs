@@ -294,9 +294,11 @@ fn run(
         }
         return Ok(());
     }
-    out.par_chunks_mut(width).enumerate().for_each_init(
+    // Decoding and short rows: a task per query row and key/value head (a decode step's one row
+    // spread over the threads by its heads), each writing its heads' columns of the row.
+    out.par_chunks_mut(group * d).enumerate().for_each_init(
         || (vec![0.0f32; group * t], vec![0.0f32; group * d]),
-        |(scores, acc), (row, o)| rows.run(row, o, scores, acc),
+        |(scores, acc), (task, o)| rows.run(task / kv, task % kv, o, scores, acc),
     );
     Ok(())
 }
@@ -315,23 +317,24 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
-    /// Query row `row` (of `b * s`) into `o` (`heads * d`), with scratch `scores` (`group * t`)
-    /// and `acc` (`group * d`): the AVX2/FMA build of the loop where the CPU has it.
-    fn run(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+    /// The heads of key/value head `kvh` of query row `row` (of `b * s`) into `o` (their
+    /// `group * d` columns of the row), with scratch `scores` (`group * t`) and `acc` (`group *
+    /// d`): the AVX2/FMA build of the loop where the CPU has it.
+    fn run(&self, row: usize, kvh: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if super::isa::isa().avx2 {
             // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
             // compiled with them (checked indexing only): no bound to state.
-            unsafe { self.row_avx2(row, o, scores, acc) };
+            unsafe { self.row_avx2(row, kvh, o, scores, acc) };
             return;
         }
-        self.row(row, o, scores, acc)
+        self.row(row, kvh, o, scores, acc)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn row_avx2(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
-        self.row(row, o, scores, acc)
+    fn row_avx2(&self, row: usize, kvh: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+        self.row(row, kvh, o, scores, acc)
     }
 
     /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`, as
@@ -575,7 +578,7 @@ impl Rows<'_> {
     }
 
     #[inline(always)]
-    fn row(&self, row: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
+    fn row(&self, row: usize, kvh: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
         let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
         let (s, t, d) = (g.s, g.t, g.d);
         let (bi, si) = (row / s, row % s);
@@ -584,7 +587,7 @@ impl Rows<'_> {
         let ranges = self.key_ranges(si);
         let n: usize = ranges.iter().map(|&(a, z)| z.saturating_sub(a)).sum();
         let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
-        for kvh in 0..g.kv_heads {
+        {
             let heads = kvh * self.group..(kvh + 1) * self.group;
             // Scores for every head of the group, one key row at a time.
             for (e, ti) in keys().enumerate() {
@@ -609,12 +612,12 @@ impl Rows<'_> {
                     scores[j * t + e] = if masked { f32::MIN } else { x };
                 }
             }
-            for (j, hq) in heads.enumerate() {
+            for j in 0..heads.len() {
                 let sc = &mut scores[j * t..][..n];
                 let max = max_of(sc);
                 let a = &mut acc[j * d..][..d];
                 a.fill(0.0);
-                let o = &mut o[hq * d..][..d];
+                let o = &mut o[j * d..][..d];
                 if n == 0 || max == f32::MIN {
                     // Every key masked: the interpreter's softmax is uniform over all keys.
                     for ti in 0..t {
