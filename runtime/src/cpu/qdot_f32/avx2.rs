@@ -145,14 +145,8 @@ mod ops {
                 out
             }
             F_Q4_K => {
-                let s = b / 8;
-                let mut packed = [0u8; 12];
-                for (i, w) in packed.chunks_exact_mut(4).enumerate() {
-                    w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
-                }
-                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
-                let scale = _mm256_set1_ps(f32::from_bits(word(s)) * f32::from(sc));
-                let min = _mm256_set1_ps(-(f32::from_bits(word(ns + s)) * f32::from(m)));
+                let (scale, min) = super::super::q4_k_factors(word, nb, b);
+                let (scale, min) = (_mm256_set1_ps(scale), _mm256_set1_ps(min));
                 let at = 5 * ns + 8 * (b / 2);
                 let nibble = 4 * (b % 2) as u32;
                 let mut out = [_mm256_setzero_ps(); BV];
@@ -165,10 +159,7 @@ mod ops {
             _ => {
                 let (s, c8) = (b / 8, b % 8);
                 let (h, c) = (c8 / 4, c8 % 4);
-                let d = f32::from_bits(word(s));
-                // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
-                let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
-                let scales = (d * f32::from(pair as u8 as i8), d * f32::from((pair >> 8) as u8 as i8));
+                let scales = super::super::q6_k_scales(word, nb, b);
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
                 let mut out = [_mm256_setzero_ps(); BV];
                 for (v, o) in out.iter_mut().enumerate() {

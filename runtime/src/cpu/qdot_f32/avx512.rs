@@ -132,14 +132,8 @@ mod ops {
                 [f(lo), f(hi)]
             }
             F_Q4_K => {
-                let s = b / 8;
-                let mut packed = [0u8; 12];
-                for (i, w) in packed.chunks_exact_mut(4).enumerate() {
-                    w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
-                }
-                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
-                let scale = _mm512_set1_ps(f32::from_bits(word(s)) * f32::from(sc));
-                let min = _mm512_set1_ps(-(f32::from_bits(word(ns + s)) * f32::from(m)));
+                let (scale, min) = super::super::q4_k_factors(word, nb, b);
+                let (scale, min) = (_mm512_set1_ps(scale), _mm512_set1_ps(min));
                 let at = 5 * ns + 8 * (b / 2);
                 let nibble = 4 * (b % 2) as u32;
                 let f = |half: usize| {
@@ -151,16 +145,13 @@ mod ops {
             _ => {
                 let (s, c8) = (b / 8, b % 8);
                 let (h, c) = (c8 / 4, c8 % 4);
-                let d = f32::from_bits(word(s));
-                // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
-                let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
-                let (sc0, sc1) = (pair as u8 as i8, (pair >> 8) as u8 as i8);
+                let (sc0, sc1) = super::super::q6_k_scales(word, nb, b);
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
-                let f = |half: usize, sc: i8| {
+                let f = |half: usize, scale: f32| {
                     let l = _mm512_and_si512(shift(bytes16(low, half), 4 * (c / 2) as u32), _mm512_set1_epi32(15));
                     let hh = _mm512_and_si512(shift(bytes16(high, half), 2 * c as u32), _mm512_set1_epi32(3));
                     let q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32::<4>(hh)), _mm512_set1_epi32(32));
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d * f32::from(sc)))
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale))
                 };
                 [f(0, sc0), f(1, sc1)]
             }

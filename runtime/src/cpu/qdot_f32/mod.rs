@@ -295,6 +295,32 @@ unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line
     lines
 }
 
+/// Block `b`'s scale and minimum term in a Q4_K row of `nb` blocks read through `word`: its
+/// sub-block's `(d * sc, -(dmin * m))`, as [`crate::quant::block`] gives them. The scalar side of
+/// the SIMD modules' register dequantization.
+#[cfg(target_arch = "x86_64")]
+fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
+    let (ns, s) = (nb / 8, b / 8);
+    let mut packed = [0u8; 12];
+    for (i, w) in packed.chunks_exact_mut(4).enumerate() {
+        w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
+    }
+    let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
+    (f32::from_bits(word(s)) * f32::from(sc), -(f32::from_bits(word(ns + s)) * f32::from(m)))
+}
+
+/// The scales of block `b`'s two halves in a Q6_K row of `nb` blocks read through `word`: `d`
+/// times the int8 scales `2 (b % 8)` and `2 (b % 8) + 1` of its super-block, as
+/// [`crate::quant::block`] gives them.
+#[cfg(target_arch = "x86_64")]
+fn q6_k_scales(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
+    let (ns, s, c8) = (nb / 8, b / 8, b % 8);
+    let d = f32::from_bits(word(s));
+    // Bytes 2 c8 and 2 c8 + 1 of the super-block's 16 scales: one half of a word.
+    let pair = word(ns + 4 * s + c8 / 2) >> (16 * (c8 % 2));
+    (d * f32::from(pair as u8 as i8), d * f32::from((pair >> 8) as u8 as i8))
+}
+
 /// The kernels' format parameter (a const generic): Q8_0 and Q4_1 have their own SIMD
 /// dequantization; the others are dequantized block by block by [`dequant_block`].
 const F_Q8_0: u8 = 0;
