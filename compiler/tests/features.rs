@@ -346,7 +346,9 @@ fn a_cached_step_computes_its_last_position_only() {
     let mut inputs = HashMap::from([("input_ids".to_string(), ids(batch, seq, 1))]);
     for (n, name, role) in cached.inputs() {
         if let InputRole::Cache { .. } = role {
-            let [_, Dim::Fixed(kv), _, Dim::Fixed(d)] = cached.g[n].shape[..] else { panic!("{name}: a cache's shape") };
+            let [_, Dim::Fixed(kv), _, Dim::Fixed(d)] = cached.g[n].shape[..] else {
+                panic!("{name}: a cache's shape")
+            };
             inputs.insert(name.to_string(), Tensor::f32(vec![batch, kv, 0, d], vec![]));
         }
     }
@@ -355,10 +357,8 @@ fn a_cached_step_computes_its_last_position_only() {
     let full = outputs(&fe, &params, vec![("input_ids", ids(batch, seq, 1)), ("attention_mask", mask)]);
     for (name, width) in [("logits", 50), ("last_hidden_state", 32)] {
         assert_eq!(step[name].shape, vec![batch, 1, width], "{name}");
-        let last: Vec<f32> = f(&full[name])
-            .chunks(seq * width)
-            .flat_map(|sequence| sequence[(seq - 1) * width..].to_vec())
-            .collect();
+        let last: Vec<f32> =
+            f(&full[name]).chunks(seq * width).flat_map(|sequence| sequence[(seq - 1) * width..].to_vec()).collect();
         let err = last.iter().zip(f(&step[name])).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(err <= 1e-5, "{name}: the step's row differs from the forward's last by {err}");
     }

@@ -198,7 +198,19 @@ fn a_step_reads_each_weight_once_and_a_gathered_table_by_rows() {
         let params: Vec<(String, Vec<usize>)> = graph
             .params()
             .into_iter()
-            .map(|(n, name)| (name.to_string(), graph.g[n].shape.iter().map(|d| match d { kiln_compiler::graph::Dim::Fixed(k) => *k, _ => panic!("a symbolic parameter") }).collect()))
+            .map(|(n, name)| {
+                (
+                    name.to_string(),
+                    graph.g[n]
+                        .shape
+                        .iter()
+                        .map(|d| match d {
+                            kiln_compiler::graph::Dim::Fixed(k) => *k,
+                            _ => panic!("a symbolic parameter"),
+                        })
+                        .collect(),
+                )
+            })
             .collect();
         let elements = |s: &[usize]| s.iter().product::<usize>() as u64;
         let all: u64 = params.iter().map(|(_, s)| 4 * elements(s)).sum();
@@ -230,10 +242,8 @@ fn mixed_formats_stack_in_a_format_that_holds_them_exactly() {
     let fe = kiln_compiler::front_end("test.toml", source).unwrap_or_else(|e| panic!("{}", e.render()));
     let graph = kiln_compiler::optimize::optimize(&fe.graph).unwrap().0;
     let stacked = |q: WeightFormat, v: WeightFormat| {
-        let formats = [("q", q), ("k", q), ("v", v)]
-            .into_iter()
-            .map(|(p, f)| (format!("layers.0.attn.{p}.weight"), f))
-            .collect();
+        let formats =
+            [("q", q), ("k", q), ("v", v)].into_iter().map(|(p, f)| (format!("layers.0.attn.{p}.weight"), f)).collect();
         let plan = lower_with(&graph, Options { formats, ..Options::default() });
         // The projection reading the stack: its weight operand is a load-time constant.
         let formats: Vec<WeightFormat> = plan

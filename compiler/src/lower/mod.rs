@@ -496,7 +496,11 @@ impl Plan {
             for (i, &o) in step.operands.iter().enumerate() {
                 let v = root(o);
                 if matches!(self.values[v].storage, Storage::Param(_) | Storage::Const) {
-                    if matches!(step.op, Op::Gather) && i == 0 { gathered.insert(v) } else { whole.insert(v) };
+                    if matches!(step.op, Op::Gather) && i == 0 {
+                        gathered.insert(v)
+                    } else {
+                        whole.insert(v)
+                    };
                 }
             }
         }

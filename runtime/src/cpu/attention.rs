@@ -587,55 +587,53 @@ impl Rows<'_> {
         let ranges = self.key_ranges(si);
         let n: usize = ranges.iter().map(|&(a, z)| z.saturating_sub(a)).sum();
         let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
-        {
-            let heads = kvh * self.group..(kvh + 1) * self.group;
-            // Scores for every head of the group, one key row at a time.
-            for (e, ti) in keys().enumerate() {
-                let krow = &k[kl.at(bi, kvh, ti)..][..d];
-                let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
-                let bucket = g
-                    .mods
-                    .relative
-                    .map(|r| relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance));
-                for (j, hq) in heads.clone().enumerate() {
-                    let qrow = &q[ql.at(bi, hq, si)..][..d];
-                    let mut x = dot(qrow, krow) * g.scale;
-                    if let Some(cap) = g.mods.softcap {
-                        x = cap.0 * (x / cap.0).tanh();
-                    }
-                    if g.alibi {
-                        x += self.slopes[hq] * (ti as f32 - qi as f32);
-                    }
-                    if let (Some(b), Some(table)) = (bucket, self.table) {
-                        x += table[b * g.heads + hq];
-                    }
-                    scores[j * t + e] = if masked { f32::MIN } else { x };
+        let heads = kvh * self.group..(kvh + 1) * self.group;
+        // Scores for every head of the group, one key row at a time.
+        for (e, ti) in keys().enumerate() {
+            let krow = &k[kl.at(bi, kvh, ti)..][..d];
+            let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
+            let bucket = g
+                .mods
+                .relative
+                .map(|r| relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance));
+            for (j, hq) in heads.clone().enumerate() {
+                let qrow = &q[ql.at(bi, hq, si)..][..d];
+                let mut x = dot(qrow, krow) * g.scale;
+                if let Some(cap) = g.mods.softcap {
+                    x = cap.0 * (x / cap.0).tanh();
                 }
+                if g.alibi {
+                    x += self.slopes[hq] * (ti as f32 - qi as f32);
+                }
+                if let (Some(b), Some(table)) = (bucket, self.table) {
+                    x += table[b * g.heads + hq];
+                }
+                scores[j * t + e] = if masked { f32::MIN } else { x };
             }
-            for j in 0..heads.len() {
-                let sc = &mut scores[j * t..][..n];
-                let max = max_of(sc);
-                let a = &mut acc[j * d..][..d];
-                a.fill(0.0);
-                let o = &mut o[j * d..][..d];
-                if n == 0 || max == f32::MIN {
-                    // Every key masked: the interpreter's softmax is uniform over all keys.
-                    for ti in 0..t {
-                        add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
-                    }
-                    for (o, &a) in o.iter_mut().zip(a.iter()) {
-                        *o = a / t as f32;
-                    }
-                    continue;
+        }
+        for j in 0..heads.len() {
+            let sc = &mut scores[j * t..][..n];
+            let max = max_of(sc);
+            let a = &mut acc[j * d..][..d];
+            a.fill(0.0);
+            let o = &mut o[j * d..][..d];
+            if n == 0 || max == f32::MIN {
+                // Every key masked: the interpreter's softmax is uniform over all keys.
+                for ti in 0..t {
+                    add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
                 }
-                super::math::exp_shifted(sc, max);
-                let sum = sum_of(sc);
-                for (ti, &p) in keys().zip(sc.iter()) {
-                    let p = (p as f64 / sum) as f32;
-                    add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
+                for (o, &a) in o.iter_mut().zip(a.iter()) {
+                    *o = a / t as f32;
                 }
-                o.copy_from_slice(a);
+                continue;
             }
+            super::math::exp_shifted(sc, max);
+            let sum = sum_of(sc);
+            for (ti, &p) in keys().zip(sc.iter()) {
+                let p = (p as f64 / sum) as f32;
+                add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
+            }
+            o.copy_from_slice(a);
         }
     }
 }

@@ -61,11 +61,8 @@ impl DeviceSampler {
         let pipeline = gpu.pipeline("sample", KERNEL);
         let parts_pipeline = gpu.pipeline_of("sample parts", KERNEL, "parts");
         let settings_bytes = 4 * Settings::default().words().len() as u64;
-        let settings = gpu.buffer(
-            "sampler settings",
-            settings_bytes,
-            wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-        )?;
+        let settings =
+            gpu.buffer("sampler settings", settings_bytes, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
         let picked = gpu.buffer("sampled token", 4, STORAGE)?;
         let staging = gpu.buffer("sampled token", 4, READ)?;
         gpu.check_lost()?;
@@ -163,7 +160,8 @@ impl DeviceSampler {
                         entries: &entries,
                     })
                 };
-                let groups = (group("sample", &self.pipeline, None), group("sample parts", &self.parts_pipeline, Some(1)));
+                let groups =
+                    (group("sample", &self.pipeline, None), group("sample parts", &self.parts_pipeline, Some(1)));
                 self.group = Some(groups.clone());
                 groups
             }
