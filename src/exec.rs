@@ -145,7 +145,11 @@ pub fn open(backend: Backend, adapter: Option<&str>, threads: usize) -> Result<D
     Ok(match backend {
         Backend::Wgpu => Device::gpu(adapter)?,
         Backend::Interp => Device::Interp,
-        Backend::Cpu | Backend::Auto => Device::Cpu { threads },
+        Backend::Cpu | Backend::Auto => {
+            // The kernels read the cap themselves; a value they would ignore is refused here.
+            kiln_runtime::cpu::isa::Cap::from_env().map_err(anyhow::Error::msg)?;
+            Device::Cpu { threads }
+        }
     })
 }
 

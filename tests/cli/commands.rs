@@ -1299,3 +1299,23 @@ fn run_prints_the_largest_logits_of_each_position() {
     let text = common::ok(&["run", s(&gguf), "--input-ids", "1780,314,260,3575,282,4649,314", "--top", "1"]);
     assert!(text.lines().filter(|l| l.starts_with("seq ")).last().unwrap().contains("\" Paris\""), "{text}");
 }
+
+/// `KILN_CPU_ISA` caps the CPU kernels' instruction sets (to measure what a CPU with fewer runs;
+/// the kernels under each cap are held to the scalar ones by the runtime's tests): a known cap
+/// runs; a name kiln does not know is refused, naming the variable and the names it takes, rather
+/// than silently ignored.
+#[test]
+fn the_cpu_isa_cap_runs_and_an_unknown_one_is_refused() {
+    let run = |isa: &str| {
+        let args = ["run", "models/llama.toml", "--random-weights", "--input-ids", "1,2,3", "--backend", "cpu"];
+        let mut command = common::kiln_command(&[&args[..], &["--output", "/dev/null"]].concat());
+        command.env("KILN_CPU_ISA", isa).output().expect("kiln runs")
+    };
+    for isa in ["native", "avx2", "scalar"] {
+        let o = run(isa);
+        assert!(o.status.success(), "KILN_CPU_ISA={isa}: {}", stderr(&o));
+    }
+    let o = run("avx3");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("KILN_CPU_ISA=avx3: expected one of native, avx-vnni, avx2, scalar"), "{}", stderr(&o));
+}

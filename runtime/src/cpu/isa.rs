@@ -51,10 +51,65 @@ impl Isa {
     }
 }
 
-/// The instruction sets of this CPU, detected on the first call.
+/// The environment variable that caps the instruction sets the kernels use (see [`Cap`]).
+pub const CAP_VAR: &str = "KILN_CPU_ISA";
+
+/// A ceiling on the instruction sets the kernels use, below what the CPU has: to measure (or
+/// reproduce) on one machine what a CPU with fewer of them runs. It only ever removes sets the
+/// CPU has; it never claims one it lacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cap {
+    /// Everything the CPU has (the default).
+    Native,
+    /// AVX2 and FMA, and AVX-VNNI (no AVX-512).
+    AvxVnni,
+    /// AVX2 and FMA alone.
+    Avx2,
+    /// None: the portable kernels.
+    Scalar,
+}
+
+impl Cap {
+    /// The names [`CAP_VAR`] takes.
+    pub const NAMES: &str = "native, avx-vnni, avx2, scalar";
+
+    /// The cap a name gives ([`Cap::NAMES`]), `None` for another.
+    pub fn parse(name: &str) -> Option<Cap> {
+        Some(match name {
+            "native" | "" => Cap::Native,
+            "avx-vnni" => Cap::AvxVnni,
+            "avx2" => Cap::Avx2,
+            "scalar" => Cap::Scalar,
+            _ => return None,
+        })
+    }
+
+    /// The cap [`CAP_VAR`] sets: `Native` when unset, an error naming the variable and the
+    /// names it takes for any other value.
+    pub fn from_env() -> Result<Cap, String> {
+        match std::env::var(CAP_VAR) {
+            Err(_) => Ok(Cap::Native),
+            Ok(v) => Cap::parse(&v).ok_or_else(|| format!("{CAP_VAR}={v}: expected one of {}", Cap::NAMES)),
+        }
+    }
+
+    /// `isa` with the sets above this cap removed.
+    pub fn apply(self, isa: Isa) -> Isa {
+        match self {
+            Cap::Native => isa,
+            Cap::AvxVnni => Isa { avx512f: false, avx512_vnni: false, ..isa },
+            Cap::Avx2 => Isa { avx512f: false, avx512_vnni: false, avx_vnni: false, ..isa },
+            Cap::Scalar => Isa::default(),
+        }
+    }
+}
+
+/// The instruction sets the kernels use: this CPU's, detected on the first call, under the cap
+/// [`CAP_VAR`] sets (an unrecognized value caps nothing here; the CLI refuses it when it opens
+/// the CPU device).
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(Isa::detect)
+    *ISA.get_or_init(|| Cap::from_env().unwrap_or(Cap::Native).apply(Isa::detect()))
 }
 
 /// The implementations of a kernel family, each for the instruction sets it was compiled for.
@@ -106,5 +161,29 @@ pub(super) mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cap only removes sets, and every name parses to the cap it says.
+    #[test]
+    fn caps_remove_sets_and_never_add_them() {
+        let all = Isa { avx2: true, avx512f: true, avx512_vnni: true, avx_vnni: true, neon: false };
+        assert_eq!(Cap::parse("native").map(|c| c.apply(all)), Some(all));
+        assert_eq!(Cap::parse("avx2").map(|c| c.apply(all)), Some(Isa { avx2: true, ..Isa::default() }));
+        assert_eq!(
+            Cap::parse("avx-vnni").map(|c| c.apply(all)),
+            Some(Isa { avx2: true, avx_vnni: true, ..Isa::default() })
+        );
+        assert_eq!(Cap::parse("scalar").map(|c| c.apply(all)), Some(Isa::default()));
+        assert_eq!(Cap::parse("avx512"), None);
+        let none = Isa::default();
+        for cap in [Cap::Native, Cap::AvxVnni, Cap::Avx2, Cap::Scalar] {
+            assert_eq!(cap.apply(none), none, "{cap:?} adds nothing");
+        }
+        assert!(Cap::NAMES.split(", ").all(|n| Cap::parse(n).is_some()));
     }
 }
