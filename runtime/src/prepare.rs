@@ -158,11 +158,18 @@ pub fn constants_except<'a>(
             let format = plan.values[fold.output].format;
             let q = match (&fold.op, args.as_slice()) {
                 // Parts in other formats are re-encoded in the stack's, which holds them exactly.
-                (Op::Concat { axis: 0 }, _) => args
-                    .iter()
-                    .map(|a| a.exactly_as(format))
-                    .collect::<Option<Vec<QuantWeight>>>()
-                    .and_then(|parts| QuantWeight::stack(&parts.iter().collect::<Vec<_>>())),
+                (Op::Concat { axis: 0 }, _) => {
+                    args.iter()
+                        .map(|&a| {
+                            if a.format == format {
+                                Some(Cow::Borrowed(a))
+                            } else {
+                                a.exactly_as(format).map(Cow::Owned)
+                            }
+                        })
+                        .collect::<Option<Vec<Cow<'_, QuantWeight>>>>()
+                        .and_then(|parts| QuantWeight::stack(&parts.iter().map(|p| p.as_ref()).collect::<Vec<_>>()))
+                }
                 (Op::Scale { factor }, [a]) => Some(a.scaled(factor.0)),
                 (Op::Slice { axis: 0, start, len }, [a]) => a.rows(*start, *len),
                 _ => None,

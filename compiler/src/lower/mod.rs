@@ -485,16 +485,10 @@ impl Plan {
     /// (`rows` = 1) this is the memory traffic that bounds its speed on a CPU, where the weights
     /// do not fit in cache.
     pub fn weight_bytes_read(&self, rows: usize) -> u64 {
-        let root = |mut v: usize| {
-            while let Storage::Alias(a) = self.values[v].storage {
-                v = a;
-            }
-            v
-        };
         let (mut whole, mut gathered) = (BTreeSet::new(), BTreeSet::new());
         for step in &self.steps {
             for (i, &o) in step.operands.iter().enumerate() {
-                let v = root(o);
+                let v = root(&self.values, o);
                 if matches!(self.values[v].storage, Storage::Param(_) | Storage::Const) {
                     if matches!(step.op, Op::Gather) && i == 0 {
                         gathered.insert(v)

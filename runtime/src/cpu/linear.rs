@@ -15,6 +15,7 @@
 //! 3. **Epilogue**: per output row, while it is in cache: bias, activation or gate, RoPE on the
 //!    rotated columns (at the row's position after `past` cached tokens), residual.
 
+use super::isa::Implementation;
 use super::math::{layer_norm_row, rms_norm_row};
 use super::qdot::{self, Q8Acts};
 use super::qdot_f32;
@@ -26,10 +27,6 @@ use rayon::prelude::*;
 /// The most weight rows one task computes (for every row of `x`): 96 rows of a 576-wide Q4_1
 /// weight are 40 KiB, which stay in L2 while every activation row passes over them.
 const MAX_ROW_BLOCK: usize = 96;
-
-/// Weight rows a prefill task's block is a whole number of tiles of: the AVX-512 prefill tile of
-/// [`qdot_f32`] (AVX2's tile of 8 loses at most part of one per task).
-const PREFILL_TILE: usize = 12;
 
 /// Multiply-adds below which the GEMM runs on one thread.
 const GEMM_THREADING: usize = 1 << 18;
@@ -357,7 +354,7 @@ fn by_row_blocks(rows: usize, m: usize, y: &mut [f32], kernel: impl Fn(usize, us
         y.par_chunks_mut(block).enumerate().for_each(|(c, o)| kernel(c * block, o.len(), o));
         return;
     }
-    let block = row_block(rows, threads, PREFILL_TILE);
+    let block = row_block(rows, threads, qdot_f32::Impl::best().prefill_rows());
     let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(block))
         .into_par_iter()
         .map(|c| {

@@ -7,9 +7,10 @@
 //! The interface an ISA's `ops` module provides (each a `#[target_feature]` function, `#[inline]`):
 //! the vector type `V` of `LANES` floats and `BV = 32 / LANES` vectors a block; `DIRECT`, the most
 //! activation rows the streaming kernel takes (up to 4), and `HOIST`, how many activation vectors
-//! it keeps in registers; the prefill tile of `NR` weight rows, computed `SUB` rows at a time (`NR`
-//! a multiple of `SUB` and of 4), and groups of `MR` activation rows (up to 4); `zero`, `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane
-//! sums of 4 vectors), and the block dequantizations `q8`, `q4` and `kquant`.
+//! it keeps in registers; the prefill tile of `NR` weight rows, computed `SUB` rows at a time
+//! (`NR` a multiple of `SUB` and of 4), and groups of `MR` activation rows (up to 4); `zero`,
+//! `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane sums of 4 vectors), and the block
+//! dequantizations `q8`, `q4` and `kquant`.
 
 /// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (NEON):
 /// the block through [`buffered_block`], loaded from its lines. Expanded inside the module, whose
@@ -43,7 +44,8 @@ macro_rules! buffered_kquant {
 /// type `V` of `LANES` floats, `BV = 32 / LANES` vectors a block; `DIRECT`, the most activation
 /// rows the streaming kernel takes (up to 4), and `HOIST`, how many activation vectors it keeps
 /// in registers; the prefill tile of `NR` weight rows, `SUB` at a time (`NR` a multiple of `SUB`
-/// and of 4), and groups of `MR` activation rows (up to 4); and the operations), compiled for `$features`.
+/// and of 4), and groups of `MR` activation rows (up to 4); and the operations), compiled for
+/// `$features`.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {

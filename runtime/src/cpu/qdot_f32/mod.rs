@@ -21,12 +21,12 @@
 //!   are also prefetched two tiles ahead (the hardware prefetcher follows a tile's interleaved row
 //!   streams poorly), so the product runs at about the speed the weight's bytes arrive from memory.
 //! - **Prefill** ([`gemm_rows_f32`] with more activation rows): a tile of weight rows (12 with
-//!   AVX-512, 8 otherwise) is dequantized once into an f32 buffer that stays in L1 (a chunk of at
-//!   most 768 elements of each row at a time), then a register-blocked micro-kernel (6 weight
-//!   rows by 4 activation rows with AVX-512: 24 accumulators, 10 loads for 24 FMAs, which ran
-//!   SmolLM2's 32-token prefill 20-30% faster than 4 by 4's 8 loads for 16; 4 by 2 with AVX2)
-//!   runs over it for each group of activation rows, so the dequantization is shared by all of them and the inner loop is loads
-//!   and FMAs. The accumulators, one vector per (activation row, weight row), are summed across
+//!   AVX-512, 8 otherwise: [`Impl::prefill_rows`]) is dequantized once into an f32 buffer that
+//!   stays in L1 (a chunk of at most 768 elements of each row at a time), then a register-blocked
+//!   micro-kernel (6 weight rows by 4 activation rows with AVX-512: 24 accumulators, 10 loads for
+//!   24 FMAs, which ran SmolLM2's 32-token prefill 20-30% faster than 4 by 4's 8 loads for 16; 4
+//!   by 2 with AVX2) runs over it for each group of activation rows, so the dequantization is
+//!   shared by all of them and the inner loop is loads and FMAs. The accumulators, one vector per (activation row, weight row), are summed across
 //!   lanes once per pair by a transposing reduction (4 vectors to 4 sums in a few shuffles).
 //!   Activation rows aligned to 64 bytes run about 10% faster here.
 //!
@@ -101,6 +101,22 @@ impl Implementation for Impl {
             Impl::Avx2 => isa.avx2,
             Impl::Avx512 => isa.avx512f && isa.avx2,
             Impl::Neon => isa.neon,
+        }
+    }
+}
+
+impl Impl {
+    /// The weight rows of its prefill tile (see the module docs): a caller splitting a product's
+    /// rows over threads keeps each share a multiple of it, so no share ends on a part tile.
+    pub fn prefill_rows(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Impl::Avx512 => avx512::PREFILL_ROWS,
+            #[cfg(target_arch = "x86_64")]
+            Impl::Avx2 => avx2::PREFILL_ROWS,
+            #[cfg(target_arch = "aarch64")]
+            Impl::Neon => neon::PREFILL_ROWS,
+            _ => 1,
         }
     }
 }

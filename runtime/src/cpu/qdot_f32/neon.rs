@@ -130,4 +130,7 @@ mod ops {
     }
 }
 
+/// The weight rows of this module's prefill tile ([`super::Impl::prefill_rows`]).
+pub(super) const PREFILL_ROWS: usize = ops::NR;
+
 kernels!(kernels, "neon", ops);
