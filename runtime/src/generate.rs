@@ -10,7 +10,7 @@
 //! The session is the top of a one-way chain: it drives an [`Engine`] ([`crate::engine`]),
 //! which picks tokens as [`crate::sample`] says; neither knows sessions.
 
-use crate::engine::{Engine, GenerateError, Link, Memory, Request, last_logits};
+use crate::engine::{BatchSeq, Engine, GenerateError, Link, Memory, Request, last_logits};
 use crate::sample::{Pick, Sampled, Sampler};
 use kiln_compiler::interp;
 use kiln_compiler::tensor::Tensor;
@@ -146,6 +146,33 @@ impl Session {
         self.engine.resume(parked.cache)?;
         self.position = parked.position;
         Ok(())
+    }
+
+    /// One decode step of several parked sequences of this session together (continuous
+    /// batching, see [`Engine::step_batch`]): each runs its token after its own cache, with every
+    /// weight read once for all of them. Returns each sequence's logits, in order, and each
+    /// sequence one token longer; `None` where the engine cannot run them together (or the
+    /// session has memory, an encoder's, which is the session's and not each sequence's), with
+    /// nothing changed: run them in turn. On an error every sequence is as it was. The sequence
+    /// the session holds itself is not touched.
+    pub fn forward_batch(&mut self, seqs: &mut [(&mut ParkedSequence, i64)]) -> R<Option<Vec<Vec<f32>>>> {
+        if !self.memory.host.is_empty() || seqs.is_empty() {
+            return Ok(None);
+        }
+        if let Some((seq, _)) = seqs.iter().find(|(seq, _)| seq.position + 1 > self.max_positions) {
+            return Err(GenerateError::TooLong { cached: seq.position, new: 1, positions: self.max_positions });
+        }
+        let mut batch: Vec<BatchSeq<'_>> = seqs
+            .iter_mut()
+            .map(|(seq, token)| BatchSeq { past: seq.position, token: *token, parked: &mut seq.cache })
+            .collect();
+        let logits = self.engine.step_batch(&mut batch, &self.links)?;
+        if logits.is_some() {
+            for (seq, _) in seqs.iter_mut() {
+                seq.position += 1;
+            }
+        }
+        Ok(logits)
     }
 }
 

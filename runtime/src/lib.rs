@@ -43,7 +43,7 @@ pub mod generate;
 pub mod sample;
 pub mod tune;
 
-pub use engine::{CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Parked, Request};
+pub use engine::{BatchSeq, CpuEngine, Engine, GenerateError, GpuEngine, InterpEngine, Memory, Parked, Request};
 pub use generate::{Session, Stats, Stop};
 pub use gpu::DeviceSampler;
 pub use sample::{BadSettings, Pick, Sampled, Sampler};

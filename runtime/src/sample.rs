@@ -31,7 +31,7 @@ impl Pick<'_> {
     /// Picks on the host from the last position's logits; refuses a row holding a NaN (an
     /// overflow in the model's arithmetic: there is no distribution to sample from, and the
     /// argmax would silently be some token), as the device's sampler does.
-    pub(crate) fn on_host(self, logits: Vec<f32>) -> Result<Sampled, crate::GenerateError> {
+    pub fn on_host(self, logits: Vec<f32>) -> Result<Sampled, crate::GenerateError> {
         if logits.iter().any(|v| v.is_nan()) {
             return Err(crate::GenerateError::NanLogits);
         }

@@ -8,8 +8,10 @@
 //! request joins at the next step. A sequence whose client went away is dropped at the next step
 //! and its cache freed; one whose step fails gets the error and the others go on.
 //!
-//! Each step runs one sequence's tokens: sequences share the model's thread, not yet a batched
-//! matrix product (their steps' weights are read once per sequence).
+//! The sequences past their prompts decode together where the engine can (the CPU engine:
+//! [`Session::forward_batch`]): one step runs every one's next token, each after its own cache,
+//! with the weights read once for all of them, so the tokens per second grow with the sequences
+//! running. A prompt's chunk runs alone, between two such steps.
 
 use super::api::{ApiError, Prompt, Request, TokenLogprob};
 use super::{Limits, Shared};
@@ -146,35 +148,45 @@ pub fn serve(model: &Model, generator: &mut Generator, tokenizer: &Tokenizer, jo
         if running.is_empty() {
             continue;
         }
-        // One step of each running sequence.
+        // One step of each running sequence: those past their prompts decode together in one
+        // batched step where the engine can; the others (a prompt chunk to run, an engine that
+        // cannot batch, or a batched step that failed, so that the failure is found in the
+        // sequence it belongs to) take turns.
         shared.metrics.batch_size.observe(running.len() as f64);
         let mut finished = Vec::new();
-        for (i, seq) in running.iter_mut().enumerate() {
+        for (i, seq) in running.iter().enumerate() {
             if seq.job.events.is_closed() {
                 shared.metrics.cancelled.add(1);
                 finished.push(i);
-                continue;
-            }
-            let session = generator.session();
-            let outcome = step(session, seq, limits.prefill_chunk, tokenizer, model, shared);
-            match outcome {
-                Ok(None) => {}
-                Ok(Some(finish)) => {
-                    let _ = seq.job.events.send(Event::Done {
-                        finish,
-                        prompt_tokens: seq.prompt.len(),
-                        completion_tokens: seq.generated.len(),
-                    });
-                    finished.push(i);
-                }
-                Err(message) => {
-                    shared.metrics.failed.add(1);
-                    let _ =
-                        seq.job.events.send(Event::Failed(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)));
-                    finished.push(i);
-                }
             }
         }
+        let mut stepped = vec![false; running.len()];
+        let decoding: Vec<usize> = (0..running.len())
+            .filter(|i| !finished.contains(i) && running[*i].fed == running[*i].prompt.len())
+            .collect();
+        if decoding.len() > 1
+            && let Some(rows) = decode_together(generator.session(), &mut running, &decoding)
+        {
+            shared.metrics.decode_batch_size.observe(decoding.len() as f64);
+            for (&i, logits) in decoding.iter().zip(rows) {
+                let seq = &mut running[i];
+                let outcome = pick(seq, logits, tokenizer)
+                    .and_then(|(token, logprob)| accept(seq, token, logprob, model, shared));
+                stepped[i] = true;
+                conclude(seq, outcome, i, &mut finished, shared);
+            }
+        }
+        for (i, seq) in running.iter_mut().enumerate() {
+            if stepped[i] || finished.contains(&i) {
+                continue;
+            }
+            if seq.fed == seq.prompt.len() {
+                shared.metrics.decode_batch_size.observe(1.0);
+            }
+            let outcome = step(generator.session(), seq, limits.prefill_chunk, tokenizer, model, shared);
+            conclude(seq, outcome, i, &mut finished, shared);
+        }
+        finished.sort_unstable();
         for &i in finished.iter().rev() {
             let seq = running.swap_remove(i);
             reserved -= seq.reserve;
@@ -284,6 +296,45 @@ fn step(
     outcome
 }
 
+/// One batched decode step of the sequences `which` of `running` (each past its prompt, running
+/// its last token): each one's logits, in order; `None` where the engine cannot run them
+/// together or the step failed (they then take turns, each meeting its own failure).
+fn decode_together(session: &mut Session, running: &mut [Seq], which: &[usize]) -> Option<Vec<Vec<f32>>> {
+    let mut batch: Vec<(&mut ParkedSequence, i64)> = Vec::with_capacity(which.len());
+    for (i, seq) in running.iter_mut().enumerate() {
+        if which.contains(&i) {
+            batch.push((seq.parked.as_mut()?, *seq.generated.last()?));
+        }
+    }
+    session.forward_batch(&mut batch).ok().flatten()
+}
+
+/// Ends sequence `i`'s step: when it is done, its last event sent and `i` noted in `finished`.
+fn conclude(
+    seq: &Seq,
+    outcome: Result<Option<&'static str>, String>,
+    i: usize,
+    finished: &mut Vec<usize>,
+    shared: &Shared,
+) {
+    match outcome {
+        Ok(None) => {}
+        Ok(Some(finish)) => {
+            let _ = seq.job.events.send(Event::Done {
+                finish,
+                prompt_tokens: seq.prompt.len(),
+                completion_tokens: seq.generated.len(),
+            });
+            finished.push(i);
+        }
+        Err(message) => {
+            shared.metrics.failed.add(1);
+            let _ = seq.job.events.send(Event::Failed(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)));
+            finished.push(i);
+        }
+    }
+}
+
 fn advance(
     session: &mut Session,
     seq: &mut Seq,
@@ -315,27 +366,47 @@ fn advance(
         || request.sampling.presence_penalty != 0.0
         || !request.sampling.logit_bias.is_empty();
     let (token, logprob) = if penalized || request.logprobs.is_some() {
-        // The logits on the host: penalties applied, then sampled; log probabilities as picked from.
-        let mut logits = session.forward(&ids).map_err(|e| e.to_string())?;
-        let at = |t: i64| usize::try_from(t).ok();
-        for (&t, &n) in &seq.counts {
-            if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
-                *l -= request.sampling.frequency_penalty * n as f32 + request.sampling.presence_penalty;
-            }
-        }
-        for &(t, bias) in &request.sampling.logit_bias {
-            if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
-                // -100 bans the token, as OpenAI's does in effect.
-                *l = if bias <= -100.0 { f32::NEG_INFINITY } else { *l + bias };
-            }
-        }
-        let token = seq.sampler.sample(&logits, &seq.seen);
-        let logprob = request.logprobs.map(|top| logprobs(&logits, token, top, tokenizer));
-        (token, logprob)
+        let logits = session.forward(&ids).map_err(|e| e.to_string())?;
+        pick(seq, logits, tokenizer)?
     } else {
         let pick = Pick { sampler: &mut seq.sampler, seen: &seq.seen, logits: false };
         (session.sample(&ids, pick).map_err(|e| e.to_string())?.token, None)
     };
+    accept(seq, token, logprob, model, shared)
+}
+
+/// The next token of `seq` from its logits on the host: the frequency and presence penalties and
+/// the logit bias applied, then sampled; its log probabilities where the request asks for them.
+fn pick(seq: &mut Seq, mut logits: Vec<f32>, tokenizer: &Tokenizer) -> Result<(i64, Option<TokenLogprob>), String> {
+    let request = &seq.job.request;
+    let at = |t: i64| usize::try_from(t).ok();
+    for (&t, &n) in &seq.counts {
+        if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
+            *l -= request.sampling.frequency_penalty * n as f32 + request.sampling.presence_penalty;
+        }
+    }
+    for &(t, bias) in &request.sampling.logit_bias {
+        if let Some(l) = at(t).and_then(|t| logits.get_mut(t)) {
+            // -100 bans the token, as OpenAI's does in effect.
+            *l = if bias <= -100.0 { f32::NEG_INFINITY } else { *l + bias };
+        }
+    }
+    let logprob = request.logprobs.map(|top| (top, logits.clone()));
+    let pick = Pick { sampler: &mut seq.sampler, seen: &seq.seen, logits: false };
+    let token = pick.on_host(logits).map_err(|e| e.to_string())?.token;
+    Ok((token, logprob.map(|(top, logits)| logprobs(&logits, token, top, tokenizer))))
+}
+
+/// Takes `token` (with its log probabilities) as `seq`'s next: timing, the text streamed up to
+/// what may begin a stop string. `Some(finish reason)` when the sequence is done.
+fn accept(
+    seq: &mut Seq,
+    token: i64,
+    logprob: Option<TokenLogprob>,
+    model: &Model,
+    shared: &Shared,
+) -> Result<Option<&'static str>, String> {
+    let request = &seq.job.request;
     let now = Instant::now();
     match seq.last_token_at {
         None => shared.metrics.time_to_first_token.observe((now - seq.job.arrived).as_secs_f64()),

@@ -87,6 +87,8 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub batch_size: Histogram,
+    /// Sequences one model step decoded together (1 for a sequence stepped alone).
+    pub decode_batch_size: Histogram,
     /// Embedding requests with inputs in one forward pass.
     pub embedding_batch_requests: Histogram,
 }
@@ -110,6 +112,7 @@ impl Default for Metrics {
             time_to_first_token: Histogram::new(SECONDS),
             inter_token_latency: Histogram::new(SECONDS),
             batch_size: Histogram::new(SEQUENCES),
+            decode_batch_size: Histogram::new(SEQUENCES),
             embedding_batch_requests: Histogram::new(SEQUENCES),
         }
     }
@@ -171,6 +174,11 @@ impl Metrics {
             &mut out,
         );
         self.batch_size.render("kiln_batch_size", "Sequences advanced by one scheduler step.", &mut out);
+        self.decode_batch_size.render(
+            "kiln_decode_batch_size",
+            "Sequences decoded together by one model step (1: a sequence stepped alone).",
+            &mut out,
+        );
         self.embedding_batch_requests.render(
             "kiln_embedding_batch_requests",
             "Embedding requests with inputs in one forward pass.",

@@ -279,10 +279,11 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
 }
 
 /// Each request's completion, run alone, then all at once (with prompts prefilled in chunks of
-/// 4 tokens between the others' steps): greedy answers and their log probabilities are equal.
+/// 4 tokens between the others' steps, and the sequences past their prompts decoded together in
+/// batched steps): greedy answers and their log probabilities are equal.
 #[test]
 fn greedy_answers_under_concurrency_equal_each_request_alone() {
-    concurrent_equals_alone("serve-batch", 6, &["--parallel", "4", "--prefill-chunk", "4"]);
+    concurrent_equals_alone("serve-batch", 6, &["--parallel", "4", "--prefill-chunk", "4"], true);
 }
 
 /// The same on wgpu (lavapipe in CI), whose caches stay on the device between steps.
@@ -291,10 +292,15 @@ fn greedy_answers_under_concurrency_equal_each_request_alone_on_wgpu() {
     if crate::common::gpu().is_none() {
         return;
     }
-    concurrent_equals_alone("serve-batch-wgpu", 3, &["--parallel", "3", "--prefill-chunk", "4", "--backend", "wgpu"]);
+    concurrent_equals_alone(
+        "serve-batch-wgpu",
+        3,
+        &["--parallel", "3", "--prefill-chunk", "4", "--backend", "wgpu"],
+        false,
+    );
 }
 
-fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str]) {
+fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str], batched: bool) {
     let server = Arc::new(start(name, 256, args));
     let bodies: Vec<serde_json::Value> = (0..requests)
         .map(|i| {
@@ -318,11 +324,13 @@ fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str]) {
         assert_eq!(a["logprobs"]["token_logprobs"].as_array().unwrap().len(), 12 + 3 * i, "{a}");
         assert_eq!(a, t, "request {i} differs when served with the others");
     }
-    // They did run together: some scheduler step advanced several sequences.
+    // They did run together: some scheduler step advanced several sequences, and on the CPU
+    // some model step decoded several (on wgpu they take turns).
     let (_, _, text) = get(&server, "/metrics");
-    let single = text.lines().find_map(|l| l.strip_prefix("kiln_batch_size_bucket{le=\"1\"} ")).unwrap();
-    let all = text.lines().find_map(|l| l.strip_prefix("kiln_batch_size_count ")).unwrap();
-    assert!(single.parse::<u64>().unwrap() < all.parse::<u64>().unwrap(), "{text}");
+    let count = |line: &str| text.lines().find_map(|l| l.strip_prefix(line)).unwrap().parse::<u64>().unwrap();
+    assert!(count("kiln_batch_size_bucket{le=\"1\"} ") < count("kiln_batch_size_count "), "{text}");
+    let alone = count("kiln_decode_batch_size_bucket{le=\"1\"} ");
+    assert_eq!(alone < count("kiln_decode_batch_size_count "), batched, "{text}");
 }
 
 /// A client that leaves mid-stream frees its sequence at once, and one queued behind it runs.

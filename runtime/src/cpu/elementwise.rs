@@ -6,7 +6,7 @@
 
 use super::cache::CacheBuf;
 use super::math::{layer_norm_row, rms_norm_row};
-use super::{Arg, CpuError, LazyOut, R};
+use super::{Arg, CpuError, LazyOut, Positions, R};
 use kiln_compiler::graph::Op;
 use kiln_compiler::semantics::{rope_frequencies, rotate};
 use rayon::prelude::*;
@@ -24,7 +24,7 @@ pub fn forward(
     args: &[(Vec<usize>, Arg<'_>)],
     out: &mut LazyOut<'_>,
     shape: &[usize],
-    past: usize,
+    positions: Positions<'_>,
 ) -> R<bool> {
     let f = |i: usize| -> R<&[f32]> {
         args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?.1.f32("an operand")
@@ -251,16 +251,17 @@ pub fn forward(
             });
         }
         Op::Rope { theta, rotary_dim, style } => {
-            // x [b, h, s, d]: row r at position r % s after the cached ones.
+            // x [b, h, s, d]: row r at position r % s after its sequence's cached ones.
             let x = f(0)?;
             let Some(&s) = args.first().and_then(|(shape, _)| shape.get(2)) else { return Ok(false) };
+            let per_sequence = s * args.first().and_then(|(shape, _)| shape.get(1)).copied().unwrap_or(1);
             if *rotary_dim > width || x.len() != out_len(shape) || s == 0 {
                 return Ok(false);
             }
             let inv = rope_frequencies(theta.0, *rotary_dim);
             rows(out.get(), width, |r, o| {
                 o.copy_from_slice(&x[r * width..][..width]);
-                rotate(&mut o[..*rotary_dim], (r % s + past) as f32, &inv, *style);
+                rotate(&mut o[..*rotary_dim], positions.at(r / per_sequence, r % s) as f32, &inv, *style);
             });
         }
         Op::Heads { start, heads, head_dim, norm, rope } => {
@@ -297,7 +298,7 @@ pub fn forward(
                             rms_norm_row(o, gain, eps);
                         }
                         if let Some((inv, r)) = &inv {
-                            rotate(&mut o[..r.rotary_dim], (t + past) as f32, inv, r.style);
+                            rotate(&mut o[..r.rotary_dim], positions.at(bi, t) as f32, inv, r.style);
                         }
                     }
                 }

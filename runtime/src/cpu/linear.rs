@@ -13,13 +13,13 @@
 //!    each block reused for every row of `x` while it is in cache, so the weight is read from
 //!    memory once per call.
 //! 3. **Epilogue**: per output row, while it is in cache: bias, activation or gate, RoPE on the
-//!    rotated columns (at the row's position after `past` cached tokens), residual.
+//!    rotated columns (at the row's position, see [`Positions`]), residual.
 
 use super::isa::Implementation;
 use super::math::{layer_norm_row, rms_norm_row};
 use super::qdot::{self, Q8Acts};
 use super::qdot_f32;
-use super::{Arg, CpuError, R};
+use super::{Arg, CpuError, Positions, R};
 use kiln_compiler::graph::Op;
 use kiln_compiler::semantics::{activation, rope_frequencies, rotate};
 use rayon::prelude::*;
@@ -38,7 +38,7 @@ pub fn forward(
     args: &[(Vec<usize>, Arg<'_>)],
     out: &mut [f32],
     shape: &[usize],
-    past: usize,
+    positions: Positions<'_>,
     threads: usize,
     int8: bool,
 ) -> R<()> {
@@ -151,7 +151,7 @@ pub fn forward(
             }
         }
         if let Some((inv, r)) = &rope {
-            let pos = (i % seq + past) as f32;
+            let pos = positions.at(i / seq, i % seq) as f32;
             for head in o[r.start..r.start + r.len].chunks_mut(r.head_dim) {
                 rotate(&mut head[..r.rotary_dim], pos, inv, r.style);
             }

@@ -36,6 +36,7 @@
 )]
 
 pub mod attention;
+mod batch;
 pub mod cache;
 pub mod elementwise;
 pub mod isa;
@@ -59,7 +60,9 @@ use kiln_compiler::lower::{Plan, PlanError, Storage, WeightFormat, resolve};
 use kiln_compiler::tensor::{DType, Data, Tensor};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use batch::SeqStep;
 
 /// What can go wrong on the CPU back end.
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +117,9 @@ pub enum CpuError {
     /// The plan's constants or inputs could not be prepared ([`PrepareError::Invalid`]).
     #[error("{0}")]
     Prepare(String),
+    /// The plan cannot run several sequences' steps together ([`CpuModel::run_batched`]): why.
+    #[error("this model cannot run sequences together: {0}")]
+    Unbatched(String),
     /// A broken invariant of this back end: a bug, not a bad plan or input.
     #[error("internal error: {0}")]
     Internal(String),
@@ -209,6 +215,41 @@ pub struct CpuModel {
     /// Parameter values whose tensors [`CpuModel::run_lent`] gave back: the model holds none for
     /// them until the next lending or [`CpuModel::update_params`].
     vacated: HashSet<usize>,
+    /// How [`CpuModel::run_batched`] runs the plan, or why it cannot; made at its first use.
+    batch: OnceLock<Result<batch::BatchPlan, String>>,
+}
+
+/// Where the tokens of a run are: what RoPE rotates by and learned positions count from.
+#[derive(Clone, Copy, Debug)]
+pub enum Positions<'a> {
+    /// Every sequence's tokens follow this many cached ones (one session's step, or a forward
+    /// pass from 0).
+    From(usize),
+    /// Sequence `b`'s tokens follow `starts[b]` cached ones: a batched decode step
+    /// ([`CpuModel::run_batched`]), whose sequences are at different positions.
+    PerSequence(&'a [usize]),
+}
+
+impl Positions<'_> {
+    /// The position of token `t` of sequence `b` (`b` within the batch the positions were made
+    /// for).
+    pub fn at(&self, b: usize, t: usize) -> usize {
+        match *self {
+            Positions::From(past) => past + t,
+            Positions::PerSequence(starts) => {
+                debug_assert!(b < starts.len(), "sequence {b} of a batch of {}", starts.len());
+                starts.get(b).copied().unwrap_or(0) + t
+            }
+        }
+    }
+
+    /// The start every sequence shares, if they share one.
+    pub fn shared(&self) -> Option<usize> {
+        match *self {
+            Positions::From(past) => Some(past),
+            Positions::PerSequence(_) => None,
+        }
+    }
 }
 
 /// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
@@ -353,6 +394,7 @@ impl CpuModel {
             weight_views,
             skipped,
             vacated: HashSet::new(),
+            batch: OnceLock::new(),
         })
     }
 
@@ -644,7 +686,7 @@ impl CpuModel {
                     appended.insert(site.past.clone(), rows);
                     views.insert(root(plan, step.output), site.past.clone());
                 } else if !self.skipped.contains(&i) {
-                    self.step(step, &inputs, &mut slots, &syms, &views, kv, past)?;
+                    self.step(step, &inputs, &mut slots, &syms, &views, kv, Positions::From(past))?;
                 }
                 if let Some(t) = times.as_deref_mut() {
                     t.push(start.elapsed().as_secs_f64());
@@ -803,7 +845,7 @@ impl CpuModel {
         syms: &HashMap<Sym, usize>,
         views: &HashMap<usize, String>,
         kv: &KvCache,
-        past: usize,
+        positions: Positions<'_>,
     ) -> R<()> {
         let plan = &self.plan;
         let out_shape = resolve(&plan.values[step.output].shape, syms);
@@ -844,7 +886,8 @@ impl CpuModel {
                 .map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32)))
                 .collect();
             let dtype = plan.values[step.output].dtype;
-            self.exec(&step.op, &args, &mut out, dtype, &out_shape, past).map_err(|e| scoped(e, &step.scope, &step.op))
+            self.exec(&step.op, &args, &mut out, dtype, &out_shape, positions)
+                .map_err(|e| scoped(e, &step.scope, &step.op))
         };
         slots[s] = out;
         result
@@ -935,13 +978,13 @@ impl CpuModel {
         out: &mut Buf,
         dtype: DType,
         shape: &[usize],
-        past: usize,
+        positions: Positions<'_>,
     ) -> R<()> {
         let mut lazy = LazyOut { out, n: shape.iter().product() };
         if dtype == DType::F32 && !self.reference {
             match op {
                 Op::Linear { .. } => {
-                    return linear::forward(op, args, lazy.get(), shape, past, self.threads, self.int8);
+                    return linear::forward(op, args, lazy.get(), shape, positions, self.threads, self.int8);
                 }
                 Op::Attention { .. } | Op::PackedAttention(_) => {
                     return attention::forward(op, args, lazy.get(), shape);
@@ -949,7 +992,7 @@ impl CpuModel {
                 Op::AttentionGrad { .. } => return attention::backward(op, args, lazy.get(), shape),
                 Op::LowRank { .. } => return attention::low_rank(op, args, lazy.get(), shape),
                 _ => {
-                    if elementwise::forward(op, args, &mut lazy, shape, past)?
+                    if elementwise::forward(op, args, &mut lazy, shape, positions)?
                         || training::forward(op, args, &mut lazy, self.threads)?
                     {
                         return Ok(());
@@ -973,6 +1016,15 @@ impl CpuModel {
             })
             .collect::<R<_>>()?;
         let refs: Vec<&Tensor> = tensors.iter().collect();
+        // The interpreter's ops know one start for the whole run; a batched run gives an op that
+        // reads positions per-sequence starts only where its kernel takes them (`batch`).
+        let past = match positions.shared() {
+            Some(past) => past,
+            None if !batch::positional(op) => 0,
+            None => {
+                return Err(CpuError::Internal(format!("{} has no kernel taking a position per sequence", op.name())));
+            }
+        };
         let t = interp::eval_op_at(op, &refs, shape.to_vec(), past)?;
         *out = match t.data {
             Data::F32(v) => Buf::F32(v),

@@ -1,8 +1,8 @@
 //! [`CpuEngine`]: a plan on the CPU's native kernels as an engine, the cache in host memory.
 
-use super::{Engine, Memory, Parked, R, Request, plan_ids, plan_windows};
-use crate::cpu::CpuModel;
+use super::{BatchSeq, Engine, GenerateError, Link, Memory, Parked, R, Request, plan_ids, plan_windows};
 use crate::cpu::cache::KvCache;
+use crate::cpu::{CpuModel, SeqStep};
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -57,6 +57,34 @@ impl Engine for CpuEngine {
     fn resume(&mut self, parked: Parked) -> R<()> {
         self.cache = parked.take()?;
         Ok(())
+    }
+
+    fn step_batch(&mut self, seqs: &mut [BatchSeq<'_>], links: &[Link]) -> R<Option<Vec<Vec<f32>>>> {
+        if self.model.batching().is_err() {
+            return Ok(None);
+        }
+        let mut steps = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter_mut() {
+            let cache = seq.parked.get_mut::<KvCache>()?;
+            steps.push(SeqStep { cache, token: seq.token, past: seq.past });
+        }
+        let outputs = self.model.run_batched(&mut steps, links)?;
+        for step in steps {
+            for (past, &rows) in &self.windows {
+                if let Some(buf) = step.cache.get_mut(past) {
+                    buf.slide(rows)?;
+                }
+            }
+        }
+        let logits = outputs
+            .into_iter()
+            .find(|(name, _)| name == "logits")
+            .ok_or_else(|| GenerateError::MissingOutput("logits".into()))?
+            .1;
+        let data = logits.as_f32().ok_or(GenerateError::NotF32("the `logits` output"))?;
+        // `[batch, 1, vocab]`: a row per sequence.
+        let per_seq = data.len() / seqs.len().max(1);
+        Ok(Some(data.chunks(per_seq.max(1)).map(<[f32]>::to_vec).collect()))
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

@@ -192,6 +192,17 @@ pub trait Engine {
     /// A cache parked by another kind of engine is refused, and this engine's left as it was.
     fn resume(&mut self, parked: Parked) -> R<()>;
 
+    /// One decode step of several parked sequences together (continuous batching): each runs
+    /// its token after its own cache, every weight read once for all of them, and each cache
+    /// grows by its token as [`Engine::step`] would grow it. Returns each sequence's logits, in
+    /// order; `None` where this engine cannot run them together (they then take turns through
+    /// [`Engine::resume`] and [`Engine::step`]), with nothing changed. On an error every cache is
+    /// as it was. The cache the engine holds itself is not touched.
+    fn step_batch(&mut self, seqs: &mut [BatchSeq<'_>], links: &[Link]) -> R<Option<Vec<Vec<f32>>>> {
+        let _ = (seqs, links);
+        Ok(None)
+    }
+
     /// The cache as tensors on the host (read back from the device if it lives there), by past
     /// input name.
     fn cache(&self) -> R<HashMap<String, Tensor>>;
@@ -206,10 +217,26 @@ impl Parked {
         Parked(Box::new(cache))
     }
 
+    /// The cache in place, if `T` is what this engine parked.
+    fn get_mut<T: 'static>(&mut self) -> R<&mut T> {
+        self.0.downcast_mut().ok_or(GenerateError::OtherEngine)
+    }
+
     /// The cache, if `T` is what this engine parked.
     fn take<T: 'static>(self) -> R<T> {
         self.0.downcast().map(|b| *b).map_err(|_| GenerateError::OtherEngine)
     }
+}
+
+/// One sequence of a batched step ([`Engine::step_batch`]): its parked cache, the token it runs
+/// and the tokens before it.
+pub struct BatchSeq<'a> {
+    /// The sequence's cache, as [`Engine::park`] took it out.
+    pub parked: &'a mut Parked,
+    /// The token to run.
+    pub token: i64,
+    /// Tokens before it (its position).
+    pub past: usize,
 }
 
 /// The logits of the last position of a step's outputs.

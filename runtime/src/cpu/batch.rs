@@ -1,0 +1,522 @@
+//! Several sequences' decode steps as one run: continuous batching's step
+//! ([`CpuModel::run_batched`]).
+//!
+//! A server decoding many sequences at once reads every weight once per step for all of them,
+//! not once per sequence: the projections, norms and the head run over a `[batch, 1, ..]` tensor
+//! whose row `i` is sequence `i`'s token. What differs between the sequences is where they are:
+//! each has its own key/value cache, of its own length, and its token its own position. So the
+//! plan of an ordinary cached step (built for one position for the whole batch, [`Sym::Past`])
+//! runs with each value held in one of four ways ([`Mode`]), decided once per plan
+//! ([`BatchPlan`]):
+//!
+//! - a step whose operands are constants or batched values, and which does not depend on the
+//!   positions, runs once over the batch ([`Exec::Batched`]); a projection whose epilogue rotates
+//!   (RoPE) and a `heads` step that rotates run so too, each row at its own sequence's position
+//!   ([`Positions::PerSequence`]);
+//! - a step that reads a cache, or any value with a cache's length in its shape, or one whose
+//!   kernel knows only one position, runs once per sequence on that sequence's part of its
+//!   operands ([`Exec::PerRow`]): attention over each sequence's own cache, learned positions
+//!   (`positions` then its gathers), the appends of each sequence's keys and values to its
+//!   own cache ([`Exec::Append`]);
+//! - a value made per sequence is written into its row of the batched tensor where it has the
+//!   batch axis first and no cache length ([`Mode::Batched`]), else kept per sequence
+//!   ([`Mode::Rows`]).
+//!
+//! What each sequence's part computes is what its own step would compute: the same kernels on
+//! the same rows (a projection's rows are independent), each sequence bound and checked as its
+//! own step binds it (its cache lengths, its token against the tables). A plan this cannot run —
+//! inputs besides token ids and caches (an encoder's memory, masks), a batch axis that is not a
+//! shape's first — is refused with the reason ([`CpuModel::batching`]); its sequences take turns.
+
+use super::cache::{AppendSite, CacheBuf, KvCache};
+use super::{Arg, Buf, CpuError, CpuModel, Positions, R, cache, elementwise, poll, scoped};
+use crate::prepare::{self, root};
+use kiln_compiler::back::cpu as back;
+use kiln_compiler::graph::{Dim, InputRole, Op, PackedAttention, Sym};
+use kiln_compiler::interp::PAST_LEN;
+use kiln_compiler::lower::{Storage, resolve};
+use kiln_compiler::tensor::{DType, Tensor};
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+
+/// One sequence of a batched step: its cache, the token it runs, and the tokens before it (where
+/// its token's position is; a sliding window's cache may hold fewer).
+pub struct SeqStep<'a> {
+    /// The sequence's cache: read in place, appended to on success, as it was on an error.
+    pub cache: &'a mut KvCache,
+    /// The token to run.
+    pub token: i64,
+    /// Tokens before it.
+    pub past: usize,
+}
+
+/// How a batched run holds a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The same for every sequence: a constant, or a value computed from constants alone.
+    Shared,
+    /// One `[batch, ..]` tensor whose part `i` (of `1 / batch` of it) is sequence `i`'s.
+    Batched,
+    /// One tensor per sequence, of that sequence's shape: a value with a cache length in its shape,
+    /// or one of its positions without a batch axis.
+    Rows,
+    /// A cache input, or a present appended in place: each sequence's own buffer.
+    Cache,
+}
+
+/// How a batched run runs a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Exec {
+    /// Not run (a weight read in place, see [`back::WeightView`]).
+    Skip,
+    /// Once over the batch.
+    Batched,
+    /// Once per sequence, on its part of each operand.
+    PerRow,
+    /// Once per sequence, appending its new rows to its cache (the append site of this index).
+    Append(usize),
+}
+
+/// A plan as [`CpuModel::run_batched`] runs it.
+pub(super) struct BatchPlan {
+    /// By value: how a batched run holds it (meaningful for the values that are not aliases).
+    modes: Vec<Mode>,
+    /// By step.
+    steps: Vec<Exec>,
+    /// The plan's input values.
+    inputs: Vec<usize>,
+    /// The token-id input: value and name.
+    ids: (usize, String),
+}
+
+/// Whether `op` reads the positions of its rows ([`Positions`]).
+pub(super) fn positional(op: &Op) -> bool {
+    matches!(op, Op::Positions { .. } | Op::Rope { .. })
+        || matches!(op, Op::Linear { rope: Some(_), .. } | Op::Heads { rope: Some(_), .. })
+}
+
+/// Whether a shape has a cache's length in it (which differs between sequences).
+fn ragged(shape: &[Dim]) -> bool {
+    shape.iter().any(|d| matches!(d, Dim::Sym(Sym::Past | Sym::Ctx | Sym::Recent | Sym::RecentCtx)))
+}
+
+impl BatchPlan {
+    /// How `model`'s plan runs batched, or why it cannot.
+    pub(super) fn new(model: &CpuModel) -> Result<BatchPlan, String> {
+        let plan = &model.plan;
+        if let Some(v) = plan.values.iter().find(|v| v.shape.iter().skip(1).any(|d| *d == Dim::Sym(Sym::Batch))) {
+            return Err(format!("a value of shape {:?} has the batch axis after its first", v.shape));
+        }
+        let mut modes = vec![Mode::Shared; plan.values.len()];
+        let mut ids = None;
+        for (i, v) in plan.values.iter().enumerate() {
+            if let Storage::Input { name, role } = &v.storage {
+                match role {
+                    InputRole::Ids if ids.is_none() => {
+                        ids = Some((i, name.clone()));
+                        modes[i] = Mode::Batched;
+                    }
+                    InputRole::Cache { .. } => modes[i] = Mode::Cache,
+                    _ => return Err(format!("it reads `{name}`, which is neither the token ids nor a cache")),
+                }
+            }
+        }
+        let ids = ids.ok_or("it reads no token ids")?;
+        if !modes.contains(&Mode::Cache) {
+            return Err("it is not a cached step".into());
+        }
+        let sites: HashMap<usize, usize> = model.appends.iter().enumerate().map(|(k, a)| (a.step, k)).collect();
+        let mut steps = Vec::with_capacity(plan.steps.len());
+        for (i, step) in plan.steps.iter().enumerate() {
+            let out = step.output;
+            if model.skipped.contains(&i) {
+                steps.push(Exec::Skip);
+                continue;
+            }
+            if let Some(&k) = sites.get(&i) {
+                modes[out] = Mode::Cache;
+                steps.push(Exec::Append(k));
+                continue;
+            }
+            let operands: Vec<Mode> = step.operands.iter().map(|&o| modes[root(plan, o)]).collect();
+            let value = &plan.values[out];
+            let batch_first = value.shape.first() == Some(&Dim::Sym(Sym::Batch));
+            // The kernels that take a position per row (see `Positions`).
+            let vectorized = !model.reference
+                && value.dtype == DType::F32
+                && matches!(step.op, Op::Linear { .. } | Op::Heads { .. });
+            let per_row = operands.iter().any(|m| matches!(m, Mode::Rows | Mode::Cache))
+                || ragged(&value.shape)
+                || (positional(&step.op) && !vectorized);
+            modes[out] = match (per_row, operands.contains(&Mode::Batched)) {
+                (true, _) if batch_first && !ragged(&value.shape) => Mode::Batched,
+                (true, _) => Mode::Rows,
+                (false, true) if batch_first => Mode::Batched,
+                (false, true) => {
+                    return Err(format!("`{}` ({}) combines the sequences of the batch", step.scope, step.op.name()));
+                }
+                (false, false) if batch_first => Mode::Batched,
+                (false, false) => Mode::Shared,
+            };
+            steps.push(if per_row { Exec::PerRow } else { Exec::Batched });
+        }
+        for (name, v) in &plan.outputs {
+            if modes[root(plan, *v)] == Mode::Shared {
+                return Err(format!("its output `{name}` is the same for every sequence"));
+            }
+        }
+        Ok(BatchPlan { modes, steps, inputs: prepare::input_values(plan), ids })
+    }
+}
+
+/// A sequence's own binding: its symbols, its inputs bound (the empty caches it does not hold
+/// yet), the values that are its cache buffers (by past name) and its position.
+struct Row {
+    syms: HashMap<Sym, usize>,
+    inputs: HashMap<usize, Cow<'static, Tensor>>,
+    views: HashMap<usize, String>,
+    past: usize,
+}
+
+impl CpuModel {
+    /// Whether [`CpuModel::run_batched`] can run this plan; if not, why (in words that follow
+    /// "cannot run sequences together: ").
+    pub fn batching(&self) -> Result<(), String> {
+        self.batch_plan().map(|_| ())
+    }
+
+    fn batch_plan(&self) -> Result<&BatchPlan, String> {
+        self.batch.get_or_init(|| BatchPlan::new(self)).as_ref().map_err(Clone::clone)
+    }
+
+    /// One step of several sequences together, each running one token after its own cache:
+    /// what [`CpuModel::run_cached`] gives each sequence alone, with every weight read once for
+    /// all of them (see the [module](self) docs). Returns the outputs other than the presents,
+    /// `[batch, ..]` with sequence `i`'s row `i` (`logits`: `[batch, 1, vocab]`); each present
+    /// named by `links` becomes its sequence's cache. On an error every cache is as it was.
+    pub fn run_batched(&self, seqs: &mut [SeqStep<'_>], links: &[(String, String)]) -> R<Vec<(String, Tensor)>> {
+        let bp = self.batch_plan().map_err(CpuError::Unbatched)?;
+        let plan = &self.plan;
+        let b = seqs.len();
+        if b == 0 {
+            return Err(CpuError::Operands("a batched step needs at least one sequence".into()));
+        }
+        let linked: HashSet<(&str, &str)> = links.iter().map(|(p, q)| (p.as_str(), q.as_str())).collect();
+        if let Some(site) = self.appends.iter().find(|a| !linked.contains(&(a.present.as_str(), a.past.as_str()))) {
+            return Err(CpuError::Unbatched(format!(
+                "its present `{}` is not linked to `{}`",
+                site.present, site.past
+            )));
+        }
+        // Each sequence bound as its own step binds it.
+        let mut rows: Vec<Row> = Vec::with_capacity(b);
+        for seq in seqs.iter() {
+            let given = HashMap::from([
+                (bp.ids.1.clone(), Tensor::i64(vec![1, 1], vec![seq.token])),
+                (PAST_LEN.to_string(), Tensor::i64(vec![1], vec![seq.past as i64])),
+            ]);
+            let held: HashMap<&str, Vec<usize>> = seq.cache.iter().map(|(n, c)| (n.as_str(), c.shape())).collect();
+            let bound = prepare::bind_values(plan, &bp.inputs, &given, &held)?;
+            let (mut inputs, mut views): (HashMap<usize, Cow<'static, Tensor>>, _) = (HashMap::new(), HashMap::new());
+            for ((id, tensor), name) in bound.inputs.into_iter().zip(&bound.names) {
+                match tensor {
+                    Some(t) => drop(inputs.insert(id, Cow::Owned(t))),
+                    None if held.contains_key(name.as_str()) => drop(views.insert(id, name.clone())),
+                    None => return Err(CpuError::MissingInput(name.clone())),
+                }
+            }
+            let by_value: HashMap<usize, &Tensor> = inputs.iter().map(|(&id, t)| (id, t.as_ref())).collect();
+            prepare::check_indices(plan, &by_value, &bound.syms)?;
+            rows.push(Row { syms: bound.syms, inputs, views, past: seq.past });
+        }
+        let mut syms = rows[0].syms.clone();
+        syms.insert(Sym::Batch, b);
+        let tokens: Vec<i64> = seqs.iter().map(|s| s.token).collect();
+        let batch_inputs: HashMap<usize, Cow<'_, Tensor>> =
+            HashMap::from([(bp.ids.0, Cow::Owned(Tensor::i64(vec![b, 1], tokens)))]);
+        let starts: Vec<usize> = seqs.iter().map(|s| s.past).collect();
+
+        let mut state = self.slots.lock().map_err(|_| CpuError::Poisoned)?;
+        let mut slots = std::mem::take(&mut *state);
+        if slots.len() < plan.slots {
+            slots.resize_with(plan.slots, || Buf::F32(Vec::new()));
+        }
+        // Per sequence: the cache buffers this run creates (removed again on an error), and the
+        // rows each appended one holds once the run succeeds.
+        let mut created: Vec<Vec<String>> = vec![Vec::new(); b];
+        let mut appended: Vec<HashMap<String, usize>> = vec![HashMap::new(); b];
+        let mut per_row: HashMap<usize, Vec<Buf>> = HashMap::new();
+        let (none, no_views) = (KvCache::new(), HashMap::new());
+        let run = poll::polling(&self.pool, || -> R<()> {
+            for (i, step) in plan.steps.iter().enumerate() {
+                match bp.steps[i] {
+                    Exec::Skip => {}
+                    Exec::Batched => {
+                        let positions = Positions::PerSequence(&starts);
+                        self.step(step, &batch_inputs, &mut slots, &syms, &no_views, &none, positions)?;
+                    }
+                    Exec::Append(k) => {
+                        let site: &AppendSite = &self.appends[k];
+                        for (r, (row, seq)) in rows.iter_mut().zip(seqs.iter_mut()).enumerate() {
+                            let args = [step.operands[1]]
+                                .into_iter()
+                                .chain(step.operands.get(2).copied())
+                                .map(|o| self.row_arg(bp, o, r, row, &batch_inputs, &syms, &slots, &per_row, &none))
+                                .collect::<R<Vec<_>>>()?;
+                            let x = args[0].1.f32("x").map_err(|e| scoped(e, &step.scope, &step.op))?;
+                            let gain = match args.get(1) {
+                                Some((_, g)) => Some(g.f32("the gain").map_err(|e| scoped(e, &step.scope, &step.op))?),
+                                None => None,
+                            };
+                            if !seq.cache.contains_key(&site.past) {
+                                let (heads, d) = match &step.op {
+                                    Op::Heads { heads, head_dim, .. } => (*heads, *head_dim),
+                                    _ => {
+                                        return Err(CpuError::Internal(format!("`{}`: not a heads step", step.scope)));
+                                    }
+                                };
+                                seq.cache.insert(site.past.clone(), CacheBuf::empty(1, heads, d));
+                                created[r].push(site.past.clone());
+                            }
+                            let buf = seq
+                                .cache
+                                .get_mut(&site.past)
+                                .ok_or_else(|| CpuError::Cache("the cache vanished".into()))?;
+                            let held = elementwise::append_heads(&step.op, &args[0].0, x, gain, row.past, buf)
+                                .map_err(|e| scoped(e, &step.scope, &step.op))?;
+                            appended[r].insert(site.past.clone(), held);
+                            row.views.insert(root(plan, step.output), site.past.clone());
+                        }
+                    }
+                    Exec::PerRow => {
+                        let out = step.output;
+                        let Storage::Slot(s) = plan.values[out].storage else {
+                            return Err(CpuError::Internal(format!("`{}`: a step writes no slot", step.scope)));
+                        };
+                        let batched = bp.modes[out] == Mode::Batched;
+                        // The batched output is written row by row, out of the slots meanwhile.
+                        let mut whole = if batched {
+                            std::mem::replace(&mut slots[s], Buf::F32(Vec::new()))
+                        } else {
+                            Buf::F32(Vec::new())
+                        };
+                        let mut parts = Vec::with_capacity(if batched { 0 } else { b });
+                        let result = (|| -> R<()> {
+                            for (r, (row, seq)) in rows.iter().zip(seqs.iter()).enumerate() {
+                                let shape = resolve(&plan.values[out].shape, &row.syms);
+                                let mut part = Buf::F32(Vec::new());
+                                self.row_step(
+                                    bp,
+                                    step,
+                                    r,
+                                    row,
+                                    seq.cache,
+                                    &batch_inputs,
+                                    &syms,
+                                    &slots,
+                                    &per_row,
+                                    &shape,
+                                    &mut part,
+                                )
+                                .map_err(|e| scoped(e, &step.scope, &step.op))?;
+                                if batched {
+                                    write_row(&mut whole, &part, r, b, shape.iter().product())?;
+                                } else {
+                                    parts.push(part);
+                                }
+                            }
+                            Ok(())
+                        })();
+                        if batched {
+                            slots[s] = whole;
+                        } else {
+                            per_row.insert(out, parts);
+                        }
+                        result?;
+                    }
+                }
+            }
+            Ok(())
+        });
+        let presents: HashMap<&str, &str> = links.iter().map(|(p, q)| (p.as_str(), q.as_str())).collect();
+        let outputs = run.and_then(|()| {
+            let mut outputs = Vec::new();
+            // Per sequence: presents that replace its cache (a plan that concatenates them).
+            let mut replaced: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); b];
+            for (name, v) in &plan.outputs {
+                let r = root(plan, *v);
+                match (bp.modes[r], presents.get(name.as_str())) {
+                    (Mode::Cache, Some(_)) => {} // appended in place
+                    (Mode::Rows, Some(past)) => {
+                        for (seq, row) in replaced.iter_mut().enumerate() {
+                            let shape = resolve(&plan.values[*v].shape, &rows[seq].syms);
+                            let data = match per_row.get(&r).and_then(|p| p.get(seq)) {
+                                Some(Buf::F32(x)) => x.get(..shape.iter().product()).map(<[f32]>::to_vec),
+                                _ => None,
+                            };
+                            let data =
+                                data.ok_or_else(|| CpuError::Cache(format!("the step did not produce `{name}`")))?;
+                            row.push((past.to_string(), Tensor::f32(shape, data)));
+                        }
+                    }
+                    (Mode::Batched, _) => {
+                        let (shape, arg) = self.arg(*v, &batch_inputs, &slots, &syms, &no_views, &none)?;
+                        let t = match arg {
+                            Arg::F32(x) => Tensor::f32(shape, self.output_buffer(x)),
+                            Arg::I64(x) => Tensor::i64(shape, x.to_vec()),
+                            _ => return Err(CpuError::Internal(format!("output `{name}` is not a tensor"))),
+                        };
+                        outputs.push((name.clone(), t));
+                    }
+                    (mode, _) => {
+                        return Err(CpuError::Unbatched(format!(
+                            "its output `{name}` is held per sequence ({mode:?}) but is not a cache"
+                        )));
+                    }
+                }
+            }
+            Ok((outputs, replaced))
+        });
+        *state = slots;
+        match outputs {
+            Ok((outputs, replaced)) => {
+                for (seq, (appended, replaced)) in seqs.iter_mut().zip(appended.into_iter().zip(replaced)) {
+                    for (past, held) in appended {
+                        if let Some(buf) = seq.cache.get_mut(&past) {
+                            buf.set_len(held);
+                        }
+                    }
+                    for (past, t) in replaced {
+                        let buf = CacheBuf::from_tensor(t).ok_or_else(|| {
+                            CpuError::Cache(format!("`{past}` is not an f32 [b, heads, len, d] tensor"))
+                        })?;
+                        seq.cache.insert(past, buf);
+                    }
+                }
+                Ok(outputs)
+            }
+            Err(e) => {
+                for (seq, created) in seqs.iter_mut().zip(created) {
+                    for name in created {
+                        seq.cache.remove(&name);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Operand `o` of sequence `r`'s part of a step, at that sequence's shape: a shared value
+    /// whole, its part of a batched one, its own of one held per sequence, its own cache.
+    #[expect(clippy::too_many_arguments, reason = "the run's state, borrowed apart")]
+    fn row_arg<'a>(
+        &'a self,
+        bp: &BatchPlan,
+        o: usize,
+        r: usize,
+        row: &'a Row,
+        batch_inputs: &'a HashMap<usize, Cow<'_, Tensor>>,
+        syms: &HashMap<Sym, usize>,
+        slots: &'a [Buf],
+        per_row: &'a HashMap<usize, Vec<Buf>>,
+        kv: &'a KvCache,
+    ) -> R<(Vec<usize>, Arg<'a>)> {
+        let plan = &self.plan;
+        let v = root(plan, o);
+        let shape = resolve(&plan.values[o].shape, &row.syms);
+        let n: usize = shape.iter().product();
+        let missing = || CpuError::Internal(format!("value {o} has no part for sequence {r}"));
+        let arg = match bp.modes[v] {
+            Mode::Shared => return self.arg(o, batch_inputs, slots, syms, &HashMap::new(), kv),
+            Mode::Cache => return self.arg(o, &row.inputs, &[], &row.syms, &row.views, kv),
+            Mode::Batched => match self.arg(o, batch_inputs, slots, syms, &HashMap::new(), kv)?.1 {
+                Arg::F32(x) => Arg::F32(x.get(r * n..(r + 1) * n).ok_or_else(missing)?),
+                Arg::I64(x) => Arg::I64(x.get(r * n..(r + 1) * n).ok_or_else(missing)?),
+                _ => return Err(missing()),
+            },
+            Mode::Rows => match per_row.get(&v).and_then(|p| p.get(r)).ok_or_else(missing)? {
+                Buf::F32(x) => Arg::F32(x.get(..n).ok_or_else(missing)?),
+                Buf::I64(x) => Arg::I64(x.get(..n).ok_or_else(missing)?),
+            },
+        };
+        Ok((shape, arg))
+    }
+
+    /// Sequence `r`'s part of `step` into `out`, at its output shape `shape` and its position.
+    #[expect(clippy::too_many_arguments, reason = "the run's state, borrowed apart")]
+    fn row_step(
+        &self,
+        bp: &BatchPlan,
+        step: &kiln_compiler::lower::Step,
+        r: usize,
+        row: &Row,
+        kv: &KvCache,
+        batch_inputs: &HashMap<usize, Cow<'_, Tensor>>,
+        syms: &HashMap<Sym, usize>,
+        slots: &[Buf],
+        per_row: &HashMap<usize, Vec<Buf>>,
+        shape: &[usize],
+        out: &mut Buf,
+    ) -> R<()> {
+        let plan = &self.plan;
+        let args: Vec<(Vec<usize>, Arg<'_>)> = step
+            .operands
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| match back::reads_as_weight(&step.op, i).then(|| self.weight(o)).flatten() {
+                Some(w) => Ok((resolve(&plan.values[o].shape, &row.syms), w?)),
+                None => self.row_arg(bp, o, r, row, batch_inputs, syms, slots, per_row, kv),
+            })
+            .collect::<R<_>>()?;
+        // Only attention reads a cache through its strides (as in `CpuModel::step`).
+        let attention =
+            matches!(step.op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
+        let copies: Vec<Option<Vec<f32>>> = args
+            .iter()
+            .map(|(shape, a)| match (a, shape.as_slice()) {
+                (Arg::Cache { data, cap }, &[b, h, rows, d]) if !attention => {
+                    Some(cache::contiguous(data, b * h, rows, *cap, d))
+                }
+                _ => None,
+            })
+            .collect();
+        let args: Vec<(Vec<usize>, Arg<'_>)> = args
+            .into_iter()
+            .zip(&copies)
+            .map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32)))
+            .collect();
+        let dtype = plan.values[step.output].dtype;
+        self.exec(&step.op, &args, out, dtype, shape, Positions::From(row.past))
+    }
+}
+
+/// Writes `part` (the first `n` elements of one sequence's result) as part `r` of `b` of `whole`,
+/// which is made a buffer of `b * n` elements of the part's type.
+fn write_row(whole: &mut Buf, part: &Buf, r: usize, b: usize, n: usize) -> R<()> {
+    let short = || CpuError::Internal(format!("a result of {n} elements for sequence {r} is short"));
+    match part {
+        Buf::F32(p) => {
+            if !matches!(whole, Buf::F32(_)) {
+                *whole = Buf::F32(Vec::new());
+            }
+            if let Buf::F32(w) = whole {
+                if w.len() < b * n {
+                    w.resize(b * n, 0.0);
+                }
+                w[r * n..(r + 1) * n].copy_from_slice(p.get(..n).ok_or_else(short)?);
+            }
+        }
+        Buf::I64(p) => {
+            if !matches!(whole, Buf::I64(_)) {
+                *whole = Buf::I64(Vec::new());
+            }
+            if let Buf::I64(w) = whole {
+                if w.len() < b * n {
+                    w.resize(b * n, 0);
+                }
+                w[r * n..(r + 1) * n].copy_from_slice(p.get(..n).ok_or_else(short)?);
+            }
+        }
+    }
+    Ok(())
+}
