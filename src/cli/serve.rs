@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// running answers keep coming).
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
+    /// Decode the running sequences in turn, a step each, rather than together in one batched
+    /// step (which the CPU back end does by default; wgpu always takes turns).
+    #[arg(long)]
+    no_batching: bool,
     /// The largest `max_tokens` a request may ask, and the default (up to the model's context).
     #[arg(long, default_value_t = 2048)]
     max_tokens_limit: usize,
@@ -137,6 +141,7 @@ pub fn run(mut args: ServeArgs, reporter: &Reporter) -> Result<()> {
         max_queue: args.queue,
         kv_budget: args.kv_cache.0,
         prefill_chunk: args.prefill_chunk,
+        batching: !args.no_batching,
         default_max_tokens: args.max_tokens_limit,
         max_tokens: args.max_tokens_limit,
         max_prompt_tokens: 0,

@@ -164,7 +164,8 @@ pub fn serve(model: &Model, generator: &mut Generator, tokenizer: &Tokenizer, jo
         let decoding: Vec<usize> = (0..running.len())
             .filter(|i| !finished.contains(i) && running[*i].fed == running[*i].prompt.len())
             .collect();
-        if decoding.len() > 1
+        if limits.batching
+            && decoding.len() > 1
             && let Some(rows) = decode_together(generator.session(), &mut running, &decoding)
         {
             shared.metrics.decode_batch_size.observe(decoding.len() as f64);

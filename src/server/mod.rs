@@ -52,6 +52,8 @@ pub struct Limits {
     pub kv_budget: u64,
     /// Most prompt tokens one step of a sequence runs.
     pub prefill_chunk: usize,
+    /// The sequences past their prompts decode together where the engine can.
+    pub batching: bool,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: usize,
     /// The largest `max_tokens` a request may ask.

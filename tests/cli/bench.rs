@@ -35,6 +35,21 @@ fn bench_prints_the_spread_of_its_runs() {
     assert!(v["host_us_per_step"].is_null(), "the CPU back end's time is all the host's: {v}");
 }
 
+/// Issue 34: `bench decode --batch N` decodes N sequences together on the CPU back end and says
+/// so; on wgpu, which takes them in turn, it is refused by name.
+#[test]
+fn bench_decode_batches_sequences_on_the_cpu() {
+    let args = ["bench", "decode", "models/llama.toml", "--runs", "2", "--seq", "4", "--steps", "3", "--batch", "3"];
+    let v = json(&[&args[..], &["--backend", "cpu", "--json", "-q"]].concat());
+    assert_eq!(v["batch"], 3, "{v}");
+    spread(&v, "decode_tok_s");
+    let text = ok(&[&args[..], &["--backend", "cpu", "-q"]].concat());
+    assert!(text.contains("3 sequences decoded together"), "{text}");
+    if crate::common::gpu().is_some() {
+        fails_with(&[&args[..], &["--backend", "wgpu", "-q"]].concat(), &["--batch", "cannot decode sequences together"]);
+    }
+}
+
 /// Issue 33: on wgpu, `bench decode` gives the host's time per decode step (binding, encoding,
 /// submitting) apart from the device's.
 #[test]
@@ -63,6 +78,7 @@ fn bench_refuses_counts_of_zero() {
         (&["decode", "models/llama.toml", "--steps", "0"], "--steps 0 measures nothing"),
         (&["decode", "models/llama.toml", "--steps", "2", "--runs", "0"], "--runs 0"),
         (&["decode", "models/llama.toml", "--steps", "2", "--seq", "0"], "--seq 0"),
+        (&["decode", "models/llama.toml", "--steps", "2", "--batch", "0"], "--batch 0"),
         (&["kernels", "--runs", "0"], "--runs 0"),
         (&["attention", "--runs", "0"], "--runs 0"),
         (&["table", "--runs", "0"], "--runs 0"),

@@ -185,3 +185,34 @@ fn a_row_holding_a_nan_is_refused_on_the_device() {
     let got = device.sample(&[0.0, 2.0, 1.0], Pick { sampler: &mut sampler, seen: &[], logits: false }).unwrap();
     assert_eq!(got.token, 1);
 }
+
+/// Top-k over a row sampled in parts makes its cuts over the candidates each part kept (see
+/// `back::wgsl::sample`): rows whose first candidates all sit in one chunk, in the last, or tie
+/// across every chunk (the lowest ids first), and rows with fewer finite logits than `top_k`;
+/// `top_k` from 1 to `sample::KEEP` (the parts' slots) and one past it (the cuts over the row).
+#[test]
+fn top_k_in_parts_cuts_over_each_parts_kept_candidates() {
+    use kiln_compiler::back::wgsl::sample::KEEP;
+    let Some(gpu) = common::gpu() else { return };
+    let mut device = DeviceSampler::new(gpu).unwrap();
+    let inf = f32::INFINITY;
+    let rows: Vec<Vec<f32>> = vec![
+        vec![0.5; 12_289],
+        (0..9_000).map(|i| if i % 300 == 7 { (i as f32 * 0.37).sin() } else { -inf }).collect(),
+        (0..20_000).map(|i| i as f32 / 4000.0).collect(),
+        (0..16_384).map(|i| if (5_000..5_600).contains(&i) { 3.0 + (i as f32).cos() } else { (i as f32).sin() }).collect(),
+    ];
+    let k = KEEP as usize;
+    for (r, logits) in rows.iter().enumerate() {
+        for (t, k, p, penalty) in [(0.8, 1, 1.0, 1.0), (0.8, 40, 1.0, 1.2), (1.5, 40, 0.9, 1.0), (1.0, k, 1.0, 1.0), (1.0, k + 1, 0.95, 1.0)] {
+            let mut host = Sampler::new(t, k, p, penalty, r as u64 + 7).unwrap();
+            let mut on_device = host.clone();
+            let seen = [4096, 9, 12_288];
+            for d in 0..3 {
+                let want = host.sample(logits, &seen);
+                let got = device.sample(logits, Pick { sampler: &mut on_device, seen: &seen, logits: false }).unwrap();
+                assert_eq!(got.token, want, "row {r}, settings {:?}, draw {d}", (t, k, p, penalty));
+            }
+        }
+    }
+}

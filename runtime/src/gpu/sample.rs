@@ -21,7 +21,7 @@ use super::run::Lent;
 use super::tensor::{STORAGE, copy_range};
 use super::{Gpu, GpuError};
 use crate::sample::{Pick, Sampled, Sampler};
-use kiln_compiler::back::wgsl::sample::{KERNEL, MAX_VOCAB, PART_WORDS, Settings, parts};
+use kiln_compiler::back::wgsl::sample::{KERNEL, MAX_VOCAB, Settings, keep, part_words, parts};
 use std::sync::Arc;
 
 /// The sampling kernel's pipeline on a device, and the buffers a pick reads and writes (kept
@@ -123,10 +123,11 @@ impl DeviceSampler {
         }
         let draw = sampler.draw();
         let parts = parts(vocab as u32);
-        let parts_buffer = self.grow_parts(4 * u64::from(PART_WORDS * parts.max(1)))?;
+        let parts_buffer = self.grow_parts(4 * u64::from(part_words(parts.max(1))))?;
+        let top_k = u32::try_from(sampler.top_k).unwrap_or(u32::MAX);
         let settings = Settings {
             vocab: vocab as u32,
-            top_k: u32::try_from(sampler.top_k).unwrap_or(u32::MAX),
+            top_k,
             seen: seen.len() as u32,
             greedy: draw.is_none(),
             temperature: sampler.temperature,
@@ -135,6 +136,7 @@ impl DeviceSampler {
             // In f32, below 1 as the draw is.
             uniform: (draw.unwrap_or(0.0) as f32).min(1.0 - f32::EPSILON / 2.0),
             parts,
+            keep: keep(parts, draw.is_none(), top_k),
         };
         gpu.queue.write_buffer(&self.settings, 0, bytemuck::cast_slice(&settings.words()));
 

@@ -24,6 +24,11 @@ pub struct DecodeArgs {
     /// Timed generations (the median is reported, with the fastest and slowest).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Sequences decoded together in each step (continuous batching's step, as `kiln serve` runs
+    /// it): each prompt is run alone, then every decode step runs one token of each; tokens per
+    /// second count every sequence's. The CPU back end only.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Real weights (safetensors or GGUF) instead of random ones.
     #[arg(long)]
     weights: Option<PathBuf>,
@@ -48,7 +53,7 @@ const BANDWIDTH_BUFFER: usize = 1 << 29;
 
 /// Runs `kiln bench decode`.
 pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
-    at_least_one(&[("--runs", args.runs), ("--seq", args.seq), ("--steps", args.steps)])?;
+    at_least_one(&[("--runs", args.runs), ("--seq", args.seq), ("--steps", args.steps), ("--batch", args.batch)])?;
     let device = args.device.open(reporter, args.json)?;
     let (_, fe) = args.spec.read()?;
     decode(&fe, &device, &args)
@@ -58,7 +63,7 @@ pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
 /// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
 /// `runs` generations.
 fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
-    let DecodeArgs { seq: prompt, steps, runs, json, storage, .. } = *args;
+    let DecodeArgs { seq: prompt, steps, runs, json, storage, batch, .. } = *args;
     let weights = args.weights.as_deref();
     use kiln_runtime::Sampler;
     use kiln_runtime::generate::{Session, generate};
@@ -93,6 +98,12 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     // On a device, the host's share of each decode step: its time up to the step's submission.
     let clock = session.host_clock();
     for _ in 0..runs {
+        if batch > 1 {
+            let (p, d) = decode_together(&mut session, &ids, steps, batch, vocab)?;
+            prefill.push(p);
+            decode.push(d);
+            continue;
+        }
         // A fresh cache per run; the pipelines and weights are shared. The clock is read at the
         // first token (after the prefill) and at the end: the decode steps' share.
         let mut after_prefill = None;
@@ -112,13 +123,13 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     let (prefill, decode) = (Spread::of(&prefill), Spread::of(&decode));
     // The weights' read rate at the median decode speed, and its share of the measured bandwidth.
     let read = bound.map(|(bytes, bandwidth)| {
-        let rate = bytes as f64 * decode.median;
+        let rate = bytes as f64 * decode.median / batch as f64;
         (bytes, bandwidth, rate, rate / bandwidth)
     });
     let host = (!host.is_empty()).then(|| Spread::of(&host));
     if json {
         let out = serde_json::json!({
-            "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps,
+            "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps, "batch": batch,
             "runs": runs, "dispatches_per_step": dispatches, "prefill_tok_s": prefill.median, "decode_tok_s": decode.median,
             "prefill_tok_s_min": prefill.min, "prefill_tok_s_max": prefill.max, "decode_tok_s_min": decode.min, "decode_tok_s_max": decode.max,
             "weights": weights.map(|w| w.display().to_string()), "weight_bytes": device_weights.1,
@@ -138,6 +149,9 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         if let Some(forms) = &forms {
             println!("  kernel forms: {forms}");
         }
+        if batch > 1 {
+            println!("  {batch} sequences decoded together; tokens per second count every sequence's");
+        }
         println!("  prefill {prompt} tokens: {} tok/s", prefill.text(1));
         println!("  decode {steps} steps:    {} tok/s", decode.text(2));
         if let Some(h) = &host {
@@ -149,8 +163,8 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         println!("  weights on the device: {}", device_weights.0);
         if let Some((bytes, bandwidth, rate, fraction)) = read {
             println!(
-                "  a decode step reads {} of weights: {:.1} GB/s at the median, {:.0}% of the {:.1} GB/s these threads \
-                 read from memory",
+                "  a decode step reads {} of weights (once for the batch): {:.1} GB/s at the median, {:.0}% of the \
+                 {:.1} GB/s these threads read from memory",
                 kiln_compiler::memory::human(bytes),
                 rate / 1e9,
                 100.0 * fraction,
@@ -159,4 +173,34 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// One run of `batch` sequences: each prompt (`ids`, rotated by the sequence's index so that no
+/// two are alike) prefilled alone and parked, then `steps` decode steps running one greedy token
+/// of every sequence together. Prompt and decode tokens per second over all the sequences.
+fn decode_together(
+    session: &mut kiln_runtime::Session,
+    ids: &[i64],
+    steps: usize,
+    batch: usize,
+    vocab: i64,
+) -> Result<(f64, f64)> {
+    let greedy = |logits: &[f32]| kiln_runtime::Sampler::greedy().sample(logits, &[]);
+    let start = std::time::Instant::now();
+    let (mut parked, mut next) = (Vec::with_capacity(batch), Vec::with_capacity(batch));
+    for s in 0..batch as i64 {
+        let prompt: Vec<i64> = ids.iter().map(|&t| (t + s) % vocab).collect();
+        next.push(greedy(&session.forward(&prompt)?));
+        parked.push(session.park());
+    }
+    let prefill = (batch * ids.len()) as f64 / start.elapsed().as_secs_f64();
+    let start = std::time::Instant::now();
+    for _ in 0..steps {
+        let mut seqs: Vec<_> = parked.iter_mut().zip(&next).map(|(p, &t)| (p, t)).collect();
+        let Some(rows) = session.forward_batch(&mut seqs)? else {
+            bail!("--batch: this back end cannot decode sequences together (the CPU back end can)");
+        };
+        next = rows.iter().map(|l| greedy(l)).collect();
+    }
+    Ok((prefill, (batch * steps) as f64 / start.elapsed().as_secs_f64().max(1e-9)))
 }

@@ -34,6 +34,14 @@
 //! row once across the device rather than from one workgroup. [`parts`] says how many a row
 //! takes: none below [`PARTS_FROM`] logits, where one workgroup's pass is as fast.
 //!
+//! **Kept candidates.** With top-k (`0 < top_k <=` [`KEEP`]) and parts, each part also keeps its
+//! chunk's first `top_k` candidates in candidate order (all its finite logits where it has no
+//! more), found by the same radix search over its chunk, and writes them to its [`KEEP`] slots of
+//! binding 4 (logit bits and id; the unused slots' id `0xffffffff`), in a fixed order. The row's
+//! first `top_k` candidates are among them (each is among its own chunk's first `top_k`), so
+//! `main` makes its cuts — top-k, top-p, the draw — over the parts' slots instead of the row: a
+//! few thousand candidates rather than a 262144-logit row, read by one workgroup per pass.
+//!
 //! No sort: one workgroup finds each cut with a radix search. The candidate order is the order of
 //! a 64-bit key, `(order_key(v), !id)` descending, and "the first candidate at which a running
 //! count (top-k) or weight (top-p, the draw) reaches a target" is found four bits at a time from
@@ -47,9 +55,10 @@
 //!
 //! Bindings: `0` the [`Settings`] uniform, `1` the picked id (one `u32`, written by invocation
 //! 0), `2` the logits row (read-write: the penalty is applied in place), `3` the seen ids (`u32`,
-//! each once; at least one element, unread when `seen == 0`), `4` the parts (five words each:
-//! the chunk's argmax logit's bits and id, its largest finite logit's bits, its finite logits and
-//! its NaNs; at least one element, unread when `parts == 0`). Dispatch `parts` workgroups of the
+//! each once; at least one element, unread when `seen == 0`), `4` the parts ([`part_words`]:
+//! five words each — the chunk's argmax logit's bits and id, its largest finite logit's bits, its
+//! finite logits and its NaNs — then [`KEEP`] slots of two words each; at least one element,
+//! unread when `parts == 0`). Dispatch `parts` workgroups of the
 //! `parts` entry point (when `parts > 0`), then one of `main`.
 
 /// Invocations of the kernel's one workgroup.
@@ -67,8 +76,25 @@ pub const CHUNK: u32 = 16 * INVOCATIONS;
 /// The shortest row whose first pass runs in parts (two chunks).
 pub const PARTS_FROM: u32 = 2 * CHUNK;
 
-/// Words a part holds in binding 4.
+/// Words a part's figures take in binding 4 (its kept candidates follow every part's figures).
 pub const PART_WORDS: u32 = 5;
+
+/// The most candidates a part keeps for top-k, and the slots each part has: a larger `top_k`
+/// makes its cuts over the row.
+pub const KEEP: u32 = INVOCATIONS;
+
+/// The words of binding 4 for `parts` parts: each part's figures, then each part's kept
+/// candidates' slots.
+pub fn part_words(parts: u32) -> u32 {
+    parts * (PART_WORDS + 2 * KEEP)
+}
+
+/// The candidates each part keeps for the cuts of `main` ([`Settings::keep`]): `top_k`, where the
+/// row runs in parts and samples with a top-k of at most [`KEEP`]; else 0 (the cuts read the
+/// row).
+pub fn keep(parts: u32, greedy: bool, top_k: u32) -> u32 {
+    if parts > 0 && !greedy && (1..=KEEP).contains(&top_k) { top_k } else { 0 }
+}
 
 /// The workgroups of the `parts` entry point a row of `vocab` logits takes (0: `main` alone).
 pub fn parts(vocab: u32) -> u32 {
@@ -96,11 +122,13 @@ pub struct Settings {
     pub uniform: f32,
     /// Parts the row's first pass ran in ([`parts`]; 0: `main` reads the row itself).
     pub parts: u32,
+    /// Candidates each part keeps for `main`'s cuts ([`keep`]; 0: the cuts read the row).
+    pub keep: u32,
 }
 
 impl Settings {
-    /// The uniform's twelve words, in the order of the WGSL struct (the last three padding, to
-    /// a multiple of 16 bytes).
+    /// The uniform's twelve words, in the order of the WGSL struct (the last two padding, to a
+    /// multiple of 16 bytes).
     pub fn words(&self) -> [u32; 12] {
         [
             self.vocab,
@@ -112,7 +140,7 @@ impl Settings {
             self.penalty.to_bits(),
             self.uniform.to_bits(),
             self.parts,
-            0,
+            self.keep,
             0,
             0,
         ]
@@ -131,7 +159,7 @@ struct Settings {
     penalty: f32,
     uniform: f32,
     parts: u32,
-    pad0: u32,
+    keep: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -144,6 +172,7 @@ struct Settings {
 
 const WG: u32 = 256u;
 const CHUNK: u32 = 4096u;
+const KEEP: u32 = 256u;
 const NONE: u32 = 0xffffffffu;
 const NAN_ROW: u32 = 0xfffffffeu;
 const F32_MAX: f32 = 3.40282347e38;
@@ -162,6 +191,9 @@ var<workgroup> nans: atomic<u32>;
 var<workgroup> prefix: vec4<u32>;
 var<workgroup> goal: f32;
 var<workgroup> found: u32;
+// What the searches read (set by the entry point): the row's logits `lo..hi` (`x` 0), or the
+// parts' kept candidates' slots `lo..hi` (`x` 1).
+var<private> space: vec3<u32>;
 
 fn is_finite(v: f32) -> bool {
     return (bitcast<u32>(v) & 0x7f800000u) != 0x7f800000u;
@@ -181,6 +213,15 @@ fn order_key(v: f32) -> u32 {
 fn within(v: f32, i: u32, bound: vec2<u32>) -> bool {
     let key = order_key(v);
     return key > bound.x || (key == bound.x && ~i >= bound.y);
+}
+
+// Element `j` of the search space: a logit's bits and its id (`NONE`: an unused slot).
+fn element(j: u32) -> vec2<u32> {
+    if space.x == 0u {
+        return vec2<u32>(bitcast<u32>(row[j]), j);
+    }
+    let at = 5u * s.parts + 2u * j;
+    return vec2<u32>(part[at], part[at + 1u]);
 }
 
 fn weight(v: f32, top: f32) -> f32 {
@@ -263,9 +304,11 @@ fn search(lane: u32, by_weight: bool, aim: f32, bound: vec2<u32>, top: f32) -> u
         for (var b = 0u; b < 16u; b++) {
             first[b] = NONE;
         }
-        for (var i = lane; i < s.vocab; i += WG) {
-            let v = row[i];
-            if !is_finite(v) || !within(v, i, bound) {
+        for (var j = space.y + lane; j < space.z; j += WG) {
+            let e = element(j);
+            let v = bitcast<f32>(e.x);
+            let i = e.y;
+            if i == NONE || !is_finite(v) || !within(v, i, bound) {
                 continue;
             }
             let x = select(1.0, weight(v, top), by_weight);
@@ -335,13 +378,56 @@ fn search(lane: u32, by_weight: bool, aim: f32, bound: vec2<u32>, top: f32) -> u
 // Sum of the weights of the candidates at or before `bound`.
 fn kept_weight(lane: u32, bound: vec2<u32>, top: f32) -> f32 {
     var x = 0.0;
-    for (var i = lane; i < s.vocab; i += WG) {
-        let v = row[i];
-        if is_finite(v) && within(v, i, bound) {
+    for (var j = space.y + lane; j < space.z; j += WG) {
+        let e = element(j);
+        let v = bitcast<f32>(e.x);
+        if e.y != NONE && is_finite(v) && within(v, e.y, bound) {
             x += weight(v, top);
         }
     }
     return sum_all(lane, x);
+}
+
+// Part `p` keeps the first `s.keep` candidates of its chunk `start..end` (of `finite` finite
+// logits; all of them where that is not more) in its slots: each lane's in its stride's order,
+// after those of the lanes before it; the slots left over unused.
+fn keep_candidates(lane: u32, p: u32, start: u32, end: u32, finite: u32) {
+    space = vec3<u32>(0u, start, end);
+    var bound = vec2<u32>(0u, 0u);
+    if s.keep < finite {
+        let k = search(lane, false, f32(s.keep), bound, 0.0);
+        bound = vec2<u32>(order_key(row[k]), ~k);
+    }
+    var mine = 0u;
+    for (var i = start + lane; i < end; i += WG) {
+        let v = row[i];
+        mine += select(0u, 1u, is_finite(v) && within(v, i, bound));
+    }
+    workgroupBarrier();
+    red_u[lane] = mine;
+    workgroupBarrier();
+    if lane == 0u {
+        var before = 0u;
+        for (var l = 0u; l < WG; l++) {
+            let n = red_u[l];
+            red_u[l] = before;
+            before += n;
+        }
+    }
+    workgroupBarrier();
+    let base = 5u * s.parts + 2u * KEEP * p;
+    var slot = red_u[lane];
+    for (var i = start + lane; i < end; i += WG) {
+        let v = row[i];
+        if is_finite(v) && within(v, i, bound) {
+            part[base + 2u * slot] = bitcast<u32>(v);
+            part[base + 2u * slot + 1u] = i;
+            slot += 1u;
+        }
+    }
+    for (var j = min(s.keep, finite) + lane; j < KEEP; j += WG) {
+        part[base + 2u * j + 1u] = NONE;
+    }
 }
 
 // Applies the repetition penalty to the seen ids in `start..end`.
@@ -429,6 +515,9 @@ fn parts(@builtin(local_invocation_index) lane: u32, @builtin(workgroup_id) wg: 
         part[at + 3u] = f.n;
         part[at + 4u] = f.nan;
     }
+    if s.keep > 0u {
+        keep_candidates(lane, wg.x, start, end, f.n);
+    }
 }
 
 @compute @workgroup_size(256)
@@ -472,7 +561,9 @@ fn main(@builtin(local_invocation_index) lane: u32) {
         return;
     }
 
-    // 3. Top-k, top-p, then the draw, each a cut in candidate order.
+    // 3. Top-k, top-p, then the draw, each a cut in candidate order: over the row, or over the
+    // candidates the parts kept.
+    space = select(vec3<u32>(0u, 0u, s.vocab), vec3<u32>(1u, 0u, s.parts * KEEP), s.keep > 0u);
     let all = vec2<u32>(0u, 0u);
     var bound = all;
     if s.top_k != 0u && s.top_k < candidates {
@@ -504,6 +595,10 @@ mod tests {
         assert!(KERNEL.contains(&format!("const NAN_ROW: u32 = {NAN_ROW:#x}u;")));
         assert!(KERNEL.contains(&format!("const CHUNK: u32 = {CHUNK}u;")));
         assert!(KERNEL.contains(&format!("let at = {PART_WORDS}u * wg.x;")));
+        assert!(KERNEL.contains(&format!("const KEEP: u32 = {KEEP}u;")));
+        assert!(KERNEL.contains(&format!("let at = {PART_WORDS}u * s.parts + 2u * j;")));
+        assert_eq!((keep(0, false, 40), keep(3, true, 40), keep(3, false, 0), keep(3, false, 40)), (0, 0, 0, 40));
+        assert_eq!((keep(3, false, KEEP), keep(3, false, KEEP + 1)), (KEEP, 0));
         assert_eq!((parts(PARTS_FROM - 1), parts(PARTS_FROM), parts(262_144)), (0, 2, 64));
     }
 
@@ -519,8 +614,9 @@ mod tests {
             penalty: 1.1,
             uniform: 0.25,
             parts: 9,
+            keep: 3,
         };
-        let words = [7, 3, 2, 1, 0.5f32.to_bits(), 0.9f32.to_bits(), 1.1f32.to_bits(), 0.25f32.to_bits(), 9, 0, 0, 0];
+        let words = [7, 3, 2, 1, 0.5f32.to_bits(), 0.9f32.to_bits(), 1.1f32.to_bits(), 0.25f32.to_bits(), 9, 3, 0, 0];
         assert_eq!(s.words(), words);
     }
 }
