@@ -46,7 +46,10 @@ fn bench_decode_batches_sequences_on_the_cpu() {
     let text = ok(&[&args[..], &["--backend", "cpu", "-q"]].concat());
     assert!(text.contains("3 sequences decoded together"), "{text}");
     if crate::common::gpu().is_some() {
-        fails_with(&[&args[..], &["--backend", "wgpu", "-q"]].concat(), &["--batch", "cannot decode sequences together"]);
+        fails_with(
+            &[&args[..], &["--backend", "wgpu", "-q"]].concat(),
+            &["--batch", "cannot decode sequences together"],
+        );
     }
 }
 

@@ -200,11 +200,15 @@ fn top_k_in_parts_cuts_over_each_parts_kept_candidates() {
         vec![0.5; 12_289],
         (0..9_000).map(|i| if i % 300 == 7 { (i as f32 * 0.37).sin() } else { -inf }).collect(),
         (0..20_000).map(|i| i as f32 / 4000.0).collect(),
-        (0..16_384).map(|i| if (5_000..5_600).contains(&i) { 3.0 + (i as f32).cos() } else { (i as f32).sin() }).collect(),
+        (0..16_384)
+            .map(|i| if (5_000..5_600).contains(&i) { 3.0 + (i as f32).cos() } else { (i as f32).sin() })
+            .collect(),
     ];
     let k = KEEP as usize;
     for (r, logits) in rows.iter().enumerate() {
-        for (t, k, p, penalty) in [(0.8, 1, 1.0, 1.0), (0.8, 40, 1.0, 1.2), (1.5, 40, 0.9, 1.0), (1.0, k, 1.0, 1.0), (1.0, k + 1, 0.95, 1.0)] {
+        for (t, k, p, penalty) in
+            [(0.8, 1, 1.0, 1.0), (0.8, 40, 1.0, 1.2), (1.5, 40, 0.9, 1.0), (1.0, k, 1.0, 1.0), (1.0, k + 1, 0.95, 1.0)]
+        {
             let mut host = Sampler::new(t, k, p, penalty, r as u64 + 7).unwrap();
             let mut on_device = host.clone();
             let seen = [4096, 9, 12_288];

@@ -36,6 +36,7 @@ use kiln_compiler::graph::{Dim, InputRole, Op, PackedAttention, Sym};
 use kiln_compiler::interp::PAST_LEN;
 use kiln_compiler::lower::{Storage, resolve};
 use kiln_compiler::tensor::{DType, Tensor};
+use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
@@ -293,24 +294,23 @@ impl CpuModel {
                         let Storage::Slot(s) = plan.values[out].storage else {
                             return Err(CpuError::Internal(format!("`{}`: a step writes no slot", step.scope)));
                         };
-                        let batched = bp.modes[out] == Mode::Batched;
-                        // The batched output is written row by row, out of the slots meanwhile.
-                        let mut whole = if batched {
-                            std::mem::replace(&mut slots[s], Buf::F32(Vec::new()))
-                        } else {
-                            Buf::F32(Vec::new())
-                        };
-                        let mut parts = Vec::with_capacity(if batched { 0 } else { b });
-                        let result = (|| -> R<()> {
-                            for (r, (row, seq)) in rows.iter().zip(seqs.iter()).enumerate() {
+                        // Each sequence's part, the sequences spread over the pool (a part's
+                        // kernel may spread its own work too: a decode step's attention has a
+                        // task per key/value head, too few alone to keep the threads busy).
+                        let parts: Vec<(Buf, usize)> = rows
+                            .par_iter()
+                            .zip(seqs.par_iter())
+                            .enumerate()
+                            .map(|(r, (row, seq))| -> R<(Buf, usize)> {
                                 let shape = resolve(&plan.values[out].shape, &row.syms);
                                 let mut part = Buf::F32(Vec::new());
+                                let kv: &KvCache = seq.cache;
                                 self.row_step(
                                     bp,
                                     step,
                                     r,
                                     row,
-                                    seq.cache,
+                                    kv,
                                     &batch_inputs,
                                     &syms,
                                     &slots,
@@ -319,20 +319,20 @@ impl CpuModel {
                                     &mut part,
                                 )
                                 .map_err(|e| scoped(e, &step.scope, &step.op))?;
-                                if batched {
-                                    write_row(&mut whole, &part, r, b, shape.iter().product())?;
-                                } else {
-                                    parts.push(part);
-                                }
-                            }
-                            Ok(())
-                        })();
-                        if batched {
+                                Ok((part, shape.iter().product()))
+                            })
+                            .collect::<R<_>>()?;
+                        if bp.modes[out] == Mode::Batched {
+                            let mut whole = std::mem::replace(&mut slots[s], Buf::F32(Vec::new()));
+                            let written = parts
+                                .iter()
+                                .enumerate()
+                                .try_for_each(|(r, (part, n))| write_row(&mut whole, part, r, b, *n));
                             slots[s] = whole;
+                            written?;
                         } else {
-                            per_row.insert(out, parts);
+                            per_row.insert(out, parts.into_iter().map(|(part, _)| part).collect());
                         }
-                        result?;
                     }
                 }
             }
