@@ -51,7 +51,7 @@ macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
         pub(in super::super) mod $module {
             use super::super::{
-                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, TILE, quant_word,
+                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, TILE, quant_word,
             };
             use super::$ops as ops;
             use crate::cpu::debug_span;
@@ -268,15 +268,25 @@ macro_rules! kernels {
                 if !fits || job.m == 0 {
                     return;
                 }
-                if job.m <= ops::DIRECT {
+                if job.m <= STREAMED {
                     for (t, w) in job.words.chunks(TILE * job.stride).enumerate() {
-                        // SAFETY: the features; `w` holds whole rows (the words are whole rows).
-                        unsafe {
-                            match w.len() / job.stride {
-                                4 => direct_m::<4>(job, w, t * TILE, out),
-                                3 => direct_m::<3>(job, w, t * TILE, out),
-                                2 => direct_m::<2>(job, w, t * TILE, out),
-                                _ => direct_m::<1>(job, w, t * TILE, out),
+                        // The activation rows in groups the streaming kernel takes, each group
+                        // dequantizing the tile's weights again (from L1).
+                        for i0 in (0..job.m).step_by(ops::DIRECT) {
+                            let m = ops::DIRECT.min(job.m - i0);
+                            let xs = job.xs.get(i0 * job.k..(i0 + m) * job.k).unwrap_or_default();
+                            let group = Job { xs, m, ..*job };
+                            let out = out.get_mut(i0 * job.rows..).unwrap_or_default();
+                            // SAFETY: the features; `w` holds whole rows (the words are whole
+                            // rows); the group's rows are rows of the job's activations and of
+                            // `out`.
+                            unsafe {
+                                match w.len() / job.stride {
+                                    4 => direct_m::<4>(&group, w, t * TILE, out),
+                                    3 => direct_m::<3>(&group, w, t * TILE, out),
+                                    2 => direct_m::<2>(&group, w, t * TILE, out),
+                                    _ => direct_m::<1>(&group, w, t * TILE, out),
+                                }
                             }
                         }
                     }

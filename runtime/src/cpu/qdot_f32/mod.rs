@@ -57,6 +57,10 @@ use kiln_compiler::lower::format::BLOCK;
 /// Weight rows a SIMD kernel computes together when streaming (decode).
 pub const TILE: usize = 4;
 
+/// The most activation rows the streaming kernels take (in groups of the ISA's `DIRECT`, each
+/// dequantizing a tile's weights again from L1); more go through the prefill kernels' buffer.
+const STREAMED: usize = 16;
+
 /// The most elements of a row the prefill kernels dequantize into their buffer at once (so that
 /// a tile of rows stays in L1 with the activations).
 const KC: usize = 768;
@@ -415,7 +419,9 @@ mod tests {
 
     /// Across the prefill tiles' edges (8 and 12 rows) and the streaming tiles' (4).
     const ROWS: [usize; 12] = [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 24, 33];
-    const MS: [usize; 6] = [1, 2, 3, 4, 5, 17];
+    /// Activation rows: one group of the streaming kernels, several (a last one short on every
+    /// ISA), up to `STREAMED`, and past it the buffered kernel's.
+    const MS: [usize; 8] = [1, 2, 3, 4, 5, 7, 16, 17];
 
     fn gemm(imp: Impl, w: &QuantWeight, xs: &[f32], m: usize) -> Vec<f32> {
         let mut out = vec![-1.0; m * w.rows];
