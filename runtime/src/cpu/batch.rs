@@ -29,10 +29,10 @@
 //! shape's first — is refused with the reason ([`CpuModel::batching`]); its sequences take turns.
 
 use super::cache::{AppendSite, CacheBuf, KvCache};
-use super::{Arg, Buf, CpuError, CpuModel, Positions, R, cache, elementwise, poll, scoped};
+use super::{Arg, Buf, CpuError, CpuModel, Positions, R, cache_copies, elementwise, poll, read_copies, scoped};
 use crate::prepare::{self, root};
 use kiln_compiler::back::cpu as back;
-use kiln_compiler::graph::{Dim, InputRole, Op, PackedAttention, Sym};
+use kiln_compiler::graph::{Dim, InputRole, Op, Sym};
 use kiln_compiler::interp::PAST_LEN;
 use kiln_compiler::lower::{Storage, resolve};
 use kiln_compiler::tensor::{DType, Tensor};
@@ -468,23 +468,8 @@ impl CpuModel {
                 None => self.row_arg(bp, o, r, row, batch_inputs, syms, slots, per_row, kv),
             })
             .collect::<R<_>>()?;
-        // Only attention reads a cache through its strides (as in `CpuModel::step`).
-        let attention =
-            matches!(step.op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
-        let copies: Vec<Option<Vec<f32>>> = args
-            .iter()
-            .map(|(shape, a)| match (a, shape.as_slice()) {
-                (Arg::Cache { data, cap }, &[b, h, rows, d]) if !attention => {
-                    Some(cache::contiguous(data, b * h, rows, *cap, d))
-                }
-                _ => None,
-            })
-            .collect();
-        let args: Vec<(Vec<usize>, Arg<'_>)> = args
-            .into_iter()
-            .zip(&copies)
-            .map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32)))
-            .collect();
+        let copies = cache_copies(&step.op, &args);
+        let args = read_copies(args, &copies);
         let dtype = plan.values[step.output].dtype;
         self.exec(&step.op, &args, out, dtype, shape, Positions::From(row.past))
     }
@@ -493,30 +478,22 @@ impl CpuModel {
 /// Writes `part` (the first `n` elements of one sequence's result) as part `r` of `b` of `whole`,
 /// which is made a buffer of `b * n` elements of the part's type.
 fn write_row(whole: &mut Buf, part: &Buf, r: usize, b: usize, n: usize) -> R<()> {
-    let short = || CpuError::Internal(format!("a result of {n} elements for sequence {r} is short"));
-    match part {
-        Buf::F32(p) => {
-            if !matches!(whole, Buf::F32(_)) {
-                *whole = Buf::F32(Vec::new());
-            }
-            if let Buf::F32(w) = whole {
-                if w.len() < b * n {
-                    w.resize(b * n, 0.0);
-                }
-                w[r * n..(r + 1) * n].copy_from_slice(p.get(..n).ok_or_else(short)?);
-            }
+    fn put<T: Copy + Default>(whole: &mut Vec<T>, part: &[T], r: usize, b: usize, n: usize) -> Option<()> {
+        if whole.len() < b * n {
+            whole.resize(b * n, T::default());
         }
-        Buf::I64(p) => {
-            if !matches!(whole, Buf::I64(_)) {
-                *whole = Buf::I64(Vec::new());
-            }
-            if let Buf::I64(w) = whole {
-                if w.len() < b * n {
-                    w.resize(b * n, 0);
-                }
-                w[r * n..(r + 1) * n].copy_from_slice(p.get(..n).ok_or_else(short)?);
-            }
-        }
+        whole.get_mut(r * n..(r + 1) * n)?.copy_from_slice(part.get(..n)?);
+        Some(())
     }
-    Ok(())
+    match (part, &mut *whole) {
+        (Buf::F32(_), Buf::I64(_)) => *whole = Buf::F32(Vec::new()),
+        (Buf::I64(_), Buf::F32(_)) => *whole = Buf::I64(Vec::new()),
+        _ => {}
+    }
+    let written = match (part, whole) {
+        (Buf::F32(p), Buf::F32(w)) => put(w, p, r, b, n),
+        (Buf::I64(p), Buf::I64(w)) => put(w, p, r, b, n),
+        _ => None,
+    };
+    written.ok_or_else(|| CpuError::Internal(format!("a result of {n} elements for sequence {r} is short")))
 }

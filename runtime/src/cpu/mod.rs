@@ -867,24 +867,8 @@ impl CpuModel {
                     None => self.arg(o, inputs, slots, syms, views, kv),
                 })
                 .collect::<R<_>>()?;
-            // Only attention reads a cache through its strides; every other op gets a contiguous
-            // copy.
-            let attention =
-                matches!(step.op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
-            let copies: Vec<Option<Vec<f32>>> = args
-                .iter()
-                .map(|(shape, a)| match (a, shape.as_slice()) {
-                    (Arg::Cache { data, cap }, &[b, h, rows, d]) if !attention => {
-                        Some(cache::contiguous(data, b * h, rows, *cap, d))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let args: Vec<(Vec<usize>, Arg<'_>)> = args
-                .into_iter()
-                .zip(&copies)
-                .map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32)))
-                .collect();
+            let copies = cache_copies(&step.op, &args);
+            let args = read_copies(args, &copies);
             let dtype = plan.values[step.output].dtype;
             self.exec(&step.op, &args, &mut out, dtype, &out_shape, positions)
                 .map_err(|e| scoped(e, &step.scope, &step.op))
@@ -1032,6 +1016,26 @@ impl CpuModel {
         };
         Ok(())
     }
+}
+
+/// Contiguous copies of the caches among `op`'s operands that its kernel reads whole: only
+/// attention reads a cache through its strides, every other op (an append's concatenation, the
+/// interpreter's) a copy. `None` where the operand is read as it is.
+fn cache_copies(op: &Op, args: &[(Vec<usize>, Arg<'_>)]) -> Vec<Option<Vec<f32>>> {
+    let attention = matches!(op, Op::Attention { .. } | Op::PackedAttention(PackedAttention { cached: true, .. }));
+    args.iter()
+        .map(|(shape, a)| match (a, shape.as_slice()) {
+            (Arg::Cache { data, cap }, &[b, h, rows, d]) if !attention => {
+                Some(cache::contiguous(data, b * h, rows, *cap, d))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// `args` with each operand [`cache_copies`] copied read from its copy.
+fn read_copies<'a>(args: Vec<(Vec<usize>, Arg<'a>)>, copies: &'a [Option<Vec<f32>>]) -> Vec<(Vec<usize>, Arg<'a>)> {
+    args.into_iter().zip(copies).map(|((shape, a), copy)| (shape, copy.as_deref().map_or(a, Arg::F32))).collect()
 }
 
 /// A step's output buffer, made an f32 one of the result's length only when a native kernel
