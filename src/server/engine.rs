@@ -392,10 +392,11 @@ fn pick(seq: &mut Seq, mut logits: Vec<f32>, tokenizer: &Tokenizer) -> Result<(i
             *l = if bias <= -100.0 { f32::NEG_INFINITY } else { *l + bias };
         }
     }
-    let logprob = request.logprobs.map(|top| (top, logits.clone()));
-    let pick = Pick { sampler: &mut seq.sampler, seen: &seq.seen, logits: false };
-    let token = pick.on_host(logits).map_err(|e| e.to_string())?.token;
-    Ok((token, logprob.map(|(top, logits)| logprobs(&logits, token, top, tokenizer))))
+    // The logits come back from the pick where log probabilities are asked for.
+    let pick = Pick { sampler: &mut seq.sampler, seen: &seq.seen, logits: request.logprobs.is_some() };
+    let sampled = pick.on_host(logits).map_err(|e| e.to_string())?;
+    let logprob = request.logprobs.zip(sampled.logits).map(|(top, l)| logprobs(&l, sampled.token, top, tokenizer));
+    Ok((sampled.token, logprob))
 }
 
 /// Takes `token` (with its log probabilities) as `seq`'s next: timing, the text streamed up to

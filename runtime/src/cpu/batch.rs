@@ -29,7 +29,9 @@
 //! shape's first — is refused with the reason ([`CpuModel::batching`]); its sequences take turns.
 
 use super::cache::{AppendSite, CacheBuf, KvCache};
-use super::{Arg, Buf, CpuError, CpuModel, Positions, R, cache_copies, elementwise, poll, read_copies, scoped};
+use super::{
+    Arg, Buf, CpuError, CpuModel, Positions, R, cache_copies, elementwise, poll, positional, read_copies, scoped,
+};
 use crate::prepare::{self, root};
 use kiln_compiler::back::cpu as back;
 use kiln_compiler::graph::{Dim, InputRole, Op, Sym};
@@ -88,12 +90,6 @@ pub(super) struct BatchPlan {
     inputs: Vec<usize>,
     /// The token-id input: value and name.
     ids: (usize, String),
-}
-
-/// Whether `op` reads the positions of its rows ([`Positions`]).
-pub(super) fn positional(op: &Op) -> bool {
-    matches!(op, Op::Positions { .. } | Op::Rope { .. })
-        || matches!(op, Op::Linear { rope: Some(_), .. } | Op::Heads { rope: Some(_), .. })
 }
 
 /// Whether a shape has a cache's length in it (which differs between sequences).

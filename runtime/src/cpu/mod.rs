@@ -252,6 +252,12 @@ impl Positions<'_> {
     }
 }
 
+/// Whether `op` reads the positions of its rows ([`Positions`]).
+fn positional(op: &Op) -> bool {
+    matches!(op, Op::Positions { .. } | Op::Rope { .. })
+        || matches!(op, Op::Linear { rope: Some(_), .. } | Op::Heads { rope: Some(_), .. })
+}
+
 /// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
 /// cols` elements from `offset`, `row_stride` and `col_stride` apart. The kernels' raw-pointer
 /// ranges (the `gemm` crate's operands, SIMD loads) state this bound in their SAFETY comments;
@@ -1004,7 +1010,7 @@ impl CpuModel {
         // reads positions per-sequence starts only where its kernel takes them (`batch`).
         let past = match positions.shared() {
             Some(past) => past,
-            None if !batch::positional(op) => 0,
+            None if !positional(op) => 0,
             None => {
                 return Err(CpuError::Internal(format!("{} has no kernel taking a position per sequence", op.name())));
             }

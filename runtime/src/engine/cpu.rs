@@ -38,11 +38,7 @@ impl Engine for CpuEngine {
 
     fn step(&mut self, request: Request<'_>) -> R<HashMap<String, Tensor>> {
         let outputs = self.model.run_cached(&request.inputs, &mut self.cache, request.links)?;
-        for (past, &rows) in &self.windows {
-            if let Some(buf) = self.cache.get_mut(past) {
-                buf.slide(rows)?;
-            }
-        }
+        slide_windows(&self.windows, &mut self.cache)?;
         Ok(outputs.into_iter().collect())
     }
 
@@ -70,11 +66,7 @@ impl Engine for CpuEngine {
         }
         let outputs = self.model.run_batched(&mut steps, links)?;
         for step in steps {
-            for (past, &rows) in &self.windows {
-                if let Some(buf) = step.cache.get_mut(past) {
-                    buf.slide(rows)?;
-                }
-            }
+            slide_windows(&self.windows, step.cache)?;
         }
         let logits = outputs
             .into_iter()
@@ -90,4 +82,15 @@ impl Engine for CpuEngine {
     fn cache(&self) -> R<HashMap<String, Tensor>> {
         Ok(self.cache.iter().map(|(name, buf)| (name.clone(), buf.to_tensor())).collect())
     }
+}
+
+/// Cuts each sliding-window layer's cache in `cache` to its latest rows (`windows`: rows by past
+/// input name), in place.
+fn slide_windows(windows: &HashMap<String, usize>, cache: &mut KvCache) -> R<()> {
+    for (past, &rows) in windows {
+        if let Some(buf) = cache.get_mut(past) {
+            buf.slide(rows)?;
+        }
+    }
+    Ok(())
 }
