@@ -10,6 +10,7 @@
 // indexing say why they hold (`#[expect(..., reason)]`); tests may unwrap and index (clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+mod batching;
 pub mod costs;
 pub mod cpu;
 pub mod device;

@@ -283,24 +283,20 @@ fn the_openai_api_answers_and_refuses_bad_requests_with_its_error_shape() {
 /// batched steps): greedy answers and their log probabilities are equal.
 #[test]
 fn greedy_answers_under_concurrency_equal_each_request_alone() {
-    concurrent_equals_alone("serve-batch", 6, &["--parallel", "4", "--prefill-chunk", "4"], true);
+    concurrent_equals_alone("serve-batch", 6, &["--parallel", "4", "--prefill-chunk", "4"]);
 }
 
-/// The same on wgpu (lavapipe in CI), whose caches stay on the device between steps.
+/// The same on wgpu (lavapipe in CI), whose caches stay on the device between steps and whose
+/// batched steps run there too.
 #[test]
 fn greedy_answers_under_concurrency_equal_each_request_alone_on_wgpu() {
     if crate::common::gpu().is_none() {
         return;
     }
-    concurrent_equals_alone(
-        "serve-batch-wgpu",
-        3,
-        &["--parallel", "3", "--prefill-chunk", "4", "--backend", "wgpu"],
-        false,
-    );
+    concurrent_equals_alone("serve-batch-wgpu", 3, &["--parallel", "3", "--prefill-chunk", "4", "--backend", "wgpu"]);
 }
 
-fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str], batched: bool) {
+fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str]) {
     let server = Arc::new(start(name, 256, args));
     let bodies: Vec<serde_json::Value> = (0..requests)
         .map(|i| {
@@ -324,13 +320,13 @@ fn concurrent_equals_alone(name: &str, requests: usize, args: &[&str], batched: 
         assert_eq!(a["logprobs"]["token_logprobs"].as_array().unwrap().len(), 12 + 3 * i, "{a}");
         assert_eq!(a, t, "request {i} differs when served with the others");
     }
-    // They did run together: some scheduler step advanced several sequences, and on the CPU
-    // some model step decoded several (on wgpu they take turns).
+    // They did run together: some scheduler step advanced several sequences, and some model
+    // step decoded several.
     let (_, _, text) = get(&server, "/metrics");
     let count = |line: &str| text.lines().find_map(|l| l.strip_prefix(line)).unwrap().parse::<u64>().unwrap();
     assert!(count("kiln_batch_size_bucket{le=\"1\"} ") < count("kiln_batch_size_count "), "{text}");
     let alone = count("kiln_decode_batch_size_bucket{le=\"1\"} ");
-    assert_eq!(alone < count("kiln_decode_batch_size_count "), batched, "{text}");
+    assert!(alone < count("kiln_decode_batch_size_count "), "{text}");
 }
 
 /// A client that leaves mid-stream frees its sequence at once, and one queued behind it runs.

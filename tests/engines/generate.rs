@@ -592,15 +592,10 @@ fn cached_decoder_with_bidirectional_mask_is_refused() {
 /// vocabulary) leaves every sequence as it was: the steps after it still agree.
 #[test]
 fn sequences_decoded_together_equal_each_decoded_alone() {
-    use kiln_runtime::generate::ParkedSequence;
     use kiln_runtime::{CpuEngine, CpuModel};
-    let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as i64;
     for name in ["gpt2", "llama", "gemma3", "bloom", "mixtral"] {
         let fe = spec(name);
-        let dir = root().join("tests/fixtures").join(name);
-        let params = kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap();
-        let vocab = fe.spec.spec.model.vocab as i64;
-        let max = fe.spec.spec.model.max_positions as usize;
+        let params = fixture_params(&fe, name);
         let cached = build_cached(&fe.spec).unwrap();
         let optimized = optimize::optimize(&cached).unwrap().0;
         let mut forms = vec![("unoptimized", lower(&cached), false), ("optimized", lower(&optimized), false)];
@@ -608,66 +603,113 @@ fn sequences_decoded_together_equal_each_decoded_alone() {
             forms.push(("reference", lower(&cached), true));
         }
         for (label, plan, reference) in forms {
-            let what = format!("{name} ({label})");
-            let names: Vec<String> = plan.outputs.iter().map(|(n, _)| n.clone()).collect();
-            let model = || match reference {
-                true => CpuModel::reference(plan.clone(), params.clone(), &()).unwrap(),
-                false => CpuModel::new(plan.clone(), &params, &HashMap::new(), 2, &()).unwrap(),
+            let engine = || -> Box<dyn Engine> {
+                Box::new(CpuEngine::new(match reference {
+                    true => CpuModel::reference(plan.clone(), params.clone(), &()).unwrap(),
+                    false => CpuModel::new(plan.clone(), &params, &HashMap::new(), 2, &()).unwrap(),
+                }))
             };
-            let mut together = Session::new(Box::new(CpuEngine::new(model())), &names, max).unwrap();
-            let mut alone = Session::new(Box::new(CpuEngine::new(model())), &names, max).unwrap();
-            // A sequence in both sessions: parked in each, with its next token.
-            struct Seq {
-                together: ParkedSequence,
-                alone: ParkedSequence,
-                next: i64,
-            }
-            let start = |prompt: Vec<i64>, together: &mut Session, alone: &mut Session| {
-                let logits = together.forward(&prompt).unwrap();
-                let reference = alone.forward(&prompt).unwrap();
-                assert_eq!(logits, reference, "{what}: the same prefill");
-                Seq { together: together.park(), alone: alone.park(), next: argmax(&logits) }
+            decode_together_and_alone(&format!("{name} ({label})"), &fe, &plan, engine);
+        }
+    }
+}
+
+/// [`sequences_decoded_together_equal_each_decoded_alone`] on wgpu: the batched step's
+/// projections run once over the batch on the device, each sequence's attention and appends over
+/// its own cache on the device (appended in place, grown as it fills). On the fixtures whose
+/// positions are learned (gpt2) and rotated (llama, with grouped heads), and with sliding-window
+/// layers (gemma3); each plan optimized for the WGSL target, and llama's also unoptimized.
+#[test]
+fn sequences_decoded_together_on_wgpu_equal_each_decoded_alone() {
+    use kiln_compiler::target::Target;
+    let Some(gpu) = common::gpu() else { return };
+    for name in ["gpt2", "llama", "gemma3"] {
+        let fe = spec(name);
+        let params = fixture_params(&fe, name);
+        let cached = build_cached(&fe.spec).unwrap();
+        let optimized = optimize::optimize_for(&cached, &Target::wgpu()).unwrap().0;
+        let mut forms = vec![("optimized", lower(&optimized))];
+        if name == "llama" {
+            forms.push(("unoptimized", lower(&cached)));
+        }
+        for (label, plan) in forms {
+            let engine = || -> Box<dyn Engine> {
+                Box::new(GpuEngine::new(GpuModel::new(gpu.clone(), plan.clone(), &params).unwrap()))
             };
-            let prompt = |len: usize, seed: i64| (0..len as i64).map(|t| (t * 7 + seed * 13 + 1) % vocab).collect();
-            let mut seqs: Vec<Seq> = [(1, 1), (6, 2), (3, 3), (9, 4)]
-                .map(|(len, seed)| start(prompt(len, seed), &mut together, &mut alone))
-                .into();
-            for step in 0..8 {
-                if step == 3 {
-                    // One leaves, one joins.
-                    seqs.remove(1);
-                    seqs.push(start(prompt(5, 5), &mut together, &mut alone));
-                }
-                if step == 5 {
-                    let mut batch: Vec<(&mut ParkedSequence, i64)> = seqs
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(i, s)| (&mut s.together, if i == 1 { vocab } else { s.next }))
-                        .collect();
-                    assert!(together.forward_batch(&mut batch).is_err(), "{what}: a token outside the vocabulary");
-                }
-                let positions: Vec<usize> = seqs.iter().map(|s| s.together.position()).collect();
-                let mut batch: Vec<(&mut ParkedSequence, i64)> =
-                    seqs.iter_mut().map(|s| (&mut s.together, s.next)).collect();
-                let rows = together.forward_batch(&mut batch).unwrap().unwrap_or_else(|| panic!("{what}: not batched"));
-                assert_eq!(rows.len(), seqs.len());
-                for (i, (seq, logits)) in seqs.iter_mut().zip(rows).enumerate() {
-                    let empty = alone.park();
-                    alone.resume(std::mem::replace(&mut seq.alone, empty)).unwrap();
-                    let reference = alone.forward(&[seq.next]).unwrap();
-                    seq.alone = alone.park();
-                    let scale = reference.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-                    let err = logits.iter().zip(&reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                    assert!(
-                        err <= 1e-4 * scale,
-                        "{what}: sequence {i} at position {} differs by {err} at step {step}",
-                        positions[i]
-                    );
-                    assert_eq!(seq.together.position(), positions[i] + 1);
-                    seq.next = argmax(&logits);
-                    assert_eq!(seq.next, argmax(&reference), "{what}: greedy token of sequence {i} at step {step}");
-                }
-            }
+            decode_together_and_alone(&format!("{name} (wgpu, {label})"), &fe, &plan, engine);
+        }
+    }
+}
+
+/// A fixture's parameters.
+fn fixture_params(fe: &FrontEnd, name: &str) -> HashMap<String, Tensor> {
+    let dir = root().join("tests/fixtures").join(name);
+    kiln_runtime::load_params(&fe.spec, &fe.graph, &dir.join("model.safetensors")).unwrap()
+}
+
+/// Sequences decoded together through one session of `engine` against each decoded alone
+/// through another (see [`sequences_decoded_together_equal_each_decoded_alone`]).
+fn decode_together_and_alone(
+    what: &str,
+    fe: &FrontEnd,
+    plan: &kiln_compiler::lower::Plan,
+    engine: impl Fn() -> Box<dyn Engine>,
+) {
+    use kiln_runtime::generate::ParkedSequence;
+    let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as i64;
+    let vocab = fe.spec.spec.model.vocab as i64;
+    let max = fe.spec.spec.model.max_positions as usize;
+    let names: Vec<String> = plan.outputs.iter().map(|(n, _)| n.clone()).collect();
+    let mut together = Session::new(engine(), &names, max).unwrap();
+    let mut alone = Session::new(engine(), &names, max).unwrap();
+    // A sequence in both sessions: parked in each, with its next token.
+    struct Seq {
+        together: ParkedSequence,
+        alone: ParkedSequence,
+        next: i64,
+    }
+    let start = |prompt: Vec<i64>, together: &mut Session, alone: &mut Session| {
+        let logits = together.forward(&prompt).unwrap();
+        let reference = alone.forward(&prompt).unwrap();
+        assert_eq!(logits, reference, "{what}: the same prefill");
+        Seq { together: together.park(), alone: alone.park(), next: argmax(&logits) }
+    };
+    let prompt = |len: usize, seed: i64| (0..len as i64).map(|t| (t * 7 + seed * 13 + 1) % vocab).collect();
+    let mut seqs: Vec<Seq> =
+        [(1, 1), (6, 2), (3, 3), (9, 4)].map(|(len, seed)| start(prompt(len, seed), &mut together, &mut alone)).into();
+    for step in 0..8 {
+        if step == 3 {
+            // One leaves, one joins.
+            seqs.remove(1);
+            seqs.push(start(prompt(5, 5), &mut together, &mut alone));
+        }
+        if step == 5 {
+            let mut batch: Vec<(&mut ParkedSequence, i64)> = seqs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, s)| (&mut s.together, if i == 1 { vocab } else { s.next }))
+                .collect();
+            assert!(together.forward_batch(&mut batch).is_err(), "{what}: a token outside the vocabulary");
+        }
+        let positions: Vec<usize> = seqs.iter().map(|s| s.together.position()).collect();
+        let mut batch: Vec<(&mut ParkedSequence, i64)> = seqs.iter_mut().map(|s| (&mut s.together, s.next)).collect();
+        let rows = together.forward_batch(&mut batch).unwrap().unwrap_or_else(|| panic!("{what}: not batched"));
+        assert_eq!(rows.len(), seqs.len());
+        for (i, (seq, logits)) in seqs.iter_mut().zip(rows).enumerate() {
+            let empty = alone.park();
+            alone.resume(std::mem::replace(&mut seq.alone, empty)).unwrap();
+            let reference = alone.forward(&[seq.next]).unwrap();
+            seq.alone = alone.park();
+            let scale = reference.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let err = logits.iter().zip(&reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                err <= 1e-4 * scale,
+                "{what}: sequence {i} at position {} differs by {err} at step {step}",
+                positions[i]
+            );
+            assert_eq!(seq.together.position(), positions[i] + 1);
+            seq.next = argmax(&logits);
+            assert_eq!(seq.next, argmax(&reference), "{what}: greedy token of sequence {i} at step {step}");
         }
     }
 }

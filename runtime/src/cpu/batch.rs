@@ -1,40 +1,23 @@
 //! Several sequences' decode steps as one run: continuous batching's step
 //! ([`CpuModel::run_batched`]).
 //!
-//! A server decoding many sequences at once reads every weight once per step for all of them,
-//! not once per sequence: the projections, norms and the head run over a `[batch, 1, ..]` tensor
-//! whose row `i` is sequence `i`'s token. What differs between the sequences is where they are:
-//! each has its own key/value cache, of its own length, and its token its own position. So the
-//! plan of an ordinary cached step (built for one position for the whole batch, [`Sym::Past`])
-//! runs with each value held in one of four ways ([`Mode`]), decided once per plan
-//! ([`BatchPlan`]):
-//!
-//! - a step whose operands are constants or batched values, and which does not depend on the
-//!   positions, runs once over the batch ([`Exec::Batched`]); a projection whose epilogue rotates
-//!   (RoPE) and a `heads` step that rotates run so too, each row at its own sequence's position
-//!   ([`Positions::PerSequence`]);
-//! - a step that reads a cache, or any value with a cache's length in its shape, or one whose
-//!   kernel knows only one position, runs once per sequence on that sequence's part of its
-//!   operands ([`Exec::PerRow`]): attention over each sequence's own cache, learned positions
-//!   (`positions` then its gathers), the appends of each sequence's keys and values to its
-//!   own cache ([`Exec::Append`]);
-//! - a value made per sequence is written into its row of the batched tensor where it has the
-//!   batch axis first and no cache length ([`Mode::Batched`]), else kept per sequence
-//!   ([`Mode::Rows`]).
+//! How the plan runs batched is [`crate::batching`]'s (shared with the wgpu engine); on the CPU,
+//! a projection whose epilogue rotates (RoPE) and a `heads` step that rotates run once over the
+//! batch, each row at its own sequence's position ([`Positions::PerSequence`]), learned positions
+//! (`positions` then its gathers) once per sequence, and the appends of each sequence's keys and
+//! values write into its own cache buffer ([`Exec::Append`]).
 //!
 //! What each sequence's part computes is what its own step would compute: the same kernels on
 //! the same rows (a projection's rows are independent), each sequence bound and checked as its
-//! own step binds it (its cache lengths, its token against the tables). A plan this cannot run —
-//! inputs besides token ids and caches (an encoder's memory, masks), a batch axis that is not a
-//! shape's first — is refused with the reason ([`CpuModel::batching`]); its sequences take turns.
+//! own step binds it (its cache lengths, its token against the tables). A plan this cannot run
+//! is refused with the reason ([`CpuModel::batching`]); its sequences take turns.
 
 use super::cache::{AppendSite, CacheBuf, KvCache};
-use super::{
-    Arg, Buf, CpuError, CpuModel, Positions, R, cache_copies, elementwise, poll, positional, read_copies, scoped,
-};
+use super::{Arg, Buf, CpuError, CpuModel, Positions, R, cache_copies, elementwise, poll, read_copies, scoped};
+use crate::batching::{BatchPlan, Exec, Mode};
 use crate::prepare::{self, root};
 use kiln_compiler::back::cpu as back;
-use kiln_compiler::graph::{Dim, InputRole, Op, Sym};
+use kiln_compiler::graph::{Op, Sym};
 use kiln_compiler::interp::PAST_LEN;
 use kiln_compiler::lower::{Storage, resolve};
 use kiln_compiler::tensor::{DType, Tensor};
@@ -53,116 +36,24 @@ pub struct SeqStep<'a> {
     pub past: usize,
 }
 
-/// How a batched run holds a value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    /// The same for every sequence: a constant, or a value computed from constants alone.
-    Shared,
-    /// One `[batch, ..]` tensor whose part `i` (of `1 / batch` of it) is sequence `i`'s.
-    Batched,
-    /// One tensor per sequence, of that sequence's shape: a value with a cache length in its shape,
-    /// or one of its positions without a batch axis.
-    Rows,
-    /// A cache input, or a present appended in place: each sequence's own buffer.
-    Cache,
-}
-
-/// How a batched run runs a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Exec {
-    /// Not run (a weight read in place, see [`back::WeightView`]).
-    Skip,
-    /// Once over the batch.
-    Batched,
-    /// Once per sequence, on its part of each operand.
-    PerRow,
-    /// Once per sequence, appending its new rows to its cache (the append site of this index).
-    Append(usize),
-}
-
-/// A plan as [`CpuModel::run_batched`] runs it.
-pub(super) struct BatchPlan {
-    /// By value: how a batched run holds it (meaningful for the values that are not aliases).
-    modes: Vec<Mode>,
-    /// By step.
-    steps: Vec<Exec>,
-    /// The plan's input values.
-    inputs: Vec<usize>,
-    /// The token-id input: value and name.
-    ids: (usize, String),
-}
-
-/// Whether a shape has a cache's length in it (which differs between sequences).
-fn ragged(shape: &[Dim]) -> bool {
-    shape.iter().any(|d| matches!(d, Dim::Sym(Sym::Past | Sym::Ctx | Sym::Recent | Sym::RecentCtx)))
-}
-
 impl BatchPlan {
-    /// How `model`'s plan runs batched, or why it cannot.
-    pub(super) fn new(model: &CpuModel) -> Result<BatchPlan, String> {
-        let plan = &model.plan;
-        if let Some(v) = plan.values.iter().find(|v| v.shape.iter().skip(1).any(|d| *d == Dim::Sym(Sym::Batch))) {
-            return Err(format!("a value of shape {:?} has the batch axis after its first", v.shape));
-        }
-        let mut modes = vec![Mode::Shared; plan.values.len()];
-        let mut ids = None;
-        for (i, v) in plan.values.iter().enumerate() {
-            if let Storage::Input { name, role } = &v.storage {
-                match role {
-                    InputRole::Ids if ids.is_none() => {
-                        ids = Some((i, name.clone()));
-                        modes[i] = Mode::Batched;
-                    }
-                    InputRole::Cache { .. } => modes[i] = Mode::Cache,
-                    _ => return Err(format!("it reads `{name}`, which is neither the token ids nor a cache")),
-                }
-            }
-        }
-        let ids = ids.ok_or("it reads no token ids")?;
-        if !modes.contains(&Mode::Cache) {
-            return Err("it is not a cached step".into());
-        }
+    /// How `model`'s plan runs batched on the CPU, or why it cannot: the weights read in place
+    /// are not run, the appends run in place, and projections and `heads` steps that rotate take
+    /// a position per row ([`Positions::PerSequence`]; the reference form's interpreter ops know
+    /// one position only).
+    pub(super) fn of(model: &CpuModel) -> Result<BatchPlan, String> {
         let sites: HashMap<usize, usize> = model.appends.iter().enumerate().map(|(k, a)| (a.step, k)).collect();
-        let mut steps = Vec::with_capacity(plan.steps.len());
-        for (i, step) in plan.steps.iter().enumerate() {
-            let out = step.output;
-            if model.skipped.contains(&i) {
-                steps.push(Exec::Skip);
-                continue;
-            }
-            if let Some(&k) = sites.get(&i) {
-                modes[out] = Mode::Cache;
-                steps.push(Exec::Append(k));
-                continue;
-            }
-            let operands: Vec<Mode> = step.operands.iter().map(|&o| modes[root(plan, o)]).collect();
-            let value = &plan.values[out];
-            let batch_first = value.shape.first() == Some(&Dim::Sym(Sym::Batch));
-            // The kernels that take a position per row (see `Positions`).
-            let vectorized = !model.reference
-                && value.dtype == DType::F32
-                && matches!(step.op, Op::Linear { .. } | Op::Heads { .. });
-            let per_row = operands.iter().any(|m| matches!(m, Mode::Rows | Mode::Cache))
-                || ragged(&value.shape)
-                || (positional(&step.op) && !vectorized);
-            modes[out] = match (per_row, operands.contains(&Mode::Batched)) {
-                (true, _) if batch_first && !ragged(&value.shape) => Mode::Batched,
-                (true, _) => Mode::Rows,
-                (false, true) if batch_first => Mode::Batched,
-                (false, true) => {
-                    return Err(format!("`{}` ({}) combines the sequences of the batch", step.scope, step.op.name()));
-                }
-                (false, false) if batch_first => Mode::Batched,
-                (false, false) => Mode::Shared,
-            };
-            steps.push(if per_row { Exec::PerRow } else { Exec::Batched });
-        }
-        for (name, v) in &plan.outputs {
-            if modes[root(plan, *v)] == Mode::Shared {
-                return Err(format!("its output `{name}` is the same for every sequence"));
-            }
-        }
-        Ok(BatchPlan { modes, steps, inputs: prepare::input_values(plan), ids })
+        let plan = &model.plan;
+        BatchPlan::new(
+            plan,
+            |i| model.skipped.contains(&i),
+            &sites,
+            |step| {
+                !model.reference
+                    && plan.values[step.output].dtype == DType::F32
+                    && matches!(step.op, Op::Linear { .. } | Op::Heads { .. })
+            },
+        )
     }
 }
 
@@ -183,7 +74,7 @@ impl CpuModel {
     }
 
     fn batch_plan(&self) -> Result<&BatchPlan, String> {
-        self.batch.get_or_init(|| BatchPlan::new(self)).as_ref().map_err(Clone::clone)
+        self.batch.get_or_init(|| BatchPlan::of(self)).as_ref().map_err(Clone::clone)
     }
 
     /// One step of several sequences together, each running one token after its own cache:

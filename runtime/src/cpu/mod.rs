@@ -216,7 +216,7 @@ pub struct CpuModel {
     /// them until the next lending or [`CpuModel::update_params`].
     vacated: HashSet<usize>,
     /// How [`CpuModel::run_batched`] runs the plan, or why it cannot; made at its first use.
-    batch: OnceLock<Result<batch::BatchPlan, String>>,
+    batch: OnceLock<Result<crate::batching::BatchPlan, String>>,
 }
 
 /// Where the tokens of a run are: what RoPE rotates by and learned positions count from.
@@ -250,12 +250,6 @@ impl Positions<'_> {
             Positions::PerSequence(_) => None,
         }
     }
-}
-
-/// Whether `op` reads the positions of its rows ([`Positions`]).
-fn positional(op: &Op) -> bool {
-    matches!(op, Op::Positions { .. } | Op::Rope { .. })
-        || matches!(op, Op::Linear { rope: Some(_), .. } | Op::Heads { rope: Some(_), .. })
 }
 
 /// Debug builds: the elements a strided matrix access touches lie in a slice of `len`: `rows x
@@ -1010,7 +1004,7 @@ impl CpuModel {
         // reads positions per-sequence starts only where its kernel takes them (`batch`).
         let past = match positions.shared() {
             Some(past) => past,
-            None if !positional(op) => 0,
+            None if !crate::batching::positional(op) => 0,
             None => {
                 return Err(CpuError::Internal(format!("{} has no kernel taking a position per sequence", op.name())));
             }

@@ -1,6 +1,6 @@
 //! [`CpuEngine`]: a plan on the CPU's native kernels as an engine, the cache in host memory.
 
-use super::{BatchSeq, Engine, GenerateError, Link, Memory, Parked, R, Request, plan_ids, plan_windows};
+use super::{BatchSeq, Engine, Link, Memory, Parked, R, Request, batch_logits, plan_ids, plan_windows};
 use crate::cpu::cache::KvCache;
 use crate::cpu::{CpuModel, SeqStep};
 use kiln_compiler::tensor::Tensor;
@@ -68,15 +68,7 @@ impl Engine for CpuEngine {
         for step in steps {
             slide_windows(&self.windows, step.cache)?;
         }
-        let logits = outputs
-            .into_iter()
-            .find(|(name, _)| name == "logits")
-            .ok_or_else(|| GenerateError::MissingOutput("logits".into()))?
-            .1;
-        let data = logits.as_f32().ok_or(GenerateError::NotF32("the `logits` output"))?;
-        // `[batch, 1, vocab]`: a row per sequence.
-        let per_seq = data.len() / seqs.len().max(1);
-        Ok(Some(data.chunks(per_seq.max(1)).map(<[f32]>::to_vec).collect()))
+        batch_logits(outputs, seqs.len()).map(Some)
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

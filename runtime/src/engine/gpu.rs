@@ -2,9 +2,10 @@
 //! device, and the next token is picked there.
 
 use super::{
-    Engine, GenerateError, Memory, Parked, R, Request, last_logits, plan_ids, plan_windows, slide, take_presents,
+    BatchSeq, Engine, GenerateError, Link, Memory, Parked, R, Request, batch_logits, last_logits, plan_ids,
+    plan_windows, slide, take_presents,
 };
-use crate::gpu::{DeviceSampler, DeviceTensor, GpuError, GpuModel, Lend, Lent};
+use crate::gpu::{DeviceSampler, DeviceTensor, GpuError, GpuModel, Lend, Lent, SeqStep};
 use crate::sample::{Pick, Sampled};
 use kiln_compiler::graph::Dim;
 use kiln_compiler::tensor::Tensor;
@@ -133,6 +134,22 @@ impl Engine for GpuEngine {
     fn resume(&mut self, parked: Parked) -> R<()> {
         self.cache = parked.take()?;
         Ok(())
+    }
+
+    fn step_batch(&mut self, seqs: &mut [BatchSeq<'_>], links: &[Link]) -> R<Option<Vec<Vec<f32>>>> {
+        if self.model.batching().is_err() {
+            return Ok(None);
+        }
+        let mut steps = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter_mut() {
+            let cache = seq.parked.get_mut::<HashMap<String, DeviceTensor>>()?;
+            steps.push(SeqStep { cache, token: seq.token, past: seq.past });
+        }
+        let outputs = self.model.run_batched(&mut steps, links)?;
+        for step in steps {
+            slide(step.cache, &self.windows, DeviceTensor::keep_last_rows)?;
+        }
+        batch_logits(outputs, seqs.len()).map(Some)
     }
 
     fn cache(&self) -> R<HashMap<String, Tensor>> {

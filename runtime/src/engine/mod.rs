@@ -248,6 +248,19 @@ pub(crate) fn last_logits(mut outputs: HashMap<String, Tensor>) -> R<Vec<f32>> {
     Ok(last.to_vec())
 }
 
+/// Each sequence's logits from a batched step's outputs ([`Engine::step_batch`]): the `logits`
+/// output, `[batch, 1, vocab]`, a row per sequence.
+fn batch_logits(outputs: Vec<(String, Tensor)>, batch: usize) -> R<Vec<Vec<f32>>> {
+    let logits = outputs
+        .into_iter()
+        .find(|(name, _)| name == "logits")
+        .ok_or_else(|| GenerateError::MissingOutput("logits".into()))?
+        .1;
+    let data = logits.as_f32().ok_or(GenerateError::NotF32("the `logits` output"))?;
+    let per_seq = data.len() / batch.max(1);
+    Ok(data.chunks(per_seq.max(1)).map(<[f32]>::to_vec).collect())
+}
+
 /// Moves each present of `outputs` into `cache` under its past name.
 fn take_presents<T>(links: &[Link], outputs: &mut HashMap<String, T>, cache: &mut HashMap<String, T>) -> R<()> {
     for (present, past) in links {

@@ -165,6 +165,11 @@ pub enum GpuError {
     /// A lock was poisoned by a run that panicked.
     #[error("{0} poisoned")]
     Poisoned(&'static str),
+    /// The plan cannot run several sequences' steps together ([`GpuModel::run_batched`]): why.
+    ///
+    /// [`GpuModel::run_batched`]: super::GpuModel::run_batched
+    #[error("cannot run sequences together: {0}")]
+    Unbatched(String),
     /// A broken invariant of the engine itself.
     #[error("internal error: {0}")]
     Internal(String),

@@ -17,6 +17,7 @@
 //! per-step profiler, [`GpuModel::profile`]), `sample` (picking the next token on the device:
 //! [`DeviceSampler`]) and `error` ([`GpuError`]).
 
+mod batch;
 mod cache;
 mod device;
 mod error;
@@ -27,6 +28,7 @@ mod run;
 mod sample;
 mod tensor;
 
+pub use batch::SeqStep;
 pub use device::Gpu;
 pub use error::{GpuError, Wanted};
 pub use model::{GpuModel, HostClock};

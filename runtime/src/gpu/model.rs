@@ -3,6 +3,7 @@
 
 #![expect(clippy::indexing_slicing, reason = "value indices come from a plan `Plan::check` bounded")]
 
+use super::batch::BatchState;
 use super::cache::{InPlace, in_place_sites};
 use super::error::Wanted;
 use super::legalize::f32_where_too_large;
@@ -16,7 +17,7 @@ use kiln_compiler::lower::{Plan, Storage, WeightFormat};
 use kiln_compiler::tensor::Tensor;
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A plan with its pipelines built and its weights on the device.
 pub struct GpuModel {
@@ -37,6 +38,10 @@ pub struct GpuModel {
     pub(super) inputs: Vec<usize>,
     /// The host's time in runs, up to their submission.
     pub(super) host: HostClock,
+    /// How [`GpuModel::run_batched`] runs the plan, or why it cannot; made at its first use.
+    pub(super) batch: OnceLock<Result<crate::batching::BatchPlan, String>>,
+    /// What one batched run leaves for the next.
+    pub(super) batch_state: Mutex<BatchState>,
 }
 
 /// The host's share of a model's runs: from a run's start to its one submission (binding the
@@ -156,6 +161,8 @@ impl GpuModel {
             in_place,
             inputs,
             host: HostClock::default(),
+            batch: OnceLock::new(),
+            batch_state: Mutex::new(BatchState::default()),
         })
     }
 

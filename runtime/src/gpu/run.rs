@@ -74,34 +74,53 @@ pub(super) struct RunState {
     unread: Option<wgpu::Buffer>,
 }
 
+impl RunState {
+    /// Where each value of a run in this state lives, `bound` there (see [`GpuModel::encode_part`]).
+    pub(super) fn buffers<'r>(
+        &'r self,
+        model: &'r GpuModel,
+        syms: &'r HashMap<Sym, usize>,
+        resident: &'r HashMap<usize, &'r DeviceTensor>,
+        instead: &'r HashMap<usize, Vec<wgpu::Buffer>>,
+    ) -> Buffers<'r> {
+        let (slots, inputs) = (&self.slots, &self.inputs);
+        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead }
+    }
+}
+
 /// A step's bind group, with the pipeline and buffers it was built for.
 pub(super) type CachedGroup = (wgpu::ComputePipeline, Vec<wgpu::Buffer>, wgpu::BindGroup);
 
 /// A run's inputs bound to the plan's values.
-struct Bound<'t> {
+pub(super) struct Bound<'t> {
     /// The sizes the inputs give the plan's symbols.
-    syms: HashMap<Sym, usize>,
+    pub(super) syms: HashMap<Sym, usize>,
     /// Tensors to upload, by value.
-    host: HashMap<usize, Tensor>,
+    pub(super) host: HashMap<usize, Tensor>,
     /// Tensors already on the device, by value.
-    resident: HashMap<usize, &'t DeviceTensor>,
+    pub(super) resident: HashMap<usize, &'t DeviceTensor>,
 }
 
 /// Buffers a run binds instead of a value's own — a cache appended in place for its present, and
 /// a contiguous copy of a cache with room that is read another way — and the copies on the device,
 /// before the forward pass, that fill them.
 #[derive(Default)]
-struct Substitutes {
-    instead: HashMap<usize, Vec<wgpu::Buffer>>,
-    copies: Vec<CacheCopy>,
+pub(super) struct Substitutes {
+    pub(super) instead: HashMap<usize, Vec<wgpu::Buffer>>,
+    pub(super) copies: Vec<CacheCopy>,
 }
 
+/// Where a run's values are besides the slots: the sizes of the symbols, the tensors resident on
+/// the device (by value) and the buffers bound instead of values' own.
+pub(super) type Placement<'a> =
+    (&'a HashMap<Sym, usize>, &'a HashMap<usize, &'a DeviceTensor>, &'a HashMap<usize, Vec<wgpu::Buffer>>);
+
 /// Where each value of one run lives.
-struct Buffers<'r> {
+pub(super) struct Buffers<'r> {
     model: &'r GpuModel,
     syms: &'r HashMap<Sym, usize>,
     /// `syms` as a table, for the sizes of every binding of every step.
-    table: SymTable,
+    pub(super) table: SymTable,
     slots: &'r [(u64, Vec<wgpu::Buffer>)],
     inputs: &'r HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
     resident: &'r HashMap<usize, &'r DeviceTensor>,
@@ -110,7 +129,7 @@ struct Buffers<'r> {
 
 impl<'r> Buffers<'r> {
     /// The chunk buffers of a value, as many as its current size needs.
-    fn of(&self, value: usize) -> &'r [wgpu::Buffer] {
+    pub(super) fn of(&self, value: usize) -> &'r [wgpu::Buffer] {
         let plan = &self.model.program.plan;
         let mut v = value;
         while let Storage::Alias(a) = plan.values[v].storage {
@@ -134,7 +153,7 @@ impl<'r> Buffers<'r> {
 /// The grid of workgroups each step launches (`(0, 0)` when it has nothing to compute at these
 /// sizes), then that of its second dispatch (`(0, 0)` for none); their pipeline and bind groups
 /// are the run state's tables of bind groups.
-struct Grids {
+pub(super) struct Grids {
     first: Vec<(u32, u32)>,
     second: Vec<(u32, u32)>,
 }
@@ -156,7 +175,7 @@ struct Scratch<'r> {
 }
 
 /// An output staged for reading back: its name, shape, type and staging buffers.
-type Readback = (String, Vec<usize>, DType, Vec<wgpu::Buffer>);
+pub(super) type Readback = (String, Vec<usize>, DType, Vec<wgpu::Buffer>);
 
 impl GpuModel {
     /// Runs one forward pass on named inputs; returns the named outputs.
@@ -201,24 +220,10 @@ impl GpuModel {
         let state = &mut *state;
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
-        let RunState { slots, inputs, uniform, dims, bind_groups, second_groups, second_slots, partials, .. } = state;
-        let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
-        let buffers = Buffers {
-            model: self,
-            syms: &bound.syms,
-            table: SymTable::new(&bound.syms),
-            slots,
-            inputs,
-            resident: &bound.resident,
-            instead: &substitutes.instead,
-        };
-        let tables = Tables { groups: bind_groups, second_groups, second_slots, partials };
-        let (dims_bytes, grids) = self.encode_steps(&buffers, &appends, uniform, tables)?;
-        // Sizes change only with the input's (and a cache's) length.
-        if *dims != dims_bytes {
-            gpu.queue.write_buffer(uniform, 0, &dims_bytes);
-            *dims = dims_bytes;
-        }
+        let grids =
+            self.encode_part(state, (&bound.syms, &bound.resident, &substitutes.instead), &appends, &|_| true)?;
+        let buffers = state.buffers(self, &bound.syms, &bound.resident, &substitutes.instead);
+        let (bind_groups, second_groups) = (&state.bind_groups, &state.second_groups);
 
         // The steps in one compute pass per submission: the device starts on a part while the
         // next is recorded. The cache copies go first, the outputs' copies last.
@@ -236,7 +241,7 @@ impl GpuModel {
                 gpu.queue.submit([std::mem::replace(&mut encoder, new_encoder()).finish()]);
             }
         }
-        let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend)?;
+        let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend, &|_| true)?;
         gpu.queue.submit([encoder.finish()]);
         self.host.add(started.elapsed());
         if let Some(e) = pollster::block_on(scope.pop()) {
@@ -247,7 +252,7 @@ impl GpuModel {
 
     /// Binds `given` and the `resident` tensors to the plan's inputs exactly as the interpreter
     /// does, and checks the token ids' range.
-    fn bind_inputs<'t>(
+    pub(super) fn bind_inputs<'t>(
         &self,
         given: &HashMap<String, Tensor>,
         resident: &'t HashMap<String, DeviceTensor>,
@@ -280,7 +285,7 @@ impl GpuModel {
     /// The buffers bound instead of a value's own this run, and the copies that fill them: each
     /// cache appended in place is bound for its present (its held rows copied first when it
     /// grew), and each other resident cache with room gets a contiguous copy.
-    fn substitutes(
+    pub(super) fn substitutes(
         &self,
         appends: &[Append<'_>],
         resident: &HashMap<usize, &DeviceTensor>,
@@ -311,7 +316,7 @@ impl GpuModel {
 
     /// Writes the host inputs to their buffers (token ids as `i32`), replacing a buffer only
     /// when an input needs more than it holds.
-    fn upload_inputs(&self, state: &mut RunState, host: &HashMap<usize, Tensor>) -> Result<(), GpuError> {
+    pub(super) fn upload_inputs(&self, state: &mut RunState, host: &HashMap<usize, Tensor>) -> Result<(), GpuError> {
         let gpu = &self.gpu;
         for (&id, t) in host {
             let bytes: Vec<u8> = match &t.data {
@@ -332,7 +337,7 @@ impl GpuModel {
     /// Grows the slots to this run's sizes, makes the uniform of dispatch sizes and the table of
     /// bind groups on the first run, and binds the buffer read by nothing as the past of each
     /// cache appended in place.
-    fn grow_buffers(
+    pub(super) fn grow_buffers(
         &self,
         state: &mut RunState,
         syms: &HashMap<Sym, usize>,
@@ -382,6 +387,30 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Encodes the steps `selected` of a run in `state` ([`GpuModel::encode_steps`]), where
+    /// `bound` (symbols, resident tensors, substitutes) says where its values are, and writes
+    /// their `Dims` to its uniform where they changed: a run's sizes change only with its input's
+    /// (and a cache's) length.
+    pub(super) fn encode_part(
+        &self,
+        state: &mut RunState,
+        bound: Placement<'_>,
+        appends: &[Append<'_>],
+        selected: &dyn Fn(usize) -> bool,
+    ) -> Result<Grids, GpuError> {
+        let (syms, resident, instead) = bound;
+        let RunState { slots, inputs, uniform, dims, bind_groups, second_groups, second_slots, partials, .. } = state;
+        let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
+        let buffers = Buffers { model: self, syms, table: SymTable::new(syms), slots, inputs, resident, instead };
+        let tables = Tables { groups: bind_groups, second_groups, second_slots, partials };
+        let (dims_bytes, grids) = self.encode_steps(&buffers, appends, uniform, tables, selected)?;
+        if *dims != dims_bytes {
+            self.gpu.queue.write_buffer(uniform, 0, &dims_bytes);
+            *dims = dims_bytes;
+        }
+        Ok(grids)
+    }
+
     /// Every step's `Dims` (at [`DIMS_STRIDE`] apart, for the uniform) and its grid, with its
     /// pipeline and bind group made current in `tables` (kept where it binds the same pipeline
     /// and buffers), and the same for the second dispatch of a split attention (its `Dims` at the
@@ -395,6 +424,7 @@ impl GpuModel {
         appends: &[Append<'_>],
         uniform: &wgpu::Buffer,
         tables: Tables<'_>,
+        selected: &dyn Fn(usize) -> bool,
     ) -> Result<(Vec<u8>, Grids), GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
         let slots = plan.steps.len() + tables.second_slots.iter().flatten().count();
@@ -407,6 +437,10 @@ impl GpuModel {
             threads => workgroups(threads, gpu.limits.max_compute_workgroups_per_dimension),
         };
         for (i, step) in plan.steps.iter().enumerate() {
+            if !selected(i) {
+                grids.first.push((0, 0));
+                continue;
+            }
             // The kernel's calling convention: the output, the operands, then what else it
             // writes (and, for a split attention, its partial states).
             scratch.bound.clear();
@@ -559,18 +593,19 @@ impl GpuModel {
     /// Records on `encoder`, after the forward pass, what happens to each output: lent to the
     /// callback, left where it is kept (a cache appended in place), copied into buffers of its
     /// own to be kept, or staged to be read back after the submission.
-    fn record_outputs(
+    pub(super) fn record_outputs(
         &self,
         encoder: &mut wgpu::CommandEncoder,
         buffers: &Buffers<'_>,
         appends: &[Append<'_>],
         keep: &[String],
         mut lend: Option<Lend<'_>>,
+        wanted: &dyn Fn(&str) -> bool,
     ) -> Result<(Vec<Readback>, Kept), GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
         let mut readbacks = Vec::new();
         let mut kept = HashMap::new();
-        for (name, v) in &plan.outputs {
+        for (name, v) in plan.outputs.iter().filter(|(name, _)| wanted(name)) {
             let shape = resolve(&plan.values[*v].shape, buffers.syms);
             if let Some((lent, then)) = lend.as_mut()
                 && *lent == name.as_str()
@@ -679,13 +714,23 @@ fn parts(grids: &[(u32, u32)], count: usize) -> Vec<std::ops::Range<usize>> {
 /// Records on `encoder` the forward pass's `steps`: each with something to compute, in order, in
 /// one compute pass, with the pipeline and bind group `groups` holds for it, then its second
 /// dispatch where it has one (the second table's; the pass orders them).
-fn record_forward(
+pub(super) fn record_forward(
     encoder: &mut wgpu::CommandEncoder,
     groups: (&[Option<CachedGroup>], &[Option<CachedGroup>]),
     grids: &Grids,
     steps: std::ops::Range<usize>,
 ) -> Result<(), GpuError> {
     let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+    dispatch_steps(&mut pass, groups, grids, steps)
+}
+
+/// Records on `pass` the dispatches of `steps`, as [`record_forward`] does.
+pub(super) fn dispatch_steps(
+    pass: &mut wgpu::ComputePass<'_>,
+    groups: (&[Option<CachedGroup>], &[Option<CachedGroup>]),
+    grids: &Grids,
+    steps: std::ops::Range<usize>,
+) -> Result<(), GpuError> {
     for i in steps {
         for (table, grid) in [(groups.0, grids.first[i]), (groups.1, grids.second[i])] {
             let (x, y) = grid;
@@ -704,7 +749,7 @@ fn record_forward(
 }
 
 /// Waits for the submission and reads the staged outputs back (token ids from `i32`).
-fn read_outputs(gpu: &Gpu, readbacks: Vec<Readback>) -> Result<Vec<(String, Tensor)>, GpuError> {
+pub(super) fn read_outputs(gpu: &Gpu, readbacks: Vec<Readback>) -> Result<Vec<(String, Tensor)>, GpuError> {
     let mut outputs = Vec::new();
     for (name, shape, dtype, staging) in readbacks {
         let n: usize = shape.iter().product();

@@ -26,7 +26,7 @@ pub struct DecodeArgs {
     runs: usize,
     /// Sequences decoded together in each step (continuous batching's step, as `kiln serve` runs
     /// it): each prompt is run alone, then every decode step runs one token of each; tokens per
-    /// second count every sequence's. The CPU back end only.
+    /// second count every sequence's.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Real weights (safetensors or GGUF) instead of random ones.
@@ -198,7 +198,9 @@ fn decode_together(
     for _ in 0..steps {
         let mut seqs: Vec<_> = parked.iter_mut().zip(&next).map(|(p, &t)| (p, t)).collect();
         let Some(rows) = session.forward_batch(&mut seqs)? else {
-            bail!("--batch: this back end cannot decode sequences together (the CPU back end can)");
+            bail!(
+                "--batch: this model's step cannot decode sequences together on this back end (it reads more than token ids and caches)"
+            );
         };
         next = rows.iter().map(|l| greedy(l)).collect();
     }

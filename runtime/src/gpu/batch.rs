@@ -1,0 +1,234 @@
+//! Several sequences' decode steps as one run on the device: continuous batching's step
+//! ([`GpuModel::run_batched`]).
+//!
+//! How the plan runs batched is [`crate::batching`]'s, shared with the CPU engine. On the device
+//! a run is held in one [`RunState`] for the whole batch and one per sequence (its row), each
+//! with its own slots, uniform of sizes and bind groups, kept from step to step:
+//!
+//! - the steps run once over the batch are encoded in the whole batch's state, at the batch's
+//!   sizes, and read each weight once for every sequence;
+//! - the steps run once per sequence are encoded in each row's state, at that sequence's sizes
+//!   and with its own cache — bound, appended to in place and grown exactly as its own step
+//!   would ([`GpuModel::appends_in_place`]) — and recorded one pass per step with every row's
+//!   dispatch; each row's part of a batched operand is copied into the row's slot first, and a
+//!   batched result written per row is copied into its row of the batch's slot after;
+//! - a step that reads positions runs per sequence: the WGSL kernels read one position, from
+//!   their sizes.
+//!
+//! Everything is recorded on one command encoder and submitted once; the logits come back as
+//! `[batch, 1, vocab]`, and each sequence's presents become its cache only when the run
+//! succeeded (an append in place writes past the rows the old cache holds, so on an error every
+//! cache is as it was).
+
+#![expect(
+    clippy::indexing_slicing,
+    reason = "value and step indices come from a plan `Plan::check` bounded; the batch plan has an \
+              entry per value and step, and the row states are sized to the batch before use"
+)]
+
+use super::cache::Append;
+use super::run::{Bound, Buffers, Grids, RunState, Substitutes, dispatch_steps, read_outputs};
+use super::tensor::copy_range;
+use super::{DeviceTensor, GpuError, GpuModel};
+use crate::batching::{BatchPlan, Exec, Mode};
+use crate::prepare::root;
+use kiln_compiler::graph::Sym;
+use kiln_compiler::interp::PAST_LEN;
+use kiln_compiler::lower::Storage;
+use kiln_compiler::tensor::Tensor;
+use std::collections::{HashMap, HashSet};
+
+/// One sequence of a batched step: its cache on the device, the token it runs, and the tokens
+/// before it (where its token's position is; a sliding window's cache may hold fewer).
+pub struct SeqStep<'a> {
+    /// The sequence's cache, by past input name: read in place, its presents in their place on
+    /// success, as it was on an error.
+    pub cache: &'a mut HashMap<String, DeviceTensor>,
+    /// The token to run.
+    pub token: i64,
+    /// Tokens before it.
+    pub past: usize,
+}
+
+/// What batched runs keep from one to the next: the whole batch's state and each row's.
+#[derive(Default)]
+pub(super) struct BatchState {
+    whole: RunState,
+    rows: Vec<RunState>,
+}
+
+/// A sequence's own binding for one batched run: its inputs bound, the caches it appends to in
+/// place, and the buffers bound instead of its values' own.
+struct Row<'t, 'm> {
+    bound: Bound<'t>,
+    appends: Vec<Append<'m>>,
+    substitutes: Substitutes,
+}
+
+impl GpuModel {
+    /// Whether [`GpuModel::run_batched`] can run this plan; if not, why (in words that follow
+    /// "cannot run sequences together: ").
+    pub fn batching(&self) -> Result<(), String> {
+        self.batch_plan().map(|_| ())
+    }
+
+    fn batch_plan(&self) -> Result<&BatchPlan, String> {
+        let plan = &self.program.plan;
+        let made = self.batch.get_or_init(|| BatchPlan::new(plan, |_| false, &HashMap::new(), |_| false));
+        made.as_ref().map_err(Clone::clone)
+    }
+
+    /// One step of several sequences together, each running one token after its own cache:
+    /// what a cached run ([`GpuModel::run_resident`], keeping the presents) gives each sequence
+    /// alone, with the steps that depend on neither positions nor caches run once for all of them
+    /// (see the [module](self) docs). Returns the outputs other than the presents, read back,
+    /// `[batch, ..]` with sequence `i`'s row `i` (`logits`: `[batch, 1, vocab]`); each present
+    /// named by `links` (present, past) becomes its sequence's cache under the past name. On an
+    /// error every cache is as it was.
+    pub fn run_batched(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        links: &[(String, String)],
+    ) -> Result<Vec<(String, Tensor)>, GpuError> {
+        let bp = self.batch_plan().map_err(GpuError::Unbatched)?;
+        let (gpu, plan) = (&self.gpu, &self.program.plan);
+        let b = seqs.len();
+        if b == 0 {
+            return Err(GpuError::Invalid("a batched step needs at least one sequence".into()));
+        }
+        let started = std::time::Instant::now();
+        gpu.check_lost()?;
+        let presents: Vec<String> = links.iter().map(|(present, _)| present.clone()).collect();
+        let is_present = |name: &str| presents.iter().any(|p| p == name);
+        for (name, v) in plan.outputs.iter().filter(|(name, _)| !is_present(name)) {
+            if bp.modes[root(plan, *v)] != Mode::Batched {
+                return Err(GpuError::Unbatched(format!(
+                    "its output `{name}` is held per sequence but is not a cache"
+                )));
+            }
+        }
+
+        // Each sequence bound as its own step binds it.
+        let mut rows: Vec<Row<'_, '_>> = Vec::with_capacity(b);
+        for seq in seqs.iter() {
+            let given = HashMap::from([
+                (bp.ids.1.clone(), Tensor::i64(vec![1, 1], vec![seq.token])),
+                (PAST_LEN.to_string(), Tensor::i64(vec![1], vec![seq.past as i64])),
+            ]);
+            let bound = self.bind_inputs(&given, seq.cache)?;
+            let appends = self.appends_in_place(&given, &bound.resident, &presents, &bound.syms)?;
+            let substitutes = self.substitutes(&appends, &bound.resident)?;
+            rows.push(Row { bound, appends, substitutes });
+        }
+        let mut syms = rows[0].bound.syms.clone();
+        syms.insert(Sym::Batch, b);
+        let tokens = Tensor::i64(vec![b, 1], seqs.iter().map(|s| s.token).collect());
+        let host = HashMap::from([(bp.ids.0, tokens)]);
+        let (no_resident, no_instead) = (HashMap::new(), HashMap::new());
+
+        let mut state = self.batch_state.lock().map_err(|_| GpuError::Poisoned("batch state"))?;
+        let BatchState { whole, rows: row_states } = &mut *state;
+        if row_states.len() < b {
+            row_states.resize_with(b, RunState::default);
+        }
+        let batched = |i: usize| bp.steps[i] == Exec::Batched;
+        let per_row = |i: usize| matches!(bp.steps[i], Exec::PerRow | Exec::Append(_));
+        self.upload_inputs(whole, &host)?;
+        self.grow_buffers(whole, &syms, &[], &mut HashMap::new())?;
+        let whole_grids = self.encode_part(whole, (&syms, &no_resident, &no_instead), &[], &batched)?;
+        let mut row_grids: Vec<Grids> = Vec::with_capacity(b);
+        for (row, st) in rows.iter_mut().zip(row_states.iter_mut()) {
+            let Row { bound, appends, substitutes } = row;
+            self.upload_inputs(st, &bound.host)?;
+            self.grow_buffers(st, &bound.syms, appends, &mut substitutes.instead)?;
+            let at = (&bound.syms, &bound.resident, &substitutes.instead);
+            row_grids.push(self.encode_part(st, at, appends, &per_row)?);
+        }
+
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("batch") });
+        for row in &rows {
+            for c in &row.substitutes.copies {
+                c.record(&mut encoder, 0, gpu.chunk_bytes)?;
+            }
+        }
+        let whole_buffers = whole.buffers(self, &syms, &no_resident, &no_instead);
+        let row_buffers: Vec<Buffers<'_>> = rows
+            .iter()
+            .zip(row_states.iter())
+            .map(|(row, st)| st.buffers(self, &row.bound.syms, &row.bound.resident, &row.substitutes.instead))
+            .collect();
+        // Each row's part of a batched value and the row's own copy, copied one way or the other.
+        let copy_parts = |encoder: &mut wgpu::CommandEncoder, v: usize, into_rows: bool| -> Result<(), GpuError> {
+            for (r, rb) in row_buffers.iter().enumerate() {
+                let bytes = 4 * rb.table.elements(&plan.values[v].shape) as u64;
+                let (part, own) = ((whole_buffers.of(v), r as u64 * bytes), (rb.of(v), 0));
+                let (from, to) = if into_rows { (part, own) } else { (own, part) };
+                copy_range(encoder, from, to, bytes, gpu.chunk_bytes)?;
+            }
+            Ok(())
+        };
+        // Batched values whose rows' copies hold the current data (written per row this run).
+        let mut in_rows: HashSet<usize> = HashSet::new();
+        let mut i = 0;
+        while i < plan.steps.len() {
+            let step = &plan.steps[i];
+            match bp.steps[i] {
+                Exec::Skip => i += 1,
+                Exec::Batched => {
+                    let end = (i..plan.steps.len()).find(|&j| per_row(j)).unwrap_or(plan.steps.len());
+                    let groups = (&whole.bind_groups[..], &whole.second_groups[..]);
+                    super::run::record_forward(&mut encoder, groups, &whole_grids, i..end)?;
+                    i = end;
+                }
+                Exec::PerRow | Exec::Append(_) => {
+                    for &o in &step.operands {
+                        let v = root(plan, o);
+                        let input = matches!(plan.values[v].storage, Storage::Input { .. });
+                        if bp.modes[v] == Mode::Batched && !input && in_rows.insert(v) {
+                            copy_parts(&mut encoder, v, true)?;
+                        }
+                    }
+                    {
+                        let mut pass = encoder
+                            .begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                        for (st, grids) in row_states.iter().zip(&row_grids) {
+                            dispatch_steps(&mut pass, (&st.bind_groups, &st.second_groups), grids, i..i + 1)?;
+                        }
+                    }
+                    for v in std::iter::once(step.output).chain(step.also.iter().copied()) {
+                        let v = root(plan, v);
+                        if bp.modes[v] == Mode::Batched {
+                            in_rows.insert(v);
+                            copy_parts(&mut encoder, v, false)?;
+                        }
+                    }
+                    i += 1;
+                }
+            }
+        }
+        let not_present = |name: &str| !is_present(name);
+        let (readbacks, _) = self.record_outputs(&mut encoder, &whole_buffers, &[], &[], None, &not_present)?;
+        let mut kept = Vec::with_capacity(b);
+        for (row, rb) in rows.iter().zip(&row_buffers) {
+            kept.push(self.record_outputs(&mut encoder, rb, &row.appends, &presents, None, &is_present)?.1);
+        }
+        gpu.queue.submit([encoder.finish()]);
+        self.host.add(started.elapsed());
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Rejected { what: "a batched step", message: e.to_string() });
+        }
+        let outputs = read_outputs(gpu, readbacks)?;
+        drop(row_buffers);
+        drop(rows);
+        for (seq, mut kept) in seqs.iter_mut().zip(kept) {
+            for (present, past) in links {
+                let t = kept
+                    .remove(present)
+                    .ok_or_else(|| GpuError::Internal(format!("the batched step kept no `{present}`")))?;
+                seq.cache.insert(past.clone(), t);
+            }
+        }
+        Ok(outputs)
+    }
+}
