@@ -12,8 +12,10 @@
 //!   would ([`GpuModel::appends_in_place`]) — and recorded one pass per step with every row's
 //!   dispatch; each row's part of a batched operand is copied into the row's slot first, and a
 //!   batched result written per row is copied into its row of the batch's slot after;
-//! - a step that reads positions runs per sequence: the WGSL kernels read one position, from
-//!   their sizes.
+//! - a projection whose epilogue rotates (RoPE) runs once over the batch, each row at its own
+//!   sequence's position (a variant of its kernel reading the positions from a binding,
+//!   `wgsl::step_kernel_at_starts`); the other steps that read positions (learned positions, a
+//!   rotation by itself) run per sequence, their kernels reading one position from their sizes.
 //!
 //! Everything is recorded on one command encoder and submitted once; the logits come back as
 //! `[batch, 1, vocab]`, and each sequence's presents become its cache only when the run
@@ -27,14 +29,14 @@
 )]
 
 use super::cache::Append;
-use super::run::{Bound, Buffers, Grids, RunState, Substitutes, dispatch_steps, read_outputs};
-use super::tensor::copy_range;
+use super::run::{Bound, Buffers, Grids, Placement, RunState, Substitutes, dispatch_steps, read_outputs};
+use super::tensor::{STORAGE, copy_range};
 use super::{DeviceTensor, GpuError, GpuModel};
 use crate::batching::{BatchPlan, Exec, Mode};
 use crate::prepare::root;
-use kiln_compiler::graph::Sym;
+use kiln_compiler::graph::{Op, Sym};
 use kiln_compiler::interp::PAST_LEN;
-use kiln_compiler::lower::Storage;
+use kiln_compiler::lower::{Step, Storage};
 use kiln_compiler::tensor::Tensor;
 use std::collections::{HashMap, HashSet};
 
@@ -55,6 +57,8 @@ pub struct SeqStep<'a> {
 pub(super) struct BatchState {
     whole: RunState,
     rows: Vec<RunState>,
+    /// Each sequence's position, `u32` (bytes, buffer), grown with the batch.
+    starts: Option<(u64, wgpu::Buffer)>,
 }
 
 /// A sequence's own binding for one batched run: its inputs bound, the caches it appends to in
@@ -74,7 +78,12 @@ impl GpuModel {
 
     fn batch_plan(&self) -> Result<&BatchPlan, String> {
         let plan = &self.program.plan;
-        let made = self.batch.get_or_init(|| BatchPlan::new(plan, |_| false, &HashMap::new(), |_| false));
+        // A rotating projection takes a position per sequence (`wgsl::step_kernel_at_starts`)
+        // where its weight is bound in one buffer (the split kernels read one position).
+        let one_buffer =
+            |step: &Step| step.operands.iter().all(|o| self.params.get(&root(plan, *o)).is_none_or(|b| b.len() == 1));
+        let batched_positions = |step: &Step| matches!(step.op, Op::Linear { rope: Some(_), .. }) && one_buffer(step);
+        let made = self.batch.get_or_init(|| BatchPlan::new(plan, |_| false, &HashMap::new(), batched_positions));
         made.as_ref().map_err(Clone::clone)
     }
 
@@ -127,21 +136,32 @@ impl GpuModel {
         let (no_resident, no_instead) = (HashMap::new(), HashMap::new());
 
         let mut state = self.batch_state.lock().map_err(|_| GpuError::Poisoned("batch state"))?;
-        let BatchState { whole, rows: row_states } = &mut *state;
+        let BatchState { whole, rows: row_states, starts } = &mut *state;
         if row_states.len() < b {
             row_states.resize_with(b, RunState::default);
+        }
+        let positions: Vec<u32> = seqs.iter().map(|s| u32::try_from(s.past).unwrap_or(u32::MAX)).collect();
+        let bytes = 4 * b as u64;
+        if starts.as_ref().is_none_or(|(have, _)| *have < bytes) {
+            *starts = Some((bytes, gpu.buffer("each sequence's position", bytes, STORAGE)?));
+        }
+        let starts = starts.as_ref().map(|(_, buffer)| buffer);
+        if let Some(buffer) = starts {
+            gpu.queue.write_buffer(buffer, 0, bytemuck::cast_slice(&positions));
         }
         let batched = |i: usize| bp.steps[i] == Exec::Batched;
         let per_row = |i: usize| matches!(bp.steps[i], Exec::PerRow | Exec::Append(_));
         self.upload_inputs(whole, &host)?;
         self.grow_buffers(whole, &syms, &[], &mut HashMap::new())?;
-        let whole_grids = self.encode_part(whole, (&syms, &no_resident, &no_instead), &[], &batched)?;
+        let whole_at = Placement { syms: &syms, resident: &no_resident, instead: &no_instead, starts };
+        let whole_grids = self.encode_part(whole, whole_at, &[], &batched)?;
         let mut row_grids: Vec<Grids> = Vec::with_capacity(b);
         for (row, st) in rows.iter_mut().zip(row_states.iter_mut()) {
             let Row { bound, appends, substitutes } = row;
             self.upload_inputs(st, &bound.host)?;
             self.grow_buffers(st, &bound.syms, appends, &mut substitutes.instead)?;
-            let at = (&bound.syms, &bound.resident, &substitutes.instead);
+            let at =
+                Placement { syms: &bound.syms, resident: &bound.resident, instead: &substitutes.instead, starts: None };
             row_grids.push(self.encode_part(st, at, appends, &per_row)?);
         }
 
@@ -152,11 +172,14 @@ impl GpuModel {
                 c.record(&mut encoder, 0, gpu.chunk_bytes)?;
             }
         }
-        let whole_buffers = whole.buffers(self, &syms, &no_resident, &no_instead);
+        let whole_buffers = whole.buffers(self, whole_at);
         let row_buffers: Vec<Buffers<'_>> = rows
             .iter()
             .zip(row_states.iter())
-            .map(|(row, st)| st.buffers(self, &row.bound.syms, &row.bound.resident, &row.substitutes.instead))
+            .map(|(row, st)| {
+                let (syms, resident, instead) = (&row.bound.syms, &row.bound.resident, &row.substitutes.instead);
+                st.buffers(self, Placement { syms, resident, instead, starts: None })
+            })
             .collect();
         // Each row's part of a batched value and the row's own copy, copied one way or the other.
         let copy_parts = |encoder: &mut wgpu::CommandEncoder, v: usize, into_rows: bool| -> Result<(), GpuError> {

@@ -25,8 +25,8 @@ pub struct GpuModel {
     /// The plan compiled for wgpu (its legalized plan is the one run).
     pub(super) program: Program,
     pub(super) pipelines: Vec<wgpu::ComputePipeline>,
-    /// Pipelines of chunked kernel variants, by kernel and chunk counts, built when first needed.
-    pub(super) variants: Mutex<HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>>,
+    /// Pipelines of kernel variants, by kernel and variant, built when first needed.
+    pub(super) variants: Mutex<HashMap<(usize, Variant), wgpu::ComputePipeline>>,
     pub(super) params: HashMap<usize, Vec<wgpu::Buffer>>,
     /// Bytes of the weights on the device (parameters and folded constants), by storage format.
     weight_bytes: Vec<(WeightFormat, u64)>,
@@ -42,6 +42,16 @@ pub struct GpuModel {
     pub(super) batch: OnceLock<Result<crate::batching::BatchPlan, String>>,
     /// What one batched run leaves for the next.
     pub(super) batch_state: Mutex<BatchState>,
+}
+
+/// A variant of a step's kernel, built when a run first needs it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Variant {
+    /// Reading its tensors split over buffers, this many chunks per binding.
+    Chunked(Vec<u32>),
+    /// A rotating projection reading each sequence's first position from a binding: a batched
+    /// step's (see [`wgsl::step_kernel_at_starts`]).
+    AtStarts,
 }
 
 /// The host's share of a model's runs: from a run's start to its one submission (binding the

@@ -16,6 +16,7 @@
 )]
 
 use super::cache::{Append, CacheCopy};
+use super::model::Variant;
 use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError, GpuModel};
 use kiln_compiler::back::wgsl::{
@@ -75,16 +76,11 @@ pub(super) struct RunState {
 }
 
 impl RunState {
-    /// Where each value of a run in this state lives, `bound` there (see [`GpuModel::encode_part`]).
-    pub(super) fn buffers<'r>(
-        &'r self,
-        model: &'r GpuModel,
-        syms: &'r HashMap<Sym, usize>,
-        resident: &'r HashMap<usize, &'r DeviceTensor>,
-        instead: &'r HashMap<usize, Vec<wgpu::Buffer>>,
-    ) -> Buffers<'r> {
+    /// Where each value of a run in this state lives, placed as `at` says.
+    pub(super) fn buffers<'r>(&'r self, model: &'r GpuModel, at: Placement<'r>) -> Buffers<'r> {
+        let Placement { syms, resident, instead, starts } = at;
         let (slots, inputs) = (&self.slots, &self.inputs);
-        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead }
+        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts }
     }
 }
 
@@ -110,10 +106,18 @@ pub(super) struct Substitutes {
     pub(super) copies: Vec<CacheCopy>,
 }
 
-/// Where a run's values are besides the slots: the sizes of the symbols, the tensors resident on
-/// the device (by value) and the buffers bound instead of values' own.
-pub(super) type Placement<'a> =
-    (&'a HashMap<Sym, usize>, &'a HashMap<usize, &'a DeviceTensor>, &'a HashMap<usize, Vec<wgpu::Buffer>>);
+/// Where a run's values are besides its state's slots and inputs.
+#[derive(Clone, Copy)]
+pub(super) struct Placement<'a> {
+    /// The sizes of the symbols.
+    pub(super) syms: &'a HashMap<Sym, usize>,
+    /// The tensors resident on the device, by value.
+    pub(super) resident: &'a HashMap<usize, &'a DeviceTensor>,
+    /// The buffers bound instead of values' own.
+    pub(super) instead: &'a HashMap<usize, Vec<wgpu::Buffer>>,
+    /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
+    pub(super) starts: Option<&'a wgpu::Buffer>,
+}
 
 /// Where each value of one run lives.
 pub(super) struct Buffers<'r> {
@@ -125,6 +129,8 @@ pub(super) struct Buffers<'r> {
     inputs: &'r HashMap<usize, (u64, Vec<wgpu::Buffer>)>,
     resident: &'r HashMap<usize, &'r DeviceTensor>,
     instead: &'r HashMap<usize, Vec<wgpu::Buffer>>,
+    /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
+    starts: Option<&'r wgpu::Buffer>,
 }
 
 impl<'r> Buffers<'r> {
@@ -220,9 +226,10 @@ impl GpuModel {
         let state = &mut *state;
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
-        let grids =
-            self.encode_part(state, (&bound.syms, &bound.resident, &substitutes.instead), &appends, &|_| true)?;
-        let buffers = state.buffers(self, &bound.syms, &bound.resident, &substitutes.instead);
+        let at =
+            Placement { syms: &bound.syms, resident: &bound.resident, instead: &substitutes.instead, starts: None };
+        let grids = self.encode_part(state, at, &appends, &|_| true)?;
+        let buffers = state.buffers(self, at);
         let (bind_groups, second_groups) = (&state.bind_groups, &state.second_groups);
 
         // The steps in one compute pass per submission: the device starts on a part while the
@@ -387,21 +394,22 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Encodes the steps `selected` of a run in `state` ([`GpuModel::encode_steps`]), where
-    /// `bound` (symbols, resident tensors, substitutes) says where its values are, and writes
+    /// Encodes the steps `selected` of a run in `state` ([`GpuModel::encode_steps`]), its values
+    /// placed as `at` says, and writes
     /// their `Dims` to its uniform where they changed: a run's sizes change only with its input's
     /// (and a cache's) length.
     pub(super) fn encode_part(
         &self,
         state: &mut RunState,
-        bound: Placement<'_>,
+        at: Placement<'_>,
         appends: &[Append<'_>],
         selected: &dyn Fn(usize) -> bool,
     ) -> Result<Grids, GpuError> {
-        let (syms, resident, instead) = bound;
+        let Placement { syms, resident, instead, starts } = at;
         let RunState { slots, inputs, uniform, dims, bind_groups, second_groups, second_slots, partials, .. } = state;
         let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
-        let buffers = Buffers { model: self, syms, table: SymTable::new(syms), slots, inputs, resident, instead };
+        let table = SymTable::new(syms);
+        let buffers = Buffers { model: self, syms, table, slots, inputs, resident, instead, starts };
         let tables = Tables { groups: bind_groups, second_groups, second_slots, partials };
         let (dims_bytes, grids) = self.encode_steps(&buffers, appends, uniform, tables, selected)?;
         if *dims != dims_bytes {
@@ -465,13 +473,23 @@ impl GpuModel {
                     limit: gpu.limits.max_storage_buffers_per_shader_stage,
                 });
             }
+            // A batched step's rotating projection reads each sequence's position from `starts`.
+            let starts = buffers.starts.filter(|_| crate::batching::positional(&step.op));
             let variant;
-            let pipeline = match chunked {
-                false => &self.pipelines[self.program.step_kernels[i]],
-                true => {
+            let pipeline = match (chunked, starts) {
+                (false, None) => &self.pipelines[self.program.step_kernels[i]],
+                (false, Some(_)) => {
+                    variant = self.at_starts_pipeline(i, step, &mut variants)?;
+                    &variant
+                }
+                (true, None) => {
                     let counts: Vec<u32> = scratch.bound.iter().map(|b| b.len() as u32).collect();
                     variant = self.chunked_pipeline(i, step, &counts, &mut variants)?;
                     &variant
+                }
+                (true, Some(_)) => {
+                    let message = "a position per sequence through tensors split over buffers".to_string();
+                    return Err(GpuError::Step { step: step.scope.clone(), message });
                 }
             };
             // The partial states' buffer (bound, if small, also where this run does not split).
@@ -487,7 +505,7 @@ impl GpuModel {
                     }
                     held.as_ref().map(|(_, b)| b)
                 }
-                false => None,
+                false => starts,
             };
             bind_group(gpu, &mut tables.groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
             grids.first.push(grid(&dims));
@@ -566,13 +584,13 @@ impl GpuModel {
         i: usize,
         step: &Step,
         counts: &[u32],
-        variants: &mut HashMap<(usize, Vec<u32>), wgpu::ComputePipeline>,
+        variants: &mut HashMap<(usize, Variant), wgpu::ComputePipeline>,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
         let (gpu, plan) = (&self.gpu, &self.program.plan);
         if let Some(&o) = step.operands.iter().find(|&&o| !plan.values[o].format.is_f32()) {
             return Err(GpuError::SplitFormat { step: step.scope.clone(), format: plan.values[o].format });
         }
-        let key = (self.program.step_kernels[i], counts.to_vec());
+        let key = (self.program.step_kernels[i], Variant::Chunked(counts.to_vec()));
         if !variants.contains_key(&key) {
             let elems: Vec<Elem> = step.operands.iter().map(|&o| elem(plan.values[o].dtype)).collect();
             let text = kernel_chunked(
@@ -586,6 +604,29 @@ impl GpuModel {
             validate_wgsl(&text)
                 .map_err(|e| GpuError::Internal(format!("chunked {} kernel is invalid: {e}", step.op.name())))?;
             variants.insert(key.clone(), gpu.pipeline(&format!("{} (chunked)", step.op.name()), &text));
+        }
+        Ok(variants[&key].clone())
+    }
+
+    /// The pipeline of step `i`'s kernel reading each sequence's first position from a binding
+    /// (a rotating projection in a batched step), from `variants` or built there when first
+    /// needed.
+    fn at_starts_pipeline(
+        &self,
+        i: usize,
+        step: &Step,
+        variants: &mut HashMap<(usize, Variant), wgpu::ComputePipeline>,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        let key = (self.program.step_kernels[i], Variant::AtStarts);
+        if !variants.contains_key(&key) {
+            let (plan, options) = (&self.program.plan, &self.program.options);
+            let text = wgsl::step_kernel_at_starts(plan, step, options).ok_or_else(|| GpuError::Step {
+                step: step.scope.clone(),
+                message: format!("{} has no kernel taking a position per sequence", step.op.name()),
+            })?;
+            validate_wgsl(&text)
+                .map_err(|e| GpuError::Internal(format!("{} kernel at starts is invalid: {e}", step.op.name())))?;
+            variants.insert(key.clone(), self.gpu.pipeline(&format!("{} (at starts)", step.op.name()), &text));
         }
         Ok(variants[&key].clone())
     }

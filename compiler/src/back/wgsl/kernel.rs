@@ -28,6 +28,28 @@ use crate::graph::{Op, PackedAttention};
 /// chunked variant. `options` say which device features the kernel may use (subgroup
 /// reductions, f16 arithmetic); a kernel that has no use for them is the same text either way.
 pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, options: &Options) -> Option<String> {
+    kernel_with(op, inputs, out, geometry, options, false)
+}
+
+/// The kernel of a projection whose epilogue rotates (RoPE) for a batched step of sequences at
+/// different positions: [`kernel`]'s, reading the first position of each sequence (each `[s]` of
+/// its `[b, s]` rows) from a `u32` binding after its operands, in place of the one the sizes
+/// give. `None` for any other op.
+pub fn kernel_at_starts(op: &Op, inputs: &[Elem], out: Elem, options: &Options) -> Option<String> {
+    match op {
+        Op::Linear { rope: Some(_), .. } => kernel_with(op, inputs, out, None, options, true),
+        _ => None,
+    }
+}
+
+fn kernel_with(
+    op: &Op,
+    inputs: &[Elem],
+    out: Elem,
+    geometry: Option<Geometry>,
+    options: &Options,
+    starts: bool,
+) -> Option<String> {
     let body = match (op, geometry) {
         (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
         (_, Some(g)) => {
@@ -47,6 +69,7 @@ pub fn kernel(op: &Op, inputs: &[Elem], out: Elem, geometry: Option<Geometry>, o
     if matches!(op, Op::Linear { .. }) {
         // Projections read and write through accessors, whole `vec4`s where they can.
         s += &projection::bindings(inputs);
+        s += &projection::position_fn(op, starts.then_some(inputs.len() + 2));
     } else {
         s += &format!("@group(0) @binding(1) var<storage, read_write> out: array<{}>;\n", out.wgsl());
         for (k, e) in inputs.iter().enumerate() {
@@ -121,6 +144,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
         }
     }
 
+    s += &projection::position_fn(op, None);
     s += &entry(op, &body, &Options::default(), None);
     Some(s)
 }

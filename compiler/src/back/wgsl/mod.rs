@@ -409,6 +409,15 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
     Ok(Program { plan, kernels, step_kernels, options: *options })
 }
 
+/// The kernel of step `step` of a compiled program's `plan` for a batched step of sequences at
+/// different positions, where the step is a projection whose epilogue rotates (RoPE): its
+/// [`kernel`], reading the first position of each sequence from a `u32` binding after its
+/// operands (see [`kernel::kernel_at_starts`]); `None` for any other step.
+pub fn step_kernel_at_starts(plan: &Plan, step: &Step, options: &Options) -> Option<String> {
+    let elems: Vec<Elem> = step.operands.iter().map(|&v| device_elem(&plan.values[v])).collect();
+    kernel::kernel_at_starts(&step.op, &elems, device_elem(&plan.values[step.output]), options)
+}
+
 /// Whether step `step` of `plan` reads its key and value operands (1 and 2) through the row
 /// strides its sizes give ([`attention::KEY_STRIDES`]), so a cache appended in place can be bound as they
 /// are: an attention over `[b, kv, k, d]` operands (a cached packed one not appending itself)

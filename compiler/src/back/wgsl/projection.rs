@@ -434,6 +434,24 @@ fn group_pair_fn(r: RopeCols) -> String {
     }
 }
 
+/// Module-scope declarations of a projection whose epilogue rotates (RoPE): `position(row)`, the
+/// position of output row `row` of `[b, s]` rows. From the sizes, `past + row % s`, one
+/// position for the whole batch; or, with `starts` (a batched step of sequences at different
+/// positions, see [`super::kernel_at_starts`]), `starts[row / s] + row % s`, each sequence's from
+/// a binding after the operands (`binding`).
+pub fn position_fn(op: &Op, starts: Option<usize>) -> String {
+    if !matches!(op, Op::Linear { rope: Some(_), .. }) {
+        return String::new();
+    }
+    match starts {
+        None => "fn position(row: u32) -> f32 { return f32(row % dim(3u) + dim(4u)); }\n".to_string(),
+        Some(binding) => format!(
+            "@group(0) @binding({binding}) var<storage, read> starts: array<u32>;\n\
+             fn position(row: u32) -> f32 {{ return f32(row % dim(3u) + starts[row / dim(3u)]); }}\n"
+        ),
+    }
+}
+
 /// The kernel body; runs with `wg` (the workgroup's index) and `lane` (its invocation's index in
 /// the workgroup) defined, and, with the split GEMV form ([`splits`]), the reductions of
 /// `super::reduce`.
@@ -672,7 +690,7 @@ fn vector_rope_epilogue(p: Linear, rope: RopeCols, r: usize, last: &str) -> Stri
         };
         s += &format!("    ya = {};\n    yb = {};\n", act("ya"), act("yb"));
     }
-    s += "    let pos = f32(row % dim(3u) + dim(4u));\n";
+    s += "    let pos = position(row);\n";
     match rope.style {
         PairStyle::RotateHalf => {
             s += &format!(
@@ -1030,7 +1048,7 @@ fn epilogue(p: Linear) -> String {
     }
     if let Some(r) = p.rope {
         s += &format!(
-            "if (rot == 1u) {{\n    let pos = f32(row % dim(3u) + dim(4u));\n    \
+            "if (rot == 1u) {{\n    let pos = position(row);\n    \
              let angle = pos / pow({}, f32(2u * t) / {}.0);\n    let c = cos(angle);\n    let sn = sin(angle);\n    \
              let r0 = y0 * c - y1 * sn;\n    y1 = y1 * c + y0 * sn;\n    y0 = r0;\n}}\n",
             lit(r.theta.0),
@@ -1120,5 +1138,38 @@ mod tests {
         assert_eq!((rotating[7], plain[7]), (4, 4));
         assert_eq!(rotating[0], plain[0]);
         assert_eq!(rotating[0] / WORKGROUP as usize, 960 / 8);
+    }
+
+    /// A batched step's rotating projection (`kernel_at_starts`) is the same kernel but for where
+    /// a row's position comes from: each sequence's first position, from a binding after the
+    /// operands, rather than the sizes' one `past`. In both pair styles, the vector and scalar
+    /// forms, f32 and quantized weights, with and without subgroups; no other op has one.
+    #[test]
+    fn kernels_at_starts_differ_only_in_where_positions_come_from() {
+        use super::super::kernel::{kernel, kernel_at_starts};
+        use super::super::validate;
+        let ops = [
+            rope(PairStyle::RotateHalf, 0, 64, 64),
+            rope(PairStyle::Interleaved, 0, 64, 4),
+            rope(PairStyle::RotateHalf, 4, 64, 64),
+        ];
+        let subgroups = Options { subgroups: true, ..Options::default() };
+        for op in &ops {
+            for elems in [[Elem::F32, Elem::F32], [Elem::F32, Elem::Q8_0]] {
+                for options in [Options::default(), subgroups] {
+                    let at_starts = kernel_at_starts(op, &elems, Elem::F32, &options).unwrap();
+                    validate(&at_starts).unwrap_or_else(|e| panic!("{op:?} {elems:?}: {e}"));
+                    let binding = "@group(0) @binding(4) var<storage, read> starts: array<u32>;\n";
+                    let position = "fn position(row: u32) -> f32 { return f32(row % dim(3u) + starts[row / dim(3u)]); }";
+                    assert!(at_starts.contains(binding) && at_starts.contains(position), "{at_starts}");
+                    let from_sizes = at_starts
+                        .replace(binding, "")
+                        .replace(position, "fn position(row: u32) -> f32 { return f32(row % dim(3u) + dim(4u)); }");
+                    assert_eq!(from_sizes, kernel(op, &elems, Elem::F32, None, &options).unwrap());
+                }
+            }
+        }
+        let plain = Op::linear(None, false, false);
+        assert_eq!(kernel_at_starts(&plain, &[Elem::F32, Elem::F32], Elem::F32, &Options::default()), None);
     }
 }
