@@ -49,7 +49,7 @@ impl DecodeArgs {
 }
 
 /// The buffer the read bandwidth is measured on: far larger than any CPU's caches.
-const BANDWIDTH_BUFFER: usize = 1 << 29;
+pub(super) const BANDWIDTH_BUFFER: usize = 1 << 29;
 
 /// Runs `kiln bench decode`.
 pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {

@@ -1,5 +1,6 @@
 //! `kiln bench kernels`: GFLOPS of the projection kernels, reference against fast, at prefill and
-//! decode shapes, with their fused norm prologue and RoPE epilogue, and by weight format.
+//! decode shapes, with their fused norm prologue and RoPE epilogue, and by weight format; on the
+//! CPU, a decode GEMV streaming its weight from memory against the bandwidth the threads read.
 
 use super::KernelArgs;
 use crate::progress::Reporter;
@@ -78,7 +79,24 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
             by_format.push((what, m, k, n, format, ms, bytes, gb_s, gflops));
         }
     }
+    // A decode GEMV whose weight streams from memory, far past the caches: Gemma 3's 262144 x 640
+    // head in Q8_0 (180 MB), the largest product of its decode step, beside the bandwidth the
+    // threads read from memory. The CPU only (a GPU's decode is timed by `bench decode`).
+    let streaming = match device {
+        Device::Cpu { threads } => {
+            let (k, n, format) = (640, 262_144, WeightFormat::Q8_0);
+            let ms = time_kernel(device, &projection_graph(k, Some(n))?, &fast, format, 1, runs)?;
+            let bytes = format.bytes(n, k);
+            let read = kiln_runtime::measure::read_bandwidth(*threads, super::decode::BANDWIDTH_BUFFER, 10)?;
+            Some((k, n, format, ms, bytes, bytes as f64 / (ms.max(1e-6) * 1e6), read / 1e9))
+        }
+        _ => None,
+    };
     if json {
+        let streaming = streaming.map(|(k, n, f, ms, bytes, gb_s, read)| {
+            serde_json::json!({"shape": "decode GEMV from memory (Gemma 3's head)", "m": 1, "k": k, "n": n,
+                "format": f.name(), "ms": ms, "weight_bytes": bytes, "weight_gb_s": gb_s, "read_bandwidth_gb_s": read})
+        });
         let rows: Vec<serde_json::Value> = rows
             .iter()
             .map(|(s, old, new, go, gn)| {
@@ -101,7 +119,7 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
             })
             .collect();
         let out = serde_json::json!({"adapter": device.describe(), "runs": runs, "projections": rows,
-            "weight_formats": formats, "fusions": fusions});
+            "weight_formats": formats, "fusions": fusions, "streaming": streaming});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", device.describe());
@@ -145,6 +163,14 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
                 "  {what:<24} {m:>5} {k:>5} {n:>5} {:>6} {ms:>10.3} {bytes:>12} {gb_s:>8.2} {gflops:>10.2} {:>8.2}x",
                 f.name(),
                 f32_ms / ms
+            );
+        }
+        if let Some((k, n, f, ms, bytes, gb_s, read)) = streaming {
+            println!(
+                "decode GEMV from memory (Gemma 3's head): {k} -> {n}, {}, {ms:.2} ms, {bytes} weight bytes, \
+                 {gb_s:.1} GB/s = {:.0}% of the {read:.1} GB/s these threads read",
+                f.name(),
+                100.0 * gb_s / read
             );
         }
     }

@@ -1160,7 +1160,8 @@ mod tests {
                     let at_starts = kernel_at_starts(op, &elems, Elem::F32, &options).unwrap();
                     validate(&at_starts).unwrap_or_else(|e| panic!("{op:?} {elems:?}: {e}"));
                     let binding = "@group(0) @binding(4) var<storage, read> starts: array<u32>;\n";
-                    let position = "fn position(row: u32) -> f32 { return f32(row % dim(3u) + starts[row / dim(3u)]); }";
+                    let position =
+                        "fn position(row: u32) -> f32 { return f32(row % dim(3u) + starts[row / dim(3u)]); }";
                     assert!(at_starts.contains(binding) && at_starts.contains(position), "{at_starts}");
                     let from_sizes = at_starts
                         .replace(binding, "")
