@@ -102,7 +102,7 @@ mod ops {
     /// # Safety
     ///
     /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx2")]
     #[inline]
     pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
         use super::super::{F_Q4_K, F_Q5_0};
@@ -113,7 +113,7 @@ mod ops {
         // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
         // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
         // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
-        // at `half` 0 or 1 of its 8 words).
+        // at `half` 0 or 1 of the 8 words it is given, `bytes32` all 32).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes16 = |at: usize, half: usize| unsafe {
             _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(at).cast::<__m128i>().add(half)))
@@ -147,13 +147,18 @@ mod ops {
                 let (h, c) = (c8 / 4, c8 % 4);
                 let (sc0, sc1) = super::super::q6_k_scales(word, nb, b);
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
-                let f = |half: usize, scale: f32| {
-                    let l = _mm512_and_si512(shift(bytes16(low, half), 4 * (c / 2) as u32), _mm512_set1_epi32(15));
-                    let hh = _mm512_and_si512(shift(bytes16(high, half), 2 * c as u32), _mm512_set1_epi32(3));
-                    let q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32::<4>(hh)), _mm512_set1_epi32(32));
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale))
+                // The block's 32 quants as bytes: its nibbles and bit pairs shifted out of each
+                // 16-bit lane and masked per byte (no bit crosses into a kept one), joined, less
+                // 32; then widened 16 at a time.
+                let bytes32 = |at: usize| unsafe { _mm256_loadu_si256(row.add(at).cast::<__m256i>()) };
+                let shift16 = |v: __m256i, n: u32| _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+                let l = _mm256_and_si256(shift16(bytes32(low), 4 * (c / 2) as u32), _mm256_set1_epi8(15));
+                let hh = _mm256_and_si256(shift16(bytes32(high), 2 * c as u32), _mm256_set1_epi8(3));
+                let q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16::<4>(hh)), _mm256_set1_epi8(32));
+                let f = |q: __m128i, scale: f32| {
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(scale))
                 };
-                [f(0, sc0), f(1, sc1)]
+                [f(_mm256_castsi256_si128(q), sc0), f(_mm256_extracti128_si256::<1>(q), sc1)]
             }
         }
     }

@@ -365,13 +365,15 @@ const fn tag_format(tag: u8) -> WeightFormat {
     }
 }
 
-/// The word of a row (of `nb` blocks) at which block `b`'s quants start, for prefetching (the
-/// low bits of a Q6_K block; any word of the row would do).
-const fn quant_word(tag: u8, nb: usize, b: usize) -> usize {
+/// Words of a row of `nb` blocks in the format of a kernel's format parameter (the layouts of
+/// `kiln_compiler::lower::format`), for prefetching: at most 53 / 8 words (27 bytes) a block,
+/// so a sweep of a line a block reaches every line of a row.
+const fn row_words(tag: u8, nb: usize) -> usize {
     match tag {
-        F_Q8_0 => nb + 8 * b,
-        F_Q4_1 | F_Q5_0 => 2 * nb + 4 * b,
-        _ => 5 * (nb / 8) + 4 * b,
+        F_Q8_0 => 9 * nb,
+        F_Q4_1 | F_Q5_0 => 6 * nb,
+        F_Q4_K => 37 * (nb / 8),
+        _ => 53 * (nb / 8),
     }
 }
 
