@@ -320,13 +320,22 @@ unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line
 /// the SIMD modules' register dequantization.
 #[cfg(target_arch = "x86_64")]
 fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
-    let (ns, s) = (nb / 8, b / 8);
-    let mut packed = [0u8; 12];
-    for (i, w) in packed.chunks_exact_mut(4).enumerate() {
-        w.copy_from_slice(&word(2 * ns + 3 * s + i).to_le_bytes());
-    }
-    let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
-    (f32::from_bits(word(s)) * f32::from(sc), -(f32::from_bits(word(ns + s)) * f32::from(m)))
+    let (ns, s, j) = (nb / 8, b / 8, b % 8);
+    // The 12 bytes of 6-bit pairs as three words, unpacked as `gguf::q4_k_scale_min` does:
+    // block `j < 4` from bytes `j` and `j + 4`, block `j >= 4` from bytes `j + 4` (both
+    // nibbles), `j - 4` and `j` (their top two bits). A block's kernel calls this, so it reads
+    // only the words it needs and shifts them, rather than gathering the 12 bytes first.
+    let packed = 2 * ns + 3 * s;
+    let shift = 8 * (j % 4) as u32;
+    let byte = |w: usize| (word(packed + w) >> shift) & 0xff;
+    let (sc, m) = match j < 4 {
+        true => (byte(0) & 63, byte(1) & 63),
+        false => {
+            let (high, low, mid) = (byte(2), byte(0), byte(1));
+            ((high & 0x0f) | ((low >> 6) << 4), (high >> 4) | ((mid >> 6) << 4))
+        }
+    };
+    (f32::from_bits(word(s)) * sc as f32, -(f32::from_bits(word(ns + s)) * m as f32))
 }
 
 /// The scales of block `b`'s two halves in a Q6_K row of `nb` blocks read through `word`: `d`
