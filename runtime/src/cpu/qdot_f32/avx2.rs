@@ -121,7 +121,7 @@ mod ops {
         // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
         // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
         // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes8` reads 8 bytes at
-        // `part` 0 to 3 of the words from `at`, inside the 4 or 8 words named).
+        // `part` 0 to 3 of the words from `at`, inside the 4 or 8 words named; `bytes32` all 8).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes8 = |at: usize, part: usize| unsafe {
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(at + 2 * part).cast::<__m128i>()))
@@ -161,14 +161,21 @@ mod ops {
                 let (h, c) = (c8 / 4, c8 % 4);
                 let scales = super::super::q6_k_scales(word, nb, b);
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
+                // The block's 32 quants as bytes: its nibbles and bit pairs shifted out of each
+                // 16-bit lane and masked per byte (no bit crosses into a kept one), joined, less
+                // 32 (as the AVX-512 kernel does); then widened 8 at a time.
+                let bytes32 = |at: usize| unsafe { _mm256_loadu_si256(row.add(at).cast::<__m256i>()) };
+                let shift16 = |v: __m256i, n: u32| _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+                let l = _mm256_and_si256(shift16(bytes32(low), 4 * (c / 2) as u32), _mm256_set1_epi8(15));
+                let hh = _mm256_and_si256(shift16(bytes32(high), 2 * c as u32), _mm256_set1_epi8(3));
+                let q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16::<4>(hh)), _mm256_set1_epi8(32));
+                let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+                let pieces = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
                 let mut out = [_mm256_setzero_ps(); BV];
-                for (v, o) in out.iter_mut().enumerate() {
-                    let l = _mm256_and_si256(shift(bytes8(low, v), 4 * (c / 2) as u32), fifteen);
-                    let hh = _mm256_and_si256(shift(bytes8(high, v), 2 * c as u32), _mm256_set1_epi32(3));
-                    let q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32::<4>(hh)), _mm256_set1_epi32(32));
+                for (v, (o, piece)) in out.iter_mut().zip(pieces).enumerate() {
                     // Elements 0..16 take the first scale, 16..32 the second.
                     let scale = if v < 2 { scales.0 } else { scales.1 };
-                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale));
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(piece)), _mm256_set1_ps(scale));
                 }
                 out
             }
