@@ -244,13 +244,20 @@ impl GpuModel {
         let outputs = read_outputs(gpu, readbacks)?;
         drop(row_buffers);
         drop(rows);
-        for (seq, mut kept) in seqs.iter_mut().zip(kept) {
-            for (present, past) in links {
-                let t = kept
-                    .remove(present)
-                    .ok_or_else(|| GpuError::Internal(format!("the batched step kept no `{present}`")))?;
-                seq.cache.insert(past.clone(), t);
-            }
+        // Every sequence's presents found before any becomes a cache: all caches move, or none.
+        let mut caches = Vec::with_capacity(b);
+        for mut kept in kept {
+            let cache = links
+                .iter()
+                .map(|(present, past)| match kept.remove(present) {
+                    Some(t) => Ok((past.clone(), t)),
+                    None => Err(GpuError::Internal(format!("the batched step kept no `{present}`"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            caches.push(cache);
+        }
+        for (seq, cache) in seqs.iter_mut().zip(caches) {
+            seq.cache.extend(cache);
         }
         Ok(outputs)
     }
