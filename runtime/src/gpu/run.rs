@@ -78,9 +78,7 @@ pub(super) struct RunState {
 impl RunState {
     /// Where each value of a run in this state lives, placed as `at` says.
     pub(super) fn buffers<'r>(&'r self, model: &'r GpuModel, at: Placement<'r>) -> Buffers<'r> {
-        let Placement { syms, resident, instead, starts } = at;
-        let (slots, inputs) = (&self.slots, &self.inputs);
-        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts }
+        Buffers::new(model, (&self.slots, &self.inputs), at)
     }
 }
 
@@ -119,6 +117,9 @@ pub(super) struct Placement<'a> {
     pub(super) starts: Option<&'a wgpu::Buffer>,
 }
 
+/// A buffer a run state keeps, split in chunks: its bytes and the chunks.
+type Held = (u64, Vec<wgpu::Buffer>);
+
 /// Where each value of one run lives.
 pub(super) struct Buffers<'r> {
     model: &'r GpuModel,
@@ -134,6 +135,16 @@ pub(super) struct Buffers<'r> {
 }
 
 impl<'r> Buffers<'r> {
+    /// A run's values in a state's `slots` and `inputs`, the rest placed as `at` says.
+    fn new(
+        model: &'r GpuModel,
+        (slots, inputs): (&'r [Held], &'r HashMap<usize, Held>),
+        at: Placement<'r>,
+    ) -> Buffers<'r> {
+        let Placement { syms, resident, instead, starts } = at;
+        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts }
+    }
+
     /// The chunk buffers of a value, as many as its current size needs.
     pub(super) fn of(&self, value: usize) -> &'r [wgpu::Buffer] {
         let plan = &self.model.program.plan;
@@ -405,11 +416,9 @@ impl GpuModel {
         appends: &[Append<'_>],
         selected: &dyn Fn(usize) -> bool,
     ) -> Result<Grids, GpuError> {
-        let Placement { syms, resident, instead, starts } = at;
         let RunState { slots, inputs, uniform, dims, bind_groups, second_groups, second_slots, partials, .. } = state;
         let uniform = uniform.as_ref().ok_or_else(|| GpuError::Internal("no uniform buffer".into()))?;
-        let table = SymTable::new(syms);
-        let buffers = Buffers { model: self, syms, table, slots, inputs, resident, instead, starts };
+        let buffers = Buffers::new(self, (slots, inputs), at);
         let tables = Tables { groups: bind_groups, second_groups, second_slots, partials };
         let (dims_bytes, grids) = self.encode_steps(&buffers, appends, uniform, tables, selected)?;
         if *dims != dims_bytes {

@@ -51,7 +51,8 @@ macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
         pub(in super::super) mod $module {
             use super::super::{
-                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, TILE, row_words,
+                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, TILE,
+                words_per_8_blocks,
             };
             use super::$ops as ops;
             use crate::cpu::debug_span;
@@ -132,7 +133,7 @@ macro_rules! kernels {
                     for (a, &row) in acc.iter_mut().zip(rows) {
                         // The rows `ahead` swept a line a block: every region of them (scales,
                         // quants, a Q6_K's high bits) is under 64 bytes a block.
-                        ops::prefetch(row.wrapping_add(ahead + b * row_words(F, nb) / nb));
+                        ops::prefetch(row.wrapping_add(ahead + b * words_per_8_blocks(F) / 8));
                         // SAFETY: `row` is a whole row and `b < nb`.
                         let w = unsafe { row_block::<F>(row, nb, b) };
                         for ((a, xv), &x) in a.iter_mut().zip(&xv).zip(xs) {

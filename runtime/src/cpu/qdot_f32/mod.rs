@@ -374,15 +374,16 @@ const fn tag_format(tag: u8) -> WeightFormat {
     }
 }
 
-/// Words of a row of `nb` blocks in the format of a kernel's format parameter (the layouts of
-/// `kiln_compiler::lower::format`), for prefetching: at most 53 / 8 words (27 bytes) a block,
-/// so a sweep of a line a block reaches every line of a row.
-const fn row_words(tag: u8, nb: usize) -> usize {
+/// Words of 8 blocks of a row in the format of a kernel's format parameter (the layouts of
+/// `kiln_compiler::lower::format`), for prefetching: at most 53 / 8 words (27 bytes) a block, so
+/// a sweep of a line a block (block `b` at word `b * words / 8`, a shift, not a division, on the
+/// streaming kernels' inner loop) reaches every line of a row.
+const fn words_per_8_blocks(tag: u8) -> usize {
     match tag {
-        F_Q8_0 => 9 * nb,
-        F_Q4_1 | F_Q5_0 => 6 * nb,
-        F_Q4_K => 37 * (nb / 8),
-        _ => 53 * (nb / 8),
+        F_Q8_0 => 72,
+        F_Q4_1 | F_Q5_0 => 48,
+        F_Q4_K => 37,
+        _ => 53,
     }
 }
 
