@@ -1415,6 +1415,18 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
     let a = g.param("contract_rows.a", &[2, 3, w]);
     let b = g.param("contract_rows.b", &[2, 3, 5]);
     out(&mut g, "contract_rows", Op::ContractRows, &[a, b]);
+    // Products over several of the tiled kernels' 32 x 32 blocks of output (and 16-deep steps of
+    // the contraction), cut at every edge.
+    if wide {
+        for (t, transpose_b) in [false, true].into_iter().enumerate() {
+            let a = g.param(&format!("matmul{t}.blocks.a"), &[2, 70, w]);
+            let b = g.param(&format!("matmul{t}.blocks.b"), &if transpose_b { [2, 45, w] } else { [2, w, 45] });
+            out(&mut g, &format!("matmul{t}.blocks"), Op::MatMul { transpose_b }, &[a, b]);
+        }
+        let a = g.param("contract_rows.blocks.a", &[3, 25, 70]);
+        let b = g.param("contract_rows.blocks.b", &[3, 25, 45]);
+        out(&mut g, "contract_rows.blocks", Op::ContractRows, &[a, b]);
+    }
 
     // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by
     // `token_type_ids` (all different).

@@ -115,15 +115,16 @@ impl StepRunner {
                 Kind::Cpu { plan: lower::lower_with(&optimized, options), threads: *threads, model: None }
             }
             Device::Gpu(gpu) => {
-                // Optimized for the adapter's cost model where it has one (lavapipe's is built
-                // in; an uncalibrated hardware adapter's step runs as built).
-                let target = match optimize {
-                    true => crate::costs::cached(gpu.adapter_name(), gpu.is_software()).ok().flatten(),
-                    false => None,
-                };
-                let graph = match target {
-                    Some(target) => optimize::optimize_for(&graph, &target)?.0,
-                    None => graph,
+                // Optimized for the adapter's cost model where it has one, else (an adapter never
+                // calibrated, or a model that cannot be read) for the built-in one, as inference
+                // is. (An uncalibrated adapter's step once ran as autodiff built it: on an H100,
+                // 6x slower than the same machine's CPU; BENCHMARKS.md, 2026-11-27.)
+                let graph = match optimize {
+                    true => {
+                        let cached = crate::costs::cached(gpu.adapter_name(), gpu.is_software()).ok().flatten();
+                        optimize::optimize_for(&graph, &cached.unwrap_or_else(Target::wgpu))?.0
+                    }
+                    false => graph,
                 };
                 Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None }
             }

@@ -78,10 +78,10 @@ fn dims_of(
         Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out), last(out)],
         // One thread per column: [d, rows].
         Op::NormGainGrad { .. } => vec![total, rows(operand(0)?)],
-        // One thread per output element: [total, k, n, rows].
+        // A workgroup per block of the output (`gemm`): [lanes, k, n, rows].
         Op::ContractRows => {
             let a = operand(0)?;
-            vec![total, last(a), last(out), rows(a)]
+            vec![super::gemm::lanes(1, last(a), last(out)), last(a), last(out), rows(a)]
         }
         // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
         Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
@@ -130,7 +130,9 @@ fn dims_of(
             let (a, b) = (operand(0)?, operand(1)?);
             let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
             let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
-            vec![total, m, n, k, usize::from(b.len() > 2)]
+            // A workgroup per block of each batch's output (`gemm`).
+            let batches = total / (m * n).max(1);
+            vec![super::gemm::lanes(batches, m, n), m, n, k, usize::from(b.len() > 2)]
         }
         Op::Add | Op::Mul => {
             // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.

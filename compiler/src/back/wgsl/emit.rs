@@ -43,13 +43,13 @@ pub fn cooperative(op: &Op) -> bool {
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyGrad { .. }
             | Op::GatherGrad
-    )
+    ) || super::gemm::tiled(op)
 }
 
 /// Whether a [`cooperative`] kernel reduces across its workgroup (all but the gather's backward,
 /// whose lanes each own columns of the row they write).
 pub fn reduces(op: &Op) -> bool {
-    cooperative(op) && !matches!(op, Op::GatherGrad)
+    cooperative(op) && !matches!(op, Op::GatherGrad) && !super::gemm::tiled(op)
 }
 
 /// Element type of a buffer as the kernel sees it.
@@ -281,12 +281,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 eps = eps.0
             )
         }
-        // One thread per output element `(row c of k, column j of n)`: the products of column c
-        // of `a` and column j of `b` over every row, in row order.
-        Op::ContractRows => "let k = dim(1u);\nlet n = dim(2u);\nlet c = i / n;\nlet j = i % n;\nvar acc = 0.0;\n\
-                             for (var r = 0u; r < dim(3u); r = r + 1u) {\n    acc = acc + in0[r * k + c] * in1[r * n + j];\n}\n\
-                             out[i] = acc;"
-            .into(),
+        // A workgroup per block of the output (`gemm`).
+        Op::ContractRows | Op::MatMul { .. } => super::gemm::body(op),
         // `dy`'s rows (the first `dim(1)` elements), then zeros.
         Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
         // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are
@@ -341,15 +337,6 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 start += rows;
             }
             s
-        }
-        Op::MatMul { transpose_b } => {
-            let b_index = if *transpose_b { "b0 + col * k + kk" } else { "b0 + kk * n + col" };
-            format!(
-                "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet col = i % n;\nlet row = (i / n) % m;\n\
-                 let bi = i / (m * n);\nlet a0 = (bi * m + row) * k;\nlet b0 = select(0u, bi * k * n, dim(4u) == 1u);\n\
-                 var acc = 0.0;\nfor (var kk = 0u; kk < k; kk = kk + 1u) {{\n    acc = acc + in0[a0 + kk] * in1[{b_index}];\n}}\n\
-                 out[i] = acc;"
-            )
         }
         Op::Add | Op::Mul => {
             let sym = if matches!(op, Op::Add) { "+" } else { "*" };

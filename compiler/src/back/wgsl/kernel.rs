@@ -276,6 +276,9 @@ fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geo
         if linear {
             s += &projection::unit_fn(op);
         }
+        if super::gemm::tiled(op) {
+            s += &super::gemm::declarations();
+        }
         let builtins = if subgroups { reduce::ENTRY_BUILTINS } else { "" };
         s += &format!(
             "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"

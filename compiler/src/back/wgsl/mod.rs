@@ -27,6 +27,7 @@ mod append;
 pub mod attention;
 mod dims;
 pub mod emit;
+mod gemm;
 mod kernel;
 pub mod projection;
 mod reduce;

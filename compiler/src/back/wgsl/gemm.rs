@@ -1,0 +1,108 @@
+//! Tiled matrix products of two activations: [`Op::MatMul`] (batched, `b` transposed or not) and
+//! [`Op::ContractRows`] (a weight's gradient, `aᵀ b` summed over every row).
+//!
+//! One workgroup of [`WORKGROUP`] lanes computes a [`TILE`] x [`TILE`] block of the output: each
+//! step along the contraction stages a `TILE` x [`TILE_K`] slice of `a` and a `TILE_K` x `TILE`
+//! slice of `b` in workgroup memory (zeros past the edges), and each lane accumulates a 4 x 4
+//! block from them. The lanes that load a slice read consecutive addresses of its operand's
+//! contiguous axis, whichever that is (`a`'s contraction axis for a `matmul`, its output rows for
+//! `contract_rows`), so both layouts load coalesced. The plain one-thread-per-element forms these
+//! replace looped over the whole contraction for each element, reading `b` once per output row:
+//! a training step's backward ran at ~0.3 TFLOPS on an H100 with them (BENCHMARKS.md,
+//! 2026-11-27).
+//!
+//! Each output element sums its products in contraction order into one accumulator, as the plain
+//! forms did.
+
+use super::emit::WORKGROUP;
+use crate::graph::Op;
+
+/// Output rows and columns of a workgroup's block.
+pub const TILE: usize = 32;
+/// Contraction steps staged at a time.
+pub const TILE_K: usize = 16;
+// 64 lanes of 4 x 4 outputs make the 32 x 32 block; each lane loads 8 elements of each slice.
+const _: () = assert!(WORKGROUP as usize * 16 == TILE * TILE && TILE * TILE_K == 8 * WORKGROUP as usize);
+
+/// Whether `op` runs as a tiled product here.
+pub fn tiled(op: &Op) -> bool {
+    matches!(op, Op::MatMul { .. } | Op::ContractRows)
+}
+
+/// The workgroup memory of a tiled kernel (module scope).
+pub fn declarations() -> String {
+    let n = TILE * TILE_K;
+    format!("var<workgroup> tile_a: array<f32, {n}>;\nvar<workgroup> tile_b: array<f32, {n}>;\n")
+}
+
+/// Lanes (the first size, a multiple of [`WORKGROUP`]) for an `m` x `n` output in `batches`
+/// batches: one workgroup per block.
+pub fn lanes(batches: usize, m: usize, n: usize) -> usize {
+    batches * m.div_ceil(TILE) * n.div_ceil(TILE) * WORKGROUP as usize
+}
+
+/// How a kernel reads one operand's element `(r, c)` of its `rows` x `cols` slice: the WGSL
+/// index expression, and whether consecutive `c` (true) or consecutive `r` are adjacent in memory.
+struct Operand {
+    index: &'static str,
+    contiguous_cols: bool,
+}
+
+/// The body of `op`'s tiled kernel (`wg` and `lane` as the cooperative entry defines them), for
+/// the sizes of `dims`: a `matmul`'s `[lanes, m, n, k, b batched]`, a `contract_rows`'
+/// `[lanes, k, n, rows]`.
+pub fn body(op: &Op) -> String {
+    // Each operand's element as `(row, kk)` of `a` and `(kk, col)` of `b`.
+    let (setup, a, b) = match op {
+        Op::MatMul { transpose_b } => (
+            "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet blocks = ((m + 31u) / 32u) * ((n + 31u) / 32u);\n\
+             let bi = wg / blocks;\nlet a0 = bi * m * k;\nlet b0 = select(0u, bi * k * n, dim(4u) == 1u);\nlet o0 = bi * m * n;\n",
+            Operand { index: "a0 + row * k + kk", contiguous_cols: true },
+            match transpose_b {
+                true => Operand { index: "b0 + col * k + kk", contiguous_cols: false },
+                false => Operand { index: "b0 + kk * n + col", contiguous_cols: true },
+            },
+        ),
+        // Row `c` of the output is column `c` of `a`: `a`'s element (c, r) is `in0[r * m + c]`.
+        Op::ContractRows => (
+            "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet blocks = ((m + 31u) / 32u) * ((n + 31u) / 32u);\n\
+             let o0 = 0u;\n",
+            Operand { index: "kk * m + row", contiguous_cols: false },
+            Operand { index: "kk * n + col", contiguous_cols: true },
+        ),
+        _ => return String::new(),
+    };
+    let (t, tk, lanes) = (TILE, TILE_K, WORKGROUP);
+    // Element `e` of a slice (`TILE` x `TILE_K` of `a`, `TILE_K` x `TILE` of `b`) as its position
+    // along the tile's rows or columns (`u`) and along the contraction (`v`): consecutive `e` step
+    // along the operand's contiguous axis.
+    let split = |along_k: bool| match along_k {
+        true => format!("let u = e / {tk}u;\n        let v = e % {tk}u;"),
+        false => format!("let v = e / {t}u;\n        let u = e % {t}u;"),
+    };
+    let a_split = split(a.contiguous_cols);
+    let b_split = split(!b.contiguous_cols);
+    format!(
+        "{setup}let tile = wg % blocks;\nlet tiles_n = (n + 31u) / 32u;\nlet r0 = (tile / tiles_n) * {t}u;\nlet c0 = (tile % tiles_n) * {t}u;\n\
+         let lr = (lane / 8u) * 4u;\nlet lc = (lane % 8u) * 4u;\nvar acc: array<vec4<f32>, 4>;\n\
+         for (var k0 = 0u; k0 < k; k0 = k0 + {tk}u) {{\n    \
+             for (var s = 0u; s < 8u; s = s + 1u) {{\n        let e = lane + s * {lanes}u;\n        {a_split}\n        \
+                 let row = r0 + u;\n        let kk = k0 + v;\n        var x = 0.0;\n        \
+                 if (row < m && kk < k) {{ x = in0[{ai}]; }}\n        tile_a[v * {t}u + u] = x;\n    }}\n    \
+             for (var s = 0u; s < 8u; s = s + 1u) {{\n        let e = lane + s * {lanes}u;\n        {b_split}\n        \
+                 let col = c0 + u;\n        let kk = k0 + v;\n        var y = 0.0;\n        \
+                 if (col < n && kk < k) {{ y = in1[{bi}]; }}\n        tile_b[v * {t}u + u] = y;\n    }}\n    \
+             workgroupBarrier();\n    \
+             for (var v = 0u; v < {tk}u; v = v + 1u) {{\n        \
+                 let x = vec4<f32>(tile_a[v * {t}u + lr], tile_a[v * {t}u + lr + 1u], tile_a[v * {t}u + lr + 2u], tile_a[v * {t}u + lr + 3u]);\n        \
+                 let y = vec4<f32>(tile_b[v * {t}u + lc], tile_b[v * {t}u + lc + 1u], tile_b[v * {t}u + lc + 2u], tile_b[v * {t}u + lc + 3u]);\n        \
+                 acc[0] = acc[0] + x.x * y;\n        acc[1] = acc[1] + x.y * y;\n        \
+                 acc[2] = acc[2] + x.z * y;\n        acc[3] = acc[3] + x.w * y;\n    }}\n    \
+             workgroupBarrier();\n}}\n\
+         for (var r = 0u; r < 4u; r = r + 1u) {{\n    let row = r0 + lr + r;\n    \
+             for (var c = 0u; c < 4u; c = c + 1u) {{\n        let col = c0 + lc + c;\n        \
+                 if (row < m && col < n) {{ out[o0 + row * n + col] = acc[r][c]; }}\n    }}\n}}",
+        ai = a.index,
+        bi = b.index,
+    )
+}
