@@ -45,6 +45,15 @@ fn bench_decode_batches_sequences() {
         let v = json(&[&args[..], &["--backend", backend, "--json", "-q"]].concat());
         assert_eq!(v["batch"], 3, "{v}");
         spread(&v, "decode_tok_s");
+        // On a device, the host's share of a batched step too (and none on the CPU).
+        match *backend {
+            "wgpu" => {
+                spread(&v, "host_us_per_step");
+                let host = v["host_us_per_step"].as_f64().unwrap();
+                assert!(host > 0.0 && host < 3.0 * 1e6 / v["decode_tok_s_min"].as_f64().unwrap(), "{v}");
+            }
+            _ => assert!(v["host_us_per_step"].is_null(), "{v}"),
+        }
     }
     let text = ok(&[&args[..], &["--backend", "cpu", "-q"]].concat());
     assert!(text.contains("3 sequences decoded together"), "{text}");
