@@ -269,7 +269,7 @@ fn tunes_at_first_use(gpu: &Gpu) -> bool {
 /// Seconds a first use's tuning may start candidates for, unless `KILN_TUNE_BUDGET` says.
 const FIRST_USE_BUDGET: f64 = 30.0;
 /// The prompt and decode steps a first use's tuning times.
-const FIRST_USE_SHAPES: (usize, usize) = (16, 8);
+const FIRST_USE_SHAPES: (usize, usize) = (16, 32);
 /// Sequences of the forward pass a first use of a graph that is no decoder step times.
 const FIRST_USE_BATCH: usize = 4;
 
