@@ -103,6 +103,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     attention_workgroups,
                     attention_workgroup_below,
                     gemm_tile: None,
+                    split_rows: default.split_rows,
                     attention_key_tile: None,
                     attention_split_keys: default.attention_split_keys,
                     submissions: default.submissions,
@@ -117,17 +118,23 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 }
 
 /// `best` with each other prefill tile of the projection
-/// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), each other key tile of the
+/// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), with subgroups each other row limit of
+/// the split GEMV ([`kiln_compiler::back::wgsl::projection::SPLIT_ROWS`]), each other key tile of the
 /// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), each other
 /// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), each other count
 /// of submissions of [`SUBMISSIONS`], and, where the adapter has f16 (`f16`), f32 weights stored
 /// as f16 and multiplied in f32 or in f16.
 pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
-    use kiln_compiler::back::wgsl::projection::{GEMM_TILES, VEC_GEMM_GROUPS, VEC_GEMM_ROWS};
+    use kiln_compiler::back::wgsl::projection::{
+        GEMM_TILES, GEMV_MAX_ROWS, SPLIT_ROWS, VEC_GEMM_GROUPS, VEC_GEMM_ROWS,
+    };
     let gemm = (GEMM_TILES.iter())
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
         .map(|&t| Tunables { gemm_tile: Some(t), ..best });
+    let default_rows = Options::default().tuned(best).split_rows.unwrap_or(GEMV_MAX_ROWS);
+    let rows = SPLIT_ROWS.iter().filter(|&&n| best.subgroups && n != default_rows);
+    let rows = rows.map(|&n| Tunables { split_rows: (n != GEMV_MAX_ROWS).then_some(n), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
     let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);
     let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
@@ -136,7 +143,7 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let precisions =
         [(true, false), (true, true)].into_iter().filter(|&p| f16 && p != (best.f16_weights, best.f16_math));
     let precisions = precisions.map(|(f16_weights, f16_math)| Tunables { f16_weights, f16_math, ..best });
-    gemm.chain(keys).chain(splits).chain(parts).chain(precisions).collect()
+    gemm.chain(rows).chain(keys).chain(splits).chain(parts).chain(precisions).collect()
 }
 
 /// The key ranges a split attention is tried with (see

@@ -115,10 +115,22 @@ fn inspect_wgsl_with_subgroups() {
     let first = sub.lines().next().unwrap();
     assert!(
         first.ends_with(
-            "(subgroups, cache appends in the attention, attention in workgroups, attention split every 128 keys, 4 submissions)"
+            "(subgroups, cache appends in the attention, attention in workgroups, split GEMV to 64 rows, attention split every 128 keys, 4 submissions)"
         ),
         "{sub}"
     );
+    // A 32-token prompt's projections run the split GEMV there: a workgroup per row and 8
+    // columns, so at least one per row (the `vec4` GEMM's tiles of 8 rows x 8 columns, 64 to a
+    // workgroup, would launch one for this model's 64 columns: too few to fill a GPU).
+    let projections: Vec<(&str, u64)> = sub
+        .lines()
+        .filter(|l| l.starts_with("// step ") && l.contains("linear"))
+        .filter_map(|l| Some((l, l.split(", ").last()?.strip_suffix(" workgroups")?.parse().ok()?)))
+        .collect();
+    assert!(projections.len() >= 8, "{sub}");
+    for (line, workgroups) in projections {
+        assert!(workgroups >= 32, "{line}");
+    }
     assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
     // A decoder step as a hardware adapter runs it: the cache appends in the attention's dispatch.
     let step = |extra: &[&str]| {

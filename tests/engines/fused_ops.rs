@@ -976,6 +976,16 @@ fn linear_kernel_forms_at_every_shape() {
             GEMM_TILES.iter().map(|&t| wgsl::Options { gemm_tile: Some(t), ..wgsl::Options::default() }).collect();
         check_forms(&projection_cases(&ops, &large[..1]), &forms);
     }
+    // The split GEMV form past a decode step's rows (`split_rows`), as a hardware adapter runs a
+    // short prompt's and a batched step's projections: 27 rows split at 64 (74 take the GEMM),
+    // every shape split at 256.
+    if common::gpu().is_some_and(|gpu| gpu.supports_subgroups()) {
+        let forms: Vec<wgsl::Options> = [64, 256]
+            .iter()
+            .map(|&rows| wgsl::Options { subgroups: true, split_rows: Some(rows), ..wgsl::Options::default() })
+            .collect();
+        check_forms(&projection_cases(&ops, &large), &forms);
+    }
 }
 
 /// Every op of `ops` at every shape `(rows, k, n)` (rotated ones at `n` = 24 only).

@@ -105,6 +105,14 @@ pub struct Options {
     /// computes: one of [`projection::GEMM_TILES`]; `None` (or another) for 8 x 2, chosen for
     /// lavapipe's loads. A tunable (`kiln tune`).
     pub gemm_tile: Option<(usize, usize)>,
+    /// With [`Options::subgroups`]: projections of up to this many rows run the split GEMV form
+    /// (a workgroup per row and 8 columns, its lanes splitting `k`), as a decode step's do, where
+    /// the `vec4` GEMM's tiles of 8 rows would launch too few workgroups to fill a GPU (SmolLM2's
+    /// projections at 32 rows: 5–12 workgroups on an H100 of 132 SMs; its 32-token prefill took
+    /// 30 ms, a step of 8 sequences 41 ms). Each row reads the weights again, from the cache where
+    /// they fit. `None`: [`projection::GEMV_MAX_ROWS`]. A tunable (`kiln tune`); a hardware
+    /// adapter starts from [`projection::HARDWARE_SPLIT_ROWS`].
+    pub split_rows: Option<usize>,
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
     pub attention_key_tile: Option<usize>,
@@ -141,6 +149,7 @@ impl Options {
             attention_workgroups: true,
             attention_split_keys: Some(attention::SPLIT_KEYS),
             submissions: Some(HARDWARE_SUBMISSIONS),
+            split_rows: Some(projection::HARDWARE_SPLIT_ROWS),
             ..Options::default()
         }
     }
@@ -172,7 +181,11 @@ impl Options {
             };
             used.push(&below);
         }
-        let (tile, keys);
+        let (tile, keys, rows);
+        if let (true, Some(n)) = (self.subgroups, self.split_rows) {
+            rows = format!("split GEMV to {n} rows");
+            used.push(&rows);
+        }
         if let Some((rows, groups)) = self.gemm_tile {
             tile = format!("GEMM tile {rows} x {}", 4 * groups);
             used.push(&tile);
@@ -204,6 +217,7 @@ impl Options {
             attention_workgroups: self.attention_workgroups,
             attention_workgroup_below: self.attention_workgroup_below,
             gemm_tile: self.gemm_tile,
+            split_rows: self.split_rows,
             attention_key_tile: self.attention_key_tile,
             attention_split_keys: self.attention_split_keys,
             submissions: self.submissions,
@@ -221,6 +235,7 @@ impl Options {
             attention_workgroups: t.attention_workgroups,
             attention_workgroup_below: t.attention_workgroup_below,
             gemm_tile: t.gemm_tile,
+            split_rows: t.split_rows,
             attention_key_tile: t.attention_key_tile,
             attention_split_keys: t.attention_split_keys,
             submissions: t.submissions,
@@ -260,6 +275,9 @@ pub struct Tunables {
     /// The projection's prefill tile ([`Options::gemm_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_tile: Option<(usize, usize)>,
+    /// Rows up to which a projection runs the split GEMV ([`Options::split_rows`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split_rows: Option<usize>,
     /// The attention's key tile ([`Options::attention_key_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_key_tile: Option<usize>,

@@ -26,7 +26,7 @@
 //!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
 //!   in the GEMV form lanes take adjacent units of one row.
 //!
-//! - **split GEMV** (decode, with [`Options::subgroups`]): a workgroup per row and
+//! - **split GEMV** (decode, and up to [`Options::split_rows`] rows, with [`Options::subgroups`]): a workgroup per row and
 //!   [`SPLIT_GEMV_GROUPS`] groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
 //!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
 //!   `row_sum4` (`super::reduce`), through subgroup operations, and the first lane writes the
@@ -74,6 +74,13 @@ pub const VEC_GEMM_GROUPS: usize = 2;
 pub const VEC_GEMV_GROUPS: usize = 1;
 /// Groups of 4 columns per workgroup in the split GEMV form (one row each).
 pub const SPLIT_GEMV_GROUPS: usize = 2;
+/// Rows up to which a hardware adapter's projections start with the split GEMV form
+/// ([`Options::split_rows`]): a batched decode step's and a short prompt's. Above, the `vec4`
+/// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 72
+/// workgroups of the split form against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
+pub const HARDWARE_SPLIT_ROWS: usize = 64;
+/// The row limits `kiln tune` tries for the split GEMV form ([`Options::split_rows`]).
+pub const SPLIT_ROWS: [usize; 4] = [GEMV_MAX_ROWS, 16, 64, 256];
 
 /// The attributes of a projection.
 #[derive(Clone, Copy)]
@@ -136,7 +143,8 @@ fn vector_rope(r: RopeCols) -> bool {
 /// number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
 pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
-    dims_with(op, operands, out, past, Some(gemm_tile(Linear::of(op), options)), splits(op, options))
+    let split = splits(op, options).then(|| options.split_rows.unwrap_or(GEMV_MAX_ROWS).max(1));
+    dims_with(op, operands, out, past, Some(gemm_tile(Linear::of(op), options)), split)
 }
 
 /// The `vec4` GEMM form's tile, `(rows, groups of 4 columns)`: [`Options::gemm_tile`] if it is
@@ -165,18 +173,18 @@ const _: () = assert!(SPLIT_GEMV_GROUPS == 2);
 
 /// [`dims`] restricted to the scalar forms, the only ones of the chunked kernel ([`body_scalar`]).
 pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize) -> Vec<usize> {
-    dims_with(op, operands, out, past, None, false)
+    dims_with(op, operands, out, past, None, None)
 }
 
 /// `tile`: the `vec4` GEMM form's, where the kernel has the `vec4` forms (`None`: the scalar
-/// forms only).
+/// forms only); `split`: up to how many rows the split GEMV form runs, where the kernel has it.
 fn dims_with(
     op: &Op,
     operands: &[Vec<usize>],
     out: &[usize],
     past: usize,
     tile: Option<(usize, usize)>,
-    split: bool,
+    split: Option<usize>,
 ) -> Vec<usize> {
     let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
@@ -188,7 +196,7 @@ fn dims_with(
     let gemv = m <= GEMV_MAX_ROWS;
     let vector = tile.is_some() && vector_ok(p, k, w, n);
     let (gemm_rows, gemm_groups) = tile.unwrap_or((VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
-    let (form, tiles, groups) = if vector && gemv && split {
+    let (form, tiles, groups) = if vector && split.is_some_and(|rows| m <= rows) {
         let tiles = n.div_ceil(4).div_ceil(SPLIT_GEMV_GROUPS);
         (4, tiles, tiles * m)
     } else if vector {
