@@ -219,6 +219,17 @@ struct Tunings {
     classes: BTreeMap<String, Entry>,
 }
 
+/// The kernel forms' revision: raised when a form or tunable is added or changed, so that a
+/// tuning chosen among the earlier forms is not applied to the new ones (a tuning saved before
+/// `split_rows` would have kept a hardware adapter's short prompts on the GEMM that leaves it
+/// idle).
+const FORMS_REVISION: u32 = 2;
+
+/// Which kiln made a tuning: its version and [`FORMS_REVISION`].
+fn kiln_forms() -> String {
+    format!("{} (forms {FORMS_REVISION})", env!("CARGO_PKG_VERSION"))
+}
+
 /// Where tunings live: `tuning` in kiln's data directory.
 pub fn dir() -> Option<PathBuf> {
     crate::data_dir().map(|d| d.join("tuning"))
@@ -232,7 +243,7 @@ fn read(gpu: &Gpu, path: &Path) -> Result<Option<Tunings>, TuneError> {
     let text =
         std::fs::read_to_string(path).map_err(|source| TuneError::Io { what: "read", path: path.into(), source })?;
     let t: Tunings = serde_json::from_str(&text).map_err(|source| TuneError::Json { path: path.into(), source })?;
-    let current = t.adapter == gpu.adapter_name() && t.driver == gpu.driver() && t.kiln == env!("CARGO_PKG_VERSION");
+    let current = t.adapter == gpu.adapter_name() && t.driver == gpu.driver() && t.kiln == kiln_forms();
     Ok(current.then_some(t))
 }
 
@@ -372,7 +383,7 @@ fn save(gpu: &Gpu, class: &str, entry: &Entry) -> Result<PathBuf, TuneError> {
     let mut tunings = read(gpu, &path).unwrap_or(None).unwrap_or_else(|| Tunings {
         adapter: gpu.adapter_name().to_string(),
         driver: gpu.driver(),
-        kiln: env!("CARGO_PKG_VERSION").to_string(),
+        kiln: kiln_forms(),
         classes: BTreeMap::new(),
     });
     tunings.classes.insert(class.to_string(), entry.clone());
