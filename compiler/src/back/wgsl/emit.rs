@@ -20,6 +20,8 @@ fn indent(text: &str) -> String {
 
 /// Threads per workgroup of every kernel.
 pub const WORKGROUP: u32 = 64;
+// The tiled products (`gemm`) run in the cooperative entry: their lanes are its.
+const _: () = assert!(super::gemm::LANES == WORKGROUP);
 
 /// The loop header of a cooperative kernel's lane over its row's `d` elements (see
 /// [`cooperative`]).

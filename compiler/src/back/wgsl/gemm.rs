@@ -1,28 +1,30 @@
 //! Tiled matrix products of two activations: [`Op::MatMul`] (batched, `b` transposed or not) and
 //! [`Op::ContractRows`] (a weight's gradient, `aᵀ b` summed over every row).
 //!
-//! One workgroup of [`WORKGROUP`] lanes computes a [`TILE`] x [`TILE`] block of the output: each
+//! One workgroup of [`LANES`] lanes computes a [`TILE`] x [`TILE`] block of the output: each
 //! step along the contraction stages a `TILE` x [`TILE_K`] slice of `a` and a `TILE_K` x `TILE`
 //! slice of `b` in workgroup memory (zeros past the edges), and each lane accumulates a 4 x 4
 //! block from them. The lanes that load a slice read consecutive addresses of its operand's
 //! contiguous axis, whichever that is (`a`'s contraction axis for a `matmul`, its output rows for
 //! `contract_rows`), so both layouts load coalesced. The plain one-thread-per-element forms these
 //! replace looped over the whole contraction for each element, reading `b` once per output row:
-//! a training step's backward ran at ~0.3 TFLOPS on an H100 with them (BENCHMARKS.md,
-//! 2026-11-27).
+//! 342 GFLOPS on an H100 where the projection GEMM ran 15 TFLOPS (`kiln bench kernels`, its
+//! reference column; BENCHMARKS.md, 2026-11-27).
 //!
 //! Each output element sums its products in contraction order into one accumulator, as the plain
 //! forms did.
 
-use super::emit::WORKGROUP;
 use crate::graph::Op;
+
+/// Lanes of a workgroup: the cooperative kernels' (`emit::WORKGROUP`, asserted equal there).
+pub const LANES: u32 = 64;
 
 /// Output rows and columns of a workgroup's block.
 pub const TILE: usize = 32;
 /// Contraction steps staged at a time.
 pub const TILE_K: usize = 16;
 // 64 lanes of 4 x 4 outputs make the 32 x 32 block; each lane loads 8 elements of each slice.
-const _: () = assert!(WORKGROUP as usize * 16 == TILE * TILE && TILE * TILE_K == 8 * WORKGROUP as usize);
+const _: () = assert!(LANES as usize * 16 == TILE * TILE && TILE * TILE_K == 8 * LANES as usize);
 
 /// Whether `op` runs as a tiled product here.
 pub fn tiled(op: &Op) -> bool {
@@ -35,10 +37,10 @@ pub fn declarations() -> String {
     format!("var<workgroup> tile_a: array<f32, {n}>;\nvar<workgroup> tile_b: array<f32, {n}>;\n")
 }
 
-/// Lanes (the first size, a multiple of [`WORKGROUP`]) for an `m` x `n` output in `batches`
+/// Lanes (the first size, a multiple of [`LANES`]) for an `m` x `n` output in `batches`
 /// batches: one workgroup per block.
 pub fn lanes(batches: usize, m: usize, n: usize) -> usize {
-    batches * m.div_ceil(TILE) * n.div_ceil(TILE) * WORKGROUP as usize
+    batches * m.div_ceil(TILE) * n.div_ceil(TILE) * LANES as usize
 }
 
 /// How a kernel reads one operand's element `(r, c)` of its `rows` x `cols` slice: the WGSL
@@ -72,7 +74,7 @@ pub fn body(op: &Op) -> String {
         ),
         _ => return String::new(),
     };
-    let (t, tk, lanes) = (TILE, TILE_K, WORKGROUP);
+    let (t, tk, lanes) = (TILE, TILE_K, LANES);
     // Element `e` of a slice (`TILE` x `TILE_K` of `a`, `TILE_K` x `TILE` of `b`) as its position
     // along the tile's rows or columns (`u`) and along the contraction (`v`): consecutive `e` step
     // along the operand's contiguous axis.
