@@ -104,6 +104,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     attention_workgroup_below,
                     gemm_tile: None,
                     split_rows: default.split_rows,
+                    split_groups: default.split_groups,
                     attention_key_tile: None,
                     attention_split_keys: default.attention_split_keys,
                     submissions: default.submissions,
@@ -119,7 +120,8 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 
 /// `best` with each other prefill tile of the projection
 /// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), with subgroups each other row limit of
-/// the split GEMV ([`kiln_compiler::back::wgsl::projection::SPLIT_ROWS`]), each other key tile of the
+/// the split GEMV ([`kiln_compiler::back::wgsl::projection::SPLIT_ROWS`]) and each other width
+/// ([`kiln_compiler::back::wgsl::projection::SPLIT_GROUPS`]), each other key tile of the
 /// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), each other
 /// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), each other count
 /// of submissions of [`SUBMISSIONS`], and, where the adapter has f16 (`f16`), f32 weights stored
@@ -127,7 +129,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{
-        GEMM_TILES, GEMV_MAX_ROWS, SPLIT_ROWS, VEC_GEMM_GROUPS, VEC_GEMM_ROWS,
+        GEMM_TILES, GEMV_MAX_ROWS, SPLIT_GEMV_GROUPS, SPLIT_GROUPS, SPLIT_ROWS, VEC_GEMM_GROUPS, VEC_GEMM_ROWS,
     };
     let gemm = (GEMM_TILES.iter())
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
@@ -135,6 +137,9 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let default_rows = Options::default().tuned(best).split_rows.unwrap_or(GEMV_MAX_ROWS);
     let rows = SPLIT_ROWS.iter().filter(|&&n| best.subgroups && n != default_rows);
     let rows = rows.map(|&n| Tunables { split_rows: (n != GEMV_MAX_ROWS).then_some(n), ..best });
+    let default_width = Options::default().tuned(best).split_groups.unwrap_or(SPLIT_GEMV_GROUPS);
+    let widths = SPLIT_GROUPS.iter().filter(|&&g| best.subgroups && g != default_width);
+    let widths = widths.map(|&g| Tunables { split_groups: Some(g), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
     let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);
     let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
@@ -143,7 +148,7 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let precisions =
         [(true, false), (true, true)].into_iter().filter(|&p| f16 && p != (best.f16_weights, best.f16_math));
     let precisions = precisions.map(|(f16_weights, f16_math)| Tunables { f16_weights, f16_math, ..best });
-    gemm.chain(rows).chain(keys).chain(splits).chain(parts).chain(precisions).collect()
+    gemm.chain(rows).chain(widths).chain(keys).chain(splits).chain(parts).chain(precisions).collect()
 }
 
 /// The key ranges a split attention is tried with (see
@@ -223,7 +228,7 @@ struct Tunings {
 /// tuning chosen among the earlier forms is not applied to the new ones (a tuning saved before
 /// `split_rows` would have kept a hardware adapter's short prompts on the GEMM that leaves it
 /// idle).
-const FORMS_REVISION: u32 = 2;
+const FORMS_REVISION: u32 = 3;
 
 /// Which kiln made a tuning: its version and [`FORMS_REVISION`].
 fn kiln_forms() -> String {

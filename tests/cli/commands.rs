@@ -115,7 +115,7 @@ fn inspect_wgsl_with_subgroups() {
     let first = sub.lines().next().unwrap();
     assert!(
         first.ends_with(
-            "(subgroups, cache appends in the attention, attention in workgroups, split GEMV to 64 rows, attention split every 128 keys, 4 submissions)"
+            "(subgroups, cache appends in the attention, attention in workgroups, split GEMV to 64 rows, split GEMV 4 columns a workgroup, attention split every 128 keys, 4 submissions)"
         ),
         "{sub}"
     );

@@ -978,11 +978,17 @@ fn linear_kernel_forms_at_every_shape() {
     }
     // The split GEMV form past a decode step's rows (`split_rows`), as a hardware adapter runs a
     // short prompt's and a batched step's projections: 27 rows split at 64 (74 take the GEMM),
-    // every shape split at 256.
+    // every shape split at 256; its workgroups 4 and 16 columns wide (`split_groups`; 8 in
+    // `every_device_form_of_norms_softmax_and_gemv`).
     if common::gpu().is_some_and(|gpu| gpu.supports_subgroups()) {
-        let forms: Vec<wgsl::Options> = [64, 256]
+        let forms: Vec<wgsl::Options> = [(64, 1), (256, 4)]
             .iter()
-            .map(|&rows| wgsl::Options { subgroups: true, split_rows: Some(rows), ..wgsl::Options::default() })
+            .map(|&(rows, groups)| wgsl::Options {
+                subgroups: true,
+                split_rows: Some(rows),
+                split_groups: Some(groups),
+                ..wgsl::Options::default()
+            })
             .collect();
         check_forms(&projection_cases(&ops, &large), &forms);
     }

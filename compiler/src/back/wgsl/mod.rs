@@ -113,6 +113,12 @@ pub struct Options {
     /// they fit. `None`: [`projection::GEMV_MAX_ROWS`]. A tunable (`kiln tune`); a hardware
     /// adapter starts from [`projection::HARDWARE_SPLIT_ROWS`].
     pub split_rows: Option<usize>,
+    /// Groups of 4 output columns a split GEMV's workgroup computes: one of
+    /// [`projection::SPLIT_GROUPS`]; `None` (or another) for [`projection::SPLIT_GEMV_GROUPS`]. Fewer
+    /// launch more workgroups: SmolLM2's 576-column projections launch 72 a row with 2, fewer than
+    /// an H100's 132 SMs, and 144 with 1. A rotating projection keeps 2. A tunable (`kiln tune`);
+    /// a hardware adapter starts from 1.
+    pub split_groups: Option<usize>,
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
     pub attention_key_tile: Option<usize>,
@@ -150,6 +156,7 @@ impl Options {
             attention_split_keys: Some(attention::SPLIT_KEYS),
             submissions: Some(HARDWARE_SUBMISSIONS),
             split_rows: Some(projection::HARDWARE_SPLIT_ROWS),
+            split_groups: Some(1),
             ..Options::default()
         }
     }
@@ -181,10 +188,14 @@ impl Options {
             };
             used.push(&below);
         }
-        let (tile, keys, rows);
+        let (tile, keys, rows, width);
         if let (true, Some(n)) = (self.subgroups, self.split_rows) {
             rows = format!("split GEMV to {n} rows");
             used.push(&rows);
+        }
+        if let (true, Some(g)) = (self.subgroups, self.split_groups) {
+            width = format!("split GEMV {} columns a workgroup", 4 * g);
+            used.push(&width);
         }
         if let Some((rows, groups)) = self.gemm_tile {
             tile = format!("GEMM tile {rows} x {}", 4 * groups);
@@ -218,6 +229,7 @@ impl Options {
             attention_workgroup_below: self.attention_workgroup_below,
             gemm_tile: self.gemm_tile,
             split_rows: self.split_rows,
+            split_groups: self.split_groups,
             attention_key_tile: self.attention_key_tile,
             attention_split_keys: self.attention_split_keys,
             submissions: self.submissions,
@@ -236,6 +248,7 @@ impl Options {
             attention_workgroup_below: t.attention_workgroup_below,
             gemm_tile: t.gemm_tile,
             split_rows: t.split_rows,
+            split_groups: t.split_groups,
             attention_key_tile: t.attention_key_tile,
             attention_split_keys: t.attention_split_keys,
             submissions: t.submissions,
@@ -278,6 +291,9 @@ pub struct Tunables {
     /// Rows up to which a projection runs the split GEMV ([`Options::split_rows`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split_rows: Option<usize>,
+    /// Groups of 4 columns a split GEMV's workgroup takes ([`Options::split_groups`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split_groups: Option<usize>,
     /// The attention's key tile ([`Options::attention_key_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_key_tile: Option<usize>,

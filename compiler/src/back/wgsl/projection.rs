@@ -27,7 +27,7 @@
 //!   in the GEMV form lanes take adjacent units of one row.
 //!
 //! - **split GEMV** (decode, and up to [`Options::split_rows`] rows, with [`Options::subgroups`]): a workgroup per row and
-//!   [`SPLIT_GEMV_GROUPS`] groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
+//!   [`SPLIT_GEMV_GROUPS`] (or [`Options::split_groups`]) groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
 //!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
 //!   `row_sum4` (`super::reduce`), through subgroup operations, and the first lane writes the
 //!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
@@ -72,8 +72,12 @@ pub const VEC_GEMM_ROWS: usize = 8;
 pub const VEC_GEMM_GROUPS: usize = 2;
 /// Groups of 4 columns per invocation in the `vec4` GEMV form (one row each).
 pub const VEC_GEMV_GROUPS: usize = 1;
-/// Groups of 4 columns per workgroup in the split GEMV form (one row each).
+/// Groups of 4 columns per workgroup in the split GEMV form (one row each), unless
+/// [`Options::split_groups`] says otherwise; a rotating projection's always (its unit of two
+/// groups, see `group_pair_fn`).
 pub const SPLIT_GEMV_GROUPS: usize = 2;
+/// The groups of 4 columns a split GEMV's workgroup may take ([`Options::split_groups`]).
+pub const SPLIT_GROUPS: [usize; 3] = [1, 2, 4];
 /// Rows up to which a hardware adapter's projections start with the split GEMV form
 /// ([`Options::split_rows`]): a batched decode step's and a short prompt's. Above, the `vec4`
 /// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 72
@@ -143,8 +147,26 @@ fn vector_rope(r: RopeCols) -> bool {
 /// number of column tiles of a row
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
 pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
-    let split = splits(op, options).then(|| options.split_rows.unwrap_or(GEMV_MAX_ROWS).max(1));
-    dims_with(op, operands, out, past, Some(gemm_tile(Linear::of(op), options)), split)
+    let p = Linear::of(op);
+    let split = splits(op, options)
+        .then(|| Split { rows: options.split_rows.unwrap_or(GEMV_MAX_ROWS).max(1), groups: split_groups(p, options) });
+    dims_with(op, operands, out, past, Some(gemm_tile(p, options)), split)
+}
+
+/// Where the split GEMV form runs: up to `rows` rows, `groups` groups of 4 columns a workgroup.
+#[derive(Clone, Copy)]
+struct Split {
+    rows: usize,
+    groups: usize,
+}
+
+/// Groups of 4 columns a split GEMV's workgroup takes: [`Options::split_groups`] if it is one of
+/// [`SPLIT_GROUPS`], else [`SPLIT_GEMV_GROUPS`], which a rotating projection always takes.
+fn split_groups(p: Linear, options: &Options) -> usize {
+    match p.rope {
+        Some(_) => SPLIT_GEMV_GROUPS,
+        None => options.split_groups.filter(|g| SPLIT_GROUPS.contains(g)).unwrap_or(SPLIT_GEMV_GROUPS),
+    }
 }
 
 /// The `vec4` GEMM form's tile, `(rows, groups of 4 columns)`: [`Options::gemm_tile`] if it is
@@ -177,14 +199,14 @@ pub fn scalar_dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize)
 }
 
 /// `tile`: the `vec4` GEMM form's, where the kernel has the `vec4` forms (`None`: the scalar
-/// forms only); `split`: up to how many rows the split GEMV form runs, where the kernel has it.
+/// forms only); `split`: where the kernel has the split GEMV form, its rows and width.
 fn dims_with(
     op: &Op,
     operands: &[Vec<usize>],
     out: &[usize],
     past: usize,
     tile: Option<(usize, usize)>,
-    split: Option<usize>,
+    split: Option<Split>,
 ) -> Vec<usize> {
     let p = Linear::of(op);
     let n = out.last().copied().unwrap_or(1);
@@ -196,8 +218,9 @@ fn dims_with(
     let gemv = m <= GEMV_MAX_ROWS;
     let vector = tile.is_some() && vector_ok(p, k, w, n);
     let (gemm_rows, gemm_groups) = tile.unwrap_or((VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
-    let (form, tiles, groups) = if vector && split.is_some_and(|rows| m <= rows) {
-        let tiles = n.div_ceil(4).div_ceil(SPLIT_GEMV_GROUPS);
+    let split = split.filter(|s| vector && m <= s.rows);
+    let (form, tiles, groups) = if let Some(split) = split {
+        let tiles = n.div_ceil(4).div_ceil(split.groups);
         (4, tiles, tiles * m)
     } else if vector {
         let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (gemm_rows, gemm_groups) };
@@ -507,7 +530,7 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat, options: &Options) ->
         s += &indent(&vector_tile(p, Tile::rows(rows, groups), format, f16_math));
         if splits(op, options) {
             s += "} else if (form == 4u) {\n";
-            s += &indent(&vector_tile(p, Tile::split(), format, f16_math));
+            s += &indent(&vector_tile(p, Tile::split(split_groups(p, options)), format, f16_math));
         }
         s += "} else {\n";
         s += &indent(&vector_tile(p, Tile::rows(1, p.gemv_groups()), format, f16_math));
@@ -541,9 +564,9 @@ impl Tile {
         Tile { rows, groups, split: false }
     }
 
-    /// The split GEMV form's tile.
-    fn split() -> Tile {
-        Tile { rows: 1, groups: SPLIT_GEMV_GROUPS, split: true }
+    /// The split GEMV form's tile, `groups` groups of 4 columns.
+    fn split(groups: usize) -> Tile {
+        Tile { rows: 1, groups, split: true }
     }
 
     /// The header of a loop over `index` below `end` (the lane's share when split).
