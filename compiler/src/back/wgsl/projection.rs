@@ -83,6 +83,10 @@ pub const SPLIT_GROUPS: [usize; 3] = [1, 2, 4];
 /// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 72
 /// workgroups of the split form against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
 pub const HARDWARE_SPLIT_ROWS: usize = 64;
+/// Past [`GEMV_MAX_ROWS`] rows, the split GEMV runs (up to [`Options::split_rows`]) where the
+/// `vec4` GEMM would launch fewer workgroups than this: about two for each SM of a large GPU (an
+/// H100 has 132).
+pub const SPLIT_BELOW_WORKGROUPS: usize = 256;
 /// The row limits `kiln tune` tries for the split GEMV form ([`Options::split_rows`]).
 pub const SPLIT_ROWS: [usize; 4] = [GEMV_MAX_ROWS, 16, 64, 256];
 
@@ -218,7 +222,13 @@ fn dims_with(
     let gemv = m <= GEMV_MAX_ROWS;
     let vector = tile.is_some() && vector_ok(p, k, w, n);
     let (gemm_rows, gemm_groups) = tile.unwrap_or((VEC_GEMM_ROWS, VEC_GEMM_GROUPS));
-    let split = split.filter(|s| vector && m <= s.rows);
+    // Past a decode step's rows, only where the `vec4` GEMM would launch too few workgroups to
+    // fill a GPU: each split row reads the weight again, which a wide projection's GEMM (a head
+    // of 49 152 columns: 384 workgroups at 32 rows) does not need.
+    let gemm_launch = n.div_ceil(4).div_ceil(gemm_groups) * m.div_ceil(gemm_rows);
+    let split = split.filter(|s| {
+        vector && m <= s.rows && (gemv || gemm_launch.div_ceil(WORKGROUP as usize) < SPLIT_BELOW_WORKGROUPS)
+    });
     let (form, tiles, groups) = if let Some(split) = split {
         let tiles = n.div_ceil(4).div_ceil(split.groups);
         (4, tiles, tiles * m)
@@ -1143,6 +1153,30 @@ mod tests {
     fn rope(style: PairStyle, start: usize, head_dim: usize, rotary_dim: usize) -> Op {
         let rope = RopeCols { theta: Scalar(1e4), rotary_dim, style, head_dim, start, len: 8 * head_dim };
         Op::Linear { act: None, bias: false, residual: false, norm: None, glu: false, rope: Some(rope) }
+    }
+
+    /// On a hardware adapter's options, a short prompt's projections run the split GEMV where the
+    /// `vec4` GEMM would launch too few workgroups, and a wide one (a vocabulary head) the GEMM;
+    /// a decode step's always the split form; past `split_rows`, the GEMM.
+    #[test]
+    fn few_rows_split_where_the_gemm_would_not_fill_a_gpu() {
+        let options = Options::hardware();
+        let form = |m: usize, k: usize, n: usize| {
+            let d = dims(&Op::linear(None, false, false), &[vec![m, k], vec![k, n]], &[m, n], 0, &options);
+            (d[7], d[0] / WORKGROUP as usize)
+        };
+        // SmolLM2's attention output at 32 rows: 72 column tiles a row, 2 304 workgroups split,
+        // where the GEMM's would be 9.
+        assert_eq!(form(32, 576, 576), (4, 32 * 144));
+        assert_eq!(form(1, 576, 576), (4, 144));
+        // Its head at 32 rows: the GEMM launches 384 workgroups, enough.
+        assert_eq!(form(32, 576, 49_152).0, 2);
+        // Past the rows the split form takes.
+        assert_eq!(form(HARDWARE_SPLIT_ROWS + 1, 576, 576).0, 2);
+        // Without subgroups, no split form at all.
+        let plain = Options { subgroups: false, ..options };
+        let d = dims(&Op::linear(None, false, false), &[vec![32, 576], vec![576, 576]], &[32, 576], 0, &plain);
+        assert_eq!(d[7], 2);
     }
 
     #[test]
