@@ -401,6 +401,15 @@ fn bench_train_times_each_backend_side_by_side() {
     );
     let ms: Vec<f64> = ops.iter().map(|o| o["ms"].as_f64().unwrap()).collect();
     assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
+    // And on a device, by its clock: the tiled products of the backward among its ops.
+    if crate::common::gpu().is_some() {
+        let v: serde_json::Value =
+            serde_json::from_str(&bench_train(&spec, &["--backend", "wgpu", "--profile", "--json"])).unwrap();
+        let ops = v["profile"]["wgpu"].as_array().unwrap();
+        assert!(ops.iter().any(|o| o["op"] == "contract_rows" && o["ms"].as_f64().unwrap() > 0.0), "{v}");
+        let ms: Vec<f64> = ops.iter().map(|o| o["ms"].as_f64().unwrap()).collect();
+        assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
+    }
 }
 
 /// `--recompute` trains the same run (the same losses, to f32 rounding) holding fewer activations,

@@ -132,23 +132,33 @@ impl StepRunner {
         Ok(StepRunner { kind })
     }
 
-    /// Where the CPU's step goes: runs the graph once on `batch` with `params` and returns each
-    /// plan step's op name and seconds (host clock, see [`CpuModel::profile`]), in plan order;
-    /// `None` on the other devices.
+    /// Where the step goes: runs the graph once on `batch` with `params` and returns each plan
+    /// step's op name and seconds, in plan order — on the CPU by the host's clock (see
+    /// [`CpuModel::profile`]), on a device by its timestamps where it has them (see
+    /// [`GpuModel::profile`]; a step not dispatched at these sizes counts 0); `None` on the
+    /// interpreter.
     pub fn profile(
         &mut self,
         params: &HashMap<String, Tensor>,
         batch: &HashMap<String, Tensor>,
         progress: &dyn Progress,
     ) -> Result<Option<Vec<(String, f64)>>, RunError> {
-        if !matches!(self.kind, Kind::Cpu { .. }) {
+        if matches!(self.kind, Kind::Interp(_)) {
             return Ok(None);
         }
         // A run first, so the model is built and its parameters are these.
         self.run(params, batch, progress)?;
-        let Kind::Cpu { model: Some(m), .. } = &self.kind else { return Ok(None) };
-        let times = m.profile(batch)?;
-        Ok(Some(m.plan().steps.iter().map(|s| s.op.name()).zip(times).collect()))
+        Ok(match &self.kind {
+            Kind::Cpu { model: Some(m), .. } => {
+                let times = m.profile(batch)?;
+                Some(m.plan().steps.iter().map(|s| s.op.name()).zip(times).collect())
+            }
+            Kind::Gpu { model: Some(m), .. } => {
+                let times = m.profile(batch)?.seconds.into_iter().map(|s| s.unwrap_or(0.0));
+                Some(m.plan().steps.iter().map(|s| s.op.name()).zip(times).collect())
+            }
+            _ => None,
+        })
     }
 
     /// Gives back gradients of an earlier step the caller is done with, for the next step's

@@ -341,8 +341,8 @@ impl Trainer {
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
 
-    /// Where a step's graph spends its time on `batch` (each plan step's op and seconds; `None`
-    /// off the CPU): see [`StepRunner::profile`]. Nothing is updated.
+    /// Where a step's graph spends its time on `batch` (each plan step's op and seconds; `None` on
+    /// the interpreter): see [`StepRunner::profile`]. Nothing is updated.
     pub fn profile(&mut self, batch: &HashMap<String, Tensor>) -> Result<Option<Vec<(String, f64)>>, TrainError> {
         let step = self.step;
         self.train.profile(&self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })

@@ -44,8 +44,9 @@ pub struct TrainArgs {
     /// is), a row beside each: what the e-graph's rewrites of the step are worth.
     #[arg(long)]
     unoptimized: bool,
-    /// Also print where the CPU's step goes: its graph's time by op (the sum over the plan's
-    /// steps of each op, the median of `--runs` profiled runs), largest first.
+    /// Also print where each backend's step goes (the CPU's by the host's clock, a device's by its
+    /// timestamps; not the interpreter's): its graph's time by op (the sum over the plan's steps
+    /// of each op, the median of `--runs` profiled runs), largest first.
     #[arg(long)]
     profile: bool,
     /// Recompute the activations of blocks in the backward instead of keeping them: `all`, or a
