@@ -54,11 +54,17 @@ struct Operand {
 /// the sizes of `dims`: a `matmul`'s `[lanes, m, n, k, b batched]`, a `contract_rows`'
 /// `[lanes, k, n, rows]`.
 pub fn body(op: &Op) -> String {
+    let t = TILE;
+    // The sizes, and the output's blocks (of each batch).
+    let sizes = format!(
+        "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet tiles_n = (n + {t1}u) / {t}u;\n\
+         let blocks = ((m + {t1}u) / {t}u) * tiles_n;\n",
+        t1 = t - 1
+    );
     // Each operand's element as `(row, kk)` of `a` and `(kk, col)` of `b`.
     let (setup, a, b) = match op {
         Op::MatMul { transpose_b } => (
-            "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet blocks = ((m + 31u) / 32u) * ((n + 31u) / 32u);\n\
-             let bi = wg / blocks;\nlet a0 = bi * m * k;\nlet b0 = select(0u, bi * k * n, dim(4u) == 1u);\nlet o0 = bi * m * n;\n",
+            "let bi = wg / blocks;\nlet a0 = bi * m * k;\nlet b0 = select(0u, bi * k * n, dim(4u) == 1u);\nlet o0 = bi * m * n;\n",
             Operand { index: "a0 + row * k + kk", contiguous_cols: true },
             match transpose_b {
                 true => Operand { index: "b0 + col * k + kk", contiguous_cols: false },
@@ -67,14 +73,13 @@ pub fn body(op: &Op) -> String {
         ),
         // Row `c` of the output is column `c` of `a`: `a`'s element (c, r) is `in0[r * m + c]`.
         Op::ContractRows => (
-            "let m = dim(1u);\nlet n = dim(2u);\nlet k = dim(3u);\nlet blocks = ((m + 31u) / 32u) * ((n + 31u) / 32u);\n\
-             let o0 = 0u;\n",
+            "let o0 = 0u;\n",
             Operand { index: "kk * m + row", contiguous_cols: false },
             Operand { index: "kk * n + col", contiguous_cols: true },
         ),
         _ => return String::new(),
     };
-    let (t, tk, lanes) = (TILE, TILE_K, LANES);
+    let (tk, lanes) = (TILE_K, LANES);
     // Element `e` of a slice (`TILE` x `TILE_K` of `a`, `TILE_K` x `TILE` of `b`) as its position
     // along the tile's rows or columns (`u`) and along the contraction (`v`): consecutive `e` step
     // along the operand's contiguous axis.
@@ -85,7 +90,7 @@ pub fn body(op: &Op) -> String {
     let a_split = split(a.contiguous_cols);
     let b_split = split(!b.contiguous_cols);
     format!(
-        "{setup}let tile = wg % blocks;\nlet tiles_n = (n + 31u) / 32u;\nlet r0 = (tile / tiles_n) * {t}u;\nlet c0 = (tile % tiles_n) * {t}u;\n\
+        "{sizes}{setup}let tile = wg % blocks;\nlet r0 = (tile / tiles_n) * {t}u;\nlet c0 = (tile % tiles_n) * {t}u;\n\
          let lr = (lane / 8u) * 4u;\nlet lc = (lane % 8u) * 4u;\nvar acc: array<vec4<f32>, 4>;\n\
          for (var k0 = 0u; k0 < k; k0 = k0 + {tk}u) {{\n    \
              for (var s = 0u; s < 8u; s = s + 1u) {{\n        let e = lane + s * {lanes}u;\n        {a_split}\n        \
