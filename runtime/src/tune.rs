@@ -134,11 +134,10 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let gemm = (GEMM_TILES.iter())
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
         .map(|&t| Tunables { gemm_tile: Some(t), ..best });
-    let default_rows = Options::default().tuned(best).split_rows.unwrap_or(GEMV_MAX_ROWS);
-    let rows = SPLIT_ROWS.iter().filter(|&&n| best.subgroups && n != default_rows);
+    let rows = SPLIT_ROWS.iter().filter(|&&n| best.subgroups && n != best.split_rows.unwrap_or(GEMV_MAX_ROWS));
     let rows = rows.map(|&n| Tunables { split_rows: (n != GEMV_MAX_ROWS).then_some(n), ..best });
-    let default_width = Options::default().tuned(best).split_groups.unwrap_or(SPLIT_GEMV_GROUPS);
-    let widths = SPLIT_GROUPS.iter().filter(|&&g| best.subgroups && g != default_width);
+    let width = best.split_groups.unwrap_or(SPLIT_GEMV_GROUPS);
+    let widths = SPLIT_GROUPS.iter().filter(|&&g| best.subgroups && g != width);
     let widths = widths.map(|&g| Tunables { split_groups: Some(g), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
     let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);

@@ -119,7 +119,7 @@ fn inspect_wgsl_with_subgroups() {
         ),
         "{sub}"
     );
-    // A 32-token prompt's projections run the split GEMV there: a workgroup per row and 8
+    // A 32-token prompt's projections run the split GEMV there: a workgroup per row and 4
     // columns, so at least one per row (the `vec4` GEMM's tiles of 8 rows x 8 columns, 64 to a
     // workgroup, would launch one for this model's 64 columns: too few to fill a GPU).
     let projections: Vec<(&str, u64)> = sub

@@ -38,7 +38,8 @@ struct Projection {
 /// `kiln bench kernels`: GFLOPS of the projection kernel against the reference, the product of
 /// two activations (`matmul_t` over `[out, in]` weights: the tiled kernel of `wgsl::gemm` on a
 /// device, what attention's unfused scores and a training step's backward run), same shapes,
-/// same run: a prefill GEMM and decode GEMVs. Each time is the projection's kernel alone (see [`time_kernel`]).
+/// same run: a prefill GEMM and decode GEMVs. Each time is the projection's kernel alone (see
+/// [`time_kernel`]).
 fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
     let shapes = [
         Projection { what: "prefill GEMM", rows: 1024, k: 1024, n: 1024 },

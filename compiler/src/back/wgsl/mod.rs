@@ -106,9 +106,9 @@ pub struct Options {
     /// lavapipe's loads. A tunable (`kiln tune`).
     pub gemm_tile: Option<(usize, usize)>,
     /// With [`Options::subgroups`]: projections of up to this many rows run the split GEMV form
-    /// (a workgroup per row and 8 columns, its lanes splitting `k`), as a decode step's do, where
-    /// the `vec4` GEMM's tiles of 8 rows would launch too few workgroups to fill a GPU (fewer than
-    /// [`projection::SPLIT_BELOW_WORKGROUPS`]) (SmolLM2's
+    /// (a workgroup per row and [`Options::split_groups`] groups of 4 columns, its lanes splitting
+    /// `k`), as a decode step's do, where the `vec4` GEMM's tiles of 8 rows would launch too few
+    /// workgroups to fill a GPU (fewer than [`projection::SPLIT_BELOW_WORKGROUPS`]; SmolLM2's
     /// projections at 32 rows: 5–12 workgroups on an H100 of 132 SMs; its 32-token prefill took
     /// 30 ms, a step of 8 sequences 41 ms). Each row reads the weights again, from the cache where
     /// they fit. `None`: [`projection::GEMV_MAX_ROWS`]. A tunable (`kiln tune`); a hardware

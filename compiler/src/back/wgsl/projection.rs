@@ -26,9 +26,9 @@
 //!   units, so weight loads are workgroup-uniform (which newer Mesa and GPUs serve as one load);
 //!   in the GEMV form lanes take adjacent units of one row.
 //!
-//! - **split GEMV** (decode, and up to [`Options::split_rows`] rows, with [`Options::subgroups`]): a workgroup per row and
-//!   [`SPLIT_GEMV_GROUPS`] (or [`Options::split_groups`]) groups of 4 columns, its 64 lanes taking `k` 4 at a time (a block
-//!   of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
+//! - **split GEMV** (decode, and up to [`Options::split_rows`] rows, with [`Options::subgroups`]):
+//!   a workgroup per row and [`SPLIT_GEMV_GROUPS`] (or [`Options::split_groups`]) groups of 4
+//!   columns, its 64 lanes taking `k` 4 at a time (a block of 32 at a time for a quantized weight) 64 apart; each lane's partial sums are added by
 //!   `row_sum4` (`super::reduce`), through subgroup operations, and the first lane writes the
 //!   outputs. At one row the `vec4` GEMV runs `n / 4` invocations, too few to fill a GPU; the
 //!   split form runs `16 n / SPLIT_GEMV_GROUPS`. A norm prologue's statistics are reduced the
@@ -80,8 +80,8 @@ pub const SPLIT_GEMV_GROUPS: usize = 2;
 pub const SPLIT_GROUPS: [usize; 3] = [1, 2, 4];
 /// Rows up to which a hardware adapter's projections start with the split GEMV form
 /// ([`Options::split_rows`]): a batched decode step's and a short prompt's. Above, the `vec4`
-/// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 72
-/// workgroups of the split form against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
+/// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 144
+/// workgroups of the split form (4 columns each) against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
 pub const HARDWARE_SPLIT_ROWS: usize = 64;
 /// Past [`GEMV_MAX_ROWS`] rows, the split GEMV runs (up to [`Options::split_rows`]) where the
 /// `vec4` GEMM would launch fewer workgroups than this: about two for each SM of a large GPU (an
@@ -1165,8 +1165,8 @@ mod tests {
             let d = dims(&Op::linear(None, false, false), &[vec![m, k], vec![k, n]], &[m, n], 0, &options);
             (d[7], d[0] / WORKGROUP as usize)
         };
-        // SmolLM2's attention output at 32 rows: 72 column tiles a row, 2 304 workgroups split,
-        // where the GEMM's would be 9.
+        // SmolLM2's attention output at 32 rows: 144 column tiles of 4 a row, 4 608 workgroups
+        // split, where the GEMM's would be 5.
         assert_eq!(form(32, 576, 576), (4, 32 * 144));
         assert_eq!(form(1, 576, 576), (4, 144));
         // Its head at 32 rows: the GEMM launches 384 workgroups, enough.
