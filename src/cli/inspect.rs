@@ -394,8 +394,12 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
         let workgroups =
             |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
         let launch = match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
-            // A split attention dispatches again to combine its key ranges.
-            Ok(dims) if dims[0] > 0 => match wgsl::attention::combine_dims(&dims) {
+            // A split attention dispatches again to combine its key ranges, a reduction over
+            // chunks of rows its chunks.
+            Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, &dims) {
+                Some(second) if wgsl::partials::over_rows(&step.op) => {
+                    format!("{}, then {} combining them", workgroups(&dims), workgroups(&second))
+                }
                 Some(second) => format!(
                     "{} ({} key ranges), then {} combining them",
                     workgroups(&dims),

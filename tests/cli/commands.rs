@@ -115,11 +115,11 @@ fn inspect_wgsl_with_subgroups() {
     let first = sub.lines().next().unwrap();
     assert!(
         first.ends_with(
-            "(subgroups, cache appends in the attention, attention in workgroups, split GEMV to 64 rows, split GEMV 4 columns a workgroup, attention split every 128 keys, 4 submissions)"
+            "(subgroups, cache appends in the attention, attention in workgroups, split GEMV to 64 rows, attention split every 128 keys, 4 submissions)"
         ),
         "{sub}"
     );
-    // A 32-token prompt's projections run the split GEMV there: a workgroup per row and 4
+    // A 32-token prompt's projections run the split GEMV there: a workgroup per row and 8
     // columns, so at least one per row (the `vec4` GEMM's tiles of 8 rows x 8 columns, 64 to a
     // workgroup, would launch one for this model's 64 columns: too few to fill a GPU).
     let projections: Vec<(&str, u64)> = sub

@@ -1346,8 +1346,10 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
 /// tensors are split and the chunked kernel variants run) against the interpreter: matrix
 /// products of activations in both layouts, sums over each axis, every activation's derivative,
-/// `rsqrt`, and the backward ops — the gather's (rows of `dy` added by id, repeated ids among
-/// them), the cross-entropy and its gradient (a third of the labels ignored, with and without
+/// `rsqrt`, and the backward ops — the norms' (their gain gradients over few rows and over rows
+/// in several chunks: the two-dispatch form, `partials`, and chunked the one-dispatch form), the
+/// gather's (rows of `dy` added by id, repeated ids among them), the cross-entropy and its
+/// gradient (a third of the labels ignored, with and without
 /// label smoothing, a vocabulary narrower and one wider than a workgroup), the relative bias's,
 /// the truncation's and top-k's — at sizes that are not multiples of the 64-wide workgroups
 /// (smaller ones chunked, as a step binds at most 32 buffers). Within [`GPU_TOLERANCE`] of
@@ -1426,6 +1428,15 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let op = Op::NormGrad { rms, eps: Scalar(1e-5) };
         out(&mut g, &format!("norm_grad.{rms}.residual"), op, &[x, gain, dy, x]);
         out(&mut g, &format!("norm_gain_grad.{rms}"), Op::NormGainGrad { rms, eps: Scalar(1e-5) }, &[x, dy]);
+    }
+    // A gain gradient over enough rows that its workgroups take them in several chunks, the last
+    // one short (`partials`).
+    if wide {
+        let (x, dy) = (g.param("norm_gain_grad.many.x", &[3, 45, w]), g.param("norm_gain_grad.many.dy", &[3, 45, w]));
+        for rms in [false, true] {
+            let op = Op::NormGainGrad { rms, eps: Scalar(1e-5) };
+            out(&mut g, &format!("norm_gain_grad.many.{rms}"), op, &[x, dy]);
+        }
     }
     // A weight's gradient: the products of rows over every leading axis.
     let a = g.param("contract_rows.a", &[2, 3, w]);

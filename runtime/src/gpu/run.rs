@@ -504,13 +504,13 @@ impl GpuModel {
             // The partial states' buffer (bound, if small, also where this run does not split).
             let extra = match partials {
                 true => {
-                    let needed = wgsl::attention::partials_bytes(&dims).max(16);
+                    let needed = wgsl::partials::partials_bytes(&step.op, &dims).max(16);
                     let held = &mut tables.partials[i];
                     let have = held.as_ref().map_or(0, |(bytes, _)| *bytes);
                     if have < needed {
-                        kiln_compiler::memory::check(|| "an attention's partial states".to_string(), needed)?;
+                        kiln_compiler::memory::check(|| "a step's partial results".to_string(), needed)?;
                         let bytes = with_room(have, needed);
-                        *held = Some((bytes, gpu.buffer("an attention's partial states", bytes, STORAGE)?));
+                        *held = Some((bytes, gpu.buffer("a step's partial results", bytes, STORAGE)?));
                     }
                     held.as_ref().map(|(_, b)| b)
                 }
@@ -518,7 +518,7 @@ impl GpuModel {
             };
             bind_group(gpu, &mut tables.groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
             grids.first.push(grid(&dims));
-            if let (true, Some(second)) = (partials, wgsl::attention::combine_dims(&dims)) {
+            if let (true, Some(second)) = (partials, wgsl::partials::combine_dims(&step.op, &dims)) {
                 let slot = tables.second_slots[i]
                     .ok_or_else(|| GpuError::Internal(format!("step {i} has no second dispatch slot")))?;
                 let offset = slot * DIMS_STRIDE as usize;

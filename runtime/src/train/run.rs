@@ -4,18 +4,19 @@
 //! The interpreter runs the graph itself, as built (it is the oracle). The CPU back end runs the
 //! graph the e-graph optimizer makes of it for the CPU target — forward, loss and backward
 //! optimized as one graph, so the fusions of inference apply to the forward half and the
-//! backward's own forms are found by the same rules; the wgpu back end runs the graph as built
-//! (its backward kernels are the plain ones). Each lowers its graph once and, before each run,
-//! replaces its parameters ([`CpuModel::set_params`], [`GpuModel::set_params`]). The CPU's plan
-//! folds nothing at load time: a tensor's reading (transposed, cut out of a pack) changes with
-//! every step, so it runs as a step of the plan, on the engine's own kernels and threads, rather
-//! than as a fold the interpreter evaluates again each time the parameters change (GPT-2 small's
-//! 264 folds took 1.8 s a step that way).
+//! backward's own forms are found by the same rules; the wgpu back end the graph optimized for
+//! the adapter. Each lowers its graph once and, before each run, replaces its parameters
+//! ([`CpuModel::set_params`], [`GpuModel::set_params`]). Neither plan folds anything at load
+//! time: a tensor's reading (transposed, cut out of a pack) changes with every step, so it runs
+//! as a step of the plan, on the engine's own kernels, rather than as a fold the interpreter
+//! evaluates again on the host each time the parameters change (GPT-2 small's 264 folds took
+//! 1.8 s a step that way on the CPU; on an H200 its wgpu step spent 3.4 s of 5.0 on the host).
 
 use crate::cpu::{CpuError, CpuModel};
 use crate::device::Device;
 use crate::gpu::{Gpu, GpuError, GpuModel};
 use crate::progress::Progress;
+use kiln_compiler::back::wgsl::Options;
 use kiln_compiler::graph::{Graph, GraphError, Sym};
 use kiln_compiler::interp::{self, InterpError};
 use kiln_compiler::lower::{self, Plan};
@@ -126,7 +127,10 @@ impl StepRunner {
                     }
                     false => graph,
                 };
-                Kind::Gpu { gpu: gpu.clone(), plan: lower::lower(&graph), model: None }
+                // Nothing folded at load time, as on the CPU; nor does the wgpu back end derive
+                // anything from the parameters (`Options::params_vary`).
+                let options = lower::Options { fold_constants: false, ..lower::Options::default() };
+                Kind::Gpu { gpu: gpu.clone(), plan: lower::lower_with(&graph, options), model: None }
             }
         };
         Ok(StepRunner { kind })
@@ -221,7 +225,7 @@ impl StepRunner {
                     None => model.insert(Box::new(GpuModel::with_progress(
                         gpu.clone(),
                         plan,
-                        &gpu.options(),
+                        &Options { params_vary: true, ..gpu.options() },
                         params,
                         &HashMap::new(),
                         progress,

@@ -76,8 +76,11 @@ fn dims_of(
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
         // One thread per row: [rows, d].
         Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out), last(out)],
-        // One thread per column: [d, rows].
-        Op::NormGainGrad { .. } => vec![total, rows(operand(0)?)],
+        // Reductions over rows in two dispatches, or one where chunked (`partials`).
+        Op::NormGainGrad { .. } | Op::CrossEntropy { .. } => {
+            let x = operand(0)?;
+            super::partials::dims(op, rows(x), last(x), chunked).unwrap_or_default()
+        }
         // A workgroup per block of the output (`gemm`): [lanes, k, n, rows].
         Op::ContractRows => {
             let a = operand(0)?;
@@ -85,11 +88,6 @@ fn dims_of(
         }
         // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
         Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
-        // One workgroup over every row: [64, rows, vocab].
-        Op::CrossEntropy { .. } => {
-            let x = operand(0)?;
-            vec![WORKGROUP as usize, rows(x), last(x)]
-        }
         // A workgroup per row (`emit::cooperative`): [rows * 64, rows, vocab].
         Op::CrossEntropyGrad { .. } => vec![rows(out) * WORKGROUP as usize, rows(out), last(out)],
         // One thread per table element: [total, heads, q, k, planes] from dy [.., heads, q, k].

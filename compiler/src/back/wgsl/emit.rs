@@ -28,8 +28,8 @@ const _: () = assert!(super::gemm::LANES == WORKGROUP);
 const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
 /// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, the heads
-/// normalized per head, the cross-entropy's gradient, the gather's backward; the cross-entropy
-/// itself runs one workgroup over every row): its body runs with `wg`, the row, and `lane`, the
+/// normalized per head, the cross-entropy and its gradient, the gather's backward, a norm's gain
+/// gradient per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
 /// invocation's index in the workgroup, and (see [`reduces`]) reduces the row with `row_sum` and
 /// `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
 /// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
@@ -45,6 +45,7 @@ pub fn cooperative(op: &Op) -> bool {
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyGrad { .. }
             | Op::GatherGrad
+            | Op::NormGainGrad { .. }
     ) || super::gemm::tiled(op)
 }
 
@@ -151,7 +152,7 @@ fn activation_derivative(act: Activation) -> &'static str {
 }
 
 /// The literals of a cross-entropy's label smoothing `eps`: the label's weight `1 - eps` and `eps`.
-fn smoothing_literals(eps: f32) -> (String, String) {
+pub(super) fn smoothing_literals(eps: f32) -> (String, String) {
     (lit((1.0 - f64::from(eps)) as f32), lit(eps))
 }
 
@@ -159,7 +160,7 @@ fn smoothing_literals(eps: f32) -> (String, String) {
 /// hold it: clamped to `i32`, see the runtime's upload) and within the vocabulary `v` (the
 /// runtime refuses any other label before a run; a kernel skips it rather than read outside its
 /// row).
-fn counted_label(label: &str, ignore: i64) -> String {
+pub(super) fn counted_label(label: &str, ignore: i64) -> String {
     let ignore = ignore.clamp(i64::from(i32::MIN), i64::from(i32::MAX));
     // `-2147483648` is not a WGSL literal (the negation of an out-of-range one).
     let ignore = if ignore == i64::from(i32::MIN) { "(-2147483647 - 1)".to_string() } else { format!("{ignore}") };
@@ -195,25 +196,8 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              {LANES} {{ out[base + j] = out[base + j] + in2[t * d + j]; }}\n    }}\n}}",
             start = if operands > 3 { "in3[base + j]" } else { "0.0" }
         ),
-        // One workgroup over every row (`dim(1)` rows of `dim(2)` scores): the lanes stride each
-        // row for its maximum, its exponentials' sum and its sum, reduced in a fixed order; the
-        // row's loss (counted rows only) is added to a total every lane holds. Lane 0 writes the
-        // mean.
-        Op::CrossEntropy { smoothing, ignore_index } => {
-            let (keep, eps) = smoothing_literals(smoothing.0);
-            format!(
-                "let rows = dim(1u);\nlet v = dim(2u);\nvar total = 0.0;\nvar counted = 0.0;\n\
-                 for (var r = 0u; r < rows; r = r + 1u) {{\n    let base = r * v;\n    var mx = -3.40282347e38;\n    \
-                 for (var j = lane; j < v; j = j + 64u) {{ mx = max(mx, in0[base + j]); }}\n    mx = row_max(lane, mx);\n    \
-                 var se = 0.0;\n    var sx = 0.0;\n    \
-                 for (var j = lane; j < v; j = j + 64u) {{ let x = in0[base + j]; se = se + exp(x - mx); sx = sx + x; }}\n    \
-                 let lse = mx + log(row_sum(lane, se));\n    let mean = row_sum(lane, sx) / f32(v);\n    \
-                 let label = in1[r];\n    if ({counts}) {{\n        \
-                 total = total + lse - {keep} * in0[base + u32(label)] - {eps} * mean;\n        counted = counted + 1.0;\n    }}\n}}\n\
-                 if (lane == 0u) {{ out[0] = total / counted; }}",
-                counts = counted_label("label", *ignore_index),
-            )
-        }
+        // Two dispatches, or one in a chunked step (`partials`).
+        Op::CrossEntropy { .. } | Op::NormGainGrad { .. } => return super::partials::whole_body(op),
         // A workgroup per row ([`cooperative`]): the counted rows (the lanes striding the labels),
         // the row's maximum and exponentials' sum, then `dy / counted * (softmax - target)` per
         // element, zero in a row that takes no loss.
@@ -244,19 +228,6 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                  if (bk == r) {{\n            for (var m = h; m < planes; m = m + heads) {{ acc = acc + in1[(m * q + qq) * k + ki]; }}\n        }}\n    }}\n}}\nout[i] = acc;",
                 indent(&scores::bucket(bucketing, "ki", "qi")),
                 "        ",
-            )
-        }
-        // One thread per column `i`: every row's statistics, and its `dy * xhat` at the column, in
-        // row order.
-        Op::NormGainGrad { rms, eps } => {
-            let centre = if *rms { "0.0" } else { "s / f32(d)" };
-            format!(
-                "let d = dim(0u);\nvar acc = 0.0;\nfor (var r = 0u; r < dim(1u); r = r + 1u) {{\n    let base = r * d;\n    \
-                 var s = 0.0;\n    for (var j = 0u; j < d; j = j + 1u) {{ s = s + in0[base + j]; }}\n    let mean = {centre};\n    \
-                 var q = 0.0;\n    for (var j = 0u; j < d; j = j + 1u) {{ let c = in0[base + j] - mean; q = q + c * c; }}\n    \
-                 let rs = 1.0 / sqrt(q / f32(d) + {eps:?});\n    acc = acc + in1[base + i] * (in0[base + i] - mean) * rs;\n}}\n\
-                 out[i] = acc;",
-                eps = eps.0
             )
         }
         // One thread per row: the row's dot product, then each element.

@@ -57,6 +57,7 @@ fn kernel_with(
             let partials = attention::has_partials(op, options);
             attention::body(op, inputs.len(), g, workgroups, partials, tile).or_else(|| body(op, inputs.len()))?
         }
+        (_, None) if super::partials::has_partials(op, false, options) => super::partials::partial_body(op)?,
         (_, None) => body(op, inputs.len())?,
     };
     let mut s = String::new();
@@ -79,8 +80,8 @@ fn kernel_with(
             let binding = inputs.len() + 1 + j;
             s += &format!("@group(0) @binding({binding}) var<storage, read_write> out{j}: array<{}>;\n", out.wgsl());
         }
-        if geometry.is_some() && attention::has_partials(op, options) {
-            // A split attention's partial states (see `attention`), bound after the outputs.
+        if super::partials::has_partials(op, geometry.is_some(), options) {
+            // Partial results (see `partials`), bound after the outputs.
             let binding = inputs.len() + 2 + extra_outputs(op);
             s += &format!("@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;\n");
         }
@@ -568,7 +569,7 @@ mod tests {
 
     /// The kernels of the backward ops and the loss (a training step's): naga validates them
     /// plain, with subgroup reductions and chunked; only those that reduce across a workgroup
-    /// have the reductions.
+    /// have the reductions, and only the reductions over rows partial results (see `partials`).
     #[test]
     fn backward_kernels_validate_in_every_form() {
         use crate::graph::Scalar;
@@ -608,7 +609,11 @@ mod tests {
             for text in [&plain, &sub, &chunked] {
                 super::super::validate(text).unwrap_or_else(|e| panic!("{} {}: {e}\n{text}", op.name(), op.attrs()));
             }
-            let reduces = matches!(op, Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. });
+            let reduces = matches!(op, Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } | Op::NormGainGrad { .. });
+            // The reductions over rows bind partial results, but where chunked (`partials`).
+            let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. });
+            assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
+            assert!(!chunked.contains("part"), "{}: {chunked}", op.name());
             assert_eq!(plain.contains("fn row_sum"), reduces, "{}: {plain}", op.name());
             assert_eq!(sub.contains("subgroupAdd(v)"), reduces, "{}: {sub}", op.name());
             assert!(!chunked.contains("out[") && !chunked.contains("in0["), "{}: {chunked}", op.name());

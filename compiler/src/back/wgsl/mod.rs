@@ -29,6 +29,7 @@ mod dims;
 pub mod emit;
 mod gemm;
 mod kernel;
+pub mod partials;
 pub mod projection;
 mod reduce;
 pub mod sample;
@@ -54,9 +55,9 @@ pub struct Kernel {
     pub wgsl: String,
     /// Number of operand bindings (after the uniform and the output).
     pub operands: usize,
-    /// It binds a scratch buffer last, after its outputs: a split attention's partial softmax
-    /// states (see [`attention::partials_bytes`]), which it may dispatch a second time to
-    /// combine ([`attention::combine_dims`]).
+    /// It binds a scratch buffer last, after its outputs: partial results (a split attention's
+    /// softmax states, a reduction's over chunks of rows; see [`partials::partials_bytes`]),
+    /// which it may dispatch a second time to combine ([`partials::combine_dims`]).
     #[serde(default)]
     pub partials: bool,
 }
@@ -116,9 +117,11 @@ pub struct Options {
     pub split_rows: Option<usize>,
     /// Groups of 4 output columns a split GEMV's workgroup computes: one of
     /// [`projection::SPLIT_GROUPS`]; `None` (or another) for [`projection::SPLIT_GEMV_GROUPS`]. Fewer
-    /// launch more workgroups: SmolLM2's 576-column projections launch 72 a row with 2, fewer than
-    /// an H100's 132 SMs, and 144 with 1. A rotating projection keeps 2. A tunable (`kiln tune`);
-    /// a hardware adapter starts from 1.
+    /// launch more workgroups (SmolLM2's 576-column projections launch 72 a row with 2, 144 with
+    /// 1) but read each weight row in shorter pieces: on an H200, 4 columns decoded Gemma 3 270M
+    /// 14% slower than 8 (640 columns, `k` up to 2 048) and SmolLM2 no faster (BENCHMARKS.md,
+    /// 2026-11-27), so every adapter starts from the default. A rotating projection keeps 2. A
+    /// tunable (`kiln tune`).
     pub split_groups: Option<usize>,
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
@@ -143,6 +146,13 @@ pub struct Options {
     /// chunked kernel (Gemma 3 270M's head on lavapipe: 22 s of a 22.7 s forward pass). `None`:
     /// no limit (the runtime binds larger tensors in chunks).
     pub binding_bytes: Option<u64>,
+    /// The parameters change between runs (a training step's, set before each): nothing is
+    /// derived from them at load time. A projection weight's transpose is then a step of the
+    /// plan, run on the device each time, not a load-time fold the host evaluates again whenever
+    /// the parameters change (on an H200, GPT-2 small's training step spent 3.4 s of 5.0 on the
+    /// host, mostly so); no projection is split to fit the bindings (its pieces would be folds:
+    /// the runtime binds the weight in chunks instead); no gather reads a transposed copy.
+    pub params_vary: bool,
 }
 
 impl Options {
@@ -157,7 +167,6 @@ impl Options {
             attention_split_keys: Some(attention::SPLIT_KEYS),
             submissions: Some(HARDWARE_SUBMISSIONS),
             split_rows: Some(projection::HARDWARE_SPLIT_ROWS),
-            split_groups: Some(1),
             ..Options::default()
         }
     }
@@ -394,6 +403,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
         steps: Vec::with_capacity(plan.steps.len()),
         transposed: HashMap::new(),
         slices: HashMap::new(),
+        params_vary: options.params_vary,
     };
     for step in &plan.steps {
         match options.binding_bytes.and_then(|limit| l.split_projection(step, limit)) {
@@ -429,7 +439,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
             None => {
                 validate(&text)
                     .map_err(|e| error(format!("internal compiler error: generated WGSL is invalid: {e}")))?;
-                let partials = geometry(&plan, step).is_some() && attention::has_partials(&step.op, options);
+                let partials = partials::has_partials(&step.op, geometry(&plan, step).is_some(), options);
                 kernels.push(Kernel {
                     name: step.op.name(),
                     wgsl: text.clone(),
@@ -561,9 +571,17 @@ struct Legalize<'p> {
     /// (Value, first row, rows) -> its row slice (a piece of a split projection's weight or bias,
     /// shared likewise).
     slices: HashMap<(usize, usize, usize), usize>,
+    /// [`Options::params_vary`]: no value is derived from the parameters at load time.
+    params_vary: bool,
 }
 
 impl Legalize<'_> {
+    /// Whether `v` is known at load time (a parameter, or computed from parameters alone) and the
+    /// parameters do not change between runs: what a load-time fold may read.
+    fn foldable(&self, v: usize) -> bool {
+        !self.params_vary && constant(&self.values, v)
+    }
+
     fn error(&self, step: &Step, message: String) -> CompileError {
         CompileError { model: self.model.to_string(), op: step.op.name(), scope: step.scope.clone(), message }
     }
@@ -624,7 +642,7 @@ impl Legalize<'_> {
         let &[Dim::Fixed(n), Dim::Fixed(k)] = self.values.get(w)?.shape.as_slice() else { return None };
         let format = self.values[w].format;
         let b = if bias { Some(*step.operands.get(wi + 1)?) } else { None };
-        if format.bytes(n, k) <= limit || !constant(&self.values, w) || b.is_some_and(|b| !constant(&self.values, b)) {
+        if format.bytes(n, k) <= limit || !self.foldable(w) || b.is_some_and(|b| !self.foldable(b)) {
             return None;
         }
         // Rows per piece: as even as multiples of 4 allow (so the f32 pieces' transposes need no
@@ -756,7 +774,7 @@ impl Legalize<'_> {
             return t;
         }
         let shape = self.values[w].shape.clone();
-        let is_constant = constant(&self.values, w);
+        let is_constant = self.foldable(w);
         let derive = |l: &mut Self, op: Op, operands: Vec<usize>, shape: Shape| -> usize {
             let v = l.values.len();
             let storage = if is_constant { Storage::Const } else { Storage::Slot(usize::MAX) };

@@ -80,8 +80,8 @@ pub const SPLIT_GEMV_GROUPS: usize = 2;
 pub const SPLIT_GROUPS: [usize; 3] = [1, 2, 4];
 /// Rows up to which a hardware adapter's projections start with the split GEMV form
 /// ([`Options::split_rows`]): a batched decode step's and a short prompt's. Above, the `vec4`
-/// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 144
-/// workgroups of the split form (4 columns each) against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
+/// GEMM's tiles; at 64 rows SmolLM2's narrowest projection (576 columns) launches 64 x 72
+/// workgroups of the split form (8 columns each) against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
 pub const HARDWARE_SPLIT_ROWS: usize = 64;
 /// Past [`GEMV_MAX_ROWS`] rows, the split GEMV runs (up to [`Options::split_rows`]) where the
 /// `vec4` GEMM would launch fewer workgroups than this: about two for each SM of a large GPU (an
@@ -1165,10 +1165,14 @@ mod tests {
             let d = dims(&Op::linear(None, false, false), &[vec![m, k], vec![k, n]], &[m, n], 0, &options);
             (d[7], d[0] / WORKGROUP as usize)
         };
-        // SmolLM2's attention output at 32 rows: 144 column tiles of 4 a row, 4 608 workgroups
+        // SmolLM2's attention output at 32 rows: 72 column tiles of 8 a row, 2 304 workgroups
         // split, where the GEMM's would be 5.
-        assert_eq!(form(32, 576, 576), (4, 32 * 144));
-        assert_eq!(form(1, 576, 576), (4, 144));
+        assert_eq!(form(32, 576, 576), (4, 32 * 72));
+        assert_eq!(form(1, 576, 576), (4, 72));
+        // Narrower workgroups where the options say so: 144 a row.
+        let narrow = Options { split_groups: Some(1), ..options };
+        let d = dims(&Op::linear(None, false, false), &[vec![1, 576], vec![576, 576]], &[1, 576], 0, &narrow);
+        assert_eq!((d[7], d[0] / WORKGROUP as usize), (4, 144));
         // Its head at 32 rows: the GEMM launches 384 workgroups, enough.
         assert_eq!(form(32, 576, 49_152).0, 2);
         // Past the rows the split form takes.

@@ -1,0 +1,226 @@
+//! Kernels that reduce over rows in two dispatches of one module: the first writes partial results
+//! into a scratch buffer (`part`, bound after the outputs), the second (`dims[15]` = 2, sized by
+//! [`combine_dims`]) combines them in a fixed order. A reduction whose output is narrow — a
+//! norm's gain gradient (one value per column, summed over every row), the cross-entropy (one
+//! value) — otherwise runs on a few workgroups walking every row in turn: on an H200, GPT-2
+//! small's 25 gain gradients took 1.14 s of a 1.55 s training step's kernels, its cross-entropy
+//! 0.2 s (BENCHMARKS.md, 2026-11-27).
+//!
+//! The split attention (see [`super::attention`]) is the other kernel with partials; the
+//! functions here answer for every op ([`has_partials`], [`combine_dims`], [`partials_bytes`]).
+//! A step whose tensors are bound in chunks runs the single-dispatch form of the same op (the
+//! chunked kernel binds no scratch buffer; [`whole_body`]), whose `dims[15]` is 0.
+//!
+//! - **Norm gain gradient** `sum over rows of dy * xhat` (LayerNorm's centred, RMSNorm's not): a
+//!   workgroup per block of 64 columns and chunk of rows; for each row of its chunk the
+//!   workgroup reduces the row's statistics (its lanes striding the row), then each lane adds its
+//!   column's term. Sizes `[threads, rows, d, chunk, chunks, blocks]`; the partial sums are
+//!   `chunks x d`, combined one thread per column in chunk order.
+//! - **Cross-entropy**: a workgroup per row writes the row's loss and whether it counts (`part[r]`,
+//!   `part[rows + r]`); one workgroup sums both and writes their quotient. Sizes `[threads, rows,
+//!   vocab]`.
+
+use super::Options;
+use super::attention;
+use super::emit::{WORKGROUP, counted_label, smoothing_literals};
+use crate::graph::Op;
+
+/// A norm gain gradient's partial form aims at about this many workgroups (an H100 has 132 SMs;
+/// several workgroups each keep them busy).
+const GAIN_GRAD_WORKGROUPS: usize = 512;
+
+/// Fewest rows a gain gradient's workgroup takes in its partial form: each chunk adds a partial
+/// sum per column for the combining dispatch to read.
+const GAIN_GRAD_MIN_CHUNK: usize = 8;
+
+/// Whether `op` is one of this module's reductions over rows (which always have partials, but
+/// where chunked).
+pub fn over_rows(op: &Op) -> bool {
+    matches!(op, Op::NormGainGrad { .. } | Op::CrossEntropy { .. })
+}
+
+/// Whether `op`'s kernel compiled with `options` binds a scratch buffer of partial results, which
+/// a second dispatch combines (`geometry`: the step is an attention with a geometry, whose
+/// kernel has partials when it splits its keys, see [`attention::has_partials`]).
+pub fn has_partials(op: &Op, geometry: bool, options: &Options) -> bool {
+    over_rows(op) || (geometry && attention::has_partials(op, options))
+}
+
+/// The sizes of the second dispatch of a step whose first (`dims`) wrote partial results, `None`
+/// where it wrote none (`dims[15]` not 1: a whole form, or an attention that did not split).
+pub fn combine_dims(op: &Op, dims: &[u32; 16]) -> Option<[u32; 16]> {
+    if dims[15] != 1 {
+        return None;
+    }
+    let mut c = *dims;
+    c[15] = 2;
+    match op {
+        // One thread per column.
+        Op::NormGainGrad { .. } => c[0] = dims[5] * WORKGROUP,
+        // One workgroup.
+        Op::CrossEntropy { .. } => c[0] = WORKGROUP,
+        _ => return attention::combine_dims(dims),
+    }
+    Some(c)
+}
+
+/// Bytes of the scratch buffer a step sized `dims` writes its partial results to (0 if none).
+pub fn partials_bytes(op: &Op, dims: &[u32; 16]) -> u64 {
+    if dims[15] != 1 {
+        return 0;
+    }
+    let floats = match op {
+        Op::NormGainGrad { .. } => u64::from(dims[4]) * u64::from(dims[2]),
+        Op::CrossEntropy { .. } => 2 * u64::from(dims[1]),
+        _ => return attention::partials_bytes(dims),
+    };
+    floats * 4
+}
+
+/// The sizes of `op` (an op of this module) over `rows` rows of `width` elements: its partial
+/// form's (`dims[15]` = 1) unless `whole`. `None` for any other op.
+pub(super) fn dims(op: &Op, rows: usize, width: usize, whole: bool) -> Option<Vec<usize>> {
+    let lanes = WORKGROUP as usize;
+    let mut d = match op {
+        Op::NormGainGrad { .. } => {
+            let blocks = width.div_ceil(lanes).max(1);
+            let chunk = match whole {
+                true => rows,
+                false => rows.div_ceil(GAIN_GRAD_WORKGROUPS.div_ceil(blocks)).max(GAIN_GRAD_MIN_CHUNK),
+            }
+            .max(1);
+            let chunks = rows.div_ceil(chunk).max(1);
+            vec![blocks * chunks * lanes, rows, width, chunk, chunks, blocks]
+        }
+        Op::CrossEntropy { .. } => match whole {
+            true => vec![lanes, rows, width],
+            false => vec![rows.max(1) * lanes, rows, width],
+        },
+        _ => return None,
+    };
+    if !whole {
+        d.resize(16, 0);
+        d[15] = 1;
+    }
+    Some(d)
+}
+
+/// The statements of the gain gradient's workgroup, up to `acc` (its lane's column's sum over the
+/// workgroup's chunk of rows, `col` that column).
+fn gain_grad_sums(rms: bool, eps: f32) -> String {
+    let mean = match rms {
+        true => "    let mean = 0.0;\n".to_string(),
+        false => "    var s = 0.0;\n    for (var j = lane; j < d; j = j + 64u) { s = s + in0[base + j]; }\n    \
+                  let mean = row_sum(lane, s) / f32(d);\n"
+            .to_string(),
+    };
+    format!(
+        "let rows = dim(1u);\nlet d = dim(2u);\nlet chunk = dim(3u);\nlet blocks = dim(5u);\n\
+         let first = (wg / blocks) * chunk;\nlet last = min(first + chunk, rows);\nlet col = (wg % blocks) * 64u + lane;\n\
+         var acc = 0.0;\nfor (var r = first; r < last; r = r + 1u) {{\n    let base = r * d;\n{mean}    \
+         var q = 0.0;\n    for (var j = lane; j < d; j = j + 64u) {{ let c = in0[base + j] - mean; q = q + c * c; }}\n    \
+         let rs = 1.0 / sqrt(row_sum(lane, q) / f32(d) + {eps:?});\n    \
+         if (col < d) {{ acc = acc + in1[base + col] * (in0[base + col] - mean) * rs; }}\n}}\n"
+    )
+}
+
+/// The cross-entropy of row `r` (`base` its first logit) in the lanes of a workgroup: `loss` and
+/// `counts`.
+fn cross_entropy_row(smoothing: f32, ignore_index: i64, indent: &str) -> String {
+    let (keep, eps) = smoothing_literals(smoothing);
+    [
+        "var mx = -3.40282347e38;".to_string(),
+        "for (var j = lane; j < v; j = j + 64u) { mx = max(mx, in0[base + j]); }".into(),
+        "mx = row_max(lane, mx);".into(),
+        "var se = 0.0;".into(),
+        "var sx = 0.0;".into(),
+        "for (var j = lane; j < v; j = j + 64u) { let x = in0[base + j]; se = se + exp(x - mx); sx = sx + x; }".into(),
+        "let lse = mx + log(row_sum(lane, se));".into(),
+        "let mean = row_sum(lane, sx) / f32(v);".into(),
+        "let label = in1[r];".into(),
+        format!("let counts = {};", counted_label("label", ignore_index)),
+        format!("var loss = 0.0;\n{indent}if (counts) {{ loss = lse - {keep} * in0[base + u32(label)] - {eps} * mean; }}"),
+    ]
+    .iter()
+    .map(|l| format!("{indent}{l}\n"))
+    .collect()
+}
+
+/// The single-dispatch body of `op` (an op of this module; `None` for another), as a chunked
+/// step runs it: the gain gradient's workgroups each take every row (`dims[3]` = rows); the
+/// cross-entropy's one workgroup walks the rows, adding the counted rows' losses.
+pub(super) fn whole_body(op: &Op) -> Option<String> {
+    Some(match op {
+        Op::NormGainGrad { rms, eps } => format!("{}if (col < d) {{ out[col] = acc; }}", gain_grad_sums(*rms, eps.0)),
+        Op::CrossEntropy { smoothing, ignore_index } => format!(
+            "let rows = dim(1u);\nlet v = dim(2u);\nvar total = 0.0;\nvar counted = 0.0;\n\
+             for (var r = 0u; r < rows; r = r + 1u) {{\n    let base = r * v;\n{}    \
+             total = total + loss;\n    counted = counted + select(0.0, 1.0, counts);\n}}\n\
+             if (lane == 0u) {{ out[0] = total / counted; }}",
+            cross_entropy_row(smoothing.0, *ignore_index, "    ")
+        ),
+        _ => return None,
+    })
+}
+
+/// The two-dispatch body of `op` (an op of this module; `None` for another): the partial results
+/// where `dims[15]` is 1, their combination where it is 2 (a condition uniform over the dispatch,
+/// so the reductions inside stay in uniform control flow).
+pub(super) fn partial_body(op: &Op) -> Option<String> {
+    let (first, combine) = match op {
+        Op::NormGainGrad { rms, eps } => (
+            format!("{}if (col < d) {{ part[(wg / blocks) * d + col] = acc; }}", gain_grad_sums(*rms, eps.0)),
+            "let d = dim(2u);\nlet chunks = dim(4u);\nlet col = wg * 64u + lane;\nif (col < d) {\n    \
+             var t = 0.0;\n    for (var c = 0u; c < chunks; c = c + 1u) { t = t + part[c * d + col]; }\n    out[col] = t;\n}"
+                .to_string(),
+        ),
+        Op::CrossEntropy { smoothing, ignore_index } => (
+            format!(
+                "let rows = dim(1u);\nlet v = dim(2u);\nlet r = wg;\nlet base = r * v;\n{}\
+                 if (lane == 0u) {{ part[r] = loss; part[rows + r] = select(0.0, 1.0, counts); }}",
+                cross_entropy_row(smoothing.0, *ignore_index, "")
+            ),
+            "let rows = dim(1u);\nvar t = 0.0;\nvar c = 0.0;\n\
+             for (var r = lane; r < rows; r = r + 64u) { t = t + part[r]; c = c + part[rows + r]; }\n\
+             let total = row_sum(lane, t);\nlet counted = row_sum(lane, c);\n\
+             if (lane == 0u) { out[0] = total / counted; }"
+                .to_string(),
+        ),
+        _ => return None,
+    };
+    let indent = |s: &str| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
+    Some(format!("if (dim(15u) == 2u) {{\n{}}} else {{\n{}}}", indent(&combine), indent(&first)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Scalar;
+
+    /// A gain gradient's partial form splits its rows into chunks that fill a GPU, each a
+    /// workgroup per 64 columns; its whole form (a chunked step's) one chunk of every row.
+    #[test]
+    fn gain_gradient_sizes() {
+        let op = Op::NormGainGrad { rms: false, eps: Scalar(1e-5) };
+        let dims = |rows, d, whole| {
+            let mut u = [0u32; 16];
+            for (s, v) in u.iter_mut().zip(super::dims(&op, rows, d, whole).unwrap()) {
+                *s = v as u32;
+            }
+            u
+        };
+        // GPT-2 small's step: 512 rows of 768, 12 blocks of columns, chunks of 12 rows.
+        let d = dims(512, 768, false);
+        assert_eq!(&d[..6], &[12 * 43 * 64, 512, 768, 12, 43, 12]);
+        assert_eq!(combine_dims(&op, &d).unwrap()[0], 12 * 64);
+        assert_eq!(partials_bytes(&op, &d), 43 * 768 * 4);
+        // Few rows: at least 8 a chunk.
+        assert_eq!(&dims(20, 67, false)[..6], &[2 * 3 * 64, 20, 67, 8, 3, 2]);
+        // Whole: no partials, no second dispatch.
+        let w = dims(512, 768, true);
+        assert_eq!((&w[..6], w[15]), (&[12 * 64, 512, 768, 512, 1, 12][..], 0));
+        assert_eq!((combine_dims(&op, &w), partials_bytes(&op, &w)), (None, 0));
+        // No rows: one chunk, which writes zeros.
+        assert_eq!(&dims(0, 64, false)[..6], &[64, 0, 64, 8, 1, 1]);
+    }
+}
