@@ -117,11 +117,11 @@ pub struct Options {
     pub split_rows: Option<usize>,
     /// Groups of 4 output columns a split GEMV's workgroup computes: one of
     /// [`projection::SPLIT_GROUPS`]; `None` (or another) for [`projection::SPLIT_GEMV_GROUPS`]. Fewer
-    /// launch more workgroups (SmolLM2's 576-column projections launch 72 a row with 2, 144 with
-    /// 1) but read each weight row in shorter pieces: on an H200, 4 columns decoded Gemma 3 270M
-    /// 14% slower than 8 (640 columns, `k` up to 2 048) and SmolLM2 no faster (BENCHMARKS.md,
-    /// 2026-11-27), so every adapter starts from the default. A rotating projection keeps 2. A
-    /// tunable (`kiln tune`).
+    /// launch more workgroups (SmolLM2's 576-column projections launch 72 a row with two groups,
+    /// 144 with one) but read each weight row in shorter pieces: on an H200, workgroups of 4
+    /// columns decoded Gemma 3 270M 14% slower than of 8 (640 columns, `k` up to 2 048) and
+    /// SmolLM2 no faster (BENCHMARKS.md, 2026-11-27), so every adapter starts from the default.
+    /// A rotating projection keeps 2. A tunable (`kiln tune`).
     pub split_groups: Option<usize>,
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).

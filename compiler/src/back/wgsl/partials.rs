@@ -139,7 +139,9 @@ fn cross_entropy_row(smoothing: f32, ignore_index: i64, indent: &str) -> String 
         "let mean = row_sum(lane, sx) / f32(v);".into(),
         "let label = in1[r];".into(),
         format!("let counts = {};", counted_label("label", ignore_index)),
-        format!("var loss = 0.0;\n{indent}if (counts) {{ loss = lse - {keep} * in0[base + u32(label)] - {eps} * mean; }}"),
+        format!(
+            "var loss = 0.0;\n{indent}if (counts) {{ loss = lse - {keep} * in0[base + u32(label)] - {eps} * mean; }}"
+        ),
     ]
     .iter()
     .map(|l| format!("{indent}{l}\n"))
