@@ -354,7 +354,7 @@ fn train_one(
             Ok(l) => l,
             Err(e) => {
                 // The step changed nothing: the weights before it are the last good ones.
-                let saved = save(&trainer, &feed, output).map(|()| output.display().to_string());
+                let saved = save(&mut trainer, &feed, output).map(|()| output.display().to_string());
                 return Err(anyhow!(e).context(match saved {
                     Ok(path) => format!("training stopped; the weights before step {s} are in `{path}`"),
                     Err(_) => "training stopped".to_string(),
@@ -377,11 +377,11 @@ fn train_one(
         let rate = tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
         bar.show(done as u64, &progress_message(&logged, eval_loss, rate));
         if recipe.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) && !last {
-            save(&trainer, &feed, output)?;
+            save(&mut trainer, &feed, output)?;
         }
         if done == end && !last {
             bar.finish();
-            save(&trainer, &feed, output)?;
+            save(&mut trainer, &feed, output)?;
             reporter.info(format_args!(
                 "stopped after step {done} of {}; continue with `--resume {}`",
                 recipe.steps,
@@ -391,7 +391,7 @@ fn train_one(
         }
         if interrupted.load(Ordering::Relaxed) && !last {
             bar.finish();
-            save(&trainer, &feed, output)?;
+            save(&mut trainer, &feed, output)?;
             bail!(
                 "interrupted after step {done} of {}: the checkpoint is in `{}`; continue with `--resume {}`",
                 recipe.steps,
@@ -405,7 +405,7 @@ fn train_one(
     if let (Some(log), Some(l)) = (&mut log, eval_loss) {
         log.line(&json!({ "eval_loss": l }))?;
     }
-    save(&trainer, &feed, output)?;
+    save(&mut trainer, &feed, output)?;
     let seconds = started.elapsed().as_secs_f64();
     reporter.info(format_args!(
         "trained steps {}..{} in {seconds:.1} s ({:.0} tokens/s){}; weights: {}",
@@ -506,12 +506,12 @@ fn progress_message(step: &StepLog, eval_loss: Option<f64>, tokens_per_s: f64) -
 
 /// Writes the trainer's weights to `path` and its state (the optimizer's, the step, the
 /// position in the data) beside them, each atomically.
-fn save(trainer: &Trainer, feed: &Feed, path: &Path) -> Result<()> {
-    let mut weights: Vec<(String, Tensor)> = trainer.tensors().iter().map(|(n, t)| (n.clone(), t.clone())).collect();
+fn save(trainer: &mut Trainer, feed: &Feed, path: &Path) -> Result<()> {
+    let mut weights: Vec<(String, Tensor)> = trainer.tensors()?.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     weights.sort_by(|a, b| a.0.cmp(&b.0));
     // The state first: weights without their state are still a checkpoint `run` reads; a state
     // without its weights is not.
-    let mut state = trainer.state();
+    let mut state = trainer.state()?;
     state.extend(feed.state());
     write_tensors(&state_path(path), &state)?;
     write_tensors(path, &weights)?;

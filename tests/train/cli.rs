@@ -42,17 +42,35 @@ fn log_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
 
 #[test]
 fn a_stopped_and_resumed_run_is_the_uninterrupted_run_bit_for_bit() {
-    let dir = scratch("train-resume");
+    stopped_and_resumed("train-resume", &[]);
+}
+
+/// On wgpu, where the parameters and AdamW's moments live on the device between steps: the
+/// checkpoint of the stopped run is read back from there, and the resumed run writes it there
+/// again.
+#[test]
+fn a_stopped_and_resumed_run_on_wgpu_is_the_uninterrupted_run_bit_for_bit() {
+    if crate::common::gpu().is_none() {
+        return;
+    }
+    stopped_and_resumed("train-resume-wgpu", &["--backend", "wgpu"]);
+}
+
+/// Trains the GPT-2 fixture whole, and stopped after 7 steps then resumed, with `extra`
+/// arguments: the same weights and log.
+fn stopped_and_resumed(name: &str, extra: &[&str]) {
+    let dir = scratch(name);
     let (whole, split) = (dir.join("whole.safetensors"), dir.join("split.safetensors"));
     let (whole_log, split_log) = (dir.join("whole.jsonl"), dir.join("split.jsonl"));
-    ok(&refs(&train_args(&whole, &["--log", whole_log.to_str().unwrap()])));
-    ok(&refs(&train_args(&split, &["--log", split_log.to_str().unwrap(), "--stop-after", "7"])));
+    let with = |a: &[&str]| -> Vec<String> { a.iter().chain(extra).map(|s| s.to_string()).collect() };
+    ok(&refs(&train_args(&whole, &refs(&with(&["--log", whole_log.to_str().unwrap()])))));
+    ok(&refs(&train_args(&split, &refs(&with(&["--log", split_log.to_str().unwrap(), "--stop-after", "7"])))));
     let stopped = read_tensors(&split).unwrap();
     assert_ne!(stopped, read_tensors(&whole).unwrap(), "the stopped run is not finished");
     let state = read_tensors(&dir.join("split.state.safetensors")).unwrap();
     assert_eq!(state["train.step"].as_i64(), Some(&[7][..]));
     ok(&refs(
-        &train_args(&split, &["--log", split_log.to_str().unwrap(), "--resume", split.to_str().unwrap()])
+        &train_args(&split, &refs(&with(&["--log", split_log.to_str().unwrap(), "--resume", split.to_str().unwrap()])))
             .into_iter()
             .filter(|a| a != "--recipe" && !a.ends_with("train.json"))
             .chain(["--recipe".to_string(), case().join("train.json").display().to_string()])
@@ -153,10 +171,25 @@ fn labels_outside_the_vocabulary_are_refused() {
 
 #[test]
 fn a_loss_that_stops_being_finite_stops_the_run_and_keeps_the_last_good_weights() {
-    let out = scratch("train-nonfinite").join("w.safetensors");
+    nonfinite("train-nonfinite", &[]);
+}
+
+/// On wgpu the refused step's checks run before the update on the device, and the weights
+/// written are read back from there.
+#[test]
+fn a_loss_that_stops_being_finite_on_wgpu_stops_the_run_and_keeps_the_last_good_weights() {
+    if crate::common::gpu().is_none() {
+        return;
+    }
+    nonfinite("train-nonfinite-wgpu", &["--backend", "wgpu"]);
+}
+
+fn nonfinite(name: &str, extra: &[&str]) {
+    let out = scratch(name).join("w.safetensors");
     // A learning rate of 1000 without clipping blows the weights up within a few steps: the loss
     // or the gradients stop being finite first (which depends on the last bits of the step).
-    let o = crate::common::kiln(&refs(&train_args(&out, &["--lr", "1000", "--min-lr", "1", "--clip", "none"])));
+    let args = [&["--lr", "1000", "--min-lr", "1", "--clip", "none"][..], extra].concat();
+    let o = crate::common::kiln(&refs(&train_args(&out, &args)));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("training stopped; the weights before step"), "{err}");

@@ -216,6 +216,18 @@ impl GpuModel {
         self.gpu.check_lost()
     }
 
+    /// The buffers holding the parameter `name` on the device (chunks of [`Gpu::chunk_bytes`]),
+    /// as [`GpuModel::set_params`] wrote it: the tensor as given, f32, unless the plan stores it
+    /// otherwise (quantized blocks, or f16: then `None`, as for a parameter the plan does not
+    /// read or only folds read).
+    pub fn param_buffers(&self, name: &str) -> Option<&[wgpu::Buffer]> {
+        let values = &self.program.plan.values;
+        let id = values
+            .iter()
+            .position(|v| matches!(&v.storage, Storage::Param(n) if n == name) && v.format == WeightFormat::F32)?;
+        self.params.get(&id).map(Vec::as_slice)
+    }
+
     /// The host's time in this model's runs (see [`HostClock`]).
     pub fn host_clock(&self) -> HostClock {
         self.host.clone()

@@ -35,6 +35,10 @@ pub(super) const DIMS_STRIDE: u64 = 256;
 /// Outputs kept on the device, by name.
 pub type Kept = HashMap<String, DeviceTensor>;
 
+/// Outputs a run left where it wrote them, by name: the buffers of their slots (see
+/// [`GpuModel::run_leaving`]).
+pub type Left = HashMap<String, Vec<wgpu::Buffer>>;
+
 /// An output lent by [`GpuModel::run_lending`]: its buffers hold it until the next run (they are
 /// the plan's slots), so the callback copies out what it needs on the encoder it is given.
 pub(crate) struct Lent<'a> {
@@ -225,6 +229,35 @@ impl GpuModel {
         keep: &[String],
         lend: Option<Lend<'_>>,
     ) -> Result<(Vec<(String, Tensor)>, Kept), GpuError> {
+        let (read, kept, _) = self.run_outputs(given, resident, keep, lend, &|_| true)?;
+        Ok((read, kept))
+    }
+
+    /// Runs one forward pass on named inputs and reads back only the outputs `read` names; the
+    /// others stay where the pass wrote them, in the plan's slots, whose buffers it returns by
+    /// output name (chunks of [`Gpu::chunk_bytes`], the first elements the output's). They hold
+    /// the outputs until the next run of this model writes its slots: what a training step's
+    /// update on the device reads its gradients from (see [`super::DeviceAdamW`]).
+    pub fn run_leaving(
+        &self,
+        given: &HashMap<String, Tensor>,
+        read: &dyn Fn(&str) -> bool,
+    ) -> Result<(Vec<(String, Tensor)>, Left), GpuError> {
+        let (outputs, _, left) = self.run_outputs(given, &HashMap::new(), &[], None, read)?;
+        Ok((outputs, left))
+    }
+
+    /// [`GpuModel::run_lending`], reading back only the outputs `wanted` names (and those kept
+    /// or lent), and returning the others' slot buffers.
+    #[expect(clippy::type_complexity, reason = "the outputs read back, kept and left")]
+    fn run_outputs(
+        &self,
+        given: &HashMap<String, Tensor>,
+        resident: &HashMap<String, DeviceTensor>,
+        keep: &[String],
+        lend: Option<Lend<'_>>,
+        wanted: &dyn Fn(&str) -> bool,
+    ) -> Result<(Vec<(String, Tensor)>, Kept, Left), GpuError> {
         let gpu = &self.gpu;
         let started = std::time::Instant::now();
         gpu.check_lost()?;
@@ -259,13 +292,24 @@ impl GpuModel {
                 gpu.queue.submit([std::mem::replace(&mut encoder, new_encoder()).finish()]);
             }
         }
-        let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend, &|_| true)?;
+        // What is read back, kept or lent: every output but those left in their slots.
+        let lent = lend.as_ref().map(|l| l.0.to_string());
+        let wanted = |name: &str| wanted(name) || keep.iter().any(|k| k == name) || lent.as_deref() == Some(name);
+        let left: Left = self
+            .program
+            .plan
+            .outputs
+            .iter()
+            .filter(|(name, _)| !wanted(name))
+            .map(|(name, v)| (name.clone(), buffers.of(*v).to_vec()))
+            .collect();
+        let (readbacks, kept) = self.record_outputs(&mut encoder, &buffers, &appends, keep, lend, &wanted)?;
         gpu.queue.submit([encoder.finish()]);
         self.host.add(started.elapsed());
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(GpuError::Rejected { what: "the forward pass", message: e.to_string() });
         }
-        Ok((read_outputs(gpu, readbacks)?, kept))
+        Ok((read_outputs(gpu, readbacks)?, kept, left))
     }
 
     /// Binds `given` and the `resident` tensors to the plan's inputs exactly as the interpreter

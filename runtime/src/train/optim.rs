@@ -254,12 +254,12 @@ impl AdamW {
         self.slots.keys().map(String::as_str)
     }
 
-    /// One step at learning rate `lr`: every registered parameter updated from its gradient.
-    pub fn step(&mut self, lr: f64, updates: &mut [Update<'_>]) -> Result<(), OptimError> {
-        check_updates(self.slots.iter().map(|(name, s)| (name.as_str(), s.m.len())), updates)?;
-        self.step += 1;
+    /// The constants of step `t` (from 1) at learning rate `lr`, for a parameter that takes no
+    /// decay and an unclipped gradient, and the decay factor of those that take it (what
+    /// [`AdamW::decays`] says).
+    pub(crate) fn constants(&self, lr: f64, t: u64) -> (AdamStep, f32) {
         let [b1, b2] = self.betas;
-        let t = self.step as f64;
+        let t = t as f64;
         let step_size = lr / (1.0 - b1.powf(t));
         let bc2_sqrt = (1.0 - b2.powf(t)).sqrt();
         let decay = (1.0 - lr * self.weight_decay) as f32;
@@ -273,6 +273,19 @@ impl AdamW {
             eps: self.eps as f32,
             neg_step: (-step_size) as f32,
         };
+        (constants, decay)
+    }
+
+    /// Whether the parameter `name` takes weight decay (`None`: not registered).
+    pub(crate) fn decays(&self, name: &str) -> Option<bool> {
+        self.slots.get(name).map(|s| s.decay && self.weight_decay != 0.0)
+    }
+
+    /// One step at learning rate `lr`: every registered parameter updated from its gradient.
+    pub fn step(&mut self, lr: f64, updates: &mut [Update<'_>]) -> Result<(), OptimError> {
+        check_updates(self.slots.iter().map(|(name, s)| (name.as_str(), s.m.len())), updates)?;
+        self.step += 1;
+        let (constants, decay) = self.constants(lr, self.step);
         // Every parameter's pieces in one parallel pass (rather than a pass per parameter), each
         // piece with its parameter's clipping factor and decay.
         type Piece<'p> = (AdamStep, &'p mut [f32], &'p [f32], &'p mut [f32], &'p mut [f32]);

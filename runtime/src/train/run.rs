@@ -190,6 +190,55 @@ impl StepRunner {
         self.run(params, batch, progress)
     }
 
+    /// The wgpu model the step runs on, once a run has built it (`None` on another device).
+    pub fn gpu_model(&self) -> Option<&GpuModel> {
+        match &self.kind {
+            Kind::Gpu { model: Some(m), .. } => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Whether the step runs on wgpu.
+    pub fn on_gpu(&self) -> bool {
+        matches!(self.kind, Kind::Gpu { .. })
+    }
+
+    /// On wgpu: the loss of `batch` with the parameters already on the device — `params` written
+    /// there first if `upload` or the model is not built yet — and the gradients left where the
+    /// step wrote them (their buffers by tensor name, valid until the next run; see
+    /// [`GpuModel::run_leaving`]). An error on another device.
+    pub fn run_on_device(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        batch: &HashMap<String, Tensor>,
+        upload: bool,
+        progress: &dyn Progress,
+    ) -> Result<(f64, HashMap<String, Vec<wgpu::Buffer>>), RunError> {
+        let Kind::Gpu { gpu, plan, model } = &mut self.kind else {
+            return Err(RunError::Gpu(Box::new(GpuError::Internal("a step on the device, not on wgpu".into()))));
+        };
+        let model = match model {
+            Some(m) => {
+                if upload {
+                    m.set_params(params, &HashMap::new(), progress)?;
+                }
+                m
+            }
+            None => model.insert(Box::new(GpuModel::with_progress(
+                gpu.clone(),
+                plan,
+                &Options { params_vary: true, ..gpu.options() },
+                params,
+                &HashMap::new(),
+                progress,
+            )?)),
+        };
+        let (outputs, left) = model.run_leaving(batch, &|name| name == LOSS)?;
+        let loss = step_output(outputs)?.loss;
+        let grads = left.into_iter().filter_map(|(n, b)| Some((n.strip_prefix("grad.")?.to_string(), b))).collect();
+        Ok((loss, grads))
+    }
+
     /// The loss and gradients of `batch` with the parameters `params` (by tensor name).
     pub fn run(
         &mut self,

@@ -12,6 +12,7 @@ use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_nor
 use super::recipe::{Recipe, glob_match};
 use super::run::{RunError, StepRunner};
 use crate::device::Device;
+use crate::gpu::{DeviceAdamW, GpuError};
 use kiln_compiler::autodiff::Block;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{PackDims, WeightMap};
@@ -121,6 +122,11 @@ pub struct Trainer {
     trained: Vec<String>,
     uses: Vec<TensorUse>,
     optimizer: Optimizer,
+    /// AdamW on the device, where the step runs on wgpu (see [`Trainer::step`]): then the
+    /// parameters and moments there are the truth, and `stale` says whether `tensors` and
+    /// `optimizer` are behind them.
+    resident: Option<DeviceAdamW>,
+    stale: bool,
     step: usize,
     recomputed: (usize, usize),
 }
@@ -236,6 +242,8 @@ impl Trainer {
             trained,
             uses,
             optimizer,
+            resident: None,
+            stale: false,
             step: 0,
             recomputed: (recomputed.len(), blocks),
         })
@@ -256,9 +264,31 @@ impl Trainer {
         self.step
     }
 
-    /// The model's tensors, by checkpoint name (the trained ones as trained so far).
-    pub fn tensors(&self) -> &HashMap<String, Tensor> {
-        &self.tensors
+    /// The model's tensors, by checkpoint name (the trained ones as trained so far: read back
+    /// from the device where the steps run there).
+    pub fn tensors(&mut self) -> Result<&HashMap<String, Tensor>, TrainError> {
+        self.sync()?;
+        Ok(&self.tensors)
+    }
+
+    /// Brings the host's tensors and optimizer state up to the device's, where the steps run
+    /// there ([`Trainer::step`]); nothing to do otherwise.
+    fn sync(&mut self) -> Result<(), TrainError> {
+        let (true, Some(resident), Some(model)) = (self.stale, &self.resident, self.train.gpu_model()) else {
+            return Ok(());
+        };
+        let step = self.step;
+        let failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
+        for name in &self.trained {
+            let buffers = model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?;
+            let shape = self.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| no_buffers(step, name))?;
+            let t = crate::gpu::read_buffers(model.gpu(), buffers, &shape).map_err(failed)?;
+            self.tensors.insert(name.clone(), t);
+        }
+        let state: HashMap<String, Tensor> = resident.state().map_err(failed)?.into_iter().collect();
+        self.optimizer.load_state(&state).map_err(|source| TrainError::Optim { step, source })?;
+        self.stale = false;
+        Ok(())
     }
 
     /// The tensors the optimizer updates, in the model's order.
@@ -273,7 +303,21 @@ impl Trainer {
 
     /// One optimizer step on `micro` (the step's micro-batches: one, or `accumulate` of them).
     /// On an error the tensors and the optimizer's state are those before the step.
+    ///
+    /// On wgpu, a step of one micro-batch with AdamW runs on the device: the parameters, their
+    /// gradients and the moments stay there (the first such step writes the host's there), the
+    /// loss and the gradients' sums of squares are read back for the checks and the clipping, and
+    /// [`DeviceAdamW`] updates the parameters in place; the host's copies are read back when
+    /// asked for ([`Trainer::tensors`], [`Trainer::state`], an evaluation). Any other step (on
+    /// another device, several micro-batches, SGD) runs on the host's tensors.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
+        if let ([batch], true, Optimizer::AdamW(_)) = (micro, self.train.on_gpu(), &self.optimizer) {
+            return self.step_on_device(batch);
+        }
+        // The host's tensors are the truth from here: the next step on the device writes them
+        // there again.
+        self.sync()?;
+        self.resident = None;
         let step = self.step;
         let lr = self.recipe.lr_at(step);
         let mut acc = GradAccumulator::new();
@@ -341,15 +385,72 @@ impl Trainer {
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
 
+    /// [`Trainer::step`] on the device (see there) of one micro-batch, with AdamW.
+    fn step_on_device(&mut self, batch: &HashMap<String, Tensor>) -> Result<StepLog, TrainError> {
+        let step = self.step;
+        let lr = self.recipe.lr_at(step);
+        let run = |source: RunError| TrainError::Run { step, source };
+        let gpu_failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
+        let upload = self.resident.is_none();
+        let (loss, grads) = self.train.run_on_device(&self.tensors, batch, upload, &()).map_err(run)?;
+        if !loss.is_finite() {
+            return Err(TrainError::NonFinite { step, what: format!("the loss is {loss}") });
+        }
+        let (Optimizer::AdamW(host), Some(model)) = (&self.optimizer, self.train.gpu_model()) else {
+            return Err(run(RunError::Gpu(Box::new(GpuError::Internal("no model on the device".into())))));
+        };
+        if upload {
+            self.resident = Some(DeviceAdamW::new(model.gpu().clone(), host, &self.trained).map_err(gpu_failed)?);
+        }
+        let Some(resident) = self.resident.as_mut() else { return Err(no_buffers(step, "the optimizer")) };
+        let mut g: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
+        let mut p: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
+        for name in &self.trained {
+            g.push(grads.get(name).ok_or_else(|| run(RunError::NoGradient(name.clone())))?);
+            p.push(model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?);
+        }
+        // The global norm as `clip_grad_norm` computes it (the parameters' sums in order), and
+        // the same refusal of a non-finite one, naming the first tensor whose gradient is not
+        // finite and a value of it.
+        let sums = resident.sum_squares(&g).map_err(gpu_failed)?;
+        let grad_norm = sums.iter().sum::<f64>().sqrt();
+        if !grad_norm.is_finite() {
+            let first = sums.iter().position(|s| !s.is_finite());
+            let found = first.and_then(|i| Some((self.trained.get(i)?, *g.get(i)?)));
+            let (param, value) = match found {
+                Some((name, buffers)) => {
+                    let shape =
+                        self.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| no_buffers(step, name))?;
+                    let t = crate::gpu::read_buffers(model.gpu(), buffers, &shape).map_err(gpu_failed)?;
+                    let bad = t.as_f32().and_then(|v| v.iter().copied().find(|x| !x.is_finite()));
+                    (name.clone(), bad.unwrap_or(f32::NAN))
+                }
+                None => ("(none)".to_string(), f32::NAN),
+            };
+            let e = OptimError::NonFiniteGrad { norm: grad_norm, param, value };
+            return Err(TrainError::NonFinite { step, what: e.to_string() });
+        }
+        let scale = match self.recipe.clip {
+            Some(max_norm) if max_norm / (grad_norm + 1e-6) < 1.0 => (max_norm / (grad_norm + 1e-6)) as f32,
+            _ => 1.0,
+        };
+        resident.update(host, lr, scale, &p, &g).map_err(gpu_failed)?;
+        self.stale = true;
+        self.step += 1;
+        Ok(StepLog { step, loss, grad_norm, lr, tokens: counted(batch) })
+    }
+
     /// Where a step's graph spends its time on `batch` (each plan step's op and seconds; `None` on
     /// the interpreter): see [`StepRunner::profile`]. Nothing is updated.
     pub fn profile(&mut self, batch: &HashMap<String, Tensor>) -> Result<Option<Vec<(String, f64)>>, TrainError> {
+        self.sync()?;
         let step = self.step;
         self.train.profile(&self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })
     }
 
     /// The mean loss of `batch` with the current tensors (no update).
     pub fn eval(&mut self, batch: &HashMap<String, Tensor>) -> Result<f64, TrainError> {
+        self.sync()?;
         let step = self.step;
         let runner = match &mut self.eval {
             Some(r) => r,
@@ -363,10 +464,11 @@ impl Trainer {
 
     /// The optimizer's state and the step count, as named tensors (`train.step`, and the
     /// optimizer's own names), for a checkpoint a resumed run continues from.
-    pub fn state(&self) -> Vec<(String, Tensor)> {
+    pub fn state(&mut self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        self.sync()?;
         let mut state = self.optimizer.state();
         state.push((STEP.into(), Tensor::i64(vec![1], vec![self.step as i64])));
-        state
+        Ok(state)
     }
 
     /// Restores [`Trainer::state`] (the tensors are restored by giving them to [`Trainer::new`]).
@@ -375,10 +477,20 @@ impl Trainer {
             Some(&s) if s >= 0 => s as usize,
             _ => return Err(TrainError::Weights(format!("the training state has no `{STEP}`"))),
         };
+        self.sync()?;
         self.optimizer.load_state(state).map_err(|source| TrainError::Optim { step, source })?;
+        // The device's moments, if any, are not these: the next step writes these there.
+        self.resident = None;
         self.step = step;
         Ok(())
     }
+}
+
+/// The error of a trained tensor the device holds no f32 buffers for (a bug: the training plan
+/// reads every trained tensor as a parameter).
+fn no_buffers(step: usize, name: &str) -> TrainError {
+    let message = format!("the device holds no buffers for `{name}`");
+    TrainError::Run { step, source: RunError::from(GpuError::Internal(message)) }
 }
 
 /// The name of the step count in a training state.

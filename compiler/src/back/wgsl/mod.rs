@@ -29,6 +29,7 @@ mod dims;
 pub mod emit;
 mod gemm;
 mod kernel;
+pub mod optim;
 pub mod partials;
 pub mod projection;
 mod reduce;
