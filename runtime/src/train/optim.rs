@@ -276,6 +276,16 @@ impl AdamW {
         (constants, decay)
     }
 
+    /// Drops the moments (each parameter's keeps its shape) while a copy elsewhere is the truth:
+    /// the device's ([`crate::gpu::DeviceAdamW`]), given back by [`AdamW::load_state`] before the
+    /// state is read or a step runs here (a step on released moments is refused: their sizes are
+    /// not the parameters').
+    pub(crate) fn release_moments(&mut self) {
+        for slot in self.slots.values_mut() {
+            (slot.m, slot.v) = (Vec::new(), Vec::new());
+        }
+    }
+
     /// Whether the parameter `name` takes weight decay (`None`: not registered).
     pub(crate) fn decays(&self, name: &str) -> Option<bool> {
         self.slots.get(name).map(|s| s.decay && self.weight_decay != 0.0)

@@ -435,6 +435,10 @@ impl Trainer {
             _ => 1.0,
         };
         resident.update(host, lr, scale, &p, &g).map_err(gpu_failed)?;
+        // The device's moments are the truth now; the host's are read back when asked for.
+        if let Optimizer::AdamW(host) = &mut self.optimizer {
+            host.release_moments();
+        }
         self.stale = true;
         self.step += 1;
         Ok(StepLog { step, loss, grad_norm, lr, tokens: counted(batch) })
