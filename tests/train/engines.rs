@@ -162,7 +162,7 @@ fn wgpu_refuses_the_labels_the_interpreter_refuses() {
 /// Steps of AdamW on wgpu, where the parameters, their gradients and the moments stay on the
 /// device between steps (`DeviceAdamW`), against the same steps on the CPU, the host's AdamW:
 /// each step's loss and gradient norm (clipped from the second step on), then the tensors and the
-/// optimizer's state read back after the last. Also on buffers of 2 048 floats, where the larger
+/// optimizer's state read back after the last (and once midway, as a checkpoint reads them). Also on buffers of 2 048 floats, where the larger
 /// tensors (the embedding's 8 192 elements, the MLP's 11 264) are split over several and the
 /// update and the norm run chunk by chunk.
 #[test]
@@ -200,7 +200,11 @@ fn adamw_on_the_device_trains_as_on_the_host() {
     for (what, gpu) in [("wgpu", Some(gpu)), ("wgpu, chunked", chunked)] {
         let Some(gpu) = gpu else { continue };
         let mut device = trainer(Device::Gpu(gpu));
-        for (b, want) in batches.iter().zip(&logs) {
+        for (i, (b, want)) in batches.iter().zip(&logs).enumerate() {
+            if i == 2 {
+                // Read back mid-run (a checkpoint): the steps after go on from the device's.
+                assert!(device.tensors().unwrap().values().all(|t| t.to_f32_vec().iter().all(|x| x.is_finite())));
+            }
             let got = device.step(std::slice::from_ref(b)).unwrap();
             assert!((got.loss - want.loss).abs() < 1e-4 * want.loss.abs().max(1.0), "{what}: {got:?} vs {want:?}");
             assert!((got.grad_norm - want.grad_norm).abs() < 1e-4 * want.grad_norm, "{what}: {got:?} vs {want:?}");

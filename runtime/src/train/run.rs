@@ -198,9 +198,12 @@ impl StepRunner {
         }
     }
 
-    /// Whether the step runs on wgpu.
-    pub fn on_gpu(&self) -> bool {
-        matches!(self.kind, Kind::Gpu { .. })
+    /// The device, where the step runs on wgpu.
+    pub fn gpu(&self) -> Option<&Arc<Gpu>> {
+        match &self.kind {
+            Kind::Gpu { gpu, .. } => Some(gpu),
+            _ => None,
+        }
     }
 
     /// On wgpu: the loss of `batch` with the parameters already on the device — `params` written

@@ -124,7 +124,7 @@ pub struct Trainer {
     optimizer: Optimizer,
     /// AdamW on the device, where the step runs on wgpu (see [`Trainer::step`]): then the
     /// parameters and moments there are the truth, and `stale` says whether `tensors` and
-    /// `optimizer` are behind them.
+    /// `optimizer` are behind them (the host's moments are dropped meanwhile).
     resident: Option<DeviceAdamW>,
     stale: bool,
     step: usize,
@@ -311,7 +311,7 @@ impl Trainer {
     /// asked for ([`Trainer::tensors`], [`Trainer::state`], an evaluation). Any other step (on
     /// another device, several micro-batches, SGD) runs on the host's tensors.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
-        if let ([batch], true, Optimizer::AdamW(_)) = (micro, self.train.on_gpu(), &self.optimizer) {
+        if let ([batch], Some(_), Optimizer::AdamW(_)) = (micro, self.train.gpu(), &self.optimizer) {
             return self.step_on_device(batch);
         }
         // The host's tensors are the truth from here: the next step on the device writes them
@@ -392,17 +392,22 @@ impl Trainer {
         let run = |source: RunError| TrainError::Run { step, source };
         let gpu_failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
         let upload = self.resident.is_none();
+        if let (true, Some(gpu), Optimizer::AdamW(host)) = (upload, self.train.gpu(), &mut self.optimizer) {
+            // The moments to the device; from here the device's copies are the truth (equal to
+            // the host's until the first update), and the host's moments are dropped.
+            self.resident = Some(DeviceAdamW::new(gpu.clone(), host, &self.trained).map_err(gpu_failed)?);
+            host.release_moments();
+            self.stale = true;
+        }
         let (loss, grads) = self.train.run_on_device(&self.tensors, batch, upload, &()).map_err(run)?;
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, what: format!("the loss is {loss}") });
         }
-        let (Optimizer::AdamW(host), Some(model)) = (&self.optimizer, self.train.gpu_model()) else {
-            return Err(run(RunError::Gpu(Box::new(GpuError::Internal("no model on the device".into())))));
+        let (Optimizer::AdamW(host), Some(model), Some(resident)) =
+            (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
+        else {
+            return Err(run(RunError::Gpu(Box::new(GpuError::Internal("no model or optimizer on the device".into())))));
         };
-        if upload {
-            self.resident = Some(DeviceAdamW::new(model.gpu().clone(), host, &self.trained).map_err(gpu_failed)?);
-        }
-        let Some(resident) = self.resident.as_mut() else { return Err(no_buffers(step, "the optimizer")) };
         let mut g: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
         let mut p: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
         for name in &self.trained {
@@ -435,7 +440,8 @@ impl Trainer {
             _ => 1.0,
         };
         resident.update(host, lr, scale, &p, &g).map_err(gpu_failed)?;
-        // The device's moments are the truth now; the host's are read back when asked for.
+        // The host's copies are behind the device's now (and its moments, if read back since
+        // the last step, are dropped again).
         if let Optimizer::AdamW(host) = &mut self.optimizer {
             host.release_moments();
         }
