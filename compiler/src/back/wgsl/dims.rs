@@ -74,8 +74,8 @@ fn dims_of(
             vec![total, axis(x, *a)?, x.iter().skip(a + 1).product()]
         }
         Op::ActGrad(_) | Op::Rsqrt => vec![total],
-        // One thread per row: [rows, d].
-        Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out), last(out)],
+        // A workgroup per row (`emit::cooperative`): [rows * 64, d].
+        Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out) * WORKGROUP as usize, last(out)],
         // Reductions over rows in two dispatches, or one where chunked (`partials`).
         Op::NormGainGrad { .. } | Op::CrossEntropy { .. } => {
             let x = operand(0)?;

@@ -28,8 +28,8 @@ const _: () = assert!(super::gemm::LANES == WORKGROUP);
 const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
 /// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, the heads
-/// normalized per head, the cross-entropy and its gradient, the gather's backward, a norm's gain
-/// gradient per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
+/// normalized per head, the cross-entropy and its gradient, the gather's backward, the norms' and
+/// the softmax's gradients, a norm's gain gradient per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
 /// invocation's index in the workgroup, and (see [`reduces`]) reduces the row with `row_sum` and
 /// `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
 /// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
@@ -46,6 +46,8 @@ pub fn cooperative(op: &Op) -> bool {
             | Op::CrossEntropyGrad { .. }
             | Op::GatherGrad
             | Op::NormGainGrad { .. }
+            | Op::NormGrad { .. }
+            | Op::SoftmaxGrad
     ) || super::gemm::tiled(op)
 }
 
@@ -230,26 +232,29 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
                 "        ",
             )
         }
-        // One thread per row: the row's dot product, then each element.
-        Op::SoftmaxGrad => "let n = dim(1u);\nlet base = i * n;\nvar dot = 0.0;\n\
-                            for (var j = 0u; j < n; j = j + 1u) { dot = dot + in0[base + j] * in1[base + j]; }\n\
-                            for (var j = 0u; j < n; j = j + 1u) { out[base + j] = in0[base + j] * (in1[base + j] - dot); }"
-            .into(),
-        // One thread per row: its statistics, then the two means of the gradient, then each element
-        // (plus the residual's gradient, a fourth operand).
+        // A workgroup per row ([`cooperative`]): the row's dot product, then each element.
+        Op::SoftmaxGrad => format!(
+            "let d = dim(1u);\nlet base = wg * d;\nvar dot = 0.0;\n{LANES} {{ dot = dot + in0[base + j] * in1[base + j]; }}\n\
+             dot = row_sum(lane, dot);\n{LANES} {{ out[base + j] = in0[base + j] * (in1[base + j] - dot); }}"
+        ),
+        // A workgroup per row ([`cooperative`]): its statistics, then the two means of the
+        // gradient, then each element (plus the residual's gradient, a fourth operand). A
+        // centred norm's mean and the gradient's are reduced; an RMSNorm's are 0.
         Op::NormGrad { rms, eps } => {
-            let centre = if *rms { "0.0" } else { "s / f32(d)" };
-            let mean_gx = if *rms { "0.0" } else { "sg / f32(d)" };
+            let mean = match rms {
+                true => "let mean = 0.0;\n".to_string(),
+                false => format!("var s = 0.0;\n{LANES} {{ s = s + in0[base + j]; }}\nlet mean = row_sum(lane, s) / f32(d);\n"),
+            };
+            let mean_gx = if *rms { "0.0" } else { "row_sum(lane, sg) / f32(d)" };
             let residual = if operands > 3 { " + in3[base + j]" } else { "" };
             format!(
-                "let d = dim(1u);\nlet base = i * d;\nvar s = 0.0;\nfor (var j = 0u; j < d; j = j + 1u) {{ s = s + in0[base + j]; }}\n\
-                 let mean = {centre};\nvar q = 0.0;\n\
-                 for (var j = 0u; j < d; j = j + 1u) {{ let c = in0[base + j] - mean; q = q + c * c; }}\n\
-                 let r = 1.0 / sqrt(q / f32(d) + {eps:?});\nvar sg = 0.0;\nvar sgx = 0.0;\n\
-                 for (var j = 0u; j < d; j = j + 1u) {{\n    let gx = in2[base + j] * in1[j];\n    \
+                "let d = dim(1u);\nlet base = wg * d;\n{mean}var q = 0.0;\n\
+                 {LANES} {{ let c = in0[base + j] - mean; q = q + c * c; }}\n\
+                 let r = 1.0 / sqrt(row_sum(lane, q) / f32(d) + {eps:?});\nvar sg = 0.0;\nvar sgx = 0.0;\n\
+                 {LANES} {{\n    let gx = in2[base + j] * in1[j];\n    \
                  sg = sg + gx;\n    sgx = sgx + gx * (in0[base + j] - mean) * r;\n}}\n\
-                 let mg = {mean_gx};\nlet mgx = sgx / f32(d);\n\
-                 for (var j = 0u; j < d; j = j + 1u) {{\n    let gx = in2[base + j] * in1[j];\n    \
+                 let mg = {mean_gx};\nlet mgx = row_sum(lane, sgx) / f32(d);\n\
+                 {LANES} {{\n    let gx = in2[base + j] * in1[j];\n    \
                  out[base + j] = r * (gx - mg - (in0[base + j] - mean) * r * mgx){residual};\n}}",
                 eps = eps.0
             )

@@ -609,7 +609,14 @@ mod tests {
             for text in [&plain, &sub, &chunked] {
                 super::super::validate(text).unwrap_or_else(|e| panic!("{} {}: {e}\n{text}", op.name(), op.attrs()));
             }
-            let reduces = matches!(op, Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } | Op::NormGainGrad { .. });
+            let reduces = matches!(
+                op,
+                Op::CrossEntropy { .. }
+                    | Op::CrossEntropyGrad { .. }
+                    | Op::NormGainGrad { .. }
+                    | Op::NormGrad { .. }
+                    | Op::SoftmaxGrad
+            );
             // The reductions over rows bind partial results, but where chunked (`partials`).
             let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. });
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
