@@ -6,6 +6,10 @@
 //! [`kiln_compiler::back::wgsl::optim`]'s; the host's [`AdamW`] keeps the settings and is given
 //! the moments back whenever the state is read ([`DeviceAdamW::state`]).
 //!
+//! A step of several micro-batches adds each one's gradients to a running mean on the device
+//! ([`DeviceAdamW::accumulate`], buffers made at the first such step), whose buffers are then the
+//! gradients the norm and the update read.
+//!
 //! A step is two submissions: the sums of squares of every gradient (one dispatch per chunk of
 //! each), read back and added on the host in f64, in the parameters' order, for the global norm
 //! that clipping reads; then the update of every parameter (one dispatch per chunk), with the
@@ -25,7 +29,7 @@
 use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError};
 use crate::train::AdamW;
-use kiln_compiler::back::wgsl::optim::{ADAMW, AdamWStep, SUM_SQUARES, SquaresSizes};
+use kiln_compiler::back::wgsl::optim::{ACCUMULATE, ADAMW, AdamWStep, MeanStep, SUM_SQUARES, SquaresSizes};
 use kiln_compiler::back::wgsl::workgroups;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
@@ -38,6 +42,8 @@ struct Slot {
     /// First and second moments, as [`Gpu::chunked`] splits the tensor.
     m: Vec<wgpu::Buffer>,
     v: Vec<wgpu::Buffer>,
+    /// The running mean of a step's micro-batches' gradients (made when first needed).
+    mean: Vec<wgpu::Buffer>,
 }
 
 /// A bind group, and the buffers it was made for (made again when a slot is replaced).
@@ -48,13 +54,14 @@ pub struct DeviceAdamW {
     gpu: Arc<Gpu>,
     squares: wgpu::ComputePipeline,
     update: wgpu::ComputePipeline,
+    accumulate: wgpu::ComputePipeline,
     slots: Vec<Slot>,
     /// Steps taken, as the host's [`AdamW::step_count`] counts them.
     step: u64,
     /// Per dispatch (a chunk of a parameter, in order): its elements and its first partial sum.
     chunks: Vec<SquaresSizes>,
     /// The uniforms: the squares' sizes of every chunk, then the update's constants of every
-    /// chunk, [`DeviceAdamW::stride`] bytes apart.
+    /// chunk, then the accumulation's, [`DeviceAdamW::stride`] bytes apart.
     uniform: wgpu::Buffer,
     stride: u64,
     /// The partial sums, and the mappable buffer they are read through.
@@ -62,6 +69,7 @@ pub struct DeviceAdamW {
     parts_len: usize,
     squares_groups: Vec<Cached>,
     update_groups: Vec<Cached>,
+    mean_groups: Vec<Cached>,
 }
 
 /// Bytes of a uniform entry: its size rounded up to the device's offset alignment.
@@ -100,12 +108,12 @@ impl DeviceAdamW {
                 parts_len += sizes.workgroups() as usize;
                 chunks.push(sizes);
             }
-            slots.push(Slot { name: name.clone(), shape, m: mb, v: vb });
+            slots.push(Slot { name: name.clone(), shape, m: mb, v: vb, mean: Vec::new() });
         }
         let stride = stride(&gpu);
         let uniform = gpu.buffer(
             "AdamW's uniforms",
-            2 * stride * chunks.len().max(1) as u64,
+            3 * stride * chunks.len().max(1) as u64,
             wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         )?;
         for (i, sizes) in chunks.iter().enumerate() {
@@ -124,6 +132,7 @@ impl DeviceAdamW {
         Ok(DeviceAdamW {
             squares: gpu.pipeline("sum of squares", SUM_SQUARES),
             update: gpu.pipeline("AdamW", ADAMW),
+            accumulate: gpu.pipeline("gradient mean", ACCUMULATE),
             gpu,
             slots,
             step: host.step_count(),
@@ -134,6 +143,7 @@ impl DeviceAdamW {
             parts_len,
             squares_groups: (0..n).map(|_| None).collect(),
             update_groups: (0..n).map(|_| None).collect(),
+            mean_groups: (0..n).map(|_| None).collect(),
         })
     }
 
@@ -150,6 +160,68 @@ impl DeviceAdamW {
             }
         }
         Ok(())
+    }
+
+    /// Adds a micro-batch's gradients (`grads`, one per parameter in order) to the running mean
+    /// of the step's: copied if `weight` is `None` (the step's first micro-batch that counts),
+    /// else `mean += weight * (g - mean)`, `weight` the micro-batch's counted positions over all
+    /// so far, as the host's `GradAccumulator` adds them. Recorded and submitted.
+    pub fn accumulate(&mut self, grads: &[&[wgpu::Buffer]], weight: Option<f32>) -> Result<(), GpuError> {
+        self.check(grads, "gradients")?;
+        let gpu = self.gpu.clone();
+        for slot in &mut self.slots {
+            if slot.mean.is_empty() {
+                let bytes = 4 * slot.shape.iter().product::<usize>() as u64;
+                slot.mean = gpu.chunked("a step's mean gradient", bytes, STORAGE)?;
+            }
+        }
+        let base = 2 * self.chunks.len() as u64 * self.stride;
+        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("mean") });
+        match weight {
+            None => self.each_chunk(|p, c, d| {
+                let mean = self.slots[p].mean.get(c).ok_or_else(|| GpuError::Internal("no mean chunk".into()))?;
+                encoder.copy_buffer_to_buffer(chunk(grads, p, c)?, 0, mean, 0, 4 * u64::from(self.chunks[d].n.max(1)));
+                Ok(())
+            })?,
+            Some(weight) => {
+                let mut words = vec![0u8; (self.chunks.len() as u64 * self.stride) as usize];
+                self.each_chunk(|_, _, d| {
+                    let at = d * self.stride as usize;
+                    let step = MeanStep { n: self.chunks[d].n, weight };
+                    words[at..at + 16].copy_from_slice(bytemuck::cast_slice(&step.words()));
+                    Ok(())
+                })?;
+                gpu.queue.write_buffer(&self.uniform, base, &words);
+                let mut groups = std::mem::take(&mut self.mean_groups);
+                {
+                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("mean"),
+                        timestamp_writes: None,
+                    });
+                    pass.set_pipeline(&self.accumulate);
+                    self.each_chunk(|p, c, d| {
+                        let mean =
+                            self.slots[p].mean.get(c).ok_or_else(|| GpuError::Internal("no mean chunk".into()))?;
+                        let bound = [mean, chunk(grads, p, c)?];
+                        let offset = base + d as u64 * self.stride;
+                        let group = cached(&gpu, &mut groups[d], &self.accumulate, &self.uniform, offset, &bound);
+                        pass.set_bind_group(0, group, &[]);
+                        let (x, y) = workgroups(self.chunks[d].n, gpu.limits.max_compute_workgroups_per_dimension);
+                        pass.dispatch_workgroups(x, y, 1);
+                        Ok(())
+                    })?;
+                }
+                self.mean_groups = groups;
+            }
+        }
+        gpu.queue.submit([encoder.finish()]);
+        gpu.check_lost()
+    }
+
+    /// The buffers of the running mean [`DeviceAdamW::accumulate`] adds to, one per parameter in
+    /// order (empty before its first call).
+    pub fn mean(&self) -> Vec<Vec<wgpu::Buffer>> {
+        self.slots.iter().map(|s| s.mean.clone()).collect()
     }
 
     /// Each parameter's sum of the squares of its gradient (`grads`, one per parameter in order,

@@ -304,15 +304,15 @@ impl Trainer {
     /// One optimizer step on `micro` (the step's micro-batches: one, or `accumulate` of them).
     /// On an error the tensors and the optimizer's state are those before the step.
     ///
-    /// On wgpu, a step of one micro-batch with AdamW runs on the device: the parameters, their
-    /// gradients and the moments stay there (the first such step writes the host's there), the
-    /// loss and the gradients' sums of squares are read back for the checks and the clipping, and
-    /// [`DeviceAdamW`] updates the parameters in place; the host's copies are read back when
-    /// asked for ([`Trainer::tensors`], [`Trainer::state`], an evaluation). Any other step (on
-    /// another device, several micro-batches, SGD) runs on the host's tensors.
+    /// On wgpu, a step with AdamW runs on the device: the parameters, their gradients (several
+    /// micro-batches' averaged there) and the moments stay there (the first such step writes the
+    /// host's there), the loss and the gradients' sums of squares are read back for the checks
+    /// and the clipping, and [`DeviceAdamW`] updates the parameters in place; the host's copies
+    /// are read back when asked for ([`Trainer::tensors`], [`Trainer::state`], an evaluation).
+    /// Any other step (on another device, or with SGD) runs on the host's tensors.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
-        if let ([batch], Some(_), Optimizer::AdamW(_)) = (micro, self.train.gpu(), &self.optimizer) {
-            return self.step_on_device(batch);
+        if let (false, Some(_), Optimizer::AdamW(_)) = (micro.is_empty(), self.train.gpu(), &self.optimizer) {
+            return self.step_on_device(micro);
         }
         // The host's tensors are the truth from here: the next step on the device writes them
         // there again.
@@ -385,8 +385,9 @@ impl Trainer {
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
 
-    /// [`Trainer::step`] on the device (see there) of one micro-batch, with AdamW.
-    fn step_on_device(&mut self, batch: &HashMap<String, Tensor>) -> Result<StepLog, TrainError> {
+    /// [`Trainer::step`] on the device (see there) of `micro` (at least one micro-batch), with
+    /// AdamW.
+    fn step_on_device(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
         let step = self.step;
         let lr = self.recipe.lr_at(step);
         let run = |source: RunError| TrainError::Run { step, source };
@@ -399,19 +400,54 @@ impl Trainer {
             host.release_moments();
             self.stale = true;
         }
-        let (loss, grads) = self.train.run_on_device(&self.tensors, batch, upload, &()).map_err(run)?;
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite { step, what: format!("the loss is {loss}") });
+        let no_optimizer = || run(RunError::Gpu(Box::new(GpuError::Internal("no optimizer on the device".into()))));
+        // Each micro-batch's loss and gradients; several are averaged on the device, weighted by
+        // the positions each counts (as `GradAccumulator` does on the host).
+        let (mut loss_sum, mut counted_sum, mut single) = (0.0f64, 0u64, None);
+        for (i, batch) in micro.iter().enumerate() {
+            let (loss, grads) = self.train.run_on_device(&self.tensors, batch, upload && i == 0, &()).map_err(run)?;
+            if !loss.is_finite() {
+                return Err(TrainError::NonFinite { step, what: format!("the loss is {loss}") });
+            }
+            let c = counted(batch);
+            loss_sum += loss * c as f64;
+            if micro.len() == 1 {
+                single = Some(grads);
+            } else if c > 0 {
+                let g = self.in_order(&grads, step)?;
+                let weight = (counted_sum > 0).then(|| (c as f64 / (counted_sum + c) as f64) as f32);
+                self.resident.as_mut().ok_or_else(no_optimizer)?.accumulate(&g, weight).map_err(gpu_failed)?;
+                counted_sum += c;
+            }
         }
+        let tokens = match &single {
+            Some(_) => micro.first().map_or(0, counted),
+            None => counted_sum,
+        };
+        let loss = loss_sum / tokens.max(1) as f64;
         let (Optimizer::AdamW(host), Some(model), Some(resident)) =
             (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
         else {
-            return Err(run(RunError::Gpu(Box::new(GpuError::Internal("no model or optimizer on the device".into())))));
+            return Err(no_optimizer());
         };
-        let mut g: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
+        let gradients: Vec<Vec<wgpu::Buffer>> = match &single {
+            Some(grads) => {
+                let mut g = Vec::with_capacity(self.trained.len());
+                for name in &self.trained {
+                    g.push(grads.get(name).cloned().ok_or_else(|| run(RunError::NoGradient(name.clone())))?);
+                }
+                g
+            }
+            // No micro-batch counted a position: no gradient, as on the host.
+            None if counted_sum == 0 => {
+                let name = self.trained.first().cloned().unwrap_or_default();
+                return Err(run(RunError::NoGradient(name)));
+            }
+            None => resident.mean(),
+        };
+        let g: Vec<&[wgpu::Buffer]> = gradients.iter().map(Vec::as_slice).collect();
         let mut p: Vec<&[wgpu::Buffer]> = Vec::with_capacity(self.trained.len());
         for name in &self.trained {
-            g.push(grads.get(name).ok_or_else(|| run(RunError::NoGradient(name.clone())))?);
             p.push(model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?);
         }
         // The global norm as `clip_grad_norm` computes it (the parameters' sums in order), and
@@ -447,7 +483,17 @@ impl Trainer {
         }
         self.stale = true;
         self.step += 1;
-        Ok(StepLog { step, loss, grad_norm, lr, tokens: counted(batch) })
+        Ok(StepLog { step, loss, grad_norm, lr, tokens })
+    }
+
+    /// A run's gradients (by tensor name) in the trained tensors' order.
+    fn in_order<'g>(
+        &self,
+        grads: &'g HashMap<String, Vec<wgpu::Buffer>>,
+        step: usize,
+    ) -> Result<Vec<&'g [wgpu::Buffer]>, TrainError> {
+        let missing = |name: &String| TrainError::Run { step, source: RunError::NoGradient(name.clone()) };
+        self.trained.iter().map(|name| grads.get(name).map(Vec::as_slice).ok_or_else(|| missing(name))).collect()
     }
 
     /// Where a step's graph spends its time on `batch` (each plan step's op and seconds; `None` on
