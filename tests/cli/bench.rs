@@ -35,6 +35,23 @@ fn bench_prints_the_spread_of_its_runs() {
     assert!(v["host_us_per_step"].is_null(), "the CPU back end's time is all the host's: {v}");
 }
 
+/// An encoder-decoder's `bench decode`: its source encoded, then decoded from the start token, on
+/// every engine (it once failed for want of the encoder's memory); `--batch` refused by name.
+#[test]
+fn bench_decode_runs_an_encoder_decoder() {
+    let backends: &[&str] = if crate::common::gpu().is_some() { &["cpu", "wgpu"] } else { &["cpu"] };
+    for backend in backends {
+        let args = ["bench", "decode", "models/t5.toml", "--runs", "1", "--seq", "6", "--steps", "3", "--json", "-q"];
+        let v = json(&[&args[..], &["--backend", backend]].concat());
+        assert_eq!((v["prompt_tokens"].as_u64(), v["decode_steps"].as_u64()), (Some(6), Some(3)), "{v}");
+        assert!(v["prefill_tok_s"].as_f64().unwrap() > 0.0 && v["decode_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    fails_with(
+        &["bench", "decode", "models/t5.toml", "--seq", "6", "--steps", "3", "--batch", "2"],
+        &["--batch", "`t5` is an encoder-decoder"],
+    );
+}
+
 /// Issue 34: `bench decode --batch N` decodes N sequences together, on the CPU back end and on
 /// wgpu, and says so.
 #[test]

@@ -1,13 +1,17 @@
 //! `kiln bench decode`: generation with the key/value cache, a prompt then decode steps: prefill
-//! and decode tokens per second.
+//! and decode tokens per second. An encoder-decoder's prompt is its source: encoded once per
+//! generation (its time part of the prefill's), then decoded from the decoder's start token.
 
 use super::{DeviceArgs, SpecArgs, Spread, at_least_one, bench_target, weight_bytes, weight_bytes_json};
 use crate::exec::{WeightArgs, params_for};
 use crate::progress::Reporter;
 use anyhow::{Result, bail};
-use kiln_compiler::graph::build::build_cached;
+use kiln_compiler::graph::build::{build_cached, build_encoder};
+use kiln_compiler::spec::BlockKind;
+use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{FrontEnd, optimize};
-use kiln_runtime::{Device, Weights};
+use kiln_runtime::{Device, Memory, Weights};
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 /// Arguments of `kiln bench decode`.
@@ -68,7 +72,25 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     use kiln_runtime::Sampler;
     use kiln_runtime::generate::{Session, generate};
     let cached = optimize::optimize_for(&build_cached(&fe.spec)?, &bench_target(device))?.0;
-    let (params, blocks) = params_for(fe, &cached, weights, storage.storage())?;
+    let encoder_decoder = fe.spec.spec.model.kind == BlockKind::EncoderDecoder;
+    if encoder_decoder && batch > 1 {
+        bail!(
+            "--batch decodes several prompts together; `{}` is an encoder-decoder, whose prompt is its source",
+            fe.graph.name
+        );
+    }
+    // An encoder-decoder's parameters are drawn for the whole model (the encoder's too), which
+    // the decoder's step and the encoder each read by name.
+    let drawn_for = if encoder_decoder { &fe.graph } else { &cached };
+    let (params, blocks) = params_for(fe, drawn_for, weights, storage.storage())?;
+    let encoder = match encoder_decoder {
+        true => {
+            let graph = optimize::optimize_for(&build_encoder(&fe.spec)?, &bench_target(device))?.0;
+            let weights = Weights::Given { params: &params, blocks: &blocks };
+            Some(device.load(&graph, weights, storage.storage(), &())?.into_engine())
+        }
+        false => None,
+    };
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
     let model = device.model(&cached, Weights::Given { params: &params, blocks: &blocks }, storage.storage(), &())?;
     let dispatches = model.plan().steps.len();
@@ -112,8 +134,16 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             after_prefill = after_prefill.or_else(|| clock.as_ref().map(|c| c.read()));
             true
         };
-        let (_, stats) = generate(&mut session, &ids, steps + 1, &mut Sampler::greedy(), &[], on_token)?;
-        prefill.push(stats.prefill_tok_s());
+        // An encoder-decoder's source encoded, then decoded from the start token (0).
+        let started = std::time::Instant::now();
+        if let Some(encoder) = &encoder {
+            let src = HashMap::from([("src_ids".to_string(), Tensor::i64(vec![1, prompt], ids.clone()))]);
+            session.set_memory(Memory::encode(encoder.as_ref(), &src)?);
+        }
+        let encode_s = started.elapsed().as_secs_f64();
+        let decoder_prompt = if encoder.is_some() { &[0][..] } else { &ids[..] };
+        let (_, stats) = generate(&mut session, decoder_prompt, steps + 1, &mut Sampler::greedy(), &[], on_token)?;
+        prefill.push(prompt as f64 / (encode_s + stats.prefill_s).max(f64::MIN_POSITIVE));
         decode.push(stats.decode_tok_s());
         if let (Some(c), Some((s0, n0))) = (&clock, after_prefill) {
             let (s1, n1) = c.read();
