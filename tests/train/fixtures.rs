@@ -214,8 +214,18 @@ fn bert_mlm_trains_as_pytorch_does() {
     whole_run("train_bert_mlm", "interp");
 }
 
-/// The whole run on wgpu of one fixture (lavapipe is slow; the first step of each is checked
-/// above), the one of the smallest model.
+/// The whole runs on wgpu, where the parameters, gradients and AdamW's moments stay on the
+/// device between steps: GPT-2's (a tied head, a packed projection), Llama's (a frozen
+/// embedding, never written there), BERT's (a masked-LM head).
+#[test]
+fn gpt2_and_llama_train_on_wgpu_as_pytorch_does() {
+    if wgpu().is_none() {
+        return;
+    }
+    whole_run("train_gpt2", "wgpu");
+    whole_run("train_llama", "wgpu");
+}
+
 #[test]
 fn bert_mlm_trains_on_wgpu_as_pytorch_does() {
     if wgpu().is_none() {
