@@ -1345,7 +1345,7 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
 /// tensors are split and the chunked kernel variants run) against the interpreter: matrix
-/// products of activations in both layouts, sums over each axis, every activation's derivative,
+/// products of activations in both layouts (in both block forms of the tiled kernel), sums over each axis, every activation's derivative,
 /// `rsqrt`, and the backward ops — the norms' (their gain gradients over few rows and over rows
 /// in several chunks: the two-dispatch form, `partials`, and chunked the one-dispatch form), the
 /// gather's (rows of `dy` added by id, repeated ids among them), the cross-entropy and its
@@ -1453,6 +1453,16 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let a = g.param("contract_rows.blocks.a", &[3, 25, 70]);
         let b = g.param("contract_rows.blocks.b", &[3, 25, 45]);
         out(&mut g, "contract_rows.blocks", Op::ContractRows, &[a, b]);
+        // Outputs of more than `gemm::WIDE_FROM_BLOCKS` blocks of 64 x 64, which run the wide
+        // form, cut at every edge.
+        for (t, transpose_b) in [false, true].into_iter().enumerate() {
+            let a = g.param(&format!("matmul{t}.wide.a"), &[8, 400, w]);
+            let b = g.param(&format!("matmul{t}.wide.b"), &if transpose_b { [8, 330, w] } else { [8, w, 330] });
+            out(&mut g, &format!("matmul{t}.wide"), Op::MatMul { transpose_b }, &[a, b]);
+        }
+        let a = g.param("contract_rows.wide.a", &[5, 1100]);
+        let b = g.param("contract_rows.wide.b", &[5, 1000]);
+        out(&mut g, "contract_rows.wide", Op::ContractRows, &[a, b]);
     }
 
     // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by

@@ -81,10 +81,11 @@ fn dims_of(
             let x = operand(0)?;
             super::partials::dims(op, rows(x), last(x), chunked).unwrap_or_default()
         }
-        // A workgroup per block of the output (`gemm`): [lanes, k, n, rows].
+        // A workgroup per block of the output (`gemm`): [lanes, k, n, rows, 0, tile].
         Op::ContractRows => {
             let a = operand(0)?;
-            vec![super::gemm::lanes(1, last(a), last(out)), last(a), last(out), rows(a)]
+            let (lanes, tile) = super::gemm::lanes(1, last(a), last(out));
+            vec![lanes, last(a), last(out), rows(a), 0, tile]
         }
         // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
         Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
@@ -130,7 +131,8 @@ fn dims_of(
             let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
             // A workgroup per block of each batch's output (`gemm`).
             let batches = total / (m * n).max(1);
-            vec![super::gemm::lanes(batches, m, n), m, n, k, usize::from(b.len() > 2)]
+            let (lanes, tile) = super::gemm::lanes(batches, m, n);
+            vec![lanes, m, n, k, usize::from(b.len() > 2), tile]
         }
         Op::Add | Op::Mul => {
             // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.
