@@ -274,7 +274,7 @@ pub fn bind_values<S: AsRef<[usize]>>(
 }
 
 /// Token ids and positions must index inside their tables: a GPU kernel would clamp silently, a
-/// CPU one read out of bounds. A loss's labels must be in its vocabulary (see [`check_labels`]).
+/// CPU one read out of bounds. A loss's labels must be in its vocabulary (see `check_labels`).
 /// `inputs` are the bound inputs by value.
 pub fn check_indices(
     plan: &Plan,

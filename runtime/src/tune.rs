@@ -299,9 +299,9 @@ const FIRST_USE_BATCH: usize = 4;
 /// (lowered from `graph`) and the adapter tunes at first use (by `KILN_TUNE`: a hardware one
 /// unless it says otherwise), its forms are tuned as `kiln tune` does, bounded by
 /// `KILN_TUNE_BUDGET` seconds (30), shown on `progress`, and cached. A cached decoder step (with
-/// its `logits` and caches) is timed generating ([`FIRST_USE_SHAPES`]); another graph reading
+/// its `logits` and caches) is timed generating (`FIRST_USE_SHAPES`); another graph reading
 /// token ids (an encoder's, a decoder's whole forward pass), on a forward pass of
-/// [`FIRST_USE_BATCH`] (as many tokens as a decoder step's prompt and steps, within its
+/// `FIRST_USE_BATCH` (as many tokens as a decoder step's prompt and steps, within its
 /// positions). A training graph, or one too short to time, is left untuned; every form
 /// disagreeing with the interpreter is an error.
 pub fn at_first_use(

@@ -82,7 +82,7 @@ pub enum RecipeError {
     },
 }
 
-/// The update rule ([`super::optim`]).
+/// The update rule (`kiln_runtime::train::optim` implements each).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OptimizerKind {
     /// AdamW with decoupled weight decay, as `torch.optim.AdamW` (`"adamw"`).

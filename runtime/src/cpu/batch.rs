@@ -79,7 +79,7 @@ impl CpuModel {
 
     /// One step of several sequences together, each running one token after its own cache:
     /// what [`CpuModel::run_cached`] gives each sequence alone, with every weight read once for
-    /// all of them (see the [module](self) docs). Returns the outputs other than the presents,
+    /// all of them (see the module's docs). Returns the outputs other than the presents,
     /// `[batch, ..]` with sequence `i`'s row `i` (`logits`: `[batch, 1, vocab]`); each present
     /// named by `links` becomes its sequence's cache. On an error every cache is as it was.
     pub fn run_batched(&self, seqs: &mut [SeqStep<'_>], links: &[(String, String)]) -> R<Vec<(String, Tensor)>> {

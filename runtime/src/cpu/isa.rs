@@ -7,7 +7,7 @@
 //! [`super::attention`] run their AVX2 build where [`Isa::avx2`] holds.
 //!
 //! Also here, for x86-64, the register-level helpers that kernels of different families share
-//! ([`x86`]).
+//! (`x86`).
 
 use std::sync::OnceLock;
 

@@ -25,7 +25,7 @@
 //! quantized blocks (`[rows, k]`), which these kernels read as they are (the wgpu back end
 //! transposes its own copy), so an artifact compiled once runs on either engine. Work is spread
 //! over a rayon pool of `threads` threads, whose other workers poll for each kernel's jobs while
-//! a run's steps go by ([`poll`]), rather than sleep and wake around every kernel.
+//! a run's steps go by (`poll`), rather than sleep and wake around every kernel.
 
 #![expect(
     clippy::indexing_slicing,

@@ -90,7 +90,7 @@ impl GpuModel {
     /// One step of several sequences together, each running one token after its own cache:
     /// what a cached run ([`GpuModel::run_resident`], keeping the presents) gives each sequence
     /// alone, with the steps that depend on neither positions nor caches run once for all of them
-    /// (see the [module](self) docs). Returns the outputs other than the presents, read back,
+    /// (see the module's docs). Returns the outputs other than the presents, read back,
     /// `[batch, ..]` with sequence `i`'s row `i` (`logits`: `[batch, 1, vocab]`); each present
     /// named by `links` (present, past) becomes its sequence's cache under the past name. On an
     /// error every cache is as it was.

@@ -19,7 +19,7 @@
 //!   quantized blocks a checkpoint gives it in, each looked-up row dequantized, so an embedding
 //!   table stored quantized is never expanded to f32.
 //!
-//! [`write`] is a pure function of the plan; the engine applies its [`Program`] to the constants
+//! [`write()`] is a pure function of the plan; the engine applies its [`Program`] to the constants
 //! it loads (only an f32 constant is transposed; only a table given as blocks stays blocks).
 
 use crate::graph::Op;

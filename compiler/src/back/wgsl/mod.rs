@@ -459,7 +459,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
 /// The kernel of step `step` of a compiled program's `plan` for a batched step of sequences at
 /// different positions, where the step is a projection whose epilogue rotates (RoPE): its
 /// [`kernel`], reading the first position of each sequence from a `u32` binding after its
-/// operands (see [`kernel::kernel_at_starts`]); `None` for any other step.
+/// operands (see `kernel::kernel_at_starts`); `None` for any other step.
 pub fn step_kernel_at_starts(plan: &Plan, step: &Step, options: &Options) -> Option<String> {
     let elems: Vec<Elem> = step.operands.iter().map(|&v| device_elem(&plan.values[v])).collect();
     kernel::kernel_at_starts(&step.op, &elems, device_elem(&plan.values[step.output]), options)

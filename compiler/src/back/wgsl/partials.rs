@@ -9,7 +9,7 @@
 //! The split attention (see [`super::attention`]) is the other kernel with partials; the
 //! functions here answer for every op ([`has_partials`], [`combine_dims`], [`partials_bytes`]).
 //! A step whose tensors are bound in chunks runs the single-dispatch form of the same op (the
-//! chunked kernel binds no scratch buffer; [`whole_body`]), whose `dims[15]` is 0.
+//! chunked kernel binds no scratch buffer; `whole_body`), whose `dims[15]` is 0.
 //!
 //! - **Norm gain gradient** `sum over rows of dy * xhat` (LayerNorm's centred, RMSNorm's not): a
 //!   workgroup per block of 64 columns and chunk of rows; for each row of its chunk the

@@ -188,7 +188,7 @@ pub const GEMM_TILES: [(usize, usize); 6] = [(4, 2), (4, 4), (8, 1), (8, 2), (8,
 
 /// Whether the kernel of projection `op` compiled with `options` has the split GEMV form: with
 /// subgroups, wherever it has the `vec4` forms (a RoPE epilogue's pairs in whole `vec4`s, see
-/// [`vector_rope`]).
+/// `vector_rope`).
 pub fn splits(op: &Op, options: &Options) -> bool {
     options.subgroups && Linear::of(op).rope.is_none_or(vector_rope)
 }
@@ -478,7 +478,7 @@ fn group_pair_fn(r: RopeCols) -> String {
 /// Module-scope declarations of a projection whose epilogue rotates (RoPE): `position(row)`, the
 /// position of output row `row` of `[b, s]` rows. From the sizes, `past + row % s`, one
 /// position for the whole batch; or, with `starts` (a batched step of sequences at different
-/// positions, see [`super::kernel_at_starts`]), `starts[row / s] + row % s`, each sequence's from
+/// positions, see `kernel::kernel_at_starts`), `starts[row / s] + row % s`, each sequence's from
 /// a binding after the operands (`binding`).
 pub fn position_fn(op: &Op, starts: Option<usize>) -> String {
     if !matches!(op, Op::Linear { rope: Some(_), .. }) {
