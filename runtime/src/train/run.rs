@@ -37,7 +37,7 @@ pub enum RunError {
     #[error(transparent)]
     Cpu(#[from] CpuError),
     /// The optimizer refused the graph (a bug of a rule: the graph was well typed).
-    #[error("optimizing the training step: {0}")]
+    #[error("optimizing the training step")]
     Optimize(#[from] GraphError),
     /// The wgpu back end failed (boxed: it is larger than the other errors).
     #[error(transparent)]

@@ -27,8 +27,8 @@ pub enum TrainError {
     /// The training graph could not be built (an op without a gradient rule, no logits, ...).
     #[error(transparent)]
     Graph(#[from] TrainGraphError),
-    /// A step could not run.
-    #[error("step {step}: {source}")]
+    /// A step could not run. (The cause is the error's source, which a report prints after it.)
+    #[error("step {step}")]
     Run {
         /// The step (from 0).
         step: usize,
@@ -43,8 +43,9 @@ pub enum TrainError {
         /// What was not finite.
         what: String,
     },
-    /// The optimizer refused the update (a bug, or state that does not fit).
-    #[error("step {step}: {source}")]
+    /// The optimizer refused the update (a bug, or state that does not fit); the cause is the
+    /// source.
+    #[error("step {step}")]
     Optim {
         /// The step.
         step: usize,
@@ -274,16 +275,20 @@ impl Trainer {
     /// Brings the host's tensors and optimizer state up to the device's, where the steps run
     /// there ([`Trainer::step`]); nothing to do otherwise.
     fn sync(&mut self) -> Result<(), TrainError> {
-        let (true, Some(resident), Some(model)) = (self.stale, &self.resident, self.train.gpu_model()) else {
+        let (true, Some(resident)) = (self.stale, &self.resident) else {
             return Ok(());
         };
         let step = self.step;
         let failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
-        for name in &self.trained {
-            let buffers = model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?;
-            let shape = self.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| no_buffers(step, name))?;
-            let t = crate::gpu::read_buffers(model.gpu(), buffers, &shape).map_err(failed)?;
-            self.tensors.insert(name.clone(), t);
+        // The parameters, unless the model was never built (its first run failed): then the
+        // host's are still the truth.
+        if let Some(model) = self.train.gpu_model() {
+            for name in &self.trained {
+                let buffers = model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?;
+                let shape = self.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| no_buffers(step, name))?;
+                let t = crate::gpu::read_buffers(model.gpu(), buffers, &shape).map_err(failed)?;
+                self.tensors.insert(name.clone(), t);
+            }
         }
         let state: HashMap<String, Tensor> = resident.state().map_err(failed)?.into_iter().collect();
         self.optimizer.load_state(&state).map_err(|source| TrainError::Optim { step, source })?;
