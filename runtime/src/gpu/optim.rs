@@ -26,6 +26,7 @@
               enumerates the slots and their chunks exactly as `new` made them"
 )]
 
+use super::run::{CachedGroup, bind_group};
 use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError};
 use crate::train::AdamW;
@@ -39,6 +40,8 @@ use std::sync::Arc;
 struct Slot {
     name: String,
     shape: Vec<usize>,
+    /// Whether it takes weight decay (the host's [`AdamW::decays`]).
+    decays: bool,
     /// First and second moments, as [`Gpu::chunked`] splits the tensor.
     m: Vec<wgpu::Buffer>,
     v: Vec<wgpu::Buffer>,
@@ -46,8 +49,8 @@ struct Slot {
     mean: Vec<wgpu::Buffer>,
 }
 
-/// A bind group, and the buffers it was made for (made again when a slot is replaced).
-type Cached = Option<(Vec<wgpu::Buffer>, wgpu::BindGroup)>;
+/// A dispatch's bind group, and what it was made for (made again when a slot is replaced).
+type Cached = Option<CachedGroup>;
 
 /// AdamW on the device for a list of parameters (see the module docs).
 pub struct DeviceAdamW {
@@ -72,9 +75,10 @@ pub struct DeviceAdamW {
     mean_groups: Vec<Cached>,
 }
 
-/// Bytes of a uniform entry: its size rounded up to the device's offset alignment.
+/// Bytes of a uniform entry: the 64 a bind group binds (see [`cached`]), rounded up to the
+/// device's offset alignment.
 fn stride(gpu: &Gpu) -> u64 {
-    48u64.next_multiple_of(u64::from(gpu.limits.min_uniform_buffer_offset_alignment.max(1)))
+    64u64.next_multiple_of(u64::from(gpu.limits.min_uniform_buffer_offset_alignment.max(1)))
 }
 
 impl DeviceAdamW {
@@ -108,7 +112,8 @@ impl DeviceAdamW {
                 parts_len += sizes.workgroups() as usize;
                 chunks.push(sizes);
             }
-            slots.push(Slot { name: name.clone(), shape, m: mb, v: vb, mean: Vec::new() });
+            let decays = host.decays(name).unwrap_or(false);
+            slots.push(Slot { name: name.clone(), shape, decays, m: mb, v: vb, mean: Vec::new() });
         }
         let stride = stride(&gpu);
         let uniform = gpu.buffer(
@@ -204,7 +209,7 @@ impl DeviceAdamW {
                             self.slots[p].mean.get(c).ok_or_else(|| GpuError::Internal("no mean chunk".into()))?;
                         let bound = [mean, chunk(grads, p, c)?];
                         let offset = base + d as u64 * self.stride;
-                        let group = cached(&gpu, &mut groups[d], &self.accumulate, &self.uniform, offset, &bound);
+                        let group = cached(&gpu, &mut groups[d], &self.accumulate, &self.uniform, offset, &bound)?;
                         pass.set_bind_group(0, group, &[]);
                         let (x, y) = workgroups(self.chunks[d].n, gpu.limits.max_compute_workgroups_per_dimension);
                         pass.dispatch_workgroups(x, y, 1);
@@ -245,7 +250,7 @@ impl DeviceAdamW {
                     &self.uniform,
                     d as u64 * self.stride,
                     &[g, &self.parts.0],
-                );
+                )?;
                 pass.set_bind_group(0, group, &[]);
                 let (x, y) =
                     workgroups(self.chunks[d].workgroups() * 64, gpu.limits.max_compute_workgroups_per_dimension);
@@ -270,7 +275,7 @@ impl DeviceAdamW {
 
     /// One AdamW step at learning rate `lr` of every parameter (`params`, its buffers; `grads`,
     /// its gradient's; both in order), each gradient read scaled by `scale` (the clipping
-    /// factor), the constants `host`'s (its settings and decays; its own state is not read).
+    /// factor), the constants `host`'s (its settings; its own state is not read).
     /// Recorded and submitted; the next submission sees the parameters updated.
     pub fn update(
         &mut self,
@@ -287,12 +292,11 @@ impl DeviceAdamW {
         let gpu = self.gpu.clone();
         let base = self.chunks.len() as u64 * self.stride;
         let mut words = vec![0u8; (self.chunks.len() as u64 * self.stride) as usize];
-        let decays: Vec<bool> = self.slots.iter().map(|s| host.decays(&s.name).unwrap_or(false)).collect();
         self.each_chunk(|p, _, d| {
             let step = AdamWStep {
                 n: self.chunks[d].n,
                 scale,
-                decay: if decays[p] { decay } else { 1.0 },
+                decay: if self.slots[p].decays { decay } else { 1.0 },
                 w1: constants.w1,
                 b2: constants.b2,
                 w2: constants.w2,
@@ -319,7 +323,7 @@ impl DeviceAdamW {
                 };
                 let bound = [chunk(params, p, c)?, chunk(grads, p, c)?, m, v];
                 let group =
-                    cached(&gpu, &mut groups[d], &self.update, &self.uniform, base + d as u64 * self.stride, &bound);
+                    cached(&gpu, &mut groups[d], &self.update, &self.uniform, base + d as u64 * self.stride, &bound)?;
                 pass.set_bind_group(0, group, &[]);
                 let (x, y) = workgroups(self.chunks[d].n, gpu.limits.max_compute_workgroups_per_dimension);
                 pass.dispatch_workgroups(x, y, 1);
@@ -360,8 +364,9 @@ fn chunk<'b>(buffers: &[&'b [wgpu::Buffer]], p: usize, c: usize) -> Result<&'b w
         .ok_or_else(|| GpuError::Internal(format!("parameter {p} has no buffer chunk {c}")))
 }
 
-/// `cached`'s bind group if it binds `bound`, else a new one: the uniform entry at `offset`, then
-/// `bound` in order.
+/// `cached`'s bind group if it binds `bound` with `pipeline`, else a new one (see
+/// [`bind_group`]): the uniform entry at `offset` (the uniforms are at most 64 bytes, each entry
+/// a [`stride`] apart), then `bound` in order.
 fn cached<'g>(
     gpu: &Gpu,
     cached: &'g mut Cached,
@@ -369,31 +374,10 @@ fn cached<'g>(
     uniform: &wgpu::Buffer,
     offset: u64,
     bound: &[&wgpu::Buffer],
-) -> &'g wgpu::BindGroup {
-    if !cached.as_ref().is_some_and(|(b, _)| b.iter().eq(bound.iter().copied())) {
-        *cached = None;
-    }
-    &cached
-        .get_or_insert_with(|| {
-            let mut entries = vec![wgpu::BindGroupEntry {
-                binding: 0,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: uniform,
-                    offset,
-                    size: wgpu::BufferSize::new(48),
-                }),
-            }];
-            for (i, buffer) in bound.iter().enumerate() {
-                entries.push(wgpu::BindGroupEntry { binding: i as u32 + 1, resource: buffer.as_entire_binding() });
-            }
-            let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("optimizer"),
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            });
-            (bound.iter().map(|&b| b.clone()).collect(), group)
-        })
-        .1
+) -> Result<&'g wgpu::BindGroup, GpuError> {
+    let chunks: Vec<&[wgpu::Buffer]> = bound.iter().map(|b| std::slice::from_ref(*b)).collect();
+    bind_group(gpu, cached, pipeline, &chunks, None, uniform, offset);
+    cached.as_ref().map(|(_, _, group)| group).ok_or_else(|| GpuError::Internal("no bind group was made".into()))
 }
 
 /// The f32 tensor of `shape` held in `buffers` (chunks of [`Gpu::chunk_bytes`]), read back.

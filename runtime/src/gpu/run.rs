@@ -746,9 +746,10 @@ fn with_room(have: u64, needed: u64) -> u64 {
 }
 
 /// Makes `cached` step `i`'s bind group for `pipeline`, the chunks of `bound` and `extra`: kept
-/// if it was built for the same pipeline and buffers, else a new one binding its `Dims` at
-/// `offset` in the uniform, then `bound`'s buffers in order, then `extra`.
-fn bind_group(
+/// if it was built for the same pipeline and buffers, else a new one binding its `Dims` (64
+/// bytes) at `offset` in the uniform, then `bound`'s buffers in order, then `extra`. (The
+/// optimizer's kernels, `super::optim`, bind theirs this way too.)
+pub(super) fn bind_group(
     gpu: &Gpu,
     cached: &mut Option<CachedGroup>,
     pipeline: &wgpu::ComputePipeline,

@@ -220,22 +220,7 @@ impl StepRunner {
         let Kind::Gpu { gpu, plan, model } = &mut self.kind else {
             return Err(RunError::Gpu(Box::new(GpuError::Internal("a step on the device, not on wgpu".into()))));
         };
-        let model = match model {
-            Some(m) => {
-                if upload {
-                    m.set_params(params, &HashMap::new(), progress)?;
-                }
-                m
-            }
-            None => model.insert(Box::new(GpuModel::with_progress(
-                gpu.clone(),
-                plan,
-                &Options { params_vary: true, ..gpu.options() },
-                params,
-                &HashMap::new(),
-                progress,
-            )?)),
-        };
+        let model = gpu_model(gpu, plan, model, params, upload, progress)?;
         let (outputs, left) = model.run_leaving(batch, &|name| name == LOSS)?;
         let loss = step_output(outputs)?.loss;
         let grads = left.into_iter().filter_map(|(n, b)| Some((n.strip_prefix("grad.")?.to_string(), b))).collect();
@@ -268,26 +253,38 @@ impl StepRunner {
                 };
                 model.run(batch)?
             }
-            Kind::Gpu { gpu, plan, model } => {
-                let model = match model {
-                    Some(m) => {
-                        m.set_params(params, &HashMap::new(), progress)?;
-                        m
-                    }
-                    None => model.insert(Box::new(GpuModel::with_progress(
-                        gpu.clone(),
-                        plan,
-                        &Options { params_vary: true, ..gpu.options() },
-                        params,
-                        &HashMap::new(),
-                        progress,
-                    )?)),
-                };
-                model.run(batch)?
-            }
+            Kind::Gpu { gpu, plan, model } => gpu_model(gpu, plan, model, params, true, progress)?.run(batch)?,
         };
         step_output(outputs)
     }
+}
+
+/// The step's model on wgpu, built with `params` at its first use (nothing derived from them at
+/// load time, `Options::params_vary`), else given `params` first if `upload`.
+fn gpu_model<'m>(
+    gpu: &Arc<Gpu>,
+    plan: &Plan,
+    model: &'m mut Option<Box<GpuModel>>,
+    params: &HashMap<String, Tensor>,
+    upload: bool,
+    progress: &dyn Progress,
+) -> Result<&'m mut GpuModel, RunError> {
+    Ok(match model {
+        Some(m) => {
+            if upload {
+                m.set_params(params, &HashMap::new(), progress)?;
+            }
+            m
+        }
+        None => model.insert(Box::new(GpuModel::with_progress(
+            gpu.clone(),
+            plan,
+            &Options { params_vary: true, ..gpu.options() },
+            params,
+            &HashMap::new(),
+            progress,
+        )?)),
+    })
 }
 
 /// A step's loss and gradients, from the graph's outputs.

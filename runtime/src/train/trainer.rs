@@ -419,7 +419,7 @@ impl Trainer {
             if micro.len() == 1 {
                 single = Some(grads);
             } else if c > 0 {
-                let g = self.in_order(&grads, step)?;
+                let g = in_order(&self.trained, &grads, step)?;
                 let weight = (counted_sum > 0).then(|| (c as f64 / (counted_sum + c) as f64) as f32);
                 self.resident.as_mut().ok_or_else(no_optimizer)?.accumulate(&g, weight).map_err(gpu_failed)?;
                 counted_sum += c;
@@ -436,13 +436,7 @@ impl Trainer {
             return Err(no_optimizer());
         };
         let gradients: Vec<Vec<wgpu::Buffer>> = match &single {
-            Some(grads) => {
-                let mut g = Vec::with_capacity(self.trained.len());
-                for name in &self.trained {
-                    g.push(grads.get(name).cloned().ok_or_else(|| run(RunError::NoGradient(name.clone())))?);
-                }
-                g
-            }
+            Some(grads) => in_order(&self.trained, grads, step)?.into_iter().map(<[wgpu::Buffer]>::to_vec).collect(),
             // No micro-batch counted a position: no gradient, as on the host.
             None if counted_sum == 0 => {
                 let name = self.trained.first().cloned().unwrap_or_default();
@@ -491,16 +485,6 @@ impl Trainer {
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
 
-    /// A run's gradients (by tensor name) in the trained tensors' order.
-    fn in_order<'g>(
-        &self,
-        grads: &'g HashMap<String, Vec<wgpu::Buffer>>,
-        step: usize,
-    ) -> Result<Vec<&'g [wgpu::Buffer]>, TrainError> {
-        let missing = |name: &String| TrainError::Run { step, source: RunError::NoGradient(name.clone()) };
-        self.trained.iter().map(|name| grads.get(name).map(Vec::as_slice).ok_or_else(|| missing(name))).collect()
-    }
-
     /// Where a step's graph spends its time on `batch` (each plan step's op and seconds; `None` on
     /// the interpreter): see [`StepRunner::profile`]. Nothing is updated.
     pub fn profile(&mut self, batch: &HashMap<String, Tensor>) -> Result<Option<Vec<(String, f64)>>, TrainError> {
@@ -545,6 +529,16 @@ impl Trainer {
         self.step = step;
         Ok(())
     }
+}
+
+/// A run's gradients (by tensor name) in the order of `trained`.
+fn in_order<'g>(
+    trained: &[String],
+    grads: &'g HashMap<String, Vec<wgpu::Buffer>>,
+    step: usize,
+) -> Result<Vec<&'g [wgpu::Buffer]>, TrainError> {
+    let missing = |name: &String| TrainError::Run { step, source: RunError::NoGradient(name.clone()) };
+    trained.iter().map(|name| grads.get(name).map(Vec::as_slice).ok_or_else(|| missing(name))).collect()
 }
 
 /// The error of a trained tensor the device holds no f32 buffers for (a bug: the training plan
