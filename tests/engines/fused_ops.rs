@@ -1345,7 +1345,8 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
 /// tensors are split and the chunked kernel variants run) against the interpreter: matrix
-/// products of activations in both layouts (in both block forms of the tiled kernel), sums over each axis, every activation's derivative,
+/// products of activations in both layouts (in both block forms of the tiled kernel, and with the
+/// contraction split in slices), sums over each axis, every activation's derivative,
 /// `rsqrt`, and the backward ops — the norms' (their gain gradients over few rows and over rows
 /// in several chunks: the two-dispatch form, `partials`, and chunked the one-dispatch form), the
 /// gather's (rows of `dy` added by id, repeated ids among them), the cross-entropy and its
@@ -1359,12 +1360,23 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 #[test]
 fn training_ops_on_wgpu_equal_the_interpreter() {
     let Some(gpu) = common::gpu() else { return };
-    for (device, gpu, wide) in [("wgpu", Some(gpu), true), ("wgpu, chunked", chunked_gpu(), false)] {
+    // The adapter's options, then with the contractions split (a hardware adapter's).
+    let split = kiln_compiler::back::wgsl::Options { split_contractions: true, ..gpu.options() };
+    let runs = [
+        ("wgpu", Some(gpu.clone()), true, gpu.options()),
+        ("wgpu, contractions split", Some(gpu.clone()), true, split),
+        ("wgpu, chunked", chunked_gpu(), false, gpu.options()),
+    ];
+    for (device, gpu, wide, options) in runs {
         let Some(gpu) = gpu else { continue };
+        let options = kiln_compiler::back::wgsl::Options { binding_bytes: gpu.options().binding_bytes, ..options };
         let (g, params, inputs) = training_ops(wide);
         let expected = interp::run(&g, &params, &inputs).unwrap();
         let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
-        let model = GpuModel::new(gpu, plan, &params).unwrap();
+        let model = GpuModel::with_progress(gpu, &plan, &options, &params, &HashMap::new(), &()).unwrap();
+        if options.split_contractions {
+            assert_splits(&model, &options);
+        }
         let got = model.run(&inputs).unwrap_or_else(|e| panic!("{device}: {e}"));
         let mut worst = (0.0f32, String::new());
         for ((name, want), (_, got)) in expected.iter().zip(&got) {
@@ -1376,6 +1388,30 @@ fn training_ops_on_wgpu_equal_the_interpreter() {
         }
         eprintln!("{device}: largest difference {:e} of the scale, `{}`", worst.0, worst.1);
     }
+}
+
+/// Asserts that the products of `model` (compiled with `options`, which split contractions) whose
+/// contraction is long over few blocks run split: a second dispatch adds their slices.
+fn assert_splits(model: &GpuModel, options: &kiln_compiler::back::wgsl::Options) {
+    use kiln_compiler::back::wgsl;
+    let program = model.program();
+    let plan = &program.plan;
+    let mut split = 0;
+    for (i, step) in plan.steps.iter().enumerate() {
+        if !wgsl::gemm::tiled(&step.op) {
+            continue;
+        }
+        assert!(program.kernel_of(i).unwrap().partials, "{}: no partials bound", step.scope);
+        let shape = |v: usize| kiln_compiler::lower::resolve(&plan.values[v].shape, &HashMap::new());
+        let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
+        let dims = wgsl::dispatch(&step.op, &operands, &shape(step.output), 0, options).unwrap();
+        let combine = wgsl::partials::combine_dims(&step.op, &dims);
+        assert_eq!(combine.is_some(), dims[8] > 1, "{}: {dims:?}", step.scope);
+        split += usize::from(combine.is_some());
+    }
+    // `matmul{0,1}.split`, `matmul0.split.shared` and `contract_rows.split` (a product by a
+    // shared transposed `b`, `matmul1.split.shared`, is lowered to a projection).
+    assert!(split >= 4, "{split} products split");
 }
 
 /// [`training_ops_on_wgpu_equal_the_interpreter`]'s graph, its parameters and its inputs: rows
@@ -1463,6 +1499,20 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let a = g.param("contract_rows.wide.a", &[5, 1100]);
         let b = g.param("contract_rows.wide.b", &[5, 1000]);
         out(&mut g, "contract_rows.wide", Op::ContractRows, &[a, b]);
+        // Long contractions over few blocks, which run in slices added by a second dispatch
+        // (`gemm::launch`), the last slice short and cut within a 16-deep step: `k` of 1 000 in 3
+        // slices over 2 batches, and over one `b` shared by 3; 1 400 rows in 5.
+        for (t, transpose_b) in [false, true].into_iter().enumerate() {
+            let a = g.param(&format!("matmul{t}.split.a"), &[2, 37, 1000]);
+            let b = g.param(&format!("matmul{t}.split.b"), &if transpose_b { [2, 45, 1000] } else { [2, 1000, 45] });
+            out(&mut g, &format!("matmul{t}.split"), Op::MatMul { transpose_b }, &[a, b]);
+            let a = g.param(&format!("matmul{t}.split.shared.a"), &[3, 37, 1000]);
+            let b = g.param(&format!("matmul{t}.split.shared.b"), &if transpose_b { [45, 1000] } else { [1000, 45] });
+            out(&mut g, &format!("matmul{t}.split.shared"), Op::MatMul { transpose_b }, &[a, b]);
+        }
+        let a = g.param("contract_rows.split.a", &[2, 700, 40]);
+        let b = g.param("contract_rows.split.b", &[2, 700, 45]);
+        out(&mut g, "contract_rows.split", Op::ContractRows, &[a, b]);
     }
 
     // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by

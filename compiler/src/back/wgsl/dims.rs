@@ -52,6 +52,8 @@ fn dims_of(
     options: Option<&Options>,
 ) -> Result<[u32; 16], String> {
     let chunked = options.is_none();
+    // Whether a tiled product may split its contraction (never in a chunked kernel).
+    let split = options.is_some_and(|o| o.split_contractions);
     let total: usize = out.iter().product();
     let last = |s: &[usize]| s.last().copied().unwrap_or(1);
     let rows = |s: &[usize]| s.iter().product::<usize>() / last(s).max(1);
@@ -81,11 +83,12 @@ fn dims_of(
             let x = operand(0)?;
             super::partials::dims(op, rows(x), last(x), chunked).unwrap_or_default()
         }
-        // A workgroup per block of the output (`gemm`): [lanes, k, n, rows, 0, tile].
+        // A workgroup per block of the output and slice of the rows (`gemm`): [lanes, k, n,
+        // rows, 0, tile, slice_k, 1, slices], `dims[15]` = 1 where the rows are split.
         Op::ContractRows => {
             let a = operand(0)?;
-            let (lanes, tile) = super::gemm::lanes(1, last(a), last(out));
-            vec![lanes, last(a), last(out), rows(a), 0, tile]
+            let l = super::gemm::launch(1, last(a), last(out), rows(a), split);
+            product_dims(vec![l.lanes, last(a), last(out), rows(a), 0], l, 1)
         }
         // A workgroup per table row (`emit::cooperative`): [rows * 64, d, ids].
         Op::GatherGrad => vec![rows(out) * WORKGROUP as usize, last(out), operand(1)?.iter().product()],
@@ -129,10 +132,11 @@ fn dims_of(
             let (a, b) = (operand(0)?, operand(1)?);
             let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
             let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };
-            // A workgroup per block of each batch's output (`gemm`).
+            // A workgroup per block of each batch's output and slice of `k` (`gemm`): [lanes, m,
+            // n, k, b batched, tile, slice_k, batches, slices], `dims[15]` = 1 where `k` is split.
             let batches = total / (m * n).max(1);
-            let (lanes, tile) = super::gemm::lanes(batches, m, n);
-            vec![lanes, m, n, k, usize::from(b.len() > 2), tile]
+            let l = super::gemm::launch(batches, m, n, k, split);
+            product_dims(vec![l.lanes, m, n, k, usize::from(b.len() > 2)], l, batches)
         }
         Op::Add | Op::Mul => {
             // Right-align both operands to the output's rank (at most 4), broadcast axes stride 0.
@@ -296,6 +300,17 @@ fn dims_of(
             .map_err(|_| format!("{}: a tensor of {s} elements does not fit 32-bit indexing", op.name()))?;
     }
     Ok(u)
+}
+
+/// A tiled product's sizes: `first` (`dims[..5]`), then its launch's (see [`super::gemm::sizes`]).
+fn product_dims(mut first: Vec<usize>, l: super::gemm::Launch, batches: usize) -> Vec<usize> {
+    let (rest, split) = super::gemm::sizes(l, batches);
+    first.extend(rest);
+    if split {
+        first.resize(16, 0);
+        first[15] = 1;
+    }
+    first
 }
 
 /// Workgroup grid for `threads` threads: `(x, y)` with `x <= max_x`.

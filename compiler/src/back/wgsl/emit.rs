@@ -260,7 +260,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         // A workgroup per block of the output (`gemm`).
-        Op::ContractRows | Op::MatMul { .. } => super::gemm::body(op),
+        Op::ContractRows | Op::MatMul { .. } => super::gemm::body(op, false),
         // `dy`'s rows (the first `dim(1)` elements), then zeros.
         Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
         // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are

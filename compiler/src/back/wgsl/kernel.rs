@@ -569,7 +569,8 @@ mod tests {
 
     /// The kernels of the backward ops and the loss (a training step's): naga validates them
     /// plain, with subgroup reductions and chunked; only those that reduce across a workgroup
-    /// have the reductions, and only the reductions over rows partial results (see `partials`).
+    /// have the reductions, and only the reductions over rows and the products partial results
+    /// (see `partials`).
     #[test]
     fn backward_kernels_validate_in_every_form() {
         use crate::graph::Scalar;
@@ -617,9 +618,14 @@ mod tests {
                     | Op::NormGrad { .. }
                     | Op::SoftmaxGrad
             );
-            // The reductions over rows bind partial results, but where chunked (`partials`).
+            // The reductions over rows and the tiled products (a split contraction's) bind partial
+            // results, but where chunked (`partials`).
             let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. });
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
+            let split = kernel(&op, &inputs, f, None, &Options::hardware()).unwrap();
+            super::super::validate(&split).unwrap_or_else(|e| panic!("{} {}: {e}\n{split}", op.name(), op.attrs()));
+            let partials = partials || matches!(op, Op::ContractRows);
+            assert_eq!(split.contains("var<storage, read_write> part"), partials, "{}: {split}", op.name());
             assert!(!chunked.contains("part"), "{}: {chunked}", op.name());
             assert_eq!(plain.contains("fn row_sum"), reduces, "{}: {plain}", op.name());
             assert_eq!(sub.contains("subgroupAdd(v)"), reduces, "{}: {sub}", op.name());

@@ -27,7 +27,7 @@ mod append;
 pub mod attention;
 mod dims;
 pub mod emit;
-mod gemm;
+pub mod gemm;
 mod kernel;
 pub mod optim;
 pub mod partials;
@@ -154,6 +154,13 @@ pub struct Options {
     /// host, mostly so); no projection is split to fit the bindings (its pieces would be folds:
     /// the runtime binds the weight in chunks instead); no gather reads a transposed copy.
     pub params_vary: bool,
+    /// Split a tiled product's contraction where its output has too few blocks to fill a GPU
+    /// (fewer than [`gemm::FILL_WORKGROUPS`]; a gradient through a vocabulary head: 72 blocks
+    /// contracting 49 152 rows): a workgroup per block and slice, the slices' partial outputs
+    /// added by a second dispatch (see [`gemm::launch`]). A hardware adapter's; on lavapipe,
+    /// whose few threads the blocks already fill, the extra workgroups doubled a 1 024³
+    /// product's time.
+    pub split_contractions: bool,
 }
 
 impl Options {
@@ -168,6 +175,7 @@ impl Options {
             attention_split_keys: Some(attention::SPLIT_KEYS),
             submissions: Some(HARDWARE_SUBMISSIONS),
             split_rows: Some(projection::HARDWARE_SPLIT_ROWS),
+            split_contractions: true,
             ..Options::default()
         }
     }

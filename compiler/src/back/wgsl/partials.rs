@@ -6,8 +6,9 @@
 //! small's 25 gain gradients took 1.14 s of a 1.55 s training step's kernels, its cross-entropy
 //! 0.2 s (BENCHMARKS.md, 2026-11-27).
 //!
-//! The split attention (see [`super::attention`]) is the other kernel with partials; the
-//! functions here answer for every op ([`has_partials`], [`combine_dims`], [`partials_bytes`]).
+//! The split attention (see [`super::attention`]) and the tiled products whose contraction is
+//! split (see [`super::gemm`]) are the other kernels with partials; the functions here answer
+//! for every op ([`has_partials`], [`combine_dims`], [`partials_bytes`]).
 //! A step whose tensors are bound in chunks runs the single-dispatch form of the same op (the
 //! chunked kernel binds no scratch buffer; `whole_body`), whose `dims[15]` is 0.
 //!
@@ -22,6 +23,7 @@
 
 use super::Options;
 use super::attention;
+use super::gemm;
 use super::emit::{WORKGROUP, counted_label, smoothing_literals};
 use crate::graph::Op;
 
@@ -41,9 +43,10 @@ pub fn over_rows(op: &Op) -> bool {
 
 /// Whether `op`'s kernel compiled with `options` binds a scratch buffer of partial results, which
 /// a second dispatch combines (`geometry`: the step is an attention with a geometry, whose
-/// kernel has partials when it splits its keys, see [`attention::has_partials`]).
+/// kernel has partials when it splits its keys, see [`attention::has_partials`]; a tiled
+/// product's where the options split contractions, [`Options::split_contractions`]).
 pub fn has_partials(op: &Op, geometry: bool, options: &Options) -> bool {
-    over_rows(op) || (geometry && attention::has_partials(op, options))
+    over_rows(op) || (gemm::tiled(op) && options.split_contractions) || (geometry && attention::has_partials(op, options))
 }
 
 /// The sizes of the second dispatch of a step whose first (`dims`) wrote partial results, `None`
@@ -59,6 +62,7 @@ pub fn combine_dims(op: &Op, dims: &[u32; 16]) -> Option<[u32; 16]> {
         Op::NormGainGrad { .. } => c[0] = dims[5] * WORKGROUP,
         // One workgroup.
         Op::CrossEntropy { .. } => c[0] = WORKGROUP,
+        _ if gemm::tiled(op) => return Some(gemm::combine_dims(dims)),
         _ => return attention::combine_dims(dims),
     }
     Some(c)
@@ -72,6 +76,7 @@ pub fn partials_bytes(op: &Op, dims: &[u32; 16]) -> u64 {
     let floats = match op {
         Op::NormGainGrad { .. } => u64::from(dims[4]) * u64::from(dims[2]),
         Op::CrossEntropy { .. } => 2 * u64::from(dims[1]),
+        _ if gemm::tiled(op) => return gemm::partials_bytes(dims),
         _ => return attention::partials_bytes(dims),
     };
     floats * 4
@@ -169,6 +174,9 @@ pub(super) fn whole_body(op: &Op) -> Option<String> {
 /// where `dims[15]` is 1, their combination where it is 2 (a condition uniform over the dispatch,
 /// so the reductions inside stay in uniform control flow).
 pub(super) fn partial_body(op: &Op) -> Option<String> {
+    if gemm::tiled(op) {
+        return Some(gemm::body(op, true));
+    }
     let (first, combine) = match op {
         Op::NormGainGrad { rms, eps } => (
             format!("{}if (col < d) {{ part[(wg / blocks) * d + col] = acc; }}", gain_grad_sums(*rms, eps.0)),

@@ -84,9 +84,11 @@ pub const SPLIT_GROUPS: [usize; 3] = [1, 2, 4];
 /// workgroups of the split form (8 columns each) against 9 of the GEMM's. Tuned per adapter ([`SPLIT_ROWS`]).
 pub const HARDWARE_SPLIT_ROWS: usize = 64;
 /// Past [`GEMV_MAX_ROWS`] rows, the split GEMV runs (up to [`Options::split_rows`]) where the
-/// `vec4` GEMM would launch fewer workgroups than this: about two for each SM of a large GPU (an
-/// H100 has 132).
-pub const SPLIT_BELOW_WORKGROUPS: usize = 256;
+/// `vec4` GEMM would launch fewer workgroups than this: half the SMs of a large GPU (an H100
+/// has 132). Each split row reads the whole weight again: at 256, SmolLM2's head (49 152 x 576)
+/// at 8 rows ran split, 3.47 ms of a 4.26 ms forward on an H100, where the GEMM's 96 workgroups
+/// read it once (at 128 rows, 0.41 ms; BENCHMARKS.md, 2026-11-27).
+pub const SPLIT_BELOW_WORKGROUPS: usize = 64;
 /// The row limits `kiln tune` tries for the split GEMV form ([`Options::split_rows`]).
 pub const SPLIT_ROWS: [usize; 4] = [GEMV_MAX_ROWS, 16, 64, 256];
 
@@ -1173,8 +1175,12 @@ mod tests {
         let narrow = Options { split_groups: Some(1), ..options };
         let d = dims(&Op::linear(None, false, false), &[vec![1, 576], vec![576, 576]], &[1, 576], 0, &narrow);
         assert_eq!((d[7], d[0] / WORKGROUP as usize), (4, 144));
-        // Its head at 32 rows: the GEMM launches 384 workgroups, enough.
+        // Its head at 32 rows: the GEMM launches 384 workgroups, enough; at 8 rows 96, enough
+        // too (split, each of the 8 rows would read the 113 MB weight again).
         assert_eq!(form(32, 576, 49_152).0, 2);
+        assert_eq!(form(8, 576, 49_152), (2, 96));
+        // Its MLP at 8 rows: the GEMM's 3 workgroups, too few.
+        assert_eq!(form(8, 576, 1536).0, 4);
         // Past the rows the split form takes.
         assert_eq!(form(HARDWARE_SPLIT_ROWS + 1, 576, 576).0, 2);
         // Without subgroups, no split form at all.
