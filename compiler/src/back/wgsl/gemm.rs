@@ -260,8 +260,10 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
     }
     let indent = |s: String| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
     let store = match partials {
-        true => "let o = o0 + row * n + col;\n            \
-                 if (dim(15u) == 1u) { part[slice * batches * m * n + o] = value; } else { out[o] = value; }",
+        true => {
+            "let o = o0 + row * n + col;\n            \
+                 if (dim(15u) == 1u) { part[slice * batches * m * n + o] = value; } else { out[o] = value; }"
+        }
         false => "out[o0 + row * n + col] = value;",
     };
     Some(format!(
@@ -305,7 +307,9 @@ mod tests {
         let l = launch(1, 128, 576, 49152, true);
         assert_eq!((l.tile, l.slices, l.slice_k), (32, 15, 3280));
         assert_eq!(l.lanes, 72 * 15 * 64);
-        assert!(l.slice_k.is_multiple_of(TILE_K) && l.slice_k * (l.slices - 1) < 49152 && l.slice_k * l.slices >= 49152);
+        assert!(
+            l.slice_k.is_multiple_of(TILE_K) && l.slice_k * (l.slices - 1) < 49152 && l.slice_k * l.slices >= 49152
+        );
         // nanoGPT's weight gradient, 128 x 512 over 768 rows: 64 blocks, slices of 256 rows.
         let l = launch(1, 128, 512, 768, true);
         assert_eq!((l.slices, l.slice_k), (3, 256));

@@ -23,8 +23,8 @@
 
 use super::Options;
 use super::attention;
-use super::gemm;
 use super::emit::{WORKGROUP, counted_label, smoothing_literals};
+use super::gemm;
 use crate::graph::Op;
 
 /// A norm gain gradient's partial form aims at about this many workgroups (an H100 has 132 SMs;
@@ -46,7 +46,9 @@ pub fn over_rows(op: &Op) -> bool {
 /// kernel has partials when it splits its keys, see [`attention::has_partials`]; a tiled
 /// product's where the options split contractions, [`Options::split_contractions`]).
 pub fn has_partials(op: &Op, geometry: bool, options: &Options) -> bool {
-    over_rows(op) || (gemm::tiled(op) && options.split_contractions) || (geometry && attention::has_partials(op, options))
+    over_rows(op)
+        || (gemm::tiled(op) && options.split_contractions)
+        || (geometry && attention::has_partials(op, options))
 }
 
 /// The sizes of the second dispatch of a step whose first (`dims`) wrote partial results, `None`
