@@ -64,7 +64,7 @@
 // The parent module's `expect` of indexing does not extend here.
 #![deny(clippy::indexing_slicing)]
 
-use super::emit::{WORKGROUP, lit};
+use super::emit::{WORKGROUP, indent, lit};
 use super::scores;
 use super::{Options, append};
 use crate::graph::{Op, PackedAttention, ScoreMods};
@@ -615,10 +615,6 @@ fn workgroup_form(f: &Block, l: &Layout, partials: bool) -> String {
         false => s += &finish,
     }
     s
-}
-
-fn indent(text: &str) -> String {
-    text.lines().map(|l| format!("    {l}\n")).collect()
 }
 
 /// One form of the kernel: `rows` query rows x `gc` heads per invocation.

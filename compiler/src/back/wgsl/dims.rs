@@ -302,11 +302,11 @@ fn dims_of(
     Ok(u)
 }
 
-/// A tiled product's sizes: `first` (`dims[..5]`), then its launch's (see [`super::gemm::sizes`]).
+/// A tiled product's sizes (see `gemm::body`): `first` (`dims[..5]`), then its launch's `[tile,
+/// slice_k, batches, slices]`, and `dims[15]` = 1 where its contraction is split.
 fn product_dims(mut first: Vec<usize>, l: super::gemm::Launch, batches: usize) -> Vec<usize> {
-    let (rest, split) = super::gemm::sizes(l, batches);
-    first.extend(rest);
-    if split {
+    first.extend([l.tile, l.slice_k, batches, l.slices]);
+    if l.slices > 1 {
         first.resize(16, 0);
         first[15] = 1;
     }

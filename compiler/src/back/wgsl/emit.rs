@@ -14,7 +14,7 @@ use crate::lower::WeightFormat;
 use super::target::MAX_ATTENTION_HEAD_DIM;
 
 /// `text` with every line indented by four spaces.
-fn indent(text: &str) -> String {
+pub(super) fn indent(text: &str) -> String {
     text.lines().map(|l| format!("    {l}\n")).collect()
 }
 
@@ -496,7 +496,6 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             );
             let dims = "let heads = dim(1u);\nlet s_len = dim(2u);\nlet k = dim(3u);\nlet d = dim(4u);\nlet kv = dim(5u);\nlet w = dim(6u);\n";
             if *appends {
-                let indent = |t: &str| t.lines().map(|l| format!("    {l}\n")).collect::<String>();
                 format!(
                     "{dims}let pr = k - min(s_len, k);\n// Never in place (see `append::append_copy`).\nlet room = 0u;\n\
                      if (i < dim(9u)) {{\n{}}} else {{\n{}}}",

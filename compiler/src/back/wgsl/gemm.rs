@@ -26,11 +26,13 @@
 //! workgroups cost more than the filled threads gained).
 //!
 //! Each output element sums its products in contraction order into one accumulator (per slice,
-//! where split, the slices then added in order), as the plain forms did. The slices are held as `vec4`s, four consecutive rows (or columns) of one
-//! contraction step each, so a lane reads its 4 rows of `a` and 4 columns of `b` at a step in
-//! two loads from workgroup memory rather than eight (the loads per product halve the FMAs'
-//! share of a GPU's issue slots otherwise); the arithmetic is the same.
+//! where split, the slices then added in order), as the plain forms did. The slices are held as
+//! `vec4`s, four consecutive rows (or columns) of one contraction step each, so a lane reads its
+//! 4 rows of `a` and 4 columns of `b` at a step in two loads from workgroup memory rather than
+//! eight (the loads per product halve the FMAs' share of a GPU's issue slots otherwise); the
+//! arithmetic is the same.
 
+use super::emit::indent;
 use crate::graph::Op;
 
 /// Lanes of a workgroup: the cooperative kernels' (`emit::WORKGROUP`, asserted equal there).
@@ -111,12 +113,6 @@ pub fn launch(batches: usize, m: usize, n: usize, k: usize, split: bool) -> Laun
     Launch { lanes: blocks * slices * LANES as usize, tile, slice_k, slices }
 }
 
-/// The sizes after the lanes of a product launched as `l`: `[tile, slice_k, batches, slices]`
-/// (`dims[5..9]`), and `dims[15]` = 1 where it is split.
-pub fn sizes(l: Launch, batches: usize) -> ([usize; 4], bool) {
-    ([l.tile, l.slice_k, batches, l.slices], l.slices > 1)
-}
-
 /// The sizes of the dispatch that adds a split product's partial results (`dims` the first's):
 /// one lane per output element.
 pub fn combine_dims(dims: &[u32; 16]) -> [u32; 16] {
@@ -146,10 +142,9 @@ struct Operand {
 /// `dims[15]` is 1, and a second dispatch (`dims[15]` = 2) adds them in slice order; without
 /// (a chunked step's kernel), `slices` is 1.
 pub fn body(op: &Op, partials: bool) -> String {
-    let indent = |s: String| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
     let forms = match (form(op, WIDE_TILE, partials), form(op, TILE, partials)) {
         (Some(wide), Some(narrow)) => {
-            format!("if (dim(5u) == {WIDE_TILE}u) {{\n{}}} else {{\n{}}}", indent(wide), indent(narrow))
+            format!("if (dim(5u) == {WIDE_TILE}u) {{\n{}}} else {{\n{}}}", indent(&wide), indent(&narrow))
         }
         _ => return String::new(),
     };
@@ -159,7 +154,7 @@ pub fn body(op: &Op, partials: bool) -> String {
              if (e < total) {{\n        var t = 0.0;\n        \
              for (var s = 0u; s < dim(8u); s = s + 1u) {{ t = t + part[s * total + e]; }}\n        out[e] = t;\n    }}\n\
              }} else {{\n{}}}",
-            indent(forms)
+            indent(&forms)
         ),
         false => forms,
     }
@@ -258,7 +253,6 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
             step += &format!("        acc[{i}] = acc[{i}] + {x} * y{q};\n");
         }
     }
-    let indent = |s: String| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
     let store = match partials {
         true => {
             "let o = o0 + row * n + col;\n            \
@@ -278,8 +272,8 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
                  if (row < m && col < n) {{\n            let value = acc[r * {quads}u + c / 4u][c % 4u];\n            {store}\n        }}\n    }}\n}}\n",
         n_acc = per * quads,
         first = load("k_first"),
-        stage = indent(stage),
-        next = indent(load(&format!("k0 + {tk}u"))),
+        stage = indent(&stage),
+        next = indent(&load(&format!("k0 + {tk}u"))),
     ))
 }
 

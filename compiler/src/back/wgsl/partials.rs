@@ -23,7 +23,7 @@
 
 use super::Options;
 use super::attention;
-use super::emit::{WORKGROUP, counted_label, smoothing_literals};
+use super::emit::{WORKGROUP, counted_label, indent, smoothing_literals};
 use super::gemm;
 use crate::graph::Op;
 
@@ -200,7 +200,6 @@ pub(super) fn partial_body(op: &Op) -> Option<String> {
         ),
         _ => return None,
     };
-    let indent = |s: &str| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
     Some(format!("if (dim(15u) == 2u) {{\n{}}} else {{\n{}}}", indent(&combine), indent(&first)))
 }
 

@@ -52,7 +52,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::Options;
-use super::emit::{Elem, WORKGROUP, activation, lit};
+use super::emit::{Elem, WORKGROUP, activation, indent, lit};
 use crate::graph::{Activation, PairStyle};
 use crate::graph::{Op, Prologue, RopeCols};
 use crate::lower::WeightFormat;
@@ -549,10 +549,6 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat, options: &Options) ->
     }
     s += "}";
     s
-}
-
-fn indent(text: &str) -> String {
-    text.lines().map(|l| format!("    {l}\n")).collect()
 }
 
 /// Operand indices: (weight, bias, residual).
