@@ -64,10 +64,7 @@ fn a_stopped_and_resumed_run_on_wgpu_is_the_uninterrupted_run_bit_for_bit() {
 /// step optimized for a cost model measured after the whole run's).
 fn stopped_and_resumed(name: &str, extra: &[&str]) {
     let dir = scratch(name);
-    let ok = |args: &[&str]| {
-        let o = crate::common::kiln_command(args).env("KILN_DATA", dir.join("data")).output().unwrap();
-        assert!(o.status.success(), "kiln {args:?} failed:\n{}", crate::common::stderr(&o));
-    };
+    let ok = |args: &[&str]| ok_with_data(&dir.join("data"), args);
     let (whole, split) = (dir.join("whole.safetensors"), dir.join("split.safetensors"));
     let (whole_log, split_log) = (dir.join("whole.jsonl"), dir.join("split.jsonl"));
     let with = |a: &[&str]| -> Vec<String> { a.iter().chain(extra).map(|s| s.to_string()).collect() };
@@ -124,8 +121,7 @@ fn training_on_wgpu_is_repeatable_bit_for_bit() {
         ["a", "b"].iter().map(|r| (dir.join(format!("{r}.safetensors")), dir.join(format!("{r}.jsonl")))).collect();
     for (weights, log) in &runs {
         let args = train_args(weights, &["--log", log.to_str().unwrap(), "--backend", "wgpu", "--steps", "4"]);
-        let o = crate::common::kiln_command(&refs(&args)).env("KILN_DATA", dir.join("data")).output().unwrap();
-        assert!(o.status.success(), "kiln {args:?} failed:\n{}", crate::common::stderr(&o));
+        ok_with_data(&dir.join("data"), &refs(&args));
     }
     let [(a, a_log), (b, b_log)] = &runs[..] else { unreachable!() };
     assert_eq!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap(), "the weights differ");
@@ -206,6 +202,13 @@ fn nonfinite(name: &str, extra: &[&str]) {
     for (name, t) in &weights {
         assert!(t.to_f32_vec().iter().all(|x| x.is_finite()), "`{name}` is not finite");
     }
+}
+
+/// Runs `kiln` with `data` as its data directory (`KILN_DATA`: the cost models it calibrates and
+/// reads) and requires success.
+fn ok_with_data(data: &Path, args: &[&str]) {
+    let o = crate::common::kiln_command(args).env("KILN_DATA", data).output().unwrap();
+    assert!(o.status.success(), "kiln {args:?} failed:\n{}", crate::common::stderr(&o));
 }
 
 /// `kiln`, its token cache in `dir/cache` (the test's own, not the user's).
