@@ -160,23 +160,38 @@ fn wgpu_refuses_the_labels_the_interpreter_refuses() {
 }
 
 /// Steps of AdamW on wgpu, where the parameters, their gradients and the moments stay on the
-/// device between steps (`DeviceAdamW`), against the same steps on the CPU, the host's AdamW:
+/// device between steps (`DeviceOptimizer`), against the same steps on the CPU, the host's AdamW:
 /// each step's loss and gradient norm (clipped from the second step on; the first step two
 /// micro-batches, their gradients averaged on the device), then the tensors and the
-/// optimizer's state read back after the last (and once midway, as a checkpoint reads them). Also on buffers of 2 048 floats, where the larger
-/// tensors (the embedding's 8 192 elements, the MLP's 11 264) are split over several and the
-/// update and the norm run chunk by chunk.
+/// optimizer's state read back after the last (and once midway, as a checkpoint reads them).
+/// Also on buffers of 2 048 floats, where the larger tensors (the embedding's 8 192 elements, the
+/// MLP's 11 264) are split over several and the update and the norm run chunk by chunk.
 #[test]
 fn adamw_on_the_device_trains_as_on_the_host() {
+    // A clipping norm the first step's gradients pass under and the later ones exceed; decay.
+    device_optimizer_trains_as_on_the_host(
+        r#"{"steps": 4, "lr": 0.01, "warmup_steps": 1, "clip": 0.3, "weight_decay": 0.1, "betas": [0.9, 0.95]}"#,
+    );
+}
+
+/// The same steps with SGD on the device: with momentum (its buffer started at each tensor's
+/// first step, read back midway and continued from) and coupled weight decay, and plain.
+#[test]
+fn sgd_on_the_device_trains_as_on_the_host() {
+    device_optimizer_trains_as_on_the_host(
+        r#"{"steps": 4, "lr": 0.05, "warmup_steps": 1, "clip": 0.3, "optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.1}"#,
+    );
+    device_optimizer_trains_as_on_the_host(r#"{"steps": 4, "lr": 0.05, "clip": 0.3, "optimizer": "sgd"}"#);
+}
+
+/// [`adamw_on_the_device_trains_as_on_the_host`] for the recipe `recipe` (JSON).
+fn device_optimizer_trains_as_on_the_host(recipe: &str) {
     use kiln_compiler::train::recipe::{Format, RecipeFile};
     use kiln_runtime::train::Trainer;
     let Some(gpu) = crate::common::gpu() else { return };
     let name = "llama";
     let path = root().join(format!("models/{name}.toml"));
     let fe = kiln_compiler::front_end(name, &std::fs::read_to_string(&path).unwrap()).unwrap();
-    // A clipping norm the first step's gradients pass under and the later ones exceed; decay.
-    let recipe =
-        r#"{"steps": 4, "lr": 0.01, "warmup_steps": 1, "clip": 0.3, "weight_decay": 0.1, "betas": [0.9, 0.95]}"#;
     let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
     let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
     let vocab = fe.spec.spec.model.vocab as usize;

@@ -33,7 +33,7 @@ pub use batch::SeqStep;
 pub use device::Gpu;
 pub use error::{GpuError, Wanted};
 pub use model::{GpuModel, HostClock};
-pub use optim::DeviceAdamW;
+pub use optim::DeviceOptimizer;
 pub(crate) use optim::read as read_buffers;
 pub use profile::{Clock, Profile};
 pub use run::{Kept, Left};

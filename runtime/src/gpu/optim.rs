@@ -1,20 +1,20 @@
-//! [`DeviceAdamW`]: AdamW's moments on the device and its update run there, so a training step
-//! on wgpu reads back its loss and one partial sum of squares per 4 096 gradient elements, and
-//! nothing else: the parameters stay in the model's buffers and are updated in place, the
-//! gradients are read where the step left them (its slots, [`GpuModel::run_leaving`]), and
-//! neither crosses to the host between steps. The kernels are
-//! [`kiln_compiler::back::wgsl::optim`]'s; the host's [`AdamW`] keeps the settings and is given
-//! the moments back whenever the state is read ([`DeviceAdamW::state`]).
+//! [`DeviceOptimizer`]: the optimizer's state on the device and its update run there (AdamW's
+//! moments, or SGD's momentum buffers), so a training step on wgpu reads back its loss and one
+//! partial sum of squares per 4 096 gradient elements, and nothing else: the parameters stay in
+//! the model's buffers and are updated in place, the gradients are read where the step left them
+//! (its slots, [`GpuModel::run_leaving`]), and neither crosses to the host between steps. The
+//! kernels are [`kiln_compiler::back::wgsl::optim`]'s; the host's [`Optimizer`] keeps the
+//! settings and is given the state back whenever it is read ([`DeviceOptimizer::state`]).
 //!
 //! A step of several micro-batches adds each one's gradients to a running mean on the device
-//! ([`DeviceAdamW::accumulate`], buffers made at the first such step), whose buffers are then the
-//! gradients the norm and the update read.
+//! ([`DeviceOptimizer::accumulate`], buffers made at the first such step), whose buffers are then
+//! the gradients the norm and the update read.
 //!
 //! A step is two submissions: the sums of squares of every gradient (one dispatch per chunk of
 //! each), read back and added on the host in f64, in the parameters' order, for the global norm
 //! that clipping reads; then the update of every parameter (one dispatch per chunk), with the
 //! clipping factor and the learning rate in its uniform. A tensor larger than one buffer
-//! ([`Gpu::chunk_bytes`]) is split at the same element in its parameter, gradient and moment
+//! ([`Gpu::chunk_bytes`]) is split at the same element in its parameter, gradient and state
 //! buffers (each made by [`Gpu::chunked`], or a slot of the plan), so chunk `c` of each is one
 //! dispatch's bindings.
 //!
@@ -29,22 +29,56 @@
 use super::run::{CachedGroup, bind_group};
 use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError};
-use crate::train::AdamW;
-use kiln_compiler::back::wgsl::optim::{ACCUMULATE, ADAMW, AdamWStep, MeanStep, SUM_SQUARES, SquaresSizes};
+use crate::train::Optimizer;
+use kiln_compiler::back::wgsl::optim::{
+    ACCUMULATE, ADAMW, AdamWStep, MeanStep, SUM_SQUARES, SgdStep, SquaresSizes, sgd,
+};
 use kiln_compiler::back::wgsl::workgroups;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// One parameter's moments on the device.
+/// The update rule the device runs: the host optimizer's kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rule {
+    /// AdamW: two moments a parameter (`adam.m.*`, `adam.v.*`).
+    AdamW,
+    /// SGD: a momentum buffer a parameter (`sgd.momentum.*`) with momentum, else no state.
+    Sgd {
+        /// Whether it has momentum.
+        momentum: bool,
+    },
+}
+
+impl Rule {
+    /// The names of a parameter's state tensors, in its slot's order, and the step count's.
+    fn keys(self, name: &str) -> Vec<String> {
+        match self {
+            Rule::AdamW => vec![format!("adam.m.{name}"), format!("adam.v.{name}")],
+            Rule::Sgd { momentum: true } => vec![format!("sgd.momentum.{name}")],
+            Rule::Sgd { momentum: false } => Vec::new(),
+        }
+    }
+
+    fn step_key(self) -> &'static str {
+        match self {
+            Rule::AdamW => "adam.step",
+            Rule::Sgd { .. } => "sgd.step",
+        }
+    }
+}
+
+/// One parameter's state on the device.
 struct Slot {
     name: String,
     shape: Vec<usize>,
-    /// Whether it takes weight decay (the host's [`AdamW::decays`]).
+    /// Whether it takes weight decay (the host's [`Optimizer::param`]).
     decays: bool,
-    /// First and second moments, as [`Gpu::chunked`] splits the tensor.
-    m: Vec<wgpu::Buffer>,
-    v: Vec<wgpu::Buffer>,
+    /// Its state tensors, as [`Rule::keys`] names them, each as [`Gpu::chunked`] splits it.
+    state: Vec<Vec<wgpu::Buffer>>,
+    /// Whether the state holds values: always for AdamW (zeros before the first step); for
+    /// SGD's momentum buffer, from the parameter's first step on (which copies the gradient).
+    started: bool,
     /// The running mean of a step's micro-batches' gradients (made when first needed).
     mean: Vec<wgpu::Buffer>,
 }
@@ -52,19 +86,20 @@ struct Slot {
 /// A dispatch's bind group, and what it was made for (made again when a slot is replaced).
 type Cached = Option<CachedGroup>;
 
-/// AdamW on the device for a list of parameters (see the module docs).
-pub struct DeviceAdamW {
+/// The optimizer's update on the device for a list of parameters (see the module docs).
+pub struct DeviceOptimizer {
     gpu: Arc<Gpu>,
+    rule: Rule,
     squares: wgpu::ComputePipeline,
     update: wgpu::ComputePipeline,
     accumulate: wgpu::ComputePipeline,
     slots: Vec<Slot>,
-    /// Steps taken, as the host's [`AdamW::step_count`] counts them.
+    /// Steps taken, as the host's [`Optimizer::step_count`] counts them.
     step: u64,
     /// Per dispatch (a chunk of a parameter, in order): its elements and its first partial sum.
     chunks: Vec<SquaresSizes>,
     /// The uniforms: the squares' sizes of every chunk, then the update's constants of every
-    /// chunk, then the accumulation's, [`DeviceAdamW::stride`] bytes apart.
+    /// chunk, then the accumulation's, [`DeviceOptimizer::stride`] bytes apart.
     uniform: wgpu::Buffer,
     stride: u64,
     /// The partial sums, and the mappable buffer they are read through.
@@ -81,43 +116,55 @@ fn stride(gpu: &Gpu) -> u64 {
     64u64.next_multiple_of(u64::from(gpu.limits.min_uniform_buffer_offset_alignment.max(1)))
 }
 
-impl DeviceAdamW {
-    /// AdamW on `gpu` for the parameters `order` names (each registered with `host`), its moments
-    /// and step count `host`'s (zeros for a new run, a checkpoint's state for a resumed one).
-    pub fn new(gpu: Arc<Gpu>, host: &AdamW, order: &[String]) -> Result<DeviceAdamW, GpuError> {
-        let state: HashMap<String, Tensor> = host.state().into_iter().collect();
-        let moment = |kind: &str, name: &str| {
-            state
-                .get(&format!("adam.{kind}.{name}"))
-                .and_then(|t| Some((t.shape.clone(), t.as_f32()?)))
-                .ok_or_else(|| GpuError::Internal(format!("the optimizer has no parameter `{name}`")))
+impl DeviceOptimizer {
+    /// `host`'s update on `gpu` for the parameters `order` names (each registered with `host`),
+    /// its state and step count `host`'s (a new run's, or a checkpoint's for a resumed one).
+    pub fn new(gpu: Arc<Gpu>, host: &Optimizer, order: &[String]) -> Result<DeviceOptimizer, GpuError> {
+        let rule = match host {
+            Optimizer::AdamW(_) => Rule::AdamW,
+            Optimizer::Sgd(o) => Rule::Sgd { momentum: o.settings().0 != 0.0 },
         };
+        let state: HashMap<String, Tensor> = host.state().into_iter().collect();
         let mut slots = Vec::with_capacity(order.len());
         let mut chunks = Vec::new();
         let mut parts_len = 0usize;
         let per_chunk = (gpu.chunk_bytes / 4) as usize;
         for name in order {
-            let (shape, m) = moment("m", name)?;
-            let (_, v) = moment("v", name)?;
-            let bytes = 4 * m.len() as u64;
-            let (mb, vb) = (
-                gpu.chunked("AdamW's first moment", bytes, STORAGE)?,
-                gpu.chunked("AdamW's second moment", bytes, STORAGE)?,
-            );
-            gpu.write_chunked(&mb, bytemuck::cast_slice(m));
-            gpu.write_chunked(&vb, bytemuck::cast_slice(v));
-            for start in (0..m.len().max(1)).step_by(per_chunk.max(1)) {
-                let n = per_chunk.min(m.len() - start.min(m.len()));
+            let (decays, shape) = host
+                .param(name)
+                .ok_or_else(|| GpuError::Internal(format!("the optimizer has no parameter `{name}`")))?;
+            let shape = shape.to_vec();
+            let len: usize = shape.iter().product();
+            // AdamW's moments are always there; SGD's momentum buffer from the first step on.
+            let keys = rule.keys(name);
+            let started = keys.iter().all(|k| state.contains_key(k));
+            let mut buffers = Vec::with_capacity(keys.len());
+            for key in &keys {
+                let buffer = gpu.chunked("an optimizer state tensor", 4 * len as u64, STORAGE)?;
+                match state.get(key) {
+                    Some(t) => match t.as_f32() {
+                        Some(values) if t.shape == shape => gpu.write_chunked(&buffer, bytemuck::cast_slice(values)),
+                        _ => return Err(GpuError::Internal(format!("`{key}` is not f32 of shape {shape:?}"))),
+                    },
+                    None if rule == Rule::AdamW => {
+                        return Err(GpuError::Internal(format!("the optimizer has no `{key}`")));
+                    }
+                    // (Written at the first step, before it is read.)
+                    None => {}
+                }
+                buffers.push(buffer);
+            }
+            for start in (0..len.max(1)).step_by(per_chunk.max(1)) {
+                let n = per_chunk.min(len - start.min(len));
                 let sizes = SquaresSizes { n: n as u32, offset: parts_len as u32 };
                 parts_len += sizes.workgroups() as usize;
                 chunks.push(sizes);
             }
-            let decays = host.decays(name).unwrap_or(false);
-            slots.push(Slot { name: name.clone(), shape, decays, m: mb, v: vb, mean: Vec::new() });
+            slots.push(Slot { name: name.clone(), shape, decays, state: buffers, started, mean: Vec::new() });
         }
         let stride = stride(&gpu);
         let uniform = gpu.buffer(
-            "AdamW's uniforms",
+            "the optimizer's uniforms",
             3 * stride * chunks.len().max(1) as u64,
             wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         )?;
@@ -134,11 +181,16 @@ impl DeviceAdamW {
             )?,
         );
         let n = chunks.len();
-        Ok(DeviceAdamW {
+        let update = match rule {
+            Rule::AdamW => gpu.pipeline("AdamW", ADAMW),
+            Rule::Sgd { momentum } => gpu.pipeline("SGD", &sgd(momentum)),
+        };
+        Ok(DeviceOptimizer {
             squares: gpu.pipeline("sum of squares", SUM_SQUARES),
-            update: gpu.pipeline("AdamW", ADAMW),
+            update,
             accumulate: gpu.pipeline("gradient mean", ACCUMULATE),
             gpu,
+            rule,
             slots,
             step: host.step_count(),
             chunks,
@@ -223,7 +275,7 @@ impl DeviceAdamW {
         gpu.check_lost()
     }
 
-    /// The buffers of the running mean [`DeviceAdamW::accumulate`] adds to, one per parameter in
+    /// The buffers of the running mean [`DeviceOptimizer::accumulate`] adds to, one per parameter in
     /// order (empty before its first call).
     pub fn mean(&self) -> Vec<Vec<wgpu::Buffer>> {
         self.slots.iter().map(|s| s.mean.clone()).collect()
@@ -273,13 +325,14 @@ impl DeviceAdamW {
         Ok(sums)
     }
 
-    /// One AdamW step at learning rate `lr` of every parameter (`params`, its buffers; `grads`,
-    /// its gradient's; both in order), each gradient read scaled by `scale` (the clipping
-    /// factor), the constants `host`'s (its settings; its own state is not read).
-    /// Recorded and submitted; the next submission sees the parameters updated.
+    /// One step of `host`'s update at learning rate `lr` of every parameter (`params`, its
+    /// buffers; `grads`, its gradient's; both in order), each gradient read scaled by `scale`
+    /// (the clipping factor), the constants `host`'s (its settings; its own state is not read,
+    /// and it must be the optimizer this was made from). Recorded and submitted; the next
+    /// submission sees the parameters updated.
     pub fn update(
         &mut self,
-        host: &AdamW,
+        host: &Optimizer,
         lr: f64,
         scale: f32,
         params: &[&[wgpu::Buffer]],
@@ -287,41 +340,68 @@ impl DeviceAdamW {
     ) -> Result<(), GpuError> {
         self.check(grads, "gradients")?;
         self.check(params, "parameters")?;
-        self.step += 1;
-        let (constants, decay) = host.constants(lr, self.step);
+        let step = self.step + 1;
+        let mut words = vec![0u8; (self.chunks.len() as u64 * self.stride) as usize];
+        let mut write = |d: usize, w: &[u32]| {
+            let at = d * self.stride as usize;
+            words[at..at + 4 * w.len()].copy_from_slice(bytemuck::cast_slice(w));
+        };
+        match (self.rule, host) {
+            (Rule::AdamW, Optimizer::AdamW(host)) => {
+                let (constants, decay) = host.constants(lr, step);
+                self.each_chunk(|p, _, d| {
+                    let step = AdamWStep {
+                        n: self.chunks[d].n,
+                        scale,
+                        decay: if self.slots[p].decays { decay } else { 1.0 },
+                        w1: constants.w1,
+                        b2: constants.b2,
+                        w2: constants.w2,
+                        bc2_sqrt: constants.bc2_sqrt,
+                        eps: constants.eps,
+                        neg_step: constants.neg_step,
+                    };
+                    write(d, &step.words());
+                    Ok(())
+                })?;
+            }
+            (Rule::Sgd { .. }, Optimizer::Sgd(host)) => {
+                let (momentum, weight_decay) = host.settings();
+                self.each_chunk(|p, _, d| {
+                    let slot = &self.slots[p];
+                    let step = SgdStep {
+                        n: self.chunks[d].n,
+                        first: !slot.started,
+                        scale,
+                        weight_decay: if slot.decays { weight_decay as f32 } else { 0.0 },
+                        momentum: momentum as f32,
+                        neg_lr: (-lr) as f32,
+                    };
+                    write(d, &step.words());
+                    Ok(())
+                })?;
+            }
+            _ => return Err(GpuError::Internal("the step's optimizer is not the one on the device".into())),
+        }
         let gpu = self.gpu.clone();
         let base = self.chunks.len() as u64 * self.stride;
-        let mut words = vec![0u8; (self.chunks.len() as u64 * self.stride) as usize];
-        self.each_chunk(|p, _, d| {
-            let step = AdamWStep {
-                n: self.chunks[d].n,
-                scale,
-                decay: if self.slots[p].decays { decay } else { 1.0 },
-                w1: constants.w1,
-                b2: constants.b2,
-                w2: constants.w2,
-                bc2_sqrt: constants.bc2_sqrt,
-                eps: constants.eps,
-                neg_step: constants.neg_step,
-            };
-            let at = d * self.stride as usize;
-            words[at..at + 48].copy_from_slice(bytemuck::cast_slice(&step.words()));
-            Ok(())
-        })?;
         gpu.queue.write_buffer(&self.uniform, base, &words);
         let mut groups = std::mem::take(&mut self.update_groups);
-        let mut encoder = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("AdamW") });
+        let mut encoder =
+            gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("optimizer") });
         {
             let mut pass = encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("AdamW"), timestamp_writes: None });
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("optimizer"), timestamp_writes: None });
             pass.set_pipeline(&self.update);
             self.each_chunk(|p, c, d| {
                 let slot = &self.slots[p];
-                let (m, v) = (slot.m.get(c), slot.v.get(c));
-                let (Some(m), Some(v)) = (m, v) else {
-                    return Err(GpuError::Internal(format!("`{}`: no moment chunk {c}", slot.name)));
-                };
-                let bound = [chunk(params, p, c)?, chunk(grads, p, c)?, m, v];
+                let mut bound = vec![chunk(params, p, c)?, chunk(grads, p, c)?];
+                for buffers in &slot.state {
+                    let Some(b) = buffers.get(c) else {
+                        return Err(GpuError::Internal(format!("`{}`: no state chunk {c}", slot.name)));
+                    };
+                    bound.push(b);
+                }
                 let group =
                     cached(&gpu, &mut groups[d], &self.update, &self.uniform, base + d as u64 * self.stride, &bound)?;
                 pass.set_bind_group(0, group, &[]);
@@ -332,16 +412,21 @@ impl DeviceAdamW {
         }
         gpu.queue.submit([encoder.finish()]);
         self.update_groups = groups;
+        self.step = step;
+        for slot in &mut self.slots {
+            slot.started = true;
+        }
         gpu.check_lost()
     }
 
-    /// The state as [`AdamW::state`] names it (`adam.step`, `adam.m.<param>`, `adam.v.<param>`),
-    /// read back: what [`AdamW::load_state`] takes.
+    /// The state as the host's [`Optimizer::state`] names it (`adam.step`, `adam.m.<param>`,
+    /// `adam.v.<param>`; `sgd.step`, `sgd.momentum.<param>` once started), read back: what
+    /// [`Optimizer::load_state`] takes.
     pub fn state(&self) -> Result<Vec<(String, Tensor)>, GpuError> {
-        let mut out = vec![("adam.step".to_string(), Tensor::i64(vec![], vec![self.step as i64]))];
-        for slot in &self.slots {
-            for (kind, buffers) in [("m", &slot.m), ("v", &slot.v)] {
-                out.push((format!("adam.{kind}.{}", slot.name), read(&self.gpu, buffers, &slot.shape)?));
+        let mut out = vec![(self.rule.step_key().to_string(), Tensor::i64(vec![], vec![self.step as i64]))];
+        for slot in self.slots.iter().filter(|s| s.started) {
+            for (key, buffers) in self.rule.keys(&slot.name).into_iter().zip(&slot.state) {
+                out.push((key, read(&self.gpu, buffers, &slot.shape)?));
             }
         }
         Ok(out)

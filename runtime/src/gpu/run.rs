@@ -237,7 +237,7 @@ impl GpuModel {
     /// others stay where the pass wrote them, in the plan's slots, whose buffers it returns by
     /// output name (chunks of [`Gpu::chunk_bytes`], the first elements the output's). They hold
     /// the outputs until the next run of this model writes its slots: what a training step's
-    /// update on the device reads its gradients from (see [`super::DeviceAdamW`]).
+    /// update on the device reads its gradients from (see [`super::DeviceOptimizer`]).
     pub fn run_leaving(
         &self,
         given: &HashMap<String, Tensor>,

@@ -114,6 +114,10 @@ pub enum OptimError {
         /// The state tensor's name.
         name: String,
     },
+    /// A step on the host while the optimizer's state is held on the device (a trainer bug: the
+    /// device's state is read back first).
+    #[error("the optimizer's state is on the device: it must be read back before a step on the host")]
+    StateElsewhere,
 }
 
 /// One parameter's part of a step: its name, its values (updated in place) and its gradient
@@ -277,7 +281,7 @@ impl AdamW {
     }
 
     /// Drops the moments (each parameter's keeps its shape) while a copy elsewhere is the truth:
-    /// the device's ([`crate::gpu::DeviceAdamW`]), given back by [`AdamW::load_state`] before the
+    /// the device's ([`crate::gpu::DeviceOptimizer`]), given back by [`AdamW::load_state`] before the
     /// state is read or a step runs here (a step on released moments is refused: their sizes are
     /// not the parameters').
     pub(crate) fn release_moments(&mut self) {
@@ -406,12 +410,35 @@ pub struct Sgd {
     weight_decay: f64,
     step: u64,
     slots: BTreeMap<String, SgdSlot>,
+    /// Whether the momentum buffers were dropped while the device's are the truth
+    /// ([`Sgd::release_buffers`]); a step is refused until [`Sgd::load_state`] gives them back.
+    released: bool,
 }
 
 impl Sgd {
     /// An SGD with no parameters yet; `momentum` 0 is plain SGD.
     pub fn new(momentum: f64, weight_decay: f64) -> Sgd {
-        Sgd { momentum, weight_decay, step: 0, slots: BTreeMap::new() }
+        Sgd { momentum, weight_decay, step: 0, slots: BTreeMap::new(), released: false }
+    }
+
+    /// The momentum (0: plain SGD) and the weight decay.
+    pub fn settings(&self) -> (f64, f64) {
+        (self.momentum, self.weight_decay)
+    }
+
+    /// Whether the parameter `name` takes weight decay (`None`: not registered).
+    pub(crate) fn decays(&self, name: &str) -> Option<bool> {
+        self.slots.get(name).map(|s| s.decay && self.weight_decay != 0.0)
+    }
+
+    /// Drops the momentum buffers while a copy elsewhere is the truth (the device's,
+    /// [`crate::gpu::DeviceOptimizer`]), given back by [`Sgd::load_state`] before the state is
+    /// read or a step runs here (a step before that is refused).
+    pub(crate) fn release_buffers(&mut self) {
+        for slot in self.slots.values_mut() {
+            slot.buf = None;
+        }
+        self.released = true;
     }
 
     /// Adds a parameter of `shape`; `decay` says whether weight decay applies.
@@ -432,6 +459,9 @@ impl Sgd {
     /// One step at learning rate `lr`: every registered parameter updated from its gradient. The
     /// gradients are left as given (the decay term is added to a copy).
     pub fn step(&mut self, lr: f64, updates: &mut [Update<'_>]) -> Result<(), OptimError> {
+        if self.released {
+            return Err(OptimError::StateElsewhere);
+        }
         check_updates(self.slots.iter().map(|(name, s)| (name.as_str(), s.shape.iter().product())), updates)?;
         self.step += 1;
         let (wd, momentum, neg_lr) = (self.weight_decay as f32, self.momentum as f32, (-lr) as f32);
@@ -490,6 +520,7 @@ impl Sgd {
         }
         self.step = step;
         self.slots = slots;
+        self.released = false;
         Ok(())
     }
 }
@@ -561,6 +592,23 @@ impl Optimizer {
         match self {
             Optimizer::AdamW(o) => o.load_state(tensors),
             Optimizer::Sgd(o) => o.load_state(tensors),
+        }
+    }
+
+    /// Whether the parameter `name` takes weight decay, and its shape (`None`: not registered).
+    pub(crate) fn param(&self, name: &str) -> Option<(bool, &[usize])> {
+        match self {
+            Optimizer::AdamW(o) => Some((o.decays(name)?, o.slots.get(name)?.shape.as_slice())),
+            Optimizer::Sgd(o) => Some((o.decays(name)?, o.slots.get(name)?.shape.as_slice())),
+        }
+    }
+
+    /// Drops the state's tensors while the device's copy is the truth
+    /// ([`crate::gpu::DeviceOptimizer`]); [`Optimizer::load_state`] gives them back.
+    pub(crate) fn release_state(&mut self) {
+        match self {
+            Optimizer::AdamW(o) => o.release_moments(),
+            Optimizer::Sgd(o) => o.release_buffers(),
         }
     }
 }
@@ -812,6 +860,15 @@ mod tests {
         sgd.step(0.5, &mut [Update { name: "x", value: &mut x, grad: &mut g, scale: 1.0 }]).unwrap();
         assert_eq!(x, [0.75, -1.125]);
         assert_eq!(sgd.state().len(), 1, "no buffers without momentum");
+        // While the device holds the state, a step here is refused until it is given back.
+        let state: HashMap<String, Tensor> = sgd.state().into_iter().collect();
+        sgd.release_buffers();
+        let refused = sgd.step(0.5, &mut [Update { name: "x", value: &mut x, grad: &mut g, scale: 1.0 }]);
+        assert!(matches!(refused, Err(OptimError::StateElsewhere)), "{refused:?}");
+        assert_eq!(x, [0.75, -1.125], "a refused step changes nothing");
+        sgd.load_state(&state).unwrap();
+        sgd.step(0.5, &mut [Update { name: "x", value: &mut x, grad: &mut g, scale: 1.0 }]).unwrap();
+        assert_eq!(x, [0.5, -1.25]);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_nor
 use super::recipe::{Recipe, glob_match};
 use super::run::{RunError, StepRunner};
 use crate::device::Device;
-use crate::gpu::{DeviceAdamW, GpuError};
+use crate::gpu::{DeviceOptimizer, GpuError};
 use kiln_compiler::autodiff::Block;
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{PackDims, WeightMap};
@@ -123,10 +123,10 @@ pub struct Trainer {
     trained: Vec<String>,
     uses: Vec<TensorUse>,
     optimizer: Optimizer,
-    /// AdamW on the device, where the step runs on wgpu (see [`Trainer::step`]): then the
-    /// parameters and moments there are the truth, and `stale` says whether `tensors` and
-    /// `optimizer` are behind them (the host's moments are dropped meanwhile).
-    resident: Option<DeviceAdamW>,
+    /// The optimizer on the device, where the step runs on wgpu (see [`Trainer::step`]): then
+    /// the parameters and the optimizer's state there are the truth, and `stale` says whether
+    /// `tensors` and `optimizer` are behind them (the host's state is dropped meanwhile).
+    resident: Option<DeviceOptimizer>,
     stale: bool,
     step: usize,
     recomputed: (usize, usize),
@@ -309,14 +309,15 @@ impl Trainer {
     /// One optimizer step on `micro` (the step's micro-batches: one, or `accumulate` of them).
     /// On an error the tensors and the optimizer's state are those before the step.
     ///
-    /// On wgpu, a step with AdamW runs on the device: the parameters, their gradients (several
-    /// micro-batches' averaged there) and the moments stay there (the first such step writes the
-    /// host's there), the loss and the gradients' sums of squares are read back for the checks
-    /// and the clipping, and [`DeviceAdamW`] updates the parameters in place; the host's copies
-    /// are read back when asked for ([`Trainer::tensors`], [`Trainer::state`], an evaluation).
-    /// Any other step (on another device, or with SGD) runs on the host's tensors.
+    /// On wgpu, a step runs on the device: the parameters, their gradients (several
+    /// micro-batches' averaged there) and the optimizer's state (AdamW's moments, SGD's momentum)
+    /// stay there (the first such step writes the host's there), the loss and the gradients'
+    /// sums of squares are read back for the checks and the clipping, and [`DeviceOptimizer`]
+    /// updates the parameters in place; the host's copies are read back when asked for
+    /// ([`Trainer::tensors`], [`Trainer::state`], an evaluation). On another device a step runs
+    /// on the host's tensors.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
-        if let (false, Some(_), Optimizer::AdamW(_)) = (micro.is_empty(), self.train.gpu(), &self.optimizer) {
+        if !micro.is_empty() && self.train.gpu().is_some() {
             return self.step_on_device(micro);
         }
         // The host's tensors are the truth from here: the next step on the device writes them
@@ -390,19 +391,19 @@ impl Trainer {
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
     }
 
-    /// [`Trainer::step`] on the device (see there) of `micro` (at least one micro-batch), with
-    /// AdamW.
+    /// [`Trainer::step`] on the device (see there) of `micro` (at least one micro-batch).
     fn step_on_device(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
         let step = self.step;
         let lr = self.recipe.lr_at(step);
         let run = |source: RunError| TrainError::Run { step, source };
         let gpu_failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
         let upload = self.resident.is_none();
-        if let (true, Some(gpu), Optimizer::AdamW(host)) = (upload, self.train.gpu(), &mut self.optimizer) {
-            // The moments to the device; from here the device's copies are the truth (equal to
-            // the host's until the first update), and the host's moments are dropped.
-            self.resident = Some(DeviceAdamW::new(gpu.clone(), host, &self.trained).map_err(gpu_failed)?);
-            host.release_moments();
+        if let (true, Some(gpu)) = (upload, self.train.gpu()) {
+            // The state to the device; from here the device's copies are the truth (equal to
+            // the host's until the first update), and the host's state is dropped.
+            let resident = DeviceOptimizer::new(gpu.clone(), &self.optimizer, &self.trained).map_err(gpu_failed)?;
+            self.resident = Some(resident);
+            self.optimizer.release_state();
             self.stale = true;
         }
         let no_optimizer = || run(RunError::Gpu(Box::new(GpuError::Internal("no optimizer on the device".into()))));
@@ -430,8 +431,7 @@ impl Trainer {
             None => counted_sum,
         };
         let loss = loss_sum / tokens.max(1) as f64;
-        let (Optimizer::AdamW(host), Some(model), Some(resident)) =
-            (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
+        let (host, Some(model), Some(resident)) = (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
         else {
             return Err(no_optimizer());
         };
@@ -475,11 +475,9 @@ impl Trainer {
             _ => 1.0,
         };
         resident.update(host, lr, scale, &p, &g).map_err(gpu_failed)?;
-        // The host's copies are behind the device's now (and its moments, if read back since
-        // the last step, are dropped again).
-        if let Optimizer::AdamW(host) = &mut self.optimizer {
-            host.release_moments();
-        }
+        // The host's copies are behind the device's now (and its state, if read back since the
+        // last step, is dropped again).
+        self.optimizer.release_state();
         self.stale = true;
         self.step += 1;
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
