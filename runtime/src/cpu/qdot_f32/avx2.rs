@@ -54,6 +54,7 @@ mod ops {
         unsafe { _mm256_storeu_ps(p, v) }
     }
 
+    use super::super::Shared;
     pub(super) use crate::cpu::isa::x86::prefetch;
 
     /// A Q8_0 block (32 signed bytes at `p`) times `d`.
@@ -109,10 +110,11 @@ mod ops {
     ///
     /// # Safety
     ///
-    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
+    /// its super-block's.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
         use super::super::{F_Q4_K, F_Q5_0};
         debug_assert!(b < nb, "block {b} of {nb}");
         let ns = nb / 8;
@@ -145,7 +147,7 @@ mod ops {
                 out
             }
             F_Q4_K => {
-                let (scale, min) = super::super::q4_k_factors(word, nb, b);
+                let (scale, min) = shared.get(b % 8).copied().unwrap_or_default();
                 let (scale, min) = (_mm256_set1_ps(scale), _mm256_set1_ps(min));
                 let at = 5 * ns + 8 * (b / 2);
                 let nibble = 4 * (b % 2) as u32;

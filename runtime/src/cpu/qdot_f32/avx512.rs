@@ -54,6 +54,7 @@ mod ops {
         unsafe { _mm512_storeu_ps(p, v) }
     }
 
+    use super::super::Shared;
     pub(super) use crate::cpu::isa::x86::prefetch;
 
     /// A Q8_0 block (32 signed bytes at `p`) times `d`.
@@ -96,15 +97,17 @@ mod ops {
     /// [`dequant_block`](super::super::dequant_block) scales it (`q * scale`, plus Q4_K's
     /// minimum after the multiply): the quants widened to 32 bits, Q5_0's fifth bits added under
     /// a lane mask of the block's bit word, the K formats' nibbles and bit pairs shifted out by
-    /// the sub-block's position; the sub-block scales (Q4_K's 6-bit pairs, Q6_K's int8 pairs)
-    /// are unpacked once per block on the scalar side.
+    /// the sub-block's position; Q4_K's scale and minimum are the block's pair of `shared` (its
+    /// super-block's, unpacked once for its 8 blocks: [`q4_k_factors`](super::super::q4_k_factors)),
+    /// Q6_K's int8 pair of scales is unpacked here on the scalar side.
     ///
     /// # Safety
     ///
-    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
+    /// its super-block's.
     #[target_feature(enable = "avx512f,avx2")]
     #[inline]
-    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
         use super::super::{F_Q4_K, F_Q5_0};
         debug_assert!(b < nb, "block {b} of {nb}");
         let ns = nb / 8;
@@ -132,7 +135,7 @@ mod ops {
                 [f(lo), f(hi)]
             }
             F_Q4_K => {
-                let (scale, min) = super::super::q4_k_factors(word, nb, b);
+                let (scale, min) = shared.get(b % 8).copied().unwrap_or_default();
                 let (scale, min) = (_mm512_set1_ps(scale), _mm512_set1_ps(min));
                 let at = 5 * ns + 8 * (b / 2);
                 let nibble = 4 * (b % 2) as u32;

@@ -26,7 +26,12 @@ macro_rules! buffered_kquant {
         /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
         #[target_feature(enable = $features)]
         #[inline]
-        pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize) -> [V; BV] {
+        pub(super) unsafe fn kquant<const F: u8>(
+            row: *const u32,
+            nb: usize,
+            b: usize,
+            _shared: &super::super::Shared,
+        ) -> [V; BV] {
             // SAFETY: the caller's.
             let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
             let mut out = [zero(); BV];
@@ -51,7 +56,7 @@ macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
         pub(in super::super) mod $module {
             use super::super::{
-                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, TILE,
+                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, Shared, TILE, shared,
                 words_per_8_blocks,
             };
             use super::$ops as ops;
@@ -76,14 +81,16 @@ macro_rules! kernels {
             }
 
             /// Block `b` of the row at `row` (`nb` blocks of the format tagged `F`) dequantized:
-            /// Q8_0 and Q4_1 in registers, the other formats by [`dequant_block`] into a buffer.
+            /// Q8_0 and Q4_1 here, the other formats by the ISA's `kquant` (which reads a Q4_K
+            /// block's scale and minimum from `sh`, its super-block's [`Shared`]).
             ///
             /// # Safety
             ///
-            /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
+            /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; `sh` is the
+            /// [`shared`] of its super-block (read by Q4_K only).
             #[target_feature(enable = $features)]
             #[inline]
-            unsafe fn row_block<const F: u8>(row: *const u32, nb: usize, b: usize) -> [ops::V; ops::BV] {
+            unsafe fn row_block<const F: u8>(row: *const u32, nb: usize, b: usize, sh: &Shared) -> [ops::V; ops::BV] {
                 debug_assert!(b < nb, "block {b} of {nb}");
                 match F {
                     // SAFETY: a Q8_0 row holds `nb` scales, then 8 quant words a block: word
@@ -96,7 +103,7 @@ macro_rules! kernels {
                         ops::q4(row.add(2 * nb + 4 * b), d, m)
                     },
                     // SAFETY: the caller's.
-                    _ => unsafe { ops::kquant::<F>(row, nb, b) },
+                    _ => unsafe { ops::kquant::<F>(row, nb, b, sh) },
                 }
             }
 
@@ -116,6 +123,8 @@ macro_rules! kernels {
                 ahead: usize,
             ) -> [[f32; R]; M] {
                 let mut acc = [[ops::zero(); M]; R];
+                // Each row's super-block factors, unpacked at its first block.
+                let mut sh: [Shared; R] = [[(0.0, 0.0); 8]; R];
                 let hoist = M * ops::BV <= ops::HOIST;
                 for b in 0..nb {
                     // The activation blocks, loaded once for the tile's rows when registers allow.
@@ -130,12 +139,17 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    for (a, &row) in acc.iter_mut().zip(rows) {
+                    for ((a, &row), sh) in acc.iter_mut().zip(rows).zip(sh.iter_mut()) {
                         // The rows `ahead` swept a line a block: every region of them (scales,
                         // quants, a Q6_K's high bits) is under 64 bytes a block.
                         ops::prefetch(row.wrapping_add(ahead + b * words_per_8_blocks(F) / 8));
-                        // SAFETY: `row` is a whole row and `b < nb`.
-                        let w = unsafe { row_block::<F>(row, nb, b) };
+                        if F == F_Q4_K && b % 8 == 0 {
+                            // SAFETY: `row` is a whole row and `b / 8 < nb / 8` (`nb` a multiple
+                            // of 8 in the K formats).
+                            *sh = unsafe { shared::<F>(row, nb, b / 8) };
+                        }
+                        // SAFETY: `row` is a whole row, `b < nb`, and `sh` its super-block's.
+                        let w = unsafe { row_block::<F>(row, nb, b, sh) };
                         for ((a, xv), &x) in a.iter_mut().zip(&xv).zip(xs) {
                             for (j, (w, xv)) in w.iter().zip(xv).enumerate() {
                                 let xv = if hoist {
@@ -172,9 +186,14 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             unsafe fn dequant<const F: u8>(row: *const u32, nb: usize, b0: usize, b1: usize, dst: *mut f32) {
                 debug_assert!(b1 <= nb, "blocks {b0}..{b1} of {nb}");
+                let mut sh: Shared = [(0.0, 0.0); 8];
                 for b in b0..b1 {
-                    // SAFETY: the caller's, `b < nb`.
-                    let w = unsafe { row_block::<F>(row, nb, b) };
+                    if F == F_Q4_K && (b % 8 == 0 || b == b0) {
+                        // SAFETY: the caller's, `b / 8 < nb / 8`.
+                        sh = unsafe { shared::<F>(row, nb, b / 8) };
+                    }
+                    // SAFETY: the caller's, `b < nb`, and `sh` its super-block's.
+                    let w = unsafe { row_block::<F>(row, nb, b, &sh) };
                     for (j, v) in w.iter().enumerate() {
                         // SAFETY: `BLOCK * (b - b0) + LANES * (j + 1) <= 32 (b1 - b0)`, the floats
                         // `dst` is writable for (the contract, asserted in `buffered`).

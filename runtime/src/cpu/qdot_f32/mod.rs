@@ -315,27 +315,52 @@ unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line
     lines
 }
 
-/// Block `b`'s scale and minimum term in a Q4_K row of `nb` blocks read through `word`: its
-/// sub-block's `(d * sc, -(dmin * m))`, as [`crate::quant::block`] gives them. The scalar side of
-/// the SIMD modules' register dequantization.
+/// What the blocks of a super-block (8 blocks, 256 elements) share, unpacked once per
+/// super-block rather than once per block: a Q4_K row's 8 pairs of scale and minimum term
+/// ([`q4_k_factors`]); nothing for the other formats. The streaming and dequantizing drivers keep
+/// one per weight row and hand a block's kernel its row's.
+type Shared = [(f32, f32); 8];
+
+/// The scales and minimum terms of super-block `s` of a Q4_K row of `nb` blocks read through
+/// `word`: block `j`'s `(d * sc_j, -(dmin * m_j))`, as [`crate::quant::block`] gives them. The
+/// scalar side of the SIMD modules' register dequantization, once per super-block: its 12 bytes
+/// of 6-bit pairs are three words, unpacked four bytes at a time as `gguf::q4_k_scale_min` does
+/// it a byte at a time (blocks `j < 4` from the low 6 bits of bytes `j` and `j + 4`, blocks `j >=
+/// 4` from the nibbles of byte `j + 4` and the top two bits of bytes `j - 4` and `j`).
 #[cfg(target_arch = "x86_64")]
-fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
-    let (ns, s, j) = (nb / 8, b / 8, b % 8);
-    // The 12 bytes of 6-bit pairs as three words, unpacked as `gguf::q4_k_scale_min` does:
-    // block `j < 4` from bytes `j` and `j + 4`, block `j >= 4` from bytes `j + 4` (both
-    // nibbles), `j - 4` and `j` (their top two bits). A block's kernel calls this, so it reads
-    // only the words it needs and shifts them, rather than gathering the 12 bytes first.
+fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, s: usize) -> Shared {
+    let ns = nb / 8;
     let packed = 2 * ns + 3 * s;
-    let shift = 8 * (j % 4) as u32;
-    let byte = |w: usize| (word(packed + w) >> shift) & 0xff;
-    let (sc, m) = match j < 4 {
-        true => (byte(0) & 63, byte(1) & 63),
-        false => {
-            let (high, low, mid) = (byte(2), byte(0), byte(1));
-            ((high & 0x0f) | ((low >> 6) << 4), (high >> 4) | ((mid >> 6) << 4))
-        }
+    let (w0, w1, w2) = (word(packed), word(packed + 1), word(packed + 2));
+    let low6 = 0x3f3f_3f3f;
+    // Each byte's top two bits moved to bits 4 and 5 (what moves in from the next byte masked).
+    let top = |w: u32| (w >> 2) & 0x3030_3030;
+    let scales = [w0 & low6, (w2 & 0x0f0f_0f0f) | top(w0)];
+    let mins = [w1 & low6, ((w2 >> 4) & 0x0f0f_0f0f) | top(w1)];
+    let (d, dmin) = (f32::from_bits(word(s)), f32::from_bits(word(ns + s)));
+    let byte = |w: &[u32; 2], j: usize| {
+        let w = if j < 4 { w[0] } else { w[1] };
+        ((w >> (8 * (j % 4))) & 0xff) as f32
     };
-    (f32::from_bits(word(s)) * sc as f32, -(f32::from_bits(word(ns + s)) * m as f32))
+    std::array::from_fn(|j| (d * byte(&scales, j), -(dmin * byte(&mins, j))))
+}
+
+/// The [`Shared`] of super-block `s` of the row at `row` (`nb` blocks of the format tagged `F`).
+///
+/// # Safety
+///
+/// `row` is a whole row of the layout for `nb` blocks and `s < nb / 8`.
+#[inline(always)]
+unsafe fn shared<const F: u8>(row: *const u32, nb: usize, s: usize) -> Shared {
+    debug_assert!(s < nb.div_ceil(8), "super-block {s} of {nb} blocks");
+    #[cfg(target_arch = "x86_64")]
+    if F == F_Q4_K {
+        // SAFETY: `q4_k_factors` reads words `s`, `ns + s` and `2 ns + 3 s .. + 3` of a Q4_K
+        // row of `37 ns` words (`s < ns = nb / 8`): the caller's whole row.
+        return q4_k_factors(|i| unsafe { row.add(i).read() }, nb, s);
+    }
+    let _ = row;
+    [(0.0, 0.0); 8]
 }
 
 /// The scales of block `b`'s two halves in a Q6_K row of `nb` blocks read through `word`: `d`
