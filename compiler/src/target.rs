@@ -19,9 +19,10 @@ pub struct Target {
     pub cost: CostModel,
     /// The widest attention head the back end's fused attention takes.
     pub max_attention_head_dim: usize,
-    /// Whether the back end's attention backward ([`crate::graph::Op::AttentionGrad`]) keeps each
-    /// tile's row statistics, so it costs a few products per tile; where it does not (the WGSL
-    /// kernel's key rows recompute every query's), the rule that makes it does not fire.
+    /// Whether the back end's attention backward ([`crate::graph::Op::AttentionGrad`]) keeps the
+    /// query rows' statistics (the CPU's per tile, the WGSL kernel's in a first dispatch), so its
+    /// work is a few products per pair of query and key; where it does not, the rule that makes
+    /// it does not fire.
     pub attention_grad: bool,
 }
 

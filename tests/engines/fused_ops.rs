@@ -570,12 +570,14 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
     }
 }
 
-/// Attention's backward with every mask and modifier, grouped heads and padding: on wgpu at
-/// short sequences (its kernel's key rows walk every query), on the CPU also over several tiles
-/// of query rows and a block pattern's blocks.
+/// Attention's backward with every mask and modifier, grouped heads and padding: at short
+/// sequences on wgpu in both forms (the chunked step's single dispatch, whose key rows recompute
+/// every query's statistics, and the two dispatches of the statistics in partials), and longer
+/// ones — over several of the CPU's tiles of query rows and a block pattern's blocks — in the
+/// two-dispatch form and on the CPU.
 #[test]
 fn attention_grad_with_every_mask_and_modifier() {
-    let (mut short, mut long) = (Vec::new(), Vec::new());
+    let (mut tiny, mut short, mut long) = (Vec::new(), Vec::new(), Vec::new());
     let plain = [(false, false, None), (true, true, None), (false, true, Some(2)), (true, false, Some(3))]
         .map(|(alibi, causal, window)| (alibi, causal, window, ScoreMods::default()));
     let modified = modifiers().into_iter().map(|(causal, mods)| (false, causal, None, mods));
@@ -583,7 +585,12 @@ fn attention_grad_with_every_mask_and_modifier() {
         let table = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
         for masked in [false, true] {
             for (b, h, kv, s, d) in [(2, 4, 2, 5, 8), (1, 2, 1, 9, 4), (1, 3, 1, 70, 8), (2, 2, 2, 130, 4)] {
-                let cases = if s > 9 { &mut long } else { &mut short };
+                // (The chunked form at 64 floats a chunk binds too many buffers past the tiny.)
+                let cases = match s {
+                    ..=5 => &mut short,
+                    ..=9 => &mut tiny,
+                    _ => &mut long,
+                };
                 if s > 9 && !masked {
                     continue;
                 }
@@ -601,9 +608,9 @@ fn attention_grad_with_every_mask_and_modifier() {
             }
         }
     }
+    check(&tiny, true);
     check(&short, false);
-    let (g, params, expected) = evaluate(&long);
-    on_the_cpu(&long, &g, &params, &expected);
+    check(&long, false);
 }
 
 #[test]

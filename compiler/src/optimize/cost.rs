@@ -160,11 +160,16 @@ impl CostModel {
                 4.0 * self.elements(q) * self.elements(&vec![k[2]])
             }
             // Five products per pair of query and key (the scores, the output's gradient against
-            // the values, and the three gradients), and each tile's fixed work.
+            // the values, and the three gradients), and each tile's fixed work. The WGSL kernel
+            // runs them as scalar loops, a thread per row (and recomputes the scores twice more),
+            // so its products are priced as a scalar projection's ([`CostModel::scalar_projection`],
+            // 1 on the CPU): measured per adapter; on lavapipe (7) the unfused backward, whose
+            // products are tiled, stays the cheaper at the cost model's sequence.
             Op::AttentionGrad { .. } => {
                 let (q, k) = (operands[0], operands[1]);
                 let tiles = (self.elements(q) / last(q).max(1.0) / ATTENTION_GRAD_TILE_ROWS).ceil();
-                10.0 * self.elements(q) * self.elements(&vec![k[2]]) + tiles * ATTENTION_GRAD_TILE_FLOPS
+                10.0 * self.elements(q) * self.elements(&vec![k[2]]) * self.scalar_projection
+                    + tiles * ATTENTION_GRAD_TILE_FLOPS
             }
             _ => self.elements(out),
         };

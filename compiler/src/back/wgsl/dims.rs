@@ -272,12 +272,23 @@ fn dims_of(
                 attention::dims(g, b, s, t, 0, mods.sparse.is_some(), below, split)
             }
         }
-        // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k [b, kv, s, d].
+        // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k
+        // [b, kv, s, d]; unchunked, a thread per query row first (its statistics into the
+        // partials, `dims[15]` = 1), then one per output row (`partials::combine_dims`).
         Op::AttentionGrad { .. } => {
             let (&[b, h, s, d], &[_, kv, ..]) = (operand(0)?, operand(1)?) else {
                 return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, s, d]", op.name()));
             };
-            vec![3 * b * h * s, h, s, d, kv, b * h * s]
+            let rows = b * h * s;
+            match chunked {
+                true => vec![3 * rows, h, s, d, kv, rows],
+                false => {
+                    let mut v = vec![rows, h, s, d, kv, rows];
+                    v.resize(16, 0);
+                    v[15] = 1;
+                    v
+                }
+            }
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],

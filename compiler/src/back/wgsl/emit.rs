@@ -636,7 +636,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         Op::AttentionGrad { scale, alibi, causal, window, mods } => {
-            attention_grad(*scale, *alibi, *causal, *window, mods, operands)
+            attention_grad(*scale, *alibi, *causal, *window, mods, operands, AttentionGradStage::Whole)
         }
         Op::AddNorm { rms, eps, after: true } => {
             // `b`'s row statistics first, then `a + norm(b)` per element.
@@ -715,18 +715,28 @@ impl<'a> Mods<'a> {
     }
 }
 
-/// [`Op::AttentionGrad`]: one thread per output row (`[3, b, h, s, d]` as rows of `d`). A query
-/// gradient's thread walks its query's keys; a key's or value's walks every query, each query's
-/// softmax statistics recomputed there (a key row's thread needs every row's), so its work grows
-/// with the square of the sequence: correct everywhere, fast nowhere long (the optimizer's WGSL
-/// target does not choose this op; the row statistics in a pass of their own is the fast form).
-fn attention_grad(
+/// [`Op::AttentionGrad`]'s kernel body: one thread per output row (`[3, b, h, s, d]` as rows of
+/// `d`). A query gradient's thread walks its query's keys; a key's or value's walks every query.
+/// Each needs the softmax statistics of the query rows it walks (the row's maximum, its
+/// exponentials' sum and `rowsum(p * dp)`):
+///
+/// - `stage` [`AttentionGradStage::Whole`] (a chunked step's single dispatch): each thread
+///   recomputes them for every query it walks, so a key row's work grows with the square of the
+///   sequence: correct everywhere, fast nowhere long.
+/// - [`AttentionGradStage::Rows`] and [`AttentionGradStage::Gradients`], the two dispatches of
+///   the partial form (`partials`): the first writes every query row's three statistics to the
+///   scratch buffer (`part`, one thread per query row), the second reads them there, so every
+///   thread's work is linear in the sequence: flash-attention's backward, the score matrix never
+///   held. The statistics are the same arithmetic in the same order either way, so the forms'
+///   results are bit for bit the same.
+pub(super) fn attention_grad(
     scale: Scalar,
     alibi: bool,
     causal: bool,
     window: Option<usize>,
     mods: &ScoreMods,
     operands: usize,
+    stage: AttentionGradStage,
 ) -> String {
     let m = Mods::new(mods, 4, operands);
     let keep = keep_condition(causal, window, m.mask.as_deref(), mods);
@@ -749,15 +759,19 @@ fn attention_grad(
         None => "        _ = y;\n".into(),
     };
     let dot = |a: &str, b: &str| format!("for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + {a} * {b}; }}");
-    format!(
-        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
-         let part = i / rows;\nlet r = i % rows;\nlet own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\n\
-         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
-         // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
-         var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\n\
-         let q_first = select(0u, own, part == 0u);\nlet q_last = select(k, own + 1u, part == 0u);\n\
-         for (var qi = q_first; qi < q_last; qi = qi + 1u) {{\n{setup}\
-         // The row's softmax: its maximum and sum over the kept keys, then sum(p * dp).\n\
+    let dp = dot("in3[q0 + qi * d + c]", "in2[kv0 + ki * d + c]");
+    let setup = scores::sparse_setup(mods, "qi", "k", "k");
+    let sizes = "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n";
+    // Query row `r` (of `rows`) of head `h` of batch `b`, its query `own` of `k`.
+    let row = |r: &str| {
+        format!(
+            "let own = {r} % k;\nlet h = ({r} / k) % heads;\nlet b = {r} / (k * heads);\n\
+             let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n"
+        )
+    };
+    // Query `qi`'s statistics: `mx`, `l`, `uniform` and `dd`.
+    let statistics = format!(
+        "// The row's softmax: its maximum and sum over the kept keys, then sum(p * dp).\n\
          var mx = -3.40282347e38;\nvar l = 0.0;\n\
          for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}        if (!({keep})) {{ continue; }}\n        \
          let m1 = max(mx, x);\n        l = l * exp(mx - m1) + exp(x - m1);\n        mx = m1;\n    }}\n\
@@ -765,21 +779,51 @@ fn attention_grad(
          let uniform = l == 0.0;\nvar dd = 0.0;\n\
          for (var ki = 0u; ki < k; ki = ki + 1u) {{\n{logit}        \
          let p = select(select(0.0, exp(x - mx) / l, {keep}), 1.0 / f32(k), uniform);\n        \
-         var dp = 0.0;\n        {dp}\n        dd = dd + p * dp;\n    }}\n\
+         var dp = 0.0;\n        {dp}\n        dd = dd + p * dp;\n    }}\n"
+    );
+    let stats = match stage {
+        AttentionGradStage::Rows => {
+            return format!(
+                "{sizes}{}let qi = own;\n{setup}{statistics}\
+                 part[3u * i] = mx;\npart[3u * i + 1u] = l;\npart[3u * i + 2u] = dd;",
+                row("i")
+            );
+        }
+        AttentionGradStage::Whole => statistics,
+        AttentionGradStage::Gradients => "let at = 3u * ((b * heads + h) * k + qi);\n\
+             let mx = part[at];\nlet l = part[at + 1u];\nlet dd = part[at + 2u];\nlet uniform = l == 0.0;\n"
+            .to_string(),
+    };
+    format!(
+        "{sizes}let which = i / rows;\nlet r = i % rows;\n{}\
+         // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
+         var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\n\
+         let q_first = select(0u, own, which == 0u);\nlet q_last = select(k, own + 1u, which == 0u);\n\
+         for (var qi = q_first; qi < q_last; qi = qi + 1u) {{\n{setup}{stats}\
          // This thread's share: every key for a query's gradient, its own key for a key's or value's.\n\
-         let k_first = select(own, 0u, part == 0u);\nlet k_last = select(own + 1u, k, part == 0u);\n\
+         let k_first = select(own, 0u, which == 0u);\nlet k_last = select(own + 1u, k, which == 0u);\n\
          for (var ki = k_first; ki < k_last; ki = ki + 1u) {{\n{logit}        let kept = {keep};\n        \
          let p = select(select(0.0, exp(x - mx) / l, kept), 1.0 / f32(k), uniform);\n        \
-         if (part == 2u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + p * in3[q0 + qi * d + c]; }}\n            \
+         if (which == 2u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + p * in3[q0 + qi * d + c]; }}\n            \
          continue;\n        }}\n        var dp = 0.0;\n        {dp}\n        \
          var ds = select(0.0, p * (dp - dd), kept && !uniform);\n{slope}        ds = ds * {scale};\n        \
-         if (part == 0u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in1[kv0 + ki * d + c]; }}\n        \
+         if (which == 0u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in1[kv0 + ki * d + c]; }}\n        \
          }} else {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in0[q0 + qi * d + c]; }}\n        }}\n    \
          }}\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c]; }}",
-        setup = scores::sparse_setup(mods, "qi", "k", "k"),
-        dp = dot("in3[q0 + qi * d + c]", "in2[kv0 + ki * d + c]"),
+        row("r"),
         scale = lit(scale.0),
     )
+}
+
+/// Which of [`attention_grad`]'s forms a kernel body is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum AttentionGradStage {
+    /// One dispatch, every thread recomputing its queries' statistics.
+    Whole,
+    /// The partial form's first dispatch: each query row's statistics into `part`.
+    Rows,
+    /// The partial form's second dispatch: the gradients, the statistics read from `part`.
+    Gradients,
 }
 
 /// Whether key `ki` is kept for query position `qi`: by the causal and window mask, the key mask

@@ -57,7 +57,9 @@ fn kernel_with(
             let partials = attention::has_partials(op, options);
             attention::body(op, inputs.len(), g, workgroups, partials, tile).or_else(|| body(op, inputs.len()))?
         }
-        (_, None) if super::partials::has_partials(op, false, options) => super::partials::partial_body(op)?,
+        (_, None) if super::partials::has_partials(op, false, options) => {
+            super::partials::partial_body(op, inputs.len())?
+        }
         (_, None) => body(op, inputs.len())?,
     };
     let mut s = String::new();

@@ -20,10 +20,14 @@
 //! - **Cross-entropy**: a workgroup per row writes the row's loss and whether it counts (`part[r]`,
 //!   `part[rows + r]`); one workgroup sums both and writes their quotient. Sizes `[threads, rows,
 //!   vocab]`.
+//! - **Attention's backward** (`emit::attention_grad`): a thread per query row writes the row's
+//!   softmax statistics (`part[3 r ..]`: maximum, sum, `rowsum(p * dp)`); then a thread per
+//!   output row (the queries', keys' and values' gradients) reads those of the rows it walks.
+//!   Sizes `[threads, heads, s, d, kv heads, rows]`.
 
 use super::Options;
 use super::attention;
-use super::emit::{WORKGROUP, counted_label, indent, smoothing_literals};
+use super::emit::{AttentionGradStage, WORKGROUP, attention_grad, counted_label, indent, smoothing_literals};
 use super::gemm;
 use crate::graph::Op;
 
@@ -38,7 +42,7 @@ const GAIN_GRAD_MIN_CHUNK: usize = 8;
 /// Whether `op` is one of this module's reductions over rows (which always have partials, but
 /// where chunked).
 pub fn over_rows(op: &Op) -> bool {
-    matches!(op, Op::NormGainGrad { .. } | Op::CrossEntropy { .. })
+    matches!(op, Op::NormGainGrad { .. } | Op::CrossEntropy { .. } | Op::AttentionGrad { .. })
 }
 
 /// Whether `op`'s kernel compiled with `options` binds a scratch buffer of partial results, which
@@ -64,6 +68,8 @@ pub fn combine_dims(op: &Op, dims: &[u32; 16]) -> Option<[u32; 16]> {
         Op::NormGainGrad { .. } => c[0] = dims[5] * WORKGROUP,
         // One workgroup.
         Op::CrossEntropy { .. } => c[0] = WORKGROUP,
+        // One thread per output row.
+        Op::AttentionGrad { .. } => c[0] = 3 * dims[5],
         _ if gemm::tiled(op) => return Some(gemm::combine_dims(dims)),
         _ => return attention::combine_dims(dims),
     }
@@ -78,6 +84,7 @@ pub fn partials_bytes(op: &Op, dims: &[u32; 16]) -> u64 {
     let floats = match op {
         Op::NormGainGrad { .. } => u64::from(dims[4]) * u64::from(dims[2]),
         Op::CrossEntropy { .. } => 2 * u64::from(dims[1]),
+        Op::AttentionGrad { .. } => 3 * u64::from(dims[5]),
         _ if gemm::tiled(op) => return gemm::partials_bytes(dims),
         _ => return attention::partials_bytes(dims),
     };
@@ -172,14 +179,18 @@ pub(super) fn whole_body(op: &Op) -> Option<String> {
     })
 }
 
-/// The two-dispatch body of `op` (an op of this module; `None` for another): the partial results
-/// where `dims[15]` is 1, their combination where it is 2 (a condition uniform over the dispatch,
-/// so the reductions inside stay in uniform control flow).
-pub(super) fn partial_body(op: &Op) -> Option<String> {
+/// The two-dispatch body of `op` (an op of this module; `None` for another; `operands` its
+/// operand count): the partial results where `dims[15]` is 1, their combination where it is 2 (a
+/// condition uniform over the dispatch, so the reductions inside stay in uniform control flow).
+pub(super) fn partial_body(op: &Op, operands: usize) -> Option<String> {
     if gemm::tiled(op) {
         return Some(gemm::body(op, true));
     }
     let (first, combine) = match op {
+        Op::AttentionGrad { scale, alibi, causal, window, mods } => {
+            let stage = |stage| attention_grad(*scale, *alibi, *causal, *window, mods, operands, stage);
+            (stage(AttentionGradStage::Rows), stage(AttentionGradStage::Gradients))
+        }
         Op::NormGainGrad { rms, eps } => (
             format!("{}if (col < d) {{ part[(wg / blocks) * d + col] = acc; }}", gain_grad_sums(*rms, eps.0)),
             "let d = dim(2u);\nlet chunks = dim(4u);\nlet col = wg * 64u + lane;\nif (col < d) {\n    \
@@ -233,5 +244,35 @@ mod tests {
         assert_eq!((combine_dims(&op, &w), partials_bytes(&op, &w)), (None, 0));
         // No rows: one chunk, which writes zeros.
         assert_eq!(&dims(0, 64, false)[..6], &[64, 0, 64, 8, 1, 1]);
+    }
+
+    /// Attention's backward: a thread per query row writes its three statistics, then a thread
+    /// per output row (three per query row); chunked, one dispatch of the latter.
+    #[test]
+    fn attention_gradient_sizes() {
+        use crate::graph::ScoreMods;
+        let op = Op::AttentionGrad {
+            scale: Scalar(0.125),
+            alibi: false,
+            causal: true,
+            window: None,
+            mods: ScoreMods::default(),
+        };
+        let (q, k) = (vec![2, 4, 9, 8], vec![2, 2, 9, 8]);
+        let out = [3, 2, 4, 9, 8];
+        let dims = super::super::dims::dispatch(
+            &op,
+            &[q.clone(), k.clone(), k.clone(), q.clone()],
+            &out,
+            0,
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!((&dims[..6], dims[15]), (&[72, 4, 9, 8, 2, 72][..], 1));
+        assert_eq!(combine_dims(&op, &dims).unwrap()[0], 3 * 72);
+        assert_eq!(partials_bytes(&op, &dims), 3 * 72 * 4);
+        let chunked = super::super::dims::dispatch_chunked(&op, &[q.clone(), k.clone(), k, q], &out, 0).unwrap();
+        assert_eq!((&chunked[..6], chunked[15]), (&[3 * 72, 4, 9, 8, 2, 72][..], 0));
+        assert_eq!((combine_dims(&op, &chunked), partials_bytes(&op, &chunked)), (None, 0));
     }
 }

@@ -43,7 +43,7 @@ impl Target {
             name: "wgpu",
             cost: CostModel::default(),
             max_attention_head_dim: MAX_ATTENTION_HEAD_DIM,
-            attention_grad: false,
+            attention_grad: true,
         }
     }
 }
