@@ -541,6 +541,13 @@ fn check_counts_a_training_step_and_inspect_shows_it() {
     assert!(optimized.contains("contract_rows"), "the optimized step has no contract_rows:\n{optimized}");
     let stats = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stats", "--explain"]);
     assert!(stats.contains("weight-grad-rows"), "{stats}");
+    // The HTML report of the step: its graph before and after, the backward's ops among them.
+    let page = scratch("train-html").join("step.html");
+    ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--html", page.to_str().unwrap()]);
+    let html = std::fs::read_to_string(&page).unwrap();
+    for op in ["cross_entropy_grad", "contract_rows", "weight-grad-rows"] {
+        assert!(html.contains(op), "no {op} in the training step's HTML report");
+    }
 }
 
 #[test]
