@@ -56,8 +56,8 @@ pub enum Engine {
     },
     /// wgpu's generated kernels.
     Wgpu {
-        /// The optimized graph's plan compiled for wgpu.
-        program: Program,
+        /// The optimized graph's plan compiled for wgpu (boxed: it is most of the variant's size).
+        program: Box<Program>,
         /// The adapter profiled on (with `--profile`).
         adapter: Option<String>,
     },

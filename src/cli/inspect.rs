@@ -478,7 +478,7 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
         Backend::Wgpu => {
             let program = wgsl::compile(&lower::lower(&stats.optimized), &wgsl::Options::default())?;
             match args.profile {
-                false => (crate::html::Engine::Wgpu { program, adapter: None }, None),
+                false => (crate::html::Engine::Wgpu { program: Box::new(program), adapter: None }, None),
                 true => {
                     let device = kiln_runtime::Device::gpu(args.adapter.as_deref())?;
                     let (params, blocks) = params()?;
@@ -495,8 +495,10 @@ fn html(args: &InspectArgs, path: &Path, source: &str, fe: &FrontEnd, reporter: 
                     }
                     // The model may store weights differently from the plain lowering (quantized
                     // blocks of a GGUF checkpoint): report the plan that ran.
-                    let engine =
-                        crate::html::Engine::Wgpu { program: model.program().clone(), adapter: Some(gpu.describe()) };
+                    let engine = crate::html::Engine::Wgpu {
+                        program: Box::new(model.program().clone()),
+                        adapter: Some(gpu.describe()),
+                    };
                     (engine, Some(median(runs)))
                 }
             }

@@ -1309,7 +1309,7 @@ fn run_prints_the_largest_logits_of_each_position() {
     // A real model names its tokens: "The capital of France is" -> " Paris".
     let gguf = common::fetched("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf");
     let text = common::ok(&["run", s(&gguf), "--input-ids", "1780,314,260,3575,282,4649,314", "--top", "1"]);
-    assert!(text.lines().filter(|l| l.starts_with("seq ")).last().unwrap().contains("\" Paris\""), "{text}");
+    assert!(text.lines().rfind(|l| l.starts_with("seq ")).unwrap().contains("\" Paris\""), "{text}");
 }
 
 /// `KILN_CPU_ISA` caps the CPU kernels' instruction sets (to measure what a CPU with fewer runs;

@@ -591,7 +591,7 @@ fn a_request_failing_mid_batch_fails_alone() {
     std::fs::write(dir.join("gpt2.toml"), spec).unwrap();
     let mut tensors = kiln_runtime::read_tensors(&root().join("tests/fixtures/gpt2/model.safetensors")).unwrap();
     let d = tensors["transformer.wpe.weight"].shape[1];
-    let wte = (0..256 * d).map(|i| if (i * 7 + i / d) % 3 == 0 { -1e37 } else { 1e37 }).collect();
+    let wte = (0..256 * d).map(|i| if (i * 7 + i / d).is_multiple_of(3) { -1e37 } else { 1e37 }).collect();
     tensors.insert("transformer.wte.weight".into(), kiln_compiler::tensor::Tensor::f32(vec![256, d], wte));
     let wpe = &tensors["transformer.wpe.weight"];
     let mut rows = wpe.as_f32().unwrap().to_vec();

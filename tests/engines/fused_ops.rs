@@ -588,7 +588,7 @@ fn attention_grad_with_every_mask_and_modifier() {
                 // (The chunked form at 64 floats a chunk binds too many buffers past the tiny.)
                 let cases = match s {
                     ..=5 => &mut short,
-                    ..=9 => &mut tiny,
+                    6..=9 => &mut tiny,
                     _ => &mut long,
                 };
                 if s > 9 && !masked {

@@ -250,33 +250,6 @@ impl<'de> Deserialize<'de> for EmbeddingScale {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_spec_of_only_comments_is_empty() {
-        let d = parse_spec("# nothing here\n\n# still nothing\n").unwrap_err();
-        assert_eq!(d.message, "the spec is empty");
-    }
-
-    #[test]
-    fn a_missing_table_is_not_blamed_on_the_first_one() {
-        // serde reports the missing top-level key at offset 0, where `[model]` starts.
-        let d = parse_spec("[model]\nkind = \"decoder\"\nvocab = 8\nd_model = 8\nlayers = 1\n").unwrap_err();
-        assert_eq!(d.message, "the spec has no `[attention]` table");
-        assert_eq!(d.key, None);
-    }
-
-    #[test]
-    fn a_nested_unknown_table_names_the_unknown_key() {
-        let src = "[model.sizes.hidden]\nd_ff = 1\n";
-        let d = parse_spec(src).unwrap_err();
-        assert_eq!(d.key.as_deref(), Some("model.sizes"));
-        assert_eq!(d.message, "unknown key `sizes` in `model`");
-    }
-}
-
 impl<'de> Deserialize<'de> for ResidualScale {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
@@ -303,5 +276,32 @@ impl<'de> Deserialize<'de> for ResidualScale {
             }
         }
         d.deserialize_any(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_of_only_comments_is_empty() {
+        let d = parse_spec("# nothing here\n\n# still nothing\n").unwrap_err();
+        assert_eq!(d.message, "the spec is empty");
+    }
+
+    #[test]
+    fn a_missing_table_is_not_blamed_on_the_first_one() {
+        // serde reports the missing top-level key at offset 0, where `[model]` starts.
+        let d = parse_spec("[model]\nkind = \"decoder\"\nvocab = 8\nd_model = 8\nlayers = 1\n").unwrap_err();
+        assert_eq!(d.message, "the spec has no `[attention]` table");
+        assert_eq!(d.key, None);
+    }
+
+    #[test]
+    fn a_nested_unknown_table_names_the_unknown_key() {
+        let src = "[model.sizes.hidden]\nd_ff = 1\n";
+        let d = parse_spec(src).unwrap_err();
+        assert_eq!(d.key.as_deref(), Some("model.sizes"));
+        assert_eq!(d.message, "unknown key `sizes` in `model`");
     }
 }

@@ -397,7 +397,7 @@ mod tests {
         for rows in [1, 5, 100, 577, 4096, 262144] {
             for threads in [1, 2, 3, 16] {
                 let b = row_block(rows, threads, 4);
-                assert!(b % 4 == 0 && b <= MAX_ROW_BLOCK, "{rows} rows, {threads} threads: {b}");
+                assert!(b.is_multiple_of(4) && b <= MAX_ROW_BLOCK, "{rows} rows, {threads} threads: {b}");
             }
         }
     }
