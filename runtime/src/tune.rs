@@ -105,6 +105,7 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
                     gemm_tile: None,
                     split_rows: default.split_rows,
                     split_groups: default.split_groups,
+                    wide_gemv_from: default.wide_gemv_from,
                     attention_key_tile: None,
                     attention_split_keys: default.attention_split_keys,
                     submissions: default.submissions,
@@ -121,7 +122,8 @@ pub fn candidates(gpu: &Gpu) -> Vec<Tunables> {
 /// `best` with each other prefill tile of the projection
 /// ([`kiln_compiler::back::wgsl::projection::GEMM_TILES`]), with subgroups each other row limit of
 /// the split GEMV ([`kiln_compiler::back::wgsl::projection::SPLIT_ROWS`]) and each other width
-/// ([`kiln_compiler::back::wgsl::projection::SPLIT_GROUPS`]), each other key tile of the
+/// ([`kiln_compiler::back::wgsl::projection::SPLIT_GROUPS`]) and a vocabulary head's GEMV in the
+/// `vec4` form ([`kiln_compiler::back::wgsl::projection::WIDE_GEMV_FROM`]), each other key tile of the
 /// attention's blocked forms ([`kiln_compiler::back::wgsl::attention::KEY_TILES`]), each other
 /// key range of a split attention of [`SPLIT_KEYS`] (with the workgroup form), each other count
 /// of submissions of [`SUBMISSIONS`], and, where the adapter has f16 (`f16`), f32 weights stored
@@ -130,6 +132,7 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     use kiln_compiler::back::wgsl::attention::{KEY_TILE, KEY_TILES};
     use kiln_compiler::back::wgsl::projection::{
         GEMM_TILES, GEMV_MAX_ROWS, SPLIT_GEMV_GROUPS, SPLIT_GROUPS, SPLIT_ROWS, VEC_GEMM_GROUPS, VEC_GEMM_ROWS,
+        WIDE_GEMV_FROM,
     };
     let gemm = (GEMM_TILES.iter())
         .filter(|&&t| t != (VEC_GEMM_ROWS, VEC_GEMM_GROUPS))
@@ -139,6 +142,8 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let width = best.split_groups.unwrap_or(SPLIT_GEMV_GROUPS);
     let widths = SPLIT_GROUPS.iter().filter(|&&g| best.subgroups && g != width);
     let widths = widths.map(|&g| Tunables { split_groups: Some(g), ..best });
+    let wide = (best.subgroups && best.wide_gemv_from.is_none())
+        .then_some(Tunables { wide_gemv_from: Some(WIDE_GEMV_FROM), ..best });
     let keys = KEY_TILES.iter().filter(|&&t| t != KEY_TILE).map(|&t| Tunables { attention_key_tile: Some(t), ..best });
     let splits = SPLIT_KEYS.iter().filter(|&&n| best.attention_workgroups && n != best.attention_split_keys);
     let splits = splits.map(|&n| Tunables { attention_split_keys: n, ..best });
@@ -147,7 +152,7 @@ pub fn tile_candidates(best: Tunables, f16: bool) -> Vec<Tunables> {
     let precisions =
         [(true, false), (true, true)].into_iter().filter(|&p| f16 && p != (best.f16_weights, best.f16_math));
     let precisions = precisions.map(|(f16_weights, f16_math)| Tunables { f16_weights, f16_math, ..best });
-    gemm.chain(rows).chain(widths).chain(keys).chain(splits).chain(parts).chain(precisions).collect()
+    gemm.chain(rows).chain(widths).chain(wide).chain(keys).chain(splits).chain(parts).chain(precisions).collect()
 }
 
 /// The key ranges a split attention is tried with (see

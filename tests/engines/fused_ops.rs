@@ -986,9 +986,9 @@ fn linear_kernel_forms_at_every_shape() {
     // The split GEMV form past a decode step's rows (`split_rows`), as a hardware adapter runs a
     // short prompt's and a batched step's projections: 27 rows split at 64 (74 take the GEMM),
     // every shape split at 256; its workgroups 4 and 16 columns wide (`split_groups`; 8 in
-    // `every_device_form_of_norms_softmax_and_gemv`).
+    // `every_device_form_of_norms_softmax_and_gemv`); the decode rows of the wide ones unsplit.
     if common::gpu().is_some_and(|gpu| gpu.supports_subgroups()) {
-        let forms: Vec<wgsl::Options> = [(64, 1), (256, 4)]
+        let mut forms: Vec<wgsl::Options> = [(64, 1), (256, 4)]
             .iter()
             .map(|&(rows, groups)| wgsl::Options {
                 subgroups: true,
@@ -997,6 +997,9 @@ fn linear_kernel_forms_at_every_shape() {
                 ..wgsl::Options::default()
             })
             .collect();
+        // And the `vec4` GEMV of a module with subgroups, where a decode step's projection is at
+        // least `wide_gemv_from` columns wide (here every one 24 wide or more).
+        forms.push(wgsl::Options { subgroups: true, wide_gemv_from: Some(24), ..wgsl::Options::default() });
         check_forms(&projection_cases(&ops, &large), &forms);
     }
 }

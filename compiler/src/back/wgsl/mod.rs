@@ -124,6 +124,14 @@ pub struct Options {
     /// SmolLM2 no faster (BENCHMARKS.md, 2026-11-27), so every adapter starts from the default.
     /// A rotating projection keeps 2. A tunable (`kiln tune`).
     pub split_groups: Option<usize>,
+    /// With [`Options::subgroups`]: a decode step's projection (up to
+    /// [`projection::GEMV_MAX_ROWS`] rows) at least this many columns wide runs the `vec4` GEMV —
+    /// a lane per 4 columns walking all of `k`, so a warp reads each weight row's 512 contiguous
+    /// bytes — instead of the split GEMV, whose lanes split `k` and read 32-byte pieces of as many
+    /// weight rows: SmolLM2's vocabulary head (576 x 49 152) streamed at 233 GB/s so on an H100
+    /// (BENCHMARKS.md, 2026-11-27). `None`: the split GEMV at every width. A tunable (`kiln
+    /// tune`, [`projection::WIDE_GEMV_FROM`]).
+    pub wide_gemv_from: Option<usize>,
     /// Keys per tile of the attention's blocked forms: one of [`attention::KEY_TILES`]; `None`
     /// (or another) for [`attention::KEY_TILE`]. A tunable (`kiln tune`).
     pub attention_key_tile: Option<usize>,
@@ -216,6 +224,11 @@ impl Options {
             width = format!("split GEMV {} columns a workgroup", 4 * g);
             used.push(&width);
         }
+        let wide;
+        if let (true, Some(n)) = (self.subgroups, self.wide_gemv_from) {
+            wide = format!("vec4 GEMV from {n} columns");
+            used.push(&wide);
+        }
         if let Some((rows, groups)) = self.gemm_tile {
             tile = format!("GEMM tile {rows} x {}", 4 * groups);
             used.push(&tile);
@@ -249,6 +262,7 @@ impl Options {
             gemm_tile: self.gemm_tile,
             split_rows: self.split_rows,
             split_groups: self.split_groups,
+            wide_gemv_from: self.wide_gemv_from,
             attention_key_tile: self.attention_key_tile,
             attention_split_keys: self.attention_split_keys,
             submissions: self.submissions,
@@ -268,6 +282,7 @@ impl Options {
             gemm_tile: t.gemm_tile,
             split_rows: t.split_rows,
             split_groups: t.split_groups,
+            wide_gemv_from: t.wide_gemv_from,
             attention_key_tile: t.attention_key_tile,
             attention_split_keys: t.attention_split_keys,
             submissions: t.submissions,
@@ -313,6 +328,10 @@ pub struct Tunables {
     /// Groups of 4 columns a split GEMV's workgroup takes ([`Options::split_groups`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split_groups: Option<usize>,
+    /// The width from which a decode step's projection runs the `vec4` GEMV
+    /// ([`Options::wide_gemv_from`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wide_gemv_from: Option<usize>,
     /// The attention's key tile ([`Options::attention_key_tile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_key_tile: Option<usize>,

@@ -89,6 +89,9 @@ pub const HARDWARE_SPLIT_ROWS: usize = 64;
 /// at 8 rows ran split, 3.47 ms of a 4.26 ms forward on an H100, where the GEMM's 96 workgroups
 /// read it once (at 128 rows, 0.41 ms; BENCHMARKS.md, 2026-11-27).
 pub const SPLIT_BELOW_WORKGROUPS: usize = 64;
+/// The width `kiln tune` tries as [`Options::wide_gemv_from`]: a vocabulary head's (SmolLM2's
+/// 49 152 columns, Gemma 3's 262 144), not a layer's projections (at most a few thousand).
+pub const WIDE_GEMV_FROM: usize = 16384;
 /// The row limits `kiln tune` tries for the split GEMV form ([`Options::split_rows`]).
 pub const SPLIT_ROWS: [usize; 4] = [GEMV_MAX_ROWS, 16, 64, 256];
 
@@ -154,16 +157,21 @@ fn vector_rope(r: RopeCols) -> bool {
 /// (group). Threads are whole workgroups; the kernel finds its tile from its workgroup index.
 pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, options: &Options) -> Vec<usize> {
     let p = Linear::of(op);
-    let split = splits(op, options)
-        .then(|| Split { rows: options.split_rows.unwrap_or(GEMV_MAX_ROWS).max(1), groups: split_groups(p, options) });
+    let split = splits(op, options).then(|| Split {
+        rows: options.split_rows.unwrap_or(GEMV_MAX_ROWS).max(1),
+        groups: split_groups(p, options),
+        wide_from: options.wide_gemv_from,
+    });
     dims_with(op, operands, out, past, Some(gemm_tile(p, options)), split)
 }
 
-/// Where the split GEMV form runs: up to `rows` rows, `groups` groups of 4 columns a workgroup.
+/// Where the split GEMV form runs: up to `rows` rows, `groups` groups of 4 columns a workgroup;
+/// at a GEMV's rows, narrower than `wide_from` columns ([`Options::wide_gemv_from`]).
 #[derive(Clone, Copy)]
 struct Split {
     rows: usize,
     groups: usize,
+    wide_from: Option<usize>,
 }
 
 /// Groups of 4 columns a split GEMV's workgroup takes: [`Options::split_groups`] if it is one of
@@ -229,7 +237,13 @@ fn dims_with(
     // of 49 152 columns: 384 workgroups at 32 rows) does not need.
     let gemm_launch = n.div_ceil(4).div_ceil(gemm_groups) * m.div_ceil(gemm_rows);
     let split = split.filter(|s| {
-        vector && m <= s.rows && (gemv || gemm_launch.div_ceil(WORKGROUP as usize) < SPLIT_BELOW_WORKGROUPS)
+        let wide = s.wide_from.is_some_and(|c| n >= c);
+        vector
+            && m <= s.rows
+            && match gemv {
+                true => !wide,
+                false => gemm_launch.div_ceil(WORKGROUP as usize) < SPLIT_BELOW_WORKGROUPS,
+            }
     });
     let (form, tiles, groups) = if let Some(split) = split {
         let tiles = n.div_ceil(4).div_ceil(split.groups);
@@ -1183,6 +1197,19 @@ mod tests {
         let plain = Options { subgroups: false, ..options };
         let d = dims(&Op::linear(None, false, false), &[vec![32, 576], vec![576, 576]], &[32, 576], 0, &plain);
         assert_eq!(d[7], 2);
+        // A decode step's head split by default (6 144 workgroups of 8 columns); from
+        // `wide_gemv_from` columns in the `vec4` GEMV (a lane per 4 columns: 192 workgroups),
+        // the layers' projections still split, and more rows as before.
+        assert_eq!(form(1, 576, 49_152), (4, 6144));
+        let wide = Options { wide_gemv_from: Some(WIDE_GEMV_FROM), ..options };
+        let form_wide = |m: usize, n: usize| {
+            let d = dims(&Op::linear(None, false, false), &[vec![m, 576], vec![576, n]], &[m, n], 0, &wide);
+            (d[7], d[0] / WORKGROUP as usize)
+        };
+        assert_eq!(form_wide(1, 49_152), (3, 192));
+        assert_eq!(form_wide(4, 49_152), (3, 4 * 192));
+        assert_eq!(form_wide(1, 1536), (4, 192));
+        assert_eq!(form_wide(8, 49_152), (2, 96));
     }
 
     #[test]
