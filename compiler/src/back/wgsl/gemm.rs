@@ -253,13 +253,26 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
             step += &format!("        acc[{i}] = acc[{i}] + {x} * y{q};\n");
         }
     }
-    let store = match partials {
-        true => {
-            "let o = o0 + row * n + col;\n            \
-                 if (dim(15u) == 1u) { part[slice * batches * m * n + o] = value; } else { out[o] = value; }"
+    // The lane's outputs, each written where it is inside the output. Unrolled, so the
+    // accumulators are only ever indexed by constants: an array indexed at run time (a loop's
+    // `acc[r * quads + c / 4][c % 4]`) may be placed in memory rather than registers by a GPU's
+    // compiler, which then serves every product of the contraction from there.
+    let mut stores: String = (0..per).map(|r| format!("let row{r} = r0 + lr + {r}u;\n")).collect();
+    stores += &(0..per).map(|c| format!("let col{c} = c0 + lc + {c}u;\n")).collect::<String>();
+    for r in 0..per {
+        for c in 0..per {
+            let value = format!("acc[{}].{}", r * quads + c / 4, ["x", "y", "z", "w"][c % 4]);
+            let o = format!("o0 + row{r} * n + col{c}");
+            let store = match partials {
+                true => format!(
+                    "let o = {o}; if (dim(15u) == 1u) {{ part[slice * batches * m * n + o] = {value}; }} \
+                     else {{ out[o] = {value}; }}"
+                ),
+                false => format!("out[{o}] = {value};"),
+            };
+            stores += &format!("if (row{r} < m && col{c} < n) {{ {store} }}\n");
         }
-        false => "out[o0 + row * n + col] = value;",
-    };
+    }
     Some(format!(
         "{sizes}{setup}let tile = wg % blocks;\nlet r0 = (tile / tiles_n) * {t}u;\nlet c0 = (tile % tiles_n) * {t}u;\n\
          let lr = (lane / 8u) * {per}u;\nlet lc = (lane % 8u) * {per}u;\nvar acc: array<vec4<f32>, {n_acc}>;\n\
@@ -267,9 +280,7 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
          for (var k0 = k_first; k0 < k_end; k0 = k0 + {tk}u) {{\n{stage}    workgroupBarrier();\n{next}    \
              for (var v = 0u; v < {tk}u; v = v + 1u) {{\n{step}    }}\n    \
              workgroupBarrier();\n}}\n\
-         for (var r = 0u; r < {per}u; r = r + 1u) {{\n    let row = r0 + lr + r;\n    \
-             for (var c = 0u; c < {per}u; c = c + 1u) {{\n        let col = c0 + lc + c;\n        \
-                 if (row < m && col < n) {{\n            let value = acc[r * {quads}u + c / 4u][c % 4u];\n            {store}\n        }}\n    }}\n}}\n",
+         {stores}",
         n_acc = per * quads,
         first = load("k_first"),
         stage = indent(&stage),
