@@ -243,11 +243,9 @@ pub fn gemm_rhs_strided(
                 let l0 = t * span;
                 let len = span.min(k - l0);
                 let mut y = vec![0.0f32; n];
-                // SAFETY: contraction steps `l0 .. l0 + len` of the product checked above: `x`
-                // from `l0`, the weight from `w[l0 * rhs_rs]`.
-                unsafe {
-                    gemv(n, len, k, y.as_mut_ptr(), x.as_ptr().add(l0), w.as_ptr().add(l0 * rhs_rs), (rhs_cs, rhs_rs))
-                };
+                // The same product over steps `l0 .. l0 + len` on this thread (its spans checked
+                // again there; `l0 * rhs_rs` is inside `w`, checked above).
+                gemm_rhs_strided(1, n, len, &x[l0..l0 + len], &w[l0 * rhs_rs..], (rhs_cs, rhs_rs), &mut y, 1);
                 y
             })
             .collect();
@@ -279,47 +277,6 @@ pub fn gemm_rhs_strided(
             false,
             false,
             parallelism,
-        );
-    }
-}
-
-/// `y [1, n] = x [1, k] @ rhs` on this thread through the `gemm` crate, the `k x n` right-hand
-/// side's element `(l, j)` at `w[l * strides.1 + j * strides.0]`.
-///
-/// # Safety
-///
-/// `y` is writable for `n` floats, `x` readable for `k`, and `w` for every element named.
-unsafe fn gemv(
-    n: usize,
-    k: usize,
-    ldx: usize,
-    y: *mut f32,
-    x: *const f32,
-    w: *const f32,
-    (rhs_cs, rhs_rs): (usize, usize),
-) {
-    // SAFETY: the caller's.
-    unsafe {
-        gemm::gemm(
-            1,
-            n,
-            k,
-            y,
-            1,
-            n as isize,
-            false,
-            x,
-            1,
-            ldx as isize,
-            w,
-            rhs_cs as isize,
-            rhs_rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
         );
     }
 }
