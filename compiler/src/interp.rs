@@ -1240,6 +1240,75 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             V::of_floats(shape, out)
         }
+        Op::SquareSums => {
+            let sums = a.iter().map(|x| {
+                let x = x.floats().expect("square_sums reads floats");
+                V::F::from_f64(x.iter().map(|&v| v.to_f64() * v.to_f64()).sum::<f64>() as f32 as f64)
+            });
+            V::of_floats(shape, sums.collect())
+        }
+        // The update's arithmetic is f32's whatever the evaluation's float type (it is
+        // `torch.optim`'s, element for element).
+        Op::AdamW { .. } | Op::Sgd { .. } => {
+            let f32s = |i: usize| -> Vec<f32> {
+                a[i].floats().expect("an update reads floats").iter().map(|v| v.to_f64() as f32).collect()
+            };
+            let state = a.len() - 5;
+            let (p, g) = (f32s(0), f32s(1));
+            let (loss, sums, step) = (f32s(2 + state), f32s(3 + state), f32s(4 + state));
+            let max_norm = match op {
+                Op::AdamW { max_norm, .. } | Op::Sgd { max_norm, .. } => max_norm.map(|m| m.0),
+                _ => None,
+            };
+            let mut out: Vec<f32> = p.clone();
+            (1..=state).for_each(|i| out.extend(f32s(1 + i)));
+            // No step where the loss or the global norm is not finite: the parameter and state
+            // as given.
+            let scale = crate::semantics::clip_scale(&sums, max_norm).filter(|_| loss.iter().all(|l| l.is_finite()));
+            if let Some(scale) = scale {
+                let n = p.len();
+                let (new_p, rest) = out.split_at_mut(n);
+                match *op {
+                    Op::AdamW { w1, b2, w2, eps, decays, .. } => {
+                        let (m, v) = rest.split_at_mut(n);
+                        let c = crate::semantics::AdamStep {
+                            scale,
+                            decay: if decays { step[2] } else { 1.0 },
+                            w1: w1.0,
+                            b2: b2.0,
+                            w2: w2.0,
+                            bc2_sqrt: step[1],
+                            eps: eps.0,
+                            neg_step: step[0],
+                        };
+                        let lerp =
+                            if w1.0.abs() < 0.5 { crate::semantics::lerp_near } else { crate::semantics::lerp_far };
+                        for i in 0..n {
+                            (new_p[i], m[i], v[i]) = crate::semantics::adamw(c, lerp, new_p[i], g[i], m[i], v[i]);
+                        }
+                    }
+                    Op::Sgd { momentum, weight_decay, .. } => {
+                        let c = crate::semantics::SgdStep {
+                            scale,
+                            weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),
+                            momentum: momentum.map(|m| m.0),
+                            first: step[1] != 0.0,
+                            neg_lr: step[0],
+                        };
+                        for i in 0..n {
+                            let buf = rest.get(i).copied().unwrap_or(0.0);
+                            let (q, b) = crate::semantics::sgd(c, new_p[i], g[i], buf);
+                            new_p[i] = q;
+                            if let Some(slot) = rest.get_mut(i) {
+                                *slot = b;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            V::of_floats(shape, out.into_iter().map(V::F::from_f32).collect())
+        }
         // Fused ops are evaluated as exactly the compositions that define them.
         Op::ContractRows => {
             let (sa, sb) = (a[0].shape().to_vec(), a[1].shape().to_vec());

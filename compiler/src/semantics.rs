@@ -205,3 +205,112 @@ mod tests {
         assert!((s[4] - 2f32.powf(-1.0)).abs() < 1e-7, "{s:?}");
     }
 }
+
+/// The constants of one AdamW step of one tensor, each the f32 the update multiplies or adds
+/// ([`adamw`]; [`crate::graph::Op::AdamW`] holds the step's own in an operand and the optimizer's
+/// in attributes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    /// The clipping factor the gradient is read with (1 unclipped).
+    pub scale: f32,
+    /// `1 - lr * weight_decay`, or exactly 1 where the parameter takes no decay (`p * 1.0` is
+    /// `p`, bit for bit, so no branch is needed).
+    pub decay: f32,
+    /// The first moment's interpolation weight, `1 - beta1`.
+    pub w1: f32,
+    /// `beta2`.
+    pub b2: f32,
+    /// `1 - beta2`.
+    pub w2: f32,
+    /// `sqrt(1 - beta2^t)`, the second moment's bias correction.
+    pub bc2_sqrt: f32,
+    /// The denominator's epsilon.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^t)`.
+    pub neg_step: f32,
+}
+
+/// `torch.lerp(start, end, weight)` as PyTorch's CPU kernel computes it — from whichever end is
+/// nearer, so a weight near 1 loses no precision — for a weight below one half in magnitude (the
+/// other form is [`lerp_far`]).
+#[inline(always)]
+pub fn lerp_near(start: f32, end: f32, weight: f32) -> f32 {
+    start + weight * (end - start)
+}
+
+/// `torch.lerp` for a weight of magnitude one half or more.
+#[inline(always)]
+pub fn lerp_far(start: f32, end: f32, weight: f32) -> f32 {
+    end - (end - start) * (1.0 - weight)
+}
+
+/// One element of an AdamW step, as `torch.optim.AdamW` (not fused, not `foreach`) computes it
+/// in f32: `g *= scale; p *= decay; m = lerp(m, g, w1); v = v * b2 + w2 * g * g; p += neg_step *
+/// m / (sqrt(v) / bc2_sqrt + eps)`, nothing contracted into a fused multiply-add. `lerp` is
+/// [`lerp_near`] or [`lerp_far`] as `|w1| < 0.5` or not (callers choosing once per tensor keep
+/// their loops branch-free). Returns the new `(p, m, v)`.
+#[inline(always)]
+pub fn adamw(c: AdamStep, lerp: impl Fn(f32, f32, f32) -> f32, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+    let g = g * c.scale;
+    let p = p * c.decay;
+    let m = lerp(m, g, c.w1);
+    let v = v * c.b2 + c.w2 * g * g;
+    let denom = v.sqrt() / c.bc2_sqrt + c.eps;
+    (p + c.neg_step * m / denom, m, v)
+}
+
+/// The constants of one SGD step of one tensor, each the f32 the update uses ([`sgd`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    /// The clipping factor the gradient is read with (1 unclipped).
+    pub scale: f32,
+    /// The weight decay added to the gradient (`g += weight_decay * p`), `None` where the
+    /// parameter takes none.
+    pub weight_decay: Option<f32>,
+    /// The momentum, `None` for plain SGD.
+    pub momentum: Option<f32>,
+    /// Whether this is the momentum buffer's first step (it starts as the gradient).
+    pub first: bool,
+    /// `-lr`.
+    pub neg_lr: f32,
+}
+
+/// One element of an SGD step, as `torch.optim.SGD` (dampening 0, no Nesterov) computes it in f32:
+/// `g *= scale; g += weight_decay * p; buf = first ? g : buf * momentum + g; g = buf;
+/// p += neg_lr * g` (the decay and the buffer only where given). Returns the new `(p, buf)`
+/// (`buf` as given without momentum).
+#[inline(always)]
+pub fn sgd(c: SgdStep, p: f32, g: f32, buf: f32) -> (f32, f32) {
+    let mut g = g * c.scale;
+    if let Some(wd) = c.weight_decay {
+        g += wd * p;
+    }
+    let buf = match c.momentum {
+        Some(_) if c.first => g,
+        Some(momentum) => buf * momentum + g,
+        None => buf,
+    };
+    if c.momentum.is_some() {
+        g = buf;
+    }
+    (p + c.neg_lr * g, buf)
+}
+
+/// The factor a step reads its gradients with, from their squared norms `sums` (each tensor's,
+/// [`crate::graph::Op::SquareSums`]): as `torch.nn.utils.clip_grad_norm_`, with the global norm
+/// `norm = sqrt(sum of sums)` (summed in f64), `max_norm / (norm + 1e-6)` where that is below 1,
+/// else 1 (always 1 without `max_norm`). `None` where the norm is not finite: then no step is
+/// taken.
+pub fn clip_scale(sums: &[f32], max_norm: Option<f32>) -> Option<f32> {
+    let norm = sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt();
+    if !norm.is_finite() {
+        return None;
+    }
+    Some(match max_norm {
+        Some(max) => {
+            let coef = f64::from(max) / (norm + 1e-6);
+            if coef < 1.0 { coef as f32 } else { 1.0 }
+        }
+        None => 1.0,
+    })
+}

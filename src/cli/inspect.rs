@@ -195,8 +195,9 @@ enum Which {
     /// An encoder-decoder's encoder with its cross-attention keys and values (`kiln generate`).
     Encoder,
     /// The training step `kiln train` runs: the model's loss (with the `[train]` section's label
-    /// smoothing) and the gradients of every tensor it trains (all but the section's `frozen`
-    /// ones), on the checkpoint's tensors.
+    /// smoothing), the gradients of every tensor it trains (all but the section's `frozen`
+    /// ones), on the checkpoint's tensors, their norms and clipping, and the optimizer's update
+    /// of each tensor (`adamw` or `sgd`, reading its state), as one graph.
     Train,
 }
 
@@ -289,7 +290,10 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         Which::Model => {}
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
         Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
-        Which::Train => fe.graph = crate::model_file::training_graph(&fe)?.0.step,
+        Which::Train => {
+            let graphs = crate::model_file::training_graph(&fe)?.0;
+            fe.graph = graphs.whole.unwrap_or(graphs.step);
+        }
     }
     check_layers(&fe.graph, &args.layers)?;
     if let Some(path) = &args.html {

@@ -249,3 +249,165 @@ fn device_optimizer_trains_as_on_the_host(recipe: &str) {
         }
     }
 }
+
+/// A step's graph ending with the optimizer's update (`kiln_compiler::train::update`) on the
+/// CPU, its update written in place of the tensors it lends (`CpuModel::run_lent`), equals the
+/// same graph's pure form (the update's result as outputs) and the interpreter's, for AdamW and
+/// SGD with clipping (and a step it refuses, its loss not finite, leaves everything as it was).
+#[test]
+fn the_step_graph_updates_in_place_as_its_pure_form_and_the_interpreter() {
+    use kiln_compiler::train::recipe::{Format, RecipeFile};
+    use kiln_compiler::train::update::{self, GRAD_SUMS, STEP_CONSTANTS};
+    let name = "llama";
+    let path = root().join(format!("models/{name}.toml"));
+    let fe = kiln_compiler::front_end(name, &std::fs::read_to_string(&path).unwrap()).unwrap();
+    let objective = Objective { label_smoothing: 0.0 };
+    let (graph, uses) =
+        training_graph(&fe.graph, objective, &fe.spec.weights, &PackDims::of(&fe.spec), |_| true).unwrap();
+    let mut trained: Vec<String> = uses.iter().map(|u| u.tensor.clone()).collect();
+    trained.dedup();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let batch = kiln_compiler::interp::sample_inputs(&graph, vocab, 2, 8).unwrap();
+    for recipe in [
+        r#"{"steps": 2, "lr": 0.01, "clip": 0.05, "weight_decay": 0.1, "betas": [0.9, 0.95]}"#,
+        r#"{"steps": 2, "lr": 0.05, "clip": 0.05, "optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.1}"#,
+        r#"{"steps": 2, "lr": 0.05, "optimizer": "sgd"}"#,
+    ] {
+        let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
+        let whole = update::with_update(&graph, &trained, &recipe).unwrap();
+        // The tensors, a state of a later step's sizes (first moments and momentum of 1e-3,
+        // second moments 1e-4 to 2e-4) and the second step's constants.
+        let mut given = params.clone();
+        for t in &trained {
+            for (i, s) in update::state_names(&recipe, t).into_iter().enumerate() {
+                let n = params[t].len();
+                let v = (0..n)
+                    .map(|j| (1.0 + i as f32) * 1e-4 * ((j * 7 + i) % 13) as f32 / 12.0 + i as f32 * 1e-4)
+                    .collect();
+                given.insert(s, Tensor::f32(params[t].shape.clone(), v));
+            }
+        }
+        let constants = update::step_constants(&recipe, recipe.lr, 2);
+        given.insert(STEP_CONSTANTS.into(), Tensor::f32(vec![constants.len()], constants));
+        let want = StepRunner::new(&Device::Interp, whole.clone()).unwrap().run(&given, &batch, &()).unwrap();
+        let sums = want.grad_sums.clone().unwrap();
+        assert_eq!(sums.len(), trained.len());
+        let norm = sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt();
+        assert!(recipe.clip.is_none() || norm > 0.05, "the clipping is exercised: norm {norm}");
+        let mut cpu = StepRunner::new(&Device::Cpu { threads: 2 }, whole.clone()).unwrap();
+        let pure = cpu.run(&given, &batch, &()).unwrap();
+        assert!((pure.loss - want.loss).abs() < 1e-5, "{} vs {}", pure.loss, want.loss);
+        let mut lent = given.clone();
+        let in_place = cpu.run_lent(&mut lent, &batch, &()).unwrap();
+        assert!(in_place.updates.is_empty(), "the CPU writes the update in place");
+        assert!(in_place.grads.is_empty() && !in_place.loss.is_nan());
+        for t in &trained {
+            let mut names = vec![t.clone()];
+            names.extend(update::state_names(&recipe, t));
+            let (w, p) = (want.updates[t].to_f32_vec(), pure.updates[t].to_f32_vec());
+            let n = w.len() / names.len();
+            for (k, name) in names.iter().enumerate() {
+                let scale = w[k * n..][..n].iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+                let (w, p, l) = (&w[k * n..][..n], &p[k * n..][..n], lent[name].to_f32_vec());
+                let moved = w.iter().zip(given[name].to_f32_vec()).any(|(a, b)| a != &b);
+                assert!(moved, "`{name}` was updated");
+                for (what, got) in [("pure", p), ("in place", l.as_slice())] {
+                    let err = w.iter().zip(got).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(err <= 1e-4 * scale, "{what}: `{name}` is {err:e} off the interpreter's (scale {scale:e})");
+                }
+            }
+        }
+        // Labels the loss cannot take (all ignored): the interpreter refuses the batch, so use a
+        // non-finite loss instead — a parameter of infinities in the embedding's first row makes
+        // the loss NaN: nothing is written.
+        let mut broken = given.clone();
+        let emb = trained.iter().find(|t| t.contains("embed")).unwrap().clone();
+        let mut e = broken[&emb].to_f32_vec();
+        e.iter_mut().for_each(|x| *x = f32::INFINITY);
+        broken.insert(emb.clone(), Tensor::f32(broken[&emb].shape.clone(), e));
+        let before = broken.clone();
+        let out = cpu.run_lent(&mut broken, &batch, &()).unwrap();
+        assert!(!out.loss.is_finite());
+        for (name, t) in &before {
+            assert_eq!(t.to_f32_vec(), broken[name].to_f32_vec(), "`{name}` was written by a refused step");
+        }
+        let _ = GRAD_SUMS;
+    }
+}
+
+/// The trainer's step of one micro-batch — the whole step as one graph, its update in the graph
+/// — on the CPU and on the interpreter, against the optimizer on the host (what a step of two
+/// micro-batches runs: their mean gradient, here of one batch twice, is that batch's bit for
+/// bit): the same losses, norms, tensors and optimizer state over three steps, for AdamW and SGD
+/// with clipping, decay and momentum, and plain SGD.
+#[test]
+fn a_step_in_one_graph_trains_as_the_host_optimizer() {
+    use kiln_compiler::train::recipe::{Format, RecipeFile};
+    use kiln_runtime::train::Trainer;
+    let name = "gpt2";
+    let path = root().join(format!("models/{name}.toml"));
+    let fe = kiln_compiler::front_end(name, &std::fs::read_to_string(&path).unwrap()).unwrap();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let dims = PackDims::of(&fe.spec);
+    let batches: Vec<HashMap<String, Tensor>> = (0..3)
+        .map(|i| {
+            let mut b = kiln_compiler::interp::sample_inputs(&fe.graph, vocab, 2, 8 + i).unwrap();
+            let ids = b["input_ids"].as_i64().unwrap().to_vec();
+            b.insert("labels".into(), Tensor::i64(b["input_ids"].shape.clone(), ids.iter().rev().copied().collect()));
+            b
+        })
+        .collect();
+    for recipe in [
+        r#"{"steps": 3, "lr": 0.01, "warmup_steps": 1, "clip": 0.3, "weight_decay": 1.0, "betas": [0.9, 0.95]}"#,
+        r#"{"steps": 3, "lr": 0.05, "clip": 0.3, "optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.1}"#,
+        r#"{"steps": 3, "lr": 0.05, "optimizer": "sgd"}"#,
+    ] {
+        let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
+        let trainer = |device: Device| {
+            Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params.clone()).unwrap()
+        };
+        let mut host = trainer(Device::Cpu { threads: 2 });
+        let logs: Vec<_> = batches.iter().map(|b| host.step(&[b.clone(), b.clone()]).unwrap()).collect();
+        assert!(recipe.clip.is_none() || logs.iter().any(|l| l.grad_norm > 0.3), "{logs:?}");
+        let want = host.tensors().unwrap().clone();
+        let want_state: HashMap<String, Tensor> = host.state().unwrap().into_iter().collect();
+        for (what, device) in [("cpu", Device::Cpu { threads: 2 }), ("interpreter", Device::Interp)] {
+            let mut one = trainer(device);
+            for (b, want) in batches.iter().zip(&logs) {
+                let got = one.step(std::slice::from_ref(b)).unwrap();
+                assert_eq!((got.step, got.tokens, got.lr), (want.step, want.tokens / 2, want.lr), "{what}");
+                assert!((got.loss - want.loss).abs() < 1e-5 * want.loss.abs(), "{what}: {got:?} vs {want:?}");
+                assert!((got.grad_norm - want.grad_norm).abs() < 1e-5 * want.grad_norm, "{what}: {got:?} vs {want:?}");
+            }
+            // The tensors within 1e-4 (each step moves an element by up to about `lr`), the state
+            // within 1e-3 of its scale: the gradients are the same batch's, computed by two
+            // graphs the optimizer extracts apart (one has the update in it), and clipping reads
+            // the norm from each gradient's f32 sum of squares rather than one f64 sum.
+            let state: HashMap<String, Tensor> = one.state().unwrap().into_iter().collect();
+            assert_eq!(state.len(), want_state.len(), "{what}");
+            let mut worst = (0.0f32, 0.0f32);
+            for (key, t) in one.tensors().unwrap().iter().chain(&state) {
+                let (w, tensor) = match want.get(key) {
+                    Some(w) => (w, true),
+                    None => (&want_state[key], false),
+                };
+                match t.as_f32() {
+                    Some(_) => {
+                        let scale = w.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+                        let err = w.max_abs_diff(t);
+                        match tensor {
+                            true => worst.0 = worst.0.max(err),
+                            false => worst.1 = worst.1.max(err / scale),
+                        }
+                        let bound = if tensor { 1e-4 } else { 1e-3 * scale };
+                        assert!(err <= bound, "{what}: `{key}` is {err:e} off the host's (scale {scale:e})");
+                    }
+                    None => assert_eq!(t, w, "{what}: `{key}`"),
+                }
+            }
+            eprintln!("{what}: tensors within {:e}, state within {:e} of its scale", worst.0, worst.1);
+        }
+    }
+}

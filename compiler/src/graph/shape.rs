@@ -746,6 +746,47 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![a[a.len() - 1], b[b.len() - 1]], DType::F32))
         }
+        Op::SquareSums => {
+            if operands.is_empty() {
+                return Err("expects at least one operand".into());
+            }
+            for i in 0..operands.len() {
+                float(i)?;
+            }
+            Ok((vec![Dim::Fixed(operands.len())], DType::F32))
+        }
+        Op::AdamW { .. } | Op::Sgd { .. } => {
+            let (state, constants) = match op {
+                Op::AdamW { .. } => (2, 3),
+                Op::Sgd { momentum, .. } => (usize::from(momentum.is_some()), 2),
+                _ => (0, 0),
+            };
+            arity(2 + state + 3)?;
+            let p = float(0)?;
+            for i in 1..2 + state {
+                if float(i)? != p {
+                    return Err(format!(
+                        "operand {i} must have the parameter's shape {}, has {}",
+                        fmt_shape(p),
+                        fmt_shape(float(i)?)
+                    ));
+                }
+            }
+            if float(2 + state)?.as_slice() != [Dim::Fixed(1)] {
+                return Err(format!("the loss must be f32[1], is {}", fmt_shape(float(2 + state)?)));
+            }
+            let sums = float(3 + state)?;
+            if !matches!(sums.as_slice(), [Dim::Fixed(n)] if *n > 0) {
+                return Err(format!("the norms must be a vector f32[n], are {}", fmt_shape(sums)));
+            }
+            if float(4 + state)?.as_slice() != [Dim::Fixed(constants)] {
+                let got = fmt_shape(float(4 + state)?);
+                return Err(format!("the step's constants must be f32[{constants}], are {got}"));
+            }
+            let mut out = vec![Dim::Fixed(1 + state)];
+            out.extend(p.iter().copied());
+            Ok((out, DType::F32))
+        }
         Op::TopKGrad { k, .. } => {
             arity(2)?;
             let (x, dy) = (float(0)?, float(1)?);

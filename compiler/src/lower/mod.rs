@@ -282,6 +282,10 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
         l.steps.push(Step { op, operands, output: id, also: Vec::new(), scope: node.scope.clone() });
     }
     let Lowering { mut values, steps, folds, .. } = l;
+    // An optimizer's updates last, after every other reader of the tensors they update (nothing
+    // reads an update's own result), so that an engine may write them in place.
+    let (updates, mut steps): (Vec<Step>, Vec<Step>) = steps.into_iter().partition(|s| s.op.is_update());
+    steps.extend(updates);
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);
     Plan { name: g.name.clone(), values, folds, steps, slots, outputs }

@@ -19,6 +19,7 @@ pub mod recipe;
 pub mod recompute;
 pub mod schedule;
 pub mod sources;
+pub mod update;
 
 use crate::autodiff::{AutodiffError, gradients};
 use crate::graph::{Dim, Graph, GraphError, InputRole, Op, Scalar, Sym};

@@ -277,57 +277,18 @@ dispatch! {
     fn softmax_rows = softmax_rows_generic(rows: &mut [f32], width: usize);
 }
 
-/// The constants of one AdamW step, as `torch.optim.AdamW` computes each element (see
-/// [`adamw`]); every field is the f32 the update multiplies or adds.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamStep {
-    /// The clipping factor the gradient is read with (1 unclipped).
-    pub scale: f32,
-    /// `1 - lr * weight_decay`, or exactly 1 where the parameter takes no decay (`p * 1.0` is
-    /// `p`, bit for bit, so no branch is needed).
-    pub decay: f32,
-    /// The first moment's interpolation weight, `1 - beta1`.
-    pub w1: f32,
-    /// `beta2`.
-    pub b2: f32,
-    /// `1 - beta2`.
-    pub w2: f32,
-    /// `sqrt(1 - beta2^t)`, the second moment's bias correction.
-    pub bc2_sqrt: f32,
-    /// The denominator's epsilon.
-    pub eps: f32,
-    /// `-lr / (1 - beta1^t)`.
-    pub neg_step: f32,
-}
-
-/// `torch.lerp(start, end, weight)` as PyTorch's CPU kernel computes it — from whichever end is
-/// nearer, so a weight near 1 loses no precision — for a weight below one half in magnitude (the
-/// other form is [`lerp_far`]); the caller picks the form once per call, so the loop has no branch.
-#[inline(always)]
-fn lerp_near(start: f32, end: f32, weight: f32) -> f32 {
-    start + weight * (end - start)
-}
-
-/// `torch.lerp` for a weight of magnitude one half or more.
-#[inline(always)]
-fn lerp_far(start: f32, end: f32, weight: f32) -> f32 {
-    end - (end - start) * (1.0 - weight)
-}
+pub use kiln_compiler::semantics::AdamStep;
+use kiln_compiler::semantics::{lerp_far, lerp_near};
 
 #[inline(always)]
 fn adamw_generic(c: AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     // One loop per form of the interpolation, chosen outside it, so each vectorizes. Each
-    // element is the same f32 arithmetic in the same order as the scalar formula: a vector
-    // `sqrt` and division round as the scalar ones do, and nothing is contracted into an FMA.
+    // element is `semantics::adamw`'s f32 arithmetic in its order: a vector `sqrt` and division
+    // round as the scalar ones do, and nothing is contracted into an FMA.
     macro_rules! update {
         ($lerp:ident) => {
             for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(m.iter_mut().zip(v.iter_mut())) {
-                let g = g * c.scale;
-                *p *= c.decay;
-                *m = $lerp(*m, g, c.w1);
-                *v = *v * c.b2 + c.w2 * g * g;
-                let denom = v.sqrt() / c.bc2_sqrt + c.eps;
-                *p += c.neg_step * *m / denom;
+                (*p, *m, *v) = kiln_compiler::semantics::adamw(c, $lerp, *p, g, *m, *v);
             }
         };
     }

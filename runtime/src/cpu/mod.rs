@@ -182,6 +182,24 @@ impl<'a> Arg<'a> {
     }
 }
 
+/// A run's named results.
+type Outputs = Vec<(String, Tensor)>;
+
+/// What an optimizer's update a run deferred reads besides the tensors it updates (see
+/// [`CpuModel::execute`]).
+struct Deferred {
+    /// The update's step.
+    step: usize,
+    /// The gradient's elements.
+    grad: Vec<f32>,
+    /// The step's loss.
+    loss: f32,
+    /// The gradients' squared norms.
+    sums: Vec<f32>,
+    /// The step's constants.
+    constants: Vec<f32>,
+}
+
 /// A slot's buffer: its elements, of the type of the value last written there.
 enum Buf {
     F32(Vec<f32>),
@@ -512,6 +530,10 @@ impl CpuModel {
     /// `params` after the run, whatever its outcome, and the model holds no copy of its own
     /// in between. `Ok(None)`, and nothing run or moved, where [`CpuModel::update_params`]
     /// would not apply, or a parameter is held transposed.
+    ///
+    /// An optimizer's updates in the plan ([`Op::AdamW`], [`Op::Sgd`]: a whole training step's
+    /// graph) run in place of the tensors of `params` they update, after the rest of the plan,
+    /// in one pass; their outputs are not among those returned.
     pub fn run_lent(
         &mut self,
         params: &mut HashMap<String, Tensor>,
@@ -530,7 +552,7 @@ impl CpuModel {
                 self.vacated.remove(&id);
             }
         }
-        let outputs = self.run(given);
+        let outputs = self.execute(given, None, None, true);
         for (name, ids) in by_name {
             let mut held: Option<Arc<Tensor>> = None;
             for id in ids {
@@ -544,7 +566,10 @@ impl CpuModel {
                 params.insert(name, Arc::try_unwrap(t).unwrap_or_else(|t| (*t).clone()));
             }
         }
-        outputs.map(Some)
+        // The updates the run deferred, in place of the tensors given back just above.
+        let (outputs, deferred) = outputs?;
+        self.run_deferred(params, deferred)?;
+        Ok(Some(outputs))
     }
 
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
@@ -573,7 +598,7 @@ impl CpuModel {
 
     /// Runs one forward pass on named inputs; returns the named outputs.
     pub fn run(&self, given: &HashMap<String, Tensor>) -> R<Vec<(String, Tensor)>> {
-        self.execute(given, None, None)
+        Ok(self.execute(given, None, None, false)?.0)
     }
 
     /// [`CpuModel::run`] for a session's step: the cached tensors are read from `cache` in place
@@ -587,24 +612,32 @@ impl CpuModel {
         cache: &mut KvCache,
         links: &[(String, String)],
     ) -> R<Vec<(String, Tensor)>> {
-        self.execute(given, Some((cache, links)), None)
+        Ok(self.execute(given, Some((cache, links)), None, false)?.0)
     }
 
     /// Runs one forward pass on `given` and returns the seconds each step of [`Plan::steps`] took
     /// (host clock around the step, its kernel's threads included).
     pub fn profile(&self, given: &HashMap<String, Tensor>) -> R<Vec<f64>> {
         let mut times = Vec::with_capacity(self.plan.steps.len());
-        self.execute(given, None, Some(&mut times))?;
+        self.execute(given, None, Some(&mut times), false)?;
         Ok(times)
     }
 
+    /// Runs the plan. With `defer`, the optimizer's updates (the plan's last steps) are not run:
+    /// their outputs are left out of the result, and what each reads besides the tensors it
+    /// updates is returned instead, for [`CpuModel::run_lent`] to run them in place.
     fn execute(
         &self,
         given: &HashMap<String, Tensor>,
         session: Option<(&mut KvCache, &[(String, String)])>,
         mut times: Option<&mut Vec<f64>>,
-    ) -> R<Vec<(String, Tensor)>> {
+        defer: bool,
+    ) -> R<(Outputs, Vec<Deferred>)> {
         let plan = &self.plan;
+        let deferred_steps: Vec<usize> = match defer {
+            true => plan.steps.iter().enumerate().filter(|(_, s)| s.op.is_update()).map(|(i, _)| i).collect(),
+            false => Vec::new(),
+        };
         // The cached tensors this run reads (those not given), and the steps appending in place.
         // (Sites by step, so each step finds its own in one lookup.)
         let (held_shapes, inplace): (HashMap<&str, Vec<usize>>, HashMap<usize, &AppendSite>) = match &session {
@@ -685,7 +718,7 @@ impl CpuModel {
                         .map_err(|e| scoped(e, &step.scope, &step.op))?;
                     appended.insert(site.past.clone(), rows);
                     views.insert(root(plan, step.output), site.past.clone());
-                } else if !self.skipped.contains(&i) {
+                } else if !self.skipped.contains(&i) && !deferred_steps.contains(&i) {
                     self.step(step, &inputs, &mut slots, &syms, &views, kv, Positions::From(past))?;
                 }
                 if let Some(t) = times.as_deref_mut() {
@@ -705,9 +738,14 @@ impl CpuModel {
             }
         }
         let outputs = run.and_then(|()| {
+            let deferred = self.deferred(&deferred_steps, &inputs, &mut slots, &syms, &views, kv)?;
+            let skipped: HashSet<usize> = deferred_steps.iter().map(|&i| plan.steps[i].output).collect();
             let mut outputs = Vec::new();
             let mut replaced = Vec::new();
             for (name, v) in &plan.outputs {
+                if skipped.contains(&root(plan, *v)) {
+                    continue; // A deferred update's.
+                }
                 let shape = resolve(&plan.values[*v].shape, &syms);
                 let past_name = presents.get(name.as_str());
                 if past_name.is_some_and(|p| appended.contains_key(*p)) {
@@ -748,11 +786,11 @@ impl CpuModel {
             }) {
                 return Err(CpuError::Cache(format!("the step did not produce `{present}`")));
             }
-            Ok((outputs, replaced))
+            Ok((outputs, replaced, deferred))
         });
         *state = slots;
         match outputs {
-            Ok((outputs, replaced)) => {
+            Ok((outputs, replaced, deferred)) => {
                 for (past_name, rows) in appended {
                     if let Some(buf) = kv.get_mut(&past_name) {
                         buf.set_len(rows);
@@ -764,7 +802,7 @@ impl CpuModel {
                     })?;
                     kv.insert(past_name, buf);
                 }
-                Ok(outputs)
+                Ok((outputs, deferred))
             }
             Err(e) => {
                 for name in created {
@@ -788,6 +826,117 @@ impl CpuModel {
         }
         // No more than one run's outputs are kept.
         spare.truncate(self.plan.outputs.len());
+    }
+
+    /// What the updates `steps` (deferred by a run, see [`CpuModel::execute`]) read besides the
+    /// tensors they update, after the run's other steps: each gradient's elements — the slot's own
+    /// buffer where nothing else reads it ([`CpuModel::take_slot`]), else a copy — and the loss,
+    /// norms and constants.
+    fn deferred(
+        &self,
+        steps: &[usize],
+        inputs: &HashMap<usize, Cow<'_, Tensor>>,
+        slots: &mut [Buf],
+        syms: &HashMap<Sym, usize>,
+        views: &HashMap<usize, String>,
+        kv: &KvCache,
+    ) -> R<Vec<Deferred>> {
+        let plan = &self.plan;
+        let malformed = |i: usize| CpuError::Internal(format!("step {i}: an update with too few operands"));
+        let mut readers: HashMap<usize, usize> = HashMap::new();
+        for &i in steps {
+            let g = *plan.steps[i].operands.get(1).ok_or_else(|| malformed(i))?;
+            *readers.entry(root(plan, g)).or_default() += 1;
+        }
+        for (_, v) in &plan.outputs {
+            *readers.entry(root(plan, *v)).or_default() += 1;
+        }
+        let mut out = Vec::with_capacity(steps.len());
+        for &i in steps {
+            let ops = &plan.steps[i].operands;
+            let state = ops.len().checked_sub(5).ok_or_else(|| malformed(i))?;
+            let copy = |v: usize, slots: &[Buf]| -> R<Vec<f32>> {
+                Ok(self.arg(v, inputs, slots, syms, views, kv)?.1.f32("an update's operand")?.to_vec())
+            };
+            let loss = copy(ops[2 + state], slots)?.first().copied().ok_or_else(|| malformed(i))?;
+            let (sums, constants) = (copy(ops[3 + state], slots)?, copy(ops[4 + state], slots)?);
+            let g = ops[1];
+            let r = root(plan, g);
+            let n: usize = resolve(&plan.values[g].shape, syms).iter().product();
+            let taken = match plan.values[r].storage {
+                Storage::Slot(s) if readers.get(&r) == Some(&1) && !views.contains_key(&r) => {
+                    self.take_slot(slots, s, n)
+                }
+                _ => None,
+            };
+            let grad = match taken {
+                Some(g) => g,
+                None => copy(g, slots)?,
+            };
+            out.push(Deferred { step: i, grad, loss, sums, constants });
+        }
+        Ok(out)
+    }
+
+    /// Runs the updates a run deferred ([`CpuModel::execute`]) in place of the tensors of
+    /// `params` they update, all in one pass ([`training::update_in_place`]); the gradients'
+    /// buffers are given back for the next run. Nothing is written where the step's loss or
+    /// global norm is not finite (the update's meaning).
+    fn run_deferred(&self, params: &mut HashMap<String, Tensor>, deferred: Vec<Deferred>) -> R<()> {
+        let Some(first) = deferred.first() else { return Ok(()) };
+        let (loss, sums, constants) = (first.loss, first.sums.clone(), first.constants.clone());
+        let plan = &self.plan;
+        // Each update's tensors (the one it updates, then its state), taken out of `params` for
+        // the pass and put back after it.
+        let mut held: Vec<Vec<(String, Tensor)>> = Vec::with_capacity(deferred.len());
+        let mut result = Ok(());
+        for d in &deferred {
+            let step = &plan.steps[d.step];
+            let state = step.operands.len().saturating_sub(5);
+            let mut tensors = Vec::with_capacity(1 + state);
+            for &v in std::iter::once(&step.operands[0]).chain(&step.operands[2..2 + state]) {
+                let taken = match &plan.values[root(plan, v)].storage {
+                    Storage::Param(name) => params.remove(name).map(|t| (name.clone(), t)),
+                    _ => None,
+                };
+                match taken {
+                    Some(t) => tensors.push(t),
+                    None => {
+                        let what = format!("`{}`: an update reads a tensor not lent to the run", step.scope);
+                        result = Err(CpuError::Internal(what));
+                    }
+                }
+            }
+            held.push(tensors);
+        }
+        if result.is_ok() {
+            let mut updates = Vec::with_capacity(deferred.len());
+            for (d, tensors) in deferred.iter().zip(held.iter_mut()) {
+                let mut parts = tensors.iter_mut().map(|(_, t)| match &mut t.data {
+                    Data::F32(v) => Some(v.as_mut_slice()),
+                    Data::I64(_) => None,
+                });
+                let p = parts.next().flatten();
+                let state: Option<Vec<&mut [f32]>> = parts.collect();
+                match (p, state) {
+                    (Some(p), Some(state)) => {
+                        updates.push(training::InPlace { op: &plan.steps[d.step].op, p, state, g: &d.grad })
+                    }
+                    _ => result = Err(CpuError::Operands("an update's tensors must be f32".into())),
+                }
+            }
+            if result.is_ok() {
+                result = self.pool.install(|| training::update_in_place(updates, loss, &sums, &constants)).map(drop);
+            }
+        }
+        for (name, t) in held.into_iter().flatten() {
+            params.insert(name, t);
+        }
+        if let Ok(mut spare) = self.spare.lock() {
+            spare.extend(deferred.into_iter().map(|d| d.grad));
+            spare.truncate(self.plan.outputs.len());
+        }
+        result
     }
 
     /// The f32 buffer of slot `s` as an output of `len` elements, the slot given a buffer given

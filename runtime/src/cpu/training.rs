@@ -408,8 +408,160 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             }
             Ok(true)
         }
+        Op::SquareSums => {
+            let xs: Vec<&[f32]> = args.iter().map(|(_, a)| a.f32("a gradient")).collect::<R<_>>()?;
+            let y = out.get();
+            if y.len() != xs.len() {
+                return Ok(false);
+            }
+            y.copy_from_slice(&square_sums(&xs));
+            Ok(true)
+        }
+        Op::AdamW { .. } | Op::Sgd { .. } => {
+            // The pure form (the stacked result); a training step's runs write the update in
+            // place of the tensors instead (`CpuModel::run_lent`).
+            let xs: Vec<&[f32]> = args.iter().map(|(_, a)| a.f32("an operand")).collect::<R<_>>()?;
+            let state = xs.len().saturating_sub(5);
+            let (Some(&p), Some(&g), Some(&[loss]), Some(&sums), Some(&constants)) =
+                (xs.first(), xs.get(1), xs.get(2 + state), xs.get(3 + state), xs.get(4 + state))
+            else {
+                return Ok(false);
+            };
+            let y = out.get();
+            let n = p.len();
+            if y.len() != (1 + state) * n || g.len() != n || xs[2..2 + state].iter().any(|x| x.len() != n) {
+                return Ok(false);
+            }
+            for (to, from) in y.chunks_mut(n.max(1)).zip(std::iter::once(p).chain(xs[2..2 + state].iter().copied())) {
+                to.copy_from_slice(from);
+            }
+            let (p, rest) = y.split_at_mut(n);
+            let update = InPlace { op, p, state: rest.chunks_mut(n.max(1)).collect(), g };
+            update_in_place(vec![update], *loss, sums, constants)?;
+            Ok(true)
+        }
         _ => Ok(false),
     }
+}
+
+/// Elements of a tensor an optimizer's update hands to one task, and whose squares
+/// [`square_sums`] sums as one piece.
+const PIECE: usize = 1 << 15;
+
+/// The sum of the squares of each of `xs` ([`Op::SquareSums`]): each tensor's pieces of
+/// [`PIECE`] elements summed in f64 over the threads, the pieces' sums added in order.
+pub fn square_sums(xs: &[&[f32]]) -> Vec<f32> {
+    let pieces: Vec<(usize, &[f32])> =
+        xs.iter().enumerate().flat_map(|(i, x)| x.chunks(PIECE).map(move |p| (i, p))).collect();
+    let sums: Vec<f64> = pieces.par_iter().map(|&(_, p)| super::math::sum_squares(p, 1.0)).collect();
+    let mut out = vec![0.0f64; xs.len()];
+    for (&(i, _), s) in pieces.iter().zip(sums) {
+        out[i] += s;
+    }
+    out.into_iter().map(|s| s as f32).collect()
+}
+
+/// One tensor's part of an optimizer step run in place ([`update_in_place`]): the update op
+/// ([`Op::AdamW`] or [`Op::Sgd`]), the tensor, its state in the op's order (AdamW's moments,
+/// SGD's momentum buffer) and its gradient.
+pub struct InPlace<'a> {
+    /// The update.
+    pub op: &'a Op,
+    /// The tensor's elements.
+    pub p: &'a mut [f32],
+    /// Its optimizer state, each as many elements.
+    pub state: Vec<&'a mut [f32]>,
+    /// Its gradient.
+    pub g: &'a [f32],
+}
+
+/// Runs `updates` in place with the step's `loss`, gradient norms `sums` and constants (the
+/// update ops' operands after the tensors'), every tensor's pieces in one parallel pass, each
+/// element as [`kiln_compiler::semantics`] computes it. Returns whether a step was taken:
+/// `false`, and nothing written, where the loss or the global norm is not finite.
+pub fn update_in_place(updates: Vec<InPlace<'_>>, loss: f32, sums: &[f32], constants: &[f32]) -> R<bool> {
+    use kiln_compiler::semantics::{AdamStep, SgdStep, clip_scale};
+    let bad = |m: String| CpuError::Operands(m);
+    if !loss.is_finite() {
+        return Ok(false);
+    }
+    // One kind of task per update: its constants and its pieces.
+    enum Piece<'p> {
+        Adam(AdamStep, &'p mut [f32], &'p [f32], &'p mut [f32], &'p mut [f32]),
+        Sgd(SgdStep, &'p mut [f32], &'p [f32], Option<&'p mut [f32]>),
+    }
+    let mut pieces: Vec<Piece<'_>> = Vec::new();
+    for u in updates {
+        let n = u.p.len();
+        if u.g.len() != n || u.state.iter().any(|s| s.len() != n) {
+            return Err(bad(format!("an update of {n} elements given a gradient or state of another size")));
+        }
+        let mut state = u.state.into_iter();
+        match *u.op {
+            Op::AdamW { w1, b2, w2, eps, decays, max_norm } => {
+                let Some(scale) = clip_scale(sums, max_norm.map(|m| m.0)) else { return Ok(false) };
+                let (Some(m), Some(v), &[neg_step, bc2_sqrt, decay]) = (state.next(), state.next(), constants) else {
+                    return Err(bad("AdamW takes two moments and three constants".into()));
+                };
+                let c = AdamStep {
+                    scale,
+                    decay: if decays { decay } else { 1.0 },
+                    w1: w1.0,
+                    b2: b2.0,
+                    w2: w2.0,
+                    bc2_sqrt,
+                    eps: eps.0,
+                    neg_step,
+                };
+                let parts =
+                    u.p.chunks_mut(PIECE).zip(u.g.chunks(PIECE)).zip(m.chunks_mut(PIECE).zip(v.chunks_mut(PIECE)));
+                pieces.extend(parts.map(|((p, g), (m, v))| Piece::Adam(c, p, g, m, v)));
+            }
+            Op::Sgd { momentum, weight_decay, max_norm } => {
+                let Some(scale) = clip_scale(sums, max_norm.map(|m| m.0)) else { return Ok(false) };
+                let &[neg_lr, first] = constants else {
+                    return Err(bad("SGD takes two constants".into()));
+                };
+                let c = SgdStep {
+                    scale,
+                    weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),
+                    momentum: momentum.map(|m| m.0),
+                    first: first != 0.0,
+                    neg_lr,
+                };
+                let buf = state.next();
+                if momentum.is_some() != buf.is_some() {
+                    return Err(bad("SGD with momentum takes a buffer, without none".into()));
+                }
+                match buf {
+                    Some(b) => pieces.extend(
+                        u.p.chunks_mut(PIECE)
+                            .zip(u.g.chunks(PIECE))
+                            .zip(b.chunks_mut(PIECE))
+                            .map(|((p, g), b)| Piece::Sgd(c, p, g, Some(b))),
+                    ),
+                    None => pieces
+                        .extend(u.p.chunks_mut(PIECE).zip(u.g.chunks(PIECE)).map(|(p, g)| Piece::Sgd(c, p, g, None))),
+                }
+            }
+            _ => return Err(bad(format!("`{}` is not an optimizer's update", u.op.name()))),
+        }
+    }
+    // Element by element (the pieces split over the threads change nothing).
+    pieces.into_par_iter().for_each(|piece| match piece {
+        Piece::Adam(c, p, g, m, v) => super::math::adamw(c, p, g, m, v),
+        Piece::Sgd(c, p, g, Some(b)) => {
+            for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+                (*p, *b) = kiln_compiler::semantics::sgd(c, *p, g, *b);
+            }
+        }
+        Piece::Sgd(c, p, g, None) => {
+            for (p, &g) in p.iter_mut().zip(g) {
+                *p = kiln_compiler::semantics::sgd(c, *p, g, 0.0).0;
+            }
+        }
+    });
+    Ok(true)
 }
 
 /// A stack of matrices `[.., rows, cols]` as `(matrices, rows, cols)`; `None` below rank 2.

@@ -295,6 +295,36 @@ impl AdamW {
         self.slots.get(name).map(|s| s.decay && self.weight_decay != 0.0)
     }
 
+    /// The moments moved out as tensors named as [`AdamW::state`] names them, for a step's graph
+    /// to update in place ([`kiln_compiler::train::update`]); [`AdamW::restore_state`] moves them
+    /// back. Refused while the device's copy is the truth.
+    fn lend_state(&mut self) -> Result<Vec<(String, Tensor)>, OptimError> {
+        if self.slots.values().any(|s| s.m.len() != s.shape.iter().product::<usize>()) {
+            return Err(OptimError::StateElsewhere);
+        }
+        let mut out = Vec::with_capacity(2 * self.slots.len());
+        for (name, slot) in &mut self.slots {
+            out.push((format!("adam.m.{name}"), Tensor::f32(slot.shape.clone(), std::mem::take(&mut slot.m))));
+            out.push((format!("adam.v.{name}"), Tensor::f32(slot.shape.clone(), std::mem::take(&mut slot.v))));
+        }
+        Ok(out)
+    }
+
+    /// Moves the moments [`AdamW::lend_state`] lent back out of `from`, a step counted if
+    /// `stepped`.
+    fn restore_state(&mut self, from: &mut HashMap<String, Tensor>, stepped: bool) -> Result<(), OptimError> {
+        for (name, slot) in &mut self.slots {
+            for (key, moment) in [(format!("adam.m.{name}"), &mut slot.m), (format!("adam.v.{name}"), &mut slot.v)] {
+                match from.remove(&key).map(|t| t.data) {
+                    Some(Data::F32(v)) => *moment = v,
+                    _ => return Err(OptimError::Tensor { name: key, why: "was not given back as f32".into() }),
+                }
+            }
+        }
+        self.step += u64::from(stepped);
+        Ok(())
+    }
+
     /// One step at learning rate `lr`: every registered parameter updated from its gradient.
     pub fn step(&mut self, lr: f64, updates: &mut [Update<'_>]) -> Result<(), OptimError> {
         check_updates(self.slots.iter().map(|(name, s)| (name.as_str(), s.m.len())), updates)?;
@@ -444,6 +474,43 @@ impl Sgd {
     /// Adds a parameter of `shape`; `decay` says whether weight decay applies.
     pub fn add_param(&mut self, name: &str, shape: &[usize], decay: bool) {
         self.slots.insert(name.into(), SgdSlot { shape: shape.to_vec(), decay, buf: None });
+    }
+
+    /// The momentum buffers moved out as tensors named as [`Sgd::state`] names them (zeros before
+    /// the first step, which sets them), for a step's graph to update in place; none without
+    /// momentum. [`Sgd::restore_state`] moves them back. Refused while the device's are the truth.
+    fn lend_state(&mut self) -> Result<Vec<(String, Tensor)>, OptimError> {
+        if self.released {
+            return Err(OptimError::StateElsewhere);
+        }
+        if self.momentum == 0.0 {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::with_capacity(self.slots.len());
+        for (name, slot) in &mut self.slots {
+            let buf = slot.buf.take().unwrap_or_else(|| zeroed(slot.shape.iter().product()));
+            out.push((format!("sgd.momentum.{name}"), Tensor::f32(slot.shape.clone(), buf)));
+        }
+        Ok(out)
+    }
+
+    /// Moves the buffers [`Sgd::lend_state`] lent back out of `from`, a step counted if
+    /// `stepped` (a first step not taken leaves no buffer).
+    fn restore_state(&mut self, from: &mut HashMap<String, Tensor>, stepped: bool) -> Result<(), OptimError> {
+        if self.momentum == 0.0 {
+            self.step += u64::from(stepped);
+            return Ok(());
+        }
+        let keep = stepped || self.step > 0;
+        for (name, slot) in &mut self.slots {
+            let key = format!("sgd.momentum.{name}");
+            match from.remove(&key).map(|t| t.data) {
+                Some(Data::F32(v)) => slot.buf = keep.then_some(v),
+                _ => return Err(OptimError::Tensor { name: key, why: "was not given back as f32".into() }),
+            }
+        }
+        self.step += u64::from(stepped);
+        Ok(())
     }
 
     /// Steps taken so far.
@@ -600,6 +667,29 @@ impl Optimizer {
         match self {
             Optimizer::AdamW(o) => Some((o.decays(name)?, o.slots.get(name)?.shape.as_slice())),
             Optimizer::Sgd(o) => Some((o.decays(name)?, o.slots.get(name)?.shape.as_slice())),
+        }
+    }
+
+    /// The state's tensors moved out, named as [`Optimizer::state`] names them (the step count
+    /// apart), for a step's graph that updates them in place ([`kiln_compiler::train::update`]);
+    /// [`Optimizer::restore_state`] moves them back.
+    pub(crate) fn lend_state(&mut self) -> Result<Vec<(String, Tensor)>, OptimError> {
+        match self {
+            Optimizer::AdamW(o) => o.lend_state(),
+            Optimizer::Sgd(o) => o.lend_state(),
+        }
+    }
+
+    /// Moves the state [`Optimizer::lend_state`] lent back out of `from`, counting a step if
+    /// `stepped` (the graph's update was taken).
+    pub(crate) fn restore_state(
+        &mut self,
+        from: &mut HashMap<String, Tensor>,
+        stepped: bool,
+    ) -> Result<(), OptimError> {
+        match self {
+            Optimizer::AdamW(o) => o.restore_state(from, stepped),
+            Optimizer::Sgd(o) => o.restore_state(from, stepped),
         }
     }
 

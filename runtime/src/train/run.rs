@@ -24,6 +24,7 @@ use kiln_compiler::optimize::{self, CostModel};
 use kiln_compiler::target::Target;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::LOSS;
+use kiln_compiler::train::update::{GRAD_SUMS, UPDATE};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -56,13 +57,20 @@ impl From<GpuError> for RunError {
     }
 }
 
-/// The loss of a batch and, by tensor name, the gradients the graph computes.
+/// The loss of a batch and, by tensor name, the gradients the graph computes — or, for a whole
+/// step's graph (its update included, [`kiln_compiler::train::update`]), the gradients' norms
+/// and the updates the engine did not write in place.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     /// The mean loss.
     pub loss: f64,
     /// `grad.<tensor>` outputs, by tensor name.
     pub grads: HashMap<String, Tensor>,
+    /// The `grad_sums` output: each gradient's squared norm, in the order of the trained tensors.
+    pub grad_sums: Option<Vec<f32>>,
+    /// `update.<tensor>` outputs, by tensor name: the tensor and its optimizer state after the
+    /// step, stacked. Empty where the engine updated them in place ([`CpuModel::run_lent`]).
+    pub updates: HashMap<String, Tensor>,
 }
 
 /// The sizes a step's order is chosen at: 512 tokens (one sequence of 512; four of 128 weigh the
@@ -290,13 +298,17 @@ fn gpu_model<'m>(
 /// A step's loss and gradients, from the graph's outputs.
 fn step_output(outputs: Vec<(String, Tensor)>) -> Result<StepOutput, RunError> {
     let mut loss = None;
-    let mut grads = HashMap::new();
+    let (mut grads, mut updates, mut grad_sums) = (HashMap::new(), HashMap::new(), None);
     for (name, t) in outputs {
         if name == LOSS {
             loss = t.as_f32().and_then(|v| v.first()).map(|&l| f64::from(l));
+        } else if name == GRAD_SUMS {
+            grad_sums = t.as_f32().map(<[f32]>::to_vec);
         } else if let Some(tensor) = name.strip_prefix("grad.") {
             grads.insert(tensor.to_string(), t);
+        } else if let Some(tensor) = name.strip_prefix(UPDATE) {
+            updates.insert(tensor.to_string(), t);
         }
     }
-    Ok(StepOutput { loss: loss.ok_or(RunError::NoLoss)?, grads })
+    Ok(StepOutput { loss: loss.ok_or(RunError::NoLoss)?, grads, grad_sums, updates })
 }

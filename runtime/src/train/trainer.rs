@@ -18,6 +18,7 @@ use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::{PackDims, WeightMap};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::recompute::{StepGraph, step_graph};
+use kiln_compiler::train::update::{self, with_update};
 use kiln_compiler::train::{IGNORE_INDEX, LABELS, Objective, TensorUse, TrainGraphError, loss_graph, on_tensors};
 use std::collections::{BTreeSet, HashMap};
 
@@ -67,8 +68,14 @@ pub enum TrainError {
 pub struct StepGraphs {
     /// The loss on the checkpoint's tensors (evaluation).
     pub eval: Graph,
-    /// The loss and the gradients of every trained tensor (the step).
+    /// The loss and the gradients of every trained tensor.
     pub step: Graph,
+    /// The whole step: `step` with the optimizer's update of every trained tensor at its end
+    /// ([`kiln_compiler::train::update`]) — what the interpreter and the CPU run for a step of
+    /// one micro-batch. `None` where nothing is trained.
+    pub whole: Option<Graph>,
+    /// The trained tensors, in the model's order (that of `grad_sums`).
+    pub trained: Vec<String>,
     /// Where each parameter is read from.
     pub uses: Vec<TensorUse>,
     /// The tensors `recipe.frozen` freezes.
@@ -94,7 +101,17 @@ pub fn step_graphs(
     let (eval, uses) = on_tensors(&loss_graph(forward, objective)?, map, dims).map_err(TrainGraphError::from)?;
     let frozen = frozen_tensors(&recipe.frozen, &uses)?;
     let StepGraph { graph: step, recomputed, blocks } = step_graph(&eval, &uses, &frozen, recipe)?;
-    Ok(StepGraphs { eval, step, uses, frozen, recomputed, blocks })
+    let mut trained: Vec<String> = Vec::new();
+    for u in &uses {
+        if !frozen.contains(&u.tensor) && !trained.contains(&u.tensor) {
+            trained.push(u.tensor.clone());
+        }
+    }
+    let whole = match trained.is_empty() {
+        true => None,
+        false => Some(with_update(&step, &trained, recipe)?),
+    };
+    Ok(StepGraphs { eval, step, whole, trained, uses, frozen, recomputed, blocks })
 }
 
 /// What one step did.
@@ -123,6 +140,15 @@ pub struct Trainer {
     trained: Vec<String>,
     uses: Vec<TensorUse>,
     optimizer: Optimizer,
+    /// Whether `train` runs the whole step — forward, loss, backward, clipping and the update of
+    /// every trained tensor in one graph (on the interpreter and the CPU; see
+    /// [`Trainer::step`]) — rather than the loss and gradients only.
+    whole: bool,
+    /// The graph of the loss and gradients alone, and its runner once made: what a step of
+    /// several micro-batches runs where `train` runs the whole step.
+    gradients: Graph,
+    gradient_runner: Option<StepRunner>,
+    optimize: bool,
     /// The optimizer on the device, where the step runs on wgpu (see [`Trainer::step`]): then
     /// the parameters and the optimizer's state there are the truth, and `stale` says whether
     /// `tensors` and `optimizer` are behind them (the host's state is dropped meanwhile).
@@ -199,7 +225,7 @@ impl Trainer {
         mut tensors: HashMap<String, Tensor>,
         optimize: bool,
     ) -> Result<Trainer, TrainError> {
-        let StepGraphs { eval: eval_graph, step: graph, uses, frozen, recomputed, blocks } =
+        let StepGraphs { eval: eval_graph, step: graph, whole: whole_graph, uses, frozen, recomputed, blocks, .. } =
             step_graphs(forward, map, dims, &recipe)?;
         let mut trained: Vec<String> = Vec::new();
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
@@ -231,11 +257,21 @@ impl Trainer {
             shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
         );
         let seq = recipe.seq.unwrap_or(kiln_compiler::optimize::CostModel::cpu().seq);
-        let train = StepRunner::with_optimization(&device, graph, optimize, seq)
+        // On the interpreter and the CPU the step's graph ends with the update; on wgpu the
+        // update runs on the device's own kernels (`DeviceOptimizer`).
+        let (whole, step_graph) = match (&device, whole_graph) {
+            (Device::Interp | Device::Cpu { .. }, Some(w)) => (true, w),
+            _ => (false, graph.clone()),
+        };
+        let train = StepRunner::with_optimization(&device, step_graph, optimize, seq)
             .map_err(|source| TrainError::Run { step: 0, source })?;
         Ok(Trainer {
             recipe,
             train,
+            whole,
+            gradients: graph,
+            gradient_runner: None,
+            optimize,
             eval: None,
             eval_graph,
             device_for_eval: device,
@@ -320,6 +356,9 @@ impl Trainer {
         if !micro.is_empty() && self.train.gpu().is_some() {
             return self.step_on_device(micro);
         }
+        if let ([batch], true) = (micro, self.whole) {
+            return self.step_whole(batch);
+        }
         // The host's tensors are the truth from here: the next step on the device writes them
         // there again.
         self.sync()?;
@@ -329,11 +368,20 @@ impl Trainer {
         let mut acc = GradAccumulator::new();
         let mut loss_sum = 0.0f64;
         let mut single: Option<HashMap<String, Tensor>> = None;
+        let runner = match (self.whole, &mut self.gradient_runner) {
+            (false, _) => &mut self.train,
+            (true, Some(r)) => r,
+            (true, slot @ None) => {
+                let seq = self.recipe.seq.unwrap_or(kiln_compiler::optimize::CostModel::cpu().seq);
+                let r =
+                    StepRunner::with_optimization(&self.device_for_eval, self.gradients.clone(), self.optimize, seq)
+                        .map_err(|source| TrainError::Run { step, source })?;
+                slot.insert(r)
+            }
+        };
         for batch in micro {
-            let out = self
-                .train
-                .run_lent(&mut self.tensors, batch, &())
-                .map_err(|source| TrainError::Run { step, source })?;
+            let out =
+                runner.run_lent(&mut self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })?;
             if !out.loss.is_finite() {
                 return Err(TrainError::NonFinite { step, what: format!("the loss is {}", out.loss) });
             }
@@ -386,9 +434,78 @@ impl Trainer {
         })?;
         self.optimizer.step(lr, &mut updates).map_err(|source| TrainError::Optim { step, source })?;
         drop(updates);
-        self.train.recycle(pairs.into_iter().map(|(_, _, grad)| grad));
+        runner.recycle(pairs.into_iter().map(|(_, _, grad)| grad));
         self.step += 1;
         Ok(StepLog { step, loss, grad_norm, lr, tokens })
+    }
+
+    /// [`Trainer::step`] of one micro-batch by the whole step's graph (see there): the
+    /// optimizer's state and the step's constants are lent to the run beside the tensors, and the
+    /// engine writes the update in place of them (the CPU's) or gives it as outputs (the
+    /// interpreter's). The graph takes no step where the loss or the global norm is not finite,
+    /// so a refused step leaves everything as it was.
+    fn step_whole(&mut self, batch: &HashMap<String, Tensor>) -> Result<StepLog, TrainError> {
+        let step = self.step;
+        let lr = self.recipe.lr_at(step);
+        let optim = |source: OptimError| TrainError::Optim { step, source };
+        let lent = self.lend(lr).map_err(optim)?;
+        let out = self.train.run_lent(&mut self.tensors, batch, &());
+        let sums: Vec<f64> = match &out {
+            Ok(o) => o.grad_sums.iter().flatten().map(|&s| f64::from(s)).collect(),
+            Err(_) => Vec::new(),
+        };
+        let grad_norm = sums.iter().sum::<f64>().sqrt();
+        let taken = out.as_ref().is_ok_and(|o| o.loss.is_finite() && grad_norm.is_finite());
+        // The updates an engine gave as outputs, into the tensors and the state.
+        let mut written = Ok(());
+        if let (Ok(o), true) = (&out, taken) {
+            for (tensor, stacked) in &o.updates {
+                let mut names = vec![tensor.clone()];
+                names.extend(update::state_names(&self.recipe, tensor));
+                written = written.and(unstack(stacked, &names, &mut self.tensors));
+            }
+        }
+        self.take_back(&lent, taken).map_err(optim)?;
+        let out = out.map_err(|source| TrainError::Run { step, source })?;
+        written.map_err(TrainError::Weights)?;
+        if !out.loss.is_finite() {
+            return Err(TrainError::NonFinite { step, what: format!("the loss is {}", out.loss) });
+        }
+        if out.grad_sums.as_ref().map(Vec::len) != Some(self.trained.len()) {
+            let name = self.trained.first().cloned().unwrap_or_default();
+            return Err(TrainError::Run { step, source: RunError::NoGradient(name) });
+        }
+        if !grad_norm.is_finite() {
+            let first = self.trained.iter().zip(&sums).find(|(_, s)| !s.is_finite());
+            let first = first.map(|(name, &sum)| (name, sum));
+            let (name, sum) = first.map_or(("(none)".to_string(), f64::NAN), |(n, s)| (n.clone(), s));
+            let what = format!("gradient norm is {grad_norm}: the gradient of `{name}` has a squared norm of {sum}");
+            return Err(TrainError::NonFinite { step, what });
+        }
+        self.step += 1;
+        Ok(StepLog { step, loss: out.loss, grad_norm, lr, tokens: counted(batch) })
+    }
+
+    /// Joins the optimizer's state and the step's constants at learning rate `lr` to the
+    /// tensors, for a run of the whole step's graph; returns the names joined, which
+    /// [`Trainer::take_back`] takes out again.
+    fn lend(&mut self, lr: f64) -> Result<Vec<String>, OptimError> {
+        let t = self.optimizer.step_count() + 1;
+        let constants = update::step_constants(&self.recipe, lr, t);
+        let mut lent = self.optimizer.lend_state()?;
+        lent.push((update::STEP_CONSTANTS.into(), Tensor::f32(vec![constants.len()], constants)));
+        let names = lent.iter().map(|(n, _)| n.clone()).collect();
+        self.tensors.extend(lent);
+        Ok(names)
+    }
+
+    /// Takes what [`Trainer::lend`] joined out of the tensors, the state back to the optimizer,
+    /// a step counted if `taken`.
+    fn take_back(&mut self, lent: &[String], taken: bool) -> Result<(), OptimError> {
+        let mut state: HashMap<String, Tensor> =
+            lent.iter().filter_map(|n| Some((n.clone(), self.tensors.remove(n)?))).collect();
+        state.remove(update::STEP_CONSTANTS);
+        self.optimizer.restore_state(&mut state, taken)
     }
 
     /// [`Trainer::step`] on the device (see there) of `micro` (at least one micro-batch).
@@ -488,7 +605,17 @@ impl Trainer {
     pub fn profile(&mut self, batch: &HashMap<String, Tensor>) -> Result<Option<Vec<(String, f64)>>, TrainError> {
         self.sync()?;
         let step = self.step;
-        self.train.profile(&self.tensors, batch, &()).map_err(|source| TrainError::Run { step, source })
+        // The whole step's graph reads the optimizer's state and constants too (its update's
+        // results are outputs of a profiled run, so nothing is written).
+        let lent = match self.whole {
+            true => self.lend(self.recipe.lr_at(step)).map_err(|source| TrainError::Optim { step, source })?,
+            false => Vec::new(),
+        };
+        let out = self.train.profile(&self.tensors, batch, &());
+        if self.whole {
+            self.take_back(&lent, false).map_err(|source| TrainError::Optim { step, source })?;
+        }
+        out.map_err(|source| TrainError::Run { step, source })
     }
 
     /// The mean loss of `batch` with the current tensors (no update).
@@ -544,6 +671,20 @@ fn in_order<'g>(
 fn no_buffers(step: usize, name: &str) -> TrainError {
     let message = format!("the device holds no buffers for `{name}`");
     TrainError::Run { step, source: RunError::from(GpuError::Internal(message)) }
+}
+
+/// Writes `stacked` (an update's result: a tensor and its optimizer state, stacked) into the
+/// tensors `names` of `into`, in order.
+fn unstack(stacked: &Tensor, names: &[String], into: &mut HashMap<String, Tensor>) -> Result<(), String> {
+    let data = stacked.as_f32().ok_or("an update's result is not f32")?;
+    let n = data.len() / names.len().max(1);
+    for (name, part) in names.iter().zip(data.chunks(n.max(1))) {
+        match into.get_mut(name).map(|t| &mut t.data) {
+            Some(kiln_compiler::tensor::Data::F32(v)) if v.len() == part.len() => v.copy_from_slice(part),
+            _ => return Err(format!("the update's result does not fit `{name}`")),
+        }
+    }
+    Ok(())
 }
 
 /// The name of the step count in a training state.

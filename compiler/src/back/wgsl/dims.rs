@@ -292,6 +292,10 @@ fn dims_of(
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],
+        // The wgpu trainer updates its tensors with its own kernels (`runtime::gpu::optim`).
+        Op::SquareSums | Op::AdamW { .. } | Op::Sgd { .. } => {
+            return Err(format!("`{}` has no WGSL kernel: a step on wgpu updates outside its graph", op.name()));
+        }
     };
     if total == 0
         && let Some(threads) = d.first_mut()
