@@ -572,6 +572,28 @@ impl CpuModel {
         Ok(Some(outputs))
     }
 
+    /// Moves the f32 parameter tensors the model holds back into `params`, by name, the model
+    /// holding none of them until [`CpuModel::run_lent`] lends them again: what a trainer does
+    /// after building its model from its own tensors, so that they are lent to every run rather
+    /// than copied into the model once.
+    pub fn give_back(&mut self, params: &mut HashMap<String, Tensor>) {
+        let mut held: BTreeMap<String, Arc<Tensor>> = BTreeMap::new();
+        for (id, value) in self.plan.values.iter().enumerate() {
+            let Storage::Param(name) = &value.storage else { continue };
+            // (A quantized one stays: it is not a trainer's tensor.)
+            if !matches!(self.consts.get(&id), Some(Const::F32(_))) {
+                continue;
+            }
+            if let Some(Const::F32(t)) = self.consts.remove(&id) {
+                held.insert(name.clone(), t);
+                self.vacated.insert(id);
+            }
+        }
+        for (name, t) in held {
+            params.insert(name, Arc::try_unwrap(t).unwrap_or_else(|t| (*t).clone()));
+        }
+    }
+
     /// Quantized projections with activations quantized to 8 bits per block of 32 and integer dot
     /// products (llama.cpp's scheme: faster, but each activation moves by up to half a step of
     /// its block's largest magnitude / 127, enough to flip a greedy choice between two close
@@ -824,8 +846,9 @@ impl CpuModel {
                 spare.push(v);
             }
         }
-        // No more than one run's outputs are kept.
-        spare.truncate(self.plan.outputs.len());
+        // No more than one run's outputs are kept: the latest given back (the oldest go first).
+        let excess = spare.len().saturating_sub(self.plan.outputs.len());
+        spare.drain(..excess);
     }
 
     /// What the updates `steps` (deferred by a run, see [`CpuModel::execute`]) read besides the
@@ -932,9 +955,13 @@ impl CpuModel {
         for (name, t) in held.into_iter().flatten() {
             params.insert(name, t);
         }
+        // The next run's gradients take these buffers' places in their slots: they are the
+        // ones kept (the oldest given back go first).
         if let Ok(mut spare) = self.spare.lock() {
+            let keep = self.plan.outputs.len().max(deferred.len());
             spare.extend(deferred.into_iter().map(|d| d.grad));
-            spare.truncate(self.plan.outputs.len());
+            let excess = spare.len().saturating_sub(keep);
+            spare.drain(..excess);
         }
         result
     }

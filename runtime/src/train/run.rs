@@ -190,6 +190,16 @@ impl StepRunner {
         batch: &HashMap<String, Tensor>,
         progress: &dyn Progress,
     ) -> Result<StepOutput, RunError> {
+        // The first run builds the CPU model from the tensors themselves, moved in and given
+        // back, rather than from a copy: a step's tensors and optimizer state are most of its
+        // memory. (Every parameter is checked first, so the build cannot refuse them.)
+        if let Kind::Cpu { plan, threads, model: slot @ None } = &mut self.kind
+            && lendable(plan, params)
+        {
+            let mut m = CpuModel::for_training(plan.clone(), std::mem::take(params), *threads, progress)?;
+            m.give_back(params);
+            *slot = Some(Box::new(m));
+        }
         if let Kind::Cpu { model: Some(m), .. } = &mut self.kind
             && let Some(outputs) = m.run_lent(params, batch)?
         {
@@ -265,6 +275,19 @@ impl StepRunner {
         };
         step_output(outputs)
     }
+}
+
+/// Whether `params` holds every parameter of `plan` as an f32 tensor of its shape (what a model
+/// built from them takes as given).
+fn lendable(plan: &Plan, params: &HashMap<String, Tensor>) -> bool {
+    plan.values.iter().all(|v| match &v.storage {
+        lower::Storage::Param(name) => params.get(name).is_some_and(|t| {
+            t.as_f32().is_some()
+                && t.shape.len() == v.shape.len()
+                && t.shape.iter().zip(&v.shape).all(|(&n, d)| *d == kiln_compiler::graph::Dim::Fixed(n))
+        }),
+        _ => true,
+    })
 }
 
 /// The step's model on wgpu, built with `params` at its first use (nothing derived from them at
