@@ -34,6 +34,7 @@ use kiln_compiler::tensor::{Data, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu::math::{AdamStep, adamw, sum_squares};
+use kiln_compiler::semantics::{SgdStep, sgd};
 
 /// Elements of a parameter or gradient handed to one task (a fixed size: sums over pieces are
 /// the same on any number of threads).
@@ -531,26 +532,28 @@ impl Sgd {
         }
         check_updates(self.slots.iter().map(|(name, s)| (name.as_str(), s.shape.iter().product())), updates)?;
         self.step += 1;
-        let (wd, momentum, neg_lr) = (self.weight_decay as f32, self.momentum as f32, (-lr) as f32);
+        let momentum = (self.momentum != 0.0).then_some(self.momentum as f32);
         for u in updates.iter_mut() {
             let Some(slot) = self.slots.get_mut(u.name) else {
                 return Err(OptimError::UnknownParam { name: u.name.into() });
             };
-            let scale = u.scale;
-            let mut g: Vec<f32> = u.grad.iter().map(|&g| g * scale).collect();
-            if slot.decay && self.weight_decay != 0.0 {
-                g.iter_mut().zip(u.value.iter()).for_each(|(g, &p)| *g += wd * p);
-            }
-            if self.momentum != 0.0 {
-                match &mut slot.buf {
-                    Some(buf) => buf.iter_mut().zip(&g).for_each(|(b, &g)| *b = *b * momentum + g),
-                    None => slot.buf = Some(g.clone()),
+            // Each element as `semantics::sgd` computes it (what the step's graph runs too).
+            let c = SgdStep {
+                scale: u.scale,
+                weight_decay: (slot.decay && self.weight_decay != 0.0).then_some(self.weight_decay as f32),
+                momentum,
+                first: slot.buf.is_none(),
+                neg_lr: (-lr) as f32,
+            };
+            match momentum {
+                Some(_) => {
+                    let buf = slot.buf.get_or_insert_with(|| zeroed(u.value.len()));
+                    for ((p, &g), b) in u.value.iter_mut().zip(u.grad.iter()).zip(buf.iter_mut()) {
+                        (*p, *b) = sgd(c, *p, g, *b);
+                    }
                 }
-                if let Some(buf) = &slot.buf {
-                    g.copy_from_slice(buf);
-                }
+                None => u.value.iter_mut().zip(u.grad.iter()).for_each(|(p, &g)| *p = sgd(c, *p, g, 0.0).0),
             }
-            u.value.iter_mut().zip(&g).for_each(|(p, &g)| *p += neg_lr * g);
         }
         Ok(())
     }
