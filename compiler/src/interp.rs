@@ -1247,29 +1247,31 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             });
             V::of_floats(shape, sums.collect())
         }
-        // The update's arithmetic is f32's whatever the evaluation's float type (it is
-        // `torch.optim`'s, element for element).
+        // The clipping and the update's arithmetic are f32's whatever the evaluation's float
+        // type (they are `torch`'s, element for element).
+        Op::ClipScale { max_norm } => {
+            let f32s = |i: usize| -> Vec<f32> {
+                a[i].floats().expect("clip_scale reads floats").iter().map(|v| v.to_f64() as f32).collect()
+            };
+            let (loss, sums) = (f32s(0), f32s(1));
+            let scale = crate::semantics::step_scale(loss[0], &sums, max_norm.map(|m| m.0));
+            V::of_floats(shape, vec![V::F::from_f32(scale)])
+        }
         Op::AdamW { .. } | Op::Sgd { .. } => {
             let f32s = |i: usize| -> Vec<f32> {
                 a[i].floats().expect("an update reads floats").iter().map(|v| v.to_f64() as f32).collect()
             };
-            let state = a.len() - 5;
+            let state = a.len() - 4;
             let (p, g) = (f32s(0), f32s(1));
-            let (loss, sums, step) = (f32s(2 + state), f32s(3 + state), f32s(4 + state));
-            let max_norm = match op {
-                Op::AdamW { max_norm, .. } | Op::Sgd { max_norm, .. } => max_norm.map(|m| m.0),
-                _ => None,
-            };
+            let (scale, step) = (f32s(2 + state)[0], f32s(3 + state));
             let mut out: Vec<f32> = p.clone();
             (1..=state).for_each(|i| out.extend(f32s(1 + i)));
-            // No step where the loss or the global norm is not finite: the parameter and state
-            // as given.
-            let scale = crate::semantics::clip_scale(&sums, max_norm).filter(|_| loss.iter().all(|l| l.is_finite()));
-            if let Some(scale) = scale {
+            // No step where the factor is NaN: the parameter and state as given.
+            if !scale.is_nan() {
                 let n = p.len();
                 let (new_p, rest) = out.split_at_mut(n);
                 match *op {
-                    Op::AdamW { w1, b2, w2, eps, decays, .. } => {
+                    Op::AdamW { w1, b2, w2, eps, decays } => {
                         let (m, v) = rest.split_at_mut(n);
                         let c = crate::semantics::AdamStep {
                             scale,
@@ -1287,7 +1289,7 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
                             (new_p[i], m[i], v[i]) = crate::semantics::adamw(c, lerp, new_p[i], g[i], m[i], v[i]);
                         }
                     }
-                    Op::Sgd { momentum, weight_decay, .. } => {
+                    Op::Sgd { momentum, weight_decay } => {
                         let c = crate::semantics::SgdStep {
                             scale,
                             weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),

@@ -296,21 +296,21 @@ pub fn sgd(c: SgdStep, p: f32, g: f32, buf: f32) -> (f32, f32) {
     (p + c.neg_lr * g, buf)
 }
 
-/// The factor a step reads its gradients with, from their squared norms `sums` (each tensor's,
-/// [`crate::graph::Op::SquareSums`]): as `torch.nn.utils.clip_grad_norm_`, with the global norm
-/// `norm = sqrt(sum of sums)` (summed in f64), `max_norm / (norm + 1e-6)` where that is below 1,
-/// else 1 (always 1 without `max_norm`). `None` where the norm is not finite: then no step is
-/// taken.
-pub fn clip_scale(sums: &[f32], max_norm: Option<f32>) -> Option<f32> {
+/// The factor a step reads its gradients with ([`crate::graph::Op::ClipScale`]), from its `loss`
+/// and the gradients' squared norms `sums` (each tensor's, [`crate::graph::Op::SquareSums`]): as
+/// `torch.nn.utils.clip_grad_norm_`, with the global norm `norm = sqrt(sum of sums)` (summed in
+/// f64), `max_norm / (norm + 1e-6)` where that is below 1, else 1 (always 1 without
+/// `max_norm`). NaN where the loss or the norm is not finite: a step the updates do not take.
+pub fn step_scale(loss: f32, sums: &[f32], max_norm: Option<f32>) -> f32 {
     let norm = sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt();
-    if !norm.is_finite() {
-        return None;
+    if !norm.is_finite() || !loss.is_finite() {
+        return f32::NAN;
     }
-    Some(match max_norm {
+    match max_norm {
         Some(max) => {
             let coef = f64::from(max) / (norm + 1e-6);
             if coef < 1.0 { coef as f32 } else { 1.0 }
         }
         None => 1.0,
-    })
+    }
 }

@@ -650,17 +650,25 @@ pub enum Op {
     /// element `i` the sum over `x_i`, accumulated in f64 and rounded once to f32. A training
     /// step's gradient norms (the global norm is the square root of their sum).
     SquareSums,
+    /// The factor a training step reads its gradients with: `(loss f32[1], sums f32[n]) ->
+    /// f32[1]`, `sums` the squared norms of every gradient of the step ([`Op::SquareSums`]). As
+    /// `torch.nn.utils.clip_grad_norm_`, with the global norm `norm = sqrt(sum of sums)` (summed
+    /// in f64): `max_norm / (norm + 1e-6)` where that is below 1, else 1 (always 1 without
+    /// `max_norm`); NaN where the loss or the norm is not finite, a step the updates do not
+    /// take ([`crate::semantics::step_scale`]).
+    ClipScale {
+        /// The global norm the gradients are clipped to, if any.
+        max_norm: Option<Scalar>,
+    },
     /// One AdamW step of a parameter, as `torch.optim.AdamW` (not fused, not `foreach`) computes
-    /// each element: `(p, g, m, v, loss f32[1], sums f32[n], step f32[3]) -> [3, ..p]`, the new
-    /// parameter, first moment and second moment stacked; `p`, `g`, `m` and `v` of one shape. `step` holds the
-    /// step's constants, `(-lr / (1 - beta1^t), sqrt(1 - beta2^t), 1 - lr * weight_decay)`; `sums`
-    /// the squared norms of every gradient of the step ([`Op::SquareSums`]), whose root is the
-    /// global norm. Per element, with `s` the clipping factor `max_norm / (norm + 1e-6)` where that
-    /// is below 1 (else 1): `g *= s; p *= decay; m = lerp(m, g, w1); v = v * b2 + w2 * g * g;
-    /// p += step[0] * m / (sqrt(v) / step[1] + eps)`, `decay` being `step[2]` where the parameter
-    /// decays and 1 where it does not ([`crate::semantics::adamw`] has the f32 arithmetic). Where
-    /// the step's loss or the global norm is not finite the step changes nothing: the result is
-    /// `p, m, v`.
+    /// each element: `(p, g, m, v, scale f32[1], step f32[3]) -> [3, ..p]`, the new parameter,
+    /// first moment and second moment stacked; `p`, `g`, `m` and `v` of one shape. `scale` is the
+    /// step's [`Op::ClipScale`]; `step` holds the step's constants, `(-lr / (1 - beta1^t),
+    /// sqrt(1 - beta2^t), 1 - lr * weight_decay)`. Per element: `g *= scale; p *= decay; m =
+    /// lerp(m, g, w1); v = v * b2 + w2 * g * g; p += step[0] * m / (sqrt(v) / step[1] + eps)`,
+    /// `decay` being `step[2]` where the parameter decays and 1 where it does not
+    /// ([`crate::semantics::adamw`] has the f32 arithmetic). Where `scale` is NaN (a step not
+    /// taken) the result is `p, m, v`.
     AdamW {
         /// `1 - beta1`, the first moment's interpolation weight.
         w1: Scalar,
@@ -672,24 +680,19 @@ pub enum Op {
         eps: Scalar,
         /// Whether the parameter takes weight decay.
         decays: bool,
-        /// The global norm the gradients are clipped to, if any.
-        max_norm: Option<Scalar>,
     },
     /// One SGD step of a parameter, as `torch.optim.SGD` (dampening 0, no Nesterov; weight decay
-    /// added to the gradient): `(p, g[, buf], loss f32[1], sums f32[n], step f32[2]) -> [k, ..p]`, the new
-    /// parameter and, with `momentum`, the new momentum buffer stacked (`k` 2, else 1). `step`
-    /// holds `(-lr, first)`, `first` 1 at the buffer's first step (where it starts as the
-    /// gradient) and 0 after; `sums` and the clipping are as [`Op::AdamW`]'s. Per element: `g *=
-    /// s; g += weight_decay * p` (where the parameter decays); with momentum `buf = first ? g :
-    /// buf * momentum + g; g = buf`; `p += step[0] * g`. Where the loss or the global norm is not
-    /// finite the step changes nothing.
+    /// added to the gradient): `(p, g[, buf], scale f32[1], step f32[2]) -> [k, ..p]`, the new
+    /// parameter and, with `momentum`, the new momentum buffer stacked (`k` 2, else 1). `scale`
+    /// is as [`Op::AdamW`]'s; `step` holds `(-lr, first)`, `first` 1 at the buffer's first step
+    /// (where it starts as the gradient) and 0 after. Per element: `g *= scale; g +=
+    /// weight_decay * p` (where the parameter decays); with momentum `buf = first ? g : buf *
+    /// momentum + g; g = buf`; `p += step[0] * g`. Where `scale` is NaN the result is `p[, buf]`.
     Sgd {
         /// The momentum, if any.
         momentum: Option<Scalar>,
         /// The weight decay, 0 where the parameter takes none.
         weight_decay: Scalar,
-        /// The global norm the gradients are clipped to, if any.
-        max_norm: Option<Scalar>,
     },
 
     // ---- Fused ops: produced only by the optimizer. Each is defined as a composition of the ops
@@ -895,6 +898,7 @@ impl Op {
             Op::TopKGrad { .. } => "top_k_grad".into(),
             Op::ContractRows => "contract_rows".into(),
             Op::SquareSums => "square_sums".into(),
+            Op::ClipScale { .. } => "clip_scale".into(),
             Op::AdamW { .. } => "adamw".into(),
             Op::Sgd { .. } => "sgd".into(),
             Op::Linear { act, bias, residual, norm, glu, rope } => {
@@ -1005,19 +1009,14 @@ impl Op {
                 a + &mods.attrs()
             }
             Op::AddNorm { eps, .. } => format!("eps={eps}"),
-            Op::AdamW { w1, b2, w2, eps, decays, max_norm } => {
-                let mut a = format!("w1={w1} b2={b2} w2={w2} eps={eps}");
-                if *decays {
-                    a += " decays";
-                }
-                a + &max_norm.map_or(String::new(), |m| format!(" max_norm={m}"))
+            Op::ClipScale { max_norm } => max_norm.map_or(String::new(), |m| format!("max_norm={m}")),
+            Op::AdamW { w1, b2, w2, eps, decays } => {
+                let a = format!("w1={w1} b2={b2} w2={w2} eps={eps}");
+                if *decays { a + " decays" } else { a }
             }
-            Op::Sgd { momentum, weight_decay, max_norm } => {
-                let mut a = format!("weight_decay={weight_decay}");
-                if let Some(m) = momentum {
-                    a += &format!(" momentum={m}");
-                }
-                a + &max_norm.map_or(String::new(), |m| format!(" max_norm={m}"))
+            Op::Sgd { momentum, weight_decay } => {
+                let a = format!("weight_decay={weight_decay}");
+                momentum.map_or(a.clone(), |m| format!("{a} momentum={m}"))
             }
             Op::Linear { norm, rope, .. } => {
                 let mut a = Vec::new();

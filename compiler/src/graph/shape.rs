@@ -755,13 +755,23 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
             }
             Ok((vec![Dim::Fixed(operands.len())], DType::F32))
         }
+        Op::ClipScale { .. } => {
+            arity(2)?;
+            if float(0)?.as_slice() != [Dim::Fixed(1)] {
+                return Err(format!("the loss must be f32[1], is {}", fmt_shape(float(0)?)));
+            }
+            if !matches!(float(1)?.as_slice(), [Dim::Fixed(n)] if *n > 0) {
+                return Err(format!("the norms must be a vector f32[n], are {}", fmt_shape(float(1)?)));
+            }
+            Ok((vec![Dim::Fixed(1)], DType::F32))
+        }
         Op::AdamW { .. } | Op::Sgd { .. } => {
             let (state, constants) = match op {
                 Op::AdamW { .. } => (2, 3),
                 Op::Sgd { momentum, .. } => (usize::from(momentum.is_some()), 2),
                 _ => (0, 0),
             };
-            arity(2 + state + 3)?;
+            arity(2 + state + 2)?;
             let p = float(0)?;
             for i in 1..2 + state {
                 if float(i)? != p {
@@ -773,14 +783,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 }
             }
             if float(2 + state)?.as_slice() != [Dim::Fixed(1)] {
-                return Err(format!("the loss must be f32[1], is {}", fmt_shape(float(2 + state)?)));
+                return Err(format!("the clipping factor must be f32[1], is {}", fmt_shape(float(2 + state)?)));
             }
-            let sums = float(3 + state)?;
-            if !matches!(sums.as_slice(), [Dim::Fixed(n)] if *n > 0) {
-                return Err(format!("the norms must be a vector f32[n], are {}", fmt_shape(sums)));
-            }
-            if float(4 + state)?.as_slice() != [Dim::Fixed(constants)] {
-                let got = fmt_shape(float(4 + state)?);
+            if float(3 + state)?.as_slice() != [Dim::Fixed(constants)] {
+                let got = fmt_shape(float(3 + state)?);
                 return Err(format!("the step's constants must be f32[{constants}], are {got}"));
             }
             let mut out = vec![Dim::Fixed(1 + state)];

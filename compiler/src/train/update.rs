@@ -5,11 +5,13 @@
 //! [`with_update`] takes a step's graph (outputs `loss` and `grad.<tensor>`) and adds:
 //! - [`Op::SquareSums`] of every gradient, in the order of the trained tensors: the output
 //!   [`GRAD_SUMS`], whose sum's root is the global norm the step logs and clips by;
+//! - [`Op::ClipScale`] of the loss and those norms: the factor the updates read the gradients
+//!   with (NaN, and no update taken, where the loss or the norm is not finite);
 //! - per trained tensor, its update ([`Op::AdamW`] or [`Op::Sgd`], as the recipe says): the
 //!   tensor (parameter `<tensor>`), its gradient, its optimizer state (parameters named as the
-//!   optimizer's checkpoint names them, [`state_names`]), the loss, the norms and the step's
-//!   constants (parameter [`STEP_CONSTANTS`], [`step_constants`]), giving the output
-//!   `update.<tensor>`: the new tensor and state, stacked.
+//!   optimizer's checkpoint names them, [`state_names`]), the factor and the step's constants
+//!   (parameter [`STEP_CONSTANTS`], [`step_constants`]), giving the output `update.<tensor>`:
+//!   the new tensor and state, stacked.
 //!
 //! The gradients stop being outputs: they live from the backward to their update. An engine
 //! may write an update in place of the tensors it reads (the CPU's does), since nothing reads a
@@ -60,7 +62,6 @@ pub fn step_constants(recipe: &Recipe, lr: f64, t: u64) -> Vec<f32> {
 /// The update op of a tensor of `shape` under `recipe`.
 fn update_op(recipe: &Recipe, shape: &[usize]) -> Op {
     let decays = recipe.decays(shape) && recipe.weight_decay != 0.0;
-    let max_norm = recipe.clip.map(|c| Scalar(c as f32));
     match recipe.optimizer {
         OptimizerKind::AdamW => {
             let [b1, b2] = recipe.betas;
@@ -70,13 +71,11 @@ fn update_op(recipe: &Recipe, shape: &[usize]) -> Op {
                 w2: Scalar((1.0 - b2) as f32),
                 eps: Scalar(recipe.eps as f32),
                 decays,
-                max_norm,
             }
         }
         OptimizerKind::Sgd => Op::Sgd {
             momentum: (recipe.momentum != 0.0).then_some(Scalar(recipe.momentum as f32)),
             weight_decay: Scalar(if decays { recipe.weight_decay as f32 } else { 0.0 }),
-            max_norm,
         },
     }
 }
@@ -110,6 +109,7 @@ pub fn with_update(step: &Graph, trained: &[String], recipe: &Recipe) -> Result<
     }
     g.scope = "optimizer".into();
     let sums = g.add(Op::SquareSums, &grads)?;
+    let scale = g.add(Op::ClipScale { max_norm: recipe.clip.map(|c| Scalar(c as f32)) }, &[loss, sums])?;
     let constants = match recipe.optimizer {
         OptimizerKind::AdamW => 3,
         OptimizerKind::Sgd => 2,
@@ -131,7 +131,7 @@ pub fn with_update(step: &Graph, trained: &[String], recipe: &Recipe) -> Result<
         for name in state_names(recipe, tensor) {
             operands.push(g.param(&name, &shape));
         }
-        operands.extend([loss, sums, step_constants]);
+        operands.extend([scale, step_constants]);
         let update = g.add(update_op(recipe, &shape), &operands)?;
         g.outputs.push((format!("{UPDATE}{tensor}"), update));
     }

@@ -192,10 +192,8 @@ struct Deferred {
     step: usize,
     /// The gradient's elements.
     grad: Vec<f32>,
-    /// The step's loss.
-    loss: f32,
-    /// The gradients' squared norms.
-    sums: Vec<f32>,
+    /// The step's clipping factor (NaN: no step).
+    scale: f32,
     /// The step's constants.
     constants: Vec<f32>,
 }
@@ -853,8 +851,8 @@ impl CpuModel {
 
     /// What the updates `steps` (deferred by a run, see [`CpuModel::execute`]) read besides the
     /// tensors they update, after the run's other steps: each gradient's elements — the slot's own
-    /// buffer where nothing else reads it ([`CpuModel::take_slot`]), else a copy — and the loss,
-    /// norms and constants.
+    /// buffer where nothing else reads it ([`CpuModel::take_slot`]), else a copy — and the
+    /// clipping factor and constants.
     fn deferred(
         &self,
         steps: &[usize],
@@ -877,12 +875,12 @@ impl CpuModel {
         let mut out = Vec::with_capacity(steps.len());
         for &i in steps {
             let ops = &plan.steps[i].operands;
-            let state = ops.len().checked_sub(5).ok_or_else(|| malformed(i))?;
+            let state = ops.len().checked_sub(4).ok_or_else(|| malformed(i))?;
             let copy = |v: usize, slots: &[Buf]| -> R<Vec<f32>> {
                 Ok(self.arg(v, inputs, slots, syms, views, kv)?.1.f32("an update's operand")?.to_vec())
             };
-            let loss = copy(ops[2 + state], slots)?.first().copied().ok_or_else(|| malformed(i))?;
-            let (sums, constants) = (copy(ops[3 + state], slots)?, copy(ops[4 + state], slots)?);
+            let scale = copy(ops[2 + state], slots)?.first().copied().ok_or_else(|| malformed(i))?;
+            let constants = copy(ops[3 + state], slots)?;
             let g = ops[1];
             let r = root(plan, g);
             let n: usize = resolve(&plan.values[g].shape, syms).iter().product();
@@ -896,18 +894,18 @@ impl CpuModel {
                 Some(g) => g,
                 None => copy(g, slots)?,
             };
-            out.push(Deferred { step: i, grad, loss, sums, constants });
+            out.push(Deferred { step: i, grad, scale, constants });
         }
         Ok(out)
     }
 
     /// Runs the updates a run deferred ([`CpuModel::execute`]) in place of the tensors of
     /// `params` they update, all in one pass ([`training::update_in_place`]); the gradients'
-    /// buffers are given back for the next run. Nothing is written where the step's loss or
-    /// global norm is not finite (the update's meaning).
+    /// buffers are given back for the next run. Nothing is written where the step's clipping
+    /// factor is NaN (its loss or global norm not finite: the update's meaning).
     fn run_deferred(&self, params: &mut HashMap<String, Tensor>, deferred: Vec<Deferred>) -> R<()> {
         let Some(first) = deferred.first() else { return Ok(()) };
-        let (loss, sums, constants) = (first.loss, first.sums.clone(), first.constants.clone());
+        let (scale, constants) = (first.scale, first.constants.clone());
         let plan = &self.plan;
         // Each update's tensors (the one it updates, then its state), taken out of `params` for
         // the pass and put back after it.
@@ -915,7 +913,7 @@ impl CpuModel {
         let mut result = Ok(());
         for d in &deferred {
             let step = &plan.steps[d.step];
-            let state = step.operands.len().saturating_sub(5);
+            let state = step.operands.len().saturating_sub(4);
             let mut tensors = Vec::with_capacity(1 + state);
             for &v in std::iter::once(&step.operands[0]).chain(&step.operands[2..2 + state]) {
                 let taken = match &plan.values[root(plan, v)].storage {
@@ -949,7 +947,7 @@ impl CpuModel {
                 }
             }
             if result.is_ok() {
-                result = self.pool.install(|| training::update_in_place(updates, loss, &sums, &constants)).map(drop);
+                result = self.pool.install(|| training::update_in_place(updates, scale, &constants)).map(drop);
             }
         }
         for (name, t) in held.into_iter().flatten() {

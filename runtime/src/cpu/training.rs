@@ -421,9 +421,9 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             // The pure form (the stacked result); a training step's runs write the update in
             // place of the tensors instead (`CpuModel::run_lent`).
             let xs: Vec<&[f32]> = args.iter().map(|(_, a)| a.f32("an operand")).collect::<R<_>>()?;
-            let state = xs.len().saturating_sub(5);
-            let (Some(&p), Some(&g), Some(&[loss]), Some(&sums), Some(&constants)) =
-                (xs.first(), xs.get(1), xs.get(2 + state), xs.get(3 + state), xs.get(4 + state))
+            let state = xs.len().saturating_sub(4);
+            let (Some(&p), Some(&g), Some(&[scale]), Some(&constants)) =
+                (xs.first(), xs.get(1), xs.get(2 + state), xs.get(3 + state))
             else {
                 return Ok(false);
             };
@@ -437,7 +437,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
             }
             let (p, rest) = y.split_at_mut(n);
             let update = InPlace { op, p, state: rest.chunks_mut(n.max(1)).collect(), g };
-            update_in_place(vec![update], *loss, sums, constants)?;
+            update_in_place(vec![update], *scale, constants)?;
             Ok(true)
         }
         _ => Ok(false),
@@ -475,14 +475,14 @@ pub struct InPlace<'a> {
     pub g: &'a [f32],
 }
 
-/// Runs `updates` in place with the step's `loss`, gradient norms `sums` and constants (the
-/// update ops' operands after the tensors'), every tensor's pieces in one parallel pass, each
-/// element as [`kiln_compiler::semantics`] computes it. Returns whether a step was taken:
-/// `false`, and nothing written, where the loss or the global norm is not finite.
-pub fn update_in_place(updates: Vec<InPlace<'_>>, loss: f32, sums: &[f32], constants: &[f32]) -> R<bool> {
-    use kiln_compiler::semantics::{AdamStep, SgdStep, clip_scale};
+/// Runs `updates` in place with the step's clipping factor `scale` ([`Op::ClipScale`]) and
+/// constants (the update ops' operands after the tensors'), every tensor's pieces in one
+/// parallel pass, each element as [`kiln_compiler::semantics`] computes it. Returns whether a
+/// step was taken: `false`, and nothing written, where `scale` is NaN.
+pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32]) -> R<bool> {
+    use kiln_compiler::semantics::{AdamStep, SgdStep};
     let bad = |m: String| CpuError::Operands(m);
-    if !loss.is_finite() {
+    if scale.is_nan() {
         return Ok(false);
     }
     // One kind of task per update: its constants and its pieces.
@@ -498,8 +498,7 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, loss: f32, sums: &[f32], const
         }
         let mut state = u.state.into_iter();
         match *u.op {
-            Op::AdamW { w1, b2, w2, eps, decays, max_norm } => {
-                let Some(scale) = clip_scale(sums, max_norm.map(|m| m.0)) else { return Ok(false) };
+            Op::AdamW { w1, b2, w2, eps, decays } => {
                 let (Some(m), Some(v), &[neg_step, bc2_sqrt, decay]) = (state.next(), state.next(), constants) else {
                     return Err(bad("AdamW takes two moments and three constants".into()));
                 };
@@ -517,8 +516,7 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, loss: f32, sums: &[f32], const
                     u.p.chunks_mut(PIECE).zip(u.g.chunks(PIECE)).zip(m.chunks_mut(PIECE).zip(v.chunks_mut(PIECE)));
                 pieces.extend(parts.map(|((p, g), (m, v))| Piece::Adam(c, p, g, m, v)));
             }
-            Op::Sgd { momentum, weight_decay, max_norm } => {
-                let Some(scale) = clip_scale(sums, max_norm.map(|m| m.0)) else { return Ok(false) };
+            Op::Sgd { momentum, weight_decay } => {
                 let &[neg_lr, first] = constants else {
                     return Err(bad("SGD takes two constants".into()));
                 };

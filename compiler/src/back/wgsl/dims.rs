@@ -293,7 +293,7 @@ fn dims_of(
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],
         // The wgpu trainer updates its tensors with its own kernels (`runtime::gpu::optim`).
-        Op::SquareSums | Op::AdamW { .. } | Op::Sgd { .. } => {
+        Op::SquareSums | Op::ClipScale { .. } | Op::AdamW { .. } | Op::Sgd { .. } => {
             return Err(format!("`{}` has no WGSL kernel: a step on wgpu updates outside its graph", op.name()));
         }
     };

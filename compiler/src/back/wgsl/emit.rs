@@ -181,7 +181,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
     Some(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => return None,
         // No kernel (see `dims`).
-        Op::SquareSums | Op::AdamW { .. } | Op::Sgd { .. } => return None,
+        Op::SquareSums | Op::ClipScale { .. } | Op::AdamW { .. } | Op::Sgd { .. } => return None,
         // ---- The backward ops (autodiff) and the loss. Every reduction runs in a fixed order
         // (no atomics), so a step's gradients are the same from run to run.
         // One thread per output element, summing its `n` inputs in order.
