@@ -291,8 +291,15 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
         Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
         Which::Train => {
+            // The step each engine runs: the whole step, its update included, on the CPU (and the
+            // interpreter); on wgpu the loss and gradients, the update after it on the device's
+            // own kernels.
             let graphs = crate::model_file::training_graph(&fe)?.0;
-            fe.graph = graphs.whole.unwrap_or(graphs.step);
+            let wgpu = matches!(args.stage, Some(Stage::Wgsl)) || matches!(args.backend, Some(Backend::Wgpu));
+            fe.graph = match (wgpu, graphs.whole) {
+                (false, Some(whole)) => whole,
+                _ => graphs.step,
+            };
         }
     }
     check_layers(&fe.graph, &args.layers)?;
