@@ -443,10 +443,14 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
         (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
         (1, 3, 1, 70, 75, 8),  // the CPU's prefill form over two blocks of query rows, the second partial
+        // A decode step over many keys and few key/value heads: the CPU's parts of the keys
+        // (2 of 150 with 3 threads; the second sequence every key masked), their statistics
+        // combined.
+        (2, 4, 2, 1, 300, 8),
     ];
     let (mut cases, mut blocked) = (Vec::new(), Vec::new());
     for (b, h, kv, s, t, d) in shapes {
-        let cases = if s > 5 { &mut blocked } else { &mut cases };
+        let cases = if s > 5 || t > 100 { &mut blocked } else { &mut cases };
         let scale = Scalar(1.5 / (d as f32).sqrt());
         for alibi in [false, true] {
             for (causal, window) in [(false, None), (true, None), (true, Some(2)), (false, Some(3))] {
@@ -510,10 +514,15 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
             }
             // Attention: a decode step, a short prompt, blocks of query rows (wgpu) and the CPU's
             // prefill form.
-            for (b, h, kv, s, t, d) in
-                [(2, 4, 2, 1, 9, 8), (2, 4, 4, 3, 5, 8), (1, 4, 4, 19, 23, 16), (1, 3, 1, 70, 75, 8)]
-            {
-                let cases = if s > 5 { &mut blocked } else { &mut cases };
+            // (And a decode step over 300 keys, which the CPU splits into parts.)
+            for (b, h, kv, s, t, d) in [
+                (2, 4, 2, 1, 9, 8),
+                (2, 4, 4, 3, 5, 8),
+                (1, 4, 4, 19, 23, 16),
+                (1, 3, 1, 70, 75, 8),
+                (2, 4, 2, 1, 300, 8),
+            ] {
+                let cases = if s > 5 || t > 100 { &mut blocked } else { &mut cases };
                 let op = Op::Attention { scale: Scalar(0.6), alibi: false, causal, window: None, mods };
                 let (q, k, mask, table) = ([b, h, s, d], [b, kv, t, d], [b, t], heads(h));
                 let mut operands: Vec<(&str, &[usize])> = vec![("q", &q), ("k", &k), ("v", &k)];

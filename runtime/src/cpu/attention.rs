@@ -295,12 +295,56 @@ fn run(
         return Ok(());
     }
     // Decoding and short rows: a task per query row and key/value head (a decode step's one row
-    // spread over the threads by its heads), each writing its heads' columns of the row.
+    // spread over the threads by its heads), each writing its heads' columns of the row — or,
+    // where those are too few to keep the threads busy and the keys are many, a task per row,
+    // head and part of the keys, the parts' softmax statistics combined after (flash-decoding).
+    let tasks = b * s * kv;
+    let parts = key_parts(tasks, t, rayon::current_num_threads());
+    if parts > 1 {
+        let len = t.div_ceil(parts);
+        let partials: Vec<Partial> = (0..tasks * parts)
+            .into_par_iter()
+            .map_init(
+                || vec![0.0f32; group * t],
+                |scores, i| {
+                    let (task, p) = (i / parts, i % parts);
+                    rows.part(task / kv, task % kv, p * len..((p + 1) * len).min(t), scores)
+                },
+            )
+            .collect();
+        out.par_chunks_mut(group * d)
+            .zip(partials.par_chunks(parts))
+            .enumerate()
+            .for_each(|(task, (o, parts))| rows.combine(task / kv, task % kv, parts, o));
+        return Ok(());
+    }
     out.par_chunks_mut(group * d).enumerate().for_each_init(
         || (vec![0.0f32; group * t], vec![0.0f32; group * d]),
         |(scores, acc), (task, o)| rows.run(task / kv, task % kv, o, scores, acc),
     );
     Ok(())
+}
+
+/// The fewest keys a part of a row's keys holds ([`key_parts`]).
+const MIN_PART_KEYS: usize = 64;
+
+/// Into how many parts the keys of each of `tasks` rows and key/value heads are split over
+/// `threads` threads: enough for two tasks a thread, each part at least [`MIN_PART_KEYS`]
+/// keys; 1 (no split) where the tasks alone are that many.
+fn key_parts(tasks: usize, keys: usize, threads: usize) -> usize {
+    if tasks == 0 || tasks >= 2 * threads {
+        return 1;
+    }
+    (2 * threads).div_ceil(tasks).min(keys / MIN_PART_KEYS).max(1)
+}
+
+/// One part of the keys of a query row's heads of one key/value head ([`Rows::part`]): per
+/// head, the largest logit over the part's keys and the sum of the exponentials shifted by it
+/// (negative infinity and 0 for a part with none of the row's keys), and those exponentials times
+/// the values, summed (`group * d`).
+struct Partial {
+    stats: Vec<(f32, f64)>,
+    acc: Vec<f32>,
 }
 
 /// What every query row of one attention step reads.
@@ -317,6 +361,121 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// The logits of query row `si` of batch `bi` for the query heads of key/value head `kvh`
+    /// against `keys` (in order), into `scores` (head `j`'s at `j * t`, one a key): scaled,
+    /// soft-capped, with ALiBi's and a relative bias's terms; a key the key mask hides at the
+    /// most negative float.
+    #[inline(always)]
+    fn scores(&self, bi: usize, si: usize, kvh: usize, keys: impl Iterator<Item = usize>, scores: &mut [f32]) {
+        let (g, (q, ql), (k, kl)) = (self.g, self.q, self.k);
+        let (t, d) = (g.t, g.d);
+        let qi = si + self.offset;
+        let heads = kvh * self.group..(kvh + 1) * self.group;
+        for (e, ti) in keys.enumerate() {
+            let krow = &k[kl.at(bi, kvh, ti)..][..d];
+            let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
+            let bucket = g
+                .mods
+                .relative
+                .map(|r| relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance));
+            for (j, hq) in heads.clone().enumerate() {
+                let qrow = &q[ql.at(bi, hq, si)..][..d];
+                let mut x = dot(qrow, krow) * g.scale;
+                if let Some(cap) = g.mods.softcap {
+                    x = cap.0 * (x / cap.0).tanh();
+                }
+                if g.alibi {
+                    x += self.slopes[hq] * (ti as f32 - qi as f32);
+                }
+                if let (Some(b), Some(table)) = (bucket, self.table) {
+                    x += table[b * g.heads + hq];
+                }
+                scores[j * t + e] = if masked { f32::MIN } else { x };
+            }
+        }
+    }
+
+    /// [`Rows::part_inner`], compiled with AVX2 and FMA where the CPU has them.
+    fn part(&self, row: usize, kvh: usize, keys: std::ops::Range<usize>, scores: &mut [f32]) -> Partial {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::isa().avx2 {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
+            // compiled with them (checked indexing only): no bound to state.
+            return unsafe { self.part_avx2(row, kvh, keys, scores) };
+        }
+        self.part_inner(row, kvh, keys, scores)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn part_avx2(&self, row: usize, kvh: usize, keys: std::ops::Range<usize>, scores: &mut [f32]) -> Partial {
+        self.part_inner(row, kvh, keys, scores)
+    }
+
+    /// The statistics of query row `row`'s heads of key/value head `kvh` over the keys in
+    /// `part` that the row attends ([`Partial`]): the logits as [`Rows::row`] computes them
+    /// (masked keys at the most negative float), with scratch `scores` (`group * t`).
+    #[inline(always)]
+    fn part_inner(&self, row: usize, kvh: usize, part: std::ops::Range<usize>, scores: &mut [f32]) -> Partial {
+        let (g, (v, vl)) = (self.g, self.v);
+        let (s, t, d) = (g.s, g.t, g.d);
+        let (bi, si) = (row / s, row % s);
+        let ranges: Vec<(usize, usize)> = self
+            .key_ranges(si)
+            .into_iter()
+            .filter_map(|(a, z)| {
+                let (a, z) = (a.max(part.start), z.min(part.end));
+                (a < z).then_some((a, z))
+            })
+            .collect();
+        let n: usize = ranges.iter().map(|&(a, z)| z - a).sum();
+        let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
+        let heads = kvh * self.group..(kvh + 1) * self.group;
+        let mut out = Partial { stats: vec![(f32::NEG_INFINITY, 0.0); self.group], acc: vec![0.0; self.group * d] };
+        if n == 0 {
+            return out;
+        }
+        self.scores(bi, si, kvh, keys(), scores);
+        for j in 0..heads.len() {
+            let sc = &mut scores[j * t..][..n];
+            let max = max_of(sc);
+            super::math::exp_shifted(sc, max);
+            let a = &mut out.acc[j * d..][..d];
+            for (ti, &p) in keys().zip(sc.iter()) {
+                add_scaled(a, &v[vl.at(bi, kvh, ti)..][..d], p);
+            }
+            out.stats[j] = (max, sum_of(sc));
+        }
+        out
+    }
+
+    /// Query row `row`'s heads of key/value head `kvh` into `o` from the [`Partial`]s of its
+    /// keys: per head, with `M` the largest of the parts' maxima, `sum_p acc_p * e^(m_p - M) /
+    /// sum_p l_p * e^(m_p - M)`; a row whose every key is masked (or that attends none) is the
+    /// mean of all the values, as the interpreter's softmax makes it.
+    fn combine(&self, row: usize, kvh: usize, parts: &[Partial], o: &mut [f32]) {
+        let (g, (v, vl)) = (self.g, self.v);
+        let (d, t) = (g.d, g.t);
+        let bi = row / g.s;
+        for j in 0..self.group {
+            let o = &mut o[j * d..][..d];
+            o.fill(0.0);
+            let top = parts.iter().map(|p| p.stats[j].0).fold(f32::NEG_INFINITY, f32::max);
+            if top <= f32::MIN {
+                for ti in 0..t {
+                    add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0);
+                }
+                o.iter_mut().for_each(|x| *x /= t as f32);
+                continue;
+            }
+            let weights: Vec<f64> = parts.iter().map(|p| f64::from(p.stats[j].0 - top).exp()).collect();
+            let sum: f64 = parts.iter().zip(&weights).map(|(p, w)| p.stats[j].1 * w).sum();
+            for (p, &w) in parts.iter().zip(&weights) {
+                add_scaled(o, &p.acc[j * d..][..d], (w / sum) as f32);
+            }
+        }
+    }
+
     /// The heads of key/value head `kvh` of query row `row` (of `b * s`) into `o` (their
     /// `group * d` columns of the row), with scratch `scores` (`group * t`) and `acc` (`group *
     /// d`): the AVX2/FMA build of the loop where the CPU has it.
@@ -579,38 +738,16 @@ impl Rows<'_> {
 
     #[inline(always)]
     fn row(&self, row: usize, kvh: usize, o: &mut [f32], scores: &mut [f32], acc: &mut [f32]) {
-        let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
+        let (g, (v, vl)) = (self.g, self.v);
         let (s, t, d) = (g.s, g.t, g.d);
         let (bi, si) = (row / s, row % s);
-        let qi = si + self.offset;
         // Keys this row attends (only those are visited); a key mask hides more within them.
         let ranges = self.key_ranges(si);
         let n: usize = ranges.iter().map(|&(a, z)| z.saturating_sub(a)).sum();
         let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
         let heads = kvh * self.group..(kvh + 1) * self.group;
         // Scores for every head of the group, one key row at a time.
-        for (e, ti) in keys().enumerate() {
-            let krow = &k[kl.at(bi, kvh, ti)..][..d];
-            let masked = self.mask.is_some_and(|m| m[bi * t + ti] == 0.0);
-            let bucket = g
-                .mods
-                .relative
-                .map(|r| relative_bucket(ti as i64 - qi as i64, r.bidirectional, r.buckets, r.max_distance));
-            for (j, hq) in heads.clone().enumerate() {
-                let qrow = &q[ql.at(bi, hq, si)..][..d];
-                let mut x = dot(qrow, krow) * g.scale;
-                if let Some(cap) = g.mods.softcap {
-                    x = cap.0 * (x / cap.0).tanh();
-                }
-                if g.alibi {
-                    x += self.slopes[hq] * (ti as f32 - qi as f32);
-                }
-                if let (Some(b), Some(table)) = (bucket, self.table) {
-                    x += table[b * g.heads + hq];
-                }
-                scores[j * t + e] = if masked { f32::MIN } else { x };
-            }
-        }
+        self.scores(bi, si, kvh, keys(), scores);
         for j in 0..heads.len() {
             let sc = &mut scores[j * t..][..n];
             let max = max_of(sc);
