@@ -35,8 +35,9 @@
 //!   `i32` lanes (the `sdot` intrinsics are not stable in Rust yet).
 //! - **`scalar`**: portable, and the reference the others are tested against.
 //!
-//! Q5_0, Q4_K and Q6_K have the scalar kernel and one SIMD kernel, AVX-512 VNNI on 256 bits (a
-//! row at a time, see `x86::blocks`); the other implementations run the scalar one for them.
+//! Q5_0, Q4_K and Q6_K have the scalar kernel and a 256-bit one a row at a time (`blocks`), with
+//! AVX-512 VNNI's `vpdpbusd` or AVX2's byte multiplies (which AVX-VNNI CPUs run too); NEON runs
+//! the scalar one for them.
 //!
 //! Every SIMD kernel works on tiles of [`TILE`] rows, so each activation block loaded (and the
 //! per-block work on it) serves several rows, while the rows' words stream through once: decode is
@@ -234,7 +235,10 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
         match imp {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `imp` is available, so the CPU has the kernel's features.
-            Impl::Avx512Vnni => unsafe { avx512::blocks::rows(format, words, stride, k, x, out) },
+            Impl::Avx512Vnni => unsafe { blocks::rows_avx512_vnni(format, words, stride, k, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (an AVX-VNNI CPU has AVX2 and FMA).
+            Impl::AvxVnni | Impl::Avx2 => unsafe { blocks::rows_avx2(format, words, stride, k, x, out) },
             _ => scalar_blocks(format, words, stride, k, x, out),
         }
         return;
@@ -396,6 +400,8 @@ unsafe fn tile<K: Kernel, const R: usize>(q4: bool, w: &[u32], stride: usize, nb
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod blocks;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
