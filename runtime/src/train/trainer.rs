@@ -259,8 +259,9 @@ impl Trainer {
         let seq = recipe.seq.unwrap_or(kiln_compiler::optimize::CostModel::cpu().seq);
         // On the interpreter and the CPU the step's graph ends with the update; on wgpu the
         // update runs on the device's own kernels (`DeviceOptimizer`).
+        // (A recipe accumulating micro-batches never steps on one: it runs the gradients' graph.)
         let (whole, step_graph) = match (&device, whole_graph) {
-            (Device::Interp | Device::Cpu { .. }, Some(w)) => (true, w),
+            (Device::Interp | Device::Cpu { .. }, Some(w)) if recipe.accumulate == 1 => (true, w),
             _ => (false, graph.clone()),
         };
         let train = StepRunner::with_optimization(&device, step_graph, optimize, seq)
