@@ -9,7 +9,10 @@
 //!   may attend (causal rows stop at their own position, window rows start at their earliest
 //!   key; under a block pattern, the key blocks of its query block), and keeps one row of scores
 //!   per query head of a key/value group, so every key and value row loaded serves all the
-//!   group's heads (grouped-query attention shares its loads).
+//!   group's heads (grouped-query attention shares its loads). Where the rows' tasks are fewer
+//!   than two a thread and the keys many (a decode step of a model with few key/value heads
+//!   over a long context), a task owns a part of a row's keys instead, and the parts' softmax
+//!   statistics are combined per head after (flash-decoding; `key_parts`).
 //! - **Blocks** (prefill, from `MIN_BLOCK_ROWS` (16) rows): a task owns up to `TILE_ROWS` (64) query
 //!   rows of one key/value head — under a block pattern, one query block — and per query head
 //!   runs two GEMMs through the `gemm` crate per range of keys the block attends (one range by
