@@ -449,7 +449,7 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
 const PIECE: usize = 1 << 15;
 
 /// The sum of the squares of each of `xs` ([`Op::SquareSums`]): each tensor's pieces of
-/// [`PIECE`] elements summed in f64 over the threads, the pieces' sums added in order.
+/// `PIECE` elements summed in f64 over the threads, the pieces' sums added in order.
 pub fn square_sums(xs: &[&[f32]]) -> Vec<f32> {
     let pieces: Vec<(usize, &[f32])> =
         xs.iter().enumerate().flat_map(|(i, x)| x.chunks(PIECE).map(move |p| (i, p))).collect();
