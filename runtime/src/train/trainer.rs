@@ -225,9 +225,8 @@ impl Trainer {
         mut tensors: HashMap<String, Tensor>,
         optimize: bool,
     ) -> Result<Trainer, TrainError> {
-        let StepGraphs { eval: eval_graph, step: graph, whole: whole_graph, uses, frozen, recomputed, blocks, .. } =
+        let StepGraphs { eval: eval_graph, step: graph, whole: whole_graph, trained, uses, recomputed, blocks, .. } =
             step_graphs(forward, map, dims, &recipe)?;
-        let mut trained: Vec<String> = Vec::new();
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
         for u in &uses {
             if shapes.iter().any(|(t, _)| *t == u.tensor) {
@@ -246,9 +245,6 @@ impl Trainer {
                 *t = Tensor::f32(t.shape.clone(), t.to_f32_vec());
             }
             shapes.push((u.tensor.clone(), u.shape.clone()));
-            if !frozen.contains(&u.tensor) {
-                trained.push(u.tensor.clone());
-            }
         }
         // Only the tensors the model reads are kept (a checkpoint may hold others).
         tensors.retain(|name, _| shapes.iter().any(|(t, _)| t == name));
@@ -352,7 +348,10 @@ impl Trainer {
     /// sums of squares are read back for the checks and the clipping, and [`DeviceOptimizer`]
     /// updates the parameters in place; the host's copies are read back when asked for
     /// ([`Trainer::tensors`], [`Trainer::state`], an evaluation). On another device a step runs
-    /// on the host's tensors.
+    /// on the host's tensors: a step of one micro-batch as one graph, its update included
+    /// ([`kiln_compiler::train::update`]; the CPU writes it in place of the tensors), a step of
+    /// several micro-batches as their gradients' graph each, averaged, then the host's
+    /// clipping and optimizer.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
         if !micro.is_empty() && self.train.gpu().is_some() {
             return self.step_on_device(micro);
