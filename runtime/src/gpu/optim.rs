@@ -34,6 +34,7 @@ use kiln_compiler::back::wgsl::optim::{
     ACCUMULATE, ADAMW, AdamWStep, MeanStep, SUM_SQUARES, SgdStep, SquaresSizes, sgd,
 };
 use kiln_compiler::back::wgsl::workgroups;
+use kiln_compiler::semantics::AdamStep;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -350,17 +351,8 @@ impl DeviceOptimizer {
             (Rule::AdamW, Optimizer::AdamW(host)) => {
                 let (constants, decay) = host.constants(lr, step);
                 self.each_chunk(|p, _, d| {
-                    let step = AdamWStep {
-                        n: self.chunks[d].n,
-                        scale,
-                        decay: if self.slots[p].decays { decay } else { 1.0 },
-                        w1: constants.w1,
-                        b2: constants.b2,
-                        w2: constants.w2,
-                        bc2_sqrt: constants.bc2_sqrt,
-                        eps: constants.eps,
-                        neg_step: constants.neg_step,
-                    };
+                    let decay = if self.slots[p].decays { decay } else { 1.0 };
+                    let step = AdamWStep { n: self.chunks[d].n, c: AdamStep { scale, decay, ..constants } };
                     write(d, &step.words());
                     Ok(())
                 })?;

@@ -8,7 +8,7 @@
 //!   place in a buffer of partial sums (`parts[offset + workgroup]`), which the host adds in f64,
 //!   in order, into the global norm that clipping reads.
 //! - [`ADAMW`]: one element per invocation, exactly the update the host computes
-//!   (`kiln_runtime`'s `cpu::math::adamw`, `torch.optim.AdamW` unfused): `g *= scale; p *= decay;
+//!   ([`crate::semantics::adamw`], `torch.optim.AdamW` unfused): `g *= scale; p *= decay;
 //!   m = lerp(m, g, 1 - b1); v = v * b2 + (1 - b2) * g * g; p += neg_step * m / (sqrt(v) /
 //!   bc2_sqrt + eps)`, the interpolation in `torch.lerp`'s form for the weight's magnitude
 //!   (`near`). WGSL does not promise the host's rounding of `sqrt` and the division (and may
@@ -25,6 +25,8 @@
 //! Each reads its sizes from a uniform ([`SquaresSizes`], [`AdamWStep`], [`SgdStep`]) and takes a tensor split
 //! over buffers one chunk per dispatch (the runtime binds chunk `c` of each operand; every
 //! operand is split at the same element).
+
+use crate::semantics::AdamStep;
 
 /// Elements of a gradient each workgroup of [`SUM_SQUARES`] sums.
 pub const SQUARES_PER_WORKGROUP: u32 = 4096;
@@ -79,50 +81,24 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 }
 ";
 
-/// One AdamW step's constants for one tensor (as the host's `AdamStep`), and the elements of
-/// the chunk a dispatch updates.
+/// One AdamW step's constants for one tensor ([`AdamStep`], the arithmetic every engine's
+/// update reads), and the elements of the chunk a dispatch updates.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWStep {
     /// Elements of the chunk.
     pub n: u32,
-    /// The clipping factor the gradient is read with (1 unclipped).
-    pub scale: f32,
-    /// `1 - lr * weight_decay`, or 1 where the tensor takes no decay.
-    pub decay: f32,
-    /// `1 - beta1`.
-    pub w1: f32,
-    /// `beta2`.
-    pub b2: f32,
-    /// `1 - beta2`.
-    pub w2: f32,
-    /// `sqrt(1 - beta2^t)`.
-    pub bc2_sqrt: f32,
-    /// The denominator's epsilon.
-    pub eps: f32,
-    /// `-lr / (1 - beta1^t)`.
-    pub neg_step: f32,
+    /// The step's constants.
+    pub c: AdamStep,
 }
 
 impl AdamWStep {
     /// The uniform's words (48 bytes).
     pub fn words(self) -> [u32; 12] {
+        let c = self.c;
         // `torch.lerp`'s form: from the start for a weight below one half in magnitude.
-        let near = u32::from(self.w1.abs() < 0.5);
+        let near = u32::from(c.w1.abs() < 0.5);
         let f = f32::to_bits;
-        [
-            self.n,
-            near,
-            f(self.scale),
-            f(self.decay),
-            f(self.w1),
-            f(self.b2),
-            f(self.w2),
-            f(self.bc2_sqrt),
-            f(self.eps),
-            f(self.neg_step),
-            0,
-            0,
-        ]
+        [self.n, near, f(c.scale), f(c.decay), f(c.w1), f(c.b2), f(c.w2), f(c.bc2_sqrt), f(c.eps), f(c.neg_step), 0, 0]
     }
 }
 
@@ -254,20 +230,12 @@ mod tests {
         }
         // The uniforms' sizes as the modules declare them.
         assert_eq!(std::mem::size_of_val(&SquaresSizes { n: 1, offset: 0 }.words()), 16);
-        let step = AdamWStep {
-            n: 1,
-            scale: 1.0,
-            decay: 1.0,
-            w1: 0.1,
-            b2: 0.9,
-            w2: 0.1,
-            bc2_sqrt: 1.0,
-            eps: 1e-8,
-            neg_step: -1.0,
-        };
+        let c =
+            AdamStep { scale: 1.0, decay: 1.0, w1: 0.1, b2: 0.9, w2: 0.1, bc2_sqrt: 1.0, eps: 1e-8, neg_step: -1.0 };
+        let step = AdamWStep { n: 1, c };
         assert_eq!(std::mem::size_of_val(&step.words()), 48);
         assert_eq!(step.words()[1], 1, "a weight of 0.1 interpolates from the start");
-        assert_eq!(AdamWStep { w1: 0.5, ..step }.words()[1], 0);
+        assert_eq!(AdamWStep { n: 1, c: AdamStep { w1: 0.5, ..c } }.words()[1], 0);
         assert_eq!(SquaresSizes { n: 4097, offset: 3 }.workgroups(), 2);
         let sgd_step = SgdStep { n: 1, first: true, scale: 1.0, weight_decay: 0.0, momentum: 0.9, neg_lr: -0.1 };
         assert_eq!(std::mem::size_of_val(&sgd_step.words()), 32);
