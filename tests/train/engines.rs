@@ -363,28 +363,34 @@ fn a_step_in_one_graph_trains_as_the_host_optimizer() {
         r#"{"steps": 3, "lr": 0.01, "warmup_steps": 1, "clip": 0.3, "weight_decay": 1.0, "betas": [0.9, 0.95]}"#,
         r#"{"steps": 3, "lr": 0.05, "clip": 0.3, "optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.1}"#,
         r#"{"steps": 3, "lr": 0.05, "optimizer": "sgd"}"#,
+        // A tensor frozen (the norms and updates over the others), vectors decaying, smoothed labels.
+        r#"{"steps": 3, "lr": 0.01, "clip": 0.3, "weight_decay": 0.5, "decay_1d": true,
+            "frozen": ["transformer.wpe.weight"], "label_smoothing": 0.1}"#,
     ] {
         let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
         let trainer = |device: Device| {
             Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params.clone()).unwrap()
         };
-        let mut host = trainer(Device::Cpu { threads: 2 });
-        let logs: Vec<_> = batches.iter().map(|b| host.step(&[b.clone(), b.clone()]).unwrap()).collect();
-        assert!(recipe.clip.is_none() || logs.iter().any(|l| l.grad_norm > 0.3), "{logs:?}");
-        let want = host.tensors().unwrap().clone();
-        let want_state: HashMap<String, Tensor> = host.state().unwrap().into_iter().collect();
-        for (what, device) in [("cpu", Device::Cpu { threads: 2 }), ("interpreter", Device::Interp)] {
-            let mut one = trainer(device);
+        // Each engine against its own host path (the same engine's gradients).
+        for (what, interp) in [("cpu", false), ("interpreter", true)] {
+            let device = || if interp { Device::Interp } else { Device::Cpu { threads: 2 } };
+            let mut host = trainer(device());
+            let logs: Vec<_> = batches.iter().map(|b| host.step(&[b.clone(), b.clone()]).unwrap()).collect();
+            assert!(recipe.clip.is_none() || logs.iter().any(|l| l.grad_norm > 0.3), "{logs:?}");
+            let want = host.tensors().unwrap().clone();
+            let want_state: HashMap<String, Tensor> = host.state().unwrap().into_iter().collect();
+            let mut one = trainer(device());
             for (b, want) in batches.iter().zip(&logs) {
                 let got = one.step(std::slice::from_ref(b)).unwrap();
                 assert_eq!((got.step, got.tokens, got.lr), (want.step, want.tokens / 2, want.lr), "{what}");
                 assert!((got.loss - want.loss).abs() < 1e-5 * want.loss.abs(), "{what}: {got:?} vs {want:?}");
                 assert!((got.grad_norm - want.grad_norm).abs() < 1e-5 * want.grad_norm, "{what}: {got:?} vs {want:?}");
             }
-            // The tensors within 1e-4 (each step moves an element by up to about `lr`), the state
-            // within 1e-3 of its scale: the gradients are the same batch's, computed by two
-            // graphs the optimizer extracts apart (one has the update in it), and clipping reads
-            // the norm from each gradient's f32 sum of squares rather than one f64 sum.
+            // The tensors within 2e-5 (each step moves an element by up to about `lr`; measured
+            // 8e-6), the state within 1e-5 of its scale (measured 5e-7): the gradients are the
+            // same batch's, on the CPU computed by two graphs the optimizer extracts apart (one
+            // has the update in it), and clipping reads the norm from each gradient's f32 sum of
+            // squares rather than one f64 sum, which AdamW amplifies where a gradient is near 0.
             let state: HashMap<String, Tensor> = one.state().unwrap().into_iter().collect();
             assert_eq!(state.len(), want_state.len(), "{what}");
             let mut worst = (0.0f32, 0.0f32);
@@ -401,7 +407,7 @@ fn a_step_in_one_graph_trains_as_the_host_optimizer() {
                             true => worst.0 = worst.0.max(err),
                             false => worst.1 = worst.1.max(err / scale),
                         }
-                        let bound = if tensor { 1e-4 } else { 1e-3 * scale };
+                        let bound = if tensor { 2e-5 } else { 1e-5 * scale };
                         assert!(err <= bound, "{what}: `{key}` is {err:e} off the host's (scale {scale:e})");
                     }
                     None => assert_eq!(t, w, "{what}: `{key}`"),
