@@ -1267,47 +1267,27 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             let mut out: Vec<f32> = p.clone();
             (1..=state).for_each(|i| out.extend(f32s(1 + i)));
             // No step where the factor is NaN: the parameter and state as given.
-            if !scale.is_nan() {
-                let n = p.len();
-                let (new_p, rest) = out.split_at_mut(n);
-                match *op {
-                    Op::AdamW { w1, b2, w2, eps, decays } => {
-                        let (m, v) = rest.split_at_mut(n);
-                        let c = crate::semantics::AdamStep {
-                            scale,
-                            decay: if decays { step[2] } else { 1.0 },
-                            w1: w1.0,
-                            b2: b2.0,
-                            w2: w2.0,
-                            bc2_sqrt: step[1],
-                            eps: eps.0,
-                            neg_step: step[0],
-                        };
-                        let lerp =
-                            if w1.0.abs() < 0.5 { crate::semantics::lerp_near } else { crate::semantics::lerp_far };
-                        for i in 0..n {
-                            (new_p[i], m[i], v[i]) = crate::semantics::adamw(c, lerp, new_p[i], g[i], m[i], v[i]);
-                        }
+            let n = p.len();
+            let (new_p, rest) = out.split_at_mut(n);
+            match crate::semantics::update_step(op, scale, &step).filter(|_| !scale.is_nan()) {
+                Some(crate::semantics::UpdateStep::AdamW(c)) => {
+                    let (m, v) = rest.split_at_mut(n);
+                    let lerp = if c.w1.abs() < 0.5 { crate::semantics::lerp_near } else { crate::semantics::lerp_far };
+                    for i in 0..n {
+                        (new_p[i], m[i], v[i]) = crate::semantics::adamw(c, lerp, new_p[i], g[i], m[i], v[i]);
                     }
-                    Op::Sgd { momentum, weight_decay } => {
-                        let c = crate::semantics::SgdStep {
-                            scale,
-                            weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),
-                            momentum: momentum.map(|m| m.0),
-                            first: step[1] != 0.0,
-                            neg_lr: step[0],
-                        };
-                        for i in 0..n {
-                            let buf = rest.get(i).copied().unwrap_or(0.0);
-                            let (q, b) = crate::semantics::sgd(c, new_p[i], g[i], buf);
-                            new_p[i] = q;
-                            if let Some(slot) = rest.get_mut(i) {
-                                *slot = b;
-                            }
-                        }
-                    }
-                    _ => {}
                 }
+                Some(crate::semantics::UpdateStep::Sgd(c)) => {
+                    for i in 0..n {
+                        let buf = rest.get(i).copied().unwrap_or(0.0);
+                        let (q, b) = crate::semantics::sgd(c, new_p[i], g[i], buf);
+                        new_p[i] = q;
+                        if let Some(slot) = rest.get_mut(i) {
+                            *slot = b;
+                        }
+                    }
+                }
+                None => {}
             }
             V::of_floats(shape, out.into_iter().map(V::F::from_f32).collect())
         }

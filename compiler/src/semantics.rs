@@ -8,7 +8,7 @@
 //! **Architecture invariant**: this module reads the IR's types ([`crate::graph`]) and nothing
 //! downstream of it; the IR never calls back into it or into the interpreter.
 
-use crate::graph::{Activation, BlockPattern, PairStyle, ScoreMods};
+use crate::graph::{Activation, BlockPattern, Op, PairStyle, ScoreMods};
 
 /// BigBird's block pattern over `blocks` blocks, row-major `[query block, key block]`: the first
 /// `global` blocks attend to and are attended by every block; query block `i` attends key blocks
@@ -54,7 +54,7 @@ pub fn attended_blocks(p: &BlockPattern, qb: usize, blocks: usize) -> Vec<usize>
 }
 
 /// The bucket of a key `rel` positions after its query (negative: before) in T5's relative
-/// position bias (see [`Op::RelativeBias`](crate::graph::Op::RelativeBias)); always below `buckets`. The logarithm is computed in
+/// position bias (see [`Op::RelativeBias`]); always below `buckets`. The logarithm is computed in
 /// f32, as the reference does.
 pub fn relative_bucket(rel: i64, bidirectional: bool, buckets: usize, max_distance: usize) -> usize {
     let (n, offset, distance) = if bidirectional {
@@ -294,6 +294,42 @@ pub fn sgd(c: SgdStep, p: f32, g: f32, buf: f32) -> (f32, f32) {
         g = buf;
     }
     (p + c.neg_lr * g, buf)
+}
+
+/// The per-element constants of an optimizer's update op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UpdateStep {
+    /// [`Op::AdamW`]'s.
+    AdamW(AdamStep),
+    /// [`Op::Sgd`]'s.
+    Sgd(SgdStep),
+}
+
+/// The per-element constants of the update `op` ([`Op::AdamW`] or [`Op::Sgd`]) at clipping
+/// factor `scale` with the step's constants `step` (its last operand: AdamW's `(-lr / (1 -
+/// beta1^t), sqrt(1 - beta2^t), 1 - lr * weight_decay)`, SGD's `(-lr, first)`). `None` for
+/// another op, or constants of another length.
+pub fn update_step(op: &Op, scale: f32, step: &[f32]) -> Option<UpdateStep> {
+    Some(match (op, step) {
+        (&Op::AdamW { w1, b2, w2, eps, decays }, &[neg_step, bc2_sqrt, decay]) => UpdateStep::AdamW(AdamStep {
+            scale,
+            decay: if decays { decay } else { 1.0 },
+            w1: w1.0,
+            b2: b2.0,
+            w2: w2.0,
+            bc2_sqrt,
+            eps: eps.0,
+            neg_step,
+        }),
+        (&Op::Sgd { momentum, weight_decay }, &[neg_lr, first]) => UpdateStep::Sgd(SgdStep {
+            scale,
+            weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),
+            momentum: momentum.map(|m| m.0),
+            first: first != 0.0,
+            neg_lr,
+        }),
+        _ => return None,
+    })
 }
 
 /// The factor a step reads its gradients with ([`crate::graph::Op::ClipScale`]), from its `loss`

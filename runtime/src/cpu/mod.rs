@@ -185,17 +185,17 @@ impl<'a> Arg<'a> {
 /// A run's named results.
 type Outputs = Vec<(String, Tensor)>;
 
-/// What an optimizer's update a run deferred reads besides the tensors it updates (see
-/// [`CpuModel::execute`]).
+/// What the optimizer's updates a run deferred read besides the tensors they update (see
+/// [`CpuModel::execute`]): one clipping factor and one set of constants, which every update of
+/// a step reads, and each update's gradient.
+#[derive(Default)]
 struct Deferred {
-    /// The update's step.
-    step: usize,
-    /// The gradient's elements.
-    grad: Vec<f32>,
     /// The step's clipping factor (NaN: no step).
     scale: f32,
     /// The step's constants.
     constants: Vec<f32>,
+    /// Each update's step and its gradient's elements.
+    grads: Vec<(usize, Vec<f32>)>,
 }
 
 /// A slot's buffer: its elements, of the type of the value last written there.
@@ -652,7 +652,7 @@ impl CpuModel {
         session: Option<(&mut KvCache, &[(String, String)])>,
         mut times: Option<&mut Vec<f64>>,
         defer: bool,
-    ) -> R<(Outputs, Vec<Deferred>)> {
+    ) -> R<(Outputs, Deferred)> {
         let plan = &self.plan;
         let deferred_steps: Vec<usize> = match defer {
             true => plan.steps.iter().enumerate().filter(|(_, s)| s.op.is_update()).map(|(i, _)| i).collect(),
@@ -838,15 +838,12 @@ impl CpuModel {
     /// gradients, hundreds of megabytes a step for a large model, would otherwise be fresh pages
     /// the system zeroes every step).
     pub fn recycle(&self, tensors: impl IntoIterator<Item = Tensor>) {
-        let Ok(mut spare) = self.spare.lock() else { return };
-        for t in tensors {
-            if let kiln_compiler::tensor::Data::F32(v) = t.data {
-                spare.push(v);
-            }
-        }
-        // No more than one run's outputs are kept: the latest given back (the oldest go first).
-        let excess = spare.len().saturating_sub(self.plan.outputs.len());
-        spare.drain(..excess);
+        // No more than one run's outputs are kept.
+        let f32s = tensors.into_iter().filter_map(|t| match t.data {
+            Data::F32(v) => Some(v),
+            Data::I64(_) => None,
+        });
+        self.keep_spare(f32s, self.plan.outputs.len());
     }
 
     /// What the updates `steps` (deferred by a run, see [`CpuModel::execute`]) read besides the
@@ -861,27 +858,38 @@ impl CpuModel {
         syms: &HashMap<Sym, usize>,
         views: &HashMap<usize, String>,
         kv: &KvCache,
-    ) -> R<Vec<Deferred>> {
+    ) -> R<Deferred> {
+        let Some(&first) = steps.first() else { return Ok(Deferred::default()) };
         let plan = &self.plan;
         let malformed = |i: usize| CpuError::Internal(format!("step {i}: an update with too few operands"));
+        let copy = |v: usize, slots: &[Buf]| -> R<Vec<f32>> {
+            Ok(self.arg(v, inputs, slots, syms, views, kv)?.1.f32("an update's operand")?.to_vec())
+        };
+        // The factor and the constants, the last two operands of every update (one value each).
+        let shared = |i: usize| -> R<[usize; 2]> {
+            match plan.steps[i].operands.as_slice() {
+                [_, _, .., scale, constants] => Ok([*scale, *constants]),
+                _ => Err(malformed(i)),
+            }
+        };
+        let [scale, constants] = shared(first)?;
+        let mut out = Deferred {
+            scale: copy(scale, slots)?.first().copied().ok_or_else(|| malformed(first))?,
+            constants: copy(constants, slots)?,
+            grads: Vec::with_capacity(steps.len()),
+        };
         let mut readers: HashMap<usize, usize> = HashMap::new();
         for &i in steps {
-            let g = *plan.steps[i].operands.get(1).ok_or_else(|| malformed(i))?;
-            *readers.entry(root(plan, g)).or_default() += 1;
+            if shared(i)? != [scale, constants] {
+                return Err(CpuError::Internal(format!("step {i}: an update of another step's clipping or constants")));
+            }
+            *readers.entry(root(plan, plan.steps[i].operands[1])).or_default() += 1;
         }
         for (_, v) in &plan.outputs {
             *readers.entry(root(plan, *v)).or_default() += 1;
         }
-        let mut out = Vec::with_capacity(steps.len());
         for &i in steps {
-            let ops = &plan.steps[i].operands;
-            let state = ops.len().checked_sub(4).ok_or_else(|| malformed(i))?;
-            let copy = |v: usize, slots: &[Buf]| -> R<Vec<f32>> {
-                Ok(self.arg(v, inputs, slots, syms, views, kv)?.1.f32("an update's operand")?.to_vec())
-            };
-            let scale = copy(ops[2 + state], slots)?.first().copied().ok_or_else(|| malformed(i))?;
-            let constants = copy(ops[3 + state], slots)?;
-            let g = ops[1];
+            let g = plan.steps[i].operands[1];
             let r = root(plan, g);
             let n: usize = resolve(&plan.values[g].shape, syms).iter().product();
             let taken = match plan.values[r].storage {
@@ -894,7 +902,7 @@ impl CpuModel {
                 Some(g) => g,
                 None => copy(g, slots)?,
             };
-            out.push(Deferred { step: i, grad, scale, constants });
+            out.grads.push((i, grad));
         }
         Ok(out)
     }
@@ -903,16 +911,17 @@ impl CpuModel {
     /// `params` they update, all in one pass ([`training::update_in_place`]); the gradients'
     /// buffers are given back for the next run. Nothing is written where the step's clipping
     /// factor is NaN (its loss or global norm not finite: the update's meaning).
-    fn run_deferred(&self, params: &mut HashMap<String, Tensor>, deferred: Vec<Deferred>) -> R<()> {
-        let Some(first) = deferred.first() else { return Ok(()) };
-        let (scale, constants) = (first.scale, first.constants.clone());
+    fn run_deferred(&self, params: &mut HashMap<String, Tensor>, deferred: Deferred) -> R<()> {
+        if deferred.grads.is_empty() {
+            return Ok(());
+        }
         let plan = &self.plan;
         // Each update's tensors (the one it updates, then its state), taken out of `params` for
         // the pass and put back after it.
-        let mut held: Vec<Vec<(String, Tensor)>> = Vec::with_capacity(deferred.len());
+        let mut held: Vec<Vec<(String, Tensor)>> = Vec::with_capacity(deferred.grads.len());
         let mut result = Ok(());
-        for d in &deferred {
-            let step = &plan.steps[d.step];
+        for &(i, _) in &deferred.grads {
+            let step = &plan.steps[i];
             let state = step.operands.len().saturating_sub(4);
             let mut tensors = Vec::with_capacity(1 + state);
             for &v in std::iter::once(&step.operands[0]).chain(&step.operands[2..2 + state]) {
@@ -931,8 +940,8 @@ impl CpuModel {
             held.push(tensors);
         }
         if result.is_ok() {
-            let mut updates = Vec::with_capacity(deferred.len());
-            for (d, tensors) in deferred.iter().zip(held.iter_mut()) {
+            let mut updates = Vec::with_capacity(deferred.grads.len());
+            for ((i, grad), tensors) in deferred.grads.iter().zip(held.iter_mut()) {
                 let mut parts = tensors.iter_mut().map(|(_, t)| match &mut t.data {
                     Data::F32(v) => Some(v.as_mut_slice()),
                     Data::I64(_) => None,
@@ -941,27 +950,32 @@ impl CpuModel {
                 let state: Option<Vec<&mut [f32]>> = parts.collect();
                 match (p, state) {
                     (Some(p), Some(state)) => {
-                        updates.push(training::InPlace { op: &plan.steps[d.step].op, p, state, g: &d.grad })
+                        updates.push(training::InPlace { op: &plan.steps[*i].op, p, state, g: grad })
                     }
                     _ => result = Err(CpuError::Operands("an update's tensors must be f32".into())),
                 }
             }
             if result.is_ok() {
-                result = self.pool.install(|| training::update_in_place(updates, scale, &constants)).map(drop);
+                let (scale, constants) = (deferred.scale, &deferred.constants);
+                result = self.pool.install(|| training::update_in_place(updates, scale, constants)).map(drop);
             }
         }
         for (name, t) in held.into_iter().flatten() {
             params.insert(name, t);
         }
-        // The next run's gradients take these buffers' places in their slots: they are the
-        // ones kept (the oldest given back go first).
-        if let Ok(mut spare) = self.spare.lock() {
-            let keep = self.plan.outputs.len().max(deferred.len());
-            spare.extend(deferred.into_iter().map(|d| d.grad));
-            let excess = spare.len().saturating_sub(keep);
-            spare.drain(..excess);
-        }
+        // The next run's gradients take these buffers' places in their slots.
+        let keep = self.plan.outputs.len().max(deferred.grads.len());
+        self.keep_spare(deferred.grads.into_iter().map(|(_, g)| g), keep);
         result
+    }
+
+    /// Gives `buffers` back for the next runs' outputs and slots ([`CpuModel::take_slot`]),
+    /// keeping at most `keep` given back: the latest (the oldest go first).
+    fn keep_spare(&self, buffers: impl IntoIterator<Item = Vec<f32>>, keep: usize) {
+        let Ok(mut spare) = self.spare.lock() else { return };
+        spare.extend(buffers);
+        let excess = spare.len().saturating_sub(keep);
+        spare.drain(..excess);
     }
 
     /// The f32 buffer of slot `s` as an output of `len` elements, the slot given a buffer given

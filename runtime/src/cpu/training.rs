@@ -480,7 +480,7 @@ pub struct InPlace<'a> {
 /// parallel pass, each element as [`kiln_compiler::semantics`] computes it. Returns whether a
 /// step was taken: `false`, and nothing written, where `scale` is NaN.
 pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32]) -> R<bool> {
-    use kiln_compiler::semantics::{AdamStep, SgdStep};
+    use kiln_compiler::semantics::{AdamStep, SgdStep, UpdateStep, update_step};
     let bad = |m: String| CpuError::Operands(m);
     if scale.is_nan() {
         return Ok(false);
@@ -497,38 +497,19 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32])
             return Err(bad(format!("an update of {n} elements given a gradient or state of another size")));
         }
         let mut state = u.state.into_iter();
-        match *u.op {
-            Op::AdamW { w1, b2, w2, eps, decays } => {
-                let (Some(m), Some(v), &[neg_step, bc2_sqrt, decay]) = (state.next(), state.next(), constants) else {
-                    return Err(bad("AdamW takes two moments and three constants".into()));
-                };
-                let c = AdamStep {
-                    scale,
-                    decay: if decays { decay } else { 1.0 },
-                    w1: w1.0,
-                    b2: b2.0,
-                    w2: w2.0,
-                    bc2_sqrt,
-                    eps: eps.0,
-                    neg_step,
+        let what = || format!("`{}` with {} constants is not an optimizer's update", u.op.name(), constants.len());
+        match update_step(u.op, scale, constants).ok_or_else(|| bad(what()))? {
+            UpdateStep::AdamW(c) => {
+                let (Some(m), Some(v)) = (state.next(), state.next()) else {
+                    return Err(bad("AdamW takes two moments".into()));
                 };
                 let parts =
                     u.p.chunks_mut(PIECE).zip(u.g.chunks(PIECE)).zip(m.chunks_mut(PIECE).zip(v.chunks_mut(PIECE)));
                 pieces.extend(parts.map(|((p, g), (m, v))| Piece::Adam(c, p, g, m, v)));
             }
-            Op::Sgd { momentum, weight_decay } => {
-                let &[neg_lr, first] = constants else {
-                    return Err(bad("SGD takes two constants".into()));
-                };
-                let c = SgdStep {
-                    scale,
-                    weight_decay: (weight_decay.0 != 0.0).then_some(weight_decay.0),
-                    momentum: momentum.map(|m| m.0),
-                    first: first != 0.0,
-                    neg_lr,
-                };
+            UpdateStep::Sgd(c) => {
                 let buf = state.next();
-                if momentum.is_some() != buf.is_some() {
+                if c.momentum.is_some() != buf.is_some() {
                     return Err(bad("SGD with momentum takes a buffer, without none".into()));
                 }
                 match buf {
@@ -542,7 +523,6 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32])
                         .extend(u.p.chunks_mut(PIECE).zip(u.g.chunks(PIECE)).map(|(p, g)| Piece::Sgd(c, p, g, None))),
                 }
             }
-            _ => return Err(bad(format!("`{}` is not an optimizer's update", u.op.name()))),
         }
     }
     // Element by element (the pieces split over the threads change nothing).
