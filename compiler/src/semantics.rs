@@ -1,7 +1,8 @@
 //! The meaning of the ops' shared pieces: what the interpreter and both back ends compute the same
 //! way (naga's `proc/`). BigBird's block pattern, T5's relative-position buckets, the norm rows,
-//! RoPE's frequencies and rotation, ALiBi's slopes, the activation functions, and where a fused
-//! op's optional score operands sit. The interpreter ([`crate::interp`]) evaluates with these
+//! RoPE's frequencies and rotation, ALiBi's slopes, the activation functions, where a fused
+//! op's optional score operands sit, and an optimizer's update of one element (AdamW, SGD) with
+//! the clipping factor it reads. The interpreter ([`crate::interp`]) evaluates with these
 //! functions, the CPU engine's kernels call them, and the WGSL kernels restate them in WGSL
 //! (each kernel's docs name the function it follows).
 //!
