@@ -291,13 +291,12 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
         Which::Step => fe.graph = kiln_compiler::graph::build::build_cached(&fe.spec)?,
         Which::Encoder => fe.graph = kiln_compiler::graph::build::build_encoder(&fe.spec)?,
         Which::Train => {
-            // The step each engine runs: the whole step, its update included, on the CPU (and the
-            // interpreter); on wgpu the loss and gradients, the update after it on the device's
-            // own kernels.
-            let graphs = crate::model_file::training_graph(&fe)?.0;
-            let wgpu = matches!(args.stage, Some(Stage::Wgsl)) || matches!(args.backend, Some(Backend::Wgpu));
-            fe.graph = match (wgpu, graphs.whole) {
-                (false, Some(whole)) => whole,
+            // The step every engine runs: the whole step, its update included; a recipe that
+            // accumulates micro-batches runs the loss and gradients of each, the update after
+            // them (on the host, or on wgpu by the device's optimizer).
+            let (graphs, recipe) = crate::model_file::training_graph(&fe)?;
+            fe.graph = match graphs.whole {
+                Some(whole) if recipe.accumulate == 1 => whole,
                 _ => graphs.step,
             };
         }
@@ -404,7 +403,15 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
         let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
         let workgroups =
             |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
-        let launch = match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
+        let dispatched = match step.op.is_optimizer() {
+            // An optimizer's step binds one chunk of its tensors per dispatch, in place.
+            true => Err(match step.op.is_update() {
+                true => "a dispatch per chunk of the tensor, written in place with its state".to_string(),
+                false => "a dispatch per chunk of each gradient".to_string(),
+            }),
+            false => wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options),
+        };
+        let launch = match dispatched {
             // A split attention dispatches again to combine its key ranges, a reduction over
             // chunks of rows its chunks.
             Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, &dims) {
@@ -420,6 +427,7 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
                 None => workgroups(&dims),
             },
             Ok(_) => "no dispatch".into(),
+            Err(e) if step.op.is_optimizer() => e,
             Err(e) => format!("no launch at these sizes: {e}"),
         };
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));

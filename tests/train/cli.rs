@@ -533,14 +533,18 @@ fn check_counts_a_training_step_and_inspect_shows_it() {
         serde_json::from_str(&ok(&["check", root().join("models/bert.toml").to_str().unwrap(), "--json"])).unwrap();
     assert!(bert["training"].is_null(), "{bert}");
 
-    // The whole step, the update of every trained tensor included (what the CPU runs); wgpu's
-    // kernels are the loss and gradients' (its update runs on the device's own kernels).
+    // The whole step, the update of every trained tensor included (what every engine runs); on
+    // wgpu the optimizer's steps are kernels too, dispatched per chunk of their tensors.
     let graph = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--format", "text"]);
     for op in ["cross_entropy_grad", "gelu_grad", "sum_axis", "square_sums", "clip_scale", "adamw"] {
         assert!(graph.contains(op), "no {op} in the training graph:\n{graph}");
     }
     let wgsl = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stage", "wgsl"]);
-    assert!(wgsl.contains("cross_entropy_grad") && !wgsl.contains("adamw"), "{wgsl}");
+    assert!(wgsl.contains("cross_entropy_grad") && wgsl.contains("adamw in `optimizer."), "{wgsl}");
+    assert!(
+        wgsl.contains("square_sums in `optimizer` -> kernel") && wgsl.contains("one AdamW step in place"),
+        "{wgsl}"
+    );
     let optimized = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stage", "optimized"]);
     assert!(optimized.contains("contract_rows"), "the optimized step has no contract_rows:\n{optimized}");
     let stats = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stats", "--explain"]);

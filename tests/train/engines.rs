@@ -160,12 +160,16 @@ fn wgpu_refuses_the_labels_the_interpreter_refuses() {
 }
 
 /// Steps of AdamW on wgpu, where the parameters, their gradients and the moments stay on the
-/// device between steps (`DeviceOptimizer`), against the same steps on the CPU, the host's AdamW:
-/// each step's loss and gradient norm (clipped from the second step on; the first step two
-/// micro-batches, their gradients averaged on the device), then the tensors and the
-/// optimizer's state read back after the last (and once midway, as a checkpoint reads them).
-/// Also on buffers of 2 048 floats, where the larger tensors (the embedding's 8 192 elements, the
-/// MLP's 11 264) are split over several and the update and the norm run chunk by chunk.
+/// device between steps, against the same steps on the CPU, the host's AdamW: each step's loss
+/// and gradient norm (clipped from the second step on), then the tensors and the optimizer's
+/// state read back after the last (and once midway, as a checkpoint reads them). Twice: as a
+/// recipe of one micro-batch a step runs, the whole step's graph with its optimizer
+/// (`kiln_compiler::train::update`: the norms, the clipping factor and the updates on the
+/// device, in place), its first step of two micro-batches through the host's optimizer; and as
+/// a recipe accumulating micro-batches runs, the gradients' graph and `DeviceOptimizer` (the
+/// first step's two micro-batches averaged on the device). Also on buffers of 2 048 floats,
+/// where the larger tensors (the embedding's 8 192 elements, the MLP's 11 264) are split over
+/// several and the update and the norm run chunk by chunk.
 #[test]
 fn adamw_on_the_device_trains_as_on_the_host() {
     // A clipping norm the first step's gradients pass under and the later ones exceed; decay.
@@ -192,12 +196,13 @@ fn device_optimizer_trains_as_on_the_host(recipe: &str) {
     let name = "llama";
     let path = root().join(format!("models/{name}.toml"));
     let fe = kiln_compiler::front_end(name, &std::fs::read_to_string(&path).unwrap()).unwrap();
-    let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
+    let parsed = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
     let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
     let vocab = fe.spec.spec.model.vocab as usize;
     let dims = PackDims::of(&fe.spec);
-    let trainer = |device: Device| {
-        Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params.clone()).unwrap()
+    let trainer = |device: Device, accumulate: usize| {
+        let recipe = kiln_compiler::train::Recipe { accumulate, ..parsed.clone() };
+        Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe, params.clone()).unwrap()
     };
     let batches: Vec<HashMap<String, Tensor>> = (0..4)
         .map(|i| {
@@ -212,39 +217,42 @@ fn device_optimizer_trains_as_on_the_host(recipe: &str) {
     // first, it is within 1e-4 as every other.)
     let steps: Vec<&[HashMap<String, Tensor>]> =
         [&batches[1..3]].into_iter().chain(batches.iter().map(std::slice::from_ref)).collect();
-    let mut host = trainer(Device::Cpu { threads: 2 });
+    let mut host = trainer(Device::Cpu { threads: 2 }, 1);
     let logs: Vec<_> = steps.iter().map(|micro| host.step(micro).unwrap()).collect();
     assert!(logs.iter().any(|l| l.grad_norm > 0.3) && logs[0].grad_norm > 0.0, "{logs:?}");
     let want = host.tensors().unwrap().clone();
     let want_state: HashMap<String, Tensor> = host.state().unwrap().into_iter().collect();
     let chunked = crate::common::gpu_with_buffer_limit(8192);
-    for (what, gpu) in [("wgpu", Some(gpu)), ("wgpu, chunked", chunked)] {
+    let runs = [("wgpu", Some(gpu)), ("wgpu, chunked", chunked)]
+        .into_iter()
+        .flat_map(|(what, gpu)| [((what, "one graph"), gpu.clone(), 1), ((what, "device optimizer"), gpu, 2)]);
+    for (what, gpu, accumulate) in runs {
         let Some(gpu) = gpu else { continue };
-        let mut device = trainer(Device::Gpu(gpu));
+        let mut device = trainer(Device::Gpu(gpu), accumulate);
         for (i, (micro, want)) in steps.iter().zip(&logs).enumerate() {
             if i == 2 {
                 // Read back mid-run (a checkpoint): the steps after go on from the device's.
                 assert!(device.tensors().unwrap().values().all(|t| t.to_f32_vec().iter().all(|x| x.is_finite())));
             }
             let got = device.step(micro).unwrap();
-            assert_eq!(got.tokens, want.tokens, "{what}");
-            assert!((got.loss - want.loss).abs() < 1e-4 * want.loss.abs().max(1.0), "{what}: {got:?} vs {want:?}");
-            assert!((got.grad_norm - want.grad_norm).abs() < 1e-4 * want.grad_norm, "{what}: {got:?} vs {want:?}");
+            assert_eq!(got.tokens, want.tokens, "{what:?}");
+            assert!((got.loss - want.loss).abs() < 1e-4 * want.loss.abs().max(1.0), "{what:?}: {got:?} vs {want:?}");
+            assert!((got.grad_norm - want.grad_norm).abs() < 1e-4 * want.grad_norm, "{what:?}: {got:?} vs {want:?}");
         }
         let state: HashMap<String, Tensor> = device.state().unwrap().into_iter().collect();
         for (tensor, t) in device.tensors().unwrap() {
             let err = want[tensor].max_abs_diff(t);
-            assert!(err < 1e-4, "{what}: `{tensor}` is {err:e} off the host's");
+            assert!(err < 1e-4, "{what:?}: `{tensor}` is {err:e} off the host's");
         }
-        assert_eq!(state.len(), want_state.len(), "{what}");
+        assert_eq!(state.len(), want_state.len(), "{what:?}");
         for (key, t) in &want_state {
             match t.as_f32() {
                 Some(_) => {
                     let scale = t.to_f32_vec().iter().fold(1e-6f32, |m, x| m.max(x.abs()));
                     let err = t.max_abs_diff(&state[key]);
-                    assert!(err <= 1e-3 * scale, "{what}: `{key}` is {err:e} off the host's (scale {scale:e})");
+                    assert!(err <= 1e-3 * scale, "{what:?}: `{key}` is {err:e} off the host's (scale {scale:e})");
                 }
-                None => assert_eq!(t, &state[key], "{what}: `{key}`"),
+                None => assert_eq!(t, &state[key], "{what:?}: `{key}`"),
             }
         }
     }
@@ -253,7 +261,8 @@ fn device_optimizer_trains_as_on_the_host(recipe: &str) {
 /// A step's graph ending with the optimizer's update (`kiln_compiler::train::update`) on the
 /// CPU, its update written in place of the tensors it lends (`CpuModel::run_lent`), equals the
 /// same graph's pure form (the update's result as outputs) and the interpreter's, for AdamW and
-/// SGD with clipping (and a step it refuses, its loss not finite, leaves everything as it was).
+/// SGD with clipping (and a step it refuses, its loss not finite, leaves everything as it was);
+/// and on wgpu, its plan's optimizer writing in place of the model's parameters.
 #[test]
 fn the_step_graph_updates_in_place_as_its_pure_form_and_the_interpreter() {
     use kiln_compiler::train::recipe::{Format, RecipeFile};
@@ -333,6 +342,43 @@ fn the_step_graph_updates_in_place_as_its_pure_form_and_the_interpreter() {
             assert_eq!(t.to_f32_vec(), broken[name].to_f32_vec(), "`{name}` was written by a refused step");
         }
         let _ = GRAD_SUMS;
+
+        // On wgpu (and on buffers of 2 048 floats, the larger tensors split over several): the
+        // plan's optimizer — the norms, the clipping factor and every update, on the device —
+        // writes the tensors and their state in place of the model's parameters, as the
+        // interpreter computes them; a refused step writes nothing there either.
+        let gpus = [crate::common::gpu(), crate::common::gpu_with_buffer_limit(8192)];
+        for (what, gpu) in ["wgpu", "wgpu, chunked"].into_iter().zip(gpus) {
+            let Some(gpu) = gpu else { continue };
+            let mut runner = StepRunner::new(&Device::Gpu(gpu), whole.clone()).unwrap();
+            let out = runner.run_whole_on_device(&given, &batch, true, &()).unwrap();
+            assert!((out.loss - want.loss).abs() < 1e-4, "{what}: {} vs {}", out.loss, want.loss);
+            assert!(out.updates.is_empty(), "{what}: the update is in place");
+            for (got, want) in out.grad_sums.unwrap().iter().zip(&sums) {
+                assert!((got - want).abs() <= 1e-4 * want.abs().max(1e-6), "{what}: a squared norm {got} vs {want}");
+            }
+            let model = runner.gpu_model().unwrap();
+            for t in &trained {
+                let mut names = vec![t.clone()];
+                names.extend(update::state_names(&recipe, t));
+                let w = want.updates[t].to_f32_vec();
+                let n = w.len() / names.len();
+                for (k, name) in names.iter().enumerate() {
+                    let w = &w[k * n..][..n];
+                    let scale = w.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+                    let got = model.read_param(name).unwrap().unwrap().to_f32_vec();
+                    let err = w.iter().zip(&got).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(err <= 1e-4 * scale, "{what}: `{name}` is {err:e} off the interpreter's (scale {scale:e})");
+                }
+            }
+            let out = runner.run_whole_on_device(&before, &batch, true, &()).unwrap();
+            assert!(!out.loss.is_finite(), "{what}");
+            let model = runner.gpu_model().unwrap();
+            for (name, t) in before.iter().filter(|(name, _)| *name != STEP_CONSTANTS) {
+                let got = model.read_param(name).unwrap().unwrap();
+                assert_eq!(t.to_f32_vec(), got.to_f32_vec(), "{what}: `{name}` was written by a refused step");
+            }
+        }
     }
 }
 

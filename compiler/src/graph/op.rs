@@ -349,6 +349,13 @@ impl Op {
         matches!(self, Op::AdamW { .. } | Op::Sgd { .. })
     }
 
+    /// Whether this is one of an optimizer's ops: the gradients' squared norms, the clipping
+    /// factor or an update ([`Op::SquareSums`], [`Op::ClipScale`], [`Op::is_update`]), which
+    /// lowering puts last.
+    pub fn is_optimizer(&self) -> bool {
+        matches!(self, Op::SquareSums | Op::ClipScale { .. }) || self.is_update()
+    }
+
     /// A plain fused projection: `act(x @ w^T + bias) + residual`.
     pub fn linear(act: Option<Activation>, bias: bool, residual: bool) -> Op {
         Op::Linear { act, bias, residual, norm: None, glu: false, rope: None }

@@ -282,9 +282,11 @@ pub fn lower_with(g: &Graph, options: Options) -> Plan {
         l.steps.push(Step { op, operands, output: id, also: Vec::new(), scope: node.scope.clone() });
     }
     let Lowering { mut values, steps, folds, .. } = l;
-    // An optimizer's updates last, after every other reader of the tensors they update (nothing
-    // reads an update's own result), so that an engine may write them in place.
-    let (updates, mut steps): (Vec<Step>, Vec<Step>) = steps.into_iter().partition(|s| s.op.is_update());
+    // An optimizer's ops last, in their order (they read only the gradients, the loss and each
+    // other): the updates after every other reader of the tensors they update (nothing reads an
+    // update's own result), so that an engine may write them in place, and the whole optimizer
+    // one run of steps at the end, which an engine may dispatch its own way (wgpu's does).
+    let (updates, mut steps): (Vec<Step>, Vec<Step>) = steps.into_iter().partition(|s| s.op.is_optimizer());
     steps.extend(updates);
     let outputs: Vec<(String, usize)> = g.outputs.iter().map(|(name, n)| (name.clone(), value_of[n])).collect();
     let slots = assign_slots(&mut values, &steps, &outputs);

@@ -28,6 +28,7 @@ mod profile;
 mod run;
 mod sample;
 mod tensor;
+mod update;
 
 pub use batch::SeqStep;
 pub use device::Gpu;

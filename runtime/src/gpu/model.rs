@@ -9,6 +9,7 @@ use super::error::Wanted;
 use super::legalize::f32_where_too_large;
 use super::run::RunState;
 use super::tensor::STORAGE;
+use super::update::Tail;
 use super::{Gpu, GpuError};
 use crate::progress::{Counter, Phase, Progress};
 use crate::quant::QuantWeight;
@@ -32,6 +33,9 @@ pub struct GpuModel {
     weight_bytes: Vec<(WeightFormat, u64)>,
     /// What one run leaves for the next.
     pub(super) state: Mutex<RunState>,
+    /// The optimizer's steps at the end of a whole training step's plan, which a run records its
+    /// own way after the others (see `super::update`).
+    pub(super) tail: Option<Tail>,
     /// The steps that append to a session's cache in place, when it lives on the device.
     pub(super) in_place: Vec<InPlace>,
     /// The plan's inputs (`prepare::input_values`).
@@ -160,6 +164,7 @@ impl GpuModel {
         gpu.check_lost()?;
         let in_place = in_place_sites(&program.plan);
         let inputs = crate::prepare::input_values(&program.plan);
+        let tail = Tail::new(&gpu, &program)?;
         Ok(GpuModel {
             gpu,
             program,
@@ -168,6 +173,7 @@ impl GpuModel {
             params: uploaded,
             weight_bytes,
             state: Mutex::new(RunState::default()),
+            tail,
             in_place,
             inputs,
             host: HostClock::default(),
@@ -214,6 +220,40 @@ impl GpuModel {
             self.gpu.write_chunked(buffers, &bytes);
         }
         self.gpu.check_lost()
+    }
+
+    /// Writes `values` over the f32 parameter `name` on the device, for the next run: one of a
+    /// few values that change between runs (a training step's constants), without
+    /// [`GpuModel::set_params`]'s pass over every parameter. `values` must hold the parameter's
+    /// elements exactly.
+    pub fn write_param(&self, name: &str, values: &[f32]) -> Result<(), GpuError> {
+        let plan = &self.program.plan;
+        let value = plan.values.iter().find(|v| matches!(&v.storage, Storage::Param(n) if n == name));
+        let elements: Option<usize> = value.and_then(|v| {
+            v.shape.iter().map(|d| if let kiln_compiler::graph::Dim::Fixed(n) = d { Some(*n) } else { None }).product()
+        });
+        match (self.param_buffers(name), elements) {
+            (Some(buffers), Some(n)) if n == values.len() => {
+                self.gpu.write_chunked(buffers, bytemuck::cast_slice(values));
+                Ok(())
+            }
+            (Some(_), Some(n)) => {
+                Err(GpuError::Internal(format!("`{name}` has {n} elements; {} were given", values.len())))
+            }
+            _ => Err(GpuError::Internal(format!("the model holds no f32 parameter `{name}` of a fixed shape"))),
+        }
+    }
+
+    /// The f32 parameter `name` as the device holds it now, read back (`None` where the model
+    /// holds no f32 parameter of a fixed shape by that name: see [`GpuModel::param_buffers`]).
+    pub fn read_param(&self, name: &str) -> Option<Result<Tensor, GpuError>> {
+        let value = self.program.plan.values.iter().find(|v| matches!(&v.storage, Storage::Param(n) if n == name))?;
+        let shape: Vec<usize> = value
+            .shape
+            .iter()
+            .map(|d| if let kiln_compiler::graph::Dim::Fixed(n) = d { Some(*n) } else { None })
+            .collect::<Option<_>>()?;
+        Some(super::optim::read(&self.gpu, self.param_buffers(name)?, &shape))
     }
 
     /// The buffers holding the parameter `name` on the device (chunks of [`Gpu::chunk_bytes`]),

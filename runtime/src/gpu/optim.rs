@@ -31,10 +31,9 @@ use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError};
 use crate::train::Optimizer;
 use kiln_compiler::back::wgsl::optim::{
-    ACCUMULATE, ADAMW, AdamWStep, MeanStep, SUM_SQUARES, SgdStep, SquaresSizes, sgd,
+    ACCUMULATE, AdamWSettings, MeanStep, SUM_SQUARES, SgdSettings, SquaresSizes, adamw, sgd,
 };
 use kiln_compiler::back::wgsl::workgroups;
-use kiln_compiler::semantics::AdamStep;
 use kiln_compiler::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -105,6 +104,10 @@ pub struct DeviceOptimizer {
     stride: u64,
     /// The partial sums, and the mappable buffer they are read through.
     parts: (wgpu::Buffer, wgpu::Buffer),
+    /// The step's clipping factor (`f32[1]`) and constants (AdamW's `-lr / (1 - beta1^t)`,
+    /// `sqrt(1 - beta2^t)`, `1 - lr * weight_decay`; SGD's `-lr`, `first`), which the update
+    /// kernels read from bindings (as a whole step's plan binds its values: see `super::update`).
+    step_values: (wgpu::Buffer, wgpu::Buffer),
     parts_len: usize,
     squares_groups: Vec<Cached>,
     update_groups: Vec<Cached>,
@@ -183,9 +186,11 @@ impl DeviceOptimizer {
         );
         let n = chunks.len();
         let update = match rule {
-            Rule::AdamW => gpu.pipeline("AdamW", ADAMW),
+            Rule::AdamW => gpu.pipeline("AdamW", &adamw()),
             Rule::Sgd { momentum } => gpu.pipeline("SGD", &sgd(momentum)),
         };
+        let step_values =
+            (gpu.buffer("the step's clipping factor", 16, STORAGE)?, gpu.buffer("the step's constants", 16, STORAGE)?);
         Ok(DeviceOptimizer {
             squares: gpu.pipeline("sum of squares", SUM_SQUARES),
             update,
@@ -198,6 +203,7 @@ impl DeviceOptimizer {
             uniform,
             stride,
             parts,
+            step_values,
             parts_len,
             squares_groups: (0..n).map(|_| None).collect(),
             update_groups: (0..n).map(|_| None).collect(),
@@ -347,34 +353,33 @@ impl DeviceOptimizer {
             let at = d * self.stride as usize;
             words[at..at + 4 * w.len()].copy_from_slice(bytemuck::cast_slice(w));
         };
-        match (self.rule, host) {
+        let constants: [f32; 3] = match (self.rule, host) {
             (Rule::AdamW, Optimizer::AdamW(host)) => {
-                let (constants, decay) = host.constants(lr, step);
+                let (c, decay) = host.constants(lr, step);
                 self.each_chunk(|p, _, d| {
-                    let decay = if self.slots[p].decays { decay } else { 1.0 };
-                    let step = AdamWStep { n: self.chunks[d].n, c: AdamStep { scale, decay, ..constants } };
-                    write(d, &step.words());
+                    let (n, decays) = (self.chunks[d].n, self.slots[p].decays);
+                    let settings = AdamWSettings { n, decays, w1: c.w1, b2: c.b2, w2: c.w2, eps: c.eps };
+                    write(d, &settings.words());
                     Ok(())
                 })?;
+                [c.neg_step, c.bc2_sqrt, decay]
             }
             (Rule::Sgd { .. }, Optimizer::Sgd(host)) => {
                 let (momentum, weight_decay) = host.settings();
                 self.each_chunk(|p, _, d| {
-                    let slot = &self.slots[p];
-                    let step = SgdStep {
-                        n: self.chunks[d].n,
-                        first: !slot.started,
-                        scale,
-                        weight_decay: if slot.decays { weight_decay as f32 } else { 0.0 },
-                        momentum: momentum as f32,
-                        neg_lr: (-lr) as f32,
-                    };
-                    write(d, &step.words());
+                    let weight_decay = if self.slots[p].decays { weight_decay as f32 } else { 0.0 };
+                    let settings = SgdSettings { n: self.chunks[d].n, momentum: momentum as f32, weight_decay };
+                    write(d, &settings.words());
                     Ok(())
                 })?;
+                // The buffers start together: the state is loaded for every parameter or none.
+                let first = self.slots.iter().any(|s| !s.started);
+                [(-lr) as f32, f32::from(u8::from(first)), 0.0]
             }
             _ => return Err(GpuError::Internal("the step's optimizer is not the one on the device".into())),
-        }
+        };
+        self.gpu.queue.write_buffer(&self.step_values.0, 0, bytemuck::cast_slice(&[scale]));
+        self.gpu.queue.write_buffer(&self.step_values.1, 0, bytemuck::cast_slice(&constants));
         let gpu = self.gpu.clone();
         let base = self.chunks.len() as u64 * self.stride;
         gpu.queue.write_buffer(&self.uniform, base, &words);
@@ -394,6 +399,7 @@ impl DeviceOptimizer {
                     };
                     bound.push(b);
                 }
+                bound.extend([&self.step_values.0, &self.step_values.1]);
                 let group =
                     cached(&gpu, &mut groups[d], &self.update, &self.uniform, base + d as u64 * self.stride, &bound)?;
                 pass.set_bind_group(0, group, &[]);

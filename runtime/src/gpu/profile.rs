@@ -28,7 +28,7 @@ pub struct Profile {
     /// The clock the times were read from.
     pub clock: Clock,
     /// Seconds per step of the plan ([`Plan::steps`]), in order; `None` for a step with nothing
-    /// to compute at these sizes (not dispatched).
+    /// to compute at these sizes (not dispatched), or an optimizer's step (not timed alone).
     ///
     /// [`Plan::steps`]: kiln_compiler::lower::Plan::steps
     pub seconds: Vec<Option<f64>>,
@@ -62,7 +62,10 @@ impl GpuModel {
             })
         };
         let mut dispatches = Vec::with_capacity(self.program.plan.steps.len());
-        for (i, cached) in state.bind_groups.iter().enumerate() {
+        // (The optimizer's steps of a whole training step are not timed: they run their own way,
+        // `super::update`, and count `None`.)
+        let timed = self.tail.as_ref().map_or(state.bind_groups.len(), |t| t.first);
+        for (i, cached) in state.bind_groups.iter().enumerate().take(timed) {
             let (pipeline, _, group) =
                 cached.as_ref().ok_or_else(|| GpuError::Internal(format!("step {i} has no bind group")))?;
             let second = match (state.second_slots.get(i).copied().flatten(), state.second_groups.get(i)) {
@@ -145,6 +148,7 @@ impl GpuModel {
             return Err(GpuError::Rejected { what: "a profiled dispatch", message: e.to_string() });
         }
         gpu.check_lost()?;
+        seconds.resize(self.program.plan.steps.len(), None);
         Ok(Profile { clock: if gpu.timestamps { Clock::Device } else { Clock::Host }, seconds })
     }
 }

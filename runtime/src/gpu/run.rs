@@ -268,11 +268,24 @@ impl GpuModel {
         // Buffers: inputs and slots (kept, grown as needed), one uniform for every step's Dims.
         let mut state = self.state.lock().map_err(|_| GpuError::Poisoned("run state"))?;
         let state = &mut *state;
+        // The optimizer's steps of a whole training step: recorded after the others, their
+        // updates' own results never written (the tensors are updated in place).
+        let tail = self.tail.as_ref();
+        let first_of_tail = tail.map_or(self.program.plan.steps.len(), |t| t.first);
+        if let Some(t) = tail {
+            for &v in &t.outputs {
+                substitutes.instead.insert(v, vec![t.placeholder.clone()]);
+            }
+        }
+        let unwritten = |name: &str| {
+            let outputs = tail.map_or(&[][..], |t| t.outputs.as_slice());
+            self.program.plan.outputs.iter().any(|(n, v)| n == name && outputs.contains(v))
+        };
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
         let at =
             Placement { syms: &bound.syms, resident: &bound.resident, instead: &substitutes.instead, starts: None };
-        let grids = self.encode_part(state, at, &appends, &|_| true)?;
+        let grids = self.encode_part(state, at, &appends, &|i| i < first_of_tail)?;
         let buffers = state.buffers(self, at);
         let (bind_groups, second_groups) = (&state.bind_groups, &state.second_groups);
 
@@ -292,9 +305,15 @@ impl GpuModel {
                 gpu.queue.submit([std::mem::replace(&mut encoder, new_encoder()).finish()]);
             }
         }
-        // What is read back, kept or lent: every output but those left in their slots.
+        if let Some(t) = tail {
+            t.record(gpu, (&self.program, &self.pipelines), &buffers, &mut encoder)?;
+        }
+        // What is read back, kept or lent: every output but those left in their slots (and the
+        // updates' results, which nothing wrote).
         let lent = lend.as_ref().map(|l| l.0.to_string());
-        let wanted = |name: &str| wanted(name) || keep.iter().any(|k| k == name) || lent.as_deref() == Some(name);
+        let wanted = |name: &str| {
+            !unwritten(name) && (wanted(name) || keep.iter().any(|k| k == name) || lent.as_deref() == Some(name))
+        };
         let left: Left = self
             .program
             .plan

@@ -696,6 +696,14 @@ impl Optimizer {
         }
     }
 
+    /// The name its state stores the step count under (`adam.step`, `sgd.step`).
+    pub(crate) fn step_key(&self) -> &'static str {
+        match self {
+            Optimizer::AdamW(_) => ADAM_STEP,
+            Optimizer::Sgd(_) => SGD_STEP,
+        }
+    }
+
     /// Drops the state's tensors while the device's copy is the truth
     /// ([`crate::gpu::DeviceOptimizer`]); [`Optimizer::load_state`] gives them back.
     pub(crate) fn release_state(&mut self) {

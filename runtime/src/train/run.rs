@@ -245,6 +245,39 @@ impl StepRunner {
         Ok((loss, grads))
     }
 
+    /// On wgpu, a whole step's graph (its optimizer included: [`kiln_compiler::train::update`])
+    /// on `batch` with the tensors and state already on the device — `params` written there
+    /// first if `upload` or the model is not built yet: the loss and the gradients' squared
+    /// norms, read back, and the tensors and the optimizer's state updated in place of the
+    /// model's parameters (no `updates` given). An error on another device.
+    pub fn run_whole_on_device(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        batch: &HashMap<String, Tensor>,
+        upload: bool,
+        progress: &dyn Progress,
+    ) -> Result<StepOutput, RunError> {
+        let Kind::Gpu { gpu, plan, model } = &mut self.kind else {
+            return Err(RunError::Gpu(Box::new(GpuError::Internal("a step on the device, not on wgpu".into()))));
+        };
+        let model = gpu_model(gpu, plan, model, params, upload, progress)?;
+        let (outputs, _) = model.run_leaving(batch, &|name| name == LOSS || name == GRAD_SUMS)?;
+        step_output(outputs)
+    }
+
+    /// On wgpu, writes `values` over the f32 parameter `name` of the step's model on the device
+    /// (its shape's elements exactly), for the next run: a whole step's constants
+    /// ([`kiln_compiler::train::update::STEP_CONSTANTS`]). An error on another device, or before
+    /// the model is built.
+    pub fn write_param(&mut self, name: &str, values: &[f32]) -> Result<(), RunError> {
+        match &self.kind {
+            Kind::Gpu { model: Some(m), .. } => Ok(m.write_param(name, values)?),
+            _ => {
+                Err(RunError::Gpu(Box::new(GpuError::Internal(format!("no model on the device to write `{name}` to")))))
+            }
+        }
+    }
+
     /// The loss and gradients of `batch` with the parameters `params` (by tensor name).
     pub fn run(
         &mut self,

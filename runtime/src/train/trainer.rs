@@ -10,7 +10,7 @@
 
 use super::optim::{GradAccumulator, OptimError, Optimizer, Update, clip_grad_norm};
 use super::recipe::{Recipe, glob_match};
-use super::run::{RunError, StepRunner};
+use super::run::{RunError, StepOutput, StepRunner};
 use crate::device::Device;
 use crate::gpu::{DeviceOptimizer, GpuError};
 use kiln_compiler::autodiff::Block;
@@ -149,13 +149,23 @@ pub struct Trainer {
     gradients: Graph,
     gradient_runner: Option<StepRunner>,
     optimize: bool,
-    /// The optimizer on the device, where the step runs on wgpu (see [`Trainer::step`]): then
-    /// the parameters and the optimizer's state there are the truth, and `stale` says whether
+    /// Where the steps run on wgpu (see [`Trainer::step`]), once the first has: then the
+    /// parameters and the optimizer's state there are the truth, and `stale` says whether
     /// `tensors` and `optimizer` are behind them (the host's state is dropped meanwhile).
-    resident: Option<DeviceOptimizer>,
+    resident: Option<Resident>,
     stale: bool,
     step: usize,
     recomputed: (usize, usize),
+}
+
+/// Where the trained tensors and the optimizer's state live on the device, when there.
+enum Resident {
+    /// In the whole step's model (its parameters), which its plan's optimizer updates in place
+    /// (`kiln_runtime::gpu`'s `update`); `steps` taken so far.
+    Graph { steps: u64 },
+    /// The gradients' model's parameters and [`DeviceOptimizer`]'s state (a step of several
+    /// micro-batches).
+    Optimizer(Box<DeviceOptimizer>),
 }
 
 /// The tensors `frozen` freezes among `uses`: an entry (a name or a glob) matches a tensor's
@@ -253,11 +263,11 @@ impl Trainer {
             shapes.iter().filter(|(t, _)| trained.contains(t)).map(|(t, s)| (t.as_str(), s.as_slice())),
         );
         let seq = recipe.seq.unwrap_or(kiln_compiler::optimize::CostModel::cpu().seq);
-        // On the interpreter and the CPU the step's graph ends with the update; on wgpu the
-        // update runs on the device's own kernels (`DeviceOptimizer`).
-        // (A recipe accumulating micro-batches never steps on one: it runs the gradients' graph.)
-        let (whole, step_graph) = match (&device, whole_graph) {
-            (Device::Interp | Device::Cpu { .. }, Some(w)) if recipe.accumulate == 1 => (true, w),
+        // The step's graph ends with the update on every device. (A recipe accumulating
+        // micro-batches never steps on one: it runs the gradients' graph, and on wgpu
+        // `DeviceOptimizer` updates.)
+        let (whole, step_graph) = match whole_graph {
+            Some(w) if recipe.accumulate == 1 => (true, w),
             _ => (false, graph.clone()),
         };
         let train = StepRunner::with_optimization(&device, step_graph, optimize, seq)
@@ -313,17 +323,37 @@ impl Trainer {
         };
         let step = self.step;
         let failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
+        // The model whose parameters the device updates.
+        // (A trainer whose step's graph has the update keeps it in that graph's model; one that
+        // runs the gradients' graph, with `DeviceOptimizer`, in that one: `train` either way.)
+        let model = self.train.gpu_model();
         // The parameters, unless the model was never built (its first run failed): then the
         // host's are still the truth.
-        if let Some(model) = self.train.gpu_model() {
+        let read = |name: &str| -> Result<Tensor, TrainError> {
+            model.and_then(|m| m.read_param(name)).ok_or_else(|| no_buffers(step, name))?.map_err(failed)
+        };
+        if model.is_some() {
             for name in &self.trained {
-                let buffers = model.param_buffers(name).ok_or_else(|| no_buffers(step, name))?;
-                let shape = self.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| no_buffers(step, name))?;
-                let t = crate::gpu::read_buffers(model.gpu(), buffers, &shape).map_err(failed)?;
+                let t = read(name)?;
                 self.tensors.insert(name.clone(), t);
             }
         }
-        let state: HashMap<String, Tensor> = resident.state().map_err(failed)?.into_iter().collect();
+        let state: HashMap<String, Tensor> = match resident {
+            Resident::Optimizer(o) => o.state().map_err(failed)?.into_iter().collect(),
+            Resident::Graph { steps } => {
+                let mut state = HashMap::new();
+                state.insert(self.optimizer.step_key().to_string(), Tensor::i64(vec![], vec![*steps as i64]));
+                // (SGD's momentum buffers exist from the first step taken on.)
+                let started = *steps > 0 || self.recipe.optimizer == kiln_compiler::train::OptimizerKind::AdamW;
+                for tensor in self.trained.iter().filter(|_| started) {
+                    for name in update::state_names(&self.recipe, tensor) {
+                        let t = read(&name)?;
+                        state.insert(name, t);
+                    }
+                }
+                state
+            }
+        };
         self.optimizer.load_state(&state).map_err(|source| TrainError::Optim { step, source })?;
         self.stale = false;
         Ok(())
@@ -353,11 +383,12 @@ impl Trainer {
     /// several micro-batches as their gradients' graph each, averaged, then the host's
     /// clipping and optimizer.
     pub fn step(&mut self, micro: &[HashMap<String, Tensor>]) -> Result<StepLog, TrainError> {
-        if !micro.is_empty() && self.train.gpu().is_some() {
-            return self.step_on_device(micro);
-        }
-        if let ([batch], true) = (micro, self.whole) {
-            return self.step_whole(batch);
+        let on_device = self.train.gpu().is_some();
+        match (micro, self.whole, on_device) {
+            ([batch], true, true) => return self.step_whole_on_device(batch),
+            ([batch], true, false) => return self.step_whole(batch),
+            ([_, ..], false, true) => return self.step_on_device(micro),
+            _ => {}
         }
         // The host's tensors are the truth from here: the next step on the device writes them
         // there again.
@@ -450,12 +481,7 @@ impl Trainer {
         let optim = |source: OptimError| TrainError::Optim { step, source };
         let lent = self.lend(lr).map_err(optim)?;
         let out = self.train.run_lent(&mut self.tensors, batch, &());
-        let sums: Vec<f64> = match &out {
-            Ok(o) => o.grad_sums.iter().flatten().map(|&s| f64::from(s)).collect(),
-            Err(_) => Vec::new(),
-        };
-        let grad_norm = sums.iter().sum::<f64>().sqrt();
-        let taken = out.as_ref().is_ok_and(|o| o.loss.is_finite() && grad_norm.is_finite());
+        let taken = out.as_ref().is_ok_and(|o| self.taken(o).is_ok());
         // The updates an engine gave as outputs, into the tensors and the state.
         let mut written = Ok(());
         if let (Ok(o), true) = (&out, taken) {
@@ -468,19 +494,76 @@ impl Trainer {
         self.take_back(&lent, taken).map_err(optim)?;
         let out = out.map_err(|source| TrainError::Run { step, source })?;
         written.map_err(TrainError::Weights)?;
+        let grad_norm = self.taken(&out)?;
+        self.step += 1;
+        Ok(StepLog { step, loss: out.loss, grad_norm, lr, tokens: counted(batch) })
+    }
+
+    /// The global norm of the gradients of a whole step's run `out`, or why its update was not
+    /// taken: a loss or a norm that is not finite (naming the first gradient whose squared norm
+    /// is not), or no norm for each trained tensor.
+    fn taken(&self, out: &StepOutput) -> Result<f64, TrainError> {
+        let step = self.step;
         if !out.loss.is_finite() {
             return Err(TrainError::NonFinite { step, what: format!("the loss is {}", out.loss) });
         }
-        if out.grad_sums.as_ref().map(Vec::len) != Some(self.trained.len()) {
-            let name = self.trained.first().cloned().unwrap_or_default();
-            return Err(TrainError::Run { step, source: RunError::NoGradient(name) });
-        }
+        let sums: Vec<f64> = match &out.grad_sums {
+            Some(sums) if sums.len() == self.trained.len() => sums.iter().map(|&s| f64::from(s)).collect(),
+            _ => {
+                let name = self.trained.first().cloned().unwrap_or_default();
+                return Err(TrainError::Run { step, source: RunError::NoGradient(name) });
+            }
+        };
+        let grad_norm = sums.iter().sum::<f64>().sqrt();
         if !grad_norm.is_finite() {
             let first = self.trained.iter().zip(&sums).find(|(_, s)| !s.is_finite());
             let first = first.map(|(name, &sum)| (name, sum));
             let (name, sum) = first.map_or(("(none)".to_string(), f64::NAN), |(n, s)| (n.clone(), s));
             let what = format!("gradient norm is {grad_norm}: the gradient of `{name}` has a squared norm of {sum}");
             return Err(TrainError::NonFinite { step, what });
+        }
+        Ok(grad_norm)
+    }
+
+    /// [`Trainer::step`] of one micro-batch by the whole step's graph on wgpu (see there): the
+    /// tensors and the optimizer's state are parameters of the step's model on the device
+    /// (written there by the first such step, from the host's), the step's constants are written
+    /// there before each run, and the plan's optimizer updates them in place; the loss and the
+    /// gradients' squared norms are all that is read back. The device takes no step where the
+    /// loss or the norm is not finite, so a refused step leaves everything as it was.
+    fn step_whole_on_device(&mut self, batch: &HashMap<String, Tensor>) -> Result<StepLog, TrainError> {
+        let step = self.step;
+        let lr = self.recipe.lr_at(step);
+        let run = |source: RunError| TrainError::Run { step, source };
+        let optim = |source: OptimError| TrainError::Optim { step, source };
+        let out = match self.resident {
+            Some(Resident::Graph { steps }) => {
+                let constants = update::step_constants(&self.recipe, lr, steps + 1);
+                self.train.write_param(update::STEP_CONSTANTS, &constants).map_err(run)?;
+                self.train.run_whole_on_device(&self.tensors, batch, false, &()).map_err(run)?
+            }
+            _ => {
+                // The host's tensors and state to the device, lent for the upload and taken
+                // back (unchanged); from here the device's are the truth.
+                self.sync()?;
+                self.resident = None;
+                let steps = self.optimizer.step_count();
+                let lent = self.lend(lr).map_err(optim)?;
+                let out = self.train.run_whole_on_device(&self.tensors, batch, true, &());
+                self.take_back(&lent, false).map_err(optim)?;
+                let out = out.map_err(run)?;
+                self.resident = Some(Resident::Graph { steps });
+                self.optimizer.release_state();
+                out
+            }
+        };
+        // The host's copies are behind the device's now (or will be: its state, if read back
+        // since the last step, is dropped again).
+        self.optimizer.release_state();
+        self.stale = true;
+        let grad_norm = self.taken(&out)?;
+        if let Some(Resident::Graph { steps }) = &mut self.resident {
+            *steps += 1;
         }
         self.step += 1;
         Ok(StepLog { step, loss: out.loss, grad_norm, lr, tokens: counted(batch) })
@@ -514,12 +597,12 @@ impl Trainer {
         let lr = self.recipe.lr_at(step);
         let run = |source: RunError| TrainError::Run { step, source };
         let gpu_failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
-        let upload = self.resident.is_none();
+        let upload = !matches!(self.resident, Some(Resident::Optimizer(_)));
         if let (true, Some(gpu)) = (upload, self.train.gpu()) {
             // The state to the device; from here the device's copies are the truth (equal to
             // the host's until the first update), and the host's state is dropped.
             let resident = DeviceOptimizer::new(gpu.clone(), &self.optimizer, &self.trained).map_err(gpu_failed)?;
-            self.resident = Some(resident);
+            self.resident = Some(Resident::Optimizer(Box::new(resident)));
             self.optimizer.release_state();
             self.stale = true;
         }
@@ -539,7 +622,10 @@ impl Trainer {
             } else if c > 0 {
                 let g = in_order(&self.trained, &grads, step)?;
                 let weight = (counted_sum > 0).then(|| (c as f64 / (counted_sum + c) as f64) as f32);
-                self.resident.as_mut().ok_or_else(no_optimizer)?.accumulate(&g, weight).map_err(gpu_failed)?;
+                let Some(Resident::Optimizer(resident)) = self.resident.as_mut() else {
+                    return Err(no_optimizer());
+                };
+                resident.accumulate(&g, weight).map_err(gpu_failed)?;
                 counted_sum += c;
             }
         }
@@ -548,7 +634,8 @@ impl Trainer {
             None => counted_sum,
         };
         let loss = loss_sum / tokens.max(1) as f64;
-        let (host, Some(model), Some(resident)) = (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
+        let (host, Some(model), Some(Resident::Optimizer(resident))) =
+            (&self.optimizer, self.train.gpu_model(), self.resident.as_mut())
         else {
             return Err(no_optimizer());
         };
@@ -614,6 +701,11 @@ impl Trainer {
         let out = self.train.profile(&self.tensors, batch, &());
         if self.whole {
             self.take_back(&lent, false).map_err(|source| TrainError::Optim { step, source })?;
+            // On wgpu that run updated the device's copies in place: the host's are the truth
+            // again (the next step writes them there).
+            if let Some(Resident::Graph { .. }) = self.resident {
+                self.resident = None;
+            }
         }
         out.map_err(|source| TrainError::Run { step, source })
     }

@@ -292,9 +292,10 @@ fn dims_of(
         }
         Op::AddNorm { .. } => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::After => vec![0],
-        // The wgpu trainer updates its tensors with its own kernels (`runtime::gpu::optim`).
+        // The optimizer's steps bind one chunk of their tensors per dispatch (`super::optim`),
+        // which the runtime sizes itself.
         Op::SquareSums | Op::ClipScale { .. } | Op::AdamW { .. } | Op::Sgd { .. } => {
-            return Err(format!("`{}` has no WGSL kernel: a step on wgpu updates outside its graph", op.name()));
+            return Err(format!("`{}` is dispatched per chunk of its tensors (see `wgsl::optim`)", op.name()));
         }
     };
     if total == 0

@@ -61,6 +61,11 @@ pub struct Kernel {
     /// which it may dispatch a second time to combine ([`partials::combine_dims`]).
     #[serde(default)]
     pub partials: bool,
+    /// It is an optimizer's kernel ([`optim::step_kernel`]), which the runtime dispatches per
+    /// chunk of the tensors its step reads, with bindings of its own (see [`optim`]), rather than
+    /// through the steps' calling convention.
+    #[serde(default)]
+    pub optimizer: bool,
 }
 
 /// Choices of the wgpu back end: the device features its kernels may use. The default is plain
@@ -460,8 +465,13 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
             message,
         };
         let elems: Vec<Elem> = step.operands.iter().map(|&v| device_elem(&plan.values[v])).collect();
-        let text = kernel(&step.op, &elems, device_elem(&plan.values[step.output]), geometry(&plan, step), options)
-            .ok_or_else(|| error("no kernel runs this op".into()))?;
+        let optimizer = optim::step_kernel(&step.op);
+        let is_optimizer = optimizer.is_some();
+        let text = match optimizer {
+            Some(text) => text,
+            None => kernel(&step.op, &elems, device_elem(&plan.values[step.output]), geometry(&plan, step), options)
+                .ok_or_else(|| error("no kernel runs this op".into()))?,
+        };
         let k = match kernel_of.get(&text) {
             Some(&k) => k,
             None => {
@@ -473,6 +483,7 @@ pub fn compile(plan: &Plan, options: &Options) -> Result<Program, CompileError> 
                     wgsl: text.clone(),
                     operands: step.operands.len(),
                     partials,
+                    optimizer: is_optimizer,
                 });
                 kernel_of.insert(text, kernels.len() - 1);
                 kernels.len() - 1
