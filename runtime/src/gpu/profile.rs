@@ -28,7 +28,7 @@ pub struct Profile {
     /// The clock the times were read from.
     pub clock: Clock,
     /// Seconds per step of the plan ([`Plan::steps`]), in order; `None` for a step with nothing
-    /// to compute at these sizes (not dispatched), or an optimizer's step (not timed alone).
+    /// to compute at these sizes (not dispatched).
     ///
     /// [`Plan::steps`]: kiln_compiler::lower::Plan::steps
     pub seconds: Vec<Option<f64>>,
@@ -62,10 +62,11 @@ impl GpuModel {
             })
         };
         let mut dispatches = Vec::with_capacity(self.program.plan.steps.len());
-        // (The optimizer's steps of a whole training step are not timed: they run their own way,
-        // `super::update`, and count `None`.)
-        let timed = self.tail.as_ref().map_or(state.bind_groups.len(), |t| t.first);
-        for (i, cached) in state.bind_groups.iter().enumerate().take(timed) {
+        // (The optimizer's steps of a whole training step, from `tail.first` on, bind their own
+        // groups: `super::update`.)
+        let tail = self.tail.as_ref();
+        let steps = self.program.plan.steps.len();
+        for (i, cached) in state.bind_groups.iter().enumerate().take(tail.map_or(steps, |t| t.first)) {
             let (pipeline, _, group) =
                 cached.as_ref().ok_or_else(|| GpuError::Internal(format!("step {i} has no bind group")))?;
             let second = match (state.second_slots.get(i).copied().flatten(), state.second_groups.get(i)) {
@@ -76,9 +77,11 @@ impl GpuModel {
         }
         let record =
             |encoder: &mut wgpu::CommandEncoder, step: usize, writes: Option<wgpu::ComputePassTimestampWrites<'_>>| {
-                let (pipeline, group, grid, second) = dispatches[step];
                 let mut pass =
                     encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes });
+                let Some(&(pipeline, group, grid, second)) = dispatches.get(step) else {
+                    return tail.map_or(Ok(()), |t| t.dispatch_step(&mut pass, step));
+                };
                 if let Some((x, y)) = grid {
                     pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, group, &[]);
@@ -89,15 +92,18 @@ impl GpuModel {
                         pass.dispatch_workgroups(x, y, 1);
                     }
                 }
+                Ok(())
             };
+        // Whether step `step` dispatches anything (every optimizer's step does).
+        let dispatched = |step: usize| dispatches.get(step).is_none_or(|d| d.2.is_some());
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let mut seconds = vec![None; dispatches.len()];
+        let mut seconds = vec![None; steps];
         if gpu.timestamps {
             // Two queries per step, at most `wgpu::QUERY_SET_MAX_QUERIES` per set.
             let per_set = (wgpu::QUERY_SET_MAX_QUERIES / 2) as usize;
             let period = f64::from(gpu.queue.get_timestamp_period()) * 1e-9;
-            for first in (0..dispatches.len()).step_by(per_set) {
-                let steps = first..(first + per_set).min(dispatches.len());
+            for first in (0..steps).step_by(per_set) {
+                let steps = first..(first + per_set).min(steps);
                 let queries = 2 * steps.len() as u32;
                 let set = gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
                     label: Some("profile"),
@@ -117,7 +123,7 @@ impl GpuModel {
                         beginning_of_pass_write_index: Some(2 * q as u32),
                         end_of_pass_write_index: Some(2 * q as u32 + 1),
                     };
-                    record(&mut encoder, step, Some(writes));
+                    record(&mut encoder, step, Some(writes))?;
                 }
                 encoder.resolve_query_set(&set, 0..queries, &resolved, 0);
                 encoder.copy_buffer_to_buffer(&resolved, 0, &staging, 0, bytes);
@@ -125,19 +131,19 @@ impl GpuModel {
                 let data = gpu.read_staging(std::slice::from_ref(&staging), "timestamps", 2 * queries as usize)?;
                 let ticks: Vec<u64> = data.as_chunks::<8>().0.iter().map(|&b| u64::from_le_bytes(b)).collect();
                 for (q, step) in steps.enumerate() {
-                    if dispatches[step].2.is_some() {
+                    if dispatched(step) {
                         seconds[step] = Some(ticks[2 * q + 1].saturating_sub(ticks[2 * q]) as f64 * period);
                     }
                 }
             }
         } else {
             for (step, time) in seconds.iter_mut().enumerate() {
-                if dispatches[step].2.is_none() {
+                if !dispatched(step) {
                     continue;
                 }
                 let mut encoder =
                     gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
-                record(&mut encoder, step, None);
+                record(&mut encoder, step, None)?;
                 let start = std::time::Instant::now();
                 gpu.queue.submit([encoder.finish()]);
                 gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Poll(e.to_string()))?;
@@ -148,7 +154,6 @@ impl GpuModel {
             return Err(GpuError::Rejected { what: "a profiled dispatch", message: e.to_string() });
         }
         gpu.check_lost()?;
-        seconds.resize(self.program.plan.steps.len(), None);
         Ok(Profile { clock: if gpu.timestamps { Clock::Device } else { Clock::Host }, seconds })
     }
 }

@@ -212,9 +212,22 @@ impl Tail {
             let chunks: Vec<&[wgpu::Buffer]> = bound.into_iter().map(std::slice::from_ref).collect();
             bind_group(gpu, group, pipeline, &chunks, None, &self.uniform, d.uniform_at);
         }
+        drop(groups);
         let mut pass = encoder
             .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("optimizer"), timestamp_writes: None });
-        for (d, group) in self.dispatches.iter().zip(groups.iter()) {
+        self.dispatch(&mut pass, |_| true)
+    }
+
+    /// Records on `pass` the dispatches of plan step `step` as the last [`Tail::record`] bound
+    /// them (the profiler times each step alone).
+    pub(super) fn dispatch_step(&self, pass: &mut wgpu::ComputePass<'_>, step: usize) -> Result<(), GpuError> {
+        self.dispatch(pass, |s| s == step)
+    }
+
+    /// Records on `pass` the dispatches of the steps `selected` picks, in order.
+    fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, selected: impl Fn(usize) -> bool) -> Result<(), GpuError> {
+        let groups = self.groups.lock().map_err(|_| GpuError::Poisoned("the optimizer's bind groups"))?;
+        for (d, group) in self.dispatches.iter().zip(groups.iter()).filter(|(d, _)| selected(d.step)) {
             let Some((pipeline, _, group)) = group else {
                 return Err(GpuError::Internal(format!("optimizer step {} has no bind group", d.step)));
             };
