@@ -14,7 +14,7 @@
 //!   the new tensor and state, stacked.
 //!
 //! The gradients stop being outputs: they live from the backward to their update. An engine
-//! may write an update in place of the tensors it reads (the CPU's does), since nothing reads a
+//! may write an update in place of the tensors it reads (the CPU's and wgpu's do), since nothing reads a
 //! tensor after its update: lowering puts every update after every other step.
 
 use super::{LOSS, OptimizerKind, Recipe, TrainGraphError};
