@@ -5,6 +5,7 @@
 
 use crate::common::root;
 use kiln_compiler::autodiff::{blocks, gradients_recomputing};
+use kiln_compiler::graph::Sym;
 use kiln_compiler::spec::PackDims;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors, training_graph};
@@ -285,6 +286,13 @@ fn the_step_graph_updates_in_place_as_its_pure_form_and_the_interpreter() {
     ] {
         let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json").unwrap().resolve().unwrap();
         let whole = update::with_update(&graph, &trained, &recipe).unwrap();
+        // The updates are written in place, so the plan's memory counts none of their results:
+        // the whole step needs what its gradients' graph needs, but for the norms' few floats.
+        let syms = HashMap::from([(Sym::Batch, 2), (Sym::Seq, 8), (Sym::SrcSeq, 8), (Sym::Past, 0), (Sym::Ctx, 8)]);
+        let (step_plan, whole_plan) = (kiln_compiler::lower::lower(&graph), kiln_compiler::lower::lower(&whole));
+        let norms = 4 * (trained.len() as u64 + 1);
+        assert!(whole_plan.peak_live(&syms) <= step_plan.peak_live(&syms) + norms);
+        assert!(whole_plan.memory(&syms).0 <= step_plan.memory(&syms).0 + norms);
         // The tensors, a state of a later step's sizes (first moments and momentum of 1e-3,
         // second moments 1e-4 to 2e-4) and the second step's constants.
         let mut given = params.clone();

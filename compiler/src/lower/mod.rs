@@ -429,13 +429,23 @@ fn value_bytes(value: &Value) -> u64 {
 }
 
 impl Plan {
+    /// The values an optimizer's update writes ([`Op::is_update`]): a trainer's engine writes
+    /// them in place of the tensors and state the update reads, so they take no memory of their
+    /// own (the CPU's deferred updates, wgpu's optimizer steps).
+    fn in_place(&self) -> BTreeSet<usize> {
+        self.steps.iter().filter(|s| s.op.is_update()).map(|s| s.output).collect()
+    }
+
     /// Bytes of every intermediate if none shared a buffer, and bytes of the slots as placed, at
-    /// the given symbol values.
+    /// the given symbol values (an optimizer's updates, written in place, count nothing).
     pub fn memory(&self, syms: &HashMap<Sym, usize>) -> (u64, u64) {
         let mut sum = 0u64;
         let mut slot_bytes = vec![0u64; self.slots];
-        for v in &self.values {
-            if let Storage::Slot(s) = v.storage {
+        let in_place = self.in_place();
+        for (i, v) in self.values.iter().enumerate() {
+            if let Storage::Slot(s) = v.storage
+                && !in_place.contains(&i)
+            {
                 let bytes = 4 * elements(&v.shape, syms) as u64;
                 sum += bytes;
                 slot_bytes[s] = slot_bytes[s].max(bytes);
@@ -445,8 +455,10 @@ impl Plan {
     }
 
     /// The most intermediate bytes live at once (while any step runs: its output and every value
-    /// still to be read), at the given symbol values: the least memory any placement needs.
+    /// still to be read), at the given symbol values: the least memory any placement needs (an
+    /// optimizer's updates, written in place, count nothing).
     pub fn peak_live(&self, syms: &HashMap<Sym, usize>) -> u64 {
+        let in_place = self.in_place();
         let root = |mut v: usize| {
             while let Storage::Alias(a) = self.values[v].storage {
                 v = a;
@@ -468,7 +480,7 @@ impl Plan {
         let mut dying: HashMap<usize, Vec<usize>> = HashMap::new();
         for (i, step) in self.steps.iter().enumerate() {
             for v in step.outputs() {
-                if !matches!(self.values[v].storage, Storage::Slot(_)) {
+                if !matches!(self.values[v].storage, Storage::Slot(_)) || in_place.contains(&v) {
                     continue;
                 }
                 live += bytes(v);

@@ -269,7 +269,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 }
 ";
 
-/// The uniform of the [`clip_scale`] kernel: the number of squared norms, the clipping bound
+/// The uniform of the [`CLIP_SCALE`] kernel: the number of squared norms, the clipping bound
 /// (none: a factor of 1), and the NaN it writes for a step not taken (given, so the module holds
 /// no NaN constant).
 #[derive(Clone, Copy, Debug, PartialEq)]
