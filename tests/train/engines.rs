@@ -189,6 +189,16 @@ fn sgd_on_the_device_trains_as_on_the_host() {
     device_optimizer_trains_as_on_the_host(r#"{"steps": 4, "lr": 0.05, "clip": 0.3, "optimizer": "sgd"}"#);
 }
 
+/// AdamW on the device with a tensor frozen (the norms and updates over the others only),
+/// vectors decaying too, and smoothed labels.
+#[test]
+fn adamw_on_the_device_trains_a_frozen_tensor_as_on_the_host() {
+    device_optimizer_trains_as_on_the_host(
+        r#"{"steps": 4, "lr": 0.01, "clip": 0.3, "weight_decay": 0.5, "decay_1d": true,
+            "frozen": ["model.embed_tokens.weight"], "label_smoothing": 0.1}"#,
+    );
+}
+
 /// [`adamw_on_the_device_trains_as_on_the_host`] for the recipe `recipe` (JSON).
 fn device_optimizer_trains_as_on_the_host(recipe: &str) {
     use kiln_compiler::train::recipe::{Format, RecipeFile};
