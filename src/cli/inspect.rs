@@ -5,7 +5,7 @@
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
 use kiln_compiler::back::wgsl;
-use kiln_compiler::graph::{Graph, Sym, print};
+use kiln_compiler::graph::{Graph, Op, Sym, print};
 use kiln_compiler::{FrontEnd, lower, optimize};
 use kiln_runtime::{Storage, Weights};
 use std::collections::HashMap;
@@ -403,32 +403,35 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
         let operands: Vec<Vec<usize>> = step.operands.iter().map(|&v| shape(v)).collect();
         let workgroups =
             |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
-        let dispatched = match step.op.is_optimizer() {
-            // An optimizer's step binds one chunk of its tensors per dispatch, in place.
-            true => Err(match step.op.is_update() {
-                true => "a dispatch per chunk of the tensor, written in place with its state".to_string(),
-                false => "a dispatch per chunk of each gradient".to_string(),
-            }),
-            false => wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options),
+        // An optimizer's step binds one chunk of its tensors per dispatch (`wgsl::optim`).
+        let optimizer = match step.op {
+            Op::SquareSums => Some("a dispatch per chunk of each gradient, then one adding each tensor's"),
+            Op::ClipScale { .. } => Some("one workgroup"),
+            Op::AdamW { .. } | Op::Sgd { .. } => {
+                Some("a dispatch per chunk of the tensor, written in place with its state")
+            }
+            _ => None,
         };
-        let launch = match dispatched {
-            // A split attention dispatches again to combine its key ranges, a reduction over
-            // chunks of rows its chunks.
-            Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, &dims) {
-                Some(second) if wgsl::partials::over_rows(&step.op) => {
-                    format!("{}, then {} combining them", workgroups(&dims), workgroups(&second))
-                }
-                Some(second) => format!(
-                    "{} ({} key ranges), then {} combining them",
-                    workgroups(&dims),
-                    dims[14],
-                    workgroups(&second)
-                ),
-                None => workgroups(&dims),
+        let launch = match optimizer {
+            Some(how) => how.to_string(),
+            None => match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
+                // A split attention dispatches again to combine its key ranges, a reduction over
+                // chunks of rows its chunks.
+                Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, &dims) {
+                    Some(second) if wgsl::partials::over_rows(&step.op) => {
+                        format!("{}, then {} combining them", workgroups(&dims), workgroups(&second))
+                    }
+                    Some(second) => format!(
+                        "{} ({} key ranges), then {} combining them",
+                        workgroups(&dims),
+                        dims[14],
+                        workgroups(&second)
+                    ),
+                    None => workgroups(&dims),
+                },
+                Ok(_) => "no dispatch".into(),
+                Err(e) => format!("no launch at these sizes: {e}"),
             },
-            Ok(_) => "no dispatch".into(),
-            Err(e) if step.op.is_optimizer() => e,
-            Err(e) => format!("no launch at these sizes: {e}"),
         };
         let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
         let scope = kiln_compiler::graph::scope_name(&step.scope);

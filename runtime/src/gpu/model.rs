@@ -227,33 +227,35 @@ impl GpuModel {
     /// [`GpuModel::set_params`]'s pass over every parameter. `values` must hold the parameter's
     /// elements exactly.
     pub fn write_param(&self, name: &str, values: &[f32]) -> Result<(), GpuError> {
-        let plan = &self.program.plan;
-        let value = plan.values.iter().find(|v| matches!(&v.storage, Storage::Param(n) if n == name));
-        let elements: Option<usize> = value.and_then(|v| {
-            v.shape.iter().map(|d| if let kiln_compiler::graph::Dim::Fixed(n) = d { Some(*n) } else { None }).product()
-        });
-        match (self.param_buffers(name), elements) {
-            (Some(buffers), Some(n)) if n == values.len() => {
+        match self.f32_param(name) {
+            Some((buffers, shape)) if shape.iter().product::<usize>() == values.len() => {
                 self.gpu.write_chunked(buffers, bytemuck::cast_slice(values));
                 Ok(())
             }
-            (Some(_), Some(n)) => {
-                Err(GpuError::Internal(format!("`{name}` has {n} elements; {} were given", values.len())))
+            Some((_, shape)) => {
+                Err(GpuError::Internal(format!("`{name}` has shape {shape:?}; {} values were given", values.len())))
             }
-            _ => Err(GpuError::Internal(format!("the model holds no f32 parameter `{name}` of a fixed shape"))),
+            None => Err(GpuError::Internal(format!("the model holds no f32 parameter `{name}` of a fixed shape"))),
         }
     }
 
     /// The f32 parameter `name` as the device holds it now, read back (`None` where the model
     /// holds no f32 parameter of a fixed shape by that name: see [`GpuModel::param_buffers`]).
     pub fn read_param(&self, name: &str) -> Option<Result<Tensor, GpuError>> {
+        let (buffers, shape) = self.f32_param(name)?;
+        Some(super::optim::read(&self.gpu, buffers, &shape))
+    }
+
+    /// The buffers and the fixed shape of the f32 parameter `name` (see
+    /// [`GpuModel::param_buffers`]).
+    fn f32_param(&self, name: &str) -> Option<(&[wgpu::Buffer], Vec<usize>)> {
         let value = self.program.plan.values.iter().find(|v| matches!(&v.storage, Storage::Param(n) if n == name))?;
-        let shape: Vec<usize> = value
+        let shape = value
             .shape
             .iter()
             .map(|d| if let kiln_compiler::graph::Dim::Fixed(n) = d { Some(*n) } else { None })
             .collect::<Option<_>>()?;
-        Some(super::optim::read(&self.gpu, self.param_buffers(name)?, &shape))
+        Some((self.param_buffers(name)?, shape))
     }
 
     /// The buffers holding the parameter `name` on the device (chunks of [`Gpu::chunk_bytes`]),

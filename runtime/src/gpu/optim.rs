@@ -115,8 +115,8 @@ pub struct DeviceOptimizer {
 }
 
 /// Bytes of a uniform entry: the 64 a bind group binds (see [`cached`]), rounded up to the
-/// device's offset alignment.
-fn stride(gpu: &Gpu) -> u64 {
+/// device's offset alignment. (`super::update`'s uniforms are laid out the same way.)
+pub(super) fn stride(gpu: &Gpu) -> u64 {
     64u64.next_multiple_of(u64::from(gpu.limits.min_uniform_buffer_offset_alignment.max(1)))
 }
 

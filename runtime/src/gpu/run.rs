@@ -277,10 +277,7 @@ impl GpuModel {
                 substitutes.instead.insert(v, vec![t.placeholder.clone()]);
             }
         }
-        let unwritten = |name: &str| {
-            let outputs = tail.map_or(&[][..], |t| t.outputs.as_slice());
-            self.program.plan.outputs.iter().any(|(n, v)| n == name && outputs.contains(v))
-        };
+        let unwritten = |name: &str| tail.is_some_and(|t| t.unwritten.contains(name));
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
         let at =

@@ -34,6 +34,7 @@ use kiln_compiler::back::wgsl::optim::{AdamWSettings, ClipSettings, SUM_PARTS, S
 use kiln_compiler::back::wgsl::optim::{CLIP_SCALE, SUM_SQUARES};
 use kiln_compiler::back::wgsl::{Program, workgroups};
 use kiln_compiler::graph::{Dim, Op};
+use std::collections::HashSet;
 use std::sync::Mutex;
 
 /// What one dispatch of the tail binds after its uniform.
@@ -64,6 +65,8 @@ pub(super) struct Tail {
     pub(super) first: usize,
     /// The update steps' output values, which no step writes: bound to a placeholder.
     pub(super) outputs: Vec<usize>,
+    /// The plan's outputs among them, by name: never read back.
+    pub(super) unwritten: HashSet<String>,
     /// A buffer of 16 bytes that nothing reads or writes, bound for [`Tail::outputs`].
     pub(super) placeholder: wgpu::Buffer,
     dispatches: Vec<Dispatch>,
@@ -98,7 +101,7 @@ impl Tail {
                 .product()
         };
         let per_chunk = (gpu.chunk_bytes / 4).max(1) as usize;
-        let stride = 64u64.next_multiple_of(u64::from(gpu.limits.min_uniform_buffer_offset_alignment.max(1)));
+        let stride = super::optim::stride(gpu);
         let (mut dispatches, mut words): (Vec<Dispatch>, Vec<u8>) = (Vec::new(), Vec::new());
         let mut push = |step: usize, bind: Bind, uniform: &[u32], grid: (u32, u32)| {
             let uniform_at = words.len() as u64;
@@ -162,9 +165,11 @@ impl Tail {
         let parts = gpu.buffer("the gradients' partial sums of squares", 4 * u64::from(parts_len.max(1)), STORAGE)?;
         let ranges_buffer = gpu.buffer("the partial sums' ranges", 4 * ranges.len() as u64, STORAGE)?;
         gpu.queue.write_buffer(&ranges_buffer, 0, bytemuck::cast_slice(&ranges));
+        let unwritten = plan.outputs.iter().filter(|(_, v)| outputs.contains(v)).map(|(n, _)| n.clone()).collect();
         Ok(Some(Tail {
             first,
             outputs,
+            unwritten,
             placeholder: gpu.buffer("an update's unwritten result", 16, STORAGE)?,
             groups: Mutex::new((0..dispatches.len()).map(|_| None).collect()),
             dispatches,

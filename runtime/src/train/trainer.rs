@@ -323,9 +323,8 @@ impl Trainer {
         };
         let step = self.step;
         let failed = |e: GpuError| TrainError::Run { step, source: RunError::from(e) };
-        // The model whose parameters the device updates.
-        // (A trainer whose step's graph has the update keeps it in that graph's model; one that
-        // runs the gradients' graph, with `DeviceOptimizer`, in that one: `train` either way.)
+        // The model whose parameters the device updates: the step's graph's (with the update in
+        // it, or the gradients' graph that `DeviceOptimizer` follows), `train` either way.
         let model = self.train.gpu_model();
         // The parameters, unless the model was never built (its first run failed): then the
         // host's are still the truth.
@@ -553,7 +552,6 @@ impl Trainer {
                 self.take_back(&lent, false).map_err(optim)?;
                 let out = out.map_err(run)?;
                 self.resident = Some(Resident::Graph { steps });
-                self.optimizer.release_state();
                 out
             }
         };
