@@ -318,7 +318,21 @@ pub fn time_kernel(
     seq: usize,
     runs: usize,
 ) -> R<f64> {
-    let (model, inputs) = chain_model(device, g, options, format, seq)?;
+    time_kernel_with(device, g, options, format, seq, runs, false)
+}
+
+/// [`time_kernel`], with `int8` the CPU's quantized projections multiplied with int8 activations
+/// ([`Storage::int8_activations`]).
+pub fn time_kernel_with(
+    device: &Device,
+    g: &Graph,
+    options: &lower::Options,
+    format: WeightFormat,
+    seq: usize,
+    runs: usize,
+    int8: bool,
+) -> R<f64> {
+    let (model, inputs) = chain_model(device, g, options, format, seq, int8)?;
     model.run(&inputs)?;
     let measured: Vec<usize> = (model.plan().steps.iter().enumerate())
         .filter(|(_, step)| !matches!(step.op, Op::Gather | Op::Slice { .. }))
@@ -333,13 +347,14 @@ pub fn time_kernel(
 }
 
 /// A [`chain`] graph loaded on `device` with random weights (projection weights `w*` stored in
-/// `format`), and its input of `seq` ids.
+/// `format`; with `int8`, multiplied with int8 activations), and its input of `seq` ids.
 fn chain_model(
     device: &Device,
     g: &Graph,
     options: &lower::Options,
     format: WeightFormat,
     seq: usize,
+    int8: bool,
 ) -> R<(Model, HashMap<String, Tensor>)> {
     let mut params = interp::random_params(g, 2)?;
     let mut blocks = HashMap::new();
@@ -356,7 +371,7 @@ fn chain_model(
         WeightFormat::F16 => crate::device::Precision::F16,
         _ => crate::device::Precision::F32,
     };
-    let storage = Storage { precision, ..Storage::default() };
+    let storage = Storage { precision, int8_activations: int8, ..Storage::default() };
     let model = device.load_plan(plan, Weights::Given { params: &params, blocks: &blocks }, storage, &())?;
     Ok((model, chain_inputs(seq)))
 }

@@ -7,7 +7,7 @@ use crate::progress::Reporter;
 use anyhow::Result;
 use kiln_compiler::lower::{self, WeightFormat};
 use kiln_runtime::Device;
-use kiln_runtime::measure::{fusion_graph, projection_graph, time_kernel};
+use kiln_runtime::measure::{fusion_graph, projection_graph, time_kernel, time_kernel_with};
 
 /// Runs `kiln bench kernels`.
 pub fn run(args: KernelArgs, reporter: &Reporter) -> Result<()> {
@@ -82,23 +82,28 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
         }
     }
     // A decode GEMV whose weight streams from memory, far past the caches: Gemma 3's 262144 x 640
-    // head in Q8_0 (180 MB), the largest product of its decode step, beside the bandwidth the
-    // threads read from memory. The CPU only (a GPU's decode is timed by `bench decode`).
-    let streaming = match device {
-        Device::Cpu { threads } => {
-            let (k, n, format) = (640, 262_144, WeightFormat::Q8_0);
-            let ms = time_kernel(device, &projection_graph(k, Some(n))?, &fast, format, 1, runs)?;
+    // head in Q8_0 (180 MB), the largest product of its decode step, with f32 activations (the
+    // default) and with int8 ones (`--int8-activations`), beside the bandwidth the threads read
+    // from memory. The CPU only (a GPU's decode is timed by `bench decode`).
+    let mut streaming = Vec::new();
+    if let Device::Cpu { threads } = device {
+        let (k, n, format) = (640, 262_144, WeightFormat::Q8_0);
+        let read = kiln_runtime::measure::read_bandwidth(*threads, super::decode::BANDWIDTH_BUFFER, 10)? / 1e9;
+        for (acts, int8) in [("f32", false), ("int8", true)] {
+            let ms = time_kernel_with(device, &projection_graph(k, Some(n))?, &fast, format, 1, runs, int8)?;
             let bytes = format.bytes(n, k);
-            let read = kiln_runtime::measure::read_bandwidth(*threads, super::decode::BANDWIDTH_BUFFER, 10)?;
-            Some((k, n, format, ms, bytes, bytes as f64 / (ms.max(1e-6) * 1e6), read / 1e9))
+            streaming.push((k, n, format, acts, ms, bytes, bytes as f64 / (ms.max(1e-6) * 1e6), read));
         }
-        _ => None,
-    };
+    }
     if json {
-        let streaming = streaming.map(|(k, n, f, ms, bytes, gb_s, read)| {
-            serde_json::json!({"shape": "decode GEMV from memory (Gemma 3's head)", "m": 1, "k": k, "n": n,
-                "format": f.name(), "ms": ms, "weight_bytes": bytes, "weight_gb_s": gb_s, "read_bandwidth_gb_s": read})
-        });
+        let streaming: Vec<serde_json::Value> = streaming
+            .iter()
+            .map(|(k, n, f, acts, ms, bytes, gb_s, read)| {
+                serde_json::json!({"shape": "decode GEMV from memory (Gemma 3's head)", "m": 1, "k": k, "n": n,
+                    "format": f.name(), "activations": acts, "ms": ms, "weight_bytes": bytes, "weight_gb_s": gb_s,
+                    "read_bandwidth_gb_s": read})
+            })
+            .collect();
         let rows: Vec<serde_json::Value> = rows
             .iter()
             .map(|(s, old, new, go, gn)| {
@@ -167,10 +172,10 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
                 f32_ms / ms
             );
         }
-        if let Some((k, n, f, ms, bytes, gb_s, read)) = streaming {
+        for (k, n, f, acts, ms, bytes, gb_s, read) in &streaming {
             println!(
-                "decode GEMV from memory (Gemma 3's head): {k} -> {n}, {}, {ms:.2} ms, {bytes} weight bytes, \
-                 {gb_s:.1} GB/s = {:.0}% of the {read:.1} GB/s these threads read",
+                "decode GEMV from memory (Gemma 3's head): {k} -> {n}, {}, {acts} activations, {ms:.2} ms, \
+                 {bytes} weight bytes, {gb_s:.1} GB/s = {:.0}% of the {read:.1} GB/s these threads read",
                 f.name(),
                 100.0 * gb_s / read
             );
