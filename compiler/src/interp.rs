@@ -1309,6 +1309,16 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             y
         }
+        Op::SumRows => {
+            // The leading axes summed first to last (its shape rule gives it at least one).
+            let mut sp = a[0].shape().get(1..).unwrap_or_default().to_vec();
+            let mut y = eval(ctx, &Op::SumAxis { axis: 0 }, &[a[0]], sp.clone())?;
+            while sp.len() > 1 {
+                sp.remove(0);
+                y = eval(ctx, &Op::SumAxis { axis: 0 }, &[&y], sp.clone())?;
+            }
+            y
+        }
         Op::Linear { act, bias, residual, norm, glu, rope } => {
             // Operands: x, the norm's gain and bias, w, the bias, the residual.
             let mut next = 1;

@@ -907,6 +907,32 @@ fn weight_grad_rows() {
     assert!(!ops(&opt).iter().any(|o| o == "sum_axis" || o == "permute"), "{:?}", ops(&opt));
 }
 
+/// A bias's gradient as autodiff builds it — the upstream gradient summed over the batch, then
+/// the sequence, the kept axes reshaped away — becomes one sum over every row.
+#[test]
+fn bias_grad_rows() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let dy = g.add(Op::Act(Activation::Relu), &[x]).unwrap();
+    let over_batch = g.add(Op::SumAxis { axis: 0 }, &[dy]).unwrap();
+    let over_seq = g.add(Op::SumAxis { axis: 1 }, &[over_batch]).unwrap();
+    let db = g.add(Op::Reshape { shape: vec![Dim::Fixed(D)] }, &[over_seq]).unwrap();
+    g.outputs.push(("db".into(), db));
+    let opt = check("bias-grad-rows", &g);
+    assert!(ops(&opt).contains(&"sum_rows".to_string()), "{:?}", ops(&opt));
+    assert!(!ops(&opt).iter().any(|o| o == "sum_axis"), "{:?}", ops(&opt));
+
+    // Sums that keep a leading axis (the batch's, then the columns') are left alone.
+    let mut g = Graph::new("t");
+    let x = input(&mut g);
+    let over_batch = g.add(Op::SumAxis { axis: 0 }, &[x]).unwrap();
+    let over_columns = g.add(Op::SumAxis { axis: 2 }, &[over_batch]).unwrap();
+    let db = g.add(Op::Reshape { shape: vec![Dim::Sym(Sym::Seq)] }, &[over_columns]).unwrap();
+    g.outputs.push(("db".into(), db));
+    let (opt, _) = optimize_with(&g, &Limits::default(), &CostModel::default(), &rules::phases()).unwrap();
+    assert!(!ops(&opt).contains(&"sum_rows".to_string()), "{:?}", ops(&opt));
+}
+
 /// A weight stored `[in, out]` (GPT-2's `Conv1D`), read transposed by the forward: its gradient
 /// comes out in its own layout, and the input's gradient reads it in place — no transposes.
 #[test]

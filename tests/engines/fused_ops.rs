@@ -1365,7 +1365,8 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
 /// tensors are split and the chunked kernel variants run) against the interpreter: matrix
 /// products of activations in both layouts (in both block forms of the tiled kernel, and with the
-/// contraction split in slices), sums over each axis, every activation's derivative,
+/// contraction split in slices), sums over each axis and over every row (a bias's gradient, over
+/// rows in several chunks too), every activation's derivative,
 /// `rsqrt`, and the backward ops — the norms' (their gain gradients over few rows and over rows
 /// in several chunks: the two-dispatch form, `partials`, and chunked the one-dispatch form), the
 /// gather's (rows of `dy` added by id, repeated ids among them), the cross-entropy and its
@@ -1462,6 +1463,17 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         for &axis in axes {
             out(&mut g, &format!("sum{shape:?}.{axis}"), Op::SumAxis { axis }, &[x]);
         }
+    }
+    // A bias's gradient, the sum over every leading axis: of a matrix, of a stack, and (wide) over
+    // enough rows that the WGSL kernel's workgroups take them in several chunks, the last short,
+    // and over more than 64 columns.
+    let mut sums = vec![vec![5usize, w], vec![2, 3, w]];
+    if wide {
+        sums.extend([vec![3, 45, w], vec![2, 9, big]]);
+    }
+    for shape in sums {
+        let x = g.param(&format!("sum_rows{shape:?}.x"), &shape);
+        out(&mut g, &format!("sum_rows{shape:?}"), Op::SumRows, &[x]);
     }
     for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
         let x = g.param(&format!("grad.{}.x", act.name()), &[4, w]);

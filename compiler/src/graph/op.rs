@@ -709,6 +709,11 @@ pub enum Op {
     /// gradient of a weight shared by every row (`dW = sum over rows of x^T dy`), one GEMM over
     /// all the rows instead of a product per batch entry, its transpose and its sum.
     ContractRows,
+    /// The sum over every leading axis: `(x f32[.., r, n]) -> [n]`, `sum_axis(0)` once per
+    /// leading axis, the kept axes reshaped away — a bias's gradient (or a norm's shift's), the
+    /// upstream gradient summed over every row, in one pass where the composition runs a sum per
+    /// axis (on a GPU the last a thread per column walking every row).
+    SumRows,
     /// A projection with its prologue and epilogue:
     /// `rope(act(norm(x) @ w^T + bias)) + residual`, operands
     /// `(x [.., k][, gain [k][, norm_bias [k]]], w [m, k][, bias [m]][, residual [.., n]])`.
@@ -904,6 +909,7 @@ impl Op {
             Op::NormGrad { rms: true, .. } => "rms_norm_grad".into(),
             Op::TopKGrad { .. } => "top_k_grad".into(),
             Op::ContractRows => "contract_rows".into(),
+            Op::SumRows => "sum_rows".into(),
             Op::SquareSums => "square_sums".into(),
             Op::ClipScale { .. } => "clip_scale".into(),
             Op::AdamW { .. } => "adamw".into(),

@@ -737,6 +737,12 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 )),
             }
         }
+        Op::SumRows => {
+            arity(1)?;
+            let x = float(0)?;
+            rank_at_least(x, 2, "x")?;
+            Ok((vec![x[x.len() - 1]], DType::F32))
+        }
         Op::ContractRows => {
             arity(2)?;
             let (a, b) = (float(0)?, float(1)?);

@@ -128,6 +128,8 @@ mod kl {
             "sum_axis" = SumAxis([Id; 2]),
             // (contract_rows a b): the products of rows summed, `sum(a^T b)` over the leading axes
             "contract_rows" = ContractRows([Id; 2]),
+            // (sum_rows x): the sum over every leading axis, `[.., n] -> [n]`
+            "sum_rows" = SumRows([Id; 1]),
             // (norm_grad op x gain dy residual|none): a norm's input gradient, the op attribute
             // the whole `Op::NormGrad`
             "norm_grad" = NormGrad([Id; 5]),
@@ -315,6 +317,7 @@ pub fn to_op(egraph: &KGraph, enode: &Kl) -> Option<(Op, Vec<Id>)> {
             _ => return None,
         },
         Kl::ContractRows([a, b]) => (Op::ContractRows, vec![*a, *b]),
+        Kl::SumRows([x]) => (Op::SumRows, vec![*x]),
         Kl::NormGrad([c, x, g, dy, r]) => match attr(egraph, *c)? {
             AttrValue::Op(op @ Op::NormGrad { .. }) => {
                 let mut ops = vec![*x, *g, *dy];
@@ -365,6 +368,7 @@ pub(super) fn add_op(egraph: &mut KGraph, node: &Node, operands: &[Id]) -> Id {
         Op::Gather => Kl::Gather([o(0), o(1)]),
         Op::SumAxis { axis } => Kl::SumAxis([leaf(egraph, AttrValue::Count(*axis)), o(0)]),
         Op::ContractRows => Kl::ContractRows([o(0), o(1)]),
+        Op::SumRows => Kl::SumRows([o(0)]),
         Op::NormGrad { .. } => Kl::NormGrad([leaf(egraph, AttrValue::Op(node.op.clone())), o(0), o(1), o(2), o(3)]),
         op => {
             let mut children = vec![leaf(egraph, AttrValue::Op(op.clone()))];

@@ -1,7 +1,7 @@
 //! Native kernels for the ops a training step adds to a forward pass: batched matrix products
 //! (activations times activations, and the products of a backward pass), a weight's gradient over
 //! every row, sums over an axis (a gradient reduced over the axes its operand was broadcast
-//! along), activation derivatives, the loss and its gradient; and the ops a training step keeps
+//! along) and over every row (a bias's gradient), activation derivatives, the loss and its gradient; and the ops a training step keeps
 //! unfused, which inference runs inside fused kernels (softmax and masks, whose probabilities the
 //! backward reads; slices, concatenations, offsets and reciprocal square roots).
 //! Each computes what the interpreter computes for the op (`tests/engines/fused_ops.rs` holds
@@ -117,6 +117,33 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
                     row.par_chunks_mut(COLUMNS).enumerate().for_each(|(c, out)| sum(o, c * COLUMNS, out));
                 }
             }
+            Ok(true)
+        }
+        Op::SumRows => {
+            let (s, x) = operand(0)?;
+            let Some(&n) = s.last() else { return Ok(false) };
+            let y = out.get();
+            if y.len() != n || n == 0 || x.len() % n != 0 {
+                return Ok(false);
+            }
+            // The rows in chunks of a fixed size (whatever the threads, so the result is too),
+            // each chunk's column sums in f64 in row order, then the chunks' sums added in order.
+            let chunk = (MIN_ELEMENTS / n).max(1) * n;
+            let parts: Vec<Vec<f64>> = x
+                .par_chunks(chunk)
+                .map(|rows| {
+                    let mut acc = vec![0.0f64; n];
+                    for row in rows.chunks_exact(n) {
+                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += f64::from(v));
+                    }
+                    acc
+                })
+                .collect();
+            let mut total = vec![0.0f64; n];
+            for p in parts {
+                total.iter_mut().zip(p).for_each(|(t, p)| *t += p);
+            }
+            y.iter_mut().zip(total).for_each(|(y, t)| *y = t as f32);
             Ok(true)
         }
         Op::ActGrad(act) => {

@@ -79,7 +79,7 @@ fn dims_of(
         // A workgroup per row (`emit::cooperative`): [rows * 64, d].
         Op::NormGrad { .. } | Op::SoftmaxGrad => vec![rows(out) * WORKGROUP as usize, last(out)],
         // Reductions over rows in two dispatches, or one where chunked (`partials`).
-        Op::NormGainGrad { .. } | Op::CrossEntropy { .. } => {
+        Op::NormGainGrad { .. } | Op::SumRows | Op::CrossEntropy { .. } => {
             let x = operand(0)?;
             super::partials::dims(op, rows(x), last(x), chunked).unwrap_or_default()
         }

@@ -29,7 +29,7 @@ const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
 /// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, the heads
 /// normalized per head, the cross-entropy and its gradient, the gather's backward, the norms' and
-/// the softmax's gradients, a norm's gain gradient per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
+/// the softmax's gradients, a norm's gain gradient and a sum over rows per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
 /// invocation's index in the workgroup, and (see [`reduces`]) reduces the row with `row_sum` and
 /// `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
 /// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
@@ -46,15 +46,16 @@ pub fn cooperative(op: &Op) -> bool {
             | Op::CrossEntropyGrad { .. }
             | Op::GatherGrad
             | Op::NormGainGrad { .. }
+            | Op::SumRows
             | Op::NormGrad { .. }
             | Op::SoftmaxGrad
     ) || super::gemm::tiled(op)
 }
 
-/// Whether a [`cooperative`] kernel reduces across its workgroup (all but the gather's backward,
-/// whose lanes each own columns of the row they write).
+/// Whether a [`cooperative`] kernel reduces across its workgroup (all but the gather's backward
+/// and the sum over rows, whose lanes each own columns of what they write).
 pub fn reduces(op: &Op) -> bool {
-    cooperative(op) && !matches!(op, Op::GatherGrad) && !super::gemm::tiled(op)
+    cooperative(op) && !matches!(op, Op::GatherGrad | Op::SumRows) && !super::gemm::tiled(op)
 }
 
 /// Element type of a buffer as the kernel sees it.
@@ -201,7 +202,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             start = if operands > 3 { "in3[base + j]" } else { "0.0" }
         ),
         // Two dispatches, or one in a chunked step (`partials`).
-        Op::CrossEntropy { .. } | Op::NormGainGrad { .. } => return super::partials::whole_body(op),
+        Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows => return super::partials::whole_body(op),
         // A workgroup per row ([`cooperative`]): the counted rows (the lanes striding the labels),
         // the row's maximum and exponentials' sum, then `dy / counted * (softmax - target)` per
         // element, zero in a row that takes no loss.

@@ -584,6 +584,7 @@ mod tests {
             (Op::GatherGrad, vec![f, i, f, f]),
             (Op::TruncateGrad, vec![f, f]),
             (Op::ContractRows, vec![f, f]),
+            (Op::SumRows, vec![f]),
             (Op::SoftmaxGrad, vec![f, f]),
             (Op::NormGainGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f]),
             (Op::NormGainGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f]),
@@ -622,7 +623,7 @@ mod tests {
             );
             // The reductions over rows and the tiled products (a split contraction's) bind partial
             // results, but where chunked (`partials`).
-            let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. });
+            let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows);
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
             let split = kernel(&op, &inputs, f, None, &Options::hardware()).unwrap();
             super::super::validate(&split).unwrap_or_else(|e| panic!("{} {}: {e}\n{split}", op.name(), op.attrs()));

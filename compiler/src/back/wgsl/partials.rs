@@ -17,6 +17,8 @@
 //!   workgroup reduces the row's statistics (its lanes striding the row), then each lane adds its
 //!   column's term. Sizes `[threads, rows, d, chunk, chunks, blocks]`; the partial sums are
 //!   `chunks x d`, combined one thread per column in chunk order.
+//! - **Sum over rows** `sum over rows of x` (a bias's gradient): the gain gradient's layout and
+//!   sizes, each lane adding its column's element of each row of its chunk (no statistics).
 //! - **Cross-entropy**: a workgroup per row writes the row's loss and whether it counts (`part[r]`,
 //!   `part[rows + r]`); one workgroup sums both and writes their quotient. Sizes `[threads, rows,
 //!   vocab]`.
@@ -42,7 +44,7 @@ const GAIN_GRAD_MIN_CHUNK: usize = 8;
 /// Whether `op` is one of this module's reductions over rows (which always have partials, but
 /// where chunked).
 pub fn over_rows(op: &Op) -> bool {
-    matches!(op, Op::NormGainGrad { .. } | Op::CrossEntropy { .. } | Op::AttentionGrad { .. })
+    matches!(op, Op::NormGainGrad { .. } | Op::SumRows | Op::CrossEntropy { .. } | Op::AttentionGrad { .. })
 }
 
 /// Whether `op`'s kernel compiled with `options` binds a scratch buffer of partial results, which
@@ -65,7 +67,7 @@ pub fn combine_dims(op: &Op, dims: &[u32; 16]) -> Option<[u32; 16]> {
     c[15] = 2;
     match op {
         // One thread per column.
-        Op::NormGainGrad { .. } => c[0] = dims[5] * WORKGROUP,
+        Op::NormGainGrad { .. } | Op::SumRows => c[0] = dims[5] * WORKGROUP,
         // One workgroup.
         Op::CrossEntropy { .. } => c[0] = WORKGROUP,
         // One thread per output row.
@@ -82,7 +84,7 @@ pub fn partials_bytes(op: &Op, dims: &[u32; 16]) -> u64 {
         return 0;
     }
     let floats = match op {
-        Op::NormGainGrad { .. } => u64::from(dims[4]) * u64::from(dims[2]),
+        Op::NormGainGrad { .. } | Op::SumRows => u64::from(dims[4]) * u64::from(dims[2]),
         Op::CrossEntropy { .. } => 2 * u64::from(dims[1]),
         Op::AttentionGrad { .. } => 3 * u64::from(dims[5]),
         _ if gemm::tiled(op) => return gemm::partials_bytes(dims),
@@ -96,7 +98,7 @@ pub fn partials_bytes(op: &Op, dims: &[u32; 16]) -> u64 {
 pub(super) fn dims(op: &Op, rows: usize, width: usize, whole: bool) -> Option<Vec<usize>> {
     let lanes = WORKGROUP as usize;
     let mut d = match op {
-        Op::NormGainGrad { .. } => {
+        Op::NormGainGrad { .. } | Op::SumRows => {
             let blocks = width.div_ceil(lanes).max(1);
             let chunk = match whole {
                 true => rows,
@@ -119,6 +121,11 @@ pub(super) fn dims(op: &Op, rows: usize, width: usize, whole: bool) -> Option<Ve
     Some(d)
 }
 
+/// The second dispatch of the reductions to one value per column: a thread per column adds its
+/// chunks' partial sums in chunk order.
+const COMBINE_COLUMNS: &str = "let d = dim(2u);\nlet chunks = dim(4u);\nlet col = wg * 64u + lane;\nif (col < d) {\n    \
+     var t = 0.0;\n    for (var c = 0u; c < chunks; c = c + 1u) { t = t + part[c * d + col]; }\n    out[col] = t;\n}";
+
 /// The statements of the gain gradient's workgroup, up to `acc` (its lane's column's sum over the
 /// workgroup's chunk of rows, `col` that column).
 fn gain_grad_sums(rms: bool, eps: f32) -> String {
@@ -136,6 +143,14 @@ fn gain_grad_sums(rms: bool, eps: f32) -> String {
          let rs = 1.0 / sqrt(row_sum(lane, q) / f32(d) + {eps:?});\n    \
          if (col < d) {{ acc = acc + in1[base + col] * (in0[base + col] - mean) * rs; }}\n}}\n"
     )
+}
+
+/// The statements of a sum over rows' workgroup (the gain gradient's layout), up to `acc` (its
+/// lane's column's sum over the workgroup's chunk of rows, in row order; `col` that column).
+fn row_sums() -> &'static str {
+    "let rows = dim(1u);\nlet d = dim(2u);\nlet chunk = dim(3u);\nlet blocks = dim(5u);\n\
+     let first = (wg / blocks) * chunk;\nlet last = min(first + chunk, rows);\nlet col = (wg % blocks) * 64u + lane;\n\
+     var acc = 0.0;\nif (col < d) {\n    for (var r = first; r < last; r = r + 1u) { acc = acc + in0[r * d + col]; }\n}\n"
 }
 
 /// The cross-entropy of row `r` (`base` its first logit) in the lanes of a workgroup: `loss` and
@@ -168,6 +183,7 @@ fn cross_entropy_row(smoothing: f32, ignore_index: i64, indent: &str) -> String 
 pub(super) fn whole_body(op: &Op) -> Option<String> {
     Some(match op {
         Op::NormGainGrad { rms, eps } => format!("{}if (col < d) {{ out[col] = acc; }}", gain_grad_sums(*rms, eps.0)),
+        Op::SumRows => format!("{}if (col < d) {{ out[col] = acc; }}", row_sums()),
         Op::CrossEntropy { smoothing, ignore_index } => format!(
             "let rows = dim(1u);\nlet v = dim(2u);\nvar total = 0.0;\nvar counted = 0.0;\n\
              for (var r = 0u; r < rows; r = r + 1u) {{\n    let base = r * v;\n{}    \
@@ -193,9 +209,11 @@ pub(super) fn partial_body(op: &Op, operands: usize) -> Option<String> {
         }
         Op::NormGainGrad { rms, eps } => (
             format!("{}if (col < d) {{ part[(wg / blocks) * d + col] = acc; }}", gain_grad_sums(*rms, eps.0)),
-            "let d = dim(2u);\nlet chunks = dim(4u);\nlet col = wg * 64u + lane;\nif (col < d) {\n    \
-             var t = 0.0;\n    for (var c = 0u; c < chunks; c = c + 1u) { t = t + part[c * d + col]; }\n    out[col] = t;\n}"
-                .to_string(),
+            COMBINE_COLUMNS.to_string(),
+        ),
+        Op::SumRows => (
+            format!("{}if (col < d) {{ part[(wg / blocks) * d + col] = acc; }}", row_sums()),
+            COMBINE_COLUMNS.to_string(),
         ),
         Op::CrossEntropy { smoothing, ignore_index } => (
             format!(

@@ -4,7 +4,9 @@
 //! gradient with the residual path's gradient to the same input added in its pass; the
 //! gradients of projections by slices of one weight (a packed query-key-value weight's parts)
 //! as one product over the stacked gradients, for the weight and for the input; a tied table's
-//! two gradients summed by the gather's gradient as it scatters.
+//! two gradients summed by the gather's gradient as it scatters; a bias's gradient, the upstream
+//! gradient summed over the batch and then the sequence (a sum per axis, the kept axes reshaped
+//! away), as one sum over every row.
 
 use super::*;
 use egg::rewrite as rw;
@@ -24,6 +26,17 @@ fn is_batch_sum_of_row_products(egraph: &mut KGraph, id: Id, subst: &Subst) -> b
         _ => false,
     };
     axis0 && swap && rows
+}
+
+/// `?x` is `[b, s, n]`, the sums are over axis `?n0` = 0 then `?n1` = 1 (each keeps its axis
+/// with extent 1), and the result is `[n]`: the sums cover both leading axes, so the whole is
+/// `sum_rows(?x)`.
+fn sums_leading_axes(egraph: &mut KGraph, id: Id, subst: &Subst) -> bool {
+    let axis = |v, i| matches!(attr_of(egraph, subst, v), Some(AttrValue::Count(a)) if *a == i);
+    let in_order = axis("?n0", 0) && axis("?n1", 1);
+    let x = shape(egraph, subst[var("?x")]);
+    let fits = x.is_some_and(|x| x.len() == 3 && shape(egraph, id).is_some_and(|y| x.get(2..) == Some(y.as_slice())));
+    in_order && fits
 }
 
 /// `?p` swaps the two axes of a matrix.
@@ -113,6 +126,9 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // [a [b c]] = [[a b] c]                              (one association, so the stacks the
         //                                                   two rules above make are one value)
         rw!("append-assoc"; "(append ?a (append ?b ?c))" => "(append (append ?a ?b) ?c)"),
+        // reshape([n], sum_1(sum_0(x))) = sum_rows(x)       (x [b, s, n]: a bias's gradient)
+        rw!("bias-grad-rows"; "(reshape ?r (sum_axis ?n1 (sum_axis ?n0 ?x)))"
+                           => "(sum_rows ?x)" if sums_leading_axes),
         // x[all rows] = x
         rw!("slice-whole"; "(slice ?s ?x)" => "?x" if is_whole),
         // s + gather_grad(t, ids, dy) = gather_grad(t, ids, dy, s)   (a tied table's two
