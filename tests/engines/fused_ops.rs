@@ -1315,6 +1315,8 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
     }
     add(&mut g, "grad.long", Op::ActGrad(Activation::GeluTanh), &[("x", &[3, 7000]), ("dy", &[3, 7000])]);
+    // A bias's gradient over rows in several of the kernel's fixed chunks, the last one short.
+    add(&mut g, "sum_rows.chunks", Op::SumRows, &[("x", &[3, 300, 70])]);
     // A norm's gain gradient over rows wider than a block of columns.
     let op = Op::NormGainGrad { rms: false, eps: Scalar(1e-5) };
     add(&mut g, "norm_gain_grad.wide", op, &[("x", &[3, 5, 600]), ("dy", &[3, 5, 600])]);
@@ -1341,11 +1343,19 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
     let params = spread_params(&g);
     let expected = interp::run(&g, &params, &HashMap::new()).unwrap();
     let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    let mut by_threads = Vec::new();
     for threads in [1, 3] {
         let model = kiln_runtime::CpuModel::new(plan.clone(), &params, &HashMap::new(), threads, &()).unwrap();
         let got = model.run(&HashMap::new()).unwrap();
         for ((name, want), (_, got)) in expected.iter().zip(&got) {
             assert_close(&format!("`{name}` on cpu, {threads} threads"), want, got, GPU_TOLERANCE);
+        }
+        by_threads.push(got);
+    }
+    // The sums over rows add their chunks in a fixed order, whatever the threads.
+    for ((name, one), (_, three)) in by_threads[0].iter().zip(&by_threads[1]) {
+        if name.starts_with("sum_rows") {
+            assert_eq!(one, three, "`{name}` on 1 and 3 threads");
         }
     }
     // And every op the wgpu test below holds to the interpreter (the loss and its gradient with

@@ -1,9 +1,10 @@
 //! Native kernels for the ops a training step adds to a forward pass: batched matrix products
 //! (activations times activations, and the products of a backward pass), a weight's gradient over
 //! every row, sums over an axis (a gradient reduced over the axes its operand was broadcast
-//! along) and over every row (a bias's gradient), activation derivatives, the loss and its gradient; and the ops a training step keeps
-//! unfused, which inference runs inside fused kernels (softmax and masks, whose probabilities the
-//! backward reads; slices, concatenations, offsets and reciprocal square roots).
+//! along) and over every row (a bias's gradient), activation derivatives, the loss and its
+//! gradient; and the ops a training step keeps unfused, which inference runs inside fused kernels
+//! (softmax and masks, whose probabilities the backward reads; slices, concatenations, offsets
+//! and reciprocal square roots).
 //! Each computes what the interpreter computes for the op (`tests/engines/fused_ops.rs` holds
 //! them to it); an operand layout a kernel does not take is left to the interpreter.
 

@@ -29,9 +29,10 @@ const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 
 /// Whether `op`'s kernel runs a workgroup per row (the norms, the softmaxes, the heads
 /// normalized per head, the cross-entropy and its gradient, the gather's backward, the norms' and
-/// the softmax's gradients, a norm's gain gradient and a sum over rows per block of columns; see `partials`): its body runs with `wg`, the row, and `lane`, the
-/// invocation's index in the workgroup, and (see [`reduces`]) reduces the row with `row_sum` and
-/// `row_max` (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
+/// the softmax's gradients, a norm's gain gradient and a sum over rows per block of columns; see
+/// `partials`): its body runs with `wg`, the row, and `lane`, the invocation's index in the
+/// workgroup, and (see [`reduces`]) reduces the row with `row_sum` and `row_max`
+/// (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
 /// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
     matches!(
