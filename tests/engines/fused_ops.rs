@@ -1474,6 +1474,21 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
             out(&mut g, &format!("sum{shape:?}.{axis}"), Op::SumAxis { axis }, &[x]);
         }
     }
+    // Transposes of the last two axes (a workgroup per 32 x 32 tile, cut at every edge; a matrix,
+    // a stack, a stack of stacks) and a permutation that keeps the last axis.
+    let mut permutes: Vec<(Vec<usize>, Vec<usize>)> = vec![(vec![2, 5, 7], vec![0, 2, 1]), (vec![3, 4], vec![1, 0])];
+    if wide {
+        permutes.extend([
+            (vec![3, 37, 45], vec![0, 2, 1]),
+            (vec![70, 33], vec![1, 0]),
+            (vec![2, 3, 33, 70], vec![0, 1, 3, 2]),
+            (vec![2, 3, 9, 5], vec![0, 2, 1, 3]),
+        ]);
+    }
+    for (shape, perm) in permutes {
+        let x = g.param(&format!("permute{shape:?}{perm:?}.x"), &shape);
+        out(&mut g, &format!("permute{shape:?}{perm:?}"), Op::Permute { perm }, &[x]);
+    }
     // A bias's gradient, the sum over every leading axis: of a matrix, of a stack, and (wide) over
     // enough rows that the WGSL kernel's workgroups take them in several chunks, the last short,
     // and over more than 64 columns.

@@ -160,6 +160,16 @@ fn dims_of(
         // A workgroup per row (`emit::cooperative`).
         Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax => vec![rows(out) * WORKGROUP as usize, last(out)],
         Op::TopK { .. } | Op::L2Normalize => vec![rows(out), last(out)],
+        // A workgroup per tile of each matrix (`emit::transposes`): [workgroups * 64, m, n, tiles
+        // down, tiles across], `m x n` the input's matrices.
+        Op::Permute { .. } if super::emit::transposes(op) => {
+            let x = operand(0)?;
+            let (m, n) = (axis(x, x.len().wrapping_sub(2))?, last(x));
+            let side = super::emit::TRANSPOSE_TILE;
+            let (tm, tn) = (m.div_ceil(side), n.div_ceil(side));
+            let matrices = x.iter().product::<usize>() / (m * n).max(1);
+            vec![matrices * tm * tn * WORKGROUP as usize, m, n, tm, tn]
+        }
         Op::Permute { perm } => {
             let st = strides(operand(0)?);
             let mut o = vec![1; 4usize.saturating_sub(out.len())];

@@ -35,28 +35,53 @@ const LANES: &str = "for (var j = lane; j < d; j = j + 64u)";
 /// (`super::reduce`). One thread per row, as on a CPU adapter, leaves a GPU's row a few
 /// hundred dependent loads long (124 µs for a 576-wide RMSNorm on an H100).
 pub fn cooperative(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::AddNorm { .. }
-            | Op::Softmax
-            | Op::MaskedSoftmax { .. }
-            | Op::Heads { norm: Some(_), .. }
-            | Op::CrossEntropy { .. }
-            | Op::CrossEntropyGrad { .. }
-            | Op::GatherGrad
-            | Op::NormGainGrad { .. }
-            | Op::SumRows
-            | Op::NormGrad { .. }
-            | Op::SoftmaxGrad
-    ) || super::gemm::tiled(op)
+    transposes(op)
+        || matches!(
+            op,
+            Op::RmsNorm { .. }
+                | Op::LayerNorm { .. }
+                | Op::AddNorm { .. }
+                | Op::Softmax
+                | Op::MaskedSoftmax { .. }
+                | Op::Heads { norm: Some(_), .. }
+                | Op::CrossEntropy { .. }
+                | Op::CrossEntropyGrad { .. }
+                | Op::GatherGrad
+                | Op::NormGainGrad { .. }
+                | Op::SumRows
+                | Op::NormGrad { .. }
+                | Op::SoftmaxGrad
+        )
+        || super::gemm::tiled(op)
 }
 
 /// Whether a [`cooperative`] kernel reduces across its workgroup (all but the gather's backward
-/// and the sum over rows, whose lanes each own columns of what they write).
+/// and the sum over rows, whose lanes each own columns of what they write, and the transposes).
 pub fn reduces(op: &Op) -> bool {
-    cooperative(op) && !matches!(op, Op::GatherGrad | Op::SumRows) && !super::gemm::tiled(op)
+    cooperative(op) && !matches!(op, Op::GatherGrad | Op::SumRows) && !super::gemm::tiled(op) && !transposes(op)
+}
+
+/// Side of a transpose's tile ([`transposes`]).
+pub const TRANSPOSE_TILE: usize = 32;
+// The transpose's body is written for 32 x 32 tiles and 64 lanes, two rows a step.
+const _: () = assert!(TRANSPOSE_TILE == 32 && WORKGROUP == 64);
+
+/// Whether `op` is a permutation that swaps the last two axes and keeps the others (a stack of
+/// matrix transposes: the backward's `P^T` and `dS^T`): it runs a workgroup per
+/// [`TRANSPOSE_TILE`]-square tile of a matrix, staged through workgroup memory, so that both its
+/// reads and its writes are of consecutive addresses. A thread per output element read the input
+/// a row stride apart at each step (on the H100, GPT-2 small's step spent 4.2 ms in its
+/// permutes, ~25 µs each; BENCHMARKS.md, 2026-11-27).
+pub fn transposes(op: &Op) -> bool {
+    match op {
+        Op::Permute { perm } => match perm.split_last_chunk::<2>() {
+            Some((lead, &[a, b])) => {
+                lead.iter().enumerate().all(|(i, &p)| i == p) && a == lead.len() + 1 && b == lead.len()
+            }
+            None => false,
+        },
+        _ => false,
+    }
 }
 
 /// Element type of a buffer as the kernel sees it.
@@ -367,6 +392,19 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
              {LANES} {{ let e = exp(in0[base + j] - mx); out[base + j] = e; sum = sum + e; }}\n\
              sum = row_sum(lane, sum);\n{LANES} {{ out[base + j] = out[base + j] / sum; }}"
         ),
+        // A workgroup per tile ([`transposes`]): each lane loads 16 elements of the tile's 32 x 32
+        // block of the input (lanes 0-31 a row's 32 consecutive columns, 32-63 the next row's),
+        // then writes 16 of the output's block, reading the staged tile across (its rows padded to
+        // 33 so a column's elements fall in different banks).
+        Op::Permute { .. } if transposes(op) => "let m = dim(1u);\nlet n = dim(2u);\nlet tm = dim(3u);\nlet tn = dim(4u);\n\
+             let b = wg / (tm * tn);\nlet t = wg % (tm * tn);\nlet r0 = (t / tn) * 32u;\nlet c0 = (t % tn) * 32u;\n\
+             let base = b * m * n;\nlet col = lane % 32u;\nlet row = lane / 32u;\n\
+             for (var k = 0u; k < 32u; k = k + 2u) {\n    let r = r0 + row + k;\n    let c = c0 + col;\n    \
+             if (r < m && c < n) { transpose_tile[(row + k) * 33u + col] = in0[base + r * n + c]; }\n}\n\
+             workgroupBarrier();\n\
+             for (var k = 0u; k < 32u; k = k + 2u) {\n    let c = c0 + row + k;\n    let r = r0 + col;\n    \
+             if (r < m && c < n) { out[base + c * m + r] = transpose_tile[col * 33u + row + k]; }\n}"
+            .into(),
         Op::Permute { .. } => "var rem = i;\nvar src = 0u;\nfor (var ax: i32 = 3; ax >= 0; ax = ax - 1) {\n    \
              let u = u32(ax);\n    let c = rem % dim(1u + u);\n    rem = rem / dim(1u + u);\n    src = src + c * dim(5u + u);\n}\n\
              out[i] = in0[src];"

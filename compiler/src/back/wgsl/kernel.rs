@@ -282,6 +282,10 @@ fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geo
         if super::gemm::tiled(op) {
             s += &super::gemm::declarations();
         }
+        if super::emit::transposes(op) {
+            let side = super::emit::TRANSPOSE_TILE;
+            s += &format!("var<workgroup> transpose_tile: array<f32, {}>;\n", side * (side + 1));
+        }
         let builtins = if subgroups { reduce::ENTRY_BUILTINS } else { "" };
         s += &format!(
             "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
@@ -585,6 +589,8 @@ mod tests {
             (Op::TruncateGrad, vec![f, f]),
             (Op::ContractRows, vec![f, f]),
             (Op::SumRows, vec![f]),
+            (Op::Permute { perm: vec![0, 2, 1] }, vec![f]),
+            (Op::Permute { perm: vec![1, 0] }, vec![f]),
             (Op::SoftmaxGrad, vec![f, f]),
             (Op::NormGainGrad { rms: false, eps: Scalar(1e-5) }, vec![f, f]),
             (Op::NormGainGrad { rms: true, eps: Scalar(1e-6) }, vec![f, f]),
@@ -634,6 +640,22 @@ mod tests {
             assert_eq!(sub.contains("subgroupAdd(v)"), reduces, "{}: {sub}", op.name());
             assert!(!chunked.contains("out[") && !chunked.contains("in0["), "{}: {chunked}", op.name());
         }
+    }
+
+    /// A permutation runs as tiled transposes exactly where it swaps the last two axes and keeps
+    /// the others; the tiled kernel stages its tile in workgroup memory.
+    #[test]
+    fn transposes_are_the_permutations_of_the_last_two_axes() {
+        let transposes = |perm: &[usize]| super::super::emit::transposes(&Op::Permute { perm: perm.to_vec() });
+        assert!(transposes(&[1, 0]) && transposes(&[0, 2, 1]) && transposes(&[0, 1, 3, 2]));
+        assert!(!transposes(&[0, 1]) && !transposes(&[0, 2, 1, 3]) && !transposes(&[1, 0, 2]) && !transposes(&[0]));
+        assert!(!transposes(&[2, 1, 0]) && !transposes(&[1, 0, 3, 2]));
+        let text =
+            kernel(&Op::Permute { perm: vec![0, 2, 1] }, &[Elem::F32], Elem::F32, None, &Options::default()).unwrap();
+        assert!(text.contains("var<workgroup> transpose_tile") && text.contains("workgroupBarrier()"), "{text}");
+        let plain = kernel(&Op::Permute { perm: vec![0, 2, 1, 3] }, &[Elem::F32], Elem::F32, None, &Options::default())
+            .unwrap();
+        assert!(!plain.contains("transpose_tile"), "{plain}");
     }
 
     /// The weight operand's index of a projection without a norm prologue's shift.
