@@ -25,6 +25,8 @@ pub struct Gpu {
     subgroups: bool,
     /// Whether `TIMESTAMP_QUERY` is enabled (see `GpuModel::profile`).
     pub(super) timestamps: bool,
+    /// The adapter's features that bear on kiln's kernels, for reading (see [`Gpu::features`]).
+    features: String,
 }
 
 const INSTALL_HINT: &str = "no GPU adapter found. On Debian/Ubuntu without a GPU, install Mesa's CPU Vulkan driver \
@@ -73,6 +75,7 @@ impl Gpu {
                 u.get_or_insert_with(|| e.to_string());
             }
         }));
+        let features_text = describe_features(&adapter);
         let chunk_bytes = (limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) / 256 * 256).max(256);
         Ok(Gpu {
             device,
@@ -85,7 +88,16 @@ impl Gpu {
             f16: features.contains(wgpu::Features::SHADER_F16),
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            features: features_text,
         })
+    }
+
+    /// The adapter's features that bear on kiln's kernels, as one line for reading (`kiln bench
+    /// calibrate` prints it): f16 shaders, subgroups, timestamp queries, and the
+    /// cooperative-matrix (tensor-core) shapes the adapter offers, which no kernel uses yet;
+    /// whether each is used is [`Gpu::options`]'s business.
+    pub fn features(&self) -> &str {
+        &self.features
     }
 
     /// The adapter [`Gpu::new`] opens for `choice` (see there), without opening a device: its name
@@ -285,4 +297,31 @@ impl Gpu {
         }
         Ok(buffer)
     }
+}
+
+/// The line [`Gpu::features`] returns: each feature kiln could use, present or not.
+fn describe_features(adapter: &wgpu::Adapter) -> String {
+    let has = adapter.features();
+    let yes = |f: wgpu::Features| if has.contains(f) { "yes" } else { "no" };
+    let matrices: Vec<String> = match has.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        true => adapter
+            .cooperative_matrix_properties()
+            .iter()
+            .map(|p| {
+                let saturating = if p.saturating_accumulation { " saturating" } else { "" };
+                format!("{}x{}x{} {:?}->{:?}{saturating}", p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type)
+            })
+            .collect(),
+        false => Vec::new(),
+    };
+    let matrices = match matrices.is_empty() {
+        true => "none".to_string(),
+        false => matrices.join(", "),
+    };
+    format!(
+        "f16 {}, subgroups {}, timestamps {}, cooperative matrices {matrices}",
+        yes(wgpu::Features::SHADER_F16),
+        yes(wgpu::Features::SUBGROUP),
+        yes(wgpu::Features::TIMESTAMP_QUERY)
+    )
 }

@@ -36,6 +36,7 @@ fn calibrate(device: &Device, json: bool) -> Result<()> {
         let out = serde_json::json!({
             "backend": device.name(),
             "adapter": device.describe(),
+            "features": features(device),
             "dispatch_us": t_dispatch * 1e3, "byte_ns": t_byte * 1e6, "gflops": 1e-6 / t_flop,
             "measured": {"dispatch": dispatch, "flop": flop, "scalar_projection": scalar_projection},
             "default": {"dispatch": default.dispatch, "flop": default.flop, "scalar_projection": default.scalar_projection},
@@ -45,6 +46,9 @@ fn calibrate(device: &Device, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("cost model calibration on {} (medians of {runs})", device.describe());
+        if let Some(features) = features(device) {
+            println!("  features          {features}");
+        }
         println!("  one dispatch      {:>10.1} us", t_dispatch * 1e3);
         println!("  one byte moved    {:>10.4} ns   ({:.2} GB/s)", t_byte * 1e6, 1e-6 / t_byte);
         println!("  one matmul FLOP   {:>10.4} ns   ({:.2} GFLOPS)", t_flop * 1e6, 1e-6 / t_flop);
@@ -60,6 +64,14 @@ fn calibrate(device: &Device, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A GPU adapter's features that bear on kiln's kernels (see [`kiln_runtime::gpu::Gpu::features`]).
+fn features(device: &Device) -> Option<&str> {
+    match device {
+        Device::Gpu(gpu) => Some(gpu.features()),
+        _ => None,
+    }
 }
 
 /// Why a calibration off wgpu is not kept: the CPU's (and the interpreter's) cost model is built
