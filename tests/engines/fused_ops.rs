@@ -582,8 +582,9 @@ fn softcap_relative_bias_and_block_pattern_in_every_kernel() {
 /// Attention's backward with every mask and modifier, grouped heads and padding: at short
 /// sequences on wgpu in both forms (the chunked step's single dispatch, whose key rows recompute
 /// every query's statistics, and the two dispatches of the statistics in partials), and longer
-/// ones — over several of the CPU's tiles of query rows and a block pattern's blocks — in the
-/// two-dispatch form and on the CPU.
+/// ones — over several of the CPU's tiles of query rows and a block pattern's blocks, several of
+/// the gradients' workgroup chunks of 64 rows (the last short, bounded by the masks or not), and
+/// heads wider than the workgroup — in the two-dispatch form and on the CPU.
 #[test]
 fn attention_grad_with_every_mask_and_modifier() {
     let (mut tiny, mut short, mut long) = (Vec::new(), Vec::new(), Vec::new());
@@ -593,14 +594,18 @@ fn attention_grad_with_every_mask_and_modifier() {
     for (alibi, causal, window, mods) in plain.into_iter().chain(modified) {
         let table = |h: usize| if mods.relative.is_some() { vec![6, h] } else { vec![] };
         for masked in [false, true] {
-            for (b, h, kv, s, d) in [(2, 4, 2, 5, 8), (1, 2, 1, 9, 4), (1, 3, 1, 70, 8), (2, 2, 2, 130, 4)] {
+            // (The last two are wider than a workgroup's 64 lanes: each lane owns several columns
+            // of its row's gradient, up to the largest head kiln compiles.)
+            let shapes = [(2, 4, 2, 5, 8), (1, 2, 1, 9, 4), (1, 3, 1, 70, 8), (2, 2, 2, 130, 4), (1, 2, 1, 67, 80)];
+            let widest = (1, 2, 1, 5, kiln_compiler::back::wgsl::target::MAX_ATTENTION_HEAD_DIM);
+            for (b, h, kv, s, d) in shapes.into_iter().chain([widest]) {
                 // (The chunked form at 64 floats a chunk binds too many buffers past the tiny.)
                 let cases = match s {
                     ..=5 => &mut short,
                     6..=9 => &mut tiny,
                     _ => &mut long,
                 };
-                if s > 9 && !masked {
+                if s > 9 && !masked && d < 64 {
                     continue;
                 }
                 let op = Op::AttentionGrad { scale: Scalar(0.6), alibi, causal, window, mods };

@@ -283,8 +283,8 @@ fn dims_of(
             }
         }
         // One thread per output row: [3 * b * h * s, h, s, d, kv, b * h * s] from q [b, h, s, d], k
-        // [b, kv, s, d]; unchunked, a thread per query row first (its statistics into the
-        // partials, `dims[15]` = 1), then one per output row (`partials::combine_dims`).
+        // [b, kv, s, d]; unchunked, a workgroup per query row first (its statistics into the
+        // partials, `dims[15]` = 1), then per output row (`partials::combine_dims`).
         Op::AttentionGrad { .. } => {
             let (&[b, h, s, d], &[_, kv, ..]) = (operand(0)?, operand(1)?) else {
                 return Err(format!("{}: q must be [b, h, s, d] and k [b, kv, s, d]", op.name()));
@@ -293,7 +293,7 @@ fn dims_of(
             match chunked {
                 true => vec![3 * rows, h, s, d, kv, rows],
                 false => {
-                    let mut v = vec![rows, h, s, d, kv, rows];
+                    let mut v = vec![rows * WORKGROUP as usize, h, s, d, kv, rows];
                     v.resize(16, 0);
                     v[15] = 1;
                     v

@@ -767,10 +767,10 @@ impl<'a> Mods<'a> {
 ///   sequence: correct everywhere, fast nowhere long.
 /// - [`AttentionGradStage::Rows`] and [`AttentionGradStage::Gradients`], the two dispatches of
 ///   the partial form (`partials`): the first writes every query row's three statistics to the
-///   scratch buffer (`part`, one thread per query row), the second reads them there, so every
-///   thread's work is linear in the sequence: flash-attention's backward, the score matrix never
-///   held. The statistics are the same arithmetic in the same order either way, so the forms'
-///   results are bit for bit the same.
+///   scratch buffer (`part`, one thread per query row), the second reads them there
+///   ([`attention_grad_workgroups`]: a workgroup per output row), so the work of a row is linear
+///   in the sequence: flash-attention's backward, the score matrix never held. Each gradient
+///   element is the same arithmetic in the same order in every form.
 pub(super) fn attention_grad(
     scale: Scalar,
     alibi: bool,
@@ -783,23 +783,32 @@ pub(super) fn attention_grad(
     let m = Mods::new(mods, 4, operands);
     let keep = keep_condition(causal, window, m.mask.as_deref(), mods);
     // `x`: the logit of key `ki` for query `qi`; `y`: its soft-capped score (before any bias).
-    let mut logit = format!(
-        "var x = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + qi * d + c] * in1[kv0 + ki * d + c]; }}\n\
-         x = x * {};\n{}let y = x;\n",
-        lit(scale.0),
-        scores::softcap(mods, "x")
-    );
+    // What follows the dot `x` of the query and the key: the scale, the soft-cap (`y` the capped
+    // score, before any bias), ALiBi and the relative bias.
+    let mut scored = format!("x = x * {};\n{}let y = x;\n", lit(scale.0), scores::softcap(mods, "x"));
     if alibi {
-        logit += &format!("x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
+        scored += &format!("x = x + {ALIBI_SLOPE} * (f32(ki) - f32(qi));\n");
     }
     if let Some(t) = &m.table {
-        logit += &scores::relative(mods, "x", "ki", "qi", "h", "heads", t);
+        scored += &scores::relative(mods, "x", "ki", "qi", "h", "heads", t);
     }
+    let logit = format!(
+        "var x = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + qi * d + c] * in1[kv0 + ki * d + c]; }}\n{scored}"
+    );
     let logit: String = logit.lines().map(|l| format!("        {l}\n")).collect();
     let slope = match mods.softcap {
         Some(cap) => format!("        ds = ds * (y * y * {} + 1.0);\n", lit(-1.0 / (cap.0 * cap.0))),
         None => "        _ = y;\n".into(),
     };
+    if stage != AttentionGradStage::Whole {
+        let walk = GradWalk { keep: &keep, setup: &scores::sparse_setup(mods, "qi", "k", "k"), scored: &scored, slope: &slope };
+        let bounded = m.mask.is_none() && mods.sparse.is_none() && window != Some(0);
+        let bounds = WalkBounds::new(causal && bounded, window.filter(|_| bounded));
+        return match stage {
+            AttentionGradStage::Rows => attention_grad_statistics(&walk, &bounds),
+            _ => attention_grad_workgroups(&walk, &bounds, scale),
+        };
+    }
     let dot = |a: &str, b: &str| format!("for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + {a} * {b}; }}");
     let dp = dot("in3[q0 + qi * d + c]", "in2[kv0 + ki * d + c]");
     let setup = scores::sparse_setup(mods, "qi", "k", "k");
@@ -823,19 +832,7 @@ pub(super) fn attention_grad(
          let p = select(select(0.0, exp(x - mx) / l, {keep}), 1.0 / f32(k), uniform);\n        \
          var dp = 0.0;\n        {dp}\n        dd = dd + p * dp;\n    }}\n"
     );
-    let stats = match stage {
-        AttentionGradStage::Rows => {
-            return format!(
-                "{sizes}{}let qi = own;\n{setup}{statistics}\
-                 part[3u * i] = mx;\npart[3u * i + 1u] = l;\npart[3u * i + 2u] = dd;",
-                row("i")
-            );
-        }
-        AttentionGradStage::Whole => statistics,
-        AttentionGradStage::Gradients => "let at = 3u * ((b * heads + h) * k + qi);\n\
-             let mx = part[at];\nlet l = part[at + 1u];\nlet dd = part[at + 2u];\nlet uniform = l == 0.0;\n"
-            .to_string(),
-    };
+    let stats = statistics;
     format!(
         "{sizes}let which = i / rows;\nlet r = i % rows;\n{}\
          // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
@@ -854,6 +851,189 @@ pub(super) fn attention_grad(
          }}\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c]; }}",
         row("r"),
         scale = lit(scale.0),
+    )
+}
+
+/// The pieces of [`attention_grad`]'s walk that [`attention_grad_workgroups`] shares: the keep
+/// condition of key `ki` for query `qi`, the block pattern's setup for `qi`, the statements after
+/// the dot `x` (the scale, the soft-cap with `y` the capped score, the biases), and the soft-cap's
+/// slope applied to `ds`.
+struct GradWalk<'a> {
+    keep: &'a str,
+    setup: &'a str,
+    scored: &'a str,
+    slope: &'a str,
+}
+
+/// The rows the backward's workgroups walk: the keys `lo_q .. hi_q` of query `own`, the queries
+/// `lo_k .. hi_k` of key `own` (WGSL expressions of `own` and `k`), bounded by a causal mask and
+/// a window where given (see [`attention_grad_workgroups`]), else every row.
+struct WalkBounds {
+    lo_q: String,
+    hi_q: String,
+    lo_k: String,
+    hi_k: String,
+}
+
+impl WalkBounds {
+    fn new(causal: bool, window: Option<usize>) -> Self {
+        let mut b = WalkBounds { lo_q: "0u".into(), hi_q: "k".into(), lo_k: "0u".into(), hi_k: "k".into() };
+        if causal {
+            b.hi_q = "own + 1u".into();
+            b.lo_k = "own".into();
+        }
+        if let Some(w) = window {
+            b.lo_q = format!("own + 1u - min(own + 1u, {w}u)");
+            b.hi_k = format!("min(k, own + {w}u)");
+        }
+        b
+    }
+}
+
+/// The first dispatch of [`Op::AttentionGrad`]'s partial form: a workgroup per query row writes
+/// the row's softmax statistics to `part` (its maximum, its exponentials' sum, and `rowsum(p *
+/// dp)`). The query and its output's gradient are loaded into workgroup memory; each lane walks
+/// every 64th key of the row ([`WalkBounds`]'s), keeping an online maximum and sum, combined
+/// across the lanes (`row_max`, `row_sum`); then `p * dp` likewise. A thread per query row
+/// walked the row alone (on an H100, SmolLM2's 128-token step ran 1 152 such threads a layer).
+fn attention_grad_statistics(walk: &GradWalk, bounds: &WalkBounds) -> String {
+    let GradWalk { keep, setup, scored, .. } = walk;
+    let WalkBounds { lo_q, hi_q, .. } = bounds;
+    let max = MAX_ATTENTION_HEAD_DIM;
+    let dot = |acc: &str, offset: &str, other: &str| {
+        format!("var {acc} = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ {acc} = {acc} + ag_own[{offset}c] * {other}[kv0 + ki * d + c]; }}\n")
+    };
+    let logit = format!("{}{scored}", dot("x", "", "in1"));
+    let body = format!(
+        "let r = wg;\nlet own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\nlet qi = own;\n\
+         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+         for (var c = lane; c < d; c = c + 64u) {{\n    ag_own[c] = in0[q0 + qi * d + c];\n    \
+         ag_own[{max}u + c] = in3[q0 + qi * d + c];\n}}\nworkgroupBarrier();\n{setup}\
+         let lo = {lo_q};\nlet hi = {hi_q};\n\
+         // The lane's keys' softmax: its maximum and sum, then the row's.\n\
+         var mx = -3.40282347e38;\nvar l = 0.0;\n\
+         for (var ki = lo + lane; ki < hi; ki = ki + 64u) {{\n{}    if (!({keep})) {{ continue; }}\n    \
+         let m1 = max(mx, x);\n    l = l * exp(mx - m1) + exp(x - m1);\n    mx = m1;\n}}\n\
+         let row_mx = row_max(lane, mx);\nlet sum = row_sum(lane, l * exp(mx - row_mx));\n\
+         // Every key masked: uniform over all keys (the reference softmax), its gradient gated to 0.\n\
+         let uniform = sum == 0.0;\nvar dd = 0.0;\n\
+         for (var ki = lo + lane; ki < hi; ki = ki + 64u) {{\n{}    \
+         let p = select(select(0.0, exp(x - row_mx) / sum, {keep}), 1.0 / f32(k), uniform);\n{}    dd = dd + p * dp;\n}}\n\
+         let row_dd = row_sum(lane, dd);\n\
+         if (lane == 0u) {{\n    part[3u * r] = row_mx;\n    part[3u * r + 1u] = sum;\n    part[3u * r + 2u] = row_dd;\n}}\n",
+        indent(&logit),
+        indent(&logit),
+        indent(&dot("dp", &format!("{max}u + "), "in2")),
+    );
+    format!(
+        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
+         if (wg < rows) {{\n{}}}",
+        indent(&body)
+    )
+}
+
+/// Workgroup memory of [`attention_grad_workgroups`]: the workgroup's own two rows (up to
+/// [`MAX_ATTENTION_HEAD_DIM`] each), then a chunk's probabilities and score gradients.
+pub(super) fn attention_grad_declarations() -> String {
+    format!(
+        "var<workgroup> ag_own: array<f32, {}>;\nvar<workgroup> ag_chunk: array<f32, {}>;\n",
+        2 * MAX_ATTENTION_HEAD_DIM,
+        2 * WORKGROUP
+    )
+}
+
+/// The second dispatch of [`Op::AttentionGrad`]'s partial form: a workgroup per output row, of a
+/// query's gradient (`dq`, walking the keys) or of a key's and its value's together (`dk`, `dv`,
+/// walking the queries: the pair shares each score), reading the walked queries' softmax
+/// statistics from `part`. The workgroup loads its own rows (the query and its output's gradient,
+/// or the key and the value) into workgroup memory, then walks the other side in chunks of 64:
+///
+/// - each lane takes one walked row: its score (a dot with the own row), probability `p`, the
+///   dot `dp` of the output's gradient with the value, and `ds = p (dp - rowsum(p dp))`, into
+///   workgroup memory;
+/// - the lanes then own output columns (`lane`, `lane + 64`, ... below the head width) and add
+///   the chunk's rows in order (`dq += ds k`, `dk += ds q`, `dv += p do`), reading each walked row
+///   by consecutive addresses.
+///
+/// A thread per output row (the whole form) kept its head-wide accumulator in a private array
+/// (local memory on a GPU) and ran `3 b h s` threads each walking the sequence alone: on an H100
+/// 4.25 ms of SmolLM2's 128-token training step a layer (BENCHMARKS.md, 2026-11-28). Every sum
+/// is in the same order as there (dots over the head in column order, the walked rows in order).
+///
+/// `causal` and `window` (given only where no row can have every key masked: no key mask, no
+/// block pattern, a window of at least one) bound the walk to the pairs the masks keep; otherwise
+/// every pair is visited and the keep condition decides, as a row with no key kept is uniform
+/// over all keys.
+fn attention_grad_workgroups(walk: &GradWalk, bounds: &WalkBounds, scale: Scalar) -> String {
+    let GradWalk { keep, setup, scored, slope } = walk;
+    let WalkBounds { lo_q, hi_q, lo_k, hi_k } = bounds;
+    let max = MAX_ATTENTION_HEAD_DIM;
+    let columns = max / WORKGROUP as usize;
+    let decls: String = (0..columns).map(|j| format!("var a{j} = 0.0;\nvar v{j} = 0.0;\n")).collect();
+    let adds: String = (0..columns)
+        .map(|j| {
+            format!(
+                "{{\n    let c = lane + {o}u;\n    if (c < d) {{\n        if (which == 0u) {{\n            \
+                 a{j} = a{j} + ds * in1[kv0 + row * d + c];\n        }} else {{\n            \
+                 v{j} = v{j} + p * in3[q0 + row * d + c];\n            a{j} = a{j} + ds * in0[q0 + row * d + c];\n        \
+                 }}\n    }}\n}}\n",
+                o = j * WORKGROUP as usize
+            )
+        })
+        .collect();
+    let stores: String = (0..columns)
+        .map(|j| {
+            format!(
+                "{{\n    let c = lane + {o}u;\n    if (c < d) {{\n        if (which == 0u) {{\n            \
+                 out[r * d + c] = a{j};\n        }} else {{\n            out[(rows + r) * d + c] = a{j};\n            \
+                 out[(2u * rows + r) * d + c] = v{j};\n        }}\n    }}\n}}\n",
+                o = j * WORKGROUP as usize
+            )
+        })
+        .collect();
+    let lane_work = format!(
+        "let qi = select(t, own, which == 0u);\nlet ki = select(own, t, which == 0u);\n{setup}\
+         let at = 3u * ((b * heads + h) * k + qi);\n\
+         let mx = part[at];\nlet l = part[at + 1u];\nlet dd = part[at + 2u];\nlet uniform = l == 0.0;\n\
+         var x = 0.0;\nvar dp = 0.0;\n\
+         if (which == 0u) {{\n    \
+         for (var c = 0u; c < d; c = c + 1u) {{ x = x + ag_own[c] * in1[kv0 + ki * d + c]; }}\n}} else {{\n    \
+         for (var c = 0u; c < d; c = c + 1u) {{ x = x + in0[q0 + qi * d + c] * ag_own[c]; }}\n}}\n\
+         {scored}let kept = {keep};\n\
+         let p = select(select(0.0, exp(x - mx) / l, kept), 1.0 / f32(k), uniform);\n\
+         if (which == 0u) {{\n    \
+         for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + ag_own[{max}u + c] * in2[kv0 + ki * d + c]; }}\n}} else {{\n    \
+         for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + in3[q0 + qi * d + c] * ag_own[{max}u + c]; }}\n}}\n\
+         var ds = select(0.0, p * (dp - dd), kept && !uniform);\n{slope}ds = ds * {scale};\n\
+         pw = p;\ndw = ds;\n",
+        slope = slope.trim_start(),
+        scale = lit(scale.0),
+    );
+    let chunk = format!(
+        "let t = c0 + lane;\nvar pw = 0.0;\nvar dw = 0.0;\nif (t < hi) {{\n{}}}\n\
+         ag_chunk[lane] = pw;\nag_chunk[64u + lane] = dw;\nworkgroupBarrier();\n\
+         let n = min(64u, hi - c0);\nfor (var e = 0u; e < n; e = e + 1u) {{\n    \
+         let p = ag_chunk[e];\n    let ds = ag_chunk[64u + e];\n    let row = c0 + e;\n{}}}\nworkgroupBarrier();\n",
+        indent(&lane_work),
+        indent(&adds),
+    );
+    let body = format!(
+        "let which = wg / rows;\nlet r = wg % rows;\n\
+         let own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\n\
+         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+         // The own rows: the query and its output's gradient, or the key and the value.\n\
+         for (var c = lane; c < d; c = c + 64u) {{\n    \
+         ag_own[c] = select(in1[kv0 + own * d + c], in0[q0 + own * d + c], which == 0u);\n    \
+         ag_own[{max}u + c] = select(in2[kv0 + own * d + c], in3[q0 + own * d + c], which == 0u);\n}}\n\
+         workgroupBarrier();\n{decls}\
+         let lo = select({lo_k}, {lo_q}, which == 0u);\nlet hi = select({hi_k}, {hi_q}, which == 0u);\n\
+         for (var c0 = lo; c0 < hi; c0 = c0 + 64u) {{\n{}}}\n{stores}",
+        indent(&chunk),
+    );
+    format!(
+        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
+         if (wg < 2u * rows) {{\n{}}}",
+        indent(&body)
     )
 }
 

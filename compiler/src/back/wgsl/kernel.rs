@@ -52,6 +52,8 @@ fn kernel_with(
 ) -> Option<String> {
     let body = match (op, geometry) {
         (Op::Linear { .. }, _) => projection::body(op, projection::weight_format(op, inputs), options),
+        // Attention's backward has no head-specialised form: its partial one, geometry or not.
+        (Op::AttentionGrad { .. }, _) => super::partials::partial_body(op, inputs.len())?,
         (_, Some(g)) => {
             let (workgroups, tile) = (attention::has_workgroup_form(op, options), attention::key_tile(options));
             let partials = attention::has_partials(op, options);
@@ -89,7 +91,9 @@ fn kernel_with(
         }
     }
     let workgroup_attention = geometry.filter(|_| attention::has_workgroup_form(op, options));
-    s += &entry(op, &body, options, workgroup_attention);
+    // Attention's backward in its partial form: the gradients a workgroup per output row.
+    let attention_grad = matches!(op, Op::AttentionGrad { .. }) && super::partials::has_partials(op, false, options);
+    s += &entry(op, &body, options, workgroup_attention, attention_grad);
     Some(s)
 }
 
@@ -148,7 +152,7 @@ pub fn kernel_chunked(op: &Op, inputs: &[Elem], out: Elem, chunks: &[u32], chunk
     }
 
     s += &projection::position_fn(op, None);
-    s += &entry(op, &body, &Options::default(), None);
+    s += &entry(op, &body, &Options::default(), None, false);
     Some(s)
 }
 
@@ -250,11 +254,25 @@ fn statement_end(s: &str, from: usize) -> usize {
 /// workgroup form (`workgroup_attention`, its head geometry) gets the reductions, its workgroup
 /// memory and `wg`, `lane` and `i` (`wg * 64 + lane`), and no thread returns early, since the
 /// workgroup form's barriers need every invocation of its workgroups (its body sorts out which
-/// threads run, see [`super::attention::body`]).
-fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geometry>) -> String {
+/// threads run, see [`super::attention::body`]). So does attention's backward in its partial
+/// form (`attention_grad`), a workgroup per query row for the statistics, then per output row,
+/// with its reductions and workgroup memory (see [`super::emit::attention_grad`]).
+fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geometry>, attention_grad: bool) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
-    if let Some(g) = workgroup_attention {
+    if attention_grad {
+        s += &reduce::functions(options.subgroups, false);
+        s += &super::emit::attention_grad_declarations();
+        let builtins = if options.subgroups { reduce::ENTRY_BUILTINS } else { "" };
+        s += &format!(
+            "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
+        );
+        if options.subgroups {
+            s += "    ";
+            s += reduce::ENTRY_SETUP;
+        }
+        s += "    let wg = wid.x + wid.y * nwg.x;\n    let lane = lid.x;\n";
+    } else if let Some(g) = workgroup_attention {
         s += &reduce::functions(options.subgroups, false);
         s += &attention::workgroup_declarations(g.head_dim);
         let builtins = if options.subgroups { reduce::ENTRY_BUILTINS } else { "" };
@@ -579,7 +597,7 @@ mod tests {
     /// (see `partials`).
     #[test]
     fn backward_kernels_validate_in_every_form() {
-        use crate::graph::Scalar;
+        use crate::graph::{Scalar, ScoreMods};
         let (f, i) = (Elem::F32, Elem::I32);
         let mut ops: Vec<(Op, Vec<Elem>)> = vec![
             (Op::SumAxis { axis: 1 }, vec![f]),
@@ -610,6 +628,21 @@ mod tests {
             ops.push((Op::CrossEntropy { smoothing, ignore_index }, vec![f, i]));
             ops.push((Op::CrossEntropyGrad { smoothing, ignore_index }, vec![f, i, f]));
         }
+        // Attention's backward: causal, windowed (its walks bounded), key-masked, soft-capped,
+        // with a relative bias table, with a block pattern.
+        let scale = Scalar(0.125);
+        let relative = Some(crate::graph::Bucketing { buckets: 8, max_distance: 20, bidirectional: true });
+        let sparse = Some(crate::graph::BlockPattern { block: 4, global: 1, window: 1, random: 2, seed: 7 });
+        for (causal, window, mods, extra) in [
+            (true, None, ScoreMods::default(), 0),
+            (true, Some(3), ScoreMods::default(), 0),
+            (false, Some(2), ScoreMods::default(), 1),
+            (true, None, ScoreMods { softcap: Some(Scalar(30.0)), ..ScoreMods::default() }, 0),
+            (false, None, ScoreMods { relative, ..ScoreMods::default() }, 1),
+            (false, None, ScoreMods { sparse, ..ScoreMods::default() }, 0),
+        ] {
+            ops.push((Op::AttentionGrad { scale, alibi: causal, causal, window, mods }, vec![f; 4 + extra]));
+        }
         let subgroups = Options { subgroups: true, ..Options::default() };
         for (op, inputs) in ops {
             let plain = kernel(&op, &inputs, f, None, &Options::default()).unwrap();
@@ -626,10 +659,12 @@ mod tests {
                     | Op::NormGainGrad { .. }
                     | Op::NormGrad { .. }
                     | Op::SoftmaxGrad
+                    | Op::AttentionGrad { .. }
             );
             // The reductions over rows and the tiled products (a split contraction's) bind partial
             // results, but where chunked (`partials`).
-            let partials = matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows);
+            let partials =
+                matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows | Op::AttentionGrad { .. });
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
             let split = kernel(&op, &inputs, f, None, &Options::hardware()).unwrap();
             super::super::validate(&split).unwrap_or_else(|e| panic!("{} {}: {e}\n{split}", op.name(), op.attrs()));

@@ -22,9 +22,10 @@
 //! - **Cross-entropy**: a workgroup per row writes the row's loss and whether it counts (`part[r]`,
 //!   `part[rows + r]`); one workgroup sums both and writes their quotient. Sizes `[threads, rows,
 //!   vocab]`.
-//! - **Attention's backward** (`emit::attention_grad`): a thread per query row writes the row's
-//!   softmax statistics (`part[3 r ..]`: maximum, sum, `rowsum(p * dp)`); then a thread per
-//!   output row (the queries', keys' and values' gradients) reads those of the rows it walks.
+//! - **Attention's backward** (`emit::attention_grad`): a workgroup per query row writes the row's
+//!   softmax statistics (`part[3 r ..]`: maximum, sum, `rowsum(p * dp)`); then a workgroup per
+//!   output row of the queries' gradient, and one per key row for the keys' and the values'
+//!   gradients together, reads those of the rows it walks.
 //!   Sizes `[threads, heads, s, d, kv heads, rows]`.
 
 use super::Options;
@@ -70,8 +71,9 @@ pub fn combine_dims(op: &Op, dims: &[u32; 16]) -> Option<[u32; 16]> {
         Op::NormGainGrad { .. } | Op::SumRows => c[0] = dims[5] * WORKGROUP,
         // One workgroup.
         Op::CrossEntropy { .. } => c[0] = WORKGROUP,
-        // One thread per output row.
-        Op::AttentionGrad { .. } => c[0] = 3 * dims[5],
+        // A workgroup per output row of the queries' gradient, and per pair of the keys' and the
+        // values' (`emit::attention_grad_workgroups`).
+        Op::AttentionGrad { .. } => c[0] = 2 * dims[5] * WORKGROUP,
         _ if gemm::tiled(op) => return Some(gemm::combine_dims(dims)),
         _ => return attention::combine_dims(dims),
     }
@@ -264,8 +266,9 @@ mod tests {
         assert_eq!(&dims(0, 64, false)[..6], &[64, 0, 64, 8, 1, 1]);
     }
 
-    /// Attention's backward: a thread per query row writes its three statistics, then a thread
-    /// per output row (three per query row); chunked, one dispatch of the latter.
+    /// Attention's backward: a workgroup per query row writes its three statistics, then a
+    /// workgroup per query row and one per key row; chunked, one dispatch of a thread per output
+    /// row (three per query row).
     #[test]
     fn attention_gradient_sizes() {
         use crate::graph::ScoreMods;
@@ -286,8 +289,8 @@ mod tests {
             &Options::default(),
         )
         .unwrap();
-        assert_eq!((&dims[..6], dims[15]), (&[72, 4, 9, 8, 2, 72][..], 1));
-        assert_eq!(combine_dims(&op, &dims).unwrap()[0], 3 * 72);
+        assert_eq!((&dims[..6], dims[15]), (&[72 * 64, 4, 9, 8, 2, 72][..], 1));
+        assert_eq!(combine_dims(&op, &dims).unwrap()[0], 2 * 72 * 64);
         assert_eq!(partials_bytes(&op, &dims), 3 * 72 * 4);
         let chunked = super::super::dims::dispatch_chunked(&op, &[q.clone(), k.clone(), k, q], &out, 0).unwrap();
         assert_eq!((&chunked[..6], chunked[15]), (&[3 * 72, 4, 9, 8, 2, 72][..], 0));
