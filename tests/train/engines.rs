@@ -251,9 +251,19 @@ fn device_optimizer_trains_as_on_the_host(recipe: &str) {
             assert!((got.grad_norm - want.grad_norm).abs() < 1e-4 * want.grad_norm, "{what:?}: {got:?} vs {want:?}");
         }
         let state: HashMap<String, Tensor> = device.state().unwrap().into_iter().collect();
+        // AdamW's step is `lr * m / (sqrt(v) + eps)`, about `lr` whatever the gradient's size,
+        // so an element whose gradient is near zero can move by a good part of `lr` on a
+        // difference in its last bits: on an H100 (2026-11-28) one weight of the chunked
+        // graph's ended 1.2e-4 off the host's after four steps at `lr` 0.01, the losses and
+        // norms within 1e-4 throughout. Each tensor is held to 1e-3 (a tenth of `lr`) at any
+        // element and 1e-5 on average, which a missing decay or a wrong bias correction exceeds
+        // (the moments, compared below, are what a wrong clipping factor changes).
         for (tensor, t) in device.tensors().unwrap() {
             let err = want[tensor].max_abs_diff(t);
-            assert!(err < 1e-4, "{what:?}: `{tensor}` is {err:e} off the host's");
+            assert!(err < 1e-3, "{what:?}: `{tensor}` is {err:e} off the host's");
+            let (a, b) = (want[tensor].to_f32_vec(), t.to_f32_vec());
+            let mean = a.iter().zip(&b).map(|(x, y)| f64::from((x - y).abs())).sum::<f64>() / a.len().max(1) as f64;
+            assert!(mean < 1e-5, "{what:?}: `{tensor}` is {mean:e} off the host's on average");
         }
         assert_eq!(state.len(), want_state.len(), "{what:?}");
         for (key, t) in &want_state {
