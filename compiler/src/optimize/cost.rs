@@ -161,10 +161,11 @@ impl CostModel {
             }
             // Five products per pair of query and key (the scores, the output's gradient against
             // the values, and the three gradients), and each tile's fixed work. The WGSL kernel
-            // runs them as scalar loops, a thread per row (and recomputes the scores twice more),
-            // so its products are priced as a scalar projection's ([`CostModel::scalar_projection`],
-            // 1 on the CPU): measured per adapter; on lavapipe (7) the unfused backward, whose
-            // products are tiled, stays the cheaper at the cost model's sequence.
+            // runs them as scalar loops, each lane a row's dot products (and recomputes the
+            // scores and `dp` in each of its dispatches), so its products are priced as a scalar
+            // projection's ([`CostModel::scalar_projection`], 1 on the CPU): measured per
+            // adapter; on lavapipe (7) the unfused backward, whose products are tiled, stays the
+            // cheaper at the cost model's sequence, and an H100's (1.4) takes the fused one.
             Op::AttentionGrad { .. } => {
                 let (q, k) = (operands[0], operands[1]);
                 let tiles = (self.elements(q) / last(q).max(1.0) / ATTENTION_GRAD_TILE_ROWS).ceil();

@@ -31,7 +31,7 @@ use super::tensor::STORAGE;
 use super::{DeviceTensor, Gpu, GpuError};
 use crate::train::Optimizer;
 use kiln_compiler::back::wgsl::optim::{
-    ACCUMULATE, AdamWSettings, MeanStep, SUM_SQUARES, SgdSettings, SquaresSizes, adamw, sgd,
+    ACCUMULATE, AdamWSettings, MeanStep, SQUARES_SLOTS, SgdSettings, SquaresSizes, adamw, sgd, sum_squares,
 };
 use kiln_compiler::back::wgsl::workgroups;
 use kiln_compiler::tensor::Tensor;
@@ -192,7 +192,7 @@ impl DeviceOptimizer {
         let step_values =
             (gpu.buffer("the step's clipping factor", 16, STORAGE)?, gpu.buffer("the step's constants", 16, STORAGE)?);
         Ok(DeviceOptimizer {
-            squares: gpu.pipeline("sum of squares", SUM_SQUARES),
+            squares: gpu.pipeline("sum of squares", &sum_squares()),
             update,
             accumulate: gpu.pipeline("gradient mean", ACCUMULATE),
             gpu,
@@ -308,7 +308,8 @@ impl DeviceOptimizer {
                     &self.squares,
                     &self.uniform,
                     d as u64 * self.stride,
-                    &[g, &self.parts.0],
+                    // One chunk a dispatch: the first slot (the others empty, bound to it).
+                    &[[g; SQUARES_SLOTS].as_slice(), &[&self.parts.0]].concat(),
                 )?;
                 pass.set_bind_group(0, group, &[]);
                 let (x, y) =

@@ -10,7 +10,8 @@
 //! ([`kiln_compiler::back::wgsl::optim`]'s kernels) rather than a step's operands at once: a
 //! squared norm reads one gradient of many (past any adapter's bindings), and an update writes
 //! its operands. Per step:
-//! - [`Op::SquareSums`]: [`SUM_SQUARES`] over each chunk of each gradient into partial sums,
+//! - [`Op::SquareSums`]: [`sum_squares`] over the chunks of the gradients, [`SQUARES_SLOTS`] a
+//!   dispatch, into partial sums,
 //!   then [`SUM_PARTS`] adding each tensor's into the step's output;
 //! - [`Op::ClipScale`]: [`CLIP_SCALE`] into the step's output (`f32[1]`);
 //! - [`Op::AdamW`], [`Op::Sgd`]: the update kernel over each chunk of the tensor, its gradient
@@ -29,9 +30,11 @@
 use super::run::{Buffers, CachedGroup, bind_group};
 use super::tensor::STORAGE;
 use super::{Gpu, GpuError};
-use kiln_compiler::back::wgsl::optim::{AdamWSettings, ClipSettings, SUM_PARTS, SgdSettings, SquaresSizes};
+use kiln_compiler::back::wgsl::optim::{
+    AdamWSettings, ClipSettings, SQUARES_SLOTS, SUM_PARTS, SgdSettings, SquaresSizes,
+};
 #[cfg(doc)]
-use kiln_compiler::back::wgsl::optim::{CLIP_SCALE, SUM_SQUARES};
+use kiln_compiler::back::wgsl::optim::{CLIP_SCALE, sum_squares};
 use kiln_compiler::back::wgsl::{Program, workgroups};
 use kiln_compiler::graph::{Dim, Op};
 use std::collections::HashSet;
@@ -40,8 +43,9 @@ use std::sync::Mutex;
 /// What one dispatch of the tail binds after its uniform.
 #[derive(Clone, Debug)]
 enum Bind {
-    /// [`SUM_SQUARES`]: chunk `chunk` of the step's operand `operand`, then the partial sums.
-    Squares { operand: usize, chunk: usize },
+    /// [`sum_squares`]: each slot's chunk `chunk` of the step's operand `operand` (empty slots
+    /// bound to the first's), then the partial sums.
+    Squares { slots: Vec<(usize, usize)> },
     /// [`SUM_PARTS`]: the partial sums, their ranges, then the step's output.
     Parts,
     /// [`CLIP_SCALE`]: the loss, the squared norms (the step's operands), then its output.
@@ -117,20 +121,23 @@ impl Tail {
                     if ranges.len() > 1 {
                         return Err(internal("a plan with two squared norms' steps".into()));
                     }
+                    // Every chunk of every gradient, its partial sums after the last's.
+                    let mut chunks = Vec::new();
                     for (operand, &g) in step.operands.iter().enumerate() {
                         let n = elements(g)?;
                         for chunk in 0..n.div_ceil(per_chunk) {
                             let len = per_chunk.min(n - chunk * per_chunk) as u32;
                             let sizes = SquaresSizes { n: len, offset: parts_len };
                             parts_len += sizes.workgroups();
-                            push(
-                                i,
-                                Bind::Squares { operand, chunk },
-                                &sizes.words(),
-                                workgroups(sizes.workgroups() * 64, max),
-                            );
+                            chunks.push(((operand, chunk), sizes));
                         }
                         ranges.push(parts_len);
+                    }
+                    for group in chunks.chunks(SQUARES_SLOTS) {
+                        let sizes: Vec<SquaresSizes> = group.iter().map(|&(_, s)| s).collect();
+                        let (words, groups) = SquaresSizes::uniform(&sizes);
+                        let slots = group.iter().map(|&(slot, _)| slot).collect();
+                        push(i, Bind::Squares { slots }, &words, workgroups(groups * 64, max));
                     }
                     let count = step.operands.len() as u32;
                     push(i, Bind::Parts, &[count, 0, 0, 0], workgroups(count * 64, max));
@@ -202,7 +209,15 @@ impl Tail {
             };
             let whole = |v: usize| chunk_of(v, 0);
             let bound: Vec<&wgpu::Buffer> = match d.bind {
-                Bind::Squares { operand, chunk } => vec![chunk_of(step.operands[operand], chunk)?, &self.parts],
+                Bind::Squares { ref slots } => {
+                    let mut bound = Vec::with_capacity(SQUARES_SLOTS + 1);
+                    for j in 0..SQUARES_SLOTS {
+                        let (operand, chunk) = slots.get(j).or(slots.first()).copied().unwrap_or_default();
+                        bound.push(chunk_of(step.operands[operand], chunk)?);
+                    }
+                    bound.push(&self.parts);
+                    bound
+                }
                 Bind::Parts => vec![&self.parts, &self.ranges, whole(step.output)?],
                 Bind::Clip => vec![whole(step.operands[0])?, whole(step.operands[1])?, whole(step.output)?],
                 Bind::Update { chunk } => {

@@ -801,7 +801,12 @@ pub(super) fn attention_grad(
         None => "        _ = y;\n".into(),
     };
     if stage != AttentionGradStage::Whole {
-        let walk = GradWalk { keep: &keep, setup: &scores::sparse_setup(mods, "qi", "k", "k"), scored: &scored, slope: &slope };
+        let walk = GradWalk {
+            keep: &keep,
+            setup: &scores::sparse_setup(mods, "qi", "k", "k"),
+            scored: &scored,
+            slope: &slope,
+        };
         let bounded = m.mask.is_none() && mods.sparse.is_none() && window != Some(0);
         let bounds = WalkBounds::new(causal && bounded, window.filter(|_| bounded));
         return match stage {
@@ -901,7 +906,9 @@ fn attention_grad_statistics(walk: &GradWalk, bounds: &WalkBounds) -> String {
     let WalkBounds { lo_q, hi_q, .. } = bounds;
     let max = MAX_ATTENTION_HEAD_DIM;
     let dot = |acc: &str, offset: &str, other: &str| {
-        format!("var {acc} = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ {acc} = {acc} + ag_own[{offset}c] * {other}[kv0 + ki * d + c]; }}\n")
+        format!(
+            "var {acc} = 0.0;\nfor (var c = 0u; c < d; c = c + 1u) {{ {acc} = {acc} + ag_own[{offset}c] * {other}[kv0 + ki * d + c]; }}\n"
+        )
     };
     let logit = format!("{}{scored}", dot("x", "", "in1"));
     let body = format!(

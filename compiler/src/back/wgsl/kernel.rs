@@ -257,7 +257,13 @@ fn statement_end(s: &str, from: usize) -> usize {
 /// threads run, see [`super::attention::body`]). So does attention's backward in its partial
 /// form (`attention_grad`), a workgroup per query row for the statistics, then per output row,
 /// with its reductions and workgroup memory (see [`super::emit::attention_grad`]).
-fn entry(op: &Op, body: &str, options: &Options, workgroup_attention: Option<Geometry>, attention_grad: bool) -> String {
+fn entry(
+    op: &Op,
+    body: &str,
+    options: &Options,
+    workgroup_attention: Option<Geometry>,
+    attention_grad: bool,
+) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
     if attention_grad {
@@ -663,8 +669,10 @@ mod tests {
             );
             // The reductions over rows and the tiled products (a split contraction's) bind partial
             // results, but where chunked (`partials`).
-            let partials =
-                matches!(op, Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows | Op::AttentionGrad { .. });
+            let partials = matches!(
+                op,
+                Op::CrossEntropy { .. } | Op::NormGainGrad { .. } | Op::SumRows | Op::AttentionGrad { .. }
+            );
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
             let split = kernel(&op, &inputs, f, None, &Options::hardware()).unwrap();
             super::super::validate(&split).unwrap_or_else(|e| panic!("{} {}: {e}\n{split}", op.name(), op.attrs()));
