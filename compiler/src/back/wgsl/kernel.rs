@@ -266,21 +266,16 @@ fn entry(
 ) -> String {
     let mut s = String::from("fn dim(k: u32) -> u32 { return dims.d[k / 4u][k % 4u]; }\n");
     s += HELPERS;
-    if attention_grad {
+    // The workgroup forms of attention and of its backward: reductions, their workgroup memory,
+    // and no early return (see above).
+    let workgroup_memory = match (attention_grad, workgroup_attention) {
+        (true, _) => Some(super::emit::attention_grad_declarations()),
+        (false, Some(g)) => Some(attention::workgroup_declarations(g.head_dim)),
+        (false, None) => None,
+    };
+    if let Some(declarations) = workgroup_memory {
         s += &reduce::functions(options.subgroups, false);
-        s += &super::emit::attention_grad_declarations();
-        let builtins = if options.subgroups { reduce::ENTRY_BUILTINS } else { "" };
-        s += &format!(
-            "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
-        );
-        if options.subgroups {
-            s += "    ";
-            s += reduce::ENTRY_SETUP;
-        }
-        s += "    let wg = wid.x + wid.y * nwg.x;\n    let lane = lid.x;\n";
-    } else if let Some(g) = workgroup_attention {
-        s += &reduce::functions(options.subgroups, false);
-        s += &attention::workgroup_declarations(g.head_dim);
+        s += &declarations;
         let builtins = if options.subgroups { reduce::ENTRY_BUILTINS } else { "" };
         s += &format!(
             "@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>{builtins}) {{\n"
