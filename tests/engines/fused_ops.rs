@@ -998,11 +998,12 @@ fn linear_kernel_forms_at_every_shape() {
         check_forms(&projection_cases(&ops, &large[..1]), &forms);
     }
     // The split GEMV form past a decode step's rows (`split_rows`), as a hardware adapter runs a
-    // short prompt's and a batched step's projections: 27 rows split at 64 (74 take the GEMM),
-    // every shape split at 256; its workgroups 4 and 16 columns wide (`split_groups`; 8 in
-    // `every_device_form_of_norms_softmax_and_gemv`); the decode rows of the wide ones unsplit.
+    // short prompt's and a batched step's projections: 27 rows split at 64 (74 take the split
+    // GEMM, the `vec4` GEMM's launch being small), every shape split at 256, and past 4 rows
+    // (27 and 74) the split GEMM, its last block of 4 rows partial; the workgroups 4, 8 and 16
+    // columns wide (`split_groups`); the decode rows of the wide ones unsplit.
     if common::gpu().is_some_and(|gpu| gpu.supports_subgroups()) {
-        let mut forms: Vec<wgsl::Options> = [(64, 1), (256, 4)]
+        let mut forms: Vec<wgsl::Options> = [(64, 1), (256, 4), (4, 2)]
             .iter()
             .map(|&(rows, groups)| wgsl::Options {
                 subgroups: true,

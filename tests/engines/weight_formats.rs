@@ -131,17 +131,28 @@ fn quantized_case(format: WeightFormat) -> QuantizedCase {
     QuantizedCase { params, blocks, expected, plan }
 }
 
+/// Every block-quantized format on wgpu, in the adapter's forms and, where it has subgroups, a
+/// hardware adapter's split forms: the split GEMV at a decode step's rows and the split GEMM past
+/// 4 (27 and 74 rows, each ending in a partial block of rows).
 #[test]
 fn quantized_projections_match_the_interpreter_on_dequantized_weights() {
     let Some(gpu) = common::gpu() else { return };
+    let split = kiln_compiler::back::wgsl::Options { subgroups: true, split_rows: Some(4), ..gpu.options() };
+    let forms: Vec<_> = std::iter::once(gpu.options()).chain(gpu.supports_subgroups().then_some(split)).collect();
     for format in QUANTIZED {
         let QuantizedCase { params, blocks, expected, plan } = quantized_case(format);
-        let model = GpuModel::with_blocks(gpu.clone(), plan, &params, &blocks).unwrap();
-        let quant_bytes: u64 = model.weight_bytes().iter().filter(|(f, _)| *f == format).map(|(_, b)| b).sum();
-        assert_eq!(quant_bytes, blocks.values().map(QuantWeight::bytes).sum::<u64>(), "{format} bytes on the device");
-        let got = model.run(&HashMap::new()).unwrap();
-        for ((name, want), (_, got)) in expected.iter().zip(&got) {
-            assert_close(&format!("{format}: `{name}`"), want, got, TOLERANCE);
+        for options in &forms {
+            let form = options.describe();
+            let model = GpuModel::with_progress(gpu.clone(), &plan, options, &params, &blocks, &()).unwrap();
+            let quant_bytes: u64 = model.weight_bytes().iter().filter(|(f, _)| *f == format).map(|(_, b)| b).sum();
+            let bytes = blocks.values().map(QuantWeight::bytes).sum::<u64>();
+            assert_eq!(quant_bytes, bytes, "{format} bytes on the device ({form})");
+            let wgsl: String = model.program().kernels.iter().map(|k| k.wgsl.as_str()).collect();
+            assert_eq!(wgsl.contains("form == 5u"), options.subgroups, "{format} ({form}): the split GEMM form");
+            let got = model.run(&HashMap::new()).unwrap();
+            for ((name, want), (_, got)) in expected.iter().zip(&got) {
+                assert_close(&format!("{format} ({form}): `{name}`"), want, got, TOLERANCE);
+            }
         }
     }
 }

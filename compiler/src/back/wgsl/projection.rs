@@ -40,6 +40,12 @@
 //!   The form exists only in a module compiled with subgroups (the plain one keeps the `vec4`
 //!   GEMV, whose invocations each walk the whole of `k`), and [`dims`] picks it only then.
 //!
+//! - **split GEMM** (with subgroups, past the split GEMV's rows where the `vec4` GEMM would
+//!   launch fewer than [`SPLIT_BELOW_WORKGROUPS`] workgroups: a prefill's or a training step's
+//!   narrow projections): the split GEMV's workgroup over [`SPLIT_GEMM_ROWS`] rows, each lane
+//!   accumulating every row of the tile over its share of `k`, each sum reduced by `row_sum4`;
+//!   the weight's tile is read once for the workgroup's rows.
+//!
 //! With [`Options::f16_math`] and an f16 weight, the `vec4` loops (GEMM, GEMV and split GEMV)
 //! multiply in f16: see [`Options::f16_math`] for what that costs.
 //!
@@ -92,6 +98,10 @@ pub const SPLIT_BELOW_WORKGROUPS: usize = 64;
 /// The width `kiln tune` tries as [`Options::wide_gemv_from`]: a vocabulary head's (SmolLM2's
 /// 49 152 columns, Gemma 3's 262 144), not a layer's projections (at most a few thousand).
 pub const WIDE_GEMV_FROM: usize = 16384;
+/// Rows a workgroup of the split GEMM form takes (see [`dims`]): each lane holds this many rows'
+/// accumulators for each of the tile's groups of 4 columns.
+pub const SPLIT_GEMM_ROWS: usize = 4;
+
 /// The row limits `kiln tune` tries for the split GEMV form ([`Options::split_rows`]).
 pub const SPLIT_ROWS: [usize; 4] = [GEMV_MAX_ROWS, 16, 64, 256];
 
@@ -150,7 +160,8 @@ fn vector_rope(r: RopeCols) -> bool {
 /// `[threads, n, k, seq, past, m, tiles, form, w]`, where `m` is the number of rows, `w` the
 /// width of the (transposed, possibly padded) weight's rows and `form` picks the code path:
 /// 0 scalar GEMM, 1 scalar GEMV, 2 `vec4` GEMM, 3 `vec4` GEMV, 4 split GEMV (in place of 3 when
-/// `options`, the kernel's, have [`Options::subgroups`]). The `vec4` forms need `k` and `w`
+/// `options`, the kernel's, have [`Options::subgroups`]), 5 split GEMM (in place of 2 past the
+/// split GEMV's rows where the `vec4` GEMM would launch too few workgroups, with subgroups too). The `vec4` forms need `k` and `w`
 /// multiples of 4 (lowering pads the weight rows of a plain projection to one; a gated one needs
 /// `n` a multiple of 4) and a RoPE epilogue's pairs in whole `vec4`s, if any. `tiles` is the
 /// number of column tiles of a row
@@ -236,18 +247,27 @@ fn dims_with(
     // fill a GPU: each split row reads the weight again, which a wide projection's GEMM (a head
     // of 49 152 columns: 384 workgroups at 32 rows) does not need.
     let gemm_launch = n.div_ceil(4).div_ceil(gemm_groups) * m.div_ceil(gemm_rows);
-    let split = split.filter(|s| {
+    let few = gemm_launch.div_ceil(WORKGROUP as usize) < SPLIT_BELOW_WORKGROUPS;
+    let split_gemv = split.filter(|s| {
         let wide = s.wide_from.is_some_and(|c| n >= c);
         vector
             && m <= s.rows
             && match gemv {
                 true => !wide,
-                false => gemm_launch.div_ceil(WORKGROUP as usize) < SPLIT_BELOW_WORKGROUPS,
+                false => few,
             }
     });
-    let (form, tiles, groups) = if let Some(split) = split {
+    // Past the split GEMV's rows, where the GEMM would still launch too few workgroups (a
+    // prefill's narrow projection: SmolLM2's 576 columns at 128 rows, 18 workgroups of the GEMM
+    // on an H100's 132 SMs, 0.48 ms each; BENCHMARKS.md, 2026-11-28): the split GEMM, a
+    // workgroup per [`SPLIT_GEMM_ROWS`] rows and tile of columns, its lanes splitting `k`.
+    let split_gemm = split.filter(|s| vector && !gemv && m > s.rows && few);
+    let (form, tiles, groups) = if let Some(split) = split_gemv {
         let tiles = n.div_ceil(4).div_ceil(split.groups);
         (4, tiles, tiles * m)
+    } else if let Some(split) = split_gemm {
+        let tiles = n.div_ceil(4).div_ceil(split.groups);
+        (5, tiles, tiles * m.div_ceil(SPLIT_GEMM_ROWS))
     } else if vector {
         let (rows, cols) = if gemv { (1, p.gemv_groups()) } else { (gemm_rows, gemm_groups) };
         let tiles = n.div_ceil(4).div_ceil(cols);
@@ -555,8 +575,11 @@ fn body_with(op: &Op, vectors: bool, format: WeightFormat, options: &Options) ->
         let (rows, groups) = gemm_tile(p, options);
         s += &indent(&vector_tile(p, Tile::rows(rows, groups), format, f16_math));
         if splits(op, options) {
+            let groups = split_groups(p, options);
             s += "} else if (form == 4u) {\n";
-            s += &indent(&vector_tile(p, Tile::split(split_groups(p, options)), format, f16_math));
+            s += &indent(&vector_tile(p, Tile::split(1, groups), format, f16_math));
+            s += "} else if (form == 5u) {\n";
+            s += &indent(&vector_tile(p, Tile::split(SPLIT_GEMM_ROWS, groups), format, f16_math));
         }
         s += "} else {\n";
         s += &indent(&vector_tile(p, Tile::rows(1, p.gemv_groups()), format, f16_math));
@@ -586,9 +609,9 @@ impl Tile {
         Tile { rows, groups, split: false }
     }
 
-    /// The split GEMV form's tile, `groups` groups of 4 columns.
-    fn split(groups: usize) -> Tile {
-        Tile { rows: 1, groups, split: true }
+    /// The split forms' tile, `rows` rows (1: the split GEMV) by `groups` groups of 4 columns.
+    fn split(rows: usize, groups: usize) -> Tile {
+        Tile { rows, groups, split: true }
     }
 
     /// The header of a loop over `index` below `end` (the lane's share when split).
@@ -608,7 +631,7 @@ fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> S
     let (_, bi, ri) = operand_indices(p);
     let Tile { rows, groups, .. } = tile;
     let mut s = if tile.split {
-        format!("let t = wg;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = t / tiles;\n")
+        format!("let t = wg;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n")
     } else {
         format!("let t = wg * 64u + lane;\nlet gb = (t % tiles) * {groups}u;\nlet r0 = (t / tiles) * {rows}u;\n")
     };
@@ -641,13 +664,15 @@ fn vector_tile(p: Linear, tile: Tile, format: WeightFormat, f16_math: bool) -> S
     let last = if tile.split {
         // Every lane's partial sums added (an RMSNorm prologue's sum of squares too); the first
         // lane finishes.
-        if p.norm.is_some_and(|n| n.rms) {
-            s += "ss0 = row_sum4(lane, ss0);\n";
-        }
-        for j in 0..groups {
-            s += &format!("y0_{j} = row_sum4(lane, y0_{j});\n");
-            if p.glu {
-                s += &format!("z0_{j} = row_sum4(lane, z0_{j});\n");
+        for r in 0..rows {
+            if p.norm.is_some_and(|n| n.rms) {
+                s += &format!("ss{r} = row_sum4(lane, ss{r});\n");
+            }
+            for j in 0..groups {
+                s += &format!("y{r}_{j} = row_sum4(lane, y{r}_{j});\n");
+                if p.glu {
+                    s += &format!("z{r}_{j} = row_sum4(lane, z{r}_{j});\n");
+                }
             }
         }
         " && lane == 0u"
@@ -1191,8 +1216,13 @@ mod tests {
         assert_eq!(form(8, 576, 49_152), (2, 96));
         // Its MLP at 8 rows: the GEMM's 3 workgroups, too few.
         assert_eq!(form(8, 576, 1536).0, 4);
-        // Past the rows the split form takes.
-        assert_eq!(form(HARDWARE_SPLIT_ROWS + 1, 576, 576).0, 2);
+        // Past the rows the split GEMV takes: the GEMM where it launches workgroups enough,
+        // else the split GEMM (SmolLM2's attention output at 128 rows: the GEMM's 18 workgroups,
+        // or 72 tiles of 8 columns by 32 blocks of 4 rows).
+        assert_eq!(form(HARDWARE_SPLIT_ROWS + 1, 576, 49_152).0, 2);
+        assert_eq!(form(128, 576, 576), (5, 72 * 32));
+        assert_eq!(form(HARDWARE_SPLIT_ROWS + 1, 576, 576), (5, 72 * 17));
+        assert_eq!(form(4096, 384, 384).0, 2);
         // Without subgroups, no split form at all.
         let plain = Options { subgroups: false, ..options };
         let d = dims(&Op::linear(None, false, false), &[vec![32, 576], vec![576, 576]], &[32, 576], 0, &plain);
