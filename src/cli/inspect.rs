@@ -383,8 +383,8 @@ pub fn run(args: InspectArgs, reporter: &Reporter) -> Result<()> {
     }
 }
 
-/// `--stage wgsl`: the plan's steps (each with its op, scope, kernel and the workgroups it launches
-/// at the sizes `syms`, described as `at`) and buffers, then every kernel's WGSL; the first lines
+/// `--stage wgsl`: the plan's steps (each with its op, scope, kernel — a projection's with the
+/// form it runs — and the workgroups it launches at the sizes `syms`, described as `at`) and buffers, then every kernel's WGSL; the first lines
 /// say which device the program is compiled for and which forms its kernels take.
 fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, at: &str) -> String {
     let plan = &program.plan;
@@ -405,7 +405,7 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
             |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
         // An optimizer's step binds one chunk of its tensors per dispatch (`wgsl::optim`).
         let optimizer = match step.op {
-            Op::SquareSums => Some("a dispatch per chunk of each gradient, then one adding each tensor's"),
+            Op::SquareSums => Some("a dispatch per four chunks of the gradients, then one adding each tensor's"),
             Op::ClipScale { .. } => Some("one workgroup"),
             Op::AdamW { .. } | Op::Sgd { .. } => {
                 Some("a dispatch per chunk of the tensor, written in place with its state")
@@ -433,7 +433,13 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
                 Err(e) => format!("no launch at these sizes: {e}"),
             },
         };
-        let kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
+        let mut kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
+        // A projection's form at these sizes (`wgsl::projection::dims`).
+        if let (Op::Linear { .. }, Ok(dims)) =
+            (&step.op, wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options))
+        {
+            kernel += &format!(" ({})", wgsl::projection::form_name(dims[7]));
+        }
         let scope = kiln_compiler::graph::scope_name(&step.scope);
         // What a step writes besides its output: the caches a cached attention appends to.
         let also: Vec<String> = step

@@ -129,8 +129,13 @@ fn inspect_wgsl_with_subgroups() {
         .collect();
     assert!(projections.len() >= 8, "{sub}");
     for (line, workgroups) in projections {
-        assert!(workgroups >= 32, "{line}");
+        assert!(workgroups >= 32 && line.contains("(split GEMV)"), "{line}");
     }
+    // A 128-token prompt's, past the split GEMV's 64 rows: the split GEMM, a workgroup per 4 rows
+    // and 8 columns (the `vec4` GEMM would launch 2).
+    let long = stdout(&kiln(&["inspect", "models/llama.toml", "--stage", "wgsl", "--subgroups", "--seq", "128"]));
+    let gemm: Vec<&str> = long.lines().filter(|l| l.contains("(split GEMM), 256 workgroups")).collect();
+    assert!(gemm.len() >= 4, "{long}");
     assert!(sub.contains("subgroupAdd") && sub.contains("subgroupMax"), "{sub}");
     // A decoder step as a hardware adapter runs it: the cache appends in the attention's dispatch.
     let step = |extra: &[&str]| {

@@ -176,6 +176,19 @@ pub fn dims(op: &Op, operands: &[Vec<usize>], out: &[usize], past: usize, option
     dims_with(op, operands, out, past, Some(gemm_tile(p, options)), split)
 }
 
+/// The name of the form `dims[7]` of a projection's sizes picks (see [`dims`]), for reports.
+pub fn form_name(form: u32) -> &'static str {
+    match form {
+        0 => "scalar GEMM",
+        1 => "scalar GEMV",
+        2 => "vec4 GEMM",
+        3 => "vec4 GEMV",
+        4 => "split GEMV",
+        5 => "split GEMM",
+        _ => "unknown form",
+    }
+}
+
 /// Where the split GEMV form runs: up to `rows` rows, `groups` groups of 4 columns a workgroup;
 /// at a GEMV's rows, narrower than `wide_from` columns ([`Options::wide_gemv_from`]).
 #[derive(Clone, Copy)]
