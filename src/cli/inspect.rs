@@ -405,29 +405,30 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
             |dims: &[u32; 16]| crate::report::count(dims[0].div_ceil(wgsl::WORKGROUP) as usize, "workgroup");
         // An optimizer's step binds one chunk of its tensors per dispatch (`wgsl::optim`).
         let optimizer = match step.op {
-            Op::SquareSums => Some("a dispatch per four chunks of the gradients, then one adding each tensor's"),
+            Op::SquareSums => Some(SQUARES_LAUNCH),
             Op::ClipScale { .. } => Some("one workgroup"),
             Op::AdamW { .. } | Op::Sgd { .. } => {
                 Some("a dispatch per chunk of the tensor, written in place with its state")
             }
             _ => None,
         };
+        let dims = wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options);
         let launch = match optimizer {
             Some(how) => how.to_string(),
-            None => match wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options) {
+            None => match &dims {
                 // A split attention dispatches again to combine its key ranges, a reduction over
                 // chunks of rows its chunks.
-                Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, &dims) {
+                Ok(dims) if dims[0] > 0 => match wgsl::partials::combine_dims(&step.op, dims) {
                     Some(second) if wgsl::partials::over_rows(&step.op) => {
-                        format!("{}, then {} combining them", workgroups(&dims), workgroups(&second))
+                        format!("{}, then {} combining them", workgroups(dims), workgroups(&second))
                     }
                     Some(second) => format!(
                         "{} ({} key ranges), then {} combining them",
-                        workgroups(&dims),
+                        workgroups(dims),
                         dims[14],
                         workgroups(&second)
                     ),
-                    None => workgroups(&dims),
+                    None => workgroups(dims),
                 },
                 Ok(_) => "no dispatch".into(),
                 Err(e) => format!("no launch at these sizes: {e}"),
@@ -435,9 +436,7 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
         };
         let mut kernel = program.step_kernels.get(i).map_or_else(|| "-".to_string(), |k| format!("kernel {k}"));
         // A projection's form at these sizes (`wgsl::projection::dims`).
-        if let (Op::Linear { .. }, Ok(dims)) =
-            (&step.op, wgsl::dispatch(&step.op, &operands, &shape(step.output), past, &program.options))
-        {
+        if let (Op::Linear { .. }, Ok(dims)) = (&step.op, &dims) {
             kernel += &format!(" ({})", wgsl::projection::form_name(dims[7]));
         }
         let scope = kiln_compiler::graph::scope_name(&step.scope);
@@ -455,6 +454,10 @@ fn wgsl_text(program: &wgsl::Program, device: &str, syms: &HashMap<Sym, usize>, 
     }
     text + &program.kernels_text()
 }
+
+/// How `inspect` says a squared norms' step launches (see `wgsl::optim::sum_squares`).
+const SQUARES_LAUNCH: &str = "a dispatch per four chunks of the gradients, then one adding each tensor's";
+const _: () = assert!(wgsl::optim::SQUARES_SLOTS == 4, "SQUARES_LAUNCH names the slots");
 
 /// Profiles taken for `--profile`; the report gives each step's median.
 const PROFILE_RUNS: usize = 5;

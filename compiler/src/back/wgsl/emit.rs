@@ -767,8 +767,8 @@ impl<'a> Mods<'a> {
 ///   sequence: correct everywhere, fast nowhere long.
 /// - [`AttentionGradStage::Rows`] and [`AttentionGradStage::Gradients`], the two dispatches of
 ///   the partial form (`partials`): the first writes every query row's three statistics to the
-///   scratch buffer (`part`, one thread per query row), the second reads them there
-///   ([`attention_grad_workgroups`]: a workgroup per output row), so the work of a row is linear
+///   scratch buffer (`part`, [`attention_grad_statistics`]: a workgroup per query row), the second
+///   reads them there ([`attention_grad_workgroups`]: a workgroup per output row), so the work of a row is linear
 ///   in the sequence: flash-attention's backward, the score matrix never held. Each gradient
 ///   element is the same arithmetic in the same order in every form.
 pub(super) fn attention_grad(
@@ -800,13 +800,9 @@ pub(super) fn attention_grad(
         Some(cap) => format!("        ds = ds * (y * y * {} + 1.0);\n", lit(-1.0 / (cap.0 * cap.0))),
         None => "        _ = y;\n".into(),
     };
+    let setup = scores::sparse_setup(mods, "qi", "k", "k");
     if stage != AttentionGradStage::Whole {
-        let walk = GradWalk {
-            keep: &keep,
-            setup: &scores::sparse_setup(mods, "qi", "k", "k"),
-            scored: &scored,
-            slope: &slope,
-        };
+        let walk = GradWalk { keep: &keep, setup: &setup, scored: &scored, slope: &slope };
         let bounded = m.mask.is_none() && mods.sparse.is_none() && window != Some(0);
         let bounds = WalkBounds::new(causal && bounded, window.filter(|_| bounded));
         return match stage {
@@ -816,15 +812,6 @@ pub(super) fn attention_grad(
     }
     let dot = |a: &str, b: &str| format!("for (var c = 0u; c < d; c = c + 1u) {{ dp = dp + {a} * {b}; }}");
     let dp = dot("in3[q0 + qi * d + c]", "in2[kv0 + ki * d + c]");
-    let setup = scores::sparse_setup(mods, "qi", "k", "k");
-    let sizes = "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n";
-    // Query row `r` (of `rows`) of head `h` of batch `b`, its query `own` of `k`.
-    let row = |r: &str| {
-        format!(
-            "let own = {r} % k;\nlet h = ({r} / k) % heads;\nlet b = {r} / (k * heads);\n\
-             let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n"
-        )
-    };
     // Query `qi`'s statistics: `mx`, `l`, `uniform` and `dd`.
     let statistics = format!(
         "// The row's softmax: its maximum and sum over the kept keys, then sum(p * dp).\n\
@@ -837,13 +824,12 @@ pub(super) fn attention_grad(
          let p = select(select(0.0, exp(x - mx) / l, {keep}), 1.0 / f32(k), uniform);\n        \
          var dp = 0.0;\n        {dp}\n        dd = dd + p * dp;\n    }}\n"
     );
-    let stats = statistics;
     format!(
-        "{sizes}let which = i / rows;\nlet r = i % rows;\n{}\
+        "{GRAD_SIZES}let which = i / rows;\nlet r = i % rows;\n{}\
          // Head dim <= {MAX_ATTENTION_HEAD_DIM} (the optimizer's side condition).\n\
          var acc: array<f32, {MAX_ATTENTION_HEAD_DIM}>;\n\
          let q_first = select(0u, own, which == 0u);\nlet q_last = select(k, own + 1u, which == 0u);\n\
-         for (var qi = q_first; qi < q_last; qi = qi + 1u) {{\n{setup}{stats}\
+         for (var qi = q_first; qi < q_last; qi = qi + 1u) {{\n{setup}{statistics}\
          // This thread's share: every key for a query's gradient, its own key for a key's or value's.\n\
          let k_first = select(own, 0u, which == 0u);\nlet k_last = select(own + 1u, k, which == 0u);\n\
          for (var ki = k_first; ki < k_last; ki = ki + 1u) {{\n{logit}        let kept = {keep};\n        \
@@ -854,8 +840,21 @@ pub(super) fn attention_grad(
          if (which == 0u) {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in1[kv0 + ki * d + c]; }}\n        \
          }} else {{\n            for (var c = 0u; c < d; c = c + 1u) {{ acc[c] = acc[c] + ds * in0[q0 + qi * d + c]; }}\n        }}\n    \
          }}\n}}\nfor (var c = 0u; c < d; c = c + 1u) {{ out[i * d + c] = acc[c]; }}",
-        row("r"),
+        grad_row("r"),
         scale = lit(scale.0),
+    )
+}
+
+/// The sizes every form of [`attention_grad`] reads: `[threads, heads, k, d, kv, rows]`.
+const GRAD_SIZES: &str =
+    "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n";
+
+/// Statements placing query row `r` (of `rows`) of [`attention_grad`]: its head `h`, batch `b`,
+/// its query `own` of `k`, and where its head's queries (`q0`) and its group's keys (`kv0`) start.
+fn grad_row(r: &str) -> String {
+    format!(
+        "let own = {r} % k;\nlet h = ({r} / k) % heads;\nlet b = {r} / (k * heads);\n\
+         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n"
     )
 }
 
@@ -912,8 +911,7 @@ fn attention_grad_statistics(walk: &GradWalk, bounds: &WalkBounds) -> String {
     };
     let logit = format!("{}{scored}", dot("x", "", "in1"));
     let body = format!(
-        "let r = wg;\nlet own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\nlet qi = own;\n\
-         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+        "let r = wg;\n{}let qi = own;\n\
          for (var c = lane; c < d; c = c + 64u) {{\n    ag_own[c] = in0[q0 + qi * d + c];\n    \
          ag_own[{max}u + c] = in3[q0 + qi * d + c];\n}}\nworkgroupBarrier();\n{setup}\
          let lo = {lo_q};\nlet hi = {hi_q};\n\
@@ -928,15 +926,12 @@ fn attention_grad_statistics(walk: &GradWalk, bounds: &WalkBounds) -> String {
          let p = select(select(0.0, exp(x - row_mx) / sum, {keep}), 1.0 / f32(k), uniform);\n{}    dd = dd + p * dp;\n}}\n\
          let row_dd = row_sum(lane, dd);\n\
          if (lane == 0u) {{\n    part[3u * r] = row_mx;\n    part[3u * r + 1u] = sum;\n    part[3u * r + 2u] = row_dd;\n}}\n",
+        grad_row("r"),
         indent(&logit),
         indent(&logit),
         indent(&dot("dp", &format!("{max}u + "), "in2")),
     );
-    format!(
-        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
-         if (wg < rows) {{\n{}}}",
-        indent(&body)
-    )
+    format!("{GRAD_SIZES}if (wg < rows) {{\n{}}}", indent(&body))
 }
 
 /// Workgroup memory of [`attention_grad_workgroups`]: the workgroup's own two rows (up to
@@ -1025,9 +1020,7 @@ fn attention_grad_workgroups(walk: &GradWalk, bounds: &WalkBounds, scale: Scalar
         indent(&adds),
     );
     let body = format!(
-        "let which = wg / rows;\nlet r = wg % rows;\n\
-         let own = r % k;\nlet h = (r / k) % heads;\nlet b = r / (k * heads);\n\
-         let q0 = (b * heads + h) * k * d;\nlet kv0 = (b * kv + h / (heads / kv)) * k * d;\n\
+        "let which = wg / rows;\nlet r = wg % rows;\n{}\
          // The own rows: the query and its output's gradient, or the key and the value.\n\
          for (var c = lane; c < d; c = c + 64u) {{\n    \
          ag_own[c] = select(in1[kv0 + own * d + c], in0[q0 + own * d + c], which == 0u);\n    \
@@ -1035,13 +1028,10 @@ fn attention_grad_workgroups(walk: &GradWalk, bounds: &WalkBounds, scale: Scalar
          workgroupBarrier();\n{decls}\
          let lo = select({lo_k}, {lo_q}, which == 0u);\nlet hi = select({hi_k}, {hi_q}, which == 0u);\n\
          for (var c0 = lo; c0 < hi; c0 = c0 + 64u) {{\n{}}}\n{stores}",
+        grad_row("r"),
         indent(&chunk),
     );
-    format!(
-        "let heads = dim(1u);\nlet k = dim(2u);\nlet d = dim(3u);\nlet kv = dim(4u);\nlet rows = dim(5u);\n\
-         if (wg < 2u * rows) {{\n{}}}",
-        indent(&body)
-    )
+    format!("{GRAD_SIZES}if (wg < 2u * rows) {{\n{}}}", indent(&body))
 }
 
 /// Which of [`attention_grad`]'s forms a kernel body is.

@@ -91,8 +91,8 @@ fn kernel_with(
         }
     }
     let workgroup_attention = geometry.filter(|_| attention::has_workgroup_form(op, options));
-    // Attention's backward in its partial form: the gradients a workgroup per output row.
-    let attention_grad = matches!(op, Op::AttentionGrad { .. }) && super::partials::has_partials(op, false, options);
+    // Attention's backward (here always its partial form): a workgroup per row.
+    let attention_grad = matches!(op, Op::AttentionGrad { .. });
     s += &entry(op, &body, options, workgroup_attention, attention_grad);
     Some(s)
 }
