@@ -247,9 +247,10 @@ pub struct WeightArgs {
     #[arg(long)]
     pub dequantize: bool,
     /// CPU backend: quantize the activations of quantized projections to 8 bits per block of 32
-    /// and use integer dot products, as llama.cpp does (faster; logits move by about 1%, which
-    /// can flip a greedy choice between two close tokens). Q5_0 and K-quant projections of more
-    /// than one row (a prompt, several sequences) keep f32 activations, which run faster there.
+    /// and use integer arithmetic, as llama.cpp does (faster: dot products when decoding, an
+    /// integer GEMM for a prompt's rows; logits move by about 1%, which can flip a greedy choice
+    /// between two close tokens). On a CPU without AVX2, Q5_0 and K-quant projections of more
+    /// than one row keep f32 activations, which run faster there.
     #[arg(long)]
     pub int8_activations: bool,
 }

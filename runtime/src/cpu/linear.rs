@@ -17,7 +17,7 @@
 
 use super::isa::Implementation;
 use super::math::{layer_norm_row, rms_norm_row};
-use super::qdot::{self, Q8Acts};
+use super::qdot::{self, Q8Acts, gemm as qgemm};
 use super::qdot_f32;
 use super::{Arg, CpuError, Positions, R};
 use kiln_compiler::graph::Op;
@@ -28,6 +28,11 @@ use rayon::prelude::*;
 /// The most weight rows one task computes (for every row of `x`): 96 rows of a 576-wide Q4_1
 /// weight are 40 KiB, which stay in L2 while every activation row passes over them.
 const MAX_ROW_BLOCK: usize = 96;
+
+/// Activation rows from which `--int8-activations` multiplies quantized weights by the integer
+/// GEMM ([`qgemm`]): below, its vectors of 16 (or 8) rows are mostly padding, and the row dot
+/// products or the f32 path run faster.
+const INTEGER_GEMM_ROWS: usize = 8;
 
 /// Multiply-adds below which the GEMM runs on one thread.
 const GEMM_THREADING: usize = 1 << 18;
@@ -326,19 +331,21 @@ pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut 
 }
 
 /// `y [m, rows] = x [m, k] @ q^T`, from the blocks: with `int8`, each row of `x` quantized once to
-/// 8 bits per block of 32 and dotted in integer arithmetic ([`qdot`]); otherwise with the f32
+/// 8 bits per block of 32 and multiplied in integer arithmetic — from [`INTEGER_GEMM_ROWS`] rows
+/// by the integer GEMM ([`qgemm`]), below by row dot products ([`qdot`]); otherwise with the f32
 /// activations ([`exact`]). The weight's rows go in blocks over the pool ([`row_block`]).
 ///
-/// The integer kernels of Q5_0 and the K-quants are row dot products that unpack each block's
-/// factors again for every activation row; past one row the f32 path, which dequantizes a tile
-/// once for all the rows, ran faster (Gemma 3 270M on 2 AVX-512 VNNI cores, 2026-11-27: 4
-/// sequences decoded together 121 against 162 tok/s, 2 equal, a 32-token prefill 221-244 against
-/// 553-578), so those formats take it there even with `int8` (f32 activations: exact, not
-/// approximate). Q8_0 and Q4_1 tile their integer kernels over weight rows and keep them.
+/// The row dot products of Q5_0 and the K-quants unpack each block's factors again for every
+/// activation row; where no integer GEMM runs (a CPU without AVX2) or below its rows, the f32
+/// path, which dequantizes a tile once for all the rows, ran faster past one row (Gemma 3 270M
+/// on 2 AVX-512 VNNI cores, 2026-11-27: 4 sequences decoded together 121 against 162 tok/s), so
+/// those formats take it there even with `int8` (f32 activations: exact, not approximate). Q8_0
+/// and Q4_1 tile their dot products over weight rows and keep them.
 fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], int8: bool) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     let tiled = matches!(q.format, WeightFormat::Q8_0 | WeightFormat::Q4_1);
-    if !int8 || (m > 1 && !tiled) {
+    let gemm = if m >= INTEGER_GEMM_ROWS { qgemm::Impl::for_format(q.format) } else { None };
+    if !int8 || (m > 1 && !tiled && gemm.is_none()) {
         return exact(q, m, x, y);
     }
     let stride = q.format.row_words(k).ok_or_else(|| CpuError::Operands(format!("{} is not quantized", q.format)))?;
@@ -352,6 +359,11 @@ fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], 
         })
         .collect();
     let words = |r0: usize| q.words.get(r0 * stride..).unwrap_or_default();
+    if let Some(imp) = gemm {
+        let x = qgemm::Acts::pack(imp, q.format, acts);
+        by_row_blocks(rows, m, y, |r0, len, out| qgemm::gemm_rows(q.format, words(r0), k, &x, out, len));
+        return Ok(());
+    }
     by_row_blocks(rows, m, y, |r0, len, out| {
         for (a, o) in acts.iter().zip(out.chunks_mut(len)) {
             qdot::dot_rows(q.format, words(r0), k, a, o);

@@ -405,6 +405,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod blocks;
+pub mod gemm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -419,7 +420,7 @@ mod tests {
 
     /// The row lengths tested for `format`: [`KS`] (and Gemma's 640), or for the K-quants, whose
     /// rows are whole super-blocks of 256, 256 to 2048.
-    fn ks(format: WeightFormat) -> Vec<usize> {
+    pub(super) fn ks(format: WeightFormat) -> Vec<usize> {
         match format.row_multiple() {
             32 => KS.iter().copied().chain([640]).collect(),
             _ => vec![256, 512, 768, 1536, 2048],
@@ -435,7 +436,7 @@ mod tests {
     }
 
     /// Per row, `sum_b |d_w d_x| sum|q_w q_x| + |m_w s_x|`: the magnitude of the float terms.
-    fn magnitudes(w: &QuantWeight, x: &Q8Acts) -> Vec<f64> {
+    pub(super) fn magnitudes(w: &QuantWeight, x: &Q8Acts) -> Vec<f64> {
         let nb = w.k / BLOCK;
         let stride = w.format.row_words(w.k).unwrap();
         let xq: Vec<&[i8]> = x.quant_blocks().collect();
