@@ -143,11 +143,15 @@ pub struct Acts {
     sdx: Vec<f32>,
 }
 
-/// The scale and `d_x * sum(q_x)` of each group of `group` elements of `x`, in order.
-fn group_sums(x: &Q8Acts, group: usize) -> impl Iterator<Item = (f32, f32)> + '_ {
-    x.quant_blocks().zip(&x.d).flat_map(move |(q, &d)| {
+/// The scale and `d_x * sum(q_x)` of each group of `group` elements of `x`, in order: for whole
+/// blocks the row's own (`s`, the same product), for halves summed here.
+fn group_sums(x: &Q8Acts, group: usize) -> Box<dyn Iterator<Item = (f32, f32)> + '_> {
+    if group == BLOCK {
+        return Box::new(x.d.iter().copied().zip(x.s.iter().copied()).take(x.blocks));
+    }
+    Box::new(x.quant_blocks().zip(&x.d).flat_map(move |(q, &d)| {
         q.chunks(group).map(move |g| (d, d * g.iter().map(|&v| i32::from(v)).sum::<i32>() as f32))
-    })
+    }))
 }
 
 impl Acts {

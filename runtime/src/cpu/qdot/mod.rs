@@ -69,7 +69,7 @@ struct Line([i8; 2 * BLOCK]);
 /// An activation row quantized per block of 32 to `i8` (llama.cpp's Q8_0 with Q8_1's block sum).
 ///
 /// For each block `b`: its scale `d[b] = max|x| / 127`, `s[b] = d[b] * sum(q)` (for Q4_1's
-/// minimum term) and the 32 quants `q = round(x / d)` (0 where `d = 0`), stored contiguously and
+/// minimum term) and the 32 quants `q = round(x / d)` (ties to even; 0 where `d = 0`), stored contiguously and
 /// 32-byte aligned. A block holding NaN gets scale NaN, so NaN propagates to the dot products.
 /// Buffers are reused across [`Q8Acts::quantize`] calls.
 #[derive(Clone, Default)]
@@ -106,22 +106,15 @@ impl Q8Acts {
         self.s.clear();
         self.q.clear();
         self.q.resize(blocks.div_ceil(2), Line([0; 2 * BLOCK]));
-        let quants = self.q.iter_mut().flat_map(|l| l.0.chunks_exact_mut(BLOCK));
-        for (block, q) in x.chunks(BLOCK).zip(quants) {
-            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = if block.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 127.0 };
-            // `d` is NaN or infinite only for non-finite input: then the quants are 0 (`as`
-            // saturates, NaN to 0) and the NaN or infinite scale carries into the products.
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in q.iter_mut().zip(block) {
-                // |v * id| <= 127 up to rounding, and `as` saturates.
-                *q = (v * id).round() as i8;
-                sum += i32::from(*q);
-            }
-            self.d.push(d);
-            self.s.push(d * sum as f32);
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::isa().avx2 {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { quantize_blocks_avx2(x, &mut self.q, &mut self.d, &mut self.s) };
+        } else {
+            quantize_blocks(x, &mut self.q, &mut self.d, &mut self.s);
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        quantize_blocks(x, &mut self.q, &mut self.d, &mut self.s);
         self.qh.clear();
         self.qh.extend(self.q.iter().map(|line| {
             let mut out = Line([0; 2 * BLOCK]);
@@ -154,6 +147,85 @@ impl Q8Acts {
     /// The blocks' quants, 32 each.
     fn quant_blocks(&self) -> impl Iterator<Item = &[i8]> {
         self.q.iter().flat_map(|l| l.0.chunks_exact(BLOCK)).take(self.blocks)
+    }
+}
+
+/// Quantizes the blocks of `x` into the lines `q` (enough for them), pushing each block's scale
+/// to `d` and `d * sum(q)` to `s` (see [`Q8Acts`]). Loops without early exits or library calls,
+/// so that they vectorize where compiled for a vector ISA ([`quantize_blocks_avx2`]): this runs
+/// over every activation of a prompt's projections, and without it a 32 x 2048 block of rows
+/// took 0.26 ms, about as long as the integer GEMM over it.
+#[inline(always)]
+fn quantize_blocks(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec<f32>) {
+    let quants = q.iter_mut().flat_map(|l| l.0.chunks_exact_mut(BLOCK));
+    for (block, q) in x.chunks(BLOCK).zip(quants) {
+        let (mut amax, mut nan) = (0f32, false);
+        for &v in block {
+            amax = amax.max(v.abs());
+            nan |= v.is_nan();
+        }
+        let scale = if nan { f32::NAN } else { amax / 127.0 };
+        // `scale` is NaN or infinite only for non-finite input: then the quants are 0 (`as`
+        // saturates, NaN to 0) and the NaN or infinite scale carries into the products.
+        let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        for (q, &v) in q.iter_mut().zip(block) {
+            // |v / scale| <= 127 up to rounding, and `as` saturates. Ties round to even, as the
+            // SIMD rounding instructions (and llama.cpp's vector quantizers) do.
+            *q = (v * inverse).round_ties_even() as i8;
+        }
+        let sum: i32 = q.iter().map(|&q| i32::from(q)).sum();
+        d.push(scale);
+        s.push(scale * sum as f32);
+    }
+}
+
+/// [`quantize_blocks`] with AVX2: each whole block in four vectors (the same scale, quants and
+/// sum: `vcvtps2dq` rounds to nearest, ties to even, and the packs saturate as `as` does), a
+/// partial last block by the portable loop.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn quantize_blocks_avx2(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec<f32>) {
+    use std::arch::x86_64::*;
+    let whole = x.len() / BLOCK * BLOCK;
+    let (head, tail) = x.split_at(whole);
+    let mut quants = q.iter_mut().flat_map(|l| l.0.chunks_exact_mut(BLOCK));
+    for block in head.chunks_exact(BLOCK) {
+        let Some(out) = quants.next() else { return };
+        // SAFETY: `block` is 32 floats (`chunks_exact(BLOCK)`): four loads of 8.
+        debug_assert_eq!(block.len(), BLOCK);
+        let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(block.as_ptr().add(8 * i)) });
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = v.map(|v| _mm256_andnot_ps(sign, v));
+        let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let unordered = v.map(|v| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v)));
+        let nan = unordered.iter().any(|&u| u != 0);
+        let scale = if nan { f32::NAN } else { amax / 127.0 };
+        let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        // Non-finite input (a NaN or infinite scale): quants 0, as the portable loop's `as` gives.
+        let keep = if scale.is_finite() { -1 } else { 0 };
+        let ints = v.map(|v| {
+            let i = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inverse)));
+            _mm256_and_si256(i, _mm256_set1_epi32(keep))
+        });
+        // i32 -> i16 -> i8, saturating; the packs interleave 128-bit lanes, put back in order.
+        let words = [_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3])];
+        let bytes = _mm256_packs_epi16(words[0], words[1]);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `out` is 32 bytes (`chunks_exact_mut(BLOCK)`).
+        debug_assert_eq!(out.len(), BLOCK);
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
+        let sum: i32 = out.iter().map(|&q| i32::from(q)).sum();
+        d.push(scale);
+        s.push(scale * sum as f32);
+    }
+    let rest: Vec<&mut [i8]> = quants.collect();
+    if let (false, Some(last)) = (tail.is_empty(), rest.into_iter().next()) {
+        let mut line = [Line([0; 2 * BLOCK])];
+        quantize_blocks(tail, &mut line, d, s);
+        last.copy_from_slice(&line[0].0[..BLOCK]);
     }
 }
 
@@ -552,6 +624,40 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The AVX2 quantizer gives the portable loop's scales, sums and quants bit for bit: random
+    /// magnitudes, exact ties (`x / d` at `n + 0.5`), zeros, NaN, infinities and a partial last
+    /// block.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_quantizer_equals_the_portable_loop() {
+        if !crate::cpu::isa::isa().avx2 {
+            return;
+        }
+        let mut rng = Rng(31);
+        let mut rows: Vec<Vec<f32>> = (0..20).map(|i| rng.values(32 * 7 + i % 3 * 11)).collect();
+        // Ties: 127 at the block's largest, so `d = 1` and `x / d` lands on halves.
+        rows.push((0..64).map(|i| if i % 32 == 0 { 127.0 } else { (i as f32 - 40.0) + 0.5 }).collect());
+        rows.push(vec![0.0; 64]);
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e38, -3e-39] {
+            let mut r = rng.values(96);
+            r[37] = special;
+            rows.push(r);
+        }
+        for x in rows {
+            let lines = x.len().div_ceil(BLOCK).div_ceil(2);
+            let (mut q, mut d, mut s) = (vec![Line([0; 2 * BLOCK]); lines], Vec::new(), Vec::new());
+            let (mut q2, mut d2, mut s2) = (q.clone(), Vec::new(), Vec::new());
+            quantize_blocks(&x, &mut q, &mut d, &mut s);
+            // SAFETY: the CPU has AVX2 (checked above) and FMA (part of `isa().avx2`).
+            unsafe { quantize_blocks_avx2(&x, &mut q2, &mut d2, &mut s2) };
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!((bits(&d), bits(&s)), (bits(&d2), bits(&s2)), "{} elements", x.len());
+            for (a, b) in q.iter().zip(&q2) {
+                assert_eq!(a.0, b.0, "{} elements", x.len());
             }
         }
     }
