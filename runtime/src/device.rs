@@ -349,8 +349,10 @@ impl Device {
     }
 
     /// Loads a compiled plan (an artifact's, or one lowered by the caller) with `weights`,
-    /// projection weights stored at `storage.precision` on wgpu; on the interpreter, each step by
-    /// the interpreter's definition ([`CpuModel::reference`]).
+    /// projection weights stored at `storage.precision` on wgpu, quantized projections multiplied
+    /// with int8 activations on the CPU where `storage.int8_activations` asks (refused on wgpu,
+    /// as [`Device::load`] refuses it); on the interpreter, each step by the interpreter's
+    /// definition ([`CpuModel::reference`]).
     pub fn load_plan(
         &self,
         plan: Plan,
@@ -365,8 +367,10 @@ impl Device {
         Ok(match self {
             Device::Interp => Model::Cpu(Box::new(CpuModel::reference(plan, params, progress)?)),
             Device::Cpu { threads } => {
-                Model::Cpu(Box::new(CpuModel::from_owned(plan, params, blocks, *threads, progress)?))
+                let model = CpuModel::from_owned(plan, params, blocks, *threads, progress)?;
+                Model::Cpu(Box::new(model.with_int8_activations(storage.int8_activations)))
             }
+            Device::Gpu(_) if storage.int8_activations => return Err(LoadError::Int8OnGpu),
             Device::Gpu(gpu) => {
                 let auto = storage.precision == Precision::Auto;
                 let wgsl = crate::tune::options_for(gpu, &plan, wgsl_options(gpu, storage)?, auto)?;

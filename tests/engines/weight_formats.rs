@@ -177,6 +177,33 @@ fn quantized_projections_on_the_cpu_match_the_interpreter() {
     }
 }
 
+/// [`kiln_runtime::Device::load_plan`] (how `kiln bench kernels` and compiled artifacts load a
+/// plan) multiplies with int8 activations on the CPU when the storage asks for them, and refuses
+/// them on wgpu, as loading a graph does.
+#[test]
+fn loading_a_plan_takes_int8_activations_on_the_cpu() {
+    use kiln_runtime::{Device, Storage, Weights};
+    let QuantizedCase { params, blocks, expected, plan } = quantized_case(WeightFormat::Q4_K);
+    let load = |device: &Device, int8| {
+        let storage = Storage { int8_activations: int8, ..Storage::default() };
+        device.load_plan(plan.clone(), Weights::Given { params: &params, blocks: &blocks }, storage, &())
+    };
+    let cpu = Device::Cpu { threads: 2 };
+    let exact = load(&cpu, false).unwrap().run(&HashMap::new()).unwrap();
+    let int8 = load(&cpu, true).unwrap().run(&HashMap::new()).unwrap();
+    let mut moved = false;
+    for (((name, want), (_, exact)), (_, int8)) in expected.iter().zip(&exact).zip(&int8) {
+        assert_close(&format!("`{name}`, f32 activations"), want, exact, TOLERANCE);
+        assert_close(&format!("`{name}`, int8 activations"), want, int8, INT8_TOLERANCE);
+        moved |= exact.max_abs_diff(int8) > 0.0;
+    }
+    assert!(moved, "int8 activations changed nothing: the plan ran with f32 ones");
+    if let Some(gpu) = common::gpu() {
+        let err = load(&Device::Gpu(gpu), true).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("--int8-activations"), "{err}");
+    }
+}
+
 /// Allowed difference of the CPU's int8 dot products, relative to `max(1, max |value|)`: each
 /// activation is rounded to 1/254 of its block's largest magnitude (measured: at most 1.2e-2 on
 /// these shapes, at k = 64 where the fewest terms average the rounding out).

@@ -95,7 +95,34 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
             streaming.push((k, n, format, acts, ms, bytes, bytes as f64 / (ms.max(1e-6) * 1e6), read));
         }
     }
+    // Quantized prefill on the CPU: each block format at a shape of Gemma 3 270M's layers (Q4_1
+    // at SmolLM2's MLP, whose blocks Gemma has none of) and a 32-token prompt, with f32
+    // activations (the default) and with int8 ones (`--int8-activations`: the integer GEMM).
+    let mut int8_prefill = Vec::new();
+    if let Device::Cpu { .. } = device {
+        let m = 32;
+        for (format, k, n) in [
+            (WeightFormat::Q8_0, 640, 1536),
+            (WeightFormat::Q4_1, 576, 1536),
+            (WeightFormat::Q5_0, 640, 2048),
+            (WeightFormat::Q4_K, 1024, 640),
+            (WeightFormat::Q6_K, 2048, 640),
+        ] {
+            let g = projection_graph(k, Some(n))?;
+            let time = |int8| time_kernel_with(device, &g, &fast, format, m, runs, int8);
+            let (f32_ms, int8_ms) = (time(false)?, time(true)?);
+            int8_prefill.push((format, m, k, n, f32_ms, int8_ms));
+        }
+    }
+    let gflops = |m: usize, k: usize, n: usize, ms: f64| 2.0 * (m * k * n) as f64 / (ms.max(1e-6) * 1e6);
     if json {
+        let int8_prefill: Vec<serde_json::Value> = int8_prefill
+            .iter()
+            .map(|&(f, m, k, n, f32_ms, int8_ms)| {
+                serde_json::json!({"format": f.name(), "m": m, "k": k, "n": n, "f32_ms": f32_ms, "int8_ms": int8_ms,
+                    "f32_gflops": gflops(m, k, n, f32_ms), "int8_gflops": gflops(m, k, n, int8_ms)})
+            })
+            .collect();
         let streaming: Vec<serde_json::Value> = streaming
             .iter()
             .map(|(k, n, f, acts, ms, bytes, gb_s, read)| {
@@ -126,7 +153,7 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
             })
             .collect();
         let out = serde_json::json!({"adapter": device.describe(), "runs": runs, "projections": rows,
-            "weight_formats": formats, "fusions": fusions, "streaming": streaming});
+            "weight_formats": formats, "fusions": fusions, "streaming": streaming, "int8_prefill": int8_prefill});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", device.describe());
@@ -179,6 +206,22 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
                 f.name(),
                 100.0 * gb_s / read
             );
+        }
+        if !int8_prefill.is_empty() {
+            println!("quantized prefill GEMM, f32 activations against int8 ones (--int8-activations)");
+            println!(
+                "  {:>6} {:>5} {:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>8}",
+                "format", "m", "k", "n", "f32 ms", "GFLOPS", "int8 ms", "GFLOPS", "speedup"
+            );
+            for &(f, m, k, n, f32_ms, int8_ms) in &int8_prefill {
+                println!(
+                    "  {:>6} {m:>5} {k:>5} {n:>5} {f32_ms:>10.3} {:>10.2} {int8_ms:>10.3} {:>10.2} {:>7.2}x",
+                    f.name(),
+                    gflops(m, k, n, f32_ms),
+                    gflops(m, k, n, int8_ms),
+                    f32_ms / int8_ms
+                );
+            }
         }
     }
     Ok(())
