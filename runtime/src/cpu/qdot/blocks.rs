@@ -8,8 +8,7 @@
 //!
 //! One kernel (`blocks256!`) over two sets of integer steps: AVX-512 VNNI's `vpdpbusd` on 256
 //! bits, and AVX2's `vpmaddubsw` into pairs of `i16` then `vpmaddwd` by ones (unsigned quants
-//! below 64 times activations within ±127: a pair is below 2^15, never saturated). A block's
-//! unsigned quants come from `quants256!`, which the integer GEMM ([`super::gemm`]) reads too.
+//! below 64 times activations within ±127: a pair is below 2^15, never saturated).
 //!
 //! Inside a `#[target_feature]` function the register-only intrinsics of its features are safe;
 //! the loads through raw pointers are not, and say why they hold.
@@ -56,7 +55,7 @@ mod vnni512 {
     }
 }
 
-/// The integer steps with AVX2.
+/// The integer steps with AVX2 (whose `fifth` the integer GEMM's unpacking uses too).
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
@@ -85,60 +84,9 @@ pub(super) mod avx2 {
     }
 }
 
-/// The function over a module of integer steps (`$ops`, for its `fifth`), compiled with
-/// `$features`, that reads a block's quants.
-macro_rules! quants256 {
-    ($name:ident, $features:literal, $ops:ident) => {
-        /// The 32 quants of block `b` of `row` (a row of `format`'s device layout with `nb`
-        /// blocks of 32) as unsigned bytes in element order: Q8_0's plus 128 (`q ^ 0x80`), Q4_1's
-        /// and Q4_K's nibbles, Q5_0's five bits (its quant plus 16), Q6_K's six (plus 32). `None`
-        /// past the row's end or for a float format.
-        #[target_feature(enable = $features)]
-        #[inline]
-        pub(super) fn $name(format: WeightFormat, row: &[u32], nb: usize, b: usize) -> Option<__m256i> {
-            let ns = nb / (SUPER_BLOCK / BLOCK);
-            let low = _mm256_set1_epi8(0x0f);
-            Some(match format {
-                WeightFormat::Q8_0 => _mm256_xor_si256(load256(row, nb + 8 * b)?, _mm256_set1_epi8(-128)),
-                WeightFormat::Q4_1 | WeightFormat::Q5_0 => {
-                    let q = row.get(2 * nb + 4 * b..2 * nb + 4 * b + 4)?;
-                    // SAFETY: `q` holds 4 words, 16 bytes (a checked `get`, in every build).
-                    debug_assert_eq!(q.len(), 4);
-                    let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
-                    // Elements 0..16 in the low nibbles, 16..32 in the high ones.
-                    let nibbles = _mm256_and_si256(
-                        _mm256_srlv_epi32(_mm256_broadcastsi128_si256(q), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                        low,
-                    );
-                    match format {
-                        WeightFormat::Q5_0 => _mm256_or_si256(nibbles, $ops::fifth(*row.get(nb + b)?)),
-                        _ => nibbles,
-                    }
-                }
-                // Sub-blocks 2c and 2c + 1 are the low and high nibbles of 32 bytes.
-                WeightFormat::Q4_K => _mm256_and_si256(shr16(load256(row, 5 * ns + 8 * (b / 2))?, 4 * (b % 2)), low),
-                WeightFormat::Q6_K => {
-                    let (s, c8) = (b / 8, b % 8);
-                    let (h, c) = (c8 / 4, c8 % 4);
-                    let lo = load256(row, 5 * ns + 32 * s + 16 * h + 8 * (c % 2))?;
-                    let hi = load256(row, 37 * ns + 16 * s + 8 * h)?;
-                    _mm256_or_si256(
-                        _mm256_and_si256(shr16(lo, 4 * (c / 2)), low),
-                        _mm256_slli_epi16::<4>(_mm256_and_si256(shr16(hi, 2 * c), _mm256_set1_epi8(3))),
-                    )
-                }
-                WeightFormat::F32 | WeightFormat::F16 => return None,
-            })
-        }
-    };
-}
-
-quants256!(quants_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", vnni512);
-quants256!(quants_avx2, "avx2,fma", avx2);
-
 /// The kernel over a module of integer steps (`$ops`), compiled with `$features`.
 macro_rules! blocks256 {
-    ($name:ident, $quants:ident, $features:literal, $ops:ident) => {
+    ($name:ident, $features:literal, $ops:ident) => {
         /// `out[r] = dot(row r, x)` for the rows of `words` (`stride` words each, `k` elements
         /// of `format`: Q5_0, Q4_K or Q6_K); NaN for a row whose words do not fit the layout.
         ///
@@ -154,7 +102,7 @@ macro_rules! blocks256 {
             x: &Q8Acts,
             out: &mut [f32],
         ) {
-            use $ops::u_dot;
+            use $ops::{fifth, u_dot};
             let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
             let xq: Vec<__m256i> = x
                 .quant_blocks()
@@ -175,36 +123,59 @@ macro_rules! blocks256 {
                 let mut ok = true;
                 for (b, ((&xv, &dx), &sx)) in xq.iter().zip(&x.d).zip(&x.s).enumerate() {
                     let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
-                    let step = (|| {
-                        let q = $quants(format, row, nb, b)?;
-                        Some(match format {
-                            WeightFormat::Q5_0 => {
-                                let sums = _mm256_sub_epi32(u_dot(q, xv), u_dot(_mm256_set1_epi8(16), xv));
-                                (_mm256_set1_ps(f(b)? * dx), sums, 0.0)
-                            }
-                            WeightFormat::Q4_K => {
-                                let s = b / 8;
-                                let packed: [u8; 12] =
-                                    bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?)
-                                        .try_into()
-                                        .ok()?;
-                                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
-                                let scale = f(s)? * f32::from(sc);
-                                let min = -(f(ns + s)? * f32::from(m));
-                                (_mm256_set1_ps(scale * dx), u_dot(q, xv), min * sx)
-                            }
-                            _ => {
-                                let (s, c8) = (b / 8, b % 8);
-                                let scales = bytemuck::cast_slice::<u32, u8>(row.get(ns + 4 * s..ns + 4 * s + 4)?);
-                                let sc0 = f32::from(*scales.get(2 * c8)? as i8);
-                                let sc1 = f32::from(*scales.get(2 * c8 + 1)? as i8);
-                                let d = f(s)? * dx;
-                                let (a, z) = (sc0 * d, sc1 * d);
-                                let sums = _mm256_sub_epi32(u_dot(q, xv), u_dot(_mm256_set1_epi8(32), xv));
-                                (_mm256_setr_ps(a, a, a, a, z, z, z, z), sums, 0.0)
-                            }
-                        })
-                    })();
+                    let step = match format {
+                        WeightFormat::Q5_0 => (|| {
+                            let q = row.get(2 * nb + 4 * b..2 * nb + 4 * b + 4)?;
+                            // SAFETY: `q` holds 4 words, 16 bytes (a checked `get`, in every build).
+                            debug_assert_eq!(q.len(), 4);
+                            let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
+                            // Elements 0..16 in the low nibbles, 16..32 in the high ones.
+                            let nibbles = _mm256_and_si256(
+                                _mm256_srlv_epi32(
+                                    _mm256_broadcastsi128_si256(q),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                ),
+                                _mm256_set1_epi8(0x0f),
+                            );
+                            let q = _mm256_or_si256(nibbles, fifth(*row.get(nb + b)?));
+                            let offset = u_dot(_mm256_set1_epi8(16), xv);
+                            let sums = _mm256_sub_epi32(u_dot(q, xv), offset);
+                            Some((_mm256_set1_ps(f(b)? * dx), sums, 0.0))
+                        })(),
+                        WeightFormat::Q4_K => (|| {
+                            let s = b / 8;
+                            let packed: [u8; 12] =
+                                bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?)
+                                    .try_into()
+                                    .ok()?;
+                            let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
+                            let q = _mm256_and_si256(
+                                shr16(load256(row, 5 * ns + 8 * (b / 2))?, 4 * (b % 2)),
+                                _mm256_set1_epi8(0x0f),
+                            );
+                            let scale = f(s)? * f32::from(sc);
+                            let min = -(f(ns + s)? * f32::from(m));
+                            Some((_mm256_set1_ps(scale * dx), u_dot(q, xv), min * sx))
+                        })(),
+                        _ => (|| {
+                            let (s, c8) = (b / 8, b % 8);
+                            let (h, c) = (c8 / 4, c8 % 4);
+                            let lo = load256(row, 5 * ns + 32 * s + 16 * h + 8 * (c % 2))?;
+                            let hi = load256(row, 37 * ns + 16 * s + 8 * h)?;
+                            let q = _mm256_or_si256(
+                                _mm256_and_si256(shr16(lo, 4 * (c / 2)), _mm256_set1_epi8(0x0f)),
+                                _mm256_slli_epi16::<4>(_mm256_and_si256(shr16(hi, 2 * c), _mm256_set1_epi8(3))),
+                            );
+                            let scales = bytemuck::cast_slice::<u32, u8>(row.get(ns + 4 * s..ns + 4 * s + 4)?);
+                            let sc0 = f32::from(*scales.get(2 * c8)? as i8);
+                            let sc1 = f32::from(*scales.get(2 * c8 + 1)? as i8);
+                            let d = f(s)? * dx;
+                            let (a, z) = (sc0 * d, sc1 * d);
+                            let offset = u_dot(_mm256_set1_epi8(32), xv);
+                            let sums = _mm256_sub_epi32(u_dot(q, xv), offset);
+                            Some((_mm256_setr_ps(a, a, a, a, z, z, z, z), sums, 0.0))
+                        })(),
+                    };
                     let Some((scale, sums, min)) = step else {
                         ok = false;
                         break;
@@ -218,5 +189,5 @@ macro_rules! blocks256 {
     };
 }
 
-blocks256!(rows_avx512_vnni, quants_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", vnni512);
-blocks256!(rows_avx2, quants_avx2, "avx2,fma", avx2);
+blocks256!(rows_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", vnni512);
+blocks256!(rows_avx2, "avx2,fma", avx2);

@@ -13,8 +13,8 @@
 //!   padded with zero rows), for each 4 elements of `k` the `L` rows' 4 quants side by side (one
 //!   32-bit lane a row), and for each group of `G` elements (32; 16 for Q6_K, whose scales are per
 //!   16) the rows' `d_x` and `d_x * sum(q_x)`.
-//! - **Weights** are unpacked a tile of `R` rows by a chunk of `KC` (512) elements at a time (by
-//!   the decode kernels' block unpacking) into unsigned bytes in element order, a
+//! - **Weights** are unpacked a tile of `R` rows by a chunk of `KC` (512) elements at a time
+//!   (the K-quants a super-block at a time) into unsigned bytes in element order, a
 //!   quant plus its format's offset `o` (128 for Q8_0, 16 for Q5_0, 32 for Q6_K, none for Q4_1
 //!   and Q4_K), and per group a scale `a` and a term `c = min - o * a` (Q4_1's and Q4_K's
 //!   minimum, else 0), so that over a group `sum((a q + min) x) ~ d_x (a sum(u q_x) + c sum(q_x))`
@@ -96,26 +96,6 @@ impl Impl {
     /// the f32 path).
     pub fn for_format(format: WeightFormat) -> Option<Impl> {
         Impl::available().into_iter().find(|i| *i != Impl::Scalar && i.computes(format))
-    }
-}
-
-/// The formats as constant tags, so that a kernel generic over one unpacks its blocks in
-/// straight code ([`format_of`]).
-const F_Q8_0: u8 = 0;
-const F_Q4_1: u8 = 1;
-const F_Q5_0: u8 = 2;
-const F_Q4_K: u8 = 3;
-const F_Q6_K: u8 = 4;
-
-/// The format a tag names.
-#[cfg_attr(not(target_arch = "x86_64"), expect(dead_code, reason = "read by the x86 kernels"))]
-const fn format_of(tag: u8) -> WeightFormat {
-    match tag {
-        F_Q8_0 => WeightFormat::Q8_0,
-        F_Q4_1 => WeightFormat::Q4_1,
-        F_Q5_0 => WeightFormat::Q5_0,
-        F_Q4_K => WeightFormat::Q4_K,
-        _ => WeightFormat::Q6_K,
     }
 }
 
@@ -331,26 +311,78 @@ mod x86 {
 
     use super::super::blocks::avx2::fifth;
     use super::super::blocks::{load256, shr16};
-    use super::{
-        Acts, BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, KC, SUPER_BLOCK, factors, format_of, group, term,
-    };
+    use super::{Acts, BLOCK, KC, SUPER_BLOCK, term};
     use kiln_compiler::lower::WeightFormat;
     use std::arch::x86_64::*;
 
-    /// Blocks `c0 .. c0 + cb` of a Q8_0, Q4_1 or Q5_0 `row` (`k` elements; the format tagged
-    /// `F`) unpacked as [`factors`] and the blocks' `quants` give them, the chunk's scales,
-    /// minimums or fifth bits and quants each taken as one slice. `None` past the row's end.
+    /// The formats as constant tags, so that a kernel generic over one unpacks its blocks in
+    /// straight code ([`format_of`]).
+    const F_Q8_0: u8 = 0;
+    const F_Q4_1: u8 = 1;
+    const F_Q5_0: u8 = 2;
+    const F_Q4_K: u8 = 3;
+    const F_Q6_K: u8 = 4;
+
+    /// The format a tag names.
+    const fn format_of(tag: u8) -> WeightFormat {
+        match tag {
+            F_Q8_0 => WeightFormat::Q8_0,
+            F_Q4_1 => WeightFormat::Q4_1,
+            F_Q5_0 => WeightFormat::Q5_0,
+            F_Q4_K => WeightFormat::Q4_K,
+            _ => WeightFormat::Q6_K,
+        }
+    }
+
+    /// The chunk's blocks of `row` (a whole row of the format tagged `F`) unpacked into `out` by
+    /// its format's unpacker. A row too short for them (not reached: the caller binds whole rows)
+    /// gets NaN factors, so NaN results.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) fn blocks32<const F: u8>(
-        row: &[u32],
+    fn unpack<const F: u8>(row: &[u32], chunk: Chunk, out: Staged<'_>) {
+        let mut out = out;
+        let done = match format_of(F) {
+            WeightFormat::Q4_K => q4_k(row, chunk, &mut out),
+            WeightFormat::Q6_K => q6_k(row, chunk, &mut out),
+            _ => blocks32::<F>(row, chunk, &mut out),
+        };
+        if done.is_none() {
+            out.a.fill(f32::NAN);
+        }
+    }
+
+    /// Which blocks of a row a tile unpacks: `c0 .. c0 + cb` of a row of `k` elements.
+    #[derive(Clone, Copy)]
+    struct Chunk {
         k: usize,
         c0: usize,
         cb: usize,
-        ut: &mut [u8],
-        at: &mut [f32],
-        ct: &mut [f32],
-    ) -> Option<()> {
+    }
+
+    /// Where a row's unpacked blocks go: its unsigned quants (32 bytes a block) and its factors
+    /// `a` and `c` (one a group).
+    struct Staged<'a> {
+        u: &'a mut [u8],
+        a: &'a mut [f32],
+        c: &'a mut [f32],
+    }
+
+    /// Stores a block's 32 quants into `o`, its 32 bytes of the staged tile.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn store(o: &mut [u8], q: __m256i) {
+        assert_eq!(o.len(), BLOCK, "a staged block");
+        // SAFETY: `o` is 32 writable bytes (asserted).
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
+    }
+
+    /// Blocks `c0 .. c0 + cb` of a Q8_0, Q4_1 or Q5_0 `row` (`k` elements; the format tagged
+    /// `F`) unpacked as [`factors`] and [`crate::quant::block`] give them, the chunk's scales,
+    /// minimums or fifth bits and quants each taken as one slice. `None` past the row's end.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn blocks32<const F: u8>(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
         let format = format_of(F);
         let nb = k / BLOCK;
         // Words of quants a block, and where they start.
@@ -388,28 +420,19 @@ mod x86 {
                     }
                 }
             };
-            // SAFETY: `o` is 32 bytes (`chunks_exact(BLOCK)`).
-            debug_assert_eq!(o.len(), BLOCK);
-            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
+            store(o, q);
         }
         Some(())
     }
 
     /// Q4_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks: `c0` and `cb`
-    /// multiples of 8) unpacked as [`factors`] and the blocks' `quants` give them, a super-block
+    /// multiples of 8) unpacked as [`factors`] and [`crate::quant::block`] give them, a super-block
     /// at a time: its 8 scales and minimums decoded once, each 32 bytes of nibbles loaded once
     /// for its two blocks. `None` past the row's end.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) fn q4_k(
-        row: &[u32],
-        k: usize,
-        c0: usize,
-        cb: usize,
-        ut: &mut [u8],
-        at: &mut [f32],
-        ct: &mut [f32],
-    ) -> Option<()> {
+    fn q4_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
         let ns = k / SUPER_BLOCK;
         let per = SUPER_BLOCK / BLOCK;
         let supers = ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(per).zip(ct.chunks_exact_mut(per)));
@@ -430,9 +453,7 @@ mod x86 {
                 let low = _mm256_set1_epi8(0x0f);
                 let halves = [_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)];
                 for (o, q) in pair.chunks_exact_mut(BLOCK).zip(halves) {
-                    // SAFETY: `o` is 32 bytes (`chunks_exact(BLOCK)`).
-                    debug_assert_eq!(o.len(), BLOCK);
-                    unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
+                    store(o, q);
                 }
             }
         }
@@ -440,20 +461,13 @@ mod x86 {
     }
 
     /// Q6_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks) unpacked as
-    /// [`factors`] and the blocks' `quants` give them, a super-block at a time: its 16 scales
+    /// [`factors`] and [`crate::quant::block`] give them, a super-block at a time: its 16 scales
     /// once, each half's low and high bits loaded once for its four blocks. `None` past the
     /// row's end.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) fn q6_k(
-        row: &[u32],
-        k: usize,
-        c0: usize,
-        cb: usize,
-        ut: &mut [u8],
-        at: &mut [f32],
-        ct: &mut [f32],
-    ) -> Option<()> {
+    fn q6_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
         let ns = k / SUPER_BLOCK;
         let (per, groups) = (SUPER_BLOCK / BLOCK, SUPER_BLOCK / 16);
         let supers = ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(groups).zip(ct.chunks_exact_mut(groups)));
@@ -474,9 +488,7 @@ mod x86 {
                         _mm256_and_si256(shr16(low, 4 * (c / 2)), _mm256_set1_epi8(0x0f)),
                         _mm256_slli_epi16::<4>(_mm256_and_si256(shr16(hi, 2 * c), _mm256_set1_epi8(3))),
                     );
-                    // SAFETY: `o` is 32 bytes (`chunks_exact(BLOCK)`).
-                    debug_assert_eq!(o.len(), BLOCK);
-                    unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
+                    store(o, q);
                 }
             }
         }
@@ -624,10 +636,9 @@ mod x86 {
         );
     }
 
-    /// The driver and micro-kernel over an ops module, compiled for `$features`, reading the
-    /// weight's blocks with `$quants` ([`super::super::blocks`]).
+    /// The driver and micro-kernel over an ops module, compiled for `$features`.
     macro_rules! gemm {
-        ($name:ident, $features:literal, $ops:ident, $quants:path) => {
+        ($name:ident, $features:literal, $ops:ident) => {
             /// The integer GEMM on one ISA.
             pub(super) mod $name {
                 use super::$ops as ops;
@@ -636,9 +647,8 @@ mod x86 {
                 const R: usize = ops::R;
                 /// Activation rows a vector.
                 const L: usize = ops::L;
-                use super::{Acts, BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, KC, factors, format_of, group};
+                use super::{Acts, BLOCK, Chunk, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, KC, Staged, unpack};
                 use kiln_compiler::lower::WeightFormat;
-                use std::arch::x86_64::*;
 
                 /// [`super::gemm_rows`] on this ISA: `out` (`x.len()` rows of `len`) for the first
                 /// `rows <= len` rows of `words` (`stride` words each).
@@ -709,7 +719,8 @@ mod x86 {
                                 .zip(fc.chunks_exact_mut(KC / 16));
                             for (t, ((ut, at), ct)) in tile.enumerate() {
                                 match words.get((r0 + t) * stride..(r0 + t + 1) * stride).filter(|_| r0 + t < rows) {
-                                    Some(row) => unpack::<F>(row, k, c0, cb, ut, at, ct),
+                                    // (This ISA's features include `unpack`'s, AVX2 and FMA.)
+                                    Some(row) => unpack::<F>(row, Chunk { k, c0, cb }, Staged { u: ut, a: at, c: ct }),
                                     // A row past the tile's end (`rows` not a multiple of `R`):
                                     // zeros, its results never written.
                                     None => {
@@ -741,55 +752,6 @@ mod x86 {
                         let lane = acc.iter().skip(i).step_by(vectors * L);
                         for (o, &v) in o.iter_mut().zip(lane).take(rows) {
                             *o = v;
-                        }
-                    }
-                }
-
-                /// Blocks `c0 .. c0 + cb` of `row` (a whole row of the format tagged `F`, `k`
-                /// elements) unpacked: their unsigned quants into `ut` (32 bytes a block) and
-                /// their factors `a` and `c` into `at` and `ct` (one a group).
-                #[target_feature(enable = $features)]
-                #[inline]
-                fn unpack<const F: u8>(
-                    row: &[u32],
-                    k: usize,
-                    c0: usize,
-                    cb: usize,
-                    ut: &mut [u8],
-                    at: &mut [f32],
-                    ct: &mut [f32],
-                ) {
-                    let format = format_of(F);
-                    let whole = match format {
-                        WeightFormat::Q4_K => Some(super::q4_k(row, k, c0, cb, ut, at, ct)),
-                        WeightFormat::Q6_K => Some(super::q6_k(row, k, c0, cb, ut, at, ct)),
-                        WeightFormat::Q8_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 => {
-                            Some(super::blocks32::<F>(row, k, c0, cb, ut, at, ct))
-                        }
-                        WeightFormat::F32 | WeightFormat::F16 => None,
-                    };
-                    if let Some(done) = whole {
-                        if done.is_none() {
-                            // Not reached for a whole row; NaN results if it were.
-                            at.fill(f32::NAN);
-                        }
-                        return;
-                    }
-                    let (nb, per) = (k / BLOCK, BLOCK / group(format));
-                    let blocks = ut.chunks_exact_mut(BLOCK).zip(at.chunks_exact_mut(per).zip(ct.chunks_exact_mut(per)));
-                    for (j, (ub, (ab, cbk))) in blocks.take(cb).enumerate() {
-                        let b = c0 + j;
-                        let (q, (a, c)) = match ($quants(format, row, nb, b), factors(format, row, k, b)) {
-                            (Some(q), Some((a, c, _))) => (q, (a, c)),
-                            // Not reached for a whole row; NaN results if it were.
-                            _ => (_mm256_setzero_si256(), ([f32::NAN; 2], [f32::NAN; 2])),
-                        };
-                        // SAFETY: `ub` is 32 bytes (`chunks_exact(BLOCK)`).
-                        debug_assert_eq!(ub.len(), BLOCK);
-                        unsafe { _mm256_storeu_si256(ub.as_mut_ptr().cast(), q) };
-                        // One group a block (`a[0]`, `c[0]`), or Q6_K's two halves.
-                        for ((ab, cbk), (&a, &c)) in ab.iter_mut().zip(cbk).zip(a.iter().zip(&c)) {
-                            (*ab, *cbk) = (a, c);
                         }
                     }
                 }
@@ -895,14 +857,9 @@ mod x86 {
             }
         };
     }
-    gemm!(
-        gemm_avx512_vnni,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
-        avx512_vnni,
-        super::super::super::blocks::quants_avx512_vnni
-    );
-    gemm!(gemm_avx_vnni, "avx2,fma,avxvnni", avx_vnni, super::super::super::blocks::quants_avx2);
-    gemm!(gemm_avx2, "avx2,fma", avx2, super::super::super::blocks::quants_avx2);
+    gemm!(gemm_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", avx512_vnni);
+    gemm!(gemm_avx_vnni, "avx2,fma,avxvnni", avx_vnni);
+    gemm!(gemm_avx2, "avx2,fma", avx2);
 }
 
 #[cfg(test)]
