@@ -616,7 +616,8 @@ fn sequences_decoded_together_equal_each_decoded_alone() {
 
 /// [`sequences_decoded_together_equal_each_decoded_alone`] on wgpu: the batched step's
 /// projections run once over the batch on the device, each sequence's attention and appends over
-/// its own cache on the device (appended in place, grown as it fills). On the fixtures whose
+/// its own cache on the device (appended in place, grown as it fills), each row's part of the
+/// batch's values bound in place and, again, copied. On the fixtures whose
 /// positions are learned (gpt2) and rotated (llama, with grouped heads), and with sliding-window
 /// layers (gemma3); each plan optimized for the WGSL target, and llama's also unoptimized.
 #[test]
@@ -633,10 +634,17 @@ fn sequences_decoded_together_on_wgpu_equal_each_decoded_alone() {
             forms.push(("unoptimized", lower(&cached)));
         }
         for (label, plan) in forms {
-            let engine = || -> Box<dyn Engine> {
-                Box::new(GpuEngine::new(GpuModel::new(gpu.clone(), plan.clone(), &params).unwrap()))
-            };
-            decode_together_and_alone(&format!("{name} (wgpu, {label})"), &fe, &plan, engine);
+            // Each row's part of the batch's values bound in place (where aligned, as here), and
+            // copied in and out of the row's own buffers (as where a part is not aligned).
+            for copies in [false, true] {
+                let engine = || -> Box<dyn Engine> {
+                    let model = GpuModel::new(gpu.clone(), plan.clone(), &params).unwrap();
+                    model.copy_batched_rows(copies).unwrap();
+                    Box::new(GpuEngine::new(model))
+                };
+                let what = format!("{name} (wgpu, {label}, rows {})", if copies { "copied" } else { "in place" });
+                decode_together_and_alone(&what, &fe, &plan, engine);
+            }
         }
     }
 }

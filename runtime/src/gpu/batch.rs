@@ -10,8 +10,10 @@
 //! - the steps run once per sequence are encoded in each row's state, at that sequence's sizes
 //!   and with its own cache — bound, appended to in place and grown exactly as its own step
 //!   would ([`GpuModel::appends_in_place`]) — and recorded one pass per step with every row's
-//!   dispatch; each row's part of a batched operand is copied into the row's slot first, and a
-//!   batched result written per row is copied into its row of the batch's slot after;
+//!   dispatch; each row's part of a batched operand or result is bound in place, a part of the
+//!   batch's buffer (where a storage binding can start at it: the adapter's offset alignment),
+//!   else copied into the row's slot first, and a batched result written per row copied into its
+//!   row of the batch's slot after;
 //! - a projection whose epilogue rotates (RoPE) runs once over the batch, each row at its own
 //!   sequence's position (a variant of its kernel reading the positions from a binding,
 //!   `wgsl::step_kernel_at_starts`); the other steps that read positions (learned positions, a
@@ -59,6 +61,9 @@ pub(super) struct BatchState {
     rows: Vec<RunState>,
     /// Each sequence's position, `u32` (bytes, buffer), grown with the batch.
     starts: Option<(u64, wgpu::Buffer)>,
+    /// Copy each row's part of the batched values even where it could be bound in place
+    /// ([`GpuModel::copy_batched_rows`]).
+    copy_rows: bool,
 }
 
 /// A sequence's own binding for one batched run: its inputs bound, the caches it appends to in
@@ -74,6 +79,15 @@ impl GpuModel {
     /// "cannot run sequences together: ").
     pub fn batching(&self) -> Result<(), String> {
         self.batch_plan().map(|_| ())
+    }
+
+    /// Whether a batched step copies each sequence's part of the batch's values into and out of
+    /// the sequence's own buffers around its own steps even where it could bind the part in place
+    /// (off by default; for tests and measurements: every adapter copies a part that a storage
+    /// binding cannot start at, see [`GpuModel::run_batched`]).
+    pub fn copy_batched_rows(&self, on: bool) -> Result<(), GpuError> {
+        self.batch_state.lock().map_err(|_| GpuError::Poisoned("batch state"))?.copy_rows = on;
+        Ok(())
     }
 
     fn batch_plan(&self) -> Result<&BatchPlan, String> {
@@ -133,10 +147,10 @@ impl GpuModel {
         syms.insert(Sym::Batch, b);
         let tokens = Tensor::i64(vec![b, 1], seqs.iter().map(|s| s.token).collect());
         let host = HashMap::from([(bp.ids.0, tokens)]);
-        let (no_resident, no_instead) = (HashMap::new(), HashMap::new());
+        let (no_resident, no_instead, no_parts) = (HashMap::new(), HashMap::new(), HashMap::new());
 
         let mut state = self.batch_state.lock().map_err(|_| GpuError::Poisoned("batch state"))?;
-        let BatchState { whole, rows: row_states, starts } = &mut *state;
+        let BatchState { whole, rows: row_states, starts, copy_rows } = &mut *state;
         if row_states.len() < b {
             row_states.resize_with(b, RunState::default);
         }
@@ -153,15 +167,48 @@ impl GpuModel {
         let per_row = |i: usize| matches!(bp.steps[i], Exec::PerRow | Exec::Append(_));
         self.upload_inputs(whole, &host)?;
         self.grow_buffers(whole, &syms, &[], &mut HashMap::new())?;
-        let whole_at = Placement { syms: &syms, resident: &no_resident, instead: &no_instead, starts };
+        let whole_at =
+            Placement { syms: &syms, resident: &no_resident, instead: &no_instead, starts, parts: &no_parts };
         let whole_grids = self.encode_part(whole, whole_at, &[], &batched)?;
+        let whole_buffers = whole.buffers(self, whole_at);
+        // The batched values the rows' own steps read or write, each row's part bound in place
+        // in the batch's buffer where a storage binding can start there (else copied in and
+        // out of the row's own slot around its steps).
+        let row_table = kiln_compiler::graph::SymTable::new(&rows[0].bound.syms);
+        let align = u64::from(gpu.limits.min_storage_buffer_offset_alignment).max(4);
+        let mut in_place: HashMap<usize, u64> = HashMap::new();
+        for step in plan.steps.iter().enumerate().filter(|(i, _)| per_row(*i)).map(|(_, step)| step) {
+            let values =
+                std::iter::once(step.output).chain(step.operands.iter().copied()).chain(step.also.iter().copied());
+            for v in values.map(|v| root(plan, v)) {
+                let input =
+                    matches!(plan.values[v].storage, Storage::Input { .. } | Storage::Param(_) | Storage::Const);
+                if *copy_rows || bp.modes[v] != Mode::Batched || input || in_place.contains_key(&v) {
+                    continue;
+                }
+                let bytes = 4 * row_table.elements(&plan.values[v].shape) as u64;
+                let whole_chunks = whole_buffers.of(v);
+                let fits = whole_chunks.len() == 1 && whole_chunks[0].size() >= b as u64 * bytes;
+                if bytes > 0 && bytes.is_multiple_of(align) && fits {
+                    in_place.insert(v, bytes);
+                }
+            }
+        }
+        let row_parts: Vec<HashMap<usize, (wgpu::Buffer, u64)>> = (0..b as u64)
+            .map(|r| in_place.iter().map(|(&v, &bytes)| (v, (whole_buffers.of(v)[0].clone(), r * bytes))).collect())
+            .collect();
         let mut row_grids: Vec<Grids> = Vec::with_capacity(b);
-        for (row, st) in rows.iter_mut().zip(row_states.iter_mut()) {
+        for ((row, st), parts) in rows.iter_mut().zip(row_states.iter_mut()).zip(&row_parts) {
             let Row { bound, appends, substitutes } = row;
             self.upload_inputs(st, &bound.host)?;
             self.grow_buffers(st, &bound.syms, appends, &mut substitutes.instead)?;
-            let at =
-                Placement { syms: &bound.syms, resident: &bound.resident, instead: &substitutes.instead, starts: None };
+            let at = Placement {
+                syms: &bound.syms,
+                resident: &bound.resident,
+                instead: &substitutes.instead,
+                starts: None,
+                parts,
+            };
             row_grids.push(self.encode_part(st, at, appends, &per_row)?);
         }
 
@@ -172,13 +219,13 @@ impl GpuModel {
                 c.record(&mut encoder, 0, gpu.chunk_bytes)?;
             }
         }
-        let whole_buffers = whole.buffers(self, whole_at);
         let row_buffers: Vec<Buffers<'_>> = rows
             .iter()
             .zip(row_states.iter())
-            .map(|(row, st)| {
+            .zip(&row_parts)
+            .map(|((row, st), parts)| {
                 let (syms, resident, instead) = (&row.bound.syms, &row.bound.resident, &row.substitutes.instead);
-                st.buffers(self, Placement { syms, resident, instead, starts: None })
+                st.buffers(self, Placement { syms, resident, instead, starts: None, parts })
             })
             .collect();
         // Each row's part of a batched value and the row's own copy, copied one way or the other.
@@ -208,7 +255,7 @@ impl GpuModel {
                     for &o in &step.operands {
                         let v = root(plan, o);
                         let input = matches!(plan.values[v].storage, Storage::Input { .. });
-                        if bp.modes[v] == Mode::Batched && !input && in_rows.insert(v) {
+                        if bp.modes[v] == Mode::Batched && !input && !in_place.contains_key(&v) && in_rows.insert(v) {
                             copy_parts(&mut encoder, v, true)?;
                         }
                     }
@@ -221,7 +268,7 @@ impl GpuModel {
                     }
                     for v in std::iter::once(step.output).chain(step.also.iter().copied()) {
                         let v = root(plan, v);
-                        if bp.modes[v] == Mode::Batched {
+                        if bp.modes[v] == Mode::Batched && !in_place.contains_key(&v) {
                             in_rows.insert(v);
                             copy_parts(&mut encoder, v, false)?;
                         }

@@ -460,7 +460,7 @@ fn cached<'g>(
     bound: &[&wgpu::Buffer],
 ) -> Result<&'g wgpu::BindGroup, GpuError> {
     let chunks: Vec<&[wgpu::Buffer]> = bound.iter().map(|b| std::slice::from_ref(*b)).collect();
-    bind_group(gpu, cached, pipeline, &chunks, None, uniform, offset);
+    bind_group(gpu, cached, pipeline, (&chunks, &[]), None, uniform, offset);
     cached.as_ref().map(|(_, _, group)| group).ok_or_else(|| GpuError::Internal("no bind group was made".into()))
 }
 

@@ -87,7 +87,10 @@ impl RunState {
 }
 
 /// A step's bind group, with the pipeline and buffers it was built for.
-pub(super) type CachedGroup = (wgpu::ComputePipeline, Vec<wgpu::Buffer>, wgpu::BindGroup);
+pub(super) type CachedGroup = (wgpu::ComputePipeline, Vec<(wgpu::Buffer, Range)>, wgpu::BindGroup);
+
+/// The part of a buffer a binding covers: `(offset, size)` in bytes, or `None` for all of it.
+pub(super) type Range = Option<(u64, u64)>;
 
 /// A run's inputs bound to the plan's values.
 pub(super) struct Bound<'t> {
@@ -119,6 +122,9 @@ pub(super) struct Placement<'a> {
     pub(super) instead: &'a HashMap<usize, Vec<wgpu::Buffer>>,
     /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
     pub(super) starts: Option<&'a wgpu::Buffer>,
+    /// Values bound as a part of another buffer — a sequence's row of a batched step's value, in
+    /// the batch's buffer — by value: the buffer and the part's offset (its size the value's).
+    pub(super) parts: &'a HashMap<usize, (wgpu::Buffer, u64)>,
 }
 
 /// A buffer a run state keeps, split in chunks: its bytes and the chunks.
@@ -136,6 +142,7 @@ pub(super) struct Buffers<'r> {
     instead: &'r HashMap<usize, Vec<wgpu::Buffer>>,
     /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
     starts: Option<&'r wgpu::Buffer>,
+    parts: &'r HashMap<usize, (wgpu::Buffer, u64)>,
 }
 
 impl<'r> Buffers<'r> {
@@ -145,8 +152,8 @@ impl<'r> Buffers<'r> {
         (slots, inputs): (&'r [Held], &'r HashMap<usize, Held>),
         at: Placement<'r>,
     ) -> Buffers<'r> {
-        let Placement { syms, resident, instead, starts } = at;
-        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts }
+        let Placement { syms, resident, instead, starts, parts } = at;
+        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts, parts }
     }
 
     /// The chunk buffers of a value, as many as its current size needs.
@@ -168,6 +175,19 @@ impl<'r> Buffers<'r> {
         };
         let bytes = 4 * self.table.elements(&plan.values[value].shape) as u64;
         &all[..(bytes.div_ceil(self.model.gpu.chunk_bytes).max(1) as usize).min(all.len())]
+    }
+
+    /// What a step binds for a value: its chunk buffers, whole ([`Buffers::of`]), or for a value
+    /// bound as a part of another buffer ([`Placement::parts`]) that buffer and the part.
+    fn binding(&self, value: usize) -> (&'r [wgpu::Buffer], Range) {
+        let v = crate::prepare::root(&self.model.program.plan, value);
+        match self.parts.get(&v) {
+            Some((buffer, offset)) => {
+                let bytes = 4 * self.table.elements(&self.model.program.plan.values[value].shape) as u64;
+                (std::slice::from_ref(buffer), Some((*offset, bytes.max(4))))
+            }
+            None => (self.of(value), None),
+        }
     }
 }
 
@@ -191,6 +211,8 @@ struct Tables<'s> {
 #[derive(Default)]
 struct Scratch<'r> {
     bound: Vec<&'r [wgpu::Buffer]>,
+    /// The part of its first buffer each of `bound` binds.
+    ranges: Vec<Range>,
     operands: Vec<Vec<usize>>,
     out: Vec<usize>,
 }
@@ -280,8 +302,13 @@ impl GpuModel {
         let unwritten = |name: &str| tail.is_some_and(|t| t.unwritten.contains(name));
         self.upload_inputs(state, &bound.host)?;
         self.grow_buffers(state, &bound.syms, &appends, &mut substitutes.instead)?;
-        let at =
-            Placement { syms: &bound.syms, resident: &bound.resident, instead: &substitutes.instead, starts: None };
+        let at = Placement {
+            syms: &bound.syms,
+            resident: &bound.resident,
+            instead: &substitutes.instead,
+            starts: None,
+            parts: &HashMap::new(),
+        };
         let grids = self.encode_part(state, at, &appends, &|i| i < first_of_tail)?;
         let buffers = state.buffers(self, at);
         let (bind_groups, second_groups) = (&state.bind_groups, &state.second_groups);
@@ -521,12 +548,13 @@ impl GpuModel {
             // The kernel's calling convention: the output, the operands, then what else it
             // writes (and, for a split attention, its partial states).
             scratch.bound.clear();
-            scratch.bound.extend(
-                std::iter::once(step.output)
-                    .chain(step.operands.iter().copied())
-                    .chain(step.also.iter().copied())
-                    .map(|v| buffers.of(v)),
-            );
+            scratch.ranges.clear();
+            let values =
+                std::iter::once(step.output).chain(step.operands.iter().copied()).chain(step.also.iter().copied());
+            for (buffers, range) in values.map(|v| buffers.binding(v)) {
+                scratch.bound.push(buffers);
+                scratch.ranges.push(range);
+            }
             let chunked = scratch.bound.iter().any(|b| b.len() > 1);
             let dims = self.step_dims(i, step, &buffers.table, appends, chunked, &mut scratch)?;
             let offset = i * DIMS_STRIDE as usize;
@@ -576,14 +604,15 @@ impl GpuModel {
                 }
                 false => starts,
             };
-            bind_group(gpu, &mut tables.groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
+            let bound = (&scratch.bound[..], &scratch.ranges[..]);
+            bind_group(gpu, &mut tables.groups[i], pipeline, bound, extra, uniform, offset as u64);
             grids.first.push(grid(&dims));
             if let (true, Some(second)) = (partials, wgsl::partials::combine_dims(&step.op, &dims)) {
                 let slot = tables.second_slots[i]
                     .ok_or_else(|| GpuError::Internal(format!("step {i} has no second dispatch slot")))?;
                 let offset = slot * DIMS_STRIDE as usize;
                 dims_bytes[offset..offset + 64].copy_from_slice(bytemuck::cast_slice(&second));
-                bind_group(gpu, &mut tables.second_groups[i], pipeline, &scratch.bound, extra, uniform, offset as u64);
+                bind_group(gpu, &mut tables.second_groups[i], pipeline, bound, extra, uniform, offset as u64);
                 grids.second[i] = grid(&second);
             }
         }
@@ -763,21 +792,29 @@ fn with_room(have: u64, needed: u64) -> u64 {
 
 /// Makes `cached` step `i`'s bind group for `pipeline`, the chunks of `bound` and `extra`: kept
 /// if it was built for the same pipeline and buffers, else a new one binding its `Dims` (64
-/// bytes) at `offset` in the uniform, then `bound`'s buffers in order, then `extra`. (The
-/// optimizer's kernels, `super::optim`, bind theirs this way too.)
+/// bytes) at `offset` in the uniform, then `bound`'s buffers in order — each value's first
+/// buffer only the part its range says, where `bound.1` gives one (empty: every buffer whole) —,
+/// then `extra`. (The optimizer's kernels, `super::optim`, bind theirs this way too.)
 pub(super) fn bind_group(
     gpu: &Gpu,
     cached: &mut Option<CachedGroup>,
     pipeline: &wgpu::ComputePipeline,
-    bound: &[&[wgpu::Buffer]],
+    (bound, ranges): (&[&[wgpu::Buffer]], &[Range]),
     extra: Option<&wgpu::Buffer>,
     uniform: &wgpu::Buffer,
     offset: u64,
 ) {
-    let buffers = || bound.iter().flat_map(|chunks| chunks.iter()).chain(extra);
+    let buffers = || {
+        let values = bound.iter().enumerate();
+        let chunks = values.flat_map(|(i, chunks)| {
+            let range = ranges.get(i).copied().flatten();
+            chunks.iter().enumerate().map(move |(j, b)| (b, if j == 0 { range } else { None }))
+        });
+        chunks.chain(extra.map(|b| (b, None)))
+    };
     if let Some((p, b, _)) = cached
         && p == pipeline
-        && b.iter().eq(buffers())
+        && b.iter().map(|(b, r)| (b, *r)).eq(buffers())
     {
         return;
     }
@@ -789,15 +826,21 @@ pub(super) fn bind_group(
             size: wgpu::BufferSize::new(64),
         }),
     }];
-    for buffer in buffers() {
-        entries.push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource: buffer.as_entire_binding() });
+    for (buffer, range) in buffers() {
+        let resource = match range {
+            None => buffer.as_entire_binding(),
+            Some((offset, size)) => {
+                wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size: wgpu::BufferSize::new(size) })
+            }
+        };
+        entries.push(wgpu::BindGroupEntry { binding: entries.len() as u32, resource });
     }
     let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
         layout: &pipeline.get_bind_group_layout(0),
         entries: &entries,
     });
-    *cached = Some((pipeline.clone(), buffers().cloned().collect(), group));
+    *cached = Some((pipeline.clone(), buffers().map(|(b, r)| (b.clone(), r)).collect(), group));
 }
 
 /// The steps of a run in `count` parts of as many dispatches each (steps with nothing to compute

@@ -230,7 +230,7 @@ impl Tail {
                 }
             };
             let chunks: Vec<&[wgpu::Buffer]> = bound.into_iter().map(std::slice::from_ref).collect();
-            bind_group(gpu, group, pipeline, &chunks, None, &self.uniform, d.uniform_at);
+            bind_group(gpu, group, pipeline, (&chunks, &[]), None, &self.uniform, d.uniform_at);
         }
         drop(groups);
         let mut pass = encoder
