@@ -240,6 +240,17 @@ impl GpuModel {
         };
         // Batched values whose rows' copies hold the current data (written per row this run).
         let mut in_rows: HashSet<usize> = HashSet::new();
+        // Whether step `i`, run per row, reads or writes a batched value through copies (one not
+        // bound in place).
+        let copied = |i: usize| {
+            let step = &plan.steps[i];
+            let values =
+                std::iter::once(step.output).chain(step.operands.iter().copied()).chain(step.also.iter().copied());
+            values.map(|v| root(plan, v)).any(|v| {
+                let input = matches!(plan.values[v].storage, Storage::Input { .. });
+                bp.modes[v] == Mode::Batched && !input && !in_place.contains_key(&v)
+            })
+        };
         let mut i = 0;
         while i < plan.steps.len() {
             let step = &plan.steps[i];
@@ -249,6 +260,21 @@ impl GpuModel {
                     let end = (i..plan.steps.len()).find(|&j| per_row(j)).unwrap_or(plan.steps.len());
                     let groups = (&whole.bind_groups[..], &whole.second_groups[..]);
                     super::run::record_forward(&mut encoder, groups, &whole_grids, i..end)?;
+                    i = end;
+                }
+                Exec::PerRow | Exec::Append(_) if !copied(i) => {
+                    // A run of per-row steps whose batched values are all bound in place: one
+                    // pass, each step dispatched for every row in turn.
+                    let end = (i..plan.steps.len())
+                        .find(|&j| !(bp.steps[j] == Exec::Skip || (per_row(j) && !copied(j))))
+                        .unwrap_or(plan.steps.len());
+                    let mut pass = encoder
+                        .begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                    for j in (i..end).filter(|&j| per_row(j)) {
+                        for (st, grids) in row_states.iter().zip(&row_grids) {
+                            dispatch_steps(&mut pass, (&st.bind_groups, &st.second_groups), grids, j..j + 1)?;
+                        }
+                    }
                     i = end;
                 }
                 Exec::PerRow | Exec::Append(_) => {
