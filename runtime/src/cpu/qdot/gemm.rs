@@ -52,10 +52,13 @@ pub enum Impl {
     AvxVnni,
     /// x86-64 AVX-512 (F, BW, VL) with VNNI.
     Avx512Vnni,
+    /// The same on 256 bits (8 rows a vector, 32 registers): for fewer than 16 activation rows,
+    /// which a 512-bit vector would mostly pad.
+    Avx512Vnni256,
 }
 
 impl Implementation for Impl {
-    const ALL: &'static [Impl] = &[Impl::Avx512Vnni, Impl::AvxVnni, Impl::Avx2, Impl::Scalar];
+    const ALL: &'static [Impl] = &[Impl::Avx512Vnni, Impl::Avx512Vnni256, Impl::AvxVnni, Impl::Avx2, Impl::Scalar];
     const PORTABLE: Impl = Impl::Scalar;
 
     fn name(self) -> &'static str {
@@ -64,6 +67,7 @@ impl Implementation for Impl {
             Impl::Avx2 => "avx2",
             Impl::AvxVnni => "avx-vnni",
             Impl::Avx512Vnni => "avx512-vnni",
+            Impl::Avx512Vnni256 => "avx512-vnni-256",
         }
     }
 
@@ -72,7 +76,7 @@ impl Implementation for Impl {
             Impl::Scalar => true,
             Impl::Avx2 => DotImpl::Avx2.runs_on(isa),
             Impl::AvxVnni => DotImpl::AvxVnni.runs_on(isa),
-            Impl::Avx512Vnni => DotImpl::Avx512Vnni.runs_on(isa),
+            Impl::Avx512Vnni | Impl::Avx512Vnni256 => DotImpl::Avx512Vnni.runs_on(isa),
         }
     }
 }
@@ -82,7 +86,7 @@ impl Impl {
     fn lanes(self) -> usize {
         match self {
             Impl::Avx512Vnni => 16,
-            Impl::Scalar | Impl::Avx2 | Impl::AvxVnni => 8,
+            Impl::Scalar | Impl::Avx2 | Impl::AvxVnni | Impl::Avx512Vnni256 => 8,
         }
     }
 
@@ -91,11 +95,16 @@ impl Impl {
         format.quantized() && !(self == Impl::Avx2 && format == WeightFormat::Q8_0)
     }
 
-    /// The implementation the prefill of `format` uses on this machine: a SIMD one that
-    /// [computes](Impl::computes) it, or `None` (the portable reference is for tests, slower than
-    /// the f32 path).
-    pub fn for_format(format: WeightFormat) -> Option<Impl> {
-        Impl::available().into_iter().find(|i| *i != Impl::Scalar && i.computes(format))
+    /// The implementation a product of `format` with `m` activation rows uses on this machine: a
+    /// SIMD one that [computes](Impl::computes) it — with AVX-512, on 256 bits below 16 rows —, or
+    /// `None` (the portable reference is for tests, slower than the f32 path).
+    pub fn for_rows(format: WeightFormat, m: usize) -> Option<Impl> {
+        let wide = |i: Impl| match i {
+            Impl::Avx512Vnni => m >= 16,
+            Impl::Avx512Vnni256 => m < 16,
+            _ => true,
+        };
+        Impl::available().into_iter().find(|&i| i != Impl::Scalar && i.computes(format) && wide(i))
     }
 }
 
@@ -249,6 +258,9 @@ pub fn gemm_rows(format: WeightFormat, words: &[u32], k: usize, x: &Acts, out: &
         // SAFETY: `imp` is available, so the CPU has the kernel's features; the shapes were
         // checked above (and are asserted again where the kernel reads them).
         Impl::Avx512Vnni => unsafe { x86::gemm_avx512_vnni::gemm(format, words, stride, k, x, out, len, rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Impl::Avx512Vnni256 => unsafe { x86::gemm_avx512_vnni_256::gemm(format, words, stride, k, x, out, len, rows) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Impl::AvxVnni => unsafe { x86::gemm_avx_vnni::gemm(format, words, stride, k, x, out, len, rows) },
@@ -610,6 +622,25 @@ mod x86 {
         );
     }
 
+    mod avx512_vnni_256 {
+        // 8 lanes with AVX-512's 32 registers: micro-kernels of 4 rows (16 accumulators).
+        ops!(
+            "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+            __m256i,
+            __m256,
+            8,
+            4,
+            [_mm256_setzero_si256, _mm256_setzero_ps, _mm256_loadu_si256, _mm256_loadu_ps, _mm256_storeu_ps],
+            [_mm256_set1_epi32, _mm256_set1_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_cvtepi32_ps],
+            /// `acc` plus, per lane, the 4 products of `w`'s unsigned and `x`'s signed bytes.
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+            #[inline]
+            pub fn dot(acc: I, w: I, x: I) -> I {
+                _mm256_dpbusd_epi32(acc, w, x)
+            }
+        );
+    }
+
     mod avx_vnni {
         ops256!(
             "avx2,fma,avxvnni",
@@ -858,6 +889,7 @@ mod x86 {
         };
     }
     gemm!(gemm_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", avx512_vnni);
+    gemm!(gemm_avx512_vnni_256, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", avx512_vnni_256);
     gemm!(gemm_avx_vnni, "avx2,fma,avxvnni", avx_vnni);
     gemm!(gemm_avx2, "avx2,fma", avx2);
 }
@@ -1010,9 +1042,27 @@ mod tests {
         }
     }
 
+    /// With AVX-512 VNNI, fewer than 16 rows take the 256-bit form (a 512-bit vector would be
+    /// half padding at 8), 16 and more the 512-bit one; elsewhere the best SIMD form that computes
+    /// the format, and never the portable reference.
+    #[test]
+    fn the_rows_choose_the_vector_width() {
+        for format in FORMATS {
+            for m in [8, 15, 16, 40] {
+                let chosen = Impl::for_rows(format, m);
+                assert_ne!(chosen, Some(Impl::Scalar));
+                if Impl::Avx512Vnni.is_available() {
+                    let expected = if m < 16 { Impl::Avx512Vnni256 } else { Impl::Avx512Vnni };
+                    assert_eq!(chosen, Some(expected), "{format} at {m} rows");
+                }
+                assert!(chosen.is_none_or(|i| i.is_available() && i.computes(format)));
+            }
+        }
+    }
+
     #[test]
     fn every_simd_implementation_computes_the_k_quants() {
-        for imp in [Impl::Avx2, Impl::AvxVnni, Impl::Avx512Vnni] {
+        for imp in [Impl::Avx2, Impl::AvxVnni, Impl::Avx512Vnni, Impl::Avx512Vnni256] {
             for format in [WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K] {
                 assert!(imp.computes(format), "{} {format}", imp.name());
             }
