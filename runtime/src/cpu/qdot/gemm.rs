@@ -9,8 +9,8 @@
 //!
 //! - **Activations** are quantized per row exactly as [`Q8Acts`] does (per block of 32, `d_x =
 //!   max|x| / 127`; so the products are the decode kernels', up to summation order) and packed
-//!   once per call ([`Acts`]): `L` rows a vector (16 with AVX-512, 8 on 256 bits; the last vector
-//!   padded with zero rows), for each 4 elements of `k` the `L` rows' 4 quants side by side (one
+//!   once per call ([`Acts`]): `L` rows a vector (16 with AVX-512, 8 on 256 bits, which AVX-512
+//!   also uses below 16 rows; the last vector padded with zero rows), for each 4 elements of `k` the `L` rows' 4 quants side by side (one
 //!   32-bit lane a row), and for each group of `G` elements (32; 16 for Q6_K, whose scales are per
 //!   16) the rows' `d_x` and `d_x * sum(q_x)`.
 //! - **Weights** are unpacked a tile of `R` rows by a chunk of `KC` (512) elements at a time
