@@ -174,7 +174,7 @@ impl GpuModel {
         // The batched values the rows' own steps read or write, each row's part bound in place
         // in the batch's buffer where a storage binding can start there (else copied in and
         // out of the row's own slot around its steps).
-        let row_table = kiln_compiler::graph::SymTable::new(&rows[0].bound.syms);
+        let row_tables: Vec<_> = rows.iter().map(|row| kiln_compiler::graph::SymTable::new(&row.bound.syms)).collect();
         let align = u64::from(gpu.limits.min_storage_buffer_offset_alignment).max(4);
         let mut in_place: HashMap<usize, u64> = HashMap::new();
         for step in plan.steps.iter().enumerate().filter(|(i, _)| per_row(*i)).map(|(_, step)| step) {
@@ -186,10 +186,12 @@ impl GpuModel {
                 if *copy_rows || bp.modes[v] != Mode::Batched || input || in_place.contains_key(&v) {
                     continue;
                 }
-                let bytes = 4 * row_table.elements(&plan.values[v].shape) as u64;
+                // Every row's part the same size (so row `r`'s at `r` parts), whole in one buffer.
+                let sizes: Vec<u64> = row_tables.iter().map(|t| 4 * t.elements(&plan.values[v].shape) as u64).collect();
+                let bytes = sizes[0];
                 let whole_chunks = whole_buffers.of(v);
                 let fits = whole_chunks.len() == 1 && whole_chunks[0].size() >= b as u64 * bytes;
-                if bytes > 0 && bytes.is_multiple_of(align) && fits {
+                if bytes > 0 && bytes.is_multiple_of(align) && fits && sizes.iter().all(|&s| s == bytes) {
                     in_place.insert(v, bytes);
                 }
             }
