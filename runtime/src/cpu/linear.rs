@@ -344,7 +344,7 @@ pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut 
 fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], int8: bool) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     let tiled = matches!(q.format, WeightFormat::Q8_0 | WeightFormat::Q4_1);
-    let gemm = if m >= INTEGER_GEMM_ROWS { qgemm::Impl::for_rows(q.format, m) } else { None };
+    let gemm = if int8 && m >= INTEGER_GEMM_ROWS { qgemm::Impl::for_rows(q.format, m) } else { None };
     if !int8 || (m > 1 && !tiled && gemm.is_none()) {
         return exact(q, m, x, y);
     }

@@ -168,15 +168,15 @@ impl GpuModel {
         self.upload_inputs(whole, &host)?;
         self.grow_buffers(whole, &syms, &[], &mut HashMap::new())?;
         let whole_at =
-            Placement { syms: &syms, resident: &no_resident, instead: &no_instead, starts, parts: &no_parts };
+            Placement { syms: &syms, resident: &no_resident, instead: &no_instead, starts, parts: &no_parts, row: 0 };
         let whole_grids = self.encode_part(whole, whole_at, &[], &batched)?;
         let whole_buffers = whole.buffers(self, whole_at);
         // The batched values the rows' own steps read or write, each row's part bound in place
         // in the batch's buffer where a storage binding can start there (else copied in and
-        // out of the row's own slot around its steps).
+        // out of the row's own slot around its steps): by value, the buffer and a row's bytes.
         let row_tables: Vec<_> = rows.iter().map(|row| kiln_compiler::graph::SymTable::new(&row.bound.syms)).collect();
         let align = u64::from(gpu.limits.min_storage_buffer_offset_alignment).max(4);
-        let mut in_place: HashMap<usize, u64> = HashMap::new();
+        let mut in_place: HashMap<usize, (wgpu::Buffer, u64)> = HashMap::new();
         for step in plan.steps.iter().enumerate().filter(|(i, _)| per_row(*i)).map(|(_, step)| step) {
             let values =
                 std::iter::once(step.output).chain(step.operands.iter().copied()).chain(step.also.iter().copied());
@@ -187,20 +187,20 @@ impl GpuModel {
                     continue;
                 }
                 // Every row's part the same size (so row `r`'s at `r` parts), whole in one buffer.
-                let sizes: Vec<u64> = row_tables.iter().map(|t| 4 * t.elements(&plan.values[v].shape) as u64).collect();
-                let bytes = sizes[0];
-                let whole_chunks = whole_buffers.of(v);
-                let fits = whole_chunks.len() == 1 && whole_chunks[0].size() >= b as u64 * bytes;
-                if bytes > 0 && bytes.is_multiple_of(align) && fits && sizes.iter().all(|&s| s == bytes) {
-                    in_place.insert(v, bytes);
+                let bytes_of = |t: &kiln_compiler::graph::SymTable| 4 * t.elements(&plan.values[v].shape) as u64;
+                let bytes = bytes_of(&row_tables[0]);
+                let same = row_tables.iter().all(|t| bytes_of(t) == bytes);
+                if let ([whole_buffer], true) = (whole_buffers.of(v), same)
+                    && bytes > 0
+                    && bytes.is_multiple_of(align)
+                    && whole_buffer.size() >= b as u64 * bytes
+                {
+                    in_place.insert(v, (whole_buffer.clone(), bytes));
                 }
             }
         }
-        let row_parts: Vec<HashMap<usize, (wgpu::Buffer, u64)>> = (0..b as u64)
-            .map(|r| in_place.iter().map(|(&v, &bytes)| (v, (whole_buffers.of(v)[0].clone(), r * bytes))).collect())
-            .collect();
         let mut row_grids: Vec<Grids> = Vec::with_capacity(b);
-        for ((row, st), parts) in rows.iter_mut().zip(row_states.iter_mut()).zip(&row_parts) {
+        for (r, (row, st)) in rows.iter_mut().zip(row_states.iter_mut()).enumerate() {
             let Row { bound, appends, substitutes } = row;
             self.upload_inputs(st, &bound.host)?;
             self.grow_buffers(st, &bound.syms, appends, &mut substitutes.instead)?;
@@ -209,7 +209,8 @@ impl GpuModel {
                 resident: &bound.resident,
                 instead: &substitutes.instead,
                 starts: None,
-                parts,
+                parts: &in_place,
+                row: r as u64,
             };
             row_grids.push(self.encode_part(st, at, appends, &per_row)?);
         }
@@ -224,10 +225,10 @@ impl GpuModel {
         let row_buffers: Vec<Buffers<'_>> = rows
             .iter()
             .zip(row_states.iter())
-            .zip(&row_parts)
-            .map(|((row, st), parts)| {
+            .enumerate()
+            .map(|(r, (row, st))| {
                 let (syms, resident, instead) = (&row.bound.syms, &row.bound.resident, &row.substitutes.instead);
-                st.buffers(self, Placement { syms, resident, instead, starts: None, parts })
+                st.buffers(self, Placement { syms, resident, instead, starts: None, parts: &in_place, row: r as u64 })
             })
             .collect();
         // Each row's part of a batched value and the row's own copy, copied one way or the other.

@@ -123,8 +123,9 @@ pub(super) struct Placement<'a> {
     /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
     pub(super) starts: Option<&'a wgpu::Buffer>,
     /// Values bound as a part of another buffer — a sequence's row of a batched step's value, in
-    /// the batch's buffer — by value: the buffer and the part's offset (its size the value's).
+    /// the batch's buffer — by value: the buffer and a row's bytes; this run binds row `row`'s.
     pub(super) parts: &'a HashMap<usize, (wgpu::Buffer, u64)>,
+    pub(super) row: u64,
 }
 
 /// A buffer a run state keeps, split in chunks: its bytes and the chunks.
@@ -143,6 +144,7 @@ pub(super) struct Buffers<'r> {
     /// Each sequence's first position, `u32`, for a batched run's steps that read positions.
     starts: Option<&'r wgpu::Buffer>,
     parts: &'r HashMap<usize, (wgpu::Buffer, u64)>,
+    row: u64,
 }
 
 impl<'r> Buffers<'r> {
@@ -152,8 +154,8 @@ impl<'r> Buffers<'r> {
         (slots, inputs): (&'r [Held], &'r HashMap<usize, Held>),
         at: Placement<'r>,
     ) -> Buffers<'r> {
-        let Placement { syms, resident, instead, starts, parts } = at;
-        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts, parts }
+        let Placement { syms, resident, instead, starts, parts, row } = at;
+        Buffers { model, syms, table: SymTable::new(syms), slots, inputs, resident, instead, starts, parts, row }
     }
 
     /// The chunk buffers of a value, as many as its current size needs.
@@ -182,10 +184,7 @@ impl<'r> Buffers<'r> {
     fn binding(&self, value: usize) -> (&'r [wgpu::Buffer], Range) {
         let v = crate::prepare::root(&self.model.program.plan, value);
         match self.parts.get(&v) {
-            Some((buffer, offset)) => {
-                let bytes = 4 * self.table.elements(&self.model.program.plan.values[value].shape) as u64;
-                (std::slice::from_ref(buffer), Some((*offset, bytes.max(4))))
-            }
+            Some((buffer, bytes)) => (std::slice::from_ref(buffer), Some((self.row * bytes, *bytes))),
             None => (self.of(value), None),
         }
     }
@@ -308,6 +307,7 @@ impl GpuModel {
             instead: &substitutes.instead,
             starts: None,
             parts: &HashMap::new(),
+            row: 0,
         };
         let grids = self.encode_part(state, at, &appends, &|i| i < first_of_tail)?;
         let buffers = state.buffers(self, at);

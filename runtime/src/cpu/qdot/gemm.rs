@@ -190,8 +190,8 @@ fn lane<T>(values: &mut [T], i: usize, lanes: usize, per: usize) -> impl Iterato
 
 /// Block `b`'s factors per half (elements `0..16` and `16..32`) of a row of `format` (`k`
 /// elements, the device layout): the scale `a` and the term `c = min - offset * a` (see the
-/// module docs), and the offset its unsigned quants carry. `None` past the row's end.
-#[inline(always)]
+/// module docs), and the offset its unsigned quants carry. `None` past the row's end. (The
+/// portable reference's; the SIMD unpackers compute the same a chunk of a row at a time.)
 fn factors(format: WeightFormat, row: &[u32], k: usize, b: usize) -> Option<([f32; 2], [f32; 2], i32)> {
     let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
     let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
@@ -316,7 +316,7 @@ fn scalar(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! The SIMD implementations: one driver and micro-kernel (`gemm!`) over each ISA's vector
-    //! operations (`ops512`, `ops256`).
+    //! operations (`ops!`), and the weight's unpacking per format, which they share.
     //!
     //! Inside a `#[target_feature]` function the register-only intrinsics of its features are
     //! safe; the loads and stores through raw pointers are not, and say why they hold.

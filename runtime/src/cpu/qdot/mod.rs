@@ -151,11 +151,10 @@ impl Q8Acts {
 }
 
 /// Quantizes the blocks of `x` into the lines `q` (enough for them), pushing each block's scale
-/// to `d` and `d * sum(q)` to `s` (see [`Q8Acts`]). Loops without early exits or library calls,
-/// so that they vectorize where compiled for a vector ISA ([`quantize_blocks_avx2`]): this runs
-/// over every activation of a prompt's projections, and without it a 32 x 2048 block of rows
-/// took 0.26 ms, about as long as the integer GEMM over it.
-#[inline(always)]
+/// to `d` and `d * sum(q)` to `s` (see [`Q8Acts`]): the portable loop, which
+/// [`quantize_blocks_avx2`] equals bit for bit (this runs over every activation of a prompt's
+/// projections: a 32 x 2048 block of rows took 0.26 ms this way, about as long as the integer
+/// GEMM over it).
 fn quantize_blocks(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec<f32>) {
     let quants = q.iter_mut().flat_map(|l| l.0.chunks_exact_mut(BLOCK));
     for (block, q) in x.chunks(BLOCK).zip(quants) {
@@ -221,8 +220,9 @@ fn quantize_blocks_avx2(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec
         d.push(scale);
         s.push(scale * sum as f32);
     }
-    let rest: Vec<&mut [i8]> = quants.collect();
-    if let (false, Some(last)) = (tail.is_empty(), rest.into_iter().next()) {
+    if !tail.is_empty()
+        && let Some(last) = quants.next()
+    {
         let mut line = [Line([0; 2 * BLOCK])];
         quantize_blocks(tail, &mut line, d, s);
         last.copy_from_slice(&line[0].0[..BLOCK]);
