@@ -9,6 +9,7 @@
 //! The loops are compiled three times, for the baseline target, with AVX2 and FMA, and with
 //! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]).
 
+#[cfg(target_arch = "x86_64")]
 use super::isa::isa;
 use kiln_compiler::graph::Activation;
 

@@ -1,8 +1,6 @@
 //! The SIMD kernels written once over an ISA's vector operations: `kernels!` expands the drivers
 //! (decode's streaming tiles, prefill's dequantization buffer and micro-kernel) inside an ISA's
-//! module, compiled for its features, so every ISA runs the same loops in the same order;
-//! `buffered_kquant!` gives an ISA without vector dequantization of Q5_0, Q4_K and Q6_K its
-//! `kquant` through the portable block dequantization.
+//! module, compiled for its features, so every ISA runs the same loops in the same order.
 //!
 //! The interface an ISA's `ops` module provides (each a `#[target_feature]` function, `#[inline]`):
 //! the vector type `V` of `LANES` floats and `BV = 32 / LANES` vectors a block; `DIRECT`, the most
@@ -11,39 +9,6 @@
 //! (`NR` a multiple of `SUB` and of 4), and groups of `MR` activation rows (up to 4); `zero`,
 //! `fma`, `add`, `load`, `store`, `prefetch`, `hsum4` (the lane sums of 4 vectors), and the block
 //! dequantizations `q8`, `q4` and `kquant`.
-
-/// The `kquant` of an ops module without vector dequantization of Q5_0, Q4_K and Q6_K (NEON):
-/// the block through [`buffered_block`], loaded from its lines. Expanded inside the module, whose
-/// `V`, `BV`, `LANES`, `zero` and `load` it uses, for `$features`.
-#[cfg(target_arch = "aarch64")]
-macro_rules! buffered_kquant {
-    ($features:literal) => {
-        /// A block of the formats without vector dequantization here (Q5_0, Q4_K, Q6_K), through
-        /// [`buffered_block`](super::super::buffered_block).
-        ///
-        /// # Safety
-        ///
-        /// `row` is a whole row of the layout for `nb` blocks and `b < nb`.
-        #[target_feature(enable = $features)]
-        #[inline]
-        pub(super) unsafe fn kquant<const F: u8>(
-            row: *const u32,
-            nb: usize,
-            b: usize,
-            _shared: &super::super::Shared,
-        ) -> [V; BV] {
-            // SAFETY: the caller's.
-            let lines = unsafe { super::super::buffered_block(F, row, nb, b) };
-            let mut out = [zero(); BV];
-            for (j, v) in out.iter_mut().enumerate() {
-                // SAFETY: `LANES * j < 32`, and `LANES * j % 16 + LANES <= 16`: inside a line.
-                debug_assert!(LANES * j < 32 && LANES * j % 16 + LANES <= 16);
-                *v = unsafe { load(lines.as_ptr().add(LANES * j / 16).cast::<f32>().add(LANES * j % 16)) };
-            }
-            out
-        }
-    };
-}
 
 /// The SIMD kernels and their drivers over a module of vector operations (`$ops`: the vector
 /// type `V` of `LANES` floats, `BV = 32 / LANES` vectors a block; `DIRECT`, the most activation

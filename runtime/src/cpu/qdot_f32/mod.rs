@@ -10,9 +10,8 @@
 //!
 //! The weights are read in the device layout of [`kiln_compiler::lower::format`] (per row the
 //! block scales, Q4_1's minimums, then the quants as `u32` words). Q5_0, Q4_K and Q6_K are read
-//! by the same drivers, a block of 32 at a time: with AVX-512 and AVX2 dequantized in registers
-//! too, with NEON by the portable [`crate::quant::block`] into a buffer the vector code then loads
-//! (exactly the same values either way). Two shapes of work:
+//! by the same drivers, a block of 32 at a time, dequantized in registers too (exactly the
+//! values of the portable [`crate::quant::block`]). Two shapes of work:
 //!
 //! - **Decode** ([`dot_rows_f32`], and [`gemm_rows_f32`] with a few activation rows: up to 4
 //!   with AVX-512, 3 with AVX2): tiles of [`TILE`] weight rows stream through once. Each
@@ -41,7 +40,8 @@
 //!   their nibbles and bit pairs out by the sub-block's position, with the sub-block scales
 //!   unpacked once per block (Gemma 3 270M decodes 4x faster than through the buffer).
 //! - **`avx2`** (AVX2 and FMA): 8 lanes; Q4_1's nibbles are masked, shifted and converted.
-//! - **`neon`** (AArch64): 4 lanes, widening moves and conversions (no prefetching).
+//! - **`neon`** (AArch64): 4 lanes, widening moves and conversions; the K-quants' bits shifted
+//!   out per byte (no prefetching).
 //! - **`scalar`**: portable, one row dequantized at a time and summed in order; the reference the
 //!   others are tested against (it equals the in-order f32 dot of the dequantized row exactly).
 //!
@@ -292,29 +292,6 @@ fn dequant_block(format: WeightFormat, row: &[u32], nb: usize, b: usize, w: &mut
     }
 }
 
-/// Block `b` of the row at `row` (`nb` blocks of the format tagged `tag`) dequantized by
-/// [`dequant_block`] into two cache lines: the portable path of the formats a SIMD module has no
-/// vector dequantization for (NEON's Q5_0, Q4_K and Q6_K; the x86 modules have their own).
-///
-/// # Safety
-///
-/// `row` is a whole row of the layout for `nb` blocks.
-#[cfg(target_arch = "aarch64")]
-unsafe fn buffered_block(tag: u8, row: *const u32, nb: usize, b: usize) -> [Line; 2] {
-    let format = tag_format(tag);
-    let words = format.row_words(BLOCK * nb).unwrap_or(0);
-    // SAFETY: the caller's: `row` is a whole row of the layout, `words` words (each row's span
-    // asserted in debug builds where the rows are slices: `direct_tile`, `buffered`).
-    let row = unsafe { std::slice::from_raw_parts(row, words) };
-    let mut w = [0f32; BLOCK];
-    dequant_block(format, row, nb, b, &mut w);
-    let mut lines = [Line([0.0; 16]); 2];
-    for (line, half) in lines.iter_mut().zip(w.chunks_exact(16)) {
-        line.0.copy_from_slice(half);
-    }
-    lines
-}
-
 /// What the blocks of a super-block (8 blocks, 256 elements) share, unpacked once per
 /// super-block rather than once per block: a Q4_K row's 8 pairs of scale and minimum term
 /// ([`q4_k_factors`]); nothing for the other formats. The streaming and dequantizing drivers keep
@@ -327,7 +304,7 @@ type Shared = [(f32, f32); 8];
 /// of 6-bit pairs are three words, unpacked four bytes at a time as `gguf::q4_k_scale_min` does
 /// it a byte at a time (blocks `j < 4` from the low 6 bits of bytes `j` and `j + 4`, blocks `j >=
 /// 4` from the nibbles of byte `j + 4` and the top two bits of bytes `j - 4` and `j`).
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, s: usize) -> Shared {
     let ns = nb / 8;
     let packed = 2 * ns + 3 * s;
@@ -353,7 +330,7 @@ fn q4_k_factors(word: impl Fn(usize) -> u32, nb: usize, s: usize) -> Shared {
 #[inline(always)]
 unsafe fn shared<const F: u8>(row: *const u32, nb: usize, s: usize) -> Shared {
     debug_assert!(s < nb.div_ceil(8), "super-block {s} of {nb} blocks");
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     if F == F_Q4_K {
         // SAFETY: `q4_k_factors` reads words `s`, `ns + s` and `2 ns + 3 s .. + 3` of a Q4_K
         // row of `37 ns` words (`s < ns = nb / 8`): the caller's whole row.
@@ -366,7 +343,7 @@ unsafe fn shared<const F: u8>(row: *const u32, nb: usize, s: usize) -> Shared {
 /// The scales of block `b`'s two halves in a Q6_K row of `nb` blocks read through `word`: `d`
 /// times the int8 scales `2 (b % 8)` and `2 (b % 8) + 1` of its super-block, as
 /// [`crate::quant::block`] gives them.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn q6_k_scales(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
     let (ns, s, c8) = (nb / 8, b / 8, b % 8);
     let d = f32::from_bits(word(s));
@@ -376,7 +353,7 @@ fn q6_k_scales(word: impl Fn(usize) -> u32, nb: usize, b: usize) -> (f32, f32) {
 }
 
 /// The kernels' format parameter (a const generic): Q8_0 and Q4_1 have their own SIMD
-/// dequantization; the others are dequantized block by block by [`dequant_block`].
+/// dequantization (`q8`, `q4`); the others share each ISA's `kquant`.
 const F_Q8_0: u8 = 0;
 /// See [`F_Q8_0`].
 const F_Q4_1: u8 = 1;
@@ -386,18 +363,6 @@ const F_Q5_0: u8 = 2;
 const F_Q4_K: u8 = 3;
 /// See [`F_Q8_0`].
 const F_Q6_K: u8 = 4;
-
-/// The format of a kernel's format parameter.
-#[cfg(target_arch = "aarch64")]
-const fn tag_format(tag: u8) -> WeightFormat {
-    match tag {
-        F_Q8_0 => WeightFormat::Q8_0,
-        F_Q4_1 => WeightFormat::Q4_1,
-        F_Q5_0 => WeightFormat::Q5_0,
-        F_Q4_K => WeightFormat::Q4_K,
-        _ => WeightFormat::Q6_K,
-    }
-}
 
 /// Words of 8 blocks of a row in the format of a kernel's format parameter (the layouts of
 /// `kiln_compiler::lower::format`), for prefetching: at most 53 / 8 words (27 bytes) a block, so

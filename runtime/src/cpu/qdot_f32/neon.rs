@@ -1,6 +1,9 @@
 //! The AArch64 NEON implementation: 4 lanes; prefill micro-tiles of 4 weight rows by 4 activation
-//! rows; Q5_0, Q4_K and Q6_K through the portable block dequantization; no prefetching (its
-//! intrinsic is not stable yet).
+//! rows; Q5_0, Q4_K and Q6_K dequantized in registers too, as with AVX-512 and AVX2; no
+//! prefetching (its intrinsic is not stable yet).
+//!
+//! Inside a `#[target_feature]` function the register-only intrinsics of its features are safe;
+//! the loads and stores through raw pointers are not, and say why they hold.
 
 mod ops {
     use std::arch::aarch64::*;
@@ -81,6 +84,8 @@ mod ops {
         }
     }
 
+    use super::super::Shared;
+
     /// A Q8_0 block (32 signed bytes at `p`) times `d`.
     ///
     /// # Safety
@@ -115,7 +120,85 @@ mod ops {
         [a0, a1, a2, a3, b0, b1, b2, b3].map(|v| vaddq_f32(vmulq_n_f32(v, d), m))
     }
 
-    buffered_kquant!("neon");
+    /// Block `b` of a Q5_0, Q4_K or Q6_K row (format tag `F`, `nb` blocks) dequantized in
+    /// registers, each element as [`crate::quant::block`] gives it and
+    /// [`dequant_block`](super::super::dequant_block) scales it (`q * scale`, plus Q4_K's
+    /// minimum after the multiply), the x86 kernels' arithmetic on 4 lanes: the block's 32
+    /// quants assembled as bytes in element order (two vectors of 16), then widened 4 at a time,
+    /// so vector `v` holds elements `4 v..4 v + 4`.
+    ///
+    /// # Safety
+    ///
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
+    /// its super-block's.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
+        use super::super::{F_Q4_K, F_Q5_0};
+        debug_assert!(b < nb, "block {b} of {nb}");
+        let ns = nb / 8;
+        // SAFETY (all reads): words of the caller's whole row, in the layouts of
+        // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
+        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`
+        // (its factors come in `shared`); Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`, `low ..
+        // low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 4 words from `at`).
+        let word = |i: usize| unsafe { row.add(i).read() };
+        let bytes16 = |at: usize| unsafe { vld1q_u8(row.add(at).cast::<u8>()) };
+        // Each byte shifted right by `n` (a negative left shift).
+        let shr = |v: uint8x16_t, n: usize| vshlq_u8(v, vdupq_n_s8(-(n as i8)));
+        let fifteen = vdupq_n_u8(15);
+        let [[a0, a1, a2, a3], [b0, b1, b2, b3]] = match F {
+            F_Q5_0 => {
+                let (d, fifth) = (f32::from_bits(word(b)), word(nb + b));
+                let q = bytes16(2 * nb + 4 * b);
+                // Byte `i` of a half 0x10 where its element's fifth bit is set: the half's two
+                // bytes of the bit word spread over 8 lanes each, each lane testing its own bit.
+                let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
+                let fifths = |h: u32| {
+                    let bytes = vcombine_u8(vdup_n_u8((h & 0xff) as u8), vdup_n_u8((h >> 8) as u8));
+                    vandq_u8(vtstq_u8(bytes, bit), vdupq_n_u8(0x10))
+                };
+                // Elements 0..16 in the low nibbles, 16..32 in the high ones; less 16, signed.
+                let sixteen = vdupq_n_s8(16);
+                let lo = vorrq_u8(vandq_u8(q, fifteen), fifths(fifth & 0xffff));
+                let hi = vorrq_u8(vshrq_n_u8::<4>(q), fifths(fifth >> 16));
+                let lo = vsubq_s8(vreinterpretq_s8_u8(lo), sixteen);
+                let hi = vsubq_s8(vreinterpretq_s8_u8(hi), sixteen);
+                let d = vdupq_n_f32(d);
+                [lo, hi].map(|q| widen(vreinterpretq_u8_s8(q), true).map(|v| vmulq_f32(v, d)))
+            }
+            F_Q4_K => {
+                let (scale, min) = shared.get(b % 8).copied().unwrap_or_default();
+                let at = 5 * ns + 8 * (b / 2);
+                let nibble = 4 * (b % 2);
+                let (scale, min) = (vdupq_n_f32(scale), vdupq_n_f32(min));
+                let half = |at: usize| {
+                    let [w, x, y, z] = widen(vandq_u8(shr(bytes16(at), nibble), fifteen), false);
+                    // A multiply then an add, as the dequantization computes each element.
+                    [w, x, y, z].map(|v| vaddq_f32(vmulq_f32(v, scale), min))
+                };
+                [half(at), half(at + 4)]
+            }
+            _ => {
+                let (s, c8) = (b / 8, b % 8);
+                let (h, c) = (c8 / 4, c8 % 4);
+                let scales = super::super::q6_k_scales(word, nb, b);
+                let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
+                // Per 16 quants: the nibble and bit pair shifted out of each byte and joined,
+                // less 32, signed.
+                let half = |i: usize| {
+                    let l = vandq_u8(shr(bytes16(low + 4 * i), 4 * (c / 2)), fifteen);
+                    let hh = vandq_u8(shr(bytes16(high + 4 * i), 2 * c), vdupq_n_u8(3));
+                    vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l, vshlq_n_u8::<4>(hh))), vdupq_n_s8(32))
+                };
+                // Elements 0..16 take the first scale, 16..32 the second.
+                let scaled =
+                    |i: usize, scale: f32| widen(vreinterpretq_u8_s8(half(i)), true).map(|v| vmulq_n_f32(v, scale));
+                [scaled(0, scales.0), scaled(1, scales.1)]
+            }
+        };
+        [a0, a1, a2, a3, b0, b1, b2, b3]
+    }
 
     /// The lane sums of `a[0..4]`.
     #[target_feature(enable = "neon")]
