@@ -35,9 +35,9 @@
 //!   `i32` lanes (the `sdot` intrinsics are not stable in Rust yet).
 //! - **`scalar`**: portable, and the reference the others are tested against.
 //!
-//! Q5_0, Q4_K and Q6_K have the scalar kernel and a 256-bit one a row at a time (`blocks`), with
-//! AVX-512 VNNI's `vpdpbusd` or AVX2's byte multiplies (which AVX-VNNI CPUs run too); NEON runs
-//! the scalar one for them.
+//! Q5_0, Q4_K and Q6_K have the scalar kernel and SIMD ones a row at a time: on 256 bits
+//! (`blocks`) with AVX-512 VNNI's `vpdpbusd` or AVX2's byte multiplies (which AVX-VNNI CPUs run
+//! too), and NEON's widening multiplies.
 //!
 //! Every SIMD kernel works on tiles of [`TILE`] rows, so each activation block loaded (and the
 //! per-block work on it) serves several rows, while the rows' words stream through once: decode is
@@ -314,6 +314,9 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above (an AVX-VNNI CPU has AVX2 and FMA).
             Impl::AvxVnni | Impl::Avx2 => unsafe { blocks::rows_avx2(format, words, stride, k, x, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above.
+            Impl::Neon => unsafe { neon::rows(format, words, stride, k, x, out) },
             _ => scalar_blocks(format, words, stride, k, x, out),
         }
         return;
