@@ -24,6 +24,8 @@ pub struct Isa {
     pub avx_vnni: bool,
     /// AArch64 NEON.
     pub neon: bool,
+    /// AArch64's dot-product extension (`sdot`; Armv8.2's `dotprod`).
+    pub dotprod: bool,
 }
 
 impl Isa {
@@ -38,11 +40,13 @@ impl Isa {
                 avx512_vnni: has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni"),
                 avx_vnni: has!("avxvnni"),
                 neon: false,
+                dotprod: false,
             }
         }
         #[cfg(target_arch = "aarch64")]
         {
-            Isa { neon: std::arch::is_aarch64_feature_detected!("neon"), ..Isa::default() }
+            use std::arch::is_aarch64_feature_detected as has;
+            Isa { neon: has!("neon"), dotprod: has!("neon") && has!("dotprod"), ..Isa::default() }
         }
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
@@ -65,13 +69,15 @@ pub enum Cap {
     AvxVnni,
     /// AVX2 and FMA alone.
     Avx2,
+    /// AArch64 NEON without the dot-product extension.
+    Neon,
     /// None: the portable kernels.
     Scalar,
 }
 
 impl Cap {
     /// The names [`CAP_VAR`] takes.
-    pub const NAMES: &str = "native, avx-vnni, avx2, scalar";
+    pub const NAMES: &str = "native, avx-vnni, avx2, neon, scalar";
 
     /// The cap a name gives ([`Cap::NAMES`]), `None` for another.
     pub fn parse(name: &str) -> Option<Cap> {
@@ -79,6 +85,7 @@ impl Cap {
             "native" | "" => Cap::Native,
             "avx-vnni" => Cap::AvxVnni,
             "avx2" => Cap::Avx2,
+            "neon" => Cap::Neon,
             "scalar" => Cap::Scalar,
             _ => return None,
         })
@@ -99,6 +106,7 @@ impl Cap {
             Cap::Native => isa,
             Cap::AvxVnni => Isa { avx512f: false, avx512_vnni: false, ..isa },
             Cap::Avx2 => Isa { avx512f: false, avx512_vnni: false, avx_vnni: false, ..isa },
+            Cap::Neon => Isa { dotprod: false, ..isa },
             Cap::Scalar => Isa::default(),
         }
     }
@@ -176,7 +184,7 @@ mod tests {
     /// A cap only removes sets, and every name parses to the cap it says.
     #[test]
     fn caps_remove_sets_and_never_add_them() {
-        let all = Isa { avx2: true, avx512f: true, avx512_vnni: true, avx_vnni: true, neon: false };
+        let all = Isa { avx2: true, avx512f: true, avx512_vnni: true, avx_vnni: true, neon: false, dotprod: false };
         assert_eq!(Cap::parse("native").map(|c| c.apply(all)), Some(all));
         assert_eq!(Cap::parse("avx2").map(|c| c.apply(all)), Some(Isa { avx2: true, ..Isa::default() }));
         assert_eq!(
@@ -184,9 +192,12 @@ mod tests {
             Some(Isa { avx2: true, avx_vnni: true, ..Isa::default() })
         );
         assert_eq!(Cap::parse("scalar").map(|c| c.apply(all)), Some(Isa::default()));
+        let arm = Isa { neon: true, dotprod: true, ..Isa::default() };
+        assert_eq!(Cap::parse("neon").map(|c| c.apply(arm)), Some(Isa { neon: true, ..Isa::default() }));
+        assert_eq!(Cap::parse("avx2").map(|c| c.apply(arm)), Some(arm), "an x86 cap leaves AArch64's sets");
         assert_eq!(Cap::parse("avx512"), None);
         let none = Isa::default();
-        for cap in [Cap::Native, Cap::AvxVnni, Cap::Avx2, Cap::Scalar] {
+        for cap in [Cap::Native, Cap::AvxVnni, Cap::Avx2, Cap::Neon, Cap::Scalar] {
             assert_eq!(cap.apply(none), none, "{cap:?} adds nothing");
         }
         assert!(Cap::NAMES.split(", ").all(|n| Cap::parse(n).is_some()));

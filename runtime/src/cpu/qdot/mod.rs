@@ -31,13 +31,15 @@
 //! - **`avx2`**: `vpmaddubsw` (unsigned by signed bytes into saturating pairs of `i16`) then
 //!   `vpmaddwd` by ones; Q8_0 uses the sign trick (`|w|` times `x` with `w`'s sign), which cannot
 //!   saturate since activations stay within ±127.
+//! - **`neon-dotprod`** (AArch64 with the dot-product extension): `sdot`, through inline
+//!   assembly (its intrinsics are not stable in Rust yet).
 //! - **`neon`** (AArch64): widening byte multiplies (`smull`/`smlal2`) and pairwise adds into
-//!   `i32` lanes (the `sdot` intrinsics are not stable in Rust yet).
+//!   `i32` lanes.
 //! - **`scalar`**: portable, and the reference the others are tested against.
 //!
 //! Q5_0, Q4_K and Q6_K have the scalar kernel and SIMD ones a row at a time: on 256 bits
 //! (`blocks`) with AVX-512 VNNI's `vpdpbusd` or AVX2's byte multiplies (which AVX-VNNI CPUs run
-//! too), and NEON's widening multiplies.
+//! too), and NEON's `sdot` or widening multiplies.
 //!
 //! Every SIMD kernel works on tiles of [`TILE`] rows, so each activation block loaded (and the
 //! per-block work on it) serves several rows, while the rows' words stream through once: decode is
@@ -240,12 +242,15 @@ pub enum Impl {
     AvxVnni,
     /// x86-64 AVX-512 (F, BW, VL) with VNNI.
     Avx512Vnni,
-    /// AArch64 NEON (widening multiplies; the `sdot` intrinsics are not stable yet).
+    /// AArch64 NEON (widening multiplies).
     Neon,
+    /// AArch64 NEON with the dot-product extension (`sdot`).
+    NeonDot,
 }
 
 impl Implementation for Impl {
-    const ALL: &'static [Impl] = &[Impl::Avx512Vnni, Impl::AvxVnni, Impl::Avx2, Impl::Neon, Impl::Scalar];
+    const ALL: &'static [Impl] =
+        &[Impl::Avx512Vnni, Impl::AvxVnni, Impl::Avx2, Impl::NeonDot, Impl::Neon, Impl::Scalar];
     const PORTABLE: Impl = Impl::Scalar;
 
     fn name(self) -> &'static str {
@@ -255,6 +260,7 @@ impl Implementation for Impl {
             Impl::AvxVnni => "avx-vnni",
             Impl::Avx512Vnni => "avx512-vnni",
             Impl::Neon => "neon",
+            Impl::NeonDot => "neon-dotprod",
         }
     }
 
@@ -265,12 +271,13 @@ impl Implementation for Impl {
             Impl::AvxVnni => isa.avx2 && isa.avx_vnni,
             Impl::Avx512Vnni => isa.avx2 && isa.avx512_vnni,
             Impl::Neon => isa.neon,
+            Impl::NeonDot => isa.neon && isa.dotprod,
         }
     }
 }
 
 /// The name of the implementation [`dot_rows`] uses (`"avx512-vnni"`, `"avx-vnni"`, `"avx2"`,
-/// `"neon"` or `"scalar"`).
+/// `"neon-dotprod"`, `"neon"` or `"scalar"`).
 pub fn kernel_name() -> &'static str {
     Impl::best().name()
 }
@@ -317,6 +324,9 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
             #[cfg(target_arch = "aarch64")]
             // SAFETY: as above.
             Impl::Neon => unsafe { neon::rows(format, words, stride, k, x, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above.
+            Impl::NeonDot => unsafe { neon::rows_dot(format, words, stride, k, x, out) },
             _ => scalar_blocks(format, words, stride, k, x, out),
         }
         return;
@@ -338,6 +348,9 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above.
         Impl::Neon => unsafe { drive::<neon::Neon>(q4, words, stride, nb, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above.
+        Impl::NeonDot => unsafe { drive::<neon::NeonDot>(q4, words, stride, nb, x, out) },
         _ => scalar_rows(q4, words, stride, nb, x, out),
     }
 }
