@@ -26,6 +26,8 @@ pub struct Isa {
     pub neon: bool,
     /// AArch64's dot-product extension (`sdot`; Armv8.2's `dotprod`).
     pub dotprod: bool,
+    /// AArch64's int8 matrix-multiply extension (`usdot`, `smmla`; Armv8.6's `i8mm`).
+    pub i8mm: bool,
 }
 
 impl Isa {
@@ -41,12 +43,14 @@ impl Isa {
                 avx_vnni: has!("avxvnni"),
                 neon: false,
                 dotprod: false,
+                i8mm: false,
             }
         }
         #[cfg(target_arch = "aarch64")]
         {
             use std::arch::is_aarch64_feature_detected as has;
-            Isa { neon: has!("neon"), dotprod: has!("neon") && has!("dotprod"), ..Isa::default() }
+            let neon = has!("neon");
+            Isa { neon, dotprod: neon && has!("dotprod"), i8mm: neon && has!("i8mm"), ..Isa::default() }
         }
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
@@ -69,7 +73,9 @@ pub enum Cap {
     AvxVnni,
     /// AVX2 and FMA alone.
     Avx2,
-    /// AArch64 NEON without the dot-product extension.
+    /// AArch64 NEON and the dot-product extension (no int8 matrix multiplies).
+    NeonDotprod,
+    /// AArch64 NEON alone.
     Neon,
     /// None: the portable kernels.
     Scalar,
@@ -77,7 +83,7 @@ pub enum Cap {
 
 impl Cap {
     /// The names [`CAP_VAR`] takes.
-    pub const NAMES: &str = "native, avx-vnni, avx2, neon, scalar";
+    pub const NAMES: &str = "native, avx-vnni, avx2, neon-dotprod, neon, scalar";
 
     /// The cap a name gives ([`Cap::NAMES`]), `None` for another.
     pub fn parse(name: &str) -> Option<Cap> {
@@ -85,6 +91,7 @@ impl Cap {
             "native" | "" => Cap::Native,
             "avx-vnni" => Cap::AvxVnni,
             "avx2" => Cap::Avx2,
+            "neon-dotprod" => Cap::NeonDotprod,
             "neon" => Cap::Neon,
             "scalar" => Cap::Scalar,
             _ => return None,
@@ -106,7 +113,8 @@ impl Cap {
             Cap::Native => isa,
             Cap::AvxVnni => Isa { avx512f: false, avx512_vnni: false, ..isa },
             Cap::Avx2 => Isa { avx512f: false, avx512_vnni: false, avx_vnni: false, ..isa },
-            Cap::Neon => Isa { dotprod: false, ..isa },
+            Cap::NeonDotprod => Isa { i8mm: false, ..isa },
+            Cap::Neon => Isa { dotprod: false, i8mm: false, ..isa },
             Cap::Scalar => Isa::default(),
         }
     }
@@ -184,7 +192,15 @@ mod tests {
     /// A cap only removes sets, and every name parses to the cap it says.
     #[test]
     fn caps_remove_sets_and_never_add_them() {
-        let all = Isa { avx2: true, avx512f: true, avx512_vnni: true, avx_vnni: true, neon: false, dotprod: false };
+        let all = Isa {
+            avx2: true,
+            avx512f: true,
+            avx512_vnni: true,
+            avx_vnni: true,
+            neon: false,
+            dotprod: false,
+            i8mm: false,
+        };
         assert_eq!(Cap::parse("native").map(|c| c.apply(all)), Some(all));
         assert_eq!(Cap::parse("avx2").map(|c| c.apply(all)), Some(Isa { avx2: true, ..Isa::default() }));
         assert_eq!(
@@ -192,12 +208,16 @@ mod tests {
             Some(Isa { avx2: true, avx_vnni: true, ..Isa::default() })
         );
         assert_eq!(Cap::parse("scalar").map(|c| c.apply(all)), Some(Isa::default()));
-        let arm = Isa { neon: true, dotprod: true, ..Isa::default() };
+        let arm = Isa { neon: true, dotprod: true, i8mm: true, ..Isa::default() };
         assert_eq!(Cap::parse("neon").map(|c| c.apply(arm)), Some(Isa { neon: true, ..Isa::default() }));
+        assert_eq!(
+            Cap::parse("neon-dotprod").map(|c| c.apply(arm)),
+            Some(Isa { neon: true, dotprod: true, ..Isa::default() })
+        );
         assert_eq!(Cap::parse("avx2").map(|c| c.apply(arm)), Some(arm), "an x86 cap leaves AArch64's sets");
         assert_eq!(Cap::parse("avx512"), None);
         let none = Isa::default();
-        for cap in [Cap::Native, Cap::AvxVnni, Cap::Avx2, Cap::Neon, Cap::Scalar] {
+        for cap in [Cap::Native, Cap::AvxVnni, Cap::Avx2, Cap::NeonDotprod, Cap::Neon, Cap::Scalar] {
             assert_eq!(cap.apply(none), none, "{cap:?} adds nothing");
         }
         assert!(Cap::NAMES.split(", ").all(|n| Cap::parse(n).is_some()));

@@ -55,10 +55,22 @@ pub enum Impl {
     /// The same on 256 bits (8 rows a vector, 32 registers): for fewer than 16 activation rows,
     /// which a 512-bit vector would mostly pad.
     Avx512Vnni256,
+    /// AArch64 NEON with the dot-product extension (`sdot`; not Q8_0).
+    NeonDot,
+    /// AArch64 NEON with the int8 matrix-multiply extension (`usdot`).
+    NeonI8mm,
 }
 
 impl Implementation for Impl {
-    const ALL: &'static [Impl] = &[Impl::Avx512Vnni, Impl::Avx512Vnni256, Impl::AvxVnni, Impl::Avx2, Impl::Scalar];
+    const ALL: &'static [Impl] = &[
+        Impl::Avx512Vnni,
+        Impl::Avx512Vnni256,
+        Impl::AvxVnni,
+        Impl::Avx2,
+        Impl::NeonI8mm,
+        Impl::NeonDot,
+        Impl::Scalar,
+    ];
     const PORTABLE: Impl = Impl::Scalar;
 
     fn name(self) -> &'static str {
@@ -68,6 +80,8 @@ impl Implementation for Impl {
             Impl::AvxVnni => "avx-vnni",
             Impl::Avx512Vnni => "avx512-vnni",
             Impl::Avx512Vnni256 => "avx512-vnni-256",
+            Impl::NeonDot => "neon-dotprod",
+            Impl::NeonI8mm => "neon-i8mm",
         }
     }
 
@@ -77,6 +91,8 @@ impl Implementation for Impl {
             Impl::Avx2 => DotImpl::Avx2.runs_on(isa),
             Impl::AvxVnni => DotImpl::AvxVnni.runs_on(isa),
             Impl::Avx512Vnni | Impl::Avx512Vnni256 => DotImpl::Avx512Vnni.runs_on(isa),
+            Impl::NeonDot => DotImpl::NeonDot.runs_on(isa),
+            Impl::NeonI8mm => DotImpl::NeonDot.runs_on(isa) && isa.i8mm,
         }
     }
 }
@@ -87,12 +103,13 @@ impl Impl {
         match self {
             Impl::Avx512Vnni => 16,
             Impl::Scalar | Impl::Avx2 | Impl::AvxVnni | Impl::Avx512Vnni256 => 8,
+            Impl::NeonDot | Impl::NeonI8mm => 4,
         }
     }
 
     /// Whether it computes products of `format` (a quantized format kiln reads).
     pub fn computes(self, format: WeightFormat) -> bool {
-        format.quantized() && !(self == Impl::Avx2 && format == WeightFormat::Q8_0)
+        format.quantized() && !(matches!(self, Impl::Avx2 | Impl::NeonDot) && format == WeightFormat::Q8_0)
     }
 
     /// The implementation a product of `format` with `m` activation rows uses on this machine: a
@@ -267,6 +284,12 @@ pub fn gemm_rows(format: WeightFormat, words: &[u32], k: usize, x: &Acts, out: &
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Impl::Avx2 => unsafe { x86::gemm_avx2::gemm(format, words, stride, k, x, out, len, rows) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above.
+        Impl::NeonDot => unsafe { arm::gemm_neon_dot::gemm(format, words, stride, k, x, out, len, rows) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above.
+        Impl::NeonI8mm => unsafe { arm::gemm_neon_i8mm::gemm(format, words, stride, k, x, out, len, rows) },
         _ => scalar(format, words, stride, k, x, out, len, rows),
     }
 }
@@ -313,30 +336,20 @@ fn scalar(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    //! The SIMD implementations: one driver and micro-kernel (`gemm!`) over each ISA's vector
-    //! operations (`ops!`), and the weight's unpacking per format, which they share.
-    //!
-    //! Inside a `#[target_feature]` function the register-only intrinsics of its features are
-    //! safe; the loads and stores through raw pointers are not, and say why they hold.
-
-    use super::super::blocks::avx2::fifth;
-    use super::super::blocks::{load256, shr16};
-    use super::{Acts, BLOCK, KC, SUPER_BLOCK, term};
+/// The formats as constant tags, so that a kernel generic over one unpacks its blocks in
+/// straight code ([`format_of`]).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod tags {
     use kiln_compiler::lower::WeightFormat;
-    use std::arch::x86_64::*;
 
-    /// The formats as constant tags, so that a kernel generic over one unpacks its blocks in
-    /// straight code ([`format_of`]).
-    const F_Q8_0: u8 = 0;
-    const F_Q4_1: u8 = 1;
-    const F_Q5_0: u8 = 2;
-    const F_Q4_K: u8 = 3;
-    const F_Q6_K: u8 = 4;
+    pub const F_Q8_0: u8 = 0;
+    pub const F_Q4_1: u8 = 1;
+    pub const F_Q5_0: u8 = 2;
+    pub const F_Q4_K: u8 = 3;
+    pub const F_Q6_K: u8 = 4;
 
     /// The format a tag names.
-    const fn format_of(tag: u8) -> WeightFormat {
+    pub const fn format_of(tag: u8) -> WeightFormat {
         match tag {
             F_Q8_0 => WeightFormat::Q8_0,
             F_Q4_1 => WeightFormat::Q4_1,
@@ -346,166 +359,455 @@ mod x86 {
         }
     }
 
-    /// The chunk's blocks of `row` (a whole row of the format tagged `F`) unpacked into `out` by
-    /// its format's unpacker. A row too short for them (not reached: the caller binds whole rows)
-    /// gets NaN factors, so NaN results.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn unpack<const F: u8>(row: &[u32], chunk: Chunk, out: Staged<'_>) {
-        let mut out = out;
-        let done = match format_of(F) {
-            WeightFormat::Q4_K => q4_k(row, chunk, &mut out),
-            WeightFormat::Q6_K => q6_k(row, chunk, &mut out),
-            _ => blocks32::<F>(row, chunk, &mut out),
-        };
-        if done.is_none() {
-            out.a.fill(f32::NAN);
-        }
-    }
-
     /// Which blocks of a row a tile unpacks: `c0 .. c0 + cb` of a row of `k` elements.
     #[derive(Clone, Copy)]
-    struct Chunk {
-        k: usize,
-        c0: usize,
-        cb: usize,
+    pub struct Chunk {
+        pub k: usize,
+        pub c0: usize,
+        pub cb: usize,
     }
 
     /// Where a row's unpacked blocks go: its unsigned quants (32 bytes a block) and its factors
     /// `a` and `c` (one a group).
-    struct Staged<'a> {
-        u: &'a mut [u8],
-        a: &'a mut [f32],
-        c: &'a mut [f32],
+    pub struct Staged<'a> {
+        pub u: &'a mut [u8],
+        pub a: &'a mut [f32],
+        pub c: &'a mut [f32],
     }
+}
 
-    /// Stores a block's 32 quants into `o`, its 32 bytes of the staged tile.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn store(o: &mut [u8], q: __m256i) {
-        assert_eq!(o.len(), BLOCK, "a staged block");
-        // SAFETY: `o` is 32 writable bytes (asserted).
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
-    }
+/// The weight's unpacking per format, compiled for `$features`, over the byte operations of the
+/// expanding module's `bytes` (`B`: a block's 32 bytes in element order; `load32` and
+/// `nibbles`, 8 words and 4 words of Q4_1's layout from a row, `None` past its end; `flip`,
+/// `fifth`, `or`, `bits`, `shl4` and `store`): `unpack`, and per format the unpacker it runs.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! unpackers {
+    ($features:literal) => {
+        /// The chunk's blocks of `row` (a whole row of the format tagged `F`) unpacked into `out` by
+        /// its format's unpacker. A row too short for them (not reached: the caller binds whole rows)
+        /// gets NaN factors, so NaN results.
+        #[target_feature(enable = $features)]
+        #[inline]
+        fn unpack<const F: u8>(row: &[u32], chunk: Chunk, out: Staged<'_>) {
+            let mut out = out;
+            let done = match format_of(F) {
+                WeightFormat::Q4_K => q4_k(row, chunk, &mut out),
+                WeightFormat::Q6_K => q6_k(row, chunk, &mut out),
+                _ => blocks32::<F>(row, chunk, &mut out),
+            };
+            if done.is_none() {
+                out.a.fill(f32::NAN);
+            }
+        }
 
-    /// Blocks `c0 .. c0 + cb` of a Q8_0, Q4_1 or Q5_0 `row` (`k` elements; the format tagged
-    /// `F`) unpacked as [`factors`] and [`crate::quant::block`] give them, the chunk's scales,
-    /// minimums or fifth bits and quants each taken as one slice. `None` past the row's end.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn blocks32<const F: u8>(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
-        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
-        let format = format_of(F);
-        let nb = k / BLOCK;
-        // Words of quants a block, and where they start.
-        let (qw, q0) = if format == WeightFormat::Q8_0 { (8, nb) } else { (4, 2 * nb) };
-        let scales = row.get(c0..c0 + cb)?;
-        let seconds = row.get(nb + c0..nb + c0 + cb)?;
-        let quants = row.get(q0 + qw * c0..q0 + qw * (c0 + cb))?;
-        let blocks = ut.chunks_exact_mut(BLOCK).zip(at.iter_mut().zip(ct.iter_mut()));
-        let words = scales.iter().zip(seconds).zip(quants.chunks_exact(qw));
-        let low = _mm256_set1_epi8(0x0f);
-        for ((o, (a, c)), ((&scale, &second), q)) in blocks.zip(words) {
-            *a = f32::from_bits(scale);
-            let q = match format {
-                WeightFormat::Q8_0 => {
-                    *c = term(0.0, 128, *a);
-                    // SAFETY: `q` is 8 words, 32 bytes (`chunks_exact(8)`).
-                    debug_assert_eq!(q.len(), 8);
-                    _mm256_xor_si256(unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }, _mm256_set1_epi8(-128))
-                }
-                _ => {
-                    // SAFETY: `q` is 4 words, 16 bytes (`chunks_exact(4)`).
-                    debug_assert_eq!(q.len(), 4);
-                    let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
-                    // Elements 0..16 in the low nibbles, 16..32 in the high ones.
-                    let nibbles = _mm256_and_si256(
-                        _mm256_srlv_epi32(_mm256_broadcastsi128_si256(q), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                        low,
-                    );
-                    if format == WeightFormat::Q5_0 {
+        /// Blocks `c0 .. c0 + cb` of a Q8_0, Q4_1 or Q5_0 `row` (`k` elements; the format tagged
+        /// `F`) unpacked as [`factors`](super::factors) and [`crate::quant::block`] give them, the
+        /// chunk's scales, minimums or fifth bits and quants each taken as one slice. `None` past
+        /// the row's end.
+        #[target_feature(enable = $features)]
+        #[inline]
+        fn blocks32<const F: u8>(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+            let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
+            let format = format_of(F);
+            let nb = k / BLOCK;
+            // Words of quants a block, and where they start.
+            let (qw, q0) = if format == WeightFormat::Q8_0 { (8, nb) } else { (4, 2 * nb) };
+            let scales = row.get(c0..c0 + cb)?;
+            let seconds = row.get(nb + c0..nb + c0 + cb)?;
+            let quants = row.get(q0 + qw * c0..q0 + qw * (c0 + cb))?;
+            let blocks = ut.chunks_exact_mut(BLOCK).zip(at.iter_mut().zip(ct.iter_mut()));
+            let words = scales.iter().zip(seconds).zip(quants.chunks_exact(qw));
+            for ((o, (a, c)), ((&scale, &second), q)) in blocks.zip(words) {
+                *a = f32::from_bits(scale);
+                let q = match format {
+                    WeightFormat::Q8_0 => {
+                        *c = term(0.0, 128, *a);
+                        bytes::flip(bytes::load32(q, 0)?)
+                    }
+                    WeightFormat::Q5_0 => {
                         *c = term(0.0, 16, *a);
-                        _mm256_or_si256(nibbles, fifth(second))
-                    } else {
+                        bytes::or(bytes::nibbles(q, 0)?, bytes::fifth(second))
+                    }
+                    _ => {
                         *c = term(f32::from_bits(second), 0, *a);
-                        nibbles
+                        bytes::nibbles(q, 0)?
+                    }
+                };
+                bytes::store(o, q);
+            }
+            Some(())
+        }
+
+        /// Q4_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks: `c0` and `cb`
+        /// multiples of 8) unpacked as [`factors`](super::factors) and [`crate::quant::block`]
+        /// give them, a super-block at a time: its 8 scales and minimums decoded once, each 32
+        /// bytes of nibbles loaded once for its two blocks. `None` past the row's end.
+        #[target_feature(enable = $features)]
+        #[inline]
+        fn q4_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+            let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
+            let ns = k / SUPER_BLOCK;
+            let per = SUPER_BLOCK / BLOCK;
+            let supers = ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(per).zip(ct.chunks_exact_mut(per)));
+            for (i, (us, (as_, cs))) in supers.take(cb / per).enumerate() {
+                let s = c0 / per + i;
+                let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
+                let (d, dmin) = (f(s)?, f(ns + s)?);
+                let packed: [u8; 12] =
+                    bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?).try_into().ok()?;
+                for (j, (a, c)) in as_.iter_mut().zip(cs).enumerate() {
+                    let (sc, m) = crate::gguf::q4_k_scale_min(&packed, j);
+                    *a = d * f32::from(sc);
+                    *c = term(-(dmin * f32::from(m)), 0, *a);
+                }
+                // Blocks 2p and 2p + 1 are the low and high nibbles of 32 bytes.
+                for (p, pair) in us.chunks_exact_mut(2 * BLOCK).enumerate() {
+                    let v = bytes::load32(row, 5 * ns + 32 * s + 8 * p)?;
+                    let halves = [bytes::bits(v, 0, 0x0f), bytes::bits(v, 4, 0x0f)];
+                    for (o, q) in pair.chunks_exact_mut(BLOCK).zip(halves) {
+                        bytes::store(o, q);
                     }
                 }
-            };
-            store(o, q);
-        }
-        Some(())
-    }
-
-    /// Q4_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks: `c0` and `cb`
-    /// multiples of 8) unpacked as [`factors`] and [`crate::quant::block`] give them, a super-block
-    /// at a time: its 8 scales and minimums decoded once, each 32 bytes of nibbles loaded once
-    /// for its two blocks. `None` past the row's end.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn q4_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
-        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
-        let ns = k / SUPER_BLOCK;
-        let per = SUPER_BLOCK / BLOCK;
-        let supers = ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(per).zip(ct.chunks_exact_mut(per)));
-        for (i, (us, (as_, cs))) in supers.take(cb / per).enumerate() {
-            let s = c0 / per + i;
-            let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
-            let (d, dmin) = (f(s)?, f(ns + s)?);
-            let packed: [u8; 12] =
-                bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?).try_into().ok()?;
-            for (j, (a, c)) in as_.iter_mut().zip(cs).enumerate() {
-                let (sc, m) = crate::gguf::q4_k_scale_min(&packed, j);
-                *a = d * f32::from(sc);
-                *c = term(-(dmin * f32::from(m)), 0, *a);
             }
-            // Blocks 2p and 2p + 1 are the low and high nibbles of 32 bytes.
-            for (p, pair) in us.chunks_exact_mut(2 * BLOCK).enumerate() {
-                let v = load256(row, 5 * ns + 32 * s + 8 * p)?;
-                let low = _mm256_set1_epi8(0x0f);
-                let halves = [_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)];
-                for (o, q) in pair.chunks_exact_mut(BLOCK).zip(halves) {
-                    store(o, q);
+            Some(())
+        }
+
+        /// Q6_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks) unpacked as
+        /// [`factors`](super::factors) and [`crate::quant::block`] give them, a super-block at a
+        /// time: its 16 scales once, each half's low and high bits loaded once for its four
+        /// blocks. `None` past the row's end.
+        #[target_feature(enable = $features)]
+        #[inline]
+        fn q6_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
+            let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
+            let ns = k / SUPER_BLOCK;
+            let (per, groups) = (SUPER_BLOCK / BLOCK, SUPER_BLOCK / 16);
+            let supers =
+                ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(groups).zip(ct.chunks_exact_mut(groups)));
+            for (i, (us, (as_, cs))) in supers.take(cb / per).enumerate() {
+                let s = c0 / per + i;
+                let d = f32::from_bits(*row.get(s)?);
+                let scales = bytemuck::cast_slice::<u32, u8>(row.get(ns + 4 * s..ns + 4 * s + 4)?);
+                for ((a, c), &sc) in as_.iter_mut().zip(cs).zip(scales) {
+                    *a = d * f32::from(sc as i8);
+                    *c = term(0.0, 32, *a);
+                }
+                for (h, half) in us.chunks_exact_mut(4 * BLOCK).enumerate() {
+                    let low = 5 * ns + 32 * s + 16 * h;
+                    let lo = [bytes::load32(row, low)?, bytes::load32(row, low + 8)?];
+                    let hi = bytes::load32(row, 37 * ns + 16 * s + 8 * h)?;
+                    for (c, o) in half.chunks_exact_mut(BLOCK).enumerate() {
+                        let l = bytes::bits(*lo.get(c % 2)?, 4 * (c / 2), 0x0f);
+                        bytes::store(o, bytes::or(l, bytes::shl4(bytes::bits(hi, 2 * c, 3))));
+                    }
                 }
             }
+            Some(())
         }
-        Some(())
-    }
+    };
+}
 
-    /// Q6_K's blocks `c0 .. c0 + cb` of `row` (`k` elements; whole super-blocks) unpacked as
-    /// [`factors`] and [`crate::quant::block`] give them, a super-block at a time: its 16 scales
-    /// once, each half's low and high bits loaded once for its four blocks. `None` past the
-    /// row's end.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn q6_k(row: &[u32], Chunk { k, c0, cb }: Chunk, out: &mut Staged<'_>) -> Option<()> {
-        let (ut, at, ct) = (&mut *out.u, &mut *out.a, &mut *out.c);
-        let ns = k / SUPER_BLOCK;
-        let (per, groups) = (SUPER_BLOCK / BLOCK, SUPER_BLOCK / 16);
-        let supers = ut.chunks_exact_mut(SUPER_BLOCK).zip(at.chunks_exact_mut(groups).zip(ct.chunks_exact_mut(groups)));
-        for (i, (us, (as_, cs))) in supers.take(cb / per).enumerate() {
-            let s = c0 / per + i;
-            let d = f32::from_bits(*row.get(s)?);
-            let scales = bytemuck::cast_slice::<u32, u8>(row.get(ns + 4 * s..ns + 4 * s + 4)?);
-            for ((a, c), &sc) in as_.iter_mut().zip(cs).zip(scales) {
-                *a = d * f32::from(sc as i8);
-                *c = term(0.0, 32, *a);
-            }
-            for (h, half) in us.chunks_exact_mut(4 * BLOCK).enumerate() {
-                let lo = [load256(row, 5 * ns + 32 * s + 16 * h)?, load256(row, 5 * ns + 32 * s + 16 * h + 8)?];
-                let hi = load256(row, 37 * ns + 16 * s + 8 * h)?;
-                for (c, o) in half.chunks_exact_mut(BLOCK).enumerate() {
-                    let low = lo.get(c % 2).copied()?;
-                    let q = _mm256_or_si256(
-                        _mm256_and_si256(shr16(low, 4 * (c / 2)), _mm256_set1_epi8(0x0f)),
-                        _mm256_slli_epi16::<4>(_mm256_and_si256(shr16(hi, 2 * c), _mm256_set1_epi8(3))),
-                    );
-                    store(o, q);
+/// The driver and micro-kernel over an ops module, compiled for `$features` (whose ISA's
+/// `unpack`, and the names it uses, the expanding module has in scope).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! gemm {
+    ($name:ident, $features:literal, $ops:ident) => {
+        /// The integer GEMM on one ISA.
+        pub(super) mod $name {
+            use super::$ops as ops;
+
+            /// Weight rows of the micro-kernel.
+            const R: usize = ops::R;
+            /// Activation rows a vector.
+            const L: usize = ops::L;
+            use super::{Acts, BLOCK, Chunk, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, KC, Staged, unpack};
+            use kiln_compiler::lower::WeightFormat;
+
+            /// [`super::gemm_rows`] on this ISA: `out` (`x.len()` rows of `len`) for the first
+            /// `rows <= len` rows of `words` (`stride` words each).
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features; `x` was packed for this ISA's lanes and `format`'s
+            /// groups, with rows of `k` elements (`k` a multiple of `format`'s blocks, `stride`
+            /// its row words); `words` holds `rows` rows; `out` holds `x.len() * len` results.
+            #[target_feature(enable = $features)]
+            #[expect(clippy::too_many_arguments, reason = "a GEMM's operands and sizes")]
+            pub(in super::super) unsafe fn gemm(
+                format: WeightFormat,
+                words: &[u32],
+                stride: usize,
+                k: usize,
+                x: &Acts,
+                out: &mut [f32],
+                len: usize,
+                rows: usize,
+            ) {
+                // SAFETY: the caller's (each driver the same contract for its format).
+                unsafe {
+                    match format {
+                        WeightFormat::Q8_0 => drive::<F_Q8_0>(words, stride, k, x, out, len, rows),
+                        WeightFormat::Q4_1 => drive::<F_Q4_1>(words, stride, k, x, out, len, rows),
+                        WeightFormat::Q5_0 => drive::<F_Q5_0>(words, stride, k, x, out, len, rows),
+                        WeightFormat::Q4_K => drive::<F_Q4_K>(words, stride, k, x, out, len, rows),
+                        WeightFormat::Q6_K => drive::<F_Q6_K>(words, stride, k, x, out, len, rows),
+                        // Not quantized: refused by `gemm_rows`.
+                        WeightFormat::F32 | WeightFormat::F16 => out.fill(f32::NAN),
+                    }
                 }
             }
+
+            /// [`gemm`] for the format tagged `F` (a constant, so each block's unpacking is
+            /// straight code).
+            ///
+            /// # Safety
+            ///
+            /// As [`gemm`]'s.
+            #[target_feature(enable = $features)]
+            unsafe fn drive<const F: u8>(
+                words: &[u32],
+                stride: usize,
+                k: usize,
+                x: &Acts,
+                out: &mut [f32],
+                len: usize,
+                rows: usize,
+            ) {
+                const R: usize = ops::R;
+                const L: usize = ops::L;
+                debug_assert_eq!(x.imp.lanes(), L);
+                let (nb, vectors, group) = (k / BLOCK, x.vectors, x.group);
+                // The results, `[row][vector][lane]`, summed over the chunks.
+                let mut acc = vec![0f32; rows.next_multiple_of(R) * vectors * L];
+                // A tile: `R` rows of `KC` unsigned quants, and `KC / 16` factors `a` and `c`.
+                let mut u = vec![0u8; R * KC];
+                let (mut fa, mut fc) = (vec![0f32; R * KC / 16], vec![0f32; R * KC / 16]);
+                let cpb = KC / BLOCK;
+                for c0 in (0..nb).step_by(cpb) {
+                    let cb = cpb.min(nb - c0);
+                    for r0 in (0..rows).step_by(R) {
+                        let tile =
+                            u.chunks_exact_mut(KC).zip(fa.chunks_exact_mut(KC / 16)).zip(fc.chunks_exact_mut(KC / 16));
+                        for (t, ((ut, at), ct)) in tile.enumerate() {
+                            match words.get((r0 + t) * stride..(r0 + t + 1) * stride).filter(|_| r0 + t < rows) {
+                                // (This ISA's features include `unpack`'s.)
+                                Some(row) => unpack::<F>(row, Chunk { k, c0, cb }, Staged { u: ut, a: at, c: ct }),
+                                // A row past the tile's end (`rows` not a multiple of `R`):
+                                // zeros, its results never written.
+                                None => {
+                                    ut.fill(0);
+                                    at.fill(0.0);
+                                    ct.fill(0.0);
+                                }
+                            }
+                        }
+                        let mut v0 = 0;
+                        while v0 < vectors {
+                            let tile = Tile { u: &u, a: &fa, c: &fc, x, c0, groups: cb * BLOCK / group, r0, v0 };
+                            // SAFETY: the caller's features; `acc` holds `rows` rounded up to
+                            // `R` rows of every vector (the micro-kernel asserts its reads).
+                            v0 += unsafe {
+                                match (vectors - v0, group) {
+                                    (1, 16) => micro::<1, 16>(&tile, &mut acc),
+                                    (1, _) => micro::<1, 32>(&tile, &mut acc),
+                                    (_, 16) => micro::<2, 16>(&tile, &mut acc),
+                                    _ => micro::<2, 32>(&tile, &mut acc),
+                                }
+                            };
+                        }
+                    }
+                }
+                // Each activation row's results written in order: lane `i % L` of vector
+                // `i / L` of each weight row.
+                for (i, o) in out.chunks_mut(len).enumerate() {
+                    let lane = acc.iter().skip(i).step_by(vectors * L);
+                    for (o, &v) in o.iter_mut().zip(lane).take(rows) {
+                        *o = v;
+                    }
+                }
+            }
+
+            /// A tile's operands: the unpacked weight (`R` rows of `KC` quants, `KC / 16`
+            /// factors), the activations and where the tile sits in them.
+            struct Tile<'a> {
+                u: &'a [u8],
+                a: &'a [f32],
+                c: &'a [f32],
+                x: &'a Acts,
+                /// The chunk's first block.
+                c0: usize,
+                /// Groups in the chunk.
+                groups: usize,
+                /// The tile's first weight row and first activation vector.
+                r0: usize,
+                v0: usize,
+            }
+
+            /// Adds the tile's products with `V` activation vectors from `t.v0` to `acc`
+            /// (see [`$name`]); returns `V`.
+            ///
+            /// # Safety
+            ///
+            /// The CPU has the features. (Every span read or written is asserted here.)
+            #[target_feature(enable = $features)]
+            unsafe fn micro<const V: usize, const G: usize>(t: &Tile<'_>, acc: &mut [f32]) -> usize {
+                let x = t.x;
+                let (k4, ng) = (x.k / 4, x.k / G);
+                let (q0, g0) = (t.c0 * BLOCK / 4, t.c0 * BLOCK / G);
+                let vectors = x.vectors;
+                // Every read below: the weight tile's quants `4 * (groups * G / 4)` bytes
+                // of each row, factors `groups` of each; the activations' quads `q0 ..
+                // q0 + groups * G / 4` and groups `g0 .. g0 + groups` of vectors `v0 ..
+                // v0 + V`; `acc`'s rows `r0 .. r0 + R` of those vectors.
+                assert!(
+                    t.groups * G <= KC && t.u.len() >= R * KC && t.a.len() >= R * KC / 16 && t.c.len() >= R * KC / 16
+                );
+                assert!(t.v0 + V <= vectors && q0 + t.groups * G / 4 <= k4 && g0 + t.groups <= ng);
+                assert!(
+                    x.q.len() >= vectors * k4 * L && x.dx.len() >= vectors * ng * L && x.sdx.len() >= vectors * ng * L
+                );
+                assert!(acc.len() >= (t.r0 + R) * vectors * L);
+                let (u, fa, fc) = (t.u.as_ptr(), t.a.as_ptr(), t.c.as_ptr());
+                // In bounds (asserted above), so `wrapping_add` is `add`.
+                let xq: [*const i32; V] =
+                    std::array::from_fn(|v| x.q.as_ptr().wrapping_add(((t.v0 + v) * k4 + q0) * L));
+                let xd: [*const f32; V] =
+                    std::array::from_fn(|v| x.dx.as_ptr().wrapping_add(((t.v0 + v) * ng + g0) * L));
+                let xs: [*const f32; V] =
+                    std::array::from_fn(|v| x.sdx.as_ptr().wrapping_add(((t.v0 + v) * ng + g0) * L));
+                let at = |r: usize, v: usize| ((t.r0 + r) * vectors + t.v0 + v) * L;
+                let mut f = [[ops::zero_f(); V]; R];
+                for (r, f) in f.iter_mut().enumerate() {
+                    for (v, f) in f.iter_mut().enumerate() {
+                        // SAFETY: `at(r, v) + L <= (r0 + R) * vectors * L <= acc.len()`.
+                        *f = unsafe { ops::load_f(acc.as_ptr().add(at(r, v))) };
+                    }
+                }
+                for g in 0..t.groups {
+                    let mut s = [[ops::zero_i(); V]; R];
+                    for j in 0..G / 4 {
+                        let quad = g * G / 4 + j;
+                        // SAFETY: quad `q0 + quad < q0 + groups * G / 4` of each vector (asserted).
+                        let xv: [ops::I; V] = xq.map(|p| unsafe { ops::load_i(p.add(quad * L)) });
+                        for (r, s) in s.iter_mut().enumerate() {
+                            // SAFETY: bytes `4 quad .. 4 quad + 4 <= groups * G <= KC` of row `r`.
+                            let w = unsafe { u.add(r * KC + 4 * quad).cast::<i32>().read_unaligned() };
+                            let w = ops::bcast_i(w);
+                            for (s, &xv) in s.iter_mut().zip(&xv) {
+                                *s = ops::dot(*s, w, xv);
+                            }
+                        }
+                    }
+                    // SAFETY: group `g0 + g < g0 + groups` of each vector (asserted).
+                    let dx: [ops::F; V] = xd.map(|p| unsafe { ops::load_f(p.add(g * L)) });
+                    // SAFETY: as above.
+                    let sx: [ops::F; V] = xs.map(|p| unsafe { ops::load_f(p.add(g * L)) });
+                    for (r, (f, s)) in f.iter_mut().zip(&s).enumerate() {
+                        // SAFETY: factor `g < groups <= KC / 16` of row `r < R`.
+                        let (a, c) = unsafe { (fa.add(r * KC / 16 + g).read(), fc.add(r * KC / 16 + g).read()) };
+                        let (a, c) = (ops::bcast_f(a), ops::bcast_f(c));
+                        for (((f, &s), &dx), &sx) in f.iter_mut().zip(s).zip(&dx).zip(&sx) {
+                            *f = ops::fma(ops::cvt(s), ops::mul(a, dx), *f);
+                            *f = ops::fma(c, sx, *f);
+                        }
+                    }
+                }
+                for (r, f) in f.iter().enumerate() {
+                    for (v, &f) in f.iter().enumerate() {
+                        // SAFETY: as for the loads.
+                        unsafe { ops::store_f(acc.as_mut_ptr().add(at(r, v)), f) };
+                    }
+                }
+                V
+            }
         }
-        Some(())
+    };
+}
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The x86-64 implementations: the driver and micro-kernel (`gemm!`) over each ISA's vector
+    //! operations (`ops!`), and the weight's unpacking (`unpackers!`) on AVX2, which they share.
+    //!
+    //! Inside a `#[target_feature]` function the register-only intrinsics of its features are
+    //! safe; the loads and stores through raw pointers are not, and say why they hold.
+
+    use super::tags::{Chunk, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Staged, format_of};
+    use super::{Acts, BLOCK, KC, SUPER_BLOCK, term};
+    use kiln_compiler::lower::WeightFormat;
+
+    /// The unpackers' byte operations on AVX2: a block's 32 bytes in one vector.
+    mod bytes {
+        use super::super::super::blocks::{avx2, load256, shr16};
+        use std::arch::x86_64::*;
+
+        pub type B = __m256i;
+
+        /// The 32 bytes of the 8 words of `row` from word `at`, or `None` past its end.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn load32(row: &[u32], at: usize) -> Option<B> {
+            load256(row, at)
+        }
+
+        /// The 32 quants of the 4 words of `row` from word `at` (Q4_1's layout: elements 0..16
+        /// in the low nibbles, 16..32 in the high ones), or `None` past its end.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn nibbles(row: &[u32], at: usize) -> Option<B> {
+            let w = row.get(at..at.checked_add(4)?)?;
+            // SAFETY: `w` holds 4 words, 16 bytes (a checked `get`, in every build).
+            debug_assert_eq!(w.len(), 4);
+            let q = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
+            let q = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(q), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+            Some(_mm256_and_si256(q, _mm256_set1_epi8(0x0f)))
+        }
+
+        /// Signed bytes as unsigned ones: `q + 128`.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn flip(v: B) -> B {
+            _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+        }
+
+        /// Byte `i` 0x10 where bit `i` of `bits` is set, else 0.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn fifth(bits: u32) -> B {
+            avx2::fifth(bits)
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn or(a: B, b: B) -> B {
+            _mm256_or_si256(a, b)
+        }
+
+        /// Each byte's bits from bit `n` on, masked by `mask` (which keeps no bit shifted in
+        /// from the next byte: the shift is on 16-bit lanes).
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn bits(v: B, n: usize, mask: u8) -> B {
+            _mm256_and_si256(shr16(v, n), _mm256_set1_epi8(mask as i8))
+        }
+
+        /// Each byte shifted left by 4 (bytes below 16: nothing crosses into the next).
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn shl4(v: B) -> B {
+            _mm256_slli_epi16::<4>(v)
+        }
+
+        /// Stores a block's 32 quants into `o`, its 32 bytes of the staged tile.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        pub fn store(o: &mut [u8], q: B) {
+            assert_eq!(o.len(), 32, "a staged block");
+            // SAFETY: `o` is 32 writable bytes (asserted).
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), q) };
+        }
     }
+
+    unpackers!("avx2,fma");
 
     /// An ISA's vector operations (`$I` and `$F` vectors of `$L` lanes, by the intrinsics named;
     /// the byte products by `$dot`), compiled for `$features`; `$R` weight rows a micro-kernel.
@@ -667,231 +969,229 @@ mod x86 {
         );
     }
 
-    /// The driver and micro-kernel over an ops module, compiled for `$features`.
-    macro_rules! gemm {
-        ($name:ident, $features:literal, $ops:ident) => {
-            /// The integer GEMM on one ISA.
-            pub(super) mod $name {
-                use super::$ops as ops;
-
-                /// Weight rows of the micro-kernel.
-                const R: usize = ops::R;
-                /// Activation rows a vector.
-                const L: usize = ops::L;
-                use super::{Acts, BLOCK, Chunk, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, KC, Staged, unpack};
-                use kiln_compiler::lower::WeightFormat;
-
-                /// [`super::gemm_rows`] on this ISA: `out` (`x.len()` rows of `len`) for the first
-                /// `rows <= len` rows of `words` (`stride` words each).
-                ///
-                /// # Safety
-                ///
-                /// The CPU has the features; `x` was packed for this ISA's lanes and `format`'s
-                /// groups, with rows of `k` elements (`k` a multiple of `format`'s blocks, `stride`
-                /// its row words); `words` holds `rows` rows; `out` holds `x.len() * len` results.
-                #[target_feature(enable = $features)]
-                #[expect(clippy::too_many_arguments, reason = "a GEMM's operands and sizes")]
-                pub(in super::super) unsafe fn gemm(
-                    format: WeightFormat,
-                    words: &[u32],
-                    stride: usize,
-                    k: usize,
-                    x: &Acts,
-                    out: &mut [f32],
-                    len: usize,
-                    rows: usize,
-                ) {
-                    // SAFETY: the caller's (each driver the same contract for its format).
-                    unsafe {
-                        match format {
-                            WeightFormat::Q8_0 => drive::<F_Q8_0>(words, stride, k, x, out, len, rows),
-                            WeightFormat::Q4_1 => drive::<F_Q4_1>(words, stride, k, x, out, len, rows),
-                            WeightFormat::Q5_0 => drive::<F_Q5_0>(words, stride, k, x, out, len, rows),
-                            WeightFormat::Q4_K => drive::<F_Q4_K>(words, stride, k, x, out, len, rows),
-                            WeightFormat::Q6_K => drive::<F_Q6_K>(words, stride, k, x, out, len, rows),
-                            // Not quantized: refused by `gemm_rows`.
-                            WeightFormat::F32 | WeightFormat::F16 => out.fill(f32::NAN),
-                        }
-                    }
-                }
-
-                /// [`gemm`] for the format tagged `F` (a constant, so each block's unpacking is
-                /// straight code).
-                ///
-                /// # Safety
-                ///
-                /// As [`gemm`]'s.
-                #[target_feature(enable = $features)]
-                unsafe fn drive<const F: u8>(
-                    words: &[u32],
-                    stride: usize,
-                    k: usize,
-                    x: &Acts,
-                    out: &mut [f32],
-                    len: usize,
-                    rows: usize,
-                ) {
-                    const R: usize = ops::R;
-                    const L: usize = ops::L;
-                    debug_assert_eq!(x.imp.lanes(), L);
-                    let (nb, vectors, group) = (k / BLOCK, x.vectors, x.group);
-                    // The results, `[row][vector][lane]`, summed over the chunks.
-                    let mut acc = vec![0f32; rows.next_multiple_of(R) * vectors * L];
-                    // A tile: `R` rows of `KC` unsigned quants, and `KC / 16` factors `a` and `c`.
-                    let mut u = vec![0u8; R * KC];
-                    let (mut fa, mut fc) = (vec![0f32; R * KC / 16], vec![0f32; R * KC / 16]);
-                    let cpb = KC / BLOCK;
-                    for c0 in (0..nb).step_by(cpb) {
-                        let cb = cpb.min(nb - c0);
-                        for r0 in (0..rows).step_by(R) {
-                            let tile = u
-                                .chunks_exact_mut(KC)
-                                .zip(fa.chunks_exact_mut(KC / 16))
-                                .zip(fc.chunks_exact_mut(KC / 16));
-                            for (t, ((ut, at), ct)) in tile.enumerate() {
-                                match words.get((r0 + t) * stride..(r0 + t + 1) * stride).filter(|_| r0 + t < rows) {
-                                    // (This ISA's features include `unpack`'s, AVX2 and FMA.)
-                                    Some(row) => unpack::<F>(row, Chunk { k, c0, cb }, Staged { u: ut, a: at, c: ct }),
-                                    // A row past the tile's end (`rows` not a multiple of `R`):
-                                    // zeros, its results never written.
-                                    None => {
-                                        ut.fill(0);
-                                        at.fill(0.0);
-                                        ct.fill(0.0);
-                                    }
-                                }
-                            }
-                            let mut v0 = 0;
-                            while v0 < vectors {
-                                let tile = Tile { u: &u, a: &fa, c: &fc, x, c0, groups: cb * BLOCK / group, r0, v0 };
-                                // SAFETY: the caller's features; `acc` holds `rows` rounded up to
-                                // `R` rows of every vector (the micro-kernel asserts its reads).
-                                v0 += unsafe {
-                                    match (vectors - v0, group) {
-                                        (1, 16) => micro::<1, 16>(&tile, &mut acc),
-                                        (1, _) => micro::<1, 32>(&tile, &mut acc),
-                                        (_, 16) => micro::<2, 16>(&tile, &mut acc),
-                                        _ => micro::<2, 32>(&tile, &mut acc),
-                                    }
-                                };
-                            }
-                        }
-                    }
-                    // Each activation row's results written in order: lane `i % L` of vector
-                    // `i / L` of each weight row.
-                    for (i, o) in out.chunks_mut(len).enumerate() {
-                        let lane = acc.iter().skip(i).step_by(vectors * L);
-                        for (o, &v) in o.iter_mut().zip(lane).take(rows) {
-                            *o = v;
-                        }
-                    }
-                }
-
-                /// A tile's operands: the unpacked weight (`R` rows of `KC` quants, `KC / 16`
-                /// factors), the activations and where the tile sits in them.
-                struct Tile<'a> {
-                    u: &'a [u8],
-                    a: &'a [f32],
-                    c: &'a [f32],
-                    x: &'a Acts,
-                    /// The chunk's first block.
-                    c0: usize,
-                    /// Groups in the chunk.
-                    groups: usize,
-                    /// The tile's first weight row and first activation vector.
-                    r0: usize,
-                    v0: usize,
-                }
-
-                /// Adds the tile's products with `V` activation vectors from `t.v0` to `acc`
-                /// (see [`$name`]); returns `V`.
-                ///
-                /// # Safety
-                ///
-                /// The CPU has the features. (Every span read or written is asserted here.)
-                #[target_feature(enable = $features)]
-                unsafe fn micro<const V: usize, const G: usize>(t: &Tile<'_>, acc: &mut [f32]) -> usize {
-                    let x = t.x;
-                    let (k4, ng) = (x.k / 4, x.k / G);
-                    let (q0, g0) = (t.c0 * BLOCK / 4, t.c0 * BLOCK / G);
-                    let vectors = x.vectors;
-                    // Every read below: the weight tile's quants `4 * (groups * G / 4)` bytes
-                    // of each row, factors `groups` of each; the activations' quads `q0 ..
-                    // q0 + groups * G / 4` and groups `g0 .. g0 + groups` of vectors `v0 ..
-                    // v0 + V`; `acc`'s rows `r0 .. r0 + R` of those vectors.
-                    assert!(
-                        t.groups * G <= KC
-                            && t.u.len() >= R * KC
-                            && t.a.len() >= R * KC / 16
-                            && t.c.len() >= R * KC / 16
-                    );
-                    assert!(t.v0 + V <= vectors && q0 + t.groups * G / 4 <= k4 && g0 + t.groups <= ng);
-                    assert!(
-                        x.q.len() >= vectors * k4 * L
-                            && x.dx.len() >= vectors * ng * L
-                            && x.sdx.len() >= vectors * ng * L
-                    );
-                    assert!(acc.len() >= (t.r0 + R) * vectors * L);
-                    let (u, fa, fc) = (t.u.as_ptr(), t.a.as_ptr(), t.c.as_ptr());
-                    // In bounds (asserted above), so `wrapping_add` is `add`.
-                    let xq: [*const i32; V] =
-                        std::array::from_fn(|v| x.q.as_ptr().wrapping_add(((t.v0 + v) * k4 + q0) * L));
-                    let xd: [*const f32; V] =
-                        std::array::from_fn(|v| x.dx.as_ptr().wrapping_add(((t.v0 + v) * ng + g0) * L));
-                    let xs: [*const f32; V] =
-                        std::array::from_fn(|v| x.sdx.as_ptr().wrapping_add(((t.v0 + v) * ng + g0) * L));
-                    let at = |r: usize, v: usize| ((t.r0 + r) * vectors + t.v0 + v) * L;
-                    let mut f = [[ops::zero_f(); V]; R];
-                    for (r, f) in f.iter_mut().enumerate() {
-                        for (v, f) in f.iter_mut().enumerate() {
-                            // SAFETY: `at(r, v) + L <= (r0 + R) * vectors * L <= acc.len()`.
-                            *f = unsafe { ops::load_f(acc.as_ptr().add(at(r, v))) };
-                        }
-                    }
-                    for g in 0..t.groups {
-                        let mut s = [[ops::zero_i(); V]; R];
-                        for j in 0..G / 4 {
-                            let quad = g * G / 4 + j;
-                            // SAFETY: quad `q0 + quad < q0 + groups * G / 4` of each vector (asserted).
-                            let xv: [ops::I; V] = xq.map(|p| unsafe { ops::load_i(p.add(quad * L)) });
-                            for (r, s) in s.iter_mut().enumerate() {
-                                // SAFETY: bytes `4 quad .. 4 quad + 4 <= groups * G <= KC` of row `r`.
-                                let w = unsafe { u.add(r * KC + 4 * quad).cast::<i32>().read_unaligned() };
-                                let w = ops::bcast_i(w);
-                                for (s, &xv) in s.iter_mut().zip(&xv) {
-                                    *s = ops::dot(*s, w, xv);
-                                }
-                            }
-                        }
-                        // SAFETY: group `g0 + g < g0 + groups` of each vector (asserted).
-                        let dx: [ops::F; V] = xd.map(|p| unsafe { ops::load_f(p.add(g * L)) });
-                        // SAFETY: as above.
-                        let sx: [ops::F; V] = xs.map(|p| unsafe { ops::load_f(p.add(g * L)) });
-                        for (r, (f, s)) in f.iter_mut().zip(&s).enumerate() {
-                            // SAFETY: factor `g < groups <= KC / 16` of row `r < R`.
-                            let (a, c) = unsafe { (fa.add(r * KC / 16 + g).read(), fc.add(r * KC / 16 + g).read()) };
-                            let (a, c) = (ops::bcast_f(a), ops::bcast_f(c));
-                            for (((f, &s), &dx), &sx) in f.iter_mut().zip(s).zip(&dx).zip(&sx) {
-                                *f = ops::fma(ops::cvt(s), ops::mul(a, dx), *f);
-                                *f = ops::fma(c, sx, *f);
-                            }
-                        }
-                    }
-                    for (r, f) in f.iter().enumerate() {
-                        for (v, &f) in f.iter().enumerate() {
-                            // SAFETY: as for the loads.
-                            unsafe { ops::store_f(acc.as_mut_ptr().add(at(r, v)), f) };
-                        }
-                    }
-                    V
-                }
-            }
-        };
-    }
     gemm!(gemm_avx512_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", avx512_vnni);
     gemm!(gemm_avx512_vnni_256, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", avx512_vnni_256);
     gemm!(gemm_avx_vnni, "avx2,fma,avxvnni", avx_vnni);
     gemm!(gemm_avx2, "avx2,fma", avx2);
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    //! The AArch64 implementations: the same driver and micro-kernel (`gemm!`) on 4 lanes of
+    //! NEON, with `sdot` (the dot-product extension: signed by signed bytes, exact for the
+    //! unsigned quants below 128 of every format but Q8_0) or `usdot` (the int8 matrix-multiply
+    //! extension, `i8mm`: unsigned by signed, `vpdpbusd`'s product, so Q8_0 too), through
+    //! inline assembly (their intrinsics are not stable in Rust yet); the weight's unpacking
+    //! (`unpackers!`) on NEON.
+    //!
+    //! Inside a `#[target_feature]` function the register-only intrinsics of its features are
+    //! safe; the loads and stores through raw pointers are not, and say why they hold.
+
+    use super::tags::{Chunk, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Staged, format_of};
+    use super::{Acts, BLOCK, KC, SUPER_BLOCK, term};
+    use kiln_compiler::lower::WeightFormat;
+
+    /// The unpackers' byte operations on NEON: a block's 32 bytes in two vectors.
+    mod bytes {
+        use super::super::super::neon::{fifths, load16, shr};
+        use std::arch::aarch64::*;
+
+        pub type B = [uint8x16_t; 2];
+
+        /// The 32 bytes of the 8 words of `row` from word `at`, or `None` past its end.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn load32(row: &[u32], at: usize) -> Option<B> {
+            Some([load16(row, at)?, load16(row, at.checked_add(4)?)?])
+        }
+
+        /// The 32 quants of the 4 words of `row` from word `at` (Q4_1's layout: elements 0..16
+        /// in the low nibbles, 16..32 in the high ones), or `None` past its end.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn nibbles(row: &[u32], at: usize) -> Option<B> {
+            let q = load16(row, at)?;
+            Some([vandq_u8(q, vdupq_n_u8(0x0f)), vshrq_n_u8::<4>(q)])
+        }
+
+        /// Signed bytes as unsigned ones: `q + 128`.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn flip(v: B) -> B {
+            v.map(|v| veorq_u8(v, vdupq_n_u8(0x80)))
+        }
+
+        /// Byte `i` 0x10 where bit `i` of `bits` is set, else 0.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn fifth(bits: u32) -> B {
+            [fifths(bits & 0xffff), fifths(bits >> 16)]
+        }
+
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn or(a: B, b: B) -> B {
+            [vorrq_u8(a[0], b[0]), vorrq_u8(a[1], b[1])]
+        }
+
+        /// Each byte's bits from bit `n` on, masked by `mask`.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn bits(v: B, n: usize, mask: u8) -> B {
+            v.map(|v| vandq_u8(shr(v, n), vdupq_n_u8(mask)))
+        }
+
+        /// Each byte shifted left by 4.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn shl4(v: B) -> B {
+            v.map(|v| vshlq_n_u8::<4>(v))
+        }
+
+        /// Stores a block's 32 quants into `o`, its 32 bytes of the staged tile.
+        #[target_feature(enable = "neon")]
+        #[inline]
+        pub fn store(o: &mut [u8], q: B) {
+            assert_eq!(o.len(), 32, "a staged block");
+            // SAFETY: `o` is 32 writable bytes (asserted): two stores of 16.
+            unsafe {
+                vst1q_u8(o.as_mut_ptr(), q[0]);
+                vst1q_u8(o.as_mut_ptr().add(16), q[1]);
+            }
+        }
+    }
+
+    unpackers!("neon");
+
+    /// The micro-kernel's vector operations on NEON (4 lanes; 4 weight rows by 2 vectors: 16
+    /// accumulators of the 32 registers), compiled for `$features`, with the byte products
+    /// `$dot`.
+    macro_rules! ops {
+        ($features:literal, $dot:item) => {
+            use std::arch::aarch64::*;
+
+            pub type I = int32x4_t;
+            pub type F = float32x4_t;
+            pub const L: usize = 4;
+            /// Weight rows of the micro-kernel (`R` rows by 2 vectors: `4 R` accumulators).
+            pub const R: usize = 4;
+
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn zero_i() -> I {
+                vdupq_n_s32(0)
+            }
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn zero_f() -> F {
+                vdupq_n_f32(0.0)
+            }
+            /// # Safety
+            /// `p` points at `L` readable `i32`s.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub unsafe fn load_i(p: *const i32) -> I {
+                // SAFETY: the caller's.
+                unsafe { vld1q_s32(p) }
+            }
+            /// # Safety
+            /// `p` points at `L` readable `f32`s.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub unsafe fn load_f(p: *const f32) -> F {
+                // SAFETY: the caller's.
+                unsafe { vld1q_f32(p) }
+            }
+            /// # Safety
+            /// `p` points at `L` writable `f32`s.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub unsafe fn store_f(p: *mut f32, v: F) {
+                // SAFETY: the caller's.
+                unsafe { vst1q_f32(p, v) }
+            }
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn bcast_i(v: i32) -> I {
+                vdupq_n_s32(v)
+            }
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn bcast_f(v: f32) -> F {
+                vdupq_n_f32(v)
+            }
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn mul(a: F, b: F) -> F {
+                vmulq_f32(a, b)
+            }
+            /// `a * b + c`, fused.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn fma(a: F, b: F, c: F) -> F {
+                vfmaq_f32(c, a, b)
+            }
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub fn cvt(v: I) -> F {
+                vcvtq_f32_s32(v)
+            }
+            $dot
+        };
+    }
+
+    mod neon_dot {
+        ops!(
+            "neon,dotprod",
+            /// `acc` plus, per lane, the 4 products of `w`'s and `x`'s bytes as signed (`sdot`):
+            /// `w`'s unsigned quants below 128 (every format's but Q8_0's) are the same signed.
+            #[target_feature(enable = "neon,dotprod")]
+            #[inline]
+            pub fn dot(acc: I, w: I, x: I) -> I {
+                let mut acc = acc;
+                // SAFETY: one instruction on registers (no memory, stack or flags), of the
+                // `dotprod` extension this function is compiled for.
+                unsafe {
+                    std::arch::asm!(
+                        "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+                        acc = inout(vreg) acc,
+                        w = in(vreg) w,
+                        x = in(vreg) x,
+                        options(pure, nomem, nostack, preserves_flags)
+                    );
+                }
+                acc
+            }
+        );
+    }
+
+    mod neon_i8mm {
+        ops!(
+            "neon,dotprod,i8mm",
+            /// `acc` plus, per lane, the 4 products of `w`'s unsigned and `x`'s signed bytes
+            /// (`usdot`).
+            #[target_feature(enable = "neon,dotprod,i8mm")]
+            #[inline]
+            pub fn dot(acc: I, w: I, x: I) -> I {
+                let mut acc = acc;
+                // SAFETY: one instruction on registers (no memory, stack or flags), of the
+                // `i8mm` extension this function is compiled for.
+                unsafe {
+                    std::arch::asm!(
+                        "usdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+                        acc = inout(vreg) acc,
+                        w = in(vreg) w,
+                        x = in(vreg) x,
+                        options(pure, nomem, nostack, preserves_flags)
+                    );
+                }
+                acc
+            }
+        );
+    }
+
+    gemm!(gemm_neon_dot, "neon,dotprod", neon_dot);
+    gemm!(gemm_neon_i8mm, "neon,dotprod,i8mm", neon_i8mm);
 }
 
 #[cfg(test)]
@@ -1055,6 +1355,9 @@ mod tests {
                     let expected = if m < 16 { Impl::Avx512Vnni256 } else { Impl::Avx512Vnni };
                     assert_eq!(chosen, Some(expected), "{format} at {m} rows");
                 }
+                if Impl::NeonI8mm.is_available() {
+                    assert_eq!(chosen, Some(Impl::NeonI8mm), "{format} at {m} rows");
+                }
                 assert!(chosen.is_none_or(|i| i.is_available() && i.computes(format)));
             }
         }
@@ -1062,12 +1365,13 @@ mod tests {
 
     #[test]
     fn every_simd_implementation_computes_the_k_quants() {
-        for imp in [Impl::Avx2, Impl::AvxVnni, Impl::Avx512Vnni, Impl::Avx512Vnni256] {
+        for imp in [Impl::Avx2, Impl::AvxVnni, Impl::Avx512Vnni, Impl::Avx512Vnni256, Impl::NeonDot, Impl::NeonI8mm] {
             for format in [WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K] {
                 assert!(imp.computes(format), "{} {format}", imp.name());
             }
         }
         assert!(!Impl::Avx2.computes(WeightFormat::Q8_0) && Impl::Avx512Vnni.computes(WeightFormat::Q8_0));
+        assert!(!Impl::NeonDot.computes(WeightFormat::Q8_0) && Impl::NeonI8mm.computes(WeightFormat::Q8_0));
         assert!(!Impl::Scalar.computes(WeightFormat::F32));
     }
 }
