@@ -115,7 +115,14 @@ impl Q8Acts {
         } else {
             quantize_blocks(x, &mut self.q, &mut self.d, &mut self.s);
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        if super::isa::isa().neon {
+            // SAFETY: the CPU has NEON.
+            unsafe { quantize_blocks_neon(x, &mut self.q, &mut self.d, &mut self.s) };
+        } else {
+            quantize_blocks(x, &mut self.q, &mut self.d, &mut self.s);
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         quantize_blocks(x, &mut self.q, &mut self.d, &mut self.s);
         self.qh.clear();
         self.qh.extend(self.q.iter().map(|line| {
@@ -218,6 +225,54 @@ fn quantize_blocks_avx2(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec
         // SAFETY: `out` is 32 bytes (`chunks_exact_mut(BLOCK)`).
         debug_assert_eq!(out.len(), BLOCK);
         unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
+        let sum: i32 = out.iter().map(|&q| i32::from(q)).sum();
+        d.push(scale);
+        s.push(scale * sum as f32);
+    }
+    if !tail.is_empty()
+        && let Some(last) = quants.next()
+    {
+        let mut line = [Line([0; 2 * BLOCK])];
+        quantize_blocks(tail, &mut line, d, s);
+        last.copy_from_slice(&line[0].0[..BLOCK]);
+    }
+}
+
+/// [`quantize_blocks`] with NEON: each whole block in eight vectors (the same scale, quants and
+/// sum: `fcvtns` rounds to nearest, ties to even, and gives 0 for NaN, the narrowing moves
+/// saturate as `as` does, and a non-finite scale's inverse makes every quant 0 or NaN, so 0, as
+/// in the portable loop), a partial last block by the portable loop.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+fn quantize_blocks_neon(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec<f32>) {
+    use std::arch::aarch64::*;
+    let whole = x.len() / BLOCK * BLOCK;
+    let (head, tail) = x.split_at(whole);
+    let mut quants = q.iter_mut().flat_map(|l| l.0.chunks_exact_mut(BLOCK));
+    for block in head.chunks_exact(BLOCK) {
+        let Some(out) = quants.next() else { return };
+        // SAFETY: `block` is 32 floats (`chunks_exact(BLOCK)`): eight loads of 4.
+        debug_assert_eq!(block.len(), BLOCK);
+        let v: [float32x4_t; 8] = std::array::from_fn(|i| unsafe { vld1q_f32(block.as_ptr().add(4 * i)) });
+        // `fmax` gives NaN where either is NaN: the block's scale is then NaN, as in the loop.
+        let amax = vmaxvq_f32(v.iter().fold(vdupq_n_f32(0.0), |m, &v| vmaxq_f32(m, vabsq_f32(v))));
+        let scale = if amax.is_nan() { f32::NAN } else { amax / 127.0 };
+        let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        let ints = v.map(|v| vcvtnq_s32_f32(vmulq_n_f32(v, inverse)));
+        // i32 -> i16 -> i8, saturating, in order.
+        let words: [int16x8_t; 4] = std::array::from_fn(|i| {
+            let (a, b) = (ints.get(2 * i).copied(), ints.get(2 * i + 1).copied());
+            let (a, b) = (a.unwrap_or(vdupq_n_s32(0)), b.unwrap_or(vdupq_n_s32(0)));
+            vcombine_s16(vqmovn_s32(a), vqmovn_s32(b))
+        });
+        let [w0, w1, w2, w3] = words;
+        let bytes = [vcombine_s8(vqmovn_s16(w0), vqmovn_s16(w1)), vcombine_s8(vqmovn_s16(w2), vqmovn_s16(w3))];
+        // SAFETY: `out` is 32 bytes (`chunks_exact_mut(BLOCK)`): two stores of 16.
+        debug_assert_eq!(out.len(), BLOCK);
+        unsafe {
+            vst1q_s8(out.as_mut_ptr(), bytes[0]);
+            vst1q_s8(out.as_mut_ptr().add(16), bytes[1]);
+        }
         let sum: i32 = out.iter().map(|&q| i32::from(q)).sum();
         d.push(scale);
         s.push(scale * sum as f32);
@@ -644,13 +699,18 @@ mod tests {
         }
     }
 
-    /// The AVX2 quantizer gives the portable loop's scales, sums and quants bit for bit: random
-    /// magnitudes, exact ties (`x / d` at `n + 0.5`), zeros, NaN, infinities and a partial last
-    /// block.
-    #[cfg(target_arch = "x86_64")]
+    /// The SIMD quantizer (AVX2's, NEON's) gives the portable loop's scales, sums and quants bit
+    /// for bit: random magnitudes, exact ties (`x / d` at `n + 0.5`), zeros, NaN, infinities and
+    /// a partial last block.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     #[test]
-    fn the_avx2_quantizer_equals_the_portable_loop() {
-        if !crate::cpu::isa::isa().avx2 {
+    fn the_simd_quantizer_equals_the_portable_loop() {
+        type Quantizer = unsafe fn(&[f32], &mut [Line], &mut Vec<f32>, &mut Vec<f32>);
+        #[cfg(target_arch = "x86_64")]
+        let (available, simd) = (crate::cpu::isa::isa().avx2, quantize_blocks_avx2 as Quantizer);
+        #[cfg(target_arch = "aarch64")]
+        let (available, simd) = (crate::cpu::isa::isa().neon, quantize_blocks_neon as Quantizer);
+        if !available {
             return;
         }
         let mut rng = Rng(31);
@@ -668,8 +728,9 @@ mod tests {
             let (mut q, mut d, mut s) = (vec![Line([0; 2 * BLOCK]); lines], Vec::new(), Vec::new());
             let (mut q2, mut d2, mut s2) = (q.clone(), Vec::new(), Vec::new());
             quantize_blocks(&x, &mut q, &mut d, &mut s);
-            // SAFETY: the CPU has AVX2 (checked above) and FMA (part of `isa().avx2`).
-            unsafe { quantize_blocks_avx2(&x, &mut q2, &mut d2, &mut s2) };
+            // SAFETY: the CPU has the quantizer's features (checked above; FMA is part of
+            // `isa().avx2`).
+            unsafe { simd(&x, &mut q2, &mut d2, &mut s2) };
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!((bits(&d), bits(&s)), (bits(&d2), bits(&s2)), "{} elements", x.len());
             for (a, b) in q.iter().zip(&q2) {
