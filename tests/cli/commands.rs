@@ -1328,11 +1328,11 @@ fn the_cpu_isa_cap_runs_and_an_unknown_one_is_refused() {
         let mut command = common::kiln_command(&[&args[..], &["--output", "/dev/null"]].concat());
         command.env("KILN_CPU_ISA", isa).output().expect("kiln runs")
     };
-    for isa in ["native", "avx2", "scalar"] {
+    for isa in ["native", "avx2", "neon", "scalar"] {
         let o = run(isa);
         assert!(o.status.success(), "KILN_CPU_ISA={isa}: {}", stderr(&o));
     }
     let o = run("avx3");
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("KILN_CPU_ISA=avx3: expected one of native, avx-vnni, avx2, scalar"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("KILN_CPU_ISA=avx3: expected one of native, avx-vnni, avx2, neon-dotprod, neon, scalar"), "{}", stderr(&o));
 }
