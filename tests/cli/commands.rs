@@ -1334,5 +1334,9 @@ fn the_cpu_isa_cap_runs_and_an_unknown_one_is_refused() {
     }
     let o = run("avx3");
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("KILN_CPU_ISA=avx3: expected one of native, avx-vnni, avx2, neon-dotprod, neon, scalar"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("KILN_CPU_ISA=avx3: expected one of native, avx-vnni, avx2, neon-dotprod, neon, scalar"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -1148,19 +1148,7 @@ mod arm {
             #[target_feature(enable = "neon,dotprod")]
             #[inline]
             pub fn dot(acc: I, w: I, x: I) -> I {
-                let mut acc = acc;
-                // SAFETY: one instruction on registers (no memory, stack or flags), of the
-                // `dotprod` extension this function is compiled for.
-                unsafe {
-                    std::arch::asm!(
-                        "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
-                        acc = inout(vreg) acc,
-                        w = in(vreg) w,
-                        x = in(vreg) x,
-                        options(pure, nomem, nostack, preserves_flags)
-                    );
-                }
-                acc
+                super::super::super::neon::sdot(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(x))
             }
         );
     }
@@ -1173,19 +1161,7 @@ mod arm {
             #[target_feature(enable = "neon,dotprod,i8mm")]
             #[inline]
             pub fn dot(acc: I, w: I, x: I) -> I {
-                let mut acc = acc;
-                // SAFETY: one instruction on registers (no memory, stack or flags), of the
-                // `i8mm` extension this function is compiled for.
-                unsafe {
-                    std::arch::asm!(
-                        "usdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
-                        acc = inout(vreg) acc,
-                        w = in(vreg) w,
-                        x = in(vreg) x,
-                        options(pure, nomem, nostack, preserves_flags)
-                    );
-                }
-                acc
+                super::super::super::neon::usdot(acc, vreinterpretq_u8_s32(w), vreinterpretq_s8_s32(x))
             }
         );
     }

@@ -187,6 +187,17 @@ fn quantize_blocks(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec<f32>
     }
 }
 
+/// A SIMD quantizer's partial last block `tail` (fewer than 32 values, or none) by the portable
+/// loop, into `last`, its block of quants.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn quantize_tail(tail: &[f32], last: Option<&mut [i8]>, d: &mut Vec<f32>, s: &mut Vec<f32>) {
+    if let (false, Some(last)) = (tail.is_empty(), last) {
+        let mut line = [Line([0; 2 * BLOCK])];
+        quantize_blocks(tail, &mut line, d, s);
+        last.copy_from_slice(&line[0].0[..BLOCK]);
+    }
+}
+
 /// [`quantize_blocks`] with AVX2: each whole block in four vectors (the same scale, quants and
 /// sum: `vcvtps2dq` rounds to nearest, ties to even, and the packs saturate as `as` does), a
 /// partial last block by the portable loop.
@@ -229,13 +240,7 @@ fn quantize_blocks_avx2(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec
         d.push(scale);
         s.push(scale * sum as f32);
     }
-    if !tail.is_empty()
-        && let Some(last) = quants.next()
-    {
-        let mut line = [Line([0; 2 * BLOCK])];
-        quantize_blocks(tail, &mut line, d, s);
-        last.copy_from_slice(&line[0].0[..BLOCK]);
-    }
+    quantize_tail(tail, quants.next(), d, s);
 }
 
 /// [`quantize_blocks`] with NEON: each whole block in eight vectors (the same scale, quants and
@@ -277,13 +282,7 @@ fn quantize_blocks_neon(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec
         d.push(scale);
         s.push(scale * sum as f32);
     }
-    if !tail.is_empty()
-        && let Some(last) = quants.next()
-    {
-        let mut line = [Line([0; 2 * BLOCK])];
-        quantize_blocks(tail, &mut line, d, s);
-        last.copy_from_slice(&line[0].0[..BLOCK]);
-    }
+    quantize_tail(tail, quants.next(), d, s);
 }
 
 /// An implementation of [`dot_rows`].
@@ -378,10 +377,10 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
             Impl::AvxVnni | Impl::Avx2 => unsafe { blocks::rows_avx2(format, words, stride, k, x, out) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: as above.
-            Impl::Neon => unsafe { neon::rows(format, words, stride, k, x, out) },
+            Impl::Neon => unsafe { neon::widening::rows(format, words, stride, k, x, out) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: as above.
-            Impl::NeonDot => unsafe { neon::rows_dot(format, words, stride, k, x, out) },
+            Impl::NeonDot => unsafe { neon::dotprod::rows(format, words, stride, k, x, out) },
             _ => scalar_blocks(format, words, stride, k, x, out),
         }
         return;

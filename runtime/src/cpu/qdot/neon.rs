@@ -13,7 +13,6 @@
 //! the loads through raw pointers are not, and say why they hold.
 
 use super::{Kernel, Q8Acts};
-use kiln_compiler::lower::WeightFormat;
 use std::arch::aarch64::*;
 
 /// The 16 bytes of the 4 words of `row` from word `at`, or `None` past its end.
@@ -43,10 +42,65 @@ pub(super) fn fifths(bits: u32) -> uint8x16_t {
     vandq_u8(vtstq_u8(bytes, bit), vdupq_n_u8(0x10))
 }
 
+/// `acc` plus, per lane, the 4 products of `w`'s and `x`'s bytes at the lane's place, both
+/// signed (`sdot`, the dot-product extension).
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+pub(super) fn sdot(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: one instruction on registers (no memory, stack or flags), of the `dotprod`
+    // extension this function is compiled for, so its caller's CPU has it.
+    unsafe {
+        std::arch::asm!(
+            "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+            acc = inout(vreg) acc,
+            w = in(vreg) w,
+            x = in(vreg) x,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
+/// `acc` plus, per lane, the 4 products of `w`'s unsigned and `x`'s signed bytes at the lane's
+/// place (`usdot`, the int8 matrix-multiply extension: `vpdpbusd`'s product).
+#[target_feature(enable = "neon,dotprod,i8mm")]
+#[inline]
+pub(super) fn usdot(acc: int32x4_t, w: uint8x16_t, x: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: one instruction on registers (no memory, stack or flags), of the `i8mm`
+    // extension this function is compiled for, so its caller's CPU has it.
+    unsafe {
+        std::arch::asm!(
+            "usdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+            acc = inout(vreg) acc,
+            w = in(vreg) w,
+            x = in(vreg) x,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
 /// The kernels over an integer product `$dot` (`acc` plus the 16 products of `w` and `x`, in
-/// `i32` lanes), compiled with `$features`, in module `$m`.
+/// `i32` lanes), compiled with `$features`, in module `$m`; `$kernel` its [`Kernel`].
 macro_rules! neon {
-    ($m:ident, $features:literal, $dot:item) => {
+    ($m:ident, $features:literal, $kernel:ident, $dot:item) => {
+        /// The kernel of the module of the same name in lower case.
+        pub(super) struct $kernel;
+
+        impl Kernel for $kernel {
+            unsafe fn tile<const R: usize, const Q4: bool>(
+                rows: [*const u32; R],
+                nb: usize,
+                x: &Q8Acts,
+                _ahead: usize,
+            ) -> [f32; R] {
+                // SAFETY: the trait's contract, which includes the features.
+                unsafe { $m::tile::<R, Q4>(rows, nb, x) }
+            }
+        }
+
         pub(super) mod $m {
             use super::super::{BLOCK, Q8Acts};
             use super::{fifths, load16, shr};
@@ -66,7 +120,7 @@ macro_rules! neon {
             ///
             /// The CPU has `$features`. (Shapes are checked here.)
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn rows(format: WeightFormat, words: &[u32], stride: usize, k: usize, x: &Q8Acts, out: &mut [f32]) {
+            pub(in super::super) unsafe fn rows(format: WeightFormat, words: &[u32], stride: usize, k: usize, x: &Q8Acts, out: &mut [f32]) {
                 let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
                 let xq: Vec<[int8x16_t; 2]> = x
                     .quant_blocks()
@@ -188,7 +242,6 @@ macro_rules! neon {
                 }
                 out
             }
-
         }
     };
 }
@@ -196,6 +249,7 @@ macro_rules! neon {
 neon!(
     widening,
     "neon",
+    Neon,
     /// `acc` plus the 16 products of `w` and `x`: widened to `i16` (`smull`, `smlal2`), pairs
     /// added into the `i32` lanes (`sadalp`).
     #[target_feature(enable = "neon")]
@@ -208,80 +262,12 @@ neon!(
 neon!(
     dotprod,
     "neon,dotprod",
+    NeonDot,
     /// `acc` plus the 16 products of `w` and `x`: lane `i` gains those of bytes `4 i..4 i + 4`
     /// (`sdot`).
     #[target_feature(enable = "neon,dotprod")]
     #[inline]
     fn dot(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
-        let mut acc = acc;
-        // SAFETY: one instruction on registers (no memory, stack or flags), of the `dotprod`
-        // extension this function is compiled for, so its caller's CPU has it.
-        unsafe {
-            std::arch::asm!(
-                "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
-                acc = inout(vreg) acc,
-                w = in(vreg) w,
-                x = in(vreg) x,
-                options(pure, nomem, nostack, preserves_flags)
-            );
-        }
-        acc
+        super::sdot(acc, w, x)
     }
 );
-
-/// The NEON kernel with widening multiplies.
-pub(super) struct Neon;
-
-impl Kernel for Neon {
-    unsafe fn tile<const R: usize, const Q4: bool>(
-        rows: [*const u32; R],
-        nb: usize,
-        x: &Q8Acts,
-        _ahead: usize,
-    ) -> [f32; R] {
-        // SAFETY: the trait's contract, which includes the features.
-        unsafe { widening::tile::<R, Q4>(rows, nb, x) }
-    }
-}
-
-/// The NEON kernel with `sdot`.
-pub(super) struct NeonDot;
-
-impl Kernel for NeonDot {
-    unsafe fn tile<const R: usize, const Q4: bool>(
-        rows: [*const u32; R],
-        nb: usize,
-        x: &Q8Acts,
-        _ahead: usize,
-    ) -> [f32; R] {
-        // SAFETY: the trait's contract, which includes the features.
-        unsafe { dotprod::tile::<R, Q4>(rows, nb, x) }
-    }
-}
-
-/// Q5_0, Q4_K or Q6_K rows by the widening kernel (see `widening::rows`).
-///
-/// # Safety
-///
-/// The CPU has NEON.
-pub(super) unsafe fn rows(format: WeightFormat, words: &[u32], stride: usize, k: usize, x: &Q8Acts, out: &mut [f32]) {
-    // SAFETY: the caller's.
-    unsafe { widening::rows(format, words, stride, k, x, out) }
-}
-
-/// Q5_0, Q4_K or Q6_K rows by the `sdot` kernel (see `dotprod::rows`).
-///
-/// # Safety
-///
-/// The CPU has NEON and the dot-product extension.
-pub(super) unsafe fn rows_dot(
-    format: WeightFormat,
-    words: &[u32],
-    stride: usize,
-    k: usize,
-    x: &Q8Acts,
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's.
-    unsafe { dotprod::rows(format, words, stride, k, x, out) }
-}
