@@ -6,8 +6,8 @@
 //! ([`super::qdot::Impl`], [`super::qdot_f32::Impl`]); the vectorized loops of [`super::math`] and
 //! [`super::attention`] run their AVX2 build where [`Isa::avx2`] holds.
 //!
-//! Also here, for x86-64, the register-level helpers that kernels of different families share
-//! (`x86`).
+//! Also here, the register-level helpers that kernels of different families share (`x86`,
+//! `arm`).
 
 use std::sync::OnceLock;
 
@@ -182,6 +182,30 @@ pub(super) mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+pub(super) mod arm {
+    //! Helpers the AArch64 kernels of both quantized families share.
+
+    use std::arch::aarch64::*;
+
+    /// Each byte of `v` shifted right by `n` (a negative left shift).
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub(in super::super) fn shr(v: uint8x16_t, n: usize) -> uint8x16_t {
+        vshlq_u8(v, vdupq_n_s8(-(n as i8)))
+    }
+
+    /// Byte `i` 0x10 where bit `i` of the 16 `bits` is set, else 0 (Q5_0's fifth bits in
+    /// place): the two bytes of `bits` spread over 8 lanes each, each lane testing its own bit.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub(in super::super) fn fifths(bits: u32) -> uint8x16_t {
+        let bytes = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
+        let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
+        vandq_u8(vtstq_u8(bytes, bit), vdupq_n_u8(0x10))
     }
 }
 

@@ -5,14 +5,15 @@
 //! for decode, where each weight byte meets one row. At a prompt's rows every weight byte meets
 //! every activation row and the work is a GEMM; here it runs in the layout integer GEMMs use,
 //! lanes along the activation rows, with `vpdpbusd` (64 byte products an AVX-512 instruction,
-//! four times an f32 FMA's multiply-adds):
+//! four times an f32 FMA's multiply-adds) or AArch64's `usdot` and `sdot`:
 //!
 //! - **Activations** are quantized per row exactly as [`Q8Acts`] does (per block of 32, `d_x =
 //!   max|x| / 127`; so the products are the decode kernels', up to summation order) and packed
 //!   once per call ([`Acts`]): `L` rows a vector (16 with AVX-512, 8 on 256 bits, which AVX-512
-//!   also uses below 16 rows; the last vector padded with zero rows), for each 4 elements of `k` the `L` rows' 4 quants side by side (one
-//!   32-bit lane a row), and for each group of `G` elements (32; 16 for Q6_K, whose scales are per
-//!   16) the rows' `d_x` and `d_x * sum(q_x)`.
+//!   also uses below 16 rows, 4 with NEON; the last vector padded with zero rows), for each 4
+//!   elements of `k` the `L` rows' 4 quants side by side (one 32-bit lane a row), and for each
+//!   group of `G` elements (32; 16 for Q6_K, whose scales are per 16) the rows' `d_x` and `d_x *
+//!   sum(q_x)`.
 //! - **Weights** are unpacked a tile of `R` rows by a chunk of `KC` (512) elements at a time
 //!   (the K-quants a super-block at a time) into unsigned bytes in element order, a
 //!   quant plus its format's offset `o` (128 for Q8_0, 16 for Q5_0, 32 for Q6_K, none for Q4_1
@@ -22,7 +23,8 @@
 //! - **Micro-kernel**: `R` weight rows by `V` vectors of activation rows. Per 4 elements a weight
 //!   row's 4 bytes are broadcast and multiplied with each vector into `i32` lanes (unsigned by
 //!   signed bytes: exact; AVX2 has no `vpdpbusd` and pairs `vpmaddubsw` with `vpmaddwd`, which
-//!   cannot saturate for quants below 64, so it leaves Q8_0 to the decode kernels); per group each
+//!   cannot saturate for quants below 64, and `sdot` multiplies signed bytes, the same for quants
+//!   below 128, so both leave Q8_0 to the decode kernels); per group each
 //!   lane's sum is added to the lane's f32 result as `f = fma(sum, a * d_x, f)`, then `f = fma(c,
 //!   d_x sum(q_x), f)`.
 //!
@@ -993,7 +995,8 @@ mod arm {
 
     /// The unpackers' byte operations on NEON: a block's 32 bytes in two vectors.
     mod bytes {
-        use super::super::super::neon::{fifths, load16, shr};
+        use super::super::super::neon::load16;
+        use crate::cpu::isa::arm::{fifths, shr};
         use std::arch::aarch64::*;
 
         pub type B = [uint8x16_t; 2];

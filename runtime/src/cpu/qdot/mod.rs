@@ -265,12 +265,9 @@ fn quantize_blocks_neon(x: &[f32], q: &mut [Line], d: &mut Vec<f32>, s: &mut Vec
         let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
         let ints = v.map(|v| vcvtnq_s32_f32(vmulq_n_f32(v, inverse)));
         // i32 -> i16 -> i8, saturating, in order.
-        let words: [int16x8_t; 4] = std::array::from_fn(|i| {
-            let (a, b) = (ints.get(2 * i).copied(), ints.get(2 * i + 1).copied());
-            let (a, b) = (a.unwrap_or(vdupq_n_s32(0)), b.unwrap_or(vdupq_n_s32(0)));
-            vcombine_s16(vqmovn_s32(a), vqmovn_s32(b))
-        });
-        let [w0, w1, w2, w3] = words;
+        let [i0, i1, i2, i3, i4, i5, i6, i7] = ints;
+        let words = |a, b| vcombine_s16(vqmovn_s32(a), vqmovn_s32(b));
+        let (w0, w1, w2, w3) = (words(i0, i1), words(i2, i3), words(i4, i5), words(i6, i7));
         let bytes = [vcombine_s8(vqmovn_s16(w0), vqmovn_s16(w1)), vcombine_s8(vqmovn_s16(w2), vqmovn_s16(w3))];
         // SAFETY: `out` is 32 bytes (`chunks_exact_mut(BLOCK)`): two stores of 16.
         debug_assert_eq!(out.len(), BLOCK);

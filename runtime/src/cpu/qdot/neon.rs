@@ -25,23 +25,6 @@ pub(super) fn load16(row: &[u32], at: usize) -> Option<uint8x16_t> {
     Some(unsafe { vld1q_u8(w.as_ptr().cast()) })
 }
 
-/// Each byte of `v` shifted right by `n` (a negative left shift).
-#[target_feature(enable = "neon")]
-#[inline]
-pub(super) fn shr(v: uint8x16_t, n: usize) -> uint8x16_t {
-    vshlq_u8(v, vdupq_n_s8(-(n as i8)))
-}
-
-/// Byte `i` 0x10 where bit `i` of the 16 `bits` is set, else 0 (Q5_0's fifth bits in place):
-/// the two bytes of `bits` spread over 8 lanes each, each lane testing its own bit.
-#[target_feature(enable = "neon")]
-#[inline]
-pub(super) fn fifths(bits: u32) -> uint8x16_t {
-    let bytes = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
-    let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
-    vandq_u8(vtstq_u8(bytes, bit), vdupq_n_u8(0x10))
-}
-
 /// `acc` plus, per lane, the 4 products of `w`'s and `x`'s bytes at the lane's place, both
 /// signed (`sdot`, the dot-product extension).
 #[target_feature(enable = "neon,dotprod")]
@@ -103,24 +86,32 @@ macro_rules! neon {
 
         pub(super) mod $m {
             use super::super::{BLOCK, Q8Acts};
-            use super::{fifths, load16, shr};
+            use super::load16;
+            use crate::cpu::isa::arm::{fifths, shr};
             use kiln_compiler::lower::WeightFormat;
             use kiln_compiler::lower::format::SUPER_BLOCK;
             use std::arch::aarch64::*;
 
             $dot
 
-            /// `out[r] = dot(row r, x)` for the rows of `words` (`stride` words each, `k` elements of
-            /// `format`: Q5_0, Q4_K or Q6_K); NaN for a row whose words do not fit the layout. Per block the
-            /// quants as signed bytes (Q5_0's less 16, Q6_K's less 32: no offset term), each half of 16
-            /// dotted with the activation block's into `i32` lanes and scaled by its `scale * d_x`; Q4_K's
-            /// minimums add `min * s_x` per block.
+            /// `out[r] = dot(row r, x)` for the rows of `words` (`stride` words each, `k` elements
+            /// of `format`: Q5_0, Q4_K or Q6_K); NaN for a row whose words do not fit the layout.
+            /// Per block the quants as signed bytes (Q5_0's less 16, Q6_K's less 32: no offset
+            /// term), each half of 16 dotted with the activation block's into `i32` lanes and
+            /// scaled by its `scale * d_x`; Q4_K's minimums add `min * s_x` per block.
             ///
             /// # Safety
             ///
             /// The CPU has `$features`. (Shapes are checked here.)
             #[target_feature(enable = $features)]
-            pub(in super::super) unsafe fn rows(format: WeightFormat, words: &[u32], stride: usize, k: usize, x: &Q8Acts, out: &mut [f32]) {
+            pub(in super::super) unsafe fn rows(
+                format: WeightFormat,
+                words: &[u32],
+                stride: usize,
+                k: usize,
+                x: &Q8Acts,
+                out: &mut [f32],
+            ) {
                 let (nb, ns) = (k / BLOCK, k / SUPER_BLOCK);
                 let xq: Vec<[int8x16_t; 2]> = x
                     .quant_blocks()
@@ -136,14 +127,16 @@ macro_rules! neon {
                     return;
                 }
                 let fifteen = vdupq_n_u8(0x0f);
-                let signed = |q: uint8x16_t, offset: i8| vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(offset));
+                let signed =
+                    |q: uint8x16_t, offset: i8| vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(offset));
                 for (o, row) in out.iter_mut().zip(words.chunks_exact(stride)) {
                     let mut acc = vdupq_n_f32(0.0);
                     let mut mins = 0f32;
                     let mut ok = true;
                     for (b, ((&[x0, x1], &dx), &sx)) in xq.iter().zip(&x.d).zip(&x.s).enumerate() {
                         let f = |i: usize| row.get(i).map(|&w| f32::from_bits(w));
-                        // The block's halves as signed bytes, their scales (times `d_x`) and the minimum's term.
+                        // The block's halves as signed bytes, their scales (times `d_x`) and the
+                        // minimum's term.
                         let step = match format {
                             WeightFormat::Q5_0 => (|| {
                                 let (q, fifth) = (load16(row, 2 * nb + 4 * b)?, *row.get(nb + b)?);
@@ -155,11 +148,15 @@ macro_rules! neon {
                             })(),
                             WeightFormat::Q4_K => (|| {
                                 let s = b / 8;
-                                let packed: [u8; 12] =
-                                    bytemuck::cast_slice::<u32, u8>(row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?).try_into().ok()?;
+                                let packed = row.get(2 * ns + 3 * s..2 * ns + 3 * s + 3)?;
+                                let packed: [u8; 12] = bytemuck::cast_slice::<u32, u8>(packed).try_into().ok()?;
                                 let (sc, m) = crate::gguf::q4_k_scale_min(&packed, b % 8);
                                 let at = 5 * ns + 8 * (b / 2);
-                                let half = |at: usize| Some(signed(vandq_u8(shr(load16(row, at)?, 4 * (b % 2)), fifteen), 0));
+                                // Nibbles: below 16, the same signed.
+                                let half = |at: usize| {
+                                    let q = vandq_u8(shr(load16(row, at)?, 4 * (b % 2)), fifteen);
+                                    Some(vreinterpretq_s8_u8(q))
+                                };
                                 let a = f(s)? * f32::from(sc) * dx;
                                 let min = -(f(ns + s)? * f32::from(m));
                                 Some(([half(at)?, half(at + 4)?], [a, a], min * sx))
@@ -167,7 +164,8 @@ macro_rules! neon {
                             _ => (|| {
                                 let (s, c8) = (b / 8, b % 8);
                                 let (h, c) = (c8 / 4, c8 % 4);
-                                let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
+                                let low = 5 * ns + 32 * s + 16 * h + 8 * (c % 2);
+                                let high = 37 * ns + 16 * s + 8 * h;
                                 let half = |i: usize| {
                                     let l = vandq_u8(shr(load16(row, low + 4 * i)?, 4 * (c / 2)), fifteen);
                                     let hh = vandq_u8(shr(load16(row, high + 4 * i)?, 2 * c), vdupq_n_u8(3));
@@ -207,11 +205,12 @@ macro_rules! neon {
                 let xq = x.q.as_ptr().cast::<i8>();
                 let mut acc = [vdupq_n_f32(0.0); R];
                 for (b, &dx) in x.d.iter().enumerate().take(nb) {
-                    // SAFETY: block `b < nb` of `x.q`, at least `nb.div_ceil(2)` lines of two 32-byte
-                    // blocks (the contract, asserted in `tile`).
+                    // SAFETY: block `b < nb` of `x.q`, at least `nb.div_ceil(2)` lines of two
+                    // 32-byte blocks (the contract, asserted in `tile`).
                     let (x0, x1) = unsafe { (vld1q_s8(xq.add(32 * b)), vld1q_s8(xq.add(32 * b + 16))) };
                     for (a, &row) in acc.iter_mut().zip(&rows) {
-                        // SAFETY: word `b < nb`, a scale (the contract; each row's span asserted in `tile`).
+                        // SAFETY: word `b < nb`, a scale (the contract; each row's span asserted
+                        // in `tile`).
                         let dw = f32::from_bits(unsafe { row.add(b).read() });
                         let sums = if Q4 {
                             // SAFETY: words `2 nb + 4 b .. 2 nb + 4 b + 4 <= 6 nb` of the Q4_1 row.

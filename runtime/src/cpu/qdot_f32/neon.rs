@@ -135,6 +135,7 @@ mod ops {
     #[inline]
     pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
         use super::super::{F_Q4_K, F_Q5_0};
+        use crate::cpu::isa::arm::{fifths, shr};
         debug_assert!(b < nb, "block {b} of {nb}");
         let ns = nb / 8;
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
@@ -144,20 +145,11 @@ mod ops {
         // low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 4 words from `at`).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes16 = |at: usize| unsafe { vld1q_u8(row.add(at).cast::<u8>()) };
-        // Each byte shifted right by `n` (a negative left shift).
-        let shr = |v: uint8x16_t, n: usize| vshlq_u8(v, vdupq_n_s8(-(n as i8)));
         let fifteen = vdupq_n_u8(15);
         let [[a0, a1, a2, a3], [b0, b1, b2, b3]] = match F {
             F_Q5_0 => {
                 let (d, fifth) = (f32::from_bits(word(b)), word(nb + b));
                 let q = bytes16(2 * nb + 4 * b);
-                // Byte `i` of a half 0x10 where its element's fifth bit is set: the half's two
-                // bytes of the bit word spread over 8 lanes each, each lane testing its own bit.
-                let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
-                let fifths = |h: u32| {
-                    let bytes = vcombine_u8(vdup_n_u8((h & 0xff) as u8), vdup_n_u8((h >> 8) as u8));
-                    vandq_u8(vtstq_u8(bytes, bit), vdupq_n_u8(0x10))
-                };
                 // Elements 0..16 in the low nibbles, 16..32 in the high ones; less 16, signed.
                 let sixteen = vdupq_n_s8(16);
                 let lo = vorrq_u8(vandq_u8(q, fifteen), fifths(fifth & 0xffff));
