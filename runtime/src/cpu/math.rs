@@ -7,7 +7,10 @@
 //! engines' tolerance.
 //!
 //! The loops are compiled three times, for the baseline target, with AVX2 and FMA, and with
-//! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]).
+//! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]). The three built on `exp` that
+//! the forward passes run most — [`apply`], [`gate`] and [`exp_shifted`] — also have AVX-512 forms
+//! written with intrinsics (`avx512` below), for the instructions the compiler cannot reach from
+//! the portable formulas (`vscalefps`, fused multiply-adds, `vrcp14ps`).
 
 #[cfg(target_arch = "x86_64")]
 use super::isa::isa;
