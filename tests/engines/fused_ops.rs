@@ -442,7 +442,12 @@ fn attention_mha_gqa_and_mqa_with_every_mask() {
         // key tiles; too large for the chunked test's 256-byte buffers.
         (1, 4, 4, 19, 23, 16), // multi-head, 8 rows per block
         (2, 6, 2, 9, 10, 16),  // grouped-query, 2 rows x 3 heads per block
-        (1, 3, 1, 70, 75, 8),  // the CPU's prefill form over two blocks of query rows, the second partial
+        (1, 3, 1, 70, 75, 8),  // 70 rows past 5 cached keys: the CPU's rows form (not on a block)
+        // The CPU's prefill form (blocks of 64 query rows, their per-head products and
+        // softmax): two blocks, the second partial; and a grouped-query block after 64 cached
+        // keys (queries starting on a block).
+        (1, 3, 1, 70, 70, 8),
+        (1, 4, 2, 20, 84, 16),
         // A decode step over many keys and few key/value heads: the CPU's parts of the keys
         // (2 of 150 with 3 threads; the second sequence every key masked), their statistics
         // combined.
@@ -784,6 +789,7 @@ fn packed_attention_mha_and_gqa_with_masks() {
         // Too large for the chunked test's 256-byte buffers:
         (4, 4, 16, 0, 64, 128, 192, 13), // blocks of 8 rows, the last partial
         (6, 2, 16, 0, 96, 128, 160, 7),  // blocks of 2 rows x 3 heads
+        (4, 2, 16, 0, 64, 96, 128, 70),  // the CPU's prefill form: two blocks of query rows
     ] {
         let cases = if seq > 5 { &mut blocked } else { &mut cases };
         for (causal, window) in [(false, None), (true, None), (true, Some(2))] {
