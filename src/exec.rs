@@ -249,8 +249,9 @@ pub struct WeightArgs {
     /// CPU backend: quantize the activations of quantized projections to 8 bits per block of 32
     /// and use integer arithmetic, as llama.cpp does (faster: dot products when decoding, an
     /// integer GEMM for a prompt's rows; logits move by about 1%, which can flip a greedy choice
-    /// between two close tokens). On a CPU without AVX2, Q5_0 and K-quant projections of more
-    /// than one row keep f32 activations, which run faster there.
+    /// between two close tokens). Q5_0 and K-quant projections take int8 activations in the
+    /// integer GEMM only (a prompt's rows, on a CPU with AVX2 or Arm's dot products); elsewhere,
+    /// decode steps included, they keep f32 activations, which run faster there.
     #[arg(long)]
     pub int8_activations: bool,
 }

@@ -336,16 +336,19 @@ pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut 
 /// activations ([`exact`]). The weight's rows go in blocks over the pool ([`row_block`]).
 ///
 /// The row dot products of Q5_0 and the K-quants unpack each block's factors again for every
-/// activation row; where no integer GEMM runs (a CPU without AVX2) or below its rows, the f32
-/// path, which dequantizes a tile once for all the rows, ran faster past one row (Gemma 3 270M
-/// on 2 AVX-512 VNNI cores, 2026-11-27: 4 sequences decoded together 121 against 162 tok/s), so
-/// those formats take it there even with `int8` (f32 activations: exact, not approximate). Q8_0
-/// and Q4_1 tile their dot products over weight rows and keep them.
+/// activation row and run a row at a time; where no integer GEMM runs (a CPU without AVX2) or
+/// below its rows, the f32 path, which dequantizes a tile of 4 rows once for all the activation
+/// rows, ran faster — past one row (Gemma 3 270M on 2 AVX-512 VNNI cores, 2026-11-27: 4
+/// sequences decoded together 121 against 162 tok/s) and at one row too (its decode with `int8`,
+/// 2026-11-28: 40.3-40.6 tok/s through the row products against 49.9-50.1 with these formats on
+/// the f32 path, on the Intel Xeon; the AMD EPYC's int8 decode had also trailed its f32 one) —
+/// so those formats take it there even with `int8` (f32 activations: exact, not approximate).
+/// Q8_0 and Q4_1 tile their dot products over weight rows and keep them.
 fn quantized(q: &crate::quant::QuantWeight, m: usize, x: &[f32], y: &mut [f32], int8: bool) -> R<()> {
     let (k, rows) = (q.k, q.rows);
     let tiled = matches!(q.format, WeightFormat::Q8_0 | WeightFormat::Q4_1);
     let gemm = if int8 && m >= INTEGER_GEMM_ROWS { qgemm::Impl::for_rows(q.format, m) } else { None };
-    if !int8 || (m > 1 && !tiled && gemm.is_none()) {
+    if !int8 || (!tiled && gemm.is_none()) {
         return exact(q, m, x, y);
     }
     let stride = q.format.row_words(k).ok_or_else(|| CpuError::Operands(format!("{} is not quantized", q.format)))?;

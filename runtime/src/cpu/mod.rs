@@ -596,8 +596,9 @@ impl CpuModel {
     /// products (llama.cpp's scheme: faster, but each activation moves by up to half a step of
     /// its block's largest magnitude / 127, enough to flip a greedy choice between two close
     /// logits); off by default, when activations stay f32 and only the weights are quantized.
-    /// Q5_0 and the K-quants use them for one row at a time only (a decode step): past one row
-    /// their f32 path is the faster (see `linear::quantized`).
+    /// Q5_0 and the K-quants use them in the integer GEMM only (a prompt's projections, from 8
+    /// activation rows, where the CPU has one): below it, a decode step included, their f32 path
+    /// is the faster (see `linear::quantized`).
     pub fn with_int8_activations(mut self, on: bool) -> CpuModel {
         self.int8 = on;
         self
