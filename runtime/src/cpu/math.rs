@@ -206,7 +206,8 @@ fn softmax_rows_generic(rows: &mut [f32], width: usize) {
         let max = lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max);
         apply_with(|x| x - max, row);
     }
-    apply_with(exp, rows);
+    // (`exp_shifted` by 0: each row's maximum is already subtracted; the CPU's widest form.)
+    exp_shifted(rows, 0.0);
     for row in rows.chunks_mut(width) {
         let inv = 1.0 / sum_f64(row, f64::from);
         for x in row {
@@ -254,8 +255,18 @@ macro_rules! dispatch {
 }
 
 dispatch! {
-    /// `out[i] = dy[i] * a'(x[i])` (an activation's backward).
-    fn backward = backward_generic(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]);
+    /// [`backward`] without AVX-512's own form.
+    fn backward_vectorized = backward_generic(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]);
+}
+
+/// `out[i] = dy[i] * a'(x[i])` (an activation's backward), over the shortest of the three.
+pub fn backward(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx512f {
+        // SAFETY: as in `apply`.
+        return unsafe { avx512::backward(a, x, dy, out) };
+    }
+    backward_vectorized(a, x, dy, out);
 }
 
 dispatch! {
@@ -532,6 +543,81 @@ mod avx512 {
             Activation::Silu => gated!(gate, up, out, silu),
         }
     }
+
+    /// `gelu'(x)`: `0.5 (1 + erf(x / sqrt 2)) + x phi(x)`, `phi` the normal density.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn gelu_derivative(x: __m512) -> __m512 {
+        const PHI: f32 = 0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2;
+        let phi = _mm512_mul_ps(exp(_mm512_mul_ps(splat(-0.5), _mm512_mul_ps(x, x))), splat(PHI));
+        let cdf = _mm512_mul_ps(
+            splat(0.5),
+            _mm512_add_ps(splat(1.0), erf(_mm512_mul_ps(x, splat(std::f32::consts::FRAC_1_SQRT_2)))),
+        );
+        _mm512_fmadd_ps(x, phi, cdf)
+    }
+
+    /// The tanh approximation's derivative, as the scalar `derivative` computes it: `tanh(u)` and
+    /// `1 - tanh(u)^2` from `s = 1 / (exp(2|u|) + 1)`, the series below 0.0625.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn gelu_tanh_derivative(x: __m512) -> __m512 {
+        const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+        let x2 = _mm512_mul_ps(x, x);
+        let u = _mm512_mul_ps(splat(C), _mm512_fmadd_ps(_mm512_mul_ps(splat(0.044715), x), x2, x));
+        let (a, sign) = abs_sign(u);
+        let s = recip(_mm512_add_ps(exp(_mm512_mul_ps(splat(2.0), _mm512_min_ps(splat(44.0), a))), splat(1.0)));
+        let a2 = _mm512_mul_ps(a, a);
+        let series = _mm512_fnmadd_ps(a2, splat(17.0 / 315.0), splat(2.0 / 15.0));
+        let series = _mm512_fnmadd_ps(a2, series, splat(1.0 / 3.0));
+        let small = _mm512_mul_ps(u, _mm512_fnmadd_ps(a2, series, splat(1.0)));
+        let is_small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, splat(0.0625));
+        let t = _mm512_mask_blend_ps(is_small, with_sign(_mm512_fnmadd_ps(splat(2.0), s, splat(1.0)), sign), small);
+        let sech2 = _mm512_mask_blend_ps(
+            is_small,
+            _mm512_mul_ps(_mm512_mul_ps(splat(4.0), s), _mm512_sub_ps(splat(1.0), s)),
+            _mm512_fnmadd_ps(small, small, splat(1.0)),
+        );
+        let slope = _mm512_mul_ps(splat(C), _mm512_fmadd_ps(splat(3.0 * 0.044715), x2, splat(1.0)));
+        let half_x = _mm512_mul_ps(splat(0.5), x);
+        _mm512_fmadd_ps(_mm512_mul_ps(half_x, sech2), slope, _mm512_mul_ps(splat(0.5), _mm512_add_ps(splat(1.0), t)))
+    }
+
+    /// `silu'(x) = s (1 + x (1 - s))`, the logistic `s` as in [`silu`].
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn silu_derivative(x: __m512) -> __m512 {
+        let (a, _) = abs_sign(x);
+        let e = exp(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        let r = recip(_mm512_add_ps(e, splat(1.0)));
+        let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
+        let s = _mm512_mask_mul_ps(r, negative, r, e);
+        _mm512_mul_ps(s, _mm512_fmadd_ps(x, _mm512_sub_ps(splat(1.0), s), splat(1.0)))
+    }
+
+    /// `relu'(x)`: 1 above 0, else 0 (NaN included, as the scalar comparison gives).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn relu_derivative(x: __m512) -> __m512 {
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_setzero_ps());
+        _mm512_maskz_mov_ps(positive, splat(1.0))
+    }
+
+    /// [`super::backward`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn backward(a: Activation, x: &[f32], dy: &[f32], out: &mut [f32]) {
+        // `out = a'(x) * dy`: `gated!`'s loop with the derivative in the activation's place.
+        match a {
+            Activation::Relu => gated!(x, dy, out, relu_derivative),
+            Activation::Gelu => gated!(x, dy, out, gelu_derivative),
+            Activation::GeluTanh => gated!(x, dy, out, gelu_tanh_derivative),
+            Activation::Silu => gated!(x, dy, out, silu_derivative),
+        }
+    }
 }
 
 dispatch! {
@@ -602,7 +688,7 @@ pub fn max_f32(xs: &[f32]) -> f32 {
 fn softmax_stats_generic(row: &[f32], exps: &mut [f32]) -> (f32, f64) {
     let max = max_f32(row);
     exps.copy_from_slice(row);
-    exp_shifted_generic(exps, max);
+    exp_shifted(exps, max);
     (max, sum_f64(exps, f64::from))
 }
 
