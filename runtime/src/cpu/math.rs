@@ -16,25 +16,34 @@
 use super::isa::isa;
 use kiln_compiler::graph::Activation;
 
+/// Where the exponentials are flushed to 0: below this, just above `ln(f32::MIN_POSITIVE)` =
+/// -87.3365..., where their results stop being normal floats. Computing a subnormal result costs a microcode
+/// assist on Intel cores (~150 cycles an element: a softmax row with masked keys at -inf ran 20x
+/// slower on the Xeon of 2026-11-28), and a value below 1.2e-38 is nothing next to the terms it
+/// is summed with or the tolerance it is compared within.
+const EXP_MIN: f32 = -87.33;
+
 /// `exp(x)` for f32, relative error below 2e-7 on the range where the result is a normal float;
-/// 0 below it and infinity above, as libm gives.
+/// 0 below it ([`EXP_MIN`]) and infinity above.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split so that n * LN2_HI is exact for the n that occur.
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.clamp(-110.0, 89.0);
-    let n = (x * LOG2E).round_ties_even();
-    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let c = x.clamp(EXP_MIN, 89.0);
+    let n = (c * LOG2E).round_ties_even();
+    let r = (c - n * LN2_HI) - n * LN2_LO;
     // exp(r) on |r| <= ln2 / 2: Taylor to degree 6 (error < 3e-8 relative).
     let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     // 2^n as 2^h * 2^(n - h), h = floor(n / 2), so each factor is a normal float (n is in
-    // [-159, 128], the halves in [-80, 64]); built from the exponent bits without a float-to-int
+    // [-126, 128], the halves in [-63, 64]); built from the exponent bits without a float-to-int
     // conversion, which would not vectorize.
     let h = (n * 0.5).floor();
     let (a, b) = (pow2(h), pow2(n - h));
-    p * a * b
+    // A select, not a branch, so the loops still vectorize; below EXP_MIN the product (of the
+    // clamped argument: normal) is dropped, never a subnormal formed. (False for NaN, kept.)
+    if x < EXP_MIN { 0.0 } else { p * a * b }
 }
 
 /// `2^k` for an integer-valued `k` in [-126, 127]: adding 1.5 * 2^23 puts `k` in the low bits of
@@ -338,14 +347,17 @@ mod avx512 {
     }
 
     /// `exp(x)` lanewise: the scalar `exp`'s reduction and polynomial, then `p * 2^n` by
-    /// `vscalefps` (exact for normal results, rounded once to subnormals; NaN stays NaN).
+    /// `vscalefps` (exact: the results are normal); 0 below [`EXP_MIN`](super::EXP_MIN), as
+    /// the scalar `exp` gives; NaN stays NaN.
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn exp(x: __m512) -> __m512 {
         const LN2_HI: f32 = 0.693_145_75;
         const LN2_LO: f32 = 1.428_606_8e-6;
+        // Lanes at or above EXP_MIN, and NaN (unordered), which is kept.
+        let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, splat(super::EXP_MIN));
         // The clamp with `x` second: `vmaxps`/`vminps` return their second operand for a NaN.
-        let x = _mm512_min_ps(splat(89.0), _mm512_max_ps(splat(-110.0), x));
+        let x = _mm512_min_ps(splat(89.0), _mm512_max_ps(splat(super::EXP_MIN), x));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
             x,
             splat(std::f32::consts::LOG2_E),
@@ -355,7 +367,7 @@ mod avx512 {
         for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
             p = _mm512_fmadd_ps(p, r, splat(c));
         }
-        _mm512_scalef_ps(p, n)
+        _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n))
     }
 
     /// `1 / d` for `d` finite and at least 1: the 14-bit estimate refined by one Newton step
@@ -883,8 +895,8 @@ mod tests {
     }
 
     /// A softmax's numerators against libm, at every length's tail: relative error within the
-    /// scalar `exp`'s bound where the result is normal, masked logits (-inf) and underflow at 0,
-    /// NaN kept; the same for the loop the CPU's widest form replaces.
+    /// scalar `exp`'s bound where the result is normal, masked logits (-inf) and everything below
+    /// [`EXP_MIN`] exactly 0, NaN kept; the same for the loop the CPU's widest form replaces.
     #[test]
     fn shifted_exponentials_match_libm() {
         let mut xs: Vec<f32> = (-2_000..=2_000).map(|i| i as f32 * 0.05).collect();
@@ -902,8 +914,9 @@ mod tests {
                         assert!(e.is_nan(), "{form}: exp({x} - 1.5) = {e}");
                     } else if want.is_infinite() {
                         assert_eq!(e, want, "{form}: exp({x} - 1.5)");
-                    } else if want < f32::MIN_POSITIVE {
-                        assert!(e < f32::MIN_POSITIVE, "{form}: exp({x} - 1.5) = {e}, libm {want}");
+                    } else if x - 1.5 < EXP_MIN {
+                        // Flushed: 0, never a subnormal.
+                        assert_eq!(e, 0.0, "{form}: exp({x} - 1.5), libm {want}");
                     } else {
                         assert!((e - want).abs() <= 3e-7 * want, "{form}: exp({x} - 1.5) = {e}, libm {want}");
                     }
@@ -952,6 +965,8 @@ mod tests {
             assert!((t - want).abs() <= 2e-7 * want.abs().max(1e-30) + 1e-30, "tanh({x}) = {t}, libm {want}");
         }
         assert_eq!(exp(-200.0), 0.0);
+        assert_eq!(exp(EXP_MIN - 1e-3), 0.0);
+        assert!(exp(EXP_MIN) >= f32::MIN_POSITIVE);
         assert!(exp(200.0) > 1e38);
     }
 }
