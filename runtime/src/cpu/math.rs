@@ -437,17 +437,23 @@ mod avx512 {
         _mm512_mask_blend_ps(is_small, with_sign(big, sign), small)
     }
 
-    /// `x / (1 + exp(-x))`, as `x * s` with the logistic `s` from `e = exp(-|x|)` (in (0, 1],
-    /// so `1 + e` is a safe reciprocal's argument): `s = 1 / (1 + e)` for `x >= 0`, `e / (1 +
-    /// e)` below.
+    /// The logistic `1 / (1 + exp(-x))`, from `e = exp(-|x|)` (in (0, 1], so `1 + e` is a safe
+    /// reciprocal's argument): `1 / (1 + e)` for `x >= 0`, `e / (1 + e)` below.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn logistic(x: __m512) -> __m512 {
+        let (a, _) = abs_sign(x);
+        let e = exp(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        let r = recip(_mm512_add_ps(e, splat(1.0)));
+        let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
+        _mm512_mask_mul_ps(r, negative, r, e)
+    }
+
+    /// `x / (1 + exp(-x))`, as `x` times the [`logistic`].
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn silu(x: __m512) -> __m512 {
-        let (a, _) = abs_sign(x);
-        let e = exp(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        let s = recip(_mm512_add_ps(e, splat(1.0)));
-        let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
-        _mm512_mul_ps(x, _mm512_mask_mul_ps(s, negative, s, e))
+        _mm512_mul_ps(x, logistic(x))
     }
 
     #[target_feature(enable = "avx512f")]
@@ -595,15 +601,11 @@ mod avx512 {
         _mm512_fmadd_ps(_mm512_mul_ps(half_x, sech2), slope, _mm512_mul_ps(splat(0.5), _mm512_add_ps(splat(1.0), t)))
     }
 
-    /// `silu'(x) = s (1 + x (1 - s))`, the logistic `s` as in [`silu`].
+    /// `silu'(x) = s (1 + x (1 - s))`, `s` the [`logistic`].
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn silu_derivative(x: __m512) -> __m512 {
-        let (a, _) = abs_sign(x);
-        let e = exp(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        let r = recip(_mm512_add_ps(e, splat(1.0)));
-        let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
-        let s = _mm512_mask_mul_ps(r, negative, r, e);
+        let s = logistic(x);
         _mm512_mul_ps(s, _mm512_fmadd_ps(x, _mm512_sub_ps(splat(1.0), s), splat(1.0)))
     }
 
