@@ -7,20 +7,20 @@
 //! engines' tolerance.
 //!
 //! The loops are compiled three times, for the baseline target, with AVX2 and FMA, and with
-//! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]). The three built on `exp` that
-//! the forward passes run most — [`apply`], [`gate`] and [`exp_shifted`] — also have AVX-512 forms
-//! written with intrinsics (`avx512` below), for the instructions the compiler cannot reach from
-//! the portable formulas (`vscalefps`, fused multiply-adds, `vrcp14ps`).
+//! AVX-512 as well, and the widest the CPU has runs ([`super::isa`]). The loops built on `exp` —
+//! [`apply`], [`gate`], [`backward`] and [`exp_shifted`] — also have AVX-512 forms written with
+//! intrinsics (`avx512` below), for the instructions the compiler cannot reach from the portable
+//! formulas (`vscalefps`, fused multiply-adds, `vrcp14ps`).
 
 #[cfg(target_arch = "x86_64")]
 use super::isa::isa;
 use kiln_compiler::graph::Activation;
 
 /// Where the exponentials are flushed to 0: below this, just above `ln(f32::MIN_POSITIVE)` =
-/// -87.3365..., where their results stop being normal floats. Computing a subnormal result costs a microcode
-/// assist on Intel cores (~150 cycles an element: a softmax row with masked keys at -inf ran 20x
-/// slower on the Xeon of 2026-11-28), and a value below 1.2e-38 is nothing next to the terms it
-/// is summed with or the tolerance it is compared within.
+/// -87.3365..., where their results stop being normal floats. Computing a subnormal result costs
+/// a microcode assist on Intel cores (~150 cycles an element: a softmax row with masked keys at
+/// -inf ran 20x slower on the Xeon of 2026-11-28), and a value below 1.2e-38 is nothing next to
+/// the terms it is summed with or the tolerance it is compared within.
 const EXP_MIN: f32 = -87.33;
 
 /// `exp(x)` for f32, relative error below 2e-7 on the range where the result is a normal float;
@@ -298,7 +298,7 @@ pub fn apply(a: Activation, xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa().avx512f {
         // SAFETY: the CPU has AVX-512F (checked at run time); the callee reads and writes `xs`
-        // within its length (asserted there).
+        // within its length (whole vectors of its chunks, the rest under a mask).
         return unsafe { avx512::apply(a, xs) };
     }
     apply_vectorized(a, xs);
@@ -422,15 +422,22 @@ mod avx512 {
         with_sign(_mm512_sub_ps(splat(1.0), erfc), sign)
     }
 
+    /// `tanh(x)` near 0 (for `|x|` below 0.0625), by its odd series: `x (1 - x^2 (1/3 - x^2
+    /// (2/15 - x^2 17/315)))`, `x2` being `x^2`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn tanh_series(x: __m512, x2: __m512) -> __m512 {
+        let series = _mm512_fnmadd_ps(x2, splat(17.0 / 315.0), splat(2.0 / 15.0));
+        let series = _mm512_fnmadd_ps(x2, series, splat(1.0 / 3.0));
+        _mm512_mul_ps(x, _mm512_fnmadd_ps(x2, series, splat(1.0)))
+    }
+
     /// `tanh(x)`: `1 - 2 / (exp(2|x|) + 1)` with `x`'s sign, the odd series below 0.0625.
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn tanh(x: __m512) -> __m512 {
         let (a, sign) = abs_sign(x);
-        let a2 = _mm512_mul_ps(a, a);
-        let series = _mm512_fnmadd_ps(a2, splat(17.0 / 315.0), splat(2.0 / 15.0));
-        let series = _mm512_fnmadd_ps(a2, series, splat(1.0 / 3.0));
-        let small = _mm512_mul_ps(x, _mm512_fnmadd_ps(a2, series, splat(1.0)));
+        let small = tanh_series(x, _mm512_mul_ps(a, a));
         let e = exp(_mm512_mul_ps(splat(2.0), _mm512_min_ps(splat(10.0), a)));
         let big = _mm512_fnmadd_ps(splat(2.0), recip(_mm512_add_ps(e, splat(1.0))), splat(1.0));
         let is_small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, splat(0.0625));
@@ -463,11 +470,16 @@ mod avx512 {
         _mm512_mul_ps(_mm512_mul_ps(splat(0.5), x), _mm512_add_ps(splat(1.0), e))
     }
 
+    /// `sqrt(2 / pi)`, the tanh approximation's scale.
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn gelu_tanh(x: __m512) -> __m512 {
-        const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-        let inner = _mm512_mul_ps(splat(C), _mm512_fmadd_ps(_mm512_mul_ps(splat(0.044715), x), _mm512_mul_ps(x, x), x));
+        let inner = _mm512_mul_ps(
+            splat(SQRT_2_OVER_PI),
+            _mm512_fmadd_ps(_mm512_mul_ps(splat(0.044715), x), _mm512_mul_ps(x, x), x),
+        );
         _mm512_mul_ps(_mm512_mul_ps(splat(0.5), x), _mm512_add_ps(splat(1.0), tanh(inner)))
     }
 
@@ -580,15 +592,11 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn gelu_tanh_derivative(x: __m512) -> __m512 {
-        const C: f32 = 0.797_884_6; // sqrt(2 / pi)
         let x2 = _mm512_mul_ps(x, x);
-        let u = _mm512_mul_ps(splat(C), _mm512_fmadd_ps(_mm512_mul_ps(splat(0.044715), x), x2, x));
+        let u = _mm512_mul_ps(splat(SQRT_2_OVER_PI), _mm512_fmadd_ps(_mm512_mul_ps(splat(0.044715), x), x2, x));
         let (a, sign) = abs_sign(u);
         let s = recip(_mm512_add_ps(exp(_mm512_mul_ps(splat(2.0), _mm512_min_ps(splat(44.0), a))), splat(1.0)));
-        let a2 = _mm512_mul_ps(a, a);
-        let series = _mm512_fnmadd_ps(a2, splat(17.0 / 315.0), splat(2.0 / 15.0));
-        let series = _mm512_fnmadd_ps(a2, series, splat(1.0 / 3.0));
-        let small = _mm512_mul_ps(u, _mm512_fnmadd_ps(a2, series, splat(1.0)));
+        let small = tanh_series(u, _mm512_mul_ps(a, a));
         let is_small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, splat(0.0625));
         let t = _mm512_mask_blend_ps(is_small, with_sign(_mm512_fnmadd_ps(splat(2.0), s, splat(1.0)), sign), small);
         let sech2 = _mm512_mask_blend_ps(
@@ -596,7 +604,7 @@ mod avx512 {
             _mm512_mul_ps(_mm512_mul_ps(splat(4.0), s), _mm512_sub_ps(splat(1.0), s)),
             _mm512_fnmadd_ps(small, small, splat(1.0)),
         );
-        let slope = _mm512_mul_ps(splat(C), _mm512_fmadd_ps(splat(3.0 * 0.044715), x2, splat(1.0)));
+        let slope = _mm512_mul_ps(splat(SQRT_2_OVER_PI), _mm512_fmadd_ps(splat(3.0 * 0.044715), x2, splat(1.0)));
         let half_x = _mm512_mul_ps(splat(0.5), x);
         _mm512_fmadd_ps(_mm512_mul_ps(half_x, sech2), slope, _mm512_mul_ps(splat(0.5), _mm512_add_ps(splat(1.0), t)))
     }
