@@ -17,9 +17,10 @@
 //!   rows of one key/value head — under a block pattern, one query block — and per query head
 //!   runs two GEMMs through the `gemm` crate per range of keys the block attends (one range by
 //!   position; a block pattern's attended key blocks) — scores, then probabilities times values
-//!   — with each row's softmax over its own keys in between. At most `TILE_ROWS` rows of scores
-//!   exist at once per task; the full score matrix never does, and a block pattern's time per
-//!   token does not grow with the sequence.
+//!   — with each row's softmax over its own keys in between, the second GEMM writing the rows'
+//!   columns of the output in place (tasks own disjoint blocks of it). At most `TILE_ROWS` rows
+//!   of scores exist at once per task; the full score matrix never does, and a block pattern's
+//!   time per token does not grow with the sequence.
 //!
 //! The pool's threads take rows or blocks.
 //!
@@ -47,6 +48,21 @@ impl Layout {
         b * self.batch + h * self.head + t * self.row + self.col
     }
 }
+
+/// The output `[b, s, width]` of an attention step, which the prefill form's tasks write in
+/// place: each task its own rows (one sequence's block of query rows) and its own columns (its
+/// key/value head's query heads), so no two write the same element.
+#[derive(Clone, Copy)]
+struct Output {
+    ptr: *mut f32,
+    len: usize,
+    width: usize,
+}
+
+// SAFETY: an `Output` is only written through by tasks that own disjoint blocks of it (see
+// `Rows::block`), while the slice it was made from is borrowed by `run`.
+unsafe impl Send for Output {}
+unsafe impl Sync for Output {}
 
 /// Query rows per task of the prefill form: large enough that its two GEMMs run the `gemm`
 /// crate's kernels at speed.
@@ -280,22 +296,13 @@ fn run(
     // (A block pattern's row blocks are its query blocks only when the queries start on a block.)
     if s >= MIN_BLOCK_ROWS && offset % tile == 0 {
         let blocks = s.div_ceil(tile);
-        let parts: Vec<Vec<f32>> = (0..b * kv * blocks)
-            .into_par_iter()
-            .map_init(Vec::new, |scratch, task| {
-                let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
-                rows.block(bi, kvh, rb * tile..((rb + 1) * tile).min(s), scratch)
-            })
-            .collect();
-        // Each output row gathers its heads' columns from the tasks of its row block, over the
-        // pool (a serial copy of every row was ~2 ms a layer of MiniLM at 32 x 128).
-        let cols = group * d;
-        out.par_chunks_mut(width).enumerate().with_min_len(16).for_each(|(row, o)| {
-            let (bi, si) = (row / s, row % s);
-            let (rb, i) = (si / tile, si % tile);
-            for (kvh, o) in o.chunks_mut(cols).enumerate() {
-                o.copy_from_slice(&parts[(bi * kv + kvh) * blocks + rb][i * cols..][..cols]);
-            }
+        let dst = Output { ptr: out.as_mut_ptr(), len: out.len(), width };
+        (0..b * kv * blocks).into_par_iter().for_each_init(Vec::new, |scratch, task| {
+            let (bi, kvh, rb) = (task / (kv * blocks), task / blocks % kv, task % blocks);
+            // SAFETY: the tasks' (sequence, row block, key/value head) triples are distinct, so
+            // their blocks of `out` are disjoint; `out` is `[b, s, width]` (checked above) and
+            // outlives the loop.
+            unsafe { rows.block(bi, kvh, rb * tile..((rb + 1) * tile).min(s), scratch, dst) }
         });
         return Ok(());
     }
@@ -501,37 +508,45 @@ impl Rows<'_> {
         self.row(row, kvh, o, scores, acc)
     }
 
-    /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`, as
-    /// `rows.len()` rows of `group * d` outputs, through the `gemm` crate: per query head, the
-    /// scores `Q K^T` of the block's rows against every key any of them attends (one GEMM, with
-    /// the scale), the softmax of each row over its own keys (the others, and masked keys, at
-    /// -inf), then `P V` (a second GEMM). `p` is scratch for the probabilities.
-    fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
+    /// Query rows `rows` of batch `bi` for the query heads of key/value head `kvh`, written into
+    /// their rows and the head's `group * d` columns of `out`, through the `gemm` crate: per
+    /// query head, the scores `Q K^T` of the block's rows against every key any of them attends
+    /// (one GEMM, with the scale), the softmax of each row over its own keys (the others, and
+    /// masked keys, at -inf), then `P V` (a second GEMM, straight into `out`). `p` is scratch
+    /// for the probabilities.
+    ///
+    /// # Safety
+    ///
+    /// `out` is the step's `[b, s, heads * d]` output, and no other thread reads or writes these
+    /// rows' columns of this key/value head while the call runs.
+    unsafe fn block(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>, out: Output) {
         #[cfg(target_arch = "x86_64")]
         if super::isa::isa().avx512f {
             // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked at run time); the callee is the
-            // safe body compiled with them (its `gemm` calls state and check their own bounds).
-            return unsafe { self.block_avx512(bi, kvh, rows, p) };
+            // body compiled with them; `out` as the caller's.
+            return unsafe { self.block_avx512(bi, kvh, rows, p, out) };
         }
         #[cfg(target_arch = "x86_64")]
         if super::isa::isa().avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked at run time); the callee is the safe body
-            // compiled with them (its `gemm` calls state and check their own bounds).
-            return unsafe { self.block_avx2(bi, kvh, rows, p) };
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time); `out` as the caller's.
+            return unsafe { self.block_avx2(bi, kvh, rows, p, out) };
         }
-        self.block_inner(bi, kvh, rows, p)
+        // SAFETY: the caller's.
+        unsafe { self.block_inner(bi, kvh, rows, p, out) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn block_avx2(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
-        self.block_inner(bi, kvh, rows, p)
+    unsafe fn block_avx2(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>, out: Output) {
+        // SAFETY: the caller's.
+        unsafe { self.block_inner(bi, kvh, rows, p, out) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn block_avx512(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
-        self.block_inner(bi, kvh, rows, p)
+    unsafe fn block_avx512(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>, out: Output) {
+        // SAFETY: the caller's.
+        unsafe { self.block_inner(bi, kvh, rows, p, out) }
     }
 
     /// The keys query row `si` may attend by position, `[lo, hi)`: causal rows stop at their own
@@ -562,11 +577,15 @@ impl Rows<'_> {
         }
     }
 
-    /// [`Rows::block`]'s body, built for the baseline and for AVX2/FMA.
+    /// [`Rows::block`]'s body, built for the baseline, for AVX2/FMA and for AVX-512.
+    ///
+    /// # Safety
+    ///
+    /// As [`Rows::block`].
     #[inline(always)]
-    fn block_inner(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>) -> Vec<f32> {
+    unsafe fn block_inner(&self, bi: usize, kvh: usize, rows: std::ops::Range<usize>, p: &mut Vec<f32>, out: Output) {
         let (g, (q, ql), (k, kl), (v, vl)) = (self.g, self.q, self.k, self.v);
-        let (t, d, group) = (g.t, g.d, self.group);
+        let (s, t, d, group) = (g.s, g.t, g.d, self.group);
         // The block's keys: the union of its rows' ranges (one range by position; a block
         // pattern's rows all share their query block's), each range at a column offset of `p`.
         let ranges: Vec<(usize, usize)> = match g.mods.sparse {
@@ -579,13 +598,16 @@ impl Rows<'_> {
         let n: usize = ranges.iter().map(|&(a, z)| z - a).sum();
         let keys = || ranges.iter().flat_map(|&(a, z)| a..z);
         let m = rows.len();
-        let mut out = vec![0.0f32; m * group * d];
         p.clear();
         p.resize(m * n, 0.0);
-        // Per row of the block: 1 / the softmax's sum (1 for a row with every key masked).
-        let mut inv = vec![1.0f32; m];
+        // Per row of the block: 1 / the softmax's sum, or `None` for a row whose every key is
+        // masked.
+        let mut inv: Vec<Option<f32>> = vec![None; m];
         // The key mask of this sequence over the block's keys, once per block.
         let masked: Option<Vec<bool>> = self.mask.map(|mask| keys().map(|ti| mask[bi * t + ti] != 0.0).collect());
+        // This block's rows of `out`, `out.width` apart, from its first row's first column of
+        // this key/value head.
+        let first = (bi * s + rows.start) * out.width + kvh * group * d;
         for j in 0..group {
             let hq = kvh * group + j;
             let mut col = 0;
@@ -630,25 +652,25 @@ impl Rows<'_> {
                 let (a, z) = self.logits(si, hq, &ranges, row, masked.as_deref(), None);
                 let max = max_of(row);
                 if z == a || max <= f32::MIN {
-                    // Every key masked: uniform over all keys, as the interpreter's softmax.
+                    // Every key masked: written below, after `P V` (this row's zeros add nothing).
                     row.fill(0.0);
-                    let o = &mut out[(i * group + j) * d..][..d];
-                    for ti in 0..t {
-                        add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0 / t as f32);
-                    }
-                    inv[i] = 1.0;
+                    inv[i] = None;
                     continue;
                 }
                 // Numerators here; each output row is divided by its sum after `P V` (d values
                 // a row rather than n).
                 super::math::exp_shifted(row, max);
-                inv[i] = (1.0 / sum_of(row)) as f32;
+                inv[i] = Some((1.0 / sum_of(row)) as f32);
             }
-            // Rows whose keys were all masked are zero in `p` and were written above: add to them.
+            // This head's columns of the block's rows.
+            let head = first + j * d;
+            debug_span("attention output", out.len, head, (m, out.width), (d, 1));
             let mut col = 0;
             for &(k0, k1) in &ranges {
-                // SAFETY: as above; `out` rows are `group * d` apart, this head's columns at `j * d`.
-                debug_span("attention output", out.len(), j * d, (m, group * d), (d, 1));
+                // SAFETY: as above; the block's rows of `out` are `out.width` apart, this head's
+                // columns at `head` (inside `out`: debug-checked above, and `run` checked that
+                // `out` is `[b, s, width]`), written by this task alone (the caller's). The first
+                // range's product overwrites them, the others add to it.
                 debug_span("attention probabilities", p.len(), col, (m, n), (k1 - k0, 1));
                 debug_span("attention values", v.len(), vl.at(bi, kvh, k0), (k1 - k0, vl.row), (d, 1));
                 unsafe {
@@ -656,10 +678,10 @@ impl Rows<'_> {
                         m,
                         d,
                         k1 - k0,
-                        out.as_mut_ptr().add(j * d),
+                        out.ptr.add(head),
                         1,
-                        (group * d) as isize,
-                        true,
+                        out.width as isize,
+                        col > 0,
                         p.as_ptr().add(col),
                         1,
                         n as isize,
@@ -676,11 +698,22 @@ impl Rows<'_> {
                 }
                 col += k1 - k0;
             }
-            for (i, &r) in inv.iter().enumerate() {
-                out[(i * group + j) * d..][..d].iter_mut().for_each(|x| *x *= r);
+            for (i, inv) in inv.iter().enumerate() {
+                // SAFETY: row `i` of this head's columns, inside `out` as above and this task's.
+                let o = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(head + i * out.width), d) };
+                match *inv {
+                    Some(r) => o.iter_mut().for_each(|x| *x *= r),
+                    _ => {
+                        // Every key masked: uniform over all keys, as the
+                        // interpreter's softmax.
+                        o.fill(0.0);
+                        for ti in 0..t {
+                            add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0 / t as f32);
+                        }
+                    }
+                }
             }
         }
-        out
     }
 
     /// Turns `row`, query row `si`'s scaled scores for head `hq` over the keys `ranges` (in
@@ -797,7 +830,9 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// The largest element (NaNs passed over, as `f32::max` does), with sixteen running maxima so the
 /// reduction is not one serial chain; a compare and select, which compiles to one `vmaxps` a
-/// vector (`f32::max`'s NaN handling costs two more).
+/// vector (`f32::max`'s NaN handling costs two more). The maxima are folded in halves (a tree of
+/// four steps, not a chain of sixteen compares: a row of 128 scores spent as long folding its
+/// maxima as finding them).
 #[inline(always)]
 fn max_of(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; 16];
@@ -807,10 +842,20 @@ fn max_of(x: &[f32]) -> f32 {
             *m = if v > *m { v } else { *m };
         }
     }
-    rest.iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+    for (m, &v) in m.iter_mut().zip(rest) {
+        *m = if v > *m { v } else { *m };
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            m[i] = if m[i + w] > m[i] { m[i + w] } else { m[i] };
+        }
+    }
+    m[0]
 }
 
-/// The sum in f64 (as the interpreter's softmax sums), over eight partial sums.
+/// The sum in f64 (as the interpreter's softmax sums), over eight partial sums folded in halves.
 #[inline(always)]
 fn sum_of(x: &[f32]) -> f64 {
     let mut s = [0.0f64; 8];
@@ -820,7 +865,17 @@ fn sum_of(x: &[f32]) -> f64 {
             *s += v as f64;
         }
     }
-    s.iter().sum::<f64>() + rest.iter().map(|&v| v as f64).sum::<f64>()
+    for (s, &v) in s.iter_mut().zip(rest) {
+        *s += v as f64;
+    }
+    let mut w = 8;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            s[i] += s[i + w];
+        }
+    }
+    s[0]
 }
 
 #[inline(always)]
