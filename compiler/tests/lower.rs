@@ -228,6 +228,22 @@ fn a_step_reads_each_weight_once_and_a_gathered_table_by_rows() {
         let quantized = lower_with(&graph, Options { fold_constants: false, formats, ..Options::default() });
         let q8 = WeightFormat::Q8_0.bytes(shape[0], shape[1]);
         assert_eq!(quantized.weight_bytes_read(1), expected - 4 * elements(shape) + q8);
+        // By step: each parameter once, in the step that reads it whole (a gathered table's
+        // rows in none), the quantized weight as its blocks.
+        let by_step = |plan: &kiln_compiler::lower::Plan| -> u64 {
+            assert_eq!(plan.step_weight_bytes(plan.steps.len()), 0);
+            (0..plan.steps.len()).map(|i| plan.step_weight_bytes(i)).sum()
+        };
+        let gathered_row = if tied { 0 } else { 4 * 32 };
+        assert_eq!(by_step(&plan), expected - gathered_row, "tied = {tied}");
+        assert_eq!(by_step(&quantized), expected - gathered_row - 4 * elements(shape) + q8, "tied = {tied}");
+        // The two plans differ in one step, the one that reads the weight.
+        let differ: Vec<(u64, u64)> = (0..plan.steps.len())
+            .map(|i| (plan.step_weight_bytes(i), quantized.step_weight_bytes(i)))
+            .filter(|(f, q)| f != q)
+            .collect();
+        assert_eq!(differ.len(), 1, "tied = {tied}: {differ:?}");
+        assert_eq!(differ[0].0 - differ[0].1, 4 * elements(shape) - q8, "tied = {tied}");
     }
 }
 

@@ -35,7 +35,7 @@ pub use weights::{Checkpoint, WeightError, load_params, load_params_with_blocks,
 
 pub mod gpu;
 
-pub use cpu::{CpuError, CpuModel};
+pub use cpu::{CpuError, CpuModel, StepTimes};
 pub use device::{Device, Loaded, Storage, Weights};
 pub use gpu::{Clock, DeviceTensor, Gpu, GpuError, GpuModel, Profile};
 pub use model::{Model, ModelError};

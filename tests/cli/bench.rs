@@ -76,6 +76,43 @@ fn bench_decode_batches_sequences() {
     assert!(text.contains("3 sequences decoded together"), "{text}");
 }
 
+/// Issue 35: `bench decode --profile` says where the CPU's decode steps spend their time, by op:
+/// summed over the timed decode steps only (never the prompt's run), each op's steps and the
+/// weights they read adding up to the plan's; alone and batched; refused on wgpu by name.
+#[test]
+fn bench_decode_profiles_the_cpu_steps_by_op() {
+    let args =
+        ["bench", "decode", "models/llama.toml", "--backend", "cpu", "--runs", "2", "--seq", "4", "--steps", "3"];
+    // Two generations of 3 decode steps; batched, the first step of each is not timed.
+    for (batch, steps) in [("1", 6), ("3", 4)] {
+        let v = json(&[&args[..], &["--batch", batch, "--profile", "--json", "-q"]].concat());
+        let p = &v["profile"];
+        assert_eq!(p["decode_steps"], steps, "--batch {batch}: {p}");
+        let ops = p["ops"].as_array().unwrap();
+        let total: f64 = ops.iter().map(|o| o["ms_per_step"].as_f64().unwrap()).sum();
+        assert!((total - p["ms_in_steps"].as_f64().unwrap()).abs() < 1e-9 && total > 0.0, "{p}");
+        // Below one decode step's whole time (sampling and the host's work are outside steps).
+        assert!(total < 1e3 / v["decode_tok_s_min"].as_f64().unwrap() * 3.0, "{v}");
+        let steps: u64 = ops.iter().map(|o| o["steps"].as_u64().unwrap()).sum();
+        assert_eq!(steps, v["dispatches_per_step"].as_u64().unwrap(), "{p}");
+        // Every weight once, but the one row of the token table a step gathers.
+        let read: u64 = ops.iter().map(|o| o["weight_bytes_per_step"].as_u64().unwrap()).sum();
+        let whole = v["weight_bytes_per_step"].as_u64().unwrap();
+        assert!(read < whole && read >= whole - 4 * 1024, "{read} of {whole}");
+        assert!(ops.iter().any(|o| o["op"].as_str().unwrap().contains("linear")), "{p}");
+    }
+    let text = ok(&[&args[..], &["--profile", "-q"]].concat());
+    assert!(
+        text.contains("profile of a decode step (6 decode steps summed") && text.contains("slowest steps:"),
+        "{text}"
+    );
+    assert!(!ok(&args).contains("profile of"), "only with --profile");
+    if crate::common::gpu().is_some() {
+        let wgpu = ["bench", "decode", "models/llama.toml", "--backend", "wgpu", "--steps", "2", "--profile"];
+        fails_with(&wgpu, &["--profile times the CPU back end's steps"]);
+    }
+}
+
 /// Issue 33: on wgpu, `bench decode` gives the host's time per decode step (binding, encoding,
 /// submitting) apart from the device's.
 #[test]

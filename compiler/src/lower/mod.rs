@@ -527,6 +527,19 @@ impl Plan {
             + gathered.difference(&whole).map(rows_of).sum::<u64>()
     }
 
+    /// The bytes of the parameters and constants step `i` of [`Plan::steps`] reads whole (as
+    /// stored: blocks for a quantized weight); a gathered table is left out (a gather reads
+    /// rows of it, which [`Plan::weight_bytes_read`] counts). 0 past the steps.
+    pub fn step_weight_bytes(&self, i: usize) -> u64 {
+        let Some(step) = self.steps.get(i) else { return 0 };
+        let read: BTreeSet<usize> = (step.operands.iter().enumerate())
+            .filter(|&(at, _)| !(matches!(step.op, Op::Gather) && at == 0))
+            .map(|(_, &o)| root(&self.values, o))
+            .filter(|&v| matches!(self.values[v].storage, Storage::Param(_) | Storage::Const))
+            .collect();
+        read.iter().map(|&v| value_bytes(&self.values[v])).sum()
+    }
+
     /// Per-slot byte sizes at the given symbol values (at least 4 bytes each).
     pub fn slot_sizes(&self, syms: &HashMap<Sym, usize>) -> Vec<u64> {
         self.slot_sizes_except(syms, |_| false)

@@ -137,6 +137,7 @@ impl CpuModel {
         let (none, no_views) = (KvCache::new(), HashMap::new());
         let run = poll::polling(&self.pool, || -> R<()> {
             for (i, step) in plan.steps.iter().enumerate() {
+                let start = self.step_times.as_ref().map(|_| std::time::Instant::now());
                 match bp.steps[i] {
                     Exec::Skip => {}
                     Exec::Batched => {
@@ -222,9 +223,11 @@ impl CpuModel {
                         }
                     }
                 }
+                self.note_step(i, start);
             }
             Ok(())
         });
+        self.note_run();
         let presents: HashMap<&str, &str> = links.iter().map(|(p, q)| (p.as_str(), q.as_str())).collect();
         let outputs = run.and_then(|()| {
             let mut outputs = Vec::new();

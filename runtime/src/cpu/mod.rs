@@ -233,6 +233,29 @@ pub struct CpuModel {
     vacated: HashSet<usize>,
     /// How [`CpuModel::run_batched`] runs the plan, or why it cannot; made at its first use.
     batch: OnceLock<Result<crate::batching::BatchPlan, String>>,
+    /// Where every run adds each step's time, once [`CpuModel::record_step_times`] asked.
+    step_times: Option<Arc<Mutex<StepTimes>>>,
+}
+
+/// The host time of each step of a [`CpuModel`]'s plan, summed over the runs since the sums were
+/// last cleared ([`CpuModel::record_step_times`]): where a run of many short steps (a decode
+/// step's) spends its time, by step.
+#[derive(Clone, Debug, Default)]
+pub struct StepTimes {
+    /// Seconds by step of [`Plan::steps`] (the host clock around the step, its kernel's threads
+    /// included; 0 for a step a run skipped).
+    pub seconds: Vec<f64>,
+    /// Runs summed: [`CpuModel::run_cached`]'s, [`CpuModel::run`]'s and
+    /// [`CpuModel::run_batched`]'s (a batched step's once, whatever its sequences).
+    pub runs: usize,
+}
+
+impl StepTimes {
+    /// Forgets the sums so far.
+    pub fn clear(&mut self) {
+        self.seconds.iter_mut().for_each(|s| *s = 0.0);
+        self.runs = 0;
+    }
 }
 
 /// Where the tokens of a run are: what RoPE rotates by and learned positions count from.
@@ -411,6 +434,7 @@ impl CpuModel {
             skipped,
             vacated: HashSet::new(),
             batch: OnceLock::new(),
+            step_times: None,
         })
     }
 
@@ -638,6 +662,36 @@ impl CpuModel {
         Ok(self.execute(given, Some((cache, links)), None, false)?.0)
     }
 
+    /// From now on, every run adds the host time of each of its steps to the sums the handle
+    /// returned holds (one handle a model: a second call returns the same). For profiling a
+    /// workload of many runs, as `kiln bench decode --profile` does; each step then costs a
+    /// clock read and an uncontended lock more.
+    pub fn record_step_times(&mut self) -> Arc<Mutex<StepTimes>> {
+        let steps = self.plan.steps.len();
+        self.step_times
+            .get_or_insert_with(|| Arc::new(Mutex::new(StepTimes { seconds: vec![0.0; steps], runs: 0 })))
+            .clone()
+    }
+
+    /// Adds step `i`'s time since `start` to the recorded sums, if they are kept.
+    fn note_step(&self, i: usize, start: Option<std::time::Instant>) {
+        if let (Some(times), Some(start)) = (&self.step_times, start)
+            && let Ok(mut times) = times.lock()
+            && let Some(s) = times.seconds.get_mut(i)
+        {
+            *s += start.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Counts a run in the recorded sums, if they are kept.
+    fn note_run(&self) {
+        if let Some(times) = &self.step_times
+            && let Ok(mut times) = times.lock()
+        {
+            times.runs += 1;
+        }
+    }
+
     /// Runs one forward pass on `given` and returns the seconds each step of [`Plan::steps`] took
     /// (host clock around the step, its kernel's threads included).
     pub fn profile(&self, given: &HashMap<String, Tensor>) -> R<Vec<f64>> {
@@ -747,9 +801,11 @@ impl CpuModel {
                 if let Some(t) = times.as_deref_mut() {
                     t.push(start.elapsed().as_secs_f64());
                 }
+                self.note_step(i, Some(start));
             }
             Ok(())
         });
+        self.note_run();
         let presents: HashMap<&str, &str> =
             links.iter().map(|(present, past)| (present.as_str(), past.as_str())).collect();
         // Slots that hold exactly one output's value: the output takes the slot's buffer itself

@@ -43,6 +43,11 @@ pub struct DecodeArgs {
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
     json: bool,
+    /// Where the decode steps' time goes, by op (the CPU back end): each plan step's host time
+    /// summed over every timed decode step, with the weights its steps read and the rate they
+    /// read them at.
+    #[arg(long)]
+    profile: bool,
 }
 
 impl DecodeArgs {
@@ -67,7 +72,7 @@ pub fn run(args: DecodeArgs, reporter: &Reporter) -> Result<()> {
 /// `prompt` tokens, then `steps` decode steps; prefill and decode tokens per second, medians of
 /// `runs` generations.
 fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
-    let DecodeArgs { seq: prompt, steps, runs, json, storage, batch, .. } = *args;
+    let DecodeArgs { seq: prompt, steps, runs, json, storage, batch, profile, .. } = *args;
     let weights = args.weights.as_deref();
     use kiln_runtime::Sampler;
     use kiln_runtime::generate::{Session, generate};
@@ -92,8 +97,34 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         false => None,
     };
     let outputs: Vec<String> = cached.outputs.iter().map(|(n, _)| n.clone()).collect();
-    let model = device.model(&cached, Weights::Given { params: &params, blocks: &blocks }, storage.storage(), &())?;
+    let mut model =
+        device.model(&cached, Weights::Given { params: &params, blocks: &blocks }, storage.storage(), &())?;
     let dispatches = model.plan().steps.len();
+    // With `--profile`, each step's op and the weights it reads, and the sums of its times.
+    let plan = model.plan();
+    let steps_read: Vec<(String, String, u64)> = (plan.steps.iter().enumerate())
+        .map(|(i, s)| (s.op.name(), s.scope.clone(), plan.step_weight_bytes(i)))
+        .collect();
+    let recorder = match (&mut model, profile) {
+        (kiln_runtime::Model::Cpu(m), true) => Some(m.record_step_times()),
+        (_, true) => bail!(
+            "--profile times the CPU back end's steps; on wgpu, `kiln bench profile` times each dispatch of a forward"
+        ),
+        (_, false) => None,
+    };
+    let clear = || {
+        if let Some(Ok(mut r)) = recorder.as_ref().map(|r| r.lock()) {
+            r.clear();
+        }
+    };
+    // The decode steps' sums over every run, each run's added when it ends.
+    let mut profiled = kiln_runtime::StepTimes { seconds: vec![0.0; steps_read.len()], runs: 0 };
+    let add_run = |profiled: &mut kiln_runtime::StepTimes| {
+        if let Some(Ok(r)) = recorder.as_ref().map(|r| r.lock()) {
+            profiled.seconds.iter_mut().zip(&r.seconds).for_each(|(t, s)| *t += s);
+            profiled.runs += r.runs;
+        }
+    };
     // On wgpu, the kernels' forms the model was built with (the adapter's defaults, or what
     // `kiln tune` chose for these shapes there).
     let forms = match &model {
@@ -121,17 +152,22 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
     let clock = session.host_clock();
     for _ in 0..runs {
         if batch > 1 {
-            let (p, d, h) = decode_together(&mut session, clock.as_ref(), &ids, steps, batch, vocab)?;
+            let (p, d, h) = decode_together(&mut session, clock.as_ref(), &ids, steps, batch, vocab, &clear)?;
             prefill.push(p);
             decode.push(d);
             host.extend(h);
+            add_run(&mut profiled);
             continue;
         }
         // A fresh cache per run; the pipelines and weights are shared. The clock is read at the
         // first token (after the prefill) and at the end: the decode steps' share.
-        let mut after_prefill = None;
+        let (mut after_prefill, mut first) = (None, true);
         let on_token = |_| {
             after_prefill = after_prefill.or_else(|| clock.as_ref().map(|c| c.read()));
+            // The prompt's run is not a decode step's: the profile's sums start here.
+            if std::mem::take(&mut first) {
+                clear();
+            }
             true
         };
         // An encoder-decoder's source encoded, then decoded from the start token (0).
@@ -145,6 +181,7 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         let (_, stats) = generate(&mut session, decoder_prompt, steps + 1, &mut Sampler::greedy(), &[], on_token)?;
         prefill.push(prompt as f64 / (encode_s + stats.prefill_s).max(f64::MIN_POSITIVE));
         decode.push(stats.decode_tok_s());
+        add_run(&mut profiled);
         if let (Some(c), Some((s0, n0))) = (&clock, after_prefill) {
             let (s1, n1) = c.read();
             host.push(1e6 * (s1 - s0) / n1.saturating_sub(n0).max(1) as f64);
@@ -158,6 +195,7 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
         (bytes, bandwidth, rate, rate / bandwidth)
     });
     let host = (!host.is_empty()).then(|| Spread::of(&host));
+    let by_op = recorder.is_some().then(|| OpProfile::of(&steps_read, &profiled));
     if json {
         let out = serde_json::json!({
             "model": fe.graph.name, "backend": device.name(), "adapter": device.describe(), "prompt_tokens": prompt, "decode_steps": steps, "batch": batch,
@@ -168,6 +206,7 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
             "host_us_per_step_min": host.as_ref().map(|h| h.min), "host_us_per_step_max": host.as_ref().map(|h| h.max),
             "weight_bytes_per_step": read.map(|r| r.0), "read_bandwidth_gb_s": read.map(|r| r.1 / 1e9),
             "decode_read_gb_s": read.map(|r| r.2 / 1e9), "decode_bandwidth_fraction": read.map(|r| r.3),
+            "profile": by_op.as_ref().map(|p| p.json()),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -204,14 +243,104 @@ fn decode(fe: &FrontEnd, device: &Device, args: &DecodeArgs) -> Result<()> {
                 bandwidth / 1e9
             );
         }
+        if let Some(p) = &by_op {
+            p.print();
+        }
     }
     Ok(())
+}
+
+/// `--profile`'s table: per op, the plan's steps of it, their host time per decode step, and the
+/// weights they read per step and the rate they read them at.
+struct OpProfile {
+    /// Decode steps summed.
+    runs: usize,
+    /// (op, plan steps, seconds per decode step, weight bytes per decode step), slowest first.
+    rows: Vec<(String, usize, f64, u64)>,
+    /// The slowest plan steps: (step, op, scope, seconds per decode step, weight bytes).
+    slowest: Vec<(usize, String, String, f64, u64)>,
+}
+
+/// Plan steps `--profile` lists by name, slowest first.
+const SLOWEST_STEPS: usize = 8;
+
+impl OpProfile {
+    /// The table of `steps` (each plan step's op, scope and the weight bytes it reads) timed by
+    /// `times`.
+    fn of(steps: &[(String, String, u64)], times: &kiln_runtime::StepTimes) -> OpProfile {
+        let per = times.runs.max(1) as f64;
+        let mut by_op: HashMap<&str, (usize, f64, u64)> = HashMap::new();
+        for ((op, _, bytes), &s) in steps.iter().zip(&times.seconds) {
+            let e = by_op.entry(op).or_default();
+            *e = (e.0 + 1, e.1 + s, e.2 + bytes);
+        }
+        let mut rows: Vec<_> = by_op.into_iter().map(|(op, (n, s, b))| (op.to_string(), n, s / per, b)).collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        let mut slowest: Vec<_> = (steps.iter().zip(&times.seconds).enumerate())
+            .map(|(i, ((op, scope, bytes), &s))| (i, op.clone(), scope.clone(), s / per, *bytes))
+            .collect();
+        slowest.sort_by(|a, b| b.3.total_cmp(&a.3).then(a.0.cmp(&b.0)));
+        slowest.truncate(SLOWEST_STEPS);
+        OpProfile { runs: times.runs, rows, slowest }
+    }
+
+    fn total(&self) -> f64 {
+        self.rows.iter().map(|r| r.2).sum()
+    }
+
+    fn print(&self) {
+        let total = self.total();
+        println!(
+            "  profile of a decode step ({} summed; host clock per plan step, its kernel's threads included), {:.3} ms in steps:",
+            crate::report::count(self.runs, "decode step"),
+            1e3 * total
+        );
+        println!(
+            "    {:<28} {:>6} {:>10} {:>7} {:>14} {:>8}",
+            "op", "steps", "ms a step", "share", "weights a step", "GB/s"
+        );
+        for (op, n, s, bytes) in &self.rows {
+            let share = 100.0 * s / total.max(f64::MIN_POSITIVE);
+            let (weights, rate) = match *bytes {
+                0 => (String::new(), String::new()),
+                b => (kiln_compiler::memory::human(b), format!("{:.1}", b as f64 / s.max(f64::MIN_POSITIVE) / 1e9)),
+            };
+            println!("    {op:<28} {n:>6} {:>10.3} {share:>6.1}% {weights:>14} {rate:>8}", 1e3 * s);
+        }
+        println!("    slowest steps:");
+        for (i, op, scope, s, bytes) in &self.slowest {
+            let read = match *bytes {
+                0 => String::new(),
+                b => format!(
+                    ", {} at {:.1} GB/s",
+                    kiln_compiler::memory::human(b),
+                    b as f64 / s.max(f64::MIN_POSITIVE) / 1e9
+                ),
+            };
+            println!("      step {i:<4} {op:<28} {scope:<24} {:>8.1} µs{read}", 1e6 * s);
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let rows: Vec<_> = (self.rows.iter())
+            .map(|(op, n, s, bytes)| {
+                serde_json::json!({ "op": op, "steps": n, "ms_per_step": 1e3 * s, "weight_bytes_per_step": bytes })
+            })
+            .collect();
+        let slowest: Vec<_> = (self.slowest.iter())
+            .map(|(i, op, scope, s, bytes)| {
+                serde_json::json!({ "step": i, "op": op, "scope": scope, "us_per_step": 1e6 * s, "weight_bytes": bytes })
+            })
+            .collect();
+        serde_json::json!({ "decode_steps": self.runs, "ms_in_steps": 1e3 * self.total(), "ops": rows, "slowest_steps": slowest })
+    }
 }
 
 /// One run of `batch` sequences: each prompt (`ids`, rotated by the sequence's index so that no
 /// two are alike) prefilled alone and parked, then `steps` decode steps running one greedy token
 /// of every sequence together. Prompt and decode tokens per second over all the sequences, and
 /// on a device the host's microseconds per batched step (`clock` read after the prompts).
+/// `clear_profile` is called before the first timed step.
 fn decode_together(
     session: &mut kiln_runtime::Session,
     clock: Option<&kiln_runtime::gpu::HostClock>,
@@ -219,6 +348,7 @@ fn decode_together(
     steps: usize,
     batch: usize,
     vocab: i64,
+    clear_profile: &dyn Fn(),
 ) -> Result<(f64, f64, Option<f64>)> {
     let greedy = |logits: &[f32]| kiln_runtime::Sampler::greedy().sample(logits, &[]);
     let start = std::time::Instant::now();
@@ -235,6 +365,10 @@ fn decode_together(
     for step in 0..steps {
         if step == 1 {
             (before, start, timed) = (clock.map(|c| c.read()), std::time::Instant::now(), steps - 1);
+        }
+        // The profile's sums start with the timed steps (the first where there is one alone).
+        if step == steps.min(2) - 1 {
+            clear_profile();
         }
         let mut seqs: Vec<_> = parked.iter_mut().zip(&next).map(|(p, &t)| (p, t)).collect();
         let Some(rows) = session.forward_batch(&mut seqs)? else {
