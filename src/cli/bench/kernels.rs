@@ -97,8 +97,10 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
     }
     // Quantized prefill on the CPU: each block format at a shape of Gemma 3 270M's layers (Q4_1
     // at SmolLM2's MLP, whose blocks Gemma has none of) and a 32-token prompt, with f32
-    // activations (the default) and with int8 ones (`--int8-activations`: the integer GEMM).
-    let mut int8_prefill = Vec::new();
+    // activations (the default) and with int8 ones (`--int8-activations`: the integer GEMM);
+    // and the decode GEMV of each at the same shape (f32 activations: the default), its rate
+    // over the weight's bytes (in cache: the kernel's own rate, not the memory's).
+    let (mut int8_prefill, mut decode_by_format) = (Vec::new(), Vec::new());
     if let Device::Cpu { .. } = device {
         let m = 32;
         for (format, k, n) in [
@@ -112,6 +114,9 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
             let time = |int8| time_kernel_with(device, &g, &fast, format, m, runs, int8);
             let (f32_ms, int8_ms) = (time(false)?, time(true)?);
             int8_prefill.push((format, m, k, n, f32_ms, int8_ms));
+            let ms = time_kernel_with(device, &g, &fast, format, 1, runs, false)?;
+            let bytes = format.bytes(n, k);
+            decode_by_format.push((format, k, n, ms, bytes, bytes as f64 / (ms.max(1e-6) * 1e6)));
         }
     }
     let gflops = |m: usize, k: usize, n: usize, ms: f64| 2.0 * (m * k * n) as f64 / (ms.max(1e-6) * 1e6);
@@ -152,8 +157,16 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
                     "prologue_ms": prologue, "prologue_rope_ms": rope, "prologue_rope_scalar_ms": scalar})
             })
             .collect();
+        let decode_by_format: Vec<serde_json::Value> = decode_by_format
+            .iter()
+            .map(|(f, k, n, ms, bytes, gb_s)| {
+                serde_json::json!({"format": f.name(), "m": 1, "k": k, "n": n, "ms": ms, "weight_bytes": bytes,
+                    "weight_gb_s": gb_s})
+            })
+            .collect();
         let out = serde_json::json!({"adapter": device.describe(), "runs": runs, "projections": rows,
-            "weight_formats": formats, "fusions": fusions, "streaming": streaming, "int8_prefill": int8_prefill});
+            "weight_formats": formats, "fusions": fusions, "streaming": streaming, "int8_prefill": int8_prefill,
+            "quantized_decode": decode_by_format});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("projection kernels on {} (median of {runs}; GFLOPS = 2 m k n / time)", device.describe());
@@ -221,6 +234,14 @@ fn kernels(device: &Device, runs: usize, json: bool) -> Result<()> {
                     gflops(m, k, n, int8_ms),
                     f32_ms / int8_ms
                 );
+            }
+            println!("quantized decode GEMV, f32 activations (GB/s = weight bytes / time, the weight in cache)");
+            println!(
+                "  {:>6} {:>5} {:>5} {:>5} {:>10} {:>12} {:>8}",
+                "format", "m", "k", "n", "ms", "weight bytes", "GB/s"
+            );
+            for (f, k, n, ms, bytes, gb_s) in &decode_by_format {
+                println!("  {:>6} {:>5} {k:>5} {n:>5} {ms:>10.4} {bytes:>12} {gb_s:>8.2}", f.name(), 1);
             }
         }
     }
