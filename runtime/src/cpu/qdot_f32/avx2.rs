@@ -110,8 +110,8 @@ mod ops {
     ///
     /// # Safety
     ///
-    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
-    /// its super-block's.
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K and Q6_K,
+    /// `shared` is its super-block's.
     #[target_feature(enable = "avx2")]
     #[inline]
     pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
@@ -120,9 +120,8 @@ mod ops {
         let ns = nb / 8;
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
         // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
-        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
-        // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
-        // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes8` reads 8 bytes at
+        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`;
+        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes8` reads 8 bytes at
         // `part` 0 to 3 of the words from `at`, inside the 4 or 8 words named; `bytes32` all 8).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes8 = |at: usize, part: usize| unsafe {
@@ -161,7 +160,7 @@ mod ops {
             _ => {
                 let (s, c8) = (b / 8, b % 8);
                 let (h, c) = (c8 / 4, c8 % 4);
-                let scales = super::super::q6_k_scales(word, nb, b);
+                let scales = shared.get(b % 8).copied().unwrap_or_default();
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
                 // The block's 32 quants as bytes: its nibbles and bit pairs shifted out of each
                 // 16-bit lane and masked per byte (no bit crosses into a kept one), joined, less

@@ -97,14 +97,14 @@ mod ops {
     /// [`dequant_block`](super::super::dequant_block) scales it (`q * scale`, plus Q4_K's
     /// minimum after the multiply): the quants widened to 32 bits, Q5_0's fifth bits added under
     /// a lane mask of the block's bit word, the K formats' nibbles and bit pairs shifted out by
-    /// the sub-block's position; Q4_K's scale and minimum are the block's pair of `shared` (its
-    /// super-block's, unpacked once for its 8 blocks: [`q4_k_factors`](super::super::q4_k_factors)),
-    /// Q6_K's int8 pair of scales is unpacked here on the scalar side.
+    /// the sub-block's position; Q4_K's scale and minimum, and Q6_K's two scales, are the block's
+    /// pair of `shared` (its super-block's, unpacked once for its 8 blocks:
+    /// [`q4_k_factors`](super::super::q4_k_factors), [`q6_k_scales`](super::super::q6_k_scales)).
     ///
     /// # Safety
     ///
-    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
-    /// its super-block's.
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K and Q6_K,
+    /// `shared` is its super-block's.
     #[target_feature(enable = "avx512f,avx2")]
     #[inline]
     pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
@@ -113,9 +113,8 @@ mod ops {
         let ns = nb / 8;
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
         // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
-        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `s`, `ns + s`, `2 ns + 3 s
-        // .. + 3` and `5 ns + 8 (b / 2) .. + 8`; Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`,
-        // `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
+        // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`;
+        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
         // at `half` 0 or 1 of the 8 words it is given, `bytes32` all 32).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes16 = |at: usize, half: usize| unsafe {
@@ -153,7 +152,7 @@ mod ops {
             _ => {
                 let (s, c8) = (b / 8, b % 8);
                 let (h, c) = (c8 / 4, c8 % 4);
-                let (sc0, sc1) = super::super::q6_k_scales(word, nb, b);
+                let (sc0, sc1) = shared.get(b % 8).copied().unwrap_or_default();
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
                 // The block's 32 quants as bytes: its nibbles and bit pairs shifted out of each
                 // 16-bit lane and masked per byte (no bit crosses into a kept one), joined, less

@@ -21,8 +21,8 @@ macro_rules! kernels {
     ($module:ident, $features:literal, $ops:ident) => {
         pub(in super::super) mod $module {
             use super::super::{
-                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, Shared, TILE, shared,
-                words_per_8_blocks,
+                BLOCK, F_Q4_1, F_Q4_K, F_Q5_0, F_Q6_K, F_Q8_0, Job, KC, Line, PREFETCH, STREAMED, Shared, TILE,
+                has_shared, shared, words_per_8_blocks,
             };
             use super::$ops as ops;
             use crate::cpu::debug_span;
@@ -108,7 +108,7 @@ macro_rules! kernels {
                         // The rows `ahead` swept a line a block: every region of them (scales,
                         // quants, a Q6_K's high bits) is under 64 bytes a block.
                         ops::prefetch(row.wrapping_add(ahead + b * words_per_8_blocks(F) / 8));
-                        if F == F_Q4_K && b % 8 == 0 {
+                        if has_shared(F) && b % 8 == 0 {
                             // SAFETY: `row` is a whole row and `b / 8 < nb / 8` (`nb` a multiple
                             // of 8 in the K formats).
                             *sh = unsafe { shared::<F>(row, nb, b / 8) };
@@ -153,7 +153,7 @@ macro_rules! kernels {
                 debug_assert!(b1 <= nb, "blocks {b0}..{b1} of {nb}");
                 let mut sh: Shared = [(0.0, 0.0); 8];
                 for b in b0..b1 {
-                    if F == F_Q4_K && (b % 8 == 0 || b == b0) {
+                    if has_shared(F) && (b % 8 == 0 || b == b0) {
                         // SAFETY: the caller's, `b / 8 < nb / 8`.
                         sh = unsafe { shared::<F>(row, nb, b / 8) };
                     }

@@ -129,8 +129,8 @@ mod ops {
     ///
     /// # Safety
     ///
-    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K, `shared` is
-    /// its super-block's.
+    /// `row` is a whole row of the layout for `nb` blocks and `b < nb`; for Q4_K and Q6_K,
+    /// `shared` is its super-block's.
     #[target_feature(enable = "neon")]
     #[inline]
     pub(super) unsafe fn kquant<const F: u8>(row: *const u32, nb: usize, b: usize, shared: &Shared) -> [V; BV] {
@@ -141,8 +141,8 @@ mod ops {
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
         // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
         // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`
-        // (its factors come in `shared`); Q6_K (`53 ns`) words `s`, `ns + 4 s + c8 / 2`, `low ..
-        // low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 4 words from `at`).
+        // (its factors come in `shared`, and Q6_K's scales); Q6_K (`53 ns`) words `low .. low +
+        // 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 4 words from `at`).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes16 = |at: usize| unsafe { vld1q_u8(row.add(at).cast::<u8>()) };
         let fifteen = vdupq_n_u8(15);
@@ -174,7 +174,7 @@ mod ops {
             _ => {
                 let (s, c8) = (b / 8, b % 8);
                 let (h, c) = (c8 / 4, c8 % 4);
-                let scales = super::super::q6_k_scales(word, nb, b);
+                let scales = shared.get(b % 8).copied().unwrap_or_default();
                 let (low, high) = (5 * ns + 32 * s + 16 * h + 8 * (c % 2), 37 * ns + 16 * s + 8 * h);
                 // Per 16 quants: the nibble and bit pair shifted out of each byte and joined,
                 // less 32, signed.
