@@ -123,14 +123,25 @@ mod ops {
         let shift = |v: __m512i, n: u32| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
         match F {
             F_Q5_0 => {
+                // The block's 32 values `(q - 16) * d`, looked up by `vpermt2ps` (a 5-bit index
+                // into two tables of 16) at each quant: its nibble, plus 16 under the lane mask of
+                // its fifth bits.
                 let (d, fifth) = (_mm512_set1_ps(f32::from_bits(word(b))), word(nb + b));
+                let below = _mm512_setr_ps(
+                    -16.0, -15.0, -14.0, -13.0, -12.0, -11.0, -10.0, -9.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0,
+                    -1.0,
+                );
+                let above = _mm512_setr_ps(
+                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+                );
+                let (below, above) = (_mm512_mul_ps(below, d), _mm512_mul_ps(above, d));
                 let q = bytes16(2 * nb + 4 * b, 0);
                 let sixteen = _mm512_set1_epi32(16);
                 let lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
                 let hi = _mm512_srli_epi32::<4>(q);
-                let lo = _mm512_mask_add_epi32(lo, fifth as u16, lo, sixteen);
-                let hi = _mm512_mask_add_epi32(hi, (fifth >> 16) as u16, hi, sixteen);
-                let f = |v: __m512i| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, sixteen)), d);
+                let lo = _mm512_mask_or_epi32(lo, fifth as u16, lo, sixteen);
+                let hi = _mm512_mask_or_epi32(hi, (fifth >> 16) as u16, hi, sixteen);
+                let f = |i: __m512i| _mm512_permutex2var_ps(below, i, above);
                 [f(lo), f(hi)]
             }
             F_Q4_K => {
