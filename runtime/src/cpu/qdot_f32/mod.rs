@@ -659,45 +659,33 @@ mod tests {
         }
     }
 
-    /// The AVX2 unpacking of a Q4_K super-block's factors is the scalar one's, bit for bit, for
-    /// any words (every bit pattern of the packed 6-bit pairs, and scales of any sign).
+    /// The AVX2 unpackings of a super-block's factors — Q4_K's scales and minima, Q6_K's scales —
+    /// are the scalar ones', bit for bit, for any words (every bit pattern of the packed 6-bit
+    /// pairs and int8 scales, and `d` of any sign, NaN included).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn q4_k_factors_by_avx2_are_the_scalar_ones() {
+    fn super_block_factors_by_avx2_are_the_scalar_ones() {
         if !crate::cpu::isa::isa().avx2 {
             return;
         }
         let mut rng = Rng(17);
         let nb = 24;
+        let bits = |f: Shared| f.map(|(a, b)| (a.to_bits(), b.to_bits()));
         for _ in 0..200 {
-            let row: Vec<u32> = (0..37 * nb / 8).map(|_| rng.next()).collect();
-            for s in 0..nb / 8 {
-                let scalar = q4_k_factors(|i| row[i], nb, s);
-                // SAFETY: the CPU has AVX2 (checked above); `row` is a whole row of `nb` blocks.
-                let avx2 = unsafe { q4_k_factors_avx2(row.as_ptr(), nb, s) };
-                let bits = |f: Shared| f.map(|(a, b)| (a.to_bits(), b.to_bits()));
-                assert_eq!(bits(avx2), bits(scalar), "super-block {s} of {row:08x?}");
-            }
-        }
-    }
-
-    /// The AVX2 unpacking of a Q6_K super-block's scales is the scalar one's, bit for bit.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn q6_k_scales_by_avx2_are_the_scalar_ones() {
-        if !crate::cpu::isa::isa().avx2 {
-            return;
-        }
-        let mut rng = Rng(23);
-        let nb = 24;
-        for _ in 0..200 {
-            let row: Vec<u32> = (0..53 * nb / 8).map(|_| rng.next()).collect();
-            for s in 0..nb / 8 {
-                let scalar: Shared = std::array::from_fn(|j| q6_k_scales(|i| row[i], nb, 8 * s + j));
-                // SAFETY: the CPU has AVX2 (checked above); `row` is a whole row of `nb` blocks.
-                let avx2 = unsafe { q6_k_scales_avx2(row.as_ptr(), nb, s) };
-                let bits = |f: Shared| f.map(|(a, b)| (a.to_bits(), b.to_bits()));
-                assert_eq!(bits(avx2), bits(scalar), "super-block {s} of {row:08x?}");
+            for words in [37, 53] {
+                let row: Vec<u32> = (0..words * nb / 8).map(|_| rng.next()).collect();
+                for s in 0..nb / 8 {
+                    // SAFETY (both): the CPU has AVX2 (checked above); `row` is a whole row of
+                    // `nb` blocks of the format.
+                    let (avx2, scalar) = match words {
+                        37 => (unsafe { q4_k_factors_avx2(row.as_ptr(), nb, s) }, q4_k_factors(|i| row[i], nb, s)),
+                        _ => (
+                            unsafe { q6_k_scales_avx2(row.as_ptr(), nb, s) },
+                            std::array::from_fn(|j| q6_k_scales(|i| row[i], nb, 8 * s + j)),
+                        ),
+                    };
+                    assert_eq!(bits(avx2), bits(scalar), "super-block {s} of {row:08x?}");
+                }
             }
         }
     }
