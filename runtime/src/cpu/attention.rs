@@ -735,9 +735,8 @@ impl Rows<'_> {
                 let o = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(head + i * out.width), d) };
                 match *inv {
                     Some(r) => o.iter_mut().for_each(|x| *x *= r),
-                    _ => {
-                        // Every key masked: uniform over all keys, as the
-                        // interpreter's softmax.
+                    None => {
+                        // Every key masked: uniform over all keys, as the interpreter's softmax.
                         o.fill(0.0);
                         for ti in 0..t {
                             add_scaled(o, &v[vl.at(bi, kvh, ti)..][..d], 1.0 / t as f32);

@@ -264,6 +264,15 @@ struct OpProfile {
 /// Plan steps `--profile` lists by name, slowest first.
 const SLOWEST_STEPS: usize = 8;
 
+/// Weights of `bytes` read in `seconds`, as `--profile` prints them: the size and the GB/s;
+/// `None` for a step that reads none.
+fn read(bytes: u64, seconds: f64) -> Option<(String, String)> {
+    (bytes > 0).then(|| {
+        let rate = bytes as f64 / seconds.max(f64::MIN_POSITIVE) / 1e9;
+        (kiln_compiler::memory::human(bytes), format!("{rate:.1}"))
+    })
+}
+
 impl OpProfile {
     /// The table of `steps` (each plan step's op, scope and the weight bytes it reads) timed by
     /// `times`.
@@ -301,22 +310,12 @@ impl OpProfile {
         );
         for (op, n, s, bytes) in &self.rows {
             let share = 100.0 * s / total.max(f64::MIN_POSITIVE);
-            let (weights, rate) = match *bytes {
-                0 => (String::new(), String::new()),
-                b => (kiln_compiler::memory::human(b), format!("{:.1}", b as f64 / s.max(f64::MIN_POSITIVE) / 1e9)),
-            };
+            let (weights, rate) = read(*bytes, *s).unwrap_or_default();
             println!("    {op:<28} {n:>6} {:>10.3} {share:>6.1}% {weights:>14} {rate:>8}", 1e3 * s);
         }
         println!("    slowest steps:");
         for (i, op, scope, s, bytes) in &self.slowest {
-            let read = match *bytes {
-                0 => String::new(),
-                b => format!(
-                    ", {} at {:.1} GB/s",
-                    kiln_compiler::memory::human(b),
-                    b as f64 / s.max(f64::MIN_POSITIVE) / 1e9
-                ),
-            };
+            let read = read(*bytes, *s).map_or(String::new(), |(weights, rate)| format!(", {weights} at {rate} GB/s"));
             println!("      step {i:<4} {op:<28} {scope:<24} {:>8.1} µs{read}", 1e6 * s);
         }
     }

@@ -121,8 +121,9 @@ mod ops {
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
         // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
         // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`;
-        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes8` reads 8 bytes at
-        // `part` 0 to 3 of the words from `at`, inside the 4 or 8 words named; `bytes32` all 8).
+        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns`
+        // (`bytes8` reads 8 bytes at `part` 0 to 3 of the words from `at`, inside the 4 or 8
+        // words named; `bytes32` all 8).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes8 = |at: usize, part: usize| unsafe {
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(at + 2 * part).cast::<__m128i>()))

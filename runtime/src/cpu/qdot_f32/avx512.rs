@@ -114,8 +114,9 @@ mod ops {
         // SAFETY (all reads): words of the caller's whole row, in the layouts of
         // `kiln_compiler::lower::format` with `b < nb = 8 ns`: Q5_0 (`6 nb` words) reads words
         // `b`, `nb + b` and `2 nb + 4 b .. + 4`; Q4_K (`37 ns`) words `5 ns + 8 (b / 2) .. + 8`;
-        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns` (`bytes16` reads 16 bytes
-        // at `half` 0 or 1 of the 8 words it is given, `bytes32` all 32).
+        // Q6_K (`53 ns`) words `low .. low + 8 <= 37 ns` and `high .. high + 8 <= 53 ns`
+        // (`bytes16` reads 16 bytes at `half` 0 or 1 of the 8 words it is given, `bytes32` all
+        // 32).
         let word = |i: usize| unsafe { row.add(i).read() };
         let bytes16 = |at: usize, half: usize| unsafe {
             _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(at).cast::<__m128i>().add(half)))
