@@ -335,8 +335,9 @@ pub fn gemm_at_b(m: usize, n: usize, rows: usize, a: &[f32], b: &[f32], y: &mut 
 /// by the integer GEMM ([`qgemm`]), below by row dot products ([`qdot`]); otherwise with the f32
 /// activations ([`exact`]). The weight's rows go in blocks over the pool ([`row_block`]).
 ///
-/// The row dot products of Q5_0 and the K-quants unpack each block's factors again for every
-/// activation row and run a row at a time; where no integer GEMM runs (a CPU without AVX2) or
+/// Row dot products of Q5_0 and the K-quants (SIMD kernels that unpacked each block's factors
+/// again for every activation row, a row at a time; removed, [`qdot`] keeps their scalar
+/// reference) lost to the f32 path wherever measured: where no integer GEMM runs (a CPU without AVX2) or
 /// below its rows, the f32 path, which dequantizes a tile of 4 rows once for all the activation
 /// rows, ran faster — past one row (Gemma 3 270M on 2 AVX-512 VNNI cores, 2026-11-27: 4
 /// sequences decoded together 121 against 162 tok/s) and at one row too (its decode with `int8`,

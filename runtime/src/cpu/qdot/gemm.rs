@@ -739,7 +739,7 @@ mod x86 {
 
     /// The unpackers' byte operations on AVX2: a block's 32 bytes in one vector.
     mod bytes {
-        use super::super::super::blocks::{avx2, load256, shr16};
+        use super::super::super::blocks::{fifth as fifth256, load256, shr16};
         use std::arch::x86_64::*;
 
         pub type B = __m256i;
@@ -775,7 +775,7 @@ mod x86 {
         #[target_feature(enable = "avx2,fma")]
         #[inline]
         pub fn fifth(bits: u32) -> B {
-            avx2::fifth(bits)
+            fifth256(bits)
         }
 
         #[target_feature(enable = "avx2,fma")]

@@ -37,9 +37,11 @@
 //!   `i32` lanes.
 //! - **`scalar`**: portable, and the reference the others are tested against.
 //!
-//! Q5_0, Q4_K and Q6_K have the scalar kernel and SIMD ones a row at a time: on 256 bits
-//! (`blocks`) with AVX-512 VNNI's `vpdpbusd` or AVX2's byte multiplies (which AVX-VNNI CPUs run
-//! too), and NEON's `sdot` or widening multiplies.
+//! Q5_0, Q4_K and Q6_K have the portable kernel only, whatever the implementation asked for: it
+//! is the reference the integer GEMM ([`gemm`]) is tested against, and nothing else multiplies
+//! them a row at a time — a projection runs them through the integer GEMM, or below its rows (and
+//! on CPUs without one) on the f32 path, which was faster than row dot products wherever both
+//! were measured (see `linear::quantized`). Their SIMD row kernels were removed on 2026-11-28.
 //!
 //! Every SIMD kernel works on tiles of [`TILE`] rows, so each activation block loaded (and the
 //! per-block work on it) serves several rows, while the rows' words stream through once: decode is
@@ -364,22 +366,8 @@ pub fn dot_rows_with(imp: Impl, format: WeightFormat, words: &[u32], k: usize, x
     missing.fill(f32::NAN);
     let words = words.get(..rows * stride).unwrap_or_default();
     if !matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_1) {
-        let imp = if imp.is_available() { imp } else { Impl::Scalar };
-        match imp {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `imp` is available, so the CPU has the kernel's features.
-            Impl::Avx512Vnni => unsafe { blocks::rows_avx512_vnni(format, words, stride, k, x, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above (an AVX-VNNI CPU has AVX2 and FMA).
-            Impl::AvxVnni | Impl::Avx2 => unsafe { blocks::rows_avx2(format, words, stride, k, x, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: as above.
-            Impl::Neon => unsafe { neon::widening::rows(format, words, stride, k, x, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: as above.
-            Impl::NeonDot => unsafe { neon::dotprod::rows(format, words, stride, k, x, out) },
-            _ => scalar_blocks(format, words, stride, k, x, out),
-        }
+        // Q5_0 and the K-quants: the portable form whatever `imp` (see the module docs).
+        scalar_blocks(format, words, stride, k, x, out);
         return;
     }
     let q4 = format == WeightFormat::Q4_1;
