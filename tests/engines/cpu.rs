@@ -55,6 +55,38 @@ fn the_tests_check_the_kernel_bounds() {
     assert!(cfg!(debug_assertions) && short.is_err(), "an input one element short of a projection's passed unchecked");
 }
 
+/// An encoder's mean pool on its native kernel equals the interpreter's bit for bit (the same
+/// f64 sums in token order), on one thread and on three: fractional weights, a sequence with
+/// every token masked (its count clamped, a zero mean), and a NaN under a masked token, which
+/// the interpreter's sum carries (`0 * NaN`).
+#[test]
+fn mean_pool_equals_the_interpreter_bit_for_bit() {
+    use kiln_compiler::graph::{Graph, Op};
+    let (b, s, d) = (20, 9, 37);
+    let mut g = Graph::new("pool");
+    let x = g.param("x", &[b, s, d]);
+    let mask = g.param("mask", &[b, s]);
+    let y = g.add(Op::MeanPool, &[x, mask]).unwrap();
+    g.outputs.push(("pooled".into(), y));
+    let mut params = interp::random_params(&g, 5).unwrap();
+    let mut m: Vec<f32> = (0..b * s).map(|i| [1.0, 0.0, 0.5, 1.0, 0.25][i % 5]).collect();
+    m[s..2 * s].fill(0.0);
+    params.insert("mask".into(), Tensor::f32(vec![b, s], m));
+    let mut xs = params["x"].as_f32().unwrap().to_vec();
+    xs[(3 * s + 1) * d + 4] = f32::NAN; // Row 3's second token: mask 0.0.
+    params.insert("x".into(), Tensor::f32(vec![b, s, d], xs));
+    let want = interp::run(&g, &params, &HashMap::new()).unwrap();
+    let want = want[0].1.as_f32().unwrap();
+    assert!(want[3 * d + 4].is_nan() && want[d..2 * d].iter().all(|&v| v == 0.0));
+    let plan = lower_with(&g, Options { fold_constants: false, ..Options::default() });
+    for threads in [1, 3] {
+        let got = cpu(plan.clone(), &params, threads).run(&HashMap::new()).unwrap();
+        let got = got[0].1.as_f32().unwrap();
+        let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{threads} threads: the pooled rows differ from the interpreter's");
+    }
+}
+
 #[test]
 fn gpt2_on_cpu() {
     golden("gpt2");

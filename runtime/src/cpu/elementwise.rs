@@ -1,6 +1,6 @@
 //! Native kernels for the cheap ops that run between projections: norms (and the fused residual
-//! add + norm), residual adds, activations, scaling, embedding gathers and the cached decoder's
-//! head split. Each computes what the interpreter computes for the op, with the same arithmetic
+//! add + norm), residual adds, activations, scaling, embedding gathers, an encoder's mean pool
+//! and the cached decoder's head split. Each computes what the interpreter computes for the op, with the same arithmetic
 //! (norm statistics accumulated in f64), rows split over the pool's threads when there are
 //! enough of them to pay for it.
 
@@ -210,6 +210,31 @@ pub fn forward(
                     *o = table[j * cols + col];
                 }
             }
+        }
+        Op::MeanPool => {
+            // out[b, j] = sum_t m[b, t] x[b, t, j] / max(sum_t m[b, t], 1e-9): the mean of the
+            // tokens the mask keeps, the sums in f64 in token order as the interpreter's (every
+            // token's term added, a masked one's too: a NaN there is the interpreter's NaN).
+            let (x, mask) = (f(0)?, f(1)?);
+            let &[b, s, d] = args[0].0.as_slice() else { return Ok(false) };
+            if x.len() != b * s * d || mask.len() != b * s || out_len(shape) != b * d || d == 0 {
+                return Ok(false);
+            }
+            rows(out.get(), d, |r, o| {
+                let mut acc = vec![0.0f64; d];
+                let mut count = 0.0f64;
+                for (&m, row) in mask[r * s..][..s].iter().zip(x[r * s * d..][..s * d].chunks_exact(d)) {
+                    let w = f64::from(m);
+                    count += w;
+                    for (a, &v) in acc.iter_mut().zip(row) {
+                        *a += w * f64::from(v);
+                    }
+                }
+                let count = count.max(1e-9);
+                for (o, a) in o.iter_mut().zip(acc) {
+                    *o = (a / count) as f32;
+                }
+            });
         }
         Op::Permute { perm } => {
             // out[i0, .., ir] = x[at the permuted indices]: a row of the output's last axis per
