@@ -491,3 +491,50 @@ fn a_step_in_one_graph_trains_as_the_host_optimizer() {
         }
     }
 }
+
+/// A CPU trainer's profile times the optimizer's updates as a step runs them — in place — on
+/// copies: every update step has a time, and the tensors and the optimizer's state after the
+/// profile and two steps are those of two steps alone, bit for bit.
+#[test]
+fn profiling_a_cpu_step_times_its_updates_and_changes_nothing() {
+    use kiln_compiler::train::recipe::{Format, RecipeFile};
+    use kiln_runtime::train::Trainer;
+    let path = root().join("models/llama.toml");
+    let fe = kiln_compiler::front_end("llama", &std::fs::read_to_string(&path).unwrap()).unwrap();
+    let recipe = RecipeFile::parse(r#"{"steps": 2, "lr": 0.01, "clip": 1.0}"#, Format::Json, "recipe.json")
+        .unwrap()
+        .resolve()
+        .unwrap();
+    let params: HashMap<String, Tensor> = init::initialize(&fe.spec, &fe.graph).unwrap().into_iter().collect();
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let dims = PackDims::of(&fe.spec);
+    let mut batch = kiln_compiler::interp::sample_inputs(&fe.graph, vocab, 2, 8).unwrap();
+    let ids = batch["input_ids"].as_i64().unwrap().to_vec();
+    batch.insert("labels".into(), Tensor::i64(batch["input_ids"].shape.clone(), ids.iter().rev().copied().collect()));
+    let trainer = || {
+        let device = Device::Cpu { threads: 2 };
+        Trainer::new(device, &fe.graph, &fe.spec.weights, &dims, recipe.clone(), params.clone()).unwrap()
+    };
+    let (mut plain, mut profiled) = (trainer(), trainer());
+    for t in [&mut plain, &mut profiled] {
+        t.step(std::slice::from_ref(&batch)).unwrap();
+    }
+    let times = profiled.profile(&batch).unwrap().expect("the CPU profiles its steps");
+    let updates: Vec<f64> = times.iter().filter(|(op, _)| op == "adamw").map(|&(_, s)| s).collect();
+    assert!(!updates.is_empty() && updates.iter().all(|&s| s > 0.0), "{times:?}");
+    for t in [&mut plain, &mut profiled] {
+        t.step(std::slice::from_ref(&batch)).unwrap();
+    }
+    let bits = |t: &Tensor| t.to_f32_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (want, got) = (plain.tensors().unwrap().clone(), profiled.tensors().unwrap().clone());
+    assert_eq!(want.len(), got.len());
+    for (name, t) in &want {
+        assert_eq!(bits(t), bits(&got[name]), "`{name}` after a profile");
+    }
+    let (want, got): (HashMap<String, Tensor>, HashMap<String, Tensor>) =
+        (plain.state().unwrap().into_iter().collect(), profiled.state().unwrap().into_iter().collect());
+    assert_eq!(want.len(), got.len());
+    for (name, t) in &want {
+        assert_eq!(bits(t), bits(&got[name]), "optimizer state `{name}` after a profile");
+    }
+}
