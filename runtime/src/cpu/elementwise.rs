@@ -1,8 +1,8 @@
 //! Native kernels for the cheap ops that run between projections: norms (and the fused residual
 //! add + norm), residual adds, activations, scaling, embedding gathers, an encoder's mean pool
-//! and the cached decoder's head split. Each computes what the interpreter computes for the op, with the same arithmetic
-//! (norm statistics accumulated in f64), rows split over the pool's threads when there are
-//! enough of them to pay for it.
+//! and the cached decoder's head split. Each computes what the interpreter computes for the op,
+//! with the same arithmetic (norm and pool sums accumulated in f64), rows split over the pool's
+//! threads when there are enough of them to pay for it.
 
 use super::cache::CacheBuf;
 use super::math::{layer_norm_row, rms_norm_row};

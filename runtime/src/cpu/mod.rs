@@ -1107,15 +1107,9 @@ impl CpuModel {
             return None;
         }
         let room = held.len();
-        // The smallest that fits, so that a large slot finds a large buffer after it.
-        let spare = self.spare.lock().ok().and_then(|mut spare| {
-            let (at, _) =
-                spare.iter().enumerate().filter(|(_, v)| v.capacity() >= room).min_by_key(|(_, v)| v.capacity())?;
-            Some(spare.swap_remove(at))
-        });
-        // Without one the value is copied (the first run's outputs): the slot keeps its buffer
-        // rather than growing a new one on the next run.
-        let mut fresh = spare?;
+        // Without a given-back buffer the value is copied (the first run's outputs): the slot
+        // keeps its buffer rather than growing a new one on the next run.
+        let mut fresh = self.take_spare(room)?;
         // Only the part past the spare's length is written (none where it held a value of this
         // slot's length before).
         fresh.resize(room, 0.0);
@@ -1127,20 +1121,24 @@ impl CpuModel {
         Some(out)
     }
 
-    /// `x` copied into the smallest given-back buffer with room for `room` elements, or a new
-    /// buffer with that room. A gradient copied out of its slot so (the first run's, or one
-    /// whose slot is larger than it, which no given-back buffer replaced) can take the slot's
-    /// place on the next run ([`CpuModel::take_slot`]), and a copy reuses memory already paged
-    /// in: a new buffer per step was page-faulted in, element by element's pages, every step
-    /// (GPT-2 small's training step spent ~9% of its time so).
+    /// The smallest given-back buffer with room for `room` elements (so that a large slot finds a
+    /// large buffer after it), taken out of those kept; `None` if none has.
+    fn take_spare(&self, room: usize) -> Option<Vec<f32>> {
+        let mut spare = self.spare.lock().ok()?;
+        let (at, _) =
+            spare.iter().enumerate().filter(|(_, v)| v.capacity() >= room).min_by_key(|(_, v)| v.capacity())?;
+        Some(spare.swap_remove(at))
+    }
+
+    /// `x` copied into a given-back buffer with room for `room` elements ([`CpuModel::take_spare`]),
+    /// or a new buffer with that room. A gradient copied out of its slot so (the first run's, or
+    /// one whose slot is larger than it, which no given-back buffer replaced) can take the slot's
+    /// place on the next run ([`CpuModel::take_slot`]), and the copy reuses memory already paged
+    /// in: a new buffer each step was paged in afresh every step (GPT-2 small's training step
+    /// spent ~9% of its time so).
     fn spare_copy(&self, x: &[f32], room: usize) -> Vec<f32> {
         let room = room.max(x.len());
-        let reused = self.spare.lock().ok().and_then(|mut spare| {
-            let (at, _) =
-                spare.iter().enumerate().filter(|(_, v)| v.capacity() >= room).min_by_key(|(_, v)| v.capacity())?;
-            Some(spare.swap_remove(at))
-        });
-        let mut v = reused.unwrap_or_else(|| Vec::with_capacity(room));
+        let mut v = self.take_spare(room).unwrap_or_else(|| Vec::with_capacity(room));
         v.clear();
         v.extend_from_slice(x);
         v
