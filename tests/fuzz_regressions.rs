@@ -239,3 +239,60 @@ fn deepnorm_moe_cpu_drift() {
     let tally = targets::differential::run_all(&std::fs::read(path).unwrap());
     assert!(tally.ran > 0, "the finding's runs are compared: {tally:?}");
 }
+
+/// A fixed set of seeded training cases: each drawn spec with logits trains, and every engine's
+/// step (the CPU back end's forms and wgpu's, see `targets::train`) agrees with the
+/// interpreter's loss and gradients.
+#[test]
+fn train_seeded_cases() {
+    let mut ran = 0;
+    for seed in 0..40 {
+        let data = seeded_bytes(seed);
+        let outcome = std::panic::catch_unwind(|| targets::train::run(&data));
+        let tally = outcome.unwrap_or_else(|_| panic!("training case {seed} failed (bytes: {data:?})"));
+        ran += usize::from(tally.ran);
+    }
+    assert!(ran >= 10, "only {ran} of 40 drawn specs trained");
+}
+
+/// The training target on stable Rust, as [`differential_campaign`] runs the differential one:
+/// seeded inputs for `KILN_FUZZ_SECS` seconds (default 60) from `KILN_FUZZ_SEED` on, each failing
+/// one written to `fuzz/artifacts/train/` with its message. `cargo test --release --test
+/// fuzz_regressions train_campaign -- --ignored --nocapture`.
+#[test]
+#[ignore = "a fuzzing campaign: run it on purpose"]
+fn train_campaign() {
+    let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (secs, first) = (env("KILN_FUZZ_SECS", 60), env("KILN_FUZZ_SEED", 1 << 32));
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/artifacts/train");
+    let start = std::time::Instant::now();
+    let (mut runs, mut trainable, mut ran, mut compared, mut failed) = (0, 0, 0, 0, Vec::new());
+    let mut seed = first;
+    while runs == 0 || start.elapsed().as_secs() < secs {
+        let data = seeded_bytes(seed);
+        match std::panic::catch_unwind(|| targets::train::run(&data)) {
+            Ok(t) => {
+                trainable += usize::from(t.trainable);
+                ran += usize::from(t.ran);
+                compared += t.compared;
+            }
+            Err(payload) => {
+                let message = (payload.downcast_ref::<String>().cloned())
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                std::fs::create_dir_all(&out).unwrap();
+                std::fs::write(out.join(format!("seed-{seed}")), &data).unwrap();
+                std::fs::write(out.join(format!("seed-{seed}.txt")), message).unwrap();
+                failed.push(seed);
+            }
+        }
+        runs += 1;
+        seed += 1;
+    }
+    println!(
+        "train: {runs} cases in {:.0} s (seeds {first}..{seed}): {trainable} trainable specs, {ran} steps run, \
+         {compared} engine steps compared; failed: {failed:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(failed.is_empty(), "{} failing inputs written to {}", failed.len(), out.display());
+}

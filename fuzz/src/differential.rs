@@ -55,6 +55,11 @@ static GPU: LazyLock<Option<Arc<Gpu>>> = LazyLock::new(|| {
     Gpu::new(None).ok().map(Arc::new)
 });
 
+/// The wgpu device of [`GPU`], for the other differential targets.
+pub(crate) fn gpu() -> Option<&'static Arc<Gpu>> {
+    GPU.as_ref()
+}
+
 /// `KILN_FUZZ_VERBOSE=1`: every comparison's largest difference on stderr (to judge a finding).
 static VERBOSE: LazyLock<bool> = LazyLock::new(|| std::env::var("KILN_FUZZ_VERBOSE").is_ok_and(|v| v == "1"));
 
@@ -80,7 +85,7 @@ impl SplitMix {
 }
 
 /// Decisions drawn from the fuzzer's bytes.
-struct Draw<'a, 'u> {
+pub(crate) struct Draw<'a, 'u> {
     u: &'u mut Unstructured<'a>,
     /// Integers may leave their ranges and options appear out of place.
     wild: bool,
@@ -88,7 +93,7 @@ struct Draw<'a, 'u> {
 
 impl Draw<'_, '_> {
     /// `true` with probability `n / d`; `false` once the bytes are spent.
-    fn chance(&mut self, n: u8, d: u8) -> bool {
+    pub(crate) fn chance(&mut self, n: u8, d: u8) -> bool {
         !self.u.is_empty() && self.u.ratio(n, d).unwrap_or(false)
     }
 
@@ -102,7 +107,7 @@ impl Draw<'_, '_> {
     }
 
     /// An integer in `lo..=hi`, wild or not (`lo` once the bytes are spent).
-    fn tame(&mut self, lo: u64, hi: u64) -> u64 {
+    pub(crate) fn tame(&mut self, lo: u64, hi: u64) -> u64 {
         self.u.int_in_range(lo..=hi.max(lo)).unwrap_or(lo)
     }
 
@@ -537,7 +542,7 @@ fn floor(label: &str, sensitivity: f32, cpu_drift: f32) -> f32 {
 }
 
 /// [`NUDGES`] copies of `params`, each value of each scaled by `1 ± NUDGE` (signs from `seed`).
-fn nudges(params: &HashMap<String, Tensor>, seed: u64) -> Vec<HashMap<String, Tensor>> {
+pub(crate) fn nudges(params: &HashMap<String, Tensor>, seed: u64) -> Vec<HashMap<String, Tensor>> {
     (0..NUDGES).map(|i| nudge(params, seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))).collect()
 }
 
@@ -687,7 +692,7 @@ pub fn spec(data: &[u8]) -> String {
 }
 
 /// The first decisions of an input: whether it is wild, and its spec.
-fn begin<'a, 'u>(u: &'u mut Unstructured<'a>) -> (Draw<'a, 'u>, String) {
+pub(crate) fn begin<'a, 'u>(u: &'u mut Unstructured<'a>) -> (Draw<'a, 'u>, String) {
     let wild = !u.is_empty() && u.ratio(1, 8).unwrap_or(false);
     let mut d = Draw { u, wild };
     let spec = draw_spec(&mut d);

@@ -6,6 +6,7 @@
 //! input: a panic is a bug, whatever the bytes.
 
 pub mod differential;
+pub mod train;
 
 use arbitrary::{Arbitrary, Unstructured};
 use kiln_compiler::FrontEnd;
@@ -26,13 +27,14 @@ use std::sync::LazyLock;
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets by name, for the regression runner.
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("spec", spec),
     ("safetensors", safetensors),
     ("gguf", gguf),
     ("artifact", artifact),
     ("generate", generate),
     ("differential", differential),
+    ("train", train),
 ];
 
 /// Larger graphs are only front-ended: lowering them is slow and exercises nothing new.
@@ -226,4 +228,10 @@ pub fn generate(data: &[u8]) {
 /// recomputing the whole model, on every engine.
 pub fn differential(data: &[u8]) {
     differential::run(data);
+}
+
+/// Target `train`: a spec drawn as [`differential`] draws one, its training step (loss and every
+/// tensor's gradient) on every engine, held to the interpreter's (see [`train`](mod@train)).
+pub fn train(data: &[u8]) {
+    train::run(data);
 }

@@ -1,0 +1,223 @@
+//! The training differential target: a spec drawn as the differential target draws one (see
+//! [`crate::differential`]), its training step — loss, backward, every tensor's gradient — built
+//! as `kiln train` builds it, and every engine held to the reference interpreter on one drawn
+//! batch: the CPU back end at 1 and 3 threads, its step optimized for short and for long
+//! sequences (the e-graph picks other backward forms at each) and not optimized, the step
+//! recomputing every block's activations, and wgpu one case in eight.
+//!
+//! A spec the front end accepts and whose model has logits must also be trainable: a refusal to
+//! build its training graph, or an engine refusing a step the interpreter runs, is a finding.
+
+use super::differential::{SplitMix, TOLERANCE, WGPU_DRIFT, begin, nudges};
+use arbitrary::Unstructured;
+use kiln_compiler::autodiff::{blocks, gradients_recomputing};
+use kiln_compiler::graph::Graph;
+use kiln_compiler::spec::PackDims;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors, training_graph};
+use kiln_runtime::Device;
+use kiln_runtime::train::init;
+use kiln_runtime::train::run::{StepOutput, StepRunner};
+use std::collections::HashMap;
+
+/// How a training case went, for a campaign's counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TrainTally {
+    /// The spec drawn.
+    pub spec: String,
+    /// Whether the front end accepted it and its model has logits (a step to train).
+    pub trainable: bool,
+    /// Whether the interpreter ran the step (it refuses some drawn batches: every label
+    /// ignored).
+    pub ran: bool,
+    /// The engines' steps compared with the interpreter's.
+    pub compared: usize,
+}
+
+/// The step of one engine, or why it refused.
+type Outcome = Result<StepOutput, String>;
+
+/// The training target's body: panics on a finding (an engine's loss or gradient off the
+/// interpreter's, a refusal the interpreter does not make, a trainable spec refused).
+pub fn run(data: &[u8]) -> TrainTally {
+    let mut u = Unstructured::new(data);
+    let (mut d, spec) = begin(&mut u);
+    let mut tally = TrainTally { spec: spec.clone(), ..TrainTally::default() };
+    let Ok(fe) = kiln_compiler::front_end("train.toml", &spec) else { return tally };
+    if !fe.spec.logits {
+        return tally;
+    }
+    tally.trainable = true;
+    let fail = |what: String| -> ! { panic!("training differential: {what}\n--- spec ---\n{spec}") };
+    let objective = Objective { label_smoothing: if d.chance(1, 2) { 0.0 } else { 0.1 } };
+    let dims = PackDims::of(&fe.spec);
+    let graph = match training_graph(&fe.graph, objective, &fe.spec.weights, &dims, |_| true) {
+        Ok((graph, _)) => graph,
+        Err(e) => fail(format!("the training graph of an accepted spec was refused: {e}")),
+    };
+    let mut rng = SplitMix(d.tame(0, u64::MAX));
+    let params: HashMap<String, Tensor> = match init::initialize(&fe.spec, &fe.graph) {
+        Ok(p) => p.into_iter().collect(),
+        Err(e) => fail(format!("the declared initialization failed: {e}")),
+    };
+    // Declared initializations are small; a drawn scale makes the activations larger (sharper
+    // attention, saturated activations) one case in three.
+    let scale = if d.chance(1, 3) { 1.0 + 7.0 * (rng.next_u64() % 1000) as f32 / 1000.0 } else { 1.0 };
+    let params: HashMap<String, Tensor> = params
+        .into_iter()
+        .map(|(n, t)| {
+            let v: Vec<f32> = t.to_f32_vec().iter().map(|x| x * scale).collect();
+            (n, Tensor::f32(t.shape.clone(), v))
+        })
+        .collect();
+    let vocab = fe.spec.spec.model.vocab as usize;
+    let positions = fe.spec.spec.model.max_positions.max(1) as usize;
+    let batch_size = d.tame(1, 3) as usize;
+    let seq = d.tame(2, positions.clamp(2, 24) as u64) as usize;
+    let Ok(batch) = kiln_compiler::interp::sample_inputs(&graph, vocab, batch_size, seq) else { return tally };
+    if std::env::var("KILN_FUZZ_VERBOSE").is_ok_and(|v| v == "1") {
+        eprintln!("batch {batch_size} x {seq}, parameters x {scale}, label smoothing {}", objective.label_smoothing);
+    }
+    let want = step(&Device::Interp, &graph, true, seq, &params, &batch);
+    let mut runs: Vec<(String, Outcome)> = Vec::new();
+    for threads in [1, 3] {
+        let cpu = Device::Cpu { threads };
+        runs.push((format!("cpu x{threads}"), step(&cpu, &graph, true, seq, &params, &batch)));
+    }
+    let cpu = Device::Cpu { threads: 2 };
+    runs.push(("cpu, optimized for 512 tokens".into(), step(&cpu, &graph, true, 512, &params, &batch)));
+    runs.push(("cpu, unoptimized".into(), step(&cpu, &graph, false, seq, &params, &batch)));
+    if d.chance(1, 2) {
+        match recomputing(&fe, objective, &dims) {
+            Ok(recomputed) => {
+                runs.push(("cpu, recomputing".into(), step(&cpu, &recomputed, true, seq, &params, &batch)));
+            }
+            Err(e) => fail(format!("the recomputing step was refused: {e}")),
+        }
+    }
+    // Drawn whether or not there is an adapter, so a replay takes the same decisions anywhere.
+    let on_gpu = d.chance(1, 8) || std::env::var("KILN_FUZZ_GPU").is_ok_and(|v| v == "always");
+    if let Some(gpu) = super::differential::gpu().filter(|_| on_gpu) {
+        runs.push(("wgpu".into(), step(&Device::Gpu(gpu.clone()), &graph, true, seq, &params, &batch)));
+    }
+    let want = match want {
+        Ok(w) => w,
+        Err(e) => {
+            for (label, got) in &runs {
+                if got.is_ok() {
+                    fail(format!("{label} ran a step the interpreter refused ({e})"));
+                }
+            }
+            return tally;
+        }
+    };
+    tally.ran = true;
+    // How far this model's step moves when every parameter moves by a few ulps (the
+    // interpreter's own, on nudged parameters): what rounding in another order may move it by.
+    let sensitivity: Vec<StepOutput> = nudges(&params, rng.next_u64())
+        .iter()
+        .filter_map(|nudged| step(&Device::Interp, &graph, true, seq, nudged, &batch).ok())
+        .collect();
+    // wgpu may drift further than the CPU back end, as in the differential target: up to
+    // `WGPU_DRIFT` times the CPU's largest difference on each gradient.
+    let mut cpu_drift: HashMap<String, f32> = HashMap::new();
+    for (_, got) in runs.iter().filter(|(label, _)| label.starts_with("cpu")) {
+        let Ok(got) = got else { continue };
+        for (name, w) in &want.grads {
+            if let Some(g) = got.grads.get(name) {
+                let e = distance(&w.to_f32_vec(), &g.to_f32_vec());
+                let d = cpu_drift.entry(name.clone()).or_default();
+                *d = d.max(e);
+            }
+        }
+    }
+    for (label, got) in &runs {
+        let allowed = |name: &str| match label.starts_with("wgpu") {
+            true => WGPU_DRIFT * cpu_drift.get(name).copied().unwrap_or(0.0),
+            false => 0.0,
+        };
+        match got {
+            Ok(got) => {
+                if let Some(why) = differs(&want, got, &sensitivity, allowed) {
+                    fail(format!("{label} on batch {batch_size} x {seq}: {why}"));
+                }
+                tally.compared += 1;
+            }
+            Err(e) => fail(format!("{label} refused a step the interpreter ran: {e}")),
+        }
+    }
+    tally
+}
+
+/// The step recomputing every block's activations in the backward.
+fn recomputing(fe: &kiln_compiler::FrontEnd, objective: Objective, dims: &PackDims) -> Result<Graph, String> {
+    let eval = loss_graph(&fe.graph, objective).map_err(|e| e.to_string())?;
+    let (eval, _) = on_tensors(&eval, &fe.spec.weights, dims).map_err(|e| e.to_string())?;
+    gradients_recomputing(&eval, LOSS, |_| true, &blocks(&eval)).map_err(|e| e.to_string())
+}
+
+/// One step of `graph` on `device`, optimized for `seq` tokens or not.
+fn step(
+    device: &Device,
+    graph: &Graph,
+    optimize: bool,
+    seq: usize,
+    params: &HashMap<String, Tensor>,
+    batch: &HashMap<String, Tensor>,
+) -> Outcome {
+    let mut runner = StepRunner::with_optimization(device, graph.clone(), optimize, seq).map_err(|e| e.to_string())?;
+    runner.run(params, batch, &()).map_err(|e| e.to_string())
+}
+
+/// Where `got` is not the interpreter's step `want`: the loss off by more than
+/// [`TOLERANCE`] of its size, a gradient missing, or one off by more than `10 · TOLERANCE` of the
+/// largest magnitude of that gradient (a gradient sums more products than an output) — or of a
+/// thousandth of the largest of any gradient, for a gradient that is zero but for rounding (a
+/// key norm's bias, which the softmax does not see); or, on a model that amplifies rounding,
+/// by more than `DRIFT` times as far as the interpreter's own step moves on `nudged` parameters;
+/// or by more than `allowed(gradient)`.
+fn differs(
+    want: &StepOutput,
+    got: &StepOutput,
+    nudged: &[StepOutput],
+    allowed: impl Fn(&str) -> f32,
+) -> Option<String> {
+    const DRIFT: f32 = 16.0;
+    let loss_drift = nudged.iter().fold(0.0f64, |m, n| m.max((n.loss - want.loss).abs()));
+    let loss_tolerance = (f64::from(TOLERANCE) * want.loss.abs().max(1.0)).max(f64::from(DRIFT) * loss_drift);
+    let off = (want.loss - got.loss).abs();
+    if off.is_nan() || off > loss_tolerance {
+        return Some(format!("loss {} against {}", got.loss, want.loss));
+    }
+    let largest = |t: &Tensor| t.to_f32_vec().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let floor = 1e-3 * want.grads.values().map(largest).fold(0.0f32, f32::max);
+    let mut names: Vec<&String> = want.grads.keys().collect();
+    names.sort();
+    for name in names {
+        let w = &want.grads[name];
+        let Some(g) = got.grads.get(name) else { return Some(format!("no gradient of {name}")) };
+        if g.shape != w.shape {
+            return Some(format!("the gradient of {name} is {:?}, not {:?}", g.shape, w.shape));
+        }
+        let (w, g) = (w.to_f32_vec(), g.to_f32_vec());
+        let drift = (nudged.iter().filter_map(|n| n.grads.get(name)))
+            .map(|n| distance(&w, &n.to_f32_vec()))
+            .fold(0.0f32, f32::max);
+        let scale = w.iter().fold(floor.max(1e-6), |m, x| m.max(x.abs()));
+        let err = distance(&w, &g);
+        // (`distance` is never NaN: a NaN against a number is infinitely far.)
+        if err > (10.0 * TOLERANCE * scale).max(DRIFT * drift).max(allowed(name)) {
+            return Some(format!("the gradient of {name} differs by {err:e} (its scale {scale:e}, nudged {drift:e})"));
+        }
+    }
+    None
+}
+
+/// The largest difference of two tensors' elements; a NaN where the other has a number counts as
+/// infinitely far.
+fn distance(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
+        let e = (x - y).abs();
+        if e.is_nan() && !(x.is_nan() && y.is_nan()) { f32::INFINITY } else { m.max(e) }
+    })
+}
