@@ -3,7 +3,9 @@
 //! as `kiln train` builds it, and every engine held to the reference interpreter on one drawn
 //! batch: the CPU back end at 1 and 3 threads, its step optimized for short and for long
 //! sequences (the e-graph picks other backward forms at each) and not optimized, the step
-//! recomputing every block's activations, and wgpu one case in eight.
+//! recomputing every block's activations, and wgpu one case in eight. One case in three then
+//! trains three steps of a drawn recipe (AdamW or SGD, clipping, decay, warm-up) with the
+//! interpreter and with the CPU back end, whose step is one plan updating the tensors in place.
 //!
 //! A spec the front end accepts and whose model has logits must also be trainable: a refusal to
 //! build its training graph, or an engine refusing a step the interpreter runs, is a finding.
@@ -146,7 +148,127 @@ pub fn run(data: &[u8]) -> TrainTally {
             Err(e) => fail(format!("{label} refused a step the interpreter ran: {e}")),
         }
     }
+    if d.chance(1, 3) {
+        let recipe = draw_recipe(&mut d, objective);
+        if let Err(why) = optimizer_steps(&fe, &dims, &recipe, &params, &batch) {
+            fail(format!("{why} (recipe {recipe})"));
+        }
+        tally.compared += 1;
+    }
     tally
+}
+
+/// A recipe of three optimizer steps: AdamW (clipping, decay of matrices or of every tensor,
+/// warm-up) or SGD (momentum, decay), each drawn.
+fn draw_recipe(d: &mut super::differential::Draw<'_, '_>, objective: Objective) -> String {
+    let mut r = format!(r#"{{"steps": 3, "label_smoothing": {}"#, objective.label_smoothing);
+    if d.chance(1, 3) {
+        r += r#", "optimizer": "sgd", "lr": 0.01"#;
+        if d.chance(1, 2) {
+            r += r#", "momentum": 0.9"#;
+        }
+    } else {
+        r += r#", "lr": 0.001, "betas": [0.9, 0.95]"#;
+        if d.chance(1, 2) {
+            r += r#", "decay_1d": true"#;
+        }
+    }
+    if d.chance(1, 2) {
+        r += r#", "weight_decay": 0.1"#;
+    }
+    if d.chance(1, 2) {
+        r += r#", "warmup_steps": 1"#;
+    }
+    if d.chance(1, 2) {
+        r += r#", "clip": 0.05"#;
+    }
+    r + "}"
+}
+
+/// Three steps of `recipe` on `batch` by [`Trainer`]s on the interpreter and on the CPU back end
+/// (whose step is one plan with the update in place): each step's loss and gradient norm within
+/// [`TOLERANCE`] of the interpreter's (the norm within ten times it), the optimizer's moments
+/// after within a hundredth of their scale, and the tensors within the optimizer's reach of
+/// rounding: an AdamW update moves an element by about the learning rate whatever its gradient's
+/// size, so one whose gradient is zero but for rounding (a key projection's bias) may move either
+/// way — every element within twice the steps' learning rates. Each also passes within 16 times
+/// how far the interpreter's own steps move from parameters nudged by a few ulps.
+fn optimizer_steps(
+    fe: &kiln_compiler::FrontEnd,
+    dims: &PackDims,
+    recipe: &str,
+    params: &HashMap<String, Tensor>,
+    batch: &HashMap<String, Tensor>,
+) -> Result<(), String> {
+    use kiln_compiler::train::recipe::{Format, RecipeFile};
+    use kiln_runtime::train::Trainer;
+    const DRIFT: f64 = 16.0;
+    let recipe = RecipeFile::parse(recipe, Format::Json, "recipe.json")
+        .and_then(|r| r.resolve())
+        .map_err(|e| format!("the recipe was refused: {e:?}"))?;
+    let lr = recipe.lr;
+    let trainer = |device, params: &HashMap<String, Tensor>| {
+        Trainer::new(device, &fe.graph, &fe.spec.weights, dims, recipe.clone(), params.clone())
+            .map_err(|e| e.to_string())
+    };
+    let nudged = nudges(params, 0x5eed).swap_remove(0);
+    let mut want = trainer(Device::Interp, params).map_err(|e| format!("the interpreter's trainer refused: {e}"))?;
+    let mut near = trainer(Device::Interp, &nudged).map_err(|e| format!("the interpreter's trainer refused: {e}"))?;
+    let mut got = trainer(Device::Cpu { threads: 2 }, params).map_err(|e| format!("the CPU's trainer refused: {e}"))?;
+    let batch = std::slice::from_ref(batch);
+    for step in 0..3 {
+        let (w, n) = match (want.step(batch), near.step(batch)) {
+            (Ok(w), Ok(n)) => (w, n),
+            // A step the interpreter refuses (every label ignored) the CPU must refuse too.
+            (Err(e), _) | (_, Err(e)) => {
+                return got
+                    .step(batch)
+                    .map_or(Ok(()), |_| Err(format!("the CPU ran a step the interpreter refused: {e}")));
+            }
+        };
+        let g = got.step(batch).map_err(|e| format!("the CPU refused optimizer step {step}: {e}"))?;
+        // Within the tolerance, or as far as the interpreter's own steps move from parameters
+        // nudged by a few ulps (a sensitive model's later steps move far on rounding).
+        let close = |a: f64, b: f64, moved: f64, t: f32| {
+            (a - b).abs() <= (f64::from(t) * a.abs().max(1.0)).max(DRIFT * (a - moved).abs())
+        };
+        // The norm sums every gradient: held as they are, to ten times the loss's tolerance.
+        if !close(w.loss, g.loss, n.loss, TOLERANCE) || !close(w.grad_norm, g.grad_norm, n.grad_norm, 10.0 * TOLERANCE)
+        {
+            return Err(format!(
+                "optimizer step {step}: loss {} and gradient norm {} against {} and {} (nudged: {} and {})",
+                g.loss, g.grad_norm, w.loss, w.grad_norm, n.loss, n.grad_norm
+            ));
+        }
+    }
+    let state = |t: &mut Trainer| -> Result<HashMap<String, Tensor>, String> {
+        Ok(t.state().map_err(|e| e.to_string())?.into_iter().collect())
+    };
+    let (want_state, near_state, got_state) = (state(&mut want)?, state(&mut near)?, state(&mut got)?);
+    let want = want.tensors().map_err(|e| e.to_string())?.clone();
+    let near = near.tensors().map_err(|e| e.to_string())?.clone();
+    let got = got.tensors().map_err(|e| e.to_string())?;
+    let drift = |a: Option<&Tensor>, b: &Tensor| a.map_or(0.0, |a| distance(&a.to_f32_vec(), &b.to_f32_vec()));
+    let reach = 2.0 * 3.0 * lr as f32;
+    for (name, w) in &want {
+        let g = got.get(name).ok_or_else(|| format!("the CPU's trainer lost {name}"))?;
+        let worst = distance(&w.to_f32_vec(), &g.to_f32_vec());
+        if worst > reach.max(DRIFT as f32 * drift(near.get(name), w)) {
+            return Err(format!("after three steps {name} is {worst:e} off the interpreter's"));
+        }
+    }
+    // The optimizer's moments follow the gradients, not the updates' directions: each within a
+    // hundredth of its largest magnitude (or of a thousandth of the largest moment's).
+    let largest = |t: &Tensor| t.to_f32_vec().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let floor = 1e-3 * want_state.values().map(largest).fold(0.0f32, f32::max);
+    for (name, w) in &want_state {
+        let g = got_state.get(name).ok_or_else(|| format!("the CPU's optimizer has no {name}"))?;
+        let err = distance(&w.to_f32_vec(), &g.to_f32_vec());
+        if err > (1e-2 * largest(w).max(floor)).max(DRIFT as f32 * drift(near_state.get(name), w)) {
+            return Err(format!("after three steps the optimizer's {name} is {err:e} off the interpreter's"));
+        }
+    }
+    Ok(())
 }
 
 /// The step recomputing every block's activations in the backward.
