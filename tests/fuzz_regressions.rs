@@ -92,14 +92,8 @@ fn differential_campaign() {
                 (ran, refused_runs, steps) = (ran + t.ran, refused_runs + t.refused_runs, steps + t.cached_steps);
             }
             Err(payload) => {
-                let message = (payload.downcast_ref::<String>().cloned())
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                std::fs::create_dir_all(&out).unwrap();
-                std::fs::write(out.join(format!("seed-{seed}")), &data).unwrap();
                 let spec = targets::differential::spec(&data);
-                std::fs::write(out.join(format!("seed-{seed}.txt")), format!("{message}\n--- drawn ---\n{spec}"))
-                    .unwrap();
+                keep_failure(&out, seed, &data, &format!("{}\n--- drawn ---\n{spec}", panic_message(&*payload)));
                 failed.push(seed);
             }
         }
@@ -128,9 +122,7 @@ fn differential_minimize() {
     let expect = std::env::var("KILN_FUZZ_EXPECT").unwrap_or_default();
     let failure = |data: &[u8]| match std::panic::catch_unwind(|| targets::differential::run_all(data)) {
         Ok(_) => None,
-        Err(payload) => (payload.downcast_ref::<String>().cloned())
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .filter(|m| m.contains(&expect)),
+        Err(payload) => Some(panic_message(&*payload)).filter(|m| m.contains(&expect)),
     };
     let fails = |data: &[u8]| failure(data).is_some();
     std::panic::set_hook(Box::new(|_| {}));
@@ -277,12 +269,7 @@ fn train_campaign() {
                 compared += t.compared;
             }
             Err(payload) => {
-                let message = (payload.downcast_ref::<String>().cloned())
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                std::fs::create_dir_all(&out).unwrap();
-                std::fs::write(out.join(format!("seed-{seed}")), &data).unwrap();
-                std::fs::write(out.join(format!("seed-{seed}.txt")), message).unwrap();
+                keep_failure(&out, seed, &data, &panic_message(&*payload));
                 failed.push(seed);
             }
         }
@@ -295,4 +282,19 @@ fn train_campaign() {
         start.elapsed().as_secs_f64()
     );
     assert!(failed.is_empty(), "{} failing inputs written to {}", failed.len(), out.display());
+}
+
+/// A panic's message (empty when it carried neither a `String` nor a `&str`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    (payload.downcast_ref::<String>().cloned())
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// Writes a campaign's failing input as `seed-N` in `out`, and `text` (its message) beside it as
+/// `seed-N.txt`.
+fn keep_failure(out: &Path, seed: u64, data: &[u8], text: &str) {
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::write(out.join(format!("seed-{seed}")), data).unwrap();
+    std::fs::write(out.join(format!("seed-{seed}.txt")), text).unwrap();
 }

@@ -859,21 +859,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// The dot product in f64, over eight partial sums (as [`sum_of`] sums).
-#[inline(always)]
-fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let (ca, ra) = a.as_chunks::<8>();
-    let (cb, rb) = b.as_chunks::<8>();
-    for (x, y) in ca.iter().zip(cb) {
-        for i in 0..8 {
-            acc[i] += f64::from(x[i]) * f64::from(y[i]);
-        }
-    }
-    let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
-    acc.iter().sum::<f64>() + tail
-}
-
 /// The largest element (NaNs passed over, as `f32::max` does), with sixteen running maxima so the
 /// reduction is not one serial chain; a compare and select, which compiles to one `vmaxps` a
 /// vector (`f32::max`'s NaN handling costs two more). The maxima are folded in halves (a tree of
@@ -1158,7 +1143,7 @@ impl Rows<'_> {
                 // Under a sharp softmax `dp - dot` cancels nearly to zero; in f32 the step's key
                 // and query gradients drifted 0.5% from the interpreter's on a model whose own
                 // rounding moved them by 3e-6 (the `train` fuzz target, 2026-11-28).
-                let dot = dot_f64(row, grad);
+                let dot = super::math::dot_f64(row, grad);
                 let scale = g.scale;
                 let softmax_grad = |dp: f32, p: f32| (f64::from(p) * (f64::from(dp) - dot)) as f32;
                 match g.mods.softcap {

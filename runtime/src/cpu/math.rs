@@ -800,17 +800,25 @@ dispatch! {
     fn norm_gain_row = norm_gain_rows_generic(acc: &mut [f64], row: &[f32], dy: &[f32], mean: f64, r: f64);
 }
 
+/// The dot product of `a` and `b` (over the shorter) in f64: eight running sums over the
+/// elements in turn, as [`sum_f64`] sums, then the rest. A softmax's gradient takes its
+/// `sum(y * dy)` so, as the interpreter does (`dy - sum` cancels under a sharp softmax).
 #[inline(always)]
-fn softmax_grad_row_generic(o: &mut [f32], y: &[f32], dy: &[f32]) {
+pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     let mut lanes = [0.0f64; 8];
-    let (yc, dc) = (y.chunks_exact(8), dy.chunks_exact(8));
-    let rest: f64 = yc.remainder().iter().zip(dc.remainder()).map(|(&y, &d)| f64::from(y) * f64::from(d)).sum();
-    for (y, d) in yc.zip(dc) {
-        for ((s, &y), &d) in lanes.iter_mut().zip(y).zip(d) {
-            *s += f64::from(y) * f64::from(d);
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f64 = ac.remainder().iter().zip(bc.remainder()).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+    for (a, b) in ac.zip(bc) {
+        for ((s, &a), &b) in lanes.iter_mut().zip(a).zip(b) {
+            *s += f64::from(a) * f64::from(b);
         }
     }
-    let dot = lanes.iter().sum::<f64>() + rest;
+    lanes.iter().sum::<f64>() + rest
+}
+
+#[inline(always)]
+fn softmax_grad_row_generic(o: &mut [f32], y: &[f32], dy: &[f32]) {
+    let dot = dot_f64(y, dy);
     for ((o, &y), &dy) in o.iter_mut().zip(y).zip(dy) {
         *o = (f64::from(y) * (f64::from(dy) - dot)) as f32;
     }
