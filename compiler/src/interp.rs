@@ -1309,6 +1309,10 @@ fn eval<V: Value>(ctx: Ctx, op: &Op, a: &[&V], shape: Vec<usize>) -> R<V> {
             }
             y
         }
+        Op::MatMulActGrad { act, transpose_b } => {
+            let y = eval(ctx, &Op::MatMul { transpose_b: *transpose_b }, &[a[0], a[1]], shape.clone())?;
+            eval(ctx, &Op::ActGrad(*act), &[a[2], &y], shape)?
+        }
         Op::SumRows => {
             // The leading axes summed first to last (its shape rule gives it at least one).
             let mut sp = a[0].shape().get(1..).unwrap_or_default().to_vec();

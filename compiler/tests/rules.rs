@@ -907,6 +907,31 @@ fn weight_grad_rows() {
     assert!(!ops(&opt).iter().any(|o| o == "sum_axis" || o == "permute"), "{:?}", ops(&opt));
 }
 
+/// An activation's gradient at the product that brings it the upstream gradient (`act'(h) *
+/// (dy @ W)`, the input gradient of the projection the activation feeds, `W` read as stored or
+/// transposed) becomes that product with the derivative as its epilogue, for every activation.
+#[test]
+fn act_grad_epilogue() {
+    for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
+        for transpose_b in [false, true] {
+            let mut g = Graph::new("t");
+            let x = input(&mut g);
+            let w1 = g.param("w1", &[6, D]);
+            let h = g.add(Op::MatMul { transpose_b: true }, &[x, w1]).unwrap();
+            let dy = g.add(Op::Act(Activation::Silu), &[x]).unwrap();
+            let w2 = g.param("w2", if transpose_b { &[6, D] } else { &[D, 6] });
+            let dh = g.add(Op::MatMul { transpose_b }, &[dy, w2]).unwrap();
+            let dx = g.add(Op::ActGrad(act), &[h, dh]).unwrap();
+            g.outputs.push(("dx".into(), dx));
+            let rule = if transpose_b { "act-grad-epilogue-t" } else { "act-grad-epilogue" };
+            let opt = check(rule, &g);
+            let fused = Op::MatMulActGrad { act, transpose_b }.name();
+            assert!(ops(&opt).contains(&fused), "{fused}: {:?}", ops(&opt));
+            assert!(!ops(&opt).iter().any(|o| o.ends_with("_grad") && *o != fused), "{:?}", ops(&opt));
+        }
+    }
+}
+
 /// A bias's gradient as autodiff builds it — the upstream gradient summed over the batch, then
 /// the sequence, the kept axes reshaped away — becomes one sum over every row.
 #[test]

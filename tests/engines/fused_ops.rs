@@ -1301,7 +1301,8 @@ fn spread_params(g: &Graph) -> HashMap<String, Tensor> {
 }
 
 /// The ops a training step adds (matrix products of activations, in both layouts, one matrix or
-/// a stack of them on the right; sums over each axis; every activation's derivative): the CPU
+/// a stack of them on the right, and with an activation's gradient as their epilogue; sums over
+/// each axis; every activation's derivative): the CPU
 /// backend's native kernels agree with the interpreter, on one thread and on three.
 #[test]
 fn training_ops_on_the_cpu_equal_the_interpreter() {
@@ -1327,6 +1328,23 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
         add(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[("x", &[4, 33]), ("dy", &[4, 33])]);
     }
     add(&mut g, "grad.long", Op::ActGrad(Activation::GeluTanh), &[("x", &[3, 7000]), ("dy", &[3, 7000])]);
+    // Products with an activation's gradient as their epilogue, both layouts of `b`, every
+    // activation; and one whose output spans several of the epilogue's tasks, the last short.
+    for (t, transpose_b) in [false, true].into_iter().enumerate() {
+        let b: &[usize] = if transpose_b { &[5, 7] } else { &[7, 5] };
+        for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
+            let op = Op::MatMulActGrad { act, transpose_b };
+            add(
+                &mut g,
+                &format!("matmul{t}.{}_grad", act.name()),
+                op,
+                &[("a", &[2, 3, 4, 7]), ("b", b), ("x", &[2, 3, 4, 5])],
+            );
+        }
+        let b: &[usize] = if transpose_b { &[300, 7] } else { &[7, 300] };
+        let op = Op::MatMulActGrad { act: Activation::Gelu, transpose_b };
+        add(&mut g, &format!("matmul{t}.gelu_grad.long"), op, &[("a", &[3, 41, 7]), ("b", b), ("x", &[3, 41, 300])]);
+    }
     // A bias's gradient over rows in several of the kernel's fixed chunks, the last one short.
     add(&mut g, "sum_rows.chunks", Op::SumRows, &[("x", &[3, 300, 70])]);
     // A norm's gain gradient over rows wider than a block of columns.
@@ -1387,8 +1405,9 @@ fn training_ops_on_the_cpu_equal_the_interpreter() {
 /// The ops a training step adds, on wgpu (plainly, and over buffers of 64 floats, where the
 /// tensors are split and the chunked kernel variants run) against the interpreter: matrix
 /// products of activations in both layouts (in both block forms of the tiled kernel, and with the
-/// contraction split in slices), sums over each axis and over every row (a bias's gradient, over
-/// rows in several chunks too), every activation's derivative,
+/// contraction split in slices; and with an activation's gradient as their epilogue), sums over
+/// each axis and over every row (a bias's gradient, over rows in several chunks too), every
+/// activation's derivative,
 /// `rsqrt`, and the backward ops — the norms' (their gain gradients over few rows and over rows
 /// in several chunks: the two-dispatch form, `partials`, and chunked the one-dispatch form), the
 /// gather's (rows of `dy` added by id, repeated ids among them), the cross-entropy and its
@@ -1451,9 +1470,10 @@ fn assert_splits(model: &GpuModel, options: &kiln_compiler::back::wgsl::Options)
         assert_eq!(combine.is_some(), dims[8] > 1, "{}: {dims:?}", step.scope);
         split += usize::from(combine.is_some());
     }
-    // `matmul{0,1}.split`, `matmul0.split.shared` and `contract_rows.split` (a product by a
-    // shared transposed `b`, `matmul1.split.shared`, is lowered to a projection).
-    assert!(split >= 4, "{split} products split");
+    // `matmul{0,1}.split`, `matmul0.split.shared`, `contract_rows.split` (a product by a shared
+    // transposed `b`, `matmul1.split.shared`, is lowered to a projection) and
+    // `matmul{0,1}.gelu_grad.split`.
+    assert!(split >= 6, "{split} products split");
 }
 
 /// [`training_ops_on_wgpu_equal_the_interpreter`]'s graph, its parameters and its inputs: rows
@@ -1516,6 +1536,14 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let x = g.param(&format!("grad.{}.x", act.name()), &[4, w]);
         let dy = g.param(&format!("grad.{}.dy", act.name()), &[4, w]);
         out(&mut g, &format!("grad.{}", act.name()), Op::ActGrad(act), &[x, dy]);
+        // The product with the derivative as its epilogue, `b` in both layouts.
+        for (t, transpose_b) in [false, true].into_iter().enumerate() {
+            let a = g.param(&format!("matmul{t}.{}_grad.a", act.name()), &[2, 3, 4, w]);
+            let b = g.param(&format!("matmul{t}.{}_grad.b", act.name()), &if transpose_b { [5, w] } else { [w, 5] });
+            let x = g.param(&format!("matmul{t}.{}_grad.x", act.name()), &[2, 3, 4, 5]);
+            let op = Op::MatMulActGrad { act, transpose_b };
+            out(&mut g, &format!("matmul{t}.{}_grad", act.name()), op, &[a, b, x]);
+        }
     }
     let x = g.param("rsqrt.x", &[3, w]);
     let x = positive(&mut g, x);
@@ -1581,6 +1609,19 @@ fn training_ops(wide: bool) -> (Graph, HashMap<String, Tensor>, HashMap<String, 
         let a = g.param("contract_rows.split.a", &[2, 700, 40]);
         let b = g.param("contract_rows.split.b", &[2, 700, 45]);
         out(&mut g, "contract_rows.split", Op::ContractRows, &[a, b]);
+        // The product with an activation's gradient in its epilogue: over several blocks, in the
+        // wide form, and split (the derivative applied where the slices are added).
+        for (t, transpose_b) in [false, true].into_iter().enumerate() {
+            for (form, [batches, m, k, n]) in
+                [("blocks", [3, 70, w, 45]), ("wide", [8, 400, w, 330]), ("split", [3, 37, 1000, 45])]
+            {
+                let name = format!("matmul{t}.gelu_grad.{form}");
+                let a = g.param(&format!("{name}.a"), &[batches, m, k]);
+                let b = g.param(&format!("{name}.b"), &if transpose_b { [n, k] } else { [k, n] });
+                let x = g.param(&format!("{name}.x"), &[batches, m, n]);
+                out(&mut g, &name, Op::MatMulActGrad { act: Activation::Gelu, transpose_b }, &[a, b, x]);
+            }
+        }
     }
 
     // Ids and labels are inputs `[batch, seq]`; `dy` and the logits are rows gathered by

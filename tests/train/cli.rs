@@ -550,9 +550,11 @@ fn check_counts_a_training_step_and_inspect_shows_it() {
         "{wgsl}"
     );
     let optimized = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stage", "optimized"]);
-    assert!(optimized.contains("contract_rows"), "the optimized step has no contract_rows:\n{optimized}");
+    for op in ["contract_rows", "matmul_gelu_grad"] {
+        assert!(optimized.contains(op), "the optimized step has no {op}:\n{optimized}");
+    }
     let stats = ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--stats", "--explain"]);
-    assert!(stats.contains("weight-grad-rows"), "{stats}");
+    assert!(stats.contains("weight-grad-rows") && stats.contains("act-grad-epilogue"), "{stats}");
     // The HTML report of the step: its graph before and after, the backward's ops among them.
     let page = scratch("train-html").join("step.html");
     ok(&["inspect", spec.to_str().unwrap(), "--graph", "train", "--html", page.to_str().unwrap()]);

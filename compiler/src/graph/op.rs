@@ -714,6 +714,18 @@ pub enum Op {
     /// upstream gradient summed over every row, in one pass where the composition runs a sum per
     /// axis (on a GPU the last a thread per column walking every row).
     SumRows,
+    /// A product with an activation's gradient as its epilogue: `(a f32[.., m, k], b, x f32[..,
+    /// m, n]) -> [.., m, n]`, `act_grad(x, matmul(a, b))` — `(a @ b) * act'(x)`, `b` as
+    /// [`Op::MatMul`] reads it (`[k, n]`, or `[n, k]` with `transpose_b`). The input gradient of
+    /// the projection an activation feeds (`dy @ W`, times the activation's derivative at the
+    /// projection's pre-activation output) with the derivative applied to each output element as
+    /// the product writes it, where the composition writes the product and then reads it again.
+    MatMulActGrad {
+        /// The activation whose derivative scales the product.
+        act: Activation,
+        /// `b` is `[n, k]`, read transposed.
+        transpose_b: bool,
+    },
     /// A projection with its prologue and epilogue:
     /// `rope(act(norm(x) @ w^T + bias)) + residual`, operands
     /// `(x [.., k][, gain [k][, norm_bias [k]]], w [m, k][, bias [m]][, residual [.., n]])`.
@@ -910,6 +922,9 @@ impl Op {
             Op::TopKGrad { .. } => "top_k_grad".into(),
             Op::ContractRows => "contract_rows".into(),
             Op::SumRows => "sum_rows".into(),
+            Op::MatMulActGrad { act, transpose_b } => {
+                format!("matmul{}_{}_grad", if *transpose_b { "_t" } else { "" }, act.name().replace('-', "_"))
+            }
             Op::SquareSums => "square_sums".into(),
             Op::ClipScale { .. } => "clip_scale".into(),
             Op::AdamW { .. } => "adamw".into(),

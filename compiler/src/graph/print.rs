@@ -373,7 +373,7 @@ pub fn matmul_flops(g: &Graph, seq: usize) -> f64 {
         let shape = |i: usize| operands.get(i).map(|&o| g.g[o].shape.as_slice()).unwrap_or(&[]);
         let out = node.shape.as_slice();
         flops += match &node.op {
-            Op::MatMul { .. } => 2.0 * elements(out) * last(shape(0)),
+            Op::MatMul { .. } | Op::MatMulActGrad { .. } => 2.0 * elements(out) * last(shape(0)),
             Op::Linear { glu, .. } => {
                 let rows = elements(out) / last(out).max(1.0);
                 let m = if *glu { 2.0 } else { 1.0 } * last(out);

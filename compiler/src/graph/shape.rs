@@ -737,6 +737,15 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), St
                 )),
             }
         }
+        Op::MatMulActGrad { transpose_b, .. } => {
+            arity(3)?;
+            let (product, _) = infer(&Op::MatMul { transpose_b: *transpose_b }, &operands[..2])?;
+            let x = float(2)?;
+            if *x != product {
+                return Err(format!("x must have the product's shape {}, is {}", fmt_shape(&product), fmt_shape(x)));
+            }
+            Ok((product, DType::F32))
+        }
         Op::SumRows => {
             arity(1)?;
             let x = float(0)?;

@@ -104,6 +104,8 @@ impl CostModel {
         let last = |s: &Shape| s.last().map(|d| self.elements(&vec![*d])).unwrap_or(1.0);
         let flops = match op {
             Op::MatMul { .. } => 2.0 * self.elements(out) * operands.first().map_or(1.0, |s| last(s)),
+            // The product, and the derivative at each of its outputs.
+            Op::MatMulActGrad { .. } => self.elements(out) * (2.0 * operands.first().map_or(1.0, |s| last(s)) + 1.0),
             Op::Linear { norm, glu, .. } => {
                 let k = operands.first().map_or(1.0, |s| last(s));
                 let rows = self.elements(out) / last(out).max(1.0);

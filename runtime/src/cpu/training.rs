@@ -1,5 +1,6 @@
 //! Native kernels for the ops a training step adds to a forward pass: batched matrix products
-//! (activations times activations, and the products of a backward pass), a weight's gradient over
+//! (activations times activations, and the products of a backward pass, with an activation's
+//! gradient applied over the output where the optimizer fused it), a weight's gradient over
 //! every row, sums over an axis (a gradient reduced over the axes its operand was broadcast
 //! along) and over every row (a bias's gradient), activation derivatives, the loss and its
 //! gradient; and the ops a training step keeps unfused, which inference runs inside fused kernels
@@ -16,6 +17,9 @@ use rayon::prelude::*;
 /// Elements handed to one task at least by the elementwise kernels.
 const MIN_ELEMENTS: usize = 1 << 14;
 
+/// Elements of a product's output its activation-gradient epilogue stages at a time.
+const EPILOGUE: usize = 256;
+
 /// Columns of a sum handed to one task when the kept rows are too few to split the work.
 const COLUMNS: usize = 256;
 
@@ -27,50 +31,28 @@ pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, t
         Ok((s.as_slice(), a.f32("an operand")?))
     };
     match op {
-        // A right-hand matrix read in place from a parameter stored transposed (a weight view,
-        // `b[i][j] = data[j * ld + i]`): the one product of all the rows, by strides.
-        Op::MatMul { transpose_b } if matches!(args.get(1), Some((_, Arg::Transposed { .. }))) => {
-            let (sa, a) = operand(0)?;
-            let Some((sb, Arg::Transposed { data, ld })) = args.get(1) else { return Ok(false) };
-            let (Some((batch, m, k)), &[r0, r1]) = (matrices(sa), sb.as_slice()) else {
-                return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
-            };
-            // `b` [r0, r1]: element (i, j) at `data[j * ld + i]`; the right-hand side is `b`, or
-            // `b^T` for `matmul_t`, as (column, row) strides of a `k x n` matrix.
-            let (kb, n, strides) = if *transpose_b { (r1, r0, (1, *ld)) } else { (r0, r1, (*ld, 1)) };
-            let y = out.get();
-            if kb != k || y.len() != batch * m * n || a.len() != batch * m * k {
-                return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
-            }
-            gemm_rhs_strided(batch * m, n, k, a, data, strides, y, threads);
-            Ok(true)
-        }
-        Op::MatMul { transpose_b } => {
-            let ((sa, a), (sb, b)) = (operand(0)?, operand(1)?);
-            let (Some((batch, m, k)), Some((b_batch, r0, r1))) = (matrices(sa), matrices(sb)) else {
-                return Ok(false);
-            };
-            let (kb, n) = if *transpose_b { (r1, r0) } else { (r0, r1) };
-            if kb != k {
+        Op::MatMul { transpose_b } => product(*transpose_b, args, out, threads),
+        Op::MatMulActGrad { act, transpose_b } => {
+            let (_, x) = operand(2)?;
+            if !product(*transpose_b, args, out, threads)? {
                 return Ok(false);
             }
             let y = out.get();
-            if y.len() != batch * m * n || a.len() != batch * m * k {
-                return Ok(false);
+            if x.len() != y.len() {
+                return Err(CpuError::Operands(format!("{} of {} outputs by x of {}", op.name(), y.len(), x.len())));
             }
-            // `gemm_f32`'s `transposed` says the right-hand side is stored `[k, n]`.
-            let stored_kn = !*transpose_b;
-            if b_batch == 1 {
-                // One weight for every batch: one product of all the rows.
-                gemm_f32(batch * m, n, k, a, b, stored_kn.then_some(n), y, threads);
-            } else if b_batch == batch && b.len() == batch * k * n {
-                y.par_chunks_mut((m * n).max(1))
-                    .zip(a.par_chunks((m * k).max(1)))
-                    .zip(b.par_chunks((k * n).max(1)))
-                    .for_each(|((y, a), b)| gemm_f32(m, n, k, a, b, stored_kn.then_some(n), y, 1));
-            } else {
-                return Ok(false);
-            }
+            // The derivative over the product's output in place, each task's elements staged
+            // through a buffer of `EPILOGUE` (the derivative's kernel reads its upstream gradient
+            // and writes its result through distinct slices), in the same arithmetic as
+            // `Op::ActGrad` on the product.
+            y.par_chunks_mut(MIN_ELEMENTS).zip(x.par_chunks(MIN_ELEMENTS)).for_each(|(y, x)| {
+                let mut dy = [0.0f32; EPILOGUE];
+                for (y, x) in y.chunks_mut(EPILOGUE).zip(x.chunks(EPILOGUE)) {
+                    let dy = &mut dy[..y.len()];
+                    dy.copy_from_slice(y);
+                    super::math::backward(*act, x, dy, y);
+                }
+            });
             Ok(true)
         }
         Op::ContractRows => {
@@ -567,6 +549,58 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32])
             }
         }
     });
+    Ok(true)
+}
+
+/// `y = a @ b` (`b` transposed with `transpose_b`) for [`Op::MatMul`]'s operands, natively where
+/// the layouts allow: `Ok(false)` leaves the product to the interpreter.
+fn product(transpose_b: bool, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, threads: usize) -> R<bool> {
+    let operand = |i: usize| -> R<(&[usize], &[f32])> {
+        let (s, a) = args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?;
+        Ok((s.as_slice(), a.f32("an operand")?))
+    };
+    // A right-hand matrix read in place from a parameter stored transposed (a weight view,
+    // `b[i][j] = data[j * ld + i]`): the one product of all the rows, by strides.
+    if let Some((sb, Arg::Transposed { data, ld })) = args.get(1) {
+        let (sa, a) = operand(0)?;
+        let (Some((batch, m, k)), &[r0, r1]) = (matrices(sa), sb.as_slice()) else {
+            return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
+        };
+        // `b` [r0, r1]: element (i, j) at `data[j * ld + i]`; the right-hand side is `b`, or
+        // `b^T` for `matmul_t`, as (column, row) strides of a `k x n` matrix.
+        let (kb, n, strides) = if transpose_b { (r1, r0, (1, *ld)) } else { (r0, r1, (*ld, 1)) };
+        let y = out.get();
+        if kb != k || y.len() != batch * m * n || a.len() != batch * m * k {
+            return Err(CpuError::Operands(format!("a product of {sa:?} by a weight view {sb:?}")));
+        }
+        gemm_rhs_strided(batch * m, n, k, a, data, strides, y, threads);
+        return Ok(true);
+    }
+    let ((sa, a), (sb, b)) = (operand(0)?, operand(1)?);
+    let (Some((batch, m, k)), Some((b_batch, r0, r1))) = (matrices(sa), matrices(sb)) else {
+        return Ok(false);
+    };
+    let (kb, n) = if transpose_b { (r1, r0) } else { (r0, r1) };
+    if kb != k {
+        return Ok(false);
+    }
+    let y = out.get();
+    if y.len() != batch * m * n || a.len() != batch * m * k {
+        return Ok(false);
+    }
+    // `gemm_f32`'s `transposed` says the right-hand side is stored `[k, n]`.
+    let stored_kn = !transpose_b;
+    if b_batch == 1 {
+        // One weight for every batch: one product of all the rows.
+        gemm_f32(batch * m, n, k, a, b, stored_kn.then_some(n), y, threads);
+    } else if b_batch == batch && b.len() == batch * k * n {
+        y.par_chunks_mut((m * n).max(1))
+            .zip(a.par_chunks((m * k).max(1)))
+            .zip(b.par_chunks((k * n).max(1)))
+            .for_each(|((y, a), b)| gemm_f32(m, n, k, a, b, stored_kn.then_some(n), y, 1));
+    } else {
+        return Ok(false);
+    }
     Ok(true)
 }
 

@@ -92,9 +92,10 @@ pub fn write(plan: &Plan) -> Program {
 }
 
 /// Whether operand `i` of `op` may be a [`WeightView`]: a projection's weight, or the right-hand
-/// matrix of a product (an input's gradient, `dy @ W`, reads the forward's weight so).
+/// matrix of a product (an input's gradient, `dy @ W`, reads the forward's weight so, with an
+/// activation's gradient after it or not).
 pub fn reads_as_weight(op: &Op, i: usize) -> bool {
-    op.linear_weight() == Some(i) || (matches!(op, Op::MatMul { .. }) && i == 1)
+    op.linear_weight() == Some(i) || (matches!(op, Op::MatMul { .. } | Op::MatMulActGrad { .. }) && i == 1)
 }
 
 /// The projection weights read from a parameter stored `[k, n]` (see [`WeightView`]) and the

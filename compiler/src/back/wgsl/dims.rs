@@ -128,7 +128,7 @@ fn dims_of(
             }
             d
         }
-        Op::MatMul { transpose_b } => {
+        Op::MatMul { transpose_b } | Op::MatMulActGrad { transpose_b, .. } => {
             let (a, b) = (operand(0)?, operand(1)?);
             let (m, k) = (from_end(a, 2)?, from_end(a, 1)?);
             let n = if *transpose_b { from_end(b, 2)? } else { from_end(b, 1)? };

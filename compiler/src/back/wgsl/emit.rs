@@ -166,7 +166,7 @@ pub(super) fn activation(act: Activation, x: &str) -> String {
 
 /// Statements declaring `dact`, the derivative of `act` at `x`
 /// ([`crate::semantics::activation_derivative`], in f32).
-fn activation_derivative(act: Activation) -> &'static str {
+pub(super) fn activation_derivative(act: Activation) -> &'static str {
     match act {
         Activation::Relu => "let dact = select(0.0, 1.0, x > 0.0);",
         Activation::Gelu => {
@@ -289,7 +289,7 @@ pub(super) fn body(op: &Op, operands: usize) -> Option<String> {
             )
         }
         // A workgroup per block of the output (`gemm`).
-        Op::ContractRows | Op::MatMul { .. } => super::gemm::body(op, false),
+        Op::ContractRows | Op::MatMul { .. } | Op::MatMulActGrad { .. } => super::gemm::body(op, false),
         // `dy`'s rows (the first `dim(1)` elements), then zeros.
         Op::TruncateGrad => format!("{SHAPE_ONLY}if (i < dim(1u)) {{ out[i] = in1[i]; }} else {{ out[i] = 0.0; }}"),
         // One thread per row, selecting as [`Op::TopK`] does. Renormalized, the kept entries are

@@ -1,4 +1,6 @@
-//! Tiled matrix products of two activations: [`Op::MatMul`] (batched, `b` transposed or not) and
+//! Tiled matrix products of two activations: [`Op::MatMul`] (batched, `b` transposed or not),
+//! [`Op::MatMulActGrad`] (the same product, each output element times an activation's derivative
+//! at the same element of a third operand as it is stored: the epilogue) and
 //! [`Op::ContractRows`] (a weight's gradient, `aᵀ b` summed over every row).
 //!
 //! One workgroup of [`LANES`] lanes computes a [`TILE`] x [`TILE`] block of the output (or, for
@@ -32,7 +34,7 @@
 //! eight (the loads per product halve the FMAs' share of a GPU's issue slots otherwise); the
 //! arithmetic is the same.
 
-use super::emit::indent;
+use super::emit::{activation_derivative, indent};
 use crate::graph::Op;
 
 /// Lanes of a workgroup: the cooperative kernels' (`emit::WORKGROUP`, asserted equal there).
@@ -56,13 +58,29 @@ const _: () =
 
 /// Whether `op` runs as a tiled product here.
 pub fn tiled(op: &Op) -> bool {
-    matches!(op, Op::MatMul { .. } | Op::ContractRows)
+    matches!(op, Op::MatMul { .. } | Op::MatMulActGrad { .. } | Op::ContractRows)
 }
 
-/// The workgroup memory of a tiled kernel (module scope), sized for the wide form's slices.
-pub fn declarations() -> String {
+/// The workgroup memory of a tiled kernel (module scope), sized for the wide form's slices; and
+/// for a product with an activation's gradient, the derivative as a function (`dact_`), which
+/// each of a lane's stores calls.
+pub fn declarations(op: &Op) -> String {
     let n = WIDE_TILE * TILE_K / 4;
-    format!("var<workgroup> tile_a: array<vec4<f32>, {n}>;\nvar<workgroup> tile_b: array<vec4<f32>, {n}>;\n")
+    let mut s =
+        format!("var<workgroup> tile_a: array<vec4<f32>, {n}>;\nvar<workgroup> tile_b: array<vec4<f32>, {n}>;\n");
+    if let Op::MatMulActGrad { act, .. } = op {
+        s += &format!("fn dact_(x: f32) -> f32 {{\n{}    return dact;\n}}\n", indent(activation_derivative(*act)));
+    }
+    s
+}
+
+/// The value a product stores for its element `o` (WGSL expressions): the sum itself, or for
+/// [`Op::MatMulActGrad`] the sum times the activation's derivative at `x`'s element `o` (`in2`).
+fn epilogue(op: &Op, sum: &str, o: &str) -> String {
+    match op {
+        Op::MatMulActGrad { .. } => format!("{sum} * dact_(in2[{o}])"),
+        _ => sum.to_string(),
+    }
 }
 
 /// How a tiled product runs for an `m` x `n` output in `batches` batches, contracting `k`: see
@@ -152,8 +170,9 @@ pub fn body(op: &Op, partials: bool) -> String {
         true => format!(
             "if (dim(15u) == 2u) {{\n    let total = dim(7u) * dim(1u) * dim(2u);\n    let e = wg * {LANES}u + lane;\n    \
              if (e < total) {{\n        var t = 0.0;\n        \
-             for (var s = 0u; s < dim(8u); s = s + 1u) {{ t = t + part[s * total + e]; }}\n        out[e] = t;\n    }}\n\
+             for (var s = 0u; s < dim(8u); s = s + 1u) {{ t = t + part[s * total + e]; }}\n        out[e] = {};\n    }}\n\
              }} else {{\n{}}}",
+            epilogue(op, "t", "e"),
             indent(&forms)
         ),
         false => forms,
@@ -175,7 +194,7 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
     );
     // Each operand's element as `(row, kk)` of `a` and `(kk, col)` of `b`.
     let (setup, a, b) = match op {
-        Op::MatMul { transpose_b } => (
+        Op::MatMul { transpose_b } | Op::MatMulActGrad { transpose_b, .. } => (
             "let a0 = bi * m * k;\nlet b0 = select(0u, bi * k * n, dim(4u) == 1u);\nlet o0 = bi * m * n;\n",
             Operand { index: "a0 + row * k + kk", contiguous_cols: true },
             match transpose_b {
@@ -263,12 +282,14 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
         for c in 0..per {
             let value = format!("acc[{}].{}", r * quads + c / 4, ["x", "y", "z", "w"][c % 4]);
             let o = format!("o0 + row{r} * n + col{c}");
+            // A split product's slices store their partial sums; the epilogue is the combine's.
             let store = match partials {
                 true => format!(
                     "let o = {o}; if (dim(15u) == 1u) {{ part[slice * batches * m * n + o] = {value}; }} \
-                     else {{ out[o] = {value}; }}"
+                     else {{ out[o] = {}; }}",
+                    epilogue(op, &value, "o")
                 ),
-                false => format!("out[{o}] = {value};"),
+                false => format!("let o = {o}; out[o] = {};", epilogue(op, &value, "o")),
             };
             stores += &format!("if (row{r} < m && col{c} < n) {{ {store} }}\n");
         }

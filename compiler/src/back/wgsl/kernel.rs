@@ -299,7 +299,7 @@ fn entry(
             s += &projection::unit_fn(op);
         }
         if super::gemm::tiled(op) {
-            s += &super::gemm::declarations();
+            s += &super::gemm::declarations(op);
         }
         if super::emit::transposes(op) {
             let side = super::emit::TRANSPOSE_TILE;
@@ -623,6 +623,9 @@ mod tests {
         ];
         for act in [Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
             ops.push((Op::ActGrad(act), vec![f, f]));
+            for transpose_b in [false, true] {
+                ops.push((Op::MatMulActGrad { act, transpose_b }, vec![f, f, f]));
+            }
         }
         for (smoothing, ignore_index) in [(0.0, -100), (0.1, 0), (0.0, i64::MIN)] {
             let smoothing = Scalar(smoothing);
@@ -671,12 +674,16 @@ mod tests {
             assert_eq!(plain.contains("var<storage, read_write> part"), partials, "{}: {plain}", op.name());
             let split = kernel(&op, &inputs, f, None, &Options::hardware()).unwrap();
             super::super::validate(&split).unwrap_or_else(|e| panic!("{} {}: {e}\n{split}", op.name(), op.attrs()));
-            let partials = partials || matches!(op, Op::ContractRows);
+            let partials = partials || matches!(op, Op::ContractRows | Op::MatMulActGrad { .. });
             assert_eq!(split.contains("var<storage, read_write> part"), partials, "{}: {split}", op.name());
             assert!(!chunked.contains("part"), "{}: {chunked}", op.name());
             assert_eq!(plain.contains("fn row_sum"), reduces, "{}: {plain}", op.name());
             assert_eq!(sub.contains("subgroupAdd(v)"), reduces, "{}: {sub}", op.name());
             assert!(!chunked.contains("out[") && !chunked.contains("in0["), "{}: {chunked}", op.name());
+            // A product's activation gradient is applied as each element is stored.
+            if matches!(op, Op::MatMulActGrad { .. }) {
+                assert!(plain.contains("* dact_(in2[o])") && chunked.contains("* dact_(ld2(o))"), "{plain}\n{chunked}");
+            }
         }
     }
 

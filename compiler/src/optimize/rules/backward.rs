@@ -6,7 +6,8 @@
 //! as one product over the stacked gradients, for the weight and for the input; a tied table's
 //! two gradients summed by the gather's gradient as it scatters; a bias's gradient, the upstream
 //! gradient summed over the batch and then the sequence (a sum per axis, the kept axes reshaped
-//! away), as one sum over every row.
+//! away), as one sum over every row; an activation's gradient applied to the product that
+//! brings the upstream gradient to it, as that product's epilogue.
 
 use super::*;
 use egg::rewrite as rw;
@@ -91,6 +92,15 @@ fn is_gather_grad_of_shape(egraph: &mut KGraph, _: Id, subst: &Subst) -> bool {
     grad && s.is_some() && s == t
 }
 
+/// `?o` is an activation's gradient and the product's right-hand side `?w` a matrix: `?f`, the
+/// product with the derivative as its epilogue ([`Op::MatMulActGrad`]), reading `?w` as the
+/// product did (`transpose_b`).
+fn act_grad_of_product(egraph: &KGraph, s: &Subst, transpose_b: bool) -> Option<Vec<(&'static str, AttrValue)>> {
+    let Some(Op::ActGrad(act)) = op_of(egraph, s, "?o") else { return None };
+    let fused = Op::MatMulActGrad { act: *act, transpose_b };
+    shape(egraph, s[var("?w")]).is_some_and(|w| w.len() == 2).then(|| vec![("?f", AttrValue::Op(fused))])
+}
+
 /// The slice `?s` keeps all of `?x`.
 fn is_whole(egraph: &mut KGraph, id: Id, subst: &Subst) -> bool {
     matches!((shape(egraph, subst[var("?x")]), shape(egraph, id)), (Some(x), Some(y)) if x == y)
@@ -129,6 +139,12 @@ pub fn rules() -> Vec<Rewrite<Kl, KAnalysis>> {
         // reshape([n], sum_1(sum_0(x))) = sum_rows(x)       (x [b, s, n]: a bias's gradient)
         rw!("bias-grad-rows"; "(reshape ?r (sum_axis ?n1 (sum_axis ?n0 ?x)))"
                            => "(sum_rows ?x)" if sums_leading_axes),
+        // act_grad(x, dy @ W) = matmul_act_grad(dy, W, x)   (W a matrix: the input gradient of
+        //                                                   the projection an activation feeds)
+        rw!("act-grad-epilogue"; "(opaque ?o ?x (matmul ?dy ?w))"
+                              => { derive("(opaque ?f ?dy ?w ?x)", |g, _, s| act_grad_of_product(g, s, false)) }),
+        rw!("act-grad-epilogue-t"; "(opaque ?o ?x (matmul_t ?dy ?w))"
+                                => { derive("(opaque ?f ?dy ?w ?x)", |g, _, s| act_grad_of_product(g, s, true)) }),
         // x[all rows] = x
         rw!("slice-whole"; "(slice ?s ?x)" => "?x" if is_whole),
         // s + gather_grad(t, ids, dy) = gather_grad(t, ids, dy, s)   (a tied table's two
