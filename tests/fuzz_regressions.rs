@@ -77,6 +77,7 @@ fn differential_campaign() {
     let start = std::time::Instant::now();
     let (mut runs, mut ran, mut refused_runs, mut steps, mut failed) = (0, 0, 0, 0, Vec::new());
     let mut refusals: std::collections::BTreeMap<&str, usize> = Default::default();
+    let mut quantized: std::collections::BTreeMap<String, usize> = Default::default();
     let mut seed = first;
     while runs == 0 || start.elapsed().as_secs() < secs {
         let data = seeded_bytes(seed);
@@ -90,6 +91,9 @@ fn differential_campaign() {
                     *refusals.entry(*rule).or_default() += 1;
                 }
                 (ran, refused_runs, steps) = (ran + t.ran, refused_runs + t.refused_runs, steps + t.cached_steps);
+                if let Some(format) = t.quantized {
+                    *quantized.entry(format.to_string()).or_default() += 1;
+                }
             }
             Err(payload) => {
                 let spec = targets::differential::spec(&data);
@@ -104,7 +108,7 @@ fn differential_campaign() {
     println!(
         "differential: {runs} cases in {:.0} s (seeds {first}..{seed}): {} specs accepted, {refused_specs} \
          refused; {ran} runs compared, {refused_runs} refused by every engine; {steps} cached steps; \
-         failed: {failed:?}\nrefusals by rule: {refusals:?}",
+         failed: {failed:?}\nalso run quantized: {quantized:?}\nrefusals by rule: {refusals:?}",
         start.elapsed().as_secs_f64(),
         runs - refused_specs
     );

@@ -11,11 +11,12 @@ use arbitrary::Unstructured;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::graph::{Graph, InputRole, Op, Sym};
+use kiln_compiler::lower::{Options, WeightFormat, lower, lower_with};
 use kiln_compiler::spec::{BlockKind, PositionKind, Resolved};
 use kiln_compiler::tensor::Tensor;
-use kiln_compiler::{interp, lower::lower, optimize};
+use kiln_compiler::{interp, optimize};
 use kiln_runtime::generate::Session;
-use kiln_runtime::{CpuEngine, CpuModel, Engine, Gpu, GpuEngine, GpuModel, InterpEngine, Memory};
+use kiln_runtime::{CpuEngine, CpuModel, Engine, Gpu, GpuEngine, GpuModel, InterpEngine, Memory, QuantWeight};
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock};
@@ -597,13 +598,31 @@ fn engines(
     tag: &str,
     gpu: Option<&Arc<Gpu>>,
 ) -> Vec<(String, Runner)> {
+    quantized_engines(graph, params, None, tag, gpu)
+}
+
+/// [`engines`], with `quantized`'s blocks read by the projections whose weights have them (the
+/// plan lowered with their formats) and `params` the weights the blocks stand for.
+fn quantized_engines(
+    graph: &Graph,
+    params: &HashMap<String, Tensor>,
+    quantized: Option<&Quantized>,
+    tag: &str,
+    gpu: Option<&Arc<Gpu>>,
+) -> Vec<(String, Runner)> {
     let mut out: Vec<(String, Runner)> = Vec::new();
     let (g, p) = (graph.clone(), params.clone());
     out.push((format!("interp ({tag})"), Box::new(move |i| interp::run(&g, &p, i).map_err(|e| e.to_string()))));
-    let plan = lower(graph);
+    let (plan, blocks) = match quantized {
+        Some(q) => {
+            let formats = q.blocks.keys().map(|name| (name.clone(), q.format)).collect();
+            (lower_with(graph, Options { formats, ..Options::default() }), q.blocks.clone())
+        }
+        None => (lower(graph), HashMap::new()),
+    };
     for threads in [1, 3] {
         let label = format!("cpu x{threads} ({tag})");
-        match CpuModel::new(plan.clone(), params, &HashMap::new(), threads, &()) {
+        match CpuModel::new(plan.clone(), params, &blocks, threads, &()) {
             Ok(model) => out.push((label, Box::new(move |i| model.run(i).map_err(|e| e.to_string())))),
             Err(e) => {
                 let e = e.to_string();
@@ -613,7 +632,7 @@ fn engines(
     }
     if let Some(gpu) = gpu {
         let label = format!("wgpu ({tag})");
-        match GpuModel::new(gpu.clone(), plan, params) {
+        match GpuModel::with_blocks(gpu.clone(), plan, params, &blocks) {
             Ok(model) => out.push((label, Box::new(move |i| model.run(i).map_err(|e| e.to_string())))),
             Err(e) => {
                 let e = e.to_string();
@@ -623,6 +642,53 @@ fn engines(
     }
     out
 }
+
+/// A case's parameters with its matrices block-quantized: what a GGUF checkpoint of the model
+/// drawn would hold.
+struct Quantized {
+    /// The format.
+    format: WeightFormat,
+    /// Every parameter, the quantized ones as the weights their blocks stand for.
+    params: HashMap<String, Tensor>,
+    /// The blocks of every matrix whose rows are whole blocks of the format.
+    blocks: HashMap<String, QuantWeight>,
+}
+
+/// The block-quantized formats a quantized case chooses among.
+const FORMATS: [WeightFormat; 5] =
+    [WeightFormat::Q8_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q4_K, WeightFormat::Q6_K];
+
+/// One case in [`QUANTIZED_ONE_IN`] runs again with its matrices block-quantized ([`Quantized`]),
+/// in a format some matrix's rows take whole blocks of; chosen from the parameters' `seed`, so no
+/// decision of the input is spent and every input replays as it did before this mode. `None`:
+/// not this case, or no matrix takes any format.
+fn quantize(params: &HashMap<String, Tensor>, seed: u64) -> Option<Quantized> {
+    let mut rng = SplitMix(seed ^ 0x5155_414e_5449_5a45);
+    if !rng.next_u64().is_multiple_of(QUANTIZED_ONE_IN) {
+        return None;
+    }
+    let mut names: Vec<&String> = params.keys().collect();
+    names.sort();
+    let takes = |f: WeightFormat| {
+        names
+            .iter()
+            .any(|n| matches!(params[*n].shape.as_slice(), [_, k] if *k > 0 && k.is_multiple_of(f.row_multiple())))
+    };
+    let usable: Vec<WeightFormat> = FORMATS.into_iter().filter(|&f| takes(f)).collect();
+    let format = *usable.get((rng.next_u64() % usable.len().max(1) as u64) as usize)?;
+    let mut quantized = params.clone();
+    let mut blocks = HashMap::new();
+    for name in names {
+        if let Some(q) = QuantWeight::quantize(format, &params[name]) {
+            quantized.insert(name.clone(), q.dequantize());
+            blocks.insert(name.clone(), q);
+        }
+    }
+    Some(Quantized { format, params: quantized, blocks })
+}
+
+/// See [`quantize`].
+const QUANTIZED_ONE_IN: u64 = 4;
 
 /// How a differential case went, for the campaign's counts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -637,6 +703,8 @@ pub struct Tally {
     pub refused_runs: usize,
     /// Cached decoding steps compared.
     pub cached_steps: usize,
+    /// The format the case's matrices were also run quantized in, if they were.
+    pub quantized: Option<WeightFormat>,
 }
 
 /// Kiln bugs this target found that are reported and not fixed yet: the regression name of
@@ -731,6 +799,18 @@ fn run_with(data: &[u8], skip_known: bool, given: Option<&str>) -> Tally {
     let gpu = GPU.as_ref().filter(|_| on_gpu);
     let mut all = engines(&fe.graph, &params, "unoptimized", gpu);
     all.extend(engines(&optimized, &params, "optimized", gpu));
+    // Each group's first engine is its reference, the interpreter on the group's parameters.
+    let mut groups = vec![(all, nudged.clone())];
+    let quantized = quantize(&params, seed).map(|q| {
+        let nudged = nudges(&q.params, !seed);
+        (q, nudged)
+    });
+    if let Some((q, nudged)) = &quantized {
+        let mut all = quantized_engines(&fe.graph, &q.params, Some(q), &format!("unoptimized, {}", q.format), gpu);
+        all.extend(quantized_engines(&optimized, &q.params, Some(q), &format!("optimized, {}", q.format), gpu));
+        groups.push((all, nudged.clone()));
+        tally.quantized = Some(q.format);
+    }
     let cases = d.tame(1, 3);
     for _ in 0..cases {
         let inputs = draw_inputs(&mut d, &mut rng, &fe);
@@ -739,32 +819,39 @@ fn run_with(data: &[u8], skip_known: bool, given: Option<&str>) -> Tally {
             s.sort();
             s
         };
-        let (_, reference) = &all[0];
-        let want = reference(&inputs);
-        match &want {
-            Ok(_) => tally.ran += 1,
-            Err(_) => tally.refused_runs += 1,
-        }
-        let sensitivity = match &want {
-            Ok(_) => nudged.iter().fold(0.0, |m, nudged| {
-                drift(&want, &interp::run(&fe.graph, nudged, &inputs).map_err(|e| e.to_string())).max(m)
-            }),
-            Err(_) => 0.0,
-        };
-        if *VERBOSE {
-            eprintln!("sensitivity to rounding: {sensitivity}");
-        }
-        let outcomes: Vec<(&String, Outcome)> = all[1..].iter().map(|(label, run)| (label, run(&inputs))).collect();
-        let cpu_drift = (outcomes.iter())
-            .filter(|(label, _)| label.starts_with("cpu"))
-            .fold(0.0, |m, (_, got)| drift(&want, got).max(m));
-        for (label, got) in &outcomes {
-            let floor = floor(label, sensitivity, cpu_drift);
-            check(&spec, &format!("{label} on {}", shapes.join(", ")), &want, got, floor);
+        for (group, (all, nudged)) in groups.iter().enumerate() {
+            let (_, reference) = &all[0];
+            let want = reference(&inputs);
+            match (&want, group) {
+                (Ok(_), 0) => tally.ran += 1,
+                (Err(_), 0) => tally.refused_runs += 1,
+                _ => {}
+            }
+            let sensitivity = match &want {
+                Ok(_) => nudged.iter().fold(0.0, |m, nudged| {
+                    drift(&want, &interp::run(&fe.graph, nudged, &inputs).map_err(|e| e.to_string())).max(m)
+                }),
+                Err(_) => 0.0,
+            };
+            if *VERBOSE {
+                eprintln!("sensitivity to rounding: {sensitivity}");
+            }
+            let outcomes: Vec<(&String, Outcome)> = all[1..].iter().map(|(label, run)| (label, run(&inputs))).collect();
+            let cpu_drift = (outcomes.iter())
+                .filter(|(label, _)| label.starts_with("cpu"))
+                .fold(0.0, |m, (_, got)| drift(&want, got).max(m));
+            for (label, got) in &outcomes {
+                let floor = floor(label, sensitivity, cpu_drift);
+                check(&spec, &format!("{label} on {}", shapes.join(", ")), &want, got, floor);
+            }
         }
     }
     if fe.spec.logits && !voids(Voids::Cached) {
-        tally.cached_steps = cached(&mut d, &mut rng, &fe, (&params, &nudged), &spec, gpu);
+        tally.cached_steps = cached(&mut d, &mut rng, &fe, (&params, &nudged), None, &spec, gpu);
+        // Decoding with the blocks: the decode steps' GEMV forms read them.
+        if let Some((q, nudged)) = &quantized {
+            tally.cached_steps += cached(&mut d, &mut rng, &fe, (&q.params, nudged), Some(q), &spec, gpu);
+        }
     }
     tally
 }
@@ -776,38 +863,50 @@ type Step = Result<Vec<f32>, String>;
 type EnginePair = (String, Box<dyn Engine>, Option<Box<dyn Engine>>);
 
 /// The engines of cached decoding: the interpreter on both graphs, the CPU back end on both (1
-/// and 3 threads), and wgpu on the optimized one when there is an adapter. A back end that
+/// and 3 threads), and wgpu on the optimized one when there is an adapter, the back ends reading
+/// `quantized`'s blocks where given (`params` then the weights they stand for). A back end that
 /// refuses to load a plan the interpreter runs is a finding.
 fn cached_engines(
     step: &Graph,
     encoder: Option<&Graph>,
     params: &HashMap<String, Tensor>,
+    quantized: Option<&Quantized>,
     gpu: Option<&Arc<Gpu>>,
 ) -> Result<Vec<EnginePair>, String> {
     let optimized = |g: &Graph| optimize::optimize(g).map(|(g, _)| g).map_err(|e| format!("optimize: {e}"));
     let (step_opt, encoder_opt) = (optimized(step)?, encoder.map(optimized).transpose()?);
     let interp = |g: &Graph| Box::new(InterpEngine::new(g.clone(), params.clone())) as Box<dyn Engine>;
+    // The plan of `g`, reading `quantized`'s blocks where it has some (see `quantized_engines`).
+    let blocks = quantized.map(|q| q.blocks.clone()).unwrap_or_default();
+    let plan = |g: &Graph| match quantized {
+        Some(q) => lower_with(
+            g,
+            Options { formats: q.blocks.keys().map(|n| (n.clone(), q.format)).collect(), ..Options::default() },
+        ),
+        None => lower(g),
+    };
     let cpu = |g: &Graph, threads| -> Result<Box<dyn Engine>, String> {
-        let model = CpuModel::new(lower(g), params, &HashMap::new(), threads, &())
+        let model = CpuModel::new(plan(g), params, &blocks, threads, &())
             .map_err(|e| format!("cpu x{threads} refused to load: {e}"))?;
         Ok(Box::new(CpuEngine::new(model)))
     };
+    let format = quantized.map(|q| format!(", {}", q.format)).unwrap_or_default();
     let mut out: Vec<EnginePair> = vec![
         ("interp (unoptimized)".into(), interp(step), encoder.map(interp)),
         ("interp (optimized)".into(), interp(&step_opt), encoder_opt.as_ref().map(interp)),
     ];
     for (tag, s, e, threads) in [("unoptimized", step, encoder, 1), ("optimized", &step_opt, encoder_opt.as_ref(), 3)] {
         let enc = e.map(|e| cpu(e, threads)).transpose()?;
-        out.push((format!("cpu x{threads} ({tag})"), cpu(s, threads)?, enc));
+        out.push((format!("cpu x{threads} ({tag}{format})"), cpu(s, threads)?, enc));
     }
     if let Some(gpu) = gpu {
         let model = |g: &Graph| -> Result<Box<dyn Engine>, String> {
-            let model =
-                GpuModel::new(gpu.clone(), lower(g), params).map_err(|e| format!("wgpu refused to load: {e}"))?;
+            let model = GpuModel::with_blocks(gpu.clone(), plan(g), params, &blocks)
+                .map_err(|e| format!("wgpu refused to load: {e}"))?;
             Ok(Box::new(GpuEngine::new(model)))
         };
         let enc = encoder_opt.as_ref().map(model).transpose()?;
-        out.push(("wgpu (optimized)".into(), model(&step_opt)?, enc));
+        out.push((format!("wgpu (optimized{format})"), model(&step_opt)?, enc));
     }
     Ok(out)
 }
@@ -820,6 +919,7 @@ fn cached(
     rng: &mut SplitMix,
     fe: &FrontEnd,
     (params, nudged): (&HashMap<String, Tensor>, &[HashMap<String, Tensor>]),
+    quantized: Option<&Quantized>,
     spec: &str,
     gpu: Option<&Arc<Gpu>>,
 ) -> usize {
@@ -886,7 +986,7 @@ fn cached(
         .collect();
     let names: Vec<String> = step.outputs.iter().map(|(n, _)| n.clone()).collect();
     let max_positions = r.spec.model.max_positions as usize;
-    let engines = cached_engines(&step, encoder.as_ref(), params, gpu).unwrap_or_else(|e| fail(spec, e));
+    let engines = cached_engines(&step, encoder.as_ref(), params, quantized, gpu).unwrap_or_else(|e| fail(spec, e));
     // Each engine's logits after each chunk; a chunk refused ends its session (it is as it was,
     // and the tokens after are not its own).
     let mut decoded: Vec<(String, Vec<Step>)> = Vec::new();
