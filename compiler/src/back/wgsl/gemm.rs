@@ -289,7 +289,7 @@ fn form(op: &Op, t: usize, partials: bool) -> Option<String> {
                      else {{ out[o] = {}; }}",
                     epilogue(op, &value, "o")
                 ),
-                false => format!("let o = {o}; out[o] = {};", epilogue(op, &value, "o")),
+                false => format!("out[{o}] = {};", epilogue(op, &value, &o)),
             };
             stores += &format!("if (row{r} < m && col{c} < n) {{ {store} }}\n");
         }
