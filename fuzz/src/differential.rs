@@ -11,7 +11,7 @@ use arbitrary::Unstructured;
 use kiln_compiler::FrontEnd;
 use kiln_compiler::graph::build::{build_cached, build_encoder};
 use kiln_compiler::graph::{Graph, InputRole, Op, Sym};
-use kiln_compiler::lower::{Options, WeightFormat, lower, lower_with};
+use kiln_compiler::lower::{Options, Plan, WeightFormat, lower, lower_with};
 use kiln_compiler::spec::{BlockKind, PositionKind, Resolved};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::{interp, optimize};
@@ -613,13 +613,8 @@ fn quantized_engines(
     let mut out: Vec<(String, Runner)> = Vec::new();
     let (g, p) = (graph.clone(), params.clone());
     out.push((format!("interp ({tag})"), Box::new(move |i| interp::run(&g, &p, i).map_err(|e| e.to_string()))));
-    let (plan, blocks) = match quantized {
-        Some(q) => {
-            let formats = q.blocks.keys().map(|name| (name.clone(), q.format)).collect();
-            (lower_with(graph, Options { formats, ..Options::default() }), q.blocks.clone())
-        }
-        None => (lower(graph), HashMap::new()),
-    };
+    let plan = plan_of(graph, quantized);
+    let blocks = quantized.map(|q| q.blocks.clone()).unwrap_or_default();
     for threads in [1, 3] {
         let label = format!("cpu x{threads} ({tag})");
         match CpuModel::new(plan.clone(), params, &blocks, threads, &()) {
@@ -652,6 +647,17 @@ struct Quantized {
     params: HashMap<String, Tensor>,
     /// The blocks of every matrix whose rows are whole blocks of the format.
     blocks: HashMap<String, QuantWeight>,
+}
+
+/// The plan of `graph`, its projections reading `quantized`'s blocks where given.
+fn plan_of(graph: &Graph, quantized: Option<&Quantized>) -> Plan {
+    match quantized {
+        Some(q) => {
+            let formats = q.blocks.keys().map(|name| (name.clone(), q.format)).collect();
+            lower_with(graph, Options { formats, ..Options::default() })
+        }
+        None => lower(graph),
+    }
 }
 
 /// The block-quantized formats a quantized case chooses among.
@@ -800,15 +806,15 @@ fn run_with(data: &[u8], skip_known: bool, given: Option<&str>) -> Tally {
     let mut all = engines(&fe.graph, &params, "unoptimized", gpu);
     all.extend(engines(&optimized, &params, "optimized", gpu));
     // Each group's first engine is its reference, the interpreter on the group's parameters.
-    let mut groups = vec![(all, nudged.clone())];
     let quantized = quantize(&params, seed).map(|q| {
         let nudged = nudges(&q.params, !seed);
         (q, nudged)
     });
+    let mut groups = vec![(all, nudged.as_slice())];
     if let Some((q, nudged)) = &quantized {
         let mut all = quantized_engines(&fe.graph, &q.params, Some(q), &format!("unoptimized, {}", q.format), gpu);
         all.extend(quantized_engines(&optimized, &q.params, Some(q), &format!("optimized, {}", q.format), gpu));
-        groups.push((all, nudged.clone()));
+        groups.push((all, nudged.as_slice()));
         tally.quantized = Some(q.format);
     }
     let cases = d.tame(1, 3);
@@ -876,15 +882,8 @@ fn cached_engines(
     let optimized = |g: &Graph| optimize::optimize(g).map(|(g, _)| g).map_err(|e| format!("optimize: {e}"));
     let (step_opt, encoder_opt) = (optimized(step)?, encoder.map(optimized).transpose()?);
     let interp = |g: &Graph| Box::new(InterpEngine::new(g.clone(), params.clone())) as Box<dyn Engine>;
-    // The plan of `g`, reading `quantized`'s blocks where it has some (see `quantized_engines`).
     let blocks = quantized.map(|q| q.blocks.clone()).unwrap_or_default();
-    let plan = |g: &Graph| match quantized {
-        Some(q) => lower_with(
-            g,
-            Options { formats: q.blocks.keys().map(|n| (n.clone(), q.format)).collect(), ..Options::default() },
-        ),
-        None => lower(g),
-    };
+    let plan = |g: &Graph| plan_of(g, quantized);
     let cpu = |g: &Graph, threads| -> Result<Box<dyn Engine>, String> {
         let model = CpuModel::new(plan(g), params, &blocks, threads, &())
             .map_err(|e| format!("cpu x{threads} refused to load: {e}"))?;

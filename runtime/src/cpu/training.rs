@@ -26,10 +26,7 @@ const COLUMNS: usize = 256;
 /// Runs `op` natively if this module has a kernel for it; `Ok(false)` leaves it to the
 /// interpreter.
 pub fn forward(op: &Op, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, threads: usize) -> R<bool> {
-    let operand = |i: usize| -> R<(&[usize], &[f32])> {
-        let (s, a) = args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?;
-        Ok((s.as_slice(), a.f32("an operand")?))
-    };
+    let operand = |i: usize| f32_operand(args, i);
     match op {
         Op::MatMul { transpose_b } => product(*transpose_b, args, out, threads),
         Op::MatMulActGrad { act, transpose_b } => {
@@ -555,10 +552,7 @@ pub fn update_in_place(updates: Vec<InPlace<'_>>, scale: f32, constants: &[f32])
 /// `y = a @ b` (`b` transposed with `transpose_b`) for [`Op::MatMul`]'s operands, natively where
 /// the layouts allow: `Ok(false)` leaves the product to the interpreter.
 fn product(transpose_b: bool, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<'_>, threads: usize) -> R<bool> {
-    let operand = |i: usize| -> R<(&[usize], &[f32])> {
-        let (s, a) = args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?;
-        Ok((s.as_slice(), a.f32("an operand")?))
-    };
+    let operand = |i: usize| f32_operand(args, i);
     // A right-hand matrix read in place from a parameter stored transposed (a weight view,
     // `b[i][j] = data[j * ld + i]`): the one product of all the rows, by strides.
     if let Some((sb, Arg::Transposed { data, ld })) = args.get(1) {
@@ -602,6 +596,12 @@ fn product(transpose_b: bool, args: &[(Vec<usize>, Arg<'_>)], out: &mut LazyOut<
         return Ok(false);
     }
     Ok(true)
+}
+
+/// Operand `i`'s shape and f32 elements.
+fn f32_operand<'a>(args: &'a [(Vec<usize>, Arg<'_>)], i: usize) -> R<(&'a [usize], &'a [f32])> {
+    let (s, a) = args.get(i).ok_or_else(|| CpuError::Operands(format!("operand {i} is missing")))?;
+    Ok((s.as_slice(), a.f32("an operand")?))
 }
 
 /// A stack of matrices `[.., rows, cols]` as `(matrices, rows, cols)`; `None` below rank 2.
