@@ -261,28 +261,103 @@ pub fn gemm_rhs_strided(
         }
         return;
     }
-    let (rhs_cs, rhs_rs) = (rhs_cs as isize, rhs_rs as isize);
+    if let gemm::Parallelism::Rayon(parts) = parallelism {
+        // The crate's own threading divides these products poorly: at a forward's 128 rows,
+        // GPT-2's `[128, 3072] @ [3072, 768]` ran 159-173 GFLOPS on two threads (one thread
+        // alone: 113), its `[128, 768] @ [768, 768]` 172-177 (BENCHMARKS.md, 2026-11-28).
+        // Instead each of the pool's threads takes a range of whole column panels and runs the
+        // crate on its own (228-233 and 211-212 GFLOPS); a product too narrow for that gives
+        // each thread a range of rows. Each output element is the same sum either way: the
+        // crate's blocking of `k` depends on the shape it is given, so the order of a sum, as
+        // with its own threading, may depend on the thread count.
+        let span = n.div_ceil(parts).next_multiple_of(PANEL_COLUMNS);
+        if span < n {
+            let out = SendPtr(y.as_mut_ptr());
+            (0..n.div_ceil(span)).into_par_iter().for_each(|p| {
+                let j0 = p * span;
+                let cols = span.min(n - j0);
+                // SAFETY: columns `j0 .. j0 + cols` of every row of `y` (inside it: `j0 + cols
+                // <= n`, the spans checked above), which no other task writes; the weight's
+                // columns from `j0`, element `(l, j)` at `(j0 + j) * rhs_cs + l * rhs_rs`, inside
+                // `w` for `j < cols` (the whole weight's span, checked above).
+                unsafe {
+                    gemm_one_thread(m, cols, k, out.get().add(j0), n, x, w.as_ptr().add(j0 * rhs_cs), (rhs_cs, rhs_rs))
+                };
+            });
+            return;
+        }
+        let rows = m.div_ceil(parts);
+        if rows < m {
+            y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * k)).for_each(|(y, x)| {
+                gemm_rhs_strided(y.len() / n, n, k, x, w, (rhs_cs, rhs_rs), y, 1);
+            });
+            return;
+        }
+    }
+    // SAFETY: as checked above.
+    unsafe { gemm_one_thread(m, n, k, y.as_mut_ptr(), n, x, w.as_ptr(), (rhs_cs, rhs_rs)) };
+}
+
+/// Columns a thread's share of a product's output is a multiple of: whole micro-panels of the
+/// crate's AVX-512 f32 kernel (and of its narrower ones).
+const PANEL_COLUMNS: usize = 16;
+
+/// A raw pointer handed to the pool's tasks, each of which writes its own elements through it.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+// SAFETY: the pointer is only dereferenced by tasks that write disjoint elements (see its uses).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so that closures capture the `Send` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y [m, n] (row stride ldy) = x [m, k] @ rhs` on the calling thread, the right-hand side's
+/// element `(l, j)` at `w[l * rhs_rs + j * rhs_cs]`.
+///
+/// # Safety
+/// `y` must be valid for writes of `y[i * ldy + j]` and `w` for reads of `w[l * rhs_rs + j *
+/// rhs_cs]` (i < m, j < n, l < k), no other thread accessing those elements of `y`; `x` holds `m *
+/// k` elements (checked in debug builds).
+#[expect(clippy::too_many_arguments, reason = "a GEMM's sizes, operands and strides")]
+unsafe fn gemm_one_thread(
+    m: usize,
+    n: usize,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    x: &[f32],
+    w: *const f32,
+    (rhs_cs, rhs_rs): (usize, usize),
+) {
+    debug_assert!(x.len() >= m * k, "a GEMM's input of {} elements is not [{m}, {k}]", x.len());
+    // SAFETY: the caller's bounds; `x` is `[m, k]` in rows of `k`.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            y.as_mut_ptr(),
+            y,
             1,
-            n as isize,
+            ldy as isize,
             false,
             x.as_ptr(),
             1,
             k as isize,
-            w.as_ptr(),
-            rhs_cs,
-            rhs_rs,
+            w,
+            rhs_cs as isize,
+            rhs_rs as isize,
             0.0,
             1.0,
             false,
             false,
             false,
-            parallelism,
+            gemm::Parallelism::None,
         );
     }
 }
@@ -490,6 +565,35 @@ mod tests {
             gemm_f32(1, n, k, &x, w, transposed, &mut many, 3);
             assert_eq!(one, many, "{transposed:?}");
             assert_eq!(many, exact, "{transposed:?}: small integers sum exactly");
+        }
+    }
+
+    /// A product over the pool's threads — ranges of whole column panels (the last one short),
+    /// or, too narrow for that, ranges of rows — is the exact product in both layouts (sums of
+    /// small integers, exact in any order).
+    #[test]
+    fn products_over_the_threads_are_the_exact_products() {
+        // (m, n, k): columns in three ranges of 336, 336 and 328; ten columns, rows in three
+        // ranges; one thread below the threading threshold.
+        for (m, n, k) in [(40, 1000, 300), (500, 10, 300), (3, 5, 7)] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 13) as f32 - 6.0).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 5) % 11) as f32 - 5.0).collect();
+            let ld = n + 3;
+            let mut wt = vec![0.0f32; k * ld];
+            for j in 0..n {
+                for l in 0..k {
+                    wt[l * ld + j] = w[j * k + l];
+                }
+            }
+            let exact: Vec<f32> =
+                (0..m * n).map(|e| (0..k).map(|l| x[e / n * k + l] * w[e % n * k + l]).sum()).collect();
+            for (w, transposed) in [(&w, None), (&wt, Some(ld))] {
+                for threads in [1, 2, 3] {
+                    let mut y = vec![f32::NAN; m * n];
+                    gemm_f32(m, n, k, &x, w, transposed, &mut y, threads);
+                    assert_eq!(y, exact, "{m} x {n} x {k}, {transposed:?}, {threads} threads");
+                }
+            }
         }
     }
 
