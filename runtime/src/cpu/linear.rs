@@ -267,9 +267,10 @@ pub fn gemm_rhs_strided(
         // alone: 113), its `[128, 768] @ [768, 768]` 172-177 (BENCHMARKS.md, 2026-11-28).
         // Instead each of the pool's threads takes a range of whole column panels and runs the
         // crate on its own (228-233 and 211-212 GFLOPS); a product too narrow for that gives
-        // each thread a range of rows. Each output element is the same sum either way: the
-        // crate's blocking of `k` depends on the shape it is given, so the order of a sum, as
-        // with its own threading, may depend on the thread count.
+        // each thread a range of rows (two or four parts measured alike; BENCHMARKS.md). Each
+        // output element is still one of the crate's sums over `k`, blocked by the shape it is
+        // given: the order of a sum may depend on the thread count, as it did with the crate's
+        // own threading.
         let span = n.div_ceil(parts).next_multiple_of(PANEL_COLUMNS);
         if span < n {
             let out = SendPtr(y.as_mut_ptr());
