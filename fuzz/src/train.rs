@@ -10,7 +10,7 @@
 //! A spec the front end accepts and whose model has logits must also be trainable: a refusal to
 //! build its training graph, or an engine refusing a step the interpreter runs, is a finding.
 
-use super::differential::{SplitMix, TOLERANCE, WGPU_DRIFT, begin, nudges};
+use super::differential::{REFERENCE_SLACK, SplitMix, TOLERANCE, WGPU_DRIFT, begin, distance, nudges};
 use arbitrary::Unstructured;
 use kiln_compiler::autodiff::{blocks, gradients_recomputing};
 use kiln_compiler::graph::Graph;
@@ -38,12 +38,6 @@ pub struct TrainTally {
 
 /// The step of one engine, or why it refused.
 type Outcome = Result<StepOutput, String>;
-
-/// How much further from the step in f64 than the f32 interpreter an engine may be, where the
-/// two f32 steps disagree past the tolerances (see [`differs`]): the engine's f32 arithmetic in
-/// another order is no less accurate by right than the interpreter's, but no more either; twice
-/// as far from the exact value is still rounding, a kernel computing something else is not.
-const REFERENCE_SLACK: f32 = 2.0;
 
 /// The training target's body: panics on a finding (an engine's loss or gradient off the
 /// interpreter's, a refusal the interpreter does not make, a trainable spec refused).
@@ -412,13 +406,4 @@ fn differs<'e>(
         }
     }
     None
-}
-
-/// The largest difference of two tensors' elements; a NaN where the other has a number counts as
-/// infinitely far.
-fn distance(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
-        let e = (x - y).abs();
-        if e.is_nan() && !(x.is_nan() && y.is_nan()) { f32::INFINITY } else { m.max(e) }
-    })
 }
