@@ -500,17 +500,39 @@ fn fail(spec: &str, what: String) -> ! {
     panic!("differential: {what}\n--- spec ---{spec}")
 }
 
-/// The graph's outputs evaluated in f64 ([`interp::run_f64`]), each rounded once to f32: the
-/// exact values to f64's rounding, where the f32 interpreter carries f32's. `None` where the f64
+/// `graph`'s outputs evaluated in f64 ([`interp::run_f64`]) at the f32 `params`: the exact
+/// values to f64's rounding, where the f32 interpreter carries f32's. `None` where the f64
 /// evaluation refuses (it evaluates what the f32 one does: only memory limits would).
+pub(crate) fn run_exact(
+    graph: &Graph,
+    params: &HashMap<String, Tensor>,
+    inputs: &HashMap<String, Tensor>,
+) -> Option<Vec<(String, Tensor64)>> {
+    let wide: HashMap<String, Tensor64> = params.iter().map(|(n, t)| (n.clone(), t.into())).collect();
+    interp::run_f64(graph, &wide, inputs).ok()
+}
+
+/// [`run_exact`]'s outputs, each rounded once to f32 (the nearest an f32 engine could come).
 fn exact_outputs(
     graph: &Graph,
     params: &HashMap<String, Tensor>,
     inputs: &HashMap<String, Tensor>,
 ) -> Option<Vec<(String, Vec<f32>)>> {
-    let wide: HashMap<String, Tensor64> = params.iter().map(|(n, t)| (n.clone(), t.into())).collect();
-    let outputs = interp::run_f64(graph, &wide, inputs).ok()?;
+    let outputs = run_exact(graph, params, inputs)?;
     Some(outputs.into_iter().map(|(n, t)| (n, t.data.iter().map(|&x| x as f32).collect())).collect())
+}
+
+/// For a value off the reference `want` past every tolerance: `Ok` where `got` is no further
+/// from the exact value (`exact`, from [`run_exact`]) than [`REFERENCE_SLACK`] times `want` is —
+/// rounding, not a finding; else the message's account of both distances (empty without an
+/// exact value of `want`'s length).
+pub(crate) fn against_exact(exact: Option<&[f32]>, want: &[f32], got: &[f32]) -> Result<(), String> {
+    let Some(exact) = exact.filter(|e| e.len() == want.len()) else { return Err(String::new()) };
+    let (engine, reference) = (distance(exact, got), distance(exact, want));
+    match engine <= REFERENCE_SLACK * reference {
+        true => Ok(()),
+        false => Err(format!("; from the f64 evaluation {engine:e}, the interpreter {reference:e}")),
+    }
 }
 
 /// The largest difference of two outputs' elements; non-finite values count as infinitely far
@@ -557,17 +579,9 @@ fn check<'e>(
                 let (a, b) = (a.as_f32().unwrap_or_default(), b.as_f32().unwrap_or_default());
                 if let Some(err) = differs(a, b, floor) {
                     let exact = exact().and_then(|e| e.iter().find(|(n, _)| n == name)).map(|(_, e)| e.as_slice());
-                    let from_exact = exact.filter(|e| e.len() == a.len()).map(|e| (distance(e, b), distance(e, a)));
-                    if from_exact.is_some_and(|(engine, reference)| engine <= REFERENCE_SLACK * reference) {
-                        continue;
+                    if let Err(why) = against_exact(exact, a, b) {
+                        fail(spec, format!("{label}: `{name}` {err}{why}"));
                     }
-                    let why = match from_exact {
-                        Some((engine, reference)) => {
-                            format!("; from the f64 outputs {engine:e}, the interpreter {reference:e}")
-                        }
-                        None => String::new(),
-                    };
-                    fail(spec, format!("{label}: `{name}` {err}{why}"));
                 }
             }
         }

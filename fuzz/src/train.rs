@@ -10,12 +10,14 @@
 //! A spec the front end accepts and whose model has logits must also be trainable: a refusal to
 //! build its training graph, or an engine refusing a step the interpreter runs, is a finding.
 
-use super::differential::{REFERENCE_SLACK, SplitMix, TOLERANCE, WGPU_DRIFT, begin, distance, nudges};
+use super::differential::{
+    REFERENCE_SLACK, SplitMix, TOLERANCE, WGPU_DRIFT, against_exact, begin, distance, nudges, run_exact,
+};
 use arbitrary::Unstructured;
 use kiln_compiler::autodiff::{blocks, gradients_recomputing};
 use kiln_compiler::graph::Graph;
 use kiln_compiler::spec::PackDims;
-use kiln_compiler::tensor::{Tensor, Tensor64};
+use kiln_compiler::tensor::Tensor;
 use kiln_compiler::train::{LOSS, Objective, loss_graph, on_tensors, training_graph};
 use kiln_runtime::Device;
 use kiln_runtime::train::init;
@@ -328,8 +330,7 @@ struct Exact {
 /// [`Exact`] for `graph` at `params` on `batch`; `None` where the f64 evaluation refuses it (it
 /// evaluates what the f32 one does, so only memory limits would).
 fn exact_step(graph: &Graph, params: &HashMap<String, Tensor>, batch: &HashMap<String, Tensor>) -> Option<Exact> {
-    let wide: HashMap<String, Tensor64> = params.iter().map(|(n, t)| (n.clone(), t.into())).collect();
-    let outputs = kiln_compiler::interp::run_f64(graph, &wide, batch).ok()?;
+    let outputs = run_exact(graph, params, batch)?;
     let mut exact = Exact { loss: f64::NAN, grads: HashMap::new() };
     for (name, t) in outputs {
         if name == LOSS {
@@ -391,17 +392,11 @@ fn differs<'e>(
         let scale = w.iter().fold(floor.max(1e-6), |m, x| m.max(x.abs()));
         let err = distance(&w, &g);
         // (`distance` is never NaN: a NaN against a number is infinitely far.)
-        if err > (10.0 * TOLERANCE * scale).max(DRIFT * drift).max(allowed(name)) {
-            let from_exact = exact().and_then(|e| e.grads.get(name)).map(|e| (distance(e, &g), distance(e, &w)));
-            if from_exact.is_some_and(|(engine, reference)| engine <= REFERENCE_SLACK * reference) {
-                continue;
-            }
-            let exact = match from_exact {
-                Some((engine, reference)) => format!("; from the f64 step {engine:e}, the interpreter {reference:e}"),
-                None => String::new(),
-            };
+        if err > (10.0 * TOLERANCE * scale).max(DRIFT * drift).max(allowed(name))
+            && let Err(why) = against_exact(exact().and_then(|e| e.grads.get(name)).map(Vec::as_slice), &w, &g)
+        {
             return Some(format!(
-                "the gradient of {name} differs by {err:e} (its scale {scale:e}, nudged {drift:e}{exact})"
+                "the gradient of {name} differs by {err:e} (its scale {scale:e}, nudged {drift:e}{why})"
             ));
         }
     }
