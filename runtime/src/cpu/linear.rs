@@ -277,6 +277,7 @@ pub fn gemm_rhs_strided(
             (0..n.div_ceil(span)).into_par_iter().for_each(|p| {
                 let j0 = p * span;
                 let cols = span.min(n - j0);
+                debug_assert!(j0 + cols <= n && (j0 + cols - 1) * rhs_cs < w.len(), "column range {j0}+{cols} of {n}");
                 // SAFETY: columns `j0 .. j0 + cols` of every row of `y` (inside it: `j0 + cols
                 // <= n`, the spans checked above), which no other task writes; the weight's
                 // columns from `j0`, element `(l, j)` at `(j0 + j) * rhs_cs + l * rhs_rs`, inside
